@@ -1,0 +1,257 @@
+"""A typed client for the kvstore daemon.
+
+    kv = KVStoreClient()                      # default Unix socket
+    kv.create_cache("llama", "meta-llama/Llama-3-8B", num_layers=32, num_q_heads=32,
+                    num_kv_heads=8, head_dim=128, codec="fp16", num_blocks=4096)
+    hit = kv.allocate("llama", "req-1", prompt_ids)           # tokens already cached
+    kv.append("llama", ["req-1"], k, v, token_ids=[prompt_ids[hit:]])   # k, v [L, n, Hkv, d]
+    out = kv.append_attend("llama", layer, ["req-1"], k1, v1, q)        # per layer, decode
+
+Tensors cross through a POSIX shared-memory buffer registered once when the
+daemon is local (Unix socket), as inline bytes otherwise; `transport` says
+which. Errors are grpc.RpcError with the daemon's status code and message.
+"""
+from __future__ import annotations
+
+import mmap
+import os
+import secrets
+import threading
+from dataclasses import dataclass
+
+import grpc
+import torch
+
+from kvstore import wire
+from kvstore.daemon import DEFAULT_MAX_MESSAGE_MB, default_socket
+from kvstore.v1 import kvstore_pb2 as pb
+from kvstore.v1 import kvstore_pb2_grpc as pb_grpc
+
+
+@dataclass(slots=True)
+class Reservation:
+    slot_mapping: list[int]
+    sealed_blocks: list[int]
+    tail_blocks: list[int]
+    length: int
+
+
+class _ShmArena:
+    """One shared-memory buffer, reused by every call (under the client's lock):
+    inputs are packed from offset 0, outputs after them."""
+
+    def __init__(self, size: int):
+        self.name = f"kvstore-{os.getpid()}-{secrets.token_hex(6)}"
+        self.path = os.path.join("/dev/shm", self.name)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            os.ftruncate(fd, size)
+            self.mm = mmap.mmap(fd, size)
+        finally:
+            os.close(fd)
+        self.size = size
+        self.view = torch.frombuffer(self.mm, dtype=torch.uint8)
+        self.cursor = 0
+        self.buffer_id = ""
+
+    def alloc(self, nbytes: int, align: int = 64) -> int:
+        off = (self.cursor + align - 1) // align * align
+        if off + nbytes > self.size:
+            raise MemoryError
+        self.cursor = off + nbytes
+        return off
+
+    def close(self) -> None:
+        try:
+            os.unlink(self.path)
+        except FileNotFoundError:
+            pass
+
+
+class KVStoreClient:
+    def __init__(self, target: str | None = None, transport: str = "auto",
+                 shm_bytes: int = 64 << 20, max_message_mb: int = DEFAULT_MAX_MESSAGE_MB, timeout: float = 60.0):
+        """target: "unix:///path/kvstore.sock" or "host:port" (default: the
+        daemon's default socket). transport: "auto", "shm" or "inline"."""
+        self.target = target or f"unix://{default_socket()}"
+        limit = max_message_mb * 1024 * 1024
+        self.channel = grpc.insecure_channel(self.target, options=[
+            ("grpc.max_receive_message_length", limit), ("grpc.max_send_message_length", limit)])
+        self.stub = pb_grpc.KVStoreStub(self.channel)
+        self.timeout = timeout
+        self._lock = threading.Lock()
+        self._arena: _ShmArena | None = None
+        self._shm_bytes = shm_bytes
+        if transport not in ("auto", "shm", "inline"):
+            raise ValueError(f"transport must be auto, shm or inline, got {transport!r}")
+        local = self.target.startswith("unix:")
+        self.transport = "shm" if transport == "shm" or (transport == "auto" and local) else "inline"
+
+    # ------------------------------------------------------------ plumbing
+    def close(self) -> None:
+        with self._lock:
+            self._drop_arena()
+        self.channel.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def _drop_arena(self) -> None:
+        if self._arena is not None:
+            try:
+                self.stub.UnregisterBuffer(pb.UnregisterBufferRequest(buffer_id=self._arena.buffer_id),
+                                           timeout=self.timeout)
+            except grpc.RpcError:
+                pass
+            self._arena.close()
+            self._arena = None
+
+    def _arena_for(self, nbytes: int) -> _ShmArena | None:
+        """A registered arena of at least nbytes, or None to send inline."""
+        if self.transport != "shm":
+            return None
+        if self._arena is None or self._arena.size < nbytes:
+            self._drop_arena()
+            size = max(self._shm_bytes, 1 << (nbytes - 1).bit_length())
+            try:
+                arena = _ShmArena(size)
+                arena.buffer_id = self.stub.RegisterBuffer(
+                    pb.RegisterBufferRequest(kind=pb.SHM, name=arena.name, size=size), timeout=self.timeout).buffer_id
+            except (OSError, grpc.RpcError):
+                # Daemon on another host or no /dev/shm: inline bytes still work.
+                self.transport = "inline"
+                return None
+            self._arena = arena
+        self._arena.cursor = 0
+        return self._arena
+
+    def _call(self, method, request_fn, inputs: dict[str, torch.Tensor], out_bytes: list[int], read=None):
+        """Build a request with `inputs` placed in the arena (or inline) and
+        output ranges reserved, call, and run read(reply, arena) before the
+        arena can be reused by another call."""
+        with self._lock:
+            tensors = {k: v.detach().contiguous().cpu() for k, v in inputs.items()}
+            need = sum(t.numel() * t.element_size() + 64 for t in tensors.values()) + sum(b + 64 for b in out_bytes)
+            arena = self._arena_for(need)
+            msgs, outs = {}, []
+            for k, t in tensors.items():
+                if arena is None:
+                    msgs[k] = wire.to_proto(t)
+                else:
+                    nb = t.numel() * t.element_size()
+                    off = arena.alloc(nb)
+                    if nb:
+                        arena.view[off:off + nb].copy_(t.view(torch.uint8).reshape(-1))
+                    msgs[k] = pb.Tensor(shape=list(t.shape), dtype=wire.TO_PROTO[t.dtype],
+                                        ref=pb.BufferRef(buffer_id=arena.buffer_id, offset=off))
+            for b in out_bytes:
+                outs.append(None if arena is None else pb.OutputRef(buffer_id=arena.buffer_id, offset=arena.alloc(b)))
+            reply = method(request_fn(msgs, outs), timeout=self.timeout)
+            return read(reply, arena) if read else reply
+
+    def _tensor(self, t: pb.Tensor, arena: _ShmArena | None) -> torch.Tensor:
+        if t.WhichOneof("data") == "ref":
+            dtype = wire.TO_TORCH[t.dtype]
+            n = int(torch.tensor(list(t.shape) or [1]).prod()) if t.shape else 1
+            nb = n * torch.empty((), dtype=dtype).element_size()
+            return arena.view[t.ref.offset:t.ref.offset + nb].view(dtype).reshape(list(t.shape)).clone()
+        return wire.from_proto(t, None, "reply")
+
+    # --------------------------------------------------------------- caches
+    def create_cache(self, name: str, model_id: str, *, num_layers: int, num_q_heads: int, num_kv_heads: int,
+                     head_dim: int, dtype: str = "float16", codec: str = "pq", num_subvectors: int = 0,
+                     block_size: int = 16, residual: int = 128, num_blocks: int = 0, pool_bytes: int = 0,
+                     max_sequences: int = 256, exist_ok: bool = False) -> pb.CacheInfo:
+        spec = pb.CacheSpec(name=name, model_id=model_id, codec=codec, num_subvectors=num_subvectors,
+                            block_size=block_size, residual=residual, num_blocks=num_blocks,
+                            pool_bytes=pool_bytes, max_sequences=max_sequences,
+                            geometry=pb.Geometry(num_layers=num_layers, num_q_heads=num_q_heads,
+                                                 num_kv_heads=num_kv_heads, head_dim=head_dim, dtype=dtype))
+        return self.stub.CreateCache(pb.CreateCacheRequest(spec=spec, exist_ok=exist_ok), timeout=self.timeout)
+
+    def get_cache(self, name: str) -> pb.CacheInfo:
+        return self.stub.GetCache(pb.GetCacheRequest(cache=name), timeout=self.timeout)
+
+    def set_codebooks(self, name: str, safetensors_bytes: bytes) -> str:
+        return self.stub.SetCodebooks(pb.SetCodebooksRequest(cache=name, safetensors=safetensors_bytes),
+                                      timeout=self.timeout).sha256
+
+    def train_codebooks(self, name: str, k_samples: torch.Tensor, v_samples: torch.Tensor, niter: int = 20) -> str:
+        """k_samples, v_samples: [L, N, Hkv, d] (K after RoPE)."""
+        reply = self._call(self.stub.TrainCodebooks, lambda m, o: pb.TrainCodebooksRequest(
+            cache=name, k_samples=m["k"], v_samples=m["v"], niter=niter), {"k": k_samples, "v": v_samples}, [])
+        return reply.sha256
+
+    # ------------------------------------------------------------ sequences
+    def allocate(self, cache: str, seq_id: str, prompt_token_ids: list[int]) -> int:
+        """Create a sequence; returns how many prompt tokens are already cached."""
+        return self.stub.Allocate(pb.AllocateRequest(cache=cache, sequence_id=seq_id,
+                                                     prompt_token_ids=list(prompt_token_ids)),
+                                  timeout=self.timeout).cached_tokens
+
+    def reserve(self, cache: str, seq_id: str, num_tokens: int) -> Reservation:
+        r = self.stub.Reserve(pb.ReserveRequest(cache=cache, sequence_id=seq_id, num_tokens=num_tokens),
+                              timeout=self.timeout)
+        return Reservation(list(r.slot_mapping), list(r.sealed_blocks), list(r.tail_blocks), r.length)
+
+    def append(self, cache: str, seq_ids: list[str], k: torch.Tensor, v: torch.Tensor,
+               counts: list[int] | None = None, layer: int | None = None,
+               token_ids: list[list[int]] | None = None) -> None:
+        """k, v: [L, n, Hkv, d] for all layers, or [n, Hkv, d] with `layer`.
+        counts: tokens per sequence (default: n split evenly)."""
+        n = k.shape[0] if layer is not None else k.shape[1]
+        if counts is None:
+            counts = [n // max(1, len(seq_ids))] * len(seq_ids)
+
+        def req(m, _o):
+            r = pb.AppendRequest(cache=cache, sequence_ids=seq_ids, counts=counts, k=m["k"], v=m["v"],
+                                 token_ids=[pb.TokenIds(ids=t) for t in token_ids or []])
+            if layer is not None:
+                r.layer = layer
+            return r
+        self._call(self.stub.Append, req, {"k": k, "v": v}, [])
+
+    def attend(self, cache: str, layer: int, seq_ids: list[str], q: torch.Tensor, scale: float = 0.0) -> torch.Tensor:
+        """q [B, Hq, d] -> out [B, Hq, d]."""
+        return self._call(self.stub.Attend, lambda m, o: pb.AttendRequest(
+            cache=cache, layer=layer, sequence_ids=seq_ids, q=m["q"], scale=scale, out=o[0]),
+            {"q": q}, [q.numel() * 2], lambda r, a: self._tensor(r.out, a))
+
+    def append_attend(self, cache: str, layer: int, seq_ids: list[str], k: torch.Tensor, v: torch.Tensor,
+                      q: torch.Tensor, scale: float = 0.0) -> torch.Tensor:
+        """k, v [B, Hkv, d] (the new token), q [B, Hq, d] -> out [B, Hq, d]."""
+        return self._call(self.stub.AppendAttend, lambda m, o: pb.AppendAttendRequest(
+            cache=cache, layer=layer, sequence_ids=seq_ids, k=m["k"], v=m["v"], q=m["q"], scale=scale, out=o[0]),
+            {"k": k, "v": v, "q": q}, [q.numel() * 2], lambda r, a: self._tensor(r.out, a))
+
+    def retrieve(self, cache: str, seq_id: str, start: int, end: int, layer_start: int = 0,
+                 layer_end: int = 0, out_bytes: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """K, V [layers, end - start, Hkv, d] (sealed tokens dequantized)."""
+        if not out_bytes:
+            info = self.get_cache(cache).spec.geometry
+            nl = (layer_end or info.num_layers) - layer_start
+            out_bytes = max(0, nl * (end - start) * info.num_kv_heads * info.head_dim * 2)
+        return self._call(self.stub.Retrieve, lambda m, o: pb.RetrieveRequest(
+            cache=cache, sequence_id=seq_id, start=start, end=end, layer_start=layer_start, layer_end=layer_end,
+            k_out=o[0], v_out=o[1]), {}, [out_bytes, out_bytes],
+            lambda r, a: (self._tensor(r.k, a), self._tensor(r.v, a)))
+
+    def fork(self, cache: str, seq_id: str, new_seq_id: str) -> None:
+        self.stub.Fork(pb.ForkRequest(cache=cache, sequence_id=seq_id, new_sequence_id=new_seq_id),
+                       timeout=self.timeout)
+
+    def free(self, cache: str, seq_ids: list[str]) -> None:
+        self.stub.Free(pb.FreeRequest(cache=cache, sequence_ids=list(seq_ids)), timeout=self.timeout)
+
+    # ---------------------------------------------------------------- stats
+    def stats(self, cache: str = "") -> pb.StatsReply:
+        return self.stub.Stats(pb.StatsRequest(cache=cache), timeout=self.timeout)
+
+    def sequence_info(self, cache: str, seq_id: str) -> pb.SequenceInfoReply:
+        return self.stub.SequenceInfo(pb.SequenceInfoRequest(cache=cache, sequence_id=seq_id), timeout=self.timeout)
+
+    def list_sequences(self, cache: str) -> list[pb.SequenceInfoReply]:
+        return list(self.stub.ListSequences(pb.ListSequencesRequest(cache=cache), timeout=self.timeout).sequences)

@@ -1,0 +1,170 @@
+"""Triton kernels behind decode_attention.py (launch them through its plans).
+
+One program = one work item x one KV head. A work item is a token range of one
+sequence, either over PQ-coded sealed blocks (kind 0) or over fp16 paged
+blocks (kind 1: the tail, or the whole cache for plain paged attention). The
+G query heads of the KV head are the rows of the tile (padded to GP >= 16 so
+tl.dot runs on tensor cores), so every code / K / V byte is read once per KV
+head. Each program writes a partial (out, lse) that _merge_kernel combines.
+"""
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _unpack_words(w, DSUB: tl.constexpr, TILE: tl.constexpr, D: tl.constexpr,
+                  CB_BF16: tl.constexpr):
+    """[TILE, M] words of DSUB packed 16-bit centroid coords -> [TILE, D] tile."""
+    if CB_BF16:
+        dt: tl.constexpr = tl.bfloat16
+    else:
+        dt: tl.constexpr = tl.float16
+    p0 = w.to(tl.uint16).to(dt, bitcast=True)
+    p1 = (w >> 16).to(tl.uint16).to(dt, bitcast=True)
+    if DSUB == 2:
+        x = tl.join(p0, p1)                                   # [TILE, M, 2]
+    else:
+        p2 = (w >> 32).to(tl.uint16).to(dt, bitcast=True)
+        p3 = (w >> 48).to(tl.uint16).to(dt, bitcast=True)
+        # join appends its axis: [t, m, i, k] = (p0, p2)[i] if k == 0 else
+        # (p1, p3)[i] = piece 2i + k, which is the flat order after reshape.
+        x = tl.join(tl.join(p0, p2), tl.join(p1, p3))         # [TILE, M, 2, 2]
+    return tl.reshape(x, (TILE, D))
+
+
+@triton.jit
+def _softmax_step(s, valid, m_i, l_i, acc):
+    """Online-softmax bookkeeping for one tile of base-2 scores s [GP, TILE]."""
+    s = tl.where(valid[None, :], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    return p, m_new, l_i * alpha + tl.sum(p, 1), acc * alpha[:, None]
+
+
+@triton.jit
+def _pq_range(q, b, h, lo, hi, m_i, l_i, acc,
+              kc_ptr, vc_ptr, skc_blk, skc_h, svc_blk, svc_h, kw_ptr, vw_ptr,
+              tab_ptr, tab_stride, qk_scale,
+              M: tl.constexpr, D: tl.constexpr, DSUB: tl.constexpr, BS: tl.constexpr,
+              TILE: tl.constexpr, CB_BF16: tl.constexpr, PREC: tl.constexpr):
+    offs_n = tl.arange(0, TILE)
+    offs_m = tl.arange(0, M)
+    # codebook words [Hkv, M, 256]: one word = the DSUB coords of one centroid
+    kw_base = kw_ptr + h * (M * 256) + offs_m[None, :] * 256
+    vw_base = vw_ptr + h * (M * 256) + offs_m[None, :] * 256
+    for start in range(lo, hi, TILE):
+        t = start + offs_n
+        valid = t < hi
+        blk = tl.load(tab_ptr + b * tab_stride + t // BS, mask=valid, other=0).to(tl.int64)
+        off = t % BS
+        # K codes row-wise [bs, M]: a tile row is M contiguous bytes
+        kc = tl.load(kc_ptr + blk[:, None] * skc_blk + h * skc_h + off[:, None] * M
+                     + offs_m[None, :], mask=valid[:, None], other=0)
+        k = _unpack_words(tl.load(kw_base + kc.to(tl.int32)), DSUB, TILE, D, CB_BF16)
+        s = tl.dot(q.to(k.dtype), tl.trans(k), input_precision=PREC) * qk_scale
+        p, m_i, l_i, acc = _softmax_step(s, valid, m_i, l_i, acc)
+        # V codes transposed [M, bs]: contiguous along tokens
+        vc = tl.load(vc_ptr + blk[:, None] * svc_blk + h * svc_h + offs_m[None, :] * BS
+                     + off[:, None], mask=valid[:, None], other=0)
+        v = _unpack_words(tl.load(vw_base + vc.to(tl.int32)), DSUB, TILE, D, CB_BF16)
+        acc += tl.dot(p.to(v.dtype), v, input_precision=PREC)
+    return m_i, l_i, acc
+
+
+@triton.jit
+def _dense_range(q, b, h, lo, hi, m_i, l_i, acc,
+                 k_ptr, v_ptr, sk_blk, sk_h, sk_t, sv_blk, sv_h, sv_t,
+                 tab_ptr, tab_stride, qk_scale,
+                 D: tl.constexpr, BS: tl.constexpr, TILE: tl.constexpr, PREC: tl.constexpr):
+    offs_n = tl.arange(0, TILE)
+    offs_d = tl.arange(0, D)
+    for start in range(lo, hi, TILE):
+        t = start + offs_n
+        valid = t < hi
+        blk = tl.load(tab_ptr + b * tab_stride + t // BS, mask=valid, other=0).to(tl.int64)
+        off = t % BS
+        k = tl.load(k_ptr + blk[:, None] * sk_blk + h * sk_h + off[:, None] * sk_t
+                    + offs_d[None, :], mask=valid[:, None], other=0.0)
+        s = tl.dot(q.to(k.dtype), tl.trans(k), input_precision=PREC) * qk_scale
+        p, m_i, l_i, acc = _softmax_step(s, valid, m_i, l_i, acc)
+        v = tl.load(v_ptr + blk[:, None] * sv_blk + h * sv_h + off[:, None] * sv_t
+                    + offs_d[None, :], mask=valid[:, None], other=0.0)
+        acc += tl.dot(p.to(v.dtype), v, input_precision=PREC)
+    return m_i, l_i, acc
+
+
+@triton.jit
+def _decode_kernel(
+        q_ptr, sq_b, sq_h,                      # q [B, Hq, D]
+        items_ptr,                              # int32 [n_items, 4]: b, kind, lo, hi
+        op_ptr, lp_ptr,                         # partials: fp32 [n_items, Hq, D], [n_items, Hq]
+        kc_ptr, vc_ptr, skc_blk, skc_h, svc_blk, svc_h,  # PQ codes (kind 0)
+        kw_ptr, vw_ptr, st_ptr, st_stride,      # codebook words, sealed tables
+        k_ptr, v_ptr, sk_blk, sk_h, sk_t, sv_blk, sv_h, sv_t,  # fp16 pool (kind 1)
+        tt_ptr, tt_stride,                      # its block tables
+        qk_scale, Hq,
+        G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, M: tl.constexpr,
+        DSUB: tl.constexpr, BS: tl.constexpr, TBS: tl.constexpr,
+        TILE_PQ: tl.constexpr, TILE_FP: tl.constexpr, HAS_PQ: tl.constexpr,
+        CB_BF16: tl.constexpr, PREC: tl.constexpr):
+    item = tl.program_id(0)
+    h = tl.program_id(1)
+    b = tl.load(items_ptr + item * 4)
+    kind = tl.load(items_ptr + item * 4 + 1)
+    lo = tl.load(items_ptr + item * 4 + 2)
+    hi = tl.load(items_ptr + item * 4 + 3)
+    offs_g = tl.arange(0, GP)
+    offs_d = tl.arange(0, D)
+    rows = h * G + offs_g                                       # query heads of this KV head
+    q = tl.load(q_ptr + b.to(tl.int64) * sq_b + rows[:, None] * sq_h + offs_d[None, :],
+                mask=offs_g[:, None] < G, other=0.0)
+    m_i = tl.full([GP], float("-inf"), tl.float32)
+    l_i = tl.zeros([GP], tl.float32)
+    acc = tl.zeros([GP, D], tl.float32)
+    if HAS_PQ:
+        if kind == 0:
+            m_i, l_i, acc = _pq_range(q, b, h, lo, hi, m_i, l_i, acc,
+                                      kc_ptr, vc_ptr, skc_blk, skc_h, svc_blk, svc_h,
+                                      kw_ptr, vw_ptr, st_ptr, st_stride, qk_scale,
+                                      M, D, DSUB, BS, TILE_PQ, CB_BF16, PREC)
+        else:
+            m_i, l_i, acc = _dense_range(q, b, h, lo, hi, m_i, l_i, acc,
+                                         k_ptr, v_ptr, sk_blk, sk_h, sk_t, sv_blk, sv_h, sv_t,
+                                         tt_ptr, tt_stride, qk_scale, D, TBS, TILE_FP, PREC)
+    else:
+        m_i, l_i, acc = _dense_range(q, b, h, lo, hi, m_i, l_i, acc,
+                                     k_ptr, v_ptr, sk_blk, sk_h, sk_t, sv_blk, sv_h, sv_t,
+                                     tt_ptr, tt_stride, qk_scale, D, TBS, TILE_FP, PREC)
+    # items are never empty, so l_i > 0 for every row
+    o = acc / l_i[:, None]
+    prow = item.to(tl.int64) * Hq + rows
+    gmask = offs_g < G
+    tl.store(op_ptr + prow[:, None] * D + offs_d[None, :], o, mask=gmask[:, None])
+    tl.store(lp_ptr + prow, m_i + tl.log2(l_i), mask=gmask)
+
+
+@triton.jit
+def _merge_kernel(op_ptr, lp_ptr, ip_ptr, out_ptr, so_b, so_h, lse_ptr, sl_b, Hq,
+                  D: tl.constexpr, MAX_ITEMS: tl.constexpr):
+    """Log-sum-exp merge of one (sequence, query head)'s partials (base-2 lse)."""
+    b = tl.program_id(0)
+    hq = tl.program_id(1)
+    lo = tl.load(ip_ptr + b)
+    n = tl.load(ip_ptr + b + 1) - lo
+    offs_i = tl.arange(0, MAX_ITEMS)
+    offs_d = tl.arange(0, D)
+    imask = offs_i < n
+    prow = (lo + offs_i).to(tl.int64) * Hq + hq
+    lp = tl.load(lp_ptr + prow, mask=imask, other=float("-inf"))     # [MAX_ITEMS]
+    m = tl.max(lp, 0)
+    m_safe = tl.where(n > 0, m, 0.0)
+    w = tl.where(imask, tl.exp2(lp - m_safe), 0.0)
+    l = tl.sum(w, 0)
+    o = tl.load(op_ptr + prow[:, None] * D + offs_d[None, :], mask=imask[:, None], other=0.0)
+    o = tl.sum(o * w[:, None], 0) / tl.where(n > 0, l, 1.0)
+    LN2: tl.constexpr = 0.6931471805599453
+    lse = tl.where(n > 0, (m_safe + tl.log2(tl.where(n > 0, l, 1.0))) * LN2, float("-inf"))
+    tl.store(out_ptr + b.to(tl.int64) * so_b + hq * so_h + offs_d,
+             o.to(out_ptr.dtype.element_ty))
+    tl.store(lse_ptr + b * sl_b + hq, lse)

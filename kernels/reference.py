@@ -1,0 +1,176 @@
+"""Pure-torch reference kernels: the contract the Triton kernels must meet.
+
+Layouts (DESIGN §2), per layer:
+  fp16 block pool    k_cache, v_cache  [num_blocks, Hkv, block_size, d]
+  PQ K codes         k_codes           [num_blocks, Hkv, block_size, M] uint8
+  PQ V codes         v_codes           [num_blocks, Hkv, M, block_size] uint8
+  codebook           [Hkv, M, 256, dsub] with dsub = d // M
+Query head h reads KV head h // (Hq // Hkv) (HF `repeat_kv` grouping).
+
+Every attention returns (out [B, Hq, d] in q's dtype, lse [B, Hq] fp32) so that
+partial results over disjoint key sets merge exactly (`merge_attention`).
+Computation is fp32 (fp64 if the inputs are fp64); rows with no keys give
+out = 0 and lse = -inf.
+"""
+from __future__ import annotations
+
+import torch
+
+
+def _acc_dtype(t: torch.Tensor) -> torch.dtype:
+    return torch.float64 if t.dtype == torch.float64 else torch.float32
+
+
+# ----------------------------------------------------------------- PQ codec
+
+def pq_encode(x: torch.Tensor, codebook: torch.Tensor) -> torch.Tensor:
+    """Nearest centroid per sub-vector.
+
+    x: [N, Hkv, d] float; codebook: [Hkv, M, C, dsub] -> codes [N, Hkv, M] uint8.
+    Ties go to the lowest centroid index (torch.argmin), as in the kernel.
+    """
+    n, hkv, d = x.shape
+    _, m, c, dsub = codebook.shape
+    assert m * dsub == d and c <= 256
+    acc = _acc_dtype(codebook)
+    xs = x.to(acc).reshape(n, hkv, m, 1, dsub)
+    cb = codebook.to(acc).reshape(1, hkv, m, c, dsub)
+    # ||x - c||^2 without the ||x||^2 term, which is constant per row.
+    dist = (cb * cb).sum(-1) - 2.0 * (xs * cb).sum(-1)   # [N, Hkv, M, C]
+    return dist.argmin(-1).to(torch.uint8)
+
+
+def pq_dequantize(codes: torch.Tensor, codebook: torch.Tensor) -> torch.Tensor:
+    """codes: [N, Hkv, M] uint8; codebook: [Hkv, M, C, dsub] -> [N, Hkv, M*dsub]."""
+    n, hkv, m = codes.shape
+    dsub = codebook.shape[-1]
+    idx = codes.long()                                           # [N, Hkv, M]
+    h = torch.arange(hkv).view(1, hkv, 1)
+    j = torch.arange(m).view(1, 1, m)
+    return codebook[h, j, idx].reshape(n, hkv, m * dsub)
+
+
+def pq_encode_to_slots(x: torch.Tensor, codebook: torch.Tensor, slots: torch.Tensor,
+                       k_codes: torch.Tensor | None = None,
+                       v_codes: torch.Tensor | None = None) -> None:
+    """Encode x [N, Hkv, d] and write the codes of token i into slot slots[i].
+
+    slot = block_id * block_size + offset. Exactly one of k_codes
+    [nb, Hkv, bs, M] (row-wise) or v_codes [nb, Hkv, M, bs] (transposed).
+    """
+    assert (k_codes is None) != (v_codes is None)
+    codes = pq_encode(x, codebook)                               # [N, Hkv, M]
+    slots = slots.long()
+    if k_codes is not None:
+        bs = k_codes.shape[2]
+        k_codes[slots // bs, :, slots % bs, :] = codes
+    else:
+        bs = v_codes.shape[3]
+        # advanced indices separated by a slice: result dims are [N, Hkv, M]
+        v_codes.permute(0, 3, 1, 2)[slots // bs, slots % bs] = codes
+
+
+def gather_pq_blocks(k_codes: torch.Tensor, v_codes: torch.Tensor,
+                     k_codebook: torch.Tensor, v_codebook: torch.Tensor,
+                     block_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dequantize whole blocks -> K, V [n_blocks * bs, Hkv, d] in codebook dtype."""
+    kc = k_codes[block_ids.long()]                               # [n, Hkv, bs, M]
+    vc = v_codes[block_ids.long()].transpose(2, 3)               # [n, Hkv, bs, M]
+    n, hkv, bs, m = kc.shape
+    kc = kc.permute(0, 2, 1, 3).reshape(n * bs, hkv, m)
+    vc = vc.permute(0, 2, 1, 3).reshape(n * bs, hkv, m)
+    return pq_dequantize(kc, k_codebook), pq_dequantize(vc, v_codebook)
+
+
+def gather_fp16_blocks(k_cache: torch.Tensor, v_cache: torch.Tensor,
+                       block_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[nb, Hkv, bs, d] pools -> K, V [n_blocks * bs, Hkv, d]."""
+    k = k_cache[block_ids.long()].permute(0, 2, 1, 3)
+    v = v_cache[block_ids.long()].permute(0, 2, 1, 3)
+    return k.reshape(-1, *k.shape[2:]), v.reshape(-1, *v.shape[2:])
+
+
+# ---------------------------------------------------------------- attention
+
+def attention_dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                    scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """One sequence. q [Hq, d]; k, v [n, Hkv, d] -> out [Hq, d] (acc dtype), lse [Hq]."""
+    hq, d = q.shape
+    n, hkv, _ = k.shape
+    acc = _acc_dtype(q)
+    if n == 0:
+        return (torch.zeros(hq, d, dtype=acc, device=q.device),
+                torch.full((hq,), float("-inf"), dtype=acc, device=q.device))
+    g = hq // hkv
+    qg = q.to(acc).view(hkv, g, d)
+    s = torch.einsum("hgd,nhd->hgn", qg, k.to(acc)) * scale     # [Hkv, g, n]
+    lse = torch.logsumexp(s, dim=-1)
+    p = torch.exp(s - lse.unsqueeze(-1))
+    out = torch.einsum("hgn,nhd->hgd", p, v.to(acc))
+    return out.reshape(hq, d), lse.reshape(hq)
+
+
+def merge_attention(o1: torch.Tensor, lse1: torch.Tensor,
+                    o2: torch.Tensor, lse2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Merge two partial softmax-attention results over disjoint key sets.
+
+    o*: [..., d]; lse*: [...]. An empty side has lse = -inf and is ignored.
+    """
+    lse = torch.logaddexp(lse1, lse2)
+    safe = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
+    w1 = torch.exp(lse1 - safe).unsqueeze(-1)
+    w2 = torch.exp(lse2 - safe).unsqueeze(-1)
+    return o1 * w1 + o2 * w2, lse
+
+
+def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                           scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp16 paged decode attention.
+
+    q [B, Hq, d]; k_cache, v_cache [nb, Hkv, bs, d]; block_tables [B, max_blocks]
+    int32; seq_lens [B] int32 (tokens) -> out [B, Hq, d] (q dtype), lse [B, Hq] fp32.
+    """
+    bs = k_cache.shape[2]
+    outs, lses = [], []
+    for b in range(q.shape[0]):
+        n = int(seq_lens[b])
+        nblk = (n + bs - 1) // bs
+        k, v = gather_fp16_blocks(k_cache, v_cache, block_tables[b, :nblk])
+        o, l = attention_dense(q[b], k[:n], v[:n], scale)
+        outs.append(o)
+        lses.append(l)
+    return torch.stack(outs).to(q.dtype), torch.stack(lses).float()
+
+
+def pq_decode_attention(q: torch.Tensor,
+                        k_codes: torch.Tensor, v_codes: torch.Tensor,
+                        k_codebook: torch.Tensor, v_codebook: torch.Tensor,
+                        sealed_tables: torch.Tensor, sealed_lens: torch.Tensor,
+                        tail_k: torch.Tensor, tail_v: torch.Tensor,
+                        tail_tables: torch.Tensor, tail_lens: torch.Tensor,
+                        scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Decode attention over PQ-coded sealed blocks plus an fp16 paged tail.
+
+    q [B, Hq, d]; k_codes [nb, Hkv, bs, M] u8; v_codes [nb, Hkv, M, bs] u8;
+    k/v_codebook [Hkv, M, 256, dsub]; sealed_tables [B, S] int32;
+    sealed_lens [B] int32 (tokens, multiple of bs); tail_k/v [nt, Hkv, bs, d];
+    tail_tables [B, T] int32; tail_lens [B] int32.
+    Token order: sealed tokens, then tail tokens.
+    -> out [B, Hq, d] (q dtype), lse [B, Hq] fp32.
+    """
+    bs = k_codes.shape[2]
+    tbs = tail_k.shape[2]
+    outs, lses = [], []
+    for b in range(q.shape[0]):
+        ns, nt = int(sealed_lens[b]), int(tail_lens[b])
+        assert ns % bs == 0, "sealed length must be whole blocks"
+        ks, vs = gather_pq_blocks(k_codes, v_codes, k_codebook, v_codebook,
+                                  sealed_tables[b, : ns // bs])
+        kt, vt = gather_fp16_blocks(tail_k, tail_v, tail_tables[b, : (nt + tbs - 1) // tbs])
+        o1, l1 = attention_dense(q[b], ks, vs, scale)
+        o2, l2 = attention_dense(q[b], kt[:nt], vt[:nt], scale)
+        o, l = merge_attention(o1, l1, o2, l2)
+        outs.append(o)
+        lses.append(l)
+    return torch.stack(outs).to(q.dtype), torch.stack(lses).float()

@@ -1,0 +1,116 @@
+"""PQ codebooks: separate K and V codebooks per layer and KV head (DESIGN §3),
+trained with faiss k-means, stored as safetensors with their sha256."""
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from .config import CacheConfig
+from .errors import FailedPrecondition, InvalidArgument
+
+
+@dataclass(slots=True)
+class Codebooks:
+    k: torch.Tensor      # [L, Hkv, M, 256, dsub] fp32
+    v: torch.Tensor      # [L, Hkv, M, 256, dsub] fp32
+
+    def sha256(self) -> str:
+        h = hashlib.sha256()
+        for t in (self.k, self.v):
+            h.update(json.dumps(list(t.shape)).encode())
+            h.update(t.contiguous().cpu().numpy().tobytes())
+        return h.hexdigest()
+
+    def to_bytes(self) -> bytes:
+        from safetensors.torch import save
+        return save({"k": self.k.contiguous().cpu(), "v": self.v.contiguous().cpu()},
+                    metadata={"sha256": self.sha256(), "format": "kvstore.pq.v1"})
+
+    @staticmethod
+    def from_bytes(data: bytes) -> "Codebooks":
+        from safetensors import SafetensorError
+        from safetensors.torch import load
+        try:
+            tensors = load(data)
+        except (SafetensorError, Exception) as e:  # malformed user bytes
+            raise InvalidArgument("codebooks", f"not a safetensors file: {e}") from None
+        if set(tensors) != {"k", "v"}:
+            raise InvalidArgument("codebooks", f"expected tensors 'k' and 'v', got {sorted(tensors)}")
+        return Codebooks(k=tensors["k"].float(), v=tensors["v"].float())
+
+    def save(self, path: str) -> str:
+        with open(path, "wb") as f:
+            f.write(self.to_bytes())
+        return self.sha256()
+
+    @staticmethod
+    def load(path: str) -> "Codebooks":
+        with open(path, "rb") as f:
+            return Codebooks.from_bytes(f.read())
+
+    def validate(self, cfg: CacheConfig) -> None:
+        g = cfg.geometry
+        want = (g.num_layers, g.num_kv_heads, cfg.m, 256, g.head_dim // cfg.m)
+        for name, t in (("k", self.k), ("v", self.v)):
+            if tuple(t.shape) != want:
+                raise InvalidArgument(f"codebooks.{name}", f"shape {tuple(t.shape)}, cache needs {want}")
+            if not torch.isfinite(t).all():
+                raise InvalidArgument(f"codebooks.{name}", "contains NaN or Inf")
+
+
+def train_codebooks(cfg: CacheConfig, k_samples: torch.Tensor, v_samples: torch.Tensor,
+                    niter: int = 20, seed: int = 1234, progress=None) -> Codebooks:
+    """k_samples, v_samples: [L, N, Hkv, d] (K after RoPE). One faiss PQ per
+    (layer, K/V, KV head); each trains M independent 256-centroid k-means."""
+    try:
+        import faiss
+    except ImportError:
+        raise FailedPrecondition("codebooks", "training needs faiss (pip install faiss-cpu)") from None
+    g = cfg.geometry
+    m = cfg.m
+    dsub = g.head_dim // m
+    for name, s in (("k_samples", k_samples), ("v_samples", v_samples)):
+        if s.dim() != 4 or s.shape[0] != g.num_layers or s.shape[2] != g.num_kv_heads or s.shape[3] != g.head_dim:
+            raise InvalidArgument(name, f"shape {tuple(s.shape)}, need [{g.num_layers}, N, {g.num_kv_heads}, {g.head_dim}]")
+        if s.shape[1] < 256:
+            raise InvalidArgument(name, f"need at least 256 sample tokens for 256 centroids, got {s.shape[1]}")
+        if not torch.isfinite(s).all():
+            raise InvalidArgument(name, "contains NaN or Inf")
+    out = []
+    total = 2 * g.num_layers * g.num_kv_heads
+    done = 0
+    for samples in (k_samples, v_samples):
+        cb = torch.empty(g.num_layers, g.num_kv_heads, m, 256, dsub)
+        for layer in range(g.num_layers):
+            for h in range(g.num_kv_heads):
+                x = np.ascontiguousarray(samples[layer, :, h, :].float().cpu().numpy())
+                pq = faiss.ProductQuantizer(g.head_dim, m, 8)
+                pq.cp.niter = niter
+                pq.cp.seed = seed
+                pq.cp.min_points_per_centroid = 1   # small calibration sets are the user's call
+                pq.verbose = False
+                pq.train(x)
+                cent = faiss.vector_to_array(pq.centroids).reshape(m, 256, dsub)
+                cb[layer, h] = torch.from_numpy(cent)
+                done += 1
+                if progress:
+                    progress(done, total)
+        out.append(cb)
+    return Codebooks(k=out[0], v=out[1])
+
+
+def fingerprint(cfg: CacheConfig, codebooks: Codebooks | None) -> bytes:
+    """sha256 of model id, geometry, codec params and codebook bytes: part of
+    every block hash, so blocks never cross models or codebooks."""
+    g = cfg.geometry
+    desc = {
+        "model_id": cfg.model_id,
+        "geometry": [g.num_layers, g.num_q_heads, g.num_kv_heads, g.head_dim, g.dtype],
+        "codec": [cfg.codec.kind, cfg.m if cfg.codec.kind == "pq" else 0, cfg.block_size],
+        "codebooks": codebooks.sha256() if codebooks is not None else "",
+    }
+    return hashlib.sha256(json.dumps(desc, sort_keys=True).encode()).digest()

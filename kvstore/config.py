@@ -1,0 +1,122 @@
+"""Validated configuration dataclasses: one per concept."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from .errors import InvalidArgument
+
+DTYPES = {"float16": 2, "bfloat16": 2, "float32": 4}
+CODECS = ("fp16", "pq")
+
+
+@dataclass(slots=True, frozen=True)
+class ModelGeometry:
+    num_layers: int
+    num_q_heads: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: str = "float16"      # dtype of K/V/Q the client sends and receives
+
+    def __post_init__(self) -> None:
+        for name in ("num_layers", "num_q_heads", "num_kv_heads", "head_dim"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v <= 0:
+                raise InvalidArgument(f"geometry.{name}", f"must be a positive integer, got {v!r}")
+        if self.num_q_heads % self.num_kv_heads:
+            raise InvalidArgument("geometry.num_q_heads",
+                                  f"{self.num_q_heads} is not a multiple of num_kv_heads={self.num_kv_heads}")
+        if self.head_dim % 4 or self.head_dim > 512:
+            raise InvalidArgument("geometry.head_dim", f"must be a multiple of 4 and <= 512, got {self.head_dim}")
+        if self.dtype not in DTYPES or self.dtype == "float32":
+            raise InvalidArgument("geometry.dtype", f"must be float16 or bfloat16, got {self.dtype!r}")
+
+
+@dataclass(slots=True, frozen=True)
+class CodecConfig:
+    kind: str = "pq"            # "pq" or "fp16"
+    num_subvectors: int = 0     # M; 0 means head_dim // 2 (4 bits per element)
+    num_centroids: int = 256
+
+    def __post_init__(self) -> None:
+        if self.kind not in CODECS:
+            raise InvalidArgument("codec.kind", f"must be one of {CODECS}, got {self.kind!r}")
+        if self.kind == "pq" and self.num_centroids != 256:
+            raise InvalidArgument("codec.num_centroids", "only 256 centroids (8-bit codes) are supported")
+        if self.num_subvectors < 0:
+            raise InvalidArgument("codec.num_subvectors", "must be >= 0")
+
+    def subvectors(self, head_dim: int) -> int:
+        m = self.num_subvectors or head_dim // 2
+        if self.kind == "pq" and m not in (head_dim // 2, head_dim // 4):
+            raise InvalidArgument("codec.num_subvectors",
+                                  f"must be head_dim/2={head_dim // 2} or head_dim/4={head_dim // 4}, got {m}")
+        return m
+
+
+@dataclass(slots=True, frozen=True)
+class CacheConfig:
+    """A cache namespace. The pool is sized from `num_blocks`, or from
+    `pool_bytes` divided by the bytes one block takes across all layers."""
+    name: str
+    model_id: str
+    geometry: ModelGeometry
+    codec: CodecConfig = field(default_factory=CodecConfig)
+    block_size: int = 16
+    residual: int = 128          # R: newest tokens kept in fp16 per sequence
+    num_blocks: int = 0
+    pool_bytes: int = 0
+    max_sequences: int = 256     # sizes the fp16 tail pool
+    device: str = "cpu"
+
+    def __post_init__(self) -> None:
+        if not self.name or len(self.name) > 128 or not self.name.replace("-", "").replace("_", "").replace(".", "").isalnum():
+            raise InvalidArgument("name", f"must be 1-128 characters of [A-Za-z0-9._-], got {self.name!r}")
+        if not self.model_id:
+            raise InvalidArgument("model_id", "must not be empty")
+        if self.block_size not in (8, 16, 32, 64, 128):
+            raise InvalidArgument("block_size", f"must be one of 8, 16, 32, 64, 128, got {self.block_size}")
+        if self.residual < 0 or self.residual > 65536:
+            raise InvalidArgument("residual", f"must be in [0, 65536], got {self.residual}")
+        if self.max_sequences <= 0 or self.max_sequences > 1 << 20:
+            raise InvalidArgument("max_sequences", f"must be in [1, 2^20], got {self.max_sequences}")
+        if self.num_blocks < 0 or self.pool_bytes < 0:
+            raise InvalidArgument("num_blocks", "num_blocks and pool_bytes must be >= 0")
+        if (self.num_blocks == 0) == (self.pool_bytes == 0):
+            raise InvalidArgument("num_blocks", "give exactly one of num_blocks or pool_bytes")
+        self.codec.subvectors(self.geometry.head_dim)   # validates M against head_dim
+        if self.capacity_blocks() < 1:
+            raise InvalidArgument("pool_bytes", f"{self.pool_bytes} bytes hold no block of {self.bytes_per_block()} bytes")
+        if self.capacity_blocks() > 1 << 24:
+            raise InvalidArgument("num_blocks", "more than 2^24 blocks")
+        if not (self.device == "cpu" or self.device.startswith("cuda")):
+            raise InvalidArgument("device", f"must be cpu or cuda[:N], got {self.device!r}")
+
+    # --- derived sizes
+    @property
+    def m(self) -> int:
+        return self.codec.subvectors(self.geometry.head_dim)
+
+    def fp16_bytes_per_token(self) -> int:
+        g = self.geometry
+        return 2 * g.num_layers * g.num_kv_heads * g.head_dim * DTYPES[g.dtype]
+
+    def bytes_per_token(self) -> int:
+        """Bytes one sealed token takes in the main pool, K and V, all layers."""
+        if self.codec.kind == "fp16":
+            return self.fp16_bytes_per_token()
+        return 2 * self.geometry.num_layers * self.geometry.num_kv_heads * self.m
+
+    def bytes_per_block(self) -> int:
+        return self.bytes_per_token() * self.block_size
+
+    def capacity_blocks(self) -> int:
+        return self.num_blocks or self.pool_bytes // self.bytes_per_block()
+
+    def tail_blocks_per_sequence(self) -> int:
+        # R + block_size tokens at rest, plus one block being filled, plus one
+        # when the tail starts mid-block.
+        return math.ceil((self.residual + self.block_size) / self.block_size) + 2
+
+    def tail_capacity_blocks(self) -> int:
+        return self.max_sequences * self.tail_blocks_per_sequence()

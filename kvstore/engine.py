@@ -1,0 +1,237 @@
+"""The engine: every cache of the daemon behind one lock, with the input
+checks shared by all callers (the gRPC servicer, tests, in-process users).
+
+Tensors come in already decoded (torch); this layer checks shapes, dtypes,
+layers and sequences, then hands over to Cache. It knows nothing of gRPC.
+"""
+from __future__ import annotations
+
+import math
+import threading
+from dataclasses import dataclass
+
+import torch
+
+from .cache import AllocateResult, Cache, ReserveResult
+from .codebooks import Codebooks, train_codebooks
+from .config import CacheConfig
+from .errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound
+from .sequence import Sequence
+from .storage import TORCH_DTYPES
+
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+@dataclass(slots=True)
+class SequenceInfo:
+    seq_id: str
+    length: int
+    sealed_blocks: list[int]
+    tail_blocks: list[int]
+    pending: list[int]
+    reserved: int
+    known_token_ids: int
+
+
+class Engine:
+    def __init__(self, device: str = "cpu"):
+        self.device = device
+        self.caches: dict[str, Cache] = {}
+        self.lock = threading.RLock()
+
+    # --------------------------------------------------------------- caches
+    def create_cache(self, cfg: CacheConfig, exist_ok: bool = False) -> Cache:
+        with self.lock:
+            old = self.caches.get(cfg.name)
+            if old is not None:
+                if exist_ok and old.cfg == cfg:
+                    return old
+                raise AlreadyExists("name", f"cache {cfg.name!r} exists with another configuration"
+                                    if exist_ok else f"cache {cfg.name!r} exists")
+            cache = Cache(cfg)
+            self.caches[cfg.name] = cache
+            return cache
+
+    def cache(self, name: str) -> Cache:
+        c = self.caches.get(name)
+        if c is None:
+            raise NotFound("cache", f"no cache named {name!r}")
+        return c
+
+    def set_codebooks(self, name: str, cb: Codebooks) -> str:
+        with self.lock:
+            self.cache(name).set_codebooks(cb)
+            return cb.sha256()
+
+    def train_codebooks(self, name: str, k: torch.Tensor, v: torch.Tensor, niter: int = 20) -> str:
+        cache = self.cache(name)
+        cb = train_codebooks(cache.cfg, k, v, niter=niter)   # slow: outside the lock
+        return self.set_codebooks(name, cb)
+
+    # ------------------------------------------------------------ checks
+    def _seq(self, cache: Cache, tenant: str, seq_id: str) -> Sequence:
+        return cache.seq(tenant, seq_id)
+
+    def _seqs(self, cache: Cache, tenant: str, seq_ids: list[str], unique: bool) -> list[Sequence]:
+        if not seq_ids:
+            raise InvalidArgument("sequence_ids", "empty batch")
+        if unique and len(set(seq_ids)) != len(seq_ids):
+            raise InvalidArgument("sequence_ids", "a sequence appears twice in one batch")
+        return [cache.seq(tenant, i) for i in seq_ids]
+
+    @staticmethod
+    def _layer(cache: Cache, layer: int) -> None:
+        if not 0 <= layer < cache.cfg.geometry.num_layers:
+            raise InvalidArgument("layer", f"{layer} outside [0, {cache.cfg.geometry.num_layers})")
+
+    @staticmethod
+    def _tensor(cache: Cache, t: torch.Tensor, field: str, shape: tuple) -> torch.Tensor:
+        """Check a float tensor's shape (None = any size) and move it to the
+        cache's device in the cache dtype."""
+        if t.dtype not in FLOAT_DTYPES:
+            raise InvalidArgument(field, f"dtype {t.dtype} is not float16/bfloat16/float32")
+        if t.dim() != len(shape) or any(w is not None and w != g for w, g in zip(shape, t.shape)):
+            want = "[" + ", ".join("*" if w is None else str(w) for w in shape) + "]"
+            raise InvalidArgument(field, f"shape {list(t.shape)}, expected {want}")
+        if not torch.isfinite(t).all():
+            raise InvalidArgument(field, "contains NaN or Inf")
+        return t.to(device=cache.cfg.device, dtype=TORCH_DTYPES[cache.cfg.geometry.dtype])
+
+    # ------------------------------------------------------------ requests
+    def allocate(self, name: str, tenant: str, seq_id: str, prompt: list[int]) -> AllocateResult:
+        with self.lock:
+            return self.cache(name).allocate(tenant, seq_id, list(prompt))
+
+    def append(self, name: str, tenant: str, seq_ids: list[str], k: torch.Tensor, v: torch.Tensor,
+               counts: list[int], layer: int | None = None,
+               token_ids: list[list[int]] | None = None) -> None:
+        """k, v: [L, sum(counts), Hkv, d] (all layers) or [sum(counts), Hkv, d]
+        (layer given); tokens of seq_ids[i] are the counts[i] rows after those
+        of the earlier sequences. Validated for all sequences before any
+        sequence changes."""
+        with self.lock:
+            cache = self.cache(name)
+            g = cache.cfg.geometry
+            seqs = self._seqs(cache, tenant, seq_ids, unique=True)
+            if len(counts) != len(seqs):
+                raise InvalidArgument("counts", f"{len(counts)} counts for {len(seqs)} sequences")
+            if any(c <= 0 for c in counts):
+                raise InvalidArgument("counts", "every count must be >= 1")
+            n = sum(counts)
+            if layer is None:
+                shape = (g.num_layers, n, g.num_kv_heads, g.head_dim)
+            else:
+                self._layer(cache, layer)
+                shape = (n, g.num_kv_heads, g.head_dim)
+            k = self._tensor(cache, k, "k", shape)
+            v = self._tensor(cache, v, "v", shape)
+            if token_ids is not None:
+                if layer is not None:
+                    raise InvalidArgument("token_ids", "token ids go with all-layer appends")
+                if len(token_ids) != len(seqs):
+                    raise InvalidArgument("token_ids", f"{len(token_ids)} id lists for {len(seqs)} sequences")
+            # Batches of several sequences are checked whole before any write.
+            if len(seqs) > 1:
+                self._check_batch_room(cache, seqs, counts, layer)
+            off = 0
+            for i, (s, c) in enumerate(zip(seqs, counts)):
+                if layer is None:
+                    ids = token_ids[i] if token_ids is not None and token_ids[i] else None
+                    cache.append(s, k[:, off:off + c], v[:, off:off + c], ids)
+                else:
+                    cache.append_layer(s, layer, k[off:off + c], v[off:off + c])
+                off += c
+
+    @staticmethod
+    def _check_batch_room(cache: Cache, seqs: list[Sequence], counts: list[int], layer: int | None) -> None:
+        """Refuse a batch that will not fit before writing any of it."""
+        main = tail = freed = 0
+        for s, c in zip(seqs, counts):
+            if layer is None and (any(s.pending) or s.reserved):
+                raise FailedPrecondition("sequence_ids", f"sequence {s.seq_id!r} has uncommitted tokens")
+            m, t, f = cache.room_needed(s, c, layer)
+            main, tail, freed = main + m, tail + t, freed + f
+        cache.check_room(main, tail, freed)
+
+    def attend(self, name: str, tenant: str, layer: int, seq_ids: list[str], q: torch.Tensor,
+               scale: float = 0.0) -> torch.Tensor:
+        """q [B, Hq, d] -> out [B, Hq, d] in the cache dtype."""
+        with self.lock:
+            cache = self.cache(name)
+            g = cache.cfg.geometry
+            self._layer(cache, layer)
+            seqs = self._seqs(cache, tenant, seq_ids, unique=False)
+            q = self._tensor(cache, q, "q", (len(seqs), g.num_q_heads, g.head_dim))
+            if scale < 0 or not math.isfinite(scale):
+                raise InvalidArgument("scale", f"must be finite and >= 0, got {scale}")
+            return cache.attend(layer, seqs, q, scale or 1.0 / math.sqrt(g.head_dim))
+
+    def append_attend(self, name: str, tenant: str, layer: int, seq_ids: list[str], k: torch.Tensor,
+                      v: torch.Tensor, q: torch.Tensor, scale: float = 0.0) -> torch.Tensor:
+        """Decode step of one layer: k, v [B, Hkv, d] (one new token per
+        sequence), q [B, Hq, d] -> out [B, Hq, d]."""
+        with self.lock:
+            cache = self.cache(name)
+            g = cache.cfg.geometry
+            self._layer(cache, layer)
+            seqs = self._seqs(cache, tenant, seq_ids, unique=True)
+            q = self._tensor(cache, q, "q", (len(seqs), g.num_q_heads, g.head_dim))
+            if scale < 0 or not math.isfinite(scale):
+                raise InvalidArgument("scale", f"must be finite and >= 0, got {scale}")
+            self.append(name, tenant, seq_ids, k, v, [1] * len(seqs), layer=layer)
+            return cache.attend(layer, seqs, q, scale or 1.0 / math.sqrt(g.head_dim))
+
+    def reserve(self, name: str, tenant: str, seq_id: str, n: int) -> ReserveResult:
+        with self.lock:
+            if n < 0 or n > 1 << 20:
+                raise InvalidArgument("num_tokens", f"must be in [0, 2^20], got {n}")
+            cache = self.cache(name)
+            return cache.reserve(cache.seq(tenant, seq_id), n)
+
+    def retrieve(self, name: str, tenant: str, seq_id: str, start: int, end: int,
+                 layer_start: int = 0, layer_end: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        with self.lock:
+            cache = self.cache(name)
+            nl = cache.cfg.geometry.num_layers
+            layer_end = layer_end or nl
+            if not 0 <= layer_start < layer_end <= nl:
+                raise InvalidArgument("layer_end", f"layers [{layer_start}, {layer_end}) outside [0, {nl})")
+            return cache.retrieve(cache.seq(tenant, seq_id), start, end, slice(layer_start, layer_end))
+
+    def fork(self, name: str, tenant: str, src_id: str, dst_id: str) -> None:
+        with self.lock:
+            cache = self.cache(name)
+            cache.fork(cache.seq(tenant, src_id), tenant, dst_id)
+
+    def free(self, name: str, tenant: str, seq_ids: list[str]) -> None:
+        with self.lock:
+            cache = self.cache(name)
+            seqs = self._seqs(cache, tenant, seq_ids, unique=True)
+            for s in seqs:
+                cache.free(s)
+
+    # ------------------------------------------------------------ introspection
+    def sequence_info(self, name: str, tenant: str, seq_id: str) -> SequenceInfo:
+        with self.lock:
+            s = self.cache(name).seq(tenant, seq_id)
+            return SequenceInfo(s.seq_id, s.length, list(s.sealed), list(s.tail), list(s.pending),
+                                s.reserved, len(s.token_ids))
+
+    def list_sequences(self, name: str, tenant: str) -> list[SequenceInfo]:
+        with self.lock:
+            cache = self.cache(name)
+            return [self.sequence_info(name, tenant, sid) for (t, sid) in sorted(cache.seqs) if t == tenant]
+
+    def block_refs(self, name: str, block_ids: list[int]) -> list[int]:
+        with self.lock:
+            pool = self.cache(name).main_pool
+            return [pool.blocks[b].ref_cnt if 0 <= b < pool.capacity else -1 for b in block_ids]
+
+    def stats(self) -> dict[str, dict]:
+        with self.lock:
+            return {name: c.stats() for name, c in self.caches.items()}
+
+    def check_invariants(self) -> None:
+        with self.lock:
+            for c in self.caches.values():
+                c.check_invariants()

@@ -1,0 +1,40 @@
+"""Per-sequence bookkeeping (no tensors)."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+
+@dataclass(slots=True)
+class Sequence:
+    """Tokens [0, length) are committed in every layer. Of those, the first
+    len(sealed) * block_size live in sealed main-pool blocks; the rest, plus
+    any per-layer pending or reserved tokens, live in fp16 tail blocks, and
+    tail[0] starts exactly where the sealed blocks end.
+
+    Full blocks are immutable and may be shared (ref count > 1); only the last,
+    partial tail block is ever written, and it is never shared.
+    """
+    seq_id: str
+    tenant: str
+    num_layers: int
+    length: int = 0
+    pending: list[int] = field(default_factory=list)   # per layer, beyond length
+    reserved: int = 0                                  # slots handed out by Reserve
+    sealed: list[int] = field(default_factory=list)    # main-pool block ids
+    tail: list[int] = field(default_factory=list)      # tail-pool block ids
+    token_ids: list[int] = field(default_factory=list) # known ids from position 0
+    hashes: list[bytes] = field(default_factory=list)  # hash of full block i
+    hashed_upto: int = 0          # blocks [0, hashed_upto) are registered in a pool index
+    last_use: float = field(default_factory=time.monotonic)
+
+    def __post_init__(self) -> None:
+        if not self.pending:
+            self.pending = [0] * self.num_layers
+
+    def layer_length(self, layer: int) -> int:
+        """Tokens visible to attention at this layer."""
+        return self.length + self.pending[layer] + self.reserved
+
+    def max_length(self) -> int:
+        return self.length + max(self.pending) + self.reserved

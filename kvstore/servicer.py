@@ -1,0 +1,237 @@
+"""The gRPC servicer: a thin translation between protos and the engine.
+Engine errors become status codes here and nowhere else."""
+from __future__ import annotations
+
+import functools
+import logging
+
+import grpc
+
+from . import wire
+from .codebooks import Codebooks
+from .config import CacheConfig, CodecConfig, ModelGeometry
+from .engine import Engine, SequenceInfo
+from .errors import KVStoreError, Unimplemented
+from .v1 import kvstore_pb2 as pb
+from .v1 import kvstore_pb2_grpc as pb_grpc
+
+log = logging.getLogger("kvstore.servicer")
+DEFAULT_TENANT = "default"
+
+
+def _rpc(fn):
+    """Map engine errors to status codes; any other exception is INTERNAL and
+    logged, and the daemon keeps serving."""
+    @functools.wraps(fn)
+    def wrapper(self, request, context):
+        if self.engine is None:
+            context.abort(grpc.StatusCode.UNAVAILABLE, "engine is starting")
+        try:
+            return fn(self, request, context)
+        except KVStoreError as e:
+            context.abort(getattr(grpc.StatusCode, e.code), str(e))
+        except Exception as e:  # noqa: BLE001 - a bad request must not take the daemon down
+            log.exception("%s failed", fn.__name__)
+            context.abort(grpc.StatusCode.INTERNAL, f"{type(e).__name__}: {e}")
+    return wrapper
+
+
+def spec_to_config(spec: pb.CacheSpec, device: str) -> CacheConfig:
+    g = spec.geometry
+    return CacheConfig(
+        name=spec.name, model_id=spec.model_id,
+        geometry=ModelGeometry(g.num_layers, g.num_q_heads, g.num_kv_heads, g.head_dim, g.dtype or "float16"),
+        codec=CodecConfig(kind=spec.codec or "pq", num_subvectors=spec.num_subvectors),
+        block_size=spec.block_size or 16,
+        residual=spec.residual if spec.HasField("residual") else 128,
+        num_blocks=spec.num_blocks, pool_bytes=spec.pool_bytes,
+        max_sequences=spec.max_sequences or 256, device=device)
+
+
+def config_to_spec(cfg: CacheConfig) -> pb.CacheSpec:
+    g = cfg.geometry
+    return pb.CacheSpec(
+        name=cfg.name, model_id=cfg.model_id,
+        geometry=pb.Geometry(num_layers=g.num_layers, num_q_heads=g.num_q_heads, num_kv_heads=g.num_kv_heads,
+                             head_dim=g.head_dim, dtype=g.dtype),
+        codec=cfg.codec.kind, num_subvectors=cfg.m if cfg.codec.kind == "pq" else 0,
+        block_size=cfg.block_size, residual=cfg.residual, num_blocks=cfg.num_blocks, pool_bytes=cfg.pool_bytes,
+        max_sequences=cfg.max_sequences)
+
+
+class KVStoreServicer(pb_grpc.KVStoreServicer):
+    def __init__(self, engine: Engine | None, buffers: wire.BufferRegistry):
+        self.engine = engine
+        self.buffers = buffers
+
+    def _tenant(self, context) -> str:
+        return DEFAULT_TENANT
+
+    def _t(self, t: pb.Tensor, field: str):
+        return wire.from_proto(t, self.buffers, field)
+
+    def _info(self, name: str) -> pb.CacheInfo:
+        c = self.engine.cache(name)
+        return pb.CacheInfo(spec=config_to_spec(c.cfg), has_codebooks=c.codebooks is not None,
+                            codebooks_sha256=c.codebooks.sha256() if c.codebooks is not None else "",
+                            fingerprint=c.fingerprint, capacity_blocks=c.main_pool.capacity,
+                            tail_capacity_blocks=c.tail_pool.capacity if c.is_pq else 0,
+                            bytes_per_token=c.cfg.bytes_per_token(),
+                            compression_ratio=c.cfg.fp16_bytes_per_token() / c.cfg.bytes_per_token())
+
+    # ---------------------------------------------------------------- caches
+    @_rpc
+    def CreateCache(self, request, context):
+        cfg = spec_to_config(request.spec, self.engine.device)
+        self.engine.create_cache(cfg, exist_ok=request.exist_ok)
+        return self._info(cfg.name)
+
+    @_rpc
+    def GetCache(self, request, context):
+        return self._info(request.cache)
+
+    @_rpc
+    def SetCodebooks(self, request, context):
+        self.engine.cache(request.cache)
+        return pb.CodebooksReply(sha256=self.engine.set_codebooks(request.cache, Codebooks.from_bytes(request.safetensors)))
+
+    @_rpc
+    def TrainCodebooks(self, request, context):
+        self.engine.cache(request.cache)
+        k = self._t(request.k_samples, "k_samples")
+        v = self._t(request.v_samples, "v_samples")
+        return pb.CodebooksReply(sha256=self.engine.train_codebooks(request.cache, k, v, niter=request.niter or 20))
+
+    # ------------------------------------------------------------- sequences
+    @_rpc
+    def Allocate(self, request, context):
+        r = self.engine.allocate(request.cache, self._tenant(context), request.sequence_id,
+                                 list(request.prompt_token_ids))
+        return pb.AllocateReply(cached_tokens=r.cached_tokens, hit_blocks=r.hit_blocks)
+
+    @_rpc
+    def Reserve(self, request, context):
+        r = self.engine.reserve(request.cache, self._tenant(context), request.sequence_id, request.num_tokens)
+        return pb.ReserveReply(slot_mapping=r.slot_mapping, sealed_blocks=r.sealed_blocks,
+                               tail_blocks=r.tail_blocks, length=r.length)
+
+    @_rpc
+    def Append(self, request, context):
+        self.engine.cache(request.cache)
+        token_ids = [list(t.ids) for t in request.token_ids] if request.token_ids else None
+        self.engine.append(request.cache, self._tenant(context), list(request.sequence_ids),
+                           self._t(request.k, "k"), self._t(request.v, "v"), list(request.counts),
+                           layer=request.layer if request.HasField("layer") else None, token_ids=token_ids)
+        return pb.AppendReply()
+
+    def _out_check(self, request, n_seqs: int) -> None:
+        g = self.engine.cache(request.cache).cfg.geometry
+        wire.check_output(self.buffers, request.out if request.HasField("out") else None,
+                          n_seqs * g.num_q_heads * g.head_dim * 2, 2, "out")
+
+    @_rpc
+    def Attend(self, request, context):
+        self._out_check(request, len(request.sequence_ids))
+        out = self.engine.attend(request.cache, self._tenant(context), request.layer, list(request.sequence_ids),
+                                 self._t(request.q, "q"), request.scale)
+        return pb.AttendReply(out=wire.to_proto(out, self.buffers, request.out if request.HasField("out") else None))
+
+    @_rpc
+    def AppendAttend(self, request, context):
+        self._out_check(request, len(request.sequence_ids))
+        out = self.engine.append_attend(request.cache, self._tenant(context), request.layer,
+                                        list(request.sequence_ids), self._t(request.k, "k"),
+                                        self._t(request.v, "v"), self._t(request.q, "q"), request.scale)
+        return pb.AttendReply(out=wire.to_proto(out, self.buffers, request.out if request.HasField("out") else None))
+
+    @_rpc
+    def Retrieve(self, request, context):
+        c = self.engine.cache(request.cache)
+        g = c.cfg.geometry
+        nl = (request.layer_end or g.num_layers) - request.layer_start
+        n = max(0, request.end - request.start)
+        nbytes = max(0, nl) * n * g.num_kv_heads * g.head_dim * 2
+        k_out = request.k_out if request.HasField("k_out") else None
+        v_out = request.v_out if request.HasField("v_out") else None
+        wire.check_output(self.buffers, k_out, nbytes, 2, "k_out")
+        wire.check_output(self.buffers, v_out, nbytes, 2, "v_out")
+        k, v = self.engine.retrieve(request.cache, self._tenant(context), request.sequence_id,
+                                    request.start, request.end, request.layer_start, request.layer_end)
+        return pb.RetrieveReply(k=wire.to_proto(k, self.buffers, k_out, "k_out"),
+                                v=wire.to_proto(v, self.buffers, v_out, "v_out"))
+
+    @_rpc
+    def Fork(self, request, context):
+        self.engine.fork(request.cache, self._tenant(context), request.sequence_id, request.new_sequence_id)
+        return pb.ForkReply()
+
+    @_rpc
+    def Free(self, request, context):
+        self.engine.free(request.cache, self._tenant(context), list(request.sequence_ids))
+        return pb.FreeReply()
+
+    @_rpc
+    def Offload(self, request, context):
+        raise Unimplemented("Offload", "tiers are not implemented yet (host and LMDB tiers land with issue 5)")
+
+    @_rpc
+    def Prefetch(self, request, context):
+        raise Unimplemented("Prefetch", "tiers are not implemented yet (host and LMDB tiers land with issue 5)")
+
+    @_rpc
+    def MapPool(self, request, context):
+        raise Unimplemented("MapPool", "mapped attend is not implemented yet (lands with the GPU data plane)")
+
+    # --------------------------------------------------------------- buffers
+    @_rpc
+    def RegisterBuffer(self, request, context):
+        if request.kind == pb.SHM:
+            return pb.RegisterBufferReply(buffer_id=self.buffers.register_shm(request.name, request.size))
+        if request.kind == pb.CUDA_IPC:
+            raise Unimplemented("kind", "CUDA IPC buffers land with the GPU data plane")
+        from .errors import InvalidArgument
+        raise InvalidArgument("kind", "must be SHM or CUDA_IPC")
+
+    @_rpc
+    def UnregisterBuffer(self, request, context):
+        self.buffers.unregister(request.buffer_id)
+        return pb.UnregisterBufferReply()
+
+    # ----------------------------------------------------------------- stats
+    @_rpc
+    def Stats(self, request, context):
+        if request.cache:
+            self.engine.cache(request.cache)
+        out = pb.StatsReply()
+        for name, s in self.engine.stats().items():
+            if request.cache and name != request.cache:
+                continue
+            msg = out.caches.add(cache=name, **{k: v for k, v in s.items() if k not in ("main", "tail")})
+            msg.main.CopyFrom(_pool(s["main"]))
+            if s["tail"] is not None:
+                msg.tail.CopyFrom(_pool(s["tail"]))
+        return out
+
+    def _seq_reply(self, name: str, i: SequenceInfo) -> pb.SequenceInfoReply:
+        c = self.engine.cache(name)
+        return pb.SequenceInfoReply(
+            sequence_id=i.seq_id, length=i.length, sealed_blocks=i.sealed_blocks,
+            sealed_block_refs=[c.main_pool.blocks[b].ref_cnt for b in i.sealed_blocks],
+            tail_blocks=i.tail_blocks, tail_block_refs=[c.tail_pool.blocks[b].ref_cnt for b in i.tail_blocks],
+            pending=i.pending, reserved=i.reserved, known_token_ids=i.known_token_ids)
+
+    @_rpc
+    def SequenceInfo(self, request, context):
+        with self.engine.lock:
+            return self._seq_reply(request.cache, self.engine.sequence_info(
+                request.cache, self._tenant(context), request.sequence_id))
+
+    @_rpc
+    def ListSequences(self, request, context):
+        with self.engine.lock:
+            infos = self.engine.list_sequences(request.cache, self._tenant(context))
+            return pb.ListSequencesReply(sequences=[self._seq_reply(request.cache, i) for i in infos])
+
+
+def _pool(p) -> pb.PoolStats:
+    return pb.PoolStats(capacity=p.capacity, used=p.used, cached=p.cached, free=p.free, evictions=p.evictions)

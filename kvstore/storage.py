@@ -1,0 +1,98 @@
+"""The tensors behind the block pools. The pools (block_pool.py) hold only
+metadata; this module owns the memory and moves tokens in and out of slots.
+
+main pool, codec pq    k_codes [L, nb, Hkv, bs, M] uint8
+                       v_codes [L, nb, Hkv, M, bs] uint8 (transposed: P·V reads rows)
+main pool, codec fp16  k, v    [L, nb, Hkv, bs, d]   (the tail pool IS this pool)
+tail pool (pq only)    k, v    [L, nt, Hkv, bs, d]
+One block id addresses the same slot in every layer.
+"""
+from __future__ import annotations
+
+import torch
+
+from kvstore.kernels import dispatch
+
+from .codebooks import Codebooks
+from .config import CacheConfig
+
+TORCH_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+
+
+class Fp16Store:
+    """Paged fp16 (or bf16) K/V: [L, nb, Hkv, bs, d]."""
+
+    def __init__(self, cfg: CacheConfig, num_blocks: int):
+        g = cfg.geometry
+        self.bs = cfg.block_size
+        shape = (g.num_layers, num_blocks, g.num_kv_heads, cfg.block_size, g.head_dim)
+        self.k = torch.zeros(shape, dtype=TORCH_DTYPES[g.dtype], device=cfg.device)
+        self.v = torch.zeros_like(self.k)
+
+    def write(self, layers: slice, blocks: torch.Tensor, offsets: torch.Tensor,
+              k: torch.Tensor, v: torch.Tensor) -> None:
+        """k, v [nl, n, Hkv, d] -> token i at (blocks[i], offsets[i])."""
+        # [nb, bs, L, Hkv, d] view: the two advanced indices are adjacent, so
+        # the indexed result is [n, nl, Hkv, d].
+        self.k.permute(1, 3, 0, 2, 4)[blocks, offsets, layers] = k.permute(1, 0, 2, 3).to(self.k.dtype)
+        self.v.permute(1, 3, 0, 2, 4)[blocks, offsets, layers] = v.permute(1, 0, 2, 3).to(self.v.dtype)
+
+    def read_blocks(self, layers: slice, block_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> k, v [nl, n_blocks * bs, Hkv, d]."""
+        k = self.k[layers, block_ids]                   # [nl, n, Hkv, bs, d]
+        v = self.v[layers, block_ids]
+        nl, n, h, bs, d = k.shape
+        return (k.permute(0, 1, 3, 2, 4).reshape(nl, n * bs, h, d),
+                v.permute(0, 1, 3, 2, 4).reshape(nl, n * bs, h, d))
+
+    def copy_block(self, src: int, dst: int) -> None:
+        self.k[:, dst] = self.k[:, src]
+        self.v[:, dst] = self.v[:, src]
+
+    def nbytes(self) -> int:
+        return self.k.nbytes + self.v.nbytes
+
+
+class PQStore:
+    """PQ codes: K row-wise [L, nb, Hkv, bs, M], V transposed [L, nb, Hkv, M, bs]."""
+
+    def __init__(self, cfg: CacheConfig, num_blocks: int):
+        g = cfg.geometry
+        self.bs = cfg.block_size
+        self.m = cfg.m
+        self.dtype = TORCH_DTYPES[g.dtype]
+        self.k_codes = torch.zeros((g.num_layers, num_blocks, g.num_kv_heads, cfg.block_size, cfg.m),
+                                   dtype=torch.uint8, device=cfg.device)
+        self.v_codes = torch.zeros((g.num_layers, num_blocks, g.num_kv_heads, cfg.m, cfg.block_size),
+                                   dtype=torch.uint8, device=cfg.device)
+        self.k_cb: torch.Tensor | None = None           # [L, Hkv, M, 256, dsub]
+        self.v_cb: torch.Tensor | None = None
+
+    def set_codebooks(self, cb: Codebooks) -> None:
+        # fp32 for the CPU reference; the GPU kernels want the compute dtype.
+        dt = torch.float32 if self.k_codes.device.type == "cpu" else self.dtype
+        self.k_cb = cb.k.to(device=self.k_codes.device, dtype=dt).contiguous()
+        self.v_cb = cb.v.to(device=self.k_codes.device, dtype=dt).contiguous()
+
+    def encode_blocks(self, block_ids: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """k, v [L, n_blocks * bs, Hkv, d] -> codes of whole blocks block_ids."""
+        assert self.k_cb is not None, "encode before codebooks are set"
+        n = block_ids.numel() * self.bs
+        slots = (block_ids.view(-1, 1) * self.bs + torch.arange(self.bs, device=block_ids.device)).view(-1)
+        slots = slots.to(torch.int32)
+        for layer in range(k.shape[0]):
+            dispatch.pq_encode_to_slots(k[layer, :n].contiguous(), self.k_cb[layer], slots, k_codes=self.k_codes[layer])
+            dispatch.pq_encode_to_slots(v[layer, :n].contiguous(), self.v_cb[layer], slots, v_codes=self.v_codes[layer])
+
+    def read_blocks(self, layers: slice, block_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Dequantized -> k, v [nl, n_blocks * bs, Hkv, d] in the cache dtype."""
+        ks, vs = [], []
+        for layer in range(*layers.indices(self.k_codes.shape[0])):
+            k, v = dispatch.gather_pq_blocks(self.k_codes[layer], self.v_codes[layer],
+                                             self.k_cb[layer], self.v_cb[layer], block_ids)
+            ks.append(k.to(self.dtype))
+            vs.append(v.to(self.dtype))
+        return torch.stack(ks), torch.stack(vs)
+
+    def nbytes(self) -> int:
+        return self.k_codes.nbytes + self.v_codes.nbytes

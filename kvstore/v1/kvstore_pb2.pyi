@@ -1,0 +1,496 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class DType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    DTYPE_UNSPECIFIED: _ClassVar[DType]
+    FLOAT16: _ClassVar[DType]
+    BFLOAT16: _ClassVar[DType]
+    FLOAT32: _ClassVar[DType]
+    UINT8: _ClassVar[DType]
+    INT32: _ClassVar[DType]
+    INT64: _ClassVar[DType]
+
+class BufferKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    BUFFER_KIND_UNSPECIFIED: _ClassVar[BufferKind]
+    SHM: _ClassVar[BufferKind]
+    CUDA_IPC: _ClassVar[BufferKind]
+DTYPE_UNSPECIFIED: DType
+FLOAT16: DType
+BFLOAT16: DType
+FLOAT32: DType
+UINT8: DType
+INT32: DType
+INT64: DType
+BUFFER_KIND_UNSPECIFIED: BufferKind
+SHM: BufferKind
+CUDA_IPC: BufferKind
+
+class BufferRef(_message.Message):
+    __slots__ = ("buffer_id", "offset")
+    BUFFER_ID_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    buffer_id: str
+    offset: int
+    def __init__(self, buffer_id: _Optional[str] = ..., offset: _Optional[int] = ...) -> None: ...
+
+class Tensor(_message.Message):
+    __slots__ = ("shape", "dtype", "inline", "ref")
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    INLINE_FIELD_NUMBER: _ClassVar[int]
+    REF_FIELD_NUMBER: _ClassVar[int]
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    dtype: DType
+    inline: bytes
+    ref: BufferRef
+    def __init__(self, shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[_Union[DType, str]] = ..., inline: _Optional[bytes] = ..., ref: _Optional[_Union[BufferRef, _Mapping]] = ...) -> None: ...
+
+class OutputRef(_message.Message):
+    __slots__ = ("buffer_id", "offset")
+    BUFFER_ID_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    buffer_id: str
+    offset: int
+    def __init__(self, buffer_id: _Optional[str] = ..., offset: _Optional[int] = ...) -> None: ...
+
+class Geometry(_message.Message):
+    __slots__ = ("num_layers", "num_q_heads", "num_kv_heads", "head_dim", "dtype")
+    NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    NUM_Q_HEADS_FIELD_NUMBER: _ClassVar[int]
+    NUM_KV_HEADS_FIELD_NUMBER: _ClassVar[int]
+    HEAD_DIM_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    num_layers: int
+    num_q_heads: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: str
+    def __init__(self, num_layers: _Optional[int] = ..., num_q_heads: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., dtype: _Optional[str] = ...) -> None: ...
+
+class CacheSpec(_message.Message):
+    __slots__ = ("name", "model_id", "geometry", "codec", "num_subvectors", "block_size", "residual", "num_blocks", "pool_bytes", "max_sequences")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    MODEL_ID_FIELD_NUMBER: _ClassVar[int]
+    GEOMETRY_FIELD_NUMBER: _ClassVar[int]
+    CODEC_FIELD_NUMBER: _ClassVar[int]
+    NUM_SUBVECTORS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    RESIDUAL_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    POOL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MAX_SEQUENCES_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    model_id: str
+    geometry: Geometry
+    codec: str
+    num_subvectors: int
+    block_size: int
+    residual: int
+    num_blocks: int
+    pool_bytes: int
+    max_sequences: int
+    def __init__(self, name: _Optional[str] = ..., model_id: _Optional[str] = ..., geometry: _Optional[_Union[Geometry, _Mapping]] = ..., codec: _Optional[str] = ..., num_subvectors: _Optional[int] = ..., block_size: _Optional[int] = ..., residual: _Optional[int] = ..., num_blocks: _Optional[int] = ..., pool_bytes: _Optional[int] = ..., max_sequences: _Optional[int] = ...) -> None: ...
+
+class CreateCacheRequest(_message.Message):
+    __slots__ = ("spec", "exist_ok")
+    SPEC_FIELD_NUMBER: _ClassVar[int]
+    EXIST_OK_FIELD_NUMBER: _ClassVar[int]
+    spec: CacheSpec
+    exist_ok: bool
+    def __init__(self, spec: _Optional[_Union[CacheSpec, _Mapping]] = ..., exist_ok: _Optional[bool] = ...) -> None: ...
+
+class GetCacheRequest(_message.Message):
+    __slots__ = ("cache",)
+    CACHE_FIELD_NUMBER: _ClassVar[int]
+    cache: str
+    def __init__(self, cache: _Optional[str] = ...) -> None: ...
+
+class CacheInfo(_message.Message):
+    __slots__ = ("spec", "has_codebooks", "codebooks_sha256", "fingerprint", "capacity_blocks", "tail_capacity_blocks", "bytes_per_token", "compression_ratio")
+    SPEC_FIELD_NUMBER: _ClassVar[int]
+    HAS_CODEBOOKS_FIELD_NUMBER: _ClassVar[int]
+    CODEBOOKS_SHA256_FIELD_NUMBER: _ClassVar[int]
+    FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    CAPACITY_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    TAIL_CAPACITY_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    BYTES_PER_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    COMPRESSION_RATIO_FIELD_NUMBER: _ClassVar[int]
+    spec: CacheSpec
+    has_codebooks: bool
+    codebooks_sha256: str
+    fingerprint: bytes
+    capacity_blocks: int
+    tail_capacity_blocks: int
+    bytes_per_token: int
+    compression_ratio: float
+    def __init__(self, spec: _Optional[_Union[CacheSpec, _Mapping]] = ..., has_codebooks: _Optional[bool] = ..., codebooks_sha256: _Optional[str] = ..., fingerprint: _Optional[bytes] = ..., capacity_blocks: _Optional[int] = ..., tail_capacity_blocks: _Optional[int] = ..., bytes_per_token: _Optional[int] = ..., compression_ratio: _Optional[float] = ...) -> None: ...
+
+class SetCodebooksRequest(_message.Message):
+    __slots__ = ("cache", "safetensors")
+    CACHE_FIELD_NUMBER: _ClassVar[int]
+    SAFETENSORS_FIELD_NUMBER: _ClassVar[int]
+    cache: str
+    safetensors: bytes
+    def __init__(self, cache: _Optional[str] = ..., safetensors: _Optional[bytes] = ...) -> None: ...
+
+class TrainCodebooksRequest(_message.Message):
+    __slots__ = ("cache", "k_samples", "v_samples", "niter")
+    CACHE_FIELD_NUMBER: _ClassVar[int]
+    K_SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    V_SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    NITER_FIELD_NUMBER: _ClassVar[int]
+    cache: str
+    k_samples: Tensor
+    v_samples: Tensor
+    niter: int
+    def __init__(self, cache: _Optional[str] = ..., k_samples: _Optional[_Union[Tensor, _Mapping]] = ..., v_samples: _Optional[_Union[Tensor, _Mapping]] = ..., niter: _Optional[int] = ...) -> None: ...
+
+class CodebooksReply(_message.Message):
+    __slots__ = ("sha256",)
+    SHA256_FIELD_NUMBER: _ClassVar[int]
+    sha256: str
+    def __init__(self, sha256: _Optional[str] = ...) -> None: ...
+
+class AllocateRequest(_message.Message):
+    __slots__ = ("cache", "sequence_id", "prompt_token_ids")
+    CACHE_FIELD_NUMBER: _ClassVar[int]
+    SEQUENCE_ID_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    cache: str
+    sequence_id: str
+    prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, cache: _Optional[str] = ..., sequence_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class AllocateReply(_message.Message):
+    __slots__ = ("cached_tokens", "hit_blocks")
+    CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    HIT_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    cached_tokens: int
+    hit_blocks: int
+    def __init__(self, cached_tokens: _Optional[int] = ..., hit_blocks: _Optional[int] = ...) -> None: ...
+
+class ReserveRequest(_message.Message):
+    __slots__ = ("cache", "sequence_id", "num_tokens")
+    CACHE_FIELD_NUMBER: _ClassVar[int]
+    SEQUENCE_ID_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    cache: str
+    sequence_id: str
+    num_tokens: int
+    def __init__(self, cache: _Optional[str] = ..., sequence_id: _Optional[str] = ..., num_tokens: _Optional[int] = ...) -> None: ...
+
+class ReserveReply(_message.Message):
+    __slots__ = ("slot_mapping", "sealed_blocks", "tail_blocks", "length")
+    SLOT_MAPPING_FIELD_NUMBER: _ClassVar[int]
+    SEALED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    TAIL_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    LENGTH_FIELD_NUMBER: _ClassVar[int]
+    slot_mapping: _containers.RepeatedScalarFieldContainer[int]
+    sealed_blocks: _containers.RepeatedScalarFieldContainer[int]
+    tail_blocks: _containers.RepeatedScalarFieldContainer[int]
+    length: int
+    def __init__(self, slot_mapping: _Optional[_Iterable[int]] = ..., sealed_blocks: _Optional[_Iterable[int]] = ..., tail_blocks: _Optional[_Iterable[int]] = ..., length: _Optional[int] = ...) -> None: ...
+
+class TokenIds(_message.Message):
+    __slots__ = ("ids",)
+    IDS_FIELD_NUMBER: _ClassVar[int]
+    ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class AppendRequest(_message.Message):
+    __slots__ = ("cache", "sequence_ids", "counts", "layer", "k", "v", "token_ids")
+    CACHE_FIELD_NUMBER: _ClassVar[int]
+    SEQUENCE_IDS_FIELD_NUMBER: _ClassVar[int]
+    COUNTS_FIELD_NUMBER: _ClassVar[int]
+    LAYER_FIELD_NUMBER: _ClassVar[int]
+    K_FIELD_NUMBER: _ClassVar[int]
+    V_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    cache: str
+    sequence_ids: _containers.RepeatedScalarFieldContainer[str]
+    counts: _containers.RepeatedScalarFieldContainer[int]
+    layer: int
+    k: Tensor
+    v: Tensor
+    token_ids: _containers.RepeatedCompositeFieldContainer[TokenIds]
+    def __init__(self, cache: _Optional[str] = ..., sequence_ids: _Optional[_Iterable[str]] = ..., counts: _Optional[_Iterable[int]] = ..., layer: _Optional[int] = ..., k: _Optional[_Union[Tensor, _Mapping]] = ..., v: _Optional[_Union[Tensor, _Mapping]] = ..., token_ids: _Optional[_Iterable[_Union[TokenIds, _Mapping]]] = ...) -> None: ...
+
+class AppendReply(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class AttendRequest(_message.Message):
+    __slots__ = ("cache", "layer", "sequence_ids", "q", "scale", "out")
+    CACHE_FIELD_NUMBER: _ClassVar[int]
+    LAYER_FIELD_NUMBER: _ClassVar[int]
+    SEQUENCE_IDS_FIELD_NUMBER: _ClassVar[int]
+    Q_FIELD_NUMBER: _ClassVar[int]
+    SCALE_FIELD_NUMBER: _ClassVar[int]
+    OUT_FIELD_NUMBER: _ClassVar[int]
+    cache: str
+    layer: int
+    sequence_ids: _containers.RepeatedScalarFieldContainer[str]
+    q: Tensor
+    scale: float
+    out: OutputRef
+    def __init__(self, cache: _Optional[str] = ..., layer: _Optional[int] = ..., sequence_ids: _Optional[_Iterable[str]] = ..., q: _Optional[_Union[Tensor, _Mapping]] = ..., scale: _Optional[float] = ..., out: _Optional[_Union[OutputRef, _Mapping]] = ...) -> None: ...
+
+class AppendAttendRequest(_message.Message):
+    __slots__ = ("cache", "layer", "sequence_ids", "k", "v", "q", "scale", "out")
+    CACHE_FIELD_NUMBER: _ClassVar[int]
+    LAYER_FIELD_NUMBER: _ClassVar[int]
+    SEQUENCE_IDS_FIELD_NUMBER: _ClassVar[int]
+    K_FIELD_NUMBER: _ClassVar[int]
+    V_FIELD_NUMBER: _ClassVar[int]
+    Q_FIELD_NUMBER: _ClassVar[int]
+    SCALE_FIELD_NUMBER: _ClassVar[int]
+    OUT_FIELD_NUMBER: _ClassVar[int]
+    cache: str
+    layer: int
+    sequence_ids: _containers.RepeatedScalarFieldContainer[str]
+    k: Tensor
+    v: Tensor
+    q: Tensor
+    scale: float
+    out: OutputRef
+    def __init__(self, cache: _Optional[str] = ..., layer: _Optional[int] = ..., sequence_ids: _Optional[_Iterable[str]] = ..., k: _Optional[_Union[Tensor, _Mapping]] = ..., v: _Optional[_Union[Tensor, _Mapping]] = ..., q: _Optional[_Union[Tensor, _Mapping]] = ..., scale: _Optional[float] = ..., out: _Optional[_Union[OutputRef, _Mapping]] = ...) -> None: ...
+
+class AttendReply(_message.Message):
+    __slots__ = ("out",)
+    OUT_FIELD_NUMBER: _ClassVar[int]
+    out: Tensor
+    def __init__(self, out: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
+
+class RetrieveRequest(_message.Message):
+    __slots__ = ("cache", "sequence_id", "start", "end", "layer_start", "layer_end", "k_out", "v_out")
+    CACHE_FIELD_NUMBER: _ClassVar[int]
+    SEQUENCE_ID_FIELD_NUMBER: _ClassVar[int]
+    START_FIELD_NUMBER: _ClassVar[int]
+    END_FIELD_NUMBER: _ClassVar[int]
+    LAYER_START_FIELD_NUMBER: _ClassVar[int]
+    LAYER_END_FIELD_NUMBER: _ClassVar[int]
+    K_OUT_FIELD_NUMBER: _ClassVar[int]
+    V_OUT_FIELD_NUMBER: _ClassVar[int]
+    cache: str
+    sequence_id: str
+    start: int
+    end: int
+    layer_start: int
+    layer_end: int
+    k_out: OutputRef
+    v_out: OutputRef
+    def __init__(self, cache: _Optional[str] = ..., sequence_id: _Optional[str] = ..., start: _Optional[int] = ..., end: _Optional[int] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., k_out: _Optional[_Union[OutputRef, _Mapping]] = ..., v_out: _Optional[_Union[OutputRef, _Mapping]] = ...) -> None: ...
+
+class RetrieveReply(_message.Message):
+    __slots__ = ("k", "v")
+    K_FIELD_NUMBER: _ClassVar[int]
+    V_FIELD_NUMBER: _ClassVar[int]
+    k: Tensor
+    v: Tensor
+    def __init__(self, k: _Optional[_Union[Tensor, _Mapping]] = ..., v: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
+
+class ForkRequest(_message.Message):
+    __slots__ = ("cache", "sequence_id", "new_sequence_id")
+    CACHE_FIELD_NUMBER: _ClassVar[int]
+    SEQUENCE_ID_FIELD_NUMBER: _ClassVar[int]
+    NEW_SEQUENCE_ID_FIELD_NUMBER: _ClassVar[int]
+    cache: str
+    sequence_id: str
+    new_sequence_id: str
+    def __init__(self, cache: _Optional[str] = ..., sequence_id: _Optional[str] = ..., new_sequence_id: _Optional[str] = ...) -> None: ...
+
+class ForkReply(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class FreeRequest(_message.Message):
+    __slots__ = ("cache", "sequence_ids")
+    CACHE_FIELD_NUMBER: _ClassVar[int]
+    SEQUENCE_IDS_FIELD_NUMBER: _ClassVar[int]
+    cache: str
+    sequence_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, cache: _Optional[str] = ..., sequence_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class FreeReply(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class OffloadRequest(_message.Message):
+    __slots__ = ("cache", "sequence_ids")
+    CACHE_FIELD_NUMBER: _ClassVar[int]
+    SEQUENCE_IDS_FIELD_NUMBER: _ClassVar[int]
+    cache: str
+    sequence_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, cache: _Optional[str] = ..., sequence_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class OffloadReply(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class PrefetchRequest(_message.Message):
+    __slots__ = ("cache", "sequence_ids")
+    CACHE_FIELD_NUMBER: _ClassVar[int]
+    SEQUENCE_IDS_FIELD_NUMBER: _ClassVar[int]
+    cache: str
+    sequence_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, cache: _Optional[str] = ..., sequence_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class PrefetchReply(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class RegisterBufferRequest(_message.Message):
+    __slots__ = ("kind", "name", "size", "ipc_handle", "device_uuid")
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    IPC_HANDLE_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_UUID_FIELD_NUMBER: _ClassVar[int]
+    kind: BufferKind
+    name: str
+    size: int
+    ipc_handle: bytes
+    device_uuid: str
+    def __init__(self, kind: _Optional[_Union[BufferKind, str]] = ..., name: _Optional[str] = ..., size: _Optional[int] = ..., ipc_handle: _Optional[bytes] = ..., device_uuid: _Optional[str] = ...) -> None: ...
+
+class RegisterBufferReply(_message.Message):
+    __slots__ = ("buffer_id",)
+    BUFFER_ID_FIELD_NUMBER: _ClassVar[int]
+    buffer_id: str
+    def __init__(self, buffer_id: _Optional[str] = ...) -> None: ...
+
+class UnregisterBufferRequest(_message.Message):
+    __slots__ = ("buffer_id",)
+    BUFFER_ID_FIELD_NUMBER: _ClassVar[int]
+    buffer_id: str
+    def __init__(self, buffer_id: _Optional[str] = ...) -> None: ...
+
+class UnregisterBufferReply(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class MapPoolRequest(_message.Message):
+    __slots__ = ("cache",)
+    CACHE_FIELD_NUMBER: _ClassVar[int]
+    cache: str
+    def __init__(self, cache: _Optional[str] = ...) -> None: ...
+
+class MapPoolReply(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class StatsRequest(_message.Message):
+    __slots__ = ("cache",)
+    CACHE_FIELD_NUMBER: _ClassVar[int]
+    cache: str
+    def __init__(self, cache: _Optional[str] = ...) -> None: ...
+
+class PoolStats(_message.Message):
+    __slots__ = ("capacity", "used", "cached", "free", "evictions")
+    CAPACITY_FIELD_NUMBER: _ClassVar[int]
+    USED_FIELD_NUMBER: _ClassVar[int]
+    CACHED_FIELD_NUMBER: _ClassVar[int]
+    FREE_FIELD_NUMBER: _ClassVar[int]
+    EVICTIONS_FIELD_NUMBER: _ClassVar[int]
+    capacity: int
+    used: int
+    cached: int
+    free: int
+    evictions: int
+    def __init__(self, capacity: _Optional[int] = ..., used: _Optional[int] = ..., cached: _Optional[int] = ..., free: _Optional[int] = ..., evictions: _Optional[int] = ...) -> None: ...
+
+class CacheStats(_message.Message):
+    __slots__ = ("cache", "main", "tail", "sequences", "tokens", "sealed_tokens", "bytes_per_token", "fp16_bytes_per_token", "compression_ratio", "used_bytes", "effective_bytes_per_token", "prefix_query_tokens", "prefix_hit_tokens", "prefix_hit_rate", "appended_tokens", "sealed_blocks", "dedup_blocks", "attend_calls")
+    CACHE_FIELD_NUMBER: _ClassVar[int]
+    MAIN_FIELD_NUMBER: _ClassVar[int]
+    TAIL_FIELD_NUMBER: _ClassVar[int]
+    SEQUENCES_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SEALED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    BYTES_PER_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    FP16_BYTES_PER_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    COMPRESSION_RATIO_FIELD_NUMBER: _ClassVar[int]
+    USED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    EFFECTIVE_BYTES_PER_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_QUERY_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_HIT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_HIT_RATE_FIELD_NUMBER: _ClassVar[int]
+    APPENDED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SEALED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    DEDUP_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    ATTEND_CALLS_FIELD_NUMBER: _ClassVar[int]
+    cache: str
+    main: PoolStats
+    tail: PoolStats
+    sequences: int
+    tokens: int
+    sealed_tokens: int
+    bytes_per_token: int
+    fp16_bytes_per_token: int
+    compression_ratio: float
+    used_bytes: int
+    effective_bytes_per_token: float
+    prefix_query_tokens: int
+    prefix_hit_tokens: int
+    prefix_hit_rate: float
+    appended_tokens: int
+    sealed_blocks: int
+    dedup_blocks: int
+    attend_calls: int
+    def __init__(self, cache: _Optional[str] = ..., main: _Optional[_Union[PoolStats, _Mapping]] = ..., tail: _Optional[_Union[PoolStats, _Mapping]] = ..., sequences: _Optional[int] = ..., tokens: _Optional[int] = ..., sealed_tokens: _Optional[int] = ..., bytes_per_token: _Optional[int] = ..., fp16_bytes_per_token: _Optional[int] = ..., compression_ratio: _Optional[float] = ..., used_bytes: _Optional[int] = ..., effective_bytes_per_token: _Optional[float] = ..., prefix_query_tokens: _Optional[int] = ..., prefix_hit_tokens: _Optional[int] = ..., prefix_hit_rate: _Optional[float] = ..., appended_tokens: _Optional[int] = ..., sealed_blocks: _Optional[int] = ..., dedup_blocks: _Optional[int] = ..., attend_calls: _Optional[int] = ...) -> None: ...
+
+class StatsReply(_message.Message):
+    __slots__ = ("caches",)
+    CACHES_FIELD_NUMBER: _ClassVar[int]
+    caches: _containers.RepeatedCompositeFieldContainer[CacheStats]
+    def __init__(self, caches: _Optional[_Iterable[_Union[CacheStats, _Mapping]]] = ...) -> None: ...
+
+class SequenceInfoRequest(_message.Message):
+    __slots__ = ("cache", "sequence_id")
+    CACHE_FIELD_NUMBER: _ClassVar[int]
+    SEQUENCE_ID_FIELD_NUMBER: _ClassVar[int]
+    cache: str
+    sequence_id: str
+    def __init__(self, cache: _Optional[str] = ..., sequence_id: _Optional[str] = ...) -> None: ...
+
+class SequenceInfoReply(_message.Message):
+    __slots__ = ("sequence_id", "length", "sealed_blocks", "sealed_block_refs", "tail_blocks", "tail_block_refs", "pending", "reserved", "known_token_ids")
+    SEQUENCE_ID_FIELD_NUMBER: _ClassVar[int]
+    LENGTH_FIELD_NUMBER: _ClassVar[int]
+    SEALED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    SEALED_BLOCK_REFS_FIELD_NUMBER: _ClassVar[int]
+    TAIL_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    TAIL_BLOCK_REFS_FIELD_NUMBER: _ClassVar[int]
+    PENDING_FIELD_NUMBER: _ClassVar[int]
+    RESERVED_FIELD_NUMBER: _ClassVar[int]
+    KNOWN_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    sequence_id: str
+    length: int
+    sealed_blocks: _containers.RepeatedScalarFieldContainer[int]
+    sealed_block_refs: _containers.RepeatedScalarFieldContainer[int]
+    tail_blocks: _containers.RepeatedScalarFieldContainer[int]
+    tail_block_refs: _containers.RepeatedScalarFieldContainer[int]
+    pending: _containers.RepeatedScalarFieldContainer[int]
+    reserved: int
+    known_token_ids: int
+    def __init__(self, sequence_id: _Optional[str] = ..., length: _Optional[int] = ..., sealed_blocks: _Optional[_Iterable[int]] = ..., sealed_block_refs: _Optional[_Iterable[int]] = ..., tail_blocks: _Optional[_Iterable[int]] = ..., tail_block_refs: _Optional[_Iterable[int]] = ..., pending: _Optional[_Iterable[int]] = ..., reserved: _Optional[int] = ..., known_token_ids: _Optional[int] = ...) -> None: ...
+
+class ListSequencesRequest(_message.Message):
+    __slots__ = ("cache",)
+    CACHE_FIELD_NUMBER: _ClassVar[int]
+    cache: str
+    def __init__(self, cache: _Optional[str] = ...) -> None: ...
+
+class ListSequencesReply(_message.Message):
+    __slots__ = ("sequences",)
+    SEQUENCES_FIELD_NUMBER: _ClassVar[int]
+    sequences: _containers.RepeatedCompositeFieldContainer[SequenceInfoReply]
+    def __init__(self, sequences: _Optional[_Iterable[_Union[SequenceInfoReply, _Mapping]]] = ...) -> None: ...
