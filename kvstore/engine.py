@@ -31,6 +31,7 @@ class SequenceInfo:
     pending: list[int]
     reserved: int
     known_token_ids: int
+    block_hashes: list[bytes]
 
 
 class Engine:
@@ -215,7 +216,7 @@ class Engine:
         with self.lock:
             s = self.cache(name).seq(tenant, seq_id)
             return SequenceInfo(s.seq_id, s.length, list(s.sealed), list(s.tail), list(s.pending),
-                                s.reserved, len(s.token_ids))
+                                s.reserved, len(s.token_ids), list(s.hashes))
 
     def list_sequences(self, name: str, tenant: str) -> list[SequenceInfo]:
         with self.lock:

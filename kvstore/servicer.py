@@ -218,7 +218,8 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
             sequence_id=i.seq_id, length=i.length, sealed_blocks=i.sealed_blocks,
             sealed_block_refs=[c.main_pool.blocks[b].ref_cnt for b in i.sealed_blocks],
             tail_blocks=i.tail_blocks, tail_block_refs=[c.tail_pool.blocks[b].ref_cnt for b in i.tail_blocks],
-            pending=i.pending, reserved=i.reserved, known_token_ids=i.known_token_ids)
+            pending=i.pending, reserved=i.reserved, known_token_ids=i.known_token_ids,
+            block_hashes=i.block_hashes)
 
     @_rpc
     def SequenceInfo(self, request, context):

@@ -462,7 +462,7 @@ class SequenceInfoRequest(_message.Message):
     def __init__(self, cache: _Optional[str] = ..., sequence_id: _Optional[str] = ...) -> None: ...
 
 class SequenceInfoReply(_message.Message):
-    __slots__ = ("sequence_id", "length", "sealed_blocks", "sealed_block_refs", "tail_blocks", "tail_block_refs", "pending", "reserved", "known_token_ids")
+    __slots__ = ("sequence_id", "length", "sealed_blocks", "sealed_block_refs", "tail_blocks", "tail_block_refs", "pending", "reserved", "known_token_ids", "block_hashes")
     SEQUENCE_ID_FIELD_NUMBER: _ClassVar[int]
     LENGTH_FIELD_NUMBER: _ClassVar[int]
     SEALED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -472,6 +472,7 @@ class SequenceInfoReply(_message.Message):
     PENDING_FIELD_NUMBER: _ClassVar[int]
     RESERVED_FIELD_NUMBER: _ClassVar[int]
     KNOWN_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
     sequence_id: str
     length: int
     sealed_blocks: _containers.RepeatedScalarFieldContainer[int]
@@ -481,7 +482,8 @@ class SequenceInfoReply(_message.Message):
     pending: _containers.RepeatedScalarFieldContainer[int]
     reserved: int
     known_token_ids: int
-    def __init__(self, sequence_id: _Optional[str] = ..., length: _Optional[int] = ..., sealed_blocks: _Optional[_Iterable[int]] = ..., sealed_block_refs: _Optional[_Iterable[int]] = ..., tail_blocks: _Optional[_Iterable[int]] = ..., tail_block_refs: _Optional[_Iterable[int]] = ..., pending: _Optional[_Iterable[int]] = ..., reserved: _Optional[int] = ..., known_token_ids: _Optional[int] = ...) -> None: ...
+    block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, sequence_id: _Optional[str] = ..., length: _Optional[int] = ..., sealed_blocks: _Optional[_Iterable[int]] = ..., sealed_block_refs: _Optional[_Iterable[int]] = ..., tail_blocks: _Optional[_Iterable[int]] = ..., tail_block_refs: _Optional[_Iterable[int]] = ..., pending: _Optional[_Iterable[int]] = ..., reserved: _Optional[int] = ..., known_token_ids: _Optional[int] = ..., block_hashes: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class ListSequencesRequest(_message.Message):
     __slots__ = ("cache",)
