@@ -1,22 +1,50 @@
-"""Route each op to Triton on CUDA tensors, to the torch reference on CPU."""
+"""Route each op by device: CUDA tensors -> Triton kernels, anything else -> the
+torch reference. Signatures are reference.py's. Triton modules are imported on
+first CUDA use, so CPU-only installs never need Triton.
+
+The engine's hot path should hold plans instead (decode_attention.plan_*_decode,
+pq_encode.plan_pq_encode): these wrappers re-plan on every call.
+"""
 from __future__ import annotations
+
+import torch
 
 from . import reference
 
 
+def _on_cuda(t: torch.Tensor) -> bool:
+    return t.device.type == "cuda"
+
+
 def pq_encode_to_slots(x, codebook, slots, k_codes=None, v_codes=None):
-    return reference.pq_encode_to_slots(x, codebook, slots, k_codes=k_codes, v_codes=v_codes)
+    if _on_cuda(x):
+        from .pq_encode import pq_encode_to_slots as fn
+    else:
+        fn = reference.pq_encode_to_slots
+    return fn(x, codebook, slots, k_codes=k_codes, v_codes=v_codes)
 
 
 def gather_pq_blocks(k_codes, v_codes, k_codebook, v_codebook, block_ids):
+    if _on_cuda(k_codes):
+        from .pq_dequantize import gather_pq_blocks as fn
+        return fn(k_codes, v_codes, k_codebook.contiguous(), v_codebook.contiguous(),
+                  block_ids)
     return reference.gather_pq_blocks(k_codes, v_codes, k_codebook, v_codebook, block_ids)
 
 
 def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale):
-    return reference.paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale)
+    if _on_cuda(q):
+        from .decode_attention import paged_decode_attention as fn
+    else:
+        fn = reference.paged_decode_attention
+    return fn(q, k_cache, v_cache, block_tables, seq_lens, scale)
 
 
 def pq_decode_attention(q, k_codes, v_codes, k_codebook, v_codebook, sealed_tables, sealed_lens,
                         tail_k, tail_v, tail_tables, tail_lens, scale):
-    return reference.pq_decode_attention(q, k_codes, v_codes, k_codebook, v_codebook, sealed_tables,
-                                         sealed_lens, tail_k, tail_v, tail_tables, tail_lens, scale)
+    if _on_cuda(q):
+        from .decode_attention import pq_decode_attention as fn
+    else:
+        fn = reference.pq_decode_attention
+    return fn(q, k_codes, v_codes, k_codebook, v_codebook, sealed_tables, sealed_lens,
+              tail_k, tail_v, tail_tables, tail_lens, scale)
