@@ -39,6 +39,9 @@ class BlockPool:
         self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self._by_hash: dict[bytes, int] = {}
         self.evictions = 0
+        # Called with [(block id, hash)] of cached blocks allocate() is about to
+        # reuse, before anything overwrites them (the tiers copy them down).
+        self.on_evict = None
 
     @property
     def capacity(self) -> int:
@@ -54,18 +57,21 @@ class BlockPool:
         if n > len(self._free):
             return None
         now = time.monotonic()
-        out = []
+        out, evicted = [], []
         for _ in range(n):
             bid, _ = self._free.popitem(last=False)
             blk = self.blocks[bid]
             if blk.hash is not None:
                 if self._by_hash.get(blk.hash) == bid:
                     del self._by_hash[blk.hash]
+                evicted.append((bid, blk.hash))
                 blk.hash = None
                 self.evictions += 1
             blk.ref_cnt = 1
             blk.last_use = now
             out.append(bid)
+        if evicted and self.on_evict is not None:
+            self.on_evict(evicted)
         return out
 
     def ref(self, block_ids: list[int]) -> None:

@@ -17,7 +17,7 @@ def generate(out_dir: pathlib.Path = ROOT) -> None:
     include = pathlib.Path(grpc_tools.__file__).parent / "_proto"
     args = ["protoc", f"-Ikvstore/v1={ROOT / 'protos'}", f"-I{include}",
             f"--python_out={out_dir}", f"--grpc_python_out={out_dir}", f"--pyi_out={out_dir}",
-            f"kvstore/v1/kvstore.proto"]
+            "kvstore/v1/kvstore.proto"]
     if protoc.main(args) != 0:
         sys.exit("protoc failed")
 

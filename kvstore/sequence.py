@@ -27,6 +27,8 @@ class Sequence:
     hashes: list[bytes] = field(default_factory=list)  # hash of full block i
     hashed_upto: int = 0          # blocks [0, hashed_upto) are registered in a pool index
     last_use: float = field(default_factory=time.monotonic)
+    tier: str = "gpu"             # "gpu" | "host" (ids index host pools) | "disk" (ids empty)
+    manifest: dict | None = None  # what LMDB holds, while tier == "disk"
 
     def __post_init__(self) -> None:
         if not self.pending:

@@ -10,7 +10,8 @@ import grpc
 from . import wire
 from .codebooks import Codebooks
 from .config import CacheConfig, CodecConfig, ModelGeometry
-from .engine import Engine, SequenceInfo
+from .engine import Engine
+from .engine import SequenceInfo as SeqInfo
 from .errors import KVStoreError, Unimplemented
 from .v1 import kvstore_pb2 as pb
 from .v1 import kvstore_pb2_grpc as pb_grpc
@@ -212,7 +213,7 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
                 msg.tail.CopyFrom(_pool(s["tail"]))
         return out
 
-    def _seq_reply(self, name: str, i: SequenceInfo) -> pb.SequenceInfoReply:
+    def _seq_reply(self, name: str, i: SeqInfo) -> pb.SequenceInfoReply:
         c = self.engine.cache(name)
         return pb.SequenceInfoReply(
             sequence_id=i.seq_id, length=i.length, sealed_blocks=i.sealed_blocks,

@@ -49,6 +49,16 @@ class Fp16Store:
         self.k[:, dst] = self.k[:, src]
         self.v[:, dst] = self.v[:, src]
 
+    def block_bytes(self) -> int:
+        return 2 * self.k[:, 0].numel() * self.k.element_size()
+
+    def pack(self, block_ids: torch.Tensor) -> torch.Tensor:
+        """-> uint8 [n, block_bytes]: every layer's K then V of each block."""
+        return _pack(self.k, self.v, block_ids)
+
+    def unpack(self, block_ids: torch.Tensor, payload: torch.Tensor) -> None:
+        _unpack(self.k, self.v, block_ids, payload)
+
     def nbytes(self) -> int:
         return self.k.nbytes + self.v.nbytes
 
@@ -96,3 +106,31 @@ class PQStore:
 
     def nbytes(self) -> int:
         return self.k_codes.nbytes + self.v_codes.nbytes
+
+    def block_bytes(self) -> int:
+        return self.k_codes[:, 0].numel() + self.v_codes[:, 0].numel()
+
+    def pack(self, block_ids: torch.Tensor) -> torch.Tensor:
+        """-> uint8 [n, block_bytes]: every layer's K codes then V codes."""
+        return _pack(self.k_codes, self.v_codes, block_ids)
+
+    def unpack(self, block_ids: torch.Tensor, payload: torch.Tensor) -> None:
+        _unpack(self.k_codes, self.v_codes, block_ids, payload)
+
+
+def _pack(k: torch.Tensor, v: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
+    # [L, n, ...] -> [n, L, ...] -> bytes per block
+    n = block_ids.numel()
+    kb = k[:, block_ids].transpose(0, 1).reshape(n, -1).view(torch.uint8)
+    vb = v[:, block_ids].transpose(0, 1).reshape(n, -1).view(torch.uint8)
+    return torch.cat([kb, vb], dim=1)
+
+
+def _unpack(k: torch.Tensor, v: torch.Tensor, block_ids: torch.Tensor, payload: torch.Tensor) -> None:
+    n = block_ids.numel()
+    half = payload.shape[1] // 2
+    per_block = k[:, 0].shape                     # [L, ...]
+    kb = payload[:, :half].contiguous().view(k.dtype).reshape(n, *per_block).transpose(0, 1)
+    vb = payload[:, half:].contiguous().view(v.dtype).reshape(n, *per_block).transpose(0, 1)
+    k[:, block_ids] = kb.to(k.device, non_blocking=True)
+    v[:, block_ids] = vb.to(v.device, non_blocking=True)

@@ -1,0 +1,78 @@
+"""The read path of a cache: decode attention and Retrieve."""
+from __future__ import annotations
+
+import math
+import time
+
+import torch
+
+from kvstore.kernels import dispatch
+
+from .errors import InvalidArgument
+from .sequence import Sequence
+
+
+class ReadPath:
+    """Mixed into Cache; builds block tables and calls the kernels."""
+
+    # ------------------------------------------------------------- reading
+    def attend(self, layer: int, seqs: list[Sequence], q: torch.Tensor, scale: float) -> torch.Tensor:
+        """q [B, Hq, d] -> out [B, Hq, d]: decode attention of one query token per
+        sequence over every token visible at this layer."""
+        self._require_ready()
+        dev = q.device
+        for s in seqs:
+            if s.layer_length(layer) == 0:
+                raise InvalidArgument("sequence_ids", f"sequence {s.seq_id!r} has no tokens at layer {layer}")
+        if self.is_pq:
+            sealed = _table([s.sealed for s in seqs], dev)
+            sealed_lens = torch.tensor([len(s.sealed) * self.bs for s in seqs], dtype=torch.int32, device=dev)
+            tail = _table([s.tail for s in seqs], dev)
+            tail_lens = torch.tensor([s.layer_length(layer) - len(s.sealed) * self.bs for s in seqs],
+                                     dtype=torch.int32, device=dev)
+            out, _ = dispatch.pq_decode_attention(
+                q, self.main.k_codes[layer], self.main.v_codes[layer], self.main.k_cb[layer], self.main.v_cb[layer],
+                sealed, sealed_lens, self.tail.k[layer], self.tail.v[layer], tail, tail_lens, scale)
+        else:
+            table = _table([s.sealed + s.tail for s in seqs], dev)
+            lens = torch.tensor([s.layer_length(layer) for s in seqs], dtype=torch.int32, device=dev)
+            out, _ = dispatch.paged_decode_attention(q, self.main.k[layer], self.main.v[layer], table, lens, scale)
+        now = time.monotonic()
+        for s in seqs:
+            s.last_use = now
+        self.counters["attend_calls"] += 1
+        return out
+
+    def retrieve(self, s: Sequence, start: int, end: int, layers: slice) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> k, v [nl, end - start, Hkv, d] of committed tokens: sealed ones
+        dequantized, tail ones exact."""
+        if not 0 <= start < end <= s.length:
+            raise InvalidArgument("end", f"range [{start}, {end}) outside the {s.length} committed tokens")
+        sealed_tok = len(s.sealed) * self.bs
+        parts_k, parts_v = [], []
+        if start < sealed_tok:
+            b0, b1 = start // self.bs, math.ceil(min(end, sealed_tok) / self.bs)
+            k, v = self.main.read_blocks(layers, torch.tensor(s.sealed[b0:b1], device=self.main_device))
+            lo = start - b0 * self.bs
+            hi = lo + min(end, sealed_tok) - start
+            parts_k.append(k[:, lo:hi])
+            parts_v.append(v[:, lo:hi])
+        if end > sealed_tok:
+            t0 = max(start, sealed_tok) - sealed_tok
+            t1 = end - sealed_tok
+            b0, b1 = t0 // self.bs, math.ceil(t1 / self.bs)
+            k, v = self.tail.read_blocks(layers, torch.tensor(s.tail[b0:b1], device=self.tail.k.device))
+            parts_k.append(k[:, t0 - b0 * self.bs:t1 - b0 * self.bs])
+            parts_v.append(v[:, t0 - b0 * self.bs:t1 - b0 * self.bs])
+        s.last_use = time.monotonic()
+        return torch.cat(parts_k, dim=1), torch.cat(parts_v, dim=1)
+
+
+def _table(rows: list[list[int]], device) -> torch.Tensor:
+    width = max(1, max(len(r) for r in rows))
+    t = torch.zeros(len(rows), width, dtype=torch.int32)
+    for i, r in enumerate(rows):
+        if r:
+            t[i, :len(r)] = torch.tensor(r, dtype=torch.int32)
+    return t.to(device)
+

@@ -1,0 +1,109 @@
+"""Host and disk tiers under a cache's GPU pools (DESIGN §7).
+
+GPU pool -> pinned host pool -> LMDB. A block crosses tiers as its payload:
+the bytes of every layer's K then V (codes for PQ blocks, fp16 for tail
+blocks; storage.pack/unpack). Sequences move whole: in the host tier their
+block ids point into the host pools; on disk they are a manifest plus block
+values written in one LMDB transaction. Sealed blocks with a content hash are
+stored under that hash (deduplicated, and found again after a restart).
+
+Key layout (every key carries the cache fingerprint):
+  b"B" fp hash            sealed block with a content hash
+  b"S" fp tenant/seq #i   other blocks of a sequence (unhashed sealed, then tail)
+  b"M" fp tenant/seq      the sequence manifest (JSON)
+"""
+from __future__ import annotations
+
+import json
+import struct
+
+import torch
+
+from .block_pool import BlockPool
+from .cold_store import LMDBStore
+
+
+def _seq_key(fp: bytes, tenant: str, seq_id: str) -> bytes:
+    t, s = tenant.encode(), seq_id.encode()
+    return fp + struct.pack("<H", len(t)) + t + struct.pack("<H", len(s)) + s
+
+
+def block_key(fp: bytes, h: bytes) -> bytes:
+    return b"B" + fp + h
+
+
+def manifest_key(fp: bytes, tenant: str, seq_id: str) -> bytes:
+    return b"M" + _seq_key(fp, tenant, seq_id)
+
+
+def seq_block_key(fp: bytes, tenant: str, seq_id: str, i: int) -> bytes:
+    return b"S" + _seq_key(fp, tenant, seq_id) + struct.pack(">I", i)
+
+
+class HostTier:
+    """Pinned host copies of blocks: a main pool (codec payloads, findable by
+    hash) and an fp16 tail pool. Metadata in BlockPools, bytes in two tensors."""
+
+    def __init__(self, main_block_bytes: int, tail_block_bytes: int, host_bytes: int, pin: bool):
+        per = main_block_bytes + tail_block_bytes
+        # Split the budget so that both pools can hold the same number of blocks:
+        # a sequence needs about one tail block for every ~8 sealed ones, but a
+        # pool that can hold every block of an offloaded sequence never refuses.
+        n = max(1, host_bytes // per)
+        self.main_pool = BlockPool(n)
+        self.tail_pool = BlockPool(n)
+        self.main = torch.empty((n, main_block_bytes), dtype=torch.uint8, pin_memory=pin)
+        self.tail = torch.empty((n, tail_block_bytes), dtype=torch.uint8, pin_memory=pin)
+
+    def nbytes(self) -> int:
+        return self.main.nbytes + self.tail.nbytes
+
+
+class DiskTier:
+    """A cache's view of the shared LMDB store."""
+
+    def __init__(self, store: LMDBStore):
+        self.store = store
+
+    def write_sequence(self, fp: bytes, tenant: str, seq_id: str, manifest: dict,
+                       hashed: list[tuple[bytes, torch.Tensor]], others: list[torch.Tensor], sync: bool) -> int:
+        """One transaction: hashed blocks (skipped if present), the sequence's
+        other blocks, then its manifest. Returns bytes written."""
+        puts, nbytes = [], 0
+        for h, payload in hashed:
+            k = block_key(fp, h)
+            if not self.store.contains(k):
+                puts.append((k, payload.numpy().tobytes()))
+                nbytes += payload.numel()
+        for i, payload in enumerate(others):
+            puts.append((seq_block_key(fp, tenant, seq_id, i), payload.numpy().tobytes()))
+            nbytes += payload.numel()
+        puts.append((manifest_key(fp, tenant, seq_id), json.dumps(manifest).encode()))
+        self.store.write_batch(puts, [], sync=sync)
+        return nbytes
+
+    def read_sequence(self, fp: bytes, tenant: str, seq_id: str, manifest: dict) -> tuple[list[bytes], list[bytes]]:
+        hashed = [bytes.fromhex(h) for h in manifest["sealed_hashes"] if h]
+        got_h = self.store.get_many([block_key(fp, h) for h in hashed])
+        n_other = manifest["n_other"]
+        got_o = self.store.get_many([seq_block_key(fp, tenant, seq_id, i) for i in range(n_other)])
+        if any(v is None for v in got_h) or any(v is None for v in got_o):
+            raise RuntimeError(f"sequence {seq_id!r} is incomplete on disk")
+        return got_h, got_o
+
+    def delete_sequence(self, fp: bytes, tenant: str, seq_id: str, n_other: int) -> None:
+        keys = [seq_block_key(fp, tenant, seq_id, i) for i in range(n_other)]
+        self.store.write_batch([], keys + [manifest_key(fp, tenant, seq_id)])
+
+    def manifests(self, fp: bytes):
+        for k, v in self.store.scan(b"M" + fp):
+            yield json.loads(v)
+
+    def get_block(self, fp: bytes, h: bytes) -> bytes | None:
+        return self.store.get_many([block_key(fp, h)])[0]
+
+    def put_blocks(self, fp: bytes, items: list[tuple[bytes, torch.Tensor]]) -> int:
+        puts = [(block_key(fp, h), p.numpy().tobytes()) for h, p in items if not self.store.contains(block_key(fp, h))]
+        if puts:
+            self.store.write_batch(puts, [])
+        return sum(len(v) for _, v in puts)
