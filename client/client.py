@@ -10,6 +10,10 @@
 Tensors cross through a POSIX shared-memory buffer registered once when the
 daemon is local (Unix socket), as inline bytes otherwise; `transport` says
 which. Errors are grpc.RpcError with the daemon's status code and message.
+
+Every call carries this client's session id (`x-kvstore-session`) and, if
+given, `authorization: Bearer <token>`; a background thread heartbeats so the
+daemon frees this process's unpinned sequences only after it is gone.
 """
 from __future__ import annotations
 
@@ -17,6 +21,7 @@ import mmap
 import os
 import secrets
 import threading
+import uuid
 from dataclasses import dataclass
 
 import grpc
@@ -68,16 +73,37 @@ class _ShmArena:
             pass
 
 
+class _Metadata(grpc.UnaryUnaryClientInterceptor):
+    def __init__(self, metadata: list[tuple[str, str]]):
+        self.metadata = metadata
+
+    def intercept_unary_unary(self, continuation, details, request):
+        md = list(details.metadata or []) + self.metadata
+        return continuation(details._replace(metadata=md), request)
+
+
 class KVStoreClient:
     def __init__(self, target: str | None = None, transport: str = "auto",
-                 shm_bytes: int = 64 << 20, max_message_mb: int = DEFAULT_MAX_MESSAGE_MB, timeout: float = 60.0):
+                 shm_bytes: int = 64 << 20, max_message_mb: int = DEFAULT_MAX_MESSAGE_MB, timeout: float = 60.0,
+                 token: str | None = None, tls_ca: str | bytes | None = None, session_id: str | None = None,
+                 heartbeat: bool = True):
         """target: "unix:///path/kvstore.sock" or "host:port" (default: the
-        daemon's default socket). transport: "auto", "shm" or "inline"."""
+        daemon's default socket). transport: "auto", "shm" or "inline".
+        token: bearer token (default env KVSTORE_TOKEN); tls_ca: CA PEM (path
+        or bytes) to reach a TLS port; session_id: default a random uuid;
+        heartbeat: keep the session's lease alive from a background thread."""
         self.target = target or f"unix://{default_socket()}"
         limit = max_message_mb * 1024 * 1024
-        self.channel = grpc.insecure_channel(self.target, options=[
-            ("grpc.max_receive_message_length", limit), ("grpc.max_send_message_length", limit)])
-        self.stub = pb_grpc.KVStoreStub(self.channel)
+        opts = [("grpc.max_receive_message_length", limit), ("grpc.max_send_message_length", limit)]
+        if tls_ca is not None:
+            ca = open(tls_ca, "rb").read() if isinstance(tls_ca, str) else tls_ca
+            self.channel = grpc.secure_channel(self.target, grpc.ssl_channel_credentials(ca), options=opts)
+        else:
+            self.channel = grpc.insecure_channel(self.target, options=opts)
+        self.session_id = session_id or uuid.uuid4().hex
+        token = token if token is not None else os.environ.get("KVSTORE_TOKEN")
+        md = [("x-kvstore-session", self.session_id)] + ([("authorization", f"Bearer {token}")] if token else [])
+        self.stub = pb_grpc.KVStoreStub(grpc.intercept_channel(self.channel, _Metadata(md)))
         self.timeout = timeout
         self._lock = threading.Lock()
         self._arena: _ShmArena | None = None
@@ -86,12 +112,35 @@ class KVStoreClient:
             raise ValueError(f"transport must be auto, shm or inline, got {transport!r}")
         local = self.target.startswith("unix:")
         self.transport = "shm" if transport == "shm" or (transport == "auto" and local) else "inline"
+        self._beat_stop = threading.Event()
+        if heartbeat:
+            threading.Thread(target=self._beat, name="kvstore-heartbeat", daemon=True).start()
 
     # ------------------------------------------------------------ plumbing
     def close(self) -> None:
+        self._beat_stop.set()
         with self._lock:
             self._drop_arena()
         self.channel.close()
+
+    def heartbeat(self) -> pb.HeartbeatReply:
+        """Renew this session's lease now (any call does)."""
+        return self.stub.Heartbeat(pb.HeartbeatRequest(), timeout=self.timeout)
+
+    def _beat(self) -> None:
+        # A third of the daemon's lease timeout (learned from the first reply),
+        # so two beats can be lost before the lease lapses.
+        period = 5.0
+        while not self._beat_stop.wait(period):
+            try:
+                r = self.stub.Heartbeat(pb.HeartbeatRequest(), timeout=max(1.0, period))
+                if r.lease_timeout_s > 0:
+                    period = max(0.2, min(10.0, r.lease_timeout_s / 3))
+            except grpc.RpcError as e:
+                if e.code() in (grpc.StatusCode.UNIMPLEMENTED, grpc.StatusCode.UNAUTHENTICATED):
+                    return     # an older daemon, or one that will never take us
+            except ValueError:
+                return         # the channel was closed under us
 
     def __enter__(self):
         return self
@@ -116,12 +165,15 @@ class KVStoreClient:
         if self._arena is None or self._arena.size < nbytes:
             self._drop_arena()
             size = max(self._shm_bytes, 1 << (nbytes - 1).bit_length())
+            arena = None
             try:
                 arena = _ShmArena(size)
                 arena.buffer_id = self.stub.RegisterBuffer(
                     pb.RegisterBufferRequest(kind=pb.SHM, name=arena.name, size=size), timeout=self.timeout).buffer_id
             except (OSError, grpc.RpcError):
                 # Daemon on another host or no /dev/shm: inline bytes still work.
+                if arena is not None:
+                    arena.close()
                 self.transport = "inline"
                 return None
             self._arena = arena
@@ -186,10 +238,14 @@ class KVStoreClient:
         return reply.sha256
 
     # ------------------------------------------------------------ sequences
-    def allocate(self, cache: str, seq_id: str, prompt_token_ids: list[int]) -> int:
-        """Create a sequence; returns how many prompt tokens are already cached."""
+    def allocate(self, cache: str, seq_id: str, prompt_token_ids: list[int], pinned: bool = False,
+                 persist: bool = False) -> int:
+        """Create a sequence; returns how many prompt tokens are already cached.
+        pinned: it outlives this client's session (freed only by free());
+        persist: when the session's lease lapses, offload it instead of freeing."""
         return self.stub.Allocate(pb.AllocateRequest(cache=cache, sequence_id=seq_id,
-                                                     prompt_token_ids=list(prompt_token_ids)),
+                                                     prompt_token_ids=list(prompt_token_ids),
+                                                     pinned=pinned, persist=persist),
                                   timeout=self.timeout).cached_tokens
 
     def reserve(self, cache: str, seq_id: str, num_tokens: int) -> Reservation:
@@ -242,6 +298,14 @@ class KVStoreClient:
     def fork(self, cache: str, seq_id: str, new_seq_id: str) -> None:
         self.stub.Fork(pb.ForkRequest(cache=cache, sequence_id=seq_id, new_sequence_id=new_seq_id),
                        timeout=self.timeout)
+
+    def offload(self, cache: str, seq_ids: list[str]) -> None:
+        """Move sequences to the daemon's disk tier; returns once durable."""
+        self.stub.Offload(pb.OffloadRequest(cache=cache, sequence_ids=list(seq_ids)), timeout=self.timeout)
+
+    def prefetch(self, cache: str, seq_ids: list[str]) -> None:
+        """Page sequences back into GPU memory ahead of use."""
+        self.stub.Prefetch(pb.PrefetchRequest(cache=cache, sequence_ids=list(seq_ids)), timeout=self.timeout)
 
     def free(self, cache: str, seq_ids: list[str]) -> None:
         self.stub.Free(pb.FreeRequest(cache=cache, sequence_ids=list(seq_ids)), timeout=self.timeout)

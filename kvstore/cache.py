@@ -17,6 +17,8 @@ from .hashing import chain_hashes
 from .read_path import ReadPath
 from .sequence import Sequence
 from .storage import Fp16Store, PQStore
+from .tiering import Tiering
+from .tiers import DiskTier, HostTier
 from .write_path import ReserveResult, WritePath  # noqa: F401 (re-exported)
 
 MAX_TOKEN_ID = 2**31 - 1
@@ -29,7 +31,7 @@ class AllocateResult:
 
 
 class Cache(WritePath, ReadPath):
-    def __init__(self, cfg: CacheConfig):
+    def __init__(self, cfg: CacheConfig, cold_store=None):
         self.cfg = cfg
         self.bs = cfg.block_size
         self.is_pq = cfg.codec.kind == "pq"
@@ -47,6 +49,32 @@ class Cache(WritePath, ReadPath):
         self.seqs: dict[tuple[str, str], Sequence] = {}
         self.counters = dict(prefix_query_tokens=0, prefix_hit_tokens=0, appended_tokens=0,
                              sealed_blocks=0, dedup_blocks=0, attend_calls=0)
+        self.protect: set[int] = set()    # ids of the sequences of the request at hand
+        host = disk = None
+        if cfg.host_bytes:
+            host = HostTier(self.main.block_bytes(), self.tail.block_bytes(), cfg.host_bytes,
+                            pin=cfg.device.startswith("cuda"))
+        if cold_store is not None:
+            disk = DiskTier(cold_store)
+        self.tiering = Tiering(self, host, disk) if (host or disk) else None
+        if self.tiering is not None and not self.is_pq:
+            self.tiering.restore()
+
+    def resident(self, seqs: list[Sequence]) -> None:
+        """Protect the request's sequences from eviction and page in any that
+        live in a lower tier."""
+        self.protect = {id(s) for s in seqs}
+        for s in seqs:
+            if s.tier != "gpu":
+                self.tiering.page_in(s, self.protect)
+
+    def after_write(self) -> None:
+        """Keep free GPU blocks above the low watermark."""
+        if self.tiering is None or not self.cfg.low_watermark:
+            return
+        want = int(self.cfg.low_watermark * self.main_pool.capacity)
+        if self.main_pool.num_allocatable() < want:
+            self.tiering.make_room(want, 0, self.protect)
 
     # ------------------------------------------------------------ codebooks
     def set_codebooks(self, cb: Codebooks) -> None:
@@ -62,6 +90,10 @@ class Cache(WritePath, ReadPath):
         # Blocks hashed under the old fingerprint must never be found again.
         self.main_pool.clear_hashes()
         self.tail_pool.clear_hashes()
+        if self.tiering is not None:
+            if self.tiering.host is not None:
+                self.tiering.host.main_pool.clear_hashes()
+            self.tiering.restore()
 
     def _require_ready(self) -> None:
         if self.is_pq and self.codebooks is None:
@@ -121,48 +153,58 @@ class Cache(WritePath, ReadPath):
         self._check_tokens(prompt, "prompt_token_ids")
         hashes = chain_hashes(prompt, self.bs, self.fingerprint)
         n_sealed = self.sealed_count(len(prompt))
-        hits: list[tuple[str, int]] = []          # ("main" | "tail" | "encode", block id)
+        # ("main" | "tail", block id), ("encode", tail block id), ("below", payload)
+        hits: list[tuple[str, object]] = []
         for i, h in enumerate(hashes):
-            if self.is_pq and i < n_sealed:
+            sealed_range = i < n_sealed
+            if self.is_pq and sealed_range:
                 bid = self.main_pool.lookup(h)
                 if bid is not None:
                     hits.append(("main", bid))
                     continue
                 tb = self.tail_pool.lookup(h)    # another sequence still holds it in fp16
-                if tb is None:
-                    break
-                hits.append(("encode", tb))
+                if tb is not None:
+                    hits.append(("encode", tb))
+                    continue
             else:
                 bid = self.tail_pool.lookup(h)
-                if bid is None:
-                    break
-                hits.append(("tail", bid))
+                if bid is not None:
+                    hits.append(("tail", bid))
+                    continue
+            payload = self.tiering.lookup_below(h) if self.tiering is not None and (sealed_range or not self.is_pq) else None
+            if payload is None:
+                break
+            hits.append(("below", payload))
         if hits and len(hits) * self.bs == len(prompt):
             hits.pop()     # the caller must compute at least one token to get logits
-        n_enc = sum(1 for kind, _ in hits if kind == "encode")
-        main_refs = [b for kind, b in hits if kind == "main"]
-        # Encoding needs fresh main blocks; if there are too few, serve a shorter prefix.
+        fresh = [i for i, (kind, _) in enumerate(hits) if kind in ("encode", "below")]
+        refs = [b for kind, b in hits if kind in ("main", "tail")]
+        # Fresh blocks must come from the free queue; if there are too few,
+        # serve a shorter prefix rather than evict what we are about to use.
         reclaimable = self.main_pool.num_allocatable() - sum(
-            1 for b in main_refs if self.main_pool.blocks[b].ref_cnt == 0)
-        if n_enc > reclaimable:
-            cut = [i for i, (kind, _) in enumerate(hits) if kind == "encode"][reclaimable]
-            hits = hits[:cut]
+            1 for b in refs if self.main_pool.blocks[b].ref_cnt == 0)
+        if len(fresh) > max(0, reclaimable):
+            hits = hits[:fresh[max(0, reclaimable)]]
+            fresh = [i for i in fresh if i < len(hits)]
         s = Sequence(seq_id, tenant, self.cfg.geometry.num_layers, token_ids=list(prompt), hashes=hashes)
         self.main_pool.ref([b for kind, b in hits if kind == "main"])
         self.tail_pool.ref([b for kind, b in hits if kind == "tail"])
-        enc_src = [b for kind, b in hits if kind == "encode"]
-        new = self.main_pool.allocate(len(enc_src)) or []
-        if enc_src:
-            k, v = self.tail.read_blocks(slice(None), torch.tensor(enc_src, device=self.tail.k.device))
-            self.main.encode_blocks(torch.tensor(new, device=k.device), k, v)
-        it = iter(new)
+        new = dict(zip(fresh, self.main_pool.allocate(len(fresh)) or []))
+        enc = [i for i in fresh if hits[i][0] == "encode"]
+        if enc:
+            k, v = self.tail.read_blocks(slice(None), torch.tensor([hits[i][1] for i in enc], device=self.tail.k.device))
+            self.main.encode_blocks(torch.tensor([new[i] for i in enc], device=k.device), k, v)
+        below = [i for i in fresh if hits[i][0] == "below"]
+        if below:
+            self.main.unpack(torch.tensor([new[i] for i in below], device=self.main_device),
+                             torch.stack([hits[i][1] for i in below]))
         for i, (kind, b) in enumerate(hits):
-            if kind == "tail":
-                s.tail.append(b)
+            bid = new.get(i, b)
+            if i in new:
+                self.main_pool.set_hash(bid, hashes[i])
+            if kind == "tail" or not self.is_pq:   # fp16 seals lazily, on append
+                s.tail.append(bid)
             else:
-                bid = b if kind == "main" else next(it)
-                if kind == "encode":
-                    self.main_pool.set_hash(bid, hashes[i])
                 s.sealed.append(bid)
         s.length = len(hits) * self.bs
         s.hashed_upto = len(hits)
@@ -190,10 +232,13 @@ class Cache(WritePath, ReadPath):
         self.seqs[(tenant, dst_id)] = dst
 
     def free(self, s: Sequence) -> None:
-        # Release back to front: the newest blocks are the least likely to be
-        # shared prefixes, so they should be evicted first.
-        self.tail_pool.release(s.tail[::-1])
-        self.main_pool.release(s.sealed[::-1])
+        if s.tier != "gpu":
+            self.tiering.free(s)
+        else:
+            # Release back to front: the newest blocks are the least likely to
+            # be shared prefixes, so they should be evicted first.
+            self.tail_pool.release(s.tail[::-1])
+            self.main_pool.release(s.sealed[::-1])
         del self.seqs[(s.tenant, s.seq_id)]
 
     @property
@@ -217,13 +262,20 @@ class Cache(WritePath, ReadPath):
             used_bytes=used_bytes,
             effective_bytes_per_token=(used_bytes / tokens) if tokens else 0.0,
             prefix_hit_rate=(c["prefix_hit_tokens"] / c["prefix_query_tokens"]) if c["prefix_query_tokens"] else 0.0,
+            tiers=self.tiering.stats() if self.tiering is not None else None,
             **c)
 
     def check_invariants(self) -> None:
-        """Pool accounting and ref counts equal the references sequences hold."""
-        main_refs: dict[int, int] = {}
-        tail_refs: dict[int, int] = main_refs if not self.is_pq else {}
+        """Pool accounting, and ref counts equal the references sequences hold,
+        in every tier."""
+        refs = {tier: ({}, {}) for tier in ("gpu", "host")}
+        if not self.is_pq:
+            refs["gpu"] = (refs["gpu"][0], refs["gpu"][0])   # one pool for sealed and tail
         for s in self.seqs.values():
+            if s.tier == "disk":
+                assert not s.sealed and not s.tail and s.manifest is not None, f"{s.seq_id}: disk tier holds ids"
+                continue
+            main_refs, tail_refs = refs[s.tier]
             for b in s.sealed:
                 main_refs[b] = main_refs.get(b, 0) + 1
             for b in s.tail:
@@ -231,7 +283,9 @@ class Cache(WritePath, ReadPath):
             assert len(s.sealed) >= self.sealed_count(s.length), f"{s.seq_id}: tail too long"
             assert (len(s.sealed) + len(s.tail)) * self.bs >= s.max_length(), f"{s.seq_id}: blocks do not cover tokens"
             assert len(s.sealed) * self.bs <= s.length, f"{s.seq_id}: sealed beyond committed length"
-        self.main_pool.check_invariants(main_refs)
+        self.main_pool.check_invariants(refs["gpu"][0])
         if self.is_pq:
-            self.tail_pool.check_invariants(tail_refs)
-
+            self.tail_pool.check_invariants(refs["gpu"][1])
+        if self.tiering is not None and self.tiering.host is not None:
+            self.tiering.host.main_pool.check_invariants(refs["host"][0])
+            self.tiering.host.tail_pool.check_invariants(refs["host"][1])

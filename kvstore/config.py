@@ -68,8 +68,17 @@ class CacheConfig:
     pool_bytes: int = 0
     max_sequences: int = 256     # sizes the fp16 tail pool
     device: str = "cpu"
+    host_bytes: int = 0          # pinned host tier under the GPU pools (0: none)
+    low_watermark: float = 0.0   # move LRU sequences down while fewer blocks are free
 
     def __post_init__(self) -> None:
+        self._validate()
+        if self.host_bytes < 0:
+            raise InvalidArgument("host_bytes", "must be >= 0")
+        if not 0.0 <= self.low_watermark < 1.0:
+            raise InvalidArgument("low_watermark", f"must be in [0, 1), got {self.low_watermark}")
+
+    def _validate(self) -> None:
         if not self.name or len(self.name) > 128 or not self.name.replace("-", "").replace("_", "").replace(".", "").isalnum():
             raise InvalidArgument("name", f"must be 1-128 characters of [A-Za-z0-9._-], got {self.name!r}")
         if not self.model_id:

@@ -1,8 +1,10 @@
 """The daemon: `python server.py` / `kvstore-server`.
 
 Listens on a Unix socket (mode 0600, directory 0700) by default, on TCP only
-when asked. Health checking and reflection are registered, so grpcurl and
+when asked and then only with bearer tokens (auth.py), optionally over TLS.
+Health checking and reflection are registered, so grpcurl and
 grpc_health_probe work; health is NOT_SERVING until the engine is ready.
+Client sessions hold leases (leases.py); Prometheus metrics on --metrics-port.
 """
 from __future__ import annotations
 
@@ -18,7 +20,9 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from . import wire
+from .auth import Authenticator, GateInterceptor
 from .engine import Engine
+from .leases import DEFAULT_TIMEOUT_S, LeaseManager
 from .servicer import KVStoreServicer
 from .v1 import kvstore_pb2 as pb
 from .v1 import kvstore_pb2_grpc as pb_grpc
@@ -41,30 +45,52 @@ def _prepare_socket(path: str) -> None:
 
 def create_server(engine: "Engine | None" = None, socket_path: str | None = None, port: int | None = None,
                   max_message_mb: int = DEFAULT_MAX_MESSAGE_MB, workers: int = 8,
-                  host: str = "127.0.0.1") -> tuple[grpc.Server, int, health.HealthServicer]:
+                  host: str = "127.0.0.1", auth: Authenticator | None = None,
+                  tls: tuple[bytes, bytes] | None = None, lease_timeout: float = DEFAULT_TIMEOUT_S,
+                  metrics=None) -> tuple[grpc.Server, int, health.HealthServicer]:
     """Build and start a server. port=0 binds a free TCP port (returned).
+    auth: tokens and tenants (TCP refuses to start without tokens); tls: (cert
+    PEM, key PEM) for the TCP port; metrics: a kvstore.metrics.Metrics to feed.
     Returns (server, tcp_port or 0, health servicer)."""
+    auth = auth or Authenticator()
+    if port is not None and not auth.has_tokens:
+        raise ValueError("TCP needs bearer tokens: pass --auth-token or --token-file with --port")
     limit = max_message_mb * 1024 * 1024
     opts = [("grpc.max_receive_message_length", limit), ("grpc.max_send_message_length", limit),
             ("grpc.so_reuseport", 0)]
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=workers), options=opts)
+    # Metrics outermost, so that calls the gate refuses are counted too.
+    interceptors = ([metrics.interceptor] if metrics is not None else []) + [GateInterceptor(auth)]
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=workers), options=opts, interceptors=interceptors)
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     for name in ("", SERVICE):
         health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
     reflection.enable_server_reflection((SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
-    servicer = KVStoreServicer(None, wire.BufferRegistry())
+    leases = LeaseManager(None, lease_timeout)
+    servicer = KVStoreServicer(None, wire.BufferRegistry(), auth, leases)
+    leases.release_buffers = servicer.buffer_table.release_session
     pb_grpc.add_KVStoreServicer_to_server(servicer, server)
     bound = 0
     if socket_path:
         _prepare_socket(socket_path)
         server.add_insecure_port(f"unix:{socket_path}")
     if port is not None:
-        bound = server.add_insecure_port(f"{host}:{port}")
-    server.start()
+        if tls is not None:
+            bound = server.add_secure_port(f"{host}:{port}", grpc.ssl_server_credentials([(tls[1], tls[0])]))
+        else:
+            bound = server.add_insecure_port(f"{host}:{port}")
+    umask = os.umask(0o077)    # no moment where the socket is open to others before the chmod
+    try:
+        server.start()
+    finally:
+        os.umask(umask)
     if socket_path:
         os.chmod(socket_path, 0o600)
     servicer.engine = engine if engine is not None else Engine()
+    leases.engine = servicer.engine
+    leases.start()
+    if metrics is not None:
+        metrics.bind(servicer.engine, leases, servicer.buffer_table)
     for name in ("", SERVICE):
         health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     return server, bound, health_servicer
@@ -76,14 +102,50 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--port", type=int, default=None, help="also listen on TCP 127.0.0.1:PORT")
     p.add_argument("--host", default="127.0.0.1", help="TCP address to bind with --port")
     p.add_argument("--device", default="cuda" if _cuda() else "cpu")
+    p.add_argument("--lmdb", default=None, metavar="PATH",
+                   help="disk tier: LMDB directory; sequences and prefix blocks survive restarts")
+    p.add_argument("--lmdb-sync", action="store_true",
+                   help="make pressure spills durable too (Offload always syncs)")
     p.add_argument("--max-message-mb", type=int, default=DEFAULT_MAX_MESSAGE_MB)
     p.add_argument("--workers", type=int, default=8)
     p.add_argument("--log-level", default="INFO")
+    p.add_argument("--auth-token", default=os.environ.get("KVSTORE_AUTH_TOKEN"),
+                   help="bearer token for TCP callers, tenant 'default' (env KVSTORE_AUTH_TOKEN; "
+                        "prefer --token-file: argv is visible to other users)")
+    p.add_argument("--token-file", help="lines `TOKEN TENANT`; `@unix TENANT` or `@unix -` sets Unix callers' tenant")
+    p.add_argument("--tls-cert", help="PEM certificate for the TCP port")
+    p.add_argument("--tls-key", help="PEM private key for the TCP port")
+    p.add_argument("--lease-timeout", type=float, default=DEFAULT_TIMEOUT_S,
+                   help="seconds without a call or heartbeat before a session's unpinned sequences are freed")
+    p.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus metrics on this port")
+    p.add_argument("--metrics-host", default="127.0.0.1", help="address for --metrics-port")
     args = p.parse_args(argv)
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    server, port, health_servicer = create_server(Engine(args.device), args.socket, args.port,
-                                                  args.max_message_mb, args.workers, args.host)
+    if bool(args.tls_cert) != bool(args.tls_key):
+        p.error("--tls-cert and --tls-key go together")
+    if args.tls_cert and args.port is None:
+        p.error("--tls-cert needs --port")
+    try:
+        auth = Authenticator.from_args(args.auth_token, args.token_file)
+    except (OSError, ValueError) as e:
+        p.error(f"--token-file: {e}")
+    if args.port is not None and not auth.has_tokens:
+        p.error("--port needs --auth-token or --token-file: TCP callers must authenticate")
+    tls = None
+    if args.tls_cert:
+        with open(args.tls_cert, "rb") as c, open(args.tls_key, "rb") as k:
+            tls = (c.read(), k.read())
+    metrics = None
+    if args.metrics_port is not None:
+        from .metrics import Metrics
+        metrics = Metrics()
+    server, port, health_servicer = create_server(Engine(args.device, args.lmdb, args.lmdb_sync), args.socket, args.port,
+                                                  args.max_message_mb, args.workers, args.host, auth=auth, tls=tls,
+                                                  lease_timeout=args.lease_timeout, metrics=metrics)
     where = f"unix:{args.socket}" + (f" and {args.host}:{port}" if args.port is not None else "")
+    if metrics is not None:
+        mport = metrics.serve(args.metrics_port, args.metrics_host)
+        where += f", metrics on http://{args.metrics_host}:{mport}/metrics"
     log.info("kvstore serving on %s (device %s)", where, args.device)
     print(f"kvstore: serving on {where}", flush=True)
     done = threading.Event()

@@ -32,13 +32,24 @@ class SequenceInfo:
     reserved: int
     known_token_ids: int
     block_hashes: list[bytes]
+    owner: str = ""
+    pinned: bool = False
+    persist: bool = False
+    tier: str = "gpu"
 
 
 class Engine:
-    def __init__(self, device: str = "cpu"):
+    def __init__(self, device: str = "cpu", lmdb_path: str | None = None, lmdb_sync: bool = False):
+        """lmdb_path: the disk tier shared by every cache (keys carry each
+        cache's fingerprint); lmdb_sync: make pressure spills durable too
+        (Offload always is)."""
         self.device = device
         self.caches: dict[str, Cache] = {}
         self.lock = threading.RLock()
+        self.cold_store = None
+        if lmdb_path:
+            from .cold_store import LMDBStore
+            self.cold_store = LMDBStore(lmdb_path, sync=lmdb_sync)
 
     # --------------------------------------------------------------- caches
     def create_cache(self, cfg: CacheConfig, exist_ok: bool = False) -> Cache:
@@ -49,7 +60,7 @@ class Engine:
                     return old
                 raise AlreadyExists("name", f"cache {cfg.name!r} exists with another configuration"
                                     if exist_ok else f"cache {cfg.name!r} exists")
-            cache = Cache(cfg)
+            cache = Cache(cfg, self.cold_store)
             self.caches[cfg.name] = cache
             return cache
 
@@ -99,9 +110,15 @@ class Engine:
         return t.to(device=cache.cfg.device, dtype=TORCH_DTYPES[cache.cfg.geometry.dtype])
 
     # ------------------------------------------------------------ requests
-    def allocate(self, name: str, tenant: str, seq_id: str, prompt: list[int]) -> AllocateResult:
+    def allocate(self, name: str, tenant: str, seq_id: str, prompt: list[int], owner: str = "",
+                 pinned: bool = False, persist: bool = False) -> AllocateResult:
+        """owner: the session whose lease lapse frees the sequence (see leases.py)."""
         with self.lock:
-            return self.cache(name).allocate(tenant, seq_id, list(prompt))
+            cache = self.cache(name)
+            r = cache.allocate(tenant, seq_id, list(prompt))
+            s = cache.seqs[(tenant, seq_id)]
+            s.owner, s.pinned, s.persist = owner, pinned, persist
+            return r
 
     def append(self, name: str, tenant: str, seq_ids: list[str], k: torch.Tensor, v: torch.Tensor,
                counts: list[int], layer: int | None = None,
@@ -131,6 +148,7 @@ class Engine:
                     raise InvalidArgument("token_ids", "token ids go with all-layer appends")
                 if len(token_ids) != len(seqs):
                     raise InvalidArgument("token_ids", f"{len(token_ids)} id lists for {len(seqs)} sequences")
+            cache.resident(seqs)
             # Batches of several sequences are checked whole before any write.
             if len(seqs) > 1:
                 self._check_batch_room(cache, seqs, counts, layer)
@@ -142,6 +160,7 @@ class Engine:
                 else:
                     cache.append_layer(s, layer, k[off:off + c], v[off:off + c])
                 off += c
+            cache.after_write()
 
     @staticmethod
     def _check_batch_room(cache: Cache, seqs: list[Sequence], counts: list[int], layer: int | None) -> None:
@@ -165,6 +184,7 @@ class Engine:
             q = self._tensor(cache, q, "q", (len(seqs), g.num_q_heads, g.head_dim))
             if scale < 0 or not math.isfinite(scale):
                 raise InvalidArgument("scale", f"must be finite and >= 0, got {scale}")
+            cache.resident(seqs)
             return cache.attend(layer, seqs, q, scale or 1.0 / math.sqrt(g.head_dim))
 
     def append_attend(self, name: str, tenant: str, layer: int, seq_ids: list[str], k: torch.Tensor,
@@ -187,7 +207,9 @@ class Engine:
             if n < 0 or n > 1 << 20:
                 raise InvalidArgument("num_tokens", f"must be in [0, 2^20], got {n}")
             cache = self.cache(name)
-            return cache.reserve(cache.seq(tenant, seq_id), n)
+            s = cache.seq(tenant, seq_id)
+            cache.resident([s])
+            return cache.reserve(s, n)
 
     def retrieve(self, name: str, tenant: str, seq_id: str, start: int, end: int,
                  layer_start: int = 0, layer_end: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -197,12 +219,20 @@ class Engine:
             layer_end = layer_end or nl
             if not 0 <= layer_start < layer_end <= nl:
                 raise InvalidArgument("layer_end", f"layers [{layer_start}, {layer_end}) outside [0, {nl})")
-            return cache.retrieve(cache.seq(tenant, seq_id), start, end, slice(layer_start, layer_end))
+            s = cache.seq(tenant, seq_id)
+            if not 0 <= start < end <= s.length:
+                raise InvalidArgument("end", f"range [{start}, {end}) outside the {s.length} committed tokens")
+            cache.resident([s])
+            return cache.retrieve(s, start, end, slice(layer_start, layer_end))
 
-    def fork(self, name: str, tenant: str, src_id: str, dst_id: str) -> None:
+    def fork(self, name: str, tenant: str, src_id: str, dst_id: str, owner: str = "") -> None:
         with self.lock:
             cache = self.cache(name)
-            cache.fork(cache.seq(tenant, src_id), tenant, dst_id)
+            src = cache.seq(tenant, src_id)
+            cache._check_new_sequence(tenant, dst_id)
+            cache.resident([src])
+            cache.fork(src, tenant, dst_id)
+            cache.seqs[(tenant, dst_id)].owner = owner
 
     def free(self, name: str, tenant: str, seq_ids: list[str]) -> None:
         with self.lock:
@@ -211,12 +241,45 @@ class Engine:
             for s in seqs:
                 cache.free(s)
 
+    def offload(self, name: str, tenant: str, seq_ids: list[str]) -> None:
+        """Write sequences to the disk tier; returns once they are durable."""
+        with self.lock:
+            cache = self.cache(name)
+            seqs = self._seqs(cache, tenant, seq_ids, unique=True)
+            if cache.tiering is None or cache.tiering.disk is None:
+                raise FailedPrecondition("sequence_ids", "no disk tier: start the daemon with --lmdb PATH")
+            for s in seqs:
+                if any(s.pending) or s.reserved:
+                    raise FailedPrecondition("sequence_ids", f"sequence {s.seq_id!r} has uncommitted tokens")
+            cache.protect = set()
+            for s in seqs:
+                cache.tiering.to_disk(s, sync=True)
+
+    def prefetch(self, name: str, tenant: str, seq_ids: list[str]) -> None:
+        """Page sequences back into the GPU pools ahead of use."""
+        with self.lock:
+            cache = self.cache(name)
+            cache.resident(self._seqs(cache, tenant, seq_ids, unique=True))
+
     # ------------------------------------------------------------ introspection
     def sequence_info(self, name: str, tenant: str, seq_id: str) -> SequenceInfo:
         with self.lock:
             s = self.cache(name).seq(tenant, seq_id)
             return SequenceInfo(s.seq_id, s.length, list(s.sealed), list(s.tail), list(s.pending),
-                                s.reserved, len(s.token_ids), list(s.hashes))
+                                s.reserved, len(s.token_ids), list(s.hashes), s.owner, s.pinned, s.persist, s.tier)
+
+    def owned_sequences(self, tenant: str, owner: str) -> dict[str, list[tuple[str, bool]]]:
+        """Lease hook: cache -> [(seq_id, persist)] of the unpinned sequences a session owns."""
+        out: dict[str, list[tuple[str, bool]]] = {}
+        if not owner:
+            return out
+        with self.lock:
+            for name, c in self.caches.items():
+                ids = [(s.seq_id, s.persist) for s in c.seqs.values()
+                       if s.tenant == tenant and s.owner == owner and not s.pinned]
+                if ids:
+                    out[name] = ids
+        return out
 
     def list_sequences(self, name: str, tenant: str) -> list[SequenceInfo]:
         with self.lock:

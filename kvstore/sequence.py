@@ -27,6 +27,11 @@ class Sequence:
     hashes: list[bytes] = field(default_factory=list)  # hash of full block i
     hashed_upto: int = 0          # blocks [0, hashed_upto) are registered in a pool index
     last_use: float = field(default_factory=time.monotonic)
+    # Leases (kvstore.leases): the session whose lapse frees this sequence
+    # ("" = none, e.g. a caller that sends no session metadata), unless pinned.
+    owner: str = ""
+    pinned: bool = False
+    persist: bool = False         # on lapse, offload instead of free (hook; frees until tiers land)
     tier: str = "gpu"             # "gpu" | "host" (ids index host pools) | "disk" (ids empty)
     manifest: dict | None = None  # what LMDB holds, while tier == "disk"
 

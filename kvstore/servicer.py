@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
+import threading
 
 import grpc
 
@@ -12,12 +14,13 @@ from .codebooks import Codebooks
 from .config import CacheConfig, CodecConfig, ModelGeometry
 from .engine import Engine
 from .engine import SequenceInfo as SeqInfo
-from .errors import KVStoreError, Unimplemented
+from .auth import DEFAULT_TENANT, Authenticator, PermissionDenied, TenantBuffers, is_local  # noqa: F401
+from .errors import InvalidArgument, KVStoreError, Unimplemented
+from .leases import SESSION_KEY, LeaseManager, session_of
 from .v1 import kvstore_pb2 as pb
 from .v1 import kvstore_pb2_grpc as pb_grpc
 
 log = logging.getLogger("kvstore.servicer")
-DEFAULT_TENANT = "default"
 
 
 def _rpc(fn):
@@ -28,12 +31,16 @@ def _rpc(fn):
         if self.engine is None:
             context.abort(grpc.StatusCode.UNAVAILABLE, "engine is starting")
         try:
-            return fn(self, request, context)
+            self._begin(context)
+            reply = fn(self, request, context)
         except KVStoreError as e:
+            self._check_invariants(context, fn.__name__)
             context.abort(getattr(grpc.StatusCode, e.code), str(e))
         except Exception as e:  # noqa: BLE001 - a bad request must not take the daemon down
             log.exception("%s failed", fn.__name__)
             context.abort(grpc.StatusCode.INTERNAL, f"{type(e).__name__}: {e}")
+        self._check_invariants(context, fn.__name__)
+        return reply
     return wrapper
 
 
@@ -46,7 +53,8 @@ def spec_to_config(spec: pb.CacheSpec, device: str) -> CacheConfig:
         block_size=spec.block_size or 16,
         residual=spec.residual if spec.HasField("residual") else 128,
         num_blocks=spec.num_blocks, pool_bytes=spec.pool_bytes,
-        max_sequences=spec.max_sequences or 256, device=device)
+        max_sequences=spec.max_sequences or 256, device=device, host_bytes=spec.host_bytes,
+        low_watermark=spec.low_watermark)
 
 
 def config_to_spec(cfg: CacheConfig) -> pb.CacheSpec:
@@ -57,16 +65,44 @@ def config_to_spec(cfg: CacheConfig) -> pb.CacheSpec:
                              head_dim=g.head_dim, dtype=g.dtype),
         codec=cfg.codec.kind, num_subvectors=cfg.m if cfg.codec.kind == "pq" else 0,
         block_size=cfg.block_size, residual=cfg.residual, num_blocks=cfg.num_blocks, pool_bytes=cfg.pool_bytes,
-        max_sequences=cfg.max_sequences)
+        max_sequences=cfg.max_sequences, host_bytes=cfg.host_bytes, low_watermark=cfg.low_watermark)
 
 
 class KVStoreServicer(pb_grpc.KVStoreServicer):
-    def __init__(self, engine: Engine | None, buffers: wire.BufferRegistry):
+    def __init__(self, engine: Engine | None, buffers: wire.BufferRegistry, auth: Authenticator | None = None,
+                 leases: LeaseManager | None = None):
         self.engine = engine
-        self.buffers = buffers
+        self.auth = auth or Authenticator()
+        self.leases = leases
+        self.buffer_table = TenantBuffers(buffers)
+        self._call = threading.local()
+        # Debug builds (fuzz, soak) check pool invariants after every call.
+        self.debug_invariants = os.environ.get("KVSTORE_DEBUG_INVARIANTS") == "1"
+
+    @property
+    def buffers(self):
+        """The calling tenant's view of the registered buffers; None for remote
+        callers, who cannot name shared memory. Set per call by _begin (a call
+        runs on one thread from start to end)."""
+        return getattr(self._call, "buffers", None)
 
     def _tenant(self, context) -> str:
-        return DEFAULT_TENANT
+        return self.auth.tenant(context)
+
+    def _begin(self, context) -> None:
+        tenant, session = self._tenant(context), session_of(context)
+        if self.leases is not None:
+            self.leases.touch(tenant, session)
+        self._call.buffers = self.buffer_table.view(tenant, session) if is_local(context) else None
+
+    def _check_invariants(self, context, method: str) -> None:
+        if not self.debug_invariants:
+            return
+        try:
+            self.engine.check_invariants()
+        except AssertionError as e:
+            log.error("invariant broken after %s: %s", method, e)
+            context.abort(grpc.StatusCode.INTERNAL, f"invariant broken after {method}: {e}")
 
     def _t(self, t: pb.Tensor, field: str):
         return wire.from_proto(t, self.buffers, field)
@@ -107,7 +143,8 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
     @_rpc
     def Allocate(self, request, context):
         r = self.engine.allocate(request.cache, self._tenant(context), request.sequence_id,
-                                 list(request.prompt_token_ids))
+                                 list(request.prompt_token_ids), owner=session_of(context),
+                                 pinned=request.pinned, persist=request.persist)
         return pb.AllocateReply(cached_tokens=r.cached_tokens, hit_blocks=r.hit_blocks)
 
     @_rpc
@@ -163,7 +200,8 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
 
     @_rpc
     def Fork(self, request, context):
-        self.engine.fork(request.cache, self._tenant(context), request.sequence_id, request.new_sequence_id)
+        self.engine.fork(request.cache, self._tenant(context), request.sequence_id, request.new_sequence_id,
+                         owner=session_of(context))
         return pb.ForkReply()
 
     @_rpc
@@ -173,24 +211,29 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
 
     @_rpc
     def Offload(self, request, context):
-        raise Unimplemented("Offload", "tiers are not implemented yet (host and LMDB tiers land with issue 5)")
+        self.engine.offload(request.cache, self._tenant(context), list(request.sequence_ids))
+        return pb.OffloadReply()
 
     @_rpc
     def Prefetch(self, request, context):
-        raise Unimplemented("Prefetch", "tiers are not implemented yet (host and LMDB tiers land with issue 5)")
+        self.engine.prefetch(request.cache, self._tenant(context), list(request.sequence_ids))
+        return pb.PrefetchReply()
 
     @_rpc
     def MapPool(self, request, context):
+        if not is_local(context):
+            raise PermissionDenied("MapPool", "IPC handles are only for callers on the Unix socket")
         raise Unimplemented("MapPool", "mapped attend is not implemented yet (lands with the GPU data plane)")
 
     # --------------------------------------------------------------- buffers
     @_rpc
     def RegisterBuffer(self, request, context):
+        if not is_local(context):
+            raise PermissionDenied("RegisterBuffer", "buffers are only for callers on the Unix socket")
         if request.kind == pb.SHM:
             return pb.RegisterBufferReply(buffer_id=self.buffers.register_shm(request.name, request.size))
         if request.kind == pb.CUDA_IPC:
             raise Unimplemented("kind", "CUDA IPC buffers land with the GPU data plane")
-        from .errors import InvalidArgument
         raise InvalidArgument("kind", "must be SHM or CUDA_IPC")
 
     @_rpc
@@ -207,20 +250,25 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
         for name, s in self.engine.stats().items():
             if request.cache and name != request.cache:
                 continue
-            msg = out.caches.add(cache=name, **{k: v for k, v in s.items() if k not in ("main", "tail")})
+            msg = out.caches.add(cache=name, **{k: v for k, v in s.items() if k not in ("main", "tail", "tiers")})
             msg.main.CopyFrom(_pool(s["main"]))
             if s["tail"] is not None:
                 msg.tail.CopyFrom(_pool(s["tail"]))
+            if s["tiers"] is not None:
+                _tier_stats(msg, s["tiers"])
         return out
 
     def _seq_reply(self, name: str, i: SeqInfo) -> pb.SequenceInfoReply:
         c = self.engine.cache(name)
+        # Block ids index the pools of the tier the sequence lives in.
+        pools = ((c.tiering.host.main_pool, c.tiering.host.tail_pool) if i.tier == "host"
+                 else (c.main_pool, c.tail_pool))
         return pb.SequenceInfoReply(
             sequence_id=i.seq_id, length=i.length, sealed_blocks=i.sealed_blocks,
-            sealed_block_refs=[c.main_pool.blocks[b].ref_cnt for b in i.sealed_blocks],
-            tail_blocks=i.tail_blocks, tail_block_refs=[c.tail_pool.blocks[b].ref_cnt for b in i.tail_blocks],
+            sealed_block_refs=[pools[0].blocks[b].ref_cnt for b in i.sealed_blocks],
+            tail_blocks=i.tail_blocks, tail_block_refs=[pools[1].blocks[b].ref_cnt for b in i.tail_blocks],
             pending=i.pending, reserved=i.reserved, known_token_ids=i.known_token_ids,
-            block_hashes=i.block_hashes)
+            block_hashes=i.block_hashes, tier=i.tier, owner_session=i.owner, pinned=i.pinned, persist=i.persist)
 
     @_rpc
     def SequenceInfo(self, request, context):
@@ -233,6 +281,31 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
         with self.engine.lock:
             infos = self.engine.list_sequences(request.cache, self._tenant(context))
             return pb.ListSequencesReply(sequences=[self._seq_reply(request.cache, i) for i in infos])
+
+    # ---------------------------------------------------------------- leases
+    @_rpc
+    def Heartbeat(self, request, context):
+        session = session_of(context)
+        if not session:
+            raise InvalidArgument(SESSION_KEY, "missing: a Heartbeat renews the lease of the session it names")
+        tenant = self._tenant(context)
+        held = sum(len(v) for v in self.engine.owned_sequences(tenant, session).values())
+        return pb.HeartbeatReply(session_id=session, tenant=tenant, sequences=held,
+                                 lease_timeout_s=self.leases.timeout_s if self.leases is not None else 0.0)
+
+
+def _tier_stats(msg: pb.CacheStats, t: dict) -> None:
+    for key in ("sequences_host", "sequences_disk", "offloads_host", "offloads_disk", "page_ins_host",
+                "page_ins_disk", "bytes_down", "bytes_up", "spilled_blocks"):
+        setattr(msg, key, t[key])
+    msg.prefix_hit_blocks_host = t["prefix_hits_host"]
+    msg.prefix_hit_blocks_disk = t["prefix_hits_disk"]
+    if "host_main" in t:
+        msg.host.CopyFrom(_pool(t["host_main"]))
+        msg.host_tail.CopyFrom(_pool(t["host_tail"]))
+    if "disk" in t:
+        msg.disk_bytes = t["disk"]["bytes"]
+        msg.disk_entries = t["disk"]["entries"]
 
 
 def _pool(p) -> pb.PoolStats:

@@ -158,18 +158,23 @@ class Tiering:
         else:
             sealed = self.host.main[s.sealed] if s.sealed else None
             tail = self.host.tail[s.tail] if s.tail else None
-        hashed, others, sealed_hashes = [], [], []
-        for i in range(len(s.sealed)):
-            if i < min(s.hashed_upto, len(s.hashes)):
-                hashed.append((s.hashes[i], sealed[i]))
-                sealed_hashes.append(s.hashes[i].hex())
+        # Blocks with a content hash go under that hash (deduplicated, found by
+        # prefix lookups after a restart); fp16 tail blocks only where they share
+        # the sealed blocks' format (codec fp16).
+        hashed, others, block_hashes = [], [], []
+        known = min(s.hashed_upto, len(s.hashes))
+        rows = [sealed[i] for i in range(len(s.sealed))] + [tail[j] for j in range(len(s.tail))]
+        for i, payload in enumerate(rows):
+            if i < known and (i < len(s.sealed) or not c.is_pq):
+                hashed.append((s.hashes[i], payload))
+                block_hashes.append(s.hashes[i].hex())
             else:
-                others.append(sealed[i])
-                sealed_hashes.append("")
-        others += [tail[i] for i in range(len(s.tail))]
+                others.append(payload)
+                block_hashes.append("")
         manifest = dict(seq_id=s.seq_id, tenant=s.tenant, length=s.length, token_ids=s.token_ids,
                         hashes=[h.hex() for h in s.hashes], hashed_upto=s.hashed_upto,
-                        sealed_hashes=sealed_hashes, n_tail=len(s.tail), n_other=len(others))
+                        sealed_hashes=block_hashes[:len(s.sealed)], tail_hashes=block_hashes[len(s.sealed):],
+                        n_tail=len(s.tail), n_other=len(others))
         self.counters["bytes_down"] += self.disk.write_sequence(c.fingerprint, s.tenant, s.seq_id, manifest,
                                                                 hashed, others, sync)
         self._release(s)
@@ -206,10 +211,9 @@ class Tiering:
             self.counters["page_ins_host"] += 1
         else:
             got_h, got_o = self.disk.read_sequence(c.fingerprint, s.tenant, s.seq_id, s.manifest)
-            rows, it_h, it_o = [], iter(got_h), iter(got_o)
-            for hx in s.manifest["sealed_hashes"]:
-                rows.append(next(it_h) if hx else next(it_o))
-            tails = list(it_o)
+            it_h, it_o = iter(got_h), iter(got_o)
+            rows = [next(it_h) if hx else next(it_o) for hx in s.manifest["sealed_hashes"]]
+            tails = [next(it_h) if hx else next(it_o) for hx in s.manifest["tail_hashes"]]
             to_t = lambda rs: torch.stack([torch.frombuffer(bytearray(r), dtype=torch.uint8) for r in rs])  # noqa: E731
             sealed_payload = to_t(rows) if rows else None
             tail_payload = to_t(tails) if tails else None
@@ -229,6 +233,10 @@ class Tiering:
             sealed[i] = b
             if i < min(s.hashed_upto, len(s.hashes)):
                 c.main_pool.set_hash(b, s.hashes[i])
+        for j, b in enumerate(new_tail):          # full tail blocks are findable again
+            i = n_sealed + j
+            if i < min(s.hashed_upto, len(s.hashes)):
+                c.tail_pool.set_hash(b, s.hashes[i])
         if s.tier == "host":
             self._release(s)
         else:
@@ -250,7 +258,7 @@ class Tiering:
             b = self.host.main_pool.lookup(h)
             if b is not None:
                 self.counters["prefix_hits_host"] += 1
-                return self.host.main[b]
+                return self.host.main[b].clone()   # the slot may be reused before we copy
         if self.disk is not None:
             v = self.disk.get_block(self.c.fingerprint, h)
             if v is not None:

@@ -83,7 +83,7 @@ class DiskTier:
         return nbytes
 
     def read_sequence(self, fp: bytes, tenant: str, seq_id: str, manifest: dict) -> tuple[list[bytes], list[bytes]]:
-        hashed = [bytes.fromhex(h) for h in manifest["sealed_hashes"] if h]
+        hashed = [bytes.fromhex(h) for h in manifest["sealed_hashes"] + manifest["tail_hashes"] if h]
         got_h = self.store.get_many([block_key(fp, h) for h in hashed])
         n_other = manifest["n_other"]
         got_o = self.store.get_many([seq_block_key(fp, tenant, seq_id, i) for i in range(n_other)])

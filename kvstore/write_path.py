@@ -91,6 +91,10 @@ class WritePath:
         return (seal if self.is_pq else 0), tail, 0
 
     def check_room(self, main: int, tail: int, freed: int, field: str = "k") -> None:
+        """Raise ResourceExhausted unless the pools can give main + tail blocks,
+        after moving least recently used sequences down a tier if need be."""
+        if self.tiering is not None and not self._fits(main, tail, freed):
+            self.tiering.make_room(main, max(0, tail - freed), self.protect)
         if self.is_pq:
             if main > self.main_pool.num_allocatable():
                 raise ResourceExhausted(field, f"need {main} blocks, {self.main_pool.num_allocatable()} free")
@@ -99,6 +103,12 @@ class WritePath:
                                         f"{self.tail_pool.num_allocatable() + freed} free")
         elif tail > self.main_pool.num_allocatable():
             raise ResourceExhausted(field, f"need {tail} blocks, {self.main_pool.num_allocatable()} free")
+
+    def _fits(self, main: int, tail: int, freed: int) -> bool:
+        if self.is_pq:
+            return (main <= self.main_pool.num_allocatable()
+                    and tail <= self.tail_pool.num_allocatable() + freed)
+        return tail <= self.main_pool.num_allocatable()
 
     def append(self, s: Sequence, k: torch.Tensor, v: torch.Tensor, token_ids: list[int] | None) -> None:
         """All layers, n tokens: k, v [L, n, Hkv, d]. Validated by the caller."""

@@ -29,9 +29,10 @@ print(json.dumps({"cached": cached, "sealed": list(info.sealed_blocks), "tail": 
 """
 
 
-def start_daemon(sock, hash_seed="0"):
+def start_daemon(sock, hash_seed="0", extra=()):
     env = dict(os.environ, PYTHONHASHSEED=hash_seed, PYTHONUNBUFFERED="1")
-    p = subprocess.Popen([sys.executable, os.path.join(ROOT, "server.py"), "--socket", sock, "--device", "cpu"],
+    p = subprocess.Popen([sys.executable, os.path.join(ROOT, "server.py"), "--socket", sock, "--device", "cpu",
+                          *extra],
                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     target = f"unix://{sock}"
     from grpc_health.v1 import health_pb2, health_pb2_grpc

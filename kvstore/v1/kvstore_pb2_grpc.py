@@ -134,6 +134,11 @@ class KVStoreStub:
                 request_serializer=kvstore_dot_v1_dot_kvstore__pb2.SequenceInfoRequest.SerializeToString,
                 response_deserializer=kvstore_dot_v1_dot_kvstore__pb2.SequenceInfoReply.FromString,
                 _registered_method=True)
+        self.Heartbeat = channel.unary_unary(
+                '/kvstore.v1.KVStore/Heartbeat',
+                request_serializer=kvstore_dot_v1_dot_kvstore__pb2.HeartbeatRequest.SerializeToString,
+                response_deserializer=kvstore_dot_v1_dot_kvstore__pb2.HeartbeatReply.FromString,
+                _registered_method=True)
 
 
 class KVStoreServicer:
@@ -259,6 +264,14 @@ class KVStoreServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Heartbeat(self, request, context):
+        """Keeps the caller's session lease alive (any call does; this is for idle
+        clients). The session is the `x-kvstore-session` metadata of the call.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_KVStoreServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -361,6 +374,11 @@ def add_KVStoreServicer_to_server(servicer, server):
                     servicer.SequenceInfo,
                     request_deserializer=kvstore_dot_v1_dot_kvstore__pb2.SequenceInfoRequest.FromString,
                     response_serializer=kvstore_dot_v1_dot_kvstore__pb2.SequenceInfoReply.SerializeToString,
+            ),
+            'Heartbeat': grpc.unary_unary_rpc_method_handler(
+                    servicer.Heartbeat,
+                    request_deserializer=kvstore_dot_v1_dot_kvstore__pb2.HeartbeatRequest.FromString,
+                    response_serializer=kvstore_dot_v1_dot_kvstore__pb2.HeartbeatReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -903,6 +921,33 @@ class KVStore:
             '/kvstore.v1.KVStore/SequenceInfo',
             kvstore_dot_v1_dot_kvstore__pb2.SequenceInfoRequest.SerializeToString,
             kvstore_dot_v1_dot_kvstore__pb2.SequenceInfoReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Heartbeat(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvstore.v1.KVStore/Heartbeat',
+            kvstore_dot_v1_dot_kvstore__pb2.HeartbeatRequest.SerializeToString,
+            kvstore_dot_v1_dot_kvstore__pb2.HeartbeatReply.FromString,
             options,
             channel_credentials,
             insecure,
