@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import time
 
+import numpy as np
 import torch
 
 from .errors import FailedPrecondition, ResourceExhausted
@@ -214,7 +215,7 @@ class Tiering:
             it_h, it_o = iter(got_h), iter(got_o)
             rows = [next(it_h) if hx else next(it_o) for hx in s.manifest["sealed_hashes"]]
             tails = [next(it_h) if hx else next(it_o) for hx in s.manifest["tail_hashes"]]
-            to_t = lambda rs: torch.stack([torch.frombuffer(bytearray(r), dtype=torch.uint8) for r in rs])  # noqa: E731
+            to_t = lambda rs: torch.from_numpy(np.stack([np.frombuffer(r, dtype=np.uint8) for r in rs]))  # noqa: E731
             sealed_payload = to_t(rows) if rows else None
             tail_payload = to_t(tails) if tails else None
             self.counters["page_ins_disk"] += 1
@@ -263,7 +264,7 @@ class Tiering:
             v = self.disk.get_block(self.c.fingerprint, h)
             if v is not None:
                 self.counters["prefix_hits_disk"] += 1
-                return torch.frombuffer(bytearray(v), dtype=torch.uint8)
+                return torch.from_numpy(np.frombuffer(v, dtype=np.uint8).copy())
         return None
 
     def restore(self) -> int:

@@ -73,10 +73,10 @@ class DiskTier:
         for h, payload in hashed:
             k = block_key(fp, h)
             if not self.store.contains(k):
-                puts.append((k, payload.numpy().tobytes()))
+                puts.append((k, memoryview(payload.contiguous().numpy())))
                 nbytes += payload.numel()
         for i, payload in enumerate(others):
-            puts.append((seq_block_key(fp, tenant, seq_id, i), payload.numpy().tobytes()))
+            puts.append((seq_block_key(fp, tenant, seq_id, i), memoryview(payload.contiguous().numpy())))
             nbytes += payload.numel()
         puts.append((manifest_key(fp, tenant, seq_id), json.dumps(manifest).encode()))
         self.store.write_batch(puts, [], sync=sync)
@@ -103,7 +103,8 @@ class DiskTier:
         return self.store.get_many([block_key(fp, h)])[0]
 
     def put_blocks(self, fp: bytes, items: list[tuple[bytes, torch.Tensor]]) -> int:
-        puts = [(block_key(fp, h), p.numpy().tobytes()) for h, p in items if not self.store.contains(block_key(fp, h))]
+        puts = [(block_key(fp, h), memoryview(p.contiguous().numpy())) for h, p in items
+                if not self.store.contains(block_key(fp, h))]
         if puts:
             self.store.write_batch(puts, [])
-        return sum(len(v) for _, v in puts)
+        return sum(v.nbytes for _, v in puts)
