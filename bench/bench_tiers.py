@@ -11,7 +11,6 @@ python bench/bench_tiers.py [--tokens 8192] [--layers 32] [--device cuda]
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import shutil
 import tempfile

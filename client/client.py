@@ -73,6 +73,28 @@ class _ShmArena:
             pass
 
 
+class _CudaArena:
+    """A CUDA staging buffer shared with the daemon once (IPC handle) plus an
+    interprocess event pair: inputs are written and `ready` recorded on the
+    caller's stream; the daemon waits on it on its own stream and records
+    `done` after writing outputs, which the caller's stream waits on. The
+    host never synchronises."""
+
+    def __init__(self, size: int, device: torch.device):
+        from kvstore import cuda_ipc
+        self.size = size
+        self.view = torch.empty(size, dtype=torch.uint8, device=device)
+        self.handle = cuda_ipc.export_tensor(self.view)
+        self.ready, self.done = cuda_ipc.event_pair(device)
+        self.cursor = 0
+        self.buffer_id = ""
+
+    alloc = _ShmArena.alloc
+
+    def close(self) -> None:
+        self.view = None
+
+
 class _Metadata(grpc.UnaryUnaryClientInterceptor):
     def __init__(self, metadata: list[tuple[str, str]]):
         self.metadata = metadata
@@ -107,6 +129,7 @@ class KVStoreClient:
         self.timeout = timeout
         self._lock = threading.Lock()
         self._arena: _ShmArena | None = None
+        self._cuda_arena: _CudaArena | None = None
         self._shm_bytes = shm_bytes
         if transport not in ("auto", "shm", "inline"):
             raise ValueError(f"transport must be auto, shm or inline, got {transport!r}")
@@ -130,8 +153,9 @@ class KVStoreClient:
     def _beat(self) -> None:
         # A third of the daemon's lease timeout (learned from the first reply),
         # so two beats can be lost before the lease lapses.
-        period = 5.0
+        period = 0.0     # beat at once: the reply says how often to beat
         while not self._beat_stop.wait(period):
+            period = 5.0
             try:
                 r = self.stub.Heartbeat(pb.HeartbeatRequest(), timeout=max(1.0, period))
                 if r.lease_timeout_s > 0:
@@ -180,13 +204,37 @@ class KVStoreClient:
         self._arena.cursor = 0
         return self._arena
 
+    def _cuda_arena_for(self, nbytes: int, device: torch.device) -> _CudaArena | None:
+        if not self.target.startswith("unix:") or self.transport == "inline":
+            return None
+        a = self._cuda_arena
+        if a is None or a.size < nbytes or a.view.device != device:
+            if a is not None:
+                self.stub.UnregisterBuffer(pb.UnregisterBufferRequest(buffer_id=a.buffer_id), timeout=self.timeout)
+            a = _CudaArena(max(self._shm_bytes, 1 << (nbytes - 1).bit_length()), device)
+            try:
+                a.buffer_id = self.stub.RegisterBuffer(pb.RegisterBufferRequest(
+                    kind=pb.CUDA_IPC, size=a.size, ipc_handle=a.handle.handle, offset=a.handle.offset,
+                    device_uuid=a.handle.device_uuid, ready_event=a.ready.ipc_handle(),
+                    done_event=a.done.ipc_handle()), timeout=self.timeout).buffer_id
+            except grpc.RpcError:
+                self._cuda_arena = None
+                return None        # a daemon without CUDA: go through host memory
+            self._cuda_arena = a
+        a.cursor = 0
+        return a
+
     def _call(self, method, request_fn, inputs: dict[str, torch.Tensor], out_bytes: list[int], read=None):
         """Build a request with `inputs` placed in the arena (or inline) and
         output ranges reserved, call, and run read(reply, arena) before the
         arena can be reused by another call."""
         with self._lock:
+            need = sum(t.numel() * t.element_size() + 64 for t in inputs.values()) + sum(b + 64 for b in out_bytes)
+            cuda = [t for t in inputs.values() if t.is_cuda]
+            arena = self._cuda_arena_for(need, cuda[0].device) if cuda else None
+            if arena is not None:
+                return self._call_cuda(arena, method, request_fn, inputs, out_bytes, read)
             tensors = {k: v.detach().contiguous().cpu() for k, v in inputs.items()}
-            need = sum(t.numel() * t.element_size() + 64 for t in tensors.values()) + sum(b + 64 for b in out_bytes)
             arena = self._arena_for(need)
             msgs, outs = {}, []
             for k, t in tensors.items():
@@ -204,6 +252,24 @@ class KVStoreClient:
             reply = method(request_fn(msgs, outs), timeout=self.timeout)
             return read(reply, arena) if read else reply
 
+    def _call_cuda(self, arena: _CudaArena, method, request_fn, inputs, out_bytes, read):
+        msgs, outs = {}, []
+        for k, t in inputs.items():
+            t = t.detach().contiguous()
+            nb = t.numel() * t.element_size()
+            off = arena.alloc(nb)
+            if nb:
+                arena.view[off:off + nb].copy_(t.view(torch.uint8).reshape(-1), non_blocking=True)
+            msgs[k] = pb.Tensor(shape=list(t.shape), dtype=wire.TO_PROTO[t.dtype],
+                                ref=pb.BufferRef(buffer_id=arena.buffer_id, offset=off))
+        for b in out_bytes:
+            outs.append(pb.OutputRef(buffer_id=arena.buffer_id, offset=arena.alloc(b)))
+        stream = torch.cuda.current_stream(arena.view.device)
+        arena.ready.record(stream)
+        reply = method(request_fn(msgs, outs), timeout=self.timeout)
+        stream.wait_event(arena.done)
+        return read(reply, arena) if read else reply
+
     def _tensor(self, t: pb.Tensor, arena: _ShmArena | None) -> torch.Tensor:
         if t.WhichOneof("data") == "ref":
             dtype = wire.TO_TORCH[t.dtype]
@@ -216,10 +282,14 @@ class KVStoreClient:
     def create_cache(self, name: str, model_id: str, *, num_layers: int, num_q_heads: int, num_kv_heads: int,
                      head_dim: int, dtype: str = "float16", codec: str = "pq", num_subvectors: int = 0,
                      block_size: int = 16, residual: int = 128, num_blocks: int = 0, pool_bytes: int = 0,
-                     max_sequences: int = 256, exist_ok: bool = False) -> pb.CacheInfo:
+                     max_sequences: int = 256, exist_ok: bool = False, host_bytes: int = 0,
+                     low_watermark: float = 0.0, **spec_fields) -> pb.CacheInfo:
+        """Create (or, with exist_ok, find) a cache. host_bytes adds a pinned host
+        tier; other CacheSpec fields pass through spec_fields."""
         spec = pb.CacheSpec(name=name, model_id=model_id, codec=codec, num_subvectors=num_subvectors,
                             block_size=block_size, residual=residual, num_blocks=num_blocks,
-                            pool_bytes=pool_bytes, max_sequences=max_sequences,
+                            pool_bytes=pool_bytes, max_sequences=max_sequences, host_bytes=host_bytes,
+                            low_watermark=low_watermark, **spec_fields,
                             geometry=pb.Geometry(num_layers=num_layers, num_q_heads=num_q_heads,
                                                  num_kv_heads=num_kv_heads, head_dim=head_dim, dtype=dtype))
         return self.stub.CreateCache(pb.CreateCacheRequest(spec=spec, exist_ok=exist_ok), timeout=self.timeout)

@@ -12,42 +12,35 @@ import triton.language as tl
 
 
 @triton.jit
-def _unpack_words(w, DSUB: tl.constexpr, TILE: tl.constexpr, D: tl.constexpr,
-                  CB_BF16: tl.constexpr):
-    """[TILE, M] words of DSUB packed 16-bit centroid coords -> [TILE, D] tile."""
+def _piece(w, J: tl.constexpr, CB_BF16: tl.constexpr):
+    """Coordinate J of the centroids whose packed 16-bit coords are the words w."""
     if CB_BF16:
         dt: tl.constexpr = tl.bfloat16
     else:
         dt: tl.constexpr = tl.float16
-    p0 = w.to(tl.uint16).to(dt, bitcast=True)
-    p1 = (w >> 16).to(tl.uint16).to(dt, bitcast=True)
-    if DSUB == 2:
-        x = tl.join(p0, p1)                                   # [TILE, M, 2]
-    else:
-        p2 = (w >> 32).to(tl.uint16).to(dt, bitcast=True)
-        p3 = (w >> 48).to(tl.uint16).to(dt, bitcast=True)
-        # join appends its axis: [t, m, i, k] = (p0, p2)[i] if k == 0 else
-        # (p1, p3)[i] = piece 2i + k, which is the flat order after reshape.
-        x = tl.join(tl.join(p0, p2), tl.join(p1, p3))         # [TILE, M, 2, 2]
-    return tl.reshape(x, (TILE, D))
+    return (w >> (16 * J)).to(tl.uint16).to(dt, bitcast=True)
 
 
 @triton.jit
-def _softmax_step(s, valid, m_i, l_i, acc):
-    """Online-softmax bookkeeping for one tile of base-2 scores s [GP, TILE]."""
+def _softmax_step(s, valid, m_i, l_i):
+    """Online softmax over one tile of base-2 scores s [GP, TILE] -> p, m, l, alpha."""
     s = tl.where(valid[None, :], s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(s - m_new[:, None])
-    return p, m_new, l_i * alpha + tl.sum(p, 1), acc * alpha[:, None]
+    return p, m_new, l_i * alpha + tl.sum(p, 1), alpha
 
 
 @triton.jit
-def _pq_range(q, b, h, lo, hi, m_i, l_i, acc,
+def _pq_range(q0, q1, q2, q3, b, h, lo, hi, m_i, l_i, a0, a1, a2, a3,
               kc_ptr, vc_ptr, skc_blk, skc_h, svc_blk, svc_h, kw_ptr, vw_ptr,
               tab_ptr, tab_stride, qk_scale,
-              M: tl.constexpr, D: tl.constexpr, DSUB: tl.constexpr, BS: tl.constexpr,
+              M: tl.constexpr, DSUB: tl.constexpr, BS: tl.constexpr,
               TILE: tl.constexpr, CB_BF16: tl.constexpr, PREC: tl.constexpr):
+    # Head dim split by coordinate: q_j = q[:, j::DSUB] and K_j[n, m] = coord j of
+    # the centroid of code (n, m), so q.k = sum_j q_j . K_j and out[:, m*DSUB+j]
+    # = acc_j. This keeps the gathered words in their load layout (no
+    # interleave/reshape, which cost ~10x more shared-memory traffic).
     offs_n = tl.arange(0, TILE)
     offs_m = tl.arange(0, M)
     # codebook words [Hkv, M, 256]: one word = the DSUB coords of one centroid
@@ -61,15 +54,24 @@ def _pq_range(q, b, h, lo, hi, m_i, l_i, acc,
         # K codes row-wise [bs, M]: a tile row is M contiguous bytes
         kc = tl.load(kc_ptr + blk[:, None] * skc_blk + h * skc_h + off[:, None] * M
                      + offs_m[None, :], mask=valid[:, None], other=0)
-        k = _unpack_words(tl.load(kw_base + kc.to(tl.int32)), DSUB, TILE, D, CB_BF16)
-        s = tl.dot(q.to(k.dtype), tl.trans(k), input_precision=PREC) * qk_scale
-        p, m_i, l_i, acc = _softmax_step(s, valid, m_i, l_i, acc)
+        kw = tl.load(kw_base + kc.to(tl.int32))                       # [TILE, M] words
+        s = tl.dot(q0, tl.trans(_piece(kw, 0, CB_BF16)), input_precision=PREC)
+        s = tl.dot(q1, tl.trans(_piece(kw, 1, CB_BF16)), s, input_precision=PREC)
+        if DSUB == 4:
+            s = tl.dot(q2, tl.trans(_piece(kw, 2, CB_BF16)), s, input_precision=PREC)
+            s = tl.dot(q3, tl.trans(_piece(kw, 3, CB_BF16)), s, input_precision=PREC)
+        p, m_i, l_i, alpha = _softmax_step(s * qk_scale, valid, m_i, l_i)
         # V codes transposed [M, bs]: contiguous along tokens
         vc = tl.load(vc_ptr + blk[:, None] * svc_blk + h * svc_h + offs_m[None, :] * BS
                      + off[:, None], mask=valid[:, None], other=0)
-        v = _unpack_words(tl.load(vw_base + vc.to(tl.int32)), DSUB, TILE, D, CB_BF16)
-        acc += tl.dot(p.to(v.dtype), v, input_precision=PREC)
-    return m_i, l_i, acc
+        vw = tl.load(vw_base + vc.to(tl.int32))
+        p = p.to(q0.dtype)
+        a0 = tl.dot(p, _piece(vw, 0, CB_BF16), a0 * alpha[:, None], input_precision=PREC)
+        a1 = tl.dot(p, _piece(vw, 1, CB_BF16), a1 * alpha[:, None], input_precision=PREC)
+        if DSUB == 4:
+            a2 = tl.dot(p, _piece(vw, 2, CB_BF16), a2 * alpha[:, None], input_precision=PREC)
+            a3 = tl.dot(p, _piece(vw, 3, CB_BF16), a3 * alpha[:, None], input_precision=PREC)
+    return m_i, l_i, a0, a1, a2, a3
 
 
 @triton.jit
@@ -87,11 +89,64 @@ def _dense_range(q, b, h, lo, hi, m_i, l_i, acc,
         k = tl.load(k_ptr + blk[:, None] * sk_blk + h * sk_h + off[:, None] * sk_t
                     + offs_d[None, :], mask=valid[:, None], other=0.0)
         s = tl.dot(q.to(k.dtype), tl.trans(k), input_precision=PREC) * qk_scale
-        p, m_i, l_i, acc = _softmax_step(s, valid, m_i, l_i, acc)
+        p, m_i, l_i, alpha = _softmax_step(s, valid, m_i, l_i)
+        acc = acc * alpha[:, None]
         v = tl.load(v_ptr + blk[:, None] * sv_blk + h * sv_h + off[:, None] * sv_t
                     + offs_d[None, :], mask=valid[:, None], other=0.0)
         acc += tl.dot(p.to(v.dtype), v, input_precision=PREC)
     return m_i, l_i, acc
+
+
+@triton.jit
+def _store_part(op_ptr, lp_ptr, item, rows, gmask, cols, o, m_i, l_i, Hq, D: tl.constexpr):
+    # items are never empty, so l_i > 0 for every row
+    prow = item.to(tl.int64) * Hq + rows
+    tl.store(op_ptr + prow[:, None] * D + cols[None, :], o / l_i[:, None], mask=gmask[:, None])
+    tl.store(lp_ptr + prow, m_i + tl.log2(l_i), mask=gmask)
+
+
+@triton.jit
+def _pq_item(q_rows, rows, gmask, item, b, h, lo, hi, m_i, l_i, op_ptr, lp_ptr,
+             kc_ptr, vc_ptr, skc_blk, skc_h, svc_blk, svc_h, kw_ptr, vw_ptr, st_ptr, st_stride,
+             qk_scale, Hq, GP: tl.constexpr, D: tl.constexpr, M: tl.constexpr,
+             DSUB: tl.constexpr, BS: tl.constexpr, TILE_PQ: tl.constexpr,
+             CB_BF16: tl.constexpr, PREC: tl.constexpr):
+    if CB_BF16:
+        cdt: tl.constexpr = tl.bfloat16
+    else:
+        cdt: tl.constexpr = tl.float16
+    cols = tl.arange(0, M) * DSUB                           # coordinate j of subspace m
+    q0 = tl.load(q_rows + cols[None, :], mask=gmask[:, None], other=0.0).to(cdt)
+    q1 = tl.load(q_rows + cols[None, :] + 1, mask=gmask[:, None], other=0.0).to(cdt)
+    q2 = q0
+    q3 = q0
+    if DSUB == 4:
+        q2 = tl.load(q_rows + cols[None, :] + 2, mask=gmask[:, None], other=0.0).to(cdt)
+        q3 = tl.load(q_rows + cols[None, :] + 3, mask=gmask[:, None], other=0.0).to(cdt)
+    z = tl.zeros([GP, M], tl.float32)
+    m_i, l_i, a0, a1, a2, a3 = _pq_range(
+        q0, q1, q2, q3, b, h, lo, hi, m_i, l_i, z, z, z, z,
+        kc_ptr, vc_ptr, skc_blk, skc_h, svc_blk, svc_h, kw_ptr, vw_ptr,
+        st_ptr, st_stride, qk_scale, M, DSUB, BS, TILE_PQ, CB_BF16, PREC)
+    _store_part(op_ptr, lp_ptr, item, rows, gmask, cols, a0, m_i, l_i, Hq, D)
+    _store_part(op_ptr, lp_ptr, item, rows, gmask, cols + 1, a1, m_i, l_i, Hq, D)
+    if DSUB == 4:
+        _store_part(op_ptr, lp_ptr, item, rows, gmask, cols + 2, a2, m_i, l_i, Hq, D)
+        _store_part(op_ptr, lp_ptr, item, rows, gmask, cols + 3, a3, m_i, l_i, Hq, D)
+
+
+@triton.jit
+def _dense_item(q_rows, rows, gmask, item, b, h, lo, hi, m_i, l_i, op_ptr, lp_ptr,
+                k_ptr, v_ptr, sk_blk, sk_h, sk_t, sv_blk, sv_h, sv_t, tt_ptr, tt_stride,
+                qk_scale, Hq, GP: tl.constexpr, D: tl.constexpr, TBS: tl.constexpr,
+                TILE_FP: tl.constexpr, PREC: tl.constexpr):
+    offs_d = tl.arange(0, D)
+    q = tl.load(q_rows + offs_d[None, :], mask=gmask[:, None], other=0.0)
+    acc = tl.zeros([GP, D], tl.float32)
+    m_i, l_i, acc = _dense_range(q, b, h, lo, hi, m_i, l_i, acc,
+                                 k_ptr, v_ptr, sk_blk, sk_h, sk_t, sv_blk, sv_h, sv_t,
+                                 tt_ptr, tt_stride, qk_scale, D, TBS, TILE_FP, PREC)
+    _store_part(op_ptr, lp_ptr, item, rows, gmask, offs_d, acc, m_i, l_i, Hq, D)
 
 
 @triton.jit
@@ -115,33 +170,24 @@ def _decode_kernel(
     lo = tl.load(items_ptr + item * 4 + 2)
     hi = tl.load(items_ptr + item * 4 + 3)
     offs_g = tl.arange(0, GP)
-    offs_d = tl.arange(0, D)
     rows = h * G + offs_g                                       # query heads of this KV head
-    q = tl.load(q_ptr + b.to(tl.int64) * sq_b + rows[:, None] * sq_h + offs_d[None, :],
-                mask=offs_g[:, None] < G, other=0.0)
+    gmask = offs_g < G
+    q_rows = q_ptr + b.to(tl.int64) * sq_b + rows[:, None] * sq_h
     m_i = tl.full([GP], float("-inf"), tl.float32)
     l_i = tl.zeros([GP], tl.float32)
-    acc = tl.zeros([GP, D], tl.float32)
     if HAS_PQ:
         if kind == 0:
-            m_i, l_i, acc = _pq_range(q, b, h, lo, hi, m_i, l_i, acc,
-                                      kc_ptr, vc_ptr, skc_blk, skc_h, svc_blk, svc_h,
-                                      kw_ptr, vw_ptr, st_ptr, st_stride, qk_scale,
-                                      M, D, DSUB, BS, TILE_PQ, CB_BF16, PREC)
+            _pq_item(q_rows, rows, gmask, item, b, h, lo, hi, m_i, l_i, op_ptr, lp_ptr,
+                     kc_ptr, vc_ptr, skc_blk, skc_h, svc_blk, svc_h, kw_ptr, vw_ptr, st_ptr,
+                     st_stride, qk_scale, Hq, GP, D, M, DSUB, BS, TILE_PQ, CB_BF16, PREC)
         else:
-            m_i, l_i, acc = _dense_range(q, b, h, lo, hi, m_i, l_i, acc,
-                                         k_ptr, v_ptr, sk_blk, sk_h, sk_t, sv_blk, sv_h, sv_t,
-                                         tt_ptr, tt_stride, qk_scale, D, TBS, TILE_FP, PREC)
+            _dense_item(q_rows, rows, gmask, item, b, h, lo, hi, m_i, l_i, op_ptr, lp_ptr,
+                        k_ptr, v_ptr, sk_blk, sk_h, sk_t, sv_blk, sv_h, sv_t, tt_ptr,
+                        tt_stride, qk_scale, Hq, GP, D, TBS, TILE_FP, PREC)
     else:
-        m_i, l_i, acc = _dense_range(q, b, h, lo, hi, m_i, l_i, acc,
-                                     k_ptr, v_ptr, sk_blk, sk_h, sk_t, sv_blk, sv_h, sv_t,
-                                     tt_ptr, tt_stride, qk_scale, D, TBS, TILE_FP, PREC)
-    # items are never empty, so l_i > 0 for every row
-    o = acc / l_i[:, None]
-    prow = item.to(tl.int64) * Hq + rows
-    gmask = offs_g < G
-    tl.store(op_ptr + prow[:, None] * D + offs_d[None, :], o, mask=gmask[:, None])
-    tl.store(lp_ptr + prow, m_i + tl.log2(l_i), mask=gmask)
+        _dense_item(q_rows, rows, gmask, item, b, h, lo, hi, m_i, l_i, op_ptr, lp_ptr,
+                    k_ptr, v_ptr, sk_blk, sk_h, sk_t, sv_blk, sv_h, sv_t, tt_ptr,
+                    tt_stride, qk_scale, Hq, GP, D, TBS, TILE_FP, PREC)
 
 
 @triton.jit

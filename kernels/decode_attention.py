@@ -30,7 +30,7 @@ _FLOAT = (torch.float16, torch.bfloat16, torch.float32)
 def _num_sms(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
-    return 4
+    return 1
 
 
 def _host_lens(x, name: str) -> list[int]:
@@ -67,6 +67,7 @@ class DecodePlan:
     tile_fp: int
     num_warps: int
     num_stages: int
+    maxnreg: int | None = None   # register cap: more resident programs to hide gather latency
 
     # ------------------------------------------------------------ checks
     def _check_q_out(self, q, out, lse):
@@ -156,7 +157,7 @@ class DecodePlan:
                 G=g, GP=max(16, triton.next_power_of_2(g)), D=self.head_dim, M=m, DSUB=dsub,
                 BS=self.block_size, TBS=self.tail_block_size, TILE_PQ=self.tile_pq,
                 TILE_FP=self.tile_fp, HAS_PQ=self.has_pq, CB_BF16=cb_bf16, PREC=prec,
-                num_warps=self.num_warps, num_stages=self.num_stages)
+                num_warps=self.num_warps, num_stages=self.num_stages, maxnreg=self.maxnreg)
         _merge_kernel[(self.batch, hq)](
             self.o_part, self.lse_part, self.item_ptr, out, out.stride(0), out.stride(1),
             lse, lse.stride(0), hq, D=self.head_dim, MAX_ITEMS=self.max_items, num_warps=4)
@@ -216,10 +217,15 @@ def _validate_heads(hq, hkv, d):
 
 def plan_pq_decode(sealed_lens, tail_lens, *, num_qo_heads: int, num_kv_heads: int,
                    head_dim: int, block_size: int, tail_block_size: int, device,
-                   target_ctas: int | None = None, tile_pq: int = 64, tile_fp: int = 32,
-                   num_warps: int = 4, num_stages: int = 2) -> DecodePlan:
+                   target_ctas: int | None = None, tile_pq: int = 128, tile_fp: int = 32,
+                   num_warps: int = 4, num_stages: int = 1,
+                   maxnreg: int | None = 128) -> DecodePlan:
     """sealed_lens [B] (tokens, multiples of block_size), tail_lens [B]: host lists or
-    tensors (read on the host). Returns the plan for DecodePlan.run_pq."""
+    tensors (read on the host). Returns the plan for DecodePlan.run_pq.
+
+    Defaults are the fastest of bench/sweep_pq.py on an H100 (bench/NOTES-attention.md):
+    the code -> centroid gathers are latency-bound, so many small-register programs
+    (~8 per SM at 128 registers) with 128-token tiles keep the most loads in flight."""
     _validate_heads(num_qo_heads, num_kv_heads, head_dim)
     sl, tl_ = _host_lens(sealed_lens, "sealed_lens"), _host_lens(tail_lens, "tail_lens")
     if len(sl) != len(tl_):
@@ -227,7 +233,7 @@ def plan_pq_decode(sealed_lens, tail_lens, *, num_qo_heads: int, num_kv_heads: i
     if any(n % block_size or n < 0 for n in sl):
         raise ValueError(f"sealed_lens must be non-negative multiples of block_size={block_size}")
     if target_ctas is None:
-        target_ctas = _num_sms(torch.device(device))
+        target_ctas = 8 * _num_sms(torch.device(device))
     chunk = _chunk(sum(sl), sum(1 for n in tl_ if n > 0), num_kv_heads, tile_pq, target_ctas)
     items, ptr = [], [0]
     for b, (ns, nt) in enumerate(zip(sl, tl_)):
@@ -242,7 +248,7 @@ def plan_pq_decode(sealed_lens, tail_lens, *, num_qo_heads: int, num_kv_heads: i
                    sealed_cols=max([n // block_size for n in sl] + [0]),
                    tail_cols=max([triton.cdiv(n, tail_block_size) for n in tl_] + [0]),
                    has_pq=True, tile_pq=tile_pq, tile_fp=tile_fp,
-                   num_warps=num_warps, num_stages=num_stages)
+                   num_warps=num_warps, num_stages=num_stages, maxnreg=maxnreg)
 
 
 def plan_paged_decode(seq_lens, *, num_qo_heads: int, num_kv_heads: int, head_dim: int,
@@ -252,7 +258,7 @@ def plan_paged_decode(seq_lens, *, num_qo_heads: int, num_kv_heads: int, head_di
     _validate_heads(num_qo_heads, num_kv_heads, head_dim)
     sl = _host_lens(seq_lens, "seq_lens")
     if target_ctas is None:
-        target_ctas = _num_sms(torch.device(device))
+        target_ctas = 2 * _num_sms(torch.device(device))
     chunk = _chunk(sum(sl), 0, num_kv_heads, tile, target_ctas)
     items, ptr = [], [0]
     for b, n in enumerate(sl):
@@ -280,11 +286,12 @@ def pq_decode_attention(q, k_codes, v_codes, k_codebook, v_codebook, sealed_tabl
     kcb, vcb = (c if c.dtype in (torch.float16, torch.bfloat16) else c.to(cb_dt)
                 for c in (k_codebook, v_codebook))
     return plan.run_pq(q, k_codes, v_codes, kcb.contiguous(), vcb.to(kcb.dtype).contiguous(),
-                       sealed_tables, tail_k, tail_v, tail_tables, scale)
+                       sealed_tables.to(torch.int32), tail_k, tail_v,
+                       tail_tables.to(torch.int32), scale)
 
 
 def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale):
     """Same contract as reference.paged_decode_attention (plans, then runs)."""
     plan = plan_paged_decode(seq_lens, num_qo_heads=q.shape[1], num_kv_heads=k_cache.shape[1],
                              head_dim=q.shape[2], block_size=k_cache.shape[2], device=q.device)
-    return plan.run_paged(q, k_cache, v_cache, block_tables, scale)
+    return plan.run_paged(q, k_cache, v_cache, block_tables.to(torch.int32), scale)

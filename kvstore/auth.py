@@ -230,15 +230,25 @@ class _BufferView:
         if owner is None or owner[0] != self.tenant:
             raise NotFound("buffer_id", f"no buffer {buffer_id!r}")
 
-    def register_shm(self, name: str, size: int) -> str:
-        bid = self.t.registry.register_shm(name, size, owner=self.tenant)
+    def _own(self, buffer_id: str) -> str:
         with self.t._lock:
-            self.t._owners[bid] = (self.tenant, self.session)
-        return bid
+            self.t._owners[buffer_id] = (self.tenant, self.session)
+        return buffer_id
+
+    def register_shm(self, name: str, size: int) -> str:
+        return self._own(self.t.registry.register_shm(name, size, owner=self.tenant))
+
+    def register_cuda(self, *args, **kw) -> str:
+        return self._own(self.t.registry.register_cuda(*args, owner=self.tenant, **kw))
 
     def get(self, buffer_id: str):
         self._check(buffer_id)
         return self.t.registry.get(buffer_id)
+
+    def cuda_events(self, buffer_id: str):
+        if self.t._owners.get(buffer_id, ("",))[0] != self.tenant:
+            return None     # not ours: the lookup that follows answers NOT_FOUND
+        return self.t.registry.cuda_events(buffer_id)
 
     def unregister(self, buffer_id: str) -> None:
         self._check(buffer_id)

@@ -178,7 +178,8 @@ class Cache(WritePath, ReadPath):
         if hits and len(hits) * self.bs == len(prompt):
             hits.pop()     # the caller must compute at least one token to get logits
         fresh = [i for i, (kind, _) in enumerate(hits) if kind in ("encode", "below")]
-        refs = [b for kind, b in hits if kind in ("main", "tail")]
+        # Main-pool blocks the hits take out of its free queue (fp16 "tail" hits are main-pool blocks too).
+        refs = [b for kind, b in hits if kind == "main" or (kind == "tail" and not self.is_pq)]
         # Fresh blocks must come from the free queue; if there are too few,
         # serve a shorter prefix rather than evict what we are about to use.
         reclaimable = self.main_pool.num_allocatable() - sum(
@@ -202,12 +203,14 @@ class Cache(WritePath, ReadPath):
             bid = new.get(i, b)
             if i in new:
                 self.main_pool.set_hash(bid, hashes[i])
-            if kind == "tail" or not self.is_pq:   # fp16 seals lazily, on append
+            if kind == "tail" or not self.is_pq:   # fp16: relabelled as sealed just below
                 s.tail.append(bid)
             else:
                 s.sealed.append(bid)
         s.length = len(hits) * self.bs
         s.hashed_upto = len(hits)
+        if not self.is_pq:   # like an append of these tokens: the tail keeps at most R + block_size
+            self._seal(s, self.sealed_count(s.length), None, None)
         self.seqs[(tenant, seq_id)] = s
         self.counters["prefix_query_tokens"] += len(prompt)
         self.counters["prefix_hit_tokens"] += s.length

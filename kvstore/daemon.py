@@ -120,6 +120,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus metrics on this port")
     p.add_argument("--metrics-host", default="127.0.0.1", help="address for --metrics-port")
     args = p.parse_args(argv)
+    if args.device.startswith("cuda"):
+        from .cuda_ipc import check_allocator
+        check_allocator()      # refuses allocator settings that break CUDA IPC, saying why
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     if bool(args.tls_cert) != bool(args.tls_key):
         p.error("--tls-cert and --tls-key go together")

@@ -77,6 +77,9 @@ class Engine:
 
     def train_codebooks(self, name: str, k: torch.Tensor, v: torch.Tensor, niter: int = 20) -> str:
         cache = self.cache(name)
+        for field, t in (("k_samples", k), ("v_samples", v)):
+            if t.dtype not in FLOAT_DTYPES:
+                raise InvalidArgument(field, f"dtype {t.dtype} is not float16/bfloat16/float32")
         cb = train_codebooks(cache.cfg, k, v, niter=niter)   # slow: outside the lock
         return self.set_codebooks(name, cb)
 
@@ -105,7 +108,9 @@ class Engine:
         if t.dim() != len(shape) or any(w is not None and w != g for w, g in zip(shape, t.shape)):
             want = "[" + ", ".join("*" if w is None else str(w) for w in shape) + "]"
             raise InvalidArgument(field, f"shape {list(t.shape)}, expected {want}")
-        if not torch.isfinite(t).all():
+        # On CUDA the check would synchronise with the host on every call; data
+        # that arrives on the GPU is the client's responsibility.
+        if not t.is_cuda and not torch.isfinite(t).all():
             raise InvalidArgument(field, "contains NaN or Inf")
         return t.to(device=cache.cfg.device, dtype=TORCH_DTYPES[cache.cfg.geometry.dtype])
 
@@ -151,7 +156,7 @@ class Engine:
             cache.resident(seqs)
             # Batches of several sequences are checked whole before any write.
             if len(seqs) > 1:
-                self._check_batch_room(cache, seqs, counts, layer)
+                self._check_batch_room(cache, seqs, counts, layer, token_ids)
             off = 0
             for i, (s, c) in enumerate(zip(seqs, counts)):
                 if layer is None:
@@ -163,12 +168,16 @@ class Engine:
             cache.after_write()
 
     @staticmethod
-    def _check_batch_room(cache: Cache, seqs: list[Sequence], counts: list[int], layer: int | None) -> None:
-        """Refuse a batch that will not fit before writing any of it."""
+    def _check_batch_room(cache: Cache, seqs: list[Sequence], counts: list[int], layer: int | None,
+                          token_ids: list[list[int]] | None = None) -> None:
+        """Refuse a batch that will not fit, or that any of its sequences
+        would refuse, before writing any of it."""
         main = tail = freed = 0
-        for s, c in zip(seqs, counts):
-            if layer is None and (any(s.pending) or s.reserved):
+        for i, (s, c) in enumerate(zip(seqs, counts)):
+            if (layer is None and any(s.pending)) or s.reserved:
                 raise FailedPrecondition("sequence_ids", f"sequence {s.seq_id!r} has uncommitted tokens")
+            if token_ids is not None and token_ids[i]:
+                cache.check_token_ids(s, c, token_ids[i])
             m, t, f = cache.room_needed(s, c, layer)
             main, tail, freed = main + m, tail + t, freed + f
         cache.check_room(main, tail, freed)
@@ -210,6 +219,30 @@ class Engine:
             s = cache.seq(tenant, seq_id)
             cache.resident([s])
             return cache.reserve(s, n)
+
+    def reserve_batch(self, name: str, tenant: str, seq_ids: list[str], n: int) -> list[ReserveResult]:
+        """Reserve for a decode step of a batch, sequence by sequence."""
+        with self.lock:
+            if n < 0 or n > 1 << 20:
+                raise InvalidArgument("num_tokens", f"must be in [0, 2^20], got {n}")
+            cache = self.cache(name)
+            seqs = self._seqs(cache, tenant, seq_ids, unique=True)
+            for s in seqs:
+                if any(s.pending):
+                    raise FailedPrecondition("sequence_ids", f"sequence {s.seq_id!r} has uncommitted per-layer tokens")
+            cache.resident(seqs)
+            return [cache.reserve(s, n) for s in seqs]
+
+    def pool_tensors(self, name: str) -> dict[str, torch.Tensor]:
+        """The cache's pool tensors, all layers, for MapPool."""
+        with self.lock:
+            c = self.cache(name)
+            if c.is_pq:
+                if c.codebooks is None:
+                    raise FailedPrecondition("codebooks", f"cache {name!r} has no codebooks yet")
+                return dict(k_codes=c.main.k_codes, v_codes=c.main.v_codes, k_codebook=c.main.k_cb,
+                            v_codebook=c.main.v_cb, tail_k=c.tail.k, tail_v=c.tail.v)
+            return dict(k=c.main.k, v=c.main.v)
 
     def retrieve(self, name: str, tenant: str, seq_id: str, start: int, end: int,
                  layer_start: int = 0, layer_end: int = 0) -> tuple[torch.Tensor, torch.Tensor]:

@@ -5,6 +5,8 @@ random id per KVStoreClient, and a Heartbeat every few seconds while idle).
 A call renews the session's lease. When a lease lapses (no call for
 `timeout_s`), a reaper thread frees the session's unpinned sequences through
 the normal engine path (so pool invariants hold) and drops its buffers.
+Sequences allocated with `persist` are offloaded to the disk tier instead
+(freed if the daemon has none).
 Sequences created without session metadata have no owner and never lapse.
 
 Sessions are keyed by (tenant, session id): a tenant cannot keep another
@@ -18,7 +20,7 @@ import threading
 import time
 from typing import Callable
 
-from .errors import InvalidArgument, NotFound
+from .errors import InvalidArgument, KVStoreError, NotFound
 
 log = logging.getLogger("kvstore.leases")
 SESSION_KEY = "x-kvstore-session"
@@ -91,11 +93,8 @@ class LeaseManager:
         owned = self.engine.owned_sequences(tenant, session)
         n = 0
         for cache, seqs in owned.items():
-            to_free = []
-            for seq_id, persist in seqs:
-                if persist:
-                    self._offload(cache, tenant, seq_id)
-                to_free.append(seq_id)
+            to_free = [seq_id for seq_id, persist in seqs
+                       if not (persist and self._offload(cache, tenant, seq_id))]
             try:
                 self.engine.free(cache, tenant, to_free)
                 n += len(to_free)
@@ -105,13 +104,20 @@ class LeaseManager:
         self.counters["freed_sequences"] += n
         log.info("lease of session %s (tenant %s) lapsed: freed %d sequences", session, tenant, n)
 
-    def _offload(self, cache: str, tenant: str, seq_id: str) -> None:
-        # HOOK: when the engine grows offload(cache, tenant, seq_id) (issue 5:
-        # host/LMDB tiers), call it here and skip the free for sequences it
-        # made durable. Until then a persisted sequence is freed like the rest.
+    def _offload(self, cache: str, tenant: str, seq_id: str) -> bool:
+        """The persistence hook: True if the sequence is now durable on the
+        disk tier (it stays, for a later session to find); False: free it."""
         self.counters["offload_requests"] += 1
-        log.warning("sequence %s/%s asked to persist, but Offload is not implemented: freeing it",
-                    cache, seq_id)
+        offload = getattr(self.engine, "offload", None)
+        if offload is None:
+            log.warning("sequence %s/%s asked to persist, but the engine cannot offload: freeing it", cache, seq_id)
+            return False
+        try:
+            offload(cache, tenant, [seq_id])
+            return True
+        except KVStoreError as e:   # e.g. no disk tier (--lmdb): freeing beats leaking
+            log.warning("sequence %s/%s asked to persist, offload failed (%s): freeing it", cache, seq_id, e)
+            return False
 
     def _run(self, period: float) -> None:
         while not self._stop.wait(period):

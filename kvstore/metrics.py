@@ -18,7 +18,8 @@ from __future__ import annotations
 import time
 
 import grpc
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest, start_http_server
+from prometheus_client import (CollectorRegistry, Counter, Histogram, disable_created_metrics, generate_latest,
+                               start_http_server)
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 COUNTERS = {"prefix_query_tokens", "prefix_hit_tokens", "appended_tokens", "sealed_blocks", "dedup_blocks",
@@ -170,6 +171,7 @@ class Metrics:
     exists; serve() starts the HTTP endpoint."""
 
     def __init__(self):
+        disable_created_metrics()    # `_created` series double the output and no dashboard reads them
         self.registry = CollectorRegistry()
         self.interceptor = MetricsInterceptor(self.registry)
         self.collector = EngineCollector()

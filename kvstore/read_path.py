@@ -26,16 +26,17 @@ class ReadPath:
                 raise InvalidArgument("sequence_ids", f"sequence {s.seq_id!r} has no tokens at layer {layer}")
         if self.is_pq:
             sealed = _table([s.sealed for s in seqs], dev)
-            sealed_lens = torch.tensor([len(s.sealed) * self.bs for s in seqs], dtype=torch.int32, device=dev)
+            # Lengths stay host lists: the kernels plan on the host, and a device
+            # tensor would cost a synchronisation to read back.
+            sealed_lens = [len(s.sealed) * self.bs for s in seqs]
             tail = _table([s.tail for s in seqs], dev)
-            tail_lens = torch.tensor([s.layer_length(layer) - len(s.sealed) * self.bs for s in seqs],
-                                     dtype=torch.int32, device=dev)
+            tail_lens = [s.layer_length(layer) - len(s.sealed) * self.bs for s in seqs]
             out, _ = dispatch.pq_decode_attention(
                 q, self.main.k_codes[layer], self.main.v_codes[layer], self.main.k_cb[layer], self.main.v_cb[layer],
                 sealed, sealed_lens, self.tail.k[layer], self.tail.v[layer], tail, tail_lens, scale)
         else:
             table = _table([s.sealed + s.tail for s in seqs], dev)
-            lens = torch.tensor([s.layer_length(layer) for s in seqs], dtype=torch.int32, device=dev)
+            lens = [s.layer_length(layer) for s in seqs]
             out, _ = dispatch.paged_decode_attention(q, self.main.k[layer], self.main.v[layer], table, lens, scale)
         now = time.monotonic()
         for s in seqs:
@@ -74,5 +75,7 @@ def _table(rows: list[list[int]], device) -> torch.Tensor:
     for i, r in enumerate(rows):
         if r:
             t[i, :len(r)] = torch.tensor(r, dtype=torch.int32)
+    if torch.device(device).type == "cuda":   # pinned: the copy does not wait for the GPU
+        return t.pin_memory().to(device, non_blocking=True)
     return t.to(device)
 

@@ -2,6 +2,7 @@
 Engine errors become status codes here and nowhere else."""
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import os
@@ -15,12 +16,13 @@ from .config import CacheConfig, CodecConfig, ModelGeometry
 from .engine import Engine
 from .engine import SequenceInfo as SeqInfo
 from .auth import DEFAULT_TENANT, Authenticator, PermissionDenied, TenantBuffers, is_local  # noqa: F401
-from .errors import InvalidArgument, KVStoreError, Unimplemented
+from .errors import FailedPrecondition, InvalidArgument, KVStoreError
 from .leases import SESSION_KEY, LeaseManager, session_of
 from .v1 import kvstore_pb2 as pb
 from .v1 import kvstore_pb2_grpc as pb_grpc
 
 log = logging.getLogger("kvstore.servicer")
+MAX_NITER = 1000
 
 
 def _rpc(fn):
@@ -78,6 +80,7 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
         self._call = threading.local()
         # Debug builds (fuzz, soak) check pool invariants after every call.
         self.debug_invariants = os.environ.get("KVSTORE_DEBUG_INVARIANTS") == "1"
+        self._streams: dict = {}     # the daemon's own CUDA stream per device
 
     @property
     def buffers(self):
@@ -137,6 +140,8 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
         self.engine.cache(request.cache)
         k = self._t(request.k_samples, "k_samples")
         v = self._t(request.v_samples, "v_samples")
+        if request.niter > MAX_NITER:   # unbounded, one call could hold a worker thread for hours
+            raise InvalidArgument("niter", f"must be <= {MAX_NITER}, got {request.niter}")
         return pb.CodebooksReply(sha256=self.engine.train_codebooks(request.cache, k, v, niter=request.niter or 20))
 
     # ------------------------------------------------------------- sequences
@@ -147,9 +152,41 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
                                  pinned=request.pinned, persist=request.persist)
         return pb.AllocateReply(cached_tokens=r.cached_tokens, hit_blocks=r.hit_blocks)
 
+    def _cuda(self, request):
+        """For calls naming a CUDA buffer: run on the daemon's stream after the
+        client's ready event, record the done event after the outputs; no host
+        synchronisation. A no-op context otherwise."""
+        ids = {t.ref.buffer_id for t in _tensor_fields(request) if t.WhichOneof("data") == "ref"}
+        ids |= {o.buffer_id for o in _output_fields(request) if o.buffer_id}
+        if getattr(request, "buffer_id", ""):
+            ids.add(request.buffer_id)
+        for bid in ids:
+            events = self.buffers.cuda_events(bid) if self.buffers is not None else None
+            if events is not None:
+                return _CudaScope(self._stream(events[0]), *events)
+        return contextlib.nullcontext()
+
+    def _stream(self, event):
+        import torch
+        dev = torch.cuda.current_device() if not hasattr(event, "device") else event.device
+        key = str(dev)
+        if key not in self._streams:
+            with torch.cuda.device(dev):
+                self._streams[key] = torch.cuda.Stream()
+        return self._streams[key]
+
     @_rpc
     def Reserve(self, request, context):
-        r = self.engine.reserve(request.cache, self._tenant(context), request.sequence_id, request.num_tokens)
+        if request.sequence_ids:
+            with self._cuda(request):
+                rs = self.engine.reserve_batch(request.cache, self._tenant(context), list(request.sequence_ids),
+                                               request.num_tokens)
+            return pb.ReserveReply(reservations=[
+                pb.Reservation(sequence_id=sid, slot_mapping=r.slot_mapping, sealed_blocks=r.sealed_blocks,
+                               tail_blocks=r.tail_blocks, length=r.length)
+                for sid, r in zip(request.sequence_ids, rs)])
+        with self._cuda(request):
+            r = self.engine.reserve(request.cache, self._tenant(context), request.sequence_id, request.num_tokens)
         return pb.ReserveReply(slot_mapping=r.slot_mapping, sealed_blocks=r.sealed_blocks,
                                tail_blocks=r.tail_blocks, length=r.length)
 
@@ -157,9 +194,10 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
     def Append(self, request, context):
         self.engine.cache(request.cache)
         token_ids = [list(t.ids) for t in request.token_ids] if request.token_ids else None
-        self.engine.append(request.cache, self._tenant(context), list(request.sequence_ids),
-                           self._t(request.k, "k"), self._t(request.v, "v"), list(request.counts),
-                           layer=request.layer if request.HasField("layer") else None, token_ids=token_ids)
+        with self._cuda(request):
+            self.engine.append(request.cache, self._tenant(context), list(request.sequence_ids),
+                               self._t(request.k, "k"), self._t(request.v, "v"), list(request.counts),
+                               layer=request.layer if request.HasField("layer") else None, token_ids=token_ids)
         return pb.AppendReply()
 
     def _out_check(self, request, n_seqs: int) -> None:
@@ -170,17 +208,19 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
     @_rpc
     def Attend(self, request, context):
         self._out_check(request, len(request.sequence_ids))
-        out = self.engine.attend(request.cache, self._tenant(context), request.layer, list(request.sequence_ids),
-                                 self._t(request.q, "q"), request.scale)
-        return pb.AttendReply(out=wire.to_proto(out, self.buffers, request.out if request.HasField("out") else None))
+        with self._cuda(request):
+            out = self.engine.attend(request.cache, self._tenant(context), request.layer,
+                                     list(request.sequence_ids), self._t(request.q, "q"), request.scale)
+            return pb.AttendReply(out=wire.to_proto(out, self.buffers, request.out if request.HasField("out") else None))
 
     @_rpc
     def AppendAttend(self, request, context):
         self._out_check(request, len(request.sequence_ids))
-        out = self.engine.append_attend(request.cache, self._tenant(context), request.layer,
-                                        list(request.sequence_ids), self._t(request.k, "k"),
-                                        self._t(request.v, "v"), self._t(request.q, "q"), request.scale)
-        return pb.AttendReply(out=wire.to_proto(out, self.buffers, request.out if request.HasField("out") else None))
+        with self._cuda(request):
+            out = self.engine.append_attend(request.cache, self._tenant(context), request.layer,
+                                            list(request.sequence_ids), self._t(request.k, "k"),
+                                            self._t(request.v, "v"), self._t(request.q, "q"), request.scale)
+            return pb.AttendReply(out=wire.to_proto(out, self.buffers, request.out if request.HasField("out") else None))
 
     @_rpc
     def Retrieve(self, request, context):
@@ -193,10 +233,11 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
         v_out = request.v_out if request.HasField("v_out") else None
         wire.check_output(self.buffers, k_out, nbytes, 2, "k_out")
         wire.check_output(self.buffers, v_out, nbytes, 2, "v_out")
-        k, v = self.engine.retrieve(request.cache, self._tenant(context), request.sequence_id,
-                                    request.start, request.end, request.layer_start, request.layer_end)
-        return pb.RetrieveReply(k=wire.to_proto(k, self.buffers, k_out, "k_out"),
-                                v=wire.to_proto(v, self.buffers, v_out, "v_out"))
+        with self._cuda(request):
+            k, v = self.engine.retrieve(request.cache, self._tenant(context), request.sequence_id,
+                                        request.start, request.end, request.layer_start, request.layer_end)
+            return pb.RetrieveReply(k=wire.to_proto(k, self.buffers, k_out, "k_out"),
+                                    v=wire.to_proto(v, self.buffers, v_out, "v_out"))
 
     @_rpc
     def Fork(self, request, context):
@@ -223,7 +264,21 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
     def MapPool(self, request, context):
         if not is_local(context):
             raise PermissionDenied("MapPool", "IPC handles are only for callers on the Unix socket")
-        raise Unimplemented("MapPool", "mapped attend is not implemented yet (lands with the GPU data plane)")
+        from . import cuda_ipc
+        c = self.engine.cache(request.cache)
+        tensors = self.engine.pool_tensors(request.cache)
+        if not c.cfg.device.startswith("cuda"):
+            raise FailedPrecondition("cache", f"cache {request.cache!r} lives on {c.cfg.device}: "
+                                     "mapped attend needs a CUDA pool (use Attend/AppendAttend)")
+        uuid = cuda_ipc.device_uuid(tensors["k_codes" if c.is_pq else "k"].device.index or 0)
+        if request.device_uuid and request.device_uuid != uuid:
+            raise FailedPrecondition("device_uuid", f"the pool lives on GPU {uuid}, not {request.device_uuid}")
+        reply = pb.MapPoolReply(spec=config_to_spec(c.cfg), device_uuid=uuid)
+        for name, t in tensors.items():
+            h = cuda_ipc.export_tensor(t)
+            reply.tensors.add(name=name, ipc_handle=h.handle, offset=h.offset, shape=list(t.shape),
+                              dtype=wire.TO_PROTO[t.dtype])
+        return reply
 
     # --------------------------------------------------------------- buffers
     @_rpc
@@ -233,11 +288,15 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
         if request.kind == pb.SHM:
             return pb.RegisterBufferReply(buffer_id=self.buffers.register_shm(request.name, request.size))
         if request.kind == pb.CUDA_IPC:
-            raise Unimplemented("kind", "CUDA IPC buffers land with the GPU data plane")
+            return pb.RegisterBufferReply(buffer_id=self.buffers.register_cuda(
+                request.ipc_handle, request.offset, request.size, request.device_uuid,
+                request.ready_event, request.done_event))
         raise InvalidArgument("kind", "must be SHM or CUDA_IPC")
 
     @_rpc
     def UnregisterBuffer(self, request, context):
+        if self.buffers is None:
+            raise PermissionDenied("UnregisterBuffer", "buffers are only for callers on the Unix socket")
         self.buffers.unregister(request.buffer_id)
         return pb.UnregisterBufferReply()
 
@@ -306,6 +365,36 @@ def _tier_stats(msg: pb.CacheStats, t: dict) -> None:
     if "disk" in t:
         msg.disk_bytes = t["disk"]["bytes"]
         msg.disk_entries = t["disk"]["entries"]
+
+
+class _CudaScope:
+    def __init__(self, stream, ready, done):
+        self.stream, self.ready, self.done = stream, ready, done
+
+    def __enter__(self):
+        import torch
+        # Also order against the daemon's other work (calls without CUDA
+        # buffers run on the default stream): device-side waits, no host sync.
+        self.default = torch.cuda.current_stream(self.stream.device)
+        self.stream.wait_stream(self.default)
+        self.stream.wait_event(self.ready)
+        self._ctx = torch.cuda.stream(self.stream)
+        self._ctx.__enter__()
+
+    def __exit__(self, *exc):
+        self.done.record(self.stream)
+        self._ctx.__exit__(*exc)
+        self.default.wait_stream(self.stream)
+
+
+def _tensor_fields(request):
+    return [getattr(request, f.name) for f in request.DESCRIPTOR.fields
+            if f.message_type is not None and f.message_type.name == "Tensor" and request.HasField(f.name)]
+
+
+def _output_fields(request):
+    return [getattr(request, f.name) for f in request.DESCRIPTOR.fields
+            if f.message_type is not None and f.message_type.name == "OutputRef" and request.HasField(f.name)]
 
 
 def _pool(p) -> pb.PoolStats:

@@ -40,6 +40,8 @@ class BufferRegistry:
             raise NotFound("name", f"no shared memory named {name!r}") from None
         except PermissionError:
             raise InvalidArgument("name", f"shared memory {name!r} is not readable and writable by the daemon") from None
+        except OSError as e:   # ".", "..": a directory, not a shared-memory object
+            raise InvalidArgument("name", f"cannot open shared memory {name!r}: {e.strerror}") from None
         try:
             have = os.fstat(fd).st_size
             if have < size:
@@ -52,6 +54,36 @@ class BufferRegistry:
         with self._lock:
             self._bufs[buffer_id] = (mm, view, owner)
         return buffer_id
+
+    def register_cuda(self, handle: bytes, offset: int, size: int, device_uuid: str,
+                      ready_event: bytes, done_event: bytes, owner: str = "") -> str:
+        """Open a client's CUDA staging buffer (once) and its event pair."""
+        from . import cuda_ipc
+        if size <= 0:
+            raise InvalidArgument("size", "must be > 0")
+        if not torch.cuda.is_available():
+            raise InvalidArgument("kind", "the daemon has no CUDA device; register SHM buffers instead")
+        dev = cuda_ipc.device_by_uuid(device_uuid)
+        alloc = cuda_ipc.ImportedAllocation(handle, offset + size, dev)
+        view = alloc.bytes[offset:offset + size]
+        events = None
+        if ready_event or done_event:
+            try:
+                events = (cuda_ipc.open_event(dev, ready_event), cuda_ipc.open_event(dev, done_event))
+            except Exception as e:  # a malformed handle: refuse, and let go of the memory
+                alloc.close()
+                raise InvalidArgument("ready_event", f"cannot open the interprocess events: {e}") from None
+        buffer_id = "cuda-" + secrets.token_hex(8)
+        with self._lock:
+            self._bufs[buffer_id] = ((alloc, events), view, owner)
+        return buffer_id
+
+    def cuda_events(self, buffer_id: str):
+        """(ready, done) events of a CUDA buffer, or None."""
+        entry = self._bufs.get(buffer_id)
+        if entry is None or not buffer_id.startswith("cuda-"):
+            return None
+        return entry[0][1]
 
     def unregister(self, buffer_id: str) -> None:
         with self._lock:
@@ -110,11 +142,13 @@ def from_proto(t: pb.Tensor, buffers: BufferRegistry | None, field: str) -> torc
 def to_proto(x: torch.Tensor, buffers: BufferRegistry | None = None, out: pb.OutputRef | None = None,
              field: str = "out") -> pb.Tensor:
     """Encode x; into the registered buffer range `out` if one is given."""
-    x = x.detach().contiguous().cpu()
+    into = buffers.get(out.buffer_id) if out is not None and out.buffer_id else None
+    # Stay on the device when the output goes to a CUDA buffer: no host round trip.
+    x = x.detach().contiguous().to(into.device if into is not None else "cpu")
     msg = pb.Tensor(shape=list(x.shape), dtype=TO_PROTO[x.dtype])
-    raw = x.view(torch.uint8).reshape(-1) if x.numel() else torch.empty(0, dtype=torch.uint8)
-    if out is not None and out.buffer_id:
-        buf = buffers.get(out.buffer_id)
+    raw = x.view(torch.uint8).reshape(-1) if x.numel() else torch.empty(0, dtype=torch.uint8, device=x.device)
+    if into is not None:
+        buf = into
         if out.offset % x.element_size() or out.offset + raw.numel() > buf.numel():
             raise InvalidArgument(field, f"output needs bytes [{out.offset}, {out.offset + raw.numel()}) "
                                   f"of a {buf.numel()}-byte buffer, aligned to {x.element_size()}")

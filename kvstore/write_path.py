@@ -73,6 +73,15 @@ class WritePath:
             s.token_ids.extend(ids[len(known):])
             self._extend_hashes(s)
 
+    def check_token_ids(self, s: Sequence, n: int, token_ids: list[int]) -> None:
+        """Ids of the n tokens an all-layer append adds after s.length."""
+        if len(token_ids) != n:
+            raise InvalidArgument("token_ids", f"{len(token_ids)} ids for {n} tokens")
+        self._check_tokens(token_ids, "token_ids")
+        known = s.token_ids[s.length:s.length + n]
+        if known != token_ids[:len(known)]:
+            raise InvalidArgument("token_ids", f"differ from the ids given at Allocate for positions {s.length}..")
+
     def room_needed(self, s: Sequence, n: int, layer: int | None) -> tuple[int, int, int]:
         """(main blocks, tail blocks, tail blocks freed by sealing) that
         appending n tokens (all layers, or one layer) will take at most."""
@@ -117,12 +126,7 @@ class WritePath:
             raise FailedPrecondition("sequence_id", f"sequence {s.seq_id!r} has uncommitted per-layer or reserved tokens")
         n = k.shape[1]
         if token_ids is not None:
-            if len(token_ids) != n:
-                raise InvalidArgument("token_ids", f"{len(token_ids)} ids for {n} tokens")
-            self._check_tokens(token_ids, "token_ids")
-            known = s.token_ids[s.length:s.length + n]
-            if known != token_ids[:len(known)]:
-                raise InvalidArgument("token_ids", f"differ from the ids given at Allocate for positions {s.length}..")
+            self.check_token_ids(s, n, token_ids)
         T = s.length + n
         n_sealed0 = len(s.sealed)
         seal_count = max(self.sealed_count(T), n_sealed0) - n_sealed0

@@ -188,26 +188,46 @@ class AllocateReply(_message.Message):
     def __init__(self, cached_tokens: _Optional[int] = ..., hit_blocks: _Optional[int] = ...) -> None: ...
 
 class ReserveRequest(_message.Message):
-    __slots__ = ("cache", "sequence_id", "num_tokens")
+    __slots__ = ("cache", "sequence_id", "num_tokens", "sequence_ids", "buffer_id")
     CACHE_FIELD_NUMBER: _ClassVar[int]
     SEQUENCE_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SEQUENCE_IDS_FIELD_NUMBER: _ClassVar[int]
+    BUFFER_ID_FIELD_NUMBER: _ClassVar[int]
     cache: str
     sequence_id: str
     num_tokens: int
-    def __init__(self, cache: _Optional[str] = ..., sequence_id: _Optional[str] = ..., num_tokens: _Optional[int] = ...) -> None: ...
+    sequence_ids: _containers.RepeatedScalarFieldContainer[str]
+    buffer_id: str
+    def __init__(self, cache: _Optional[str] = ..., sequence_id: _Optional[str] = ..., num_tokens: _Optional[int] = ..., sequence_ids: _Optional[_Iterable[str]] = ..., buffer_id: _Optional[str] = ...) -> None: ...
 
-class ReserveReply(_message.Message):
-    __slots__ = ("slot_mapping", "sealed_blocks", "tail_blocks", "length")
+class Reservation(_message.Message):
+    __slots__ = ("sequence_id", "slot_mapping", "sealed_blocks", "tail_blocks", "length")
+    SEQUENCE_ID_FIELD_NUMBER: _ClassVar[int]
     SLOT_MAPPING_FIELD_NUMBER: _ClassVar[int]
     SEALED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     TAIL_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     LENGTH_FIELD_NUMBER: _ClassVar[int]
+    sequence_id: str
     slot_mapping: _containers.RepeatedScalarFieldContainer[int]
     sealed_blocks: _containers.RepeatedScalarFieldContainer[int]
     tail_blocks: _containers.RepeatedScalarFieldContainer[int]
     length: int
-    def __init__(self, slot_mapping: _Optional[_Iterable[int]] = ..., sealed_blocks: _Optional[_Iterable[int]] = ..., tail_blocks: _Optional[_Iterable[int]] = ..., length: _Optional[int] = ...) -> None: ...
+    def __init__(self, sequence_id: _Optional[str] = ..., slot_mapping: _Optional[_Iterable[int]] = ..., sealed_blocks: _Optional[_Iterable[int]] = ..., tail_blocks: _Optional[_Iterable[int]] = ..., length: _Optional[int] = ...) -> None: ...
+
+class ReserveReply(_message.Message):
+    __slots__ = ("slot_mapping", "sealed_blocks", "tail_blocks", "length", "reservations")
+    SLOT_MAPPING_FIELD_NUMBER: _ClassVar[int]
+    SEALED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    TAIL_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    LENGTH_FIELD_NUMBER: _ClassVar[int]
+    RESERVATIONS_FIELD_NUMBER: _ClassVar[int]
+    slot_mapping: _containers.RepeatedScalarFieldContainer[int]
+    sealed_blocks: _containers.RepeatedScalarFieldContainer[int]
+    tail_blocks: _containers.RepeatedScalarFieldContainer[int]
+    length: int
+    reservations: _containers.RepeatedCompositeFieldContainer[Reservation]
+    def __init__(self, slot_mapping: _Optional[_Iterable[int]] = ..., sealed_blocks: _Optional[_Iterable[int]] = ..., tail_blocks: _Optional[_Iterable[int]] = ..., length: _Optional[int] = ..., reservations: _Optional[_Iterable[_Union[Reservation, _Mapping]]] = ...) -> None: ...
 
 class TokenIds(_message.Message):
     __slots__ = ("ids",)
@@ -358,18 +378,24 @@ class PrefetchReply(_message.Message):
     def __init__(self) -> None: ...
 
 class RegisterBufferRequest(_message.Message):
-    __slots__ = ("kind", "name", "size", "ipc_handle", "device_uuid")
+    __slots__ = ("kind", "name", "size", "ipc_handle", "device_uuid", "offset", "ready_event", "done_event")
     KIND_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     SIZE_FIELD_NUMBER: _ClassVar[int]
     IPC_HANDLE_FIELD_NUMBER: _ClassVar[int]
     DEVICE_UUID_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    READY_EVENT_FIELD_NUMBER: _ClassVar[int]
+    DONE_EVENT_FIELD_NUMBER: _ClassVar[int]
     kind: BufferKind
     name: str
     size: int
     ipc_handle: bytes
     device_uuid: str
-    def __init__(self, kind: _Optional[_Union[BufferKind, str]] = ..., name: _Optional[str] = ..., size: _Optional[int] = ..., ipc_handle: _Optional[bytes] = ..., device_uuid: _Optional[str] = ...) -> None: ...
+    offset: int
+    ready_event: bytes
+    done_event: bytes
+    def __init__(self, kind: _Optional[_Union[BufferKind, str]] = ..., name: _Optional[str] = ..., size: _Optional[int] = ..., ipc_handle: _Optional[bytes] = ..., device_uuid: _Optional[str] = ..., offset: _Optional[int] = ..., ready_event: _Optional[bytes] = ..., done_event: _Optional[bytes] = ...) -> None: ...
 
 class RegisterBufferReply(_message.Message):
     __slots__ = ("buffer_id",)
@@ -388,14 +414,36 @@ class UnregisterBufferReply(_message.Message):
     def __init__(self) -> None: ...
 
 class MapPoolRequest(_message.Message):
-    __slots__ = ("cache",)
+    __slots__ = ("cache", "device_uuid")
     CACHE_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_UUID_FIELD_NUMBER: _ClassVar[int]
     cache: str
-    def __init__(self, cache: _Optional[str] = ...) -> None: ...
+    device_uuid: str
+    def __init__(self, cache: _Optional[str] = ..., device_uuid: _Optional[str] = ...) -> None: ...
+
+class SharedTensor(_message.Message):
+    __slots__ = ("name", "ipc_handle", "offset", "shape", "dtype")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    IPC_HANDLE_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    ipc_handle: bytes
+    offset: int
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    dtype: DType
+    def __init__(self, name: _Optional[str] = ..., ipc_handle: _Optional[bytes] = ..., offset: _Optional[int] = ..., shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[_Union[DType, str]] = ...) -> None: ...
 
 class MapPoolReply(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("tensors", "spec", "device_uuid")
+    TENSORS_FIELD_NUMBER: _ClassVar[int]
+    SPEC_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_UUID_FIELD_NUMBER: _ClassVar[int]
+    tensors: _containers.RepeatedCompositeFieldContainer[SharedTensor]
+    spec: CacheSpec
+    device_uuid: str
+    def __init__(self, tensors: _Optional[_Iterable[_Union[SharedTensor, _Mapping]]] = ..., spec: _Optional[_Union[CacheSpec, _Mapping]] = ..., device_uuid: _Optional[str] = ...) -> None: ...
 
 class StatsRequest(_message.Message):
     __slots__ = ("cache",)

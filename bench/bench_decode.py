@@ -1,0 +1,226 @@
+"""End-to-end decode benchmark (issue 4), Llama-3-8B geometry (32 layers,
+hidden 4096, 32 q / 8 kv heads, d 128, random fp16 weights), ratios from one run:
+
+  (a) in-process baseline: preallocated contiguous fp16 KV + torch SDPA (no torch.cat)
+  (b) daemon, remote AppendAttend (one RPC per layer), PQ
+  (c) daemon, mapped attend (one Reserve RPC per step), PQ
+  (d) daemon, mapped attend, fp16 codec
+
+Also: p50/p99 of one AppendAttend with a tiny payload, and the control-plane
+share of a mapped step. The byte-limited ideal speedup of (c) over (a) is
+computed from the measured time to read the weights and the KV bytes.
+
+python bench/bench_decode.py [--batch 8] [--context 32768] [--new 128] [--modes a,b,c,d]
+One layer's weights are reused by all 32 layers: each layer still reads them
+from HBM (436 MB >> L2), and the run needs 0.5 GB instead of 15 GB.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch
+
+L, HID, HQ, HKV, D, FFN = 32, 4096, 32, 8, 128, 14336
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+class Model:
+    """Random-weight decoder layer stack; attention is a callback (layer, q, k, v) -> out."""
+
+    def __init__(self, dev):
+        g = torch.Generator(device=dev).manual_seed(0)
+        w = lambda *s: torch.randn(*s, device=dev, dtype=torch.float16, generator=g) * 0.02  # noqa: E731
+        self.wqkv = w(HID, (HQ + 2 * HKV) * D)
+        self.wo, self.w13, self.w2 = w(HQ * D, HID), w(HID, 2 * FFN), w(FFN, HID)
+
+    def step(self, x, attend):
+        """x [B, HID] -> [B, HID]; attend(layer, q [B,HQ,D], k [B,HKV,D], v) -> [B,HQ,D]."""
+        B = x.shape[0]
+        for layer in range(L):
+            h = torch.nn.functional.rms_norm(x, (HID,))
+            qkv = h @ self.wqkv
+            q = qkv[:, :HQ * D].view(B, HQ, D)
+            k = qkv[:, HQ * D:(HQ + HKV) * D].view(B, HKV, D)
+            v = qkv[:, (HQ + HKV) * D:].view(B, HKV, D)
+            a = attend(layer, q, k, v)
+            x = x + a.reshape(B, HQ * D) @ self.wo
+            h = torch.nn.functional.rms_norm(x, (HID,))
+            gu = h @ self.w13
+            x = x + (torch.nn.functional.silu(gu[:, :FFN]) * gu[:, FFN:]) @ self.w2
+        return x
+
+    def weight_read_time(self, B):
+        """The step with attention left out: weight reads plus the tiny activations."""
+        x = torch.randn(B, HID, device="cuda", dtype=torch.float16)
+        zero = torch.zeros(B, HQ, D, device="cuda", dtype=torch.float16)
+        return time_steps(lambda: self.step(x, lambda *a: zero), 10)
+
+
+def time_steps(fn, n):
+    fn()
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(n):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t) / n
+
+
+def hbm_read_bw():
+    x = torch.empty(4 << 30, dtype=torch.uint8, device="cuda")
+    x.random_()
+    t = time_steps(lambda: x.view(torch.int64).sum(), 10)
+    return x.numel() / t
+
+
+# ------------------------------------------------------------------ modes
+
+def run_baseline(args):
+    dev = torch.device("cuda")
+    m = Model(dev)
+    B, T = args.batch, args.context + args.new
+    kc = torch.randn(L, B, HKV, T, D, device=dev, dtype=torch.float16)
+    vc = torch.randn_like(kc)
+    pos = [args.context]
+
+    def attend(layer, q, k, v):
+        p = pos[0]
+        kc[layer, :, :, p] = k
+        vc[layer, :, :, p] = v
+        return torch.nn.functional.scaled_dot_product_attention(
+            q.unsqueeze(2), kc[layer, :, :, :p + 1], vc[layer, :, :, :p + 1], enable_gqa=True).squeeze(2)
+    x = torch.randn(B, HID, device=dev, dtype=torch.float16)
+
+    def step():
+        m.step(x, attend)
+        pos[0] += 1
+    t = time_steps(step, args.new - 1)
+    return dict(step_s=t, tok_s=B / t, weights_s=m.weight_read_time(B), kv_bytes=2 * L * B * args.context * HKV * D * 2)
+
+
+def run_daemon(args, codec, plane):
+    from kvstore.client import KVStoreClient
+    from kvstore.client.mapped import MappedCache
+    from tests.test_daemon_process import start_daemon, stop_daemon
+    sock = os.path.join(tempfile.mkdtemp(), "kv.sock")
+    p, target = start_daemon(sock, extra=["--device", "cuda", "--log-level", "WARNING"])
+    try:
+        kv = KVStoreClient(target, shm_bytes=1 << 30)
+        B, ctx = args.batch, args.context
+        blocks = B * ((ctx + args.new) // 16 + 4)
+        kv.create_cache("b", "llama-3-8b-geometry", num_layers=L, num_q_heads=HQ, num_kv_heads=HKV, head_dim=D,
+                        codec=codec, block_size=16, residual=128, num_blocks=blocks, max_sequences=B)
+        if codec == "pq":
+            g = torch.Generator().manual_seed(0)
+            from kvstore.codebooks import Codebooks
+            kv.set_codebooks("b", Codebooks(k=torch.randn(L, HKV, 64, 256, 2, generator=g),
+                                            v=torch.randn(L, HKV, 64, 256, 2, generator=g)).to_bytes())
+        ids = [f"s{i}" for i in range(B)]
+        t0 = time.perf_counter()
+        chunk = 2048
+        for sid in ids:
+            kv.allocate("b", sid, [])
+            for c in range(0, ctx, chunk):
+                k = torch.randn(L, chunk, HKV, D, device="cuda", dtype=torch.float16)
+                kv.append("b", [sid], k, k)
+        torch.cuda.synchronize()
+        fill_s = time.perf_counter() - t0
+        m = Model(torch.device("cuda"))
+        x = torch.randn(B, HID, device="cuda", dtype=torch.float16)
+        if plane == "remote":
+            step = lambda: m.step(x, lambda layer, q, k, v: kv.append_attend("b", layer, ids, k, v, q))  # noqa: E731
+            ctrl = None
+        else:
+            mc = MappedCache(kv, "b")
+            plan = [None]
+            ctrl_t = []
+
+            def step():
+                t = time.perf_counter()
+                plan[0] = mc.step(ids)
+                ctrl_t.append(time.perf_counter() - t)
+
+                def attend(layer, q, k, v):
+                    mc.write(plan[0], layer, k, v)
+                    return mc.attend(plan[0], layer, q)
+                m.step(x, attend)
+            ctrl = ctrl_t
+        t = time_steps(step, args.new - 1)
+        out = dict(step_s=t, tok_s=B / t, fill_s=fill_s)
+        if ctrl:
+            out["control_s"] = sorted(ctrl)[len(ctrl) // 2]
+        if plane == "remote":   # latency of one tiny AppendAttend (B=1, L=1 worth of data)
+            lat = []
+            k1 = torch.randn(1, HKV, D, device="cuda", dtype=torch.float16)
+            q1 = torch.randn(1, HQ, D, device="cuda", dtype=torch.float16)
+            kv.allocate("b", "tiny", [])
+            for i in range(300):
+                t1 = time.perf_counter()
+                kv.append_attend("b", i % L, ["tiny"], k1, k1, q1)
+                torch.cuda.synchronize()
+                lat.append(time.perf_counter() - t1)
+            lat.sort()
+            out["append_attend_p50_us"] = lat[len(lat) // 2] * 1e6
+            out["append_attend_p99_us"] = lat[int(len(lat) * 0.99)] * 1e6
+        kv.close()
+        return out
+    finally:
+        stop_daemon(p)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--context", type=int, default=32768)
+    ap.add_argument("--new", type=int, default=128)
+    ap.add_argument("--modes", default="a,b,c,d")
+    ap.add_argument("--one", default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.one:      # a single mode in a fresh process, so each starts with an empty GPU
+        fn = {"a": run_baseline, "b": lambda a: run_daemon(a, "pq", "remote"),
+              "c": lambda a: run_daemon(a, "pq", "mapped"), "d": lambda a: run_daemon(a, "fp16", "mapped")}
+        print("RESULT " + json.dumps(fn[args.one](args)))
+        return
+    res = {}
+    for mode in args.modes.split(","):
+        r = subprocess.run([sys.executable, __file__, "--one", mode, "--batch", str(args.batch), "--context",
+                            str(args.context), "--new", str(args.new)], capture_output=True, text=True,
+                           cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT))
+        line = [x for x in r.stdout.splitlines() if x.startswith("RESULT ")]
+        if not line:
+            print(f"mode {mode} failed:\n{r.stdout[-2000:]}\n{r.stderr[-4000:]}")
+            continue
+        res[mode] = json.loads(line[0][7:])
+    bw = hbm_read_bw()
+    print(f"\ndecode benchmark, Llama-3-8B geometry, B={args.batch}, context {args.context}, "
+          f"{args.new} new tokens, {torch.cuda.get_device_name()}; HBM read {bw / 1e12:.2f} TB/s")
+    names = {"a": "(a) in-process fp16 + SDPA", "b": "(b) daemon remote AppendAttend, PQ",
+             "c": "(c) daemon mapped, PQ", "d": "(d) daemon mapped, fp16"}
+    for mode, r in res.items():
+        ratio = f"{r['tok_s'] / res['a']['tok_s']:.2f}x (a)" if "a" in res else ""
+        extra = f", fill {r['fill_s']:.1f}s" if "fill_s" in r else ""
+        if "control_s" in r:
+            extra += f", control plane {100 * r['control_s'] / r['step_s']:.1f}% of a step"
+        print(f"  {names[mode]:<38} {r['tok_s']:8.1f} tok/s  {r['step_s'] * 1e3:7.2f} ms/step  {ratio}{extra}")
+    if "a" in res:
+        a = res["a"]
+        kv_fp16 = a["kv_bytes"]
+        ideal = (a["weights_s"] + kv_fp16 / bw) / (a["weights_s"] + kv_fp16 / 4 / bw)
+        print(f"  weights read {a['weights_s'] * 1e3:.2f} ms/step; fp16 KV {kv_fp16 / 1e9:.1f} GB, PQ 1/4 of it; "
+              f"byte-limited ideal (c)/(a) = {ideal:.2f}x")
+        if "c" in res:
+            got = res["c"]["tok_s"] / a["tok_s"]
+            print(f"  (c) reaches {got:.2f}x = {got / ideal:.2f} of the ideal (target >= 0.9)")
+    if "b" in res:
+        print(f"  AppendAttend tiny payload: p50 {res['b']['append_attend_p50_us']:.0f} us, "
+              f"p99 {res['b']['append_attend_p99_us']:.0f} us (target p50 <= 150 us)")
+
+
+if __name__ == "__main__":
+    main()

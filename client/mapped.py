@@ -1,0 +1,127 @@
+"""Mapped attend (DESIGN §5): the worker maps the daemon's pool once and runs
+the decode kernels in its own process; the daemon keeps allocation, sharing,
+sealing, eviction and codebooks. One Reserve per step is the only RPC.
+
+    mc = MappedCache(kv, "llama")                 # MapPool: IPC handles, opened once
+    for step in range(n):
+        plan = mc.step(seq_ids)                   # Reserve (batch): slots + block tables
+        for layer in range(L):
+            mc.write(plan, layer, k, v)           # k, v [B, Hkv, d] into the reserved fp16 slots
+            out = mc.attend(plan, layer, q)       # q [B, Hq, d] -> [B, Hq, d]
+
+Per-layer calls allocate nothing and never synchronise with the host, so a
+step's layers can be captured in a CUDA graph after `step`.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from kvstore import cuda_ipc, wire
+from kvstore.v1 import kvstore_pb2 as pb
+
+from .client import KVStoreClient
+
+
+@dataclass(slots=True)
+class StepPlan:
+    blocks: torch.Tensor         # [B * n] int64: tail-pool block of each reserved token
+    offsets: torch.Tensor        # [B * n] int64: its offset in the block
+    sealed_tables: torch.Tensor  # [B, S] int32
+    tail_tables: torch.Tensor    # [B, T] int32
+    kernel_plan: object          # kernels.decode_attention.DecodePlan
+    out: torch.Tensor            # [B, Hq, d] reused by every layer
+    lse: torch.Tensor            # [B, Hq] fp32, likewise
+
+
+class MappedCache:
+    def __init__(self, kv: KVStoreClient, cache: str, device: torch.device | str | None = None):
+        self.kv, self.cache = kv, cache
+        self.device = torch.device(device or f"cuda:{torch.cuda.current_device()}")
+        uuid = cuda_ipc.device_uuid(self.device.index or 0)
+        reply = kv.stub.MapPool(pb.MapPoolRequest(cache=cache, device_uuid=uuid), timeout=kv.timeout)
+        self.spec = reply.spec
+        g = reply.spec.geometry
+        self.hq, self.hkv, self.d = g.num_q_heads, g.num_kv_heads, g.head_dim
+        self.scale = 1.0 / math.sqrt(self.d)
+        self.bs = reply.spec.block_size
+        self.is_pq = reply.spec.codec == "pq"
+        self.t: dict[str, torch.Tensor] = {}
+        self._allocs = []
+        for st in reply.tensors:
+            h = cuda_ipc.TensorHandle(st.ipc_handle, st.offset, tuple(st.shape), wire.TO_TORCH[st.dtype],
+                                      reply.device_uuid)
+            self.t[st.name], alloc = cuda_ipc.import_tensor(h)
+            self._allocs.append(alloc)
+        # A tiny registered buffer whose event pair orders our slot writes before
+        # the daemon's sealing (at the next Reserve) and its sealing before our reads.
+        self.sync = kv._cuda_arena_for(4096, self.device)
+        if self.sync is None:
+            raise RuntimeError("the daemon refused a CUDA buffer: mapped attend needs the daemon on this GPU")
+
+    def step(self, seq_ids: list[str], n: int = 1) -> StepPlan:
+        """Commit the previous step's tokens and reserve n more per sequence."""
+        from kvstore.kernels.decode_attention import plan_paged_decode, plan_pq_decode
+        stream = torch.cuda.current_stream(self.device)
+        with self.kv._lock:
+            self.sync.ready.record(stream)
+            reply = self.kv.stub.Reserve(pb.ReserveRequest(cache=self.cache, sequence_ids=seq_ids, num_tokens=n,
+                                                           buffer_id=self.sync.buffer_id), timeout=self.kv.timeout)
+            stream.wait_event(self.sync.done)
+        rs = reply.reservations
+        slots = torch.tensor([s for r in rs for s in r.slot_mapping], dtype=torch.int64)
+        dev = self.device
+        blocks = (slots // self.bs).pin_memory().to(dev, non_blocking=True)
+        offsets = (slots % self.bs).pin_memory().to(dev, non_blocking=True)
+        sealed = _table([list(r.sealed_blocks) for r in rs], dev)
+        if self.is_pq:
+            tail = _table([list(r.tail_blocks) for r in rs], dev)
+            sealed_lens = [len(r.sealed_blocks) * self.bs for r in rs]
+            tail_lens = [r.length - sl for r, sl in zip(rs, sealed_lens)]
+            kp = plan_pq_decode(sealed_lens, tail_lens, num_qo_heads=self.hq, num_kv_heads=self.hkv,
+                                head_dim=self.d, block_size=self.bs, tail_block_size=self.bs, device=dev)
+        else:
+            tail = _table([list(r.sealed_blocks) + list(r.tail_blocks) for r in rs], dev)
+            kp = plan_paged_decode([r.length for r in rs], num_qo_heads=self.hq, num_kv_heads=self.hkv,
+                                   head_dim=self.d, block_size=self.bs, device=dev)
+        out = torch.empty(len(rs), self.hq, self.d, dtype=self._dtype(), device=dev)
+        lse = torch.empty(len(rs), self.hq, dtype=torch.float32, device=dev)
+        return StepPlan(blocks, offsets, sealed, tail, kp, out, lse)
+
+    def _dtype(self) -> torch.dtype:
+        return self.t["tail_k" if self.is_pq else "k"].dtype
+
+    def write(self, plan: StepPlan, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """k, v [B * n, Hkv, d] -> the reserved fp16 slots of this layer."""
+        tk, tv = (self.t["tail_k"], self.t["tail_v"]) if self.is_pq else (self.t["k"], self.t["v"])
+        # [nt, Hkv, bs, d]: the two advanced indices around a slice give [B*n, Hkv, d]
+        tk[layer][plan.blocks, :, plan.offsets, :] = k
+        tv[layer][plan.blocks, :, plan.offsets, :] = v
+
+    def attend(self, plan: StepPlan, layer: int, q: torch.Tensor) -> torch.Tensor:
+        """q [B, Hq, d] -> [B, Hq, d] (a view of the plan's output buffer)."""
+        if self.is_pq:
+            t = self.t
+            plan.kernel_plan.run_pq(q, t["k_codes"][layer], t["v_codes"][layer], t["k_codebook"][layer],
+                                    t["v_codebook"][layer], plan.sealed_tables, t["tail_k"][layer],
+                                    t["tail_v"][layer], plan.tail_tables, self.scale, out=plan.out, lse=plan.lse)
+        else:
+            plan.kernel_plan.run_paged(q, self.t["k"][layer], self.t["v"][layer], plan.tail_tables,
+                                       self.scale, out=plan.out, lse=plan.lse)
+        return plan.out
+
+    def close(self) -> None:
+        self.t.clear()
+        for a in self._allocs:
+            a.close()
+        self._allocs.clear()
+
+
+def _table(rows: list[list[int]], device) -> torch.Tensor:
+    t = torch.zeros(len(rows), max(1, max(len(r) for r in rows)), dtype=torch.int32)
+    for i, r in enumerate(rows):
+        if r:
+            t[i, :len(r)] = torch.tensor(r, dtype=torch.int32)
+    return t.pin_memory().to(device, non_blocking=True)
