@@ -25,6 +25,7 @@ import tempfile
 import time
 
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 L, HID, HQ, HKV, D, FFN = 32, 4096, 32, 8, 128, 14336
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -93,8 +94,10 @@ def run_baseline(args):
         p = pos[0]
         kc[layer, :, :, p] = k
         vc[layer, :, :, p] = v
-        return torch.nn.functional.scaled_dot_product_attention(
-            q.unsqueeze(2), kc[layer, :, :, :p + 1], vc[layer, :, :, :p + 1], enable_gqa=True).squeeze(2)
+        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+            return torch.nn.functional.scaled_dot_product_attention(
+                q.unsqueeze(2).contiguous(), kc[layer, :, :, :p + 1], vc[layer, :, :, :p + 1],
+                enable_gqa=True).squeeze(2)
     x = torch.randn(B, HID, device=dev, dtype=torch.float16)
 
     def step():
@@ -191,7 +194,8 @@ def main():
     for mode in args.modes.split(","):
         r = subprocess.run([sys.executable, __file__, "--one", mode, "--batch", str(args.batch), "--context",
                             str(args.context), "--new", str(args.new)], capture_output=True, text=True,
-                           cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT))
+                           cwd=ROOT, env=dict(os.environ, PYTHONPATH=os.pathsep.join(
+                               [ROOT, os.environ.get("PYTHONPATH", "")])))
         line = [x for x in r.stdout.splitlines() if x.startswith("RESULT ")]
         if not line:
             print(f"mode {mode} failed:\n{r.stdout[-2000:]}\n{r.stderr[-4000:]}")

@@ -34,6 +34,17 @@ def _check(rc: int, what: str) -> None:
         raise FailedPrecondition("ipc_handle", f"{what} failed: {name.value.decode() if name.value else rc}")
 
 
+def _bind_context(device_index: int) -> None:
+    """Make the device's primary context current on this thread: gRPC worker
+    threads have none until something binds it, and the driver API needs it."""
+    lib = _lib()
+    dev, ctx = ctypes.c_int(), ctypes.c_void_p()
+    _check(lib.cuDeviceGet(ctypes.byref(dev), ctypes.c_int(device_index)), "cuDeviceGet")
+    _check(lib.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev), "cuDevicePrimaryCtxRetain")
+    _check(lib.cuCtxSetCurrent(ctx), "cuCtxSetCurrent")
+    lib.cuDevicePrimaryCtxRelease(dev)     # torch holds its own reference
+
+
 class _IpcHandle(ctypes.Structure):
     _fields_ = [("reserved", ctypes.c_char * 64)]
 
@@ -77,6 +88,7 @@ def export_tensor(t: torch.Tensor) -> TensorHandle:
     assert t.is_cuda and t.is_contiguous(), "export a contiguous CUDA tensor"
     lib = _lib()
     with torch.cuda.device(t.device):
+        _bind_context(t.device.index or 0)
         base, size = ctypes.c_uint64(), ctypes.c_size_t()
         _check(lib.cuMemGetAddressRange_v2(ctypes.byref(base), ctypes.byref(size), ctypes.c_uint64(t.data_ptr())),
                "cuMemGetAddressRange")
@@ -103,7 +115,7 @@ class ImportedAllocation:
         lib = _lib()
         self.device_index = device_index
         with torch.cuda.device(device_index):
-            torch.cuda.current_stream()      # makes the primary context current on this thread
+            _bind_context(device_index)
             h = _IpcHandle()
             h.reserved = handle
             ptr = ctypes.c_uint64()

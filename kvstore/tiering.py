@@ -37,11 +37,11 @@ class Tiering:
         todo = [(b, h) for b, h in evicted if not self._below_has(h)]
         if not todo:
             return
-        payload = self.c.main.pack(torch.tensor([b for b, _ in todo], device=self.c.main_device)).cpu()
+        payload = self.c.main.pack(torch.tensor([b for b, _ in todo], device=self.c.main_device))
         if self.host is not None:
             ids = self.host.main_pool.allocate(len(todo))
             if ids is not None:
-                self.host.main[ids] = payload
+                self.host.put(self.host.main, ids, payload)
                 for i, (_, h) in zip(ids, todo):
                     self.host.main_pool.set_hash(i, h)
                 self.host.main_pool.release(ids)           # cached on the host, findable
@@ -49,12 +49,14 @@ class Tiering:
                 self.counters["bytes_down"] += payload.numel()
                 return
         if self.disk is not None:
+            payload = payload.cpu()
             self.counters["bytes_down"] += self.disk.put_blocks(self.c.fingerprint, [(h, p) for (_, h), p in zip(todo, payload)])
             self.counters["spilled_blocks"] += len(todo)
 
     def _spill_host_cached(self, evicted: list[tuple[int, bytes]]) -> None:
         if self.disk is None:
             return
+        self.host.settle()
         items = [(h, self.host.main[b].clone()) for b, h in evicted]
         self.counters["bytes_down"] += self.disk.put_blocks(self.c.fingerprint, items)
 
@@ -129,7 +131,7 @@ class Tiering:
         assert alloc is not None and tail_ids is not None, "host room was checked"
         if new_idx:
             payload = c.main.pack(torch.tensor([s.sealed[i] for i in new_idx], device=c.main_device))
-            h.main[alloc] = payload.cpu()
+            h.put(h.main, alloc, payload)
             self.counters["bytes_down"] += payload.numel()
         for i, hb in zip(new_idx, alloc):
             host_main[i] = hb
@@ -137,7 +139,7 @@ class Tiering:
                 h.main_pool.set_hash(hb, s.hashes[i])
         if s.tail:
             payload = c.tail.pack(torch.tensor(s.tail, device=c.tail.k.device))
-            h.tail[tail_ids] = payload.cpu()
+            h.put(h.tail, tail_ids, payload)
             self.counters["bytes_down"] += payload.numel()
         c.tail_pool.release(s.tail[::-1])
         c.main_pool.release(s.sealed[::-1])
@@ -157,6 +159,7 @@ class Tiering:
             sealed = c.main.pack(torch.tensor(s.sealed, device=c.main_device)).cpu() if s.sealed else None
             tail = c.tail.pack(torch.tensor(s.tail, device=c.tail.k.device)).cpu() if s.tail else None
         else:
+            self.host.settle()
             sealed = self.host.main[s.sealed] if s.sealed else None
             tail = self.host.tail[s.tail] if s.tail else None
         # Blocks with a content hash go under that hash (deduplicated, found by
@@ -207,8 +210,8 @@ class Tiering:
         c.main_pool.ref(list(gpu_hits.values()))
         need_main -= cached_hits
         if s.tier == "host":
-            sealed_payload = self.host.main[s.sealed] if s.sealed else None
-            tail_payload = self.host.tail[s.tail] if s.tail else None
+            sealed_payload = self.host.get(self.host.main, s.sealed, c.main_device) if s.sealed else None
+            tail_payload = self.host.get(self.host.tail, s.tail, c.tail.k.device) if s.tail else None
             self.counters["page_ins_host"] += 1
         else:
             got_h, got_o = self.disk.read_sequence(c.fingerprint, s.tenant, s.seq_id, s.manifest)
@@ -259,6 +262,7 @@ class Tiering:
             b = self.host.main_pool.lookup(h)
             if b is not None:
                 self.counters["prefix_hits_host"] += 1
+                self.host.settle()
                 return self.host.main[b].clone()   # the slot may be reused before we copy
         if self.disk is not None:
             v = self.disk.get_block(self.c.fingerprint, h)

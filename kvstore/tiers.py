@@ -58,6 +58,38 @@ class HostTier:
     def nbytes(self) -> int:
         return self.main.nbytes + self.tail.nbytes
 
+    # Rows move in runs of consecutive host ids: one pinned DMA copy per run,
+    # straight between GPU memory and the pinned pool, no staging.
+    @staticmethod
+    def put(buf: torch.Tensor, ids: list[int], payload: torch.Tensor) -> None:
+        """payload [n, row bytes] (any device) -> rows ids of buf."""
+        for i, a, n in _runs(ids):
+            buf[a:a + n].copy_(payload[i:i + n], non_blocking=True)
+
+    @staticmethod
+    def get(buf: torch.Tensor, ids: list[int], device) -> torch.Tensor:
+        """Rows ids of buf -> [n, row bytes] on device."""
+        out = torch.empty((len(ids), buf.shape[1]), dtype=torch.uint8, device=device)
+        for i, a, n in _runs(ids):
+            out[i:i + n].copy_(buf[a:a + n], non_blocking=True)
+        return out
+
+    def settle(self) -> None:
+        """Wait for copies into the pool before the CPU reads it."""
+        if self.main.is_pinned() and torch.cuda.is_available():
+            torch.cuda.current_stream().synchronize()
+
+
+def _runs(ids: list[int]):
+    """(position, first id, length) of each run of consecutive ids."""
+    i = 0
+    while i < len(ids):
+        j = i + 1
+        while j < len(ids) and ids[j] == ids[j - 1] + 1:
+            j += 1
+        yield i, ids[i], j - i
+        i = j
+
 
 class DiskTier:
     """A cache's view of the shared LMDB store."""
