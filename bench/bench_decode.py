@@ -108,12 +108,26 @@ def run_baseline(args):
 
 
 def run_daemon(args, codec, plane):
-    from kvstore.client import KVStoreClient
-    from kvstore.client.mapped import MappedCache
     from tests.test_daemon_process import start_daemon, stop_daemon
     sock = os.path.join(tempfile.mkdtemp(), "kv.sock")
     p, target = start_daemon(sock, extra=["--device", "cuda", "--log-level", "WARNING"])
     try:
+        return _run_daemon(args, codec, plane, target)
+    except BaseException:
+        import traceback
+        traceback.print_exc()
+        p.kill()
+        print("daemon output:", (p.communicate(timeout=10)[0] or "")[-3000:], file=sys.stderr)
+        raise
+    finally:
+        if p.poll() is None:
+            stop_daemon(p)
+
+
+def _run_daemon(args, codec, plane, target):
+    from kvstore.client import KVStoreClient
+    from kvstore.client.mapped import MappedCache
+    if True:
         kv = KVStoreClient(target, shm_bytes=1 << 30)
         B, ctx = args.batch, args.context
         blocks = B * ((ctx + args.new) // 16 + 4)
@@ -173,8 +187,6 @@ def run_daemon(args, codec, plane):
             out["append_attend_p99_us"] = lat[int(len(lat) * 0.99)] * 1e6
         kv.close()
         return out
-    finally:
-        stop_daemon(p)
 
 
 def main():
@@ -198,7 +210,9 @@ def main():
                                [ROOT, os.environ.get("PYTHONPATH", "")])))
         line = [x for x in r.stdout.splitlines() if x.startswith("RESULT ")]
         if not line:
-            print(f"mode {mode} failed:\n{r.stdout[-2000:]}\n{r.stderr[-4000:]}")
+            print(f"mode {mode} failed:\n{r.stdout[-2000:]}\n{r.stderr[-6000:]}")
+            with open(os.path.join(os.environ.get("OUT", "/tmp"), f"decode_{mode}.err"), "w") as f:
+                f.write(r.stdout + "\n" + r.stderr)
             continue
         res[mode] = json.loads(line[0][7:])
     bw = hbm_read_bw()

@@ -94,7 +94,8 @@ def export_tensor(t: torch.Tensor) -> TensorHandle:
                "cuMemGetAddressRange")
         h = _IpcHandle()
         _check(lib.cuIpcGetMemHandle(ctypes.byref(h), base), "cuIpcGetMemHandle")
-    return TensorHandle(bytes(h.reserved), t.data_ptr() - base.value, tuple(t.shape), t.dtype,
+    # bytes(h), not h.reserved: a char array stops at its first NUL byte
+    return TensorHandle(bytes(h), t.data_ptr() - base.value, tuple(t.shape), t.dtype,
                         device_uuid(t.device.index or 0))
 
 
@@ -117,7 +118,7 @@ class ImportedAllocation:
         with torch.cuda.device(device_index):
             _bind_context(device_index)
             h = _IpcHandle()
-            h.reserved = handle
+            ctypes.memmove(ctypes.addressof(h), handle, 64)
             ptr = ctypes.c_uint64()
             _check(lib.cuIpcOpenMemHandle_v2(ctypes.byref(ptr), h, ctypes.c_uint(1)), "cuIpcOpenMemHandle")
             self.ptr = ptr.value

@@ -129,8 +129,8 @@ def _pack(k: torch.Tensor, v: torch.Tensor, block_ids: torch.Tensor) -> torch.Te
 def _unpack(k: torch.Tensor, v: torch.Tensor, block_ids: torch.Tensor, payload: torch.Tensor) -> None:
     n = block_ids.numel()
     half = payload.shape[1] // 2
-    per_block = k[:, 0].shape                     # [L, ...]
-    kb = payload[:, :half].contiguous().view(k.dtype).reshape(n, *per_block).transpose(0, 1)
-    vb = payload[:, half:].contiguous().view(v.dtype).reshape(n, *per_block).transpose(0, 1)
+    # [L, ...] per block; V codes are transposed, so their shape differs from K's
+    kb = payload[:, :half].contiguous().view(k.dtype).reshape(n, *k[:, 0].shape).transpose(0, 1)
+    vb = payload[:, half:].contiguous().view(v.dtype).reshape(n, *v[:, 0].shape).transpose(0, 1)
     k[:, block_ids] = kb.to(k.device, non_blocking=True)
     v[:, block_ids] = vb.to(v.device, non_blocking=True)

@@ -52,7 +52,12 @@ def start_daemon(sock, hash_seed="0", extra=()):
 
 def stop_daemon(p):
     p.send_signal(signal.SIGTERM)
-    assert p.wait(timeout=30) == 0
+    try:
+        rc = p.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        p.kill()
+        raise AssertionError("daemon did not stop within 30 s of SIGTERM: " + (p.stdout.read() or "")[-3000:])
+    assert rc == 0, (p.stdout.read() or "")[-3000:]
 
 
 @pytest.fixture
