@@ -219,7 +219,7 @@ def plan_pq_decode(sealed_lens, tail_lens, *, num_qo_heads: int, num_kv_heads: i
                    head_dim: int, block_size: int, tail_block_size: int, device,
                    target_ctas: int | None = None, tile_pq: int = 128, tile_fp: int = 32,
                    num_warps: int = 4, num_stages: int = 1,
-                   maxnreg: int | None = 128) -> DecodePlan:
+                   maxnreg: int | None = 128, backend: str = "auto") -> DecodePlan:
     """sealed_lens [B] (tokens, multiples of block_size), tail_lens [B]: host lists or
     tensors (read on the host). Returns the plan for DecodePlan.run_pq.
 
@@ -232,6 +232,26 @@ def plan_pq_decode(sealed_lens, tail_lens, *, num_qo_heads: int, num_kv_heads: i
         raise ValueError("sealed_lens and tail_lens must have the same length")
     if any(n % block_size or n < 0 for n in sl):
         raise ValueError(f"sealed_lens must be non-negative multiples of block_size={block_size}")
+    if backend not in ("auto", "cuda", "triton"):
+        raise ValueError(f"backend must be 'auto', 'cuda' or 'triton', got {backend!r}")
+    if backend != "triton":
+        # CUDA C++ kernels (kernels/cuda_pq.py) where cupy imports and the shape fits;
+        # their plan falls back to this Triton plan for dtypes they do not take.
+        from . import cuda_pq
+        if cuda_pq.supports(num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads,
+                            head_dim=head_dim, block_size=block_size, device=device):
+            fb = dict(sealed_lens=sl, tail_lens=tl_, num_qo_heads=num_qo_heads,
+                      num_kv_heads=num_kv_heads, head_dim=head_dim, block_size=block_size,
+                      tail_block_size=tail_block_size, device=device, target_ctas=target_ctas,
+                      tile_pq=tile_pq, tile_fp=tile_fp, num_warps=num_warps,
+                      num_stages=num_stages, maxnreg=maxnreg)
+            return cuda_pq.plan_pq_decode(sl, tl_, num_qo_heads=num_qo_heads,
+                                          num_kv_heads=num_kv_heads, head_dim=head_dim,
+                                          block_size=block_size,
+                                          tail_block_size=tail_block_size, device=device,
+                                          target_ctas=target_ctas, fallback_args=fb)
+        if backend == "cuda":
+            raise ValueError("backend='cuda': cupy is missing or the shape is not supported")
     if target_ctas is None:
         target_ctas = 8 * _num_sms(torch.device(device))
     chunk = _chunk(sum(sl), sum(1 for n in tl_ if n > 0), num_kv_heads, tile_pq, target_ctas)

@@ -18,7 +18,11 @@ def _on_cuda(t: torch.Tensor) -> bool:
 
 def pq_encode_to_slots(x, codebook, slots, k_codes=None, v_codes=None):
     if _on_cuda(x):
-        from .pq_encode import pq_encode_to_slots as fn
+        from . import cuda_pq
+        if cuda_pq.encode_supported(codebook):     # CUDA C++ kernel where cupy imports
+            fn = cuda_pq.pq_encode_to_slots
+        else:
+            from .pq_encode import pq_encode_to_slots as fn
     else:
         fn = reference.pq_encode_to_slots
     return fn(x, codebook, slots, k_codes=k_codes, v_codes=v_codes)

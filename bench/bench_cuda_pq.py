@@ -1,0 +1,98 @@
+"""CUDA C++ PQ decode attention / encode (kernels/cuda_pq.py) vs Triton PQ vs SDPA flash.
+
+python bench/bench_cuda_pq.py [--quick] [--warps 8 12 16]
+Same shape and timing method as bench/bench_attention.py (whose helpers it uses):
+Hq=32, Hkv=8, d=128, M=64, bs=16, PQ tail 128 fp16 tokens, median of do_bench over a
+CUDA-graph replay with L2 flushed.
+"""
+import argparse
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import bench_attention as ba  # noqa: E402
+
+from kvstore.kernels import cuda_pq  # noqa: E402
+from kvstore.kernels import decode_attention as da  # noqa: E402
+from kvstore.kernels import pq_encode  # noqa: E402
+
+
+def kernel_info():
+    for nw in (8, 12, 16):
+        for dsub in (2, 4):
+            fn = cuda_pq._function(cuda_pq._attn_name(128, dsub, False, nw), torch.device("cuda"))
+            print(f"pq_attn<128,{dsub},f16,{nw}>: regs {fn.num_regs}, local {fn.local_size_bytes} B")
+    fn = cuda_pq._function("pq_encode<2, 4, 8, false, false, true>", torch.device("cuda"))
+    print(f"pq_encode<2,4,8>: regs {fn.num_regs}, local {fn.local_size_bytes} B")
+
+
+def time_encode():
+    n, D, M, HKV = 32768, 128, 64, 8
+    x = torch.randn(n, HKV, D, device="cuda", dtype=torch.float16)
+    cb = torch.randn(HKV, M, 256, 2, device="cuda")
+    kc = torch.empty(n // 16, HKV, 16, M, dtype=torch.uint8, device="cuda")
+    vc = torch.empty(n // 16, HKV, M, 16, dtype=torch.uint8, device="cuda")
+    slots = torch.arange(n, device="cuda")
+    res = {}
+    for t in (2, 4, 8):
+        p = cuda_pq.plan_pq_encode(cb, tokens_per_thread=t)
+        res[f"cuda T={t}"] = ba.bench(lambda: (p.run(x, slots, k_codes=kc), p.run(x, slots, v_codes=vc)))
+    p = pq_encode.plan_pq_encode(cb, tile_n=128)
+    res["triton tile128"] = ba.bench(lambda: (p.run(x, slots, k_codes=kc), p.run(x, slots, v_codes=vc)))
+    return res
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--warps", type=int, nargs="*", default=[8, 12, 16])
+    args = ap.parse_args()
+    torch.manual_seed(0)
+    props = torch.cuda.get_device_properties(0)
+    print(f"device {props.name}, {props.multi_processor_count} SMs, torch {torch.__version__}")
+    kernel_info()
+    rd, _ = ba.read_bandwidth()
+    print(f"read bandwidth (sum) {rd:.0f} GB/s")
+    # warps sweep at the two target shapes
+    best_nw = cuda_pq.NUM_WARPS
+    best = {}
+    for b in (8, 1):
+        q = torch.randn(b, ba.HQ, ba.D, device="cuda", dtype=torch.float16)
+        case, sl, tl_, nbytes = ba.pq_case(b, 32768, 16)
+        for nw in args.warps:
+            cuda_pq.NUM_WARPS = nw
+            t = ba.time_pq(q, case, sl, tl_, 16, backend="cuda")
+            print(f"sweep cuda B={b} L=32K warps={nw}: {t:.1f} us ({nbytes / t / 1e3:.0f} GB/s)")
+            best.setdefault(b, {})[nw] = t
+        del case
+    best_nw = min(args.warps, key=lambda nw: best[8][nw] + 4 * best[1][nw])
+    cuda_pq.NUM_WARPS = best_nw
+    print(f"warps used below: {best_nw}")
+    enc = time_encode()
+    print("pq_encode 32K tok x 8 heads x d=128, K+V (us):", {k: round(v, 1) for k, v in enc.items()})
+    rows = []
+    Bs, Ls = ((1, 8), (32768,)) if args.quick else ((1, 8, 32), (4096, 32768, 131072))
+    for b in Bs:
+        for L in Ls:
+            q = torch.randn(b, ba.HQ, ba.D, device="cuda", dtype=torch.float16)
+            case, sl, tl_, nbytes = ba.pq_case(b, L, 16)
+            t_cu = ba.time_pq(q, case, sl, tl_, 16, backend="cuda")
+            t_tr = ba.time_pq(q, case, sl, tl_, 16, backend="triton")
+            del case
+            torch.cuda.empty_cache()
+            t_sd, be = ba.time_sdpa(q, L)
+            torch.cuda.empty_cache()
+            rows.append((b, L, t_cu, t_tr, t_sd, nbytes / t_cu / 1e3))
+            print(rows[-1], flush=True)
+    print(f"\nread BW {rd:.0f} GB/s; us, median, CUDA graph, L2 flushed; warps {best_nw}")
+    print(f"{'B':>3} {'L':>7} {'cudaPQ':>8} {'tritonPQ':>9} {'SDPA':>8} {'sdpa/cuda':>9} "
+          f"{'triton/cuda':>11} {'GB/s':>6} {'%BW':>5}")
+    for b, L, tc, tt, ts, bw in rows:
+        print(f"{b:>3} {L:>7} {tc:>8.1f} {tt:>9.1f} {ts:>8.1f} {ts / tc:>9.2f} {tt / tc:>11.2f} "
+              f"{bw:>6.0f} {100 * bw / rd:>4.0f}%")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

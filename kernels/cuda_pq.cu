@@ -1,0 +1,523 @@
+// PQ decode attention + PQ encode, CUDA C++ for NVRTC (loaded by kernels/cuda_pq.py).
+//
+// Attention: one thread block per (work item, KV head). A work item is a range of
+// PQ-coded sealed tokens of one sequence and/or a range of its fp16 tail. The
+// block stages the K and V codebooks of its KV head in shared memory once, then
+// each warp takes 16-token tiles (round robin) and runs them through mma.sync:
+//   S  = Q K^T   A = q (rows = the G query heads, padded to 16), B = gathered K
+//                centroid words (a dsub=2 centroid is one fp16 pair = one B reg)
+//   O^T = V^T P^T A = gathered V words, re-paired across tokens with PRMT,
+//                B = P (straight from S's accumulator layout, FA2 style).
+// Head-dim coordinates are permuted (free for a dot product) so that lane
+// (g, c) of a warp reads the K codes of one token as M/4 contiguous bytes and
+// the V codes of one subspace as 4 contiguous bytes.
+// Shared-memory layouts give each group of lanes that gather from the same
+// subspace its own banks: K entry (m, code) at (m % MQ)*1024 + code*4 + m/MQ
+// (lanes with c = m/MQ use banks = c mod 4 + 4*(code mod 8)); V entry at
+// (m/8)*2048 + code*8 + m%8.
+// Partials (o, base-2 lse) per item go to o_part / lse_part; pq_merge combines.
+
+typedef unsigned int u32;
+typedef unsigned short u16;
+typedef unsigned char u8;
+typedef unsigned long long u64;
+
+#define FULL 0xffffffffu
+#define NEG_INF (-__int_as_float(0x7f800000))
+
+template <bool BF16>
+__device__ __forceinline__ void mma16816(float (&d)[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0,
+                                         u32 b1) {
+  if (BF16) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+        "{%8,%9}, {%0,%1,%2,%3};"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+  } else {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+        "{%8,%9}, {%0,%1,%2,%3};"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+  }
+}
+
+// lo -> low 16 bits, hi -> high 16 bits
+template <bool BF16>
+__device__ __forceinline__ u32 pack2(float lo, float hi) {
+  u32 r;
+  if (BF16) asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+  else asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+  return r;
+}
+
+template <bool BF16>
+__device__ __forceinline__ u16 to16(float x) {
+  u16 r;
+  if (BF16) asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(r) : "f"(x));
+  else asm("cvt.rn.f16.f32 %0, %1;" : "=h"(r) : "f"(x));
+  return r;
+}
+
+template <bool BF16>
+__device__ __forceinline__ float from16(u16 x) {
+  float r;
+  if (BF16) r = __uint_as_float(((u32)x) << 16);
+  else asm("cvt.f32.f16 %0, %1;" : "=f"(r) : "h"(x));
+  return r;
+}
+
+// token of column n of S n-tile t (and of P^T k-row)
+__device__ __forceinline__ int sigma(int t, int n) { return 4 * (n >> 1) + 2 * t + (n & 1); }
+
+// one codebook entry: DSUB fp16 = 1 (dsub 2) or 2 (dsub 4) 32-bit words
+template <int DSUB> struct Ent;
+template <> struct Ent<2> { typedef u32 T; };
+template <> struct Ent<4> { typedef uint2 T; };
+
+template <int DSUB>
+__device__ __forceinline__ u32 ent_word(const typename Ent<DSUB>::T& e, int p);
+template <> __device__ __forceinline__ u32 ent_word<2>(const u32& e, int p) { return e; }
+template <> __device__ __forceinline__ u32 ent_word<4>(const uint2& e, int p) {
+  return p ? e.y : e.x;
+}
+
+// code bytes of one lane: MQ bytes (4, 8 or 16)
+template <int MQ> struct CodeVec;
+template <> struct CodeVec<4> { u32 w[1]; };
+template <> struct CodeVec<8> { u32 w[2]; };
+template <> struct CodeVec<16> { u32 w[4]; };
+
+template <int MQ>
+__device__ __forceinline__ void load_codes(CodeVec<MQ>& v, const u8* p) {
+  if (MQ == 16) {
+    uint4 x = __ldg(reinterpret_cast<const uint4*>(p));
+    v.w[0] = x.x; v.w[1] = x.y; v.w[2 % (MQ / 4)] = x.z; v.w[3 % (MQ / 4)] = x.w;
+  } else if (MQ == 8) {
+    uint2 x = __ldg(reinterpret_cast<const uint2*>(p));
+    v.w[0] = x.x; v.w[1 % (MQ / 4)] = x.y;
+  } else {
+    v.w[0] = __ldg(reinterpret_cast<const u32*>(p));
+  }
+}
+
+template <int MQ>
+__device__ __forceinline__ u32 code_at(const CodeVec<MQ>& v, int i) {
+  return (v.w[i >> 2] >> ((i & 3) * 8)) & 0xffu;
+}
+
+struct AttnArgs {
+  const u16* q; long long sq_b, sq_h;
+  const int* items; int n_items;           // [n, 5]: b, pq_lo, pq_hi, t_lo, t_hi
+  float* o_part; float* lse_part;          // [n, Hq, D], [n, Hq]
+  const u8* kc; const u8* vc; long long skc_blk, skc_h, svc_blk, svc_h;
+  const u16* kcb; const u16* vcb;          // [Hkv, M, 256, DSUB]
+  const int* st; long long st_stride;
+  const u16* tk; const u16* tv; long long stk_blk, stk_h, stk_t, stv_blk, stv_h, stv_t;
+  const int* tt; long long tt_stride;
+  float qk_scale;                          // scale * log2(e)
+  int hq, g, bs, tbs;
+};
+
+// Everything per warp for one 16-token tile once its K/V entries are known.
+template <int D, int DSUB, bool BF16>
+struct WarpState {
+  static constexpr int M = D / DSUB;
+  static constexpr int KS = D / 16;     // k-steps of S = Q K^T
+  static constexpr int NMT = D / 16;    // m-tiles of O^T
+  float o[NMT][4];
+  float m_i, l_i;
+};
+
+template <int D, int DSUB, bool BF16>
+__device__ __forceinline__ void softmax_pv(WarpState<D, DSUB, BF16>& ws, float (&s)[2][4],
+                                           const bool (&valid)[2][2], float qk_scale, int lane,
+                                           u32& pb0, u32& pb1) {
+  float x00 = valid[0][0] ? s[0][0] * qk_scale : NEG_INF;
+  float x01 = valid[0][1] ? s[0][1] * qk_scale : NEG_INF;
+  float x10 = valid[1][0] ? s[1][0] * qk_scale : NEG_INF;
+  float x11 = valid[1][1] ? s[1][1] * qk_scale : NEG_INF;
+  float mx = fmaxf(fmaxf(x00, x01), fmaxf(x10, x11));
+  mx = fmaxf(mx, __shfl_xor_sync(FULL, mx, 1));
+  mx = fmaxf(mx, __shfl_xor_sync(FULL, mx, 2));
+  float m_new = fmaxf(ws.m_i, mx);
+  float alpha = exp2f(ws.m_i - m_new);
+  float p00 = exp2f(x00 - m_new), p01 = exp2f(x01 - m_new);
+  float p10 = exp2f(x10 - m_new), p11 = exp2f(x11 - m_new);
+  ws.l_i = ws.l_i * alpha + ((p00 + p01) + (p10 + p11));
+  if (__any_sync(FULL, m_new > ws.m_i)) {
+    int c = lane & 3;
+    float a0 = __shfl_sync(FULL, alpha, (2 * c) * 4);
+    float a1 = __shfl_sync(FULL, alpha, (2 * c + 1) * 4);
+#pragma unroll
+    for (int mt = 0; mt < WarpState<D, DSUB, BF16>::NMT; ++mt) {
+      ws.o[mt][0] *= a0; ws.o[mt][1] *= a1; ws.o[mt][2] *= a0; ws.o[mt][3] *= a1;
+    }
+  }
+  ws.m_i = m_new;
+  pb0 = pack2<BF16>(p00, p01);
+  pb1 = pack2<BF16>(p10, p11);
+}
+
+template <int D, int DSUB, bool BF16>
+__device__ __forceinline__ void pv_mma(WarpState<D, DSUB, BF16>& ws, int X, int p, u32 w0, u32 w1,
+                                       u32 w2, u32 w3, u32 pb0, u32 pb1) {
+  u32 a0 = __byte_perm(w0, w1, 0x5410), a1 = __byte_perm(w0, w1, 0x7632);
+  u32 a2 = __byte_perm(w2, w3, 0x5410), a3 = __byte_perm(w2, w3, 0x7632);
+  mma16816<BF16>(ws.o[X * (DSUB / 2) + p], a0, a1, a2, a3, pb0, pb1);
+}
+
+template <int D, int DSUB, bool BF16, int NW>
+__global__ void __launch_bounds__(NW * 32, 1) pq_attn(
+    const u16* q, long long sq_b, long long sq_h, const int* items, float* o_part,
+    float* lse_part, const u8* kc, const u8* vc, long long skc_blk, long long skc_h,
+    long long svc_blk, long long svc_h, const u16* kcb, const u16* vcb, const int* st,
+    long long st_stride, const u16* tk, const u16* tv, long long stk_blk, long long stk_h,
+    long long stk_t, long long stv_blk, long long stv_h, long long stv_t, const int* tt,
+    long long tt_stride, float qk_scale, int hq, int g, int bs, int tbs) {
+  AttnArgs a;
+  a.q = q; a.sq_b = sq_b; a.sq_h = sq_h; a.items = items; a.n_items = 0;
+  a.o_part = o_part; a.lse_part = lse_part; a.kc = kc; a.vc = vc; a.skc_blk = skc_blk;
+  a.skc_h = skc_h; a.svc_blk = svc_blk; a.svc_h = svc_h; a.kcb = kcb; a.vcb = vcb; a.st = st;
+  a.st_stride = st_stride; a.tk = tk; a.tv = tv; a.stk_blk = stk_blk; a.stk_h = stk_h;
+  a.stk_t = stk_t; a.stv_blk = stv_blk; a.stv_h = stv_h; a.stv_t = stv_t; a.tt = tt;
+  a.tt_stride = tt_stride; a.qk_scale = qk_scale; a.hq = hq; a.g = g; a.bs = bs; a.tbs = tbs;
+  constexpr int M = D / DSUB, MQ = M / 4, KS = D / 16, NX = M / 8;
+  typedef typename Ent<DSUB>::T E;
+  extern __shared__ __align__(16) unsigned char smem[];
+  E* sK = reinterpret_cast<E*>(smem);
+  E* sV = sK + M * 256;
+
+  const int item = blockIdx.x, h = blockIdx.y;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int gq = lane >> 2, cq = lane & 3;
+  const int* it = a.items + item * 5;
+  const int b = it[0], pq_lo = it[1], pq_hi = it[2], t_lo = it[3], t_hi = it[4];
+  const int n_pq = (pq_hi - pq_lo) >> 4;
+  const int n_tl = (t_hi - t_lo + 15) >> 4;
+  const int G = a.g;
+
+  // ---- q fragments (permuted coordinates), rows >= G are zero
+  u32 qa0[KS], qa2[KS];
+  {
+    const bool row_ok = gq < G;
+    const u16* qr = a.q + (long long)b * a.sq_b + (long long)(h * G + (row_ok ? gq : 0)) * a.sq_h;
+#pragma unroll
+    for (int ks = 0; ks < KS; ++ks) {
+      int e0, e2;
+      if (DSUB == 2) { e0 = 2 * (cq * MQ + 2 * ks); e2 = 2 * (cq * MQ + 2 * ks + 1); }
+      else { e0 = 4 * (cq * MQ + ks); e2 = e0 + 2; }
+      qa0[ks] = row_ok ? *reinterpret_cast<const u32*>(qr + e0) : 0u;
+      qa2[ks] = row_ok ? *reinterpret_cast<const u32*>(qr + e2) : 0u;
+    }
+  }
+
+  // ---- stage the codebooks of head h (swizzled)
+  if (n_pq > 0) {
+    const E* gk = reinterpret_cast<const E*>(a.kcb) + (long long)h * M * 256;
+    const E* gv = reinterpret_cast<const E*>(a.vcb) + (long long)h * M * 256;
+    // K: thread unit (r, code) -> 4 entries m = r + j*MQ -> smem r*1024 + code*4 + j
+    for (int u = tid; u < MQ * 256; u += NW * 32) {
+      int r = u >> 8, code = u & 255;
+      E e[4];
+#pragma unroll
+      for (int j = 0; j < 4; ++j) e[j] = gk[(r + j * MQ) * 256 + code];
+      E* dst = sK + r * 1024 + code * 4;
+#pragma unroll
+      for (int j = 0; j < 4; ++j) dst[j] = e[j];
+    }
+    // V: unit (X, code) -> 8 entries m = 8X + j -> smem X*2048 + code*8 + j
+    for (int u = tid; u < NX * 256; u += NW * 32) {
+      int X = u >> 8, code = u & 255;
+      E e[8];
+#pragma unroll
+      for (int j = 0; j < 8; ++j) e[j] = gv[(8 * X + j) * 256 + code];
+      E* dst = sV + X * 2048 + code * 8;
+#pragma unroll
+      for (int j = 0; j < 8; ++j) dst[j] = e[j];
+    }
+  }
+  __syncthreads();
+
+  WarpState<D, DSUB, BF16> ws;
+#pragma unroll
+  for (int mt = 0; mt < KS; ++mt) ws.o[mt][0] = ws.o[mt][1] = ws.o[mt][2] = ws.o[mt][3] = 0.f;
+  ws.m_i = NEG_INF;
+  ws.l_i = 0.f;
+
+  const E* sKl = sK + cq;     // lane's K bank offset (m / MQ == cq)
+  const E* sVl = sV + gq;     // lane's V subspace within an octet
+  const u8* kc_h = a.kc + (long long)h * a.skc_h;
+  const u8* vc_h = a.vc + (long long)h * a.svc_h;
+  const int* st_b = a.st + (long long)b * a.st_stride;
+  const bool alltrue[2][2] = {{true, true}, {true, true}};
+
+  // ---- PQ tiles, codes prefetched one tile ahead
+  {
+    CodeVec<MQ> kn[2];
+    u32 vn[NX];
+    int ti = warp;
+    auto fetch = [&](int tile, CodeVec<MQ> (&kk)[2], u32 (&vv)[NX]) {
+      int t0 = pq_lo + 16 * tile;
+      long long blk = st_b[t0 / a.bs];
+      int off = t0 % a.bs;
+      const u8* kb = kc_h + blk * a.skc_blk + cq * MQ;
+#pragma unroll
+      for (int t = 0; t < 2; ++t) load_codes<MQ>(kk[t], kb + (off + sigma(t, gq)) * M);
+      const u8* vb = vc_h + blk * a.svc_blk + off + 4 * cq + gq * a.bs;
+#pragma unroll
+      for (int X = 0; X < NX; ++X) vv[X] = __ldg(reinterpret_cast<const u32*>(vb + 8 * X * a.bs));
+    };
+    if (ti < n_pq) fetch(ti, kn, vn);
+    for (; ti < n_pq; ti += NW) {
+      CodeVec<MQ> kk[2];
+      u32 vv[NX];
+#pragma unroll
+      for (int t = 0; t < 2; ++t) kk[t] = kn[t];
+#pragma unroll
+      for (int X = 0; X < NX; ++X) vv[X] = vn[X];
+      if (ti + NW < n_pq) fetch(ti + NW, kn, vn);
+      float s[2][4];
+#pragma unroll
+      for (int t = 0; t < 2; ++t) s[t][0] = s[t][1] = s[t][2] = s[t][3] = 0.f;
+#pragma unroll
+      for (int ks = 0; ks < KS; ++ks) {
+#pragma unroll
+        for (int t = 0; t < 2; ++t) {
+          u32 b0, b1;
+          if (DSUB == 2) {
+            b0 = ent_word<DSUB>(sKl[(2 * ks) * 1024 + code_at<MQ>(kk[t], 2 * ks) * 4], 0);
+            b1 = ent_word<DSUB>(sKl[(2 * ks + 1) * 1024 + code_at<MQ>(kk[t], 2 * ks + 1) * 4], 0);
+          } else {
+            E e = sKl[ks * 1024 + code_at<MQ>(kk[t], ks) * 4];
+            b0 = ent_word<DSUB>(e, 0);
+            b1 = ent_word<DSUB>(e, 1);
+          }
+          mma16816<BF16>(s[t], qa0[ks], 0u, qa2[ks], 0u, b0, b1);
+        }
+      }
+      u32 pb0, pb1;
+      softmax_pv<D, DSUB, BF16>(ws, s, alltrue, a.qk_scale, lane, pb0, pb1);
+#pragma unroll
+      for (int X = 0; X < NX; ++X) {
+        const u32 v4 = vv[X];
+        E e0 = sVl[X * 2048 + (v4 & 0xff) * 8];
+        E e1 = sVl[X * 2048 + ((v4 >> 8) & 0xff) * 8];
+        E e2 = sVl[X * 2048 + ((v4 >> 16) & 0xff) * 8];
+        E e3 = sVl[X * 2048 + (v4 >> 24) * 8];
+#pragma unroll
+        for (int p = 0; p < DSUB / 2; ++p)
+          pv_mma<D, DSUB, BF16>(ws, X, p, ent_word<DSUB>(e0, p), ent_word<DSUB>(e1, p),
+                                ent_word<DSUB>(e2, p), ent_word<DSUB>(e3, p), pb0, pb1);
+      }
+    }
+  }
+
+  // ---- fp16/bf16 tail tiles (dense), same warp state
+  if (n_tl > 0) {
+    const int* tt_b = a.tt + (long long)b * a.tt_stride;
+    // tiles continue the round robin after the PQ tiles
+    int first = warp - (n_pq % NW);
+    if (first < 0) first += NW;
+    for (int ti = first; ti < n_tl; ti += NW) {
+      const int t0 = t_lo + 16 * ti;
+      float s[2][4];
+      bool valid[2][2];
+#pragma unroll
+      for (int t = 0; t < 2; ++t) {
+        s[t][0] = s[t][1] = s[t][2] = s[t][3] = 0.f;
+        valid[t][0] = t0 + sigma(t, 2 * cq) < t_hi;
+        valid[t][1] = t0 + sigma(t, 2 * cq + 1) < t_hi;
+      }
+#pragma unroll
+      for (int t = 0; t < 2; ++t) {
+        int tok = t0 + sigma(t, gq);
+        bool ok = tok < t_hi;
+        const u16* row = a.tk;
+        if (ok) {
+          long long blk = tt_b[tok / a.tbs];
+          row = a.tk + blk * a.stk_blk + (long long)h * a.stk_h + (long long)(tok % a.tbs) * a.stk_t;
+        }
+#pragma unroll
+        for (int ks = 0; ks < KS; ++ks) {
+          u32 b0 = 0, b1 = 0;
+          if (ok) {
+            if (DSUB == 2) {
+              b0 = *reinterpret_cast<const u32*>(row + 2 * (cq * MQ + 2 * ks));
+              b1 = *reinterpret_cast<const u32*>(row + 2 * (cq * MQ + 2 * ks + 1));
+            } else {
+              uint2 e = *reinterpret_cast<const uint2*>(row + 4 * (cq * MQ + ks));
+              b0 = e.x; b1 = e.y;
+            }
+          }
+          mma16816<BF16>(s[t], qa0[ks], 0u, qa2[ks], 0u, b0, b1);
+        }
+      }
+      u32 pb0, pb1;
+      softmax_pv<D, DSUB, BF16>(ws, s, valid, a.qk_scale, lane, pb0, pb1);
+      const u16* vrow[4];
+      bool vok[4];
+#pragma unroll
+      for (int k = 0; k < 4; ++k) {
+        int tok = t0 + 4 * cq + k;
+        vok[k] = tok < t_hi;
+        vrow[k] = a.tv;
+        if (vok[k]) {
+          long long blk = tt_b[tok / a.tbs];
+          vrow[k] = a.tv + blk * a.stv_blk + (long long)h * a.stv_h + (long long)(tok % a.tbs) * a.stv_t;
+        }
+      }
+#pragma unroll
+      for (int X = 0; X < NX; ++X) {
+        E e[4];
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+          if (vok[k]) e[k] = *reinterpret_cast<const E*>(vrow[k] + DSUB * (8 * X + gq));
+          else e[k] = E();
+        }
+#pragma unroll
+        for (int p = 0; p < DSUB / 2; ++p)
+          pv_mma<D, DSUB, BF16>(ws, X, p, ent_word<DSUB>(e[0], p), ent_word<DSUB>(e[1], p),
+                                ent_word<DSUB>(e[2], p), ent_word<DSUB>(e[3], p), pb0, pb1);
+      }
+    }
+  }
+
+  // ---- combine the warps of the block through shared memory
+  float l = ws.l_i;
+  l += __shfl_xor_sync(FULL, l, 1);
+  l += __shfl_xor_sync(FULL, l, 2);
+  __syncthreads();                                     // codebooks no longer needed
+  float* so = reinterpret_cast<float*>(smem);          // [NW][8][D]
+  float* sm = so + NW * 8 * D;                         // [NW][8]
+  float* sl = sm + NW * 8;                             // [NW][8]
+  if (cq == 0) { sm[warp * 8 + gq] = ws.m_i; sl[warp * 8 + gq] = l; }
+#pragma unroll
+  for (int X = 0; X < NX; ++X) {
+#pragma unroll
+    for (int p = 0; p < DSUB / 2; ++p) {
+      const float* c = ws.o[X * (DSUB / 2) + p];
+      int coord = (8 * X + gq) * DSUB + 2 * p;
+      float* base = so + warp * 8 * D;
+      base[(2 * cq) * D + coord] = c[0];
+      base[(2 * cq + 1) * D + coord] = c[1];
+      base[(2 * cq) * D + coord + 1] = c[2];
+      base[(2 * cq + 1) * D + coord + 1] = c[3];
+    }
+  }
+  __syncthreads();
+  for (int e = tid; e < G * D; e += NW * 32) {
+    int hd = e / D, coord = e % D;
+    float mm = NEG_INF;
+#pragma unroll
+    for (int w = 0; w < NW; ++w) mm = fmaxf(mm, sm[w * 8 + hd]);
+    float L = 0.f, O = 0.f;
+#pragma unroll
+    for (int w = 0; w < NW; ++w) {
+      float wt = exp2f(sm[w * 8 + hd] - mm);        // empty warps: exp2(-inf) = 0
+      L += sl[w * 8 + hd] * wt;
+      O += so[(w * 8 + hd) * D + coord] * wt;
+    }
+    long long row = (long long)item * a.hq + h * G + hd;
+    a.o_part[row * D + coord] = O / L;
+    if (coord == 0) a.lse_part[row] = mm + log2f(L);
+  }
+}
+
+// Log-sum-exp merge of the partials of one (sequence, query head); base-2 lse in.
+template <int D, bool BF16>
+__global__ void pq_merge(const float* __restrict__ o_part, const float* __restrict__ lse_part,
+                         const int* __restrict__ item_ptr, u16* out, long long so_b,
+                         long long so_h, float* lse, long long sl_b, int hq) {
+  const int b = blockIdx.x, head = blockIdx.y, d = threadIdx.x;
+  const int lo = item_ptr[b], hi = item_ptr[b + 1];
+  float mm = NEG_INF;
+  for (int i = lo; i < hi; ++i) mm = fmaxf(mm, lse_part[(long long)i * hq + head]);
+  float L = 0.f, O = 0.f;
+  if (hi > lo) {
+    for (int i = lo; i < hi; ++i) {
+      long long row = (long long)i * hq + head;
+      float w = exp2f(lse_part[row] - mm);
+      L += w;
+      O += w * o_part[row * D + d];
+    }
+    O /= L;
+  }
+  out[(long long)b * so_b + (long long)head * so_h + d] = to16<BF16>(O);
+  if (d == 0)
+    lse[(long long)b * sl_b + head] = hi > lo ? (mm + log2f(L)) * 0.6931471805599453f : NEG_INF;
+}
+
+// ------------------------------------------------------------------ PQ encode
+// grid (ceil(N / (32*T)), Hkv, M / MG), block MG warps: warp w <-> subspace
+// m0 + w, lane <-> T tokens (lane, lane + 32, ...). Centroid data of the
+// block's subspaces in shared memory as float4 (-2c0, -2c1, ||c||^2, 0) for
+// dsub 2 or 2 x float4 (-2c0..-2c3), (||c||^2, 0, 0, 0) for dsub 4; every lane
+// of a warp reads the same entry (broadcast). Distance ||x||^2 + ||c||^2 - 2x.c
+// (>= 0) with the centroid index in its 8 low mantissa bits: one fminf per
+// candidate is the argmin, ties -> lowest index (as the Triton kernel).
+template <int DSUB, int T, int MG, bool XBF16, bool XF32, bool S64>
+__global__ void __launch_bounds__(MG * 32) pq_encode(
+    const void* __restrict__ xv, long long sx_n, long long sx_h, const float4* __restrict__ cpre,
+    const void* __restrict__ slots, u8* codes, long long so_blk, long long so_h,
+    long long so_off, long long so_m, int N, int M, int bs) {
+  constexpr int F4 = DSUB == 2 ? 1 : 2;
+  __shared__ float4 sc[MG * 256 * F4];
+  const int h = blockIdx.y, m0 = blockIdx.z * MG;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const float4* src = cpre + ((long long)h * M + m0) * 256 * F4;
+  for (int i = threadIdx.x; i < MG * 256 * F4; i += MG * 32) sc[i] = src[i];
+  const int m = m0 + warp;
+  const int n0 = blockIdx.x * 32 * T;
+  float x[T][DSUB], xn[T];
+  float best[T];
+#pragma unroll
+  for (int t = 0; t < T; ++t) {
+    int n = n0 + lane + 32 * t;
+    xn[t] = 0.f;
+#pragma unroll
+    for (int j = 0; j < DSUB; ++j) {
+      float v = 0.f;
+      if (n < N) {
+        long long o = (long long)n * sx_n + (long long)h * sx_h + m * DSUB + j;
+        if (XF32) v = reinterpret_cast<const float*>(xv)[o];
+        else v = from16<XBF16>(reinterpret_cast<const u16*>(xv)[o]);
+      }
+      x[t][j] = v;
+      xn[t] += v * v;
+    }
+    best[t] = __int_as_float(0x7f7fffff);
+  }
+  __syncthreads();
+  const float4* cw = sc + warp * 256 * F4;
+#pragma unroll 4
+  for (int c = 0; c < 256; ++c) {
+    float4 e = cw[c * F4];
+    float cn;
+    float4 e2;
+    if (DSUB == 4) { e2 = cw[c * F4 + 1 % F4]; cn = e2.x; } else { cn = e.z; }
+#pragma unroll
+    for (int t = 0; t < T; ++t) {
+      float d = cn + xn[t];
+      d = fmaf(x[t][0], e.x, d);
+      d = fmaf(x[t][1], e.y, d);
+      if (DSUB == 4) {
+        d = fmaf(x[t][2 % DSUB], e.z, d);
+        d = fmaf(x[t][3 % DSUB], e.w, d);
+      }
+      d = fmaxf(d, 0.f);
+      float key = __int_as_float((__float_as_int(d) & ~255) | c);
+      best[t] = fminf(best[t], key);
+    }
+  }
+#pragma unroll
+  for (int t = 0; t < T; ++t) {
+    int n = n0 + lane + 32 * t;
+    if (n < N) {
+      long long slot = S64 ? reinterpret_cast<const long long*>(slots)[n]
+                           : (long long)reinterpret_cast<const int*>(slots)[n];
+      long long blk = slot / bs, off = slot % bs;
+      codes[blk * so_blk + (long long)h * so_h + off * so_off + (long long)m * so_m] =
+          (u8)(__float_as_int(best[t]) & 255);
+    }
+  }
+}

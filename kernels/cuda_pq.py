@@ -1,0 +1,379 @@
+"""PQ decode attention and PQ encode as CUDA C++ (NVRTC through CuPy RawModule).
+
+Source: kernels/cuda_pq.cu (design notes at its top). Same contracts as the Triton
+versions in decode_attention.py / pq_encode.py:
+
+    plan = plan_pq_decode(sealed_lens, tail_lens, num_qo_heads=.., ...)   # host, once per step
+    out, lse = plan.run_pq(q, k_codes, v_codes, k_cb, v_cb, sealed_tables,
+                           tail_k, tail_v, tail_tables, scale, out=, lse=)   # per layer
+
+run_pq allocates nothing when out/lse are given, never synchronises, and is CUDA-graph
+capturable (the kernels are loaded at plan time and launched on torch's current stream).
+`available()` is False where cupy does not import (CPU machines never import it) or
+KVSTORE_CUDA_PQ=0; `supports(...)` says which shapes the kernels take; everything else
+stays on the Triton kernels (decode_attention.plan_pq_decode routes).
+"""
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass, field
+
+import torch
+
+_SRC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cuda_pq.cu")
+_cupy = None
+_cupy_failed = False
+_modules: dict = {}
+_streams: dict = {}
+NUM_WARPS = int(os.environ.get("KVSTORE_CUDA_PQ_WARPS", "16"))
+
+
+def _cp():
+    global _cupy, _cupy_failed
+    if _cupy is None and not _cupy_failed:
+        try:
+            import cupy  # noqa: F401
+            _cupy = cupy
+        except Exception:   # ImportError, missing CUDA libraries, ...
+            _cupy_failed = True
+    return _cupy
+
+
+def available() -> bool:
+    if os.environ.get("KVSTORE_CUDA_PQ", "1") == "0":
+        return False
+    return torch.cuda.is_available() and _cp() is not None
+
+
+def supports(*, num_qo_heads, num_kv_heads, head_dim, block_size, device) -> bool:
+    dev = torch.device(device)
+    if dev.type != "cuda" or not available():
+        return False
+    if num_kv_heads <= 0 or num_qo_heads % num_kv_heads:
+        return False
+    g = num_qo_heads // num_kv_heads
+    return (head_dim in (64, 128) and 1 <= g <= 8 and block_size % 16 == 0
+            and torch.cuda.get_device_capability(dev) >= (8, 0))
+
+
+def _function(name: str, device: torch.device):
+    """Compile (once per device) the instantiation `name` of cuda_pq.cu."""
+    key = (device.index, name)
+    fn = _modules.get(key)
+    if fn is None:
+        cp = _cp()
+        with cp.cuda.Device(device.index or 0):
+            major, minor = torch.cuda.get_device_capability(device)
+            src = open(_SRC).read()
+            mod = cp.RawModule(code=src, options=("-std=c++17", f"-arch=sm_{major}{minor}",
+                                                  "--use_fast_math"),
+                               name_expressions=[name])
+            fn = mod.get_function(name)
+        _modules[key] = fn
+    return fn
+
+
+def _stream(device: torch.device):
+    cp = _cp()
+    s = torch.cuda.current_stream(device)
+    key = (device.index, s.cuda_stream)
+    ext = _streams.get(key)
+    if ext is None:
+        ext = cp.cuda.ExternalStream(s.cuda_stream, device.index or 0)
+        _streams[key] = ext
+    return ext
+
+
+def _launch(fn, device, grid, block, args, shared_mem=0):
+    cp = _cp()
+    with cp.cuda.Device(device.index or 0), _stream(device):
+        fn(grid, block, args, shared_mem=shared_mem)
+
+
+def _p(t: torch.Tensor):
+    import numpy as np
+    return np.uint64(t.data_ptr())
+
+
+def _i64(x):
+    import numpy as np
+    return np.int64(x)
+
+
+def _i32(x):
+    import numpy as np
+    return np.int32(x)
+
+
+def _f32(x):
+    import numpy as np
+    return np.float32(x)
+
+
+def _attn_name(d, dsub, bf16, nw):
+    return f"pq_attn<{d}, {dsub}, {'true' if bf16 else 'false'}, {nw}>"
+
+
+def _merge_name(d, bf16):
+    return f"pq_merge<{d}, {'true' if bf16 else 'false'}>"
+
+
+# --------------------------------------------------------------------- attention
+
+@dataclass(slots=True)
+class CudaPQPlan:
+    """Work items [n, 5] int32 (b, pq_lo, pq_hi, tail_lo, tail_hi), one thread block per
+    (item, KV head); item_ptr [B + 1]; partials o_part fp32 [n, Hq, d], lse_part [n, Hq]
+    (base-2); `fallback_args`: how to build the Triton plan for inputs the kernels do not
+    take (fp32 q, codebook dtype != q dtype): built on first such call, then reused."""
+    items: torch.Tensor
+    item_ptr: torch.Tensor
+    o_part: torch.Tensor
+    lse_part: torch.Tensor
+    batch: int
+    num_qo_heads: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+    tail_block_size: int
+    sealed_cols: int
+    tail_cols: int
+    num_warps: int
+    fallback_args: dict
+    has_pq: bool = True
+    _fallback: object = None
+    _fns: dict = field(default_factory=dict)
+
+    def _triton(self):
+        if self._fallback is None:
+            from . import decode_attention as da
+            self._fallback = da.plan_pq_decode(**self.fallback_args, backend="triton")
+        return self._fallback
+
+    def _fn(self, kind, *key):
+        fn = self._fns.get((kind, key))
+        if fn is None:
+            dev = self.items.device
+            if kind == "attn":
+                fn = _function(_attn_name(*key), dev)
+                fn.max_dynamic_shared_size_bytes = 1024 * key[0]
+            else:
+                fn = _function(_merge_name(*key), dev)
+            self._fns[(kind, key)] = fn
+        return fn
+
+    def warm(self, dtypes=(torch.float16,), dsubs=(2, 4)):
+        """Compile + load the kernels (outside any graph capture)."""
+        for dt in dtypes:
+            for dsub in dsubs:
+                self._fn("attn", self.head_dim, dsub, dt == torch.bfloat16, self.num_warps)
+            self._fn("merge", self.head_dim, dt == torch.bfloat16)
+
+    def run_pq(self, q, k_codes, v_codes, k_codebook, v_codebook, sealed_tables,
+               tail_k, tail_v, tail_tables, scale: float, out=None, lse=None):
+        """Same arguments and result as DecodePlan.run_pq."""
+        from .decode_attention import _FLOAT, _check, _check_table
+        dt = q.dtype if isinstance(q, torch.Tensor) else None
+        if (dt not in (torch.float16, torch.bfloat16)
+                or getattr(k_codebook, "dtype", None) != dt
+                or getattr(v_codebook, "dtype", None) != dt
+                or getattr(tail_k, "dtype", None) != dt):
+            return self._triton().run_pq(q, k_codes, v_codes, k_codebook, v_codebook,
+                                         sealed_tables, tail_k, tail_v, tail_tables, scale,
+                                         out=out, lse=lse)
+        b, hq, d, hkv, bs = (self.batch, self.num_qo_heads, self.head_dim, self.num_kv_heads,
+                             self.block_size)
+        dev = self.items.device
+        _check(q, "q", (b, hq, d), _FLOAT, dev)
+        if out is None:
+            out = torch.empty_like(q)
+        else:
+            _check(out, "out", (b, hq, d), (q.dtype,), q.device)
+        if lse is None:
+            lse = torch.empty(b, hq, dtype=torch.float32, device=q.device)
+        else:
+            _check(lse, "lse", (b, hq), (torch.float32,), q.device, last=False)
+        if k_codebook.dim() != 4:
+            raise ValueError(f"k_codebook must be [Hkv, M, 256, dsub], got {tuple(k_codebook.shape)}")
+        m, dsub = k_codebook.shape[1], k_codebook.shape[3]
+        if dsub not in (2, 4) or m * dsub != d:
+            raise ValueError(f"k_codebook: need dsub in (2, 4) and M*dsub == head_dim, got M={m} dsub={dsub}")
+        for name, cb in (("k_codebook", k_codebook), ("v_codebook", v_codebook)):
+            _check(cb, name, (hkv, m, 256, dsub), (torch.float16, torch.bfloat16), q.device,
+                   contiguous=True)
+        nb = k_codes.shape[0] if k_codes.dim() == 4 else -1
+        _check(k_codes, "k_codes", (nb, hkv, bs, m), (torch.uint8,), q.device)
+        _check(v_codes, "v_codes", (nb, hkv, m, bs), (torch.uint8,), q.device)
+        if k_codes.stride(2) != m or v_codes.stride(2) != bs:
+            raise ValueError("k_codes / v_codes: each (block, head) slice must be contiguous")
+        _check_table(sealed_tables, "sealed_tables", b, self.sealed_cols, q.device)
+        nt = tail_k.shape[0] if tail_k.dim() == 4 else -1
+        shape = (nt, hkv, self.tail_block_size, d)
+        _check(tail_k, "tail_k", shape, _FLOAT, dev)
+        _check(tail_v, "tail_v", shape, (tail_k.dtype,), tail_k.device)
+        _check_table(tail_tables, "tail_tables", b, self.tail_cols, q.device)
+        # alignment for the vector loads (16 B code rows, 4/8 B fp16 pairs/quads)
+        ew = 2 * dsub
+        if (k_codes.data_ptr() % 16 or k_codes.stride(0) % 16 or k_codes.stride(1) % 16
+                or v_codes.data_ptr() % 4 or v_codes.stride(0) % 4 or v_codes.stride(1) % 4
+                or q.data_ptr() % 4 or q.stride(0) % 2 or q.stride(1) % 2
+                or any(t.data_ptr() % ew or any(s % (ew // 2) for s in t.stride()[:3])
+                       for t in (tail_k, tail_v))):
+            return self._triton().run_pq(q, k_codes, v_codes, k_codebook, v_codebook,
+                                         sealed_tables, tail_k, tail_v, tail_tables, scale,
+                                         out=out, lse=lse)
+        bf16 = dt == torch.bfloat16
+        n_items = self.items.shape[0]
+        if n_items > 0:
+            fn = self._fn("attn", d, dsub, bf16, self.num_warps)
+            args = (_p(q), _i64(q.stride(0)), _i64(q.stride(1)), _p(self.items), _p(self.o_part),
+                    _p(self.lse_part), _p(k_codes), _p(v_codes), _i64(k_codes.stride(0)),
+                    _i64(k_codes.stride(1)), _i64(v_codes.stride(0)), _i64(v_codes.stride(1)),
+                    _p(k_codebook), _p(v_codebook), _p(sealed_tables),
+                    _i64(sealed_tables.stride(0)), _p(tail_k), _p(tail_v),
+                    _i64(tail_k.stride(0)), _i64(tail_k.stride(1)), _i64(tail_k.stride(2)),
+                    _i64(tail_v.stride(0)), _i64(tail_v.stride(1)), _i64(tail_v.stride(2)),
+                    _p(tail_tables), _i64(tail_tables.stride(0)),
+                    _f32(scale * 1.4426950408889634), _i32(hq), _i32(hq // hkv), _i32(bs),
+                    _i32(self.tail_block_size))
+            _launch(fn, dev, (n_items, hkv), (32 * self.num_warps,), args, 1024 * d)
+        fn = self._fn("merge", d, bf16)
+        _launch(fn, dev, (b, hq), (d,),
+                (_p(self.o_part), _p(self.lse_part), _p(self.item_ptr), _p(out),
+                 _i64(out.stride(0)), _i64(out.stride(1)), _p(lse), _i64(lse.stride(0)),
+                 _i32(hq)))
+        return out, lse
+
+
+def _ceil(a, b):
+    return -(-a // b)
+
+
+def plan_pq_decode(sl: list[int], tl_: list[int], *, num_qo_heads: int, num_kv_heads: int,
+                   head_dim: int, block_size: int, tail_block_size: int, device,
+                   target_ctas: int | None = None, num_warps: int | None = None,
+                   fallback_args: dict | None = None) -> CudaPQPlan:
+    """sl / tl_: host lists of sealed (multiples of block_size) / tail lengths.
+    One block per (item, KV head) and one resident block per SM (the two codebooks take
+    d KiB of shared memory): items are cut so that about target_ctas (default: #SMs)
+    blocks run, each sequence's tail joins its last (shortest) PQ item."""
+    dev = torch.device(device)
+    nw = num_warps or NUM_WARPS
+    if target_ctas is None:
+        target_ctas = torch.cuda.get_device_properties(dev).multi_processor_count
+    per_head = max(1, target_ctas // num_kv_heads)
+    total = sum(sl) + sum(tl_)
+    chunk = max(16 * nw, _ceil(_ceil(max(total, 1), per_head), 16) * 16)
+    items, ptr = [], [0]
+    for b, (ns, nt) in enumerate(zip(sl, tl_)):
+        mine = []
+        for lo in range(0, ns, chunk):
+            mine.append([b, lo, min(ns, lo + chunk), 0, 0])
+        t_lo = 0
+        if nt > 0 and mine:              # the tail rides on the last (shortest) PQ item
+            take = min(nt, chunk)
+            mine[-1][3:] = [0, take]
+            t_lo = take
+        for lo in range(t_lo, nt, chunk):
+            mine.append([b, 0, 0, lo, min(nt, lo + chunk)])
+        for it in mine:
+            items += it
+        ptr.append(len(items) // 5)
+    n = len(items) // 5
+    hq, d = num_qo_heads, head_dim
+    plan = CudaPQPlan(
+        items=torch.tensor(items, dtype=torch.int32).reshape(n, 5).to(dev),
+        item_ptr=torch.tensor(ptr, dtype=torch.int32).to(dev),
+        o_part=torch.empty(max(n, 1), hq, d, dtype=torch.float32, device=dev),
+        lse_part=torch.empty(max(n, 1), hq, dtype=torch.float32, device=dev),
+        batch=len(sl), num_qo_heads=hq, num_kv_heads=num_kv_heads, head_dim=d,
+        block_size=block_size, tail_block_size=tail_block_size,
+        sealed_cols=max([x // block_size for x in sl] + [0]),
+        tail_cols=max([_ceil(x, tail_block_size) for x in tl_] + [0]),
+        num_warps=nw, fallback_args=fallback_args or {})
+    return plan
+
+
+def pq_decode_attention(q, k_codes, v_codes, k_codebook, v_codebook, sealed_tables, sealed_lens,
+                        tail_k, tail_v, tail_tables, tail_lens, scale):
+    """Same contract as reference.pq_decode_attention (plans, then runs)."""
+    from . import decode_attention as da
+    return da.pq_decode_attention(q, k_codes, v_codes, k_codebook, v_codebook, sealed_tables,
+                                  sealed_lens, tail_k, tail_v, tail_tables, tail_lens, scale)
+
+
+# ------------------------------------------------------------------------ encode
+
+@dataclass(slots=True)
+class CudaPQEncodePlan:
+    """cpre [Hkv, M, 256, 4 | 8] fp32: (-2c, ||c||^2) per centroid, float4-aligned."""
+    cpre: torch.Tensor
+    num_kv_heads: int
+    m: int
+    dsub: int
+    tokens_per_thread: int = 4
+
+    def run(self, x, slots, k_codes=None, v_codes=None) -> None:
+        hkv, m, dsub = self.num_kv_heads, self.m, self.dsub
+        if (k_codes is None) == (v_codes is None):
+            raise ValueError("give exactly one of k_codes or v_codes")
+        if x.dim() != 3 or x.shape[1] != hkv or x.shape[2] != m * dsub:
+            raise ValueError(f"x must be [N, {hkv}, {m * dsub}], got {tuple(x.shape)}")
+        if x.dtype not in (torch.float16, torch.bfloat16, torch.float32) or x.stride(2) != 1:
+            raise ValueError("x must be fp16/bf16/fp32 and contiguous in its last dim")
+        if slots.dim() != 1 or slots.shape[0] != x.shape[0] or slots.dtype not in (
+                torch.int32, torch.int64):
+            raise ValueError(f"slots must be int32/int64 [{x.shape[0]}], got {slots.dtype} "
+                             f"{tuple(slots.shape)}")
+        codes, name = (k_codes, "k_codes") if k_codes is not None else (v_codes, "v_codes")
+        if codes.dtype != torch.uint8 or codes.dim() != 4 or codes.shape[1] != hkv:
+            raise ValueError(f"{name} must be uint8 [nb, {hkv}, ., .], got {codes.dtype} "
+                             f"{tuple(codes.shape)}")
+        for t, nm in ((x, "x"), (slots, "slots"), (codes, name)):
+            if t.device != self.cpre.device:
+                raise ValueError(f"{nm} is on {t.device}, the plan on {self.cpre.device}")
+        if k_codes is not None:
+            if k_codes.shape[3] != m:
+                raise ValueError(f"k_codes last dim must be M={m}")
+            bs, so_off, so_m = k_codes.shape[2], k_codes.stride(2), k_codes.stride(3)
+        else:
+            if v_codes.shape[2] != m:
+                raise ValueError(f"v_codes dim 2 must be M={m}")
+            bs, so_off, so_m = v_codes.shape[3], v_codes.stride(3), v_codes.stride(2)
+        n = x.shape[0]
+        if n == 0:
+            return
+        t = self.tokens_per_thread
+        mg = 8 if dsub == 2 else 4
+        xb = "true" if x.dtype == torch.bfloat16 else "false"
+        xf = "true" if x.dtype == torch.float32 else "false"
+        s64 = "true" if slots.dtype == torch.int64 else "false"
+        fn = _function(f"pq_encode<{dsub}, {t}, {mg}, {xb}, {xf}, {s64}>", x.device)
+        _launch(fn, x.device, (_ceil(n, 32 * t), hkv, m // mg), (32 * mg,),
+                (_p(x), _i64(x.stride(0)), _i64(x.stride(1)), _p(self.cpre), _p(slots),
+                 _p(codes), _i64(codes.stride(0)), _i64(codes.stride(1)), _i64(so_off),
+                 _i64(so_m), _i32(n), _i32(m), _i32(bs)))
+
+
+def encode_supported(codebook: torch.Tensor) -> bool:
+    if not (codebook.is_cuda and available()) or codebook.dim() != 4:
+        return False
+    _, m, c, dsub = codebook.shape
+    return c == 256 and dsub in (2, 4) and m % (8 if dsub == 2 else 4) == 0
+
+
+def plan_pq_encode(codebook: torch.Tensor, tokens_per_thread: int = 4) -> CudaPQEncodePlan:
+    hkv, m, c, dsub = codebook.shape
+    cb = codebook.float()
+    pre = torch.zeros(hkv, m, 256, 4 if dsub == 2 else 8, dtype=torch.float32,
+                      device=codebook.device)
+    pre[..., :dsub] = -2.0 * cb
+    pre[..., 2 if dsub == 2 else 4] = (cb * cb).sum(-1)
+    return CudaPQEncodePlan(cpre=pre.contiguous(), num_kv_heads=hkv, m=m, dsub=dsub,
+                            tokens_per_thread=tokens_per_thread)
+
+
+def pq_encode_to_slots(x, codebook, slots, k_codes=None, v_codes=None) -> None:
+    """Same contract as reference.pq_encode_to_slots (plans, then runs)."""
+    plan_pq_encode(codebook).run(x, slots, k_codes=k_codes, v_codes=v_codes)

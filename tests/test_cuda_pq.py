@@ -1,0 +1,188 @@
+"""CUDA C++ PQ kernels (kernels/cuda_pq.py) vs kernels/reference.py in fp64.
+
+GPU only (`pytest -m gpu tests/test_cuda_pq.py`); skipped where CUDA or cupy is missing.
+Outputs are poisoned with NaN before every run.
+"""
+import pytest
+import torch
+
+from kvstore.kernels import cuda_pq
+from kvstore.kernels import decode_attention as da
+from kvstore.kernels import dispatch
+from kvstore.kernels import reference as ref
+
+HAS = torch.cuda.is_available() and cuda_pq.available()
+
+
+def gpu(f):
+    return pytest.mark.gpu(pytest.mark.skipif(not HAS, reason="needs CUDA + cupy")(f))
+
+
+def _rel(a, b):
+    a, b = a.double(), b.double()
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+def _tables(lens, bs, pool, gen):
+    nblk = [(n + bs - 1) // bs for n in lens]
+    perm = torch.randperm(pool, generator=gen)
+    t = torch.full((len(lens), max(nblk + [1])), -1, dtype=torch.int32)
+    i = 0
+    for b, n in enumerate(nblk):
+        t[b, :n] = perm[i:i + n]
+        i += n
+    return t
+
+
+def make_case(lens, hq, hkv, d, dsub, bs, tbs, dtype, seed):
+    """Each total length L -> sealed = whole blocks of L minus a tail of L % bs (+ bs)."""
+    gen = torch.Generator().manual_seed(seed)
+    m = d // dsub
+    sealed, tails = [], []
+    for i, n in enumerate(lens):
+        t = n % bs + (bs if (i % 2 and n >= bs) else 0)
+        sealed.append((n - t) // bs)
+        tails.append(t)
+    nb = sum(sealed) + 2
+    nt = sum((t + tbs - 1) // tbs for t in tails) + 2
+    c = dict(
+        q=torch.randn(len(lens), hq, d, generator=gen).to(dtype),
+        k_codes=torch.randint(0, 256, (nb, hkv, bs, m), generator=gen, dtype=torch.uint8),
+        v_codes=torch.randint(0, 256, (nb, hkv, m, bs), generator=gen, dtype=torch.uint8),
+        k_codebook=torch.randn(hkv, m, 256, dsub, generator=gen).to(dtype),
+        v_codebook=torch.randn(hkv, m, 256, dsub, generator=gen).to(dtype),
+        sealed_tables=_tables([n * bs for n in sealed], bs, nb, gen),
+        sealed_lens=torch.tensor([n * bs for n in sealed], dtype=torch.int32),
+        tail_k=torch.randn(nt, hkv, tbs, d, generator=gen).to(dtype),
+        tail_v=torch.randn(nt, hkv, tbs, d, generator=gen).to(dtype),
+        tail_tables=_tables(tails, tbs, nt, gen),
+        tail_lens=torch.tensor(tails, dtype=torch.int32))
+    return {k: v.cuda() for k, v in c.items()}
+
+
+def pq_ref(c, scale):
+    c64 = {k: (v.cpu().double() if v.is_floating_point() else v.cpu()) for k, v in c.items()}
+    return ref.pq_decode_attention(**c64, scale=scale)
+
+
+def run(c, scale, target_ctas=None, backend="cuda"):
+    plan = da.plan_pq_decode(c["sealed_lens"], c["tail_lens"], num_qo_heads=c["q"].shape[1],
+                             num_kv_heads=c["k_codes"].shape[1], head_dim=c["q"].shape[2],
+                             block_size=c["k_codes"].shape[2],
+                             tail_block_size=c["tail_k"].shape[2], device="cuda",
+                             target_ctas=target_ctas, backend=backend)
+    out = torch.full_like(c["q"], float("nan"))
+    lse = torch.full(c["q"].shape[:2], float("nan"), device="cuda")
+    plan.run_pq(c["q"], c["k_codes"], c["v_codes"], c["k_codebook"], c["v_codebook"],
+                c["sealed_tables"], c["tail_k"], c["tail_v"], c["tail_tables"], scale,
+                out=out, lse=lse)
+    return plan, out, lse
+
+
+def check(out, lse, ro, rl, tol):
+    assert not torch.isnan(out).any() and not torch.isnan(lse).any(), "unwritten output"
+    err = _rel(out.cpu(), ro)
+    assert err < tol, err
+    fin = torch.isfinite(rl)
+    assert torch.equal(torch.isfinite(lse.cpu()), fin)
+    if fin.any():
+        assert (lse.cpu().double()[fin] - rl[fin]).abs().max().item() < 10 * tol
+
+
+CASES = [(g, d, dsub, bs, dt) for g in (1, 4, 8) for d in (64, 128) for dsub in (2, 4)
+         for bs in (16, 32) for dt in (torch.float16, torch.bfloat16)
+         if dt == torch.float16 or (bs == 16 and d == 128)]
+
+
+@gpu
+@pytest.mark.parametrize("g,d,dsub,bs,dtype", CASES)
+def test_pq_decode_cuda(g, d, dsub, bs, dtype):
+    hkv = 2
+    lens = [1, 54, 97, 1000, 0, 33]
+    if g == 4 or (g == 8 and d == 128 and dsub == 2):
+        lens.append(32768)
+    c = make_case(lens, g * hkv, hkv, d, dsub, bs, 16, dtype, seed=g * 100 + d + dsub + bs)
+    tol = 4e-3 if dtype == torch.float16 else 2.5e-2
+    ro, rl = pq_ref(c, d ** -0.5)
+    for ctas in (None, 4 * hkv):
+        plan, out, lse = run(c, d ** -0.5, target_ctas=ctas)
+        assert isinstance(plan, cuda_pq.CudaPQPlan)
+        check(out, lse, ro, rl, tol)
+
+
+@gpu
+def test_pq_decode_cuda_graph_and_reuse():
+    c = make_case([300, 4000, 17], 32, 8, 128, 2, 16, 16, torch.float16, seed=7)
+    plan = da.plan_pq_decode(c["sealed_lens"], c["tail_lens"], num_qo_heads=32, num_kv_heads=8,
+                             head_dim=128, block_size=16, tail_block_size=16, device="cuda")
+    assert isinstance(plan, cuda_pq.CudaPQPlan)
+    out = torch.full_like(c["q"], float("nan"))
+    lse = torch.full(c["q"].shape[:2], float("nan"), device="cuda")
+    args = [c[k] for k in ("q", "k_codes", "v_codes", "k_codebook", "v_codebook",
+                           "sealed_tables", "tail_k", "tail_v", "tail_tables")]
+    plan.run_pq(*args, 0.088, out=out, lse=lse)
+    torch.cuda.synchronize()
+    s = torch.cuda.Stream()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(s):
+        with torch.cuda.graph(g, stream=s):
+            plan.run_pq(*args, 0.088, out=out, lse=lse)
+    out.fill_(float("nan"))
+    lse.fill_(float("nan"))
+    c["q"].copy_(torch.randn_like(c["q"]))
+    g.replay()
+    torch.cuda.synchronize()
+    ro, rl = pq_ref(c, 0.088)
+    check(out, lse, ro, rl, 4e-3)
+
+
+@gpu
+def test_pq_decode_cuda_fallbacks():
+    # fp32 q and a codebook dtype != q dtype go to the Triton kernels through the plan
+    c = make_case([100, 37], 8, 2, 64, 2, 16, 16, torch.float16, seed=3)
+    c32 = dict(c, q=c["q"].float(), tail_k=c["tail_k"].float(), tail_v=c["tail_v"].float())
+    plan, out, lse = run(c32, 0.125)
+    ro, rl = pq_ref(c32, 0.125)
+    check(out, lse, ro, rl, 4e-3)
+    out, lse = dispatch.pq_decode_attention(*[c[k] for k in (
+        "q", "k_codes", "v_codes", "k_codebook", "v_codebook", "sealed_tables", "sealed_lens",
+        "tail_k", "tail_v", "tail_tables", "tail_lens")], 0.125)
+    ro, rl = pq_ref(c, 0.125)
+    check(out, lse, ro, rl, 4e-3)
+
+
+def _check_encode(x, cb, slots, bs):
+    nb, (n, hkv, d), m = 1 + int(slots.max()) // bs, x.shape, cb.shape[1]
+    for kind, shape in (("k_codes", (nb, hkv, bs, m)), ("v_codes", (nb, hkv, m, bs))):
+        got = torch.full(shape, 7, dtype=torch.uint8, device="cuda")
+        want = got.cpu().clone()
+        dispatch.pq_encode_to_slots(x.cuda(), cb.cuda(), slots.cuda(), **{kind: got})
+        ref.pq_encode_to_slots(x, cb, slots, **{kind: want})
+        diff = got.cpu() != want
+        assert diff.float().mean().item() < 0.01, kind
+        if diff.any():
+            codes = ref.pq_encode(x, cb)
+            sl = slots.long()
+            g = (got.cpu()[sl // bs, :, sl % bs, :] if kind == "k_codes"
+                 else got.cpu().permute(0, 3, 1, 2)[sl // bs, sl % bs])
+            xs = x.double().reshape(n, hkv, m, -1)
+            h = torch.arange(hkv).view(1, hkv, 1)
+            j = torch.arange(m).view(1, 1, m)
+            dg = ((cb.double()[h, j, g.long()] - xs) ** 2).sum(-1)
+            dr = ((cb.double()[h, j, codes.long()] - xs) ** 2).sum(-1)
+            assert (dg - dr).max().item() <= 1e-4 * (xs ** 2).sum(-1).max().item() + 1e-6
+
+
+@gpu
+@pytest.mark.parametrize("d,dsub,dtype,sdt", [(128, 2, torch.float16, torch.int64),
+                                              (64, 2, torch.bfloat16, torch.int32),
+                                              (128, 4, torch.float32, torch.int64),
+                                              (64, 4, torch.float16, torch.int32)])
+def test_pq_encode_cuda(d, dsub, dtype, sdt):
+    gen = torch.Generator().manual_seed(d + dsub)
+    n, hkv, bs = 1000, 2, 16
+    x = torch.randn(n, hkv, d, generator=gen).to(dtype)
+    cb = torch.randn(hkv, d // dsub, 256, dsub, generator=gen)
+    assert cuda_pq.encode_supported(cb.cuda())
+    slots = torch.randperm(70 * bs, generator=gen)[:n].to(sdt)
+    _check_encode(x, cb, slots, bs)
