@@ -132,7 +132,7 @@ def _run_daemon(args, codec, plane, target):
         B, ctx = args.batch, args.context
         blocks = B * ((ctx + args.new) // 16 + 4)
         kv.create_cache("b", "llama-3-8b-geometry", num_layers=L, num_q_heads=HQ, num_kv_heads=HKV, head_dim=D,
-                        codec=codec, block_size=16, residual=128, num_blocks=blocks, max_sequences=B)
+                        codec=codec, block_size=16, residual=128, num_blocks=blocks, max_sequences=B + 1)
         if codec == "pq":
             g = torch.Generator().manual_seed(0)
             from kvstore.codebooks import Codebooks
@@ -185,6 +185,8 @@ def _run_daemon(args, codec, plane, target):
             lat.sort()
             out["append_attend_p50_us"] = lat[len(lat) // 2] * 1e6
             out["append_attend_p99_us"] = lat[int(len(lat) * 0.99)] * 1e6
+        if plane != "remote":
+            mc.close()
         kv.close()
         return out
 

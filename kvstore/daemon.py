@@ -12,6 +12,7 @@ import argparse
 import logging
 import os
 import signal
+import sys
 import threading
 from concurrent import futures
 
@@ -47,10 +48,11 @@ def create_server(engine: "Engine | None" = None, socket_path: str | None = None
                   max_message_mb: int = DEFAULT_MAX_MESSAGE_MB, workers: int = 8,
                   host: str = "127.0.0.1", auth: Authenticator | None = None,
                   tls: tuple[bytes, bytes] | None = None, lease_timeout: float = DEFAULT_TIMEOUT_S,
-                  metrics=None) -> tuple[grpc.Server, int, health.HealthServicer]:
+                  metrics=None, max_pool_bytes: int = 0) -> tuple[grpc.Server, int, health.HealthServicer]:
     """Build and start a server. port=0 binds a free TCP port (returned).
     auth: tokens and tenants (TCP refuses to start without tokens); tls: (cert
-    PEM, key PEM) for the TCP port; metrics: a kvstore.metrics.Metrics to feed.
+    PEM, key PEM) for the TCP port; metrics: a kvstore.metrics.Metrics to feed;
+    max_pool_bytes: memory all caches' pools may take (0: unlimited).
     Returns (server, tcp_port or 0, health servicer)."""
     auth = auth or Authenticator()
     if port is not None and not auth.has_tokens:
@@ -69,6 +71,7 @@ def create_server(engine: "Engine | None" = None, socket_path: str | None = None
     leases = LeaseManager(None, lease_timeout)
     servicer = KVStoreServicer(None, wire.BufferRegistry(), auth, leases)
     leases.release_buffers = servicer.buffer_table.release_session
+    servicer.max_pool_bytes = max_pool_bytes
     pb_grpc.add_KVStoreServicer_to_server(servicer, server)
     bound = 0
     if socket_path:
@@ -88,6 +91,7 @@ def create_server(engine: "Engine | None" = None, socket_path: str | None = None
         os.chmod(socket_path, 0o600)
     servicer.engine = engine if engine is not None else Engine()
     leases.engine = servicer.engine
+    server.kvstore_engine = servicer.engine
     leases.start()
     if metrics is not None:
         metrics.bind(servicer.engine, leases, servicer.buffer_table)
@@ -119,6 +123,9 @@ def main(argv: list[str] | None = None) -> None:
                    help="seconds without a call or heartbeat before a session's unpinned sequences are freed")
     p.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus metrics on this port")
     p.add_argument("--metrics-host", default="127.0.0.1", help="address for --metrics-port")
+    p.add_argument("--max-pool-bytes", type=int, default=None,
+                   help="memory all caches' pools may take together (default: 90%% of the GPU, or half the RAM "
+                        "on CPU); CreateCache beyond it is RESOURCE_EXHAUSTED")
     args = p.parse_args(argv)
     if args.device.startswith("cuda"):
         from .cuda_ipc import check_allocator
@@ -144,7 +151,8 @@ def main(argv: list[str] | None = None) -> None:
         metrics = Metrics()
     server, port, health_servicer = create_server(Engine(args.device, args.lmdb, args.lmdb_sync), args.socket, args.port,
                                                   args.max_message_mb, args.workers, args.host, auth=auth, tls=tls,
-                                                  lease_timeout=args.lease_timeout, metrics=metrics)
+                                                  lease_timeout=args.lease_timeout, metrics=metrics,
+                                                  max_pool_bytes=_pool_budget(args.device, args.max_pool_bytes))
     where = f"unix:{args.socket}" + (f" and {args.host}:{port}" if args.port is not None else "")
     if metrics is not None:
         mport = metrics.serve(args.metrics_port, args.metrics_host)
@@ -164,6 +172,24 @@ def main(argv: list[str] | None = None) -> None:
     done.wait()
     if args.socket and os.path.exists(args.socket):
         os.unlink(args.socket)
+    eng = getattr(server, "kvstore_engine", None)
+    if eng is not None and eng.cold_store is not None:
+        eng.cold_store.env.sync(True)     # what LMDB holds is on disk before we go
+    logging.shutdown()
+    if args.device.startswith("cuda"):
+        # Interpreter teardown of CUDA memory that workers still map through IPC
+        # can block; every request has finished and LMDB is synced, so leave now.
+        sys.stdout.flush()
+        os._exit(0)
+
+
+def _pool_budget(device: str, given: int | None) -> int:
+    if given is not None:
+        return given
+    if device.startswith("cuda"):
+        import torch
+        return int(torch.cuda.get_device_properties(torch.device(device)).total_memory * 0.9)
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2
 
 
 def _cuda() -> bool:

@@ -74,7 +74,8 @@ def worker(target, cache, sid, mode, seed=1):
 @pytest.fixture
 def daemon(tmp_path):
     from tests.test_daemon_process import stop_daemon
-    p, target = start_daemon(str(tmp_path / "kv.sock"), "--lease-timeout", "3")
+    # Long enough for a worker's first-use kernel compiles, short enough to test expiry.
+    p, target = start_daemon(str(tmp_path / "kv.sock"), "--lease-timeout", "10")
     yield target
     stop_daemon(p)
 
@@ -105,7 +106,7 @@ def test_two_workers_remote_and_mapped_agree_with_reference(daemon, codec):
     # Same inputs through both planes give the same outputs.
     assert torch.allclose(torch.tensor(a["last"]), torch.tensor(b["last"]), atol=2e-3)
     # The workers exited: their session leases lapse and free their sequences.
-    deadline = time.time() + 20
+    deadline = time.time() + 40
     while time.time() < deadline and kv.stats(codec).caches[0].sequences:
         time.sleep(0.5)
     st = kv.stats(codec).caches[0]
@@ -123,7 +124,7 @@ def test_killed_worker_leaves_no_blocks_after_lease(daemon):
     assert kv.stats("pq").caches[0].sequences == 1
     p.send_signal(signal.SIGKILL)
     p.wait()
-    deadline = time.time() + 20
+    deadline = time.time() + 40
     while time.time() < deadline and kv.stats("pq").caches[0].sequences:
         time.sleep(0.5)
     after = kv.stats("pq").caches[0]
