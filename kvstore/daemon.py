@@ -169,7 +169,10 @@ def main(argv: list[str] | None = None) -> None:
 
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
-    done.wait()
+    # Wake up now and then: a signal delivered to another thread (CUDA and gRPC
+    # start many) only runs its Python handler once the main thread wakes.
+    while not done.wait(0.5):
+        pass
     if args.socket and os.path.exists(args.socket):
         os.unlink(args.socket)
     eng = getattr(server, "kvstore_engine", None)
