@@ -29,6 +29,12 @@ _streams: dict = {}
 NUM_WARPS = int(os.environ.get("KVSTORE_CUDA_PQ_WARPS", "16"))
 
 
+
+def _to_dev(t: torch.Tensor, dev: torch.device) -> torch.Tensor:
+    # From pinned memory: a pageable copy would wait for the stream to drain,
+    # i.e. for the previous step's layers, and serialise CPU and GPU.
+    return t.pin_memory().to(dev, non_blocking=True) if dev.type == "cuda" else t.to(dev)
+
 def _cp():
     global _cupy, _cupy_failed
     if _cupy is None and not _cupy_failed:
@@ -283,8 +289,8 @@ def plan_pq_decode(sl: list[int], tl_: list[int], *, num_qo_heads: int, num_kv_h
     n = len(items) // 5
     hq, d = num_qo_heads, head_dim
     plan = CudaPQPlan(
-        items=torch.tensor(items, dtype=torch.int32).reshape(n, 5).to(dev),
-        item_ptr=torch.tensor(ptr, dtype=torch.int32).to(dev),
+        items=_to_dev(torch.tensor(items, dtype=torch.int32).reshape(n, 5), dev),
+        item_ptr=_to_dev(torch.tensor(ptr, dtype=torch.int32), dev),
         o_part=torch.empty(max(n, 1), hq, d, dtype=torch.float32, device=dev),
         lse_part=torch.empty(max(n, 1), hq, dtype=torch.float32, device=dev),
         batch=len(sl), num_qo_heads=hq, num_kv_heads=num_kv_heads, head_dim=d,

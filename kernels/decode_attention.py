@@ -27,6 +27,12 @@ _PQ, _DENSE = 0, 1
 _FLOAT = (torch.float16, torch.bfloat16, torch.float32)
 
 
+
+def _to_dev(t: torch.Tensor, dev: torch.device) -> torch.Tensor:
+    # From pinned memory: a pageable copy would wait for the stream to drain,
+    # i.e. for the previous step's layers, and serialise CPU and GPU.
+    return t.pin_memory().to(dev, non_blocking=True) if dev.type == "cuda" else t.to(dev)
+
 def _num_sms(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
@@ -200,8 +206,8 @@ def _finish(items, ptr, batch, hq, d, device, **kw) -> DecodePlan:
     per_seq = max([ptr[i + 1] - ptr[i] for i in range(batch)] + [1])
     dev = torch.device(device)
     return DecodePlan(
-        items=torch.tensor(items, dtype=torch.int32).reshape(n, 4).to(dev),
-        item_ptr=torch.tensor(ptr, dtype=torch.int32).to(dev),
+        items=_to_dev(torch.tensor(items, dtype=torch.int32).reshape(n, 4), dev),
+        item_ptr=_to_dev(torch.tensor(ptr, dtype=torch.int32), dev),
         o_part=torch.empty(max(n, 1), hq, d, dtype=torch.float32, device=dev),
         lse_part=torch.empty(max(n, 1), hq, dtype=torch.float32, device=dev),
         batch=batch, num_qo_heads=hq, head_dim=d, max_items=triton.next_power_of_2(per_seq),

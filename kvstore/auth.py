@@ -24,7 +24,7 @@ import threading
 
 import grpc
 
-from .errors import InvalidArgument, KVStoreError, NotFound
+from .errors import KVStoreError, NotFound
 
 DEFAULT_TENANT = "default"
 TENANT_RE = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
@@ -255,8 +255,3 @@ class _BufferView:
         with self.t._lock:
             self.t._owners.pop(buffer_id, None)
         self.t.registry.unregister(buffer_id)
-
-
-def check_tenant_name(tenant: str) -> None:
-    if not TENANT_RE.match(tenant):
-        raise InvalidArgument("tenant", f"must match {TENANT_RE.pattern}")

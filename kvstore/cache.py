@@ -16,6 +16,7 @@ from .errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound
 from .hashing import chain_hashes
 from .read_path import ReadPath
 from .sequence import Sequence
+from .storage import ids_to
 from .storage import Fp16Store, PQStore
 from .tiering import Tiering
 from .tiers import DiskTier, HostTier
@@ -193,11 +194,11 @@ class Cache(WritePath, ReadPath):
         new = dict(zip(fresh, self.main_pool.allocate(len(fresh)) or []))
         enc = [i for i in fresh if hits[i][0] == "encode"]
         if enc:
-            k, v = self.tail.read_blocks(slice(None), torch.tensor([hits[i][1] for i in enc], device=self.tail.k.device))
-            self.main.encode_blocks(torch.tensor([new[i] for i in enc], device=k.device), k, v)
+            k, v = self.tail.read_blocks(slice(None), ids_to(self.tail.k.device, [hits[i][1] for i in enc]))
+            self.main.encode_blocks(ids_to(k.device, [new[i] for i in enc]), k, v)
         below = [i for i in fresh if hits[i][0] == "below"]
         if below:
-            self.main.unpack(torch.tensor([new[i] for i in below], device=self.main_device),
+            self.main.unpack(ids_to(self.main_device, [new[i] for i in below]),
                              torch.stack([hits[i][1] for i in below]))
         for i, (kind, b) in enumerate(hits):
             bid = new.get(i, b)

@@ -135,7 +135,8 @@ class Transform:
 
     def save(self, path: str) -> None:
         from safetensors.torch import save_file
-        save_file({"k": self.k.contiguous(), "v": self.v.contiguous()}, path, metadata={"format": "kvstore.transform.v1"})
+        save_file({"k": self.k.contiguous(), "v": self.v.contiguous()}, path,
+                  metadata={"format": "kvstore.transform.v1"})
 
     @staticmethod
     def load(path: str) -> "Transform":
@@ -222,7 +223,10 @@ def capture(model, tok, text: str, n_windows: int, window: int = 2048, per_windo
 
 
 def train(model, sampler: Sampler, m: int, transform: Transform | None, niter: int = 20) -> Codebooks:
+    import faiss
     from tqdm import tqdm
+    # One OpenMP thread: faiss's k-means threads spin and slow down tenfold on a busy machine.
+    faiss.omp_set_num_threads(int(os.environ.get("KVSTORE_FAISS_THREADS", "1")))
     g = geometry_of(model)
     k, v = sampler.samples()
     if transform is not None:
@@ -242,8 +246,8 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="kvstore-calibrate", description=__doc__.splitlines()[0])
     p.add_argument("--out", default="smollm2-pq{bits}.safetensors", help="{bits} is 4 or 2")
     p.add_argument("--bits", type=int, nargs="+", default=[4, 2], choices=[4, 2], help="4: M=d/2, 2: M=d/4")
-    p.add_argument("--windows", type=int, default=64, help="2,048-token calibration windows")
-    p.add_argument("--per-window", type=int, default=1024, help="K/V rows sampled per window")
+    p.add_argument("--windows", type=int, default=32, help="2,048-token windows spread over the text")
+    p.add_argument("--per-window", type=int, default=512, help="K/V rows sampled per window")
     p.add_argument("--skip", type=int, default=16, help="first positions of a window left out (fp16 sinks)")
     p.add_argument("--transform", choices=["none", "qaware"], default="qaware")
     p.add_argument("--niter", type=int, default=20)
@@ -254,7 +258,8 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
     if args.fetch_data:
         root = pydoc_root(fetch=True)
-        print(f"python3.11-doc sources: {root}\n  calibration: {', '.join(CALIB_DIRS)}\n  evaluation: {', '.join(EVAL_DIRS)}")
+        print(f"python3.11-doc sources: {root}\n  calibration: {', '.join(CALIB_DIRS)}\n"
+              f"  evaluation: {', '.join(EVAL_DIRS)}")
         return
     torch.set_num_threads(args.threads)
     model, tok = load_smollm2()

@@ -10,6 +10,7 @@ from kvstore.kernels import dispatch
 
 from .errors import InvalidArgument
 from .sequence import Sequence
+from .storage import ids_to
 
 
 class ReadPath:
@@ -53,7 +54,7 @@ class ReadPath:
         parts_k, parts_v = [], []
         if start < sealed_tok:
             b0, b1 = start // self.bs, math.ceil(min(end, sealed_tok) / self.bs)
-            k, v = self.main.read_blocks(layers, torch.tensor(s.sealed[b0:b1], device=self.main_device))
+            k, v = self.main.read_blocks(layers, ids_to(self.main_device, s.sealed[b0:b1]))
             lo = start - b0 * self.bs
             hi = lo + min(end, sealed_tok) - start
             parts_k.append(k[:, lo:hi])
@@ -62,7 +63,7 @@ class ReadPath:
             t0 = max(start, sealed_tok) - sealed_tok
             t1 = end - sealed_tok
             b0, b1 = t0 // self.bs, math.ceil(t1 / self.bs)
-            k, v = self.tail.read_blocks(layers, torch.tensor(s.tail[b0:b1], device=self.tail.k.device))
+            k, v = self.tail.read_blocks(layers, ids_to(self.tail.k.device, s.tail[b0:b1]))
             parts_k.append(k[:, t0 - b0 * self.bs:t1 - b0 * self.bs])
             parts_v.append(v[:, t0 - b0 * self.bs:t1 - b0 * self.bs])
         s.last_use = time.monotonic()

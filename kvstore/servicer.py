@@ -16,7 +16,7 @@ from .config import CacheConfig, CodecConfig, ModelGeometry
 from .engine import Engine
 from .engine import SequenceInfo as SeqInfo
 from .auth import DEFAULT_TENANT, Authenticator, PermissionDenied, TenantBuffers, is_local  # noqa: F401
-from .errors import FailedPrecondition, InvalidArgument, KVStoreError
+from .errors import FailedPrecondition, InvalidArgument, KVStoreError, ResourceExhausted
 from .leases import SESSION_KEY, LeaseManager, session_of
 from .v1 import kvstore_pb2 as pb
 from .v1 import kvstore_pb2_grpc as pb_grpc
@@ -80,6 +80,7 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
         self._call = threading.local()
         # Debug builds (fuzz, soak) check pool invariants after every call.
         self.debug_invariants = os.environ.get("KVSTORE_DEBUG_INVARIANTS") == "1"
+        self.max_pool_bytes = 0      # all caches' pools together; 0: unlimited (set by the daemon)
         self._streams: dict = {}     # the daemon's own CUDA stream per device
 
     @property
@@ -108,6 +109,10 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
             context.abort(grpc.StatusCode.INTERNAL, f"invariant broken after {method}: {e}")
 
     def _t(self, t: pb.Tensor, field: str):
+        # wire.from_proto lets an empty tensor through with any other dims, and
+        # torch.empty([0, 2**62]) overflows: bound every dim first.
+        if any(d > 1 << 31 for d in t.shape):
+            raise InvalidArgument(field, f"shape {list(t.shape)} has a dimension above 2^31")
         return wire.from_proto(t, self.buffers, field)
 
     def _info(self, name: str) -> pb.CacheInfo:
@@ -123,7 +128,14 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
     @_rpc
     def CreateCache(self, request, context):
         cfg = spec_to_config(request.spec, self.engine.device)
-        self.engine.create_cache(cfg, exist_ok=request.exist_ok)
+        with self.engine.lock:
+            if self.max_pool_bytes and cfg.name not in self.engine.caches:
+                # Refuse before allocating: a pool past memory gets the daemon OOM-killed.
+                held = sum(_pool_bytes(c.cfg) for c in self.engine.caches.values())
+                if held + _pool_bytes(cfg) > self.max_pool_bytes:
+                    raise ResourceExhausted("spec.num_blocks", f"the cache needs {_pool_bytes(cfg)} bytes; "
+                                            f"{self.max_pool_bytes - held} of the daemon's --max-pool-bytes are left")
+            self.engine.create_cache(cfg, exist_ok=request.exist_ok)
         return self._info(cfg.name)
 
     @_rpc
@@ -395,6 +407,14 @@ def _tensor_fields(request):
 def _output_fields(request):
     return [getattr(request, f.name) for f in request.DESCRIPTOR.fields
             if f.message_type is not None and f.message_type.name == "OutputRef" and request.HasField(f.name)]
+
+
+def _pool_bytes(cfg: CacheConfig) -> int:
+    """Memory a cache's pools take: main, fp16 tail (PQ) and host tier."""
+    n = cfg.capacity_blocks() * cfg.bytes_per_block() + cfg.host_bytes
+    if cfg.codec.kind == "pq":
+        n += cfg.tail_capacity_blocks() * cfg.block_size * cfg.fp16_bytes_per_token()
+    return n
 
 
 def _pool(p) -> pb.PoolStats:

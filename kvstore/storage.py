@@ -19,6 +19,16 @@ from .config import CacheConfig
 TORCH_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
+def ids_to(device, values, dtype=torch.long) -> torch.Tensor:
+    """Host ids -> a device tensor without synchronising: a copy from pageable
+    memory waits for the stream to drain (and so for every client's queued
+    work behind our event waits); one from pinned memory does not."""
+    t = values if isinstance(values, torch.Tensor) else torch.tensor(values, dtype=dtype)
+    if torch.device(device).type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
+
+
 class Fp16Store:
     """Paged fp16 (or bf16) K/V: [L, nb, Hkv, bs, d]."""
 

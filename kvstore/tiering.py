@@ -17,6 +17,7 @@ import torch
 
 from .errors import FailedPrecondition, ResourceExhausted
 from .sequence import Sequence
+from .storage import ids_to
 from .tiers import DiskTier, HostTier
 
 
@@ -37,7 +38,7 @@ class Tiering:
         todo = [(b, h) for b, h in evicted if not self._below_has(h)]
         if not todo:
             return
-        payload = self.c.main.pack(torch.tensor([b for b, _ in todo], device=self.c.main_device))
+        payload = self.c.main.pack(ids_to(self.c.main_device, [b for b, _ in todo]))
         if self.host is not None:
             ids = self.host.main_pool.allocate(len(todo))
             if ids is not None:
@@ -130,7 +131,7 @@ class Tiering:
         tail_ids = h.tail_pool.allocate(len(s.tail))
         assert alloc is not None and tail_ids is not None, "host room was checked"
         if new_idx:
-            payload = c.main.pack(torch.tensor([s.sealed[i] for i in new_idx], device=c.main_device))
+            payload = c.main.pack(ids_to(c.main_device, [s.sealed[i] for i in new_idx]))
             h.put(h.main, alloc, payload)
             self.counters["bytes_down"] += payload.numel()
         for i, hb in zip(new_idx, alloc):
@@ -138,7 +139,7 @@ class Tiering:
             if i < s.hashed_upto and i < len(s.hashes):
                 h.main_pool.set_hash(hb, s.hashes[i])
         if s.tail:
-            payload = c.tail.pack(torch.tensor(s.tail, device=c.tail.k.device))
+            payload = c.tail.pack(ids_to(c.tail.k.device, s.tail))
             h.put(h.tail, tail_ids, payload)
             self.counters["bytes_down"] += payload.numel()
         c.tail_pool.release(s.tail[::-1])
@@ -156,8 +157,8 @@ class Tiering:
                 self.disk.store.env.sync(True)
             return
         if s.tier == "gpu":
-            sealed = c.main.pack(torch.tensor(s.sealed, device=c.main_device)).cpu() if s.sealed else None
-            tail = c.tail.pack(torch.tensor(s.tail, device=c.tail.k.device)).cpu() if s.tail else None
+            sealed = c.main.pack(ids_to(c.main_device, s.sealed)).cpu() if s.sealed else None
+            tail = c.tail.pack(ids_to(c.tail.k.device, s.tail)).cpu() if s.tail else None
         else:
             self.host.settle()
             sealed = self.host.main[s.sealed] if s.sealed else None
@@ -227,10 +228,10 @@ class Tiering:
         new_tail = c.tail_pool.allocate(n_tail)
         assert new is not None and new_tail is not None, "GPU room was made"
         if todo:
-            c.main.unpack(torch.tensor(new, device=c.main_device), sealed_payload[todo])
+            c.main.unpack(ids_to(c.main_device, new), sealed_payload[todo])
             self.counters["bytes_up"] += sealed_payload[todo].numel()
         if n_tail:
-            c.tail.unpack(torch.tensor(new_tail, device=c.tail.k.device), tail_payload)
+            c.tail.unpack(ids_to(c.tail.k.device, new_tail), tail_payload)
             self.counters["bytes_up"] += tail_payload.numel()
         sealed = [gpu_hits.get(i) for i in range(n_sealed)]
         for i, b in zip(todo, new):

@@ -12,6 +12,7 @@ import torch
 
 from .errors import FailedPrecondition, InvalidArgument, ResourceExhausted
 from .sequence import Sequence
+from .storage import ids_to
 
 
 @dataclass(slots=True)
@@ -49,8 +50,8 @@ class WritePath:
         new = self.main_pool.allocate(len(todo))
         assert new is not None, "main-pool capacity was checked before sealing"
         if todo:
-            sel = torch.tensor([j * self.bs + t for j in todo for t in range(self.bs)], device=k.device)
-            self.main.encode_blocks(torch.tensor(new, device=k.device),
+            sel = ids_to(k.device, [j * self.bs + t for j in todo for t in range(self.bs)])
+            self.main.encode_blocks(ids_to(k.device, new),
                                     k.index_select(1, sel), v.index_select(1, sel))
         ids = [hits.get(j) for j in range(count)]
         for j, bid in zip(todo, new):
@@ -138,7 +139,7 @@ class WritePath:
             self._apply_token_ids(s, s.length, token_ids)
         sealed_tok = n_sealed0 * self.bs
         if self.is_pq and seal_count:
-            old_k, old_v = self.tail.read_blocks(slice(None), torch.tensor(s.tail, device=k.device)) if s.tail \
+            old_k, old_v = self.tail.read_blocks(slice(None), ids_to(k.device, s.tail)) if s.tail \
                 else (k[:, :0], v[:, :0])
             have = s.length - sealed_tok
             seal_tok = seal_count * self.bs
@@ -164,8 +165,8 @@ class WritePath:
             return
         pos = torch.arange(start, start + n) - len(s.sealed) * self.bs
         tail_ids = torch.tensor(s.tail, dtype=torch.long)
-        blocks = tail_ids[pos // self.bs].to(self.tail.k.device)
-        offs = (pos % self.bs).to(self.tail.k.device)
+        blocks = ids_to(self.tail.k.device, tail_ids[pos // self.bs])
+        offs = ids_to(self.tail.k.device, pos % self.bs)
         self.tail.write(layers, blocks, offs, k, v)
 
     def append_layer(self, s: Sequence, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -199,7 +200,7 @@ class WritePath:
             return
         if self.is_pq:
             ids = s.tail[:count]
-            k, v = self.tail.read_blocks(slice(None), torch.tensor(ids, device=self.tail.k.device))
+            k, v = self.tail.read_blocks(slice(None), ids_to(self.tail.k.device, ids))
             self._seal(s, count, k, v)
             self.tail_pool.release(ids)
             del s.tail[:count]
