@@ -1,6 +1,9 @@
-# The kvstore daemon on a CUDA runtime. Run it beside the workers that use it:
-#   docker run --gpus all --ipc=host -v /tmp/kvstore:/run/kvstore kvstore
-# (--ipc=host: CUDA IPC and /dev/shm buffers need the host's IPC namespace.)
+# The kvstore daemon on a CUDA runtime. Run it beside the workers that use it
+# (README: "Running in containers"):
+#   install -d -m 0700 -o 10001 /tmp/kvstore
+#   docker run --gpus '"device=0"' --ipc=host -v /tmp/kvstore:/run/kvstore -p 127.0.0.1:9400:9400 kvstore
+# --ipc=host: CUDA IPC and /dev/shm buffers need the host's IPC namespace.
+# Workers run as uid 10001 too (the socket is 0600), on the same GPU.
 FROM nvidia/cuda:13.0.0-runtime-ubuntu24.04
 
 RUN apt-get update && apt-get install -y --no-install-recommends python3 python3-venv python3-pip \
@@ -8,9 +11,11 @@ RUN apt-get update && apt-get install -y --no-install-recommends python3 python3
 RUN python3 -m venv /opt/kvstore
 ENV PATH=/opt/kvstore/bin:$PATH
 WORKDIR /app
-COPY requirements.txt pyproject.toml ./
-RUN pip install --no-cache-dir torch triton==3.6.0 "numpy<2.4" "grpcio==1.84.0" "grpcio-health-checking==1.84.0" \
-    "grpcio-reflection==1.84.0" "protobuf>=7.35,<8" safetensors faiss-cpu lmdb prometheus-client
+COPY pyproject.toml ./
+# setuptools: the --no-build-isolation install below builds with what is here.
+RUN pip install --no-cache-dir torch==2.13.0 triton==3.6.0 "numpy<2.4" "grpcio==1.84.0" \
+    "grpcio-health-checking==1.84.0" "grpcio-reflection==1.84.0" "protobuf>=7.35,<8" safetensors faiss-cpu lmdb \
+    prometheus-client "setuptools>=68"
 COPY protos protos
 COPY kvstore kvstore
 COPY kernels kernels
@@ -18,12 +23,17 @@ COPY client client
 COPY server.py ./
 RUN pip install --no-cache-dir --no-deps --no-build-isolation .
 
-RUN useradd --system --uid 10001 kvstore && mkdir -p /run/kvstore && chown kvstore /run/kvstore
+RUN useradd --system --uid 10001 kvstore && install -d -m 0700 -o kvstore /run/kvstore
 USER kvstore
+# expandable_segments breaks CUDA IPC: never let a base image or -e turn it on.
 ENV KVSTORE_SOCKET=/run/kvstore/kvstore.sock PYTORCH_CUDA_ALLOC_CONF=""
+# The gRPC health service over the socket; no torch import, so it answers in well under the timeout.
 HEALTHCHECK --interval=10s --timeout=5s --start-period=60s \
-    CMD python3 -c "import grpc,sys; from grpc_health.v1 import health_pb2 as h, health_pb2_grpc as g; \
-ch=grpc.insecure_channel('unix:///run/kvstore/kvstore.sock'); \
-sys.exit(0 if g.HealthStub(ch).Check(h.HealthCheckRequest(), timeout=3).status==1 else 1)"
+    CMD python3 -c "import grpc,os,sys; from grpc_health.v1 import health_pb2 as h, health_pb2_grpc as g; \
+ch=grpc.insecure_channel('unix://'+os.environ['KVSTORE_SOCKET']); \
+sys.exit(0 if g.HealthStub(ch).Check(h.HealthCheckRequest(), timeout=3).status==h.HealthCheckResponse.SERVING else 1)"
+EXPOSE 9400
+STOPSIGNAL SIGTERM
 ENTRYPOINT ["kvstore-server"]
-CMD ["--socket", "/run/kvstore/kvstore.sock"]
+# Metrics bind all interfaces inside the container; publish the port to 127.0.0.1 (above) or a scrape network.
+CMD ["--socket", "/run/kvstore/kvstore.sock", "--metrics-port", "9400", "--metrics-host", "0.0.0.0"]

@@ -200,6 +200,9 @@ class KVStoreClient:
                     arena.close()
                 self.transport = "inline"
                 return None
+            # Both sides have it mapped now: drop the name, so a client that dies
+            # without close() leaves nothing behind in /dev/shm.
+            arena.close()
             self._arena = arena
         self._arena.cursor = 0
         return self._arena

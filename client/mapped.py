@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from kvstore import cuda_ipc, wire
+from kvstore.pinned import to_device
 from kvstore.v1 import kvstore_pb2 as pb
 
 from .client import KVStoreClient
@@ -73,8 +74,8 @@ class MappedCache:
         rs = reply.reservations
         slots = torch.tensor([s for r in rs for s in r.slot_mapping], dtype=torch.int64)
         dev = self.device
-        blocks = (slots // self.bs).pin_memory().to(dev, non_blocking=True)
-        offsets = (slots % self.bs).pin_memory().to(dev, non_blocking=True)
+        blocks = to_device(slots // self.bs, dev)
+        offsets = to_device(slots % self.bs, dev)
         sealed = _table([list(r.sealed_blocks) for r in rs], dev)
         if self.is_pq:
             tail = _table([list(r.tail_blocks) for r in rs], dev)
@@ -124,4 +125,4 @@ def _table(rows: list[list[int]], device) -> torch.Tensor:
     for i, r in enumerate(rows):
         if r:
             t[i, :len(r)] = torch.tensor(r, dtype=torch.int32)
-    return t.pin_memory().to(device, non_blocking=True)
+    return to_device(t, device)

@@ -15,7 +15,6 @@ stays on the Triton kernels (decode_attention.plan_pq_decode routes).
 """
 from __future__ import annotations
 
-import math
 import os
 from dataclasses import dataclass, field
 
@@ -29,11 +28,12 @@ _streams: dict = {}
 NUM_WARPS = int(os.environ.get("KVSTORE_CUDA_PQ_WARPS", "16"))
 
 
-
 def _to_dev(t: torch.Tensor, dev: torch.device) -> torch.Tensor:
-    # From pinned memory: a pageable copy would wait for the stream to drain,
+    # Through a pinned ring: a pageable copy would wait for the stream to drain,
     # i.e. for the previous step's layers, and serialise CPU and GPU.
-    return t.pin_memory().to(dev, non_blocking=True) if dev.type == "cuda" else t.to(dev)
+    from kvstore.pinned import to_device
+    return to_device(t, dev)
+
 
 def _cp():
     global _cupy, _cupy_failed
@@ -380,6 +380,17 @@ def plan_pq_encode(codebook: torch.Tensor, tokens_per_thread: int = 4) -> CudaPQ
                             tokens_per_thread=tokens_per_thread)
 
 
+_encode_plans: dict = {}
+
+
 def pq_encode_to_slots(x, codebook, slots, k_codes=None, v_codes=None) -> None:
-    """Same contract as reference.pq_encode_to_slots (plans, then runs)."""
-    plan_pq_encode(codebook).run(x, slots, k_codes=k_codes, v_codes=v_codes)
+    """Same contract as reference.pq_encode_to_slots. The plan (precomputed
+    -2c and ||c||^2) is cached per codebook tensor: a cache's codebooks are
+    set once and read on every seal."""
+    key = (codebook.data_ptr(), codebook._version, tuple(codebook.shape), codebook.dtype)
+    plan = _encode_plans.get(key)
+    if plan is None:
+        if len(_encode_plans) > 4096:
+            _encode_plans.clear()
+        plan = _encode_plans[key] = plan_pq_encode(codebook)
+    plan.run(x, slots, k_codes=k_codes, v_codes=v_codes)

@@ -15,7 +15,6 @@ Semantics are those of reference.pq_decode_attention / paged_decode_attention.
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -27,11 +26,12 @@ _PQ, _DENSE = 0, 1
 _FLOAT = (torch.float16, torch.bfloat16, torch.float32)
 
 
-
 def _to_dev(t: torch.Tensor, dev: torch.device) -> torch.Tensor:
-    # From pinned memory: a pageable copy would wait for the stream to drain,
+    # Through a pinned ring: a pageable copy would wait for the stream to drain,
     # i.e. for the previous step's layers, and serialise CPU and GPU.
-    return t.pin_memory().to(dev, non_blocking=True) if dev.type == "cuda" else t.to(dev)
+    from kvstore.pinned import to_device
+    return to_device(t, dev)
+
 
 def _num_sms(device: torch.device) -> int:
     if device.type == "cuda":

@@ -4,6 +4,7 @@ write_path.py and read_path.py. Every method validates all of its input
 before it changes any state, so a rejected call leaves the cache as it was."""
 from __future__ import annotations
 
+import hashlib
 import math
 from dataclasses import dataclass
 
@@ -132,8 +133,14 @@ class Cache(WritePath, ReadPath):
             raise ResourceExhausted("tail", f"need {n} fp16 tail blocks, {self.tail_pool.num_allocatable()} free")
         return ids
 
+    def _root(self, tenant: str) -> bytes:
+        """h_{-1}: tenants share prefix blocks only if the cache says so."""
+        if self.cfg.share_prefixes_across_tenants:
+            return b""
+        return hashlib.sha256(b"kvstore.tenant\0" + tenant.encode()).digest()
+
     def _extend_hashes(self, s: Sequence) -> None:
-        parent = s.hashes[-1] if s.hashes else b""
+        parent = s.hashes[-1] if s.hashes else self._root(s.tenant)
         s.hashes += chain_hashes(s.token_ids, self.bs, self.fingerprint, parent, start_block=len(s.hashes))
 
     def _register_hashes(self, s: Sequence) -> None:
@@ -152,7 +159,7 @@ class Cache(WritePath, ReadPath):
         self._require_ready()
         self._check_new_sequence(tenant, seq_id)
         self._check_tokens(prompt, "prompt_token_ids")
-        hashes = chain_hashes(prompt, self.bs, self.fingerprint)
+        hashes = chain_hashes(prompt, self.bs, self.fingerprint, self._root(tenant))
         n_sealed = self.sealed_count(len(prompt))
         # ("main" | "tail", block id), ("encode", tail block id), ("below", payload)
         hits: list[tuple[str, object]] = []

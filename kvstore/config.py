@@ -70,6 +70,7 @@ class CacheConfig:
     device: str = "cpu"
     host_bytes: int = 0          # pinned host tier under the GPU pools (0: none)
     low_watermark: float = 0.0   # move LRU sequences down while fewer blocks are free
+    share_prefixes_across_tenants: bool = False   # else the tenant seeds every hash chain
 
     def __post_init__(self) -> None:
         self._validate()

@@ -157,14 +157,14 @@ class Engine:
             # Batches of several sequences are checked whole before any write.
             if len(seqs) > 1:
                 self._check_batch_room(cache, seqs, counts, layer, token_ids)
-            off = 0
-            for i, (s, c) in enumerate(zip(seqs, counts)):
-                if layer is None:
+            if layer is not None:        # decode: one scatter for the whole batch
+                cache.append_layer_batch(seqs, layer, k, v, counts)
+            else:
+                off = 0
+                for i, (s, c) in enumerate(zip(seqs, counts)):
                     ids = token_ids[i] if token_ids is not None and token_ids[i] else None
                     cache.append(s, k[:, off:off + c], v[:, off:off + c], ids)
-                else:
-                    cache.append_layer(s, layer, k[off:off + c], v[off:off + c])
-                off += c
+                    off += c
             cache.after_write()
 
     @staticmethod

@@ -1,7 +1,8 @@
 """Chained SHA-256 block hashes (DESIGN §6).
 
 h_i = sha256(h_{i-1} || token ids of block i as little-endian int64 || fingerprint)
-with h_{-1} = b"". Deterministic across processes, restarts and Python hash
+with h_{-1} = sha256(tenant) (b"" for caches that share prefixes across
+tenants). Deterministic across processes, restarts and Python hash
 seeds (never Python's `hash`).
 """
 from __future__ import annotations

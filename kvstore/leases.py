@@ -73,6 +73,9 @@ class LeaseManager:
         """Expire every lapsed session now; returns them."""
         if self.engine is None:
             return []
+        with self._lock:     # the common case, nothing lapsed, without touching the engine lock
+            if not any(self.clock() - t > self.timeout_s for t in self._seen.values()):
+                return []
         # Under the engine lock a call of the session cannot be half done: a
         # call that renewed the lease after we looked keeps its sequences, and
         # one that arrives later runs after the frees.

@@ -10,6 +10,7 @@ from kvstore.kernels import dispatch
 
 from .errors import InvalidArgument
 from .sequence import Sequence
+from .pinned import to_device
 from .storage import ids_to
 
 
@@ -76,7 +77,5 @@ def _table(rows: list[list[int]], device) -> torch.Tensor:
     for i, r in enumerate(rows):
         if r:
             t[i, :len(r)] = torch.tensor(r, dtype=torch.int32)
-    if torch.device(device).type == "cuda":   # pinned: the copy does not wait for the GPU
-        return t.pin_memory().to(device, non_blocking=True)
-    return t.to(device)
+    return to_device(t, device)   # no wait for the GPU
 

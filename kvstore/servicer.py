@@ -56,7 +56,7 @@ def spec_to_config(spec: pb.CacheSpec, device: str) -> CacheConfig:
         residual=spec.residual if spec.HasField("residual") else 128,
         num_blocks=spec.num_blocks, pool_bytes=spec.pool_bytes,
         max_sequences=spec.max_sequences or 256, device=device, host_bytes=spec.host_bytes,
-        low_watermark=spec.low_watermark)
+        low_watermark=spec.low_watermark, share_prefixes_across_tenants=spec.share_prefixes_across_tenants)
 
 
 def config_to_spec(cfg: CacheConfig) -> pb.CacheSpec:
@@ -67,7 +67,8 @@ def config_to_spec(cfg: CacheConfig) -> pb.CacheSpec:
                              head_dim=g.head_dim, dtype=g.dtype),
         codec=cfg.codec.kind, num_subvectors=cfg.m if cfg.codec.kind == "pq" else 0,
         block_size=cfg.block_size, residual=cfg.residual, num_blocks=cfg.num_blocks, pool_bytes=cfg.pool_bytes,
-        max_sequences=cfg.max_sequences, host_bytes=cfg.host_bytes, low_watermark=cfg.low_watermark)
+        max_sequences=cfg.max_sequences, host_bytes=cfg.host_bytes, low_watermark=cfg.low_watermark,
+        share_prefixes_across_tenants=cfg.share_prefixes_across_tenants)
 
 
 class KVStoreServicer(pb_grpc.KVStoreServicer):
@@ -278,6 +279,10 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
             raise PermissionDenied("MapPool", "IPC handles are only for callers on the Unix socket")
         from . import cuda_ipc
         c = self.engine.cache(request.cache)
+        if not c.cfg.share_prefixes_across_tenants and self._tenant(context) != DEFAULT_TENANT:
+            # The handles map the whole pool, every tenant's K/V included.
+            raise PermissionDenied("MapPool", "mapping a pool is only for the default tenant, or caches "
+                                   "created with share_prefixes_across_tenants")
         tensors = self.engine.pool_tensors(request.cache)
         if not c.cfg.device.startswith("cuda"):
             raise FailedPrecondition("cache", f"cache {request.cache!r} lives on {c.cfg.device}: "

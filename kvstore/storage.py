@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from .pinned import to_device
 from kvstore.kernels import dispatch
 
 from .codebooks import Codebooks
@@ -24,9 +25,7 @@ def ids_to(device, values, dtype=torch.long) -> torch.Tensor:
     memory waits for the stream to drain (and so for every client's queued
     work behind our event waits); one from pinned memory does not."""
     t = values if isinstance(values, torch.Tensor) else torch.tensor(values, dtype=dtype)
-    if torch.device(device).type == "cuda":
-        return t.pin_memory().to(device, non_blocking=True)
-    return t.to(device)
+    return to_device(t, device)
 
 
 class Fp16Store:

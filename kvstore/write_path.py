@@ -172,25 +172,41 @@ class WritePath:
     def append_layer(self, s: Sequence, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """One layer, n tokens: k, v [n, Hkv, d]. Tokens commit (and seal) once
         every layer has appended them."""
+        self.append_layer_batch([s], layer, k, v, [k.shape[0]])
+
+    def append_layer_batch(self, seqs: list[Sequence], layer: int, k: torch.Tensor, v: torch.Tensor,
+                           counts: list[int]) -> None:
+        """One layer for a batch (decode): counts[i] tokens of seqs[i] in the
+        rows of k, v [sum(counts), Hkv, d], written with one scatter. A batch of
+        several sequences must have been checked whole (Engine._check_batch_room)."""
         self._require_ready()
-        if s.reserved:
-            raise FailedPrecondition("sequence_id", f"sequence {s.seq_id!r} has reserved tokens")
-        n = k.shape[0]
-        start = s.length + s.pending[layer]
-        main_need, need, _ = self.room_needed(s, n, layer)
-        self.check_room(main_need, need, 0)
-        new_pending = s.pending.copy()
-        new_pending[layer] += n
-        commit = min(new_pending)
-        s.tail += self._alloc_tail(need)
-        self._write_tail(s, slice(layer, layer + 1), start, k.unsqueeze(0), v.unsqueeze(0))
-        s.pending = new_pending
-        if commit:
-            s.pending = [p - commit for p in s.pending]
-            s.length += commit
-            self.counters["appended_tokens"] += commit
-            self._commit(s)
-        s.last_use = time.monotonic()
+        for s in seqs:
+            if s.reserved:
+                raise FailedPrecondition("sequence_id", f"sequence {s.seq_id!r} has reserved tokens")
+        if len(seqs) == 1:
+            main_need, need, _ = self.room_needed(seqs[0], counts[0], layer)
+            self.check_room(main_need, need, 0)
+        blocks, offs = [], []
+        for s, n in zip(seqs, counts):
+            start = s.length + s.pending[layer]
+            s.tail += self._alloc_tail(max(0, math.ceil((start + n) / self.bs) - len(s.sealed) - len(s.tail)))
+            base = len(s.sealed) * self.bs
+            for p in range(start - base, start - base + n):
+                blocks.append(s.tail[p // self.bs])
+                offs.append(p % self.bs)
+        dev = self.tail.k.device
+        self.tail.write(slice(layer, layer + 1), ids_to(dev, blocks), ids_to(dev, offs),
+                        k.unsqueeze(0), v.unsqueeze(0))
+        now = time.monotonic()
+        for s, n in zip(seqs, counts):
+            s.pending[layer] += n
+            commit = min(s.pending)
+            if commit:
+                s.pending = [p - commit for p in s.pending]
+                s.length += commit
+                self.counters["appended_tokens"] += commit
+                self._commit(s)
+            s.last_use = now
 
     def _commit(self, s: Sequence) -> None:
         """Seal what the committed length allows, taking data from the tail."""

@@ -62,7 +62,7 @@ def start_daemon(tmp: str, lease_timeout: float = 600.0):
     env = dict(os.environ, KVSTORE_DEBUG_INVARIANTS="1", PYTHONUNBUFFERED="1")
     p = subprocess.Popen([sys.executable, os.path.join(ROOT, "server.py"), "--socket", sock, "--device", "cpu",
                           "--port", "0", "--token-file", tokens, "--lease-timeout", str(lease_timeout),
-                          "--log-level", "WARNING"],
+                          "--max-pool-bytes", str(256 << 20), "--log-level", "WARNING"],
                          stdout=subprocess.PIPE, stderr=open(os.path.join(tmp, "daemon.log"), "w"), text=True, env=env)
     line = p.stdout.readline()
     if "serving on" not in line:
@@ -111,6 +111,15 @@ def snapshot(stub) -> dict:
             r = stub.Retrieve(pb.RetrieveRequest(cache=name, sequence_id=sid, start=0, end=info.length), timeout=30)
             out[f"{name}/{sid}"] = (info.SerializeToString(deterministic=True), r.k.inline, r.v.inline)
     return out
+
+
+def _diff(old, new) -> str:
+    a, b = pb.SequenceInfoReply.FromString(old[0]), pb.SequenceInfoReply.FromString(new[0])
+    out = [f"{f.name}: {getattr(a, f.name)} -> {getattr(b, f.name)}" for f in a.DESCRIPTOR.fields
+           if getattr(a, f.name) != getattr(b, f.name)]
+    if old[1:] != new[1:]:
+        out.append("K/V bytes differ")
+    return "; ".join(str(x).replace("\n", " ") for x in out)
 
 
 def pool_usage(stub) -> dict:
@@ -331,6 +340,7 @@ def run(n: int = 10_000, seed: int = 0, verbose: bool = True) -> dict:
             try:
                 if kind < 0.12:
                     # Raw bytes: garbage, or a real request with bytes flipped or cut.
+                    gen.other = False
                     raw = gen.base(method).SerializeToString()
                     raw = rng.choice([rng.randbytes(rng.randint(0, 200)), raw[:rng.randint(0, len(raw))],
                                       bytes(b ^ (rng.random() < 0.05) * rng.randint(1, 255) for b in raw)])
@@ -373,8 +383,10 @@ def run(n: int = 10_000, seed: int = 0, verbose: bool = True) -> dict:
         else:
             free_all(stub)
             free_all(tcp_stub, other)
-            if snapshot(stub) != before:
-                failures.append("anchor sequences changed")
+            after = snapshot(stub)
+            for key in before:
+                if after[key] != before[key]:
+                    failures.append(f"anchor {key} changed: {_diff(before[key], after[key])}")
             usage = pool_usage(stub)
             for key, used in usage.items():
                 want = usage0.get(key, 0)

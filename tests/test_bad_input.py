@@ -21,6 +21,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from safetensors.torch import save as safetensors_save
 
 from kvstore import wire
+from kvstore.auth import Authenticator
 from kvstore.client import KVStoreClient
 from kvstore.codebooks import Codebooks
 from kvstore.daemon import SERVICE, create_server
@@ -31,7 +32,7 @@ L, HQ, HKV, D, BS, R = 2, 4, 2, 16, 8, 8
 M = D // 2
 C = grpc.StatusCode
 INVALID, NOT_FOUND, PRECOND = C.INVALID_ARGUMENT, C.NOT_FOUND, C.FAILED_PRECONDITION
-EXHAUSTED, EXISTS, UNIMPL = C.RESOURCE_EXHAUSTED, C.ALREADY_EXISTS, C.UNIMPLEMENTED
+EXHAUSTED, EXISTS = C.RESOURCE_EXHAUSTED, C.ALREADY_EXISTS
 SHM_BYTES = 4096
 GEN = torch.Generator().manual_seed(0)
 
@@ -224,9 +225,9 @@ def assert_serving(channel) -> None:
 
 
 # -------------------------------------------------------------------- table
-def case(rpc: str, what: str, build, code: grpc.StatusCode, field: str, metadata=()):
+def case(rpc: str, what: str, build, code: grpc.StatusCode, field: str, metadata=(), marks=()):
     """build(live) -> request, sent with `metadata`. `field`: the message must start with it."""
-    return pytest.param(rpc, build, code, field, metadata, id=f"{rpc}-{what}")
+    return pytest.param(rpc, build, code, field, metadata, id=f"{rpc}-{what}", marks=marks)
 
 
 GOOD_SHM = lambda lv: lv.buf  # noqa: E731
@@ -538,12 +539,17 @@ CASES = [
     case("Prefetch", "unknown-sequence", lambda lv: pb.PrefetchRequest(cache="pq", sequence_ids=["zz"]),
          NOT_FOUND, "sequence_id"),
     # ------------------------------------------------------------------- MapPool
-    case("MapPool", "not-implemented", lambda lv: pb.MapPoolRequest(cache="pq"), UNIMPL, "MapPool"),
+    case("MapPool", "unknown-cache", lambda lv: pb.MapPoolRequest(cache="nope"), NOT_FOUND, "cache"),
+    case("MapPool", "no-codebooks", lambda lv: pb.MapPoolRequest(cache="raw"), PRECOND, "codebooks"),
+    case("MapPool", "cpu-pool", lambda lv: pb.MapPoolRequest(cache="pq"), PRECOND, "cache"),
     # ------------------------------------------------------------ RegisterBuffer
     case("RegisterBuffer", "kind-missing", lambda lv: pb.RegisterBufferRequest(name=lv.shm_name, size=64),
          INVALID, "kind"),
-    case("RegisterBuffer", "cuda-ipc", lambda lv: pb.RegisterBufferRequest(kind=pb.CUDA_IPC, ipc_handle=b"x", size=64),
-         UNIMPL, "kind"),
+    case("RegisterBuffer", "cuda-ipc-size-zero", lambda lv: pb.RegisterBufferRequest(kind=pb.CUDA_IPC, ipc_handle=b"x"),
+         INVALID, "size"),
+    case("RegisterBuffer", "cuda-ipc-without-cuda", lambda lv: pb.RegisterBufferRequest(
+        kind=pb.CUDA_IPC, ipc_handle=b"x" * 64, size=64), INVALID, "kind",
+         marks=pytest.mark.skipif(torch.cuda.is_available(), reason="the daemon has CUDA here")),
     case("RegisterBuffer", "name-with-slash", lambda lv: pb.RegisterBufferRequest(kind=pb.SHM, name="../etc/passwd",
                                                                                   size=64), INVALID, "name"),
     case("RegisterBuffer", "name-empty", lambda lv: pb.RegisterBufferRequest(kind=pb.SHM, size=64), INVALID, "name"),
@@ -650,3 +656,69 @@ def test_oversized_messages_are_refused_without_state_change(small_daemon):
     # ... and the same data still goes through shared memory.
     k2, _ = client.retrieve("big", "s", 0, n)
     assert torch.equal(k2, k)
+
+
+# ------------------------------------------------- remote callers, raw bytes
+TOKEN = "bad-input-test-token-0123456789"
+AUTH = (("authorization", f"Bearer {TOKEN}"),)
+
+
+@pytest.fixture(scope="module")
+def remote(tmp_path_factory):
+    """A daemon on a Unix socket and on TCP (bearer token); one sequence in it."""
+    sock = str(tmp_path_factory.mktemp("remote") / "kv.sock")
+    server, port, _ = create_server(socket_path=sock, port=0, auth=Authenticator({TOKEN: "default"}))
+    unix = grpc.insecure_channel(f"unix://{sock}")
+    tcp = grpc.insecure_channel(f"127.0.0.1:{port}")
+    stub = pb_grpc.KVStoreStub(unix)
+    _ok(stub, "CreateCache", pb.CreateCacheRequest(spec=spec("f16", "fp16")))
+    _ok(stub, "Allocate", pb.AllocateRequest(cache="f16", sequence_id="b"))
+    _ok(stub, "Append", append("f16", ["b"], [5]))
+    yield unix, tcp
+    unix.close()
+    tcp.close()
+    server.stop(0)
+
+
+@pytest.mark.parametrize("rpc, request_, metadata, code, field", [
+    pytest.param("Stats", pb.StatsRequest(), (), C.UNAUTHENTICATED, "authorization", id="no-token"),
+    pytest.param("Allocate", pb.AllocateRequest(cache="f16", sequence_id="x"),
+                 (("authorization", "Bearer wrong-token-0123456789"),), C.UNAUTHENTICATED, "authorization",
+                 id="wrong-token"),
+    pytest.param("Free", pb.FreeRequest(cache="f16", sequence_ids=["b"]), (("authorization", TOKEN),),
+                 C.UNAUTHENTICATED, "authorization", id="token-without-bearer"),
+    pytest.param("RegisterBuffer", pb.RegisterBufferRequest(kind=pb.SHM, name="x", size=64), AUTH,
+                 C.PERMISSION_DENIED, "RegisterBuffer", id="register-buffer-remote"),
+    pytest.param("UnregisterBuffer", pb.UnregisterBufferRequest(buffer_id="shm-0"), AUTH,
+                 C.PERMISSION_DENIED, "UnregisterBuffer", id="unregister-buffer-remote"),
+    pytest.param("MapPool", pb.MapPoolRequest(cache="f16"), AUTH, C.PERMISSION_DENIED, "MapPool",
+                 id="map-pool-remote"),
+    pytest.param("Append", append("f16", ["b"], [2], k=ref("shm-0", 0, (L, 2, HKV, D))), AUTH, INVALID, "k",
+                 id="buffer-ref-remote"),
+    pytest.param("Attend", attend("f16", ["b"], out=pb.OutputRef(buffer_id="shm-0")), AUTH, INVALID, "out",
+                 id="output-ref-remote"),
+])
+def test_bad_remote_request(remote, rpc, request_, metadata, code, field):
+    """TCP callers: no or unknown token, and the IPC-only RPCs and buffer references."""
+    unix, tcp = remote
+    before = snapshot(pb_grpc.KVStoreStub(unix))
+    with pytest.raises(grpc.RpcError) as info:
+        getattr(pb_grpc.KVStoreStub(tcp), rpc)(request_, timeout=30, metadata=metadata)
+    assert info.value.code() == code, f"{info.value.code()}: {info.value.details()}"
+    assert info.value.details().startswith(field), info.value.details()
+    assert_unchanged(before, snapshot(pb_grpc.KVStoreStub(unix)))
+    assert_serving(tcp)
+
+
+@pytest.mark.parametrize("method", ["Append", "Allocate", "CreateCache", "Free"])
+def test_malformed_request_bytes(remote, method):
+    """Bytes that are not a protobuf message: INVALID_ARGUMENT, not grpc's INTERNAL."""
+    unix, _ = remote
+    before = snapshot(pb_grpc.KVStoreStub(unix))
+    call = unix.unary_unary(f"/kvstore.v1.KVStore/{method}")          # raw bytes in and out
+    with pytest.raises(grpc.RpcError) as info:
+        call(b"\x0a\xff\xff\xff\xff\x0f garbage", timeout=30)
+    assert info.value.code() == INVALID, f"{info.value.code()}: {info.value.details()}"
+    assert info.value.details().startswith("request")
+    assert_unchanged(before, snapshot(pb_grpc.KVStoreStub(unix)))
+    assert_serving(unix)

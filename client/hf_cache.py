@@ -1,0 +1,209 @@
+"""KVStoreCache: a transformers Cache whose K/V live in the kvstore daemon.
+
+Shapes follow transformers: key/value states [B, Hkv, n, d], queries
+[B, Hq, n, d], attention outputs [B, n, Hq, d]. The daemon takes [n, Hkv, d]
+per layer and [L, n, Hkv, d] for all layers.
+"""
+from __future__ import annotations
+
+import grpc
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin, DynamicCache
+
+# What makes the adapter fall back in-process: RPC failures of any status and
+# the shared-memory arena failing (the daemon took its buffer with it).
+FALLBACK_ERRORS = (grpc.RpcError, OSError, MemoryError)
+
+
+class _DaemonLayer(CacheLayerMixin):
+    """Placeholder layer: sizes come from the owning KVStoreCache."""
+    is_sliding = False
+
+    def __init__(self, owner: "KVStoreCache"):
+        super().__init__()
+        self.owner = owner
+        self.is_initialized = True
+
+    def lazy_initialization(self, key_states, value_states) -> None:
+        pass
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        raise AssertionError("KVStoreCache.update handles daemon layers")
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.owner.length + query_length, 0
+
+    def get_seq_length(self) -> int:
+        return self.owner.length
+
+    def get_max_length(self) -> int:
+        return -1
+
+
+class KVStoreCache(Cache):
+    """One request's cache: B daemon sequences (seq_ids), `length` committed
+    tokens. After a fallback (`local`), `layers` are ordinary DynamicLayers and
+    the base Cache does everything."""
+
+    def __init__(self, adapter, seq_ids: list[str], seen_ids: torch.Tensor,
+                 prefix: tuple[torch.Tensor, torch.Tensor] | None, local: bool = False):
+        self.adapter, self.seq_ids, self.local = adapter, seq_ids, local
+        self.num_layers = adapter.num_layers
+        if local:
+            super().__init__(layers=DynamicCache(config=adapter.model.config).layers)
+        else:
+            super().__init__(layers=[_DaemonLayer(self) for _ in range(self.num_layers)])
+        self.length = seen_ids.shape[1]
+        self._ids = seen_ids                          # [B, length] token ids so far (for a recompute)
+        self._cur_ids: torch.Tensor | None = None     # this forward's ids (forward pre-hook)
+        self._prefix = prefix                         # [L, B, Hkv, P, d] x2: K/V of tokens [0, length), or None
+        self._step: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * self.num_layers
+
+    # ------------------------------------------------------- Cache interface
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return super().get_seq_length(layer_idx) if self.local else self.length
+
+    def get_mask_sizes(self, query_length: int, layer_idx: int) -> tuple[int, int]:
+        return super().get_mask_sizes(query_length, layer_idx) if self.local else (self.length + query_length, 0)
+
+    def begin_forward(self, input_ids: torch.Tensor | None) -> None:
+        self._cur_ids = input_ids
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        n = key_states.shape[-2]
+        if self.local:
+            out = super().update(key_states, value_states, layer_idx, *args, **kwargs)
+        else:
+            self._step[layer_idx] = (key_states, value_states)
+            if n == 1 and self.length > 0:
+                from .hf import set_decode_target
+                set_decode_target(self, layer_idx)         # the attention call sends them to the daemon
+                out = (key_states, value_states)
+            else:
+                out = self._prefill_update(key_states, value_states, layer_idx)
+        if layer_idx == self.num_layers - 1:
+            self._end_forward(n)
+        return out
+
+    # -------------------------------------------------------------- prefill
+    def _prefill_update(self, k: torch.Tensor, v: torch.Tensor, layer: int):
+        """A forward of n tokens: exact attention in-process over the prefix
+        (retrieved) and the new tokens; at the last layer, one Append."""
+        if layer == 0 and self._prefix is None and self.length > 0:
+            try:                                       # a continuation chunk: fetch what came before
+                self._prefix = self._retrieve_all()
+            except Exception as e:
+                self._fall_back(e, 0)
+                return super().update(k, v, layer)
+        if self._prefix is not None:
+            k = torch.cat([self._prefix[0][layer], k], dim=-2)
+            v = torch.cat([self._prefix[1][layer], v], dim=-2)
+        if layer == self.num_layers - 1:
+            try:
+                self._append_all()
+            except Exception as e:
+                self._fall_back(e, layer + 1)           # every layer's step K/V is at hand
+                return super().update(*self._step[layer], layer)
+        return k, v
+
+    def _retrieve_all(self) -> tuple[torch.Tensor, torch.Tensor]:
+        kv, t = self.adapter.client(), self.adapter.transform
+        ks, vs = [], []
+        for sid in self.seq_ids:
+            k, v = kv.retrieve(self.adapter.cache_name, sid, 0, self.length)       # [L, P, Hkv, d]
+            if t is not None:
+                k = torch.stack([t.inverse(k[l].float(), l, "k") for l in range(self.num_layers)])
+                v = torch.stack([t.inverse(v[l].float(), l, "v") for l in range(self.num_layers)])
+            ks.append(k.transpose(1, 2))
+            vs.append(v.transpose(1, 2))
+        dt = self._step[0][0].dtype
+        return torch.stack(ks, dim=1).to(dt), torch.stack(vs, dim=1).to(dt)    # [L, B, Hkv, P, d]
+
+    def _append_all(self) -> None:
+        """Send the step's new tokens of every layer: [L, B * n, Hkv, d]."""
+        b, _, n, _ = self._step[0][0].shape
+        k = torch.stack([s[0] for s in self._step]).transpose(2, 3)            # [L, B, n, Hkv, d]
+        v = torch.stack([s[1] for s in self._step]).transpose(2, 3)
+        k, v = self._to_daemon(k, "k"), self._to_daemon(v, "v")
+        ids = None
+        if self._cur_ids is not None and self._cur_ids.shape[-1] == n:
+            ids = [row.tolist() for row in self._cur_ids]
+        self.adapter.client().append(self.adapter.cache_name, self.seq_ids, k.reshape(k.shape[0], b * n, *k.shape[3:]),
+                                     v.reshape(v.shape[0], b * n, *v.shape[3:]), counts=[n] * b, token_ids=ids)
+
+    def _to_daemon(self, x: torch.Tensor, which: str) -> torch.Tensor:
+        """x [L, ..., Hkv, d] -> the transformed K'/V' the daemon stores."""
+        t = self.adapter.transform
+        if t is None:
+            return x
+        return torch.stack([t.forward(x[l].float(), l, which) for l in range(x.shape[0])])
+
+    # --------------------------------------------------------------- decode
+    def decode_attention(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float):
+        """q [B, Hq, 1, d], k/v [B, Hkv, 1, d] -> (out [B, 1, Hq, d], k, v), or
+        (None, K, V) with the full in-process K/V after a fallback."""
+        t = self.adapter.transform
+        k1, v1, q1 = k[:, :, 0], v[:, :, 0], q[:, :, 0]                          # [B, H, d]
+        if t is not None:
+            k1, v1 = t.forward(k1.float(), layer, "k"), t.forward(v1.float(), layer, "v")
+            inv_k, hkv = t._inv["k"][layer], self.adapter.num_kv_heads
+            q1 = per_kv_head(q1.float(), hkv, lambda x: torch.einsum("bhgd,hde->bhge", x, inv_k))
+        try:
+            out = self.adapter.client().append_attend(self.adapter.cache_name, layer, self.seq_ids, k1, v1, q1,
+                                                      scale=scaling or 0.0)
+        except Exception as e:
+            self._fall_back(e, layer)
+            full_k, full_v = super().update(k, v, layer)
+            return None, full_k, full_v
+        if t is not None:
+            inv_v, hkv = t._inv["v"][layer], self.adapter.num_kv_heads
+            out = per_kv_head(out.float(), hkv, lambda x: torch.einsum("bhgd,hed->bhge", x, inv_v))
+        return out.to(q.dtype).unsqueeze(1), k, v
+
+    # ------------------------------------------------------------- fallback
+    def _fall_back(self, err: BaseException, done_layers: int) -> None:
+        """Switch to in-process layers: recompute the tokens before this forward
+        with the model, then add this forward's tokens of layers < done_layers."""
+        if not isinstance(err, FALLBACK_ERRORS):
+            raise err
+        self.adapter.broken(err)
+        dyn = DynamicCache(config=self.adapter.model.config)
+        if self._prefix is not None:
+            for l, layer in enumerate(dyn.layers):
+                layer.update(self._prefix[0][l], self._prefix[1][l])
+        elif self.length > 0:
+            if self._ids is None or self._ids.shape[1] != self.length:
+                raise RuntimeError("kvstore: cannot recompute the cache in-process: token ids unknown") from err
+            from .hf import set_decode_target
+            set_decode_target(None)
+            base = self.adapter.model.base_model
+            base(input_ids=self._ids.to(self.adapter.model.device), past_key_values=dyn, use_cache=True)
+        for l in range(done_layers):
+            dyn.layers[l].update(*self._step[l])
+        self.layers, self.local = dyn.layers, True
+        self.seq_ids = []
+
+    def _end_forward(self, n: int) -> None:
+        if self._ids is not None:
+            self._ids = torch.cat([self._ids, self._cur_ids.to(self._ids.device)], dim=1) \
+                if self._cur_ids is not None and self._cur_ids.shape[-1] == n else None
+        self._cur_ids = None
+        self._prefix = None
+        self._step = [None] * self.num_layers
+        if not self.local:
+            self.length += n
+
+    def release(self) -> None:
+        """Free the daemon sequences (best effort)."""
+        if self.seq_ids and not self.local:
+            try:
+                self.adapter.client().free(self.adapter.cache_name, self.seq_ids)
+            except FALLBACK_ERRORS:
+                pass
+        self.seq_ids = []
+
+
+def per_kv_head(x: torch.Tensor, hkv: int, fn) -> torch.Tensor:
+    """Apply fn to x [B, Hq, d] viewed as [B, Hkv, groups, d] (q head h reads KV head h // groups)."""
+    b, hq, d = x.shape
+    return fn(x.reshape(b, hkv, hq // hkv, d)).reshape(b, hq, d)
