@@ -11,6 +11,7 @@ import threading
 import grpc
 
 from . import wire
+from .call_scope import CudaScope, output_fields, tensor_fields
 from .codebooks import Codebooks
 from .config import CacheConfig, CodecConfig, ModelGeometry
 from .engine import Engine
@@ -169,14 +170,14 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
         """For calls naming a CUDA buffer: run on the daemon's stream after the
         client's ready event, record the done event after the outputs; no host
         synchronisation. A no-op context otherwise."""
-        ids = {t.ref.buffer_id for t in _tensor_fields(request) if t.WhichOneof("data") == "ref"}
-        ids |= {o.buffer_id for o in _output_fields(request) if o.buffer_id}
+        ids = {t.ref.buffer_id for t in tensor_fields(request) if t.WhichOneof("data") == "ref"}
+        ids |= {o.buffer_id for o in output_fields(request) if o.buffer_id}
         if getattr(request, "buffer_id", ""):
             ids.add(request.buffer_id)
         for bid in ids:
             events = self.buffers.cuda_events(bid) if self.buffers is not None else None
             if events is not None:
-                return _CudaScope(self._stream(events[0]), *events)
+                return CudaScope(self._stream(events[0]), *events)
         return contextlib.nullcontext()
 
     def _stream(self, event):
@@ -382,36 +383,6 @@ def _tier_stats(msg: pb.CacheStats, t: dict) -> None:
     if "disk" in t:
         msg.disk_bytes = t["disk"]["bytes"]
         msg.disk_entries = t["disk"]["entries"]
-
-
-class _CudaScope:
-    def __init__(self, stream, ready, done):
-        self.stream, self.ready, self.done = stream, ready, done
-
-    def __enter__(self):
-        import torch
-        # Also order against the daemon's other work (calls without CUDA
-        # buffers run on the default stream): device-side waits, no host sync.
-        self.default = torch.cuda.current_stream(self.stream.device)
-        self.stream.wait_stream(self.default)
-        self.stream.wait_event(self.ready)
-        self._ctx = torch.cuda.stream(self.stream)
-        self._ctx.__enter__()
-
-    def __exit__(self, *exc):
-        self.done.record(self.stream)
-        self._ctx.__exit__(*exc)
-        self.default.wait_stream(self.stream)
-
-
-def _tensor_fields(request):
-    return [getattr(request, f.name) for f in request.DESCRIPTOR.fields
-            if f.message_type is not None and f.message_type.name == "Tensor" and request.HasField(f.name)]
-
-
-def _output_fields(request):
-    return [getattr(request, f.name) for f in request.DESCRIPTOR.fields
-            if f.message_type is not None and f.message_type.name == "OutputRef" and request.HasField(f.name)]
 
 
 def _pool_bytes(cfg: CacheConfig) -> int:
