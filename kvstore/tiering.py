@@ -215,13 +215,12 @@ class Tiering:
             tail_payload = self.host.get(self.host.tail, s.tail, c.tail.k.device) if s.tail else None
             self.counters["page_ins_host"] += 1
         else:
-            got_h, got_o = self.disk.read_sequence(c.fingerprint, s.tenant, s.seq_id, s.manifest)
-            it_h, it_o = iter(got_h), iter(got_o)
-            rows = [next(it_h) if hx else next(it_o) for hx in s.manifest["sealed_hashes"]]
-            tails = [next(it_h) if hx else next(it_o) for hx in s.manifest["tail_hashes"]]
-            to_t = lambda rs: torch.from_numpy(np.stack([np.frombuffer(r, dtype=np.uint8) for r in rs]))  # noqa: E731
-            sealed_payload = to_t(rows) if rows else None
-            tail_payload = to_t(tails) if tails else None
+            pin = c.main_device.type == "cuda"
+            sealed_payload, tail_payload = self.disk.read_sequence(
+                c.fingerprint, s.tenant, s.seq_id, s.manifest, c.main.block_bytes(), c.tail.block_bytes(), pin)
+            if pin:   # one DMA each from pinned memory
+                sealed_payload = sealed_payload.to(c.main_device, non_blocking=True) if n_sealed else None
+                tail_payload = tail_payload.to(c.tail.k.device, non_blocking=True) if n_tail else None
             self.counters["page_ins_disk"] += 1
         todo = [i for i in range(n_sealed) if i not in gpu_hits]
         new = c.main_pool.allocate(len(todo))

@@ -17,6 +17,8 @@ from __future__ import annotations
 import json
 import struct
 
+import numpy as np
+
 import torch
 
 from .block_pool import BlockPool
@@ -114,14 +116,31 @@ class DiskTier:
         self.store.write_batch(puts, [], sync=sync)
         return nbytes
 
-    def read_sequence(self, fp: bytes, tenant: str, seq_id: str, manifest: dict) -> tuple[list[bytes], list[bytes]]:
-        hashed = [bytes.fromhex(h) for h in manifest["sealed_hashes"] + manifest["tail_hashes"] if h]
-        got_h = self.store.get_many([block_key(fp, h) for h in hashed])
-        n_other = manifest["n_other"]
-        got_o = self.store.get_many([seq_block_key(fp, tenant, seq_id, i) for i in range(n_other)])
-        if any(v is None for v in got_h) or any(v is None for v in got_o):
-            raise RuntimeError(f"sequence {seq_id!r} is incomplete on disk")
-        return got_h, got_o
+    def read_sequence(self, fp: bytes, tenant: str, seq_id: str, manifest: dict, main_bytes: int,
+                      tail_bytes: int, pin: bool) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """-> (sealed rows [n, main_bytes], tail rows [t, tail_bytes]) uint8, read
+        straight from LMDB's map into (pinned) host memory: one copy per block."""
+        other = iter(range(manifest["n_other"]))
+
+        def keys(hashes):
+            return [block_key(fp, bytes.fromhex(h)) if h else seq_block_key(fp, tenant, seq_id, next(other))
+                    for h in hashes]
+        sealed_keys, tail_keys = keys(manifest["sealed_hashes"]), keys(manifest["tail_hashes"])
+        out = []
+        with self.store.env.begin(buffers=True) as txn:
+            for ks, width in ((sealed_keys, main_bytes), (tail_keys, tail_bytes)):
+                if not ks:
+                    out.append(None)
+                    continue
+                rows = torch.empty((len(ks), width), dtype=torch.uint8, pin_memory=pin)
+                arr = rows.numpy()
+                for i, k in enumerate(ks):
+                    v = txn.get(k)
+                    if v is None or len(v) != width:
+                        raise RuntimeError(f"sequence {seq_id!r} is incomplete on disk")
+                    arr[i] = np.frombuffer(v, dtype=np.uint8)
+                out.append(rows)
+        return out[0], out[1]
 
     def delete_sequence(self, fp: bytes, tenant: str, seq_id: str, n_other: int) -> None:
         keys = [seq_block_key(fp, tenant, seq_id, i) for i in range(n_other)]
