@@ -157,8 +157,12 @@ class Engine:
             # Batches of several sequences are checked whole before any write.
             if len(seqs) > 1:
                 self._check_batch_room(cache, seqs, counts, layer, token_ids)
-            if layer is not None:        # decode: one scatter for the whole batch
-                cache.append_layer_batch(seqs, layer, k, v, counts)
+            if layer is not None:        # decode: one scatter, one encode for the whole batch
+                cache.defer_encodes()
+                try:
+                    cache.append_layer_batch(seqs, layer, k, v, counts)
+                finally:
+                    cache.flush_encodes()
             else:
                 off = 0
                 for i, (s, c) in enumerate(zip(seqs, counts)):
@@ -231,7 +235,11 @@ class Engine:
                 if any(s.pending):
                     raise FailedPrecondition("sequence_ids", f"sequence {s.seq_id!r} has uncommitted per-layer tokens")
             cache.resident(seqs)
-            return [cache.reserve(s, n) for s in seqs]
+            cache.defer_encodes()
+            try:
+                return [cache.reserve(s, n) for s in seqs]
+            finally:
+                cache.flush_encodes()
 
     def pool_tensors(self, name: str) -> dict[str, torch.Tensor]:
         """The cache's pool tensors, all layers, for MapPool."""

@@ -26,6 +26,29 @@ class ReserveResult:
 class WritePath:
     """Mixed into Cache; uses its pools, stores and counters."""
 
+    _deferred: list | None = None
+
+    def _encode(self, block_ids: list[int], k: torch.Tensor, v: torch.Tensor) -> None:
+        """Encode whole blocks now, or at flush_encodes() inside a batch."""
+        if self._deferred is not None:
+            self._deferred.append((block_ids, k, v))
+        else:
+            self.main.encode_blocks(ids_to(k.device, block_ids), k, v)
+
+    def defer_encodes(self) -> None:
+        """Until flush_encodes(), collect seals so a batch encodes in one launch
+        per layer and K/V, not one per sequence (the block data is already
+        copied out of the tail, so nothing reads it in between)."""
+        self._deferred = []
+
+    def flush_encodes(self) -> None:
+        todo, self._deferred = self._deferred, None
+        if todo:
+            ids = [b for blocks, _, _ in todo for b in blocks]
+            k = torch.cat([kk for _, kk, _ in todo], dim=1)
+            v = torch.cat([vv for _, _, vv in todo], dim=1)
+            self.main.encode_blocks(ids_to(k.device, ids), k, v)
+
     def _seal(self, s: Sequence, count: int, k: torch.Tensor | None, v: torch.Tensor | None) -> None:
         """Append `count` new sealed blocks; k, v [L, count * bs, Hkv, d] hold
         their tokens (unused for fp16, where the tail blocks are relabelled).
@@ -51,8 +74,7 @@ class WritePath:
         assert new is not None, "main-pool capacity was checked before sealing"
         if todo:
             sel = ids_to(k.device, [j * self.bs + t for j in todo for t in range(self.bs)])
-            self.main.encode_blocks(ids_to(k.device, new),
-                                    k.index_select(1, sel), v.index_select(1, sel))
+            self._encode(new, k.index_select(1, sel), v.index_select(1, sel))
         ids = [hits.get(j) for j in range(count)]
         for j, bid in zip(todo, new):
             ids[j] = bid
