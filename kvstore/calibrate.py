@@ -225,7 +225,9 @@ def capture(model, tok, text: str, n_windows: int, window: int = 2048, per_windo
 def train(model, sampler: Sampler, m: int, transform: Transform | None, niter: int = 20) -> Codebooks:
     import faiss
     from tqdm import tqdm
-    # One OpenMP thread: faiss's k-means threads spin and slow down tenfold on a busy machine.
+    # One OpenMP thread for k-means: its threads spin and slow down tenfold on a busy
+    # machine. The OpenMP runtime is shared with torch, so restore it afterwards.
+    threads = faiss.omp_get_max_threads()
     faiss.omp_set_num_threads(int(os.environ.get("KVSTORE_FAISS_THREADS", "1")))
     g = geometry_of(model)
     k, v = sampler.samples()
@@ -237,8 +239,11 @@ def train(model, sampler: Sampler, m: int, transform: Transform | None, niter: i
 
     def progress(done, total):
         bar.update(done - bar.n)
-    cb = train_codebooks(cfg, k.float(), v.float(), niter=niter, progress=progress)
-    bar.close()
+    try:
+        cb = train_codebooks(cfg, k.float(), v.float(), niter=niter, progress=progress)
+    finally:
+        faiss.omp_set_num_threads(threads)
+        bar.close()
     return cb
 
 

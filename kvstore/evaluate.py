@@ -26,10 +26,12 @@ import argparse
 import contextlib
 import math
 import os
+import re
 import sys
 import time
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -74,19 +76,39 @@ def exact_attention(q, k, v, scaling):
 # ------------------------------------------------------------- quantizers
 class SimQuantizer:
     """The codec in-process: fp16 storage, nearest centroid per sub-vector
-    (as kernels.reference.pq_encode), centroids read back in fp16."""
+    (as kernels.reference.pq_encode; faiss's encoder when faiss is there, which
+    is ~25x faster on CPU), centroids read back in fp16."""
 
     def __init__(self, cb: Codebooks, transform: Transform | None = None):
         self.cb, self.t = cb, transform
         self.norms = {w: (getattr(cb, w) ** 2).sum(-1) for w in ("k", "v")}      # [L, Hkv, M, 256]
+        self._faiss: dict[tuple[int, str], list] = {}
 
-    def _roundtrip(self, x: torch.Tensor, layer: int, which: str) -> torch.Tensor:
+    def _codes(self, xs: torch.Tensor, layer: int, which: str) -> torch.Tensor:
+        """xs [n, Hkv, d] fp32 -> codes [n, Hkv, M]."""
         cb = getattr(self.cb, which)[layer]                                       # [Hkv, M, 256, dsub]
         h, m, c, dsub = cb.shape
+        try:
+            import faiss
+        except ImportError:
+            dist = self.norms[which][layer] - 2 * torch.einsum("nhmd,hmcd->nhmc", xs.reshape(-1, h, m, dsub), cb)
+            return dist.argmin(-1)
+        if (layer, which) not in self._faiss:
+            pqs = []
+            for i in range(h):
+                pq = faiss.ProductQuantizer(m * dsub, m, 8)
+                faiss.copy_array_to_vector(cb[i].contiguous().numpy().ravel(), pq.centroids)
+                pqs.append(pq)
+            self._faiss[(layer, which)] = pqs
+        pqs = self._faiss[(layer, which)]
+        codes = [pqs[i].compute_codes(xs[:, i].contiguous().numpy()) for i in range(h)]
+        return torch.from_numpy(np.stack(codes, 1)).long()
+
+    def _roundtrip(self, x: torch.Tensor, layer: int, which: str) -> torch.Tensor:
+        cb = getattr(self.cb, which)[layer]
+        h, m, c, dsub = cb.shape
         xs = (self.t.forward(x, layer, which) if self.t else x).half().float()   # what the daemon stores
-        xs = xs.reshape(-1, h, m, dsub)
-        dist = self.norms[which][layer] - 2 * torch.einsum("nhmd,hmcd->nhmc", xs, cb)
-        codes = dist.argmin(-1)                                                   # [n, Hkv, M]
+        codes = self._codes(xs, layer, which)                                     # [n, Hkv, M]
         deq = cb.half().float()[torch.arange(h)[:, None], torch.arange(m)[None], codes]   # [n, Hkv, M, dsub]
         deq = deq.reshape(x.shape)
         return self.t.inverse(deq, layer, which) if self.t else deq
@@ -203,8 +225,11 @@ class Row:
 
     @staticmethod
     def parse(spec: str) -> "Row":
-        """LABEL=key=val,key=val with keys cb, proto, sinks, R, transform."""
-        label, _, rest = spec.partition("=")
+        """LABEL=key=val,key=val with keys cb, proto, sinks, R, transform ("fp16=" for the baseline)."""
+        cut = re.search(r"=(?=(?:cb|proto|sinks|R|transform)=|$)", spec)
+        if cut is None:
+            raise ValueError(f"--row {spec!r}: expected LABEL=cb=PATH,...")
+        label, rest = spec[:cut.start()], spec[cut.end():]
         kw = dict(p.split("=", 1) for p in rest.split(",") if p)
         return Row(label, kw.get("cb") or None, kw.get("proto", "i"), int(kw.get("sinks", 0)),
                    int(kw.get("R", 128)), kw.get("transform", "auto"))
