@@ -175,12 +175,14 @@ def qaware_transform(model, q_moments: torch.Tensor) -> Transform:
 
 # --------------------------------------------------------------- capture
 class Sampler:
-    """Attention handler (kvstore.evaluate.attention_handler) that keeps a random
-    subset of K/V rows per window (skipping the first `skip` sink positions) and
-    sums q q^T per KV head, then runs exact attention."""
+    """Attention handler (kvstore.evaluate.attention_handler) that keeps, per
+    window, the K/V rows of the first `sink_rows` positions (attention sinks:
+    far from every other token, they need centroids of their own) plus
+    `per_window` random later rows, and sums q q^T per KV head; then it runs
+    exact attention."""
 
-    def __init__(self, geom: ModelGeometry, per_window: int, skip: int = 0, seed: int = 0):
-        self.g, self.per_window, self.skip = geom, per_window, skip
+    def __init__(self, geom: ModelGeometry, per_window: int, sink_rows: int = 16, seed: int = 0):
+        self.g, self.per_window, self.sink_rows = geom, per_window, sink_rows
         self.k: list[list[torch.Tensor]] = [[] for _ in range(geom.num_layers)]
         self.v: list[list[torch.Tensor]] = [[] for _ in range(geom.num_layers)]
         self.qq = torch.zeros(geom.num_layers, geom.num_kv_heads, geom.head_dim, geom.head_dim, dtype=torch.float64)
@@ -191,8 +193,10 @@ class Sampler:
         from .evaluate import exact_attention
         n = k.shape[2]                                            # q [1, Hq, n, d], k/v [1, Hkv, n, d]
         if layer == 0:
-            pool = torch.arange(self.skip, n)
-            self._rows = pool[torch.randperm(len(pool), generator=self.gen)[:self.per_window]]
+            s = min(self.sink_rows, n)
+            pool = torch.arange(s, n)
+            rand = pool[torch.randperm(len(pool), generator=self.gen)[:self.per_window]]
+            self._rows = torch.cat([torch.arange(s), rand])
         rows = self._rows
         self.k[layer].append(k[0, :, rows].transpose(0, 1).half())  # [r, Hkv, d]
         self.v[layer].append(v[0, :, rows].transpose(0, 1).half())
@@ -205,8 +209,8 @@ class Sampler:
         return (torch.stack([torch.cat(x) for x in self.k]), torch.stack([torch.cat(x) for x in self.v]))
 
 
-def capture(model, tok, text: str, n_windows: int, window: int = 2048, per_window: int = 1024,
-            skip: int = 0, seed: int = 0) -> Sampler:
+def capture(model, tok, text: str, n_windows: int, window: int = 2048, per_window: int = 512,
+            sink_rows: int = 16, seed: int = 0) -> Sampler:
     """Run the model over n_windows windows spread evenly over `text`."""
     from tqdm import tqdm
 
@@ -215,7 +219,7 @@ def capture(model, tok, text: str, n_windows: int, window: int = 2048, per_windo
     all_w = windows(ids, window)
     step = max(1, len(all_w) // n_windows)
     chosen = all_w[::step][:n_windows]
-    sampler = Sampler(geometry_of(model), per_window, skip, seed)
+    sampler = Sampler(geometry_of(model), per_window, sink_rows, seed)
     with torch.no_grad(), attention_handler(model, sampler):
         for w in tqdm(chosen, desc="calibration windows", file=sys.stderr):
             model.model(input_ids=torch.tensor([w]), use_cache=False)
@@ -253,7 +257,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--bits", type=int, nargs="+", default=[4, 2], choices=[4, 2], help="4: M=d/2, 2: M=d/4")
     p.add_argument("--windows", type=int, default=32, help="2,048-token windows spread over the text")
     p.add_argument("--per-window", type=int, default=512, help="K/V rows sampled per window")
-    p.add_argument("--skip", type=int, default=16, help="first positions of a window left out (fp16 sinks)")
+    p.add_argument("--sink-rows", type=int, default=16, help="first positions of every window always sampled")
     p.add_argument("--transform", choices=["none", "qaware"], default="qaware")
     p.add_argument("--niter", type=int, default=20)
     p.add_argument("--threads", type=int, default=2)
@@ -270,7 +274,7 @@ def main(argv: list[str] | None = None) -> None:
     model, tok = load_smollm2()
     text = read_text(CALIB_DIRS)
     print(f"calibration text: {', '.join(CALIB_DIRS)} ({len(text):,} chars), {args.windows} windows", flush=True)
-    sampler = capture(model, tok, text, args.windows, per_window=args.per_window, skip=args.skip)
+    sampler = capture(model, tok, text, args.windows, per_window=args.per_window, sink_rows=args.sink_rows)
     transform = qaware_transform(model, sampler.qq) if args.transform == "qaware" else None
     for bits in args.bits:
         m = geometry_of(model).head_dim // (2 if bits == 4 else 4)

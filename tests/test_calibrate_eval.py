@@ -107,12 +107,13 @@ def test_calibrate_tiny_model(tmp_path):
     pytest.importorskip("faiss")
     model = tiny_llama()
     geom = C.geometry_of(model)
-    sampler = C.Sampler(geom, per_window=96, skip=4)
+    sampler = C.Sampler(geom, per_window=96, sink_rows=4)
     with torch.no_grad(), E.attention_handler(model, sampler):
         for s in range(3):
             model.model(input_ids=torch.randint(0, 128, (1, 128), generator=torch.Generator().manual_seed(s)))
     k, v = sampler.samples()
-    assert k.shape == (2, 288, 2, 16)
+    assert k.shape == (2, 300, 2, 16)
+    assert torch.equal(sampler._rows[:4], torch.arange(4))
     tr = C.qaware_transform(model, sampler.qq)
     for m in (8, 4):
         cb = C.train(model, sampler, m, tr, niter=2)
