@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from kvstore import cuda_ipc, wire
-from kvstore.pinned import to_device
+from kvstore.pinned import block_table, to_device
 from kvstore.v1 import kvstore_pb2 as pb
 
 from .client import KVStoreClient
@@ -76,15 +76,15 @@ class MappedCache:
         dev = self.device
         blocks = to_device(slots // self.bs, dev)
         offsets = to_device(slots % self.bs, dev)
-        sealed = _table([list(r.sealed_blocks) for r in rs], dev)
+        sealed = block_table([list(r.sealed_blocks) for r in rs], dev)
         if self.is_pq:
-            tail = _table([list(r.tail_blocks) for r in rs], dev)
+            tail = block_table([list(r.tail_blocks) for r in rs], dev)
             sealed_lens = [len(r.sealed_blocks) * self.bs for r in rs]
             tail_lens = [r.length - sl for r, sl in zip(rs, sealed_lens)]
             kp = plan_pq_decode(sealed_lens, tail_lens, num_qo_heads=self.hq, num_kv_heads=self.hkv,
                                 head_dim=self.d, block_size=self.bs, tail_block_size=self.bs, device=dev)
         else:
-            tail = _table([list(r.sealed_blocks) + list(r.tail_blocks) for r in rs], dev)
+            tail = block_table([list(r.sealed_blocks) + list(r.tail_blocks) for r in rs], dev)
             kp = plan_paged_decode([r.length for r in rs], num_qo_heads=self.hq, num_kv_heads=self.hkv,
                                    head_dim=self.d, block_size=self.bs, device=dev)
         out = torch.empty(len(rs), self.hq, self.d, dtype=self._dtype(), device=dev)
@@ -118,11 +118,3 @@ class MappedCache:
         for a in self._allocs:
             a.close()
         self._allocs.clear()
-
-
-def _table(rows: list[list[int]], device) -> torch.Tensor:
-    t = torch.zeros(len(rows), max(1, max(len(r) for r in rows)), dtype=torch.int32)
-    for i, r in enumerate(rows):
-        if r:
-            t[i, :len(r)] = torch.tensor(r, dtype=torch.int32)
-    return to_device(t, device)

@@ -20,6 +20,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kvstore.pinned import to_device
+
 _SRC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cuda_pq.cu")
 _cupy = None
 _cupy_failed = False
@@ -27,12 +29,6 @@ _modules: dict = {}
 _streams: dict = {}
 NUM_WARPS = int(os.environ.get("KVSTORE_CUDA_PQ_WARPS", "16"))
 
-
-def _to_dev(t: torch.Tensor, dev: torch.device) -> torch.Tensor:
-    # Through a pinned ring: a pageable copy would wait for the stream to drain,
-    # i.e. for the previous step's layers, and serialise CPU and GPU.
-    from kvstore.pinned import to_device
-    return to_device(t, dev)
 
 
 def _cp():
@@ -289,8 +285,8 @@ def plan_pq_decode(sl: list[int], tl_: list[int], *, num_qo_heads: int, num_kv_h
     n = len(items) // 5
     hq, d = num_qo_heads, head_dim
     plan = CudaPQPlan(
-        items=_to_dev(torch.tensor(items, dtype=torch.int32).reshape(n, 5), dev),
-        item_ptr=_to_dev(torch.tensor(ptr, dtype=torch.int32), dev),
+        items=to_device(torch.tensor(items, dtype=torch.int32).reshape(n, 5), dev),
+        item_ptr=to_device(torch.tensor(ptr, dtype=torch.int32), dev),
         o_part=torch.empty(max(n, 1), hq, d, dtype=torch.float32, device=dev),
         lse_part=torch.empty(max(n, 1), hq, dtype=torch.float32, device=dev),
         batch=len(sl), num_qo_heads=hq, num_kv_heads=num_kv_heads, head_dim=d,
@@ -321,32 +317,9 @@ class CudaPQEncodePlan:
     tokens_per_thread: int = 4
 
     def run(self, x, slots, k_codes=None, v_codes=None) -> None:
+        from .pq_encode import check_encode_args
         hkv, m, dsub = self.num_kv_heads, self.m, self.dsub
-        if (k_codes is None) == (v_codes is None):
-            raise ValueError("give exactly one of k_codes or v_codes")
-        if x.dim() != 3 or x.shape[1] != hkv or x.shape[2] != m * dsub:
-            raise ValueError(f"x must be [N, {hkv}, {m * dsub}], got {tuple(x.shape)}")
-        if x.dtype not in (torch.float16, torch.bfloat16, torch.float32) or x.stride(2) != 1:
-            raise ValueError("x must be fp16/bf16/fp32 and contiguous in its last dim")
-        if slots.dim() != 1 or slots.shape[0] != x.shape[0] or slots.dtype not in (
-                torch.int32, torch.int64):
-            raise ValueError(f"slots must be int32/int64 [{x.shape[0]}], got {slots.dtype} "
-                             f"{tuple(slots.shape)}")
-        codes, name = (k_codes, "k_codes") if k_codes is not None else (v_codes, "v_codes")
-        if codes.dtype != torch.uint8 or codes.dim() != 4 or codes.shape[1] != hkv:
-            raise ValueError(f"{name} must be uint8 [nb, {hkv}, ., .], got {codes.dtype} "
-                             f"{tuple(codes.shape)}")
-        for t, nm in ((x, "x"), (slots, "slots"), (codes, name)):
-            if t.device != self.cpre.device:
-                raise ValueError(f"{nm} is on {t.device}, the plan on {self.cpre.device}")
-        if k_codes is not None:
-            if k_codes.shape[3] != m:
-                raise ValueError(f"k_codes last dim must be M={m}")
-            bs, so_off, so_m = k_codes.shape[2], k_codes.stride(2), k_codes.stride(3)
-        else:
-            if v_codes.shape[2] != m:
-                raise ValueError(f"v_codes dim 2 must be M={m}")
-            bs, so_off, so_m = v_codes.shape[3], v_codes.stride(3), v_codes.stride(2)
+        codes, bs, so_off, so_m = check_encode_args(x, slots, k_codes, v_codes, hkv, m, dsub, self.cpre.device)
         n = x.shape[0]
         if n == 0:
             return

@@ -20,17 +20,13 @@ from dataclasses import dataclass
 import torch
 import triton
 
+from kvstore.pinned import to_device
+
 from ._decode_kernels import _decode_kernel, _merge_kernel
 
 _PQ, _DENSE = 0, 1
 _FLOAT = (torch.float16, torch.bfloat16, torch.float32)
 
-
-def _to_dev(t: torch.Tensor, dev: torch.device) -> torch.Tensor:
-    # Through a pinned ring: a pageable copy would wait for the stream to drain,
-    # i.e. for the previous step's layers, and serialise CPU and GPU.
-    from kvstore.pinned import to_device
-    return to_device(t, dev)
 
 
 def _num_sms(device: torch.device) -> int:
@@ -206,8 +202,8 @@ def _finish(items, ptr, batch, hq, d, device, **kw) -> DecodePlan:
     per_seq = max([ptr[i + 1] - ptr[i] for i in range(batch)] + [1])
     dev = torch.device(device)
     return DecodePlan(
-        items=_to_dev(torch.tensor(items, dtype=torch.int32).reshape(n, 4), dev),
-        item_ptr=_to_dev(torch.tensor(ptr, dtype=torch.int32), dev),
+        items=to_device(torch.tensor(items, dtype=torch.int32).reshape(n, 4), dev),
+        item_ptr=to_device(torch.tensor(ptr, dtype=torch.int32), dev),
         o_part=torch.empty(max(n, 1), hq, d, dtype=torch.float32, device=dev),
         lse_part=torch.empty(max(n, 1), hq, dtype=torch.float32, device=dev),
         batch=batch, num_qo_heads=hq, head_dim=d, max_items=triton.next_power_of_2(per_seq),

@@ -114,11 +114,6 @@ class BlockPool:
             blk.hash = None
         self._by_hash.clear()
 
-    def touch(self, block_ids: list[int]) -> None:
-        now = time.monotonic()
-        for bid in block_ids:
-            self.blocks[bid].last_use = now
-
     def stats(self) -> PoolStats:
         cached = sum(1 for bid in self._free if self.blocks[bid].hash is not None)
         return PoolStats(capacity=self.capacity, used=self.capacity - len(self._free),

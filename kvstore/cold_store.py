@@ -10,23 +10,12 @@ import os
 import threading
 from typing import Iterable, Iterator, Protocol
 
-PAGE = 4096
-OVERFLOW_HEADER = 16     # an LMDB overflow run starts with a 16-byte page header
-
-
 class ColdStore(Protocol):
     def put_many(self, items: Iterable[tuple[bytes, bytes]], sync: bool = ...) -> None: ...
     def get_many(self, keys: list[bytes]) -> list[bytes | None]: ...
     def contains(self, key: bytes) -> bool: ...
     def delete_many(self, keys: Iterable[bytes]) -> None: ...
     def scan(self, prefix: bytes) -> Iterator[tuple[bytes, bytes]]: ...
-
-
-def padded_size(n: int) -> int:
-    """Value size that fills whole LMDB overflow pages (large values occupy
-    ceil((n + 16) / 4096) pages: a 4096-byte value takes two)."""
-    pages = max(1, -(-(n + OVERFLOW_HEADER) // PAGE))
-    return pages * PAGE - OVERFLOW_HEADER
 
 
 class LMDBStore:

@@ -84,9 +84,6 @@ class Engine:
         return self.set_codebooks(name, cb)
 
     # ------------------------------------------------------------ checks
-    def _seq(self, cache: Cache, tenant: str, seq_id: str) -> Sequence:
-        return cache.seq(tenant, seq_id)
-
     def _seqs(self, cache: Cache, tenant: str, seq_ids: list[str], unique: bool) -> list[Sequence]:
         if not seq_ids:
             raise InvalidArgument("sequence_ids", "empty batch")
@@ -186,19 +183,25 @@ class Engine:
             main, tail, freed = main + m, tail + t, freed + f
         cache.check_room(main, tail, freed)
 
+    def _query(self, cache: Cache, seqs: list[Sequence], q: torch.Tensor,
+               scale: float) -> tuple[torch.Tensor, float]:
+        """Checks shared by the attend paths -> (q on the cache device, scale)."""
+        g = cache.cfg.geometry
+        q = self._tensor(cache, q, "q", (len(seqs), g.num_q_heads, g.head_dim))
+        if scale < 0 or not math.isfinite(scale):
+            raise InvalidArgument("scale", f"must be finite and >= 0, got {scale}")
+        return q, scale or 1.0 / math.sqrt(g.head_dim)
+
     def attend(self, name: str, tenant: str, layer: int, seq_ids: list[str], q: torch.Tensor,
                scale: float = 0.0) -> torch.Tensor:
         """q [B, Hq, d] -> out [B, Hq, d] in the cache dtype."""
         with self.lock:
             cache = self.cache(name)
-            g = cache.cfg.geometry
             self._layer(cache, layer)
             seqs = self._seqs(cache, tenant, seq_ids, unique=False)
-            q = self._tensor(cache, q, "q", (len(seqs), g.num_q_heads, g.head_dim))
-            if scale < 0 or not math.isfinite(scale):
-                raise InvalidArgument("scale", f"must be finite and >= 0, got {scale}")
+            q, scale = self._query(cache, seqs, q, scale)
             cache.resident(seqs)
-            return cache.attend(layer, seqs, q, scale or 1.0 / math.sqrt(g.head_dim))
+            return cache.attend(layer, seqs, q, scale)
 
     def append_attend(self, name: str, tenant: str, layer: int, seq_ids: list[str], k: torch.Tensor,
                       v: torch.Tensor, q: torch.Tensor, scale: float = 0.0) -> torch.Tensor:
@@ -206,14 +209,11 @@ class Engine:
         sequence), q [B, Hq, d] -> out [B, Hq, d]."""
         with self.lock:
             cache = self.cache(name)
-            g = cache.cfg.geometry
             self._layer(cache, layer)
             seqs = self._seqs(cache, tenant, seq_ids, unique=True)
-            q = self._tensor(cache, q, "q", (len(seqs), g.num_q_heads, g.head_dim))
-            if scale < 0 or not math.isfinite(scale):
-                raise InvalidArgument("scale", f"must be finite and >= 0, got {scale}")
+            q, scale = self._query(cache, seqs, q, scale)
             self.append(name, tenant, seq_ids, k, v, [1] * len(seqs), layer=layer)
-            return cache.attend(layer, seqs, q, scale or 1.0 / math.sqrt(g.head_dim))
+            return cache.attend(layer, seqs, q, scale)
 
     def reserve(self, name: str, tenant: str, seq_id: str, n: int) -> ReserveResult:
         with self.lock:
@@ -326,11 +326,6 @@ class Engine:
         with self.lock:
             cache = self.cache(name)
             return [self.sequence_info(name, tenant, sid) for (t, sid) in sorted(cache.seqs) if t == tenant]
-
-    def block_refs(self, name: str, block_ids: list[int]) -> list[int]:
-        with self.lock:
-            pool = self.cache(name).main_pool
-            return [pool.blocks[b].ref_cnt if 0 <= b < pool.capacity else -1 for b in block_ids]
 
     def stats(self) -> dict[str, dict]:
         with self.lock:

@@ -50,6 +50,15 @@ _ring: _Ring | None = None
 _ring_lock = threading.Lock()
 
 
+def block_table(rows: list[list[int]], device) -> torch.Tensor:
+    """Ragged block-id lists -> int32 [len(rows), max len] (zero-padded) on device."""
+    t = torch.zeros(len(rows), max(1, max(len(r) for r in rows)), dtype=torch.int32)
+    for i, r in enumerate(rows):
+        if r:
+            t[i, :len(r)] = torch.tensor(r, dtype=torch.int32)
+    return to_device(t, device)
+
+
 def to_device(t: torch.Tensor, device) -> torch.Tensor:
     """CPU tensor -> the same values on device, without synchronising."""
     device = torch.device(device)

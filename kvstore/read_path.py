@@ -10,7 +10,7 @@ from kvstore.kernels import dispatch
 
 from .errors import InvalidArgument
 from .sequence import Sequence
-from .pinned import to_device
+from .pinned import block_table
 from .storage import ids_to
 
 
@@ -27,17 +27,17 @@ class ReadPath:
             if s.layer_length(layer) == 0:
                 raise InvalidArgument("sequence_ids", f"sequence {s.seq_id!r} has no tokens at layer {layer}")
         if self.is_pq:
-            sealed = _table([s.sealed for s in seqs], dev)
+            sealed = block_table([s.sealed for s in seqs], dev)
             # Lengths stay host lists: the kernels plan on the host, and a device
             # tensor would cost a synchronisation to read back.
             sealed_lens = [len(s.sealed) * self.bs for s in seqs]
-            tail = _table([s.tail for s in seqs], dev)
+            tail = block_table([s.tail for s in seqs], dev)
             tail_lens = [s.layer_length(layer) - len(s.sealed) * self.bs for s in seqs]
             out, _ = dispatch.pq_decode_attention(
                 q, self.main.k_codes[layer], self.main.v_codes[layer], self.main.k_cb[layer], self.main.v_cb[layer],
                 sealed, sealed_lens, self.tail.k[layer], self.tail.v[layer], tail, tail_lens, scale)
         else:
-            table = _table([s.sealed + s.tail for s in seqs], dev)
+            table = block_table([s.sealed + s.tail for s in seqs], dev)
             lens = [s.layer_length(layer) for s in seqs]
             out, _ = dispatch.paged_decode_attention(q, self.main.k[layer], self.main.v[layer], table, lens, scale)
         now = time.monotonic()
@@ -69,13 +69,3 @@ class ReadPath:
             parts_v.append(v[:, t0 - b0 * self.bs:t1 - b0 * self.bs])
         s.last_use = time.monotonic()
         return torch.cat(parts_k, dim=1), torch.cat(parts_v, dim=1)
-
-
-def _table(rows: list[list[int]], device) -> torch.Tensor:
-    width = max(1, max(len(r) for r in rows))
-    t = torch.zeros(len(rows), width, dtype=torch.int32)
-    for i, r in enumerate(rows):
-        if r:
-            t[i, :len(r)] = torch.tensor(r, dtype=torch.int32)
-    return to_device(t, device)   # no wait for the GPU
-

@@ -142,8 +142,7 @@ class Tiering:
             payload = c.tail.pack(ids_to(c.tail.k.device, s.tail))
             h.put(h.tail, tail_ids, payload)
             self.counters["bytes_down"] += payload.numel()
-        c.tail_pool.release(s.tail[::-1])
-        c.main_pool.release(s.sealed[::-1])
+        self._release(s)
         s.sealed, s.tail, s.tier = host_main, tail_ids, "host"
         self.counters["offloads_host"] += 1
 

@@ -148,11 +148,8 @@ def to_proto(x: torch.Tensor, buffers: BufferRegistry | None = None, out: pb.Out
     msg = pb.Tensor(shape=list(x.shape), dtype=TO_PROTO[x.dtype])
     raw = x.view(torch.uint8).reshape(-1) if x.numel() else torch.empty(0, dtype=torch.uint8, device=x.device)
     if into is not None:
-        buf = into
-        if out.offset % x.element_size() or out.offset + raw.numel() > buf.numel():
-            raise InvalidArgument(field, f"output needs bytes [{out.offset}, {out.offset + raw.numel()}) "
-                                  f"of a {buf.numel()}-byte buffer, aligned to {x.element_size()}")
-        buf[out.offset:out.offset + raw.numel()].copy_(raw)
+        check_output(buffers, out, raw.numel(), x.element_size(), field)
+        into[out.offset:out.offset + raw.numel()].copy_(raw)
         msg.ref.buffer_id = out.buffer_id
         msg.ref.offset = out.offset
     else:

@@ -180,16 +180,19 @@ class WritePath:
         s.last_use = time.monotonic()
         self.counters["appended_tokens"] += n
 
+    def _tail_slots(self, s: Sequence, start: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(tail block, offset) of tokens [start, start + n), host long tensors."""
+        pos = torch.arange(start, start + n) - len(s.sealed) * self.bs
+        return torch.tensor(s.tail, dtype=torch.long)[pos // self.bs], pos % self.bs
+
     def _write_tail(self, s: Sequence, layers: slice, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Write tokens [start, start + n) of k, v [nl, n, Hkv, d] into the tail."""
         n = k.shape[1]
         if n == 0:
             return
-        pos = torch.arange(start, start + n) - len(s.sealed) * self.bs
-        tail_ids = torch.tensor(s.tail, dtype=torch.long)
-        blocks = ids_to(self.tail.k.device, tail_ids[pos // self.bs])
-        offs = ids_to(self.tail.k.device, pos % self.bs)
-        self.tail.write(layers, blocks, offs, k, v)
+        blocks, offs = self._tail_slots(s, start, n)
+        dev = self.tail.k.device
+        self.tail.write(layers, ids_to(dev, blocks), ids_to(dev, offs), k, v)
 
     def append_layer(self, s: Sequence, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """One layer, n tokens: k, v [n, Hkv, d]. Tokens commit (and seal) once
@@ -208,17 +211,14 @@ class WritePath:
         if len(seqs) == 1:
             main_need, need, _ = self.room_needed(seqs[0], counts[0], layer)
             self.check_room(main_need, need, 0)
-        blocks, offs = [], []
+        slots = []
         for s, n in zip(seqs, counts):
             start = s.length + s.pending[layer]
             s.tail += self._alloc_tail(max(0, math.ceil((start + n) / self.bs) - len(s.sealed) - len(s.tail)))
-            base = len(s.sealed) * self.bs
-            for p in range(start - base, start - base + n):
-                blocks.append(s.tail[p // self.bs])
-                offs.append(p % self.bs)
+            slots.append(self._tail_slots(s, start, n))
         dev = self.tail.k.device
-        self.tail.write(slice(layer, layer + 1), ids_to(dev, blocks), ids_to(dev, offs),
-                        k.unsqueeze(0), v.unsqueeze(0))
+        self.tail.write(slice(layer, layer + 1), ids_to(dev, torch.cat([b for b, _ in slots])),
+                        ids_to(dev, torch.cat([o for _, o in slots])), k.unsqueeze(0), v.unsqueeze(0))
         now = time.monotonic()
         for s, n in zip(seqs, counts):
             s.pending[layer] += n
