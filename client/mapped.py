@@ -9,8 +9,15 @@ sealing, eviction and codebooks. One Reserve per step is the only RPC.
             mc.write(plan, layer, k, v)           # k, v [B, Hkv, d] into the reserved fp16 slots
             out = mc.attend(plan, layer, q)       # q [B, Hq, d] -> [B, Hq, d]
 
-Per-layer calls allocate nothing and never synchronise with the host, so a
-step's layers can be captured in a CUDA graph after `step`.
+Per-layer calls allocate nothing and never synchronise with the host. For a
+decode loop under a CUDA graph (as vLLM runs decode), make the plan once with
+fixed-size buffers and refill it each step; the graph captures all layers:
+
+        plan = mc.step(seq_ids, max_tokens=4096)      # buffers sized for the longest sequence
+        graph = capture(lambda: model_step(plan))       # write()/attend() of every layer
+        for step in range(n):
+            mc.step(seq_ids, into=plan)               # Reserve + stream-ordered refills
+            graph.replay()
 """
 from __future__ import annotations
 
@@ -20,7 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from kvstore import cuda_ipc, wire
-from kvstore.pinned import block_table, to_device
+from kvstore.pinned import block_table, copy_into, to_device
 from kvstore.v1 import kvstore_pb2 as pb
 
 from .client import KVStoreClient
@@ -62,9 +69,14 @@ class MappedCache:
         if self.sync is None:
             raise RuntimeError("the daemon refused a CUDA buffer: mapped attend needs the daemon on this GPU")
 
-    def step(self, seq_ids: list[str], n: int = 1) -> StepPlan:
-        """Commit the previous step's tokens and reserve n more per sequence."""
-        from kvstore.kernels.decode_attention import plan_paged_decode, plan_pq_decode
+    def step(self, seq_ids: list[str], n: int = 1, *, into: StepPlan | None = None,
+             max_tokens: int | None = None) -> StepPlan:
+        """Commit the previous step's tokens and reserve n more per sequence.
+
+        For CUDA graphs: `max_tokens` (the longest a sequence will get) makes a
+        plan whose buffers have fixed sizes; pass it back as `into=` on later
+        steps to refill those same buffers (stream-ordered copies), so a graph
+        captured over write()/attend() with it replays the new step."""
         stream = torch.cuda.current_stream(self.device)
         with self.kv._lock:
             self.sync.ready.record(stream)
@@ -73,23 +85,64 @@ class MappedCache:
             stream.wait_event(self.sync.done)
         rs = reply.reservations
         slots = torch.tensor([s for r in rs for s in r.slot_mapping], dtype=torch.int64)
-        dev = self.device
-        blocks = to_device(slots // self.bs, dev)
-        offsets = to_device(slots % self.bs, dev)
-        sealed = block_table([list(r.sealed_blocks) for r in rs], dev)
         if self.is_pq:
-            tail = block_table([list(r.tail_blocks) for r in rs], dev)
-            sealed_lens = [len(r.sealed_blocks) * self.bs for r in rs]
-            tail_lens = [r.length - sl for r, sl in zip(rs, sealed_lens)]
-            kp = plan_pq_decode(sealed_lens, tail_lens, num_qo_heads=self.hq, num_kv_heads=self.hkv,
-                                head_dim=self.d, block_size=self.bs, tail_block_size=self.bs, device=dev)
+            sealed_rows = [list(r.sealed_blocks) for r in rs]
+            tail_rows = [list(r.tail_blocks) for r in rs]
+            lens = ([len(r.sealed_blocks) * self.bs for r in rs],)
+            lens += ([r.length - sl for r, sl in zip(rs, lens[0])],)
         else:
-            tail = block_table([list(r.sealed_blocks) + list(r.tail_blocks) for r in rs], dev)
-            kp = plan_paged_decode([r.length for r in rs], num_qo_heads=self.hq, num_kv_heads=self.hkv,
-                                   head_dim=self.d, block_size=self.bs, device=dev)
+            sealed_rows = [[] for _ in rs]
+            tail_rows = [list(r.sealed_blocks) + list(r.tail_blocks) for r in rs]
+            lens = ([r.length for r in rs],)
+        if into is not None:
+            return self._refill(into, slots, sealed_rows, tail_rows, lens)
+        dev = self.device
+        if max_tokens is None:
+            blocks, offsets = to_device(slots // self.bs, dev), to_device(slots % self.bs, dev)
+            sealed, tail = block_table(sealed_rows, dev), block_table(tail_rows, dev)
+        else:
+            cols = -(-max_tokens // self.bs) + 1
+            blocks = torch.empty(len(slots), dtype=torch.int64, device=dev)
+            offsets = torch.empty_like(blocks)
+            sealed = torch.zeros(len(rs), cols, dtype=torch.int32, device=dev)
+            tail = torch.zeros_like(sealed)
+        kp = self._plan(lens, spare=None if max_tokens is None else len(rs))
         out = torch.empty(len(rs), self.hq, self.d, dtype=self._dtype(), device=dev)
         lse = torch.empty(len(rs), self.hq, dtype=torch.float32, device=dev)
-        return StepPlan(blocks, offsets, sealed, tail, kp, out, lse)
+        plan = StepPlan(blocks, offsets, sealed, tail, kp, out, lse)
+        if max_tokens is not None:
+            self._refill(plan, slots, sealed_rows, tail_rows, lens, replan=False)
+        return plan
+
+    def _plan(self, lens, spare):
+        from kvstore.kernels.decode_attention import plan_paged_decode, plan_pq_decode
+        kw = dict(num_qo_heads=self.hq, num_kv_heads=self.hkv, head_dim=self.d, block_size=self.bs,
+                  device=self.device, spare_items=spare)
+        if self.is_pq:
+            return plan_pq_decode(*lens, tail_block_size=self.bs, **kw)
+        return plan_paged_decode(*lens, **kw)
+
+    def _refill(self, plan: StepPlan, slots, sealed_rows, tail_rows, lens, replan: bool = True) -> StepPlan:
+        if slots.numel() != plan.blocks.numel() or len(sealed_rows) != plan.out.shape[0]:
+            raise ValueError(f"into: the plan holds {plan.out.shape[0]} sequences x "
+                             f"{plan.blocks.numel() // max(1, plan.out.shape[0])} tokens; this step has "
+                             f"{len(sealed_rows)} x {slots.numel() // max(1, len(sealed_rows))}")
+        cols = plan.sealed_tables.shape[1]
+        tables = torch.zeros(2, len(sealed_rows), cols, dtype=torch.int32)
+        for which, rows in enumerate((sealed_rows, tail_rows)):
+            for i, r in enumerate(rows):
+                if len(r) > cols:
+                    raise ValueError(f"into: a sequence has {len(r)} blocks, the plan was made for "
+                                     f"max_tokens up to {(cols - 1) * self.bs}")
+                if r:
+                    tables[which, i, :len(r)] = torch.tensor(r, dtype=torch.int32)
+        copy_into(plan.blocks, slots // self.bs)
+        copy_into(plan.offsets, slots % self.bs)
+        copy_into(plan.sealed_tables, tables[0])
+        copy_into(plan.tail_tables, tables[1])
+        if replan:
+            plan.kernel_plan.update(*lens)
+        return plan
 
     def _dtype(self) -> torch.dtype:
         return self.t["tail_k" if self.is_pq else "k"].dtype

@@ -194,6 +194,7 @@ __global__ void __launch_bounds__(NW * 32, 1) pq_attn(
   const int b = it[0], pq_lo = it[1], pq_hi = it[2], t_lo = it[3], t_hi = it[4];
   const int n_pq = (pq_hi - pq_lo) >> 4;
   const int n_tl = (t_hi - t_lo + 15) >> 4;
+  if (n_pq == 0 && n_tl == 0) return;   // padding item of a plan kept for update()
   const int G = a.g;
 
   // ---- q fragments (permuted coordinates), rows >= G are zero

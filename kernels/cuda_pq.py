@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvstore.pinned import to_device
+from kvstore.pinned import copy_into, to_device
 
 _SRC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cuda_pq.cu")
 _cupy = None
@@ -144,8 +144,27 @@ class CudaPQPlan:
     num_warps: int
     fallback_args: dict
     has_pq: bool = True
+    chunk0: int = 16
     _fallback: object = None
     _fns: dict = field(default_factory=dict)
+
+    def update(self, sealed_lens, tail_lens) -> "CudaPQPlan":
+        """Re-partition for new lengths into this plan's buffers (see
+        decode_attention.DecodePlan.update: for CUDA graphs)."""
+        from .decode_attention import _fit, _pq_lens
+        sl, tl_ = _pq_lens(sealed_lens, tail_lens, block_size=self.block_size)
+        if len(sl) != self.batch:
+            raise ValueError(f"update: the plan is for a batch of {self.batch}, got {len(sl)} lengths")
+        items, ptr = _fit(lambda c: _items(sl, tl_, c), self.chunk0, self.items.shape[0], 5)
+        copy_into(self.items, torch.tensor(items, dtype=torch.int32))
+        copy_into(self.item_ptr, torch.tensor(ptr, dtype=torch.int32))
+        self.sealed_cols = max([x // self.block_size for x in sl] + [0])
+        self.tail_cols = max([_ceil(x, self.tail_block_size) for x in tl_] + [0])
+        if self._fallback is not None:
+            self._fallback.update(sl, tl_)
+        else:
+            self.fallback_args.update(sealed_lens=sl, tail_lens=tl_)
+        return self
 
     def _triton(self):
         if self._fallback is None:
@@ -252,28 +271,16 @@ def _ceil(a, b):
     return -(-a // b)
 
 
-def plan_pq_decode(sl: list[int], tl_: list[int], *, num_qo_heads: int, num_kv_heads: int,
-                   head_dim: int, block_size: int, tail_block_size: int, device,
-                   target_ctas: int | None = None, num_warps: int | None = None,
-                   fallback_args: dict | None = None) -> CudaPQPlan:
-    """sl / tl_: host lists of sealed (multiples of block_size) / tail lengths.
-    One block per (item, KV head) and one resident block per SM (the two codebooks take
-    d KiB of shared memory): items are cut so that about target_ctas (default: #SMs)
-    blocks run, each sequence's tail joins its last (shortest) PQ item."""
-    dev = torch.device(device)
-    nw = num_warps or NUM_WARPS
-    if target_ctas is None:
-        target_ctas = torch.cuda.get_device_properties(dev).multi_processor_count
-    per_head = max(1, target_ctas // num_kv_heads)
-    total = sum(sl) + sum(tl_)
-    chunk = max(16 * nw, _ceil(_ceil(max(total, 1), per_head), 16) * 16)
+def _items(sl, tl_, chunk):
+    """[b, pq_lo, pq_hi, tail_lo, tail_hi] work items; each sequence's tail joins its
+    last (shortest) PQ item."""
     items, ptr = [], [0]
     for b, (ns, nt) in enumerate(zip(sl, tl_)):
         mine = []
         for lo in range(0, ns, chunk):
             mine.append([b, lo, min(ns, lo + chunk), 0, 0])
         t_lo = 0
-        if nt > 0 and mine:              # the tail rides on the last (shortest) PQ item
+        if nt > 0 and mine:
             take = min(nt, chunk)
             mine[-1][3:] = [0, take]
             t_lo = take
@@ -282,7 +289,34 @@ def plan_pq_decode(sl: list[int], tl_: list[int], *, num_qo_heads: int, num_kv_h
         for it in mine:
             items += it
         ptr.append(len(items) // 5)
+    return items, ptr
+
+
+def plan_pq_decode(sl: list[int], tl_: list[int], *, num_qo_heads: int, num_kv_heads: int,
+                   head_dim: int, block_size: int, tail_block_size: int, device,
+                   target_ctas: int | None = None, num_warps: int | None = None,
+                   fallback_args: dict | None = None,
+                   spare_items: int | None = None) -> CudaPQPlan:
+    """sl / tl_: host lists of sealed (multiples of block_size) / tail lengths.
+    One block per (item, KV head) and one resident block per SM (the two codebooks take
+    d KiB of shared memory): items are cut so that about target_ctas (default: #SMs)
+    blocks run. spare_items: room for update() (decode_attention.plan_pq_decode)."""
+    from .decode_attention import _capacity
+    dev = torch.device(device)
+    nw = num_warps or NUM_WARPS
+    if target_ctas is None:
+        target_ctas = torch.cuda.get_device_properties(dev).multi_processor_count
+    per_head = max(1, target_ctas // num_kv_heads)
+    total = sum(sl) + sum(tl_)
+    chunk = max(16 * nw, _ceil(_ceil(max(total, 1), per_head), 16) * 16)
+    items, ptr = _items(sl, tl_, chunk)
     n = len(items) // 5
+    cap = _capacity(n, len(sl), spare_items)
+    if cap is not None:     # empty items past item_ptr[-1]: the kernel returns at once
+        items += [0] * (5 * (cap - n))
+        n = cap
+        if fallback_args:
+            fallback_args = dict(fallback_args, spare_items=spare_items)
     hq, d = num_qo_heads, head_dim
     plan = CudaPQPlan(
         items=to_device(torch.tensor(items, dtype=torch.int32).reshape(n, 5), dev),
@@ -293,7 +327,7 @@ def plan_pq_decode(sl: list[int], tl_: list[int], *, num_qo_heads: int, num_kv_h
         block_size=block_size, tail_block_size=tail_block_size,
         sealed_cols=max([x // block_size for x in sl] + [0]),
         tail_cols=max([_ceil(x, tail_block_size) for x in tl_] + [0]),
-        num_warps=nw, fallback_args=fallback_args or {})
+        num_warps=nw, fallback_args=fallback_args or {}, chunk0=chunk)
     return plan
 
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 import triton
 
-from kvstore.pinned import to_device
+from kvstore.pinned import copy_into, to_device
 
 from ._decode_kernels import _decode_kernel, _merge_kernel
 
@@ -70,6 +70,33 @@ class DecodePlan:
     num_warps: int
     num_stages: int
     maxnreg: int | None = None   # register cap: more resident programs to hide gather latency
+    chunk0: int = 0              # split size the plan was made with (update() starts there)
+
+    def update(self, *lens) -> "DecodePlan":
+        """Re-partition for new lengths (same batch) into this plan's own buffers.
+
+        For CUDA graphs: the item count, workspace and merge width stay those of
+        the plan (splits grow until the items fit; unused items are empty and
+        never merged), so a graph captured with this plan replays correctly
+        after update(). Arguments as the plan function's: (sealed_lens,
+        tail_lens) for a PQ plan, (seq_lens,) for a paged one."""
+        cap = self.items.shape[0]
+        if self.has_pq:
+            sl, tl_ = _pq_lens(*lens, block_size=self.block_size)
+            make = lambda c: _pq_items(sl, tl_, c)           # noqa: E731
+        else:
+            sl = _host_lens(lens[0], "seq_lens")
+            tl_ = sl
+            make = lambda c: _paged_items(sl, c)             # noqa: E731
+        if len(sl) != self.batch:
+            raise ValueError(f"update: the plan is for a batch of {self.batch}, got {len(sl)} lengths")
+        items, ptr = _fit(make, self.chunk0, cap, 4, self.max_items)
+        copy_into(self.items, torch.tensor(items, dtype=torch.int32))
+        copy_into(self.item_ptr, torch.tensor(ptr, dtype=torch.int32))
+        if self.has_pq:
+            self.sealed_cols = max([n // self.block_size for n in sl] + [0])
+        self.tail_cols = max([triton.cdiv(n, self.tail_block_size) for n in tl_] + [0])
+        return self
 
     # ------------------------------------------------------------ checks
     def _check_q_out(self, q, out, lse):
@@ -197,10 +224,35 @@ def _chunk(total: int, n_fixed: int, hkv: int, tile: int, target_ctas: int) -> i
     return max(4 * tile, triton.cdiv(triton.cdiv(max(total, 1), items), tile) * tile)
 
 
-def _finish(items, ptr, batch, hq, d, device, **kw) -> DecodePlan:
+def _fit(make, chunk: int, cap: int | None, width: int, max_per_seq: int | None = None):
+    """items, ptr = make(chunk), with chunk doubled until at most cap items (and at
+    most max_per_seq per sequence) come out, then padded with empty items to cap."""
+    while True:
+        items, ptr = make(chunk)
+        n = len(items) // width
+        per_seq = max([ptr[i + 1] - ptr[i] for i in range(len(ptr) - 1)] + [0])
+        if (cap is None or n <= cap) and (max_per_seq is None or per_seq <= max_per_seq):
+            break
+        if all(ptr[i + 1] - ptr[i] <= 1 for i in range(len(ptr) - 1)) or chunk > 1 << 40:
+            raise ValueError(f"the plan has room for {cap} work items, these lengths need {n}")
+        chunk *= 2
+    if cap is not None:
+        items = items + [0] * (width * (cap - n))
+    return items, ptr
+
+
+def _capacity(n: int, batch: int, spare_items: int | None) -> int | None:
+    """Item capacity of a plan meant for update(): what it needs now plus room."""
+    return None if spare_items is None else n + max(spare_items, batch)
+
+
+def _finish(items, ptr, batch, hq, d, device, cap=None, **kw) -> DecodePlan:
     n = len(items) // 4
     per_seq = max([ptr[i + 1] - ptr[i] for i in range(batch)] + [1])
     dev = torch.device(device)
+    if cap is not None:         # room for update(): a fixed count and merge width
+        items = items + [0] * (4 * (cap - n))
+        n, per_seq = cap, cap
     return DecodePlan(
         items=to_device(torch.tensor(items, dtype=torch.int32).reshape(n, 4), dev),
         item_ptr=to_device(torch.tensor(ptr, dtype=torch.int32), dev),
@@ -217,23 +269,46 @@ def _validate_heads(hq, hkv, d):
         raise ValueError(f"head_dim must be 64, 128 or 256, got {d}")
 
 
-def plan_pq_decode(sealed_lens, tail_lens, *, num_qo_heads: int, num_kv_heads: int,
-                   head_dim: int, block_size: int, tail_block_size: int, device,
-                   target_ctas: int | None = None, tile_pq: int = 128, tile_fp: int = 32,
-                   num_warps: int = 4, num_stages: int = 1,
-                   maxnreg: int | None = 128, backend: str = "auto") -> DecodePlan:
-    """sealed_lens [B] (tokens, multiples of block_size), tail_lens [B]: host lists or
-    tensors (read on the host). Returns the plan for DecodePlan.run_pq.
-
-    Defaults are the fastest of bench/sweep_pq.py on an H100 (bench/NOTES-attention.md):
-    the code -> centroid gathers are latency-bound, so many small-register programs
-    (~8 per SM at 128 registers) with 128-token tiles keep the most loads in flight."""
-    _validate_heads(num_qo_heads, num_kv_heads, head_dim)
+def _pq_lens(sealed_lens, tail_lens, *, block_size):
     sl, tl_ = _host_lens(sealed_lens, "sealed_lens"), _host_lens(tail_lens, "tail_lens")
     if len(sl) != len(tl_):
         raise ValueError("sealed_lens and tail_lens must have the same length")
     if any(n % block_size or n < 0 for n in sl):
         raise ValueError(f"sealed_lens must be non-negative multiples of block_size={block_size}")
+    if any(n < 0 for n in tl_):
+        raise ValueError("tail_lens must be non-negative")
+    return sl, tl_
+
+
+def _pq_items(sl, tl_, chunk):
+    items, ptr = [], [0]
+    for b, (ns, nt) in enumerate(zip(sl, tl_)):
+        for lo in range(0, ns, chunk):
+            items += [b, _PQ, lo, min(ns, lo + chunk)]
+        for lo in range(0, nt, 4096):      # the tail is short; cap keeps items bounded
+            items += [b, _DENSE, lo, min(nt, lo + 4096)]
+        ptr.append(len(items) // 4)
+    return items, ptr
+
+
+def plan_pq_decode(sealed_lens, tail_lens, *, num_qo_heads: int, num_kv_heads: int,
+                   head_dim: int, block_size: int, tail_block_size: int, device,
+                   target_ctas: int | None = None, tile_pq: int = 128, tile_fp: int = 32,
+                   num_warps: int = 4, num_stages: int = 1,
+                   maxnreg: int | None = 128, backend: str = "auto",
+                   spare_items: int | None = None) -> DecodePlan:
+    """sealed_lens [B] (tokens, multiples of block_size), tail_lens [B]: host lists or
+    tensors (read on the host). Returns the plan for DecodePlan.run_pq.
+
+    spare_items (None: a one-step plan) makes a plan for plan.update(): it keeps
+    room for that many more work items (at least B) and a fixed merge width, so
+    later steps reuse its buffers and a CUDA graph captured with it.
+
+    Defaults are the fastest of bench/sweep_pq.py on an H100 (bench/NOTES-attention.md):
+    the code -> centroid gathers are latency-bound, so many small-register programs
+    (~8 per SM at 128 registers) with 128-token tiles keep the most loads in flight."""
+    _validate_heads(num_qo_heads, num_kv_heads, head_dim)
+    sl, tl_ = _pq_lens(sealed_lens, tail_lens, block_size=block_size)
     if backend not in ("auto", "cuda", "triton"):
         raise ValueError(f"backend must be 'auto', 'cuda' or 'triton', got {backend!r}")
     if backend != "triton":
@@ -251,48 +326,52 @@ def plan_pq_decode(sealed_lens, tail_lens, *, num_qo_heads: int, num_kv_heads: i
                                           num_kv_heads=num_kv_heads, head_dim=head_dim,
                                           block_size=block_size,
                                           tail_block_size=tail_block_size, device=device,
-                                          target_ctas=target_ctas, fallback_args=fb)
+                                          target_ctas=target_ctas, fallback_args=fb,
+                                          spare_items=spare_items)
         if backend == "cuda":
             raise ValueError("backend='cuda': cupy is missing or the shape is not supported")
     if target_ctas is None:
         target_ctas = 8 * _num_sms(torch.device(device))
     chunk = _chunk(sum(sl), sum(1 for n in tl_ if n > 0), num_kv_heads, tile_pq, target_ctas)
-    items, ptr = [], [0]
-    for b, (ns, nt) in enumerate(zip(sl, tl_)):
-        for lo in range(0, ns, chunk):
-            items += [b, _PQ, lo, min(ns, lo + chunk)]
-        for lo in range(0, nt, 4096):      # the tail is short; cap keeps items bounded
-            items += [b, _DENSE, lo, min(nt, lo + 4096)]
-        ptr.append(len(items) // 4)
+    items, ptr = _pq_items(sl, tl_, chunk)
     return _finish(items, ptr, len(sl), num_qo_heads, head_dim, device,
+                   cap=_capacity(len(items) // 4, len(sl), spare_items),
                    num_kv_heads=num_kv_heads, block_size=block_size,
                    tail_block_size=tail_block_size,
                    sealed_cols=max([n // block_size for n in sl] + [0]),
                    tail_cols=max([triton.cdiv(n, tail_block_size) for n in tl_] + [0]),
                    has_pq=True, tile_pq=tile_pq, tile_fp=tile_fp,
-                   num_warps=num_warps, num_stages=num_stages, maxnreg=maxnreg)
+                   num_warps=num_warps, num_stages=num_stages, maxnreg=maxnreg, chunk0=chunk)
 
 
-def plan_paged_decode(seq_lens, *, num_qo_heads: int, num_kv_heads: int, head_dim: int,
-                      block_size: int, device, target_ctas: int | None = None,
-                      tile: int = 64, num_warps: int = 4, num_stages: int = 3) -> DecodePlan:
-    """seq_lens [B] (host list or tensor). Returns the plan for DecodePlan.run_paged."""
-    _validate_heads(num_qo_heads, num_kv_heads, head_dim)
-    sl = _host_lens(seq_lens, "seq_lens")
-    if target_ctas is None:
-        target_ctas = 2 * _num_sms(torch.device(device))
-    chunk = _chunk(sum(sl), 0, num_kv_heads, tile, target_ctas)
+def _paged_items(sl, chunk):
     items, ptr = [], [0]
     for b, n in enumerate(sl):
         for lo in range(0, n, chunk):
             items += [b, _DENSE, lo, min(n, lo + chunk)]
         ptr.append(len(items) // 4)
+    return items, ptr
+
+
+def plan_paged_decode(seq_lens, *, num_qo_heads: int, num_kv_heads: int, head_dim: int,
+                      block_size: int, device, target_ctas: int | None = None,
+                      tile: int = 64, num_warps: int = 4, num_stages: int = 3,
+                      spare_items: int | None = None) -> DecodePlan:
+    """seq_lens [B] (host list or tensor). Returns the plan for DecodePlan.run_paged;
+    spare_items as in plan_pq_decode."""
+    _validate_heads(num_qo_heads, num_kv_heads, head_dim)
+    sl = _host_lens(seq_lens, "seq_lens")
+    if target_ctas is None:
+        target_ctas = 2 * _num_sms(torch.device(device))
+    chunk = _chunk(sum(sl), 0, num_kv_heads, tile, target_ctas)
+    items, ptr = _paged_items(sl, chunk)
     return _finish(items, ptr, len(sl), num_qo_heads, head_dim, device,
+                   cap=_capacity(len(items) // 4, len(sl), spare_items),
                    num_kv_heads=num_kv_heads, block_size=block_size,
                    tail_block_size=block_size, sealed_cols=0,
                    tail_cols=max([triton.cdiv(n, block_size) for n in sl] + [0]),
                    has_pq=False, tile_pq=64, tile_fp=tile,
-                   num_warps=num_warps, num_stages=num_stages)
+                   num_warps=num_warps, num_stages=num_stages, chunk0=chunk)
 
 
 # ------------------------------------------------- reference-signature entry points

@@ -23,7 +23,7 @@ class _Ring:
         self.next = 0
         self.lock = threading.Lock()
 
-    def copy(self, t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    def copy(self, t: torch.Tensor, device: torch.device, out: torch.Tensor | None = None) -> torch.Tensor:
         n = t.numel()
         with self.lock:
             i = self.next
@@ -38,7 +38,8 @@ class _Ring:
             else:                       # reinterpret the slot's bytes as t's dtype
                 stage = self.buf[i].view(torch.uint8)[: n * t.element_size()].view(t.dtype)
                 stage.copy_(t.reshape(-1))
-            out = torch.empty(t.shape, dtype=t.dtype, device=device)
+            if out is None:
+                out = torch.empty(t.shape, dtype=t.dtype, device=device)
             out.view(-1).copy_(stage, non_blocking=True)
             ev = torch.cuda.Event()
             ev.record(torch.cuda.current_stream(device))
@@ -59,6 +60,15 @@ def block_table(rows: list[list[int]], device) -> torch.Tensor:
     return to_device(t, device)
 
 
+def _get_ring() -> _Ring:
+    global _ring
+    if _ring is None:
+        with _ring_lock:
+            if _ring is None:
+                _ring = _Ring()
+    return _ring
+
+
 def to_device(t: torch.Tensor, device) -> torch.Tensor:
     """CPU tensor -> the same values on device, without synchronising."""
     device = torch.device(device)
@@ -66,9 +76,22 @@ def to_device(t: torch.Tensor, device) -> torch.Tensor:
         return t.to(device)
     if t.numel() * t.element_size() > SLOT_ELEMS * 8:
         return t.pin_memory().to(device, non_blocking=True)
-    global _ring
-    if _ring is None:
-        with _ring_lock:
-            if _ring is None:
-                _ring = _Ring()
-    return _ring.copy(t.contiguous(), device)
+    return _get_ring().copy(t.contiguous(), device)
+
+
+def copy_into(dst: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    """Host values t -> the existing tensor dst (same numel and dtype), stream-ordered.
+
+    For buffers a captured CUDA graph reads: their address must not change, only
+    their contents, and the copy must land after the replays queued before it."""
+    if dst.numel() != t.numel() or dst.dtype != t.dtype:
+        raise ValueError(f"copy_into: {tuple(t.shape)} {t.dtype} does not fit {tuple(dst.shape)} {dst.dtype}")
+    if not dst.is_contiguous():
+        raise ValueError("copy_into: the destination must be contiguous")
+    if dst.device.type != "cuda":
+        dst.view(-1).copy_(t.reshape(-1))
+        return dst
+    if t.numel() * t.element_size() > SLOT_ELEMS * 8:
+        dst.view(-1).copy_(t.reshape(-1).pin_memory(), non_blocking=True)
+        return dst
+    return _get_ring().copy(t.contiguous(), dst.device, out=dst)

@@ -163,6 +163,76 @@ def test_paged_decode_cpu(hq, hkv, d, bs, lens, dtype):
     check_attn(out, lse, ro, rl, 2e-3)
 
 
+def _update_cases(device, dtype):
+    """Two steps of one batch: the second with other lengths and tables."""
+    kw = dict(hq=4, hkv=2, d=64, dsub=2, bs=16, tbs=16, dtype=dtype, device=device)
+    first = make_pq_case([4, 0, 2], [5, 17, 0], seed=11, **kw)
+    second = make_pq_case([9, 1, 0], [3, 0, 40], seed=12, **kw)
+    return first, second
+
+
+def _run_updated(first, second, scale, target_ctas):
+    """A plan with room for update(), run on `first`, updated to `second`'s lengths
+    with second's tables copied into first's table buffers (what a graph sees)."""
+    plan = da.plan_pq_decode(first["sealed_lens"], first["tail_lens"], num_qo_heads=4,
+                             num_kv_heads=2, head_dim=64, block_size=16, tail_block_size=16,
+                             device=first["q"].device, target_ctas=target_ctas, spare_items=3)
+    st = torch.zeros(3, 16, dtype=torch.int32, device=first["q"].device)
+    tt = torch.zeros_like(st)
+    out = torch.full_like(first["q"], POISON)
+    lse = torch.full(first["q"].shape[:2], POISON, device=first["q"].device)
+    results, ptrs = [], (plan.items.data_ptr(), plan.o_part.data_ptr())
+    for c in (first, second):
+        if c is second:
+            plan.update(c["sealed_lens"], c["tail_lens"])
+        st.zero_()
+        tt.zero_()
+        st[:, :c["sealed_tables"].shape[1]] = c["sealed_tables"].clamp_min(0)
+        tt[:, :c["tail_tables"].shape[1]] = c["tail_tables"].clamp_min(0)
+        plan.run_pq(c["q"], c["k_codes"], c["v_codes"], c["k_codebook"], c["v_codebook"], st,
+                    c["tail_k"], c["tail_v"], tt, scale, out=out, lse=lse)
+        results.append((out.clone(), lse.clone()))
+    assert (plan.items.data_ptr(), plan.o_part.data_ptr()) == ptrs
+    return plan, results
+
+
+@cpu_only
+def test_plan_update_cpu():
+    first, second = _update_cases("cpu", torch.float16)
+    plan, results = _run_updated(first, second, 0.125, target_ctas=2)
+    for c, (out, lse) in zip((first, second), results):
+        ro, rl = pq_ref(c, 0.125)
+        check_attn(out, lse, ro, rl, 2e-3)
+    # the paged plan: same buffers, new lengths
+    lens = [40, 3]
+    gen = torch.Generator().manual_seed(2)
+    kc, vc = (torch.randn(8, 1, 16, 64, generator=gen).half() for _ in range(2))
+    q = torch.randn(2, 2, 64, generator=gen).half()
+    plan = da.plan_paged_decode([5, 5], num_qo_heads=2, num_kv_heads=1, head_dim=64,
+                                block_size=16, device="cpu", target_ctas=2, spare_items=2)
+    plan.update(lens)
+    tables = torch.tensor([[0, 1, 2], [5, 0, 0]], dtype=torch.int32)
+    out, lse = plan.run_paged(q, kc, vc, tables, 0.125)
+    ro, rl = ref.paged_decode_attention(q.double(), kc.double(), vc.double(), tables,
+                                        torch.tensor(lens), 0.125)
+    check_attn(out, lse, ro, rl, 2e-3)
+
+
+@cpu_only
+def test_plan_update_errors():
+    plan = da.plan_pq_decode([16], [5], num_qo_heads=2, num_kv_heads=1, head_dim=64,
+                             block_size=16, tail_block_size=16, device="cpu", spare_items=1)
+    with pytest.raises(ValueError, match="batch of 1"):
+        plan.update([16, 16], [1, 1])
+    with pytest.raises(ValueError, match="sealed_lens"):
+        plan.update([15], [1])
+    tight = da.plan_pq_decode([0, 0], [5, 5], num_qo_heads=2, num_kv_heads=1, head_dim=64,
+                              block_size=16, tail_block_size=16, device="cpu", spare_items=0)
+    with pytest.raises(ValueError, match="room for"):     # tails > 4096 split: 8 items > 4
+        tight.update([16, 16], [9000, 9000])
+    tight.update([16, 16], [5, 5])                         # 4 items fit
+
+
 @cpu_only
 @pytest.mark.parametrize("dsub,dtype", [(2, torch.float16), (4, torch.float32)])
 def test_pq_encode_cpu(dsub, dtype):
@@ -272,3 +342,49 @@ def test_gather_and_dispatch_gpu(dtype, dsub):
     out, lse = dispatch.pq_decode_attention(**c, scale=0.09)
     ro, rl = pq_ref(c, 0.09)
     check_attn(out, lse, ro, rl, 1e-2 if dtype == torch.bfloat16 else 2e-3)
+
+
+@gpu
+@pytest.mark.parametrize("backend", ["cuda", "triton"])
+def test_plan_update_graph_gpu(backend):
+    from kvstore.kernels import cuda_pq
+    if backend == "cuda" and not cuda_pq.available():
+        pytest.skip("cupy missing")
+    first, second = _update_cases("cuda", torch.float16)
+    kw = dict(num_qo_heads=4, num_kv_heads=2, head_dim=64, block_size=16, tail_block_size=16,
+              device="cuda", spare_items=3, backend=backend)
+    plan = da.plan_pq_decode(first["sealed_lens"], first["tail_lens"], **kw)
+    st = torch.zeros(3, 16, dtype=torch.int32, device="cuda")
+    tt = torch.zeros_like(st)
+    bufs = {k: first[k].clone() for k in ("q", "k_codes", "v_codes", "k_codebook", "v_codebook",
+                                         "tail_k", "tail_v")}
+    out = torch.empty_like(first["q"])
+    lse = torch.empty(first["q"].shape[:2], device="cuda")
+
+    def load(c):
+        for k, v in bufs.items():
+            v.copy_(c[k])
+        st.zero_()
+        tt.zero_()
+        st[:, :c["sealed_tables"].shape[1]] = c["sealed_tables"].clamp_min(0)
+        tt[:, :c["tail_tables"].shape[1]] = c["tail_tables"].clamp_min(0)
+
+    def attend():
+        plan.run_pq(bufs["q"], bufs["k_codes"], bufs["v_codes"], bufs["k_codebook"],
+                    bufs["v_codebook"], st, bufs["tail_k"], bufs["tail_v"], tt, 0.125,
+                    out=out, lse=lse)
+    load(first)
+    attend()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    s = torch.cuda.Stream()
+    with torch.cuda.stream(s), torch.cuda.graph(g, stream=s):
+        attend()
+    for c in (second, first):
+        load(c)
+        plan.update(c["sealed_lens"], c["tail_lens"])
+        out.fill_(POISON)
+        g.replay()
+        torch.cuda.synchronize()
+        ro, rl = pq_ref(c, 0.125)
+        check_attn(out, lse, ro, rl, 4e-3)
