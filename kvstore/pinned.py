@@ -12,31 +12,43 @@ import threading
 
 import torch
 
-SLOTS = 8
-SLOT_ELEMS = 1 << 18        # int64 elements per slot (2 MiB)
+SLOTS = 8                   # to start with; the ring grows while the GPU is behind
+MAX_SLOTS = 128
+SLOT_ELEMS = 1 << 17        # int64 elements per slot (1 MiB)
 
 
 class _Ring:
     def __init__(self):
-        self.buf = torch.empty((SLOTS, SLOT_ELEMS), dtype=torch.int64, pin_memory=True)
+        self.bufs = [self._slot() for _ in range(SLOTS)]
         self.events: list[torch.cuda.Event | None] = [None] * SLOTS
         self.next = 0
         self.lock = threading.Lock()
+
+    @staticmethod
+    def _slot() -> torch.Tensor:
+        return torch.empty(SLOT_ELEMS, dtype=torch.int64, pin_memory=True)
 
     def copy(self, t: torch.Tensor, device: torch.device, out: torch.Tensor | None = None) -> torch.Tensor:
         n = t.numel()
         with self.lock:
             i = self.next
-            self.next = (i + 1) % SLOTS
             ev = self.events[i]
-            if ev is not None:
-                ev.synchronize()        # only if the GPU is SLOTS copies behind
-            src = self.buf[i, :n].view(-1)
+            if ev is not None and not ev.query():
+                # The copy that used this slot has not run yet: the stream is
+                # waiting behind other work (a client's step, for the daemon).
+                # Waiting here would tie the host to that work, so grow instead.
+                if len(self.bufs) < MAX_SLOTS:
+                    self.bufs.insert(i, self._slot())
+                    self.events.insert(i, None)
+                else:
+                    ev.synchronize()
+            self.next = (i + 1) % len(self.bufs)
+            buf = self.bufs[i]
             if t.dtype == torch.int64:
-                src.copy_(t.reshape(-1))
-                stage = src
+                stage = buf[:n]
+                stage.copy_(t.reshape(-1))
             else:                       # reinterpret the slot's bytes as t's dtype
-                stage = self.buf[i].view(torch.uint8)[: n * t.element_size()].view(t.dtype)
+                stage = buf.view(torch.uint8)[: n * t.element_size()].view(t.dtype)
                 stage.copy_(t.reshape(-1))
             if out is None:
                 out = torch.empty(t.shape, dtype=t.dtype, device=device)
