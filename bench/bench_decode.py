@@ -83,6 +83,19 @@ def time_steps(fn, n):
     return (time.perf_counter() - t) / n
 
 
+def kernel_table(fn, n):
+    """GPU time per step by kernel name (torch profiler over n calls of fn)."""
+    from torch.profiler import ProfilerActivity, profile
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(n):
+            fn()
+        torch.cuda.synchronize()
+    rows = [(e.key[:60], e.device_time_total / n / 1e3, e.count // n) for e in prof.key_averages()
+            if e.device_time_total > 0]
+    return sorted(rows, key=lambda r: -r[1])[:14]
+
+
 def hbm_read_bw():
     x = torch.empty(4 << 30, dtype=torch.uint8, device="cuda")
     x.random_()
@@ -205,6 +218,8 @@ def _run_daemon(args, codec, plane, target):
             out["reserve_s"] = sorted(ctrl)[len(ctrl) // 2]
         if plane == "graph":     # the same graph without Reserve/refill: GPU time of a step
             out["replay_s"] = time_steps(graph.replay, 20)
+            if args.profile:
+                out["kernels"] = kernel_table(graph.replay, 5)
         if plane == "remote":   # latency of one tiny AppendAttend (B=1, L=1 worth of data)
             lat = []
             k1 = torch.randn(1, HKV, D, device="cuda", dtype=torch.float16)
@@ -231,6 +246,7 @@ def main():
     ap.add_argument("--context", type=int, default=32768)
     ap.add_argument("--new", type=int, default=128)
     ap.add_argument("--modes", default="a,b,c,d")
+    ap.add_argument("--profile", action="store_true", help="GPU time per kernel of a graph step")
     ap.add_argument("--one", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.one:      # a single mode in a fresh process, so each starts with an empty GPU
@@ -242,7 +258,7 @@ def main():
     res = {}
     for mode in args.modes.split(","):
         r = subprocess.run([sys.executable, __file__, "--one", mode, "--batch", str(args.batch), "--context",
-                            str(args.context), "--new", str(args.new)], capture_output=True, text=True,
+                            str(args.context), "--new", str(args.new)] + (["--profile"] if args.profile else []), capture_output=True, text=True,
                            cwd=ROOT, env=dict(os.environ, PYTHONPATH=os.pathsep.join(
                                [ROOT, os.environ.get("PYTHONPATH", "")])))
         line = [x for x in r.stdout.splitlines() if x.startswith("RESULT ")]
@@ -268,6 +284,9 @@ def main():
         elif "reserve_s" in r:
             extra += f", Reserve p50 {r['reserve_s'] * 1e3:.2f} ms = {100 * r['reserve_s'] / r['step_s']:.1f}% of a step"
         print(f"  {names[mode]:<38} {r['tok_s']:8.1f} tok/s  {r['step_s'] * 1e3:7.2f} ms/step  {ratio}{extra}")
+    for mode, r in res.items():
+        for name, ms, count in r.get("kernels", []):
+            print(f"    {mode}: {ms:7.3f} ms/step  x{count:<4} {name}")
     if "a" in res:
         a = res["a"]
         kv_fp16 = a["kv_bytes"]
