@@ -83,6 +83,17 @@ def time_steps(fn, n):
     return (time.perf_counter() - t) / n
 
 
+def daemon_rpc_ms(port):
+    """Mean daemon-side time per RPC method (its Prometheus histogram), ms."""
+    import re
+    import urllib.request
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    tot = {}
+    for kind, meth, val in re.findall(r'kvstore_rpc_duration_seconds_(sum|count)\{method="(\w+)"\} (\S+)', text):
+        tot.setdefault(meth, {})[kind] = float(val)
+    return {m: round(1e3 * v["sum"] / v["count"], 3) for m, v in tot.items() if v.get("count")}
+
+
 def kernel_table(fn, n):
     """GPU time per step by kernel name (torch profiler over n calls of fn)."""
     from torch.profiler import ProfilerActivity, profile
@@ -132,10 +143,16 @@ def run_baseline(args):
 
 def run_daemon(args, codec, plane):
     from tests.test_daemon_process import start_daemon, stop_daemon
+    import socket
     sock = os.path.join(tempfile.mkdtemp(), "kv.sock")
-    p, target = start_daemon(sock, extra=["--device", "cuda", "--log-level", "WARNING"])
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    p, target = start_daemon(sock, extra=["--device", "cuda", "--log-level", "WARNING", "--metrics-port", str(port)])
     try:
-        return _run_daemon(args, codec, plane, target)
+        out = _run_daemon(args, codec, plane, target)
+        out["daemon_rpc_ms"] = daemon_rpc_ms(port)
+        return out
     except BaseException:
         import traceback
         traceback.print_exc()
@@ -207,16 +224,23 @@ def _run_daemon(args, codec, plane, target):
             torch.cuda.current_stream().wait_stream(side)
             ctrl = []
 
+            rpc, launch = [], []
+
             def step():
                 t = time.perf_counter()
                 mc.step(ids, into=plan)
                 ctrl.append(time.perf_counter() - t)
+                rpc.append(mc.last_rpc_s)
+                t = time.perf_counter()
                 graph.replay()
+                launch.append(time.perf_counter() - t)
         t = time_steps(step, args.new - 2)
         out = dict(step_s=t, tok_s=B / t, fill_s=fill_s)
         if ctrl:
             out["reserve_s"] = sorted(ctrl)[len(ctrl) // 2]
         if plane == "graph":     # the same graph without Reserve/refill: GPU time of a step
+            out["rpc_s"] = sorted(rpc)[len(rpc) // 2]
+            out["launch_s"] = sorted(launch)[len(launch) // 2]
             out["replay_s"] = time_steps(graph.replay, 20)
             if args.profile:
                 out["kernels"] = kernel_table(graph.replay, 5)
@@ -279,12 +303,14 @@ def main():
         extra = f", fill {r['fill_s']:.1f}s" if "fill_s" in r else ""
         if "replay_s" in r:
             extra += (f", control plane {100 * max(0.0, 1 - r['replay_s'] / r['step_s']):.1f}% of a step "
-                      f"(graph alone {r['replay_s'] * 1e3:.2f} ms, Reserve p50 {r['reserve_s'] * 1e3:.2f} ms "
-                      f"overlapping the GPU)")
+                      f"(graph alone {r['replay_s'] * 1e3:.2f} ms; host p50: step() {r['reserve_s'] * 1e3:.2f} ms "
+                      f"of which Reserve RPC {r['rpc_s'] * 1e3:.2f} ms, graph launch {r['launch_s'] * 1e3:.2f} ms)")
         elif "reserve_s" in r:
             extra += f", Reserve p50 {r['reserve_s'] * 1e3:.2f} ms = {100 * r['reserve_s'] / r['step_s']:.1f}% of a step"
         print(f"  {names[mode]:<38} {r['tok_s']:8.1f} tok/s  {r['step_s'] * 1e3:7.2f} ms/step  {ratio}{extra}")
     for mode, r in res.items():
+        if r.get("daemon_rpc_ms"):
+            print(f"    {mode}: daemon-side mean ms per RPC: {r['daemon_rpc_ms']}")
         for name, ms, count in r.get("kernels", []):
             print(f"    {mode}: {ms:7.3f} ms/step  x{count:<4} {name}")
     if "a" in res:

@@ -22,6 +22,7 @@ fixed-size buffers and refill it each step; the graph captures all layers:
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass
 
 import torch
@@ -56,6 +57,7 @@ class MappedCache:
         self.scale = 1.0 / math.sqrt(self.d)
         self.bs = reply.spec.block_size
         self.is_pq = reply.spec.codec == "pq"
+        self.last_rpc_s = 0.0        # host time of the last step's Reserve round trip
         self.t: dict[str, torch.Tensor] = {}
         self._allocs = []
         for st in reply.tensors:
@@ -78,11 +80,13 @@ class MappedCache:
         steps to refill those same buffers (stream-ordered copies), so a graph
         captured over write()/attend() with it replays the new step."""
         stream = torch.cuda.current_stream(self.device)
+        t0 = time.perf_counter()
         with self.kv._lock:
             self.sync.ready.record(stream)
             reply = self.kv.stub.Reserve(pb.ReserveRequest(cache=self.cache, sequence_ids=seq_ids, num_tokens=n,
                                                            buffer_id=self.sync.buffer_id), timeout=self.kv.timeout)
             stream.wait_event(self.sync.done)
+        self.last_rpc_s = time.perf_counter() - t0
         rs = reply.reservations
         slots = torch.tensor([s for r in rs for s in r.slot_mapping], dtype=torch.int64)
         if self.is_pq:
@@ -149,10 +153,9 @@ class MappedCache:
 
     def write(self, plan: StepPlan, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """k, v [B * n, Hkv, d] -> the reserved fp16 slots of this layer."""
+        from kvstore.kernels.dispatch import write_slots
         tk, tv = (self.t["tail_k"], self.t["tail_v"]) if self.is_pq else (self.t["k"], self.t["v"])
-        # [nt, Hkv, bs, d]: the two advanced indices around a slice give [B*n, Hkv, d]
-        tk[layer][plan.blocks, :, plan.offsets, :] = k
-        tv[layer][plan.blocks, :, plan.offsets, :] = v
+        write_slots(k, v, tk[layer], tv[layer], plan.blocks, plan.offsets)
 
     def attend(self, plan: StepPlan, layer: int, q: torch.Tensor) -> torch.Tensor:
         """q [B, Hq, d] -> [B, Hq, d] (a view of the plan's output buffer)."""

@@ -28,6 +28,14 @@ def pq_encode_to_slots(x, codebook, slots, k_codes=None, v_codes=None):
     return fn(x, codebook, slots, k_codes=k_codes, v_codes=v_codes)
 
 
+def write_slots(k, v, k_cache, v_cache, blocks, offsets):
+    if _on_cuda(k):
+        from .slot_write import write_slots as fn
+    else:
+        fn = reference.write_slots
+    return fn(k, v, k_cache, v_cache, blocks, offsets)
+
+
 def gather_pq_blocks(k_codes, v_codes, k_codebook, v_codebook, block_ids):
     if _on_cuda(k_codes):
         from .pq_dequantize import gather_pq_blocks as fn

@@ -174,3 +174,32 @@ def pq_decode_attention(q: torch.Tensor,
         outs.append(o)
         lses.append(l)
     return torch.stack(outs).to(q.dtype), torch.stack(lses).float()
+
+
+def check_write_slots(k, v, k_cache, v_cache, blocks, offsets) -> None:
+    for name, t in (("k", k), ("v", v)):
+        if t.dim() != 3:
+            raise ValueError(f"{name} must be [n, Hkv, d], got {tuple(t.shape)}")
+    if v.shape != k.shape:
+        raise ValueError(f"v must have k's shape {tuple(k.shape)}, got {tuple(v.shape)}")
+    n, hkv, d = k.shape
+    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if t.dim() != 4 or t.shape[1] != hkv or t.shape[3] != d:
+            raise ValueError(f"{name} must be [nb, {hkv}, bs, {d}], got {tuple(t.shape)}")
+        if t.device != k.device:
+            raise ValueError(f"{name} is on {t.device}, k on {k.device}")
+    for name, t in (("k", k), ("v", v), ("k_cache", k_cache), ("v_cache", v_cache)):
+        if t.stride(-1) != 1:
+            raise ValueError(f"{name} must be contiguous in its last dim")
+    for name, t in (("blocks", blocks), ("offsets", offsets)):
+        if t.dim() != 1 or t.numel() != n or t.dtype not in (torch.int32, torch.int64) or t.device != k.device:
+            raise ValueError(f"{name} must be [{n}] int32/int64 on {k.device}, got "
+                             f"{tuple(t.shape)} {t.dtype} on {t.device}")
+
+
+def write_slots(k, v, k_cache, v_cache, blocks, offsets) -> None:
+    """k, v [n, Hkv, d] -> k_cache/v_cache [nb, Hkv, bs, d] at (blocks[i], offsets[i])."""
+    check_write_slots(k, v, k_cache, v_cache, blocks, offsets)
+    # [nb, Hkv, bs, d]: the two advanced indices around a slice give [n, Hkv, d]
+    k_cache[blocks, :, offsets, :] = k.to(k_cache.dtype)
+    v_cache[blocks, :, offsets, :] = v.to(v_cache.dtype)

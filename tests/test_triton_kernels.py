@@ -390,3 +390,40 @@ def test_plan_update_graph_gpu(backend):
         torch.cuda.synchronize()
         ro, rl = pq_ref(c, 0.125)
         check_attn(out, lse, ro, rl, 4e-3)
+
+
+def _write_case(device, dtype):
+    gen = torch.Generator().manual_seed(5)
+    k = torch.randn(5, 3, 64, generator=gen).to(dtype)
+    v = torch.randn(5, 3, 64, generator=gen).to(dtype)
+    kc = torch.zeros(4, 3, 16, 64, dtype=dtype)
+    blocks = torch.tensor([2, 0, 3, 2, 1])
+    offsets = torch.tensor([0, 15, 7, 1, 9])
+    return [t.to(device) for t in (k, v, kc, kc.clone(), blocks, offsets)]
+
+
+def _check_write(device, dtype):
+    from kvstore.kernels import slot_write
+    k, v, kc, vc, blocks, offsets = _write_case(device, dtype)
+    slot_write.write_slots(k, v, kc, vc, blocks, offsets)
+    wk, wv = (t.cpu().clone() for t in (kc, vc))
+    rk, rv, rkc, rvc, rb, ro = _write_case("cpu", dtype)
+    ref.write_slots(rk, rv, rkc, rvc, rb, ro)
+    assert torch.equal(wk, rkc) and torch.equal(wv, rvc)
+    assert torch.equal(rkc[2, :, 1], rk[3]) and torch.equal(rvc[0, :, 15], rv[1])
+    assert int((rkc != 0).any(-1).sum()) == 5 * 3          # nothing else written
+    with pytest.raises(ValueError, match="offsets"):
+        slot_write.write_slots(k, v, kc, vc, blocks, offsets[:4])
+    with pytest.raises(ValueError, match="k_cache"):
+        slot_write.write_slots(k, v, kc[:, :2], vc, blocks, offsets)
+
+
+@cpu_only
+def test_write_slots_cpu():
+    _check_write("cpu", torch.float16)
+
+
+@gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_write_slots_gpu(dtype):
+    _check_write("cuda", dtype)
