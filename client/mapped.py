@@ -25,10 +25,11 @@ import math
 import time
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from kvstore import cuda_ipc, wire
-from kvstore.pinned import block_table, copy_into, to_device
+from kvstore.pinned import block_table, copy_into, host_table, to_device
 from kvstore.v1 import kvstore_pb2 as pb
 
 from .client import KVStoreClient
@@ -88,15 +89,16 @@ class MappedCache:
             stream.wait_event(self.sync.done)
         self.last_rpc_s = time.perf_counter() - t0
         rs = reply.reservations
-        slots = torch.tensor([s for r in rs for s in r.slot_mapping], dtype=torch.int64)
+        slots = torch.from_numpy(np.concatenate([np.asarray(r.slot_mapping, dtype=np.int64) for r in rs]))
         if self.is_pq:
-            sealed_rows = [list(r.sealed_blocks) for r in rs]
-            tail_rows = [list(r.tail_blocks) for r in rs]
+            sealed_rows = [r.sealed_blocks for r in rs]
+            tail_rows = [r.tail_blocks for r in rs]
             lens = ([len(r.sealed_blocks) * self.bs for r in rs],)
             lens += ([r.length - sl for r, sl in zip(rs, lens[0])],)
         else:
             sealed_rows = [[] for _ in rs]
-            tail_rows = [list(r.sealed_blocks) + list(r.tail_blocks) for r in rs]
+            tail_rows = [np.concatenate([np.asarray(r.sealed_blocks, dtype=np.int32),
+                                         np.asarray(r.tail_blocks, dtype=np.int32)]) for r in rs]
             lens = ([r.length for r in rs],)
         if into is not None:
             return self._refill(into, slots, sealed_rows, tail_rows, lens)
@@ -132,18 +134,15 @@ class MappedCache:
                              f"{plan.blocks.numel() // max(1, plan.out.shape[0])} tokens; this step has "
                              f"{len(sealed_rows)} x {slots.numel() // max(1, len(sealed_rows))}")
         cols = plan.sealed_tables.shape[1]
-        tables = torch.zeros(2, len(sealed_rows), cols, dtype=torch.int32)
-        for which, rows in enumerate((sealed_rows, tail_rows)):
-            for i, r in enumerate(rows):
-                if len(r) > cols:
-                    raise ValueError(f"into: a sequence has {len(r)} blocks, the plan was made for "
-                                     f"max_tokens up to {(cols - 1) * self.bs}")
-                if r:
-                    tables[which, i, :len(r)] = torch.tensor(r, dtype=torch.int32)
+        try:
+            sealed, tail = host_table(sealed_rows, cols), host_table(tail_rows, cols)
+        except ValueError:
+            raise ValueError(f"into: a sequence outgrew the plan, made for max_tokens up to "
+                             f"{(cols - 1) * self.bs}") from None
         copy_into(plan.blocks, slots // self.bs)
         copy_into(plan.offsets, slots % self.bs)
-        copy_into(plan.sealed_tables, tables[0])
-        copy_into(plan.tail_tables, tables[1])
+        copy_into(plan.sealed_tables, sealed)
+        copy_into(plan.tail_tables, tail)
         if replan:
             plan.kernel_plan.update(*lens)
         return plan

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import threading
 
+import numpy as np
+
 import torch
 
 SLOTS = 8                   # to start with; the ring grows while the GPU is behind
@@ -63,13 +65,24 @@ _ring: _Ring | None = None
 _ring_lock = threading.Lock()
 
 
-def block_table(rows: list[list[int]], device) -> torch.Tensor:
-    """Ragged block-id lists -> int32 [len(rows), max len] (zero-padded) on device."""
-    t = torch.zeros(len(rows), max(1, max(len(r) for r in rows)), dtype=torch.int32)
+def host_table(rows, cols: int | None = None) -> torch.Tensor:
+    """Ragged block-id rows (lists, arrays, protobuf repeated fields) -> int32
+    [len(rows), cols or the longest] on the host, zero-padded. numpy converts a
+    row in C; torch.tensor(list) costs ~0.5 us per element, 10 ms for a B=8
+    step at 32K context."""
+    n = max([1] + [len(r) for r in rows]) if cols is None else cols
+    t = np.zeros((len(rows), n), dtype=np.int32)
     for i, r in enumerate(rows):
-        if r:
-            t[i, :len(r)] = torch.tensor(r, dtype=torch.int32)
-    return to_device(t, device)
+        if len(r) > n:
+            raise ValueError(f"row {i} has {len(r)} blocks, the table {n} columns")
+        if len(r):
+            t[i, :len(r)] = r
+    return torch.from_numpy(t)
+
+
+def block_table(rows, device) -> torch.Tensor:
+    """Ragged block-id rows -> int32 [len(rows), max len] (zero-padded) on device."""
+    return to_device(host_table(rows), device)
 
 
 def _get_ring() -> _Ring:
