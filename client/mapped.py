@@ -37,13 +37,13 @@ from .client import KVStoreClient
 
 @dataclass(slots=True)
 class StepPlan:
-    blocks: torch.Tensor         # [B * n] int64: tail-pool block of each reserved token
-    offsets: torch.Tensor        # [B * n] int64: its offset in the block
+    slots: torch.Tensor          # [B * n] int64: tail-pool slot (block * bs + offset) of each reserved token
     sealed_tables: torch.Tensor  # [B, S] int32
     tail_tables: torch.Tensor    # [B, T] int32
     kernel_plan: object          # kernels.decode_attention.DecodePlan
     out: torch.Tensor            # [B, Hq, d] reused by every layer
     lse: torch.Tensor            # [B, Hq] fp32, likewise
+    host_tables: torch.Tensor | None = None   # what the tables hold now (refills skip equal ones)
 
 
 class MappedCache:
@@ -104,18 +104,17 @@ class MappedCache:
             return self._refill(into, slots, sealed_rows, tail_rows, lens)
         dev = self.device
         if max_tokens is None:
-            blocks, offsets = to_device(slots // self.bs, dev), to_device(slots % self.bs, dev)
+            dslots = to_device(slots, dev)
             sealed, tail = block_table(sealed_rows, dev), block_table(tail_rows, dev)
         else:
             cols = -(-max_tokens // self.bs) + 1
-            blocks = torch.empty(len(slots), dtype=torch.int64, device=dev)
-            offsets = torch.empty_like(blocks)
+            dslots = torch.empty(len(slots), dtype=torch.int64, device=dev)
             sealed = torch.zeros(len(rs), cols, dtype=torch.int32, device=dev)
             tail = torch.zeros_like(sealed)
         kp = self._plan(lens, spare=None if max_tokens is None else len(rs))
         out = torch.empty(len(rs), self.hq, self.d, dtype=self._dtype(), device=dev)
         lse = torch.empty(len(rs), self.hq, dtype=torch.float32, device=dev)
-        plan = StepPlan(blocks, offsets, sealed, tail, kp, out, lse)
+        plan = StepPlan(dslots, sealed, tail, kp, out, lse)
         if max_tokens is not None:
             self._refill(plan, slots, sealed_rows, tail_rows, lens, replan=False)
         return plan
@@ -129,9 +128,9 @@ class MappedCache:
         return plan_paged_decode(*lens, **kw)
 
     def _refill(self, plan: StepPlan, slots, sealed_rows, tail_rows, lens, replan: bool = True) -> StepPlan:
-        if slots.numel() != plan.blocks.numel() or len(sealed_rows) != plan.out.shape[0]:
+        if slots.numel() != plan.slots.numel() or len(sealed_rows) != plan.out.shape[0]:
             raise ValueError(f"into: the plan holds {plan.out.shape[0]} sequences x "
-                             f"{plan.blocks.numel() // max(1, plan.out.shape[0])} tokens; this step has "
+                             f"{plan.slots.numel() // max(1, plan.out.shape[0])} tokens; this step has "
                              f"{len(sealed_rows)} x {slots.numel() // max(1, len(sealed_rows))}")
         cols = plan.sealed_tables.shape[1]
         try:
@@ -139,10 +138,14 @@ class MappedCache:
         except ValueError:
             raise ValueError(f"into: a sequence outgrew the plan, made for max_tokens up to "
                              f"{(cols - 1) * self.bs}") from None
-        copy_into(plan.blocks, slots // self.bs)
-        copy_into(plan.offsets, slots % self.bs)
-        copy_into(plan.sealed_tables, sealed)
-        copy_into(plan.tail_tables, tail)
+        copy_into(plan.slots, slots)
+        # Tables change when a block seals or a tail block is added (1 step in bs):
+        # skip the copies otherwise.
+        tables = torch.stack([sealed, tail])
+        if plan.host_tables is None or not torch.equal(plan.host_tables, tables):
+            copy_into(plan.sealed_tables, sealed)
+            copy_into(plan.tail_tables, tail)
+            plan.host_tables = tables
         if replan:
             plan.kernel_plan.update(*lens)
         return plan
@@ -154,7 +157,7 @@ class MappedCache:
         """k, v [B * n, Hkv, d] -> the reserved fp16 slots of this layer."""
         from kvstore.kernels.dispatch import write_slots
         tk, tv = (self.t["tail_k"], self.t["tail_v"]) if self.is_pq else (self.t["k"], self.t["v"])
-        write_slots(k, v, tk[layer], tv[layer], plan.blocks, plan.offsets)
+        write_slots(k, v, tk[layer], tv[layer], plan.slots)
 
     def attend(self, plan: StepPlan, layer: int, q: torch.Tensor) -> torch.Tensor:
         """q [B, Hq, d] -> [B, Hq, d] (a view of the plan's output buffer)."""

@@ -28,12 +28,12 @@ def pq_encode_to_slots(x, codebook, slots, k_codes=None, v_codes=None):
     return fn(x, codebook, slots, k_codes=k_codes, v_codes=v_codes)
 
 
-def write_slots(k, v, k_cache, v_cache, blocks, offsets):
+def write_slots(k, v, k_cache, v_cache, slots):
     if _on_cuda(k):
         from .slot_write import write_slots as fn
     else:
         fn = reference.write_slots
-    return fn(k, v, k_cache, v_cache, blocks, offsets)
+    return fn(k, v, k_cache, v_cache, slots)
 
 
 def gather_pq_blocks(k_codes, v_codes, k_codebook, v_codebook, block_ids):

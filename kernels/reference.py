@@ -176,7 +176,7 @@ def pq_decode_attention(q: torch.Tensor,
     return torch.stack(outs).to(q.dtype), torch.stack(lses).float()
 
 
-def check_write_slots(k, v, k_cache, v_cache, blocks, offsets) -> None:
+def check_write_slots(k, v, k_cache, v_cache, slots) -> None:
     for name, t in (("k", k), ("v", v)):
         if t.dim() != 3:
             raise ValueError(f"{name} must be [n, Hkv, d], got {tuple(t.shape)}")
@@ -191,15 +191,18 @@ def check_write_slots(k, v, k_cache, v_cache, blocks, offsets) -> None:
     for name, t in (("k", k), ("v", v), ("k_cache", k_cache), ("v_cache", v_cache)):
         if t.stride(-1) != 1:
             raise ValueError(f"{name} must be contiguous in its last dim")
-    for name, t in (("blocks", blocks), ("offsets", offsets)):
-        if t.dim() != 1 or t.numel() != n or t.dtype not in (torch.int32, torch.int64) or t.device != k.device:
-            raise ValueError(f"{name} must be [{n}] int32/int64 on {k.device}, got "
-                             f"{tuple(t.shape)} {t.dtype} on {t.device}")
+    if slots.dim() != 1 or slots.numel() != n or slots.dtype not in (torch.int32, torch.int64) \
+            or slots.device != k.device:
+        raise ValueError(f"slots must be [{n}] int32/int64 on {k.device}, got "
+                         f"{tuple(slots.shape)} {slots.dtype} on {slots.device}")
 
 
-def write_slots(k, v, k_cache, v_cache, blocks, offsets) -> None:
-    """k, v [n, Hkv, d] -> k_cache/v_cache [nb, Hkv, bs, d] at (blocks[i], offsets[i])."""
-    check_write_slots(k, v, k_cache, v_cache, blocks, offsets)
+def write_slots(k, v, k_cache, v_cache, slots) -> None:
+    """k, v [n, Hkv, d] -> k_cache/v_cache [nb, Hkv, bs, d] at slot = block * bs + offset
+    (vLLM's slot_mapping)."""
+    check_write_slots(k, v, k_cache, v_cache, slots)
+    bs = k_cache.shape[2]
+    blocks, offsets = slots.long() // bs, slots.long() % bs
     # [nb, Hkv, bs, d]: the two advanced indices around a slice give [n, Hkv, d]
     k_cache[blocks, :, offsets, :] = k.to(k_cache.dtype)
     v_cache[blocks, :, offsets, :] = v.to(v_cache.dtype)

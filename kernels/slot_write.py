@@ -16,11 +16,12 @@ from .reference import check_write_slots
 
 @triton.jit
 def _write_kernel(k_ptr, v_ptr, sk_n, sk_h, sv_n, sv_h, kc_ptr, vc_ptr, skc_b, skc_h, skc_t,
-                  svc_b, svc_h, svc_t, blk_ptr, off_ptr, HKV: tl.constexpr, HP: tl.constexpr,
-                  D: tl.constexpr):
+                  svc_b, svc_h, svc_t, slot_ptr, BS: tl.constexpr, HKV: tl.constexpr,
+                  HP: tl.constexpr, D: tl.constexpr):
     i = tl.program_id(0)
-    blk = tl.load(blk_ptr + i).to(tl.int64)
-    off = tl.load(off_ptr + i).to(tl.int64)
+    slot = tl.load(slot_ptr + i).to(tl.int64)
+    blk = slot // BS
+    off = slot % BS
     h = tl.arange(0, HP)[:, None]
     d = tl.arange(0, D)[None, :]
     mask = h < HKV
@@ -31,13 +32,13 @@ def _write_kernel(k_ptr, v_ptr, sk_n, sk_h, sv_n, sv_h, kc_ptr, vc_ptr, skc_b, s
 
 
 def write_slots(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                blocks: torch.Tensor, offsets: torch.Tensor) -> None:
-    """k, v [n, Hkv, d] -> k_cache/v_cache [nb, Hkv, bs, d] at (blocks[i], offsets[i])."""
-    check_write_slots(k, v, k_cache, v_cache, blocks, offsets)
+                slots: torch.Tensor) -> None:
+    """k, v [n, Hkv, d] -> k_cache/v_cache [nb, Hkv, bs, d] at slot = block * bs + offset."""
+    check_write_slots(k, v, k_cache, v_cache, slots)
     n, hkv, d = k.shape
     if n == 0:
         return
     _write_kernel[(n,)](k, v, k.stride(0), k.stride(1), v.stride(0), v.stride(1), k_cache, v_cache,
                         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0),
-                        v_cache.stride(1), v_cache.stride(2), blocks, offsets, HKV=hkv,
+                        v_cache.stride(1), v_cache.stride(2), slots, BS=k_cache.shape[2], HKV=hkv,
                         HP=triton.next_power_of_2(hkv), D=d, num_warps=4)

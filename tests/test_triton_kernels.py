@@ -397,25 +397,24 @@ def _write_case(device, dtype):
     k = torch.randn(5, 3, 64, generator=gen).to(dtype)
     v = torch.randn(5, 3, 64, generator=gen).to(dtype)
     kc = torch.zeros(4, 3, 16, 64, dtype=dtype)
-    blocks = torch.tensor([2, 0, 3, 2, 1])
-    offsets = torch.tensor([0, 15, 7, 1, 9])
-    return [t.to(device) for t in (k, v, kc, kc.clone(), blocks, offsets)]
+    slots = torch.tensor([2, 0, 3, 2, 1]) * 16 + torch.tensor([0, 15, 7, 1, 9])
+    return [t.to(device) for t in (k, v, kc, kc.clone(), slots)]
 
 
 def _check_write(device, dtype):
     from kvstore.kernels import slot_write
-    k, v, kc, vc, blocks, offsets = _write_case(device, dtype)
-    slot_write.write_slots(k, v, kc, vc, blocks, offsets)
+    k, v, kc, vc, slots = _write_case(device, dtype)
+    slot_write.write_slots(k, v, kc, vc, slots)
     wk, wv = (t.cpu().clone() for t in (kc, vc))
-    rk, rv, rkc, rvc, rb, ro = _write_case("cpu", dtype)
-    ref.write_slots(rk, rv, rkc, rvc, rb, ro)
+    rk, rv, rkc, rvc, rs = _write_case("cpu", dtype)
+    ref.write_slots(rk, rv, rkc, rvc, rs)
     assert torch.equal(wk, rkc) and torch.equal(wv, rvc)
     assert torch.equal(rkc[2, :, 1], rk[3]) and torch.equal(rvc[0, :, 15], rv[1])
     assert int((rkc != 0).any(-1).sum()) == 5 * 3          # nothing else written
-    with pytest.raises(ValueError, match="offsets"):
-        slot_write.write_slots(k, v, kc, vc, blocks, offsets[:4])
+    with pytest.raises(ValueError, match="slots"):
+        slot_write.write_slots(k, v, kc, vc, slots[:4])
     with pytest.raises(ValueError, match="k_cache"):
-        slot_write.write_slots(k, v, kc[:, :2], vc, blocks, offsets)
+        slot_write.write_slots(k, v, kc[:, :2], vc, slots)
 
 
 @cpu_only
