@@ -100,6 +100,7 @@ class MappedCache:
             tail_rows = [np.concatenate([np.asarray(r.sealed_blocks, dtype=np.int32),
                                          np.asarray(r.tail_blocks, dtype=np.int32)]) for r in rs]
             lens = ([r.length for r in rs],)
+        self.last_lens = lens
         if into is not None:
             return self._refill(into, slots, sealed_rows, tail_rows, lens)
         dev = self.device
