@@ -382,7 +382,8 @@ def plan_pq_encode(codebook: torch.Tensor, tokens_per_thread: int = 4, cells: bo
     pre[..., :dsub] = -2.0 * cb
     pre[..., 2 if dsub == 2 else 4] = (cb * cb).sum(-1)
     tabs = None
-    if cells and dsub == 2 and m % 16 == 0 and codebook.dtype != torch.float64:
+    if (cells and dsub == 2 and m % 16 == 0 and codebook.dtype != torch.float64
+            and torch.cuda.get_device_capability(codebook.device) >= (8, 0)):   # __reduce_max_sync
         from .pq_cells import build_cell_tables
         t = build_cell_tables(codebook, grid=grid, cmax=cmax)
         tabs = dict(cents=cb.contiguous(), bp=t.bp.contiguous(),

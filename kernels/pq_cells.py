@@ -102,8 +102,10 @@ def _prune(c: torch.Tensor, bp: torch.Tensor, cmax: int, k: int, t: int):
     u = far.amin(-1, keepdim=True)
     nrm = (c * c).sum(-1)                                          # [S, C]
     big = nrm.amax(-1)[:, None, None]
-    # every centroid outside the shortlist must lose to u's centroid by the bounds alone
+    # every centroid outside the shortlist must lose to u's centroid by the bounds alone;
+    # the shortlist is only as long as the worst cell of this chunk needs
     margin_u = _margin(big, big, r, big.sqrt(), big.sqrt())      # [S, G*G, 1]
+    t = max(1, min(t, int((near <= u + margin_u).sum(-1).max())))
     safe = near.topk(t + 1, dim=-1, largest=False).values[..., t:] > u + margin_u if t < nc_ else None
     sel = near.topk(t, dim=-1, largest=False).indices              # [S, G*G, t]
     # dominators: the k centroids nearest the cell centre
@@ -190,23 +192,23 @@ class CellEncodePlan:
         assert x.dim() == 3 and x.shape[1:] == (hkv, 2 * m), (tuple(x.shape), hkv, m)
         s_ = hkv * m
         cb, cn = self.cb.reshape(s_, nc, 2), self.cn.reshape(s_, nc)
-        lists = self.tables.lists.reshape(s_, -1, self.tables.cmax).long()
+        g2 = self.tables.counts.shape[-1]
+        lists = self.tables.lists.reshape(s_ * g2, self.tables.cmax)
+        cb_flat, cn_flat = cb.reshape(s_ * nc, 2), cn.reshape(s_ * nc)
+        sub = torch.arange(s_, device=x.device).unsqueeze(1)      # [S, 1]
         out = torch.empty(s_, n, dtype=torch.uint8, device=x.device)
         xt_all = x.to(cb.dtype).reshape(n, s_, 2).transpose(0, 1)   # [S, N, 2]
         step = max(1, self.chunk_elems // (s_ * self.tables.cmax))
         for n0 in range(0, n, step):
             xt = xt_all[:, n0:n0 + step]
             cell, fast = locate(self.tables, xt)
-            cand = torch.gather(lists, 1, cell.unsqueeze(-1).expand(*cell.shape, lists.shape[-1]))
-            cc = torch.gather(cb.unsqueeze(1).expand(s_, cand.shape[1], nc, 2), 2,
-                              cand.unsqueeze(-1).expand(*cand.shape, 2))
-            cnk = torch.gather(cn.unsqueeze(1).expand(s_, cand.shape[1], nc), 2, cand)
-            best = _dist(xt, cc, cnk).argmin(-1, keepdim=True)    # first minimum
+            cand = lists[sub * g2 + cell].long()                   # [S, n, cmax]
+            flat = sub.unsqueeze(-1) * nc + cand
+            best = _dist(xt, cb_flat[flat], cn_flat[flat]).argmin(-1, keepdim=True)   # first minimum
             codes = torch.gather(cand, -1, best).squeeze(-1)
             slow = (~fast).nonzero(as_tuple=True)
             if slow[0].numel():
-                full = _dist(xt[slow], cb[slow[0]], cn[slow[0]]).argmin(-1)
-                codes[slow] = full
+                codes[slow] = _dist(xt[slow], cb[slow[0]], cn[slow[0]]).argmin(-1)
             out[:, n0:n0 + step] = codes.to(torch.uint8)
         return out.transpose(0, 1).reshape(n, hkv, m)
 
