@@ -1,6 +1,6 @@
 """CUDA C++ PQ decode attention / encode (kernels/cuda_pq.py) vs Triton PQ vs SDPA flash.
 
-python bench/bench_cuda_pq.py [--quick] [--warps 8 12 16]
+python bench/bench_cuda_pq.py [--quick] [--warps 8 12 16] [--encode-only]
 Same shape and timing method as bench/bench_attention.py (whose helpers it uses):
 Hq=32, Hkv=8, d=128, M=64, bs=16, PQ tail 128 fp16 tokens, median of do_bench over a
 CUDA-graph replay with L2 flushed.
@@ -8,6 +8,7 @@ CUDA-graph replay with L2 flushed.
 import argparse
 import os
 import sys
+import time
 
 import torch
 
@@ -24,23 +25,56 @@ def kernel_info():
         for dsub in (2, 4):
             fn = cuda_pq._function(cuda_pq._attn_name(128, dsub, False, nw), torch.device("cuda"))
             print(f"pq_attn<128,{dsub},f16,{nw}>: regs {fn.num_regs}, local {fn.local_size_bytes} B")
-    fn = cuda_pq._function("pq_encode<2, 4, 8, false, false, true>", torch.device("cuda"))
-    print(f"pq_encode<2,4,8>: regs {fn.num_regs}, local {fn.local_size_bytes} B")
 
 
-def time_encode():
+def encode_info():
+    for name in ("pq_encode<2, 4, 8, false, false, true>",
+                 "pq_encode_cells<32, 7, false, false, true>"):
+        fn = cuda_pq._function(name, torch.device("cuda"))
+        print(f"{name}: regs {fn.num_regs}, local {fn.local_size_bytes} B, "
+              f"smem {fn.shared_size_bytes} B")
+
+
+def time_encode(rd: float | None = None):
+    """K + V of 32K tokens x 8 heads x d=128 (M=64, dsub 2): brute force vs cell tables."""
     n, D, M, HKV = 32768, 128, 64, 8
     x = torch.randn(n, HKV, D, device="cuda", dtype=torch.float16)
     cb = torch.randn(HKV, M, 256, 2, device="cuda")
     kc = torch.empty(n // 16, HKV, 16, M, dtype=torch.uint8, device="cuda")
     vc = torch.empty(n // 16, HKV, M, 16, dtype=torch.uint8, device="cuda")
     slots = torch.arange(n, device="cuda")
+    nbytes = 2 * x.numel() * x.element_size()                  # x read for K and for V
     res = {}
     for t in (2, 4, 8):
-        p = cuda_pq.plan_pq_encode(cb, tokens_per_thread=t)
-        res[f"cuda T={t}"] = ba.bench(lambda: (p.run(x, slots, k_codes=kc), p.run(x, slots, v_codes=vc)))
+        p = cuda_pq.plan_pq_encode(cb, tokens_per_thread=t, cells=False)
+        res[f"brute T={t}"] = ba.bench(lambda: (p.run(x, slots, k_codes=kc), p.run(x, slots, v_codes=vc)))
     p = pq_encode.plan_pq_encode(cb, tile_n=128)
     res["triton tile128"] = ba.bench(lambda: (p.run(x, slots, k_codes=kc), p.run(x, slots, v_codes=vc)))
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    pc = cuda_pq.plan_pq_encode(cb)
+    torch.cuda.synchronize()
+    build_ms = 1e3 * (time.perf_counter() - t0)
+    for tpb in (0, 256, 512, 2048):
+        pc.cells["tokens_per_block"] = tpb
+        res[f"cells tpb={tpb or 'auto'}"] = ba.bench(
+            lambda: (pc.run(x, slots, k_codes=kc), pc.run(x, slots, v_codes=vc)))
+    pc.cells["tokens_per_block"] = 0
+    # same codes as the brute-force kernel up to its 2^-15 near-tie rounding
+    pb = cuda_pq.plan_pq_encode(cb, cells=False)
+    kb = torch.empty_like(kc)
+    pb.run(x, slots, k_codes=kb)
+    pc.run(x, slots, k_codes=kc)
+    diff = (kb != kc).sum().item()
+    base = min(v for k, v in res.items() if k.startswith("brute"))
+    print(f"\npq_encode K+V, 32K tok x 8 heads x d=128 fp16, x read {nbytes / 1e6:.0f} MB; "
+          f"us, median, CUDA graph, L2 flushed; cell tables built in {build_ms:.1f} ms "
+          f"({sum(t.numel() for t in (pc.cells['recs'], pc.cells['bp'])) / 2**20:.1f} MB); "
+          f"codes != brute force: {diff} of {kb.numel()}")
+    print(f"{'kernel':<16} {'us':>8} {'brute/this':>10} {'GB/s':>6}" + ("  %BW" if rd else ""))
+    for k, v in res.items():
+        bw = nbytes / v / 1e3
+        print(f"{k:<16} {v:>8.1f} {base / v:>10.2f} {bw:>6.0f}" + (f" {100 * bw / rd:>4.0f}%" if rd else ""))
     return res
 
 
@@ -48,13 +82,19 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--warps", type=int, nargs="*", default=[8, 12, 16])
+    ap.add_argument("--encode-only", action="store_true")
     args = ap.parse_args()
     torch.manual_seed(0)
     props = torch.cuda.get_device_properties(0)
     print(f"device {props.name}, {props.multi_processor_count} SMs, torch {torch.__version__}")
-    kernel_info()
     rd, _ = ba.read_bandwidth()
     print(f"read bandwidth (sum) {rd:.0f} GB/s")
+    if args.encode_only:
+        encode_info()
+        time_encode(rd)
+        return 0
+    kernel_info()
+    encode_info()
     # warps sweep at the two target shapes
     best_nw = cuda_pq.NUM_WARPS
     best = {}
@@ -70,8 +110,7 @@ def main():
     best_nw = min(args.warps, key=lambda nw: best[8][nw] + 4 * best[1][nw])
     cuda_pq.NUM_WARPS = best_nw
     print(f"warps used below: {best_nw}")
-    enc = time_encode()
-    print("pq_encode 32K tok x 8 heads x d=128, K+V (us):", {k: round(v, 1) for k, v in enc.items()})
+    time_encode(rd)
     rows = []
     Bs, Ls = ((1, 8), (32768,)) if args.quick else ((1, 8, 32), (4096, 32768, 131072))
     for b in Bs:

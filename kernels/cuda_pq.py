@@ -343,12 +343,17 @@ def pq_decode_attention(q, k_codes, v_codes, k_codebook, v_codebook, sealed_tabl
 
 @dataclass(slots=True)
 class CudaPQEncodePlan:
-    """cpre [Hkv, M, 256, 4 | 8] fp32: (-2c, ||c||^2) per centroid, float4-aligned."""
+    """cpre [Hkv, M, 256, 4 | 8] fp32: (-2c, ||c||^2) per centroid, float4-aligned, for the
+    brute-force kernel. dsub 2 also gets cell tables (kernels/pq_cells.py): cents
+    [Hkv, M, 256, 2] fp32, bp [Hkv, M, 2, G+1] fp32, recs [Hkv, M, G*G, cmax+1] u8
+    (count, candidates); `cells` None = brute force only."""
     cpre: torch.Tensor
     num_kv_heads: int
     m: int
     dsub: int
     tokens_per_thread: int = 4
+    cells: dict | None = None
+    num_sms: int = 132
 
     def run(self, x, slots, k_codes=None, v_codes=None) -> None:
         from .pq_encode import check_encode_args
@@ -357,16 +362,40 @@ class CudaPQEncodePlan:
         n = x.shape[0]
         if n == 0:
             return
-        t = self.tokens_per_thread
-        mg = 8 if dsub == 2 else 4
         xb = "true" if x.dtype == torch.bfloat16 else "false"
         xf = "true" if x.dtype == torch.float32 else "false"
         s64 = "true" if slots.dtype == torch.int64 else "false"
+        if self.cells is not None and _cells_aligned(x):
+            c = self.cells
+            tpb = c["tokens_per_block"] or _tokens_per_block(n, m // 16 * hkv, self.num_sms)
+            vec = int(so_m == 1 and codes.data_ptr() % 4 == 0 and codes.stride(0) % 4 == 0
+                      and codes.stride(1) % 4 == 0 and so_off % 4 == 0)
+            fn = _function(f"pq_encode_cells<{c['grid']}, {c['cmax']}, {xb}, {xf}, {s64}>", x.device)
+            _launch(fn, x.device, (m // 16, _ceil(n, tpb), hkv), (256,),
+                    (_p(x), _i64(x.stride(0)), _i64(x.stride(1)), _p(c["cents"]), _p(c["bp"]),
+                     _p(c["recs"]), _p(slots), _p(codes), _i64(codes.stride(0)),
+                     _i64(codes.stride(1)), _i64(so_off), _i64(so_m), _i32(n), _i32(m),
+                     _i32(bs), _i32(tpb), _i32(vec)))
+            return
+        t = self.tokens_per_thread
+        mg = 8 if dsub == 2 else 4
         fn = _function(f"pq_encode<{dsub}, {t}, {mg}, {xb}, {xf}, {s64}>", x.device)
         _launch(fn, x.device, (_ceil(n, 32 * t), hkv, m // mg), (32 * mg,),
                 (_p(x), _i64(x.stride(0)), _i64(x.stride(1)), _p(self.cpre), _p(slots),
                  _p(codes), _i64(codes.stride(0)), _i64(codes.stride(1)), _i64(so_off),
                  _i64(so_m), _i32(n), _i32(m), _i32(bs)))
+
+
+def _cells_aligned(x: torch.Tensor) -> bool:
+    """The cell kernel loads 8 x values per thread as 16 B (fp16/bf16) or 2 x 16 B (fp32)."""
+    v = 8 if x.element_size() == 2 else 4
+    return x.data_ptr() % 16 == 0 and x.stride(0) % v == 0 and x.stride(1) % v == 0
+
+
+def _tokens_per_block(n: int, groups: int, num_sms: int) -> int:
+    """About 8 blocks per SM in total (6 fit at once): enough tokens per block to amortise
+    staging 36 KB of centroids, enough blocks to keep the tail wave short."""
+    return max(64, _ceil(_ceil(n * groups, 8 * num_sms), 64) * 64)
 
 
 def encode_supported(codebook: torch.Tensor) -> bool:
@@ -376,24 +405,36 @@ def encode_supported(codebook: torch.Tensor) -> bool:
     return c == 256 and dsub in (2, 4) and m % (8 if dsub == 2 else 4) == 0
 
 
-def plan_pq_encode(codebook: torch.Tensor, tokens_per_thread: int = 4) -> CudaPQEncodePlan:
+def plan_pq_encode(codebook: torch.Tensor, tokens_per_thread: int = 4, cells: bool = True,
+                   grid: int = 32, cmax: int = 7, tokens_per_block: int = 0) -> CudaPQEncodePlan:
+    """codebook [Hkv, M, 256, dsub]. dsub 2 with M % 16 == 0 (and not fp64, whose reference
+    arithmetic is fp64) also builds the cell tables on the codebook's device."""
     hkv, m, c, dsub = codebook.shape
     cb = codebook.float()
     pre = torch.zeros(hkv, m, 256, 4 if dsub == 2 else 8, dtype=torch.float32,
                       device=codebook.device)
     pre[..., :dsub] = -2.0 * cb
     pre[..., 2 if dsub == 2 else 4] = (cb * cb).sum(-1)
+    tabs = None
+    if (cells and dsub == 2 and m % 16 == 0 and codebook.dtype != torch.float64
+            and torch.cuda.get_device_capability(codebook.device) >= (8, 0)):   # __reduce_max_sync
+        from .pq_cells import build_cell_tables
+        t = build_cell_tables(codebook, grid=grid, cmax=cmax)
+        tabs = dict(cents=cb.contiguous(), bp=t.bp.contiguous(),
+                    recs=torch.cat([t.counts.unsqueeze(-1), t.lists], -1).contiguous(),
+                    grid=grid, cmax=cmax, tokens_per_block=tokens_per_block)
     return CudaPQEncodePlan(cpre=pre.contiguous(), num_kv_heads=hkv, m=m, dsub=dsub,
-                            tokens_per_thread=tokens_per_thread)
+                            tokens_per_thread=tokens_per_thread, cells=tabs,
+                            num_sms=torch.cuda.get_device_properties(codebook.device).multi_processor_count)
 
 
 _encode_plans: dict = {}
 
 
 def pq_encode_to_slots(x, codebook, slots, k_codes=None, v_codes=None) -> None:
-    """Same contract as reference.pq_encode_to_slots. The plan (precomputed
-    -2c and ||c||^2) is cached per codebook tensor: a cache's codebooks are
-    set once and read on every seal."""
+    """Same contract as reference.pq_encode_to_slots. The plan (precomputed -2c and
+    ||c||^2, and for dsub 2 the cell tables, ~10 ms on an H100) is cached per codebook
+    tensor: a cache's codebooks are set once and read on every seal."""
     key = (codebook.data_ptr(), codebook._version, tuple(codebook.shape), codebook.dtype)
     plan = _encode_plans.get(key)
     if plan is None:

@@ -58,8 +58,14 @@ def pq_encode_to_slots(x: torch.Tensor, codebook: torch.Tensor, slots: torch.Ten
     slot = block_id * block_size + offset. Exactly one of k_codes
     [nb, Hkv, bs, M] (row-wise) or v_codes [nb, Hkv, M, bs] (transposed).
     """
+    write_codes_to_slots(pq_encode(x, codebook), slots, k_codes, v_codes)
+
+
+def write_codes_to_slots(codes: torch.Tensor, slots: torch.Tensor,
+                         k_codes: torch.Tensor | None = None,
+                         v_codes: torch.Tensor | None = None) -> None:
+    """codes [N, Hkv, M] uint8 -> slots, as pq_encode_to_slots."""
     assert (k_codes is None) != (v_codes is None)
-    codes = pq_encode(x, codebook)                               # [N, Hkv, M]
     slots = slots.long()
     if k_codes is not None:
         bs = k_codes.shape[2]
