@@ -192,9 +192,8 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
     @_rpc
     def Reserve(self, request, context):
         if request.sequence_ids:
-            with self._cuda(request):
-                rs = self.engine.reserve_batch(request.cache, self._tenant(context), list(request.sequence_ids),
-                                               request.num_tokens)
+            rs = self.engine.reserve_batch(request.cache, self._tenant(context), list(request.sequence_ids),
+                                           request.num_tokens, gpu_scope=lambda: self._cuda(request))
             return pb.ReserveReply(reservations=[
                 pb.Reservation(sequence_id=sid, slot_mapping=r.slot_mapping, sealed_blocks=r.sealed_blocks,
                                tail_blocks=r.tail_blocks, length=r.length)

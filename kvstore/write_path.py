@@ -245,15 +245,30 @@ class WritePath:
         else:
             self._seal(s, count, None, None)
 
+    def seals_at_reserve(self, s: Sequence) -> int:
+        """Blocks the next reserve() of s seals (its previous reservation is
+        committed then)."""
+        return max(self.sealed_count(s.length + s.reserved), len(s.sealed)) - len(s.sealed)
+
+    def tail_blocks_for(self, s: Sequence, n: int) -> int:
+        """Tail blocks a reserve of n more tokens must allocate."""
+        return max(0, math.ceil((s.length + s.reserved + n) / self.bs) - len(s.sealed) - len(s.tail))
+
+    def reserve_touches_gpu(self, s: Sequence, n: int) -> bool:
+        """Whether reserve(s, n) may run GPU work: sealing (PQ encodes read the
+        tail), or allocating blocks (an evicted block is copied out before the
+        client may write it), or paging in. Most decode steps do none."""
+        return (s.tier != "gpu" or self.tail_blocks_for(s, n) > 0
+                or (self.is_pq and self.seals_at_reserve(s) > 0))
+
     def reserve(self, s: Sequence, n: int) -> ReserveResult:
         """Commit the previous reservation (its slots were written by the
         client in every layer), then hand out slots for n more tokens."""
         self._require_ready()
         if any(s.pending):
             raise FailedPrecondition("sequence_id", f"sequence {s.seq_id!r} has uncommitted per-layer tokens")
-        end = s.length + s.reserved + n
-        need = max(0, math.ceil(end / self.bs) - len(s.sealed) - len(s.tail))
-        seal_count = max(self.sealed_count(s.length + s.reserved), len(s.sealed)) - len(s.sealed)
+        need = self.tail_blocks_for(s, n)
+        seal_count = self.seals_at_reserve(s)
         if self.is_pq and seal_count > self.main_pool.num_allocatable():
             raise ResourceExhausted("num_tokens", f"need {seal_count} blocks to seal")
         if need > self.tail_pool.num_allocatable():
