@@ -86,7 +86,8 @@ class MappedCache:
             self.sync.ready.record(stream)
             reply = self.kv.stub.Reserve(pb.ReserveRequest(cache=self.cache, sequence_ids=seq_ids, num_tokens=n,
                                                            buffer_id=self.sync.buffer_id), timeout=self.kv.timeout)
-            stream.wait_event(self.sync.done)
+            if not reply.gpu_idle:      # waiting on the daemon's event costs a GPU context switch
+                stream.wait_event(self.sync.done)
         self.last_rpc_s = time.perf_counter() - t0
         rs = reply.reservations
         slots = torch.from_numpy(np.concatenate([np.asarray(r.slot_mapping, dtype=np.int64) for r in rs]))

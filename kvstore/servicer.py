@@ -192,12 +192,17 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
     @_rpc
     def Reserve(self, request, context):
         if request.sequence_ids:
+            entered = []
+
+            def scope():
+                entered.append(True)
+                return self._cuda(request)
             rs = self.engine.reserve_batch(request.cache, self._tenant(context), list(request.sequence_ids),
-                                           request.num_tokens, gpu_scope=lambda: self._cuda(request))
+                                           request.num_tokens, gpu_scope=scope)
             return pb.ReserveReply(reservations=[
                 pb.Reservation(sequence_id=sid, slot_mapping=r.slot_mapping, sealed_blocks=r.sealed_blocks,
                                tail_blocks=r.tail_blocks, length=r.length)
-                for sid, r in zip(request.sequence_ids, rs)])
+                for sid, r in zip(request.sequence_ids, rs)], gpu_idle=not entered)
         with self._cuda(request):
             r = self.engine.reserve(request.cache, self._tenant(context), request.sequence_id, request.num_tokens)
         return pb.ReserveReply(slot_mapping=r.slot_mapping, sealed_blocks=r.sealed_blocks,

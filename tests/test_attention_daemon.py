@@ -87,3 +87,29 @@ def test_pq_codec_matches_fp64_over_dequantized_codes(setup, capsys):
               f"{max(errs):.4f} (layers: {', '.join(f'{e:.4f}' for e in errs)})")
     # Random data is the worst case for PQ; real K/V is measured by kvstore-eval.
     assert max(errs) < 0.5
+
+
+@pytest.mark.parametrize("codec", ["pq", "fp16"])
+def test_reserve_says_when_it_ran_no_gpu_work(setup, codec):
+    """A batch Reserve reports gpu_idle exactly on the steps without a seal or a
+    block allocation, so a mapped client skips the cross-process event wait."""
+    from kvstore.v1 import kvstore_pb2 as pb
+    engine, kv = setup
+    kv.create_cache("c", "m", num_layers=L, num_q_heads=HQ, num_kv_heads=HKV, head_dim=D, codec=codec,
+                    block_size=BS, residual=R, num_blocks=64)
+    if codec == "pq":
+        from kvstore.codebooks import Codebooks
+        g = torch.Generator().manual_seed(0)
+        kv.set_codebooks("c", Codebooks(k=torch.randn(L, HKV, D // 2, 256, 2, generator=g),
+                                        v=torch.randn(L, HKV, D // 2, 256, 2, generator=g)).to_bytes())
+    for sid in ("a", "b"):
+        kv.allocate("c", sid, [])
+    busy = []
+    for step in range(40):
+        seqs = [engine.cache("c").seq("default", sid) for sid in ("a", "b")]
+        want_busy = any(engine.cache("c").reserve_touches_gpu(s, 1) for s in seqs)
+        r = kv.stub.Reserve(pb.ReserveRequest(cache="c", sequence_ids=["a", "b"], num_tokens=1))
+        assert r.gpu_idle == (not want_busy), step
+        busy.append(want_busy)
+    # a new tail block every BS tokens, and for PQ a seal every BS tokens once past R + BS
+    assert sum(busy) == (8 if codec == "pq" else 5), busy

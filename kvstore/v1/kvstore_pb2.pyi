@@ -216,18 +216,20 @@ class Reservation(_message.Message):
     def __init__(self, sequence_id: _Optional[str] = ..., slot_mapping: _Optional[_Iterable[int]] = ..., sealed_blocks: _Optional[_Iterable[int]] = ..., tail_blocks: _Optional[_Iterable[int]] = ..., length: _Optional[int] = ...) -> None: ...
 
 class ReserveReply(_message.Message):
-    __slots__ = ("slot_mapping", "sealed_blocks", "tail_blocks", "length", "reservations")
+    __slots__ = ("slot_mapping", "sealed_blocks", "tail_blocks", "length", "reservations", "gpu_idle")
     SLOT_MAPPING_FIELD_NUMBER: _ClassVar[int]
     SEALED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     TAIL_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     LENGTH_FIELD_NUMBER: _ClassVar[int]
     RESERVATIONS_FIELD_NUMBER: _ClassVar[int]
+    GPU_IDLE_FIELD_NUMBER: _ClassVar[int]
     slot_mapping: _containers.RepeatedScalarFieldContainer[int]
     sealed_blocks: _containers.RepeatedScalarFieldContainer[int]
     tail_blocks: _containers.RepeatedScalarFieldContainer[int]
     length: int
     reservations: _containers.RepeatedCompositeFieldContainer[Reservation]
-    def __init__(self, slot_mapping: _Optional[_Iterable[int]] = ..., sealed_blocks: _Optional[_Iterable[int]] = ..., tail_blocks: _Optional[_Iterable[int]] = ..., length: _Optional[int] = ..., reservations: _Optional[_Iterable[_Union[Reservation, _Mapping]]] = ...) -> None: ...
+    gpu_idle: bool
+    def __init__(self, slot_mapping: _Optional[_Iterable[int]] = ..., sealed_blocks: _Optional[_Iterable[int]] = ..., tail_blocks: _Optional[_Iterable[int]] = ..., length: _Optional[int] = ..., reservations: _Optional[_Iterable[_Union[Reservation, _Mapping]]] = ..., gpu_idle: _Optional[bool] = ...) -> None: ...
 
 class TokenIds(_message.Message):
     __slots__ = ("ids",)
