@@ -431,14 +431,21 @@ def plan_pq_encode(codebook: torch.Tensor, tokens_per_thread: int = 4, cells: bo
 _encode_plans: dict = {}
 
 
-def pq_encode_to_slots(x, codebook, slots, k_codes=None, v_codes=None) -> None:
-    """Same contract as reference.pq_encode_to_slots. The plan (precomputed -2c and
-    ||c||^2, and for dsub 2 the cell tables, ~10 ms on an H100) is cached per codebook
-    tensor: a cache's codebooks are set once and read on every seal."""
+def encode_plan(codebook: torch.Tensor, refresh: bool = False) -> CudaPQEncodePlan:
+    """The plan of a codebook (precomputed -2c and ||c||^2, and for dsub 2 the cell
+    tables, a few hundred ms per layer on an H100), cached per codebook tensor: a
+    cache's codebooks are set once and read on every seal, so SetCodebooks builds
+    them (dispatch.prepare_encode) rather than the first seal. refresh: rebuild even if
+    cached (new codebooks may sit where freed ones were, with the same key)."""
     key = (codebook.data_ptr(), codebook._version, tuple(codebook.shape), codebook.dtype)
     plan = _encode_plans.get(key)
-    if plan is None:
+    if plan is None or refresh:
         if len(_encode_plans) > 4096:
             _encode_plans.clear()
         plan = _encode_plans[key] = plan_pq_encode(codebook)
-    plan.run(x, slots, k_codes=k_codes, v_codes=v_codes)
+    return plan
+
+
+def pq_encode_to_slots(x, codebook, slots, k_codes=None, v_codes=None) -> None:
+    """Same contract as reference.pq_encode_to_slots."""
+    encode_plan(codebook).run(x, slots, k_codes=k_codes, v_codes=v_codes)

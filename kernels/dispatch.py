@@ -28,6 +28,15 @@ def pq_encode_to_slots(x, codebook, slots, k_codes=None, v_codes=None):
     return fn(x, codebook, slots, k_codes=k_codes, v_codes=v_codes)
 
 
+def prepare_encode(codebook) -> None:
+    """Build whatever pq_encode_to_slots caches per codebook now (CUDA cell tables),
+    replacing anything cached under the same address: call it for new codebooks."""
+    if _on_cuda(codebook):
+        from . import cuda_pq
+        if cuda_pq.encode_supported(codebook):
+            cuda_pq.encode_plan(codebook, refresh=True)
+
+
 def write_slots(k, v, k_cache, v_cache, slots):
     if _on_cuda(k):
         from .slot_write import write_slots as fn

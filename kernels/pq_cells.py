@@ -134,8 +134,11 @@ def _prune(c: torch.Tensor, bp: torch.Tensor, cmax: int, k: int, t: int):
 
 def build_cell_tables(codebook: torch.Tensor, grid: int = 32, cmax: int = 7,
                       dominators: int = 8, pad: float = 0.25, mix: float = 0.75,
-                      shortlist: int = 96, chunk_elems: int = 1 << 23) -> CellTables:
-    """codebook [Hkv, M, C <= 256, 2] float -> CellTables (on the codebook's device)."""
+                      shortlist: int = 96, chunk_elems: int | None = None) -> CellTables:
+    """codebook [Hkv, M, C <= 256, 2] float -> CellTables (on the codebook's device).
+    chunk_elems bounds each fp64 temporary (default 2^24 on CUDA = 128 MB, 2^23 on CPU)."""
+    if chunk_elems is None:
+        chunk_elems = 1 << (24 if codebook.is_cuda else 23)
     if codebook.dim() != 4 or codebook.shape[-1] != 2 or not 0 < codebook.shape[2] <= 256:
         raise ValueError(f"codebook must be [Hkv, M, C<=256, 2], got {tuple(codebook.shape)}")
     assert grid & (grid - 1) == 0 and 1 <= cmax < FULL, (grid, cmax)

@@ -92,6 +92,9 @@ class PQStore:
         dt = torch.float32 if self.k_codes.device.type == "cpu" else self.dtype
         self.k_cb = cb.k.to(device=self.k_codes.device, dtype=dt).contiguous()
         self.v_cb = cb.v.to(device=self.k_codes.device, dtype=dt).contiguous()
+        for layer in range(self.k_cb.shape[0]):     # encoder tables now, not at the first seal
+            dispatch.prepare_encode(self.k_cb[layer])
+            dispatch.prepare_encode(self.v_cb[layer])
 
     def encode_blocks(self, block_ids: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """k, v [L, n_blocks * bs, Hkv, d] -> codes of whole blocks block_ids."""
