@@ -28,7 +28,7 @@ import grpc
 import torch
 
 from kvstore import wire
-from kvstore.daemon import DEFAULT_MAX_MESSAGE_MB, default_socket
+from kvstore.daemon import DEFAULT_MAX_MESSAGE_MB, client_options, default_socket
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.v1 import kvstore_pb2_grpc as pb_grpc
 
@@ -115,8 +115,7 @@ class KVStoreClient:
         or bytes) to reach a TLS port; session_id: default a random uuid;
         heartbeat: keep the session's lease alive from a background thread."""
         self.target = target or f"unix://{default_socket()}"
-        limit = max_message_mb * 1024 * 1024
-        opts = [("grpc.max_receive_message_length", limit), ("grpc.max_send_message_length", limit)]
+        opts = client_options(max_message_mb)
         if tls_ca is not None:
             ca = open(tls_ca, "rb").read() if isinstance(tls_ca, str) else tls_ca
             self.channel = grpc.secure_channel(self.target, grpc.ssl_channel_credentials(ca), options=opts)

@@ -44,6 +44,19 @@ def _prepare_socket(path: str) -> None:
         os.unlink(path)   # a stale socket from a daemon that died
 
 
+def server_options(max_message_mb: int = DEFAULT_MAX_MESSAGE_MB) -> list[tuple[str, int]]:
+    """gRPC server options (also used by bench/bench_rpc.py's floor server)."""
+    limit = max_message_mb * 1024 * 1024
+    return [("grpc.max_receive_message_length", limit), ("grpc.max_send_message_length", limit),
+            ("grpc.so_reuseport", 0)]
+
+
+def client_options(max_message_mb: int = DEFAULT_MAX_MESSAGE_MB) -> list[tuple[str, int]]:
+    """gRPC channel options of the client."""
+    limit = max_message_mb * 1024 * 1024
+    return [("grpc.max_receive_message_length", limit), ("grpc.max_send_message_length", limit)]
+
+
 def create_server(engine: "Engine | None" = None, socket_path: str | None = None, port: int | None = None,
                   max_message_mb: int = DEFAULT_MAX_MESSAGE_MB, workers: int = 8,
                   host: str = "127.0.0.1", auth: Authenticator | None = None,
@@ -57,9 +70,7 @@ def create_server(engine: "Engine | None" = None, socket_path: str | None = None
     auth = auth or Authenticator()
     if port is not None and not auth.has_tokens:
         raise ValueError("TCP needs bearer tokens: pass --auth-token or --token-file with --port")
-    limit = max_message_mb * 1024 * 1024
-    opts = [("grpc.max_receive_message_length", limit), ("grpc.max_send_message_length", limit),
-            ("grpc.so_reuseport", 0)]
+    opts = server_options(max_message_mb)
     # Metrics outermost, so that calls the gate refuses are counted too.
     interceptors = ([metrics.interceptor] if metrics is not None else []) + [GateInterceptor(auth)]
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=workers), options=opts, interceptors=interceptors)
