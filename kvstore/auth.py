@@ -245,6 +245,10 @@ class _BufferView:
         self._check(buffer_id)
         return self.t.registry.get(buffer_id)
 
+    def view(self, buffer_id: str, offset: int, shape: tuple, dtype):
+        self._check(buffer_id)
+        return self.t.registry.view(buffer_id, offset, shape, dtype)
+
     def cuda_events(self, buffer_id: str):
         if self.t._owners.get(buffer_id, ("",))[0] != self.tenant:
             return None     # not ours: the lookup that follows answers NOT_FOUND
