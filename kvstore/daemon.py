@@ -123,6 +123,10 @@ def main(argv: list[str] | None = None) -> None:
                    help="make pressure spills durable too (Offload always syncs)")
     p.add_argument("--max-message-mb", type=int, default=DEFAULT_MAX_MESSAGE_MB)
     p.add_argument("--workers", type=int, default=8)
+    p.add_argument("--torch-threads", type=int, default=1,
+                   help="intra-op threads of the daemon's own torch CPU work (default: %(default)s): decode calls "
+                        "are tiny ops, where waking a thread team costs more than it saves, and the worker pool "
+                        "already runs calls side by side; raise it for bulk CPU work (large CPU-device appends)")
     p.add_argument("--log-level", default="INFO")
     p.add_argument("--auth-token", default=os.environ.get("KVSTORE_AUTH_TOKEN"),
                    help="bearer token for TCP callers, tenant 'default' (env KVSTORE_AUTH_TOKEN; "
@@ -141,6 +145,10 @@ def main(argv: list[str] | None = None) -> None:
     if args.device.startswith("cuda"):
         from .cuda_ipc import check_allocator
         check_allocator()      # refuses allocator settings that break CUDA IPC, saying why
+    if args.torch_threads < 1:
+        p.error("--torch-threads must be >= 1")
+    import torch
+    torch.set_num_threads(args.torch_threads)
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     if bool(args.tls_cert) != bool(args.tls_key):
         p.error("--tls-cert and --tls-key go together")

@@ -93,10 +93,10 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
         return getattr(self._call, "buffers", None)
 
     def _tenant(self, context) -> str:
-        return self.auth.tenant(context)
+        return self.auth.tenant(context)     # remembered on the context: cheap after _begin
 
     def _begin(self, context) -> None:
-        tenant, session = self._tenant(context), session_of(context)
+        tenant, session = self.auth.tenant(context), session_of(context)
         if self.leases is not None:
             self.leases.touch(tenant, session)
         self._call.buffers = self.buffer_table.view(tenant, session) if is_local(context) else None
@@ -170,6 +170,8 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
         """For calls naming a CUDA buffer: run on the daemon's stream after the
         client's ready event, record the done event after the outputs; no host
         synchronisation. A no-op context otherwise."""
+        if self.buffers is None or not self.buffer_table.registry.cuda_buffers:
+            return contextlib.nullcontext()
         ids = {t.ref.buffer_id for t in tensor_fields(request) if t.WhichOneof("data") == "ref"}
         ids |= {o.buffer_id for o in output_fields(request) if o.buffer_id}
         if getattr(request, "buffer_id", ""):

@@ -35,6 +35,7 @@ class BufferRegistry:
         self.shm_dir = shm_dir
         self._bufs: dict[str, tuple[mmap.mmap, torch.Tensor, str]] = {}
         self._views: dict[tuple, torch.Tensor] = {}
+        self.cuda_buffers = 0        # how many are CUDA buffers (none: calls skip the CUDA scope)
         self._lock = threading.Lock()
 
     def register_shm(self, name: str, size: int, owner: str = "") -> str:
@@ -85,6 +86,7 @@ class BufferRegistry:
         buffer_id = "cuda-" + secrets.token_hex(8)
         with self._lock:
             self._bufs[buffer_id] = ((alloc, events), view, owner)
+            self.cuda_buffers += 1
         return buffer_id
 
     def cuda_events(self, buffer_id: str):
@@ -98,6 +100,7 @@ class BufferRegistry:
         with self._lock:
             entry = self._bufs.pop(buffer_id, None)
             if entry is not None:
+                self.cuda_buffers -= buffer_id.startswith("cuda-")
                 for key in [k for k in self._views if k[0] == buffer_id]:
                     del self._views[key]
         if entry is None:

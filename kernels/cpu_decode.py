@@ -1,0 +1,28 @@
+"""Decode attention on the daemon's CPU device, one sequence at a time: the
+math of reference.py (fp32, GQA grouping, sealed PQ tokens before tail
+tokens), laid out so a tiny decode step is a handful of torch ops instead of
+reference.py's few dozen (per-op overhead dominates at these shapes).
+
+Attention over sealed and tail tokens together equals reference.py's merge
+of the two partial results by log-sum-exp; tests/test_latency_paths.py
+checks it against the reference.
+"""
+from __future__ import annotations
+
+import torch
+
+
+def gather_tokens(pool: torch.Tensor, blocks: list[int], n: int) -> torch.Tensor:
+    """pool [nb, Hkv, bs, d]; the first n tokens of blocks -> [Hkv, n, d] fp32."""
+    sel = pool.index_select(0, torch.tensor(blocks, dtype=torch.long))   # [nblk, Hkv, bs, d]
+    h, d = sel.shape[1], sel.shape[3]
+    return sel.transpose(0, 1).reshape(h, -1, d)[:, :n].float()
+
+
+def attend_one(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """q [Hq, d]; k, v [Hkv, n, d] fp32 (n >= 1) -> out [Hq, d] fp32."""
+    hq, d = q.shape
+    hkv = k.shape[0]
+    qg = (q.float() * scale).view(hkv, hq // hkv, d)
+    p = torch.softmax(torch.bmm(qg, k.transpose(1, 2)), dim=-1)     # [Hkv, g, n]
+    return torch.bmm(p, v).view(hq, d)
