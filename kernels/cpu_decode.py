@@ -19,6 +19,25 @@ def gather_tokens(pool: torch.Tensor, blocks: list[int], n: int) -> torch.Tensor
     return sel.transpose(0, 1).reshape(h, -1, d)[:, :n].float()
 
 
+def dequantize_tokens(k_codes: torch.Tensor, v_codes: torch.Tensor, k_codebook: torch.Tensor,
+                      v_codebook: torch.Tensor, blocks: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sealed PQ blocks -> K, V [Hkv, len(blocks) * bs, d] fp32, as
+    reference.gather_pq_blocks (one flat gather from the codebook per side).
+
+    k_codes [nb, Hkv, bs, M], v_codes [nb, Hkv, M, bs] uint8;
+    codebooks [Hkv, M, 256, dsub]."""
+    ids = torch.tensor(blocks, dtype=torch.long)
+    hkv, m, c, dsub = k_codebook.shape
+    # code of (head h, sub-vector j) -> row (h * M + j) * 256 + code of the [Hkv * M * 256, dsub] codebook
+    base = (torch.arange(hkv * m, dtype=torch.long) * c).view(hkv, 1, m)
+    kc = k_codes.index_select(0, ids).transpose(0, 1).reshape(hkv, -1, m)                 # [Hkv, n, M]
+    vc = v_codes.index_select(0, ids).permute(1, 0, 3, 2).reshape(hkv, -1, m)
+    n = kc.shape[1]
+    k = k_codebook.reshape(-1, dsub).index_select(0, (kc.long() + base).reshape(-1)).view(hkv, n, m * dsub)
+    v = v_codebook.reshape(-1, dsub).index_select(0, (vc.long() + base).reshape(-1)).view(hkv, n, m * dsub)
+    return k.float(), v.float()
+
+
 def attend_one(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
     """q [Hq, d]; k, v [Hkv, n, d] fp32 (n >= 1) -> out [Hq, d] fp32."""
     hq, d = q.shape

@@ -58,11 +58,10 @@ class ReadPath:
                 k = cpu_decode.gather_tokens(self.tail.k[layer], s.tail, n - ns)
                 v = cpu_decode.gather_tokens(self.tail.v[layer], s.tail, n - ns)
                 if ns:
-                    ks, vs = dispatch.gather_pq_blocks(self.main.k_codes[layer], self.main.v_codes[layer],
-                                                       self.main.k_cb[layer], self.main.v_cb[layer],
-                                                       torch.tensor(s.sealed, dtype=torch.long))   # [ns, Hkv, d]
-                    k = torch.cat([ks.float().transpose(0, 1), k], dim=1)
-                    v = torch.cat([vs.float().transpose(0, 1), v], dim=1)
+                    ks, vs = cpu_decode.dequantize_tokens(self.main.k_codes[layer], self.main.v_codes[layer],
+                                                          self.main.k_cb[layer], self.main.v_cb[layer], s.sealed)
+                    k = torch.cat([ks, k], dim=1)
+                    v = torch.cat([vs, v], dim=1)
             else:
                 k = cpu_decode.gather_tokens(self.main.k[layer], s.sealed + s.tail, n)
                 v = cpu_decode.gather_tokens(self.main.v[layer], s.sealed + s.tail, n)
