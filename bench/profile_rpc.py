@@ -137,7 +137,7 @@ def main(argv=None) -> None:
         kv.append("c", ["t"], pre, pre)
         k = torch.randn(1, 2, 64, dtype=torch.float16)
         q = torch.randn(1, 4, 64, dtype=torch.float16)
-        stub_method = kv.stub.AppendAttend
+        stub_method = kv._raw.AppendAttend
         cmarks: list[tuple[int, int, int, int]] = []
         cur = {}
 
@@ -150,8 +150,8 @@ def main(argv=None) -> None:
                 r = stub_method(req, **kw)
                 cur["s1"], cur["c"] = time.perf_counter_ns(), time.thread_time_ns() - c0
                 return r
-        real_stub = kv.stub
-        kv.stub = Stub()
+        real_stub = kv._raw
+        kv._raw = Stub()
         cprof = cProfile.Profile()
         if args.no_cprofile:
             cprof.enable = cprof.disable = lambda: None
