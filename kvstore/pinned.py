@@ -19,7 +19,10 @@ SLOT_ELEMS = 1 << 18        # int64 elements per slot (2 MiB)
 class _Ring:
     def __init__(self):
         self.buf = torch.empty((SLOTS, SLOT_ELEMS), dtype=torch.int64, pin_memory=True)
+        # One event per slot, made once and re-recorded: synchronize() waits
+        # for its latest record, i.e. the slot's previous copy.
         self.events: list[torch.cuda.Event | None] = [None] * SLOTS
+        self.recorded = [False] * SLOTS
         self.next = 0
         self.lock = threading.Lock()
 
@@ -29,7 +32,7 @@ class _Ring:
             i = self.next
             self.next = (i + 1) % SLOTS
             ev = self.events[i]
-            if ev is not None:
+            if self.recorded[i]:
                 ev.synchronize()        # only if the GPU is SLOTS copies behind
             src = self.buf[i, :n].view(-1)
             if t.dtype == torch.int64:
@@ -40,9 +43,10 @@ class _Ring:
                 stage.copy_(t.reshape(-1))
             out = torch.empty(t.shape, dtype=t.dtype, device=device)
             out.view(-1).copy_(stage, non_blocking=True)
-            ev = torch.cuda.Event()
+            if ev is None:
+                ev = self.events[i] = torch.cuda.Event()
             ev.record(torch.cuda.current_stream(device))
-            self.events[i] = ev
+            self.recorded[i] = True
             return out
 
 
@@ -52,10 +56,8 @@ _ring_lock = threading.Lock()
 
 def block_table(rows: list[list[int]], device) -> torch.Tensor:
     """Ragged block-id lists -> int32 [len(rows), max len] (zero-padded) on device."""
-    t = torch.zeros(len(rows), max(1, max(len(r) for r in rows)), dtype=torch.int32)
-    for i, r in enumerate(rows):
-        if r:
-            t[i, :len(r)] = torch.tensor(r, dtype=torch.int32)
+    width = max(1, max(len(r) for r in rows))
+    t = torch.tensor([r + [0] * (width - len(r)) for r in rows], dtype=torch.int32)    # one op, not one per row
     return to_device(t, device)
 
 

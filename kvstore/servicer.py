@@ -11,7 +11,7 @@ import threading
 import grpc
 
 from . import wire
-from .call_scope import CudaScope, output_fields, tensor_fields
+from .call_scope import CudaScope, Fences, output_fields, tensor_fields
 from .codebooks import Codebooks
 from .config import CacheConfig, CodecConfig, ModelGeometry
 from .engine import Engine
@@ -84,6 +84,7 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
         self.debug_invariants = os.environ.get("KVSTORE_DEBUG_INVARIANTS") == "1"
         self.max_pool_bytes = 0      # all caches' pools together; 0: unlimited (set by the daemon)
         self._streams: dict = {}     # the daemon's own CUDA stream per device
+        self._fences = Fences()
 
     @property
     def buffers(self):
@@ -179,7 +180,8 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
         for bid in ids:
             events = self.buffers.cuda_events(bid) if self.buffers is not None else None
             if events is not None:
-                return CudaScope(self._stream(events[0]), *events)
+                stream = self._stream(events[0])
+                return CudaScope(stream, *events, self._fences.get(stream.device))
         return contextlib.nullcontext()
 
     def _stream(self, event):
