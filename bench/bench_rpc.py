@@ -25,6 +25,8 @@ import tempfile
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if "--root" in sys.argv:        # measure another checkout's daemon and client (see --compare)
+    ROOT = os.path.abspath(sys.argv[sys.argv.index("--root") + 1])
 sys.path.insert(0, ROOT)
 
 ECHO = "/bench.Echo/Echo"
@@ -79,6 +81,51 @@ def timed(fn, n: int, sync=None) -> list[float]:
     return out
 
 
+def table(samples: dict[str, list[float]], title: str = "") -> None:
+    floor50, floor99 = pct(samples["echo"], 50), pct(samples["echo"], 99)
+    if title:
+        print(title)
+    print(f"{'variant':<14}{'p50 µs':>9}{'p99 µs':>9}{'p50-floor':>11}{'x floor':>9}")
+    for name, xs in samples.items():
+        p50, p99 = pct(xs, 50), pct(xs, 99)
+        print(f"{name:<14}{p50:9.0f}{p99:9.0f}{p50 - floor50:11.0f}{p50 / floor50:9.2f}")
+    print(f"(floor = echo: p50 {floor50:.0f} µs, p99 {floor99:.0f} µs; target: AppendAttend p50 <= 150 µs)")
+
+
+def compare(args, argv: list[str]) -> None:
+    """Alternate one-round runs of this checkout and args.compare; pool the samples."""
+    import json
+    rest = []
+    skip = False
+    for a in argv:          # drop --compare DIR and --rounds N: each child runs one round
+        if skip:
+            skip = False
+        elif a in ("--compare", "--rounds"):
+            skip = True
+        elif not a.startswith(("--compare=", "--rounds=")):
+            rest.append(a)
+    trees = {"before": os.path.abspath(args.compare), "after": ROOT}
+    pooled: dict[str, dict[str, list[float]]] = {k: {} for k in trees}
+    out = tempfile.mktemp(suffix=".json")
+    for r in range(args.rounds):
+        for label in (("before", "after") if r % 2 == 0 else ("after", "before")):
+            root = trees[label]
+            env = dict(os.environ, PYTHONPATH=root)
+            subprocess.run([sys.executable, os.path.abspath(__file__), "--root", root, "--rounds", "1", "--json", out,
+                            *rest], env=env, check=True)
+            for k, xs in json.load(open(out)).items():
+                pooled[label].setdefault(k, []).extend(xs)
+    for label, root in trees.items():
+        table(pooled[label], f"\n{label}: {root} ({args.rounds} rounds x {args.calls} calls, interleaved)")
+    b, a = pooled["before"], pooled["after"]
+    print(f"\n{'variant':<14}{'p50 before':>11}{'p50 after':>10}{'p99 before':>11}{'p99 after':>10}"
+          f"{'overhead before':>16}{'overhead after':>15}")
+    for k in a:
+        if k in b:
+            print(f"{k:<14}{pct(b[k], 50):11.0f}{pct(a[k], 50):10.0f}{pct(b[k], 99):11.0f}{pct(a[k], 99):10.0f}"
+                  f"{pct(b[k], 50) - pct(b['echo'], 50):16.0f}{pct(a[k], 50) - pct(a['echo'], 50):15.0f}")
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--calls", type=int, default=200, help="timed calls per variant per round")
@@ -88,10 +135,16 @@ def main(argv=None) -> None:
     ap.add_argument("--device", default=None, help="daemon device (default: cuda if available)")
     ap.add_argument("--workers", type=int, default=8, help="server thread pool (daemon --workers and echo)")
     ap.add_argument("--only", default="", help="comma list of variants to run (e.g. echo,fp16/shm)")
+    ap.add_argument("--compare", metavar="DIR", help="also measure the checkout in DIR (e.g. `git archive BASE | "
+                    "tar -x -C DIR`), round by round interleaved with this one, and print both tables")
+    ap.add_argument("--root", help=argparse.SUPPRESS)
+    ap.add_argument("--json", help=argparse.SUPPRESS)
     ap.add_argument("--echo-server", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.echo_server:
         return echo_server(args.echo_server, args.workers)
+    if args.compare:
+        return compare(args, argv if argv is not None else sys.argv[1:])
 
     import grpc
     import torch
@@ -182,14 +235,14 @@ def main(argv=None) -> None:
                 if v[0] == "aa":
                     c.free(v[1], [seq])
 
-        floor50, floor99 = pct(samples["echo"], 50), pct(samples["echo"], 99)
-        print(f"\nAppendAttend overhead, {args.rounds} rounds x {args.calls} calls, daemon on {device}, "
-              f"torch {torch.__version__}, grpcio {grpc.__version__}, Python {sys.version.split()[0]}")
-        print(f"{'variant':<14}{'p50 µs':>9}{'p99 µs':>9}{'p50-floor':>11}{'x floor':>9}")
-        for name, xs in samples.items():
-            p50, p99 = pct(xs, 50), pct(xs, 99)
-            print(f"{name:<14}{p50:9.0f}{p99:9.0f}{p50 - floor50:11.0f}{p50 / floor50:9.2f}")
-        print(f"(floor = echo: p50 {floor50:.0f} µs, p99 {floor99:.0f} µs; target: AppendAttend p50 <= 150 µs)")
+        if args.json:
+            import json
+            with open(args.json, "w") as f:
+                json.dump(samples, f)
+        else:
+            print(f"\nAppendAttend overhead, {args.rounds} rounds x {args.calls} calls, daemon on {device}, "
+                  f"torch {torch.__version__}, grpcio {grpc.__version__}, Python {sys.version.split()[0]}")
+            table(samples)
         for c in clients.values():
             c.close()
         echo_ch.close()
