@@ -48,7 +48,8 @@ def serve(sock: str, out: str, extra: list[str]) -> None:
             prof.disable()
             lookup["ns"] = time.perf_counter_ns() - t0
             lookup["t0"] = t0
-            if handler is None or not handler.unary_unary or not details.method.endswith("/AppendAttend"):
+            if handler is None or not handler.unary_unary or not details.method.endswith(
+                    "/" + os.environ.get("KVPROF_METHOD", "AppendAttend")):
                 return handler
             fn, l0, lns = handler.unary_unary, t0, lookup["ns"]
 
@@ -61,6 +62,8 @@ def serve(sock: str, out: str, extra: list[str]) -> None:
                     prof.disable()
                     marks.append((l0, t1, time.perf_counter_ns(), lns, time.thread_time_ns() - c1))
             return handler._replace(unary_unary=call)
+
+    stages = _patch_stages() if os.environ.get("KVPROF_STAGES") else {}
 
     orig = grpc.server
 
@@ -75,6 +78,42 @@ def serve(sock: str, out: str, extra: list[str]) -> None:
         prof.dump_stats(out + ".prof")
         with open(out, "w") as f:
             json.dump(marks, f)
+        with open(out + ".stages", "w") as f:
+            json.dump(stages, f)
+
+
+# Functions timed (inclusive wall time per call) with --stages; missing ones are skipped,
+# so the same list works on older checkouts.
+STAGES = [("kvstore.servicer", "KVStoreServicer", "AppendAttend"), ("kvstore.servicer", "KVStoreServicer", "_begin"),
+          ("kvstore.servicer", "KVStoreServicer", "_out_check"), ("kvstore.servicer", "KVStoreServicer", "_t"),
+          ("kvstore.servicer", "KVStoreServicer", "_cuda"), ("kvstore.wire", None, "to_proto"),
+          ("kvstore.engine", "Engine", "append_attend"), ("kvstore.engine", "Engine", "_query"),
+          ("kvstore.engine", "Engine", "append"), ("kvstore.engine", "Engine", "_tensor"),
+          ("kvstore.cache", "Cache", "append_layer_batch"), ("kvstore.cache", "Cache", "attend")]
+
+
+def _patch_stages() -> dict:
+    import importlib
+    import inspect
+    acc: dict[str, list[int]] = {}
+    for mod, cls, name in STAGES:
+        owner = importlib.import_module(mod)
+        owner = getattr(owner, cls) if cls else owner
+        fn = getattr(owner, name, None)
+        if fn is None:
+            continue
+        label = f"{cls or mod}.{name}"
+        xs = acc.setdefault(label, [])
+
+        def timed(*a, _fn=fn, _xs=xs, **kw):
+            t0 = time.perf_counter_ns()
+            try:
+                return _fn(*a, **kw)
+            finally:
+                _xs.append(time.perf_counter_ns() - t0)
+        static = cls and isinstance(inspect.getattr_static(owner, name), staticmethod)
+        setattr(owner, name, staticmethod(timed) if static else timed)
+    return acc
 
 
 def top(stats: pstats.Stats, n: int, calls: int) -> str:
@@ -94,6 +133,9 @@ def main(argv=None) -> None:
     ap.add_argument("--metrics", action="store_true", help="daemon with --metrics-port 0 (metrics interceptor)")
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--no-cprofile", action="store_true", help="timestamps only (true medians)")
+    ap.add_argument("--heartbeat", action="store_true", help="time Heartbeat calls instead (the RPC layer alone)")
+    ap.add_argument("--stages", action="store_true", help="no cProfile; time the server's stages (STAGES), "
+                    "inclusive, per call")
     ap.add_argument("--serve", nargs=2, help=argparse.SUPPRESS)
     args, extra = ap.parse_known_args(argv)
     if args.serve:
@@ -109,8 +151,12 @@ def main(argv=None) -> None:
     env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     cmd = [sys.executable, os.path.abspath(__file__), "--serve", sock, out] + (
         ["--metrics-port", "0"] if args.metrics else [])
-    if args.no_cprofile:
+    if args.no_cprofile or args.stages:
         env["KVPROF_OFF"] = "1"
+    if args.stages:
+        env["KVPROF_STAGES"] = "1"
+    if args.heartbeat:
+        env["KVPROF_METHOD"] = "Heartbeat"
     p = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         while not os.path.exists(sock):
@@ -153,13 +199,20 @@ def main(argv=None) -> None:
         real_stub = kv._raw
         kv._raw = Stub()
         cprof = cProfile.Profile()
+        from kvstore.v1 import kvstore_pb2 as pb
+        hb = pb.HeartbeatRequest()
         if args.no_cprofile:
             cprof.enable = cprof.disable = lambda: None
         for i in range(args.calls + 50):
             t0, tc = time.perf_counter_ns(), time.thread_time_ns()
             if i >= 50:
                 cprof.enable()
-            kv.append_attend("c", i % 2, ["t"], k, k, q)
+            if args.heartbeat:
+                cur["s0"], c0 = time.perf_counter_ns(), time.thread_time_ns()
+                real_stub.Heartbeat(hb, timeout=10, metadata=kv._md)
+                cur["s1"], cur["c"] = time.perf_counter_ns(), time.thread_time_ns() - c0
+            else:
+                kv.append_attend("c", i % 2, ["t"], k, k, q)
             if i >= 50:
                 cprof.disable()
                 cmarks.append((t0, cur["s0"], cur["s1"], time.perf_counter_ns(),
@@ -187,11 +240,20 @@ def main(argv=None) -> None:
         segs["client: read output"].append(c1 - s1)
         segs["total"].append(c1 - c0)
     med = lambda xs: sorted(xs)[len(xs) // 2] / 1e3   # noqa: E731
-    print(f"\n{args.codec}/{args.transport}{' +metrics' if args.metrics else ''}: medians over {len(cmarks)} calls "
-          f"(µs{'' if args.no_cprofile else '; cProfile on, so inflated'})")
+    print(f"\n{'Heartbeat' if args.heartbeat else args.codec + '/' + args.transport}{' +metrics' if args.metrics else ''}: medians over {len(cmarks)} calls "
+          f"(µs{'' if args.no_cprofile or args.stages else '; cProfile on, so inflated'})")
     for k_, xs in segs.items():
         print(f"  {k_:<44}{med(xs):8.0f}")
-    if args.no_cprofile:
+    if args.stages:
+        stages = json.load(open(out + ".stages"))
+        n = len(smarks)
+        print("\n== server stages, inclusive, per call (median over calls; sum / calls where called more often)")
+        for label, xs in stages.items():
+            if xs:
+                per = len(xs) / max(1, len(json.load(open(out))))
+                print(f"  {label:<44}{med(xs):8.0f}  x{per:.0f}/call")
+        del n
+    if args.no_cprofile or args.stages:
         return
     print("\n== server (interceptor lookup + handler), by own time")
     print(top(pstats.Stats(out + ".prof"), args.top, len(smarks)))
