@@ -183,7 +183,8 @@ def main(argv=None) -> None:
         kv.append("c", ["t"], pre, pre)
         k = torch.randn(1, 2, 64, dtype=torch.float16)
         q = torch.randn(1, 4, 64, dtype=torch.float16)
-        stub_method = kv._raw.AppendAttend
+        attr = "_raw" if hasattr(kv, "_raw") else "stub"     # older clients call through kv.stub
+        stub_method = getattr(kv, attr).AppendAttend
         cmarks: list[tuple[int, int, int, int]] = []
         cur = {}
 
@@ -196,8 +197,8 @@ def main(argv=None) -> None:
                 r = stub_method(req, **kw)
                 cur["s1"], cur["c"] = time.perf_counter_ns(), time.thread_time_ns() - c0
                 return r
-        real_stub = kv._raw
-        kv._raw = Stub()
+        real_stub = getattr(kv, attr)
+        setattr(kv, attr, Stub())
         cprof = cProfile.Profile()
         from kvstore.v1 import kvstore_pb2 as pb
         hb = pb.HeartbeatRequest()
@@ -209,7 +210,7 @@ def main(argv=None) -> None:
                 cprof.enable()
             if args.heartbeat:
                 cur["s0"], c0 = time.perf_counter_ns(), time.thread_time_ns()
-                real_stub.Heartbeat(hb, timeout=10, metadata=kv._md)
+                real_stub.Heartbeat(hb, timeout=10, metadata=(("x-kvstore-session", kv.session_id),))
                 cur["s1"], cur["c"] = time.perf_counter_ns(), time.thread_time_ns() - c0
             else:
                 kv.append_attend("c", i % 2, ["t"], k, k, q)

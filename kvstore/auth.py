@@ -104,7 +104,7 @@ class Authenticator:
         """The caller's tenant; Unauthenticated if it has none. Remembered on
         the call's context: the gate and the servicer both ask."""
         tenant = getattr(context, "_kvstore_tenant", None)
-        if tenant is None:
+        if not isinstance(tenant, str):
             tenant = self._tenant(context)
             try:
                 context._kvstore_tenant = tenant
