@@ -12,9 +12,9 @@ from __future__ import annotations
 import torch
 
 
-def gather_tokens(pool: torch.Tensor, blocks: list[int], n: int) -> torch.Tensor:
-    """pool [nb, Hkv, bs, d]; the first n tokens of blocks -> [Hkv, n, d] fp32."""
-    sel = pool.index_select(0, torch.tensor(blocks, dtype=torch.long))   # [nblk, Hkv, bs, d]
+def gather_tokens(pool: torch.Tensor, blocks: torch.Tensor, n: int) -> torch.Tensor:
+    """pool [nb, Hkv, bs, d]; the first n tokens of blocks (long [nblk]) -> [Hkv, n, d] fp32."""
+    sel = pool.index_select(0, blocks)                                    # [nblk, Hkv, bs, d]
     h, d = sel.shape[1], sel.shape[3]
     return sel.transpose(0, 1).reshape(h, -1, d)[:, :n].float()
 

@@ -50,23 +50,26 @@ class ReadPath:
 
     def _attend_cpu(self, layer: int, seqs: list[Sequence], q: torch.Tensor, scale: float) -> torch.Tensor:
         """The CPU device: no block tables, no plan; see kernels/cpu_decode.py."""
-        out = torch.empty_like(q)
+        outs = []
         for i, s in enumerate(seqs):
             n = s.layer_length(layer)
             if self.is_pq:
                 ns = len(s.sealed) * self.bs
-                k = cpu_decode.gather_tokens(self.tail.k[layer], s.tail, n - ns)
-                v = cpu_decode.gather_tokens(self.tail.v[layer], s.tail, n - ns)
+                tail = torch.tensor(s.tail, dtype=torch.long)
+                k = cpu_decode.gather_tokens(self.tail.k[layer], tail, n - ns)
+                v = cpu_decode.gather_tokens(self.tail.v[layer], tail, n - ns)
                 if ns:
                     ks, vs = cpu_decode.dequantize_tokens(self.main.k_codes[layer], self.main.v_codes[layer],
                                                           self.main.k_cb[layer], self.main.v_cb[layer], s.sealed)
                     k = torch.cat([ks, k], dim=1)
                     v = torch.cat([vs, v], dim=1)
             else:
-                k = cpu_decode.gather_tokens(self.main.k[layer], s.sealed + s.tail, n)
-                v = cpu_decode.gather_tokens(self.main.v[layer], s.sealed + s.tail, n)
-            out[i] = cpu_decode.attend_one(q[i], k, v, scale)
-        return out
+                blocks = torch.tensor(s.sealed + s.tail, dtype=torch.long)
+                k = cpu_decode.gather_tokens(self.main.k[layer], blocks, n)
+                v = cpu_decode.gather_tokens(self.main.v[layer], blocks, n)
+            outs.append(cpu_decode.attend_one(q[i], k, v, scale))
+        out = outs[0].unsqueeze(0) if len(outs) == 1 else torch.stack(outs)
+        return out.to(q.dtype)
 
     def retrieve(self, s: Sequence, start: int, end: int, layers: slice) -> tuple[torch.Tensor, torch.Tensor]:
         """-> k, v [nl, end - start, Hkv, d] of committed tokens: sealed ones

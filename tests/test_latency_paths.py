@@ -36,8 +36,8 @@ def test_cpu_decode_matches_reference_fp16(hq, hkv, n):
     blocks = torch.randperm(nb, generator=g)[:math.ceil(n / bs)].tolist()
     q = torch.randn(hq, d, generator=g).half()
     want, _ = ref.paged_decode_attention(q[None], kp, vp, torch.tensor([blocks], dtype=torch.int32), [n], 0.125)
-    k = cpu_decode.gather_tokens(kp, blocks, n)
-    v = cpu_decode.gather_tokens(vp, blocks, n)
+    k = cpu_decode.gather_tokens(kp, torch.tensor(blocks), n)
+    v = cpu_decode.gather_tokens(vp, torch.tensor(blocks), n)
     assert k.shape == (hkv, n, d) and k.dtype == torch.float32
     out = cpu_decode.attend_one(q, k, v, 0.125)
     assert (out.half().float() - want[0].float()).abs().max().item() < 2e-3
@@ -58,8 +58,8 @@ def test_cpu_decode_matches_reference_pq(sealed, tail):
     ks, vs = cpu_decode.dequantize_tokens(kc, vc, kcb, vcb, sb)
     rk, rv = ref.gather_pq_blocks(kc, vc, kcb, vcb, torch.tensor(sb))
     assert torch.equal(ks, rk.transpose(0, 1)) and torch.equal(vs, rv.transpose(0, 1))
-    k = torch.cat([ks, cpu_decode.gather_tokens(tk, tb, tail)], dim=1)
-    v = torch.cat([vs, cpu_decode.gather_tokens(tv, tb, tail)], dim=1)
+    k = torch.cat([ks, cpu_decode.gather_tokens(tk, torch.tensor(tb), tail)], dim=1)
+    v = torch.cat([vs, cpu_decode.gather_tokens(tv, torch.tensor(tb), tail)], dim=1)
     out = cpu_decode.attend_one(q[0], k, v, 0.125)
     assert (out.half().float() - want[0].float()).abs().max().item() < 2e-3
 
@@ -239,3 +239,77 @@ def test_cached_view_is_not_served_to_another_tenant(tmp_path):
         b.close()
     finally:
         server.stop(0)
+
+
+# ------------------------------------------------------------- CUDA call scope (fakes: runs on CPU)
+def test_cuda_scope_orders_through_reused_fences(monkeypatch):
+    """The call scope's device-side ordering, step by step, with stand-ins for
+    torch.cuda (the GPU tests run it for real): after the daemon's default
+    stream and the client's ready event, then done, then back to default; the
+    two fence events are made once per thread and device and reused."""
+    import threading
+
+    from kvstore import call_scope
+
+    log = []
+
+    class Ev:
+        made = 0
+
+        def __init__(self, name=None):
+            Ev.made += 1
+            self.name = name or f"fence{Ev.made}"
+
+        def record(self, stream):
+            log.append(("record", self.name, stream.name))
+
+    class St:
+        def __init__(self, name):
+            self.name, self.device = name, "cuda:0"
+
+        def wait_event(self, ev):
+            log.append(("wait", self.name, ev.name))
+
+    class Ctx:
+        def __init__(self, stream):
+            self.stream = stream
+
+        def __enter__(self):
+            log.append(("enter", self.stream.name))
+
+        def __exit__(self, *exc):
+            log.append(("exit", self.stream.name))
+
+    class Dev:
+        def __init__(self, device):
+            pass
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+    default, mine = St("default"), St("daemon")
+    monkeypatch.setattr(torch.cuda, "Event", lambda: Ev())
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: default)
+    monkeypatch.setattr(torch.cuda, "stream", Ctx)
+    monkeypatch.setattr(torch.cuda, "device", Dev)
+    fences = call_scope.Fences()
+    f = fences.get(mine.device)
+    assert fences.get(mine.device) is f
+    other = []
+    th = threading.Thread(target=lambda: other.append(fences.get(mine.device)))
+    th.start()
+    th.join()
+    assert other[0] is not f                     # per thread: concurrent calls never share a fence
+    made = Ev.made
+    for _ in range(2):                           # a second call makes no new event
+        log.clear()
+        with call_scope.CudaScope(mine, Ev("ready"), Ev("done"), f):
+            log.append(("work",))
+        fi, fo = f[0].name, f[1].name
+        assert log == [("record", fi, "default"), ("wait", "daemon", fi), ("wait", "daemon", "ready"),
+                       ("enter", "daemon"), ("work",), ("record", "done", "daemon"), ("exit", "daemon"),
+                       ("record", fo, "daemon"), ("wait", "default", fo)]
+    assert Ev.made == made + 4                   # only the ready/done stand-ins of the two calls
