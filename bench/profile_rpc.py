@@ -99,7 +99,7 @@ STAGES = [("kvstore.servicer", "KVStoreServicer", "AppendAttend"), ("kvstore.ser
           ("kvstore.servicer", "KVStoreServicer", "_out_check"), ("kvstore.servicer", "KVStoreServicer", "_t"),
           ("kvstore.servicer", "KVStoreServicer", "_cuda"), ("kvstore.wire", None, "to_proto"),
           ("kvstore.engine", "Engine", "append_attend"), ("kvstore.engine", "Engine", "_query"),
-          ("kvstore.engine", "Engine", "append"), ("kvstore.engine", "Engine", "_tensor"),
+          ("kvstore.engine", "Engine", "append"), ("kvstore.engine", "Engine", "_tensor"), ("kvstore.engine", None, "_finite"),
           ("kvstore.cache", "Cache", "append_layer_batch"), ("kvstore.cache", "Cache", "attend")]
 
 
@@ -267,7 +267,10 @@ def main(argv=None) -> None:
         for label, xs in stages.items():
             if xs:
                 per = len(xs) / max(1, len(json.load(open(out))))
-                print(f"  {label:<44}{med(xs):8.0f}  x{per:.0f}/call")
+                k = round(per)
+                by_pos = "  (by position in the call: " + ", ".join(f"{med(xs[i::k]):.0f}" for i in range(k)) + ")" \
+                    if k > 1 and len(xs) % k == 0 else ""
+                print(f"  {label:<44}{med(xs):8.0f}  x{per:.0f}/call{by_pos}")
         del n
     if args.no_cprofile or args.stages:
         return
