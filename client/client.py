@@ -17,6 +17,7 @@ daemon frees this process's unpinned sequences only after it is gone.
 """
 from __future__ import annotations
 
+import math
 import mmap
 import os
 import secrets
@@ -28,7 +29,7 @@ import grpc
 import torch
 
 from kvstore import wire
-from kvstore.daemon import DEFAULT_MAX_MESSAGE_MB, default_socket
+from kvstore.daemon import DEFAULT_MAX_MESSAGE_MB, client_options, default_socket
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.v1 import kvstore_pb2_grpc as pb_grpc
 
@@ -58,6 +59,7 @@ class _ShmArena:
         self.view = torch.frombuffer(self.mm, dtype=torch.uint8)
         self.cursor = 0
         self.buffer_id = ""
+        self._typed: dict[tuple, tuple[torch.Tensor, pb.Tensor]] = {}
 
     def alloc(self, nbytes: int, align: int = 64) -> int:
         off = (self.cursor + align - 1) // align * align
@@ -65,6 +67,20 @@ class _ShmArena:
             raise MemoryError
         self.cursor = off + nbytes
         return off
+
+    def typed(self, off: int, shape: tuple, dtype: torch.dtype) -> tuple[torch.Tensor, pb.Tensor]:
+        """(view of bytes at off as shape/dtype, the Tensor message naming them),
+        cached: calls of a decode loop name the same ranges every time."""
+        key = (off, shape, dtype)
+        hit = self._typed.get(key)
+        if hit is None:
+            if len(self._typed) >= 1024:
+                self._typed.clear()
+            nb = dtype.itemsize * math.prod(shape)
+            hit = self._typed[key] = (self.view[off:off + nb].view(dtype).view(shape),
+                                      pb.Tensor(shape=shape, dtype=wire.TO_PROTO[dtype],
+                                                ref=pb.BufferRef(buffer_id=self.buffer_id, offset=off)))
+        return hit
 
     def close(self) -> None:
         try:
@@ -88,8 +104,10 @@ class _CudaArena:
         self.ready, self.done = cuda_ipc.event_pair(device)
         self.cursor = 0
         self.buffer_id = ""
+        self._typed: dict[tuple, tuple[torch.Tensor, pb.Tensor]] = {}
 
     alloc = _ShmArena.alloc
+    typed = _ShmArena.typed
 
     def close(self) -> None:
         self.view = None
@@ -115,8 +133,7 @@ class KVStoreClient:
         or bytes) to reach a TLS port; session_id: default a random uuid;
         heartbeat: keep the session's lease alive from a background thread."""
         self.target = target or f"unix://{default_socket()}"
-        limit = max_message_mb * 1024 * 1024
-        opts = [("grpc.max_receive_message_length", limit), ("grpc.max_send_message_length", limit)]
+        opts = client_options(max_message_mb)
         if tls_ca is not None:
             ca = open(tls_ca, "rb").read() if isinstance(tls_ca, str) else tls_ca
             self.channel = grpc.secure_channel(self.target, grpc.ssl_channel_credentials(ca), options=opts)
@@ -126,6 +143,10 @@ class KVStoreClient:
         token = token if token is not None else os.environ.get("KVSTORE_TOKEN")
         md = [("x-kvstore-session", self.session_id)] + ([("authorization", f"Bearer {token}")] if token else [])
         self.stub = pb_grpc.KVStoreStub(grpc.intercept_channel(self.channel, _Metadata(md)))
+        # The tensor calls pass the metadata themselves: a Python client
+        # interceptor costs tens of µs per call.
+        self._raw = pb_grpc.KVStoreStub(self.channel)
+        self._md = tuple(md)
         self.timeout = timeout
         self._lock = threading.Lock()
         self._arena: _ShmArena | None = None
@@ -237,48 +258,37 @@ class KVStoreClient:
             arena = self._cuda_arena_for(need, cuda[0].device) if cuda else None
             if arena is not None:
                 return self._call_cuda(arena, method, request_fn, inputs, out_bytes, read)
-            tensors = {k: v.detach().contiguous().cpu() for k, v in inputs.items()}
             arena = self._arena_for(need)
             msgs, outs = {}, []
-            for k, t in tensors.items():
+            for k, t in inputs.items():
+                t = t.detach()
                 if arena is None:
                     msgs[k] = wire.to_proto(t)
                 else:
-                    nb = t.numel() * t.element_size()
-                    off = arena.alloc(nb)
-                    if nb:
-                        arena.view[off:off + nb].copy_(t.view(torch.uint8).reshape(-1))
-                    msgs[k] = pb.Tensor(shape=list(t.shape), dtype=wire.TO_PROTO[t.dtype],
-                                        ref=pb.BufferRef(buffer_id=arena.buffer_id, offset=off))
+                    dst, msgs[k] = arena.typed(arena.alloc(t.numel() * t.element_size()), tuple(t.shape), t.dtype)
+                    dst.copy_(t)
             for b in out_bytes:
                 outs.append(None if arena is None else pb.OutputRef(buffer_id=arena.buffer_id, offset=arena.alloc(b)))
-            reply = method(request_fn(msgs, outs), timeout=self.timeout)
+            reply = method(request_fn(msgs, outs), timeout=self.timeout, metadata=self._md)
             return read(reply, arena) if read else reply
 
     def _call_cuda(self, arena: _CudaArena, method, request_fn, inputs, out_bytes, read):
         msgs, outs = {}, []
         for k, t in inputs.items():
-            t = t.detach().contiguous()
-            nb = t.numel() * t.element_size()
-            off = arena.alloc(nb)
-            if nb:
-                arena.view[off:off + nb].copy_(t.view(torch.uint8).reshape(-1), non_blocking=True)
-            msgs[k] = pb.Tensor(shape=list(t.shape), dtype=wire.TO_PROTO[t.dtype],
-                                ref=pb.BufferRef(buffer_id=arena.buffer_id, offset=off))
+            t = t.detach()
+            dst, msgs[k] = arena.typed(arena.alloc(t.numel() * t.element_size()), tuple(t.shape), t.dtype)
+            dst.copy_(t, non_blocking=True)
         for b in out_bytes:
             outs.append(pb.OutputRef(buffer_id=arena.buffer_id, offset=arena.alloc(b)))
         stream = torch.cuda.current_stream(arena.view.device)
         arena.ready.record(stream)
-        reply = method(request_fn(msgs, outs), timeout=self.timeout)
+        reply = method(request_fn(msgs, outs), timeout=self.timeout, metadata=self._md)
         stream.wait_event(arena.done)
         return read(reply, arena) if read else reply
 
     def _tensor(self, t: pb.Tensor, arena: _ShmArena | None) -> torch.Tensor:
         if t.WhichOneof("data") == "ref":
-            dtype = wire.TO_TORCH[t.dtype]
-            n = int(torch.tensor(list(t.shape) or [1]).prod()) if t.shape else 1
-            nb = n * torch.empty((), dtype=dtype).element_size()
-            return arena.view[t.ref.offset:t.ref.offset + nb].view(dtype).reshape(list(t.shape)).clone()
+            return arena.typed(t.ref.offset, tuple(t.shape), wire.TO_TORCH[t.dtype])[0].clone()
         return wire.from_proto(t, None, "reply")
 
     # --------------------------------------------------------------- caches
@@ -306,7 +316,7 @@ class KVStoreClient:
 
     def train_codebooks(self, name: str, k_samples: torch.Tensor, v_samples: torch.Tensor, niter: int = 20) -> str:
         """k_samples, v_samples: [L, N, Hkv, d] (K after RoPE)."""
-        reply = self._call(self.stub.TrainCodebooks, lambda m, o: pb.TrainCodebooksRequest(
+        reply = self._call(self._raw.TrainCodebooks, lambda m, o: pb.TrainCodebooksRequest(
             cache=name, k_samples=m["k"], v_samples=m["v"], niter=niter), {"k": k_samples, "v": v_samples}, [])
         return reply.sha256
 
@@ -341,18 +351,18 @@ class KVStoreClient:
             if layer is not None:
                 r.layer = layer
             return r
-        self._call(self.stub.Append, req, {"k": k, "v": v}, [])
+        self._call(self._raw.Append, req, {"k": k, "v": v}, [])
 
     def attend(self, cache: str, layer: int, seq_ids: list[str], q: torch.Tensor, scale: float = 0.0) -> torch.Tensor:
         """q [B, Hq, d] -> out [B, Hq, d]."""
-        return self._call(self.stub.Attend, lambda m, o: pb.AttendRequest(
+        return self._call(self._raw.Attend, lambda m, o: pb.AttendRequest(
             cache=cache, layer=layer, sequence_ids=seq_ids, q=m["q"], scale=scale, out=o[0]),
             {"q": q}, [q.numel() * 2], lambda r, a: self._tensor(r.out, a))
 
     def append_attend(self, cache: str, layer: int, seq_ids: list[str], k: torch.Tensor, v: torch.Tensor,
                       q: torch.Tensor, scale: float = 0.0) -> torch.Tensor:
         """k, v [B, Hkv, d] (the new token), q [B, Hq, d] -> out [B, Hq, d]."""
-        return self._call(self.stub.AppendAttend, lambda m, o: pb.AppendAttendRequest(
+        return self._call(self._raw.AppendAttend, lambda m, o: pb.AppendAttendRequest(
             cache=cache, layer=layer, sequence_ids=seq_ids, k=m["k"], v=m["v"], q=m["q"], scale=scale, out=o[0]),
             {"k": k, "v": v, "q": q}, [q.numel() * 2], lambda r, a: self._tensor(r.out, a))
 
@@ -363,7 +373,7 @@ class KVStoreClient:
             info = self.get_cache(cache).spec.geometry
             nl = (layer_end or info.num_layers) - layer_start
             out_bytes = max(0, nl * (end - start) * info.num_kv_heads * info.head_dim * 2)
-        return self._call(self.stub.Retrieve, lambda m, o: pb.RetrieveRequest(
+        return self._call(self._raw.Retrieve, lambda m, o: pb.RetrieveRequest(
             cache=cache, sequence_id=seq_id, start=start, end=end, layer_start=layer_start, layer_end=layer_end,
             k_out=o[0], v_out=o[1]), {}, [out_bytes, out_bytes],
             lambda r, a: (self._tensor(r.k, a), self._tensor(r.v, a)))

@@ -101,7 +101,18 @@ class Authenticator:
         return bool(self._tenants)
 
     def tenant(self, context) -> str:
-        """The caller's tenant; Unauthenticated if it has none."""
+        """The caller's tenant; Unauthenticated if it has none. Remembered on
+        the call's context: the gate and the servicer both ask."""
+        tenant = getattr(context, "_kvstore_tenant", None)
+        if not isinstance(tenant, str):
+            tenant = self._tenant(context)
+            try:
+                context._kvstore_tenant = tenant
+            except AttributeError:     # a context type that takes no attributes
+                pass
+        return tenant
+
+    def _tenant(self, context) -> str:
         token = None
         for k, v in context.invocation_metadata() or ():
             if k == "authorization":
@@ -144,13 +155,22 @@ class GateInterceptor(grpc.ServerInterceptor):
 
     def __init__(self, auth: Authenticator):
         self.auth = auth
+        self._wrapped: dict[str, tuple] = {}     # method -> (handler, wrapped handler)
 
     def intercept_service(self, continuation, handler_call_details):
         handler = continuation(handler_call_details)
         if handler is None:
             return None
-        check_auth = not handler_call_details.method.startswith(_HEALTH)
+        method = handler_call_details.method
+        hit = self._wrapped.get(method)
+        if hit is not None and hit[0] is handler:   # handlers are fixed per method: wrap once
+            return hit[1]
+        wrapped = self._wrap(handler, not method.startswith(_HEALTH))
+        if len(self._wrapped) < 1024:
+            self._wrapped[method] = (handler, wrapped)
+        return wrapped
 
+    def _wrap(self, handler, check_auth: bool):
         def admit(request, context):
             if isinstance(request, _Malformed):
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"request: malformed message ({request.error})")
@@ -244,6 +264,10 @@ class _BufferView:
     def get(self, buffer_id: str):
         self._check(buffer_id)
         return self.t.registry.get(buffer_id)
+
+    def view(self, buffer_id: str, offset: int, shape: tuple, dtype):
+        self._check(buffer_id)
+        return self.t.registry.view(buffer_id, offset, shape, dtype)
 
     def cuda_events(self, buffer_id: str):
         if self.t._owners.get(buffer_id, ("",))[0] != self.tenant:

@@ -2,17 +2,24 @@
 stream, ordered after the client's ready event and before its done event."""
 from __future__ import annotations
 
+import threading
+
 
 class CudaScope:
-    def __init__(self, stream, ready, done):
+    """fences: two events of this thread (see Fences), re-recorded per call
+    instead of the fresh event each Stream.wait_stream makes."""
+
+    def __init__(self, stream, ready, done, fences):
         self.stream, self.ready, self.done = stream, ready, done
+        self.fence_in, self.fence_out = fences
 
     def __enter__(self):
         import torch
         # Also order against the daemon's other work (calls without CUDA
         # buffers run on the default stream): device-side waits, no host sync.
         self.default = torch.cuda.current_stream(self.stream.device)
-        self.stream.wait_stream(self.default)
+        self.fence_in.record(self.default)
+        self.stream.wait_event(self.fence_in)
         self.stream.wait_event(self.ready)
         self._ctx = torch.cuda.stream(self.stream)
         self._ctx.__enter__()
@@ -20,14 +27,45 @@ class CudaScope:
     def __exit__(self, *exc):
         self.done.record(self.stream)
         self._ctx.__exit__(*exc)
-        self.default.wait_stream(self.stream)
+        self.fence_out.record(self.stream)
+        self.default.wait_event(self.fence_out)
+
+
+class Fences:
+    """Per thread and device, the two ordering events of CudaScope. A wait
+    takes the event's record at the time of the wait, so re-recording one
+    for the next call cannot reorder (or deadlock) an earlier call."""
+
+    def __init__(self):
+        self._local = threading.local()
+
+    def get(self, device) -> tuple:
+        import torch
+        mine = self._local.__dict__.setdefault("events", {})
+        key = str(device)
+        if key not in mine:
+            with torch.cuda.device(device):
+                mine[key] = (torch.cuda.Event(), torch.cuda.Event())
+        return mine[key]
+
+
+_FIELDS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {}
+
+
+def _field_names(request) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """(Tensor fields, OutputRef fields) of a request type, found once."""
+    d = request.DESCRIPTOR
+    names = _FIELDS.get(d.full_name)
+    if names is None:
+        def of(kind):
+            return tuple(f.name for f in d.fields if f.message_type is not None and f.message_type.name == kind)
+        names = _FIELDS[d.full_name] = (of("Tensor"), of("OutputRef"))
+    return names
 
 
 def tensor_fields(request):
-    return [getattr(request, f.name) for f in request.DESCRIPTOR.fields
-            if f.message_type is not None and f.message_type.name == "Tensor" and request.HasField(f.name)]
+    return [getattr(request, n) for n in _field_names(request)[0] if request.HasField(n)]
 
 
 def output_fields(request):
-    return [getattr(request, f.name) for f in request.DESCRIPTOR.fields
-            if f.message_type is not None and f.message_type.name == "OutputRef" and request.HasField(f.name)]
+    return [getattr(request, n) for n in _field_names(request)[1] if request.HasField(n)]

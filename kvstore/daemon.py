@@ -44,6 +44,19 @@ def _prepare_socket(path: str) -> None:
         os.unlink(path)   # a stale socket from a daemon that died
 
 
+def server_options(max_message_mb: int = DEFAULT_MAX_MESSAGE_MB) -> list[tuple[str, int]]:
+    """gRPC server options (also used by bench/bench_rpc.py's floor server)."""
+    limit = max_message_mb * 1024 * 1024
+    return [("grpc.max_receive_message_length", limit), ("grpc.max_send_message_length", limit),
+            ("grpc.so_reuseport", 0)]
+
+
+def client_options(max_message_mb: int = DEFAULT_MAX_MESSAGE_MB) -> list[tuple[str, int]]:
+    """gRPC channel options of the client."""
+    limit = max_message_mb * 1024 * 1024
+    return [("grpc.max_receive_message_length", limit), ("grpc.max_send_message_length", limit)]
+
+
 def create_server(engine: "Engine | None" = None, socket_path: str | None = None, port: int | None = None,
                   max_message_mb: int = DEFAULT_MAX_MESSAGE_MB, workers: int = 8,
                   host: str = "127.0.0.1", auth: Authenticator | None = None,
@@ -57,9 +70,7 @@ def create_server(engine: "Engine | None" = None, socket_path: str | None = None
     auth = auth or Authenticator()
     if port is not None and not auth.has_tokens:
         raise ValueError("TCP needs bearer tokens: pass --auth-token or --token-file with --port")
-    limit = max_message_mb * 1024 * 1024
-    opts = [("grpc.max_receive_message_length", limit), ("grpc.max_send_message_length", limit),
-            ("grpc.so_reuseport", 0)]
+    opts = server_options(max_message_mb)
     # Metrics outermost, so that calls the gate refuses are counted too.
     interceptors = ([metrics.interceptor] if metrics is not None else []) + [GateInterceptor(auth)]
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=workers), options=opts, interceptors=interceptors)
@@ -112,6 +123,10 @@ def main(argv: list[str] | None = None) -> None:
                    help="make pressure spills durable too (Offload always syncs)")
     p.add_argument("--max-message-mb", type=int, default=DEFAULT_MAX_MESSAGE_MB)
     p.add_argument("--workers", type=int, default=8)
+    p.add_argument("--torch-threads", type=int, default=1,
+                   help="intra-op threads of the daemon's own torch CPU work (default: %(default)s): decode calls "
+                        "are tiny ops, where waking a thread team costs more than it saves, and the worker pool "
+                        "already runs calls side by side; raise it for bulk CPU work (large CPU-device appends)")
     p.add_argument("--log-level", default="INFO")
     p.add_argument("--auth-token", default=os.environ.get("KVSTORE_AUTH_TOKEN"),
                    help="bearer token for TCP callers, tenant 'default' (env KVSTORE_AUTH_TOKEN; "
@@ -130,6 +145,10 @@ def main(argv: list[str] | None = None) -> None:
     if args.device.startswith("cuda"):
         from .cuda_ipc import check_allocator
         check_allocator()      # refuses allocator settings that break CUDA IPC, saying why
+    if args.torch_threads < 1:
+        p.error("--torch-threads must be >= 1")
+    import torch
+    torch.set_num_threads(args.torch_threads)
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     if bool(args.tls_cert) != bool(args.tls_key):
         p.error("--tls-cert and --tls-key go together")

@@ -141,12 +141,28 @@ class MetricsInterceptor(grpc.ServerInterceptor):
                                  buckets=LATENCY_BUCKETS, registry=registry)
         self.calls = Counter("kvstore_rpc", "RPCs by method and status code", ["method", "code"],
                              registry=registry)
+        self._wrapped: dict[str, tuple] = {}     # method -> (handler, wrapped handler)
+        self._counters: dict[tuple[str, str], object] = {}
 
     def intercept_service(self, continuation, handler_call_details):
         handler = continuation(handler_call_details)
         if handler is None or not handler.unary_unary:
             return handler
-        method = handler_call_details.method.rsplit("/", 1)[-1]
+        hit = self._wrapped.get(handler_call_details.method)
+        if hit is not None and hit[0] is handler:   # handlers are fixed per method: wrap once
+            return hit[1]
+        wrapped = self._wrap(handler, handler_call_details.method.rsplit("/", 1)[-1])
+        if len(self._wrapped) < 1024:
+            self._wrapped[handler_call_details.method] = (handler, wrapped)
+        return wrapped
+
+    def _count(self, method: str, code: str):
+        c = self._counters.get((method, code))
+        if c is None:
+            c = self._counters[(method, code)] = self.calls.labels(method, code)
+        return c
+
+    def _wrap(self, handler, method: str):
         fn = handler.unary_unary
         hist = self.latency.labels(method)
 
@@ -162,7 +178,7 @@ class MetricsInterceptor(grpc.ServerInterceptor):
                 raise
             finally:
                 hist.observe(time.perf_counter() - t0)
-                self.calls.labels(method, code.name).inc()
+                self._count(method, code.name).inc()
         return handler._replace(unary_unary=call)
 
 

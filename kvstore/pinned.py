@@ -55,9 +55,8 @@ class _Ring:
             if out is None:
                 out = torch.empty(t.shape, dtype=t.dtype, device=device)
             out.view(-1).copy_(stage, non_blocking=True)
-            ev = torch.cuda.Event()
+            ev = self.events[i] = torch.cuda.Event()    # fresh: the ring serves every device
             ev.record(torch.cuda.current_stream(device))
-            self.events[i] = ev
             return out
 
 

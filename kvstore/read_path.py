@@ -6,7 +6,7 @@ import time
 
 import torch
 
-from kvstore.kernels import dispatch
+from kvstore.kernels import cpu_decode, dispatch
 
 from .errors import InvalidArgument
 from .sequence import Sequence
@@ -26,7 +26,9 @@ class ReadPath:
         for s in seqs:
             if s.layer_length(layer) == 0:
                 raise InvalidArgument("sequence_ids", f"sequence {s.seq_id!r} has no tokens at layer {layer}")
-        if self.is_pq:
+        if dev.type == "cpu":
+            out = self._attend_cpu(layer, seqs, q, scale)
+        elif self.is_pq:
             sealed = block_table([s.sealed for s in seqs], dev)
             # Lengths stay host lists: the kernels plan on the host, and a device
             # tensor would cost a synchronisation to read back.
@@ -45,6 +47,29 @@ class ReadPath:
             s.last_use = now
         self.counters["attend_calls"] += 1
         return out
+
+    def _attend_cpu(self, layer: int, seqs: list[Sequence], q: torch.Tensor, scale: float) -> torch.Tensor:
+        """The CPU device: no block tables, no plan; see kernels/cpu_decode.py."""
+        outs = []
+        for i, s in enumerate(seqs):
+            n = s.layer_length(layer)
+            if self.is_pq:
+                ns = len(s.sealed) * self.bs
+                tail = torch.tensor(s.tail, dtype=torch.long)
+                k = cpu_decode.gather_tokens(self.tail.k[layer], tail, n - ns)
+                v = cpu_decode.gather_tokens(self.tail.v[layer], tail, n - ns)
+                if ns:
+                    ks, vs = cpu_decode.dequantize_tokens(self.main.k_codes[layer], self.main.v_codes[layer],
+                                                          self.main.k_cb[layer], self.main.v_cb[layer], s.sealed)
+                    k = torch.cat([ks, k], dim=1)
+                    v = torch.cat([vs, v], dim=1)
+            else:
+                blocks = torch.tensor(s.sealed + s.tail, dtype=torch.long)
+                k = cpu_decode.gather_tokens(self.main.k[layer], blocks, n)
+                v = cpu_decode.gather_tokens(self.main.v[layer], blocks, n)
+            outs.append(cpu_decode.attend_one(q[i], k, v, scale))
+        out = outs[0].unsqueeze(0) if len(outs) == 1 else torch.stack(outs)
+        return out.to(q.dtype)
 
     def retrieve(self, s: Sequence, start: int, end: int, layers: slice) -> tuple[torch.Tensor, torch.Tensor]:
         """-> k, v [nl, end - start, Hkv, d] of committed tokens: sealed ones

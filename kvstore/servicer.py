@@ -11,7 +11,7 @@ import threading
 import grpc
 
 from . import wire
-from .call_scope import CudaScope, output_fields, tensor_fields
+from .call_scope import CudaScope, Fences, output_fields, tensor_fields
 from .codebooks import Codebooks
 from .config import CacheConfig, CodecConfig, ModelGeometry
 from .engine import Engine
@@ -84,6 +84,7 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
         self.debug_invariants = os.environ.get("KVSTORE_DEBUG_INVARIANTS") == "1"
         self.max_pool_bytes = 0      # all caches' pools together; 0: unlimited (set by the daemon)
         self._streams: dict = {}     # the daemon's own CUDA stream per device
+        self._fences = Fences()
 
     @property
     def buffers(self):
@@ -93,10 +94,10 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
         return getattr(self._call, "buffers", None)
 
     def _tenant(self, context) -> str:
-        return self.auth.tenant(context)
+        return self.auth.tenant(context)     # remembered on the context: cheap after _begin
 
     def _begin(self, context) -> None:
-        tenant, session = self._tenant(context), session_of(context)
+        tenant, session = self.auth.tenant(context), session_of(context)
         if self.leases is not None:
             self.leases.touch(tenant, session)
         self._call.buffers = self.buffer_table.view(tenant, session) if is_local(context) else None
@@ -170,6 +171,8 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
         """For calls naming a CUDA buffer: run on the daemon's stream after the
         client's ready event, record the done event after the outputs; no host
         synchronisation. A no-op context otherwise."""
+        if self.buffers is None or not self.buffer_table.registry.cuda_buffers:
+            return contextlib.nullcontext()
         ids = {t.ref.buffer_id for t in tensor_fields(request) if t.WhichOneof("data") == "ref"}
         ids |= {o.buffer_id for o in output_fields(request) if o.buffer_id}
         if getattr(request, "buffer_id", ""):
@@ -177,7 +180,8 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
         for bid in ids:
             events = self.buffers.cuda_events(bid) if self.buffers is not None else None
             if events is not None:
-                return CudaScope(self._stream(events[0]), *events)
+                stream = self._stream(events[0])
+                return CudaScope(stream, *events, self._fences.get(stream.device))
         return contextlib.nullcontext()
 
     def _stream(self, event):

@@ -46,6 +46,13 @@ class Fp16Store:
         self.k.permute(1, 3, 0, 2, 4)[blocks, offsets, layers] = k.permute(1, 0, 2, 3).to(self.k.dtype)
         self.v.permute(1, 3, 0, 2, 4)[blocks, offsets, layers] = v.permute(1, 0, 2, 3).to(self.v.dtype)
 
+    def write_tokens(self, layer: int, slots: list[tuple[int, int]], k: torch.Tensor, v: torch.Tensor) -> None:
+        """k, v [n, Hkv, d] -> token i at slots[i] = (block, offset) of one
+        layer: one copy per token, for the few tokens of a decode step."""
+        for i, (b, o) in enumerate(slots):
+            self.k[layer, b, :, o] = k[i]
+            self.v[layer, b, :, o] = v[i]
+
     def read_blocks(self, layers: slice, block_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """-> k, v [nl, n_blocks * bs, Hkv, d]."""
         k = self.k[layers, block_ids]                   # [nl, n, Hkv, bs, d]

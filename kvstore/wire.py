@@ -2,6 +2,7 @@
 of a registered shared-memory buffer. Used by the servicer and the client."""
 from __future__ import annotations
 
+import math
 import mmap
 import os
 import re
@@ -17,15 +18,24 @@ TO_TORCH = {pb.FLOAT16: torch.float16, pb.BFLOAT16: torch.bfloat16, pb.FLOAT32: 
             pb.UINT8: torch.uint8, pb.INT32: torch.int32, pb.INT64: torch.int64}
 TO_PROTO = {v: k for k, v in TO_TORCH.items()}
 MAX_DIMS = 8
+MAX_VIEWS = 4096          # cached typed views of registered buffers (see BufferRegistry.view)
 _SHM_NAME = re.compile(r"^[A-Za-z0-9._-]{1,200}$")
 
 
 class BufferRegistry:
-    """Shared-memory buffers a client registered once and names per call."""
+    """Shared-memory buffers a client registered once and names per call.
+
+    NOTE: typed views of a buffer's bytes are cached by (buffer_id, offset,
+    shape, dtype), since a client names the same ranges call after call.
+    Unregistering a buffer drops its views under the lock, and a view is
+    cached only while its buffer is registered, so a released buffer never
+    serves a stale view (ids are random per registration, never reused)."""
 
     def __init__(self, shm_dir: str = "/dev/shm"):
         self.shm_dir = shm_dir
         self._bufs: dict[str, tuple[mmap.mmap, torch.Tensor, str]] = {}
+        self._views: dict[tuple, torch.Tensor] = {}
+        self.cuda_buffers = 0        # how many are CUDA buffers (none: calls skip the CUDA scope)
         self._lock = threading.Lock()
 
     def register_shm(self, name: str, size: int, owner: str = "") -> str:
@@ -76,6 +86,7 @@ class BufferRegistry:
         buffer_id = "cuda-" + secrets.token_hex(8)
         with self._lock:
             self._bufs[buffer_id] = ((alloc, events), view, owner)
+            self.cuda_buffers += 1
         return buffer_id
 
     def cuda_events(self, buffer_id: str):
@@ -88,6 +99,10 @@ class BufferRegistry:
     def unregister(self, buffer_id: str) -> None:
         with self._lock:
             entry = self._bufs.pop(buffer_id, None)
+            if entry is not None:
+                self.cuda_buffers -= buffer_id.startswith("cuda-")
+                for key in [k for k in self._views if k[0] == buffer_id]:
+                    del self._views[key]
         if entry is None:
             raise NotFound("buffer_id", f"no buffer {buffer_id!r}")
         # The mmap closes when the last tensor view of it is gone.
@@ -98,15 +113,27 @@ class BufferRegistry:
             raise NotFound("buffer_id", f"no buffer {buffer_id!r}")
         return entry[1]
 
+    def view(self, buffer_id: str, offset: int, shape: tuple, dtype: torch.dtype) -> torch.Tensor:
+        """Bytes [offset, offset + nbytes) of a buffer as a tensor of shape and
+        dtype; the caller has checked the range and alignment."""
+        key = (buffer_id, offset, shape, dtype)
+        v = self._views.get(key)
+        if v is not None:
+            return v
+        v = self.get(buffer_id)[offset:offset + _nbytes(shape, dtype)].view(dtype).view(shape)
+        with self._lock:
+            if buffer_id in self._bufs:       # not unregistered meanwhile
+                if len(self._views) >= MAX_VIEWS:
+                    self._views.clear()
+                self._views[key] = v
+        return v
+
     def __len__(self) -> int:
         return len(self._bufs)
 
 
 def _nbytes(shape, dtype: torch.dtype) -> int:
-    n = torch.empty((), dtype=dtype).element_size()
-    for s in shape:
-        n *= s
-    return n
+    return dtype.itemsize * math.prod(shape)
 
 
 def from_proto(t: pb.Tensor, buffers: BufferRegistry | None, field: str) -> torch.Tensor:
@@ -115,45 +142,47 @@ def from_proto(t: pb.Tensor, buffers: BufferRegistry | None, field: str) -> torc
         raise InvalidArgument(field, f"dtype {pb.DType.Name(t.dtype) if t.dtype in pb.DType.values() else t.dtype} "
                               "is missing or not supported")
     dtype = TO_TORCH[t.dtype]
-    shape = list(t.shape)
+    shape = tuple(t.shape)
     if len(shape) > MAX_DIMS or any(s < 0 for s in shape):
-        raise InvalidArgument(field, f"shape {shape} is not a valid tensor shape")
+        raise InvalidArgument(field, f"shape {list(shape)} is not a valid tensor shape")
     nbytes = _nbytes(shape, dtype)
     which = t.WhichOneof("data")
     if which == "inline":
         if len(t.inline) != nbytes:
-            raise InvalidArgument(field, f"{len(t.inline)} bytes for shape {shape} {dtype} ({nbytes} bytes)")
+            raise InvalidArgument(field, f"{len(t.inline)} bytes for shape {list(shape)} {dtype} ({nbytes} bytes)")
         if nbytes == 0:
             return torch.empty(shape, dtype=dtype)
         return torch.frombuffer(bytearray(t.inline), dtype=dtype).reshape(shape)
     if which == "ref":
         if buffers is None:
             raise InvalidArgument(field, "buffer references are not accepted here")
-        buf = buffers.get(t.ref.buffer_id)
-        off = t.ref.offset
-        if off % torch.empty((), dtype=dtype).element_size():
+        ref = t.ref
+        bid, off = ref.buffer_id, ref.offset
+        size = buffers.get(bid).numel()
+        if off % dtype.itemsize:
             raise InvalidArgument(field, f"offset {off} is not aligned to {dtype}")
-        if off + nbytes > buf.numel():
-            raise InvalidArgument(field, f"bytes [{off}, {off + nbytes}) outside buffer of {buf.numel()} bytes")
-        return buf[off:off + nbytes].view(dtype).reshape(shape)
+        if off + nbytes > size:
+            raise InvalidArgument(field, f"bytes [{off}, {off + nbytes}) outside buffer of {size} bytes")
+        return buffers.view(bid, off, shape, dtype)
     raise InvalidArgument(field, "tensor has no data (neither inline nor ref)")
 
 
 def to_proto(x: torch.Tensor, buffers: BufferRegistry | None = None, out: pb.OutputRef | None = None,
              field: str = "out") -> pb.Tensor:
     """Encode x; into the registered buffer range `out` if one is given."""
-    into = buffers.get(out.buffer_id) if out is not None and out.buffer_id else None
-    # Stay on the device when the output goes to a CUDA buffer: no host round trip.
-    x = x.detach().contiguous().to(into.device if into is not None else "cpu")
-    msg = pb.Tensor(shape=list(x.shape), dtype=TO_PROTO[x.dtype])
-    raw = x.view(torch.uint8).reshape(-1) if x.numel() else torch.empty(0, dtype=torch.uint8, device=x.device)
-    if into is not None:
-        check_output(buffers, out, raw.numel(), x.element_size(), field)
-        into[out.offset:out.offset + raw.numel()].copy_(raw)
+    x = x.detach()
+    msg = pb.Tensor(shape=x.shape, dtype=TO_PROTO[x.dtype])
+    if out is not None and out.buffer_id:
+        shape = tuple(x.shape)
+        check_output(buffers, out, _nbytes(shape, x.dtype), x.dtype.itemsize, field)
+        # Straight into the buffer (a cached view; on its device: a CUDA buffer
+        # gets no host round trip).
+        buffers.view(out.buffer_id, out.offset, shape, x.dtype).copy_(x)
         msg.ref.buffer_id = out.buffer_id
         msg.ref.offset = out.offset
-    else:
-        msg.inline = raw.numpy().tobytes()
+        return msg
+    x = x.contiguous().cpu()
+    msg.inline = x.view(torch.uint8).numpy().tobytes() if x.numel() else b""
     return msg
 
 

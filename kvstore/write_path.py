@@ -14,6 +14,8 @@ from .errors import FailedPrecondition, InvalidArgument, ResourceExhausted
 from .sequence import Sequence
 from .storage import ids_to
 
+SMALL_WRITE = 8      # tokens up to which a per-layer append writes slot by slot
+
 
 @dataclass(slots=True)
 class ReserveResult:
@@ -215,10 +217,17 @@ class WritePath:
         for s, n in zip(seqs, counts):
             start = s.length + s.pending[layer]
             s.tail += self._alloc_tail(max(0, math.ceil((start + n) / self.bs) - len(s.sealed) - len(s.tail)))
-            slots.append(self._tail_slots(s, start, n))
-        dev = self.tail.k.device
-        self.tail.write(slice(layer, layer + 1), ids_to(dev, torch.cat([b for b, _ in slots])),
-                        ids_to(dev, torch.cat([o for _, o in slots])), k.unsqueeze(0), v.unsqueeze(0))
+            slots.append((s, start, n))
+        if k.shape[0] <= SMALL_WRITE:    # a decode step of a few sequences: no index tensors
+            first = [len(s.sealed) * self.bs for s, _, _ in slots]
+            self.tail.write_tokens(layer, [(s.tail[(p - f) // self.bs], (p - f) % self.bs)
+                                           for (s, start, n), f in zip(slots, first) for p in range(start, start + n)],
+                                   k, v)
+        else:
+            idx = [self._tail_slots(s, start, n) for s, start, n in slots]
+            dev = self.tail.k.device
+            self.tail.write(slice(layer, layer + 1), ids_to(dev, torch.cat([b for b, _ in idx])),
+                            ids_to(dev, torch.cat([o for _, o in idx])), k.unsqueeze(0), v.unsqueeze(0))
         now = time.monotonic()
         for s, n in zip(seqs, counts):
             s.pending[layer] += n

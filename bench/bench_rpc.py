@@ -1,0 +1,260 @@
+"""Per-call overhead of one AppendAttend (issue 4: <= 150 µs p50 on a Unix
+socket) against the floor of a bare gRPC unary call, measured in one run.
+
+    python bench/bench_rpc.py [--calls 200] [--rounds 5] [--device cpu|cuda]
+
+Rows (each: p50 / p99 over rounds x calls, and the overhead over the floor):
+  echo       a raw generic handler (bytes in, bytes out) in its own process,
+             served with the daemon's server options: the floor
+  heartbeat  the daemon's cheapest RPC: interceptors + servicer, no engine
+  <codec>/<transport>
+             AppendAttend of one token, one sequence, one layer (tiny shape),
+             shm or inline on CPU; CUDA buffers when torch.cuda is available
+             (the client synchronises after every call, so the time is the
+             whole round trip including the GPU work)
+Variants run interleaved, round by round, against one daemon process; each
+round starts a fresh sequence with a short prefill so lengths stay small.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if "--root" in sys.argv:        # measure another checkout's daemon and client (see --compare)
+    ROOT = os.path.abspath(sys.argv[sys.argv.index("--root") + 1])
+sys.path.insert(0, ROOT)
+
+ECHO = "/bench.Echo/Echo"
+GEOM = dict(num_layers=2, num_q_heads=4, num_kv_heads=2, head_dim=64)
+
+
+# ---------------------------------------------------------------- the floor
+def echo_server(sock: str, workers: int) -> None:
+    """A bare gRPC server with the daemon's options: one generic unary echo."""
+    from concurrent import futures
+
+    import grpc
+
+    from kvstore.daemon import server_options
+
+    class Echo(grpc.GenericRpcHandler):
+        def service(self, details):
+            if details.method == ECHO:
+                return grpc.unary_unary_rpc_method_handler(lambda req, ctx: req)
+            return None
+
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=workers), options=server_options(),
+                         handlers=[Echo()])
+    server.add_insecure_port(f"unix:{sock}")
+    server.start()
+    print("ready", flush=True)
+    server.wait_for_termination()
+
+
+def _wait_socket(p: subprocess.Popen, sock: str, timeout: float = 60) -> None:
+    deadline = time.time() + timeout
+    while not os.path.exists(sock):
+        if p.poll() is not None or time.time() > deadline:
+            raise RuntimeError(f"server on {sock} did not start: {p.stdout.read() if p.stdout else ''}")
+        time.sleep(0.05)
+
+
+# ---------------------------------------------------------------- helpers
+def pct(xs: list[float], q: float) -> float:
+    s = sorted(xs)
+    return s[min(len(s) - 1, int(round(q / 100 * (len(s) - 1))))]
+
+
+def timed(fn, n: int, sync=None) -> list[float]:
+    out = []
+    for _ in range(n):
+        t0 = time.perf_counter_ns()
+        fn()
+        if sync is not None:
+            sync()
+        out.append((time.perf_counter_ns() - t0) / 1e3)
+    return out
+
+
+def table(samples: dict[str, list[float]], title: str = "") -> None:
+    floor50, floor99 = pct(samples["echo"], 50), pct(samples["echo"], 99)
+    if title:
+        print(title)
+    print(f"{'variant':<14}{'p50 µs':>9}{'p99 µs':>9}{'p50-floor':>11}{'x floor':>9}")
+    for name, xs in samples.items():
+        p50, p99 = pct(xs, 50), pct(xs, 99)
+        print(f"{name:<14}{p50:9.0f}{p99:9.0f}{p50 - floor50:11.0f}{p50 / floor50:9.2f}")
+    print(f"(floor = echo: p50 {floor50:.0f} µs, p99 {floor99:.0f} µs; target: AppendAttend p50 <= 150 µs)")
+
+
+def compare(args, argv: list[str]) -> None:
+    """Alternate one-round runs of this checkout and args.compare; pool the samples."""
+    import json
+    rest = []
+    skip = False
+    for a in argv:          # drop --compare DIR and --rounds N: each child runs one round
+        if skip:
+            skip = False
+        elif a in ("--compare", "--rounds"):
+            skip = True
+        elif not a.startswith(("--compare=", "--rounds=")):
+            rest.append(a)
+    trees = {"before": os.path.abspath(args.compare), "after": ROOT}
+    pooled: dict[str, dict[str, list[float]]] = {k: {} for k in trees}
+    out = tempfile.mktemp(suffix=".json")
+    for r in range(args.rounds):
+        for label in (("before", "after") if r % 2 == 0 else ("after", "before")):
+            root = trees[label]
+            env = dict(os.environ, PYTHONPATH=root)
+            subprocess.run([sys.executable, os.path.abspath(__file__), "--root", root, "--rounds", "1", "--json", out,
+                            *rest], env=env, check=True)
+            for k, xs in json.load(open(out)).items():
+                pooled[label].setdefault(k, []).extend(xs)
+    for label, root in trees.items():
+        table(pooled[label], f"\n{label}: {root} ({args.rounds} rounds x {args.calls} calls, interleaved)")
+    b, a = pooled["before"], pooled["after"]
+    print(f"\n{'variant':<14}{'p50 before':>11}{'p50 after':>10}{'p99 before':>11}{'p99 after':>10}"
+          f"{'overhead before':>16}{'overhead after':>15}")
+    for k in a:
+        if k in b:
+            print(f"{k:<14}{pct(b[k], 50):11.0f}{pct(a[k], 50):10.0f}{pct(b[k], 99):11.0f}{pct(a[k], 99):10.0f}"
+                  f"{pct(b[k], 50) - pct(b['echo'], 50):16.0f}{pct(a[k], 50) - pct(a['echo'], 50):15.0f}")
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--calls", type=int, default=200, help="timed calls per variant per round")
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--warmup", type=int, default=20)
+    ap.add_argument("--prefill", type=int, default=32, help="tokens appended to each round's sequence first")
+    ap.add_argument("--device", default=None, help="daemon device (default: cuda if available)")
+    ap.add_argument("--workers", type=int, default=8, help="server thread pool (daemon --workers and echo)")
+    ap.add_argument("--only", default="", help="comma list of variants to run (e.g. echo,fp16/shm)")
+    ap.add_argument("--compare", metavar="DIR", help="also measure the checkout in DIR (e.g. `git archive BASE | "
+                    "tar -x -C DIR`), round by round interleaved with this one, and print both tables")
+    ap.add_argument("--root", help=argparse.SUPPRESS)
+    ap.add_argument("--json", help=argparse.SUPPRESS)
+    ap.add_argument("--echo-server", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.echo_server:
+        return echo_server(args.echo_server, args.workers)
+    if args.compare:
+        return compare(args, argv if argv is not None else sys.argv[1:])
+
+    import grpc
+    import torch
+
+    from kvstore.client import KVStoreClient
+    from kvstore.codebooks import Codebooks
+    from kvstore.daemon import client_options
+    from kvstore.v1 import kvstore_pb2 as pb
+
+    cuda = torch.cuda.is_available()
+    device = args.device or ("cuda" if cuda else "cpu")
+    tmp = tempfile.mkdtemp(prefix="kvbench-")
+    echo_sock, kv_sock = os.path.join(tmp, "echo.sock"), os.path.join(tmp, "kv.sock")
+    env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    procs = [subprocess.Popen([sys.executable, os.path.abspath(__file__), "--echo-server", echo_sock,
+                               "--workers", str(args.workers)], env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True),
+             subprocess.Popen([sys.executable, os.path.join(ROOT, "server.py"), "--socket", kv_sock, "--device",
+                               device, "--log-level", "WARNING", "--workers", str(args.workers)], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)]
+    try:
+        _wait_socket(procs[0], echo_sock)
+        _wait_socket(procs[1], kv_sock)
+        time.sleep(0.5)
+        echo_ch = grpc.insecure_channel(f"unix://{echo_sock}", options=client_options())
+        echo = echo_ch.unary_unary(ECHO)
+        payload = b"x" * 200          # about an AppendAttend request's size with buffer refs
+        target = f"unix://{kv_sock}"
+        clients = {"shm": KVStoreClient(target, transport="shm", shm_bytes=1 << 24, heartbeat=False),
+                   "inline": KVStoreClient(target, transport="inline", heartbeat=False)}
+        kv = clients["shm"]
+        for i in range(100):      # wait for the daemon's engine
+            try:
+                kv.heartbeat()
+                break
+            except grpc.RpcError:
+                time.sleep(0.1)
+        g = GEOM
+        for codec in ("pq", "fp16"):
+            kv.create_cache(codec, "bench", codec=codec, block_size=16, residual=128, num_blocks=256,
+                            max_sequences=8, **g)
+        m = g["head_dim"] // 2
+        gen = torch.Generator().manual_seed(0)
+        kv.set_codebooks("pq", Codebooks(k=torch.randn(g["num_layers"], g["num_kv_heads"], m, 256, 2, generator=gen),
+                                         v=torch.randn(g["num_layers"], g["num_kv_heads"], m, 256, 2,
+                                                       generator=gen)).to_bytes())
+
+        variants: dict[str, tuple] = {"echo": ("echo",), "heartbeat": ("heartbeat",)}
+        for codec in ("pq", "fp16"):
+            for transport in ("shm", "inline") + (("cuda",) if cuda and device.startswith("cuda") else ()):
+                variants[f"{codec}/{transport}"] = ("aa", codec, transport)
+        if args.only:
+            keep = set(args.only.split(","))
+            variants = {k: v for k, v in variants.items() if k in keep or k == "echo"}
+        samples: dict[str, list[float]] = {k: [] for k in variants}
+        sync = torch.cuda.synchronize if cuda else None
+
+        for r in range(args.rounds):
+            names = list(variants)
+            names = names[r % len(names):] + names[:r % len(names)]     # rotate the order per round
+            for name in names:
+                v = variants[name]
+                if v[0] == "echo":
+                    fn, sy = (lambda: echo(payload, timeout=10)), None
+                    timed(fn, args.warmup)
+                elif v[0] == "heartbeat":
+                    fn, sy = (lambda: kv.stub.Heartbeat(pb.HeartbeatRequest(), timeout=10)), None
+                    timed(fn, args.warmup)
+                else:
+                    _, codec, transport = v
+                    c = clients["inline" if transport == "inline" else "shm"]
+                    dev = "cuda" if transport == "cuda" else "cpu"
+                    seq = f"r{r}-{transport}"
+                    c.allocate(codec, seq, [])
+                    pre = torch.randn(g["num_layers"], args.prefill, g["num_kv_heads"], g["head_dim"],
+                                      generator=gen).half()
+                    c.append(codec, [seq], pre, pre)
+                    k = torch.randn(1, g["num_kv_heads"], g["head_dim"], generator=gen).half().to(dev)
+                    q = torch.randn(1, g["num_q_heads"], g["head_dim"], generator=gen).half().to(dev)
+                    state = {"i": 0}
+
+                    def fn(c=c, codec=codec, seq=seq, k=k, q=q, state=state):
+                        state["i"] += 1
+                        return c.append_attend(codec, state["i"] % g["num_layers"], [seq], k, k, q)
+                    sy = sync if transport == "cuda" else None
+                    timed(fn, args.warmup, sy)
+                samples[name] += timed(fn, args.calls, sy)
+                if v[0] == "aa":
+                    c.free(v[1], [seq])
+
+        if args.json:
+            import json
+            with open(args.json, "w") as f:
+                json.dump(samples, f)
+        else:
+            print(f"\nAppendAttend overhead, {args.rounds} rounds x {args.calls} calls, daemon on {device}, "
+                  f"torch {torch.__version__}, grpcio {grpc.__version__}, Python {sys.version.split()[0]}")
+            table(samples)
+        for c in clients.values():
+            c.close()
+        echo_ch.close()
+    finally:
+        for p in procs:
+            p.terminate()
+        for p in procs:
+            try:
+                p.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                p.kill()
+
+
+if __name__ == "__main__":
+    main()

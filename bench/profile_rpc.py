@@ -1,0 +1,284 @@
+"""Where the time of one AppendAttend goes, on both sides of the socket.
+
+    python bench/profile_rpc.py [--codec fp16] [--transport shm] [--calls 2000] [--metrics]
+
+Runs the daemon in a child process with an outermost server interceptor that
+timestamps every call (CLOCK_MONOTONIC, comparable across processes) and
+runs cProfile around the handler lookup and the handler; the client side is
+timestamped around the stub call and cProfiled too. Prints the median of
+each segment of a call and the top functions of both profiles.
+
+Segments: client before stub (request build, arena copies) | stub -> server
+handler (client interceptor, serialisation, socket, C-core, thread hand-off,
+deserialisation) | server handler (interceptors, servicer, engine) | server
+-> client return (serialisation, socket, wake-up) | client after stub
+(reading the output).
+"""
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import json
+import os
+import pstats
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+
+def serve(sock: str, out: str, extra: list[str]) -> None:
+    import grpc
+
+    prof = cProfile.Profile()
+    if os.environ.get("KVPROF_OFF"):
+        prof.enable = prof.disable = lambda: None
+    marks: list[tuple[int, int, int, int]] = []      # lookup start, handler start, handler end, lookup ns
+    lookup = {}
+
+    class Timing(grpc.ServerInterceptor):
+        def intercept_service(self, continuation, details):
+            t0 = time.perf_counter_ns()
+            prof.enable()
+            handler = continuation(details)
+            prof.disable()
+            lookup["ns"] = time.perf_counter_ns() - t0
+            lookup["t0"] = t0
+            if handler is None or not handler.unary_unary or not details.method.endswith(
+                    "/" + os.environ.get("KVPROF_METHOD", "AppendAttend")):
+                return handler
+            fn, l0, lns = handler.unary_unary, t0, lookup["ns"]
+
+            def call(request, context):
+                t1, c1 = time.perf_counter_ns(), time.thread_time_ns()
+                prof.enable()
+                try:
+                    return fn(request, context)
+                finally:
+                    prof.disable()
+                    marks.append((l0, t1, time.perf_counter_ns(), lns, time.thread_time_ns() - c1))
+            return handler._replace(unary_unary=call)
+
+    stages = _patch_stages() if os.environ.get("KVPROF_STAGES") else {}
+    if os.environ.get("KVPROF_NULL"):      # the same request and reply, no work: the RPC layer's share
+        from kvstore import servicer as sv
+        from kvstore.v1 import kvstore_pb2 as pb
+        reply = pb.AttendReply(out=pb.Tensor(shape=[1, 4, 64], dtype=pb.FLOAT16, ref=pb.BufferRef(buffer_id="x")))
+        real = sv.KVStoreServicer.AppendAttend
+        n = {"i": 0}
+
+        def null(self, request, context):
+            n["i"] += 1
+            return real(self, request, context) if n["i"] <= 60 else reply    # setup and warm-up calls are real
+        sv.KVStoreServicer.AppendAttend = null
+
+    orig = grpc.server
+
+    def server(pool, handlers=None, interceptors=None, options=None, **kw):
+        return orig(pool, handlers=handlers, interceptors=[Timing()] + list(interceptors or []), options=options,
+                    **kw)
+    grpc.server = server
+    from kvstore import daemon
+    try:
+        daemon.main(["--socket", sock, "--device", "cpu", "--log-level", "WARNING", *extra])
+    finally:
+        prof.dump_stats(out + ".prof")
+        with open(out, "w") as f:
+            json.dump(marks, f)
+        with open(out + ".stages", "w") as f:
+            json.dump(stages, f)
+
+
+# Functions timed (inclusive wall time per call) with --stages; missing ones are skipped,
+# so the same list works on older checkouts.
+STAGES = [("kvstore.servicer", "KVStoreServicer", "AppendAttend"), ("kvstore.servicer", "KVStoreServicer", "_begin"),
+          ("kvstore.servicer", "KVStoreServicer", "_out_check"), ("kvstore.servicer", "KVStoreServicer", "_t"),
+          ("kvstore.servicer", "KVStoreServicer", "_cuda"), ("kvstore.wire", None, "to_proto"),
+          ("kvstore.engine", "Engine", "append_attend"), ("kvstore.engine", "Engine", "_query"),
+          ("kvstore.engine", "Engine", "append"), ("kvstore.engine", "Engine", "_tensor"), ("kvstore.engine", None, "_finite"),
+          ("kvstore.cache", "Cache", "append_layer_batch"), ("kvstore.cache", "Cache", "attend")]
+
+
+def _patch_stages() -> dict:
+    import importlib
+    import inspect
+    acc: dict[str, list[int]] = {}
+    for mod, cls, name in STAGES:
+        owner = importlib.import_module(mod)
+        owner = getattr(owner, cls) if cls else owner
+        fn = getattr(owner, name, None)
+        if fn is None:
+            continue
+        label = f"{cls or mod}.{name}"
+        xs = acc.setdefault(label, [])
+
+        def timed(*a, _fn=fn, _xs=xs, **kw):
+            t0 = time.perf_counter_ns()
+            try:
+                return _fn(*a, **kw)
+            finally:
+                _xs.append(time.perf_counter_ns() - t0)
+        static = cls and isinstance(inspect.getattr_static(owner, name), staticmethod)
+        setattr(owner, name, staticmethod(timed) if static else timed)
+    return acc
+
+
+def top(stats: pstats.Stats, n: int, calls: int) -> str:
+    s = io.StringIO()
+    stats.stream = s
+    stats.sort_stats("tottime").print_stats(n)
+    lines = s.getvalue().splitlines()
+    body = [ln for ln in lines if ln.strip()[:1].isdigit() and "function calls" not in ln or "ncalls" in ln]
+    return "\n".join(body[: n + 1]) + f"\n(times are totals over {calls} calls)"
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--codec", default="fp16")
+    ap.add_argument("--transport", default="shm")
+    ap.add_argument("--calls", type=int, default=2000)
+    ap.add_argument("--metrics", action="store_true", help="daemon with --metrics-port 0 (metrics interceptor)")
+    ap.add_argument("--top", type=int, default=25)
+    ap.add_argument("--no-cprofile", action="store_true", help="timestamps only (true medians)")
+    ap.add_argument("--null", action="store_true", help="AppendAttend's handler returns a canned reply after "
+                    "warm-up (requests and replies as usual, no servicer or engine work)")
+    ap.add_argument("--heartbeat", action="store_true", help="time Heartbeat calls instead (the RPC layer alone)")
+    ap.add_argument("--stages", action="store_true", help="no cProfile; time the server's stages (STAGES), "
+                    "inclusive, per call")
+    ap.add_argument("--serve", nargs=2, help=argparse.SUPPRESS)
+    args, extra = ap.parse_known_args(argv)
+    if args.serve:
+        return serve(args.serve[0], args.serve[1], extra)
+
+    import torch
+
+    from kvstore.client import KVStoreClient
+    from kvstore.codebooks import Codebooks
+
+    tmp = tempfile.mkdtemp(prefix="kvprof-")
+    sock, out = os.path.join(tmp, "kv.sock"), os.path.join(tmp, "marks.json")
+    env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    cmd = [sys.executable, os.path.abspath(__file__), "--serve", sock, out] + (
+        ["--metrics-port", "0"] if args.metrics else [])
+    if args.no_cprofile or args.stages:
+        env["KVPROF_OFF"] = "1"
+    if args.stages:
+        env["KVPROF_STAGES"] = "1"
+    if args.heartbeat:
+        env["KVPROF_METHOD"] = "Heartbeat"
+    if args.null:
+        env["KVPROF_NULL"] = "1"
+    p = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        while not os.path.exists(sock):
+            if p.poll() is not None:
+                raise RuntimeError(p.stdout.read())
+            time.sleep(0.05)
+        time.sleep(0.5)
+        kv = KVStoreClient(f"unix://{sock}", transport=args.transport, shm_bytes=1 << 24, heartbeat=False)
+        for _ in range(100):
+            try:
+                kv.heartbeat()
+                break
+            except Exception:  # noqa: BLE001 - engine still starting
+                time.sleep(0.1)
+        g = dict(num_layers=2, num_q_heads=4, num_kv_heads=2, head_dim=64)
+        kv.create_cache("c", "m", codec=args.codec, block_size=16, residual=128, num_blocks=1024,
+                        max_sequences=4, **g)
+        if args.codec == "pq":
+            gen = torch.Generator().manual_seed(0)
+            kv.set_codebooks("c", Codebooks(k=torch.randn(2, 2, 32, 256, 2, generator=gen),
+                                            v=torch.randn(2, 2, 32, 256, 2, generator=gen)).to_bytes())
+        kv.allocate("c", "t", [])
+        pre = torch.randn(2, 32, 2, 64).half()
+        kv.append("c", ["t"], pre, pre)
+        k = torch.randn(1, 2, 64, dtype=torch.float16)
+        q = torch.randn(1, 4, 64, dtype=torch.float16)
+        attr = "_raw" if hasattr(kv, "_raw") else "stub"     # older clients call through kv.stub
+        stub_method = getattr(kv, attr).AppendAttend
+        cmarks: list[tuple[int, int, int, int]] = []
+        cur = {}
+
+        class Stub:
+            def __getattr__(self, name):
+                return getattr(real_stub, name)
+
+            def AppendAttend(self, req, **kw):
+                cur["s0"], c0 = time.perf_counter_ns(), time.thread_time_ns()
+                r = stub_method(req, **kw)
+                cur["s1"], cur["c"] = time.perf_counter_ns(), time.thread_time_ns() - c0
+                return r
+        real_stub = getattr(kv, attr)
+        setattr(kv, attr, Stub())
+        cprof = cProfile.Profile()
+        from kvstore.v1 import kvstore_pb2 as pb
+        hb = pb.HeartbeatRequest()
+        if args.no_cprofile:
+            cprof.enable = cprof.disable = lambda: None
+        for i in range(args.calls + 50):
+            t0, tc = time.perf_counter_ns(), time.thread_time_ns()
+            if i >= 50:
+                cprof.enable()
+            if args.heartbeat:
+                cur["s0"], c0 = time.perf_counter_ns(), time.thread_time_ns()
+                real_stub.Heartbeat(hb, timeout=10, metadata=(("x-kvstore-session", kv.session_id),))
+                cur["s1"], cur["c"] = time.perf_counter_ns(), time.thread_time_ns() - c0
+            else:
+                kv.append_attend("c", i % 2, ["t"], k, k, q)
+            if i >= 50:
+                cprof.disable()
+                cmarks.append((t0, cur["s0"], cur["s1"], time.perf_counter_ns(),
+                               time.thread_time_ns() - tc - cur["c"]))
+            if i % 400 == 399:        # keep the sequence short: a fresh one now and then
+                kv.free("c", ["t"])
+                kv.allocate("c", "t", [])
+                kv.append("c", ["t"], pre, pre)
+        kv.close()
+    finally:
+        p.terminate()
+        p.wait(timeout=30)
+    smarks = json.load(open(out))[-args.calls:]     # warm-up calls first
+    segs = {"client: build request, copy inputs": [], "stub -> server handler": [],
+            "server: interceptor lookup (poll thread)": [], "server: handler": [], "server: handler, thread CPU time": [],
+            "server handler end -> stub return": [], "client: read output": [], "client: build + read, CPU time": [], "total": []}
+    for (c0, s0, s1, c1, cc), (l0, h0, h1, lns, hc) in zip(cmarks, smarks):
+        segs["server: handler, thread CPU time"].append(hc)
+        segs["client: build + read, CPU time"].append(cc)
+        segs["client: build request, copy inputs"].append(s0 - c0)
+        segs["stub -> server handler"].append(h0 - s0)
+        segs["server: interceptor lookup (poll thread)"].append(lns)
+        segs["server: handler"].append(h1 - h0)
+        segs["server handler end -> stub return"].append(s1 - h1)
+        segs["client: read output"].append(c1 - s1)
+        segs["total"].append(c1 - c0)
+    med = lambda xs: sorted(xs)[len(xs) // 2] / 1e3   # noqa: E731
+    print(f"\n{'Heartbeat' if args.heartbeat else args.codec + '/' + args.transport}{' +metrics' if args.metrics else ''}: medians over {len(cmarks)} calls "
+          f"(µs{'' if args.no_cprofile or args.stages else '; cProfile on, so inflated'})")
+    for k_, xs in segs.items():
+        print(f"  {k_:<44}{med(xs):8.0f}")
+    if args.stages:
+        stages = json.load(open(out + ".stages"))
+        n = len(smarks)
+        print("\n== server stages, inclusive, per call (median over calls; sum / calls where called more often)")
+        for label, xs in stages.items():
+            if xs:
+                per = len(xs) / max(1, len(json.load(open(out))))
+                k = round(per)
+                by_pos = "  (by position in the call: " + ", ".join(f"{med(xs[i::k]):.0f}" for i in range(k)) + ")" \
+                    if k > 1 and len(xs) % k == 0 else ""
+                print(f"  {label:<44}{med(xs):8.0f}  x{per:.0f}/call{by_pos}")
+        del n
+    if args.no_cprofile or args.stages:
+        return
+    print("\n== server (interceptor lookup + handler), by own time")
+    print(top(pstats.Stats(out + ".prof"), args.top, len(smarks)))
+    print("\n== client, by own time")
+    print(top(pstats.Stats(cprof), args.top, len(cmarks)))
+
+
+if __name__ == "__main__":
+    main()
