@@ -139,6 +139,7 @@ def top(stats: pstats.Stats, n: int, calls: int) -> str:
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--codec", default="fp16")
+    ap.add_argument("--device", default="cpu", help="the daemon's device (cpu or cuda)")
     ap.add_argument("--transport", default="shm")
     ap.add_argument("--calls", type=int, default=2000)
     ap.add_argument("--metrics", action="store_true", help="daemon with --metrics-port 0 (metrics interceptor)")
@@ -163,7 +164,7 @@ def main(argv=None) -> None:
     sock, out = os.path.join(tmp, "kv.sock"), os.path.join(tmp, "marks.json")
     env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     cmd = [sys.executable, os.path.abspath(__file__), "--serve", sock, out] + (
-        ["--metrics-port", "0"] if args.metrics else [])
+        ["--metrics-port", "0"] if args.metrics else []) + ["--device", args.device]
     if args.no_cprofile or args.stages:
         env["KVPROF_OFF"] = "1"
     if args.stages:
