@@ -164,7 +164,10 @@ def test_attention_matches_fp64_reference(sinks, path):
 def test_retrieve_is_in_position_order_with_bit_exact_sinks(sinks):
     e = engine(sinks)
     n = sinks + R + 5 * BS + 3
-    k, v = fill(e, "a", n, seed=3)
+    k, v = kv(L, n, HKV, D, seed=3)
+    e.allocate("c", T, "a", [])
+    e.append("c", T, ["a"], k[:, :5], v[:, :5], [5])              # a partial sink block, then one
+    e.append("c", T, ["a"], k[:, 5:], v[:, 5:], [n - 5])          # append that completes it and seals
     info = e.sequence_info("c", T, "a")
     assert info.sink_blocks == sinks // BS and len(info.sealed_blocks) == sealed_blocks(n, sinks) == 5
     end = sinks + 5 * BS                                    # sealed tokens are [sinks, end)
