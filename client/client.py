@@ -38,7 +38,7 @@ from kvstore.v1 import kvstore_pb2_grpc as pb_grpc
 class Reservation:
     slot_mapping: list[int]
     sealed_blocks: list[int]
-    tail_blocks: list[int]
+    tail_blocks: list[int]       # sink blocks first: one fp16 table of length - len(sealed_blocks) * bs tokens
     length: int
 
 
@@ -296,11 +296,12 @@ class KVStoreClient:
                      head_dim: int, dtype: str = "float16", codec: str = "pq", num_subvectors: int = 0,
                      block_size: int = 16, residual: int = 128, num_blocks: int = 0, pool_bytes: int = 0,
                      max_sequences: int = 256, exist_ok: bool = False, host_bytes: int = 0,
-                     low_watermark: float = 0.0, **spec_fields) -> pb.CacheInfo:
+                     low_watermark: float = 0.0, sink_tokens: int = 0, **spec_fields) -> pb.CacheInfo:
         """Create (or, with exist_ok, find) a cache. host_bytes adds a pinned host
-        tier; other CacheSpec fields pass through spec_fields."""
+        tier; sink_tokens keeps the first tokens of every sequence in fp16 (codec
+        pq; a multiple of block_size); other CacheSpec fields pass through spec_fields."""
         spec = pb.CacheSpec(name=name, model_id=model_id, codec=codec, num_subvectors=num_subvectors,
-                            block_size=block_size, residual=residual, num_blocks=num_blocks,
+                            block_size=block_size, residual=residual, sink_tokens=sink_tokens, num_blocks=num_blocks,
                             pool_bytes=pool_bytes, max_sequences=max_sequences, host_bytes=host_bytes,
                             low_watermark=low_watermark, **spec_fields,
                             geometry=pb.Geometry(num_layers=num_layers, num_q_heads=num_q_heads,

@@ -27,6 +27,7 @@ Batches of B sequences without padding work; prefix reuse is for B == 1.
 from __future__ import annotations
 
 import itertools
+import math
 import os
 import threading
 import warnings
@@ -38,6 +39,7 @@ from .client import KVStoreClient
 from .hf_cache import FALLBACK_ERRORS, KVStoreCache
 
 ATTN = "kvstore"
+DEFAULT_PQ_SINKS = 16
 _local = threading.local()     # (cache, layer) set by KVStoreCache.update for the attention call after it
 _registered = False
 
@@ -75,17 +77,22 @@ def kvstore_attention(module, query, key, value, attention_mask, dropout=0.0, sc
 class KVStoreAdapter:
     """Binds a model to a daemon cache. codec "fp16" or "pq" (codebooks: the
     safetensors bytes or path from kvstore-calibrate; transform: its optional
-    kvstore.calibrate.Transform, applied on this side before encoding)."""
+    kvstore.calibrate.Transform, applied on this side before encoding).
+    sink_tokens: the first tokens of every sequence the daemon keeps in fp16;
+    None: 16 for pq (rounded up to a whole block), which brings 4-bit PQ within
+    about 0.5 % perplexity of fp16 (bench/ACCURACY.md)."""
 
     def __init__(self, model, target: str | None = None, cache: str = "hf", codec: str = "fp16",
                  codebooks: bytes | str | None = None, transform=None, block_size: int = 16, residual: int = 128,
                  num_blocks: int = 4096, max_sequences: int = 64, model_id: str | None = None,
-                 timeout: float = 30.0):
+                 timeout: float = 30.0, sink_tokens: int | None = None):
         if codec == "pq" and codebooks is None:
             raise ValueError("codec 'pq' needs codebooks (kvstore-calibrate output)")
         if isinstance(codebooks, str):
             with open(codebooks, "rb") as f:
                 codebooks = f.read()
+        if sink_tokens is None:
+            sink_tokens = math.ceil(DEFAULT_PQ_SINKS / block_size) * block_size if codec == "pq" else 0
         c = model.config.get_text_config(decoder=True)
         self.model, self.target, self.cache_name, self.codec = model, target, cache, codec
         self.codebooks, self.transform, self.timeout = codebooks, transform, timeout
@@ -96,7 +103,7 @@ class KVStoreAdapter:
                          num_layers=self.num_layers, num_q_heads=self.num_q_heads, num_kv_heads=self.num_kv_heads,
                          head_dim=self.head_dim, dtype="bfloat16" if model.dtype == torch.bfloat16 else "float16",
                          codec=codec, block_size=block_size, residual=residual, num_blocks=num_blocks,
-                         max_sequences=max_sequences)
+                         max_sequences=max_sequences, sink_tokens=sink_tokens)
         if codec == "pq":
             from safetensors.torch import load
             self.spec["num_subvectors"] = load(codebooks)["k"].shape[2]

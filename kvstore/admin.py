@@ -60,8 +60,9 @@ def render_stats(reply) -> str:
     for c in reply.caches:
         out.append(f"cache {c.cache}: {c.sequences} sequences, {c.tokens} tokens ({c.sealed_tokens} sealed), "
                    f"prefix hits {c.prefix_hit_tokens}/{c.prefix_query_tokens} tokens ({c.prefix_hit_rate:.1%})")
-        out.append(f"  {c.bytes_per_token} B/token (x{c.compression_ratio:.2f} vs fp16), used {_mib(c.used_bytes)}, "
-                   f"{c.appended_tokens} appended, {c.sealed_blocks} sealed blocks ({c.dedup_blocks} dedup), "
+        sinks = f", first {c.sink_tokens} tokens of each sequence fp16 (sinks)" if c.sink_tokens else ""
+        out.append(f"  {c.bytes_per_token} B/token (x{c.compression_ratio:.2f} vs fp16){sinks}, "
+                   f"used {_mib(c.used_bytes)}, {c.appended_tokens} appended, {c.sealed_blocks} sealed blocks ({c.dedup_blocks} dedup), "
                    f"{c.attend_calls} attend calls")
         rows = [[t, p.capacity, p.used, p.cached, p.free, p.evictions] for t, p in _tiers(c)]
         if c.disk_entries or c.disk_bytes:
@@ -78,8 +79,9 @@ def _indent(s: str) -> str:
 
 
 def _seq_row(s) -> list:
-    return [s.sequence_id, s.length, len(s.sealed_blocks), len(s.tail_blocks), s.tier or "gpu",
-            (s.owner_session[:12] or "-"), "pinned" if s.pinned else ("persist" if s.persist else "")]
+    # Block counts; the sink blocks lead tail_blocks.
+    return [s.sequence_id, s.length, s.sink_blocks, len(s.sealed_blocks), len(s.tail_blocks) - s.sink_blocks,
+            s.tier or "gpu", (s.owner_session[:12] or "-"), "pinned" if s.pinned else ("persist" if s.persist else "")]
 
 
 def cmd_stats(kv, args):
@@ -96,7 +98,8 @@ def cmd_seqs(kv, args):
         out.append(f"cache {name}: {len(seqs)} sequences")
         if seqs:
             out.append(_indent(_table([_seq_row(s) for s in seqs],
-                                      ["sequence", "tokens", "sealed", "tail", "tier", "session", "flags"])))
+                                      ["sequence", "tokens", "sinks", "sealed", "tail", "tier", "session",
+                                       "flags"])))
     return "\n".join(out) if out else "no caches"
 
 

@@ -37,6 +37,8 @@ class Cache(WritePath, ReadPath):
         self.cfg = cfg
         self.bs = cfg.block_size
         self.is_pq = cfg.codec.kind == "pq"
+        self.sinks = cfg.sinks                    # S: fp16 tokens at the front of every sequence
+        self.sink_blocks = self.sinks // self.bs
         self.main_pool = BlockPool(cfg.capacity_blocks())
         if self.is_pq:
             self.main: PQStore | Fp16Store = PQStore(cfg, self.main_pool.capacity)
@@ -110,9 +112,26 @@ class Cache(WritePath, ReadPath):
         return s
 
     def sealed_count(self, length: int) -> int:
-        """Sealed blocks a sequence of `length` committed tokens has: the tail
-        keeps at most R + block_size tokens."""
-        return max(0, math.ceil((length - self.cfg.residual - self.bs) / self.bs))
+        """Sealed blocks a sequence of `length` committed tokens has: after the
+        S sink tokens, the tail keeps at most R + block_size tokens."""
+        return max(0, math.ceil((length - self.sinks - self.cfg.residual - self.bs) / self.bs))
+
+    # Positions map to blocks as: block i < sink_blocks is tail[i]; the sealed
+    # blocks follow; then tail[sink_blocks:] (sequence.py).
+    def tail_index(self, s: Sequence, pos: torch.Tensor) -> torch.Tensor:
+        """Host positions of fp16 tokens -> their index in the concatenated tail blocks."""
+        return torch.where(pos < self.sinks, pos, pos - len(s.sealed) * self.bs)
+
+    def tail_block_index(self, j: int, n_sealed: int) -> int:
+        """Block index (in position order) of tail[j] when n_sealed blocks are sealed."""
+        return j if j < self.sink_blocks else j + n_sealed
+
+    def block_at(self, s: Sequence, i: int) -> tuple[BlockPool, int]:
+        """(pool, block id) of the sequence's block i in position order."""
+        j = i - self.sink_blocks
+        if 0 <= j < len(s.sealed):
+            return self.main_pool, s.sealed[j]
+        return self.tail_pool, s.tail[i if j < 0 else i - len(s.sealed)]
 
     def _check_tokens(self, ids: list[int], field: str) -> None:
         for t in ids:
@@ -147,11 +166,8 @@ class Cache(WritePath, ReadPath):
         """Make committed full blocks findable by prefix lookups."""
         full = s.length // self.bs
         while s.hashed_upto < min(full, len(s.hashes)):
-            i = s.hashed_upto
-            if i < len(s.sealed):
-                self.main_pool.set_hash(s.sealed[i], s.hashes[i])
-            else:
-                self.tail_pool.set_hash(s.tail[i - len(s.sealed)], s.hashes[i])
+            pool, bid = self.block_at(s, s.hashed_upto)
+            pool.set_hash(bid, s.hashes[s.hashed_upto])
             s.hashed_upto += 1
 
     # ------------------------------------------------------------- allocate
@@ -164,7 +180,7 @@ class Cache(WritePath, ReadPath):
         # ("main" | "tail", block id), ("encode", tail block id), ("below", payload)
         hits: list[tuple[str, object]] = []
         for i, h in enumerate(hashes):
-            sealed_range = i < n_sealed
+            sealed_range = self.sink_blocks <= i < self.sink_blocks + n_sealed
             if self.is_pq and sealed_range:
                 bid = self.main_pool.lookup(h)
                 if bid is not None:
@@ -211,7 +227,7 @@ class Cache(WritePath, ReadPath):
             bid = new.get(i, b)
             if i in new:
                 self.main_pool.set_hash(bid, hashes[i])
-            if kind == "tail" or not self.is_pq:   # fp16: relabelled as sealed just below
+            if kind == "tail" or not self.is_pq:   # sinks and tail; fp16: relabelled as sealed just below
                 s.tail.append(bid)
             else:
                 s.sealed.append(bid)
@@ -268,6 +284,7 @@ class Cache(WritePath, ReadPath):
             used_bytes += tail.used * self.bs * self.cfg.fp16_bytes_per_token()
         return dict(
             main=main, tail=tail, sequences=len(self.seqs), tokens=tokens, sealed_tokens=sealed_tokens,
+            sink_tokens=self.sinks,
             bytes_per_token=self.cfg.bytes_per_token(), fp16_bytes_per_token=self.cfg.fp16_bytes_per_token(),
             compression_ratio=self.cfg.fp16_bytes_per_token() / self.cfg.bytes_per_token(),
             used_bytes=used_bytes,
@@ -293,7 +310,9 @@ class Cache(WritePath, ReadPath):
                 tail_refs[b] = tail_refs.get(b, 0) + 1
             assert len(s.sealed) >= self.sealed_count(s.length), f"{s.seq_id}: tail too long"
             assert (len(s.sealed) + len(s.tail)) * self.bs >= s.max_length(), f"{s.seq_id}: blocks do not cover tokens"
-            assert len(s.sealed) * self.bs <= s.length, f"{s.seq_id}: sealed beyond committed length"
+            if s.sealed:
+                assert len(s.tail) >= self.sink_blocks, f"{s.seq_id}: sealed blocks before complete sinks"
+                assert self.sinks + len(s.sealed) * self.bs <= s.length, f"{s.seq_id}: sealed beyond committed length"
         self.main_pool.check_invariants(refs["gpu"][0])
         if self.is_pq:
             self.tail_pool.check_invariants(refs["gpu"][1])

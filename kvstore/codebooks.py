@@ -104,8 +104,9 @@ def train_codebooks(cfg: CacheConfig, k_samples: torch.Tensor, v_samples: torch.
 
 
 def fingerprint(cfg: CacheConfig, codebooks: Codebooks | None) -> bytes:
-    """sha256 of model id, geometry, codec params and codebook bytes: part of
-    every block hash, so blocks never cross models or codebooks."""
+    """sha256 of model id, geometry, codec params (sink tokens included) and
+    codebook bytes: part of every block hash, so blocks never cross models or
+    codebooks."""
     g = cfg.geometry
     desc = {
         "model_id": cfg.model_id,
@@ -113,4 +114,9 @@ def fingerprint(cfg: CacheConfig, codebooks: Codebooks | None) -> bytes:
         "codec": [cfg.codec.kind, cfg.m if cfg.codec.kind == "pq" else 0, cfg.block_size],
         "codebooks": codebooks.sha256() if codebooks is not None else "",
     }
+    if cfg.sinks:
+        # Sink blocks change which blocks are sealed and how a sequence lies on
+        # disk. Only added when set, so fingerprints (and LMDB keys) of caches
+        # without sinks stay what they were.
+        desc["sinks"] = cfg.sinks
     return hashlib.sha256(json.dumps(desc, sort_keys=True).encode()).digest()

@@ -64,6 +64,7 @@ class CacheConfig:
     codec: CodecConfig = field(default_factory=CodecConfig)
     block_size: int = 16
     residual: int = 128          # R: newest tokens kept in fp16 per sequence
+    sink_tokens: int = 0         # S: first tokens of every sequence kept in fp16, never sealed (codec pq)
     num_blocks: int = 0
     pool_bytes: int = 0
     max_sequences: int = 256     # sizes the fp16 tail pool
@@ -88,6 +89,10 @@ class CacheConfig:
             raise InvalidArgument("block_size", f"must be one of 8, 16, 32, 64, 128, got {self.block_size}")
         if self.residual < 0 or self.residual > 65536:
             raise InvalidArgument("residual", f"must be in [0, 65536], got {self.residual}")
+        if (not isinstance(self.sink_tokens, int) or not 0 <= self.sink_tokens <= 65536
+                or self.sink_tokens % self.block_size):
+            raise InvalidArgument("sink_tokens", f"must be a multiple of block_size={self.block_size} "
+                                  f"in [0, 65536], got {self.sink_tokens!r}")
         if self.max_sequences <= 0 or self.max_sequences > 1 << 20:
             raise InvalidArgument("max_sequences", f"must be in [1, 2^20], got {self.max_sequences}")
         if self.num_blocks < 0 or self.pool_bytes < 0:
@@ -123,10 +128,15 @@ class CacheConfig:
     def capacity_blocks(self) -> int:
         return self.num_blocks or self.pool_bytes // self.bytes_per_block()
 
+    @property
+    def sinks(self) -> int:
+        """Sink tokens in effect: the fp16 codec keeps every token exact anyway."""
+        return self.sink_tokens if self.codec.kind == "pq" else 0
+
     def tail_blocks_per_sequence(self) -> int:
-        # R + block_size tokens at rest, plus one block being filled, plus one
-        # when the tail starts mid-block.
-        return math.ceil((self.residual + self.block_size) / self.block_size) + 2
+        # The sinks, R + block_size tokens at rest, plus one block being
+        # filled, plus one when the tail starts mid-block.
+        return self.sinks // self.block_size + math.ceil((self.residual + self.block_size) / self.block_size) + 2
 
     def tail_capacity_blocks(self) -> int:
         return self.max_sequences * self.tail_blocks_per_sequence()

@@ -45,6 +45,7 @@ class SequenceInfo:
     pinned: bool = False
     persist: bool = False
     tier: str = "gpu"
+    sink_blocks: int = 0         # tail_blocks[:sink_blocks] hold the sink tokens
 
 
 class Engine:
@@ -322,9 +323,11 @@ class Engine:
     # ------------------------------------------------------------ introspection
     def sequence_info(self, name: str, tenant: str, seq_id: str) -> SequenceInfo:
         with self.lock:
-            s = self.cache(name).seq(tenant, seq_id)
+            c = self.cache(name)
+            s = c.seq(tenant, seq_id)
             return SequenceInfo(s.seq_id, s.length, list(s.sealed), list(s.tail), list(s.pending),
-                                s.reserved, len(s.token_ids), list(s.hashes), s.owner, s.pinned, s.persist, s.tier)
+                                s.reserved, len(s.token_ids), list(s.hashes), s.owner, s.pinned, s.persist, s.tier,
+                                min(len(s.tail), c.sink_blocks))
 
     def owned_sequences(self, tenant: str, owner: str) -> dict[str, list[tuple[str, bool]]]:
         """Lease hook: cache -> [(seq_id, persist)] of the unpinned sequences a session owns."""

@@ -121,10 +121,11 @@ class SimQuantizer:
 class DaemonQuantizer:
     """The daemon's codec: one one-layer cache per model layer (codebooks of
     that layer); a window is appended (plus block_size zero tokens so every
-    real token is sealed), retrieved dequantized, and freed."""
+    real token after the `sinks` fp16 sink tokens is sealed), retrieved
+    dequantized (the sinks exact), and freed."""
 
     def __init__(self, kv, tag: str, model, cb: Codebooks | None, transform: Transform | None = None,
-                 block_size: int = 16, window: int = 2048):
+                 block_size: int = 16, window: int = 2048, sinks: int = 0):
         self.kv, self.t, self.bs = kv, transform, block_size
         g = geometry_of(model)
         self.names = [f"{tag}-L{l}" for l in range(g.num_layers)]
@@ -133,7 +134,7 @@ class DaemonQuantizer:
             kv.create_cache(name, f"eval/{tag}", num_layers=1, num_q_heads=g.num_q_heads, num_kv_heads=g.num_kv_heads,
                             head_dim=g.head_dim, codec="pq" if cb is not None else "fp16", num_subvectors=m,
                             block_size=block_size, residual=0, num_blocks=window // block_size + 4,
-                            max_sequences=1, exist_ok=True)
+                            max_sequences=1, exist_ok=True, sink_tokens=sinks)
             if cb is not None and not kv.get_cache(name).has_codebooks:
                 kv.set_codebooks(name, Codebooks(k=cb.k[l:l + 1], v=cb.v[l:l + 1]).to_bytes())
         self.calls = 0
@@ -259,13 +260,14 @@ def run(model, wins, rows: list[Row], backend: str, kv=None, log=print) -> list[
         t0 = time.time()
         cb, tr = row.load()
         if backend == "daemon":
-            quant = DaemonQuantizer(kv, f"eval{i}-{os.getpid()}", model, cb, tr, window=len(wins[0]))
+            quant = DaemonQuantizer(kv, f"eval{i}-{os.getpid()}", model, cb, tr, window=len(wins[0]), sinks=row.sinks)
         elif cb is None:
             quant = None
         else:
             quant = SimQuantizer(cb, tr)
+        # The daemon keeps its sink tokens in fp16 itself; only the sim fakes them in the mask.
         handler = exact_attention_handler if quant is None else QuantizedAttention(
-            quant, row.protocol, row.residual, sinks=row.sinks)
+            quant, row.protocol, row.residual, sinks=0 if backend == "daemon" else row.sinks)
         nll = window_nll(model, wins, handler, desc=row.label)
         ppl = math.exp(nll.sum().item() / scored)
         base = base if base is not None else ppl

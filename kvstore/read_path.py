@@ -33,6 +33,7 @@ class ReadPath:
             # Lengths stay host lists: the kernels plan on the host, and a device
             # tensor would cost a synchronisation to read back.
             sealed_lens = [len(s.sealed) * self.bs for s in seqs]
+            # Sinks then tail as one fp16 table: attention does not care about token order.
             tail = block_table([s.tail for s in seqs], dev)
             tail_lens = [s.layer_length(layer) - len(s.sealed) * self.bs for s in seqs]
             out, _ = dispatch.pq_decode_attention(
@@ -72,25 +73,29 @@ class ReadPath:
         return out.to(q.dtype)
 
     def retrieve(self, s: Sequence, start: int, end: int, layers: slice) -> tuple[torch.Tensor, torch.Tensor]:
-        """-> k, v [nl, end - start, Hkv, d] of committed tokens: sealed ones
-        dequantized, tail ones exact."""
+        """-> k, v [nl, end - start, Hkv, d] of committed tokens in position
+        order: sinks exact, sealed ones dequantized, tail ones exact."""
         if not 0 <= start < end <= s.length:
             raise InvalidArgument("end", f"range [{start}, {end}) outside the {s.length} committed tokens")
-        sealed_tok = len(s.sealed) * self.bs
-        parts_k, parts_v = [], []
-        if start < sealed_tok:
-            b0, b1 = start // self.bs, math.ceil(min(end, sealed_tok) / self.bs)
+        s0 = self.sinks if s.sealed else 0       # sealed tokens are [s0, s1)
+        s1 = s0 + len(s.sealed) * self.bs
+        parts = []
+        if start < min(end, s0):
+            parts.append(self._read_fp16(s, layers, start, min(end, s0)))
+        if max(start, s0) < min(end, s1):
+            a, b = max(start, s0) - s0, min(end, s1) - s0
+            b0, b1 = a // self.bs, math.ceil(b / self.bs)
             k, v = self.main.read_blocks(layers, ids_to(self.main_device, s.sealed[b0:b1]))
-            lo = start - b0 * self.bs
-            hi = lo + min(end, sealed_tok) - start
-            parts_k.append(k[:, lo:hi])
-            parts_v.append(v[:, lo:hi])
-        if end > sealed_tok:
-            t0 = max(start, sealed_tok) - sealed_tok
-            t1 = end - sealed_tok
-            b0, b1 = t0 // self.bs, math.ceil(t1 / self.bs)
-            k, v = self.tail.read_blocks(layers, ids_to(self.tail.k.device, s.tail[b0:b1]))
-            parts_k.append(k[:, t0 - b0 * self.bs:t1 - b0 * self.bs])
-            parts_v.append(v[:, t0 - b0 * self.bs:t1 - b0 * self.bs])
+            parts.append((k[:, a - b0 * self.bs:b - b0 * self.bs], v[:, a - b0 * self.bs:b - b0 * self.bs]))
+        if end > max(start, s1):
+            parts.append(self._read_fp16(s, layers, max(start, s1), end))
         s.last_use = time.monotonic()
-        return torch.cat(parts_k, dim=1), torch.cat(parts_v, dim=1)
+        return torch.cat([k for k, _ in parts], dim=1), torch.cat([v for _, v in parts], dim=1)
+
+    def _read_fp16(self, s: Sequence, layers: slice, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Tokens [start, end) that sit contiguously in the fp16 blocks (all sinks, or all tail)."""
+        t0 = int(self.tail_index(s, torch.tensor(start)))
+        t1 = t0 + end - start
+        b0, b1 = t0 // self.bs, math.ceil(t1 / self.bs)
+        k, v = self.tail.read_blocks(layers, ids_to(self.tail.k.device, s.tail[b0:b1]))
+        return k[:, t0 - b0 * self.bs:t1 - b0 * self.bs], v[:, t0 - b0 * self.bs:t1 - b0 * self.bs]

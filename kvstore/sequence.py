@@ -7,10 +7,15 @@ from dataclasses import dataclass, field
 
 @dataclass(slots=True)
 class Sequence:
-    """Tokens [0, length) are committed in every layer. Of those, the first
-    len(sealed) * block_size live in sealed main-pool blocks; the rest, plus
-    any per-layer pending or reserved tokens, live in fp16 tail blocks, and
-    tail[0] starts exactly where the sealed blocks end.
+    """Tokens [0, length) are committed in every layer. With S sink tokens
+    (the cache's, a multiple of block_size; 0 for the fp16 codec), tail[:S/bs]
+    hold positions [0, S) in fp16 for good; the next len(sealed) * block_size
+    tokens live in sealed main-pool blocks; the rest, plus any per-layer
+    pending or reserved tokens, live in tail[S/bs:], which starts exactly
+    where the sealed blocks end. A sequence has sealed blocks only once its
+    sink blocks are complete. Keeping the sinks at the front of the tail lets
+    the kernels read sinks and tail as one fp16 table (attention ignores
+    token order).
 
     Full blocks are immutable and may be shared (ref count > 1); only the last,
     partial tail block is ever written, and it is never shared.

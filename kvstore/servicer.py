@@ -54,7 +54,7 @@ def spec_to_config(spec: pb.CacheSpec, device: str) -> CacheConfig:
         geometry=ModelGeometry(g.num_layers, g.num_q_heads, g.num_kv_heads, g.head_dim, g.dtype or "float16"),
         codec=CodecConfig(kind=spec.codec or "pq", num_subvectors=spec.num_subvectors),
         block_size=spec.block_size or 16,
-        residual=spec.residual if spec.HasField("residual") else 128,
+        residual=spec.residual if spec.HasField("residual") else 128, sink_tokens=spec.sink_tokens,
         num_blocks=spec.num_blocks, pool_bytes=spec.pool_bytes,
         max_sequences=spec.max_sequences or 256, device=device, host_bytes=spec.host_bytes,
         low_watermark=spec.low_watermark, share_prefixes_across_tenants=spec.share_prefixes_across_tenants)
@@ -67,7 +67,8 @@ def config_to_spec(cfg: CacheConfig) -> pb.CacheSpec:
         geometry=pb.Geometry(num_layers=g.num_layers, num_q_heads=g.num_q_heads, num_kv_heads=g.num_kv_heads,
                              head_dim=g.head_dim, dtype=g.dtype),
         codec=cfg.codec.kind, num_subvectors=cfg.m if cfg.codec.kind == "pq" else 0,
-        block_size=cfg.block_size, residual=cfg.residual, num_blocks=cfg.num_blocks, pool_bytes=cfg.pool_bytes,
+        block_size=cfg.block_size, residual=cfg.residual, sink_tokens=cfg.sink_tokens,
+        num_blocks=cfg.num_blocks, pool_bytes=cfg.pool_bytes,
         max_sequences=cfg.max_sequences, host_bytes=cfg.host_bytes, low_watermark=cfg.low_watermark,
         share_prefixes_across_tenants=cfg.share_prefixes_across_tenants)
 
@@ -353,7 +354,8 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
             sealed_block_refs=[pools[0].blocks[b].ref_cnt for b in i.sealed_blocks],
             tail_blocks=i.tail_blocks, tail_block_refs=[pools[1].blocks[b].ref_cnt for b in i.tail_blocks],
             pending=i.pending, reserved=i.reserved, known_token_ids=i.known_token_ids,
-            block_hashes=i.block_hashes, tier=i.tier, owner_session=i.owner, pinned=i.pinned, persist=i.persist)
+            block_hashes=i.block_hashes, tier=i.tier, owner_session=i.owner, pinned=i.pinned, persist=i.persist,
+            sink_blocks=i.sink_blocks)
 
     @_rpc
     def SequenceInfo(self, request, context):

@@ -96,9 +96,15 @@ class Tiering:
         else:
             raise ResourceExhausted("sequence_id", "no room in the host tier and no disk tier configured")
 
+    def _sealed_hash(self, s: Sequence, j: int) -> bytes | None:
+        """Content hash of sealed block j (behind the sink blocks), if known."""
+        i = self.c.sink_blocks + j
+        return s.hashes[i] if i < len(s.hashes) else None
+
     def _host_fits(self, s: Sequence) -> bool:
         h = self.host
-        need_main = sum(1 for i, _ in enumerate(s.sealed) if not (i < len(s.hashes) and h.main_pool.lookup(s.hashes[i]) is not None))
+        hashes = (self._sealed_hash(s, j) for j in range(len(s.sealed)))
+        need_main = sum(1 for hj in hashes if hj is None or h.main_pool.lookup(hj) is None)
         if h.main_pool.num_allocatable() < need_main or h.tail_pool.num_allocatable() < len(s.tail):
             self._host_make_room(need_main, len(s.tail))
         return h.main_pool.num_allocatable() >= need_main and h.tail_pool.num_allocatable() >= len(s.tail)
@@ -120,7 +126,8 @@ class Tiering:
         host_main = []
         new_idx = []
         for i, b in enumerate(s.sealed):
-            hb = h.main_pool.lookup(s.hashes[i]) if i < len(s.hashes) else None
+            hi = self._sealed_hash(s, i)
+            hb = h.main_pool.lookup(hi) if hi is not None else None
             if hb is not None:
                 h.main_pool.ref([hb])
                 host_main.append(hb)
@@ -136,8 +143,8 @@ class Tiering:
             self.counters["bytes_down"] += payload.numel()
         for i, hb in zip(new_idx, alloc):
             host_main[i] = hb
-            if i < s.hashed_upto and i < len(s.hashes):
-                h.main_pool.set_hash(hb, s.hashes[i])
+            if c.sink_blocks + i < min(s.hashed_upto, len(s.hashes)):
+                h.main_pool.set_hash(hb, s.hashes[c.sink_blocks + i])
         if s.tail:
             payload = c.tail.pack(ids_to(c.tail.k.device, s.tail))
             h.put(h.tail, tail_ids, payload)
@@ -168,8 +175,10 @@ class Tiering:
         hashed, others, block_hashes = [], [], []
         known = min(s.hashed_upto, len(s.hashes))
         rows = [sealed[i] for i in range(len(s.sealed))] + [tail[j] for j in range(len(s.tail))]
-        for i, payload in enumerate(rows):
-            if i < known and (i < len(s.sealed) or not c.is_pq):
+        index = ([c.sink_blocks + i for i in range(len(s.sealed))]     # block index of each row, in position order
+                 + [c.tail_block_index(j, len(s.sealed)) for j in range(len(s.tail))])
+        for r, (i, payload) in enumerate(zip(index, rows)):
+            if i < known and (r < len(s.sealed) or not c.is_pq):
                 hashed.append((s.hashes[i], payload))
                 block_hashes.append(s.hashes[i].hex())
             else:
@@ -200,7 +209,9 @@ class Tiering:
             return
         n_sealed = len(s.sealed) if s.tier == "host" else len(s.manifest["sealed_hashes"])
         n_tail = len(s.tail) if s.tier == "host" else s.manifest["n_tail"]
-        gpu_hits = {i: c.main_pool.lookup(s.hashes[i]) for i in range(min(n_sealed, s.hashed_upto, len(s.hashes)))}
+        known = min(s.hashed_upto, len(s.hashes))
+        gpu_hits = {i: c.main_pool.lookup(s.hashes[c.sink_blocks + i])
+                    for i in range(n_sealed) if c.sink_blocks + i < known}
         gpu_hits = {i: b for i, b in gpu_hits.items() if b is not None}
         # Hits that sit cached (unreferenced) stop being allocatable once we ref them.
         cached_hits = sum(1 for b in gpu_hits.values() if c.main_pool.blocks[b].ref_cnt == 0)
@@ -234,11 +245,11 @@ class Tiering:
         sealed = [gpu_hits.get(i) for i in range(n_sealed)]
         for i, b in zip(todo, new):
             sealed[i] = b
-            if i < min(s.hashed_upto, len(s.hashes)):
-                c.main_pool.set_hash(b, s.hashes[i])
-        for j, b in enumerate(new_tail):          # full tail blocks are findable again
-            i = n_sealed + j
-            if i < min(s.hashed_upto, len(s.hashes)):
+            if c.sink_blocks + i < known:
+                c.main_pool.set_hash(b, s.hashes[c.sink_blocks + i])
+        for j, b in enumerate(new_tail):          # full sink and tail blocks are findable again
+            i = c.tail_block_index(j, n_sealed)
+            if i < known:
                 c.tail_pool.set_hash(b, s.hashes[i])
         if s.tier == "host":
             self._release(s)

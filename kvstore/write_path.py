@@ -1,7 +1,9 @@
 """The write path of a cache (DESIGN §4): tokens go to the fp16 tail; once
-the tail holds more than R + block_size committed tokens, its oldest blocks
-are encoded into sealed blocks (or, when another sequence already sealed the
-same content, shared). Every method checks room before it changes state."""
+the tail holds more than R + block_size committed tokens after the S sink
+tokens, its oldest blocks are encoded into sealed blocks (or, when another
+sequence already sealed the same content, shared). The sink blocks at the
+front of the tail are never sealed. Every method checks room before it
+changes state."""
 from __future__ import annotations
 
 import math
@@ -21,7 +23,7 @@ SMALL_WRITE = 8      # tokens up to which a per-layer append writes slot by slot
 class ReserveResult:
     slot_mapping: list[int]     # tail-pool slot (block * bs + offset) of each reserved token
     sealed_blocks: list[int]
-    tail_blocks: list[int]
+    tail_blocks: list[int]      # sink blocks first: one fp16 table for the kernels
     length: int                 # tokens visible after the reservation
 
 
@@ -61,7 +63,7 @@ class WritePath:
             s.sealed += s.tail[:count]
             del s.tail[:count]
             return
-        first = len(s.sealed)
+        first = self.sink_blocks + len(s.sealed)     # block index of the first new sealed block
         hits: dict[int, int] = {}
         for j in range(count):
             i = first + j
@@ -116,8 +118,10 @@ class WritePath:
             seal = n_sealed - len(s.sealed)
             if not self.is_pq:
                 return 0, max(0, math.ceil(T / self.bs) - len(s.sealed) - len(s.tail)), 0
-            freed = sum(1 for b in s.tail[:seal] if self.tail_pool.blocks[b].ref_cnt == 1)
-            return seal, max(0, math.ceil(T / self.bs) - max(n_sealed, len(s.sealed) + len(s.tail))), freed
+            sinks = min(len(s.tail), self.sink_blocks)
+            rest = len(s.tail) - sinks               # the tail blocks sealing can take
+            freed = sum(1 for b in s.tail[sinks:sinks + seal] if self.tail_pool.blocks[b].ref_cnt == 1)
+            return seal, max(0, math.ceil(T / self.bs) - sinks - max(n_sealed, len(s.sealed) + rest)), freed
         end = s.length + s.pending[layer] + n
         tail = max(0, math.ceil(end / self.bs) - len(s.sealed) - len(s.tail))
         commit = min(p + (n if i == layer else 0) for i, p in enumerate(s.pending))
@@ -157,24 +161,32 @@ class WritePath:
         seal_count = max(self.sealed_count(T), n_sealed0) - n_sealed0
         main_need, need_tail, freed = self.room_needed(s, n, None)
         self.check_room(main_need, need_tail, freed)
-        release = s.tail[:seal_count] if self.is_pq else []
+        ns = self.sink_blocks
+        release = s.tail[ns:ns + seal_count] if self.is_pq else []
         # ---- validated; mutate from here on
         if token_ids is not None:
             self._apply_token_ids(s, s.length, token_ids)
-        sealed_tok = n_sealed0 * self.bs
         if self.is_pq and seal_count:
-            old_k, old_v = self.tail.read_blocks(slice(None), ids_to(k.device, s.tail)) if s.tail \
-                else (k[:, :0], v[:, :0])
-            have = s.length - sealed_tok
+            first = self.sinks + n_sealed0 * self.bs     # first position to seal
+            have = max(0, s.length - first)              # of those, already in tail[ns:]
+            n_old = math.ceil(have / self.bs)
+            old_k, old_v = (self.tail.read_blocks(slice(None), ids_to(k.device, s.tail[ns:ns + n_old])) if n_old
+                            else (k[:, :0], v[:, :0]))
             seal_tok = seal_count * self.bs
-            kk = torch.cat([old_k[:, :have], k], dim=1)[:, :seal_tok]
-            vv = torch.cat([old_v[:, :have], v], dim=1)[:, :seal_tok]
+            skip = max(0, first - s.length)              # new tokens that are sinks, not sealed
+            kk = torch.cat([old_k[:, :have], k[:, skip:]], dim=1)[:, :seal_tok]
+            vv = torch.cat([old_v[:, :have], v[:, skip:]], dim=1)[:, :seal_tok]
             self.tail_pool.release(release)
-            del s.tail[:len(release)]
+            del s.tail[ns:ns + len(release)]
             self._seal(s, seal_count, kk, vv)
         s.tail += self._alloc_tail(need_tail)
-        start = max(s.length, len(s.sealed) * self.bs)   # first token that lands in the tail
-        self._write_tail(s, slice(None), start, k[:, start - s.length:], v[:, start - s.length:])
+        # New tokens go to the fp16 blocks (sinks or tail) unless they were just sealed.
+        pos = torch.arange(s.length, T)
+        fp16 = (pos < self.sinks) | (pos >= self.sinks + len(s.sealed) * self.bs) if self.is_pq else None
+        if fp16 is not None and not bool(fp16.all()):
+            keep = ids_to(k.device, fp16.nonzero().flatten())
+            pos, k, v = pos[fp16], k.index_select(1, keep), v.index_select(1, keep)
+        self._write_tail(s, slice(None), pos, k, v)
         s.length = T
         if not self.is_pq:
             self._seal(s, max(self.sealed_count(T), n_sealed0) - len(s.sealed), None, None)
@@ -182,17 +194,16 @@ class WritePath:
         s.last_use = time.monotonic()
         self.counters["appended_tokens"] += n
 
-    def _tail_slots(self, s: Sequence, start: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(tail block, offset) of tokens [start, start + n), host long tensors."""
-        pos = torch.arange(start, start + n) - len(s.sealed) * self.bs
-        return torch.tensor(s.tail, dtype=torch.long)[pos // self.bs], pos % self.bs
+    def _tail_slots(self, s: Sequence, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(tail block, offset) of the fp16 tokens at host positions pos, host long tensors."""
+        idx = self.tail_index(s, pos)
+        return torch.tensor(s.tail, dtype=torch.long)[idx // self.bs], idx % self.bs
 
-    def _write_tail(self, s: Sequence, layers: slice, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Write tokens [start, start + n) of k, v [nl, n, Hkv, d] into the tail."""
-        n = k.shape[1]
-        if n == 0:
+    def _write_tail(self, s: Sequence, layers: slice, pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Write k, v [nl, n, Hkv, d] (the tokens at host positions pos [n]) into the tail."""
+        if pos.numel() == 0:
             return
-        blocks, offs = self._tail_slots(s, start, n)
+        blocks, offs = self._tail_slots(s, pos)
         dev = self.tail.k.device
         self.tail.write(layers, ids_to(dev, blocks), ids_to(dev, offs), k, v)
 
@@ -219,12 +230,14 @@ class WritePath:
             s.tail += self._alloc_tail(max(0, math.ceil((start + n) / self.bs) - len(s.sealed) - len(s.tail)))
             slots.append((s, start, n))
         if k.shape[0] <= SMALL_WRITE:    # a decode step of a few sequences: no index tensors
-            first = [len(s.sealed) * self.bs for s, _, _ in slots]
-            self.tail.write_tokens(layer, [(s.tail[(p - f) // self.bs], (p - f) % self.bs)
-                                           for (s, start, n), f in zip(slots, first) for p in range(start, start + n)],
-                                   k, v)
+            toks = []
+            for s, start, n in slots:
+                for p in range(start, start + n):
+                    i = p if p < self.sinks else p - len(s.sealed) * self.bs    # as tail_index
+                    toks.append((s.tail[i // self.bs], i % self.bs))
+            self.tail.write_tokens(layer, toks, k, v)
         else:
-            idx = [self._tail_slots(s, start, n) for s, start, n in slots]
+            idx = [self._tail_slots(s, torch.arange(start, start + n)) for s, start, n in slots]
             dev = self.tail.k.device
             self.tail.write(slice(layer, layer + 1), ids_to(dev, torch.cat([b for b, _ in idx])),
                             ids_to(dev, torch.cat([o for _, o in idx])), k.unsqueeze(0), v.unsqueeze(0))
@@ -246,11 +259,13 @@ class WritePath:
         if count <= 0:
             return
         if self.is_pq:
-            ids = s.tail[:count]
+            ns = self.sink_blocks
+            assert len(s.tail) >= ns + count, f"{s.seq_id}: sealing past the tail"
+            ids = s.tail[ns:ns + count]
             k, v = self.tail.read_blocks(slice(None), ids_to(self.tail.k.device, ids))
             self._seal(s, count, k, v)
             self.tail_pool.release(ids)
-            del s.tail[:count]
+            del s.tail[ns:ns + count]
         else:
             self._seal(s, count, None, None)
 
@@ -288,9 +303,8 @@ class WritePath:
             self.counters["appended_tokens"] += s.reserved
             s.reserved = 0
             self._commit(s)
-        first = len(s.sealed) * self.bs
-        slots = [s.tail[(p - first) // self.bs] * self.bs + (p - first) % self.bs
-                 for p in range(s.length, s.length + n)]
+        blocks, offs = self._tail_slots(s, torch.arange(s.length, s.length + n))
+        slots = (blocks * self.bs + offs).tolist()
         s.reserved = n
         s.last_use = time.monotonic()
         return ReserveResult(slots, list(s.sealed), list(s.tail), s.length + n)

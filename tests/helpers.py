@@ -6,10 +6,12 @@ from kvstore.config import CacheConfig, CodecConfig, ModelGeometry
 GEOM = dict(num_layers=2, num_q_heads=4, num_kv_heads=2, head_dim=16)
 
 
-def config(codec="pq", name="c", block_size=8, residual=8, num_blocks=64, max_sequences=16, m=0, **geom):
+def config(codec="pq", name="c", block_size=8, residual=8, num_blocks=64, max_sequences=16, m=0, sink_tokens=0,
+           **geom):
     g = ModelGeometry(**{**GEOM, **geom})
     return CacheConfig(name=name, model_id="test-model", geometry=g, codec=CodecConfig(kind=codec, num_subvectors=m),
-                       block_size=block_size, residual=residual, num_blocks=num_blocks, max_sequences=max_sequences)
+                       block_size=block_size, residual=residual, num_blocks=num_blocks, max_sequences=max_sequences,
+                       sink_tokens=sink_tokens)
 
 
 def kv(layers, n, hkv, d, seed=0):

@@ -63,11 +63,11 @@ def poisoned(x: torch.Tensor, value: float) -> pb.Tensor:
 
 
 def spec(name: str, codec: str = "pq", num_blocks: int = 64, max_sequences: int = 16, residual: int = R,
-         block_size: int = BS, model_id: str = "test-model", **geom) -> pb.CacheSpec:
+         block_size: int = BS, model_id: str = "test-model", sink_tokens: int = 0, **geom) -> pb.CacheSpec:
     g = dict(num_layers=L, num_q_heads=HQ, num_kv_heads=HKV, head_dim=D, dtype="float16")
     g.update(geom)
     return pb.CacheSpec(name=name, model_id=model_id, geometry=pb.Geometry(**g), codec=codec, block_size=block_size,
-                        residual=residual, num_blocks=num_blocks, max_sequences=max_sequences)
+                        residual=residual, num_blocks=num_blocks, max_sequences=max_sequences, sink_tokens=sink_tokens)
 
 
 def codebooks(k=None, v=None) -> bytes:
@@ -180,6 +180,15 @@ def live(tmp_path_factory):
         _ok(stub, "Allocate", pb.AllocateRequest(cache="tinypq", sequence_id=sid))
     _ok(stub, "Append", append("tinypq", ["s"], [16]))
     _ok(stub, "Reserve", pb.ReserveRequest(cache="tinypq", sequence_id="r", num_tokens=16))
+    # sinkpq: PQ with 16 sink tokens and one main block, taken by s (32 tokens, R=0: 16 sinks, 1 sealed,
+    # 8 in the tail); r holds 32 reserved tokens, whose commit would seal one block.
+    _ok(stub, "CreateCache", pb.CreateCacheRequest(spec=spec("sinkpq", "pq", num_blocks=1, max_sequences=2,
+                                                             residual=0, sink_tokens=16)))
+    _ok(stub, "SetCodebooks", pb.SetCodebooksRequest(cache="sinkpq", safetensors=codebooks()))
+    for sid in ("s", "r"):
+        _ok(stub, "Allocate", pb.AllocateRequest(cache="sinkpq", sequence_id=sid))
+    _ok(stub, "Append", append("sinkpq", ["s"], [32]))
+    _ok(stub, "Reserve", pb.ReserveRequest(cache="sinkpq", sequence_id="r", num_tokens=32))
     # A registered shared-memory buffer for buffer-reference cases.
     shm_name = f"kvstore-test-{os.getpid()}-{secrets.token_hex(4)}"
     path = os.path.join("/dev/shm", shm_name)
@@ -263,9 +272,18 @@ CASES = [
     case("CreateCache", "empty-name", lambda lv: pb.CreateCacheRequest(spec=spec("")), INVALID, "name"),
     case("CreateCache", "empty-model-id", lambda lv: pb.CreateCacheRequest(spec=spec("n13", model_id="")),
          INVALID, "model_id"),
+    case("CreateCache", "sink-tokens-not-whole-blocks", lambda lv: pb.CreateCacheRequest(
+        spec=spec("n14", sink_tokens=BS + 4)), INVALID, "sink_tokens"),
+    case("CreateCache", "sink-tokens-too-many", lambda lv: pb.CreateCacheRequest(
+        spec=spec("n15", sink_tokens=65536 + BS)), INVALID, "sink_tokens"),
+    case("CreateCache", "sink-tokens-uint32-max-fp16", lambda lv: pb.CreateCacheRequest(
+        spec=spec("n16", "fp16", sink_tokens=2**32 - 1)), INVALID, "sink_tokens"),
     case("CreateCache", "exists", lambda lv: pb.CreateCacheRequest(spec=spec("f16", "fp16")), EXISTS, "name"),
     case("CreateCache", "exists-other-spec", lambda lv: pb.CreateCacheRequest(
         spec=spec("f16", "fp16", num_blocks=65), exist_ok=True), EXISTS, "name"),
+    case("CreateCache", "exists-other-sinks", lambda lv: pb.CreateCacheRequest(
+        spec=spec("sinkpq", "pq", num_blocks=1, max_sequences=2, residual=0, sink_tokens=8), exist_ok=True),
+         EXISTS, "name"),
     # ------------------------------------------------------------------- GetCache
     case("GetCache", "unknown-cache", lambda lv: pb.GetCacheRequest(cache="nope"), NOT_FOUND, "cache"),
     case("GetCache", "empty-name", lambda lv: pb.GetCacheRequest(), NOT_FOUND, "cache"),
@@ -351,6 +369,8 @@ CASES = [
          EXHAUSTED, "num_tokens"),
     case("Reserve", "seal-exhausted-pq", lambda lv: pb.ReserveRequest(cache="tinypq", sequence_id="r", num_tokens=1),
          EXHAUSTED, "num_tokens"),
+    case("Reserve", "seal-exhausted-sinks", lambda lv: pb.ReserveRequest(cache="sinkpq", sequence_id="r",
+                                                                         num_tokens=1), EXHAUSTED, "num_tokens"),
     # --------------------------------------------------------------------- Append
     case("Append", "unknown-cache", lambda lv: append(cache="nope"), NOT_FOUND, "cache"),
     case("Append", "unknown-sequence", lambda lv: append(seqs=["zz"]), NOT_FOUND, "sequence_id"),
@@ -415,6 +435,7 @@ CASES = [
     case("Append", "pool-exhausted-one-layer", lambda lv: append("tiny", seqs=["full"], counts=[5], layer=1),
          EXHAUSTED, "k"),
     case("Append", "seal-exhausted-pq", lambda lv: append("tinypq", seqs=["s"], counts=[8]), EXHAUSTED, "k"),
+    case("Append", "seal-exhausted-sinks", lambda lv: append("sinkpq", seqs=["s"], counts=[1]), EXHAUSTED, "k"),
     case("Append", "unknown-buffer", lambda lv: append(k=ref("shm-nope", 0, (L, 2, HKV, D))), NOT_FOUND, "buffer_id"),
     case("Append", "buffer-offset-out-of-range", lambda lv: append(k=ref(lv.buf, SHM_BYTES - 64, (L, 2, HKV, D))),
          INVALID, "k"),
@@ -617,6 +638,9 @@ def test_fixture_state_is_what_the_cases_assume(live):
     stats = {c.cache: c for c in live.stub.Stats(pb.StatsRequest(), timeout=30).caches}
     assert stats["tiny"].main.free + stats["tiny"].main.cached == 0
     assert stats["tinypq"].main.free + stats["tinypq"].main.cached == 0
+    assert stats["sinkpq"].main.free + stats["sinkpq"].main.cached == 0 and stats["sinkpq"].sink_tokens == 16
+    s = info("sinkpq", "s")
+    assert s.sink_blocks == 2 and len(s.sealed_blocks) == 1 and len(s.tail_blocks) == 3
     assert not live.stub.GetCache(pb.GetCacheRequest(cache="raw"), timeout=30).has_codebooks
 
 

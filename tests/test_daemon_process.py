@@ -1,5 +1,6 @@
 """The daemon as users run it: a separate process, health and reflection, two
 client processes sharing a prefix, restarts."""
+import math
 import os
 import signal
 import subprocess
@@ -91,8 +92,9 @@ def _worker(target, seq, seed):
     return json.loads(r.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.parametrize("codec", ["pq", "fp16"])
-def test_two_processes_share_prefix_and_restart_keeps_hashes(sock, codec):
+@pytest.mark.parametrize("codec, sinks", [("pq", 0), ("fp16", 0), ("pq", 32)])
+def test_two_processes_share_prefix_and_restart_keeps_hashes(sock, codec, sinks, capsys):
+    from kvstore import admin
     from kvstore.client import KVStoreClient
     import torch
     hashes_by_run = []
@@ -101,7 +103,7 @@ def test_two_processes_share_prefix_and_restart_keeps_hashes(sock, codec):
         try:
             kv = KVStoreClient(target)
             kv.create_cache("shared", "m", num_layers=2, num_q_heads=4, num_kv_heads=2, head_dim=16, codec=codec,
-                            block_size=16, residual=128, num_blocks=256)
+                            block_size=16, residual=128, num_blocks=256, sink_tokens=sinks)
             if codec == "pq":
                 g = torch.Generator().manual_seed(0)
                 kv.train_codebooks("shared", torch.randn(2, 512, 2, 16, generator=g),
@@ -118,6 +120,17 @@ def test_two_processes_share_prefix_and_restart_keeps_hashes(sock, codec):
             refs = list(info.sealed_block_refs) + list(info.tail_block_refs)
             assert refs[:62] == [2] * 62 and refs[62:] == [1]
             assert a["hashes"] == b["hashes"] and len(a["hashes"]) == 62
+            if sinks:     # b shares a's sink blocks; a's sinks come back exactly as its worker sent them
+                assert kv.get_cache("shared").spec.sink_tokens == kv.stats("shared").caches[0].sink_tokens == sinks
+                assert info.sink_blocks == sinks // 16 and b["tail"][:2] == a["tail"][:2]
+                assert len(info.sealed_blocks) == math.ceil((1000 - sinks - 128 - 16) / 16)
+                sent = torch.randn(2, 1000, 2, 16, generator=torch.Generator().manual_seed(1)).half()
+                assert torch.equal(kv.retrieve("shared", "a", 0, sinks)[0], sent[:, :sinks])
+                admin.main(["--socket", sock, "seqs", "--cache", "shared"])
+                rows = [line.split() for line in capsys.readouterr().out.splitlines()]
+                header = next(r for r in rows if r and r[0] == "sequence")
+                row_a = next(r for r in rows if r and r[0] == "a")
+                assert row_a[header.index("sinks")] == "2" and row_a[header.index("tokens")] == "1000"
             hashes_by_run.append(a["hashes"])
             kv.free("shared", ["a", "b"])
             end = kv.stats("shared").caches[0]

@@ -99,15 +99,31 @@ def test_pq_codec_runs(daemon, transform):
                         block_size=8, residual=8)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        with torch.no_grad():
-            out = ad.generate(prompt(40), **GEN)
+        with torch.no_grad():      # every step runs, whatever the random model emits
+            out = ad.generate(prompt(40), **GEN, min_new_tokens=GEN["max_new_tokens"])
     assert out.shape == (1, 40 + GEN["max_new_tokens"])
     s = ad.stats()
     assert s.sealed_blocks > 0 and s.attend_calls == 2 * (GEN["max_new_tokens"] - 1)
+    assert s.sink_tokens == 16                   # the pq default: 16 fp16 sink tokens
     if transform:     # the transform is exact where nothing is quantized: codec fp16 with it == without it
         ad16 = KVStoreAdapter(model, daemon, cache="t16", codec="fp16", transform=tr, block_size=8, residual=8)
         with torch.no_grad():
             assert torch.equal(ad16.generate(prompt(40), **GEN), reference(model, prompt(40)))
+
+
+def test_pq_sinks_covering_the_whole_sequence_equal_in_process(daemon):
+    """With more sink tokens than the sequence has, nothing is ever PQ-coded:
+    greedy decoding through the pq codec equals in-process generate."""
+    model = tiny_llama()
+    g = torch.Generator().manual_seed(0)
+    cb = Codebooks(k=torch.randn(2, 2, 8, 256, 2, generator=g), v=torch.randn(2, 2, 8, 256, 2, generator=g))
+    ad = KVStoreAdapter(model, daemon, cache="tpq-sinks", codec="pq", codebooks=cb.to_bytes(), block_size=8,
+                        residual=8, sink_tokens=64)
+    with torch.no_grad():
+        out = ad.generate(prompt(40), **GEN)
+    assert torch.equal(out, reference(model, prompt(40)))
+    s = ad.stats()
+    assert s.sink_tokens == 64 and s.sealed_blocks == 0 and s.attend_calls == 2 * (GEN["max_new_tokens"] - 1)
 
 
 def test_daemon_killed_mid_generation_then_restarted(tmp_path):

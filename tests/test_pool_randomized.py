@@ -5,7 +5,7 @@
     evicted least recently freed first; None and no change when out of room),
     plus a seeded run against a list model of the free queue.
 (b) A seeded run of 3,000 random operations on kvstore.engine.Engine for
-    each codec, against a shadow copy of every token's K/V. After every
+    each codec (and PQ with fp16 sink tokens), against a shadow copy of every token's K/V. After every
     operation: Engine.check_invariants(), and the engine's view of each
     sequence equals the shadow's. A refused operation must leave the engine
     exactly as it was. Periodically, Retrieve equals the shadow (bitwise; PQ
@@ -285,7 +285,7 @@ class Shadow:
     length: int = 0
     pending: list[int] = field(default_factory=lambda: [0] * L)
     reserved: int = 0
-    # PQ: the shadow's first tokens encoded and decoded, per layer (sealed tokens never change).
+    # PQ: the shadow's tokens from the sinks on, encoded and decoded, per layer (sealed tokens never change).
     decoded: list[tuple[torch.Tensor, torch.Tensor]] = field(
         default_factory=lambda: [(torch.empty(0, HKV, D), torch.empty(0, HKV, D))] * L)
 
@@ -313,13 +313,13 @@ def apply_token_ids(known: list[int], start: int, ids: list[int]) -> list[int]:
 
 
 class Fuzz:
-    def __init__(self, codec: str, seed: int):
+    def __init__(self, codec: str, seed: int, sinks: int = 0):
         self.codec = codec
         self.rng = random.Random(seed)
         self.gen = torch.Generator().manual_seed(seed)
         self.e = Engine()
         if codec == "pq":
-            cfg = config("pq", name="c", block_size=BS, residual=R, num_blocks=8, max_sequences=5)
+            cfg = config("pq", name="c", block_size=BS, residual=R, num_blocks=8, max_sequences=5, sink_tokens=sinks)
         else:
             cfg = config("fp16", name="c", block_size=BS, residual=R, num_blocks=16, max_sequences=6)
         self.cfg = cfg
@@ -397,15 +397,16 @@ class Fuzz:
         sh = self.sh[sid]
         k, v = sh.k[layer].float(), sh.v[layer].float()
         n = len(self.e.sequence_info("c", TENANT, sid).sealed_blocks) * BS
+        s0 = self.c.sinks                   # sealed tokens are [s0, s0 + n)
         if self.c.is_pq and n:
             dk, dv = sh.decoded[layer]
             if dk.shape[0] < n:     # encoding is per token: extend the memo with the newly sealed ones
                 cbk, cbv = self.c.codebooks.k[layer], self.c.codebooks.v[layer]
-                new_k, new_v = sh.k[layer][dk.shape[0]:n], sh.v[layer][dk.shape[0]:n]
+                new_k, new_v = sh.k[layer][s0 + dk.shape[0]:s0 + n], sh.v[layer][s0 + dk.shape[0]:s0 + n]
                 dk = torch.cat([dk, ref.pq_dequantize(ref.pq_encode(new_k, cbk), cbk)])
                 dv = torch.cat([dv, ref.pq_dequantize(ref.pq_encode(new_v, cbv), cbv)])
                 sh.decoded[layer] = (dk, dv)
-            k[:n], v[:n] = dk[:n], dv[:n]
+            k[s0:s0 + n], v[s0:s0 + n] = dk[:n], dv[:n]
         return k, v
 
     def check_retrieved(self, sid: str, start: int, end: int, l0: int, l1: int, k, v) -> None:
@@ -722,9 +723,9 @@ def one_thread():
     torch.set_num_threads(n)
 
 
-@pytest.mark.parametrize("codec", ["fp16", "pq"])
-def test_engine_randomized_against_shadow(codec, one_thread):
-    fuzz = Fuzz(codec, seed={"fp16": 11, "pq": 12}[codec])
+@pytest.mark.parametrize("codec, sinks", [("fp16", 0), ("pq", 0), ("pq", 16)])
+def test_engine_randomized_against_shadow(codec, sinks, one_thread):
+    fuzz = Fuzz(codec, seed={("fp16", 0): 11, ("pq", 0): 12, ("pq", 16): 13}[codec, sinks], sinks=sinks)
     fuzz.go(N_OPS)
     # Everything freed: nothing is used, cached prefix blocks stay findable.
     s = fuzz.e.stats()["c"]
@@ -745,4 +746,5 @@ def test_engine_randomized_against_shadow(codec, one_thread):
     if codec == "pq":                        # sealing (encode) and shared sealed blocks happened
         assert s["sealed_blocks"] > 0 and s["dedup_blocks"] > 0
     counts = {k: v for k, v in s.items() if "token" in k or "block" in k}
-    print(f"\n{codec}: outcomes {dict(sorted(o.items()))}\n{codec}: stats {counts}")   # shown with -s
+    tag = f"{codec} S={sinks}"
+    print(f"\n{tag}: outcomes {dict(sorted(o.items()))}\n{tag}: stats {counts}")   # shown with -s

@@ -76,7 +76,7 @@ class Geometry(_message.Message):
     def __init__(self, num_layers: _Optional[int] = ..., num_q_heads: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., dtype: _Optional[str] = ...) -> None: ...
 
 class CacheSpec(_message.Message):
-    __slots__ = ("name", "model_id", "geometry", "codec", "num_subvectors", "block_size", "residual", "num_blocks", "pool_bytes", "max_sequences", "share_prefixes_across_tenants", "host_bytes", "low_watermark")
+    __slots__ = ("name", "model_id", "geometry", "codec", "num_subvectors", "block_size", "residual", "num_blocks", "pool_bytes", "max_sequences", "share_prefixes_across_tenants", "host_bytes", "low_watermark", "sink_tokens")
     NAME_FIELD_NUMBER: _ClassVar[int]
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     GEOMETRY_FIELD_NUMBER: _ClassVar[int]
@@ -90,6 +90,7 @@ class CacheSpec(_message.Message):
     SHARE_PREFIXES_ACROSS_TENANTS_FIELD_NUMBER: _ClassVar[int]
     HOST_BYTES_FIELD_NUMBER: _ClassVar[int]
     LOW_WATERMARK_FIELD_NUMBER: _ClassVar[int]
+    SINK_TOKENS_FIELD_NUMBER: _ClassVar[int]
     name: str
     model_id: str
     geometry: Geometry
@@ -103,7 +104,8 @@ class CacheSpec(_message.Message):
     share_prefixes_across_tenants: bool
     host_bytes: int
     low_watermark: float
-    def __init__(self, name: _Optional[str] = ..., model_id: _Optional[str] = ..., geometry: _Optional[_Union[Geometry, _Mapping]] = ..., codec: _Optional[str] = ..., num_subvectors: _Optional[int] = ..., block_size: _Optional[int] = ..., residual: _Optional[int] = ..., num_blocks: _Optional[int] = ..., pool_bytes: _Optional[int] = ..., max_sequences: _Optional[int] = ..., share_prefixes_across_tenants: _Optional[bool] = ..., host_bytes: _Optional[int] = ..., low_watermark: _Optional[float] = ...) -> None: ...
+    sink_tokens: int
+    def __init__(self, name: _Optional[str] = ..., model_id: _Optional[str] = ..., geometry: _Optional[_Union[Geometry, _Mapping]] = ..., codec: _Optional[str] = ..., num_subvectors: _Optional[int] = ..., block_size: _Optional[int] = ..., residual: _Optional[int] = ..., num_blocks: _Optional[int] = ..., pool_bytes: _Optional[int] = ..., max_sequences: _Optional[int] = ..., share_prefixes_across_tenants: _Optional[bool] = ..., host_bytes: _Optional[int] = ..., low_watermark: _Optional[float] = ..., sink_tokens: _Optional[int] = ...) -> None: ...
 
 class CreateCacheRequest(_message.Message):
     __slots__ = ("spec", "exist_ok")
@@ -468,7 +470,7 @@ class PoolStats(_message.Message):
     def __init__(self, capacity: _Optional[int] = ..., used: _Optional[int] = ..., cached: _Optional[int] = ..., free: _Optional[int] = ..., evictions: _Optional[int] = ...) -> None: ...
 
 class CacheStats(_message.Message):
-    __slots__ = ("cache", "main", "tail", "sequences", "tokens", "sealed_tokens", "bytes_per_token", "fp16_bytes_per_token", "compression_ratio", "used_bytes", "effective_bytes_per_token", "prefix_query_tokens", "prefix_hit_tokens", "prefix_hit_rate", "appended_tokens", "sealed_blocks", "dedup_blocks", "attend_calls", "host", "host_tail", "sequences_host", "sequences_disk", "offloads_host", "offloads_disk", "page_ins_host", "page_ins_disk", "bytes_down", "bytes_up", "spilled_blocks", "prefix_hit_blocks_host", "prefix_hit_blocks_disk", "disk_bytes", "disk_entries")
+    __slots__ = ("cache", "main", "tail", "sequences", "tokens", "sealed_tokens", "bytes_per_token", "fp16_bytes_per_token", "compression_ratio", "used_bytes", "effective_bytes_per_token", "prefix_query_tokens", "prefix_hit_tokens", "prefix_hit_rate", "appended_tokens", "sealed_blocks", "dedup_blocks", "attend_calls", "host", "host_tail", "sequences_host", "sequences_disk", "offloads_host", "offloads_disk", "page_ins_host", "page_ins_disk", "bytes_down", "bytes_up", "spilled_blocks", "prefix_hit_blocks_host", "prefix_hit_blocks_disk", "disk_bytes", "disk_entries", "sink_tokens")
     CACHE_FIELD_NUMBER: _ClassVar[int]
     MAIN_FIELD_NUMBER: _ClassVar[int]
     TAIL_FIELD_NUMBER: _ClassVar[int]
@@ -502,6 +504,7 @@ class CacheStats(_message.Message):
     PREFIX_HIT_BLOCKS_DISK_FIELD_NUMBER: _ClassVar[int]
     DISK_BYTES_FIELD_NUMBER: _ClassVar[int]
     DISK_ENTRIES_FIELD_NUMBER: _ClassVar[int]
+    SINK_TOKENS_FIELD_NUMBER: _ClassVar[int]
     cache: str
     main: PoolStats
     tail: PoolStats
@@ -535,7 +538,8 @@ class CacheStats(_message.Message):
     prefix_hit_blocks_disk: int
     disk_bytes: int
     disk_entries: int
-    def __init__(self, cache: _Optional[str] = ..., main: _Optional[_Union[PoolStats, _Mapping]] = ..., tail: _Optional[_Union[PoolStats, _Mapping]] = ..., sequences: _Optional[int] = ..., tokens: _Optional[int] = ..., sealed_tokens: _Optional[int] = ..., bytes_per_token: _Optional[int] = ..., fp16_bytes_per_token: _Optional[int] = ..., compression_ratio: _Optional[float] = ..., used_bytes: _Optional[int] = ..., effective_bytes_per_token: _Optional[float] = ..., prefix_query_tokens: _Optional[int] = ..., prefix_hit_tokens: _Optional[int] = ..., prefix_hit_rate: _Optional[float] = ..., appended_tokens: _Optional[int] = ..., sealed_blocks: _Optional[int] = ..., dedup_blocks: _Optional[int] = ..., attend_calls: _Optional[int] = ..., host: _Optional[_Union[PoolStats, _Mapping]] = ..., host_tail: _Optional[_Union[PoolStats, _Mapping]] = ..., sequences_host: _Optional[int] = ..., sequences_disk: _Optional[int] = ..., offloads_host: _Optional[int] = ..., offloads_disk: _Optional[int] = ..., page_ins_host: _Optional[int] = ..., page_ins_disk: _Optional[int] = ..., bytes_down: _Optional[int] = ..., bytes_up: _Optional[int] = ..., spilled_blocks: _Optional[int] = ..., prefix_hit_blocks_host: _Optional[int] = ..., prefix_hit_blocks_disk: _Optional[int] = ..., disk_bytes: _Optional[int] = ..., disk_entries: _Optional[int] = ...) -> None: ...
+    sink_tokens: int
+    def __init__(self, cache: _Optional[str] = ..., main: _Optional[_Union[PoolStats, _Mapping]] = ..., tail: _Optional[_Union[PoolStats, _Mapping]] = ..., sequences: _Optional[int] = ..., tokens: _Optional[int] = ..., sealed_tokens: _Optional[int] = ..., bytes_per_token: _Optional[int] = ..., fp16_bytes_per_token: _Optional[int] = ..., compression_ratio: _Optional[float] = ..., used_bytes: _Optional[int] = ..., effective_bytes_per_token: _Optional[float] = ..., prefix_query_tokens: _Optional[int] = ..., prefix_hit_tokens: _Optional[int] = ..., prefix_hit_rate: _Optional[float] = ..., appended_tokens: _Optional[int] = ..., sealed_blocks: _Optional[int] = ..., dedup_blocks: _Optional[int] = ..., attend_calls: _Optional[int] = ..., host: _Optional[_Union[PoolStats, _Mapping]] = ..., host_tail: _Optional[_Union[PoolStats, _Mapping]] = ..., sequences_host: _Optional[int] = ..., sequences_disk: _Optional[int] = ..., offloads_host: _Optional[int] = ..., offloads_disk: _Optional[int] = ..., page_ins_host: _Optional[int] = ..., page_ins_disk: _Optional[int] = ..., bytes_down: _Optional[int] = ..., bytes_up: _Optional[int] = ..., spilled_blocks: _Optional[int] = ..., prefix_hit_blocks_host: _Optional[int] = ..., prefix_hit_blocks_disk: _Optional[int] = ..., disk_bytes: _Optional[int] = ..., disk_entries: _Optional[int] = ..., sink_tokens: _Optional[int] = ...) -> None: ...
 
 class StatsReply(_message.Message):
     __slots__ = ("caches",)
@@ -552,7 +556,7 @@ class SequenceInfoRequest(_message.Message):
     def __init__(self, cache: _Optional[str] = ..., sequence_id: _Optional[str] = ...) -> None: ...
 
 class SequenceInfoReply(_message.Message):
-    __slots__ = ("sequence_id", "length", "sealed_blocks", "sealed_block_refs", "tail_blocks", "tail_block_refs", "pending", "reserved", "known_token_ids", "block_hashes", "owner_session", "pinned", "persist", "tier")
+    __slots__ = ("sequence_id", "length", "sealed_blocks", "sealed_block_refs", "tail_blocks", "tail_block_refs", "pending", "reserved", "known_token_ids", "block_hashes", "owner_session", "pinned", "persist", "tier", "sink_blocks")
     SEQUENCE_ID_FIELD_NUMBER: _ClassVar[int]
     LENGTH_FIELD_NUMBER: _ClassVar[int]
     SEALED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -567,6 +571,7 @@ class SequenceInfoReply(_message.Message):
     PINNED_FIELD_NUMBER: _ClassVar[int]
     PERSIST_FIELD_NUMBER: _ClassVar[int]
     TIER_FIELD_NUMBER: _ClassVar[int]
+    SINK_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     sequence_id: str
     length: int
     sealed_blocks: _containers.RepeatedScalarFieldContainer[int]
@@ -581,7 +586,8 @@ class SequenceInfoReply(_message.Message):
     pinned: bool
     persist: bool
     tier: str
-    def __init__(self, sequence_id: _Optional[str] = ..., length: _Optional[int] = ..., sealed_blocks: _Optional[_Iterable[int]] = ..., sealed_block_refs: _Optional[_Iterable[int]] = ..., tail_blocks: _Optional[_Iterable[int]] = ..., tail_block_refs: _Optional[_Iterable[int]] = ..., pending: _Optional[_Iterable[int]] = ..., reserved: _Optional[int] = ..., known_token_ids: _Optional[int] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., owner_session: _Optional[str] = ..., pinned: _Optional[bool] = ..., persist: _Optional[bool] = ..., tier: _Optional[str] = ...) -> None: ...
+    sink_blocks: int
+    def __init__(self, sequence_id: _Optional[str] = ..., length: _Optional[int] = ..., sealed_blocks: _Optional[_Iterable[int]] = ..., sealed_block_refs: _Optional[_Iterable[int]] = ..., tail_blocks: _Optional[_Iterable[int]] = ..., tail_block_refs: _Optional[_Iterable[int]] = ..., pending: _Optional[_Iterable[int]] = ..., reserved: _Optional[int] = ..., known_token_ids: _Optional[int] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., owner_session: _Optional[str] = ..., pinned: _Optional[bool] = ..., persist: _Optional[bool] = ..., tier: _Optional[str] = ..., sink_blocks: _Optional[int] = ...) -> None: ...
 
 class ListSequencesRequest(_message.Message):
     __slots__ = ("cache",)
