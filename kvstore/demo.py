@@ -46,7 +46,7 @@ def run_workload(kv: KVStoreClient, codec: str, layers=4, hq=8, hkv=2, d=32, n_s
     name = f"demo-{codec}"
     kv.create_cache(name, "demo/synthetic", num_layers=layers, num_q_heads=hq, num_kv_heads=hkv, head_dim=d,
                     codec=codec, block_size=16, residual=32, num_blocks=512, exist_ok=True,
-                    sink_tokens=16 if codec == "pq" else 0)
+                    sink_tokens=32 if codec == "pq" else 0)
     g = torch.Generator().manual_seed(seed)
     if codec == "pq":
         kv.train_codebooks(name, torch.randn(layers, 4096, hkv, d, generator=g),
