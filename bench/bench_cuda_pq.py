@@ -1,9 +1,10 @@
 """CUDA C++ PQ decode attention / encode (kernels/cuda_pq.py) vs Triton PQ vs SDPA flash.
 
-python bench/bench_cuda_pq.py [--quick] [--warps 8 12 16] [--encode-only]
+python bench/bench_cuda_pq.py [--quick] [--warps 8 12 16] [--encode-only] [--no-encode]
 Same shape and timing method as bench/bench_attention.py (whose helpers it uses):
 Hq=32, Hkv=8, d=128, M=64, bs=16, PQ tail 128 fp16 tokens, median of do_bench over a
-CUDA-graph replay with L2 flushed.
+CUDA-graph replay with L2 flushed. The CUDA kernel runs in both gather layouts: cf
+(conflict-free, the default) and swz (the earlier swizzled layout, KVSTORE_CUDA_PQ_CF=0).
 """
 import argparse
 import os
@@ -23,8 +24,9 @@ from kvstore.kernels import pq_encode  # noqa: E402
 def kernel_info():
     for nw in (8, 12, 16):
         for dsub in (2, 4):
-            fn = cuda_pq._function(cuda_pq._attn_name(128, dsub, False, nw), torch.device("cuda"))
-            print(f"pq_attn<128,{dsub},f16,{nw}>: regs {fn.num_regs}, local {fn.local_size_bytes} B")
+            for gp in ((0, 4) if dsub == 2 else (0,)):
+                fn = cuda_pq._function(cuda_pq._attn_name(128, dsub, False, nw, gp), torch.device("cuda"))
+                print(f"pq_attn<128,{dsub},f16,{nw},GP={gp}>: regs {fn.num_regs}, local {fn.local_size_bytes} B")
 
 
 def encode_info():
@@ -83,6 +85,7 @@ def main():
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--warps", type=int, nargs="*", default=[8, 12, 16])
     ap.add_argument("--encode-only", action="store_true")
+    ap.add_argument("--no-encode", action="store_true")
     args = ap.parse_args()
     torch.manual_seed(0)
     props = torch.cuda.get_device_properties(0)
@@ -94,43 +97,56 @@ def main():
         time_encode(rd)
         return 0
     kernel_info()
-    encode_info()
-    # warps sweep at the two target shapes
-    best_nw = cuda_pq.NUM_WARPS
-    best = {}
-    for b in (8, 1):
-        q = torch.randn(b, ba.HQ, ba.D, device="cuda", dtype=torch.float16)
-        case, sl, tl_, nbytes = ba.pq_case(b, 32768, 16)
-        for nw in args.warps:
-            cuda_pq.NUM_WARPS = nw
-            t = ba.time_pq(q, case, sl, tl_, 16, backend="cuda")
-            print(f"sweep cuda B={b} L=32K warps={nw}: {t:.1f} us ({nbytes / t / 1e3:.0f} GB/s)")
-            best.setdefault(b, {})[nw] = t
-        del case
-    best_nw = min(args.warps, key=lambda nw: best[8][nw] + 4 * best[1][nw])
-    cuda_pq.NUM_WARPS = best_nw
-    print(f"warps used below: {best_nw}")
-    time_encode(rd)
+    for cf in (True, False):
+        cuda_pq.CONFLICT_FREE = cf
+        ba.check_pq(16)
+    # warps sweep at the two target shapes, per layout
+    best_nw = {}
+    for cf in (True, False):
+        cuda_pq.CONFLICT_FREE = cf
+        best = {}
+        for b in (8, 1):
+            q = torch.randn(b, ba.HQ, ba.D, device="cuda", dtype=torch.float16)
+            case, sl, tl_, nbytes = ba.pq_case(b, 32768, 16)
+            for nw in args.warps:
+                cuda_pq.NUM_WARPS = nw
+                t = ba.time_pq(q, case, sl, tl_, 16, backend="cuda")
+                print(f"sweep cuda {'cf' if cf else 'swz'} B={b} L=32K warps={nw}: {t:.1f} us "
+                      f"({nbytes / t / 1e3:.0f} GB/s)")
+                best.setdefault(b, {})[nw] = t
+            del case
+        best_nw[cf] = min(args.warps, key=lambda nw: best[8][nw] + 4 * best[1][nw])
+    print(f"warps used below: cf {best_nw[True]}, swz {best_nw[False]}")
+    if not args.no_encode:
+        encode_info()
+        time_encode(rd)
+
+    def time_cuda(cf, q, case, sl, tl_):
+        cuda_pq.CONFLICT_FREE, cuda_pq.NUM_WARPS = cf, best_nw[cf]
+        return ba.time_pq(q, case, sl, tl_, 16, backend="cuda")
+
     rows = []
     Bs, Ls = ((1, 8), (32768,)) if args.quick else ((1, 8, 32), (4096, 32768, 131072))
     for b in Bs:
         for L in Ls:
             q = torch.randn(b, ba.HQ, ba.D, device="cuda", dtype=torch.float16)
             case, sl, tl_, nbytes = ba.pq_case(b, L, 16)
-            t_cu = ba.time_pq(q, case, sl, tl_, 16, backend="cuda")
+            t_cf = time_cuda(True, q, case, sl, tl_)
+            t_sw = time_cuda(False, q, case, sl, tl_)
             t_tr = ba.time_pq(q, case, sl, tl_, 16, backend="triton")
             del case
             torch.cuda.empty_cache()
             t_sd, be = ba.time_sdpa(q, L)
             torch.cuda.empty_cache()
-            rows.append((b, L, t_cu, t_tr, t_sd, nbytes / t_cu / 1e3))
+            rows.append((b, L, t_cf, t_sw, t_tr, t_sd, nbytes / t_cf / 1e3))
             print(rows[-1], flush=True)
-    print(f"\nread BW {rd:.0f} GB/s; us, median, CUDA graph, L2 flushed; warps {best_nw}")
-    print(f"{'B':>3} {'L':>7} {'cudaPQ':>8} {'tritonPQ':>9} {'SDPA':>8} {'sdpa/cuda':>9} "
-          f"{'triton/cuda':>11} {'GB/s':>6} {'%BW':>5}")
-    for b, L, tc, tt, ts, bw in rows:
-        print(f"{b:>3} {L:>7} {tc:>8.1f} {tt:>9.1f} {ts:>8.1f} {ts / tc:>9.2f} {tt / tc:>11.2f} "
-              f"{bw:>6.0f} {100 * bw / rd:>4.0f}%")
+    print(f"\nread BW {rd:.0f} GB/s; us, median, CUDA graph, L2 flushed; warps cf {best_nw[True]} "
+          f"swz {best_nw[False]}")
+    print(f"{'B':>3} {'L':>7} {'cf':>8} {'swz':>8} {'triton':>8} {'SDPA':>8} {'sdpa/cf':>8} "
+          f"{'swz/cf':>7} {'GB/s':>6} {'%BW':>5}")
+    for b, L, tc, tw, tt, ts, bw in rows:
+        print(f"{b:>3} {L:>7} {tc:>8.1f} {tw:>8.1f} {tt:>8.1f} {ts:>8.1f} {ts / tc:>8.2f} "
+              f"{tw / tc:>7.2f} {bw:>6.0f} {100 * bw / rd:>4.0f}%")
 
 
 if __name__ == "__main__":

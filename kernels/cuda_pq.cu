@@ -66,8 +66,55 @@ __device__ __forceinline__ float from16(u16 x) {
   return r;
 }
 
+// CF shared memory: K table (64 KiB) + V table (D/2 KiB), then each warp's ring of code
+// tiles (cf_stages x 32*M bytes: 4 deep up to 12 warps, else 3, to fit 227 KiB at
+// d = 128); cuda_pq._attn_smem mirrors this
+__host__ __device__ constexpr int cf_stages(int nw) { return nw <= 12 ? 4 : 3; }
+template <int D>
+__host__ __device__ constexpr int cf_ring_offset() { return 65536 + 512 * D; }
+
 // token of column n of S n-tile t (and of P^T k-row)
 __device__ __forceinline__ int sigma(int t, int n) { return 4 * (n >> 1) + 2 * t + (n & 1); }
+
+// PRMT in its generic mode: a selector nibble with bit 3 set replicates the sign of the
+// byte it names (0x00 for bytes < 0x80), which __byte_perm does not promise.
+__device__ __forceinline__ u32 prmt(u32 a, u32 b, u32 sel) {
+  u32 r;
+  asm("prmt.b32 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(b), "r"(sel));
+  return r;
+}
+
+// cp.async (16 B, L2 only): the CF kernel streams each warp's code tiles into a
+// shared-memory ring a few tiles ahead, so no register waits on HBM
+__device__ __forceinline__ void cp_async16(unsigned char* dst, const u8* src) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;"
+               :: "r"((u32)__cvta_generic_to_shared(dst)), "l"(src));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;"); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;" :: "n"(N)); }
+
+// a 32-bit shared-window load: with a generic pointer the compiler spends a second
+// IMAD per V gather on the window base
+__device__ __forceinline__ u32 lds32(u32 addr) {
+  u32 r;
+  asm volatile("ld.shared.b32 %0, [%1];" : "=r"(r) : "r"(addr));
+  return r;
+}
+
+// r[i] <- r[(i - s) & 7] with s = gq minus its bits below NR: select stages, registers only
+template <int NR>
+__device__ __forceinline__ void rot_hi(u32 (&r)[8], int gq) {
+#pragma unroll
+  for (int v = NR; v < 8; v *= 2) {
+    const bool on = gq & v;
+    u32 t[8];
+#pragma unroll
+    for (int i = 0; i < 8; ++i) t[i] = on ? r[(i - v) & 7] : r[i];
+#pragma unroll
+    for (int i = 0; i < 8; ++i) r[i] = t[i];
+  }
+}
 
 // one codebook entry: DSUB fp16 = 1 (dsub 2) or 2 (dsub 4) 32-bit words
 template <int DSUB> struct Ent;
@@ -166,14 +213,16 @@ __device__ __forceinline__ void pv_mma(WarpState<D, DSUB, BF16>& ws, int X, int 
   mma16816<BF16>(ws.o[X * (DSUB / 2) + p], a0, a1, a2, a3, pb0, pb1);
 }
 
-template <int D, int DSUB, bool BF16, int NW>
+template <int D, int DSUB, bool BF16, int NW, int GP>
 __global__ void __launch_bounds__(NW * 32, 1) pq_attn(
     const u16* q, long long sq_b, long long sq_h, const int* items, float* o_part,
     float* lse_part, const u8* kc, const u8* vc, long long skc_blk, long long skc_h,
     long long svc_blk, long long svc_h, const u16* kcb, const u16* vcb, const int* st,
     long long st_stride, const u16* tk, const u16* tv, long long stk_blk, long long stk_h,
     long long stk_t, long long stv_blk, long long stv_h, long long stv_t, const int* tt,
-    long long tt_stride, float qk_scale, int hq, int g, int bs, int tbs) {
+    long long tt_stride, float qk_scale, int hq, int g, int bs, int tbs, int bs_shift) {
+  static_assert(GP == 0 || (DSUB == 2 && (GP == 2 || GP == 4 || GP == 8)), "GP: 0 or 2/4/8, dsub 2");
+  constexpr bool CF = GP > 0;
   AttnArgs a;
   a.q = q; a.sq_b = sq_b; a.sq_h = sq_h; a.items = items; a.n_items = 0;
   a.o_part = o_part; a.lse_part = lse_part; a.kc = kc; a.vc = vc; a.skc_blk = skc_blk;
@@ -185,7 +234,8 @@ __global__ void __launch_bounds__(NW * 32, 1) pq_attn(
   typedef typename Ent<DSUB>::T E;
   extern __shared__ __align__(16) unsigned char smem[];
   E* sK = reinterpret_cast<E*>(smem);
-  E* sV = sK + M * 256;
+  // CF: K rows of 256 B per code (64 KiB, see the staging below), V after them
+  E* sV = CF ? reinterpret_cast<E*>(smem + 65536) : sK + M * 256;
 
   const int item = blockIdx.x, h = blockIdx.y;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -197,9 +247,10 @@ __global__ void __launch_bounds__(NW * 32, 1) pq_attn(
   if (n_pq == 0 && n_tl == 0) return;   // padding item of a plan kept for update()
   const int G = a.g;
 
-  // ---- q fragments (permuted coordinates), rows >= G are zero
+  // ---- q fragments (permuted coordinates), rows >= G are zero. CF loads them only
+  // for the tail tiles (after the PQ tiles, which use the rotated quads below).
   u32 qa0[KS], qa2[KS];
-  {
+  auto load_q = [&]() {
     const bool row_ok = gq < G;
     const u16* qr = a.q + (long long)b * a.sq_b + (long long)(h * G + (row_ok ? gq : 0)) * a.sq_h;
 #pragma unroll
@@ -210,21 +261,39 @@ __global__ void __launch_bounds__(NW * 32, 1) pq_attn(
       qa0[ks] = row_ok ? *reinterpret_cast<const u32*>(qr + e0) : 0u;
       qa2[ks] = row_ok ? *reinterpret_cast<const u32*>(qr + e2) : 0u;
     }
-  }
+  };
+  if constexpr (!CF) load_q();
 
   // ---- stage the codebooks of head h (swizzled)
   if (n_pq > 0) {
     const E* gk = reinterpret_cast<const E*>(a.kcb) + (long long)h * M * 256;
     const E* gv = reinterpret_cast<const E*>(a.vcb) + (long long)h * M * 256;
-    // K: thread unit (r, code) -> 4 entries m = r + j*MQ -> smem r*1024 + code*4 + j
-    for (int u = tid; u < MQ * 256; u += NW * 32) {
-      int r = u >> 8, code = u & 255;
-      E e[4];
+    if constexpr (CF) {
+      // K word (code, pos) at byte code*256 + 4*pos, pos = 32*hh + 4*i + c holding
+      // subspace m = c*MQ + 8*hh + i: the bank (pos mod 32) does not depend on the
+      // code, so 32 lanes that fetch 32 distinct (i, c) never collide whatever their
+      // codes. Unit (i, code, hh) stores the 4 words c = 0..3 as one 16 B chunk; the 8
+      // units of a quarter warp differ in i, so the chunks take distinct banks.
+      for (int u = tid; u < (MQ / 8) * 2048; u += NW * 32) {
+        const int i = u & 7, code = (u >> 3) & 255, hh = u >> 11;
+        uint4 e;
+        e.x = gk[(0 * MQ + 8 * hh + i) * 256 + code];
+        e.y = gk[(1 * MQ + 8 * hh + i) * 256 + code];
+        e.z = gk[(2 * MQ + 8 * hh + i) * 256 + code];
+        e.w = gk[(3 * MQ + 8 * hh + i) * 256 + code];
+        *reinterpret_cast<uint4*>(smem + code * 256 + hh * 128 + i * 16) = e;
+      }
+    } else {
+      // K: thread unit (r, code) -> 4 entries m = r + j*MQ -> smem r*1024 + code*4 + j
+      for (int u = tid; u < MQ * 256; u += NW * 32) {
+        int r = u >> 8, code = u & 255;
+        E e[4];
 #pragma unroll
-      for (int j = 0; j < 4; ++j) e[j] = gk[(r + j * MQ) * 256 + code];
-      E* dst = sK + r * 1024 + code * 4;
+        for (int j = 0; j < 4; ++j) e[j] = gk[(r + j * MQ) * 256 + code];
+        E* dst = sK + r * 1024 + code * 4;
 #pragma unroll
-      for (int j = 0; j < 4; ++j) dst[j] = e[j];
+        for (int j = 0; j < 4; ++j) dst[j] = e[j];
+      }
     }
     // V: unit (X, code) -> 8 entries m = 8X + j -> smem X*2048 + code*8 + j
     for (int u = tid; u < NX * 256; u += NW * 32) {
@@ -257,10 +326,16 @@ __global__ void __launch_bounds__(NW * 32, 1) pq_attn(
     CodeVec<MQ> kn[2];
     u32 vn[NX];
     int ti = warp;
-    auto fetch = [&](int tile, CodeVec<MQ> (&kk)[2], u32 (&vv)[NX]) {
+    // The block id of a tile is read two tiles ahead of its codes: a code load that
+    // waits on the table load in the same step stalls the warp for a memory latency.
+    // Block sizes are powers of two in practice: a shift, not a 20-instruction division.
+    auto blk_of = [&](int tile) -> long long {
+      const int t0 = pq_lo + 16 * tile;
+      return tile < n_pq ? st_b[bs_shift >= 0 ? t0 >> bs_shift : t0 / a.bs] : 0;
+    };
+    auto fetch = [&](int tile, long long blk, CodeVec<MQ> (&kk)[2], u32 (&vv)[NX]) {
       int t0 = pq_lo + 16 * tile;
-      long long blk = st_b[t0 / a.bs];
-      int off = t0 % a.bs;
+      int off = bs_shift >= 0 ? t0 & (a.bs - 1) : t0 % a.bs;
       const u8* kb = kc_h + blk * a.skc_blk + cq * MQ;
 #pragma unroll
       for (int t = 0; t < 2; ++t) load_codes<MQ>(kk[t], kb + (off + sigma(t, gq)) * M);
@@ -268,18 +343,93 @@ __global__ void __launch_bounds__(NW * 32, 1) pq_attn(
 #pragma unroll
       for (int X = 0; X < NX; ++X) vv[X] = __ldg(reinterpret_cast<const u32*>(vb + 8 * X * a.bs));
     };
-    if (ti < n_pq) fetch(ti, kn, vn);
-    for (; ti < n_pq; ti += NW) {
-      CodeVec<MQ> kk[2];
-      u32 vv[NX];
+    // CF (K side). Gather j of a half fetches, in lane (gq, cq), byte i = (gq + j) & 7
+    // of the half (subspace cq*MQ + 8*hh + i): the 8 lanes of one cq fetch 8 distinct
+    // i, so one shared-memory wavefront per gather whatever the codes. Column gq of B
+    // then holds its subspaces rotated by gq. rot_hi undoes the rotation's high bits
+    // (select stages); its low bits (gq mod NR) are matched by the rows of A instead:
+    // the 16 rows are NR rotated copies of the GP query heads (row GP*rho + head), so
+    // copy rho = gq mod NR meets column gq, and the wanted scores are picked out of the
+    // accumulator afterwards (one select and shuffle per score).
+    // ksel: PRMT selectors rotating a half's code bytes by gq; klo: the low byte
+    // 16*i + 4*cq of gather j's address, four per register (< 0x80, so sign nibbles
+    // in the address PRMT give zero bytes 2 and 3).
+    constexpr int NR = CF ? 16 / GP : 1;
+    u32 qk[KS][4];
+    u32 ksel[2], klo[2];
+    if constexpr (CF) {
+      const int hd = gq % GP, r0 = gq / GP, r1 = (gq + 8) / GP;
+      const bool ok = hd < G;
+      const u16* qr = a.q + (long long)b * a.sq_b + (long long)(h * G + (ok ? hd : 0)) * a.sq_h;
 #pragma unroll
-      for (int t = 0; t < 2; ++t) kk[t] = kn[t];
+      for (int ks = 0; ks < KS; ++ks) {
+        const int base = cq * MQ + 8 * (ks / 4), kq = ks % 4;
+        const int sub[4] = {base + ((r0 + 2 * kq) & 7), base + ((r1 + 2 * kq) & 7),
+                            base + ((r0 + 2 * kq + 1) & 7), base + ((r1 + 2 * kq + 1) & 7)};
 #pragma unroll
-      for (int X = 0; X < NX; ++X) vv[X] = vn[X];
-      if (ti + NW < n_pq) fetch(ti + NW, kn, vn);
+        for (int e = 0; e < 4; ++e)
+          qk[ks][e] = ok ? *reinterpret_cast<const u32*>(qr + 2 * sub[e]) : 0u;
+      }
+      ksel[0] = ((gq + 0) & 7) | ((gq + 1) & 7) << 4 | ((gq + 2) & 7) << 8 | ((gq + 3) & 7) << 12;
+      ksel[1] = ((gq + 4) & 7) | ((gq + 5) & 7) << 4 | ((gq + 6) & 7) << 8 | ((gq + 7) & 7) << 12;
+      klo[0] = klo[1] = 0u;
+#pragma unroll
+      for (int j = 0; j < 8; ++j) klo[j >> 2] |= (16u * ((gq + j) & 7) + 4u * cq) << (8 * (j & 3));
+      // opaque: kept in registers, not recomputed from the thread index every tile
+      asm volatile("" : "+r"(ksel[0]), "+r"(ksel[1]), "+r"(klo[0]), "+r"(klo[1]));
+    }
+    const u32 vlane = (u32)__cvta_generic_to_shared(smem) + 65536u + 4u * gq;
+    // two code buffers in turn (no register copies): tile ti uses one while the
+    // other fills with tile ti + NW
+    CodeVec<MQ> kn2[2];
+    u32 vn2[NX];
+    auto tile = [&](CodeVec<MQ> (&kk)[2], u32 (&vv)[NX]) {
       float s[2][4];
 #pragma unroll
       for (int t = 0; t < 2; ++t) s[t][0] = s[t][1] = s[t][2] = s[t][3] = 0.f;
+      if constexpr (CF) {
+        float s2[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+#pragma unroll
+        for (int hh = 0; hh < MQ / 8; ++hh) {
+#pragma unroll
+          for (int t = 0; t < 2; ++t) {
+            const u32 c0 = kk[t].w[2 * hh], c1 = kk[t].w[(2 * hh + 1) % (MQ / 4)];
+            const u32 rc[2] = {__byte_perm(c0, c1, ksel[0]), __byte_perm(c0, c1, ksel[1])};
+            u32 f[8];
+#pragma unroll
+            for (int j = 0; j < 8; ++j) {
+              const u32 sel = (j & 3) | (4 + (j & 3)) << 4 | (8 + (j & 3)) << 8 | (8 + (j & 3)) << 12;
+              const u32 ad = prmt(klo[j >> 2], rc[j >> 2], sel);     // code*256 + 16i + 4cq
+              f[j] = *reinterpret_cast<const u32*>(smem + ad + 128 * hh);
+            }
+            rot_hi<NR>(f, gq);
+            // two accumulator chains per n-tile (even / odd kq), summed below
+#pragma unroll
+            for (int kq = 0; kq < 4; ++kq) {
+              const u32* qq = qk[4 * hh + kq];
+              mma16816<BF16>(kq & 1 ? s2[t] : s[t], qq[0], qq[1], qq[2], qq[3], f[2 * kq],
+                             f[2 * kq + 1]);
+            }
+          }
+        }
+#pragma unroll
+        for (int t = 0; t < 2; ++t)
+#pragma unroll
+          for (int r = 0; r < 4; ++r) s[t][r] += s2[t][r];
+        // score (head gq, column 2cq+e) sits at row GP*((2cq+e) mod NR) + head of the
+        // lane with the same cq: register c_e or c_{2+e}, lane 4*(row mod 8) + cq
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const int x = (2 * cq + e) % NR;
+          const bool hi = GP * x >= 8;
+          const int src = 4 * ((GP * x + gq % GP) & 7) + cq;
+#pragma unroll
+          for (int t = 0; t < 2; ++t) {
+            const float v = hi ? s[t][2 + e] : s[t][e];
+            s[t][e] = NR == 2 ? v : __shfl_sync(FULL, v, src);
+          }
+        }
+      } else {
 #pragma unroll
       for (int ks = 0; ks < KS; ++ks) {
 #pragma unroll
@@ -296,11 +446,20 @@ __global__ void __launch_bounds__(NW * 32, 1) pq_attn(
           mma16816<BF16>(s[t], qa0[ks], 0u, qa2[ks], 0u, b0, b1);
         }
       }
+      }
       u32 pb0, pb1;
       softmax_pv<D, DSUB, BF16>(ws, s, alltrue, a.qk_scale, lane, pb0, pb1);
 #pragma unroll
       for (int X = 0; X < NX; ++X) {
         const u32 v4 = vv[X];
+        if constexpr (CF) {   // code byte by PRMT, address by IMAD (the FMA pipe, off the ALU)
+          u32 w[4];
+#pragma unroll
+          for (int k = 0; k < 4; ++k)
+            w[k] = lds32(__byte_perm(v4, 0u, 0x4440 | k) * 32u + (vlane + X * 8192u));
+          pv_mma<D, DSUB, BF16>(ws, X, 0, w[0], w[1], w[2], w[3], pb0, pb1);
+          continue;
+        }
         E e0 = sVl[X * 2048 + (v4 & 0xff) * 8];
         E e1 = sVl[X * 2048 + ((v4 >> 8) & 0xff) * 8];
         E e2 = sVl[X * 2048 + ((v4 >> 16) & 0xff) * 8];
@@ -310,11 +469,89 @@ __global__ void __launch_bounds__(NW * 32, 1) pq_attn(
           pv_mma<D, DSUB, BF16>(ws, X, p, ent_word<DSUB>(e0, p), ent_word<DSUB>(e1, p),
                                 ent_word<DSUB>(e2, p), ent_word<DSUB>(e3, p), pb0, pb1);
       }
+    };
+    if constexpr (CF) {
+      // ring of STAGES tiles per warp after the codebooks: [K codes 16 x M][V codes M x 16]
+      constexpr u32 TILE = 32 * M;
+      constexpr int STAGES = cf_stages(NW);
+      unsigned char* ring = smem + cf_ring_offset<D>() + warp * STAGES * TILE;
+      // lane constants, kept in registers (opaque) rather than rebuilt every tile
+      u32 kdst = 16 * lane, krd0 = sigma(0, gq) * M + cq * MQ, krd1 = sigma(1, gq) * M + cq * MQ;
+      u32 vrd = 16 * M + gq * 16 + 4 * cq;
+      long long vsrc = (long long)lane * a.bs;
+      asm volatile("" : "+r"(kdst), "+r"(krd0), "+r"(krd1), "+r"(vrd), "+l"(vsrc));
+      auto issue = [&](int tile, long long blk, u32 stage_off) {
+        if (tile < n_pq) {
+          const int t0 = pq_lo + 16 * tile;
+          const int off = bs_shift >= 0 ? t0 & (a.bs - 1) : t0 % a.bs;
+          unsigned char* dst = ring + stage_off + kdst;
+          const u8* kb = kc_h + blk * a.skc_blk + off * M + kdst;   // 16 rows, contiguous
+          const u8* vb = vc_h + blk * a.svc_blk + off + vsrc;       // M rows of 16 B, stride bs
+#pragma unroll
+          for (int c = 0; c < M / 32; ++c) {
+            cp_async16(dst + 512 * c, kb + 512 * c);
+            cp_async16(dst + 16 * M + 512 * c, vb + (long long)(32 * c) * a.bs);
+          }
+        }
+        cp_async_commit();      // empty groups too: the wait count stays uniform
+      };
+      long long bn = blk_of(warp);
+#pragma unroll
+      for (int k = 0; k < STAGES - 1; ++k) {
+        const long long bc = bn;
+        bn = blk_of(warp + (k + 1) * NW);
+        issue(warp + k * NW, bc, k * TILE);
+      }
+      u32 rd = 0, wr = (STAGES - 1) * TILE;      // stage offsets, advanced with wrap
+      for (int k = 0; warp + k * NW < n_pq; ++k) {
+        cp_async_wait<STAGES - 2>();
+        __syncwarp();           // tile k landed for every lane; stage (k - 1) is free
+        {
+          const long long bc = bn;
+          bn = blk_of(warp + (k + STAGES) * NW);
+          issue(warp + (k + STAGES - 1) * NW, bc, wr);
+          wr = wr == (STAGES - 1) * TILE ? 0 : wr + TILE;
+        }
+        const unsigned char* st = ring + rd;
+        rd = rd == (STAGES - 1) * TILE ? 0 : rd + TILE;
+        CodeVec<MQ> kk[2];
+        u32 vv[NX];
+#pragma unroll
+        for (int t = 0; t < 2; ++t) {
+          const unsigned char* row = st + (t ? krd1 : krd0);
+          if constexpr (MQ == 16) {
+            const uint4 x = *reinterpret_cast<const uint4*>(row);
+            kk[t].w[0] = x.x; kk[t].w[1] = x.y; kk[t].w[2 % (MQ / 4)] = x.z; kk[t].w[3 % (MQ / 4)] = x.w;
+          } else {
+            const uint2 x = *reinterpret_cast<const uint2*>(row);
+            kk[t].w[0] = x.x; kk[t].w[1 % (MQ / 4)] = x.y;
+          }
+        }
+#pragma unroll
+        for (int X = 0; X < NX; ++X)
+          vv[X] = *reinterpret_cast<const u32*>(st + vrd + 128 * X);
+        tile(kk, vv);
+      }
+      cp_async_wait<0>();
+    } else {
+    long long bA = blk_of(ti), bB = blk_of(ti + NW);
+    if (ti < n_pq) fetch(ti, bA, kn, vn);
+    bA = blk_of(ti + 2 * NW);
+    for (; ti < n_pq; ti += 2 * NW) {
+      if (ti + NW < n_pq) fetch(ti + NW, bB, kn2, vn2);
+      bB = blk_of(ti + 3 * NW);
+      tile(kn, vn);
+      if (ti + NW >= n_pq) break;
+      if (ti + 2 * NW < n_pq) fetch(ti + 2 * NW, bA, kn, vn);
+      bA = blk_of(ti + 4 * NW);
+      tile(kn2, vn2);
+    }
     }
   }
 
   // ---- fp16/bf16 tail tiles (dense), same warp state
   if (n_tl > 0) {
+    if constexpr (CF) load_q();
     const int* tt_b = a.tt + (long long)b * a.tt_stride;
     // tiles continue the round robin after the PQ tiles
     int first = warp - (n_pq % NW);

@@ -28,6 +28,8 @@ _cupy_failed = False
 _modules: dict = {}
 _streams: dict = {}
 NUM_WARPS = int(os.environ.get("KVSTORE_CUDA_PQ_WARPS", "16"))
+# conflict-free codebook gathers for dsub 2 (cuda_pq.cu, GP > 0); 0 = the swizzled layout
+CONFLICT_FREE = os.environ.get("KVSTORE_CUDA_PQ_CF", "1") != "0"
 
 
 
@@ -113,8 +115,24 @@ def _f32(x):
     return np.float32(x)
 
 
-def _attn_name(d, dsub, bf16, nw):
-    return f"pq_attn<{d}, {dsub}, {'true' if bf16 else 'false'}, {nw}>"
+def _attn_name(d, dsub, bf16, nw, gp=0):
+    return f"pq_attn<{d}, {dsub}, {'true' if bf16 else 'false'}, {nw}, {gp}>"
+
+
+def _group(g: int, dsub: int, conflict_free: bool) -> int:
+    """GP of the kernel: query heads per row group of the MMA's A operand when the K
+    gathers are conflict free (the 16 rows hold 16 / GP rotated copies), else 0."""
+    if not conflict_free or dsub != 2:
+        return 0
+    return 2 if g <= 2 else 4 if g <= 4 else 8
+
+
+def _attn_smem(d: int, gp: int, nw: int) -> int:
+    """GP > 0: K table 64 KiB (256-byte code rows) + V table d/2 KiB + per warp a ring of
+    code tiles (32 * M bytes each, M = d/2; 4 deep up to 12 warps, else 3: cuda_pq.cu
+    cf_stages). Else the two tables, d KiB."""
+    stages = 4 if nw <= 12 else 3
+    return 65536 + 512 * d + nw * stages * 16 * d if gp else 1024 * d
 
 
 def _merge_name(d, bf16):
@@ -143,6 +161,7 @@ class CudaPQPlan:
     tail_cols: int
     num_warps: int
     fallback_args: dict
+    conflict_free: bool = True
     has_pq: bool = True
     chunk0: int = 16
     _fallback: object = None
@@ -178,7 +197,7 @@ class CudaPQPlan:
             dev = self.items.device
             if kind == "attn":
                 fn = _function(_attn_name(*key), dev)
-                fn.max_dynamic_shared_size_bytes = 1024 * key[0]
+                fn.max_dynamic_shared_size_bytes = _attn_smem(key[0], key[4], key[3])
             else:
                 fn = _function(_merge_name(*key), dev)
             self._fns[(kind, key)] = fn
@@ -188,7 +207,8 @@ class CudaPQPlan:
         """Compile + load the kernels (outside any graph capture)."""
         for dt in dtypes:
             for dsub in dsubs:
-                self._fn("attn", self.head_dim, dsub, dt == torch.bfloat16, self.num_warps)
+                gp = _group(self.num_qo_heads // self.num_kv_heads, dsub, self.conflict_free)
+                self._fn("attn", self.head_dim, dsub, dt == torch.bfloat16, self.num_warps, gp)
             self._fn("merge", self.head_dim, dt == torch.bfloat16)
 
     def run_pq(self, q, k_codes, v_codes, k_codebook, v_codebook, sealed_tables,
@@ -247,7 +267,11 @@ class CudaPQPlan:
         bf16 = dt == torch.bfloat16
         n_items = self.items.shape[0]
         if n_items > 0:
-            fn = self._fn("attn", d, dsub, bf16, self.num_warps)
+            # the conflict-free kernel streams V code rows with 16-byte async copies
+            cf = self.conflict_free and not (v_codes.data_ptr() % 16 or v_codes.stride(0) % 16
+                                             or v_codes.stride(1) % 16)
+            gp = _group(hq // hkv, dsub, cf)
+            fn = self._fn("attn", d, dsub, bf16, self.num_warps, gp)
             args = (_p(q), _i64(q.stride(0)), _i64(q.stride(1)), _p(self.items), _p(self.o_part),
                     _p(self.lse_part), _p(k_codes), _p(v_codes), _i64(k_codes.stride(0)),
                     _i64(k_codes.stride(1)), _i64(v_codes.stride(0)), _i64(v_codes.stride(1)),
@@ -257,8 +281,9 @@ class CudaPQPlan:
                     _i64(tail_v.stride(0)), _i64(tail_v.stride(1)), _i64(tail_v.stride(2)),
                     _p(tail_tables), _i64(tail_tables.stride(0)),
                     _f32(scale * 1.4426950408889634), _i32(hq), _i32(hq // hkv), _i32(bs),
-                    _i32(self.tail_block_size))
-            _launch(fn, dev, (n_items, hkv), (32 * self.num_warps,), args, 1024 * d)
+                    _i32(self.tail_block_size), _i32(_log2_or_neg(bs)))
+            _launch(fn, dev, (n_items, hkv), (32 * self.num_warps,), args,
+                    _attn_smem(d, gp, self.num_warps))
         fn = self._fn("merge", d, bf16)
         _launch(fn, dev, (b, hq), (d,),
                 (_p(self.o_part), _p(self.lse_part), _p(self.item_ptr), _p(out),
@@ -269,6 +294,10 @@ class CudaPQPlan:
 
 def _ceil(a, b):
     return -(-a // b)
+
+
+def _log2_or_neg(n: int) -> int:
+    return n.bit_length() - 1 if n > 0 and n & (n - 1) == 0 else -1
 
 
 def _items(sl, tl_, chunk):
@@ -296,7 +325,8 @@ def plan_pq_decode(sl: list[int], tl_: list[int], *, num_qo_heads: int, num_kv_h
                    head_dim: int, block_size: int, tail_block_size: int, device,
                    target_ctas: int | None = None, num_warps: int | None = None,
                    fallback_args: dict | None = None,
-                   spare_items: int | None = None) -> CudaPQPlan:
+                   spare_items: int | None = None,
+                   conflict_free: bool | None = None) -> CudaPQPlan:
     """sl / tl_: host lists of sealed (multiples of block_size) / tail lengths.
     One block per (item, KV head) and one resident block per SM (the two codebooks take
     d KiB of shared memory): items are cut so that about target_ctas (default: #SMs)
@@ -327,7 +357,8 @@ def plan_pq_decode(sl: list[int], tl_: list[int], *, num_qo_heads: int, num_kv_h
         block_size=block_size, tail_block_size=tail_block_size,
         sealed_cols=max([x // block_size for x in sl] + [0]),
         tail_cols=max([_ceil(x, tail_block_size) for x in tl_] + [0]),
-        num_warps=nw, fallback_args=fallback_args or {}, chunk0=chunk)
+        num_warps=nw, fallback_args=fallback_args or {}, chunk0=chunk,
+        conflict_free=CONFLICT_FREE if conflict_free is None else conflict_free)
     return plan
 
 

@@ -65,12 +65,14 @@ def pq_ref(c, scale):
     return ref.pq_decode_attention(**c64, scale=scale)
 
 
-def run(c, scale, target_ctas=None, backend="cuda"):
+def run(c, scale, target_ctas=None, backend="cuda", conflict_free=True):
     plan = da.plan_pq_decode(c["sealed_lens"], c["tail_lens"], num_qo_heads=c["q"].shape[1],
                              num_kv_heads=c["k_codes"].shape[1], head_dim=c["q"].shape[2],
                              block_size=c["k_codes"].shape[2],
                              tail_block_size=c["tail_k"].shape[2], device="cuda",
                              target_ctas=target_ctas, backend=backend)
+    if isinstance(plan, cuda_pq.CudaPQPlan):
+        plan.conflict_free = conflict_free
     out = torch.full_like(c["q"], float("nan"))
     lse = torch.full(c["q"].shape[:2], float("nan"), device="cuda")
     plan.run_pq(c["q"], c["k_codes"], c["v_codes"], c["k_codebook"], c["v_codebook"],
@@ -89,7 +91,7 @@ def check(out, lse, ro, rl, tol):
         assert (lse.cpu().double()[fin] - rl[fin]).abs().max().item() < 10 * tol
 
 
-CASES = [(g, d, dsub, bs, dt) for g in (1, 4, 8) for d in (64, 128) for dsub in (2, 4)
+CASES = [(g, d, dsub, bs, dt) for g in (1, 3, 4, 8) for d in (64, 128) for dsub in (2, 4)
          for bs in (16, 32) for dt in (torch.float16, torch.bfloat16)
          if dt == torch.float16 or (bs == 16 and d == 128)]
 
@@ -105,9 +107,10 @@ def test_pq_decode_cuda(g, d, dsub, bs, dtype):
     tol = 4e-3 if dtype == torch.float16 else 2.5e-2
     ro, rl = pq_ref(c, d ** -0.5)
     for ctas in (None, 4 * hkv):
-        plan, out, lse = run(c, d ** -0.5, target_ctas=ctas)
-        assert isinstance(plan, cuda_pq.CudaPQPlan)
-        check(out, lse, ro, rl, tol)
+        for cf in ((True, False) if dsub == 2 else (False,)):   # both gather layouts
+            plan, out, lse = run(c, d ** -0.5, target_ctas=ctas, conflict_free=cf)
+            assert isinstance(plan, cuda_pq.CudaPQPlan)
+            check(out, lse, ro, rl, tol)
 
 
 @gpu
