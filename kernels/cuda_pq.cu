@@ -66,12 +66,12 @@ __device__ __forceinline__ float from16(u16 x) {
   return r;
 }
 
-// CF shared memory: K table (64 KiB) + V table (D/2 KiB), then each warp's ring of code
-// tiles (cf_stages x 32*M bytes: 4 deep up to 12 warps, else 3, to fit 227 KiB at
-// d = 128); cuda_pq._attn_smem mirrors this
+// CF shared memory: K table (64 KiB: 256-byte code rows), V table (64 KiB region), then
+// each warp's ring of code tiles (cf_stages x 32*M bytes: 4 deep up to 12 warps, else
+// 3, to fit 227 KiB at d = 128); cuda_pq._attn_smem mirrors this
 __host__ __device__ constexpr int cf_stages(int nw) { return nw <= 12 ? 4 : 3; }
 template <int D>
-__host__ __device__ constexpr int cf_ring_offset() { return 65536 + 512 * D; }
+__host__ __device__ constexpr int cf_ring_offset() { return 131072; }
 
 // token of column n of S n-tile t (and of P^T k-row)
 __device__ __forceinline__ int sigma(int t, int n) { return 4 * (n >> 1) + 2 * t + (n & 1); }
@@ -166,17 +166,25 @@ struct AttnArgs {
 };
 
 // Everything per warp for one 16-token tile once its K/V entries are known.
-template <int D, int DSUB, bool BF16>
+// VG > 0 (conflict-free V gathers, G <= VG in {2, 4}): the PQ tiles accumulate O^T in
+// ov, whose 8 * NT columns are (m-tile c of a group of four, head h) = (n / VG, n % VG);
+// o keeps the usual columns (= heads) for the fp16 tail tiles. Both share m_i, l_i.
+template <int D, int DSUB, bool BF16, int VG = 0>
 struct WarpState {
   static constexpr int M = D / DSUB;
   static constexpr int KS = D / 16;     // k-steps of S = Q K^T
   static constexpr int NMT = D / 16;    // m-tiles of O^T
+  static constexpr int NT = VG ? VG / 2 : 1;
+  static constexpr int NHX = VG ? D / 64 : 1;
   float o[NMT][4];
+  float ov[NHX][NT][4];
   float m_i, l_i;
 };
 
-template <int D, int DSUB, bool BF16>
-__device__ __forceinline__ void softmax_pv(WarpState<D, DSUB, BF16>& ws, float (&s)[2][4],
+// RESCALE_O false: o is known to be zero (the PQ tiles of VG, before any tail tile), so
+// it need not stay live in registers through the PQ loop
+template <int D, int DSUB, bool BF16, int VG, bool RESCALE_O = true>
+__device__ __forceinline__ void softmax_pv(WarpState<D, DSUB, BF16, VG>& ws, float (&s)[2][4],
                                            const bool (&valid)[2][2], float qk_scale, int lane,
                                            u32& pb0, u32& pb1) {
   float x00 = valid[0][0] ? s[0][0] * qk_scale : NEG_INF;
@@ -195,9 +203,22 @@ __device__ __forceinline__ void softmax_pv(WarpState<D, DSUB, BF16>& ws, float (
     int c = lane & 3;
     float a0 = __shfl_sync(FULL, alpha, (2 * c) * 4);
     float a1 = __shfl_sync(FULL, alpha, (2 * c + 1) * 4);
+    if constexpr (RESCALE_O) {
 #pragma unroll
-    for (int mt = 0; mt < WarpState<D, DSUB, BF16>::NMT; ++mt) {
-      ws.o[mt][0] *= a0; ws.o[mt][1] *= a1; ws.o[mt][2] *= a0; ws.o[mt][3] *= a1;
+      for (int mt = 0; mt < WarpState<D, DSUB, BF16, VG>::NMT; ++mt) {
+        ws.o[mt][0] *= a0; ws.o[mt][1] *= a1; ws.o[mt][2] *= a0; ws.o[mt][3] *= a1;
+      }
+    }
+    if constexpr (VG > 0) {
+      const float b0 = __shfl_sync(FULL, alpha, ((2 * c) % VG) * 4);
+      const float b1 = __shfl_sync(FULL, alpha, ((2 * c + 1) % VG) * 4);
+#pragma unroll
+      for (int hx = 0; hx < WarpState<D, DSUB, BF16, VG>::NHX; ++hx)
+#pragma unroll
+        for (int nt = 0; nt < WarpState<D, DSUB, BF16, VG>::NT; ++nt) {
+          float* v = ws.ov[hx][nt];
+          v[0] *= b0; v[1] *= b1; v[2] *= b0; v[3] *= b1;
+        }
     }
   }
   ws.m_i = m_new;
@@ -205,8 +226,8 @@ __device__ __forceinline__ void softmax_pv(WarpState<D, DSUB, BF16>& ws, float (
   pb1 = pack2<BF16>(p10, p11);
 }
 
-template <int D, int DSUB, bool BF16>
-__device__ __forceinline__ void pv_mma(WarpState<D, DSUB, BF16>& ws, int X, int p, u32 w0, u32 w1,
+template <int D, int DSUB, bool BF16, int VG>
+__device__ __forceinline__ void pv_mma(WarpState<D, DSUB, BF16, VG>& ws, int X, int p, u32 w0, u32 w1,
                                        u32 w2, u32 w3, u32 pb0, u32 pb1) {
   u32 a0 = __byte_perm(w0, w1, 0x5410), a1 = __byte_perm(w0, w1, 0x7632);
   u32 a2 = __byte_perm(w2, w3, 0x5410), a3 = __byte_perm(w2, w3, 0x7632);
@@ -223,6 +244,7 @@ __global__ void __launch_bounds__(NW * 32, 1) pq_attn(
     long long tt_stride, float qk_scale, int hq, int g, int bs, int tbs, int bs_shift) {
   static_assert(GP == 0 || (DSUB == 2 && (GP == 2 || GP == 4 || GP == 8)), "GP: 0 or 2/4/8, dsub 2");
   constexpr bool CF = GP > 0;
+  constexpr int VG = GP == 2 || GP == 4 ? GP : 0;     // conflict-free V gathers too
   AttnArgs a;
   a.q = q; a.sq_b = sq_b; a.sq_h = sq_h; a.items = items; a.n_items = 0;
   a.o_part = o_part; a.lse_part = lse_part; a.kc = kc; a.vc = vc; a.skc_blk = skc_blk;
@@ -295,6 +317,19 @@ __global__ void __launch_bounds__(NW * 32, 1) pq_attn(
         for (int j = 0; j < 4; ++j) dst[j] = e[j];
       }
     }
+    if constexpr (VG > 0) {
+      // V word (code, m) at byte 65536 + code*256 + 4*m: as for K, the bank (m mod 32)
+      // does not depend on the code. Unit (i, code, hh): words m = 4*(8*hh + i) + 0..3.
+      for (int u = tid; u < (M / 32) * 2048; u += NW * 32) {
+        const int i = u & 7, code = (u >> 3) & 255, hh = u >> 11, m0 = 4 * (8 * hh + i);
+        uint4 e;
+        e.x = gv[(m0 + 0) * 256 + code];
+        e.y = gv[(m0 + 1) * 256 + code];
+        e.z = gv[(m0 + 2) * 256 + code];
+        e.w = gv[(m0 + 3) * 256 + code];
+        *reinterpret_cast<uint4*>(smem + 65536 + code * 256 + (8 * hh + i) * 16) = e;
+      }
+    } else
     // V: unit (X, code) -> 8 entries m = 8X + j -> smem X*2048 + code*8 + j
     for (int u = tid; u < NX * 256; u += NW * 32) {
       int X = u >> 8, code = u & 255;
@@ -308,9 +343,17 @@ __global__ void __launch_bounds__(NW * 32, 1) pq_attn(
   }
   __syncthreads();
 
-  WarpState<D, DSUB, BF16> ws;
+  WarpState<D, DSUB, BF16, VG> ws;
+  auto zero_o = [&]() {
 #pragma unroll
-  for (int mt = 0; mt < KS; ++mt) ws.o[mt][0] = ws.o[mt][1] = ws.o[mt][2] = ws.o[mt][3] = 0.f;
+    for (int mt = 0; mt < KS; ++mt) ws.o[mt][0] = ws.o[mt][1] = ws.o[mt][2] = ws.o[mt][3] = 0.f;
+  };
+  if constexpr (VG == 0) zero_o();
+#pragma unroll
+  for (int hx = 0; hx < WarpState<D, DSUB, BF16, VG>::NHX; ++hx)
+#pragma unroll
+    for (int nt = 0; nt < WarpState<D, DSUB, BF16, VG>::NT; ++nt)
+      ws.ov[hx][nt][0] = ws.ov[hx][nt][1] = ws.ov[hx][nt][2] = ws.ov[hx][nt][3] = 0.f;
   ws.m_i = NEG_INF;
   ws.l_i = 0.f;
 
@@ -379,6 +422,18 @@ __global__ void __launch_bounds__(NW * 32, 1) pq_attn(
       asm volatile("" : "+r"(ksel[0]), "+r"(ksel[1]), "+r"(klo[0]), "+r"(klo[1]));
     }
     const u32 vlane = (u32)__cvta_generic_to_shared(smem) + 65536u + 4u * gq;
+    // VG (V side). Slot j of a group hx of four m-tiles: lane (gq, cq) gathers m-tile
+    // X = 4*hx + ((cq + j) & 3), so the 4 lanes of one gq hit 4 distinct banks; its
+    // code word comes from the ring in that order (vr[j]). The rotation by cq is undone
+    // by the MMA's columns: column n = (c, h) = (n / VG, n % VG) takes P of head h only
+    // on k rows whose lane has (cq + j) & 3 == c, so it sums m-tile 4*hx + c.
+    // vlo: address byte 32*((cq+j)&3) + 4*gq of slot j, four per register (< 0x80).
+    u32 vlo = 0u;
+    if constexpr (VG > 0) {
+#pragma unroll
+      for (int j = 0; j < 4; ++j) vlo |= (32u * ((cq + j) & 3) + 4u * gq) << (8 * j);
+      asm volatile("" : "+r"(vlo));
+    }
     // two code buffers in turn (no register copies): tile ti uses one while the
     // other fills with tile ti + NW
     CodeVec<MQ> kn2[2];
@@ -448,7 +503,40 @@ __global__ void __launch_bounds__(NW * 32, 1) pq_attn(
       }
       }
       u32 pb0, pb1;
-      softmax_pv<D, DSUB, BF16>(ws, s, alltrue, a.qk_scale, lane, pb0, pb1);
+      softmax_pv<D, DSUB, BF16, VG, VG == 0>(ws, s, alltrue, a.qk_scale, lane, pb0, pb1);
+#pragma unroll
+      if constexpr (VG > 0) {
+        constexpr int NT = VG / 2;
+        // P of head gq % VG in every lane: the B columns n = gq are (c, head) pairs
+        const int psrc = 4 * (gq % VG) + cq;
+        const u32 px0 = __shfl_sync(FULL, pb0, psrc), px1 = __shfl_sync(FULL, pb1, psrc);
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          u32 bm0[NT], bm1[NT];
+#pragma unroll
+          for (int nt = 0; nt < NT; ++nt) {
+            const bool on = ((cq + j) & 3) == (8 * nt + gq) / VG;
+            bm0[nt] = on ? px0 : 0u;
+            bm1[nt] = on ? px1 : 0u;
+          }
+#pragma unroll
+          for (int hx = 0; hx < D / 64; ++hx) {
+            const u32 cw = vv[4 * hx + j];
+            u32 w[4];
+#pragma unroll
+            for (int k = 0; k < 4; ++k) {
+              const u32 sel = j | (4 + k) << 4 | (8 + j) << 8 | (8 + j) << 12;
+              w[k] = *reinterpret_cast<const u32*>(smem + prmt(vlo, cw, sel) + 65536 + 128 * hx);
+            }
+            const u32 a0 = __byte_perm(w[0], w[1], 0x5410), a1 = __byte_perm(w[0], w[1], 0x7632);
+            const u32 a2 = __byte_perm(w[2], w[3], 0x5410), a3 = __byte_perm(w[2], w[3], 0x7632);
+#pragma unroll
+            for (int nt = 0; nt < NT; ++nt)
+              mma16816<BF16>(ws.ov[hx][nt], a0, a1, a2, a3, bm0[nt], bm1[nt]);
+          }
+        }
+        return;
+      }
 #pragma unroll
       for (int X = 0; X < NX; ++X) {
         const u32 v4 = vv[X];
@@ -457,7 +545,7 @@ __global__ void __launch_bounds__(NW * 32, 1) pq_attn(
 #pragma unroll
           for (int k = 0; k < 4; ++k)
             w[k] = lds32(__byte_perm(v4, 0u, 0x4440 | k) * 32u + (vlane + X * 8192u));
-          pv_mma<D, DSUB, BF16>(ws, X, 0, w[0], w[1], w[2], w[3], pb0, pb1);
+          pv_mma<D, DSUB, BF16, VG>(ws, X, 0, w[0], w[1], w[2], w[3], pb0, pb1);
           continue;
         }
         E e0 = sVl[X * 2048 + (v4 & 0xff) * 8];
@@ -466,7 +554,7 @@ __global__ void __launch_bounds__(NW * 32, 1) pq_attn(
         E e3 = sVl[X * 2048 + (v4 >> 24) * 8];
 #pragma unroll
         for (int p = 0; p < DSUB / 2; ++p)
-          pv_mma<D, DSUB, BF16>(ws, X, p, ent_word<DSUB>(e0, p), ent_word<DSUB>(e1, p),
+          pv_mma<D, DSUB, BF16, VG>(ws, X, p, ent_word<DSUB>(e0, p), ent_word<DSUB>(e1, p),
                                 ent_word<DSUB>(e2, p), ent_word<DSUB>(e3, p), pb0, pb1);
       }
     };
@@ -480,6 +568,10 @@ __global__ void __launch_bounds__(NW * 32, 1) pq_attn(
       u32 vrd = 16 * M + gq * 16 + 4 * cq;
       long long vsrc = (long long)lane * a.bs;
       asm volatile("" : "+r"(kdst), "+r"(krd0), "+r"(krd1), "+r"(vrd), "+l"(vsrc));
+      u32 vr[4];
+#pragma unroll
+      for (int j = 0; j < 4; ++j) vr[j] = vrd + 128 * ((cq + j) & 3);
+      if constexpr (VG > 0) asm volatile("" : "+r"(vr[0]), "+r"(vr[1]), "+r"(vr[2]), "+r"(vr[3]));
       auto issue = [&](int tile, long long blk, u32 stage_off) {
         if (tile < n_pq) {
           const int t0 = pq_lo + 16 * tile;
@@ -527,9 +619,17 @@ __global__ void __launch_bounds__(NW * 32, 1) pq_attn(
             kk[t].w[0] = x.x; kk[t].w[1 % (MQ / 4)] = x.y;
           }
         }
+        if constexpr (VG > 0) {     // slot order: vv[4*hx + j] is m-tile 4*hx + ((cq+j)&3)
 #pragma unroll
-        for (int X = 0; X < NX; ++X)
-          vv[X] = *reinterpret_cast<const u32*>(st + vrd + 128 * X);
+          for (int hx = 0; hx < D / 64; ++hx)
+#pragma unroll
+            for (int j = 0; j < 4; ++j)
+              vv[4 * hx + j] = *reinterpret_cast<const u32*>(st + vr[j] + 512 * hx);
+        } else {
+#pragma unroll
+          for (int X = 0; X < NX; ++X)
+            vv[X] = *reinterpret_cast<const u32*>(st + vrd + 128 * X);
+        }
         tile(kk, vv);
       }
       cp_async_wait<0>();
@@ -549,6 +649,7 @@ __global__ void __launch_bounds__(NW * 32, 1) pq_attn(
     }
   }
 
+  if constexpr (VG > 0) zero_o();   // o starts here: the PQ tiles used ov
   // ---- fp16/bf16 tail tiles (dense), same warp state
   if (n_tl > 0) {
     if constexpr (CF) load_q();
@@ -591,7 +692,7 @@ __global__ void __launch_bounds__(NW * 32, 1) pq_attn(
         }
       }
       u32 pb0, pb1;
-      softmax_pv<D, DSUB, BF16>(ws, s, valid, a.qk_scale, lane, pb0, pb1);
+      softmax_pv<D, DSUB, BF16, VG>(ws, s, valid, a.qk_scale, lane, pb0, pb1);
       const u16* vrow[4];
       bool vok[4];
 #pragma unroll
@@ -614,7 +715,7 @@ __global__ void __launch_bounds__(NW * 32, 1) pq_attn(
         }
 #pragma unroll
         for (int p = 0; p < DSUB / 2; ++p)
-          pv_mma<D, DSUB, BF16>(ws, X, p, ent_word<DSUB>(e[0], p), ent_word<DSUB>(e[1], p),
+          pv_mma<D, DSUB, BF16, VG>(ws, X, p, ent_word<DSUB>(e[0], p), ent_word<DSUB>(e[1], p),
                                 ent_word<DSUB>(e[2], p), ent_word<DSUB>(e[3], p), pb0, pb1);
       }
     }
@@ -641,6 +742,21 @@ __global__ void __launch_bounds__(NW * 32, 1) pq_attn(
       base[(2 * cq) * D + coord + 1] = c[2];
       base[(2 * cq + 1) * D + coord + 1] = c[3];
     }
+  }
+  if constexpr (VG > 0) {   // the PQ tiles' part: column n = 2cq + e of n-tile nt is (c, h)
+    __syncwarp();
+    float* base = so + warp * 8 * D;
+#pragma unroll
+    for (int hx = 0; hx < D / 64; ++hx)
+#pragma unroll
+      for (int nt = 0; nt < VG / 2; ++nt)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const int n = 8 * nt + 2 * cq + e, c = n / VG, hd = n % VG;
+          const int coord = 2 * (8 * (4 * hx + c) + gq);
+          base[hd * D + coord] += ws.ov[hx][nt][e];
+          base[hd * D + coord + 1] += ws.ov[hx][nt][2 + e];
+        }
   }
   __syncthreads();
   for (int e = tid; e < G * D; e += NW * 32) {

@@ -27,7 +27,7 @@ _cupy = None
 _cupy_failed = False
 _modules: dict = {}
 _streams: dict = {}
-NUM_WARPS = int(os.environ.get("KVSTORE_CUDA_PQ_WARPS", "16"))
+NUM_WARPS = int(os.environ.get("KVSTORE_CUDA_PQ_WARPS", "12"))
 # conflict-free codebook gathers for dsub 2 (cuda_pq.cu, GP > 0); 0 = the swizzled layout
 CONFLICT_FREE = os.environ.get("KVSTORE_CUDA_PQ_CF", "1") != "0"
 
@@ -128,11 +128,11 @@ def _group(g: int, dsub: int, conflict_free: bool) -> int:
 
 
 def _attn_smem(d: int, gp: int, nw: int) -> int:
-    """GP > 0: K table 64 KiB (256-byte code rows) + V table d/2 KiB + per warp a ring of
-    code tiles (32 * M bytes each, M = d/2; 4 deep up to 12 warps, else 3: cuda_pq.cu
+    """GP > 0: K and V tables, 64 KiB each (256-byte code rows), + per warp a ring of code
+    tiles (32 * M bytes each, M = d/2; 4 deep up to 12 warps, else 3: cuda_pq.cu
     cf_stages). Else the two tables, d KiB."""
     stages = 4 if nw <= 12 else 3
-    return 65536 + 512 * d + nw * stages * 16 * d if gp else 1024 * d
+    return 131072 + nw * stages * 16 * d if gp else 1024 * d
 
 
 def _merge_name(d, bf16):
