@@ -2,8 +2,8 @@
 
 python bench/bench_attention.py [--quick] [--sweep] [--profile-only]
 Hq=32, Hkv=8, d=128, M=64 (dsub 2), PQ tail of 128 fp16 tokens. Every time is a
-median of triton.testing.do_bench (L2 flushed before each rep) over a CUDA
-graph replay, so launch gaps are those of a captured decode step. Prints
+median over a CUDA graph replay, L2 flushed before each rep (bench(), FLUSH), so
+launch gaps are those of a captured decode step. Prints
 ratios against SDPA measured in the same run and PQ bytes/time against a read
 bandwidth measured in the same run.
 """
@@ -22,7 +22,24 @@ HQ, HKV, D, M, TAIL, TBS = 32, 8, 128, 64, 128, 16
 DEV = "cuda"
 
 
-def bench(fn, graph=True):
+# How L2 is flushed before each timed rep. "read": sum a 256 MB buffer, which evicts L2
+# but leaves it clean. "zero": triton.testing.do_bench's own flush (cache.zero_()), which
+# leaves ~50 MB of dirty lines that the timed kernel then pays to write back (about
+# 17 us at 3 TB/s, whatever the kernel): kept to compare with earlier logs.
+FLUSH = "read"
+_flush_buf = {}
+
+
+def _read_flush():
+    buf = _flush_buf.get("x")
+    if buf is None:
+        buf = _flush_buf["x"] = torch.ones(128 << 20, dtype=torch.float16, device=DEV)
+        _flush_buf["acc"] = torch.empty((), dtype=torch.float32, device=DEV)
+    torch.sum(buf, dtype=torch.float32, out=_flush_buf["acc"])
+
+
+def bench(fn, graph=True, warmup=25, reps=200):
+    """Median time of fn in us over reps, L2 flushed before each (see FLUSH)."""
     fn()
     torch.cuda.synchronize()
     if graph:
@@ -34,7 +51,20 @@ def bench(fn, graph=True):
                 fn()
         torch.cuda.synchronize()
         fn = g.replay
-    return triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median") * 1e3  # us
+    if FLUSH == "zero":
+        return triton.testing.do_bench(fn, warmup=warmup, rep=reps, return_mode="median") * 1e3
+    for _ in range(warmup):
+        _read_flush()
+        fn()
+    ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+          for _ in range(reps)]
+    for start, end in ev:
+        _read_flush()
+        start.record()
+        fn()
+        end.record()
+    torch.cuda.synchronize()
+    return 1e3 * float(torch.tensor([s.elapsed_time(e) for s, e in ev]).median())
 
 
 def read_bandwidth():

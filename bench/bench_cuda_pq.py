@@ -3,7 +3,9 @@
 python bench/bench_cuda_pq.py [--quick] [--warps 8 12 16] [--encode-only] [--no-encode]
 Same shape and timing method as bench/bench_attention.py (whose helpers it uses):
 Hq=32, Hkv=8, d=128, M=64, bs=16, PQ tail 128 fp16 tokens, median of do_bench over a
-CUDA-graph replay with L2 flushed. The CUDA kernel runs in both gather layouts: cf
+CUDA-graph replay with L2 flushed (--flush read: evicted by a read, the default; zero:
+triton's zero_(), which adds ~50 MB of write-back to every timed kernel). The CUDA
+kernel runs in both gather layouts: cf
 (conflict-free, the default) and swz (the earlier swizzled layout, KVSTORE_CUDA_PQ_CF=0).
 """
 import argparse
@@ -86,7 +88,10 @@ def main():
     ap.add_argument("--warps", type=int, nargs="*", default=[8, 12, 16])
     ap.add_argument("--encode-only", action="store_true")
     ap.add_argument("--no-encode", action="store_true")
+    ap.add_argument("--flush", choices=("read", "zero"), default="read",
+                    help="L2 flush before each rep (bench_attention.FLUSH)")
     args = ap.parse_args()
+    ba.FLUSH = args.flush
     torch.manual_seed(0)
     props = torch.cuda.get_device_properties(0)
     print(f"device {props.name}, {props.multi_processor_count} SMs, torch {torch.__version__}")
@@ -140,7 +145,7 @@ def main():
             torch.cuda.empty_cache()
             rows.append((b, L, t_cf, t_sw, t_tr, t_sd, nbytes / t_cf / 1e3))
             print(rows[-1], flush=True)
-    print(f"\nread BW {rd:.0f} GB/s; us, median, CUDA graph, L2 flushed; warps cf {best_nw[True]} "
+    print(f"\nread BW {rd:.0f} GB/s; us, median, CUDA graph, L2 flushed ({args.flush}); warps cf {best_nw[True]} "
           f"swz {best_nw[False]}")
     print(f"{'B':>3} {'L':>7} {'cf':>8} {'swz':>8} {'triton':>8} {'SDPA':>8} {'sdpa/cf':>8} "
           f"{'swz/cf':>7} {'GB/s':>6} {'%BW':>5}")

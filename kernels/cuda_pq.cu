@@ -90,6 +90,10 @@ __device__ __forceinline__ void cp_async16(unsigned char* dst, const u8* src) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16;"
                :: "r"((u32)__cvta_generic_to_shared(dst)), "l"(src));
 }
+__device__ __forceinline__ void cp_async4(unsigned char* dst, const void* src) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;"
+               :: "r"((u32)__cvta_generic_to_shared(dst)), "l"(src));
+}
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;"); }
 template <int N>
 __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;" :: "n"(N)); }
@@ -294,16 +298,16 @@ __global__ void __launch_bounds__(NW * 32, 1) pq_attn(
       // K word (code, pos) at byte code*256 + 4*pos, pos = 32*hh + 4*i + c holding
       // subspace m = c*MQ + 8*hh + i: the bank (pos mod 32) does not depend on the
       // code, so 32 lanes that fetch 32 distinct (i, c) never collide whatever their
-      // codes. Unit (i, code, hh) stores the 4 words c = 0..3 as one 16 B chunk; the 8
+      // codes. Unit (i, code, hh) fills the 4 words c = 0..3 of one 16 B chunk; the 8
       // units of a quarter warp differ in i, so the chunks take distinct banks.
+      // Asynchronous copies: a thread has all of its words in flight at once (a
+      // load-then-store loop waited one L2 round trip per unit), and the first code
+      // tiles stream in behind them (the ring prologue below); one barrier after both.
       for (int u = tid; u < (MQ / 8) * 2048; u += NW * 32) {
         const int i = u & 7, code = (u >> 3) & 255, hh = u >> 11;
-        uint4 e;
-        e.x = gk[(0 * MQ + 8 * hh + i) * 256 + code];
-        e.y = gk[(1 * MQ + 8 * hh + i) * 256 + code];
-        e.z = gk[(2 * MQ + 8 * hh + i) * 256 + code];
-        e.w = gk[(3 * MQ + 8 * hh + i) * 256 + code];
-        *reinterpret_cast<uint4*>(smem + code * 256 + hh * 128 + i * 16) = e;
+        unsigned char* dst = smem + code * 256 + hh * 128 + i * 16;
+#pragma unroll
+        for (int c = 0; c < 4; ++c) cp_async4(dst + 4 * c, gk + (c * MQ + 8 * hh + i) * 256 + code);
       }
     } else {
       // K: thread unit (r, code) -> 4 entries m = r + j*MQ -> smem r*1024 + code*4 + j
@@ -322,12 +326,9 @@ __global__ void __launch_bounds__(NW * 32, 1) pq_attn(
       // does not depend on the code. Unit (i, code, hh): words m = 4*(8*hh + i) + 0..3.
       for (int u = tid; u < (M / 32) * 2048; u += NW * 32) {
         const int i = u & 7, code = (u >> 3) & 255, hh = u >> 11, m0 = 4 * (8 * hh + i);
-        uint4 e;
-        e.x = gv[(m0 + 0) * 256 + code];
-        e.y = gv[(m0 + 1) * 256 + code];
-        e.z = gv[(m0 + 2) * 256 + code];
-        e.w = gv[(m0 + 3) * 256 + code];
-        *reinterpret_cast<uint4*>(smem + 65536 + code * 256 + (8 * hh + i) * 16) = e;
+        unsigned char* dst = smem + 65536 + code * 256 + (8 * hh + i) * 16;
+#pragma unroll
+        for (int c = 0; c < 4; ++c) cp_async4(dst + 4 * c, gv + (m0 + c) * 256 + code);
       }
     } else
     // V: unit (X, code) -> 8 entries m = 8X + j -> smem X*2048 + code*8 + j
@@ -340,8 +341,9 @@ __global__ void __launch_bounds__(NW * 32, 1) pq_attn(
 #pragma unroll
       for (int j = 0; j < 8; ++j) dst[j] = e[j];
     }
+    if constexpr (CF) cp_async_commit();
   }
-  __syncthreads();
+  if constexpr (!CF) __syncthreads();   // CF: after the ring prologue (PQ tiles below)
 
   WarpState<D, DSUB, BF16, VG> ws;
   auto zero_o = [&]() {
@@ -594,6 +596,9 @@ __global__ void __launch_bounds__(NW * 32, 1) pq_attn(
         bn = blk_of(warp + (k + 1) * NW);
         issue(warp + k * NW, bc, k * TILE);
       }
+      // the codebook copies (the oldest group, when this item has PQ tiles) are done
+      cp_async_wait<STAGES - 1>();
+      __syncthreads();
       u32 rd = 0, wr = (STAGES - 1) * TILE;      // stage offsets, advanced with wrap
       for (int k = 0; warp + k * NW < n_pq; ++k) {
         cp_async_wait<STAGES - 2>();
