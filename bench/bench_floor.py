@@ -7,7 +7,10 @@ sync (thread-pool) server and a grpc.aio server, measured in one run.
 Rows (p50 / p99 over rounds x calls, and the ratio to unary/sync):
   unary/<server>         a generic unary echo, sync client (what every RPC pays today)
   stream/<server>        one stream opened once; per call: send one message, read one reply
-                         (sync client: requests come from a queue its consumer thread drains)
+                         (grpc's public sync API: requests come from a queue its consumer
+                         thread drains, replies come from the channel's polling thread)
+  stream-core/<server>   the same stream driven from the calling thread alone (the kvstore
+                         client's CallStream, client/stream.py)
   aio-unary/<server>     the same from a grpc.aio client, timed inside its event loop
   aio-stream/<server>    (an asyncio caller's floor; the kvstore client is synchronous)
 Servers run in their own processes with the daemon's options; variants run
@@ -165,9 +168,11 @@ def main(argv=None) -> None:
         payload = b"x" * args.payload
         channels = {k: grpc.insecure_channel(f"unix://{s}", options=client_options()) for k, s in socks.items()}
         sync_fns = {}
+        from kvstore.client.stream import CallStream
         for k, ch in channels.items():
             sync_fns[f"unary/{k}"] = ch.unary_unary(UNARY)
             sync_fns[f"stream/{k}"] = SyncStream(ch)
+            sync_fns[f"stream-core/{k}"] = CallStream(ch, STREAM)
         names = list(sync_fns)
         if not args.no_aio_client:
             names += [f"aio-{m}/{k}" for m in ("unary", "stream") for k in socks]
@@ -191,7 +196,7 @@ def main(argv=None) -> None:
         for name, xs in samples.items():
             print(f"{name:<20}{pct(xs, 50):9.0f}{pct(xs, 99):9.0f}{pct(xs, 50) / base:14.2f}")
         for fn in sync_fns.values():
-            if isinstance(fn, SyncStream):
+            if isinstance(fn, (SyncStream, CallStream)):
                 fn.close()
         for ch in channels.values():
             ch.close()
