@@ -123,12 +123,18 @@ class CallStream:
         self._watch: threading.Thread | None = None
         self._watch_stop = threading.Event()
         self._period = 1.0
+        self._armed = 0.0            # the timeout _period was set for
 
     # ------------------------------------------------------------ calls
     def __call__(self, data: bytes, timeout: float | None = None) -> bytes:
         if timeout is not None:
             self._arm(timeout)
         try:
+            if self._call is not None and self._expired:   # the watchdog cancelled it as its call came back
+                if self._core:
+                    while self._due:
+                        self._next_core()
+                self._call = None
             if self._call is None:
                 self._open()
             return self._call_core(data) if self._core else self._call_public(data)
@@ -151,7 +157,9 @@ class CallStream:
                         self._deadline = 0.0
         finally:
             self._call = None
-            self._watch_stop.set()
+            if self._watch is not None:
+                self._watch_stop.set()
+                self._watch = None
 
     # -------------------------------------------------------------- core
     def _open(self) -> None:
@@ -252,14 +260,16 @@ class CallStream:
     def _arm(self, timeout: float) -> None:
         with self._wlock:
             self._deadline = time.monotonic() + timeout
-        if self._watch is None or not self._watch.is_alive():
-            self._period = min(1.0, max(0.005, timeout / 10))
-            self._watch_stop.clear()
-            self._watch = threading.Thread(target=self._watchdog, name="kvstore-stream-deadline", daemon=True)
+        if timeout != self._armed:      # the watchdog looks every tenth of the timeout (at most 1 s)
+            self._armed, self._period = timeout, min(1.0, max(0.005, timeout / 10))
+        if self._watch is None:
+            self._watch_stop = threading.Event()
+            self._watch = threading.Thread(target=self._watchdog, args=(self._watch_stop,),
+                                           name="kvstore-stream-deadline", daemon=True)
             self._watch.start()
 
-    def _watchdog(self) -> None:
-        while not self._watch_stop.wait(self._period):
+    def _watchdog(self, stop: threading.Event) -> None:
+        while not stop.wait(self._period):
             with self._wlock:
                 call = self._call
                 if self._deadline and time.monotonic() > self._deadline and call is not None:

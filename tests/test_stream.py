@@ -413,6 +413,14 @@ def test_a_stuck_daemon_is_deadline_exceeded_then_the_stream_reopens(tmp_path, c
         layer, k, v, q = calls[2]
         st.append_attend("fp16", 0, ["s"], k, v, q)
         assert st._stream.opened == 2
+        # The watchdog firing just as a call came back cancels a stream with nothing in flight:
+        # the next call must not inherit that deadline.
+        s = st._stream
+        with s._wlock:
+            s._expired = True
+            s._cancel_core(s._call) if s._core else s._cancel_public(s._call)
+        st.append_attend("fp16", 1, ["s"], k, v, q)
+        assert s.opened == 3
     finally:
         st.close()
         uni.close()
