@@ -200,7 +200,11 @@ class CallStream:
         return reply
 
     def _next_core(self) -> bytes | None:
-        ev = self._call.next_event()
+        try:
+            ev = self._call.next_event()
+        except BaseException:      # a signal handler raised while polling: grpc has released the call
+            self._call, self._due = None, set()
+            raise
         self._due.discard(ev.tag)
         if ev.tag == _T_MSG:
             for op in ev.batch_operations:
@@ -238,6 +242,10 @@ class CallStream:
             raise self._ended(grpc.StatusCode.INTERNAL, "the stream ended without a reply", ()) from None
         except grpc.RpcError as e:
             raise self._ended(e.code(), e.details() or "", tuple(e.trailing_metadata() or ())) from None
+        except BaseException:      # e.g. KeyboardInterrupt: its reply may still come, so not on this stream
+            call, self._call = self._call, None
+            call.cancel()
+            raise
 
     def _close_public(self) -> None:
         self._q.put(None)

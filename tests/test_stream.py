@@ -425,3 +425,43 @@ def test_a_stuck_daemon_is_deadline_exceeded_then_the_stream_reopens(tmp_path, c
         st.close()
         uni.close()
         server.stop(0)
+
+
+class _Interrupt(Exception):
+    pass
+
+
+@pytest.mark.parametrize("core", [True, False], ids=["core", "public"])
+def test_a_signal_during_a_call_leaves_the_stream_in_order(tmp_path, core):
+    """Ctrl-C while a call waits (a signal handler raises): the next call gets
+    its own reply, on a new stream, not the interrupted call's."""
+    import os
+    import signal
+    sock = str(tmp_path / "kv.sock")
+    server, _, _ = create_server(socket_path=sock)
+    target = f"unix://{sock}"
+    st, uni = client(target, core), client(target, stream=False)
+
+    def handler(signum, frame):
+        raise _Interrupt
+    old = signal.signal(signal.SIGUSR1, handler)
+    try:
+        make_cache(st, "fp16")
+        for kv, seq in ((st, "s"), (st, "s2"), (uni, "u2")):
+            prefill(kv, "fp16", seq)
+        layer, k, v, q = steps(1, seed=0)[0]
+        timer = threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGUSR1))
+        with server.kvstore_engine.lock:         # the call waits for its reply until the signal
+            timer.start()
+            with pytest.raises(_Interrupt):
+                st.append_attend("fp16", layer, ["s"], k, v, q)
+        timer.join()
+        for layer, k, v, q in steps(4, seed=9):
+            assert torch.equal(st.append_attend("fp16", layer, ["s2"], k, v, q),
+                               uni.append_attend("fp16", layer, ["u2"], k, v, q))
+        assert st._stream.opened == 2
+    finally:
+        signal.signal(signal.SIGUSR1, old)
+        st.close()
+        uni.close()
+        server.stop(0)
