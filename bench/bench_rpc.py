@@ -1,17 +1,24 @@
 """Per-call overhead of one AppendAttend (issue 4: <= 150 µs p50 on a Unix
-socket) against the floor of a bare gRPC unary call, measured in one run.
+socket) against the floor of a bare gRPC call of the same kind, measured in
+one run.
 
     python bench/bench_rpc.py [--calls 200] [--rounds 5] [--device cpu|cuda]
 
-Rows (each: p50 / p99 over rounds x calls, and the overhead over the floor):
-  echo       a raw generic handler (bytes in, bytes out) in its own process,
-             served with the daemon's server options: the floor
+Rows (each: p50 / p99 over rounds x calls, and the overhead over its floor):
+  echo       a raw generic unary handler (bytes in, bytes out) in its own
+             process, served with the daemon's server options: the unary floor
+  echo/stream
+             the same server's bidirectional-stream echo, one stream, driven
+             by the client's own CallStream (client/stream.py): the stream floor
   heartbeat  the daemon's cheapest RPC: interceptors + servicer, no engine
   <codec>/<transport>
-             AppendAttend of one token, one sequence, one layer (tiny shape),
-             shm or inline on CPU; CUDA buffers when torch.cuda is available
-             (the client synchronises after every call, so the time is the
-             whole round trip including the GPU work)
+             unary AppendAttend of one token, one sequence, one layer (tiny
+             shape), shm or inline on CPU; CUDA buffers when torch.cuda is
+             available (the client synchronises after every call, so the time
+             is the whole round trip including the GPU work)
+  <codec>/<transport>/stream
+             the same over the client's AppendAttendStream (its default on a
+             Unix socket); floor: echo/stream
 Variants run interleaved, round by round, against one daemon process; each
 round starts a fresh sequence with a short prefill so lengths stay small.
 """
@@ -30,6 +37,7 @@ if "--root" in sys.argv:        # measure another checkout's daemon and client (
 sys.path.insert(0, ROOT)
 
 ECHO = "/bench.Echo/Echo"
+ECHO_STREAM = "/bench.Echo/Stream"
 GEOM = dict(num_layers=2, num_q_heads=4, num_kv_heads=2, head_dim=64)
 
 
@@ -42,10 +50,16 @@ def echo_server(sock: str, workers: int) -> None:
 
     from kvstore.daemon import server_options
 
+    def stream(requests, ctx):
+        for r in requests:
+            yield r
+
     class Echo(grpc.GenericRpcHandler):
         def service(self, details):
             if details.method == ECHO:
                 return grpc.unary_unary_rpc_method_handler(lambda req, ctx: req)
+            if details.method == ECHO_STREAM:
+                return grpc.stream_stream_rpc_method_handler(stream)
             return None
 
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=workers), options=server_options(),
@@ -81,15 +95,23 @@ def timed(fn, n: int, sync=None) -> list[float]:
     return out
 
 
+def floor_of(name: str, samples: dict[str, list[float]]) -> str:
+    """Stream rows are measured against the stream echo, the others against the unary one."""
+    return "echo/stream" if name.endswith("/stream") and "echo/stream" in samples else "echo"
+
+
 def table(samples: dict[str, list[float]], title: str = "") -> None:
-    floor50, floor99 = pct(samples["echo"], 50), pct(samples["echo"], 99)
     if title:
         print(title)
-    print(f"{'variant':<14}{'p50 µs':>9}{'p99 µs':>9}{'p50-floor':>11}{'x floor':>9}")
+    print(f"{'variant':<20}{'p50 µs':>9}{'p99 µs':>9}{'floor':>13}{'p50-floor':>11}{'x floor':>9}{'x echo':>8}")
+    echo50 = pct(samples["echo"], 50)
     for name, xs in samples.items():
-        p50, p99 = pct(xs, 50), pct(xs, 99)
-        print(f"{name:<14}{p50:9.0f}{p99:9.0f}{p50 - floor50:11.0f}{p50 / floor50:9.2f}")
-    print(f"(floor = echo: p50 {floor50:.0f} µs, p99 {floor99:.0f} µs; target: AppendAttend p50 <= 150 µs)")
+        p50, p99, floor = pct(xs, 50), pct(xs, 99), floor_of(name, samples)
+        f50 = pct(samples[floor], 50)
+        print(f"{name:<20}{p50:9.0f}{p99:9.0f}{floor:>13}{p50 - f50:11.0f}{p50 / f50:9.2f}{p50 / echo50:8.2f}")
+    floors = ", ".join(f"{k}: p50 {pct(samples[k], 50):.0f} µs, p99 {pct(samples[k], 99):.0f} µs"
+                       for k in ("echo", "echo/stream") if k in samples)
+    print(f"(floors: {floors}; x echo: against the unary echo; target: AppendAttend p50 <= 150 µs)")
 
 
 def compare(args, argv: list[str]) -> None:
@@ -118,12 +140,13 @@ def compare(args, argv: list[str]) -> None:
     for label, root in trees.items():
         table(pooled[label], f"\n{label}: {root} ({args.rounds} rounds x {args.calls} calls, interleaved)")
     b, a = pooled["before"], pooled["after"]
-    print(f"\n{'variant':<14}{'p50 before':>11}{'p50 after':>10}{'p99 before':>11}{'p99 after':>10}"
+    print(f"\n{'variant':<20}{'p50 before':>11}{'p50 after':>10}{'p99 before':>11}{'p99 after':>10}"
           f"{'overhead before':>16}{'overhead after':>15}")
     for k in a:
         if k in b:
-            print(f"{k:<14}{pct(b[k], 50):11.0f}{pct(a[k], 50):10.0f}{pct(b[k], 99):11.0f}{pct(a[k], 99):10.0f}"
-                  f"{pct(b[k], 50) - pct(b['echo'], 50):16.0f}{pct(a[k], 50) - pct(a['echo'], 50):15.0f}")
+            print(f"{k:<20}{pct(b[k], 50):11.0f}{pct(a[k], 50):10.0f}{pct(b[k], 99):11.0f}{pct(a[k], 99):10.0f}"
+                  f"{pct(b[k], 50) - pct(b[floor_of(k, b)], 50):16.0f}"
+                  f"{pct(a[k], 50) - pct(a[floor_of(k, a)], 50):15.0f}")
 
 
 def main(argv=None) -> None:
@@ -145,6 +168,8 @@ def main(argv=None) -> None:
         return echo_server(args.echo_server, args.workers)
     if args.compare:
         return compare(args, argv if argv is not None else sys.argv[1:])
+
+    import inspect
 
     import grpc
     import torch
@@ -173,8 +198,17 @@ def main(argv=None) -> None:
         echo = echo_ch.unary_unary(ECHO)
         payload = b"x" * 200          # about an AppendAttend request's size with buffer refs
         target = f"unix://{kv_sock}"
-        clients = {"shm": KVStoreClient(target, transport="shm", shm_bytes=1 << 24, heartbeat=False),
-                   "inline": KVStoreClient(target, transport="inline", heartbeat=False)}
+        # Checkouts from before AppendAttendStream (--compare) measure the unary rows only.
+        streams = "stream" in inspect.signature(KVStoreClient).parameters
+        echo_stream = None
+        if streams:
+            from kvstore.client.stream import CallStream
+            echo_stream = CallStream(echo_ch, ECHO_STREAM)
+        mk = lambda transport, stream: KVStoreClient(    # noqa: E731
+            target, transport=transport, shm_bytes=1 << 24, heartbeat=False, **({"stream": stream} if streams else {}))
+        clients = {"shm": mk("shm", False), "inline": mk("inline", False)}
+        if streams:
+            clients.update({"shm/stream": mk("shm", True), "inline/stream": mk("inline", True)})
         kv = clients["shm"]
         for i in range(100):      # wait for the daemon's engine
             try:
@@ -193,12 +227,16 @@ def main(argv=None) -> None:
                                                        generator=gen)).to_bytes())
 
         variants: dict[str, tuple] = {"echo": ("echo",), "heartbeat": ("heartbeat",)}
+        if streams:
+            variants["echo/stream"] = ("echo/stream",)
         for codec in ("pq", "fp16"):
             for transport in ("shm", "inline") + (("cuda",) if cuda and device.startswith("cuda") else ()):
-                variants[f"{codec}/{transport}"] = ("aa", codec, transport)
+                for stream in (False, True) if streams else (False,):
+                    variants[f"{codec}/{transport}" + ("/stream" if stream else "")] = ("aa", codec, transport, stream)
         if args.only:
             keep = set(args.only.split(","))
-            variants = {k: v for k, v in variants.items() if k in keep or k == "echo"}
+            keep |= {"echo"} | ({"echo/stream"} if any(k.endswith("/stream") for k in keep) else set())
+            variants = {k: v for k, v in variants.items() if k in keep}
         samples: dict[str, list[float]] = {k: [] for k in variants}
         sync = torch.cuda.synchronize if cuda else None
 
@@ -210,14 +248,17 @@ def main(argv=None) -> None:
                 if v[0] == "echo":
                     fn, sy = (lambda: echo(payload, timeout=10)), None
                     timed(fn, args.warmup)
+                elif v[0] == "echo/stream":
+                    fn, sy = (lambda: echo_stream(payload, timeout=10)), None
+                    timed(fn, args.warmup)
                 elif v[0] == "heartbeat":
                     fn, sy = (lambda: kv.stub.Heartbeat(pb.HeartbeatRequest(), timeout=10)), None
                     timed(fn, args.warmup)
                 else:
-                    _, codec, transport = v
-                    c = clients["inline" if transport == "inline" else "shm"]
+                    _, codec, transport, stream = v
+                    c = clients[("inline" if transport == "inline" else "shm") + ("/stream" if stream else "")]
                     dev = "cuda" if transport == "cuda" else "cpu"
-                    seq = f"r{r}-{transport}"
+                    seq = f"r{r}-{transport}" + ("-stream" if stream else "")
                     c.allocate(codec, seq, [])
                     pre = torch.randn(g["num_layers"], args.prefill, g["num_kv_heads"], g["head_dim"],
                                       generator=gen).half()
@@ -245,6 +286,8 @@ def main(argv=None) -> None:
             table(samples)
         for c in clients.values():
             c.close()
+        if echo_stream is not None:
+            echo_stream.close()
         echo_ch.close()
     finally:
         for p in procs:

@@ -1,6 +1,6 @@
 """Where the time of one AppendAttend goes, on both sides of the socket.
 
-    python bench/profile_rpc.py [--codec fp16] [--transport shm] [--calls 2000] [--metrics]
+    python bench/profile_rpc.py [--codec fp16] [--transport shm] [--calls 2000] [--metrics] [--stream]
 
 Runs the daemon in a child process with an outermost server interceptor that
 timestamps every call (CLOCK_MONOTONIC, comparable across processes) and
@@ -12,7 +12,9 @@ Segments: client before stub (request build, arena copies) | stub -> server
 handler (client interceptor, serialisation, socket, C-core, thread hand-off,
 deserialisation) | server handler (interceptors, servicer, engine) | server
 -> client return (serialisation, socket, wake-up) | client after stub
-(reading the output).
+(reading the output). With --stream the calls go over the client's
+AppendAttendStream; the server's segments are then per message (a request
+handed to the handler -> its reply yielded), and there is no handler lookup.
 """
 from __future__ import annotations
 
@@ -48,6 +50,8 @@ def serve(sock: str, out: str, extra: list[str]) -> None:
             prof.disable()
             lookup["ns"] = time.perf_counter_ns() - t0
             lookup["t0"] = t0
+            if handler is not None and handler.stream_stream and details.method.endswith("/AppendAttendStream"):
+                return handler._replace(stream_stream=stream(handler.stream_stream))
             if handler is None or not handler.unary_unary or not details.method.endswith(
                     "/" + os.environ.get("KVPROF_METHOD", "AppendAttend")):
                 return handler
@@ -62,6 +66,21 @@ def serve(sock: str, out: str, extra: list[str]) -> None:
                     prof.disable()
                     marks.append((l0, t1, time.perf_counter_ns(), lns, time.thread_time_ns() - c1))
             return handler._replace(unary_unary=call)
+
+    def stream(fn):
+        def call(requests, context):
+            t = {}
+
+            def timed():
+                for r in requests:
+                    t["t1"], t["c1"] = time.perf_counter_ns(), time.thread_time_ns()
+                    prof.enable()
+                    yield r
+            for reply in fn(timed(), context):
+                prof.disable()
+                marks.append((t["t1"], t["t1"], time.perf_counter_ns(), 0, time.thread_time_ns() - t["c1"]))
+                yield reply
+        return call
 
     stages = _patch_stages() if os.environ.get("KVPROF_STAGES") else {}
     if os.environ.get("KVPROF_NULL"):      # the same request and reply, no work: the RPC layer's share
@@ -150,6 +169,7 @@ def main(argv=None) -> None:
     ap.add_argument("--heartbeat", action="store_true", help="time Heartbeat calls instead (the RPC layer alone)")
     ap.add_argument("--stages", action="store_true", help="no cProfile; time the server's stages (STAGES), "
                     "inclusive, per call")
+    ap.add_argument("--stream", action="store_true", help="AppendAttend over the client's stream (AppendAttendStream)")
     ap.add_argument("--serve", nargs=2, help=argparse.SUPPRESS)
     args, extra = ap.parse_known_args(argv)
     if args.serve:
@@ -180,7 +200,10 @@ def main(argv=None) -> None:
                 raise RuntimeError(p.stdout.read())
             time.sleep(0.05)
         time.sleep(0.5)
-        kv = KVStoreClient(f"unix://{sock}", transport=args.transport, shm_bytes=1 << 24, heartbeat=False)
+        import inspect
+        streams = "stream" in inspect.signature(KVStoreClient).parameters     # older checkouts: unary only
+        kv = KVStoreClient(f"unix://{sock}", transport=args.transport, shm_bytes=1 << 24, heartbeat=False,
+                           **({"stream": args.stream} if streams else {}))
         for _ in range(100):
             try:
                 kv.heartbeat()
@@ -215,6 +238,19 @@ def main(argv=None) -> None:
                 return r
         real_stub = getattr(kv, attr)
         setattr(kv, attr, Stub())
+        if args.stream:
+            real_stream = kv._stream
+
+            class Stream:
+                def __call__(self, data, timeout=None):
+                    cur["s0"], c0 = time.perf_counter_ns(), time.thread_time_ns()
+                    r = real_stream(data, timeout)
+                    cur["s1"], cur["c"] = time.perf_counter_ns(), time.thread_time_ns() - c0
+                    return r
+
+                def close(self):
+                    real_stream.close()
+            kv._stream = Stream()
         cprof = cProfile.Profile()
         from kvstore.v1 import kvstore_pb2 as pb
         hb = pb.HeartbeatRequest()
@@ -257,7 +293,8 @@ def main(argv=None) -> None:
         segs["client: read output"].append(c1 - s1)
         segs["total"].append(c1 - c0)
     med = lambda xs: sorted(xs)[len(xs) // 2] / 1e3   # noqa: E731
-    print(f"\n{'Heartbeat' if args.heartbeat else args.codec + '/' + args.transport}{' +metrics' if args.metrics else ''}: medians over {len(cmarks)} calls "
+    print(f"\n{'Heartbeat' if args.heartbeat else args.codec + '/' + args.transport}{'/stream' if args.stream else ''}"
+          f"{' +metrics' if args.metrics else ''}: medians over {len(cmarks)} calls "
           f"(µs{'' if args.no_cprofile or args.stages else '; cProfile on, so inflated'})")
     for k_, xs in segs.items():
         print(f"  {k_:<44}{med(xs):8.0f}")

@@ -11,6 +11,10 @@ Tensors cross through a POSIX shared-memory buffer registered once when the
 daemon is local (Unix socket), as inline bytes otherwise; `transport` says
 which. Errors are grpc.RpcError with the daemon's status code and message.
 
+On a Unix socket append_attend goes over one long-lived stream per client
+(AppendAttendStream, client/stream.py): no per-call RPC setup. Its errors
+are those of the unary call; `stream=False` makes it unary.
+
 Every call carries this client's session id (`x-kvstore-session`) and, if
 given, `authorization: Bearer <token>`; a background thread heartbeats so the
 daemon frees this process's unpinned sequences only after it is gone.
@@ -22,6 +26,7 @@ import mmap
 import os
 import secrets
 import threading
+import time
 import uuid
 from dataclasses import dataclass
 
@@ -29,9 +34,13 @@ import grpc
 import torch
 
 from kvstore import wire
-from kvstore.daemon import DEFAULT_MAX_MESSAGE_MB, client_options, default_socket
+from kvstore.daemon import DEFAULT_MAX_MESSAGE_MB, SERVICE, client_options, default_socket
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.v1 import kvstore_pb2_grpc as pb_grpc
+
+from .stream import CallStream, StreamRefused
+
+STREAM_RETRY_S = 30.0      # after the daemon turned a stream away, call unary this long before trying again
 
 
 @dataclass(slots=True)
@@ -126,12 +135,14 @@ class KVStoreClient:
     def __init__(self, target: str | None = None, transport: str = "auto",
                  shm_bytes: int = 64 << 20, max_message_mb: int = DEFAULT_MAX_MESSAGE_MB, timeout: float = 60.0,
                  token: str | None = None, tls_ca: str | bytes | None = None, session_id: str | None = None,
-                 heartbeat: bool = True):
+                 heartbeat: bool = True, stream: bool | None = None):
         """target: "unix:///path/kvstore.sock" or "host:port" (default: the
         daemon's default socket). transport: "auto", "shm" or "inline".
         token: bearer token (default env KVSTORE_TOKEN); tls_ca: CA PEM (path
         or bytes) to reach a TLS port; session_id: default a random uuid;
-        heartbeat: keep the session's lease alive from a background thread."""
+        heartbeat: keep the session's lease alive from a background thread;
+        stream: append_attend over one long-lived stream (default: on a Unix
+        socket) instead of a unary call each."""
         self.target = target or f"unix://{default_socket()}"
         opts = client_options(max_message_mb)
         if tls_ca is not None:
@@ -156,6 +167,9 @@ class KVStoreClient:
             raise ValueError(f"transport must be auto, shm or inline, got {transport!r}")
         local = self.target.startswith("unix:")
         self.transport = "shm" if transport == "shm" or (transport == "auto" and local) else "inline"
+        self._stream = CallStream(self.channel, f"/{SERVICE}/AppendAttendStream", md) \
+            if (local if stream is None else stream) else None
+        self._stream_retry_at = 0.0
         self._beat_stop = threading.Event()
         if heartbeat:
             threading.Thread(target=self._beat, name="kvstore-heartbeat", daemon=True).start()
@@ -164,6 +178,8 @@ class KVStoreClient:
     def close(self) -> None:
         self._beat_stop.set()
         with self._lock:
+            if self._stream is not None:
+                self._stream.close()
             self._drop_arena()
         self.channel.close()
 
@@ -286,6 +302,16 @@ class KVStoreClient:
         stream.wait_event(arena.done)
         return read(reply, arena) if read else reply
 
+    def _append_attend(self, request: pb.AppendAttendRequest, timeout: float, metadata) -> pb.AttendReply:
+        """AppendAttend on this client's stream; unary without one, or while
+        the daemon turns streams away (it read nothing of the refused call)."""
+        if self._stream is not None and time.monotonic() >= self._stream_retry_at:
+            try:
+                return pb.AttendReply.FromString(self._stream(request.SerializeToString(), timeout))
+            except StreamRefused:
+                self._stream_retry_at = time.monotonic() + STREAM_RETRY_S
+        return self._raw.AppendAttend(request, timeout=timeout, metadata=metadata)
+
     def _tensor(self, t: pb.Tensor, arena: _ShmArena | None) -> torch.Tensor:
         if t.WhichOneof("data") == "ref":
             return arena.typed(t.ref.offset, tuple(t.shape), wire.TO_TORCH[t.dtype])[0].clone()
@@ -363,7 +389,7 @@ class KVStoreClient:
     def append_attend(self, cache: str, layer: int, seq_ids: list[str], k: torch.Tensor, v: torch.Tensor,
                       q: torch.Tensor, scale: float = 0.0) -> torch.Tensor:
         """k, v [B, Hkv, d] (the new token), q [B, Hq, d] -> out [B, Hq, d]."""
-        return self._call(self._raw.AppendAttend, lambda m, o: pb.AppendAttendRequest(
+        return self._call(self._append_attend, lambda m, o: pb.AppendAttendRequest(
             cache=cache, layer=layer, sequence_ids=seq_ids, k=m["k"], v=m["v"], q=m["q"], scale=scale, out=o[0]),
             {"k": k, "v": v, "q": q}, [q.numel() * 2], lambda r, a: self._tensor(r.out, a))
 

@@ -24,7 +24,7 @@ from . import wire
 from .auth import Authenticator, GateInterceptor
 from .engine import Engine
 from .leases import DEFAULT_TIMEOUT_S, LeaseManager
-from .servicer import KVStoreServicer
+from .servicer import DEFAULT_MAX_STREAMS, KVStoreServicer
 from .v1 import kvstore_pb2 as pb
 from .v1 import kvstore_pb2_grpc as pb_grpc
 
@@ -61,11 +61,14 @@ def create_server(engine: "Engine | None" = None, socket_path: str | None = None
                   max_message_mb: int = DEFAULT_MAX_MESSAGE_MB, workers: int = 8,
                   host: str = "127.0.0.1", auth: Authenticator | None = None,
                   tls: tuple[bytes, bytes] | None = None, lease_timeout: float = DEFAULT_TIMEOUT_S,
-                  metrics=None, max_pool_bytes: int = 0) -> tuple[grpc.Server, int, health.HealthServicer]:
+                  metrics=None, max_pool_bytes: int = 0,
+                  max_streams: int = DEFAULT_MAX_STREAMS) -> tuple[grpc.Server, int, health.HealthServicer]:
     """Build and start a server. port=0 binds a free TCP port (returned).
     auth: tokens and tenants (TCP refuses to start without tokens); tls: (cert
     PEM, key PEM) for the TCP port; metrics: a kvstore.metrics.Metrics to feed;
-    max_pool_bytes: memory all caches' pools may take (0: unlimited).
+    max_pool_bytes: memory all caches' pools may take (0: unlimited);
+    max_streams: open AppendAttendStream streams, each holding a thread of
+    its own beside the `workers` that serve calls.
     Returns (server, tcp_port or 0, health servicer)."""
     auth = auth or Authenticator()
     if port is not None and not auth.has_tokens:
@@ -73,14 +76,15 @@ def create_server(engine: "Engine | None" = None, socket_path: str | None = None
     opts = server_options(max_message_mb)
     # Metrics outermost, so that calls the gate refuses are counted too.
     interceptors = ([metrics.interceptor] if metrics is not None else []) + [GateInterceptor(auth)]
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=workers), options=opts, interceptors=interceptors)
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=workers + max_streams), options=opts,
+                         interceptors=interceptors)
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     for name in ("", SERVICE):
         health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
     reflection.enable_server_reflection((SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
     leases = LeaseManager(None, lease_timeout)
-    servicer = KVStoreServicer(None, wire.BufferRegistry(), auth, leases)
+    servicer = KVStoreServicer(None, wire.BufferRegistry(), auth, leases, max_streams)
     leases.release_buffers = servicer.buffer_table.release_session
     servicer.max_pool_bytes = max_pool_bytes
     pb_grpc.add_KVStoreServicer_to_server(servicer, server)
@@ -122,7 +126,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--lmdb-sync", action="store_true",
                    help="make pressure spills durable too (Offload always syncs)")
     p.add_argument("--max-message-mb", type=int, default=DEFAULT_MAX_MESSAGE_MB)
-    p.add_argument("--workers", type=int, default=8)
+    p.add_argument("--workers", type=int, default=8, help="threads serving calls (default: %(default)s)")
+    p.add_argument("--max-streams", type=int, default=DEFAULT_MAX_STREAMS,
+                   help="open AppendAttendStream streams (one per client), each on a thread of its own beside "
+                        "--workers (default: %(default)s); past it clients call AppendAttend")
     p.add_argument("--torch-threads", type=int, default=1,
                    help="intra-op threads of the daemon's own torch CPU work (default: %(default)s): decode calls "
                         "are tiny ops, where waking a thread team costs more than it saves, and the worker pool "
@@ -145,6 +152,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.device.startswith("cuda"):
         from .cuda_ipc import check_allocator
         check_allocator()      # refuses allocator settings that break CUDA IPC, saying why
+    if args.max_streams < 0:
+        p.error("--max-streams must be >= 0 (0: no streams, every client calls AppendAttend)")
     if args.torch_threads < 1:
         p.error("--torch-threads must be >= 1")
     import torch
@@ -171,7 +180,8 @@ def main(argv: list[str] | None = None) -> None:
     server, port, health_servicer = create_server(Engine(args.device, args.lmdb, args.lmdb_sync), args.socket, args.port,
                                                   args.max_message_mb, args.workers, args.host, auth=auth, tls=tls,
                                                   lease_timeout=args.lease_timeout, metrics=metrics,
-                                                  max_pool_bytes=_pool_budget(args.device, args.max_pool_bytes))
+                                                  max_pool_bytes=_pool_budget(args.device, args.max_pool_bytes),
+                                                  max_streams=args.max_streams)
     where = f"unix:{args.socket}" + (f" and {args.host}:{port}" if args.port is not None else "")
     if metrics is not None:
         mport = metrics.serve(args.metrics_port, args.metrics_host)

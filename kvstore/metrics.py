@@ -146,7 +146,7 @@ class MetricsInterceptor(grpc.ServerInterceptor):
 
     def intercept_service(self, continuation, handler_call_details):
         handler = continuation(handler_call_details)
-        if handler is None or not handler.unary_unary:
+        if handler is None or not (handler.unary_unary or handler.stream_stream):
             return handler
         hit = self._wrapped.get(handler_call_details.method)
         if hit is not None and hit[0] is handler:   # handlers are fixed per method: wrap once
@@ -163,6 +163,8 @@ class MetricsInterceptor(grpc.ServerInterceptor):
         return c
 
     def _wrap(self, handler, method: str):
+        if handler.stream_stream:
+            return self._wrap_stream(handler, method)
         fn = handler.unary_unary
         hist = self.latency.labels(method)
 
@@ -180,6 +182,38 @@ class MetricsInterceptor(grpc.ServerInterceptor):
                 hist.observe(time.perf_counter() - t0)
                 self._count(method, code.name).inc()
         return handler._replace(unary_unary=call)
+
+    def _wrap_stream(self, handler, method: str):
+        """A stream of request -> reply pairs (AppendAttendStream): each
+        request is one call, timed from its arrival to its reply; the status
+        that ends the stream counts as the last one's code."""
+        fn = handler.stream_stream
+        hist = self.latency.labels(method)
+        ok = self._count(method, grpc.StatusCode.OK.name)
+
+        def call(requests, context):
+            t0 = [0.0]
+
+            def timed():
+                for r in requests:
+                    t0[0] = time.perf_counter()
+                    yield r
+            replies = fn(timed(), context)
+            while True:
+                try:
+                    reply = next(replies)
+                except StopIteration:
+                    return
+                except BaseException:
+                    if t0[0] or context.code() is not None:    # a request failed, or the stream was refused
+                        hist.observe(time.perf_counter() - t0[0] if t0[0] else 0.0)
+                        self._count(method, (context.code() or grpc.StatusCode.UNKNOWN).name).inc()
+                    raise
+                hist.observe(time.perf_counter() - t0[0])
+                t0[0] = 0.0
+                ok.inc()
+                yield reply
+        return handler._replace(stream_stream=call)
 
 
 class Metrics:

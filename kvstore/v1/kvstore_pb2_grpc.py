@@ -79,6 +79,11 @@ class KVStoreStub:
                 request_serializer=kvstore_dot_v1_dot_kvstore__pb2.AppendAttendRequest.SerializeToString,
                 response_deserializer=kvstore_dot_v1_dot_kvstore__pb2.AttendReply.FromString,
                 _registered_method=True)
+        self.AppendAttendStream = channel.stream_stream(
+                '/kvstore.v1.KVStore/AppendAttendStream',
+                request_serializer=kvstore_dot_v1_dot_kvstore__pb2.AppendAttendRequest.SerializeToString,
+                response_deserializer=kvstore_dot_v1_dot_kvstore__pb2.AttendReply.FromString,
+                _registered_method=True)
         self.Retrieve = channel.unary_unary(
                 '/kvstore.v1.KVStore/Retrieve',
                 request_serializer=kvstore_dot_v1_dot_kvstore__pb2.RetrieveRequest.SerializeToString,
@@ -194,6 +199,17 @@ class KVStoreServicer:
 
     def AppendAttend(self, request, context):
         """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def AppendAttendStream(self, request_iterator, context):
+        """AppendAttend over one long-lived stream (no per-call RPC setup): one reply
+        per request, in order. A rejected request ends the stream with the status
+        AppendAttend would return for it; the client opens a new stream. A daemon
+        at its stream limit ends a new stream at once, before reading a request,
+        with RESOURCE_EXHAUSTED and trailing metadata `x-kvstore-stream: refused`.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -317,6 +333,11 @@ def add_KVStoreServicer_to_server(servicer, server):
             ),
             'AppendAttend': grpc.unary_unary_rpc_method_handler(
                     servicer.AppendAttend,
+                    request_deserializer=kvstore_dot_v1_dot_kvstore__pb2.AppendAttendRequest.FromString,
+                    response_serializer=kvstore_dot_v1_dot_kvstore__pb2.AttendReply.SerializeToString,
+            ),
+            'AppendAttendStream': grpc.stream_stream_rpc_method_handler(
+                    servicer.AppendAttendStream,
                     request_deserializer=kvstore_dot_v1_dot_kvstore__pb2.AppendAttendRequest.FromString,
                     response_serializer=kvstore_dot_v1_dot_kvstore__pb2.AttendReply.SerializeToString,
             ),
@@ -622,6 +643,33 @@ class KVStore:
             request,
             target,
             '/kvstore.v1.KVStore/AppendAttend',
+            kvstore_dot_v1_dot_kvstore__pb2.AppendAttendRequest.SerializeToString,
+            kvstore_dot_v1_dot_kvstore__pb2.AttendReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def AppendAttendStream(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/kvstore.v1.KVStore/AppendAttendStream',
             kvstore_dot_v1_dot_kvstore__pb2.AppendAttendRequest.SerializeToString,
             kvstore_dot_v1_dot_kvstore__pb2.AttendReply.FromString,
             options,
