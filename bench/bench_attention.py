@@ -35,7 +35,7 @@ def _read_flush():
     if buf is None:
         buf = _flush_buf["x"] = torch.ones(128 << 20, dtype=torch.float16, device=DEV)
         _flush_buf["acc"] = torch.empty((), dtype=torch.float32, device=DEV)
-    torch.sum(buf, dtype=torch.float32, out=_flush_buf["acc"])
+    torch.sum(buf, dim=0, dtype=torch.float32, out=_flush_buf["acc"])
 
 
 def bench(fn, graph=True, warmup=25, reps=200):
