@@ -33,6 +33,7 @@ from kvstore.pinned import block_table, copy_into, host_table, to_device
 from kvstore.v1 import kvstore_pb2 as pb
 
 from .client import KVStoreClient
+from .tables import SealedTables
 
 
 @dataclass(slots=True)
@@ -59,6 +60,7 @@ class MappedCache:
         self.bs = reply.spec.block_size
         self.is_pq = reply.spec.codec == "pq"
         self.last_rpc_s = 0.0        # host time of the last step's Reserve round trip
+        self.tables = SealedTables()  # Reserve sends only the sealed blocks not held here
         self.t: dict[str, torch.Tensor] = {}
         self._allocs = []
         for st in reply.tensors:
@@ -82,24 +84,27 @@ class MappedCache:
         captured over write()/attend() with it replays the new step."""
         stream = torch.cuda.current_stream(self.device)
         t0 = time.perf_counter()
+        counts, epochs = self.tables.known(seq_ids)
         with self.kv._lock:
             self.sync.ready.record(stream)
             reply = self.kv.stub.Reserve(pb.ReserveRequest(cache=self.cache, sequence_ids=seq_ids, num_tokens=n,
-                                                           buffer_id=self.sync.buffer_id), timeout=self.kv.timeout)
+                                                           buffer_id=self.sync.buffer_id, known_sealed=counts,
+                                                           known_epochs=epochs), timeout=self.kv.timeout)
             if not reply.gpu_idle:      # waiting on the daemon's event costs a GPU context switch
                 stream.wait_event(self.sync.done)
         self.last_rpc_s = time.perf_counter() - t0
         rs = reply.reservations
         slots = torch.from_numpy(np.concatenate([np.asarray(r.slot_mapping, dtype=np.int64) for r in rs]))
+        full = [self.tables.update(sid, r) for sid, r in zip(seq_ids, rs)]
+        self.tables.keep(seq_ids)
         if self.is_pq:
-            sealed_rows = [r.sealed_blocks for r in rs]
+            sealed_rows = full
             tail_rows = [r.tail_blocks for r in rs]
-            lens = ([len(r.sealed_blocks) * self.bs for r in rs],)
+            lens = ([len(t) * self.bs for t in full],)
             lens += ([r.length - sl for r, sl in zip(rs, lens[0])],)
         else:
             sealed_rows = [[] for _ in rs]
-            tail_rows = [np.concatenate([np.asarray(r.sealed_blocks, dtype=np.int32),
-                                         np.asarray(r.tail_blocks, dtype=np.int32)]) for r in rs]
+            tail_rows = [np.concatenate([t, np.asarray(r.tail_blocks, dtype=np.int32)]) for t, r in zip(full, rs)]
             lens = ([r.length for r in rs],)
         self.last_lens = lens
         if into is not None:

@@ -225,17 +225,19 @@ class Engine:
             self.append(name, tenant, seq_ids, k, v, [1] * len(seqs), layer=layer)
             return cache.attend(layer, seqs, q, scale)
 
-    def reserve(self, name: str, tenant: str, seq_id: str, n: int) -> ReserveResult:
+    def reserve(self, name: str, tenant: str, seq_id: str, n: int,
+                known: tuple[int, int] = (0, 0)) -> ReserveResult:
         with self.lock:
             if n < 0 or n > 1 << 20:
                 raise InvalidArgument("num_tokens", f"must be in [0, 2^20], got {n}")
             cache = self.cache(name)
             s = cache.seq(tenant, seq_id)
             cache.resident([s])
-            return cache.reserve(s, n)
+            return cache.reserve(s, n, known)
 
     def reserve_batch(self, name: str, tenant: str, seq_ids: list[str], n: int,
-                      gpu_scope=contextlib.nullcontext) -> list[ReserveResult]:
+                      gpu_scope=contextlib.nullcontext,
+                      known: list[tuple[int, int]] | None = None) -> list[ReserveResult]:
         """Reserve for a decode step of a batch, sequence by sequence.
 
         gpu_scope() (the caller's CUDA ordering against the client's stream) is
@@ -245,6 +247,8 @@ class Engine:
         with self.lock:
             if n < 0 or n > 1 << 20:
                 raise InvalidArgument("num_tokens", f"must be in [0, 2^20], got {n}")
+            if known is not None and len(known) != len(seq_ids):
+                raise InvalidArgument("known_sealed", f"{len(known)} entries for {len(seq_ids)} sequences")
             cache = self.cache(name)
             seqs = self._seqs(cache, tenant, seq_ids, unique=True)
             for s in seqs:
@@ -255,7 +259,7 @@ class Engine:
                 cache.resident(seqs)
                 cache.defer_encodes()
                 try:
-                    return [cache.reserve(s, n) for s in seqs]
+                    return [cache.reserve(s, n, k) for s, k in zip(seqs, known or [(0, 0)] * len(seqs))]
                 finally:
                     cache.flush_encodes()
 

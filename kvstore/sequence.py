@@ -1,8 +1,14 @@
 """Per-sequence bookkeeping (no tensors)."""
 from __future__ import annotations
 
+import itertools
 import time
 from dataclasses import dataclass, field
+
+# Table epochs: unique per process. A sequence's sealed table only grows at its end
+# while the epoch stays; anything that rebuilds it (a tier move) takes a new epoch,
+# so a client holding a prefix of the old table asks for the whole new one (Reserve).
+_epochs = itertools.count(1)
 
 
 @dataclass(slots=True)
@@ -39,10 +45,15 @@ class Sequence:
     persist: bool = False         # on lapse, offload instead of free (hook; frees until tiers land)
     tier: str = "gpu"             # "gpu" | "host" (ids index host pools) | "disk" (ids empty)
     manifest: dict | None = None  # what LMDB holds, while tier == "disk"
+    table_epoch: int = field(default_factory=lambda: next(_epochs))
 
     def __post_init__(self) -> None:
         if not self.pending:
             self.pending = [0] * self.num_layers
+
+    def rebuilt_table(self) -> None:
+        """sealed was replaced, not extended: earlier prefixes no longer hold."""
+        self.table_epoch = next(_epochs)
 
     def layer_length(self, layer: int) -> int:
         """Tokens visible to attention at this layer."""

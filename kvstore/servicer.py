@@ -207,6 +207,10 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
 
     @_rpc
     def Reserve(self, request, context):
+        if len(request.known_sealed) != len(request.known_epochs):
+            raise InvalidArgument("known_epochs", f"{len(request.known_epochs)} epochs for "
+                                  f"{len(request.known_sealed)} known_sealed counts")
+        known = list(zip(request.known_sealed, request.known_epochs)) or None
         if request.sequence_ids:
             entered = []
 
@@ -214,15 +218,20 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
                 entered.append(True)
                 return self._cuda(request)
             rs = self.engine.reserve_batch(request.cache, self._tenant(context), list(request.sequence_ids),
-                                           request.num_tokens, gpu_scope=scope)
+                                           request.num_tokens, gpu_scope=scope, known=known)
             return pb.ReserveReply(reservations=[
                 pb.Reservation(sequence_id=sid, slot_mapping=r.slot_mapping, sealed_blocks=r.sealed_blocks,
-                               tail_blocks=r.tail_blocks, length=r.length)
+                               tail_blocks=r.tail_blocks, length=r.length, sealed_start=r.sealed_start,
+                               table_epoch=r.table_epoch)
                 for sid, r in zip(request.sequence_ids, rs)], gpu_idle=not entered)
+        if known is not None and len(known) != 1:
+            raise InvalidArgument("known_sealed", f"{len(known)} entries for one sequence")
         with self._cuda(request):
-            r = self.engine.reserve(request.cache, self._tenant(context), request.sequence_id, request.num_tokens)
+            r = self.engine.reserve(request.cache, self._tenant(context), request.sequence_id, request.num_tokens,
+                                    known[0] if known else (0, 0))
         return pb.ReserveReply(slot_mapping=r.slot_mapping, sealed_blocks=r.sealed_blocks,
-                               tail_blocks=r.tail_blocks, length=r.length)
+                               tail_blocks=r.tail_blocks, length=r.length, sealed_start=r.sealed_start,
+                               table_epoch=r.table_epoch)
 
     @_rpc
     def Append(self, request, context):

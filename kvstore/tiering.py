@@ -151,6 +151,7 @@ class Tiering:
             self.counters["bytes_down"] += payload.numel()
         self._release(s)
         s.sealed, s.tail, s.tier = host_main, tail_ids, "host"
+        s.rebuilt_table()
         self.counters["offloads_host"] += 1
 
     def to_disk(self, s: Sequence, sync: bool) -> None:
@@ -192,6 +193,7 @@ class Tiering:
                                                                 hashed, others, sync)
         self._release(s)
         s.sealed, s.tail, s.tier, s.manifest = [], [], "disk", manifest
+        s.rebuilt_table()
         self.counters["offloads_disk"] += 1
 
     def _release(self, s: Sequence) -> None:
@@ -257,6 +259,7 @@ class Tiering:
             self.disk.delete_sequence(c.fingerprint, s.tenant, s.seq_id, s.manifest["n_other"])
             s.manifest = None
         s.sealed, s.tail, s.tier = sealed, new_tail, "gpu"
+        s.rebuilt_table()
         s.last_use = time.monotonic()
 
     def free(self, s: Sequence) -> None:

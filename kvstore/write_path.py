@@ -22,9 +22,11 @@ SMALL_WRITE = 8      # tokens up to which a per-layer append writes slot by slot
 @dataclass(slots=True)
 class ReserveResult:
     slot_mapping: list[int]     # tail-pool slot (block * bs + offset) of each reserved token
-    sealed_blocks: list[int]
+    sealed_blocks: list[int]    # the sealed table from sealed_start on
     tail_blocks: list[int]      # sink blocks first: one fp16 table for the kernels
     length: int                 # tokens visible after the reservation
+    sealed_start: int = 0
+    table_epoch: int = 0
 
 
 class WritePath:
@@ -285,9 +287,11 @@ class WritePath:
         return (s.tier != "gpu" or self.tail_blocks_for(s, n) > 0
                 or (self.is_pq and self.seals_at_reserve(s) > 0))
 
-    def reserve(self, s: Sequence, n: int) -> ReserveResult:
+    def reserve(self, s: Sequence, n: int, known: tuple[int, int] = (0, 0)) -> ReserveResult:
         """Commit the previous reservation (its slots were written by the
-        client in every layer), then hand out slots for n more tokens."""
+        client in every layer), then hand out slots for n more tokens.
+        known = (sealed blocks the caller holds, their table epoch): when still a
+        prefix of the table, only the blocks after it are returned."""
         self._require_ready()
         if any(s.pending):
             raise FailedPrecondition("sequence_id", f"sequence {s.seq_id!r} has uncommitted per-layer tokens")
@@ -307,5 +311,6 @@ class WritePath:
         slots = (blocks * self.bs + offs).tolist()
         s.reserved = n
         s.last_use = time.monotonic()
-        return ReserveResult(slots, list(s.sealed), list(s.tail), s.length + n)
+        start = known[0] if known[1] == s.table_epoch and known[0] <= len(s.sealed) else 0
+        return ReserveResult(slots, s.sealed[start:], list(s.tail), s.length + n, start, s.table_epoch)
 

@@ -190,48 +190,60 @@ class AllocateReply(_message.Message):
     def __init__(self, cached_tokens: _Optional[int] = ..., hit_blocks: _Optional[int] = ...) -> None: ...
 
 class ReserveRequest(_message.Message):
-    __slots__ = ("cache", "sequence_id", "num_tokens", "sequence_ids", "buffer_id")
+    __slots__ = ("cache", "sequence_id", "num_tokens", "sequence_ids", "buffer_id", "known_sealed", "known_epochs")
     CACHE_FIELD_NUMBER: _ClassVar[int]
     SEQUENCE_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     SEQUENCE_IDS_FIELD_NUMBER: _ClassVar[int]
     BUFFER_ID_FIELD_NUMBER: _ClassVar[int]
+    KNOWN_SEALED_FIELD_NUMBER: _ClassVar[int]
+    KNOWN_EPOCHS_FIELD_NUMBER: _ClassVar[int]
     cache: str
     sequence_id: str
     num_tokens: int
     sequence_ids: _containers.RepeatedScalarFieldContainer[str]
     buffer_id: str
-    def __init__(self, cache: _Optional[str] = ..., sequence_id: _Optional[str] = ..., num_tokens: _Optional[int] = ..., sequence_ids: _Optional[_Iterable[str]] = ..., buffer_id: _Optional[str] = ...) -> None: ...
+    known_sealed: _containers.RepeatedScalarFieldContainer[int]
+    known_epochs: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, cache: _Optional[str] = ..., sequence_id: _Optional[str] = ..., num_tokens: _Optional[int] = ..., sequence_ids: _Optional[_Iterable[str]] = ..., buffer_id: _Optional[str] = ..., known_sealed: _Optional[_Iterable[int]] = ..., known_epochs: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class Reservation(_message.Message):
-    __slots__ = ("sequence_id", "slot_mapping", "sealed_blocks", "tail_blocks", "length")
+    __slots__ = ("sequence_id", "slot_mapping", "sealed_blocks", "tail_blocks", "length", "sealed_start", "table_epoch")
     SEQUENCE_ID_FIELD_NUMBER: _ClassVar[int]
     SLOT_MAPPING_FIELD_NUMBER: _ClassVar[int]
     SEALED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     TAIL_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     LENGTH_FIELD_NUMBER: _ClassVar[int]
+    SEALED_START_FIELD_NUMBER: _ClassVar[int]
+    TABLE_EPOCH_FIELD_NUMBER: _ClassVar[int]
     sequence_id: str
     slot_mapping: _containers.RepeatedScalarFieldContainer[int]
     sealed_blocks: _containers.RepeatedScalarFieldContainer[int]
     tail_blocks: _containers.RepeatedScalarFieldContainer[int]
     length: int
-    def __init__(self, sequence_id: _Optional[str] = ..., slot_mapping: _Optional[_Iterable[int]] = ..., sealed_blocks: _Optional[_Iterable[int]] = ..., tail_blocks: _Optional[_Iterable[int]] = ..., length: _Optional[int] = ...) -> None: ...
+    sealed_start: int
+    table_epoch: int
+    def __init__(self, sequence_id: _Optional[str] = ..., slot_mapping: _Optional[_Iterable[int]] = ..., sealed_blocks: _Optional[_Iterable[int]] = ..., tail_blocks: _Optional[_Iterable[int]] = ..., length: _Optional[int] = ..., sealed_start: _Optional[int] = ..., table_epoch: _Optional[int] = ...) -> None: ...
 
 class ReserveReply(_message.Message):
-    __slots__ = ("slot_mapping", "sealed_blocks", "tail_blocks", "length", "reservations", "gpu_idle")
+    __slots__ = ("slot_mapping", "sealed_blocks", "tail_blocks", "length", "reservations", "gpu_idle", "sealed_start", "table_epoch")
     SLOT_MAPPING_FIELD_NUMBER: _ClassVar[int]
     SEALED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     TAIL_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     LENGTH_FIELD_NUMBER: _ClassVar[int]
     RESERVATIONS_FIELD_NUMBER: _ClassVar[int]
     GPU_IDLE_FIELD_NUMBER: _ClassVar[int]
+    SEALED_START_FIELD_NUMBER: _ClassVar[int]
+    TABLE_EPOCH_FIELD_NUMBER: _ClassVar[int]
     slot_mapping: _containers.RepeatedScalarFieldContainer[int]
     sealed_blocks: _containers.RepeatedScalarFieldContainer[int]
     tail_blocks: _containers.RepeatedScalarFieldContainer[int]
     length: int
     reservations: _containers.RepeatedCompositeFieldContainer[Reservation]
     gpu_idle: bool
-    def __init__(self, slot_mapping: _Optional[_Iterable[int]] = ..., sealed_blocks: _Optional[_Iterable[int]] = ..., tail_blocks: _Optional[_Iterable[int]] = ..., length: _Optional[int] = ..., reservations: _Optional[_Iterable[_Union[Reservation, _Mapping]]] = ..., gpu_idle: _Optional[bool] = ...) -> None: ...
+    sealed_start: int
+    table_epoch: int
+    def __init__(self, slot_mapping: _Optional[_Iterable[int]] = ..., sealed_blocks: _Optional[_Iterable[int]] = ..., tail_blocks: _Optional[_Iterable[int]] = ..., length: _Optional[int] = ..., reservations: _Optional[_Iterable[_Union[Reservation, _Mapping]]] = ..., gpu_idle: _Optional[bool] = ..., sealed_start: _Optional[int] = ..., table_epoch: _Optional[int] = ...) -> None: ...
 
 class TokenIds(_message.Message):
     __slots__ = ("ids",)
