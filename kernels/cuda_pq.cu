@@ -537,27 +537,27 @@ __global__ void __launch_bounds__(NW * 32, 1) pq_attn(
               mma16816<BF16>(ws.ov[hx][nt], a0, a1, a2, a3, bm0[nt], bm1[nt]);
           }
         }
-        return;
-      }
+      } else {
 #pragma unroll
       for (int X = 0; X < NX; ++X) {
         const u32 v4 = vv[X];
-        if constexpr (CF) {   // code byte by PRMT, address by IMAD (the FMA pipe, off the ALU)
+        if constexpr (CF) {   // GP = 8: swizzled V table; code byte by PRMT, address by IMAD
           u32 w[4];
 #pragma unroll
           for (int k = 0; k < 4; ++k)
             w[k] = lds32(__byte_perm(v4, 0u, 0x4440 | k) * 32u + (vlane + X * 8192u));
           pv_mma<D, DSUB, BF16, VG>(ws, X, 0, w[0], w[1], w[2], w[3], pb0, pb1);
-          continue;
-        }
-        E e0 = sVl[X * 2048 + (v4 & 0xff) * 8];
-        E e1 = sVl[X * 2048 + ((v4 >> 8) & 0xff) * 8];
-        E e2 = sVl[X * 2048 + ((v4 >> 16) & 0xff) * 8];
-        E e3 = sVl[X * 2048 + (v4 >> 24) * 8];
+        } else {
+          E e0 = sVl[X * 2048 + (v4 & 0xff) * 8];
+          E e1 = sVl[X * 2048 + ((v4 >> 8) & 0xff) * 8];
+          E e2 = sVl[X * 2048 + ((v4 >> 16) & 0xff) * 8];
+          E e3 = sVl[X * 2048 + (v4 >> 24) * 8];
 #pragma unroll
-        for (int p = 0; p < DSUB / 2; ++p)
-          pv_mma<D, DSUB, BF16, VG>(ws, X, p, ent_word<DSUB>(e0, p), ent_word<DSUB>(e1, p),
-                                ent_word<DSUB>(e2, p), ent_word<DSUB>(e3, p), pb0, pb1);
+          for (int p = 0; p < DSUB / 2; ++p)
+            pv_mma<D, DSUB, BF16, VG>(ws, X, p, ent_word<DSUB>(e0, p), ent_word<DSUB>(e1, p),
+                                      ent_word<DSUB>(e2, p), ent_word<DSUB>(e3, p), pb0, pb1);
+        }
+      }
       }
     };
     if constexpr (CF) {
