@@ -377,6 +377,27 @@ __global__ void __launch_bounds__(NW * 32, 1) pq_attn(
   const int n_tl = (t_hi - t_lo + 15) >> 4;
   if (n_pq == 0 && n_tl == 0) return;   // padding item of a plan kept for update()
   const int G = a.g;
+  // CF: the block ids of the ring prologue's tiles, in flight together (one at a time,
+  // each of its copies waited a memory round trip on its table load)
+  int bpre[cf_stages(NW)];
+  if constexpr (CF) {
+    const int* st_b0 = a.st + (long long)b * a.st_stride;
+#pragma unroll
+    for (int k = 0; k < cf_stages(NW); ++k) {
+      const int tile = warp + k * NW, t0 = pq_lo + 16 * tile;
+      bpre[k] = tile < n_pq ? st_b0[bs_shift >= 0 ? t0 >> bs_shift : t0 / a.bs] : 0;
+    }
+  }
+#ifndef PQ_STAGE_LATE
+  // batch 0 to shared memory as soon as it lands and batch 1 out behind it, so that its
+  // round trip overlaps the q / block-table loads and the ring prologue below
+  if constexpr (STAGE_REG) {
+    if (n_pq > 0) {
+      stg.store(smem, tid, 0);
+      if constexpr (RegStager<M_, NW, VG>::NB > 1) stg.load(stg_k, stg_v, tid, RegStager<M_, NW, VG>::BATCH);
+    }
+  }
+#endif
 
   // ---- q fragments (permuted coordinates), rows >= G are zero. CF loads them only
   // for the tail tiles (after the PQ tiles, which use the rotated quads below).
@@ -698,23 +719,27 @@ __global__ void __launch_bounds__(NW * 32, 1) pq_attn(
         }
         cp_async_commit();      // empty groups too: the wait count stays uniform
       };
-      // the block ids of the prologue's tiles all in flight at once (one at a time, each
-      // issue waited a memory round trip on its table load)
-      long long bpro[STAGES];
+      // bpre: the block ids of the prologue's tiles, loaded at entry
 #pragma unroll
-      for (int k = 0; k < STAGES; ++k) bpro[k] = blk_of(warp + k * NW);
-#pragma unroll
-      for (int k = 0; k < STAGES - 1; ++k) issue(warp + k * NW, bpro[k], k * TILE);
-      long long bn = bpro[STAGES - 1];
+      for (int k = 0; k < STAGES - 1; ++k) issue(warp + k * NW, bpre[k], k * TILE);
+      long long bn = bpre[STAGES - 1];
       PQ_STAMP(2);
       if constexpr (STAGE_REG) {
         if (n_pq > 0) {
+#ifdef PQ_STAGE_LATE
           stg.store(smem, tid, 0);
 #pragma unroll
           for (int nb = 1; nb < RegStager<M, NW, VG>::NB; ++nb) {
             stg.load(stg_k, stg_v, tid, nb * RegStager<M, NW, VG>::BATCH);
             stg.store(smem, tid, nb * RegStager<M, NW, VG>::BATCH);
           }
+#else
+#pragma unroll
+          for (int nb = 1; nb < RegStager<M, NW, VG>::NB; ++nb) {
+            if (nb > 1) stg.load(stg_k, stg_v, tid, nb * RegStager<M, NW, VG>::BATCH);
+            stg.store(smem, tid, nb * RegStager<M, NW, VG>::BATCH);
+          }
+#endif
         }
       }
       // the codebook copies (the oldest group, when this item has PQ tiles) are done
