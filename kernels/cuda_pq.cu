@@ -295,11 +295,14 @@ struct RegStager {
   static constexpr int BATCH = (IT + NB - 1) / NB;
   uint4 v[BATCH];
   u32 dst[BATCH];
-  __device__ __forceinline__ void load(const u32* gk, const u32* gv, int tid, int i0) {
+  // rot (a multiple of 32, < UT): where this block starts in the tables, so that the
+  // blocks of one head do not all ask the same L2 lines at the same time
+  __device__ __forceinline__ void load(const u32* gk, const u32* gv, int tid, int i0, int rot) {
 #pragma unroll
     for (int j = 0; j < BATCH; ++j) {
-      const int u = tid + (i0 + j) * NT;
-      if (i0 + j < IT && u < UT) {
+      const int u0 = tid + (i0 + j) * NT;
+      if (i0 + j < IT && u0 < UT) {
+        const int u = u0 + rot < UT ? u0 + rot : u0 + rot - UT;
         const int uu = u % U, s = uu & 1, r = (uu >> 1) & 15, cg = (uu >> 5) & 31, mb = uu >> 10;
         const int code0 = 8 * cg + 4 * s;
         if (u < U) {   // K
@@ -370,7 +373,12 @@ __global__ void __launch_bounds__(NW * 32, 1) pq_attn(
   RegStager<M_, NW, VG> stg;
   const u32* stg_k = reinterpret_cast<const u32*>(a.kcb) + (long long)h * M_ * 256;
   const u32* stg_v = reinterpret_cast<const u32*>(a.vcb) + (long long)h * M_ * 256;
-  if constexpr (STAGE_REG) stg.load(stg_k, stg_v, tid, 0);
+#ifndef PQ_NO_ROT
+  const int stg_rot = (int)((blockIdx.x * 544u) % (u32)RegStager<M_, NW, VG>::UT) & ~31;
+#else
+  const int stg_rot = 0;
+#endif
+  if constexpr (STAGE_REG) stg.load(stg_k, stg_v, tid, 0, stg_rot);
   const int* it = a.items + item * 5;
   const int b = it[0], pq_lo = it[1], pq_hi = it[2], t_lo = it[3], t_hi = it[4];
   const int n_pq = (pq_hi - pq_lo) >> 4;
@@ -394,7 +402,7 @@ __global__ void __launch_bounds__(NW * 32, 1) pq_attn(
   if constexpr (STAGE_REG) {
     if (n_pq > 0) {
       stg.store(smem, tid, 0);
-      if constexpr (RegStager<M_, NW, VG>::NB > 1) stg.load(stg_k, stg_v, tid, RegStager<M_, NW, VG>::BATCH);
+      if constexpr (RegStager<M_, NW, VG>::NB > 1) stg.load(stg_k, stg_v, tid, RegStager<M_, NW, VG>::BATCH, stg_rot);
     }
   }
 #endif
@@ -730,13 +738,13 @@ __global__ void __launch_bounds__(NW * 32, 1) pq_attn(
           stg.store(smem, tid, 0);
 #pragma unroll
           for (int nb = 1; nb < RegStager<M, NW, VG>::NB; ++nb) {
-            stg.load(stg_k, stg_v, tid, nb * RegStager<M, NW, VG>::BATCH);
+            stg.load(stg_k, stg_v, tid, nb * RegStager<M, NW, VG>::BATCH, stg_rot);
             stg.store(smem, tid, nb * RegStager<M, NW, VG>::BATCH);
           }
 #else
 #pragma unroll
           for (int nb = 1; nb < RegStager<M, NW, VG>::NB; ++nb) {
-            if (nb > 1) stg.load(stg_k, stg_v, tid, nb * RegStager<M, NW, VG>::BATCH);
+            if (nb > 1) stg.load(stg_k, stg_v, tid, nb * RegStager<M, NW, VG>::BATCH, stg_rot);
             stg.store(smem, tid, nb * RegStager<M, NW, VG>::BATCH);
           }
 #endif
