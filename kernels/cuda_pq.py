@@ -30,6 +30,17 @@ _streams: dict = {}
 NUM_WARPS = int(os.environ.get("KVSTORE_CUDA_PQ_WARPS", "12"))
 # conflict-free codebook gathers for dsub 2 (cuda_pq.cu, GP > 0); 0 = the swizzled layout
 CONFLICT_FREE = os.environ.get("KVSTORE_CUDA_PQ_CF", "1") != "0"
+# debug / experiments only: extra NVRTC defines ("-DPQ_STAMPS ..."), the raw modules
+# (bench/attrib_cuda_pq.py reads the stamp buffer out of them), launches to leave out
+DEFINES = tuple(os.environ.get("KVSTORE_CUDA_PQ_DEFS", "").split())
+_raw: dict = {}
+SKIP: set = set()
+# A sequence's fp16 tail runs at the end of one block, one 16-token tile per warp: a
+# single warp's serial chain of dependent loads and arithmetic, about as long as
+# TAIL_TILES PQ tiles of that warp (Session 4 stamps: ~5 us vs ~1.15 us per PQ tile). _items
+# counts a tail of up to 16 * warps tokens as 16 * warps * TAIL_TILES tokens of PQ work and
+# takes them off the PQ share of the block that has it. 0: the tail is free (as before).
+TAIL_TILES = float(os.environ.get("KVSTORE_CUDA_PQ_TAIL_TILES", "4"))
 
 
 
@@ -71,10 +82,11 @@ def _function(name: str, device: torch.device):
             major, minor = torch.cuda.get_device_capability(device)
             src = open(_SRC).read()
             mod = cp.RawModule(code=src, options=("-std=c++17", f"-arch=sm_{major}{minor}",
-                                                  "--use_fast_math"),
+                                                  "--use_fast_math") + DEFINES,
                                name_expressions=[name])
             fn = mod.get_function(name)
         _modules[key] = fn
+        _raw[key] = mod
     return fn
 
 
@@ -174,7 +186,8 @@ class CudaPQPlan:
         sl, tl_ = _pq_lens(sealed_lens, tail_lens, block_size=self.block_size)
         if len(sl) != self.batch:
             raise ValueError(f"update: the plan is for a batch of {self.batch}, got {len(sl)} lengths")
-        items, ptr = _fit(lambda c: _items(sl, tl_, c), self.chunk0, self.items.shape[0], 5)
+        eq = _tail_eq(self.num_warps)
+        items, ptr = _fit(lambda c: _items(sl, tl_, c, eq), self.chunk0, self.items.shape[0], 5)
         copy_into(self.items, torch.tensor(items, dtype=torch.int32))
         copy_into(self.item_ptr, torch.tensor(ptr, dtype=torch.int32))
         self.sealed_cols = max([x // self.block_size for x in sl] + [0])
@@ -266,7 +279,7 @@ class CudaPQPlan:
                                          out=out, lse=lse)
         bf16 = dt == torch.bfloat16
         n_items = self.items.shape[0]
-        if n_items > 0:
+        if n_items > 0 and "attn" not in SKIP:
             # the conflict-free kernel streams V code rows with 16-byte async copies
             cf = self.conflict_free and not (v_codes.data_ptr() % 16 or v_codes.stride(0) % 16
                                              or v_codes.stride(1) % 16)
@@ -284,6 +297,8 @@ class CudaPQPlan:
                     _i32(self.tail_block_size), _i32(_log2_or_neg(bs)))
             _launch(fn, dev, (n_items, hkv), (32 * self.num_warps,), args,
                     _attn_smem(d, gp, self.num_warps))
+        if "merge" in SKIP:
+            return out, lse
         fn = self._fn("merge", d, bf16)
         _launch(fn, dev, (b, hq), (d,),
                 (_p(self.o_part), _p(self.lse_part), _p(self.item_ptr), _p(out),
@@ -300,14 +315,34 @@ def _log2_or_neg(n: int) -> int:
     return n.bit_length() - 1 if n > 0 and n & (n - 1) == 0 else -1
 
 
-def _items(sl, tl_, chunk):
-    """[b, pq_lo, pq_hi, tail_lo, tail_hi] work items; each sequence's tail joins its
-    last (shortest) PQ item."""
+def _tail_eq(nw: int) -> int:
+    return int(TAIL_TILES * 16 * nw)
+
+
+def _items(sl, tl_, chunk, tail_eq=0):
+    """[b, pq_lo, pq_hi, tail_lo, tail_hi] work items; each sequence's tail (its first
+    `chunk` tokens) joins its last PQ item. tail_eq: what that tail costs in PQ tokens
+    (TAIL_TILES): a sequence cut into k > 1 items gets k equal shares of PQ + tail_eq, the
+    last one tail_eq fewer PQ tokens (none: the tail alone, a block with no codebooks to
+    stage)."""
     items, ptr = [], [0]
     for b, (ns, nt) in enumerate(zip(sl, tl_)):
         mine = []
-        for lo in range(0, ns, chunk):
-            mine.append([b, lo, min(ns, lo + chunk), 0, 0])
+        eq = tail_eq if nt > 0 else 0
+        # rounded, not ceil: the plan's chunk is the grid's total over its blocks per head
+        k = max(1, round((ns + eq) / chunk)) if ns > 0 else 0
+        if k > 1 and eq > 0:
+            last = max(0, (ns + eq) // k - eq) // 16 * 16
+            share = _ceil(_ceil(ns - last, k - 1), 16) * 16
+            lo = 0
+            while lo < ns - last:
+                hi = min(ns - last, lo + share)
+                mine.append([b, lo, hi, 0, 0])
+                lo = hi
+            mine.append([b, ns - last, ns, 0, 0] if last > 0 else [b, 0, 0, 0, 0])
+        else:
+            for lo in range(0, ns, chunk):
+                mine.append([b, lo, min(ns, lo + chunk), 0, 0])
         t_lo = 0
         if nt > 0 and mine:
             take = min(nt, chunk)
@@ -337,9 +372,10 @@ def plan_pq_decode(sl: list[int], tl_: list[int], *, num_qo_heads: int, num_kv_h
     if target_ctas is None:
         target_ctas = torch.cuda.get_device_properties(dev).multi_processor_count
     per_head = max(1, target_ctas // num_kv_heads)
-    total = sum(sl) + sum(tl_)
+    eq = _tail_eq(nw)
+    total = sum(sl) + sum(eq if eq and t > 0 else t for t in tl_)
     chunk = max(16 * nw, _ceil(_ceil(max(total, 1), per_head), 16) * 16)
-    items, ptr = _items(sl, tl_, chunk)
+    items, ptr = _items(sl, tl_, chunk, eq)
     n = len(items) // 5
     cap = _capacity(n, len(sl), spare_items)
     if cap is not None:     # empty items past item_ptr[-1]: the kernel returns at once
