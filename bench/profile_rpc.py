@@ -173,8 +173,8 @@ def main(argv=None) -> None:
     ap.add_argument("--stream", action="store_true", help="AppendAttend over the client's stream (AppendAttendStream)")
     ap.add_argument("--serve", nargs=2, help=argparse.SUPPRESS)
     args, extra = ap.parse_known_args(argv)
-    if args.serve:
-        return serve(args.serve[0], args.serve[1], extra)
+    if args.serve:      # --device is this parser's: hand it on to the daemon
+        return serve(args.serve[0], args.serve[1], extra + ["--device", args.device])
 
     import torch
 
