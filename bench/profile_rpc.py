@@ -102,14 +102,23 @@ def serve(sock: str, out: str, extra: list[str]) -> None:
                     **kw)
     grpc.server = server
     from kvstore import daemon
-    try:
-        daemon.main(["--socket", sock, "--device", "cpu", "--log-level", "WARNING", *extra])
-    finally:
+
+    def dump():
         prof.dump_stats(out + ".prof")
         with open(out, "w") as f:
             json.dump(marks, f)
         with open(out + ".stages", "w") as f:
             json.dump(stages, f)
+    real_exit = os._exit
+
+    def _exit(code):        # a CUDA daemon leaves by os._exit: no finally runs
+        dump()
+        real_exit(code)
+    os._exit = _exit
+    try:
+        daemon.main(["--socket", sock, "--device", "cpu", "--log-level", "WARNING", *extra])
+    finally:
+        dump()
 
 
 # Functions timed (inclusive wall time per call) with --stages; missing ones are skipped,

@@ -116,6 +116,7 @@ class _Batch:
         self.device = device
         self.slot, self.host = _get_ring().acquire()
         self.host8 = self.host.view(torch.uint8)
+        self.host_np = self.host8.numpy()       # numpy slicing: ~1 µs a copy, torch's ~5
         self.dev = torch.empty(STAGED_BYTES, dtype=torch.uint8, device=device)
         self.used = 0
 
@@ -127,7 +128,10 @@ class _Batch:
             return None
         self.used = off + nbytes
         if nbytes:
-            self.host8[off:off + nbytes].view(t.dtype).copy_(t.reshape(-1))
+            try:
+                self.host_np[off:off + nbytes] = t.reshape(-1).numpy().view(np.uint8)
+            except TypeError:       # a dtype numpy lacks (bfloat16)
+                self.host8[off:off + nbytes].view(t.dtype).copy_(t.reshape(-1))
         return self.dev[off:off + nbytes].view(t.dtype).view(t.shape)
 
     def flush(self) -> None:
