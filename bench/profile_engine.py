@@ -44,7 +44,7 @@ STAGES = [
     ("kvstore.kernels.decode_attention", "DecodePlan", "run_paged"),
     ("kvstore.kernels.decode_attention", "DecodePlan", "_launch"),
     ("kvstore.pinned", "_Ring", "copy"),
-    ("kvstore.read_path", "ReadPath", "decode_plan"),
+    ("kvstore.decode_graphs", "DecodeGraphs", "attend"), ("kvstore.decode_graphs", "DecodeGraphs", "_copy_meta"),
     ("kvstore.wire", None, "to_proto"),
 ]
 
@@ -85,6 +85,7 @@ def main(argv=None) -> None:
     ap.add_argument("--codec", default="pq,fp16")
     ap.add_argument("--torch-prof", action="store_true")
     ap.add_argument("--top", type=int, default=25)
+    ap.add_argument("--no-cprofile", action="store_true")
     ap.add_argument("--device", default="cuda", help="cpu: a smoke test of this script")
     args = ap.parse_args(argv)
 
@@ -131,6 +132,9 @@ def main(argv=None) -> None:
     from kvstore.v1 import kvstore_pb2 as pb
     out_ref = pb.OutputRef(buffer_id="cuda-x", offset=0)
 
+    import inspect
+    # The servicer hands the engine the client's output range where it can (later checkouts).
+    out_kw = {"out": out_buf} if "out" in inspect.signature(eng.append_attend).parameters else {}
     print(f"torch {torch.__version__}, {torch.cuda.get_device_name() if cuda else 'cpu'}, {args.calls} calls per codec")
     for codec in args.codec.split(","):
         state = {"i": 0, "n": 0}
@@ -153,7 +157,7 @@ def main(argv=None) -> None:
             if cuda:
                 ready.record()
             with CudaScope(stream, ready, done, fences.get(dev)) if cuda else contextlib.nullcontext():
-                out = eng.append_attend(codec, "default", state["i"] % g["num_layers"], [sid], k, k, q)
+                out = eng.append_attend(codec, "default", state["i"] % g["num_layers"], [sid], k, k, q, **out_kw)
                 wire.to_proto(out, Buffers(), out_ref)
 
         for _ in range(50):
@@ -176,6 +180,8 @@ def main(argv=None) -> None:
             if xs:
                 print(f"  {label:<40}{med(xs):8.1f}  x{len(xs) / n:.2f}/call")
             xs.clear()
+        if args.no_cprofile:
+            continue
         prof = cProfile.Profile()
         prof.enable()
         for _ in range(args.calls):

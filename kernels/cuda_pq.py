@@ -189,20 +189,29 @@ class CudaPQPlan:
     def update(self, sealed_lens, tail_lens) -> "CudaPQPlan":
         """Re-partition for new lengths into this plan's buffers (see
         decode_attention.DecodePlan.update: for CUDA graphs)."""
-        from .decode_attention import _fit, _pq_lens
-        sl, tl_ = _pq_lens(sealed_lens, tail_lens, block_size=self.block_size)
-        if len(sl) != self.batch:
-            raise ValueError(f"update: the plan is for a batch of {self.batch}, got {len(sl)} lengths")
-        items, ptr = _fit(lambda c: _items(sl, tl_, c), self.chunk0, self.items.shape[0], 5)
+        items, ptr, sl, tl_ = self._rows(sealed_lens, tail_lens)
         copy_into(self.items, torch.tensor(items, dtype=torch.int32))
         copy_into(self.item_ptr, torch.tensor(ptr, dtype=torch.int32))
-        self.sealed_cols = max([x // self.block_size for x in sl] + [0])
-        self.tail_cols = max([_ceil(x, self.tail_block_size) for x in tl_] + [0])
         if self._fallback is not None:
             self._fallback.update(sl, tl_)
         else:
             self.fallback_args.update(sealed_lens=sl, tail_lens=tl_)
         return self
+
+    def rows(self, sealed_lens, tail_lens) -> tuple[list[int], list[int]]:
+        """update() on the host, for this plan's kernels only (not its Triton
+        fallback): (items, item_ptr) as flat lists, items padded to capacity."""
+        return self._rows(sealed_lens, tail_lens)[:2]
+
+    def _rows(self, sealed_lens, tail_lens):
+        from .decode_attention import _fit, _pq_lens
+        sl, tl_ = _pq_lens(sealed_lens, tail_lens, block_size=self.block_size)
+        if len(sl) != self.batch:
+            raise ValueError(f"update: the plan is for a batch of {self.batch}, got {len(sl)} lengths")
+        items, ptr = _fit(lambda c: _items(sl, tl_, c), self.chunk0, self.items.shape[0], 5)
+        self.sealed_cols = max([x // self.block_size for x in sl] + [0])
+        self.tail_cols = max([_ceil(x, self.tail_block_size) for x in tl_] + [0])
+        return items, ptr, sl, tl_
 
     def _triton(self):
         if self._fallback is None:

@@ -86,6 +86,14 @@ class DecodePlan:
         never merged), so a graph captured with this plan replays correctly
         after update(). Arguments as the plan function's: (sealed_lens,
         tail_lens) for a PQ plan, (seq_lens,) for a paged one."""
+        items, ptr = self.rows(*lens)
+        copy_into(self.items, torch.tensor(items, dtype=torch.int32))
+        copy_into(self.item_ptr, torch.tensor(ptr, dtype=torch.int32))
+        return self
+
+    def rows(self, *lens) -> tuple[list[int], list[int]]:
+        """update() on the host: (items, item_ptr) as flat lists for the new lengths,
+        items padded to this plan's capacity, for a caller that copies them in itself."""
         cap = self.items.shape[0]
         if self.has_pq:
             sl, tl_ = _pq_lens(*lens, block_size=self.block_size)
@@ -97,12 +105,10 @@ class DecodePlan:
         if len(sl) != self.batch:
             raise ValueError(f"update: the plan is for a batch of {self.batch}, got {len(sl)} lengths")
         items, ptr = _fit(make, self.chunk0, cap, 4, self.max_items)
-        copy_into(self.items, torch.tensor(items, dtype=torch.int32))
-        copy_into(self.item_ptr, torch.tensor(ptr, dtype=torch.int32))
         if self.has_pq:
             self.sealed_cols = max([n // self.block_size for n in sl] + [0])
         self.tail_cols = max([triton.cdiv(n, self.tail_block_size) for n in tl_] + [0])
-        return self
+        return items, ptr
 
     # ------------------------------------------------------------ checks
     def _check_q_out(self, q, out, lse):

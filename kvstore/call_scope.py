@@ -24,7 +24,8 @@ class CudaScope:
         # The stream's own device is the current one (one GPU): switching the
         # stream is all torch.cuda.stream() would do, at a third of its cost.
         self._ctx = None
-        if self.stream.device_index == torch.cuda.current_device():
+        index = getattr(self.stream, "device_index", None)
+        if index is not None and index == torch.cuda.current_device():
             torch.cuda.set_stream(self.stream)
         else:
             self._ctx = torch.cuda.stream(self.stream)

@@ -34,6 +34,8 @@ class ReadPath:
                 out = res
             else:
                 out.copy_(res)
+        elif out is not None and self.graphs.attend(self, layer, seqs, q, scale, out) is not None:
+            pass        # replayed (or captured) into out
         else:
             # The hot path holds a plan (DESIGN §4): block tables and work items
             # built on the host and copied in one go (pinned.staged), then the
