@@ -121,6 +121,10 @@ def main(argv=None) -> None:
     k = torch.randn(1, g["num_kv_heads"], g["head_dim"], device=dev).half()
     q = torch.randn(1, g["num_q_heads"], g["head_dim"], device=dev).half()
     out_buf = torch.empty(1, g["num_q_heads"], g["head_dim"], device=dev, dtype=torch.float16)
+    import inspect
+    # The servicer hands the engine the client's output range where it can (later
+    # checkouts): asked before patch_stages() wraps append_attend in *a, **kw.
+    out_kw = {"out": out_buf} if "out" in inspect.signature(Engine.append_attend).parameters else {}
     stages = patch_stages()
 
     class Buffers:            # the servicer's view of a registered CUDA buffer
@@ -132,9 +136,6 @@ def main(argv=None) -> None:
     from kvstore.v1 import kvstore_pb2 as pb
     out_ref = pb.OutputRef(buffer_id="cuda-x", offset=0)
 
-    import inspect
-    # The servicer hands the engine the client's output range where it can (later checkouts).
-    out_kw = {"out": out_buf} if "out" in inspect.signature(eng.append_attend).parameters else {}
     print(f"torch {torch.__version__}, {torch.cuda.get_device_name() if cuda else 'cpu'}, {args.calls} calls per codec")
     for codec in args.codec.split(","):
         state = {"i": 0, "n": 0}
