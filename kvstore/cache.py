@@ -91,6 +91,7 @@ class Cache(WritePath, ReadPath):
             raise FailedPrecondition("codebooks", f"cache {self.cfg.name!r} has {len(self.seqs)} live sequences; "
                                      "codebooks can change only on an empty cache")
         self.main.set_codebooks(cb)
+        self.graphs.clear()                # captured with the old codebooks' addresses
         self.codebooks = cb
         self.fingerprint = fingerprint(self.cfg, cb)
         # Blocks hashed under the old fingerprint must never be found again.

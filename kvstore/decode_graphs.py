@@ -58,7 +58,14 @@ class DecodeGraphs:
         self.enabled = ENABLED
         self._streams: dict[int, torch.cuda.Stream] = {}
         self._eager: set[tuple] = set()     # keys whose plan left its CUDA kernels: never captured
+        self._seen: OrderedDict[tuple, None] = OrderedDict()     # keys met once, not captured yet
         self._lock = threading.Lock()
+
+    def clear(self) -> None:
+        with self._lock:
+            self.graphs.clear()
+            self._eager.clear()
+            self._seen.clear()
 
     def attend(self, cache, layer: int, seqs, q: torch.Tensor, scale: float,
                out: torch.Tensor | None) -> torch.Tensor | None:
@@ -74,7 +81,7 @@ class DecodeGraphs:
             lens = ([len(s.sealed) * bs for s in seqs],
                     [s.layer_length(layer) - len(s.sealed) * bs for s in seqs])
             cols = (_cols(max(len(r) for r in sealed)), _cols(max(len(r) for r in tail)))
-            cb = cache.main.k_cb[layer].data_ptr()
+            cb = (cache.main.k_cb[layer].data_ptr(), cache.main.v_cb[layer].data_ptr())
         else:
             sealed, tail = None, [s.sealed + s.tail for s in seqs]
             lens = ([s.layer_length(layer) for s in seqs],)
@@ -101,6 +108,13 @@ class DecodeGraphs:
                 g.graph.replay()
                 self.hits += 1
                 return out
+        elif key not in self._seen:
+            # Capture on a key's second call: buffers whose addresses change every
+            # call (a q the engine converted, say) never cost a capture.
+            self._seen[key] = None
+            if len(self._seen) > 4 * MAX_GRAPHS:
+                self._seen.popitem(last=False)
+            return None
         return self._capture(cache, layer, seqs, q, scale, out, lens, sealed, tail, cols, key)
 
     # ------------------------------------------------------------ internals
@@ -131,8 +145,10 @@ class DecodeGraphs:
     def _capture(self, cache, layer, seqs, q, scale, out, lens, sealed, tail, cols, key):
         from kvstore.kernels import cuda_pq
         from kvstore.kernels import decode_attention as da
-        if self.captures >= 32 and self.captures > self.hits // 4:
-            self.enabled = False        # addresses that do not repeat: graphs would not pay
+        if self.captures >= MAX_GRAPHS and self.hits < 2 * self.captures:
+            # Addresses that do not repeat, or more layers x buffers than the LRU
+            # holds: graphs would not pay for their captures.
+            self.enabled = False
             log.info("decode graphs off for this cache: %d captures, %d replays", self.captures, self.hits)
             return None
         dev, b, hq, d = q.device, len(seqs), q.shape[1], q.shape[2]
