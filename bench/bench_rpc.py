@@ -132,7 +132,7 @@ def compare(args, argv: list[str]) -> None:
     for r in range(args.rounds):
         for label in (("before", "after") if r % 2 == 0 else ("after", "before")):
             root = trees[label]
-            env = dict(os.environ, PYTHONPATH=root)
+            env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
             subprocess.run([sys.executable, os.path.abspath(__file__), "--root", root, "--rounds", "1", "--json", out,
                             *rest], env=env, check=True)
             for k, xs in json.load(open(out)).items():

@@ -102,14 +102,23 @@ def serve(sock: str, out: str, extra: list[str]) -> None:
                     **kw)
     grpc.server = server
     from kvstore import daemon
-    try:
-        daemon.main(["--socket", sock, "--device", "cpu", "--log-level", "WARNING", *extra])
-    finally:
+
+    def dump():
         prof.dump_stats(out + ".prof")
         with open(out, "w") as f:
             json.dump(marks, f)
         with open(out + ".stages", "w") as f:
             json.dump(stages, f)
+    real_exit = os._exit
+
+    def _exit(code):        # a CUDA daemon leaves by os._exit: no finally runs
+        dump()
+        real_exit(code)
+    os._exit = _exit
+    try:
+        daemon.main(["--socket", sock, "--device", "cpu", "--log-level", "WARNING", *extra])
+    finally:
+        dump()
 
 
 # Functions timed (inclusive wall time per call) with --stages; missing ones are skipped,
@@ -119,7 +128,8 @@ STAGES = [("kvstore.servicer", "KVStoreServicer", "AppendAttend"), ("kvstore.ser
           ("kvstore.servicer", "KVStoreServicer", "_cuda"), ("kvstore.wire", None, "to_proto"),
           ("kvstore.engine", "Engine", "append_attend"), ("kvstore.engine", "Engine", "_query"),
           ("kvstore.engine", "Engine", "append"), ("kvstore.engine", "Engine", "_tensor"), ("kvstore.engine", None, "_finite"),
-          ("kvstore.cache", "Cache", "append_layer_batch"), ("kvstore.cache", "Cache", "attend")]
+          ("kvstore.cache", "Cache", "append_layer_batch"), ("kvstore.cache", "Cache", "attend"),
+          ("kvstore.call_scope", "CudaScope", "__enter__"), ("kvstore.call_scope", "CudaScope", "__exit__")]
 
 
 def _patch_stages() -> dict:
@@ -172,8 +182,8 @@ def main(argv=None) -> None:
     ap.add_argument("--stream", action="store_true", help="AppendAttend over the client's stream (AppendAttendStream)")
     ap.add_argument("--serve", nargs=2, help=argparse.SUPPRESS)
     args, extra = ap.parse_known_args(argv)
-    if args.serve:
-        return serve(args.serve[0], args.serve[1], extra)
+    if args.serve:      # --device is this parser's: hand it on to the daemon
+        return serve(args.serve[0], args.serve[1], extra + ["--device", args.device])
 
     import torch
 
@@ -202,7 +212,8 @@ def main(argv=None) -> None:
         time.sleep(0.5)
         import inspect
         streams = "stream" in inspect.signature(KVStoreClient).parameters     # older checkouts: unary only
-        kv = KVStoreClient(f"unix://{sock}", transport=args.transport, shm_bytes=1 << 24, heartbeat=False,
+        cuda = args.transport == "cuda"     # tensors on the GPU: the client's CUDA IPC buffer
+        kv = KVStoreClient(f"unix://{sock}", transport="shm" if cuda else args.transport, shm_bytes=1 << 24, heartbeat=False,
                            **({"stream": args.stream} if streams else {}))
         for _ in range(100):
             try:
@@ -220,8 +231,9 @@ def main(argv=None) -> None:
         kv.allocate("c", "t", [])
         pre = torch.randn(2, 32, 2, 64).half()
         kv.append("c", ["t"], pre, pre)
-        k = torch.randn(1, 2, 64, dtype=torch.float16)
-        q = torch.randn(1, 4, 64, dtype=torch.float16)
+        k = torch.randn(1, 2, 64, dtype=torch.float16, device="cuda" if cuda else "cpu")
+        q = torch.randn(1, 4, 64, dtype=torch.float16, device="cuda" if cuda else "cpu")
+        syncs: list[int] = []
         attr = "_raw" if hasattr(kv, "_raw") else "stub"     # older clients call through kv.stub
         stub_method = getattr(kv, attr).AppendAttend
         cmarks: list[tuple[int, int, int, int]] = []
@@ -266,6 +278,11 @@ def main(argv=None) -> None:
                 cur["s1"], cur["c"] = time.perf_counter_ns(), time.thread_time_ns() - c0
             else:
                 kv.append_attend("c", i % 2, ["t"], k, k, q)
+            if cuda:        # as bench_rpc's cuda rows: the call is done once its output is
+                ts = time.perf_counter_ns()
+                torch.cuda.synchronize()
+                if i >= 50:
+                    syncs.append(time.perf_counter_ns() - ts)
             if i >= 50:
                 cprof.disable()
                 cmarks.append((t0, cur["s0"], cur["s1"], time.perf_counter_ns(),
@@ -292,6 +309,8 @@ def main(argv=None) -> None:
         segs["server handler end -> stub return"].append(s1 - h1)
         segs["client: read output"].append(c1 - s1)
         segs["total"].append(c1 - c0)
+    if syncs:       # the synchronisation's wait is inside "client: read output" and "total"
+        segs["client: of which synchronize (GPU)"] = syncs
     med = lambda xs: sorted(xs)[len(xs) // 2] / 1e3   # noqa: E731
     print(f"\n{'Heartbeat' if args.heartbeat else args.codec + '/' + args.transport}{'/stream' if args.stream else ''}"
           f"{' +metrics' if args.metrics else ''}: medians over {len(cmarks)} calls "

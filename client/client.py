@@ -162,6 +162,7 @@ class KVStoreClient:
         self._lock = threading.Lock()
         self._arena: _ShmArena | None = None
         self._cuda_arena: _CudaArena | None = None
+        self._no_cuda_buffers = False     # the daemon refused a CUDA buffer once
         self._shm_bytes = shm_bytes
         if transport not in ("auto", "shm", "inline"):
             raise ValueError(f"transport must be auto, shm or inline, got {transport!r}")
@@ -245,7 +246,7 @@ class KVStoreClient:
         return self._arena
 
     def _cuda_arena_for(self, nbytes: int, device: torch.device) -> _CudaArena | None:
-        if not self.target.startswith("unix:") or self.transport == "inline":
+        if not self.target.startswith("unix:") or self.transport == "inline" or self._no_cuda_buffers:
             return None
         a = self._cuda_arena
         if a is None or a.size < nbytes or a.view.device != device:
@@ -258,8 +259,12 @@ class KVStoreClient:
                     device_uuid=a.handle.device_uuid, ready_event=a.ready.ipc_handle(),
                     done_event=a.done.ipc_handle()), timeout=self.timeout).buffer_id
             except grpc.RpcError:
+                # A daemon without CUDA: go through host memory, and do not try
+                # again on every call (a new arena costs a cudaMalloc, an IPC
+                # export and an RPC: ~0.2 s a call, measured).
                 self._cuda_arena = None
-                return None        # a daemon without CUDA: go through host memory
+                self._no_cuda_buffers = True
+                return None
             self._cuda_arena = a
         a.cursor = 0
         return a

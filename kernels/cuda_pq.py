@@ -15,9 +15,11 @@ stays on the Triton kernels (decode_attention.plan_pq_decode routes).
 """
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from kvstore.pinned import copy_into, to_device
@@ -69,7 +71,21 @@ def supports(*, num_qo_heads, num_kv_heads, head_dim, block_size, device) -> boo
         return False
     g = num_qo_heads // num_kv_heads
     return (head_dim in (64, 128) and 1 <= g <= 8 and block_size % 16 == 0
-            and torch.cuda.get_device_capability(dev) >= (8, 0))
+            and _capability(_index(dev)) >= (8, 0))
+
+
+def _index(dev: torch.device) -> int:
+    return dev.index if dev.index is not None else torch.cuda.current_device()
+
+
+@functools.lru_cache(maxsize=None)
+def _capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 def _function(name: str, device: torch.device):
@@ -101,30 +117,33 @@ def _stream(device: torch.device):
     return ext
 
 
-def _launch(fn, device, grid, block, args, shared_mem=0):
+_stream_kwarg = True      # cupy's Function takes stream=: no Device / stream contexts per launch
+
+
+def _launch(fn, device, grid, block, args, shared_mem=0, stream=None):
+    """Launch on torch's current stream of device (stream: that stream's cupy
+    wrapper, from _stream, when the caller launches several kernels)."""
+    global _stream_kwarg
     cp = _cp()
-    with cp.cuda.Device(device.index or 0), _stream(device):
+    idx = device.index or 0
+    if _stream_kwarg and cp.cuda.runtime.getDevice() == idx:
+        # The launch itself takes ~5 µs; the two context managers took ~25 more.
+        try:
+            fn(grid, block, args, shared_mem=shared_mem, stream=stream or _stream(device))
+            return
+        except TypeError:       # a cupy without stream=
+            _stream_kwarg = False
+    with cp.cuda.Device(idx), (stream or _stream(device)):
         fn(grid, block, args, shared_mem=shared_mem)
 
 
+# Kernel arguments as numpy scalars (cupy packs them by type). numpy is imported
+# once: an import statement in each of these cost ~1 µs a call, 30 a launch.
 def _p(t: torch.Tensor):
-    import numpy as np
     return np.uint64(t.data_ptr())
 
 
-def _i64(x):
-    import numpy as np
-    return np.int64(x)
-
-
-def _i32(x):
-    import numpy as np
-    return np.int32(x)
-
-
-def _f32(x):
-    import numpy as np
-    return np.float32(x)
+_i64, _i32, _f32 = np.int64, np.int32, np.float32
 
 
 def _attn_name(d, dsub, bf16, nw, gp=0):
@@ -182,21 +201,30 @@ class CudaPQPlan:
     def update(self, sealed_lens, tail_lens) -> "CudaPQPlan":
         """Re-partition for new lengths into this plan's buffers (see
         decode_attention.DecodePlan.update: for CUDA graphs)."""
+        items, ptr, sl, tl_ = self._rows(sealed_lens, tail_lens)
+        copy_into(self.items, torch.tensor(items, dtype=torch.int32))
+        copy_into(self.item_ptr, torch.tensor(ptr, dtype=torch.int32))
+        if self._fallback is not None:
+            self._fallback.update(sl, tl_)
+        else:
+            self.fallback_args.update(sealed_lens=sl, tail_lens=tl_)
+        return self
+
+    def rows(self, sealed_lens, tail_lens) -> tuple[list[int], list[int]]:
+        """update() on the host, for this plan's kernels only (not its Triton
+        fallback): (items, item_ptr) as flat lists, items padded to capacity."""
+        return self._rows(sealed_lens, tail_lens)[:2]
+
+    def _rows(self, sealed_lens, tail_lens):
         from .decode_attention import _fit, _pq_lens
         sl, tl_ = _pq_lens(sealed_lens, tail_lens, block_size=self.block_size)
         if len(sl) != self.batch:
             raise ValueError(f"update: the plan is for a batch of {self.batch}, got {len(sl)} lengths")
         eq = _tail_eq(self.num_warps)
         items, ptr = _fit(lambda c: _items(sl, tl_, c, eq), self.chunk0, self.items.shape[0], 5)
-        copy_into(self.items, torch.tensor(items, dtype=torch.int32))
-        copy_into(self.item_ptr, torch.tensor(ptr, dtype=torch.int32))
         self.sealed_cols = max([x // self.block_size for x in sl] + [0])
         self.tail_cols = max([_ceil(x, self.tail_block_size) for x in tl_] + [0])
-        if self._fallback is not None:
-            self._fallback.update(sl, tl_)
-        else:
-            self.fallback_args.update(sealed_lens=sl, tail_lens=tl_)
-        return self
+        return items, ptr, sl, tl_
 
     def _triton(self):
         if self._fallback is None:
@@ -225,9 +253,12 @@ class CudaPQPlan:
             self._fn("merge", self.head_dim, dt == torch.bfloat16)
 
     def run_pq(self, q, k_codes, v_codes, k_codebook, v_codebook, sealed_tables,
-               tail_k, tail_v, tail_tables, scale: float, out=None, lse=None):
-        """Same arguments and result as DecodePlan.run_pq."""
-        from .decode_attention import _FLOAT, _check, _check_table
+               tail_k, tail_v, tail_tables, scale: float, out=None, lse=None,
+               trusted: bool = False):
+        """Same arguments and result as DecodePlan.run_pq. trusted: the caller made
+        every argument to this plan's measure (the engine, from its own pools): skip
+        the shape/dtype checks (~80 µs of a tiny call); alignment still picks the
+        kernel."""
         dt = q.dtype if isinstance(q, torch.Tensor) else None
         if (dt not in (torch.float16, torch.bfloat16)
                 or getattr(k_codebook, "dtype", None) != dt
@@ -236,6 +267,20 @@ class CudaPQPlan:
             return self._triton().run_pq(q, k_codes, v_codes, k_codebook, v_codebook,
                                          sealed_tables, tail_k, tail_v, tail_tables, scale,
                                          out=out, lse=lse)
+        if trusted:
+            b, hq = self.batch, self.num_qo_heads
+            out = torch.empty_like(q) if out is None else out
+            lse = torch.empty(b, hq, dtype=torch.float32, device=q.device) if lse is None else lse
+            m, dsub = k_codebook.shape[1], k_codebook.shape[3]
+        else:
+            out, lse, m, dsub = self._check_all(q, k_codes, v_codes, k_codebook, v_codebook,
+                                                sealed_tables, tail_k, tail_v, tail_tables, out, lse)
+        return self._run(q, k_codes, v_codes, k_codebook, v_codebook, sealed_tables, tail_k, tail_v,
+                         tail_tables, scale, out, lse, m, dsub, dt)
+
+    def _check_all(self, q, k_codes, v_codes, k_codebook, v_codebook, sealed_tables,
+                   tail_k, tail_v, tail_tables, out, lse):
+        from .decode_attention import _FLOAT, _check, _check_table
         b, hq, d, hkv, bs = (self.batch, self.num_qo_heads, self.head_dim, self.num_kv_heads,
                              self.block_size)
         dev = self.items.device
@@ -267,6 +312,13 @@ class CudaPQPlan:
         _check(tail_k, "tail_k", shape, _FLOAT, dev)
         _check(tail_v, "tail_v", shape, (tail_k.dtype,), tail_k.device)
         _check_table(tail_tables, "tail_tables", b, self.tail_cols, q.device)
+        return out, lse, m, dsub
+
+    def _run(self, q, k_codes, v_codes, k_codebook, v_codebook, sealed_tables, tail_k, tail_v,
+             tail_tables, scale, out, lse, m, dsub, dt):
+        b, hq, d, hkv, bs = (self.batch, self.num_qo_heads, self.head_dim, self.num_kv_heads,
+                             self.block_size)
+        dev = self.items.device
         # alignment for the vector loads (16 B code rows, 4/8 B fp16 pairs/quads)
         ew = 2 * dsub
         if (k_codes.data_ptr() % 16 or k_codes.stride(0) % 16 or k_codes.stride(1) % 16
@@ -279,6 +331,7 @@ class CudaPQPlan:
                                          out=out, lse=lse)
         bf16 = dt == torch.bfloat16
         n_items = self.items.shape[0]
+        stream = _stream(dev)
         if n_items > 0 and "attn" not in SKIP:
             # the conflict-free kernel streams V code rows with 16-byte async copies
             cf = self.conflict_free and not (v_codes.data_ptr() % 16 or v_codes.stride(0) % 16
@@ -296,14 +349,14 @@ class CudaPQPlan:
                     _f32(scale * 1.4426950408889634), _i32(hq), _i32(hq // hkv), _i32(bs),
                     _i32(self.tail_block_size), _i32(_log2_or_neg(bs)))
             _launch(fn, dev, (n_items, hkv), (32 * self.num_warps,), args,
-                    _attn_smem(d, gp, self.num_warps))
+                    _attn_smem(d, gp, self.num_warps), stream)
         if "merge" in SKIP:
             return out, lse
         fn = self._fn("merge", d, bf16)
         _launch(fn, dev, (b, hq), (d,),
                 (_p(self.o_part), _p(self.lse_part), _p(self.item_ptr), _p(out),
                  _i64(out.stride(0)), _i64(out.stride(1)), _p(lse), _i64(lse.stride(0)),
-                 _i32(hq)))
+                 _i32(hq)), stream=stream)
         return out, lse
 
 
@@ -370,7 +423,7 @@ def plan_pq_decode(sl: list[int], tl_: list[int], *, num_qo_heads: int, num_kv_h
     dev = torch.device(device)
     nw = num_warps or NUM_WARPS
     if target_ctas is None:
-        target_ctas = torch.cuda.get_device_properties(dev).multi_processor_count
+        target_ctas = _num_sms(_index(dev))
     per_head = max(1, target_ctas // num_kv_heads)
     eq = _tail_eq(nw)
     total = sum(sl) + sum(eq if eq and t > 0 else t for t in tl_)

@@ -13,6 +13,7 @@ import torch
 from .block_pool import BlockPool
 from .codebooks import Codebooks, fingerprint
 from .config import CacheConfig
+from .decode_graphs import DecodeGraphs
 from .errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
 from .hashing import chain_hashes
 from .read_path import ReadPath
@@ -54,6 +55,7 @@ class Cache(WritePath, ReadPath):
         self.counters = dict(prefix_query_tokens=0, prefix_hit_tokens=0, appended_tokens=0,
                              sealed_blocks=0, dedup_blocks=0, attend_calls=0)
         self.protect: set[int] = set()    # ids of the sequences of the request at hand
+        self.graphs = DecodeGraphs()      # CUDA graphs of small decode steps (decode_graphs.py)
         host = disk = None
         if cfg.host_bytes:
             host = HostTier(self.main.block_bytes(), self.tail.block_bytes(), cfg.host_bytes,
@@ -89,6 +91,7 @@ class Cache(WritePath, ReadPath):
             raise FailedPrecondition("codebooks", f"cache {self.cfg.name!r} has {len(self.seqs)} live sequences; "
                                      "codebooks can change only on an empty cache")
         self.main.set_codebooks(cb)
+        self.graphs.clear()                # captured with the old codebooks' addresses
         self.codebooks = cb
         self.fingerprint = fingerprint(self.cfg, cb)
         # Blocks hashed under the old fingerprint must never be found again.

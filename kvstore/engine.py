@@ -202,28 +202,39 @@ class Engine:
             raise InvalidArgument("scale", f"must be finite and >= 0, got {scale}")
         return q, scale or 1.0 / math.sqrt(g.head_dim)
 
+    @staticmethod
+    def _out(out: torch.Tensor | None, q: torch.Tensor) -> torch.Tensor | None:
+        """out if the kernels can write the result straight into it (q's shape,
+        dtype and device, contiguous), else None: the result gets its own tensor."""
+        if out is None or out.shape != q.shape or out.dtype != q.dtype or out.device != q.device \
+                or not out.is_contiguous():
+            return None
+        return out
+
     def attend(self, name: str, tenant: str, layer: int, seq_ids: list[str], q: torch.Tensor,
-               scale: float = 0.0) -> torch.Tensor:
-        """q [B, Hq, d] -> out [B, Hq, d] in the cache dtype."""
+               scale: float = 0.0, out: torch.Tensor | None = None) -> torch.Tensor:
+        """q [B, Hq, d] -> out [B, Hq, d] in the cache dtype; written into `out`
+        when it fits (see _out), which the caller compares with the result."""
         with self.lock:
             cache = self.cache(name)
             self._layer(cache, layer)
             seqs = self._seqs(cache, tenant, seq_ids, unique=False)
             q, scale = self._query(cache, seqs, q, scale)
             cache.resident(seqs)
-            return cache.attend(layer, seqs, q, scale)
+            return cache.attend(layer, seqs, q, scale, out=self._out(out, q))
 
     def append_attend(self, name: str, tenant: str, layer: int, seq_ids: list[str], k: torch.Tensor,
-                      v: torch.Tensor, q: torch.Tensor, scale: float = 0.0) -> torch.Tensor:
+                      v: torch.Tensor, q: torch.Tensor, scale: float = 0.0,
+                      out: torch.Tensor | None = None) -> torch.Tensor:
         """Decode step of one layer: k, v [B, Hkv, d] (one new token per
-        sequence), q [B, Hq, d] -> out [B, Hq, d]."""
+        sequence), q [B, Hq, d] -> out [B, Hq, d] (`out` as in attend)."""
         with self.lock:
             cache = self.cache(name)
             self._layer(cache, layer)
             seqs = self._seqs(cache, tenant, seq_ids, unique=True)
             q, scale = self._query(cache, seqs, q, scale)
             self.append(name, tenant, seq_ids, k, v, [1] * len(seqs), layer=layer)
-            return cache.attend(layer, seqs, q, scale)
+            return cache.attend(layer, seqs, q, scale, out=self._out(out, q))
 
     def reserve(self, name: str, tenant: str, seq_id: str, n: int,
                 known: tuple[int, int] = (0, 0)) -> ReserveResult:

@@ -30,8 +30,8 @@ class _Ring:
     def _slot() -> torch.Tensor:
         return torch.empty(SLOT_ELEMS, dtype=torch.int64, pin_memory=True)
 
-    def copy(self, t: torch.Tensor, device: torch.device, out: torch.Tensor | None = None) -> torch.Tensor:
-        n = t.numel()
+    def acquire(self) -> tuple[int, torch.Tensor]:
+        """The next free slot (index, buffer); it stays taken until release()."""
         with self.lock:
             i = self.next
             ev = self.events[i]
@@ -39,6 +39,35 @@ class _Ring:
                 # The copy that used this slot has not run yet: the stream is
                 # waiting behind other work (a client's step, for the daemon).
                 # Waiting here would tie the host to that work, so grow instead.
+                if len(self.bufs) < MAX_SLOTS:
+                    self.bufs.insert(i, self._slot())
+                    self.events.insert(i, None)
+                else:
+                    ev.synchronize()
+            self.next = (i + 1) % len(self.bufs)
+            self.events[i] = _TAKEN
+            return i, self.bufs[i]
+
+    def release(self, i: int, buf: torch.Tensor, device: torch.device | None) -> None:
+        """Free slot i once the copies from it enqueued on device's current stream
+        have run (device None: nothing was copied)."""
+        ev = None
+        if device is not None:
+            ev = torch.cuda.Event()         # fresh: the ring serves every device
+            ev.record(torch.cuda.current_stream(device))
+        with self.lock:
+            # The ring may have grown meanwhile: find the slot by its buffer.
+            j = i if i < len(self.bufs) and self.bufs[i] is buf else next(
+                k for k, b in enumerate(self.bufs) if b is buf)
+            self.events[j] = ev
+
+    def copy(self, t: torch.Tensor, device: torch.device, out: torch.Tensor | None = None) -> torch.Tensor:
+        n = t.numel()
+        with self.lock:
+            i = self.next
+            ev = self.events[i]
+            if ev is not None and not ev.query():
+                # as in acquire()
                 if len(self.bufs) < MAX_SLOTS:
                     self.bufs.insert(i, self._slot())
                     self.events.insert(i, None)
@@ -60,8 +89,82 @@ class _Ring:
             return out
 
 
+class _Taken:
+    """The event of a slot that acquire() handed out and release() has not
+    given back: never complete, so copy()/acquire() pass it by."""
+
+    @staticmethod
+    def query() -> bool:
+        return False
+
+    @staticmethod
+    def synchronize() -> None:
+        raise RuntimeError("pinned ring: every slot is taken")
+
+
+_TAKEN = _Taken()
 _ring: _Ring | None = None
 _ring_lock = threading.Lock()
+_staging = threading.local()
+STAGED_BYTES = 1 << 18      # device bytes of one staged() batch; larger tensors copy on their own
+
+
+class _Batch:
+    """The host -> device copies of one step as one: see staged()."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.slot, self.host = _get_ring().acquire()
+        self.host8 = self.host.view(torch.uint8)
+        self.host_np = self.host8.numpy()       # numpy slicing: ~1 µs a copy, torch's ~5
+        self.dev = torch.empty(STAGED_BYTES, dtype=torch.uint8, device=device)
+        self.used = 0
+
+    def add(self, t: torch.Tensor) -> torch.Tensor | None:
+        """A device view that will hold t's values once flushed; None if t does not fit."""
+        nbytes = t.numel() * t.element_size()
+        off = (self.used + 15) // 16 * 16
+        if off + nbytes > STAGED_BYTES:
+            return None
+        self.used = off + nbytes
+        if nbytes:
+            try:
+                self.host_np[off:off + nbytes] = t.reshape(-1).numpy().view(np.uint8)
+            except TypeError:       # a dtype numpy lacks (bfloat16)
+                self.host8[off:off + nbytes].view(t.dtype).copy_(t.reshape(-1))
+        return self.dev[off:off + nbytes].view(t.dtype).view(t.shape)
+
+    def flush(self) -> None:
+        copied = self.used > 0
+        if copied:
+            self.dev[:self.used].copy_(self.host8[:self.used], non_blocking=True)
+        _get_ring().release(self.slot, self.host, self.device if copied else None)
+
+
+class staged:
+    """`with staged(device): ...`: the to_device() calls of the block (same
+    device, CPU tensors) return views of one device buffer, filled by a single
+    copy from one pinned slot when the block ends. For the small index tensors
+    of a decode step (block tables, plan items): one ~10 µs copy instead of one
+    per tensor (~50 µs each, measured). The views hold their values only
+    after the block: launch nothing that reads them inside it. Nested blocks
+    join the outer one."""
+
+    def __init__(self, device):
+        self.device = torch.device(device)
+        if self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        self.batch = None
+
+    def __enter__(self):
+        if self.device.type == "cuda" and getattr(_staging, "batch", None) is None:
+            self.batch = _staging.batch = _Batch(self.device)
+        return self
+
+    def __exit__(self, *exc):
+        if self.batch is not None:
+            _staging.batch = None
+            self.batch.flush()
 
 
 def host_table(rows, cols: int | None = None) -> torch.Tensor:
@@ -98,6 +201,12 @@ def to_device(t: torch.Tensor, device) -> torch.Tensor:
     device = torch.device(device)
     if device.type != "cuda":
         return t.to(device)
+    batch = getattr(_staging, "batch", None)
+    if (batch is not None and t.device.type == "cpu"
+            and (device.index is None or device.index == batch.device.index)):
+        out = batch.add(t)
+        if out is not None:
+            return out
     if t.numel() * t.element_size() > SLOT_ELEMS * 8:
         return t.pin_memory().to(device, non_blocking=True)
     return _get_ring().copy(t.contiguous(), device)

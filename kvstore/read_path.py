@@ -6,11 +6,11 @@ import time
 
 import torch
 
-from kvstore.kernels import cpu_decode, dispatch
+from kvstore.kernels import cpu_decode
 
 from .errors import InvalidArgument
 from .sequence import Sequence
-from .pinned import block_table
+from .pinned import block_table, staged
 from .storage import ids_to
 
 
@@ -18,31 +18,54 @@ class ReadPath:
     """Mixed into Cache; builds block tables and calls the kernels."""
 
     # ------------------------------------------------------------- reading
-    def attend(self, layer: int, seqs: list[Sequence], q: torch.Tensor, scale: float) -> torch.Tensor:
+    def attend(self, layer: int, seqs: list[Sequence], q: torch.Tensor, scale: float,
+               out: torch.Tensor | None = None) -> torch.Tensor:
         """q [B, Hq, d] -> out [B, Hq, d]: decode attention of one query token per
-        sequence over every token visible at this layer."""
+        sequence over every token visible at this layer. out: where to write it
+        (q's shape, dtype and device, contiguous), e.g. the caller's buffer."""
         self._require_ready()
         dev = q.device
         for s in seqs:
             if s.layer_length(layer) == 0:
                 raise InvalidArgument("sequence_ids", f"sequence {s.seq_id!r} has no tokens at layer {layer}")
         if dev.type == "cpu":
-            out = self._attend_cpu(layer, seqs, q, scale)
-        elif self.is_pq:
-            sealed = block_table([s.sealed for s in seqs], dev)
-            # Lengths stay host lists: the kernels plan on the host, and a device
-            # tensor would cost a synchronisation to read back.
-            sealed_lens = [len(s.sealed) * self.bs for s in seqs]
-            # Sinks then tail as one fp16 table: attention does not care about token order.
-            tail = block_table([s.tail for s in seqs], dev)
-            tail_lens = [s.layer_length(layer) - len(s.sealed) * self.bs for s in seqs]
-            out, _ = dispatch.pq_decode_attention(
-                q, self.main.k_codes[layer], self.main.v_codes[layer], self.main.k_cb[layer], self.main.v_cb[layer],
-                sealed, sealed_lens, self.tail.k[layer], self.tail.v[layer], tail, tail_lens, scale)
+            res = self._attend_cpu(layer, seqs, q, scale)
+            if out is None:
+                out = res
+            else:
+                out.copy_(res)
+        elif out is not None and self.graphs.attend(self, layer, seqs, q, scale, out) is not None:
+            pass        # replayed (or captured) into out
         else:
-            table = block_table([s.sealed + s.tail for s in seqs], dev)
-            lens = [s.layer_length(layer) for s in seqs]
-            out, _ = dispatch.paged_decode_attention(q, self.main.k[layer], self.main.v[layer], table, lens, scale)
+            # The hot path holds a plan (DESIGN §4): block tables and work items
+            # built on the host and copied in one go (pinned.staged), then the
+            # kernels, which take the engine's own pool tensors unchecked.
+            from kvstore.kernels import decode_attention as da
+            hq, d = q.shape[1], q.shape[2]
+            with staged(dev):
+                if self.is_pq:
+                    kc = self.main.k_codes[layer]
+                    sealed = block_table([s.sealed for s in seqs], dev)
+                    # Sinks then tail as one fp16 table: attention does not care about token order.
+                    tail = block_table([s.tail for s in seqs], dev)
+                    # Lengths stay host lists: the kernels plan on the host, and a
+                    # device tensor would cost a synchronisation to read back.
+                    plan = da.plan_pq_decode([len(s.sealed) * self.bs for s in seqs],
+                                             [s.layer_length(layer) - len(s.sealed) * self.bs for s in seqs],
+                                             num_qo_heads=hq, num_kv_heads=kc.shape[1], head_dim=d,
+                                             block_size=self.bs, tail_block_size=self.tail.k.shape[3], device=dev)
+                else:
+                    table = block_table([s.sealed + s.tail for s in seqs], dev)
+                    plan = da.plan_paged_decode([s.layer_length(layer) for s in seqs], num_qo_heads=hq,
+                                                num_kv_heads=self.main.k.shape[2], head_dim=d,
+                                                block_size=self.bs, device=dev)
+            if self.is_pq:
+                out, _ = plan.run_pq(q, kc, self.main.v_codes[layer], self.main.k_cb[layer], self.main.v_cb[layer],
+                                     sealed, self.tail.k[layer], self.tail.v[layer], tail, scale, out=out,
+                                     trusted=True)
+            else:
+                out, _ = plan.run_paged(q, self.main.k[layer], self.main.v[layer], table, scale, out=out,
+                                        trusted=True)
         now = time.monotonic()
         for s in seqs:
             s.last_use = now

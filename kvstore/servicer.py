@@ -19,6 +19,7 @@ from .engine import SequenceInfo as SeqInfo
 from .auth import DEFAULT_TENANT, Authenticator, PermissionDenied, TenantBuffers, is_local  # noqa: F401
 from .errors import FailedPrecondition, InvalidArgument, KVStoreError, ResourceExhausted
 from .leases import SESSION_KEY, LeaseManager, session_of
+from .storage import TORCH_DTYPES
 from .v1 import kvstore_pb2 as pb
 from .v1 import kvstore_pb2_grpc as pb_grpc
 
@@ -243,27 +244,37 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
                                layer=request.layer if request.HasField("layer") else None, token_ids=token_ids)
         return pb.AppendReply()
 
-    def _out_check(self, request, n_seqs: int) -> None:
-        g = self.engine.cache(request.cache).cfg.geometry
-        wire.check_output(self.buffers, request.out if request.HasField("out") else None,
-                          n_seqs * g.num_q_heads * g.head_dim * 2, 2, "out")
+    def _out_view(self, request, n_seqs: int):
+        """Check the request's output range; -> (its OutputRef or None, a view of
+        it the kernels may write straight into (the engine checks it fits) or None)."""
+        ref = request.out if request.HasField("out") else None
+        c = self.engine.cache(request.cache)
+        g = c.cfg.geometry
+        shape = (n_seqs, g.num_q_heads, g.head_dim)
+        dtype = TORCH_DTYPES[g.dtype]
+        wire.check_output(self.buffers, ref, n_seqs * g.num_q_heads * g.head_dim * dtype.itemsize,
+                          dtype.itemsize, "out")
+        if ref is None or not ref.buffer_id or n_seqs == 0:
+            return ref, None
+        return ref, self.buffers.view(ref.buffer_id, ref.offset, shape, dtype)
 
     @_rpc
     def Attend(self, request, context):
-        self._out_check(request, len(request.sequence_ids))
+        ref, view = self._out_view(request, len(request.sequence_ids))
         with self._cuda(request):
             out = self.engine.attend(request.cache, self._tenant(context), request.layer,
-                                     list(request.sequence_ids), self._t(request.q, "q"), request.scale)
-            return pb.AttendReply(out=wire.to_proto(out, self.buffers, request.out if request.HasField("out") else None))
+                                     list(request.sequence_ids), self._t(request.q, "q"), request.scale, out=view)
+            return pb.AttendReply(out=wire.to_proto(out, self.buffers, ref))
 
     @_rpc
     def AppendAttend(self, request, context):
-        self._out_check(request, len(request.sequence_ids))
+        ref, view = self._out_view(request, len(request.sequence_ids))
         with self._cuda(request):
             out = self.engine.append_attend(request.cache, self._tenant(context), request.layer,
                                             list(request.sequence_ids), self._t(request.k, "k"),
-                                            self._t(request.v, "v"), self._t(request.q, "q"), request.scale)
-            return pb.AttendReply(out=wire.to_proto(out, self.buffers, request.out if request.HasField("out") else None))
+                                            self._t(request.v, "v"), self._t(request.q, "q"), request.scale,
+                                            out=view)
+            return pb.AttendReply(out=wire.to_proto(out, self.buffers, ref))
 
     def AppendAttendStream(self, requests, context):
         """AppendAttend, one reply per request in order, on one long-lived

@@ -180,8 +180,11 @@ def to_proto(x: torch.Tensor, buffers: BufferRegistry | None = None, out: pb.Out
         shape = tuple(x.shape)
         check_output(buffers, out, _nbytes(shape, x.dtype), x.dtype.itemsize, field)
         # Straight into the buffer (a cached view; on its device: a CUDA buffer
-        # gets no host round trip).
-        buffers.view(out.buffer_id, out.offset, shape, x.dtype).copy_(x)
+        # gets no host round trip), unless x is that view already (the kernels
+        # wrote it there).
+        dst = buffers.view(out.buffer_id, out.offset, shape, x.dtype)
+        if dst.data_ptr() != x.data_ptr() or dst.device != x.device:
+            dst.copy_(x)
         msg.ref.buffer_id = out.buffer_id
         msg.ref.offset = out.offset
         return msg
