@@ -181,9 +181,9 @@ def qaware_transform(model, q_moments: torch.Tensor) -> Transform:
 def train_pq(x: torch.Tensor, m: int, niter: int = 20, init: torch.Tensor | None = None,
              seed: int = 1234) -> torch.Tensor:
     """x [N, d] -> centroids [m, 256, d/m]: one faiss k-means of 256 centroids per
-    subspace of d/m consecutive dims, over every row (faiss would otherwise
-    subsample to 256 x 256: the sink rows are rare and must count),
-    warm-started from `init` [m, 256, d/m] if given."""
+    subspace of d/m consecutive dims, over every row (faiss's default caps a
+    training set at 256 rows per centroid; a larger calibration set should all
+    count), warm-started from `init` [m, 256, d/m] if given (OPQ's rounds)."""
     import faiss
     import numpy as np
     n, d = x.shape
