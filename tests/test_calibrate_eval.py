@@ -116,7 +116,7 @@ def test_calibrate_tiny_model(tmp_path):
     assert torch.equal(sampler._rows[:4], torch.arange(4))
     tr = C.qaware_transform(model, sampler.qq)
     for m in (8, 4):
-        cb = C.train(model, sampler, m, tr, niter=2)
+        cb, _ = C.train(model, sampler, m, tr, niter=2)
         assert cb.k.shape == (2, 2, m, 256, 16 // m)
         path = str(tmp_path / f"cb{m}.safetensors")
         sha = cb.save(path)
