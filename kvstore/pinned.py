@@ -33,20 +33,25 @@ class _Ring:
     def acquire(self) -> tuple[int, torch.Tensor]:
         """The next free slot (index, buffer); it stays taken until release()."""
         with self.lock:
-            i = self.next
-            ev = self.events[i]
-            if ev is not None and not ev.query():
-                # The copy that used this slot has not run yet: the stream is
-                # waiting behind other work (a client's step, for the daemon).
-                # Waiting here would tie the host to that work, so grow instead.
-                if len(self.bufs) < MAX_SLOTS:
-                    self.bufs.insert(i, self._slot())
-                    self.events.insert(i, None)
-                else:
-                    ev.synchronize()
-            self.next = (i + 1) % len(self.bufs)
+            i = self._advance()
             self.events[i] = _TAKEN
             return i, self.bufs[i]
+
+    def _advance(self) -> int:
+        """The next slot whose last copy has run (under self.lock)."""
+        i = self.next
+        ev = self.events[i]
+        if ev is not None and not ev.query():
+            # The copy that used this slot has not run yet: the stream is
+            # waiting behind other work (a client's step, for the daemon).
+            # Waiting here would tie the host to that work, so grow instead.
+            if len(self.bufs) < MAX_SLOTS:
+                self.bufs.insert(i, self._slot())
+                self.events.insert(i, None)
+            else:
+                ev.synchronize()
+        self.next = (i + 1) % len(self.bufs)
+        return i
 
     def release(self, i: int, buf: torch.Tensor, device: torch.device | None) -> None:
         """Free slot i once the copies from it enqueued on device's current stream
@@ -64,16 +69,7 @@ class _Ring:
     def copy(self, t: torch.Tensor, device: torch.device, out: torch.Tensor | None = None) -> torch.Tensor:
         n = t.numel()
         with self.lock:
-            i = self.next
-            ev = self.events[i]
-            if ev is not None and not ev.query():
-                # as in acquire()
-                if len(self.bufs) < MAX_SLOTS:
-                    self.bufs.insert(i, self._slot())
-                    self.events.insert(i, None)
-                else:
-                    ev.synchronize()
-            self.next = (i + 1) % len(self.bufs)
+            i = self._advance()
             buf = self.bufs[i]
             if t.dtype == torch.int64:
                 stage = buf[:n]
