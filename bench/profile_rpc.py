@@ -133,27 +133,8 @@ STAGES = [("kvstore.servicer", "KVStoreServicer", "AppendAttend"), ("kvstore.ser
 
 
 def _patch_stages() -> dict:
-    import importlib
-    import inspect
-    acc: dict[str, list[int]] = {}
-    for mod, cls, name in STAGES:
-        owner = importlib.import_module(mod)
-        owner = getattr(owner, cls) if cls else owner
-        fn = getattr(owner, name, None)
-        if fn is None:
-            continue
-        label = f"{cls or mod}.{name}"
-        xs = acc.setdefault(label, [])
-
-        def timed(*a, _fn=fn, _xs=xs, **kw):
-            t0 = time.perf_counter_ns()
-            try:
-                return _fn(*a, **kw)
-            finally:
-                _xs.append(time.perf_counter_ns() - t0)
-        static = cls and isinstance(inspect.getattr_static(owner, name), staticmethod)
-        setattr(owner, name, staticmethod(timed) if static else timed)
-    return acc
+    from profile_engine import patch_stages    # bench/ is this script's own folder
+    return patch_stages(STAGES)
 
 
 def top(stats: pstats.Stats, n: int, calls: int) -> str:
