@@ -35,7 +35,7 @@ SCASES=${SCASES:-$CASES}
 [ -n "$CLOCKS" ] && nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,clocks.mem --format=csv,noheader
 for t in "${TESTS[@]}"; do
   echo "### tests [$t]"
-  eval "timeout 400 python -m pytest -q -m gpu -x $t" 2>&1 | tail -3 | tee -a $O/test_$TAG.log || exit 1
+  eval "timeout 400 python -m pytest -q -m gpu -x $t" 2>&1 | tail -15 | tee -a $O/test_$TAG.log || exit 1
 done
 for v in "${VARS[@]}"; do
   echo "### time [$v]"

@@ -367,6 +367,14 @@ struct RegStager {
 constexpr u32 IMG_BYTES = 131072;
 constexpr int IMG_CHUNKS = 8;
 
+// experiment (session 5): -DPQ_BS_POW2 takes every block size for a power of two, so that
+// the tile loop carries no division code (the default computes both and selects)
+#ifdef PQ_BS_POW2
+#define PQ_POW2(shift) true
+#else
+#define PQ_POW2(shift) ((shift) >= 0)
+#endif
+
 template <int D, int DSUB, bool BF16, int NW, int GP, bool TMA = false>
 __global__ void __launch_bounds__(NW * 32, 1) pq_attn(
     const u16* q, long long sq_b, long long sq_h, const int* items, float* o_part,
@@ -458,7 +466,7 @@ __global__ void __launch_bounds__(NW * 32, 1) pq_attn(
 #pragma unroll
     for (int k = 0; k < cf_stages(NW); ++k) {
       const int tile = warp + k * NW, t0 = pq_lo + 16 * tile;
-      bpre[k] = tile < n_pq ? st_b0[bs_shift >= 0 ? t0 >> bs_shift : t0 / a.bs] : 0;
+      bpre[k] = tile < n_pq ? st_b0[PQ_POW2(bs_shift) ? t0 >> bs_shift : t0 / a.bs] : 0;
     }
   }
 #ifndef PQ_STAGE_LATE
@@ -579,11 +587,11 @@ __global__ void __launch_bounds__(NW * 32, 1) pq_attn(
     // Block sizes are powers of two in practice: a shift, not a 20-instruction division.
     auto blk_of = [&](int tile) -> long long {
       const int t0 = pq_lo + 16 * tile;
-      return tile < n_pq ? st_b[bs_shift >= 0 ? t0 >> bs_shift : t0 / a.bs] : 0;
+      return tile < n_pq ? st_b[PQ_POW2(bs_shift) ? t0 >> bs_shift : t0 / a.bs] : 0;
     };
     auto fetch = [&](int tile, long long blk, CodeVec<MQ> (&kk)[2], u32 (&vv)[NX]) {
       int t0 = pq_lo + 16 * tile;
-      int off = bs_shift >= 0 ? t0 & (a.bs - 1) : t0 % a.bs;
+      int off = PQ_POW2(bs_shift) ? t0 & (a.bs - 1) : t0 % a.bs;
       const u8* kb = kc_h + blk * a.skc_blk + cq * MQ;
 #pragma unroll
       for (int t = 0; t < 2; ++t) load_codes<MQ>(kk[t], kb + (off + sigma(t, gq)) * M);
@@ -780,7 +788,7 @@ __global__ void __launch_bounds__(NW * 32, 1) pq_attn(
       auto issue = [&](int tile, long long blk, u32 stage_off) {
         if (tile < n_pq) {
           const int t0 = pq_lo + 16 * tile;
-          const int off = bs_shift >= 0 ? t0 & (a.bs - 1) : t0 % a.bs;
+          const int off = PQ_POW2(bs_shift) ? t0 & (a.bs - 1) : t0 % a.bs;
           unsigned char* dst = ring + stage_off + kdst;
           const u8* kb = kc_h + blk * a.skc_blk + off * M + kdst;   // 16 rows, contiguous
           const u8* vb = vc_h + blk * a.svc_blk + off + vsrc;       // M rows of 16 B, stride bs
