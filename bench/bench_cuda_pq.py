@@ -6,7 +6,9 @@ Hq=32, Hkv=8, d=128, M=64, bs=16, PQ tail 128 fp16 tokens, median of do_bench ov
 CUDA-graph replay with L2 flushed (--flush read: evicted by a read, the default; zero:
 triton's zero_(), which adds ~50 MB of write-back to every timed kernel). The CUDA
 kernel runs in both gather layouts: cf
-(conflict-free, the default) and swz (the earlier swizzled layout, KVSTORE_CUDA_PQ_CF=0).
+(conflict-free, the default) and swz (the earlier swizzled layout, KVSTORE_CUDA_PQ_CF=0);
+cf also as session 4 left it (column s4: codebooks staged through registers, cuda_pq.TMA
+off).
 """
 import argparse
 import os
@@ -26,9 +28,11 @@ from kvstore.kernels import pq_encode  # noqa: E402
 def kernel_info():
     for nw in (8, 12, 16):
         for dsub in (2, 4):
-            for gp in ((0, 4) if dsub == 2 else (0,)):
-                fn = cuda_pq._function(cuda_pq._attn_name(128, dsub, False, nw, gp), torch.device("cuda"))
-                print(f"pq_attn<128,{dsub},f16,{nw},GP={gp}>: regs {fn.num_regs}, local {fn.local_size_bytes} B")
+            for gp, tma in (((0, False), (4, False), (4, True)) if dsub == 2 else ((0, False),)):
+                fn = cuda_pq._function(cuda_pq._attn_name(128, dsub, False, nw, gp, tma),
+                                       torch.device("cuda"))
+                print(f"pq_attn<128,{dsub},f16,{nw},GP={gp},TMA={tma}>: regs {fn.num_regs}, "
+                      f"local {fn.local_size_bytes} B")
 
 
 def encode_info():
@@ -126,9 +130,14 @@ def main():
         encode_info()
         time_encode(rd)
 
-    def time_cuda(cf, q, case, sl, tl_):
+    def time_cuda(cf, q, case, sl, tl_, s4=False):
         cuda_pq.CONFLICT_FREE, cuda_pq.NUM_WARPS = cf, best_nw[cf]
-        return ba.time_pq(q, case, sl, tl_, 16, backend="cuda")
+        tma = cuda_pq.TMA
+        cuda_pq.TMA = tma and not s4
+        try:
+            return ba.time_pq(q, case, sl, tl_, 16, backend="cuda")
+        finally:
+            cuda_pq.TMA = tma
 
     rows = []
     Bs, Ls = ((1, 8), (32768,)) if args.quick else ((1, 8, 32), (4096, 32768, 131072))
@@ -137,21 +146,23 @@ def main():
             q = torch.randn(b, ba.HQ, ba.D, device="cuda", dtype=torch.float16)
             case, sl, tl_, nbytes = ba.pq_case(b, L, 16)
             t_cf = time_cuda(True, q, case, sl, tl_)
+            t_s4 = time_cuda(True, q, case, sl, tl_, s4=True)
             t_sw = time_cuda(False, q, case, sl, tl_)
             t_tr = ba.time_pq(q, case, sl, tl_, 16, backend="triton")
             del case
             torch.cuda.empty_cache()
             t_sd, be = ba.time_sdpa(q, L)
             torch.cuda.empty_cache()
-            rows.append((b, L, t_cf, t_sw, t_tr, t_sd, nbytes / t_cf / 1e3))
+            rows.append((b, L, t_cf, t_s4, t_sw, t_tr, t_sd, nbytes / t_cf / 1e3))
             print(rows[-1], flush=True)
     print(f"\nread BW {rd:.0f} GB/s; us, median, CUDA graph, L2 flushed ({args.flush}); warps cf {best_nw[True]} "
           f"swz {best_nw[False]}")
-    print(f"{'B':>3} {'L':>7} {'cf':>8} {'swz':>8} {'triton':>8} {'SDPA':>8} {'sdpa/cf':>8} "
-          f"{'swz/cf':>7} {'GB/s':>6} {'%BW':>5}")
-    for b, L, tc, tw, tt, ts, bw in rows:
-        print(f"{b:>3} {L:>7} {tc:>8.1f} {tw:>8.1f} {tt:>8.1f} {ts:>8.1f} {ts / tc:>8.2f} "
-              f"{tw / tc:>7.2f} {bw:>6.0f} {100 * bw / rd:>4.0f}%")
+    print(f"cf: TMA {cuda_pq.TMA}")
+    print(f"{'B':>3} {'L':>7} {'cf':>8} {'s4':>8} {'swz':>8} {'triton':>8} {'SDPA':>8} {'sdpa/cf':>8} "
+          f"{'sdpa/s4':>8} {'swz/cf':>7} {'GB/s':>6} {'%BW':>5}")
+    for b, L, tc, t4, tw, tt, ts, bw in rows:
+        print(f"{b:>3} {L:>7} {tc:>8.1f} {t4:>8.1f} {tw:>8.1f} {tt:>8.1f} {ts:>8.1f} {ts / tc:>8.2f} "
+              f"{ts / t4:>8.2f} {tw / tc:>7.2f} {bw:>6.0f} {100 * bw / rd:>4.0f}%")
 
 
 if __name__ == "__main__":

@@ -16,6 +16,9 @@
 // (lanes with c = m/MQ use banks = c mod 4 + 4*(code mod 8)); V entry at
 // (m/8)*2048 + code*8 + m%8.
 // Partials (o, base-2 lse) per item go to o_part / lse_part; pq_merge combines.
+// On sm_90 the CF kernel (TMA) takes its codebooks as bulk copies of a per-head image of
+// exactly those shared-memory bytes, built once per codebook (cuda_pq.codebook_image);
+// elsewhere, or while no image is cached, it stages them through registers (RegStager).
 
 typedef unsigned int u32;
 typedef unsigned short u16;
@@ -104,6 +107,36 @@ __device__ __forceinline__ u32 lds32(u32 addr) {
   u32 r;
   asm volatile("ld.shared.b32 %0, [%1];" : "=r"(r) : "r"(addr));
   return r;
+}
+
+// Bulk copies (sm_90): global -> shared on the copy engine, completion counted in bytes on
+// an mbarrier. Below sm_90 the kernels that use them (TMA) are never launched.
+__device__ __forceinline__ void mbar_init(u32 bar, u32 count) {
+#if __CUDA_ARCH__ >= 900
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" :: "r"(bar), "r"(count) : "memory");
+  asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void mbar_expect_tx(u32 bar, u32 bytes) {
+#if __CUDA_ARCH__ >= 900
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" :: "r"(bar), "r"(bytes) : "memory");
+#endif
+}
+__device__ __forceinline__ void mbar_wait(u32 bar, u32 phase) {
+#if __CUDA_ARCH__ >= 900
+  u32 done;
+  do {
+    asm volatile("{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2; selp.u32 %0, 1, 0, p; }"
+                 : "=r"(done) : "r"(bar), "r"(phase) : "memory");
+  } while (!done);
+#endif
+}
+__device__ __forceinline__ void bulk_g2s(u32 dst, const void* src, u32 bytes, u32 bar) {
+#if __CUDA_ARCH__ >= 900
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+               :: "r"(dst), "l"(src), "r"(bytes), "r"(bar) : "memory");
+#endif
 }
 
 // Debug stamps (compile with -DPQ_STAMPS; nothing of it exists otherwise): lane 0 of each
@@ -328,21 +361,37 @@ struct RegStager {
   }
 };
 
-template <int D, int DSUB, bool BF16, int NW, int GP>
+// CF codebook image: the first 128 KiB of the CF kernel's shared memory (K and V tables in
+// the layouts above) for one KV head, built once per codebook in global memory
+// (cuda_pq.codebook_image); TMA kernels copy it with IMG_CHUNKS bulk copies.
+constexpr u32 IMG_BYTES = 131072;
+constexpr int IMG_CHUNKS = 8;
+
+// experiment (session 5): -DPQ_BS_POW2 takes every block size for a power of two, so that
+// the tile loop carries no division code (the default computes both and selects)
+#ifdef PQ_BS_POW2
+#define PQ_POW2(shift) true
+#else
+#define PQ_POW2(shift) ((shift) >= 0)
+#endif
+
+template <int D, int DSUB, bool BF16, int NW, int GP, bool TMA = false>
 __global__ void __launch_bounds__(NW * 32, 1) pq_attn(
     const u16* q, long long sq_b, long long sq_h, const int* items, float* o_part,
     float* lse_part, const u8* kc, const u8* vc, long long skc_blk, long long skc_h,
     long long svc_blk, long long svc_h, const u16* kcb, const u16* vcb, const int* st,
     long long st_stride, const u16* tk, const u16* tv, long long stk_blk, long long stk_h,
     long long stk_t, long long stv_blk, long long stv_h, long long stv_t, const int* tt,
-    long long tt_stride, float qk_scale, int hq, int g, int bs, int tbs, int bs_shift) {
+    long long tt_stride, float qk_scale, int hq, int g, int bs, int tbs, int bs_shift,
+    const u8* img) {
   static_assert(GP == 0 || (DSUB == 2 && (GP == 2 || GP == 4 || GP == 8)), "GP: 0 or 2/4/8, dsub 2");
+  static_assert(!TMA || GP > 0, "TMA: the CF layouts only");
   constexpr bool CF = GP > 0;
   constexpr int VG = GP == 2 || GP == 4 ? GP : 0;     // conflict-free V gathers too
 #ifdef PQ_STAGE_ASYNC
   constexpr bool STAGE_REG = false;
 #else
-  constexpr bool STAGE_REG = CF;
+  constexpr bool STAGE_REG = CF && !TMA;
 #endif
   AttnArgs a;
   a.q = q; a.sq_b = sq_b; a.sq_h = sq_h; a.items = items; a.n_items = 0;
@@ -379,11 +428,35 @@ __global__ void __launch_bounds__(NW * 32, 1) pq_attn(
   const int stg_rot = 0;
 #endif
   if constexpr (STAGE_REG) stg.load(stg_k, stg_v, tid, 0, stg_rot);
+  // TMA: the head's codebook image in IMG_CHUNKS bulk copies (lanes of warp 0, each block
+  // starting at its own chunk), at entry, before the item is known; every path below waits
+  // for them before it leaves or reuses the shared memory. Their mbarrier sits 8 bytes
+  // after the ring (cuda_pq._attn_smem); as a static __shared__ variable it moved the
+  // dynamic shared memory by 16 bytes and the tile loop ran ~6 % slower (session 5).
+  const u32 bar = (u32)__cvta_generic_to_shared(smem) + cf_ring_offset<D>() + NW * cf_stages(NW) * 32 * M_;
+  if constexpr (TMA) {
+    if (warp == 0) {
+      if (lane == 0) {
+        mbar_init(bar, 1);
+        mbar_expect_tx(bar, IMG_BYTES);
+      }
+      __syncwarp();
+      if (lane < IMG_CHUNKS) {
+        constexpr u32 CH = IMG_BYTES / IMG_CHUNKS;
+        const u32 c = (lane + blockIdx.x) % IMG_CHUNKS;
+        bulk_g2s((u32)__cvta_generic_to_shared(smem) + c * CH, img + (long long)h * IMG_BYTES + c * CH,
+                 CH, bar);
+      }
+    }
+  }
   const int* it = a.items + item * 5;
   const int b = it[0], pq_lo = it[1], pq_hi = it[2], t_lo = it[3], t_hi = it[4];
   const int n_pq = (pq_hi - pq_lo) >> 4;
   const int n_tl = (t_hi - t_lo + 15) >> 4;
-  if (n_pq == 0 && n_tl == 0) return;   // padding item of a plan kept for update()
+  if (n_pq == 0 && n_tl == 0) {   // padding item of a plan kept for update()
+    if constexpr (TMA) if (warp == 0) mbar_wait(bar, 0);
+    return;
+  }
   const int G = a.g;
   // CF: the block ids of the ring prologue's tiles, in flight together (one at a time,
   // each of its copies waited a memory round trip on its table load)
@@ -393,7 +466,7 @@ __global__ void __launch_bounds__(NW * 32, 1) pq_attn(
 #pragma unroll
     for (int k = 0; k < cf_stages(NW); ++k) {
       const int tile = warp + k * NW, t0 = pq_lo + 16 * tile;
-      bpre[k] = tile < n_pq ? st_b0[bs_shift >= 0 ? t0 >> bs_shift : t0 / a.bs] : 0;
+      bpre[k] = tile < n_pq ? st_b0[PQ_POW2(bs_shift) ? t0 >> bs_shift : t0 / a.bs] : 0;
     }
   }
 #ifndef PQ_STAGE_LATE
@@ -425,7 +498,7 @@ __global__ void __launch_bounds__(NW * 32, 1) pq_attn(
   if constexpr (!CF) load_q();
 
   // ---- stage the codebooks of head h (swizzled)
-  if (n_pq > 0) {
+  if (!TMA && n_pq > 0) {
     const E* gk = reinterpret_cast<const E*>(a.kcb) + (long long)h * M * 256;
     const E* gv = reinterpret_cast<const E*>(a.vcb) + (long long)h * M * 256;
     if constexpr (CF && STAGE_REG) {
@@ -514,11 +587,11 @@ __global__ void __launch_bounds__(NW * 32, 1) pq_attn(
     // Block sizes are powers of two in practice: a shift, not a 20-instruction division.
     auto blk_of = [&](int tile) -> long long {
       const int t0 = pq_lo + 16 * tile;
-      return tile < n_pq ? st_b[bs_shift >= 0 ? t0 >> bs_shift : t0 / a.bs] : 0;
+      return tile < n_pq ? st_b[PQ_POW2(bs_shift) ? t0 >> bs_shift : t0 / a.bs] : 0;
     };
     auto fetch = [&](int tile, long long blk, CodeVec<MQ> (&kk)[2], u32 (&vv)[NX]) {
       int t0 = pq_lo + 16 * tile;
-      int off = bs_shift >= 0 ? t0 & (a.bs - 1) : t0 % a.bs;
+      int off = PQ_POW2(bs_shift) ? t0 & (a.bs - 1) : t0 % a.bs;
       const u8* kb = kc_h + blk * a.skc_blk + cq * MQ;
 #pragma unroll
       for (int t = 0; t < 2; ++t) load_codes<MQ>(kk[t], kb + (off + sigma(t, gq)) * M);
@@ -715,7 +788,7 @@ __global__ void __launch_bounds__(NW * 32, 1) pq_attn(
       auto issue = [&](int tile, long long blk, u32 stage_off) {
         if (tile < n_pq) {
           const int t0 = pq_lo + 16 * tile;
-          const int off = bs_shift >= 0 ? t0 & (a.bs - 1) : t0 % a.bs;
+          const int off = PQ_POW2(bs_shift) ? t0 & (a.bs - 1) : t0 % a.bs;
           unsigned char* dst = ring + stage_off + kdst;
           const u8* kb = kc_h + blk * a.skc_blk + off * M + kdst;   // 16 rows, contiguous
           const u8* vb = vc_h + blk * a.svc_blk + off + vsrc;       // M rows of 16 B, stride bs
@@ -751,8 +824,13 @@ __global__ void __launch_bounds__(NW * 32, 1) pq_attn(
         }
       }
       // the codebook copies (the oldest group, when this item has PQ tiles) are done
-      cp_async_wait<STAGES - 1>();
-      __syncthreads();
+      if constexpr (TMA) {
+        __syncthreads();                        // the mbarrier's init is seen by every warp
+        if (n_pq > 0) mbar_wait(bar, 0);
+      } else {
+        cp_async_wait<STAGES - 1>();
+        __syncthreads();
+      }
       PQ_STAMP(3);
       u32 rd = 0, wr = (STAGES - 1) * TILE;      // stage offsets, advanced with wrap
       for (int k = 0; warp + k * NW < n_pq; ++k) {
@@ -894,6 +972,7 @@ __global__ void __launch_bounds__(NW * 32, 1) pq_attn(
   float l = ws.l_i;
   l += __shfl_xor_sync(FULL, l, 1);
   l += __shfl_xor_sync(FULL, l, 2);
+  if constexpr (TMA) if (n_pq == 0) mbar_wait(bar, 0);   // a tail-only block's copies landed
   __syncthreads();                                     // codebooks no longer needed
   PQ_STAMP(7);
   // rows of SD = D + 4 floats, coordinate pairs as 8-byte stores: the 16 lanes of a phase

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import functools
 import os
+import weakref
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -32,6 +33,9 @@ _streams: dict = {}
 NUM_WARPS = int(os.environ.get("KVSTORE_CUDA_PQ_WARPS", "12"))
 # conflict-free codebook gathers for dsub 2 (cuda_pq.cu, GP > 0); 0 = the swizzled layout
 CONFLICT_FREE = os.environ.get("KVSTORE_CUDA_PQ_CF", "1") != "0"
+# CF on sm_90: the codebooks reach shared memory as bulk copies of a pre-laid-out image
+# (codebook_image); 0 = staged through registers (also used while no image is cached)
+TMA = os.environ.get("KVSTORE_CUDA_PQ_TMA", "1") != "0"
 # debug / experiments only: extra NVRTC defines ("-DPQ_STAMPS ..."), the raw modules
 # (bench/attrib_cuda_pq.py reads the stamp buffer out of them), launches to leave out
 DEFINES = tuple(os.environ.get("KVSTORE_CUDA_PQ_DEFS", "").split())
@@ -146,8 +150,9 @@ def _p(t: torch.Tensor):
 _i64, _i32, _f32 = np.int64, np.int32, np.float32
 
 
-def _attn_name(d, dsub, bf16, nw, gp=0):
-    return f"pq_attn<{d}, {dsub}, {'true' if bf16 else 'false'}, {nw}, {gp}>"
+def _attn_name(d, dsub, bf16, nw, gp=0, tma=False):
+    return (f"pq_attn<{d}, {dsub}, {'true' if bf16 else 'false'}, {nw}, {gp}, "
+            f"{'true' if tma else 'false'}>")
 
 
 def _group(g: int, dsub: int, conflict_free: bool) -> int:
@@ -158,12 +163,68 @@ def _group(g: int, dsub: int, conflict_free: bool) -> int:
     return 2 if g <= 2 else 4 if g <= 4 else 8
 
 
-def _attn_smem(d: int, gp: int, nw: int) -> int:
+def _attn_smem(d: int, gp: int, nw: int, tma: bool = False) -> int:
     """GP > 0: K and V tables, 64 KiB each (256-byte code rows), + per warp a ring of code
     tiles (32 * M bytes each, M = d/2; 4 deep up to 12 warps, else 3: cuda_pq.cu
-    cf_stages). Else the two tables, d KiB."""
+    cf_stages), + with TMA the bulk copies' mbarrier (16 B). Else the two tables, d KiB."""
     stages = 4 if nw <= 12 else 3
-    return 131072 + nw * stages * 16 * d if gp else 1024 * d
+    return 131072 + nw * stages * 16 * d + 16 * tma if gp else 1024 * d
+
+
+IMG_WORDS = 32768     # cuda_pq.cu IMG_BYTES / 4: one KV head's image
+
+
+@functools.lru_cache(maxsize=None)
+def _image_index(m: int, vg: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Word positions in a head's image of K / V codebook word (m, code), flat m*256 + code
+    (cuda_pq.cu, the CF layouts): K word at code*64 + 32hh + 4i + c for m = c*MQ + 8hh + i;
+    V (vg > 0) at 16384 + code*64 + m, else (GP 8) 16384 + (m/8)*2048 + code*8 + m%8."""
+    mm = torch.arange(m).unsqueeze(1)
+    code = torch.arange(256).unsqueeze(0)
+    mq = m // 4
+    c, r = mm // mq, mm % mq
+    k = code * 64 + 32 * (r // 8) + 4 * (r % 8) + c
+    v = 16384 + (code * 64 + mm if vg else (mm // 8) * 2048 + code * 8 + mm % 8)
+    return k.reshape(-1), v.reshape(-1)
+
+
+def build_codebook_image(k_codebook: torch.Tensor, v_codebook: torch.Tensor, vg: int) -> torch.Tensor:
+    """k/v_codebook [Hkv, M, 256, 2] fp16/bf16 -> int32 [Hkv, IMG_WORDS]: per KV head, the
+    bytes the CF kernel keeps in shared memory (its first 128 KiB); unused words are 0."""
+    hkv, m = k_codebook.shape[:2]
+    ik, iv = (t.to(k_codebook.device) for t in _image_index(m, vg))
+    img = torch.zeros(hkv, IMG_WORDS, dtype=torch.int32, device=k_codebook.device)
+    img[:, ik] = k_codebook.contiguous().view(torch.int32).reshape(hkv, -1)
+    img[:, iv] = v_codebook.contiguous().view(torch.int32).reshape(hkv, -1)
+    return img
+
+
+_images: dict = {}
+
+
+def codebook_image(k_codebook, v_codebook, vg: int):
+    """The image of (k_codebook, v_codebook), built on first use and cached: a cache's
+    codebooks are set once and read by every step. Keyed on the tensors' bases (held by
+    weak reference: a freed base is never matched by a new one at its address), offsets
+    and version counters (an in-place update rebuilds). None while a CUDA graph is being
+    captured and nothing is cached (the kernel then stages through registers)."""
+    kb, vb = k_codebook._base if k_codebook._base is not None else k_codebook, \
+        v_codebook._base if v_codebook._base is not None else v_codebook
+    key = (id(kb), k_codebook.storage_offset(), id(vb), v_codebook.storage_offset(), vg,
+           tuple(k_codebook.shape), k_codebook.dtype)
+    ver = (k_codebook._version, v_codebook._version)
+    hit = _images.get(key)
+    if hit is not None and hit[0]() is kb and hit[1]() is vb and hit[2] == ver:
+        return hit[3]
+    if k_codebook.is_cuda and torch.cuda.is_current_stream_capturing():
+        return None
+    if len(_images) > 4096:
+        _images.clear()
+    img = build_codebook_image(k_codebook, v_codebook, vg)
+    if hit is None:     # dropped with the codebooks (a key's id is not reused before that)
+        weakref.finalize(kb, _images.pop, key, None)
+    _images[key] = (weakref.ref(kb), weakref.ref(vb), ver, img)
+    return img
 
 
 def _merge_name(d, bf16):
@@ -238,7 +299,7 @@ class CudaPQPlan:
             dev = self.items.device
             if kind == "attn":
                 fn = _function(_attn_name(*key), dev)
-                fn.max_dynamic_shared_size_bytes = _attn_smem(key[0], key[4], key[3])
+                fn.max_dynamic_shared_size_bytes = _attn_smem(key[0], key[4], key[3], key[5])
             else:
                 fn = _function(_merge_name(*key), dev)
             self._fns[(kind, key)] = fn
@@ -249,8 +310,12 @@ class CudaPQPlan:
         for dt in dtypes:
             for dsub in dsubs:
                 gp = _group(self.num_qo_heads // self.num_kv_heads, dsub, self.conflict_free)
-                self._fn("attn", self.head_dim, dsub, dt == torch.bfloat16, self.num_warps, gp)
+                for tma in ((False, True) if self._tma(gp) else (False,)):
+                    self._fn("attn", self.head_dim, dsub, dt == torch.bfloat16, self.num_warps, gp, tma)
             self._fn("merge", self.head_dim, dt == torch.bfloat16)
+
+    def _tma(self, gp: int) -> bool:
+        return TMA and gp > 0 and _capability(_index(self.items.device)) >= (9, 0)
 
     def run_pq(self, q, k_codes, v_codes, k_codebook, v_codebook, sealed_tables,
                tail_k, tail_v, tail_tables, scale: float, out=None, lse=None,
@@ -337,7 +402,8 @@ class CudaPQPlan:
             cf = self.conflict_free and not (v_codes.data_ptr() % 16 or v_codes.stride(0) % 16
                                              or v_codes.stride(1) % 16)
             gp = _group(hq // hkv, dsub, cf)
-            fn = self._fn("attn", d, dsub, bf16, self.num_warps, gp)
+            img = codebook_image(k_codebook, v_codebook, gp if gp < 8 else 0) if self._tma(gp) else None
+            fn = self._fn("attn", d, dsub, bf16, self.num_warps, gp, img is not None)
             args = (_p(q), _i64(q.stride(0)), _i64(q.stride(1)), _p(self.items), _p(self.o_part),
                     _p(self.lse_part), _p(k_codes), _p(v_codes), _i64(k_codes.stride(0)),
                     _i64(k_codes.stride(1)), _i64(v_codes.stride(0)), _i64(v_codes.stride(1)),
@@ -347,9 +413,10 @@ class CudaPQPlan:
                     _i64(tail_v.stride(0)), _i64(tail_v.stride(1)), _i64(tail_v.stride(2)),
                     _p(tail_tables), _i64(tail_tables.stride(0)),
                     _f32(scale * 1.4426950408889634), _i32(hq), _i32(hq // hkv), _i32(bs),
-                    _i32(self.tail_block_size), _i32(_log2_or_neg(bs)))
+                    _i32(self.tail_block_size), _i32(_log2_or_neg(bs)),
+                    _p(img) if img is not None else np.uint64(0))
             _launch(fn, dev, (n_items, hkv), (32 * self.num_warps,), args,
-                    _attn_smem(d, gp, self.num_warps), stream)
+                    _attn_smem(d, gp, self.num_warps, img is not None), stream)
         if "merge" in SKIP:
             return out, lse
         fn = self._fn("merge", d, bf16)

@@ -107,8 +107,14 @@ def test_pq_decode_cuda(g, d, dsub, bs, dtype):
     tol = 4e-3 if dtype == torch.float16 else 2.5e-2
     ro, rl = pq_ref(c, d ** -0.5)
     for ctas in (None, 4 * hkv):
-        for cf in ((True, False) if dsub == 2 else (False,)):   # both gather layouts
-            plan, out, lse = run(c, d ** -0.5, target_ctas=ctas, conflict_free=cf)
+        # both gather layouts; CF with the codebooks as bulk copies of the image and staged
+        # through registers
+        for cf, tma in ([(True, True), (True, False), (False, False)] if dsub == 2 else [(False, False)]):
+            cuda_pq.TMA = tma
+            try:
+                plan, out, lse = run(c, d ** -0.5, target_ctas=ctas, conflict_free=cf)
+            finally:
+                cuda_pq.TMA = True
             assert isinstance(plan, cuda_pq.CudaPQPlan)
             check(out, lse, ro, rl, tol)
 
@@ -137,6 +143,60 @@ def test_pq_decode_cuda_graph_and_reuse():
     torch.cuda.synchronize()
     ro, rl = pq_ref(c, 0.088)
     check(out, lse, ro, rl, 4e-3)
+
+
+@gpu
+def test_pq_decode_cuda_graph_no_image():
+    # first call inside a capture: no codebook image cached, none built (that would allocate
+    # and launch in the graph): the kernel stages through registers; eager calls then build it
+    c = make_case([300, 4000, 17], 24, 8, 128, 2, 16, 16, torch.float16, seed=8)
+    plan = da.plan_pq_decode(c["sealed_lens"], c["tail_lens"], num_qo_heads=24, num_kv_heads=8,
+                             head_dim=128, block_size=16, tail_block_size=16, device="cuda")
+    plan.warm()
+    out = torch.full_like(c["q"], float("nan"))
+    lse = torch.full(c["q"].shape[:2], float("nan"), device="cuda")
+    args = [c[k] for k in ("q", "k_codes", "v_codes", "k_codebook", "v_codebook",
+                           "sealed_tables", "tail_k", "tail_v", "tail_tables")]
+    n0 = len(cuda_pq._images)
+    s = torch.cuda.Stream()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(s):
+        with torch.cuda.graph(g, stream=s):
+            plan.run_pq(*args, 0.088, out=out, lse=lse)
+    assert len(cuda_pq._images) == n0
+    g.replay()
+    torch.cuda.synchronize()
+    ro, rl = pq_ref(c, 0.088)
+    check(out, lse, ro, rl, 4e-3)
+    out.fill_(float("nan"))
+    plan.run_pq(*args, 0.088, out=out, lse=lse)
+    assert len(cuda_pq._images) == n0 + (1 if plan._tma(4) else 0)
+    check(out, lse, ro, rl, 4e-3)
+    c["v_codebook"].mul_(0.5)            # in place: the version counter changes, a new image
+    plan.run_pq(*args, 0.088, out=out, lse=lse)
+    ro, rl = pq_ref(c, 0.088)
+    check(out, lse, ro, rl, 4e-3)
+
+
+@pytest.mark.parametrize("m,vg", [(64, 4), (64, 2), (64, 0), (32, 2), (32, 0)])
+def test_codebook_image_layout(m, vg):
+    # CPU: the image holds each word where cuda_pq.cu's gathers read it. K subspace
+    # cq*MQ + 8hh + i at byte code*256 + 128hh + 16i + 4cq; V subspace (m-tile X, row gq)
+    # at 65536 + code*256 + 4m (VG) or 65536 + X*8192 + code*32 + 4gq (GP 8)
+    gen = torch.Generator().manual_seed(m + vg)
+    kcb = torch.randn(2, m, 256, 2, generator=gen).half()
+    vcb = torch.randn(2, m, 256, 2, generator=gen).half()
+    img = cuda_pq.build_codebook_image(kcb, vcb, vg).view(torch.uint8).reshape(2, -1)
+    assert img.shape[1] == 131072
+    mq = m // 4
+    for h in range(2):
+        for code in (0, 1, 77, 255):
+            for sub in range(m):
+                c, r = sub // mq, sub % mq
+                kb = code * 256 + 128 * (r // 8) + 16 * (r % 8) + 4 * c
+                vb = 65536 + (code * 256 + 4 * sub if vg else (sub // 8) * 8192 + code * 32 + 4 * (sub % 8))
+                assert torch.equal(img[h, kb:kb + 4], kcb[h, sub, code].view(torch.uint8))
+                assert torch.equal(img[h, vb:vb + 4], vcb[h, sub, code].view(torch.uint8))
 
 
 @gpu
