@@ -54,7 +54,7 @@ def stamps(b, L, target_ctas=None):
     torch.cuda.synchronize()
     gp = cuda_pq._group(ba.HQ // ba.HKV, 2, plan.conflict_free)
     nw = plan.num_warps
-    mod = cuda_pq._raw[(0, cuda_pq._attn_name(ba.D, 2, False, nw, gp, plan._tma(gp)))]
+    mod = cuda_pq._raw[(0, cuda_pq._attn_name(ba.D, 2, False, nw, gp, plan._tma(gp), plan._bs_pow2()))]
     ptr = mod.get_global("pq_stamps")
     buf = cupy.ndarray((1 << 21,), dtype=cupy.uint64, memptr=ptr)
     reps = []

@@ -51,7 +51,7 @@ for d in "${STAMPS[@]}"; do
 done
 if [ -n "$BENCH" ]; then
   echo "### bench $BENCH"
-  timeout 400 python bench/bench_cuda_pq.py $BENCH 2>&1 | grep -v Warn > $O/bench_cuda_pq_$TAG.log
+  timeout 400 python bench/bench_cuda_pq.py $BENCH 2>&1 | grep --line-buffered -v Warn > $O/bench_cuda_pq_$TAG.log
   tail -14 $O/bench_cuda_pq_$TAG.log
 fi
 if [ -n "$MAIN" ]; then

@@ -1,11 +1,12 @@
 """Instruction counts of pq_attn instantiations from their SASS (needs nvcc + cuobjdump).
 
-python bench/sass_cuda_pq.py [--defs "-DX ..."] [--dump DIR] "128,2,false,12,4,true" ...
+python bench/sass_cuda_pq.py [--defs "-DX ..."] [--dump DIR] "128,2,false,12,4,true,true" ...
 python bench/sass_cuda_pq.py --sass FILE ...      (parse SASS dumped earlier: no toolkit)
-Each argument is a template argument list of pq_attn (D, DSUB, BF16, NW, GP, TMA). Per
-instantiation: registers, instructions in all, and in the PQ tile loop (the backward
+Each argument is a template argument list of pq_attn (D, DSUB, BF16, NW, GP, TMA, BS_POW2).
+Per instantiation: registers, instructions in all, and in the PQ tile loop (the backward
 branch whose body issues the ring's cp.async and holds the most shared-memory loads: one
-tile per iteration) the count by opcode.
+tile per iteration) the count by opcode, and the integer-division markers in it (I2F(.U32).RP,
+MUFU.RCP, IMAD.HI, IABS: the reciprocal sequence nvcc emits for a 32-bit `/` or `%`).
 """
 import argparse
 import collections
@@ -86,6 +87,10 @@ def report(name: str, text: str, regs: str, defs: str) -> None:
         c = collections.Counter(opcode(o) for o in best[1])
         print(f"  tile loop: {len(best[1])} instructions, {best[0][1]} LDS; "
               + ", ".join(f"{k} {v}" for k, v in c.most_common(30)))
+        div = {k: v for k, v in c.items()
+               if (k.startswith("I2F") and ".RP" in k) or k.startswith(("MUFU.RCP", "IMAD.HI", "IABS"))}
+        print(f"  tile loop division markers: {sum(div.values())}: "
+              + (", ".join(f"{k} {v}" for k, v in sorted(div.items())) or "(none)"))
 
 
 if __name__ == "__main__":

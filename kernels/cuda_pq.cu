@@ -367,15 +367,21 @@ struct RegStager {
 constexpr u32 IMG_BYTES = 131072;
 constexpr int IMG_CHUNKS = 8;
 
-// experiment (session 5): -DPQ_BS_POW2 takes every block size for a power of two, so that
-// the tile loop carries no division code (the default computes both and selects)
-#ifdef PQ_BS_POW2
-#define PQ_POW2(shift) true
-#else
-#define PQ_POW2(shift) ((shift) >= 0)
-#endif
+// Block of a sealed token t >= 0 and its row in that block. BS_POW2 (the instantiation
+// cuda_pq.py picks when the cache's block size is a power of two, as it is in practice):
+// shift and mask by bs_shift = log2(bs). Else one unsigned division each. (Session 5: a
+// runtime `bs_shift >= 0 ? shift : divide` had the compiler compute both signed divisions
+// and select, ~30 of the tile loop's ~474 instructions.)
+template <bool BS_POW2>
+__device__ __forceinline__ int bs_block(int t, int bs, int bs_shift) {
+  return BS_POW2 ? t >> bs_shift : (int)((u32)t / (u32)bs);
+}
+template <bool BS_POW2>
+__device__ __forceinline__ int bs_row(int t, int bs) {
+  return BS_POW2 ? t & (bs - 1) : (int)((u32)t % (u32)bs);
+}
 
-template <int D, int DSUB, bool BF16, int NW, int GP, bool TMA = false>
+template <int D, int DSUB, bool BF16, int NW, int GP, bool TMA, bool BS_POW2>
 __global__ void __launch_bounds__(NW * 32, 1) pq_attn(
     const u16* q, long long sq_b, long long sq_h, const int* items, float* o_part,
     float* lse_part, const u8* kc, const u8* vc, long long skc_blk, long long skc_h,
@@ -466,7 +472,7 @@ __global__ void __launch_bounds__(NW * 32, 1) pq_attn(
 #pragma unroll
     for (int k = 0; k < cf_stages(NW); ++k) {
       const int tile = warp + k * NW, t0 = pq_lo + 16 * tile;
-      bpre[k] = tile < n_pq ? st_b0[PQ_POW2(bs_shift) ? t0 >> bs_shift : t0 / a.bs] : 0;
+      bpre[k] = tile < n_pq ? st_b0[bs_block<BS_POW2>(t0, a.bs, bs_shift)] : 0;
     }
   }
 #ifndef PQ_STAGE_LATE
@@ -584,14 +590,13 @@ __global__ void __launch_bounds__(NW * 32, 1) pq_attn(
     int ti = warp;
     // The block id of a tile is read two tiles ahead of its codes: a code load that
     // waits on the table load in the same step stalls the warp for a memory latency.
-    // Block sizes are powers of two in practice: a shift, not a 20-instruction division.
     auto blk_of = [&](int tile) -> long long {
       const int t0 = pq_lo + 16 * tile;
-      return tile < n_pq ? st_b[PQ_POW2(bs_shift) ? t0 >> bs_shift : t0 / a.bs] : 0;
+      return tile < n_pq ? st_b[bs_block<BS_POW2>(t0, a.bs, bs_shift)] : 0;
     };
     auto fetch = [&](int tile, long long blk, CodeVec<MQ> (&kk)[2], u32 (&vv)[NX]) {
       int t0 = pq_lo + 16 * tile;
-      int off = PQ_POW2(bs_shift) ? t0 & (a.bs - 1) : t0 % a.bs;
+      int off = bs_row<BS_POW2>(t0, a.bs);
       const u8* kb = kc_h + blk * a.skc_blk + cq * MQ;
 #pragma unroll
       for (int t = 0; t < 2; ++t) load_codes<MQ>(kk[t], kb + (off + sigma(t, gq)) * M);
@@ -788,7 +793,7 @@ __global__ void __launch_bounds__(NW * 32, 1) pq_attn(
       auto issue = [&](int tile, long long blk, u32 stage_off) {
         if (tile < n_pq) {
           const int t0 = pq_lo + 16 * tile;
-          const int off = PQ_POW2(bs_shift) ? t0 & (a.bs - 1) : t0 % a.bs;
+          const int off = bs_row<BS_POW2>(t0, a.bs);
           unsigned char* dst = ring + stage_off + kdst;
           const u8* kb = kc_h + blk * a.skc_blk + off * M + kdst;   // 16 rows, contiguous
           const u8* vb = vc_h + blk * a.svc_blk + off + vsrc;       // M rows of 16 B, stride bs

@@ -36,6 +36,10 @@ CONFLICT_FREE = os.environ.get("KVSTORE_CUDA_PQ_CF", "1") != "0"
 # CF on sm_90: the codebooks reach shared memory as bulk copies of a pre-laid-out image
 # (codebook_image); 0 = staged through registers (also used while no image is cached)
 TMA = os.environ.get("KVSTORE_CUDA_PQ_TMA", "1") != "0"
+# power-of-two block sizes get the instantiation that shifts and masks (cuda_pq.cu
+# BS_POW2); False = the generic one (unsigned division, any multiple of 16) for every block
+# size: tests check the two agree, the bench times both
+BS_POW2 = True
 # debug / experiments only: extra NVRTC defines ("-DPQ_STAMPS ..."), the raw modules
 # (bench/attrib_cuda_pq.py reads the stamp buffer out of them), launches to leave out
 DEFINES = tuple(os.environ.get("KVSTORE_CUDA_PQ_DEFS", "").split())
@@ -150,9 +154,13 @@ def _p(t: torch.Tensor):
 _i64, _i32, _f32 = np.int64, np.int32, np.float32
 
 
-def _attn_name(d, dsub, bf16, nw, gp=0, tma=False):
-    return (f"pq_attn<{d}, {dsub}, {'true' if bf16 else 'false'}, {nw}, {gp}, "
-            f"{'true' if tma else 'false'}>")
+def _attn_name(d, dsub, bf16, nw, gp=0, tma=False, pow2=True):
+    b = lambda x: "true" if x else "false"  # noqa: E731
+    return f"pq_attn<{d}, {dsub}, {b(bf16)}, {nw}, {gp}, {b(tma)}, {b(pow2)}>"
+
+
+def _pow2(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
 
 
 def _group(g: int, dsub: int, conflict_free: bool) -> int:
@@ -311,8 +319,13 @@ class CudaPQPlan:
             for dsub in dsubs:
                 gp = _group(self.num_qo_heads // self.num_kv_heads, dsub, self.conflict_free)
                 for tma in ((False, True) if self._tma(gp) else (False,)):
-                    self._fn("attn", self.head_dim, dsub, dt == torch.bfloat16, self.num_warps, gp, tma)
+                    self._fn("attn", self.head_dim, dsub, dt == torch.bfloat16, self.num_warps, gp, tma,
+                             self._bs_pow2())
             self._fn("merge", self.head_dim, dt == torch.bfloat16)
+
+    def _bs_pow2(self) -> bool:
+        """The BS_POW2 instantiation: shifts and masks for the block of a token."""
+        return BS_POW2 and _pow2(self.block_size)
 
     def _tma(self, gp: int) -> bool:
         return TMA and gp > 0 and _capability(_index(self.items.device)) >= (9, 0)
@@ -403,7 +416,7 @@ class CudaPQPlan:
                                              or v_codes.stride(1) % 16)
             gp = _group(hq // hkv, dsub, cf)
             img = codebook_image(k_codebook, v_codebook, gp if gp < 8 else 0) if self._tma(gp) else None
-            fn = self._fn("attn", d, dsub, bf16, self.num_warps, gp, img is not None)
+            fn = self._fn("attn", d, dsub, bf16, self.num_warps, gp, img is not None, self._bs_pow2())
             args = (_p(q), _i64(q.stride(0)), _i64(q.stride(1)), _p(self.items), _p(self.o_part),
                     _p(self.lse_part), _p(k_codes), _p(v_codes), _i64(k_codes.stride(0)),
                     _i64(k_codes.stride(1)), _i64(v_codes.stride(0)), _i64(v_codes.stride(1)),

@@ -94,6 +94,11 @@ def check(out, lse, ro, rl, tol):
 CASES = [(g, d, dsub, bs, dt) for g in (1, 3, 4, 8) for d in (64, 128) for dsub in (2, 4)
          for bs in (16, 32) for dt in (torch.float16, torch.bfloat16)
          if dt == torch.float16 or (bs == 16 and d == 128)]
+# block sizes 64 (BS_POW2 instantiation) and 48 (a multiple of 16 but no power of two: the
+# generic instantiation, unsigned division)
+CASES += [(4, 128, 2, 48, torch.float16), (4, 128, 2, 64, torch.float16),
+          (1, 64, 2, 48, torch.bfloat16), (8, 64, 4, 48, torch.float16),
+          (3, 128, 4, 64, torch.bfloat16), (8, 128, 2, 48, torch.float16)]
 
 
 @gpu
@@ -117,6 +122,35 @@ def test_pq_decode_cuda(g, d, dsub, bs, dtype):
                 cuda_pq.TMA = True
             assert isinstance(plan, cuda_pq.CudaPQPlan)
             check(out, lse, ro, rl, tol)
+
+
+@gpu
+@pytest.mark.parametrize("dsub", [2, 4])
+def test_pq_decode_cuda_bs_pow2_matches_generic(dsub):
+    # the BS_POW2 instantiation (shifts) and the generic one (division) at the same power-of-two
+    # block size: the same arithmetic, so bit-identical results
+    c = make_case([1, 54, 1000, 33, 32768], 16, 4, 128, dsub, 32, 16, torch.float16, seed=11 + dsub)
+    ro, rl = pq_ref(c, 128 ** -0.5)
+    for cf, tma in ([(True, True), (True, False), (False, False)] if dsub == 2 else [(False, False)]):
+        res = []
+        for pow2 in (True, False):
+            cuda_pq.TMA, cuda_pq.BS_POW2 = tma, pow2
+            try:
+                plan, out, lse = run(c, 128 ** -0.5, conflict_free=cf)
+                assert plan._bs_pow2() == pow2
+            finally:
+                cuda_pq.TMA, cuda_pq.BS_POW2 = True, True
+            check(out, lse, ro, rl, 4e-3)
+            res.append((out, lse))
+        assert torch.equal(res[0][0], res[1][0]) and torch.equal(res[0][1], res[1][1])
+
+
+def test_attn_variant_names():
+    # CPU: the launcher's instantiation key: BS_POW2 for power-of-two block sizes only
+    assert [cuda_pq._pow2(n) for n in (16, 32, 48, 64, 80, 128)] == [True, True, False, True, False, True]
+    assert [cuda_pq._log2_or_neg(n) for n in (16, 48, 64)] == [4, -1, 6]
+    assert cuda_pq._attn_name(128, 2, False, 12, 4, True, True) == "pq_attn<128, 2, false, 12, 4, true, true>"
+    assert cuda_pq._attn_name(64, 4, True, 8, 0, False, False) == "pq_attn<64, 4, true, 8, 0, false, false>"
 
 
 @gpu
