@@ -177,20 +177,27 @@ def to_proto(x: torch.Tensor, buffers: BufferRegistry | None = None, out: pb.Out
     x = x.detach()
     msg = pb.Tensor(shape=x.shape, dtype=TO_PROTO[x.dtype])
     if out is not None and out.buffer_id:
-        shape = tuple(x.shape)
-        check_output(buffers, out, _nbytes(shape, x.dtype), x.dtype.itemsize, field)
-        # Straight into the buffer (a cached view; on its device: a CUDA buffer
-        # gets no host round trip), unless x is that view already (the kernels
-        # wrote it there).
-        dst = buffers.view(out.buffer_id, out.offset, shape, x.dtype)
-        if dst.data_ptr() != x.data_ptr() or dst.device != x.device:
-            dst.copy_(x)
+        place(x, buffers, out, field)
         msg.ref.buffer_id = out.buffer_id
         msg.ref.offset = out.offset
         return msg
     x = x.contiguous().cpu()
     msg.inline = x.view(torch.uint8).numpy().tobytes() if x.numel() else b""
     return msg
+
+
+def place(x: torch.Tensor, buffers: BufferRegistry | None, out: pb.OutputRef | None, field: str = "out") -> None:
+    """x into the registered buffer range `out` (nothing if out names none).
+    A cached view on the buffer's device: a CUDA buffer gets no host round
+    trip; no copy at all when x is that view already (the kernels wrote it)."""
+    if out is None or not out.buffer_id:
+        return
+    x = x.detach()
+    shape = tuple(x.shape)
+    check_output(buffers, out, _nbytes(shape, x.dtype), x.dtype.itemsize, field)
+    dst = buffers.view(out.buffer_id, out.offset, shape, x.dtype)
+    if dst.data_ptr() != x.data_ptr() or dst.device != x.device:
+        dst.copy_(x)
 
 
 def check_output(buffers: BufferRegistry | None, out: pb.OutputRef | None, nbytes: int, align: int, field: str) -> None:
