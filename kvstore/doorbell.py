@@ -151,7 +151,9 @@ class Doorbell:
         view = self.servicer.buffer_table.view(tenant, session)
         buf = bytearray(bell.MAX_PACKET)
         mv = memoryview(buf)
-        requests: dict[bytes, pb.AppendAttendRequest] = {}
+        registry = self.servicer.buffer_table.registry
+        # descriptor -> [its request, its Resolved, the registry generation it was resolved in]
+        requests: dict[bytes, list] = {}
         while True:
             n = conn.recv_into(buf, bell.MAX_PACKET, socket.MSG_TRUNC)
             if n == 0:
@@ -165,13 +167,16 @@ class Doorbell:
                                                 "doorbell_token: revoked (the session's lease lapsed)"))
                     return
                 key = bytes(mv[4:min(n, bell.MAX_PACKET)])
-                request = requests.get(key)
-                if request is None:
-                    request = _decode(mv, n)
+                entry = requests.get(key)
+                if entry is None:
+                    entry = [_decode(mv, n), None, -1]
                     if len(requests) >= MAX_REQUESTS:
                         requests.clear()
-                    requests[key] = request
-                dtype = self.servicer.doorbell_append_attend(request, tenant, session, view)
+                    requests[key] = entry
+                gen = registry.generation
+                dtype, resolved = self.servicer.doorbell_append_attend(
+                    entry[0], tenant, session, view, entry[1] if entry[2] == gen else None)
+                entry[1], entry[2] = resolved, gen
             except KVStoreError as e:
                 code, message = _CODES.get(e.code, _CODES["INTERNAL"]), str(e)
             except AssertionError as e:      # a broken invariant (debug builds check after every call)

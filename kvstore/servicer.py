@@ -7,6 +7,7 @@ import functools
 import logging
 import os
 import threading
+from dataclasses import dataclass
 
 import grpc
 
@@ -272,33 +273,46 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
         return self._append_attend(request, self._tenant(context),
                                    lambda out, ref: pb.AttendReply(out=wire.to_proto(out, self.buffers, ref)))
 
-    def _append_attend(self, request, tenant: str, finish):
+    def _append_attend(self, request, tenant: str, finish, resolved: Resolved | None = None):
         """AppendAttend's work, for the gRPC handler and the doorbell alike:
         -> finish(out, its OutputRef), run inside the CUDA scope so that a copy
-        into the output range comes before the done event."""
-        ref, view = self._out_view(request, len(request.sequence_ids))
-        with self._cuda(request):
-            out = self.engine.append_attend(request.cache, tenant, request.layer,
-                                            list(request.sequence_ids), self._t(request.k, "k"),
-                                            self._t(request.v, "v"), self._t(request.q, "q"), request.scale,
-                                            out=view)
-            return finish(out, ref)
+        into the output range comes before the done event. resolved: this
+        request's resolve(), still valid (the doorbell keeps it per descriptor)."""
+        r = resolved or self.resolve(request)
+        with r.scope:
+            out = self.engine.append_attend(request.cache, tenant, request.layer, list(request.sequence_ids),
+                                            r.k, r.v, r.q, request.scale, out=r.out_view)
+            return finish(out, r.out_ref)
 
-    def doorbell_append_attend(self, request, tenant: str, session: str, buffers) -> int:
+    def resolve(self, request) -> Resolved:
+        """What an AppendAttend's tensor fields name, checked in the order its
+        errors are reported (out, k, v, q), and its CUDA scope."""
+        ref, view = self._out_view(request, len(request.sequence_ids))
+        return Resolved(self._t(request.k, "k"), self._t(request.v, "v"), self._t(request.q, "q"), ref, view,
+                        self._cuda(request))
+
+    def doorbell_append_attend(self, request, tenant: str, session: str, buffers,
+                               resolved: Resolved | None = None) -> tuple[int, Resolved]:
         """An AppendAttend that came by the doorbell (doorbell.py) from a local
         caller of (tenant, session): the lease, buffer view and invariant checks
         of a gRPC call; engine errors propagate for the doorbell to report.
-        -> the output's dtype (pb.DType); the output is in request.out's range."""
+        resolved: this request's from an earlier call on this thread (its CUDA
+        scope holds the thread's fences), if no buffer was unregistered since
+        (BufferRegistry.generation).
+        -> (the output's dtype (pb.DType), resolved); the output is in request.out's range."""
         if self.engine is None:
             raise Unavailable("engine", "is starting")
         if self.leases is not None:
             self.leases.touch(tenant, session)
         self._call.buffers = buffers
+        r = resolved or self.resolve(request)
+
         def finish(out, ref):       # ref: never None, every descriptor names its output range
-            wire.place(out, self.buffers, ref)
+            if out is not r.out_view:   # else the kernels wrote it there, into the range resolve() checked
+                wire.place(out, buffers, ref)
             return wire.TO_PROTO[out.dtype]
         try:
-            return self._append_attend(request, tenant, finish)
+            return self._append_attend(request, tenant, finish, r), r
         finally:
             if self.debug_invariants:
                 self.engine.check_invariants()
@@ -455,6 +469,18 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
         held = sum(len(v) for v in self.engine.owned_sequences(tenant, session).values())
         return pb.HeartbeatReply(session_id=session, tenant=tenant, sequences=held,
                                  lease_timeout_s=self.leases.timeout_s if self.leases is not None else 0.0)
+
+
+@dataclass(slots=True)
+class Resolved:
+    """An AppendAttend request's tensors, output range and CUDA scope; reusable
+    (CudaScope keeps no state from one call to the next)."""
+    k: object
+    v: object
+    q: object
+    out_ref: object
+    out_view: object
+    scope: object
 
 
 def _tier_stats(msg: pb.CacheStats, t: dict) -> None:

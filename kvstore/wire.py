@@ -37,6 +37,7 @@ class BufferRegistry:
         self._bufs: dict[str, tuple[mmap.mmap, torch.Tensor, str]] = {}
         self._views: dict[tuple, torch.Tensor] = {}
         self.cuda_buffers = 0        # how many are CUDA buffers (none: calls skip the CUDA scope)
+        self.generation = 0          # +1 per unregister: views and scopes resolved before it may be stale
         self._lock = threading.Lock()
 
     def register_shm(self, name: str, size: int, owner: str = "") -> str:
@@ -101,6 +102,7 @@ class BufferRegistry:
         with self._lock:
             entry = self._bufs.pop(buffer_id, None)
             if entry is not None:
+                self.generation += 1
                 self.cuda_buffers -= buffer_id.startswith("cuda-")
                 for key in [k for k in self._views if k[0] == buffer_id]:
                     del self._views[key]

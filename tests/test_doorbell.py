@@ -257,3 +257,23 @@ def test_step_buffers_cross_in_place(served):
             assert got is io.out
             outs.append(got.clone())
         assert torch.equal(torch.stack(outs), want)
+
+
+def test_unregistered_buffer_is_not_served_from_the_descriptor_cache(served):
+    sock, _ = served
+    kv, bid, path, token = _registered(sock)
+    s = _connect(path, token)
+    assert _reply(s)[0] == 0
+    s.sendall(_desc(bid))
+    assert _reply(s) == (0, "")            # resolved and kept for this descriptor
+    kv.stub.UnregisterBuffer(pb.UnregisterBufferRequest(buffer_id=bid))
+    kv._arena = None
+    before = kv.sequence_info("c", "s")
+    s.sendall(_desc(bid, layer=1))
+    s.sendall(_desc(bid))
+    for _ in range(2):
+        code, msg = _reply(s)
+        assert code == grpc.StatusCode.NOT_FOUND.value[0] and msg.startswith("buffer_id"), msg
+    assert kv.sequence_info("c", "s") == before
+    s.close()
+    kv.close()
