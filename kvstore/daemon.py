@@ -112,7 +112,7 @@ def create_server(engine: "Engine | None" = None, socket_path: str | None = None
     server.kvstore_engine = servicer.engine
     leases.start()
     if socket_path and doorbell:
-        _start_doorbell(server, servicer, leases, socket_path, max_streams)
+        _start_doorbell(server, servicer, leases, socket_path, max_streams, metrics)
     if metrics is not None:
         metrics.bind(servicer.engine, leases, servicer.buffer_table)
     for name in ("", SERVICE):
@@ -121,9 +121,11 @@ def create_server(engine: "Engine | None" = None, socket_path: str | None = None
 
 
 def _start_doorbell(server, servicer: KVStoreServicer, leases: LeaseManager, socket_path: str,
-                    max_conns: int) -> None:
+                    max_conns: int, metrics=None) -> None:
     from .doorbell import Doorbell
     bell = Doorbell(socket_path + ".bell", servicer, max_conns)
+    if metrics is not None:
+        bell.observe = metrics.interceptor.observe
     try:
         bell.start()
     except OSError as e:       # e.g. a path past the 108 bytes of sun_path: gRPC still serves every call

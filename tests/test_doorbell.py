@@ -211,6 +211,7 @@ def test_falls_back_to_grpc(tmp_path):
             assert kv._bell_addr is None and kv._bell is None
     finally:
         server.stop(0)
+    sock = str(tmp_path / "kv2.sock")      # grpc unlinks the old path as it stops, asynchronously
     server, _, _ = create_server(socket_path=sock)
     try:
         with KVStoreClient(f"unix://{sock}", heartbeat=False) as kv, \
@@ -277,3 +278,24 @@ def test_unregistered_buffer_is_not_served_from_the_descriptor_cache(served):
     assert kv.sequence_info("c", "s") == before
     s.close()
     kv.close()
+
+
+def test_doorbell_calls_are_counted_in_metrics(tmp_path):
+    from kvstore.metrics import Metrics
+    metrics = Metrics()
+    sock = str(tmp_path / "kv.sock")
+    server, _, _ = create_server(socket_path=sock, metrics=metrics)
+    try:
+        with KVStoreClient(f"unix://{sock}", heartbeat=False) as kv:
+            _cache(kv, "c", "fp16")
+            _steps(kv, "c", "s", 3)
+            with pytest.raises(grpc.RpcError):
+                kv.append_attend("c", 9, ["s"], torch.zeros(1, 2, 16).half(), torch.zeros(1, 2, 16).half(),
+                                 torch.zeros(1, 4, 16).half())
+            assert kv._bell is not None
+        text = metrics.render()
+        assert 'kvstore_rpc_total{code="OK",method="AppendAttendDoorbell"} 3.0' in text
+        assert 'kvstore_rpc_total{code="INVALID_ARGUMENT",method="AppendAttendDoorbell"} 1.0' in text
+        assert 'kvstore_attend_calls_total{cache="c"} 3.0' in text
+    finally:
+        server.stop(0)
