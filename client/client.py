@@ -22,9 +22,7 @@ daemon frees this process's unpinned sequences only after it is gone.
 from __future__ import annotations
 
 import math
-import mmap
 import os
-import secrets
 import threading
 import time
 import uuid
@@ -38,6 +36,7 @@ from kvstore.daemon import DEFAULT_MAX_MESSAGE_MB, SERVICE, client_options, defa
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.v1 import kvstore_pb2_grpc as pb_grpc
 
+from .arena import CudaArena, ShmArena, StepBuffers, place
 from .doorbell import BellDown, Doorbell
 from .stream import CallStream, StreamRefused
 
@@ -50,117 +49,6 @@ class Reservation:
     sealed_blocks: list[int]
     tail_blocks: list[int]       # sink blocks first: one fp16 table of length - len(sealed_blocks) * bs tokens
     length: int
-
-
-class _ShmArena:
-    """One shared-memory buffer, reused by every call (under the client's lock):
-    inputs are packed from offset 0, outputs after them."""
-
-    def __init__(self, size: int):
-        self.name = f"kvstore-{os.getpid()}-{secrets.token_hex(6)}"
-        self.path = os.path.join("/dev/shm", self.name)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-        try:
-            os.ftruncate(fd, size)
-            self.mm = mmap.mmap(fd, size)
-        finally:
-            os.close(fd)
-        self.size = self.top = size
-        self.view = torch.frombuffer(self.mm, dtype=torch.uint8)
-        self.cursor = 0
-        self.buffer_id = ""
-        self._typed: dict[tuple, tuple[torch.Tensor, pb.Tensor]] = {}
-
-    def alloc(self, nbytes: int, align: int = 64) -> int:
-        off = (self.cursor + align - 1) // align * align
-        if off + nbytes > self.top:
-            raise MemoryError
-        self.cursor = off + nbytes
-        return off
-
-    def reserve(self, nbytes: int, align: int = 64) -> int:
-        """Bytes at the top of the buffer that calls never stage into (step_buffers)."""
-        off = (self.top - nbytes) // align * align
-        if off < 0:
-            raise MemoryError
-        self.top = off
-        return off
-
-    def offset_of(self, t: torch.Tensor) -> int | None:
-        """t's byte offset if it is a dense view of the reserved region, else None."""
-        off = t.data_ptr() - self.view.data_ptr()
-        if (t.device != self.view.device or not t.is_contiguous() or off < self.top
-                or off + t.numel() * t.element_size() > self.size):
-            return None
-        return off
-
-    def typed(self, off: int, shape: tuple, dtype: torch.dtype) -> tuple[torch.Tensor, pb.Tensor]:
-        """(view of bytes at off as shape/dtype, the Tensor message naming them),
-        cached: calls of a decode loop name the same ranges every time."""
-        key = (off, shape, dtype)
-        hit = self._typed.get(key)
-        if hit is None:
-            if len(self._typed) >= 1024:
-                self._typed.clear()
-            nb = dtype.itemsize * math.prod(shape)
-            hit = self._typed[key] = (self.view[off:off + nb].view(dtype).view(shape),
-                                      pb.Tensor(shape=shape, dtype=wire.TO_PROTO[dtype],
-                                                ref=pb.BufferRef(buffer_id=self.buffer_id, offset=off)))
-        return hit
-
-    def close(self) -> None:
-        try:
-            os.unlink(self.path)
-        except FileNotFoundError:
-            pass
-
-
-class _CudaArena:
-    """A CUDA staging buffer shared with the daemon once (IPC handle) plus an
-    interprocess event pair: inputs are written and `ready` recorded on the
-    caller's stream; the daemon waits on it on its own stream and records
-    `done` after writing outputs, which the caller's stream waits on. The
-    host never synchronises."""
-
-    def __init__(self, size: int, device: torch.device):
-        from kvstore import cuda_ipc
-        self.size = self.top = size
-        self.view = torch.empty(size, dtype=torch.uint8, device=device)
-        self.handle = cuda_ipc.export_tensor(self.view)
-        self.ready, self.done = cuda_ipc.event_pair(device)
-        self.cursor = 0
-        self.buffer_id = ""
-        self._typed: dict[tuple, tuple[torch.Tensor, pb.Tensor]] = {}
-
-    alloc = _ShmArena.alloc
-    typed = _ShmArena.typed
-    reserve = _ShmArena.reserve
-    offset_of = _ShmArena.offset_of
-
-    def close(self) -> None:
-        self.view = None
-
-
-@dataclass(slots=True)
-class StepBuffers:
-    """Views of the client's registered buffer for one decode step of a batch
-    (KVStoreClient.step_buffers): the model writes the new token's k, v and
-    its q here, and append_attend(..., out=out) sends them with no staging
-    copy and leaves the result in `out` with no read-back copy."""
-    k: torch.Tensor          # [B, Hkv, d]
-    v: torch.Tensor          # [B, Hkv, d]
-    q: torch.Tensor          # [B, Hq, d]
-    out: torch.Tensor        # [B, Hq, d]
-
-
-def _place(arena, t: torch.Tensor) -> int:
-    """t's offset in the arena: where it already lies (a step_buffers view), or
-    a staging range it is copied into (stream-ordered on CUDA)."""
-    off = arena.offset_of(t)
-    if off is None:
-        off = arena.alloc(t.numel() * t.element_size())
-        arena.typed(off, tuple(t.shape), t.dtype)[0].copy_(t, non_blocking=arena.view.is_cuda)
-    return off
 
 
 class _Metadata(grpc.UnaryUnaryClientInterceptor):
@@ -203,8 +91,8 @@ class KVStoreClient:
         self._md = tuple(md)
         self.timeout = timeout
         self._lock = threading.Lock()
-        self._arena: _ShmArena | None = None
-        self._cuda_arena: _CudaArena | None = None
+        self._arena: ShmArena | None = None
+        self._cuda_arena: CudaArena | None = None
         self._no_cuda_buffers = False     # the daemon refused a CUDA buffer once
         self._shm_bytes = shm_bytes
         if transport not in ("auto", "shm", "inline"):
@@ -269,7 +157,7 @@ class KVStoreClient:
             self._arena.close()
             self._arena = None
 
-    def _arena_for(self, nbytes: int) -> _ShmArena | None:
+    def _arena_for(self, nbytes: int) -> ShmArena | None:
         """A registered arena of at least nbytes, or None to send inline."""
         if self.transport != "shm":
             return None
@@ -278,7 +166,7 @@ class KVStoreClient:
             size = max(self._shm_bytes, 1 << (nbytes - 1).bit_length())
             arena = None
             try:
-                arena = _ShmArena(size)
+                arena = ShmArena(size)
                 arena.buffer_id = self._register(pb.RegisterBufferRequest(kind=pb.SHM, name=arena.name, size=size))
             except (OSError, grpc.RpcError):
                 # Daemon on another host or no /dev/shm: inline bytes still work.
@@ -293,14 +181,14 @@ class KVStoreClient:
         self._arena.cursor = 0
         return self._arena
 
-    def _cuda_arena_for(self, nbytes: int, device: torch.device) -> _CudaArena | None:
+    def _cuda_arena_for(self, nbytes: int, device: torch.device) -> CudaArena | None:
         if not self.target.startswith("unix:") or self.transport == "inline" or self._no_cuda_buffers:
             return None
         a = self._cuda_arena
         if a is None or a.top < nbytes or a.view.device != device:
             if a is not None:
                 self.stub.UnregisterBuffer(pb.UnregisterBufferRequest(buffer_id=a.buffer_id), timeout=self.timeout)
-            a = _CudaArena(max(self._shm_bytes, 1 << (nbytes - 1).bit_length()), device)
+            a = CudaArena(max(self._shm_bytes, 1 << (nbytes - 1).bit_length()), device)
             try:
                 a.buffer_id = self._register(pb.RegisterBufferRequest(
                     kind=pb.CUDA_IPC, size=a.size, ipc_handle=a.handle.handle, offset=a.handle.offset,
@@ -353,17 +241,17 @@ class KVStoreClient:
                 if arena is None:
                     msgs[k] = wire.to_proto(t)
                 else:
-                    msgs[k] = arena.typed(_place(arena, t), tuple(t.shape), t.dtype)[1]
+                    msgs[k] = arena.typed(place(arena, t), tuple(t.shape), t.dtype)[1]
             for b in out_bytes:
                 outs.append(None if arena is None else pb.OutputRef(buffer_id=arena.buffer_id, offset=arena.alloc(b)))
             reply = method(request_fn(msgs, outs), timeout=self.timeout, metadata=self._md)
             return read(reply, arena) if read else reply
 
-    def _call_cuda(self, arena: _CudaArena, method, request_fn, inputs, out_bytes, read):
+    def _call_cuda(self, arena: CudaArena, method, request_fn, inputs, out_bytes, read):
         msgs, outs = {}, []
         for k, t in inputs.items():
             t = t.detach()
-            msgs[k] = arena.typed(_place(arena, t), tuple(t.shape), t.dtype)[1]
+            msgs[k] = arena.typed(place(arena, t), tuple(t.shape), t.dtype)[1]
         for b in out_bytes:
             outs.append(pb.OutputRef(buffer_id=arena.buffer_id, offset=arena.alloc(b)))
         stream = torch.cuda.current_stream(arena.view.device)
@@ -387,7 +275,7 @@ class KVStoreClient:
         """The daemon's time in the last doorbell call, µs (0 before one)."""
         return self._bell.last_handler_us if self._bell is not None else 0
 
-    def _tensor(self, t: pb.Tensor, arena: _ShmArena | None) -> torch.Tensor:
+    def _tensor(self, t: pb.Tensor, arena: ShmArena | None) -> torch.Tensor:
         if t.WhichOneof("data") == "ref":
             return arena.typed(t.ref.offset, tuple(t.shape), wire.TO_TORCH[t.dtype])[0].clone()
         return wire.from_proto(t, None, "reply")
@@ -490,7 +378,7 @@ class KVStoreClient:
         bell = self._doorbell() if arena is not None else None
         if bell is None:
             return None
-        offs = [_place(arena, t.detach()) for t in ts]
+        offs = [place(arena, t.detach()) for t in ts]
         out_off = arena.offset_of(out) if out is not None else None
         if out_off is None:
             out_off = arena.alloc(out_bytes)
