@@ -17,8 +17,17 @@ Rows (each: p50 / p99 over rounds x calls, and the overhead over its floor):
              available (the client synchronises after every call, so the time
              is the whole round trip including the GPU work)
   <codec>/<transport>/stream
-             the same over the client's AppendAttendStream (its default on a
-             Unix socket); floor: echo/stream
+             the same over the client's AppendAttendStream; floor: echo/stream
+  echo/bell  the echo server's SOCK_SEQPACKET echo of a descriptor-sized
+             packet on a thread: the doorbell's floor
+  <codec>/<shm|cuda>/bell
+             the same by the daemon's doorbell (kvstore/doorbell.py; the
+             client's default once it has a buffer); floor: echo/bell
+  <codec>/cuda/bell+views
+             the doorbell with k, v, q and out in the client's registered
+             buffer (KVStoreClient.step_buffers): no staging or read-back copy
+  <row>[daemon]
+             of a bell row: the daemon's time per call, from its replies
 Variants run interleaved, round by round, against one daemon process; each
 round starts a fresh sequence with a short prefill so lengths stay small.
 """
@@ -37,6 +46,7 @@ if "--root" in sys.argv:        # measure another checkout's daemon and client (
 sys.path.insert(0, ROOT)
 
 ECHO = "/bench.Echo/Echo"
+BELL_PACKET = 120                 # about an AppendAttend descriptor's size
 ECHO_STREAM = "/bench.Echo/Stream"
 GEOM = dict(num_layers=2, num_q_heads=4, num_kv_heads=2, head_dim=64)
 
@@ -66,8 +76,29 @@ def echo_server(sock: str, workers: int) -> None:
                          handlers=[Echo()])
     server.add_insecure_port(f"unix:{sock}")
     server.start()
+    _bell_echo(sock + ".bell")
     print("ready", flush=True)
     server.wait_for_termination()
+
+
+def _bell_echo(path: str) -> None:
+    """A SOCK_SEQPACKET echo, a thread per connection, as the daemon's doorbell serves."""
+    import socket
+    import threading
+
+    def serve(conn):
+        with conn:
+            while data := conn.recv(1 << 16):
+                conn.sendall(data)
+
+    def accept(listener):
+        while True:
+            conn, _ = listener.accept()
+            threading.Thread(target=serve, args=(conn,), daemon=True).start()
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    listener.bind(path)
+    listener.listen(8)
+    threading.Thread(target=accept, args=(listener,), daemon=True).start()
 
 
 def _wait_socket(p: subprocess.Popen, sock: str, timeout: float = 60) -> None:
@@ -96,21 +127,29 @@ def timed(fn, n: int, sync=None) -> list[float]:
 
 
 def floor_of(name: str, samples: dict[str, list[float]]) -> str:
-    """Stream rows are measured against the stream echo, the others against the unary one."""
+    """Stream rows are measured against the stream echo, bell rows against the
+    bell echo, the others against the unary one."""
+    if "/bell" in name and "echo/bell" in samples and not name.endswith("]"):
+        return "echo/bell"
     return "echo/stream" if name.endswith("/stream") and "echo/stream" in samples else "echo"
 
 
 def table(samples: dict[str, list[float]], title: str = "") -> None:
     if title:
         print(title)
-    print(f"{'variant':<20}{'p50 µs':>9}{'p99 µs':>9}{'floor':>13}{'p50-floor':>11}{'x floor':>9}{'x echo':>8}")
+    print(f"{'variant':<28}{'p50 µs':>9}{'p99 µs':>9}{'floor':>13}{'p50-floor':>11}{'x floor':>9}{'x echo':>8}")
     echo50 = pct(samples["echo"], 50)
     for name, xs in samples.items():
+        if not xs:
+            continue
         p50, p99, floor = pct(xs, 50), pct(xs, 99), floor_of(name, samples)
+        if name.endswith("[daemon]"):       # a part of its row's time, not a call of its own
+            print(f"{name:<28}{p50:9.0f}{p99:9.0f}")
+            continue
         f50 = pct(samples[floor], 50)
-        print(f"{name:<20}{p50:9.0f}{p99:9.0f}{floor:>13}{p50 - f50:11.0f}{p50 / f50:9.2f}{p50 / echo50:8.2f}")
+        print(f"{name:<28}{p50:9.0f}{p99:9.0f}{floor:>13}{p50 - f50:11.0f}{p50 / f50:9.2f}{p50 / echo50:8.2f}")
     floors = ", ".join(f"{k}: p50 {pct(samples[k], 50):.0f} µs, p99 {pct(samples[k], 99):.0f} µs"
-                       for k in ("echo", "echo/stream") if k in samples)
+                       for k in ("echo", "echo/stream", "echo/bell") if k in samples)
     print(f"(floors: {floors}; x echo: against the unary echo; target: AppendAttend p50 <= 150 µs)")
 
 
@@ -140,13 +179,17 @@ def compare(args, argv: list[str]) -> None:
     for label, root in trees.items():
         table(pooled[label], f"\n{label}: {root} ({args.rounds} rounds x {args.calls} calls, interleaved)")
     b, a = pooled["before"], pooled["after"]
-    print(f"\n{'variant':<20}{'p50 before':>11}{'p50 after':>10}{'p99 before':>11}{'p99 after':>10}"
+    print(f"\n{'variant':<28}{'p50 before':>11}{'p50 after':>10}{'p99 before':>11}{'p99 after':>10}"
           f"{'overhead before':>16}{'overhead after':>15}")
+
+    def cols(d, k, width):      # p50, p99, p50 over the floor; blanks for a row the tree lacks
+        if not d.get(k):
+            return ("-".rjust(width),) * 3
+        over = "" if k.endswith("]") else f"{pct(d[k], 50) - pct(d[floor_of(k, d)], 50):.0f}"
+        return f"{pct(d[k], 50):.0f}".rjust(width), f"{pct(d[k], 99):.0f}".rjust(width), over.rjust(width)
     for k in a:
-        if k in b:
-            print(f"{k:<20}{pct(b[k], 50):11.0f}{pct(a[k], 50):10.0f}{pct(b[k], 99):11.0f}{pct(a[k], 99):10.0f}"
-                  f"{pct(b[k], 50) - pct(b[floor_of(k, b)], 50):16.0f}"
-                  f"{pct(a[k], 50) - pct(a[floor_of(k, a)], 50):15.0f}")
+        (b50, b99, bo), (a50, a99, ao) = cols(b, k, 10), cols(a, k, 10)
+        print(f"{k:<28} {b50}{a50} {b99}{a99}      {bo}     {ao}")
 
 
 def main(argv=None) -> None:
@@ -204,11 +247,23 @@ def main(argv=None) -> None:
         if streams:
             from kvstore.client.stream import CallStream
             echo_stream = CallStream(echo_ch, ECHO_STREAM)
-        mk = lambda transport, stream: KVStoreClient(    # noqa: E731
-            target, transport=transport, shm_bytes=1 << 24, heartbeat=False, **({"stream": stream} if streams else {}))
+        bells = "doorbell" in inspect.signature(KVStoreClient).parameters
+        mk = lambda transport, stream, bell=False: KVStoreClient(    # noqa: E731
+            target, transport=transport, shm_bytes=1 << 24, heartbeat=False, **({"stream": stream} if streams else {}),
+            **({"doorbell": bell} if bells else {}))
         clients = {"shm": mk("shm", False), "inline": mk("inline", False)}
         if streams:
             clients.update({"shm/stream": mk("shm", True), "inline/stream": mk("inline", True)})
+        if bells:
+            clients["shm/bell"] = mk("shm", False, True)
+            import socket
+            bell_echo = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+            bell_echo.connect(echo_sock + ".bell")
+            bell_payload = b"x" * BELL_PACKET
+
+            def bell_echo_call():
+                bell_echo.sendall(bell_payload)
+                return bell_echo.recv(1 << 16)
         kv = clients["shm"]
         for i in range(100):      # wait for the daemon's engine
             try:
@@ -229,15 +284,25 @@ def main(argv=None) -> None:
         variants: dict[str, tuple] = {"echo": ("echo",), "heartbeat": ("heartbeat",)}
         if streams:
             variants["echo/stream"] = ("echo/stream",)
+        if bells:
+            variants["echo/bell"] = ("echo/bell",)
         for codec in ("pq", "fp16"):
             for transport in ("shm", "inline") + (("cuda",) if cuda and device.startswith("cuda") else ()):
                 for stream in (False, True) if streams else (False,):
                     variants[f"{codec}/{transport}" + ("/stream" if stream else "")] = ("aa", codec, transport, stream)
+                if bells and transport != "inline":
+                    variants[f"{codec}/{transport}/bell"] = ("aa", codec, transport, "bell")
+                if bells and transport == "cuda":
+                    variants[f"{codec}/{transport}/bell+views"] = ("aa", codec, transport, "views")
         if args.only:
             keep = set(args.only.split(","))
             keep |= {"echo"} | ({"echo/stream"} if any(k.endswith("/stream") for k in keep) else set())
+            keep |= {"echo/bell"} if any("/bell" in k for k in keep) else set()
             variants = {k: v for k, v in variants.items() if k in keep}
         samples: dict[str, list[float]] = {k: [] for k in variants}
+        for k, v in variants.items():
+            if v[0] == "aa" and v[3] in ("bell", "views"):
+                samples[k + "[daemon]"] = []
         sync = torch.cuda.synchronize if cuda else None
 
         for r in range(args.rounds):
@@ -251,14 +316,18 @@ def main(argv=None) -> None:
                 elif v[0] == "echo/stream":
                     fn, sy = (lambda: echo_stream(payload, timeout=10)), None
                     timed(fn, args.warmup)
+                elif v[0] == "echo/bell":
+                    fn, sy = bell_echo_call, None
+                    timed(fn, args.warmup)
                 elif v[0] == "heartbeat":
                     fn, sy = (lambda: kv.stub.Heartbeat(pb.HeartbeatRequest(), timeout=10)), None
                     timed(fn, args.warmup)
                 else:
                     _, codec, transport, stream = v
-                    c = clients[("inline" if transport == "inline" else "shm") + ("/stream" if stream else "")]
+                    lane = {"bell": "/bell", "views": "/bell", True: "/stream", False: ""}[stream]
+                    c = clients[("inline" if transport == "inline" else "shm") + lane]
                     dev = "cuda" if transport == "cuda" else "cpu"
-                    seq = f"r{r}-{transport}" + ("-stream" if stream else "")
+                    seq = f"r{r}-{transport}" + ({"bell": "-bell", "views": "-views", True: "-stream", False: ""}[stream])
                     c.allocate(codec, seq, [])
                     pre = torch.randn(g["num_layers"], args.prefill, g["num_kv_heads"], g["head_dim"],
                                       generator=gen).half()
@@ -266,12 +335,27 @@ def main(argv=None) -> None:
                     k = torch.randn(1, g["num_kv_heads"], g["head_dim"], generator=gen).half().to(dev)
                     q = torch.randn(1, g["num_q_heads"], g["head_dim"], generator=gen).half().to(dev)
                     state = {"i": 0}
+                    out = None
+                    if stream == "views":       # the model writes k, v, q into these; here: once
+                        io = c.step_buffers(codec, 1, dev)
+                        io.k.copy_(k)
+                        io.v.copy_(k)
+                        io.q.copy_(q)
+                        k, q, out = io.k, io.q, io.out
 
-                    def fn(c=c, codec=codec, seq=seq, k=k, q=q, state=state):
+                    def fn(c=c, codec=codec, seq=seq, k=k, q=q, state=state, out=out):
                         state["i"] += 1
-                        return c.append_attend(codec, state["i"] % g["num_layers"], [seq], k, k, q)
+                        return c.append_attend(codec, state["i"] % g["num_layers"], [seq], k, k, q, out=out) \
+                            if out is not None else c.append_attend(codec, state["i"] % g["num_layers"], [seq], k, k, q)
                     sy = sync if transport == "cuda" else None
                     timed(fn, args.warmup, sy)
+                    if stream in ("bell", "views"):
+                        daemon = samples[name + "[daemon]"]
+                        run = fn
+
+                        def fn(run=run, c=c, daemon=daemon):
+                            run()
+                            daemon.append(float(c.doorbell_handler_us))
                 samples[name] += timed(fn, args.calls, sy)
                 if v[0] == "aa":
                     c.free(v[1], [seq])
@@ -286,6 +370,8 @@ def main(argv=None) -> None:
             table(samples)
         for c in clients.values():
             c.close()
+        if bells:
+            bell_echo.close()
         if echo_stream is not None:
             echo_stream.close()
         echo_ch.close()

@@ -45,6 +45,7 @@ STAGES = [
     ("kvstore.kernels.decode_attention", "DecodePlan", "_launch"),
     ("kvstore.pinned", "_Ring", "copy"),
     ("kvstore.decode_graphs", "DecodeGraphs", "attend"), ("kvstore.decode_graphs", "DecodeGraphs", "_copy_meta"),
+    ("kvstore.decode_graphs", "DecodeGraphs", "_run"), ("kvstore.call_scope", None, "tensor_fields"),
     ("kvstore.wire", None, "to_proto"),
 ]
 

@@ -22,9 +22,7 @@ daemon frees this process's unpinned sequences only after it is gone.
 from __future__ import annotations
 
 import math
-import mmap
 import os
-import secrets
 import threading
 import time
 import uuid
@@ -38,6 +36,8 @@ from kvstore.daemon import DEFAULT_MAX_MESSAGE_MB, SERVICE, client_options, defa
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.v1 import kvstore_pb2_grpc as pb_grpc
 
+from .arena import CudaArena, ShmArena, StepBuffers, place
+from .doorbell import BellDown, Doorbell
 from .stream import CallStream, StreamRefused
 
 STREAM_RETRY_S = 30.0      # after the daemon turned a stream away, call unary this long before trying again
@@ -49,77 +49,6 @@ class Reservation:
     sealed_blocks: list[int]
     tail_blocks: list[int]       # sink blocks first: one fp16 table of length - len(sealed_blocks) * bs tokens
     length: int
-
-
-class _ShmArena:
-    """One shared-memory buffer, reused by every call (under the client's lock):
-    inputs are packed from offset 0, outputs after them."""
-
-    def __init__(self, size: int):
-        self.name = f"kvstore-{os.getpid()}-{secrets.token_hex(6)}"
-        self.path = os.path.join("/dev/shm", self.name)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-        try:
-            os.ftruncate(fd, size)
-            self.mm = mmap.mmap(fd, size)
-        finally:
-            os.close(fd)
-        self.size = size
-        self.view = torch.frombuffer(self.mm, dtype=torch.uint8)
-        self.cursor = 0
-        self.buffer_id = ""
-        self._typed: dict[tuple, tuple[torch.Tensor, pb.Tensor]] = {}
-
-    def alloc(self, nbytes: int, align: int = 64) -> int:
-        off = (self.cursor + align - 1) // align * align
-        if off + nbytes > self.size:
-            raise MemoryError
-        self.cursor = off + nbytes
-        return off
-
-    def typed(self, off: int, shape: tuple, dtype: torch.dtype) -> tuple[torch.Tensor, pb.Tensor]:
-        """(view of bytes at off as shape/dtype, the Tensor message naming them),
-        cached: calls of a decode loop name the same ranges every time."""
-        key = (off, shape, dtype)
-        hit = self._typed.get(key)
-        if hit is None:
-            if len(self._typed) >= 1024:
-                self._typed.clear()
-            nb = dtype.itemsize * math.prod(shape)
-            hit = self._typed[key] = (self.view[off:off + nb].view(dtype).view(shape),
-                                      pb.Tensor(shape=shape, dtype=wire.TO_PROTO[dtype],
-                                                ref=pb.BufferRef(buffer_id=self.buffer_id, offset=off)))
-        return hit
-
-    def close(self) -> None:
-        try:
-            os.unlink(self.path)
-        except FileNotFoundError:
-            pass
-
-
-class _CudaArena:
-    """A CUDA staging buffer shared with the daemon once (IPC handle) plus an
-    interprocess event pair: inputs are written and `ready` recorded on the
-    caller's stream; the daemon waits on it on its own stream and records
-    `done` after writing outputs, which the caller's stream waits on. The
-    host never synchronises."""
-
-    def __init__(self, size: int, device: torch.device):
-        from kvstore import cuda_ipc
-        self.size = size
-        self.view = torch.empty(size, dtype=torch.uint8, device=device)
-        self.handle = cuda_ipc.export_tensor(self.view)
-        self.ready, self.done = cuda_ipc.event_pair(device)
-        self.cursor = 0
-        self.buffer_id = ""
-        self._typed: dict[tuple, tuple[torch.Tensor, pb.Tensor]] = {}
-
-    alloc = _ShmArena.alloc
-    typed = _ShmArena.typed
-
-    def close(self) -> None:
-        self.view = None
 
 
 class _Metadata(grpc.UnaryUnaryClientInterceptor):
@@ -135,14 +64,16 @@ class KVStoreClient:
     def __init__(self, target: str | None = None, transport: str = "auto",
                  shm_bytes: int = 64 << 20, max_message_mb: int = DEFAULT_MAX_MESSAGE_MB, timeout: float = 60.0,
                  token: str | None = None, tls_ca: str | bytes | None = None, session_id: str | None = None,
-                 heartbeat: bool = True, stream: bool | None = None):
+                 heartbeat: bool = True, stream: bool | None = None, doorbell: bool | None = None):
         """target: "unix:///path/kvstore.sock" or "host:port" (default: the
         daemon's default socket). transport: "auto", "shm" or "inline".
         token: bearer token (default env KVSTORE_TOKEN); tls_ca: CA PEM (path
         or bytes) to reach a TLS port; session_id: default a random uuid;
         heartbeat: keep the session's lease alive from a background thread;
         stream: append_attend over one long-lived stream (default: on a Unix
-        socket) instead of a unary call each."""
+        socket) instead of a unary call each; doorbell: append_attend by the
+        daemon's doorbell socket once a buffer is registered, when the daemon
+        offers one (default: on a Unix socket), else by gRPC."""
         self.target = target or f"unix://{default_socket()}"
         opts = client_options(max_message_mb)
         if tls_ca is not None:
@@ -160,8 +91,8 @@ class KVStoreClient:
         self._md = tuple(md)
         self.timeout = timeout
         self._lock = threading.Lock()
-        self._arena: _ShmArena | None = None
-        self._cuda_arena: _CudaArena | None = None
+        self._arena: ShmArena | None = None
+        self._cuda_arena: CudaArena | None = None
         self._no_cuda_buffers = False     # the daemon refused a CUDA buffer once
         self._shm_bytes = shm_bytes
         if transport not in ("auto", "shm", "inline"):
@@ -171,6 +102,10 @@ class KVStoreClient:
         self._stream = CallStream(self.channel, f"/{SERVICE}/AppendAttendStream", md) \
             if (local if stream is None else stream) else None
         self._stream_retry_at = 0.0
+        self._use_bell = local if doorbell is None else doorbell
+        self._bell: Doorbell | None = None
+        self._bell_addr: tuple[str, bytes] | None = None     # from RegisterBufferReply
+        self._bell_retry_at = 0.0
         self._beat_stop = threading.Event()
         if heartbeat:
             threading.Thread(target=self._beat, name="kvstore-heartbeat", daemon=True).start()
@@ -181,6 +116,8 @@ class KVStoreClient:
         with self._lock:
             if self._stream is not None:
                 self._stream.close()
+            if self._bell is not None:
+                self._bell.close()
             self._drop_arena()
         self.channel.close()
 
@@ -220,18 +157,17 @@ class KVStoreClient:
             self._arena.close()
             self._arena = None
 
-    def _arena_for(self, nbytes: int) -> _ShmArena | None:
+    def _arena_for(self, nbytes: int) -> ShmArena | None:
         """A registered arena of at least nbytes, or None to send inline."""
         if self.transport != "shm":
             return None
-        if self._arena is None or self._arena.size < nbytes:
+        if self._arena is None or self._arena.top < nbytes:
             self._drop_arena()
             size = max(self._shm_bytes, 1 << (nbytes - 1).bit_length())
             arena = None
             try:
-                arena = _ShmArena(size)
-                arena.buffer_id = self.stub.RegisterBuffer(
-                    pb.RegisterBufferRequest(kind=pb.SHM, name=arena.name, size=size), timeout=self.timeout).buffer_id
+                arena = ShmArena(size)
+                arena.buffer_id = self._register(pb.RegisterBufferRequest(kind=pb.SHM, name=arena.name, size=size))
             except (OSError, grpc.RpcError):
                 # Daemon on another host or no /dev/shm: inline bytes still work.
                 if arena is not None:
@@ -245,19 +181,19 @@ class KVStoreClient:
         self._arena.cursor = 0
         return self._arena
 
-    def _cuda_arena_for(self, nbytes: int, device: torch.device) -> _CudaArena | None:
+    def _cuda_arena_for(self, nbytes: int, device: torch.device) -> CudaArena | None:
         if not self.target.startswith("unix:") or self.transport == "inline" or self._no_cuda_buffers:
             return None
         a = self._cuda_arena
-        if a is None or a.size < nbytes or a.view.device != device:
+        if a is None or a.top < nbytes or a.view.device != device:
             if a is not None:
                 self.stub.UnregisterBuffer(pb.UnregisterBufferRequest(buffer_id=a.buffer_id), timeout=self.timeout)
-            a = _CudaArena(max(self._shm_bytes, 1 << (nbytes - 1).bit_length()), device)
+            a = CudaArena(max(self._shm_bytes, 1 << (nbytes - 1).bit_length()), device)
             try:
-                a.buffer_id = self.stub.RegisterBuffer(pb.RegisterBufferRequest(
+                a.buffer_id = self._register(pb.RegisterBufferRequest(
                     kind=pb.CUDA_IPC, size=a.size, ipc_handle=a.handle.handle, offset=a.handle.offset,
                     device_uuid=a.handle.device_uuid, ready_event=a.ready.ipc_handle(),
-                    done_event=a.done.ipc_handle()), timeout=self.timeout).buffer_id
+                    done_event=a.done.ipc_handle()))
             except grpc.RpcError:
                 # A daemon without CUDA: go through host memory, and do not try
                 # again on every call (a new arena costs a cudaMalloc, an IPC
@@ -268,6 +204,25 @@ class KVStoreClient:
             self._cuda_arena = a
         a.cursor = 0
         return a
+
+    def _register(self, request: pb.RegisterBufferRequest) -> str:
+        reply = self.stub.RegisterBuffer(request, timeout=self.timeout)
+        if reply.doorbell_path:
+            self._bell_addr = (reply.doorbell_path, reply.doorbell_token)
+        return reply.buffer_id
+
+    def _doorbell(self) -> Doorbell | None:
+        """The open doorbell, opened on first use; None: call by gRPC."""
+        if self._bell is not None and not self._bell.closed:
+            return self._bell
+        self._bell = None
+        if self._bell_addr is None or time.monotonic() < self._bell_retry_at:
+            return None
+        try:
+            self._bell = Doorbell(*self._bell_addr, timeout=self.timeout)
+        except BellDown:
+            self._bell_retry_at = time.monotonic() + STREAM_RETRY_S
+        return self._bell
 
     def _call(self, method, request_fn, inputs: dict[str, torch.Tensor], out_bytes: list[int], read=None):
         """Build a request with `inputs` placed in the arena (or inline) and
@@ -286,19 +241,17 @@ class KVStoreClient:
                 if arena is None:
                     msgs[k] = wire.to_proto(t)
                 else:
-                    dst, msgs[k] = arena.typed(arena.alloc(t.numel() * t.element_size()), tuple(t.shape), t.dtype)
-                    dst.copy_(t)
+                    msgs[k] = arena.typed(place(arena, t), tuple(t.shape), t.dtype)[1]
             for b in out_bytes:
                 outs.append(None if arena is None else pb.OutputRef(buffer_id=arena.buffer_id, offset=arena.alloc(b)))
             reply = method(request_fn(msgs, outs), timeout=self.timeout, metadata=self._md)
             return read(reply, arena) if read else reply
 
-    def _call_cuda(self, arena: _CudaArena, method, request_fn, inputs, out_bytes, read):
+    def _call_cuda(self, arena: CudaArena, method, request_fn, inputs, out_bytes, read):
         msgs, outs = {}, []
         for k, t in inputs.items():
             t = t.detach()
-            dst, msgs[k] = arena.typed(arena.alloc(t.numel() * t.element_size()), tuple(t.shape), t.dtype)
-            dst.copy_(t, non_blocking=True)
+            msgs[k] = arena.typed(place(arena, t), tuple(t.shape), t.dtype)[1]
         for b in out_bytes:
             outs.append(pb.OutputRef(buffer_id=arena.buffer_id, offset=arena.alloc(b)))
         stream = torch.cuda.current_stream(arena.view.device)
@@ -317,7 +270,12 @@ class KVStoreClient:
                 self._stream_retry_at = time.monotonic() + STREAM_RETRY_S
         return self._raw.AppendAttend(request, timeout=timeout, metadata=metadata)
 
-    def _tensor(self, t: pb.Tensor, arena: _ShmArena | None) -> torch.Tensor:
+    @property
+    def doorbell_handler_us(self) -> int:
+        """The daemon's time in the last doorbell call, µs (0 before one)."""
+        return self._bell.last_handler_us if self._bell is not None else 0
+
+    def _tensor(self, t: pb.Tensor, arena: ShmArena | None) -> torch.Tensor:
         if t.WhichOneof("data") == "ref":
             return arena.typed(t.ref.offset, tuple(t.shape), wire.TO_TORCH[t.dtype])[0].clone()
         return wire.from_proto(t, None, "reply")
@@ -392,11 +350,75 @@ class KVStoreClient:
             {"q": q}, [q.numel() * 2], lambda r, a: self._tensor(r.out, a))
 
     def append_attend(self, cache: str, layer: int, seq_ids: list[str], k: torch.Tensor, v: torch.Tensor,
-                      q: torch.Tensor, scale: float = 0.0) -> torch.Tensor:
-        """k, v [B, Hkv, d] (the new token), q [B, Hq, d] -> out [B, Hq, d]."""
-        return self._call(self._append_attend, lambda m, o: pb.AppendAttendRequest(
+                      q: torch.Tensor, scale: float = 0.0, out: torch.Tensor | None = None) -> torch.Tensor:
+        """k, v [B, Hkv, d] (the new token), q [B, Hq, d] -> out [B, Hq, d].
+        Inputs that are step_buffers() views cross without a copy; `out`: the
+        result goes there (read in place if it is the step_buffers() out)."""
+        if self._use_bell:
+            with self._lock:
+                res = self._append_attend_bell(cache, layer, seq_ids, k, v, q, scale, out)
+            if res is not None:
+                return res
+        res = self._call(self._append_attend, lambda m, o: pb.AppendAttendRequest(
             cache=cache, layer=layer, sequence_ids=seq_ids, k=m["k"], v=m["v"], q=m["q"], scale=scale, out=o[0]),
             {"k": k, "v": v, "q": q}, [q.numel() * 2], lambda r, a: self._tensor(r.out, a))
+        return res if out is None else out.copy_(res)
+
+    def _append_attend_bell(self, cache, layer, seq_ids, k, v, q, scale, out) -> torch.Tensor | None:
+        """append_attend by the doorbell (under the lock) -> out, or None: send
+        it by gRPC (no doorbell, inputs it cannot name, or it went down before
+        taking the request)."""
+        ts = (k, v, q)
+        if any(t.dim() != 3 or t.dtype != q.dtype or t.device != q.device for t in ts) or q.dtype not in wire.TO_PROTO:
+            return None
+        out_bytes = q.numel() * 2
+        need = sum(t.numel() * t.element_size() + 64 for t in ts) + out_bytes + 64
+        arena = self._cuda_arena_for(need, q.device) if q.is_cuda else None
+        arena = arena or self._arena_for(need)
+        bell = self._doorbell() if arena is not None else None
+        if bell is None:
+            return None
+        offs = [place(arena, t.detach()) for t in ts]
+        out_off = arena.offset_of(out) if out is not None else None
+        if out_off is None:
+            out_off = arena.alloc(out_bytes)
+        cuda = arena.view.is_cuda
+        if cuda:
+            stream = torch.cuda.current_stream(q.device)
+            arena.ready.record(stream)
+        try:
+            dtype = bell.append_attend(arena.buffer_id, cache, layer, seq_ids, wire.TO_PROTO[q.dtype],
+                                       (*offs, out_off), (*k.shape, *v.shape, *q.shape), scale)
+        except BellDown:
+            bell.close()
+            return None
+        finally:
+            if cuda:
+                stream.wait_event(arena.done)     # also after an error: the daemon may have queued work
+        res = arena.typed(out_off, tuple(q.shape), wire.TO_TORCH[dtype])[0]
+        if out is None:
+            return res.clone()
+        return out if out.data_ptr() == res.data_ptr() and out.dtype == res.dtype else out.copy_(res)
+
+    def step_buffers(self, cache: str, batch: int, device: torch.device | str = "cuda") -> StepBuffers:
+        """k, v, q and out of a decode step of `batch` sequences as views of this
+        client's registered buffer (plain tensors when it has none, e.g. a
+        remote daemon): see StepBuffers. Views stay valid; a later arena (one
+        grown for a larger call) only makes them cross by copy again."""
+        g = self.get_cache(cache).spec.geometry
+        dtype = wire.TO_TORCH[pb.DType.Value(g.dtype.upper())] if g.dtype else torch.float16
+        shapes = ((batch, g.num_kv_heads, g.head_dim),) * 2 + ((batch, g.num_q_heads, g.head_dim),) * 2
+        device = torch.device(device)
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        nbytes = [math.prod(s) * dtype.itemsize for s in shapes]
+        with self._lock:
+            need = sum(n + 64 for n in nbytes)
+            arena = self._cuda_arena_for(need, device) if device.type == "cuda" else self._arena_for(need)
+            if arena is None or arena.top - need < (arena.size >> 1):    # keep half the buffer for staging
+                return StepBuffers(*(torch.empty(s, dtype=dtype, device=device) for s in shapes))
+            return StepBuffers(*(arena.view[(off := arena.reserve(n)):off + n].view(dtype).view(s)
+                                 for n, s in zip(nbytes, shapes)))
 
     def retrieve(self, cache: str, seq_id: str, start: int, end: int, layer_start: int = 0,
                  layer_end: int = 0, out_bytes: int = 0) -> tuple[torch.Tensor, torch.Tensor]:

@@ -62,13 +62,16 @@ def create_server(engine: "Engine | None" = None, socket_path: str | None = None
                   host: str = "127.0.0.1", auth: Authenticator | None = None,
                   tls: tuple[bytes, bytes] | None = None, lease_timeout: float = DEFAULT_TIMEOUT_S,
                   metrics=None, max_pool_bytes: int = 0,
-                  max_streams: int = DEFAULT_MAX_STREAMS) -> tuple[grpc.Server, int, health.HealthServicer]:
+                  max_streams: int = DEFAULT_MAX_STREAMS,
+                  doorbell: bool = True) -> tuple[grpc.Server, int, health.HealthServicer]:
     """Build and start a server. port=0 binds a free TCP port (returned).
     auth: tokens and tenants (TCP refuses to start without tokens); tls: (cert
     PEM, key PEM) for the TCP port; metrics: a kvstore.metrics.Metrics to feed;
     max_pool_bytes: memory all caches' pools may take (0: unlimited);
     max_streams: open AppendAttendStream streams, each holding a thread of
-    its own beside the `workers` that serve calls.
+    its own beside the `workers` that serve calls (and as many doorbell
+    connections); doorbell: serve the per-step fast lane (doorbell.py) next to
+    the Unix socket.
     Returns (server, tcp_port or 0, health servicer)."""
     auth = auth or Authenticator()
     if port is not None and not auth.has_tokens:
@@ -108,11 +111,39 @@ def create_server(engine: "Engine | None" = None, socket_path: str | None = None
     leases.engine = servicer.engine
     server.kvstore_engine = servicer.engine
     leases.start()
+    if socket_path and doorbell:
+        _start_doorbell(server, servicer, leases, socket_path, max_streams, metrics)
     if metrics is not None:
         metrics.bind(servicer.engine, leases, servicer.buffer_table)
     for name in ("", SERVICE):
         health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     return server, bound, health_servicer
+
+
+def _start_doorbell(server, servicer: KVStoreServicer, leases: LeaseManager, socket_path: str,
+                    max_conns: int, metrics=None) -> None:
+    from .doorbell import Doorbell
+    bell = Doorbell(socket_path + ".bell", servicer, max_conns)
+    if metrics is not None:
+        bell.observe = metrics.interceptor.observe
+    try:
+        bell.start()
+    except OSError as e:       # e.g. a path past the 108 bytes of sun_path: gRPC still serves every call
+        log.warning("no doorbell at %s: %s", bell.path, e)
+        return
+    servicer.doorbell = server.kvstore_doorbell = bell
+    release = leases.release_buffers
+
+    def release_session(tenant: str, session: str) -> int:
+        bell.revoke(tenant, session)
+        return release(tenant, session)
+    leases.release_buffers = release_session
+    stop = server.stop
+
+    def stop_all(grace):
+        bell.stop()
+        return stop(grace)
+    server.stop = stop_all      # callers (tests, main) stop the server: the doorbell goes with it
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -130,6 +161,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--max-streams", type=int, default=DEFAULT_MAX_STREAMS,
                    help="open AppendAttendStream streams (one per client), each on a thread of its own beside "
                         "--workers (default: %(default)s); past it clients call AppendAttend")
+    p.add_argument("--no-doorbell", action="store_true",
+                   help="serve no doorbell socket (SOCKET.bell): clients send every AppendAttend over gRPC")
     p.add_argument("--torch-threads", type=int, default=1,
                    help="intra-op threads of the daemon's own torch CPU work (default: %(default)s): decode calls "
                         "are tiny ops, where waking a thread team costs more than it saves, and the worker pool "
@@ -181,7 +214,7 @@ def main(argv: list[str] | None = None) -> None:
                                                   args.max_message_mb, args.workers, args.host, auth=auth, tls=tls,
                                                   lease_timeout=args.lease_timeout, metrics=metrics,
                                                   max_pool_bytes=_pool_budget(args.device, args.max_pool_bytes),
-                                                  max_streams=args.max_streams)
+                                                  max_streams=args.max_streams, doorbell=not args.no_doorbell)
     where = f"unix:{args.socket}" + (f" and {args.host}:{port}" if args.port is not None else "")
     if metrics is not None:
         mport = metrics.serve(args.metrics_port, args.metrics_host)

@@ -8,6 +8,11 @@ those on the host, copies them in with one H2D copy from a pinned slot, and
 replays: three CUDA calls where the eager path makes ~15 Python-level ops and
 two argument-packing launches (bench/NOTES-rpc.md).
 
+An AppendAttend's graph also writes the new tokens into the fp16 tail
+(index_put_ at slots read from the meta buffer), where k and v come from a
+registered buffer too: the two per-token copies of the eager write cost more
+host time than the whole replay (bench/NOTES-rpc.md, session 5).
+
 Off with KVSTORE_CUDA_GRAPHS=0. Only calls whose q and out are views of a
 caller's registered buffer come here (their addresses repeat call after
 call); a cache whose calls keep missing (new addresses) stops capturing.
@@ -67,13 +72,20 @@ class DecodeGraphs:
             self._eager.clear()
             self._seen.clear()
 
-    def attend(self, cache, layer: int, seqs, q: torch.Tensor, scale: float,
-               out: torch.Tensor | None) -> torch.Tensor | None:
-        """out [B, Hq, d] written by a replay (or by the eager run of a new
-        graph), or None: not for this path, the caller runs eagerly."""
+    def attend(self, cache, layer: int, seqs, q: torch.Tensor, scale: float, out: torch.Tensor | None,
+               new: tuple | None = None) -> tuple[torch.Tensor | None, bool]:
+        """-> (out [B, Hq, d] written by a replay (or by the eager run of a new
+        graph), or None: not for this path, the caller runs eagerly; whether
+        the new tokens were written too).
+
+        new: (slots, k, v) of an AppendAttend whose tokens are counted but not
+        written yet: [(tail block, offset)] and k, v [len(slots), Hkv, d]. When
+        k and v sit at addresses that repeat (a registered buffer), the graph
+        writes them first, reading the slots from its meta buffer; else the
+        caller writes them and the graph of the attention alone replays."""
         if (not self.enabled or out is None or len(seqs) > MAX_BATCH or q.device.type != "cuda"
                 or torch.cuda.is_current_stream_capturing()):
-            return None
+            return None, False
         bs = cache.bs
         if cache.is_pq:
             sealed = [s.sealed for s in seqs]
@@ -88,10 +100,20 @@ class DecodeGraphs:
             cols = (0, _cols(max(len(r) for r in tail)))
             cb = 0
         if 4 * len(seqs) * (cols[0] + cols[1] + 64) > MAX_META:
-            return None
+            return None, False
         stream = torch.cuda.current_stream(q.device)
         key = (layer, len(seqs), q.data_ptr(), out.data_ptr(), q.dtype, float(scale), cols, cb,
                stream.cuda_stream)
+        if new is not None and len(new[0]) <= MAX_BATCH and new[1].is_cuda:
+            got = self._run(cache, layer, seqs, q, scale, out, lens, sealed, tail, cols,
+                            key + (new[1].data_ptr(), new[2].data_ptr(), len(new[0])), new)
+            if got is not None:
+                return got, True
+        return self._run(cache, layer, seqs, q, scale, out, lens, sealed, tail, cols, key, None), False
+
+    # ------------------------------------------------------------ internals
+    def _run(self, cache, layer, seqs, q, scale, out, lens, sealed, tail, cols, key, new):
+        """Replay key's graph, or capture it on its second call -> out, or None."""
         if key in self._eager:
             return None
         with self._lock:
@@ -104,7 +126,7 @@ class DecodeGraphs:
             except ValueError:      # more work items than the graph has room for: a new one
                 g = None
             else:
-                self._copy_meta(g, items, ptr, sealed, tail, len(seqs))
+                self._copy_meta(g, items, ptr, sealed, tail, len(seqs), new)
                 g.graph.replay()
                 self.hits += 1
                 return out
@@ -115,12 +137,12 @@ class DecodeGraphs:
             if len(self._seen) > 4 * MAX_GRAPHS:
                 self._seen.popitem(last=False)
             return None
-        return self._capture(cache, layer, seqs, q, scale, out, lens, sealed, tail, cols, key)
+        return self._capture(cache, layer, seqs, q, scale, out, lens, sealed, tail, cols, key, new)
 
-    # ------------------------------------------------------------ internals
-    def _copy_meta(self, g: _Graph, items, ptr, sealed, tail, b: int) -> None:
-        """Pack items, item_ptr and the tables as the graph's meta buffer lays them
-        out; one copy from a pinned slot, ordered on the current stream."""
+    def _copy_meta(self, g: _Graph, items, ptr, sealed, tail, b: int, new=None) -> None:
+        """Pack items, item_ptr, the tables and the new tokens' slots as the graph's
+        meta buffer lays them out; one copy from a pinned slot, ordered on the
+        current stream."""
         n_items, sc, tc = len(items), g.cols[0], g.cols[1]
         host = np.zeros(g.meta.numel(), dtype=np.int32)
         host[:n_items] = items
@@ -133,6 +155,9 @@ class DecodeGraphs:
                 if r:
                     host[o + i * cols:o + i * cols + len(r)] = r
             o += b * cols
+        if new is not None:         # [blocks | offsets] of the tokens the graph writes
+            nw = len(new[0])
+            host[o:o + 2 * nw] = [blk for blk, _ in new[0]] + [off for _, off in new[0]]
         ring = pinned._get_ring()
         slot, buf = ring.acquire()
         try:
@@ -142,7 +167,7 @@ class DecodeGraphs:
         finally:
             ring.release(slot, buf, g.meta.device)
 
-    def _capture(self, cache, layer, seqs, q, scale, out, lens, sealed, tail, cols, key):
+    def _capture(self, cache, layer, seqs, q, scale, out, lens, sealed, tail, cols, key, new):
         from kvstore.kernels import cuda_pq
         from kvstore.kernels import decode_attention as da
         if self.captures >= MAX_GRAPHS and self.hits < 2 * self.captures:
@@ -162,19 +187,31 @@ class DecodeGraphs:
                                         block_size=cache.bs, device=dev, spare_items=SPARE_ITEMS)
             width = 4
         cap = plan.items.shape[0]
-        n = cap * width + b + 1 + b * (cols[0] + cols[1])
+        nw = len(new[0]) if new is not None else 0
+        n = cap * width + b + 1 + b * (cols[0] + cols[1]) + 2 * nw
         meta = torch.zeros(n, dtype=torch.int32, device=dev)
         plan.items = meta[:cap * width].view(cap, width)
         plan.item_ptr = meta[cap * width:cap * width + b + 1]
         o = cap * width + b + 1
         st = meta[o:o + b * cols[0]].view(b, cols[0])
-        tt = meta[o + b * cols[0]:].view(b, cols[1])
+        o += b * cols[0]
+        tt = meta[o:o + b * cols[1]].view(b, cols[1])
+        o += b * cols[1]
+        w_blocks, w_offs = meta[o:o + nw], meta[o + nw:o + 2 * nw]
+        if new is not None:
+            # [nt, bs, Hkv, d] view of the layer's fp16 blocks: (block, offset) picks a token's [Hkv, d]
+            w_dst = (cache.tail.k[layer].permute(0, 2, 1, 3), cache.tail.v[layer].permute(0, 2, 1, 3))
+            w_src = new[1:]
         lse = torch.empty(b, hq, dtype=torch.float32, device=dev)
         g = _Graph(torch.cuda.CUDAGraph(), plan, meta, lse, width, cols)
         items, ptr = plan.rows(*lens)
-        self._copy_meta(g, items, ptr, sealed, tail, b)
+        self._copy_meta(g, items, ptr, sealed, tail, b, new)
 
         def run():
+            if new is not None:     # the new tokens first: the attention reads them
+                idx = (w_blocks.long(), w_offs.long())
+                w_dst[0].index_put_(idx, w_src[0])
+                w_dst[1].index_put_(idx, w_src[1])
             if cache.is_pq:
                 plan.run_pq(q, cache.main.k_codes[layer], cache.main.v_codes[layer], cache.main.k_cb[layer],
                             cache.main.v_cb[layer], st, cache.tail.k[layer], cache.tail.v[layer], tt, scale,

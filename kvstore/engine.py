@@ -134,11 +134,12 @@ class Engine:
 
     def append(self, name: str, tenant: str, seq_ids: list[str], k: torch.Tensor, v: torch.Tensor,
                counts: list[int], layer: int | None = None,
-               token_ids: list[list[int]] | None = None) -> None:
+               token_ids: list[list[int]] | None = None, defer_write: bool = False) -> tuple | None:
         """k, v: [L, sum(counts), Hkv, d] (all layers) or [sum(counts), Hkv, d]
         (layer given); tokens of seq_ids[i] are the counts[i] rows after those
         of the earlier sequences. Validated for all sequences before any
-        sequence changes."""
+        sequence changes. defer_write (with layer): -> (slots, k, v) of tokens
+        counted but not written, for Cache.attend(new=...); None: all written."""
         with self.lock:
             cache = self.cache(name)
             g = cache.cfg.geometry
@@ -164,19 +165,27 @@ class Engine:
             # Batches of several sequences are checked whole before any write.
             if len(seqs) > 1:
                 self._check_batch_room(cache, seqs, counts, layer, token_ids)
-            if layer is not None:        # decode: one scatter, one encode for the whole batch
-                cache.defer_encodes()
-                try:
-                    cache.append_layer_batch(seqs, layer, k, v, counts)
-                finally:
-                    cache.flush_encodes()
-            else:
-                off = 0
-                for i, (s, c) in enumerate(zip(seqs, counts)):
-                    ids = token_ids[i] if token_ids is not None and token_ids[i] else None
-                    cache.append(s, k[:, off:off + c], v[:, off:off + c], ids)
-                    off += c
-            cache.after_write()
+            deferred = None
+            try:
+                if layer is not None:        # decode: one scatter, one encode for the whole batch
+                    cache.defer_encodes()
+                    try:
+                        slots = cache.append_layer_batch(seqs, layer, k, v, counts, defer_write=defer_write)
+                        deferred = (slots, k, v) if slots is not None else None
+                    finally:
+                        cache.flush_encodes()
+                else:
+                    off = 0
+                    for i, (s, c) in enumerate(zip(seqs, counts)):
+                        ids = token_ids[i] if token_ids is not None and token_ids[i] else None
+                        cache.append(s, k[:, off:off + c], v[:, off:off + c], ids)
+                        off += c
+                cache.after_write()
+            except BaseException:
+                if deferred is not None:     # counted tokens hold their data, whatever failed after
+                    cache.tail.write_tokens(layer, *deferred)
+                raise
+            return deferred
 
     @staticmethod
     def _check_batch_room(cache: Cache, seqs: list[Sequence], counts: list[int], layer: int | None,
@@ -233,8 +242,9 @@ class Engine:
             self._layer(cache, layer)
             seqs = self._seqs(cache, tenant, seq_ids, unique=True)
             q, scale = self._query(cache, seqs, q, scale)
-            self.append(name, tenant, seq_ids, k, v, [1] * len(seqs), layer=layer)
-            return cache.attend(layer, seqs, q, scale, out=self._out(out, q))
+            # The new tokens' write joins the attention (its decode graph, when it has one).
+            new = self.append(name, tenant, seq_ids, k, v, [1] * len(seqs), layer=layer, defer_write=True)
+            return cache.attend(layer, seqs, q, scale, out=self._out(out, q), new=new)
 
     def reserve(self, name: str, tenant: str, seq_id: str, n: int,
                 known: tuple[int, int] = (0, 0)) -> ReserveResult:

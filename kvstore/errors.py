@@ -40,3 +40,7 @@ class ResourceExhausted(KVStoreError):
 
 class Unimplemented(KVStoreError):
     code = "UNIMPLEMENTED"
+
+
+class Unavailable(KVStoreError):
+    code = "UNAVAILABLE"

@@ -156,6 +156,11 @@ class MetricsInterceptor(grpc.ServerInterceptor):
             self._wrapped[handler_call_details.method] = (handler, wrapped)
         return wrapped
 
+    def observe(self, method: str, code: str, seconds: float) -> None:
+        """A call that came another way than gRPC (the doorbell), counted as one."""
+        self.latency.labels(method).observe(seconds)
+        self._count(method, code).inc()
+
     def _count(self, method: str, code: str):
         c = self._counters.get((method, code))
         if c is None:

@@ -25,6 +25,11 @@ class _Ring:
         self.events: list[torch.cuda.Event | None] = [None] * SLOTS
         self.next = 0
         self.lock = threading.Lock()
+        # (slot buffer, device index) -> its event, re-recorded per copy: a new
+        # torch.cuda.Event per copy cost ~5-10 µs of a decode step. A slot is
+        # handed out again only once its last record has completed (_advance),
+        # so re-recording never hides a copy still in flight.
+        self._own: dict[tuple[int, int], torch.cuda.Event] = {}
 
     @staticmethod
     def _slot() -> torch.Tensor:
@@ -58,7 +63,7 @@ class _Ring:
         have run (device None: nothing was copied)."""
         ev = None
         if device is not None:
-            ev = torch.cuda.Event()         # fresh: the ring serves every device
+            ev = self._event(buf, device)
             ev.record(torch.cuda.current_stream(device))
         with self.lock:
             # The ring may have grown meanwhile: find the slot by its buffer.
@@ -80,9 +85,20 @@ class _Ring:
             if out is None:
                 out = torch.empty(t.shape, dtype=t.dtype, device=device)
             out.view(-1).copy_(stage, non_blocking=True)
-            ev = self.events[i] = torch.cuda.Event()    # fresh: the ring serves every device
+            ev = self.events[i] = self._event(buf, device)
             ev.record(torch.cuda.current_stream(device))
             return out
+
+    def _event(self, buf: torch.Tensor, device) -> torch.cuda.Event:
+        """The slot's event for device (the ring serves every device)."""
+        device = torch.device(device)
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        key = (buf.data_ptr(), index)
+        ev = self._own.get(key)
+        if ev is None:
+            with torch.cuda.device(index):
+                ev = self._own[key] = torch.cuda.Event()
+        return ev
 
 
 class _Taken:

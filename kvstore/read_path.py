@@ -19,22 +19,35 @@ class ReadPath:
 
     # ------------------------------------------------------------- reading
     def attend(self, layer: int, seqs: list[Sequence], q: torch.Tensor, scale: float,
-               out: torch.Tensor | None = None) -> torch.Tensor:
+               out: torch.Tensor | None = None, new: tuple | None = None) -> torch.Tensor:
         """q [B, Hq, d] -> out [B, Hq, d]: decode attention of one query token per
         sequence over every token visible at this layer. out: where to write it
-        (q's shape, dtype and device, contiguous), e.g. the caller's buffer."""
-        self._require_ready()
-        dev = q.device
-        for s in seqs:
-            if s.layer_length(layer) == 0:
-                raise InvalidArgument("sequence_ids", f"sequence {s.seq_id!r} has no tokens at layer {layer}")
+        (q's shape, dtype and device, contiguous), e.g. the caller's buffer.
+        new: (slots, k, v) of tokens append_layer_batch(defer_write=True) counted
+        but left to write: written here first (by the decode graph if it can)."""
+        wrote = False
+        try:
+            self._require_ready()
+            dev = q.device
+            for s in seqs:
+                if s.layer_length(layer) == 0:
+                    raise InvalidArgument("sequence_ids", f"sequence {s.seq_id!r} has no tokens at layer {layer}")
+            graphed = None
+            if dev.type == "cuda" and out is not None:
+                graphed, wrote = self.graphs.attend(self, layer, seqs, q, scale, out, new)
+            if new is not None and not wrote:
+                self.tail.write_tokens(layer, *new)
+                wrote = True
+        finally:
+            if new is not None and not wrote:     # an error above: the counted tokens hold their data anyway
+                self.tail.write_tokens(layer, *new)
         if dev.type == "cpu":
             res = self._attend_cpu(layer, seqs, q, scale)
             if out is None:
                 out = res
             else:
                 out.copy_(res)
-        elif out is not None and self.graphs.attend(self, layer, seqs, q, scale, out) is not None:
+        elif graphed is not None:
             pass        # replayed (or captured) into out
         else:
             # The hot path holds a plan (DESIGN §4): block tables and work items

@@ -7,6 +7,7 @@ import functools
 import logging
 import os
 import threading
+from dataclasses import dataclass
 
 import grpc
 
@@ -17,7 +18,7 @@ from .config import CacheConfig, CodecConfig, ModelGeometry
 from .engine import Engine
 from .engine import SequenceInfo as SeqInfo
 from .auth import DEFAULT_TENANT, Authenticator, PermissionDenied, TenantBuffers, is_local  # noqa: F401
-from .errors import FailedPrecondition, InvalidArgument, KVStoreError, ResourceExhausted
+from .errors import FailedPrecondition, InvalidArgument, KVStoreError, ResourceExhausted, Unavailable
 from .leases import SESSION_KEY, LeaseManager, session_of
 from .storage import TORCH_DTYPES
 from .v1 import kvstore_pb2 as pb
@@ -93,6 +94,7 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
         # its pool as workers + max_streams): past the limit, turn it away.
         self.max_streams = max_streams
         self._stream_slots = threading.BoundedSemaphore(max_streams)
+        self.doorbell = None         # the per-step fast lane (doorbell.py), set by the daemon
 
     @property
     def buffers(self):
@@ -268,13 +270,52 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
 
     @_rpc
     def AppendAttend(self, request, context):
+        return self._append_attend(request, self._tenant(context),
+                                   lambda out, ref: pb.AttendReply(out=wire.to_proto(out, self.buffers, ref)))
+
+    def _append_attend(self, request, tenant: str, finish, resolved: Resolved | None = None):
+        """AppendAttend's work, for the gRPC handler and the doorbell alike:
+        -> finish(out, its OutputRef), run inside the CUDA scope so that a copy
+        into the output range comes before the done event. resolved: this
+        request's resolve(), still valid (the doorbell keeps it per descriptor)."""
+        r = resolved or self.resolve(request)
+        with r.scope:
+            out = self.engine.append_attend(request.cache, tenant, request.layer, list(request.sequence_ids),
+                                            r.k, r.v, r.q, request.scale, out=r.out_view)
+            return finish(out, r.out_ref)
+
+    def resolve(self, request) -> Resolved:
+        """What an AppendAttend's tensor fields name, checked in the order its
+        errors are reported (out, k, v, q), and its CUDA scope."""
         ref, view = self._out_view(request, len(request.sequence_ids))
-        with self._cuda(request):
-            out = self.engine.append_attend(request.cache, self._tenant(context), request.layer,
-                                            list(request.sequence_ids), self._t(request.k, "k"),
-                                            self._t(request.v, "v"), self._t(request.q, "q"), request.scale,
-                                            out=view)
-            return pb.AttendReply(out=wire.to_proto(out, self.buffers, ref))
+        return Resolved(self._t(request.k, "k"), self._t(request.v, "v"), self._t(request.q, "q"), ref, view,
+                        self._cuda(request))
+
+    def doorbell_append_attend(self, request, tenant: str, session: str, buffers,
+                               resolved: Resolved | None = None) -> tuple[int, Resolved]:
+        """An AppendAttend that came by the doorbell (doorbell.py) from a local
+        caller of (tenant, session): the lease, buffer view and invariant checks
+        of a gRPC call; engine errors propagate for the doorbell to report.
+        resolved: this request's from an earlier call on this thread (its CUDA
+        scope holds the thread's fences), if no buffer was unregistered since
+        (BufferRegistry.generation).
+        -> (the output's dtype (pb.DType), resolved); the output is in request.out's range."""
+        if self.engine is None:
+            raise Unavailable("engine", "is starting")
+        if self.leases is not None:
+            self.leases.touch(tenant, session)
+        self._call.buffers = buffers
+        r = resolved or self.resolve(request)
+
+        def finish(out, ref):       # ref: never None, every descriptor names its output range
+            if out is not r.out_view:   # else the kernels wrote it there, into the range resolve() checked
+                wire.place(out, buffers, ref)
+            return wire.TO_PROTO[out.dtype]
+        try:
+            return self._append_attend(request, tenant, finish, r), r
+        finally:
+            if self.debug_invariants:
+                self.engine.check_invariants()
 
     def AppendAttendStream(self, requests, context):
         """AppendAttend, one reply per request in order, on one long-lived
@@ -357,12 +398,17 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
         if not is_local(context):
             raise PermissionDenied("RegisterBuffer", "buffers are only for callers on the Unix socket")
         if request.kind == pb.SHM:
-            return pb.RegisterBufferReply(buffer_id=self.buffers.register_shm(request.name, request.size))
-        if request.kind == pb.CUDA_IPC:
-            return pb.RegisterBufferReply(buffer_id=self.buffers.register_cuda(
+            reply = pb.RegisterBufferReply(buffer_id=self.buffers.register_shm(request.name, request.size))
+        elif request.kind == pb.CUDA_IPC:
+            reply = pb.RegisterBufferReply(buffer_id=self.buffers.register_cuda(
                 request.ipc_handle, request.offset, request.size, request.device_uuid,
                 request.ready_event, request.done_event))
-        raise InvalidArgument("kind", "must be SHM or CUDA_IPC")
+        else:
+            raise InvalidArgument("kind", "must be SHM or CUDA_IPC")
+        if self.doorbell is not None:
+            reply.doorbell_path = self.doorbell.path
+            reply.doorbell_token = self.doorbell.token_for(self.buffers.tenant, self.buffers.session)
+        return reply
 
     @_rpc
     def UnregisterBuffer(self, request, context):
@@ -423,6 +469,18 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
         held = sum(len(v) for v in self.engine.owned_sequences(tenant, session).values())
         return pb.HeartbeatReply(session_id=session, tenant=tenant, sequences=held,
                                  lease_timeout_s=self.leases.timeout_s if self.leases is not None else 0.0)
+
+
+@dataclass(slots=True)
+class Resolved:
+    """An AppendAttend request's tensors, output range and CUDA scope; reusable
+    (CudaScope keeps no state from one call to the next)."""
+    k: object
+    v: object
+    q: object
+    out_ref: object
+    out_view: object
+    scope: object
 
 
 def _tier_stats(msg: pb.CacheStats, t: dict) -> None:

@@ -37,6 +37,7 @@ class BufferRegistry:
         self._bufs: dict[str, tuple[mmap.mmap, torch.Tensor, str]] = {}
         self._views: dict[tuple, torch.Tensor] = {}
         self.cuda_buffers = 0        # how many are CUDA buffers (none: calls skip the CUDA scope)
+        self.generation = 0          # +1 per unregister: views and scopes resolved before it may be stale
         self._lock = threading.Lock()
 
     def register_shm(self, name: str, size: int, owner: str = "") -> str:
@@ -101,6 +102,7 @@ class BufferRegistry:
         with self._lock:
             entry = self._bufs.pop(buffer_id, None)
             if entry is not None:
+                self.generation += 1
                 self.cuda_buffers -= buffer_id.startswith("cuda-")
                 for key in [k for k in self._views if k[0] == buffer_id]:
                     del self._views[key]
@@ -177,20 +179,27 @@ def to_proto(x: torch.Tensor, buffers: BufferRegistry | None = None, out: pb.Out
     x = x.detach()
     msg = pb.Tensor(shape=x.shape, dtype=TO_PROTO[x.dtype])
     if out is not None and out.buffer_id:
-        shape = tuple(x.shape)
-        check_output(buffers, out, _nbytes(shape, x.dtype), x.dtype.itemsize, field)
-        # Straight into the buffer (a cached view; on its device: a CUDA buffer
-        # gets no host round trip), unless x is that view already (the kernels
-        # wrote it there).
-        dst = buffers.view(out.buffer_id, out.offset, shape, x.dtype)
-        if dst.data_ptr() != x.data_ptr() or dst.device != x.device:
-            dst.copy_(x)
+        place(x, buffers, out, field)
         msg.ref.buffer_id = out.buffer_id
         msg.ref.offset = out.offset
         return msg
     x = x.contiguous().cpu()
     msg.inline = x.view(torch.uint8).numpy().tobytes() if x.numel() else b""
     return msg
+
+
+def place(x: torch.Tensor, buffers: BufferRegistry | None, out: pb.OutputRef | None, field: str = "out") -> None:
+    """x into the registered buffer range `out` (nothing if out names none).
+    A cached view on the buffer's device: a CUDA buffer gets no host round
+    trip; no copy at all when x is that view already (the kernels wrote it)."""
+    if out is None or not out.buffer_id:
+        return
+    x = x.detach()
+    shape = tuple(x.shape)
+    check_output(buffers, out, _nbytes(shape, x.dtype), x.dtype.itemsize, field)
+    dst = buffers.view(out.buffer_id, out.offset, shape, x.dtype)
+    if dst.data_ptr() != x.data_ptr() or dst.device != x.device:
+        dst.copy_(x)
 
 
 def check_output(buffers: BufferRegistry | None, out: pb.OutputRef | None, nbytes: int, align: int, field: str) -> None:

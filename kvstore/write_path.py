@@ -215,10 +215,14 @@ class WritePath:
         self.append_layer_batch([s], layer, k, v, [k.shape[0]])
 
     def append_layer_batch(self, seqs: list[Sequence], layer: int, k: torch.Tensor, v: torch.Tensor,
-                           counts: list[int]) -> None:
+                           counts: list[int], defer_write: bool = False) -> list[tuple[int, int]] | None:
         """One layer for a batch (decode): counts[i] tokens of seqs[i] in the
         rows of k, v [sum(counts), Hkv, d], written with one scatter. A batch of
-        several sequences must have been checked whole (Engine._check_batch_room)."""
+        several sequences must have been checked whole (Engine._check_batch_room).
+        defer_write: a few tokens are not written but returned as their
+        [(tail block, offset)], for attend(new=...) to write before it reads
+        them (inside its decode graph); sealing never reads the newest token of
+        a layer, so the seals this call queues do not need it. None: written."""
         self._require_ready()
         for s in seqs:
             if s.reserved:
@@ -231,13 +235,16 @@ class WritePath:
             start = s.length + s.pending[layer]
             s.tail += self._alloc_tail(max(0, math.ceil((start + n) / self.bs) - len(s.sealed) - len(s.tail)))
             slots.append((s, start, n))
+        toks = None
         if k.shape[0] <= SMALL_WRITE:    # a decode step of a few sequences: no index tensors
             toks = []
             for s, start, n in slots:
                 for p in range(start, start + n):
                     i = p if p < self.sinks else p - len(s.sealed) * self.bs    # as tail_index
                     toks.append((s.tail[i // self.bs], i % self.bs))
-            self.tail.write_tokens(layer, toks, k, v)
+            if not defer_write:
+                self.tail.write_tokens(layer, toks, k, v)
+                toks = None
         else:
             idx = [self._tail_slots(s, torch.arange(start, start + n)) for s, start, n in slots]
             dev = self.tail.k.device
@@ -253,6 +260,7 @@ class WritePath:
                 self.counters["appended_tokens"] += commit
                 self._commit(s)
             s.last_use = now
+        return toks
 
     def _commit(self, s: Sequence) -> None:
         """Seal what the committed length allows, taking data from the tail."""

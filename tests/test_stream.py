@@ -34,7 +34,7 @@ C = grpc.StatusCode
 
 
 def client(target: str, core: bool = True, **kw) -> KVStoreClient:
-    kv = KVStoreClient(target, heartbeat=False, **kw)
+    kv = KVStoreClient(target, heartbeat=False, **{"doorbell": False, **kw})    # the stream, not the doorbell
     if kv._stream is not None and not core:
         kv._stream = CallStream(kv.channel, METHOD, kv._md, core=False)
     return kv

@@ -414,10 +414,14 @@ class RegisterBufferRequest(_message.Message):
     def __init__(self, kind: _Optional[_Union[BufferKind, str]] = ..., name: _Optional[str] = ..., size: _Optional[int] = ..., ipc_handle: _Optional[bytes] = ..., device_uuid: _Optional[str] = ..., offset: _Optional[int] = ..., ready_event: _Optional[bytes] = ..., done_event: _Optional[bytes] = ...) -> None: ...
 
 class RegisterBufferReply(_message.Message):
-    __slots__ = ("buffer_id",)
+    __slots__ = ("buffer_id", "doorbell_path", "doorbell_token")
     BUFFER_ID_FIELD_NUMBER: _ClassVar[int]
+    DOORBELL_PATH_FIELD_NUMBER: _ClassVar[int]
+    DOORBELL_TOKEN_FIELD_NUMBER: _ClassVar[int]
     buffer_id: str
-    def __init__(self, buffer_id: _Optional[str] = ...) -> None: ...
+    doorbell_path: str
+    doorbell_token: bytes
+    def __init__(self, buffer_id: _Optional[str] = ..., doorbell_path: _Optional[str] = ..., doorbell_token: _Optional[bytes] = ...) -> None: ...
 
 class UnregisterBufferRequest(_message.Message):
     __slots__ = ("buffer_id",)

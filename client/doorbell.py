@@ -1,0 +1,101 @@
+"""The client end of the daemon's doorbell (kvstore/doorbell.py): AppendAttend
+as one packet each way on a SOCK_SEQPACKET socket, for inputs and output in
+a registered buffer.
+
+    bell = Doorbell(path, token, timeout=60)      # from RegisterBufferReply
+    dtype = bell.append_attend(buffer_id, cache, layer, seq_ids, dtype, offsets, shapes, scale)
+    bell.close()
+
+Errors are those of the unary call (grpc.RpcError with its code and
+details). BellDown: the connection is gone before the request left, so the
+daemon did nothing; the caller sends it over gRPC instead. One caller at a
+time (the client's lock).
+"""
+from __future__ import annotations
+
+import socket
+
+import grpc
+
+from kvstore import bell
+
+from .stream import rpc_error
+
+_STATUS = {c.value[0]: c for c in grpc.StatusCode}
+
+
+class BellDown(Exception):
+    """The doorbell could not take the request; nothing reached the daemon."""
+
+
+class Doorbell:
+    def __init__(self, path: str, token: bytes, timeout: float):
+        self.timeout = timeout
+        self.last_handler_us = 0       # the daemon's time in the last call, for breakdowns
+        self._call = 0
+        self._packets: dict[tuple, tuple[bytes, int]] = {}
+        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        try:
+            self._sock.settimeout(timeout)
+            self._sock.connect(path)
+            self._sock.sendall(bell.HELLO.pack(bell.HELLO_MAGIC, token))
+            code, _, _, message = self._reply(self._sock.recv(bell.MAX_PACKET), 0)
+        except OSError as e:
+            self._sock.close()
+            raise BellDown(f"doorbell {path}: {e}") from None
+        if code:
+            self._sock.close()
+            raise BellDown(f"doorbell {path} refused the connection: {message}")
+
+    def append_attend(self, buffer_id: str, cache: str, layer: int, seq_ids, dtype: int,
+                      offsets: tuple[int, int, int, int], shapes: tuple, scale: float) -> int:
+        """offsets: of k, v, q, out in the buffer; shapes: the 9 dims of k, v, q.
+        -> the output's dtype (pb.DType)."""
+        key = (buffer_id, cache, layer, tuple(seq_ids), dtype, offsets, shapes, scale)
+        hit = self._packets.get(key)
+        if hit is None:
+            if len(self._packets) >= 1024:
+                self._packets.clear()
+            ids = [s.encode() for s in seq_ids]
+            if len(ids) > 0xFFFF or any(len(i) > 0xFFFF for i in ids):
+                raise BellDown("sequence ids too long for a descriptor")
+            pkt = bell.pack_request(0, dtype, layer, scale, offsets, shapes, buffer_id.encode(), cache.encode(), ids)
+            if len(pkt) > bell.MAX_PACKET:
+                raise BellDown("descriptor larger than a doorbell packet")
+            hit = self._packets[key] = (pkt[4:], len(pkt))
+        self._call = call = (self._call + 1) & 0xFFFFFFFF
+        try:
+            self._sock.sendall(call.to_bytes(4, "little") + hit[0])
+        except OSError as e:
+            raise BellDown(str(e)) from None
+        try:
+            data = self._sock.recv(bell.MAX_PACKET)
+        except socket.timeout:
+            self.close()        # its reply may still come: not on this connection
+            raise rpc_error(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded") from None
+        except OSError as e:
+            self.close()
+            raise rpc_error(grpc.StatusCode.UNAVAILABLE, f"doorbell: {e} during the call") from None
+        if not data:
+            self.close()        # the daemon went away after taking the request: it may have run
+            raise rpc_error(grpc.StatusCode.UNAVAILABLE, "doorbell: the daemon closed the connection during the call")
+        code, dtype, self.last_handler_us, message = self._reply(data, call)
+        if code:
+            raise rpc_error(_STATUS.get(code, grpc.StatusCode.UNKNOWN), message)
+        return dtype
+
+    @staticmethod
+    def _reply(data: bytes, call: int) -> tuple[int, int, int, str]:
+        if len(data) < bell.REPLY.size:
+            raise rpc_error(grpc.StatusCode.INTERNAL, f"doorbell: a {len(data)}-byte reply")
+        got, code, dtype, us, n = bell.REPLY.unpack_from(data)
+        if got != call and call:
+            raise rpc_error(grpc.StatusCode.INTERNAL, f"doorbell: reply to call {got}, expected {call}")
+        return code, dtype, us, bytes(data[bell.REPLY.size:bell.REPLY.size + n]).decode("utf-8", "replace")
+
+    @property
+    def closed(self) -> bool:
+        return self._sock.fileno() < 0
+
+    def close(self) -> None:
+        self._sock.close()
