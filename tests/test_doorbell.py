@@ -3,6 +3,7 @@ SOCK_SEQPACKET descriptor gives the gRPC call's results and errors, bad
 descriptors change nothing, and clients that lose it fall back to gRPC."""
 from __future__ import annotations
 
+import contextlib
 import socket
 import time
 
@@ -19,12 +20,20 @@ from kvstore.v1 import kvstore_pb2 as pb
 G = dict(num_layers=2, num_q_heads=4, num_kv_heads=2, head_dim=16)
 
 
+@contextlib.contextmanager
+def _daemon(sock: str, **kw):
+    server, _, _ = create_server(socket_path=sock, **kw)
+    try:
+        yield server
+    finally:
+        server.stop(0)
+
+
 @pytest.fixture
 def served(tmp_path):
     sock = str(tmp_path / "kv.sock")
-    server, _, _ = create_server(socket_path=sock)
-    yield sock, server
-    server.stop(0)
+    with _daemon(sock) as server:
+        yield sock, server
 
 
 def _cache(kv: KVStoreClient, name: str, codec: str) -> None:
@@ -203,17 +212,12 @@ def test_revoked_token_and_disconnects(served):
 
 def test_falls_back_to_grpc(tmp_path):
     sock = str(tmp_path / "kv.sock")
-    server, _, _ = create_server(socket_path=sock, doorbell=False)
-    try:
-        with KVStoreClient(f"unix://{sock}", heartbeat=False) as kv:
-            _cache(kv, "c", "fp16")
-            _steps(kv, "c", "s", 4)
-            assert kv._bell_addr is None and kv._bell is None
-    finally:
-        server.stop(0)
+    with _daemon(sock, doorbell=False), KVStoreClient(f"unix://{sock}", heartbeat=False) as kv:
+        _cache(kv, "c", "fp16")
+        _steps(kv, "c", "s", 4)
+        assert kv._bell_addr is None and kv._bell is None
     sock = str(tmp_path / "kv2.sock")      # grpc unlinks the old path as it stops, asynchronously
-    server, _, _ = create_server(socket_path=sock)
-    try:
+    with _daemon(sock) as server:
         with KVStoreClient(f"unix://{sock}", heartbeat=False) as kv, \
                 KVStoreClient(f"unix://{sock}", heartbeat=False, doorbell=False) as ref:
             _cache(kv, "c", "fp16")
@@ -231,8 +235,6 @@ def test_falls_back_to_grpc(tmp_path):
                 outs.append(kv.append_attend("c", i % 2, ["s"], k, -k, q))
             assert torch.equal(torch.stack(outs), want)
             assert kv._bell is None
-    finally:
-        server.stop(0)
 
 
 def test_step_buffers_cross_in_place(served):
@@ -284,8 +286,7 @@ def test_doorbell_calls_are_counted_in_metrics(tmp_path):
     from kvstore.metrics import Metrics
     metrics = Metrics()
     sock = str(tmp_path / "kv.sock")
-    server, _, _ = create_server(socket_path=sock, metrics=metrics)
-    try:
+    with _daemon(sock, metrics=metrics):
         with KVStoreClient(f"unix://{sock}", heartbeat=False) as kv:
             _cache(kv, "c", "fp16")
             _steps(kv, "c", "s", 3)
@@ -297,5 +298,3 @@ def test_doorbell_calls_are_counted_in_metrics(tmp_path):
         assert 'kvstore_rpc_total{code="OK",method="AppendAttendDoorbell"} 3.0' in text
         assert 'kvstore_rpc_total{code="INVALID_ARGUMENT",method="AppendAttendDoorbell"} 1.0' in text
         assert 'kvstore_attend_calls_total{cache="c"} 3.0' in text
-    finally:
-        server.stop(0)
