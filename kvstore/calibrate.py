@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .codebooks import Codebooks
+from .codebooks import Codebooks, train_pq
 from .config import CacheConfig, CodecConfig, ModelGeometry
 
 DOC_PACKAGE = "python3.11-doc"
@@ -178,27 +178,6 @@ def qaware_transform(model, q_moments: torch.Tensor) -> Transform:
 
 
 # ------------------------------------------------------------ PQ + OPQ
-def train_pq(x: torch.Tensor, m: int, niter: int = 20, init: torch.Tensor | None = None,
-             seed: int = 1234) -> torch.Tensor:
-    """x [N, d] -> centroids [m, 256, d/m]: one faiss k-means of 256 centroids per
-    subspace of d/m consecutive dims, over every row (faiss's default caps a
-    training set at 256 rows per centroid; a larger calibration set should all
-    count), warm-started from `init` [m, 256, d/m] if given (OPQ's rounds)."""
-    import faiss
-    import numpy as np
-    n, d = x.shape
-    dsub = d // m
-    xs = x.float().reshape(n, m, dsub).numpy()
-    out = np.empty((m, 256, dsub), np.float32)
-    for i in range(m):
-        km = faiss.Kmeans(dsub, 256, niter=niter, seed=seed, min_points_per_centroid=1,
-                          max_points_per_centroid=1 << 30, verbose=False)
-        km.train(np.ascontiguousarray(xs[:, i]),
-                 init_centroids=None if init is None else np.ascontiguousarray(init[i].float().numpy()))
-        out[i] = km.centroids
-    return torch.from_numpy(out)
-
-
 def pq_reconstruct(x: torch.Tensor, centroids: torch.Tensor) -> torch.Tensor:
     """x [N, d] -> nearest-centroid reconstruction per subspace [N, d]."""
     import faiss

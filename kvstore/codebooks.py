@@ -62,12 +62,32 @@ class Codebooks:
                 raise InvalidArgument(f"codebooks.{name}", "contains NaN or Inf")
 
 
+def train_pq(x: torch.Tensor, m: int, niter: int = 20, init: torch.Tensor | None = None,
+             seed: int = 1234, max_rows_per_centroid: int = 1 << 30) -> torch.Tensor:
+    """x [N, d] -> centroids [m, 256, d/m]: one faiss k-means of 256 centroids per
+    subspace of d/m consecutive dims, warm-started from `init` [m, 256, d/m] if
+    given (OPQ's rounds). By default over every row: faiss would cap a training
+    set at 256 rows per centroid, and a larger calibration set should all count."""
+    import faiss
+    n, d = x.shape
+    dsub = d // m
+    xs = x.float().reshape(n, m, dsub).numpy()
+    out = np.empty((m, 256, dsub), np.float32)
+    for i in range(m):
+        km = faiss.Kmeans(dsub, 256, niter=niter, seed=seed, min_points_per_centroid=1,
+                          max_points_per_centroid=max_rows_per_centroid, verbose=False)
+        km.train(np.ascontiguousarray(xs[:, i]),
+                 init_centroids=None if init is None else np.ascontiguousarray(init[i].float().numpy()))
+        out[i] = km.centroids
+    return torch.from_numpy(out)
+
+
 def train_codebooks(cfg: CacheConfig, k_samples: torch.Tensor, v_samples: torch.Tensor,
                     niter: int = 20, seed: int = 1234, progress=None) -> Codebooks:
-    """k_samples, v_samples: [L, N, Hkv, d] (K after RoPE). One faiss PQ per
+    """k_samples, v_samples: [L, N, Hkv, d] (K after RoPE). One PQ per
     (layer, K/V, KV head); each trains M independent 256-centroid k-means."""
     try:
-        import faiss
+        import faiss  # noqa: F401
     except ImportError:
         raise FailedPrecondition("codebooks", "training needs faiss (pip install faiss-cpu)") from None
     g = cfg.geometry
@@ -87,15 +107,8 @@ def train_codebooks(cfg: CacheConfig, k_samples: torch.Tensor, v_samples: torch.
         cb = torch.empty(g.num_layers, g.num_kv_heads, m, 256, dsub)
         for layer in range(g.num_layers):
             for h in range(g.num_kv_heads):
-                x = np.ascontiguousarray(samples[layer, :, h, :].float().cpu().numpy())
-                pq = faiss.ProductQuantizer(g.head_dim, m, 8)
-                pq.cp.niter = niter
-                pq.cp.seed = seed
-                pq.cp.min_points_per_centroid = 1   # small calibration sets are the user's call
-                pq.verbose = False
-                pq.train(x)
-                cent = faiss.vector_to_array(pq.centroids).reshape(m, 256, dsub)
-                cb[layer, h] = torch.from_numpy(cent)
+                # faiss's own cap of 256 rows per centroid keeps a daemon-side call bounded
+                cb[layer, h] = train_pq(samples[layer, :, h, :].cpu(), m, niter, seed=seed, max_rows_per_centroid=256)
                 done += 1
                 if progress:
                     progress(done, total)
