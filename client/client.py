@@ -368,17 +368,18 @@ class KVStoreClient:
         """append_attend by the doorbell (under the lock) -> out, or None: send
         it by gRPC (no doorbell, inputs it cannot name, or it went down before
         taking the request)."""
-        ts = (k, v, q)
-        if any(t.dim() != 3 or t.dtype != q.dtype or t.device != q.device for t in ts) or q.dtype not in wire.TO_PROTO:
+        if not (k.dim() == v.dim() == q.dim() == 3 and k.dtype == v.dtype == q.dtype
+                and k.device == v.device == q.device) or q.dtype not in wire.TO_PROTO:
             return None
+        ts = (k, v, q)
         out_bytes = q.numel() * 2
-        need = sum(t.numel() * t.element_size() + 64 for t in ts) + out_bytes + 64
+        need = (k.numel() + v.numel() + q.numel()) * q.element_size() + out_bytes + 256
         arena = self._cuda_arena_for(need, q.device) if q.is_cuda else None
         arena = arena or self._arena_for(need)
         bell = self._doorbell() if arena is not None else None
         if bell is None:
             return None
-        offs = [place(arena, t.detach()) for t in ts]
+        offs = [place(arena, t) for t in ts]   # place() detaches what it copies
         out_off = arena.offset_of(out) if out is not None else None
         if out_off is None:
             out_off = arena.alloc(out_bytes)
