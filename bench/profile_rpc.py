@@ -181,6 +181,9 @@ def main(argv=None) -> None:
     ap.add_argument("--bell", action="store_true", help="AppendAttend by the doorbell (see above)")
     ap.add_argument("--views", action="store_true", help="with --bell: k, v, q, out in the registered buffer")
     ap.add_argument("--no-sync", action="store_true", help="with --bell on CUDA: no synchronisation per call")
+    ap.add_argument("--host-wait", action="store_true", help="with --bell on CUDA, a diagnostic: the client's stream "
+                    "does not wait on done; the host waits for it (done.synchronize()) instead of synchronising "
+                    "the device")
     ap.add_argument("--serve", nargs=2, help=argparse.SUPPRESS)
     args, extra = ap.parse_known_args(argv)
     if args.serve:      # --device is this parser's: hand it on to the daemon
@@ -348,6 +351,17 @@ def bell(args, kv, k, q, pre, marks: str, p) -> None:
     import torch
     stages = _client_stages()
     cuda = k.is_cuda
+    host_wait = cuda and args.host_wait
+    if host_wait:
+        # Nothing of the client's context waits on the daemon's GPU work: is the
+        # synchronisation's time the GPU switching between the two processes'
+        # contexts (the client's stream blocked on done), or the work itself?
+        real_wait = torch.cuda.Stream.wait_event
+
+        def wait_event(self, ev):
+            if ev is not getattr(kv._cuda_arena, "done", None):
+                real_wait(self, ev)
+        torch.cuda.Stream.wait_event = wait_event
     out = None
     if args.views:
         io = kv.step_buffers("c", 1, k.device)
@@ -356,7 +370,7 @@ def bell(args, kv, k, q, pre, marks: str, p) -> None:
         io.q.copy_(q)
         k, q, out = io.k, io.q, io.out
     segs = {"call (client host time, incl. handler)": [], "daemon handler (its reply's timer)": [],
-            "call - handler (client Python, socket, wake-ups)": [], "synchronize after the call (GPU)": [],
+            "call - handler (client Python, socket, wake-ups)": [], ("host wait for done" if host_wait else "synchronize after the call (GPU)"): [],
             "total": []}
     for i in range(args.calls + 50):
         if i == 50:
@@ -365,7 +379,9 @@ def bell(args, kv, k, q, pre, marks: str, p) -> None:
         t0 = time.perf_counter_ns()
         kv.append_attend("c", i % 2, ["t"], k, k, q, out=out)
         t1 = time.perf_counter_ns()
-        if cuda and not args.no_sync:
+        if host_wait:
+            kv._cuda_arena.done.synchronize()
+        elif cuda and not args.no_sync:
             torch.cuda.synchronize()
         t2 = time.perf_counter_ns()
         if i >= 50:
@@ -384,7 +400,7 @@ def bell(args, kv, k, q, pre, marks: str, p) -> None:
     p.wait(timeout=60)
     med = lambda xs: sorted(xs)[len(xs) // 2] / 1e3   # noqa: E731
     print(f"\n{args.codec}/{args.transport}/bell{'+views' if args.views else ''}"
-          f"{' no-sync' if args.no_sync else ''}: medians over {args.calls} calls (µs)")
+          f"{' no-sync' if args.no_sync else ''}{' host-wait' if host_wait else ''}: medians over {args.calls} calls (µs)")
     for key, xs in segs.items():
         print(f"  {key:<52}{med(xs):8.0f}")
     print("\n== client stages, inclusive (median; timers ~1 µs each)")

@@ -55,7 +55,7 @@ class _Graph:
     lse: torch.Tensor
     width: int                   # ints per work item (5: CUDA PQ plan, 4: Triton)
     cols: tuple[int, int]        # (sealed, tail) table columns; sealed 0 for fp16
-    rows_sig: tuple = ()         # what plan.rows() depends on besides the lengths (_rows_sig)
+    rows_sig: object = None      # what plan.rows() depends on besides the lengths (_rows_sig, interned)
     # Two host copies of meta, used in turn: [int32 tensor (pinned on CUDA), its
     # numpy view, the event recorded after its last H2D copy or None]. The
     # second lets a call pack while the previous call's copy is still queued.
@@ -119,6 +119,7 @@ class DecodeGraphs:
         self._eager: set[tuple] = set()     # keys whose plan left its CUDA kernels: never captured
         self._seen: OrderedDict[tuple, None] = OrderedDict()     # keys met once, not captured yet
         self._rows: dict[tuple, tuple[np.ndarray, np.ndarray]] = {}  # (rows_sig, lengths) -> (items, item_ptr)
+        self._sigs: dict[tuple, int] = {}   # _rows_sig -> a small int: hashed per call instead of ~15 pairs
         self.rows_hits = 0
         self._lock = threading.Lock()
 
@@ -128,6 +129,7 @@ class DecodeGraphs:
             self._eager.clear()
             self._seen.clear()
             self._rows.clear()
+            self._sigs.clear()
 
     def attend(self, cache, layer: int, seqs, q: torch.Tensor, scale: float, out: torch.Tensor | None,
                new: tuple | None = None) -> tuple[torch.Tensor | None, bool]:
@@ -150,7 +152,8 @@ class DecodeGraphs:
             lens = ([len(s.sealed) * bs for s in seqs],
                     [s.layer_length(layer) - len(s.sealed) * bs for s in seqs])
             cols = (_cols(max(len(r) for r in sealed)), _cols(max(len(r) for r in tail)))
-            cb = (cache.main.k_cb[layer].data_ptr(), cache.main.v_cb[layer].data_ptr())
+            # The codebooks' addresses (layer is in the key too): no per-layer views
+            cb = (cache.main.k_cb.data_ptr(), cache.main.v_cb.data_ptr())
         else:
             sealed, tail = None, [s.sealed + s.tail for s in seqs]
             lens = ([s.layer_length(layer) for s in seqs],)
@@ -280,7 +283,8 @@ class DecodeGraphs:
             w_dst = (cache.tail.k[layer].permute(0, 2, 1, 3), cache.tail.v[layer].permute(0, 2, 1, 3))
             w_src = new[1:]
         lse = torch.empty(b, hq, dtype=torch.float32, device=dev)
-        g = _Graph(torch.cuda.CUDAGraph(), plan, meta, lse, width, cols, _rows_sig(plan), _host_copies(n, dev))
+        sig = self._sigs.setdefault(_rows_sig(plan), len(self._sigs))
+        g = _Graph(torch.cuda.CUDAGraph(), plan, meta, lse, width, cols, sig, _host_copies(n, dev))
         rows = self._rows_of(g, lens)
         assert rows is not None, "a plan made for these lengths has room for their items"
         self._copy_meta(g, *rows, sealed, tail, b, new)
