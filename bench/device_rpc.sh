@@ -19,7 +19,7 @@ echo "### bench_rpc" | tee $O/bench_rpc_gpu_$TAG.log
 timeout 105 python bench/bench_rpc.py --device cuda --rounds 2 --calls 200 \
   --only pq/cuda/bell,pq/cuda/bell+views,pq/cuda/bell+views+hostwait,fp16/cuda/bell --compare "$BASE" 2>&1 | tee -a $O/bench_rpc_gpu_$TAG.log | tail -12
 echo "rc=${PIPESTATUS[0]}" | tee -a $O/bench_rpc_gpu_$TAG.log
-for mode in ${PROFILE_MODES-"" "--host-wait" "--no-sync"}; do
+for mode in "" "--host-wait"; do
   echo "### profile_rpc --bell --views --stages $mode" | tee -a $O/profile_rpc_gpu_$TAG.log
   timeout 25 python bench/profile_rpc.py --device cuda --transport cuda --codec pq --bell --views --stages \
     --calls 1000 $mode 2>&1 | tail -40 | tee -a $O/profile_rpc_gpu_$TAG.log | head -8
