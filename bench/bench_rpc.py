@@ -260,8 +260,6 @@ def main(argv=None) -> None:
             clients.update({"shm/stream": mk("shm", True), "inline/stream": mk("inline", True)})
         if bells:
             clients["shm/bell"] = mk("shm", False, True)
-        if host_waits:
-            clients["shm/bell+hostwait"] = mk("shm", False, True, host_wait=True)
             import socket
             bell_echo = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
             bell_echo.connect(echo_sock + ".bell")
@@ -270,6 +268,8 @@ def main(argv=None) -> None:
             def bell_echo_call():
                 bell_echo.sendall(bell_payload)
                 return bell_echo.recv(1 << 16)
+        if host_waits:
+            clients["shm/bell+hostwait"] = mk("shm", False, True, host_wait=True)
         kv = clients["shm"]
         for i in range(100):      # wait for the daemon's engine
             try:
