@@ -26,6 +26,9 @@ Rows (each: p50 / p99 over rounds x calls, and the overhead over its floor):
   <codec>/cuda/bell+views
              the doorbell with k, v, q and out in the client's registered
              buffer (KVStoreClient.step_buffers): no staging or read-back copy
+  <codec>/cuda/bell+views+hostwait
+             the same with KVStoreClient(host_wait=True): the host waits for
+             the daemon's done event, the client's stream does not
   <row>[daemon]
              of a bell row: the daemon's time per call, from its replies
 Variants run interleaved, round by round, against one daemon process; each
@@ -248,9 +251,10 @@ def main(argv=None) -> None:
             from kvstore.client.stream import CallStream
             echo_stream = CallStream(echo_ch, ECHO_STREAM)
         bells = "doorbell" in inspect.signature(KVStoreClient).parameters
-        mk = lambda transport, stream, bell=False: KVStoreClient(    # noqa: E731
+        host_waits = "host_wait" in inspect.signature(KVStoreClient).parameters
+        mk = lambda transport, stream, bell=False, **kw: KVStoreClient(    # noqa: E731
             target, transport=transport, shm_bytes=1 << 24, heartbeat=False, **({"stream": stream} if streams else {}),
-            **({"doorbell": bell} if bells else {}))
+            **({"doorbell": bell} if bells else {}), **kw)
         clients = {"shm": mk("shm", False), "inline": mk("inline", False)}
         if streams:
             clients.update({"shm/stream": mk("shm", True), "inline/stream": mk("inline", True)})
@@ -264,6 +268,8 @@ def main(argv=None) -> None:
             def bell_echo_call():
                 bell_echo.sendall(bell_payload)
                 return bell_echo.recv(1 << 16)
+        if host_waits:
+            clients["shm/bell+hostwait"] = mk("shm", False, True, host_wait=True)
         kv = clients["shm"]
         for i in range(100):      # wait for the daemon's engine
             try:
@@ -294,6 +300,8 @@ def main(argv=None) -> None:
                     variants[f"{codec}/{transport}/bell"] = ("aa", codec, transport, "bell")
                 if bells and transport == "cuda":
                     variants[f"{codec}/{transport}/bell+views"] = ("aa", codec, transport, "views")
+                if host_waits and transport == "cuda":
+                    variants[f"{codec}/{transport}/bell+views+hostwait"] = ("aa", codec, transport, "hostwait")
         if args.only:
             keep = set(args.only.split(","))
             keep |= {"echo"} | ({"echo/stream"} if any(k.endswith("/stream") for k in keep) else set())
@@ -301,7 +309,7 @@ def main(argv=None) -> None:
             variants = {k: v for k, v in variants.items() if k in keep}
         samples: dict[str, list[float]] = {k: [] for k in variants}
         for k, v in variants.items():
-            if v[0] == "aa" and v[3] in ("bell", "views"):
+            if v[0] == "aa" and v[3] in ("bell", "views", "hostwait"):
                 samples[k + "[daemon]"] = []
         sync = torch.cuda.synchronize if cuda else None
 
@@ -324,10 +332,12 @@ def main(argv=None) -> None:
                     timed(fn, args.warmup)
                 else:
                     _, codec, transport, stream = v
-                    lane = {"bell": "/bell", "views": "/bell", True: "/stream", False: ""}[stream]
+                    lane = {"bell": "/bell", "views": "/bell", "hostwait": "/bell+hostwait", True: "/stream",
+                            False: ""}[stream]
                     c = clients[("inline" if transport == "inline" else "shm") + lane]
                     dev = "cuda" if transport == "cuda" else "cpu"
-                    seq = f"r{r}-{transport}" + ({"bell": "-bell", "views": "-views", True: "-stream", False: ""}[stream])
+                    seq = f"r{r}-{transport}" + ({"bell": "-bell", "views": "-views", "hostwait": "-hostwait",
+                                                  True: "-stream", False: ""}[stream])
                     c.allocate(codec, seq, [])
                     pre = torch.randn(g["num_layers"], args.prefill, g["num_kv_heads"], g["head_dim"],
                                       generator=gen).half()
@@ -336,7 +346,7 @@ def main(argv=None) -> None:
                     q = torch.randn(1, g["num_q_heads"], g["head_dim"], generator=gen).half().to(dev)
                     state = {"i": 0}
                     out = None
-                    if stream == "views":       # the model writes k, v, q into these; here: once
+                    if stream in ("views", "hostwait"):       # the model writes k, v, q into these; here: once
                         io = c.step_buffers(codec, 1, dev)
                         io.k.copy_(k)
                         io.v.copy_(k)
@@ -349,7 +359,7 @@ def main(argv=None) -> None:
                             if out is not None else c.append_attend(codec, state["i"] % g["num_layers"], [seq], k, k, q)
                     sy = sync if transport == "cuda" else None
                     timed(fn, args.warmup, sy)
-                    if stream in ("bell", "views"):
+                    if stream in ("bell", "views", "hostwait"):
                         daemon = samples[name + "[daemon]"]
                         run = fn
 

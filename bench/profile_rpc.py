@@ -15,6 +15,12 @@ deserialisation) | server handler (interceptors, servicer, engine) | server
 (reading the output). With --stream the calls go over the client's
 AppendAttendStream; the server's segments are then per message (a request
 handed to the handler -> its reply yielded), and there is no handler lookup.
+
+With --bell the calls go by the doorbell (kvstore/doorbell.py): the client's
+stages (CLIENT_STAGES, inclusive timers), the daemon's handler time from its
+replies and its stages (--stages), and on CUDA the synchronisation after the
+call (the daemon's GPU work and the wait for its done event) timed apart.
+--views puts k, v, q and out in the registered buffer (step_buffers).
 """
 from __future__ import annotations
 
@@ -129,7 +135,18 @@ STAGES = [("kvstore.servicer", "KVStoreServicer", "AppendAttend"), ("kvstore.ser
           ("kvstore.engine", "Engine", "append_attend"), ("kvstore.engine", "Engine", "_query"),
           ("kvstore.engine", "Engine", "append"), ("kvstore.engine", "Engine", "_tensor"), ("kvstore.engine", None, "_finite"),
           ("kvstore.cache", "Cache", "append_layer_batch"), ("kvstore.cache", "Cache", "attend"),
-          ("kvstore.call_scope", "CudaScope", "__enter__"), ("kvstore.call_scope", "CudaScope", "__exit__")]
+          ("kvstore.call_scope", "CudaScope", "__enter__"), ("kvstore.call_scope", "CudaScope", "__exit__"),
+          ("kvstore.servicer", "KVStoreServicer", "doorbell_append_attend"),
+          ("kvstore.servicer", "KVStoreServicer", "_append_attend"), ("kvstore.leases", "LeaseManager", "touch"),
+          ("kvstore.engine", "Engine", "_append_checked"), ("kvstore.engine", "Engine", "_seqs"),
+          ("kvstore.decode_graphs", "DecodeGraphs", "attend"), ("kvstore.decode_graphs", "DecodeGraphs", "_run"),
+          ("kvstore.decode_graphs", "DecodeGraphs", "_copy_meta"), ("kvstore.decode_graphs", "DecodeGraphs", "_rows_of")]
+# The client's side of a doorbell call (--bell), inclusive.
+CLIENT_STAGES = [("kvstore.client.client", "KVStoreClient", "append_attend"),
+                 ("kvstore.client.client", "KVStoreClient", "_append_attend_bell"),
+                 ("kvstore.client.client", None, "place"),
+                 ("kvstore.client.doorbell", "Doorbell", "append_attend"),
+                 ("kvstore.client.doorbell", "Doorbell", "_reply")]
 
 
 def _patch_stages() -> dict:
@@ -161,6 +178,12 @@ def main(argv=None) -> None:
     ap.add_argument("--stages", action="store_true", help="no cProfile; time the server's stages (STAGES), "
                     "inclusive, per call")
     ap.add_argument("--stream", action="store_true", help="AppendAttend over the client's stream (AppendAttendStream)")
+    ap.add_argument("--bell", action="store_true", help="AppendAttend by the doorbell (see above)")
+    ap.add_argument("--views", action="store_true", help="with --bell: k, v, q, out in the registered buffer")
+    ap.add_argument("--no-sync", action="store_true", help="with --bell on CUDA: no synchronisation per call")
+    ap.add_argument("--host-wait", action="store_true", help="with --bell on CUDA, a diagnostic: the client's stream "
+                    "does not wait on done; the host waits for it (done.synchronize()) instead of synchronising "
+                    "the device")
     ap.add_argument("--serve", nargs=2, help=argparse.SUPPRESS)
     args, extra = ap.parse_known_args(argv)
     if args.serve:      # --device is this parser's: hand it on to the daemon
@@ -195,7 +218,9 @@ def main(argv=None) -> None:
         streams = "stream" in inspect.signature(KVStoreClient).parameters     # older checkouts: unary only
         cuda = args.transport == "cuda"     # tensors on the GPU: the client's CUDA IPC buffer
         kv = KVStoreClient(f"unix://{sock}", transport="shm" if cuda else args.transport, shm_bytes=1 << 24, heartbeat=False,
-                           **({"stream": args.stream} if streams else {}))
+                           **({"stream": args.stream} if streams else {}),
+                           **({"doorbell": args.bell} if "doorbell" in inspect.signature(KVStoreClient).parameters
+                              else {}))
         for _ in range(100):
             try:
                 kv.heartbeat()
@@ -215,6 +240,8 @@ def main(argv=None) -> None:
         k = torch.randn(1, 2, 64, dtype=torch.float16, device="cuda" if cuda else "cpu")
         q = torch.randn(1, 4, 64, dtype=torch.float16, device="cuda" if cuda else "cpu")
         syncs: list[int] = []
+        if args.bell:
+            return bell(args, kv, k, q, pre, out, p)
         attr = "_raw" if hasattr(kv, "_raw") else "stub"     # older clients call through kv.stub
         stub_method = getattr(kv, attr).AppendAttend
         cmarks: list[tuple[int, int, int, int]] = []
@@ -316,6 +343,80 @@ def main(argv=None) -> None:
     print(top(pstats.Stats(out + ".prof"), args.top, len(smarks)))
     print("\n== client, by own time")
     print(top(pstats.Stats(cprof), args.top, len(cmarks)))
+
+
+
+def bell(args, kv, k, q, pre, marks: str, p) -> None:
+    """--bell: client stages, the daemon's handler time and the synchronisation, per call."""
+    import torch
+    stages = _client_stages()
+    cuda = k.is_cuda
+    host_wait = cuda and args.host_wait
+    if host_wait:
+        # Nothing of the client's context waits on the daemon's GPU work: is the
+        # synchronisation's time the GPU switching between the two processes'
+        # contexts (the client's stream blocked on done), or the work itself?
+        real_wait = torch.cuda.Stream.wait_event
+
+        def wait_event(self, ev):
+            if ev is not getattr(kv._cuda_arena, "done", None):
+                real_wait(self, ev)
+        torch.cuda.Stream.wait_event = wait_event
+    out = None
+    if args.views:
+        io = kv.step_buffers("c", 1, k.device)
+        io.k.copy_(k)
+        io.v.copy_(k)
+        io.q.copy_(q)
+        k, q, out = io.k, io.q, io.out
+    segs = {"call (client host time, incl. handler)": [], "daemon handler (its reply's timer)": [],
+            "call - handler (client Python, socket, wake-ups)": [], ("host wait for done" if host_wait else "synchronize after the call (GPU)"): [],
+            "total": []}
+    for i in range(args.calls + 50):
+        if i == 50:
+            for xs in stages.values():
+                xs.clear()
+        t0 = time.perf_counter_ns()
+        kv.append_attend("c", i % 2, ["t"], k, k, q, out=out)
+        t1 = time.perf_counter_ns()
+        if host_wait:
+            kv._cuda_arena.done.synchronize()
+        elif cuda and not args.no_sync:
+            torch.cuda.synchronize()
+        t2 = time.perf_counter_ns()
+        if i >= 50:
+            h = kv.doorbell_handler_us * 1000
+            for key, x in zip(segs, (t1 - t0, h, t1 - t0 - h, t2 - t1, t2 - t0)):
+                segs[key].append(x)
+        if i % 400 == 399:
+            kv.free("c", ["t"])
+            kv.allocate("c", "t", [])
+            kv.append("c", ["t"], pre, pre)
+    if cuda:
+        torch.cuda.synchronize()
+    assert kv._bell is not None, "the calls did not go by the doorbell"
+    kv.close()
+    p.terminate()
+    p.wait(timeout=60)
+    med = lambda xs: sorted(xs)[len(xs) // 2] / 1e3   # noqa: E731
+    print(f"\n{args.codec}/{args.transport}/bell{'+views' if args.views else ''}"
+          f"{' no-sync' if args.no_sync else ''}{' host-wait' if host_wait else ''}: medians over {args.calls} calls (µs)")
+    for key, xs in segs.items():
+        print(f"  {key:<52}{med(xs):8.0f}")
+    print("\n== client stages, inclusive (median; timers ~1 µs each)")
+    for label, xs in stages.items():
+        if xs:
+            print(f"  {label:<44}{med(xs):8.1f}  x{len(xs) / args.calls:.0f}/call")
+    if args.stages:
+        print("\n== daemon stages, inclusive (median over calls)")
+        for label, xs in json.load(open(marks + ".stages")).items():
+            if xs:
+                print(f"  {label:<44}{med(xs):8.1f}  x{len(xs) / (args.calls + 50):.1f}/call")
+
+
+def _client_stages() -> dict:
+    from profile_engine import patch_stages
+    return patch_stages(CLIENT_STAGES)
 
 
 if __name__ == "__main__":

@@ -64,7 +64,8 @@ class KVStoreClient:
     def __init__(self, target: str | None = None, transport: str = "auto",
                  shm_bytes: int = 64 << 20, max_message_mb: int = DEFAULT_MAX_MESSAGE_MB, timeout: float = 60.0,
                  token: str | None = None, tls_ca: str | bytes | None = None, session_id: str | None = None,
-                 heartbeat: bool = True, stream: bool | None = None, doorbell: bool | None = None):
+                 heartbeat: bool = True, stream: bool | None = None, doorbell: bool | None = None,
+                 host_wait: bool = False):
         """target: "unix:///path/kvstore.sock" or "host:port" (default: the
         daemon's default socket). transport: "auto", "shm" or "inline".
         token: bearer token (default env KVSTORE_TOKEN); tls_ca: CA PEM (path
@@ -73,7 +74,12 @@ class KVStoreClient:
         stream: append_attend over one long-lived stream (default: on a Unix
         socket) instead of a unary call each; doorbell: append_attend by the
         daemon's doorbell socket once a buffer is registered, when the daemon
-        offers one (default: on a Unix socket), else by gRPC."""
+        offers one (default: on a Unix socket), else by gRPC. host_wait: a
+        call with CUDA tensors returns once its outputs are in place (the host
+        waits for the daemon's done event) instead of making the caller's
+        stream wait for it: the GPU then never switches to the caller's
+        context just to wait (bench/NOTES-rpc.md, session 6), but the host
+        cannot queue work past the call."""
         self.target = target or f"unix://{default_socket()}"
         opts = client_options(max_message_mb)
         if tls_ca is not None:
@@ -106,6 +112,7 @@ class KVStoreClient:
         self._bell: Doorbell | None = None
         self._bell_addr: tuple[str, bytes] | None = None     # from RegisterBufferReply
         self._bell_retry_at = 0.0
+        self._host_wait = host_wait
         self._beat_stop = threading.Event()
         if heartbeat:
             threading.Thread(target=self._beat, name="kvstore-heartbeat", daemon=True).start()
@@ -257,8 +264,15 @@ class KVStoreClient:
         stream = torch.cuda.current_stream(arena.view.device)
         arena.ready.record(stream)
         reply = method(request_fn(msgs, outs), timeout=self.timeout, metadata=self._md)
-        stream.wait_event(arena.done)
+        self._wait_done(arena, stream)
         return read(reply, arena) if read else reply
+
+    def _wait_done(self, arena: CudaArena, stream) -> None:
+        """Order what reads the outputs after the daemon's work (see host_wait)."""
+        if self._host_wait:
+            arena.done.synchronize()
+        else:
+            stream.wait_event(arena.done)
 
     def _append_attend(self, request: pb.AppendAttendRequest, timeout: float, metadata) -> pb.AttendReply:
         """AppendAttend on this client's stream; unary without one, or while
@@ -368,17 +382,18 @@ class KVStoreClient:
         """append_attend by the doorbell (under the lock) -> out, or None: send
         it by gRPC (no doorbell, inputs it cannot name, or it went down before
         taking the request)."""
-        ts = (k, v, q)
-        if any(t.dim() != 3 or t.dtype != q.dtype or t.device != q.device for t in ts) or q.dtype not in wire.TO_PROTO:
+        if not (k.dim() == v.dim() == q.dim() == 3 and k.dtype == v.dtype == q.dtype
+                and k.device == v.device == q.device) or q.dtype not in wire.TO_PROTO:
             return None
+        ts = (k, v, q)
         out_bytes = q.numel() * 2
-        need = sum(t.numel() * t.element_size() + 64 for t in ts) + out_bytes + 64
+        need = (k.numel() + v.numel() + q.numel()) * q.element_size() + out_bytes + 256
         arena = self._cuda_arena_for(need, q.device) if q.is_cuda else None
         arena = arena or self._arena_for(need)
         bell = self._doorbell() if arena is not None else None
         if bell is None:
             return None
-        offs = [place(arena, t.detach()) for t in ts]
+        offs = [place(arena, t) for t in ts]   # place() detaches what it copies
         out_off = arena.offset_of(out) if out is not None else None
         if out_off is None:
             out_off = arena.alloc(out_bytes)
@@ -394,7 +409,7 @@ class KVStoreClient:
             return None
         finally:
             if cuda:
-                stream.wait_event(arena.done)     # also after an error: the daemon may have queued work
+                self._wait_done(arena, stream)    # also after an error: the daemon may have queued work
         res = arena.typed(out_off, tuple(q.shape), wire.TO_TORCH[dtype])[0]
         if out is None:
             return res.clone()

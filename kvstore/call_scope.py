@@ -6,20 +6,22 @@ import threading
 
 
 class CudaScope:
-    """fences: two events of this thread (see Fences), re-recorded per call
+    """fence: an event of this thread (see Fences), re-recorded per call
     instead of the fresh event each Stream.wait_stream makes."""
 
-    def __init__(self, stream, ready, done, fences):
-        self.stream, self.ready, self.done = stream, ready, done
-        self.fence_in, self.fence_out = fences
+    def __init__(self, stream, ready, done, fence):
+        self.stream, self.ready, self.done, self.fence = stream, ready, done, fence
 
     def __enter__(self):
         import torch
         # Also order against the daemon's other work (calls without CUDA
         # buffers run on the default stream): device-side waits, no host sync.
+        # A default stream with nothing left to run needs no fence; asking
+        # costs one CUDA call where the fence costs two.
         self.default = torch.cuda.current_stream(self.stream.device)
-        self.fence_in.record(self.default)
-        self.stream.wait_event(self.fence_in)
+        if not self.default.query():
+            self.fence.record(self.default)
+            self.stream.wait_event(self.fence)
         self.stream.wait_event(self.ready)
         # The stream's own device is the current one (one GPU): switching the
         # stream is all torch.cuda.stream() would do, at a third of its cost.
@@ -38,25 +40,27 @@ class CudaScope:
             torch.cuda.set_stream(self.default)
         else:
             self._ctx.__exit__(*exc)
-        self.fence_out.record(self.stream)
-        self.default.wait_event(self.fence_out)
+        # The default stream's later work comes after this call's. done marks
+        # its end on the stream (every record of done is on this one stream per
+        # device, so a later record only waits longer): no event of our own.
+        self.default.wait_event(self.done)
 
 
 class Fences:
-    """Per thread and device, the two ordering events of CudaScope. A wait
-    takes the event's record at the time of the wait, so re-recording one
-    for the next call cannot reorder (or deadlock) an earlier call."""
+    """Per thread and device, CudaScope's ordering event. A wait takes the
+    event's record at the time of the wait, so re-recording it for the next
+    call cannot reorder (or deadlock) an earlier call."""
 
     def __init__(self):
         self._local = threading.local()
 
-    def get(self, device) -> tuple:
+    def get(self, device):
         import torch
         mine = self._local.__dict__.setdefault("events", {})
         key = str(device)
         if key not in mine:
             with torch.cuda.device(device):
-                mine[key] = (torch.cuda.Event(), torch.cuda.Event())
+                mine[key] = torch.cuda.Event()
         return mine[key]
 
 

@@ -4,9 +4,11 @@ DESIGN §4: run launches allocate nothing and never synchronise, so they can be
 captured. A graph holds the attention launches of one layer for one batch
 shape and one pair of caller buffers (q in, out written in place); it reads
 its work items and block tables from one static int32 buffer. A call packs
-those on the host, copies them in with one H2D copy from a pinned slot, and
-replays: three CUDA calls where the eager path makes ~15 Python-level ops and
-two argument-packing launches (bench/NOTES-rpc.md).
+those into the graph's own pinned copy of that buffer, copies it in with one
+H2D copy, and replays: three CUDA calls where the eager path makes ~15
+Python-level ops and two argument-packing launches (bench/NOTES-rpc.md).
+Work items depend only on the lengths and the plan's parameters, and every
+layer of a decode step has the same lengths: they are computed once a step.
 
 An AppendAttend's graph also writes the new tokens into the fp16 tail
 (index_put_ at slots read from the meta buffer), where k and v come from a
@@ -19,6 +21,7 @@ call); a cache whose calls keep missing (new addresses) stops capturing.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import threading
@@ -37,6 +40,7 @@ MAX_GRAPHS = 256        # per cache (LRU); a graph holds its plan's workspace (~
 SPARE_ITEMS = 16        # plan capacity past the first call's items, for longer sequences later
 MIN_COLS = 16           # table columns of a new graph (doubled as sequences outgrow them)
 MAX_META = 1 << 19      # bytes of a graph's items and tables (one pinned slot holds 1 MiB)
+MAX_ROWS = 512          # (plan parameters, lengths) -> work items, kept across a step's layers
 
 
 def _cols(n: int) -> int:
@@ -47,10 +51,60 @@ def _cols(n: int) -> int:
 class _Graph:
     graph: torch.cuda.CUDAGraph
     plan: object
-    meta: torch.Tensor           # int32 [items | item_ptr | sealed table | tail table]
+    meta: torch.Tensor           # int32 [items | item_ptr | sealed table | tail table | new blocks | new offsets]
     lse: torch.Tensor
     width: int                   # ints per work item (5: CUDA PQ plan, 4: Triton)
     cols: tuple[int, int]        # (sealed, tail) table columns; sealed 0 for fp16
+    rows_sig: object = None      # what plan.rows() depends on besides the lengths (_rows_sig, interned)
+    # Two host copies of meta, used in turn: [int32 tensor (pinned on CUDA), its
+    # numpy view, the event recorded after its last H2D copy or None]. The
+    # second lets a call pack while the previous call's copy is still queued.
+    hosts: list = dataclasses.field(default_factory=list)
+    turn: int = 0
+
+
+def _rows_sig(plan) -> tuple:
+    """A plan's type, item capacity and scalar parameters: plans with equal
+    ones give equal rows() for equal lengths (sealed_cols and tail_cols are
+    what rows() sets, not what it reads)."""
+    return (type(plan).__name__, plan.items.shape[0]) + tuple(
+        (f.name, v) for f in dataclasses.fields(plan)
+        if f.name not in ("sealed_cols", "tail_cols")
+        and isinstance(v := getattr(plan, f.name), (int, float, bool, str, type(None))))
+
+
+def _host_copies(n: int, device: torch.device) -> list:
+    pin = device.type == "cuda"
+    out = []
+    for _ in range(2):
+        t = torch.zeros(n, dtype=torch.int32, pin_memory=pin)
+        out.append([t, t.numpy(), None])
+    return out
+
+
+def pack_meta(host: np.ndarray, items: np.ndarray, ptr: np.ndarray, sealed, tail, b: int,
+              cols: tuple[int, int], new=None) -> None:
+    """Fill all of host (int32, a graph's meta layout) for one call: items
+    (padded to the plan's capacity), item_ptr [b + 1], the sealed and tail
+    tables [b, cols] zero-padded (sealed None for fp16), then the new tokens'
+    [blocks | offsets]."""
+    n_items = len(items)
+    host[:n_items] = items
+    host[n_items:n_items + b + 1] = ptr
+    o = n_items + b + 1
+    for rows, c in ((sealed, cols[0]), (tail, cols[1])):
+        if rows is None:
+            continue
+        host[o:o + b * c] = 0
+        for i, r in enumerate(rows):
+            if r:
+                host[o + i * c:o + i * c + len(r)] = r
+        o += b * c
+    if new is not None:
+        nw = len(new[0])
+        host[o:o + 2 * nw] = [blk for blk, _ in new[0]] + [off for _, off in new[0]]
+        o += 2 * nw
+    assert o == len(host), f"meta layout: packed {o} of {len(host)} ints"
 
 
 class DecodeGraphs:
@@ -64,6 +118,9 @@ class DecodeGraphs:
         self._streams: dict[int, torch.cuda.Stream] = {}
         self._eager: set[tuple] = set()     # keys whose plan left its CUDA kernels: never captured
         self._seen: OrderedDict[tuple, None] = OrderedDict()     # keys met once, not captured yet
+        self._rows: dict[tuple, tuple[np.ndarray, np.ndarray]] = {}  # (rows_sig, lengths) -> (items, item_ptr)
+        self._sigs: dict[tuple, int] = {}   # _rows_sig -> a small int: hashed per call instead of ~15 pairs
+        self.rows_hits = 0
         self._lock = threading.Lock()
 
     def clear(self) -> None:
@@ -71,6 +128,8 @@ class DecodeGraphs:
             self.graphs.clear()
             self._eager.clear()
             self._seen.clear()
+            self._rows.clear()
+            self._sigs.clear()
 
     def attend(self, cache, layer: int, seqs, q: torch.Tensor, scale: float, out: torch.Tensor | None,
                new: tuple | None = None) -> tuple[torch.Tensor | None, bool]:
@@ -93,7 +152,8 @@ class DecodeGraphs:
             lens = ([len(s.sealed) * bs for s in seqs],
                     [s.layer_length(layer) - len(s.sealed) * bs for s in seqs])
             cols = (_cols(max(len(r) for r in sealed)), _cols(max(len(r) for r in tail)))
-            cb = (cache.main.k_cb[layer].data_ptr(), cache.main.v_cb[layer].data_ptr())
+            # The codebooks' addresses (layer is in the key too): no per-layer views
+            cb = (cache.main.k_cb.data_ptr(), cache.main.v_cb.data_ptr())
         else:
             sealed, tail = None, [s.sealed + s.tail for s in seqs]
             lens = ([s.layer_length(layer) for s in seqs],)
@@ -121,12 +181,11 @@ class DecodeGraphs:
             if g is not None:
                 self.graphs.move_to_end(key)
         if g is not None:
-            try:
-                items, ptr = g.plan.rows(*lens)
-            except ValueError:      # more work items than the graph has room for: a new one
+            rows = self._rows_of(g, lens)
+            if rows is None:        # more work items than the graph has room for: a new one
                 g = None
             else:
-                self._copy_meta(g, items, ptr, sealed, tail, len(seqs), new)
+                self._copy_meta(g, *rows, sealed, tail, len(seqs), new)
                 g.graph.replay()
                 self.hits += 1
                 return out
@@ -139,25 +198,46 @@ class DecodeGraphs:
             return None
         return self._capture(cache, layer, seqs, q, scale, out, lens, sealed, tail, cols, key, new)
 
+    def _rows_of(self, g: _Graph, lens) -> tuple[np.ndarray, np.ndarray] | None:
+        """g.plan.rows(*lens) as int32 arrays, computed once for all graphs with
+        g's plan parameters; None: more items than the plan has room for."""
+        key = (g.rows_sig, tuple(map(tuple, lens)))
+        hit = self._rows.get(key)
+        if hit is not None:
+            self.rows_hits += 1
+            return hit
+        try:
+            items, ptr = g.plan.rows(*lens)
+        except ValueError:
+            return None
+        if len(self._rows) >= MAX_ROWS:
+            self._rows.clear()
+        hit = self._rows[key] = (np.asarray(items, dtype=np.int32), np.asarray(ptr, dtype=np.int32))
+        return hit
+
     def _copy_meta(self, g: _Graph, items, ptr, sealed, tail, b: int, new=None) -> None:
-        """Pack items, item_ptr, the tables and the new tokens' slots as the graph's
-        meta buffer lays them out; one copy from a pinned slot, ordered on the
-        current stream."""
-        n_items, sc, tc = len(items), g.cols[0], g.cols[1]
-        host = np.zeros(g.meta.numel(), dtype=np.int32)
-        host[:n_items] = items
-        host[n_items:n_items + b + 1] = ptr
-        o = n_items + b + 1
-        for rows, cols in ((sealed, sc), (tail, tc)):
-            if rows is None:
-                continue
-            for i, r in enumerate(rows):
-                if r:
-                    host[o + i * cols:o + i * cols + len(r)] = r
-            o += b * cols
-        if new is not None:         # [blocks | offsets] of the tokens the graph writes
-            nw = len(new[0])
-            host[o:o + 2 * nw] = [blk for blk, _ in new[0]] + [off for _, off in new[0]]
+        """Pack items, item_ptr, the tables and the new tokens' slots into one of
+        the graph's host copies of meta and copy it in, ordered on the current
+        stream. When both copies still wait for their last H2D copy (the stream
+        is behind), a pinned ring slot takes the call: the host never waits
+        for the GPU."""
+        for turn in (g.turn, g.turn ^ 1):
+            h = g.hosts[turn]
+            if h[2] is None or h[2].query():
+                break
+        else:
+            h = None
+        if h is not None:
+            g.turn = turn ^ 1
+            pack_meta(h[1], items, ptr, sealed, tail, b, g.cols, new)
+            g.meta.copy_(h[0], non_blocking=True)
+            if g.meta.is_cuda:
+                if h[2] is None:
+                    h[2] = torch.cuda.Event()
+                h[2].record(torch.cuda.current_stream(g.meta.device))
+            return
+        host = np.empty(g.meta.numel(), dtype=np.int32)
+        pack_meta(host, items, ptr, sealed, tail, b, g.cols, new)
         ring = pinned._get_ring()
         slot, buf = ring.acquire()
         try:
@@ -203,9 +283,11 @@ class DecodeGraphs:
             w_dst = (cache.tail.k[layer].permute(0, 2, 1, 3), cache.tail.v[layer].permute(0, 2, 1, 3))
             w_src = new[1:]
         lse = torch.empty(b, hq, dtype=torch.float32, device=dev)
-        g = _Graph(torch.cuda.CUDAGraph(), plan, meta, lse, width, cols)
-        items, ptr = plan.rows(*lens)
-        self._copy_meta(g, items, ptr, sealed, tail, b, new)
+        sig = self._sigs.setdefault(_rows_sig(plan), len(self._sigs))
+        g = _Graph(torch.cuda.CUDAGraph(), plan, meta, lse, width, cols, sig, _host_copies(n, dev))
+        rows = self._rows_of(g, lens)
+        assert rows is not None, "a plan made for these lengths has room for their items"
+        self._copy_meta(g, *rows, sealed, tail, b, new)
 
         def run():
             if new is not None:     # the new tokens first: the attention reads them

@@ -161,31 +161,38 @@ class Engine:
                     raise InvalidArgument("token_ids", "token ids go with all-layer appends")
                 if len(token_ids) != len(seqs):
                     raise InvalidArgument("token_ids", f"{len(token_ids)} id lists for {len(seqs)} sequences")
-            cache.resident(seqs)
-            # Batches of several sequences are checked whole before any write.
-            if len(seqs) > 1:
-                self._check_batch_room(cache, seqs, counts, layer, token_ids)
-            deferred = None
-            try:
-                if layer is not None:        # decode: one scatter, one encode for the whole batch
-                    cache.defer_encodes()
-                    try:
-                        slots = cache.append_layer_batch(seqs, layer, k, v, counts, defer_write=defer_write)
-                        deferred = (slots, k, v) if slots is not None else None
-                    finally:
-                        cache.flush_encodes()
-                else:
-                    off = 0
-                    for i, (s, c) in enumerate(zip(seqs, counts)):
-                        ids = token_ids[i] if token_ids is not None and token_ids[i] else None
-                        cache.append(s, k[:, off:off + c], v[:, off:off + c], ids)
-                        off += c
-                cache.after_write()
-            except BaseException:
-                if deferred is not None:     # counted tokens hold their data, whatever failed after
-                    cache.tail.write_tokens(layer, *deferred)
-                raise
-            return deferred
+            return self._append_checked(cache, seqs, k, v, counts, layer, token_ids, defer_write)
+
+    def _append_checked(self, cache: Cache, seqs: list[Sequence], k: torch.Tensor, v: torch.Tensor,
+                        counts: list[int], layer: int | None, token_ids: list[list[int]] | None,
+                        defer_write: bool) -> tuple | None:
+        """append() after its argument checks (under self.lock): k, v already
+        on the cache's device and dtype, of the shape counts and layer ask for."""
+        cache.resident(seqs)
+        # Batches of several sequences are checked whole before any write.
+        if len(seqs) > 1:
+            self._check_batch_room(cache, seqs, counts, layer, token_ids)
+        deferred = None
+        try:
+            if layer is not None:        # decode: one scatter, one encode for the whole batch
+                cache.defer_encodes()
+                try:
+                    slots = cache.append_layer_batch(seqs, layer, k, v, counts, defer_write=defer_write)
+                    deferred = (slots, k, v) if slots is not None else None
+                finally:
+                    cache.flush_encodes()
+            else:
+                off = 0
+                for i, (s, c) in enumerate(zip(seqs, counts)):
+                    ids = token_ids[i] if token_ids is not None and token_ids[i] else None
+                    cache.append(s, k[:, off:off + c], v[:, off:off + c], ids)
+                    off += c
+            cache.after_write()
+        except BaseException:
+            if deferred is not None:     # counted tokens hold their data, whatever failed after
+                cache.tail.write_tokens(layer, *deferred)
+            raise
+        return deferred
 
     @staticmethod
     def _check_batch_room(cache: Cache, seqs: list[Sequence], counts: list[int], layer: int | None,
@@ -242,8 +249,13 @@ class Engine:
             self._layer(cache, layer)
             seqs = self._seqs(cache, tenant, seq_ids, unique=True)
             q, scale = self._query(cache, seqs, q, scale)
+            # append()'s checks less those done just above (errors in the same order).
+            g = cache.cfg.geometry
+            shape = (len(seqs), g.num_kv_heads, g.head_dim)
+            k = self._tensor(cache, k, "k", shape)
+            v = self._tensor(cache, v, "v", shape)
             # The new tokens' write joins the attention (its decode graph, when it has one).
-            new = self.append(name, tenant, seq_ids, k, v, [1] * len(seqs), layer=layer, defer_write=True)
+            new = self._append_checked(cache, seqs, k, v, [1] * len(seqs), layer, None, defer_write=True)
             return cache.attend(layer, seqs, q, scale, out=self._out(out, q), new=new)
 
     def reserve(self, name: str, tenant: str, seq_id: str, n: int,

@@ -297,7 +297,7 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
         caller of (tenant, session): the lease, buffer view and invariant checks
         of a gRPC call; engine errors propagate for the doorbell to report.
         resolved: this request's from an earlier call on this thread (its CUDA
-        scope holds the thread's fences), if no buffer was unregistered since
+        scope holds the thread's fence), if no buffer was unregistered since
         (BufferRegistry.generation).
         -> (the output's dtype (pb.DType), resolved); the output is in request.out's range."""
         if self.engine is None:

@@ -298,3 +298,18 @@ def test_doorbell_calls_are_counted_in_metrics(tmp_path):
         assert 'kvstore_rpc_total{code="OK",method="AppendAttendDoorbell"} 3.0' in text
         assert 'kvstore_rpc_total{code="INVALID_ARGUMENT",method="AppendAttendDoorbell"} 1.0' in text
         assert 'kvstore_attend_calls_total{cache="c"} 3.0' in text
+
+
+@pytest.mark.parametrize("message", ["", "k: shape [1, 2, 16], expected [1, 2, 8]"])
+def test_client_reads_replies_with_and_without_a_message(message):
+    """client/doorbell.py's reply parsing: an OK reply (no message, the per-step
+    case) and an error's; a reply to another call is INTERNAL either way."""
+    from kvstore.client.doorbell import Doorbell as ClientBell
+    data = bell.pack_reply(7, 3 if message else 0, 42, message, pb.FLOAT16)
+    assert ClientBell._reply(data, 7) == (3 if message else 0, pb.FLOAT16, 42, message)
+    assert ClientBell._reply(data, 0)[3] == message         # the hello's reply: any call id
+    with pytest.raises(grpc.RpcError) as e:
+        ClientBell._reply(data, 8)
+    assert e.value.code() == grpc.StatusCode.INTERNAL and "reply to call 7, expected 8" in e.value.details()
+    with pytest.raises(grpc.RpcError, match=""):
+        ClientBell._reply(data[:bell.REPLY.size - 1], 7)

@@ -242,11 +242,13 @@ def test_cached_view_is_not_served_to_another_tenant(tmp_path):
 
 
 # ------------------------------------------------------------- CUDA call scope (fakes: runs on CPU)
-def test_cuda_scope_orders_through_reused_fences(monkeypatch):
+@pytest.mark.parametrize("busy", [True, False], ids=["default-busy", "default-idle"])
+def test_cuda_scope_orders_through_a_reused_fence(monkeypatch, busy):
     """The call scope's device-side ordering, step by step, with stand-ins for
     torch.cuda (the GPU tests run it for real): after the daemon's default
-    stream and the client's ready event, then done, then back to default; the
-    two fence events are made once per thread and device and reused."""
+    stream (when it has work left) and the client's ready event, then done,
+    then back to default, which waits for done; the fence event is made once
+    per thread and device and reused."""
     import threading
 
     from kvstore import call_scope
@@ -269,6 +271,10 @@ def test_cuda_scope_orders_through_reused_fences(monkeypatch):
 
         def wait_event(self, ev):
             log.append(("wait", self.name, ev.name))
+
+        def query(self):
+            log.append(("query", self.name))
+            return not busy
 
     class Ctx:
         def __init__(self, stream):
@@ -308,8 +314,8 @@ def test_cuda_scope_orders_through_reused_fences(monkeypatch):
         log.clear()
         with call_scope.CudaScope(mine, Ev("ready"), Ev("done"), f):
             log.append(("work",))
-        fi, fo = f[0].name, f[1].name
-        assert log == [("record", fi, "default"), ("wait", "daemon", fi), ("wait", "daemon", "ready"),
+        fence = [("record", f.name, "default"), ("wait", "daemon", f.name)] if busy else []
+        assert log == [("query", "default"), *fence, ("wait", "daemon", "ready"),
                        ("enter", "daemon"), ("work",), ("record", "done", "daemon"), ("exit", "daemon"),
-                       ("record", fo, "daemon"), ("wait", "default", fo)]
+                       ("wait", "default", "done")]
     assert Ev.made == made + 4                   # only the ready/done stand-ins of the two calls

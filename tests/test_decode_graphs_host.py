@@ -1,0 +1,142 @@
+"""The host side of the decode graphs (kvstore/decode_graphs.py), on CPU: the
+meta buffer a call packs, the two host copies it packs into in turn (a
+pinned ring slot when both still wait for their copy), and work items
+computed once for all graphs whose plans share their parameters."""
+from dataclasses import dataclass
+
+import numpy as np
+import pytest
+import torch
+
+from kvstore import decode_graphs as dg
+
+
+def _old_pack(n, items, ptr, sealed, tail, b, cols, new):
+    """The layout as the session-5 code packed it (np.zeros, then the parts)."""
+    host = np.zeros(n, dtype=np.int32)
+    host[:len(items)] = items
+    host[len(items):len(items) + b + 1] = ptr
+    o = len(items) + b + 1
+    for rows, c in ((sealed, cols[0]), (tail, cols[1])):
+        if rows is None:
+            continue
+        for i, r in enumerate(rows):
+            host[o + i * c:o + i * c + len(r)] = r
+        o += b * c
+    if new is not None:
+        host[o:o + 2 * len(new[0])] = [x for x, _ in new[0]] + [y for _, y in new[0]]
+    return host
+
+
+def _call(b=2, cols=(16, 16), pq=True, step=0):
+    items = np.arange(5 * 12, dtype=np.int32) + step
+    ptr = np.arange(b + 1, dtype=np.int32) + step
+    sealed = [list(range(3 + i + step)) for i in range(b)] if pq else None
+    tail = [[40 + i, 41 + i + step] for i in range(b)]
+    new = ([(40 + i, 7 + step) for i in range(b)], None, None)
+    n = len(items) + b + 1 + b * ((cols[0] if pq else 0) + cols[1]) + 2 * b
+    return n, (items, ptr, sealed, tail, b), (cols if pq else (0, cols[1])), new
+
+
+def _graph(n, cols):
+    return dg._Graph(None, None, torch.zeros(n, dtype=torch.int32), None, 5, cols,
+                     hosts=dg._host_copies(n, torch.device("cpu")))
+
+
+@pytest.mark.parametrize("pq", [True, False])
+def test_pack_meta_is_the_old_layout_and_clears_what_rows_left(pq):
+    n, args, cols, new = _call(pq=pq, step=3)
+    host = np.full(n, -7, dtype=np.int32)       # what a longer earlier call left behind
+    dg.pack_meta(host, *args, cols, new)
+    assert np.array_equal(host, _old_pack(n, *args, cols, new))
+    n2, args2, _, _ = _call(pq=pq, step=0)      # shorter rows: the stale ids must go
+    dg.pack_meta(host, *args2, cols, new)
+    assert np.array_equal(host, _old_pack(n, *args2, cols, new))
+    with pytest.raises(AssertionError, match="meta layout"):
+        dg.pack_meta(np.zeros(n + 1, dtype=np.int32), *args, cols, new)
+
+
+class _Event:
+    def __init__(self, done):
+        self.done = done
+
+    def query(self):
+        return self.done
+
+
+def test_copies_alternate_and_a_busy_copy_is_passed_by(monkeypatch):
+    n, args, cols, new = _call()
+    g = _graph(n, cols)
+    graphs = dg.DecodeGraphs()
+    want = _old_pack(n, *args, cols, new)
+    graphs._copy_meta(g, *args, new)
+    assert torch.equal(g.meta, torch.from_numpy(want)) and g.turn == 1
+    assert np.array_equal(g.hosts[0][1], want)
+    graphs._copy_meta(g, *args, new)
+    assert g.turn == 0 and np.array_equal(g.hosts[1][1], want)
+    # Copy 0's last H2D copy has not run: the call packs into copy 1.
+    g.hosts[0][2], g.hosts[1][2] = _Event(False), _Event(True)
+    g.hosts[1][1][:] = -1
+    graphs._copy_meta(g, *args, new)
+    assert np.array_equal(g.hosts[1][1], want) and g.turn == 0
+
+
+def test_both_copies_busy_go_through_the_ring(monkeypatch):
+    n, args, cols, new = _call()
+    g = _graph(n, cols)
+    calls = []
+
+    class Ring:
+        def acquire(self):
+            return 3, torch.zeros(1 << 12, dtype=torch.int64)
+
+        def release(self, slot, buf, device):
+            calls.append((slot, device))
+    monkeypatch.setattr(dg.pinned, "_get_ring", lambda: Ring())
+    for h in g.hosts:
+        h[1][:] = -5
+        h[2] = _Event(False)
+    dg.DecodeGraphs()._copy_meta(g, *args, new)
+    assert torch.equal(g.meta, torch.from_numpy(_old_pack(n, *args, cols, new)))
+    assert calls == [(3, g.meta.device)]
+    assert all((h[1] == -5).all() for h in g.hosts), "a copy still being read was overwritten"
+
+
+@dataclass(slots=True)
+class _Plan:
+    items: torch.Tensor
+    batch: int
+    chunk0: int
+    sealed_cols: int = 0
+    tail_cols: int = 0
+    calls: list = None
+
+    def rows(self, sealed_lens, tail_lens):
+        self.calls.append((tuple(sealed_lens), tuple(tail_lens)))
+        if sum(tail_lens) > 1000:
+            raise ValueError("no room")
+        self.sealed_cols += 1       # rows() sets these: they must not split the cache
+        return [self.chunk0, *sealed_lens, *tail_lens], [0, 1]
+
+
+def test_rows_are_computed_once_per_plan_parameters_and_lengths():
+    calls = []
+    graphs = dg.DecodeGraphs()
+
+    def graph(chunk0):
+        p = _Plan(torch.zeros(4, 5), 1, chunk0, calls=calls)
+        return dg._Graph(None, p, None, None, 5, (16, 16), dg._rows_sig(p))
+    layer0, layer1, other = graph(16), graph(16), graph(32)
+    lens = ([32], [100])
+    a = graphs._rows_of(layer0, lens)
+    b = graphs._rows_of(layer1, lens)          # the next layer of the step: no rows() call
+    assert calls == [((32,), (100,))] and a is b and graphs.rows_hits == 1
+    assert a[0].dtype == np.int32 and a[0].tolist() == [16, 32, 100] and a[1].tolist() == [0, 1]
+    assert graphs._rows_of(other, lens)[0].tolist() == [32, 32, 100]      # another chunk0: its own rows
+    graphs._rows_of(layer0, ([32], [101]))
+    assert len(calls) == 3
+    assert graphs._rows_of(layer0, ([32], [1001])) is None      # no room: not cached, asked again
+    assert graphs._rows_of(layer0, ([32], [1001])) is None and len(calls) == 5
+    graphs.clear()
+    graphs._rows_of(layer0, lens)
+    assert len(calls) == 6
