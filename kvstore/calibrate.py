@@ -354,7 +354,15 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--target", help="also load into this daemon, e.g. unix:///tmp/kvstore-$UID/kvstore.sock")
     p.add_argument("--cache", default="smollm2", help="cache name for --target (created if missing)")
     p.add_argument("--fetch-data", action="store_true", help="fetch the text sets and exit")
+    p.add_argument("--finetune-steps", type=int, default=0,
+                   help="then fine-tune the centroids end to end this many steps (kvstore.finetune; "
+                        "600 is what bench/ACCURACY.md measured; ~0.3 s a step on a GPU, ~50 s on 2 CPU cores)")
+    p.add_argument("--finetune-lr", type=float, default=1e-3)
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                   help="where --finetune-steps runs")
     args = p.parse_args(argv)
+    if args.finetune_steps < 0:
+        p.error(f"--finetune-steps: must be >= 0, got {args.finetune_steps}")
     if args.fetch_data:
         root = pydoc_root(fetch=True)
         print(f"python3.11-doc sources: {root}\n  calibration: {', '.join(CALIB_DIRS)}\n"
@@ -369,6 +377,8 @@ def main(argv: list[str] | None = None) -> None:
     for bits in args.bits:
         m = geometry_of(model).head_dim // (2 if bits == 4 else 4)
         cb, tr = train(model, sampler, m, transform, args.niter, args.opq, args.opq_iters)
+        if args.finetune_steps:
+            cb = finetune_codebooks(model, tok, cb, tr, args.finetune_steps, args.finetune_lr, args.device)
         out = args.out.format(bits=bits)
         sha = cb.save(out)
         print(f"{out}: {bits}-bit (M={m}) sha256 {sha}", flush=True)
@@ -378,6 +388,20 @@ def main(argv: list[str] | None = None) -> None:
                   f"apply before encode)", flush=True)
         if args.target:
             load_into_daemon(args.target, f"{args.cache}-pq{bits}", model, m, cb)
+
+
+def finetune_codebooks(model, tok, cb: Codebooks, tr: Transform | None, steps: int, lr: float,
+                       device: str) -> Codebooks:
+    from .finetune import FinetuneConfig, calibration_windows, finetune
+    if tr is None:      # no transform: fine-tune in the stored space
+        g = geometry_of(model)
+        eye = torch.eye(g.head_dim).expand(g.num_layers, g.num_kv_heads, -1, -1).contiguous()
+        tr = Transform(k=eye, v=eye.clone())
+    out, hist = finetune(model, cb, tr, calibration_windows(tok), FinetuneConfig(steps=steps, lr=lr),
+                         device, log=lambda s: print(s, flush=True))
+    model.to("cpu")
+    print(f"fine-tuned {steps} steps: held-out KL {hist[0]:.5f} -> {hist[-1]:.5f}", flush=True)
+    return out
 
 
 def load_into_daemon(target: str, cache: str, model, m: int, cb: Codebooks) -> None:

@@ -131,3 +131,60 @@ def test_data_sets_are_disjoint():
     if C.pydoc_root() is None:
         pytest.skip("python3.11-doc not fetched (python -m kvstore.calibrate --fetch-data)")
     assert len(C.read_text(C.EVAL_DIRS, fetch=False)) > 200_000
+
+
+def test_finetune_quantizer_encodes_as_the_sim():
+    """The fine-tuning forward pass quantizes as the deployed codec does: same
+    nearest centroid (from the fp16 value the daemon stores), same values back."""
+    from kvstore.finetune import STEQuantizer
+    cb, tr = rand_codebooks(), rand_transform()
+    cb = Codebooks(k=cb.k.half().float(), v=cb.v.half().float())        # centroids the daemon holds exactly
+    ste, sim = STEQuantizer(cb, tr, torch.device("cpu")), E.SimQuantizer(cb, tr)
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(200, 2, 16, generator=g)
+    for layer in range(2):
+        for which in ("k", "v"):
+            a, b = ste._q(x, layer, which).detach(), sim._roundtrip(x, layer, which)
+            close = torch.isclose(a, b, atol=1e-4, rtol=1e-4).all(-1)
+            assert close.float().mean() > 0.99                              # ties only
+
+
+def test_finetune_lowers_held_out_kl_and_keeps_the_format():
+    from kvstore.finetune import FinetuneConfig, finetune
+    model = tiny_llama()
+    cb, tr = rand_codebooks(), rand_transform()
+    wins = torch.randint(0, 128, (8, 64), generator=torch.Generator().manual_seed(3))
+    cfg = FinetuneConfig(steps=24, lr=0.3, val_windows=2, every=8)
+    out, hist = finetune(model, cb, tr, wins, cfg, log=lambda s: None)
+    assert len(hist) == 4
+    assert hist[-1] < 0.8 * hist[0]                                         # held-out windows, not trained on
+    assert out.k.shape == cb.k.shape and out.v.shape == cb.v.shape and out.k.dtype == torch.float32
+    assert not torch.equal(out.k, cb.k) and not torch.equal(out.v, cb.v)
+    assert all(not p.requires_grad for p in model.parameters())
+    k_only, _ = finetune(model, cb, tr, wins, FinetuneConfig(steps=2, val_windows=2, train_v=False), log=lambda s: None)
+    assert torch.equal(k_only.v, cb.v) and not torch.equal(k_only.k, cb.k)
+
+
+def test_finetune_refuses_bad_input():
+    from kvstore.finetune import FinetuneConfig, finetune
+    for kw, field in ((dict(steps=0), "steps"), (dict(lr=-1.0), "lr"), (dict(lr=float("nan")), "lr"),
+                      (dict(val_windows=0), "val_windows"), (dict(every=0), "every")):
+        with pytest.raises(ValueError, match=f"^{field}:"):
+            FinetuneConfig(**kw)
+    model, cb, tr = tiny_llama(), rand_codebooks(), rand_transform()
+    with pytest.raises(ValueError, match="^wins:"):
+        finetune(model, cb, tr, torch.zeros(4, 64, dtype=torch.long), FinetuneConfig(val_windows=4))
+    with pytest.raises(ValueError, match="^transform:"):
+        finetune(model, cb, rand_transform(layers=3), torch.zeros(8, 64, dtype=torch.long), FinetuneConfig())
+
+
+def test_calibrate_finetune_step_without_a_transform(monkeypatch):
+    """kvstore-calibrate --finetune-steps on codebooks trained with --transform none --opq none."""
+    import kvstore.finetune as FT
+    wins = torch.randint(0, 128, (6, 32), generator=torch.Generator().manual_seed(4))
+    monkeypatch.setattr(FT, "calibration_windows", lambda tok, window=2048: wins)
+    cb = rand_codebooks()
+    out = C.finetune_codebooks(tiny_llama(), None, cb, None, steps=3, lr=0.3, device="cpu")
+    assert out.k.shape == cb.k.shape and not torch.equal(out.k, cb.k)
+    with pytest.raises(SystemExit):
+        C.main(["--finetune-steps", "-1"])
