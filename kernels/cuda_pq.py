@@ -489,6 +489,29 @@ def _items(sl, tl_, chunk, tail_eq=0):
     return items, ptr
 
 
+# What starting a block costs beyond its tokens (codebook staging, epilogue, its share of
+# the merge), in tokens of one KV head: ~7 us at the ~150 tokens/us a block streams on an H100.
+ITEM_OVERHEAD_TOKENS = 1024
+
+
+def _wave_chunk(total: int, batch: int, hkv: int, num_sms: int, min_chunk: int,
+                max_split: int = 16) -> int | None:
+    """Chunk for a plan that needs more than one wave of blocks (one resident block per SM).
+    Cut every sequence into k items, k minimising waves(k) * (tokens per item + overhead)
+    for sequences of the mean length: one item per sequence leaves the last wave almost
+    empty just past a multiple of the SMs (69 sequences x 8 KV heads = 552 blocks = 4.2
+    waves of 132 run as 5 waves of 32K tokens; k = 3 runs 13 waves of 11K). Measured, the
+    gain is smaller than the wave count says (a part-empty wave gets the whole memory
+    bandwidth): Llama-3-8B geometry, B=69 at 32K, 41.06 -> 40.02 ms a decode step
+    (bench/logs/bench_decode_s6_waves69.log). None: keep one item per sequence."""
+    mean = max(total, 1) / max(batch, 1)
+
+    def cost(k: int) -> float:
+        return _ceil(batch * k * hkv, num_sms) * (mean / k + ITEM_OVERHEAD_TOKENS)
+    k = min(range(1, max_split + 1), key=lambda k: (cost(k), k))
+    return max(min_chunk, _ceil(_ceil(int(mean), k), 16) * 16) if k > 1 else None
+
+
 def plan_pq_decode(sl: list[int], tl_: list[int], *, num_qo_heads: int, num_kv_heads: int,
                    head_dim: int, block_size: int, tail_block_size: int, device,
                    target_ctas: int | None = None, num_warps: int | None = None,
@@ -509,6 +532,11 @@ def plan_pq_decode(sl: list[int], tl_: list[int], *, num_qo_heads: int, num_kv_h
     total = sum(sl) + sum(eq if eq and t > 0 else t for t in tl_)
     chunk = max(16 * nw, _ceil(_ceil(max(total, 1), per_head), 16) * 16)
     items, ptr = _items(sl, tl_, chunk, eq)
+    if len(items) // 5 * num_kv_heads > target_ctas:
+        better = _wave_chunk(total, len(sl), num_kv_heads, target_ctas, 16 * nw)
+        if better is not None:
+            chunk = better
+            items, ptr = _items(sl, tl_, chunk, eq)
     n = len(items) // 5
     cap = _capacity(n, len(sl), spare_items)
     if cap is not None:     # empty items past item_ptr[-1]: the kernel returns at once

@@ -153,6 +153,39 @@ def test_attn_variant_names():
     assert cuda_pq._attn_name(64, 4, True, 8, 0, False, False) == "pq_attn<64, 4, true, 8, 0, false, false>"
 
 
+def test_wave_chunk_fills_the_last_wave():
+    # CPU: a plan past one wave of blocks cuts sequences so the waves come out full
+    eq, sms = cuda_pq._tail_eq(12), 132
+
+    def blocks(batch, chunk):
+        sl, tl_ = [32768 - 144] * batch, [144] * batch
+        return len(cuda_pq._items(sl, tl_, chunk, eq)[0]) // 5 * 8
+
+    def waves_cost(batch):
+        total = batch * (32768 - 144 + eq)
+        w = cuda_pq._wave_chunk(total, batch, 8, sms, 192)
+        n = blocks(batch, w) if w else batch * 8
+        return w, n, -(-n // sms) * (total / (n // 8) + cuda_pq.ITEM_OVERHEAD_TOKENS)
+    for batch in (32, 64, 66):                 # whole waves already: one item per sequence
+        assert waves_cost(batch)[0] is None
+    w, n, cost = waves_cost(69)                # 552 blocks = 5 waves of 32K; 3 items each: 13 of 11K
+    assert n == 69 * 3 * 8 and cost < 0.95 * 5 * (32768 + cuda_pq.ITEM_OVERHEAD_TOKENS)
+    w, n, _ = waves_cost(17)                   # 136 blocks: 4 of them a second wave of 32K each
+    assert n >= 17 * 4 * 8 and w >= 192
+
+
+@gpu
+def test_pq_decode_cuda_many_waves():
+    # more sequences x KV heads than SMs: the plan cuts them for full waves; still exact
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    lens = [1500 + 37 * i for i in range(sms // 8 + 3)]
+    c = make_case(lens, 32, 8, 128, 2, 16, 16, torch.float16, seed=5)
+    ro, rl = pq_ref(c, 128 ** -0.5)
+    plan, out, lse = run(c, 128 ** -0.5)
+    assert plan.items.shape[0] > len(lens)
+    check(out, lse, ro, rl, 4e-3)
+
+
 @gpu
 def test_pq_decode_cuda_graph_and_reuse():
     c = make_case([300, 4000, 17], 32, 8, 128, 2, 16, 16, torch.float16, seed=7)
