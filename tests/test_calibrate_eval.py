@@ -188,3 +188,10 @@ def test_calibrate_finetune_step_without_a_transform(monkeypatch):
     assert out.k.shape == cb.k.shape and not torch.equal(out.k, cb.k)
     with pytest.raises(SystemExit):
         C.main(["--finetune-steps", "-1"])
+
+
+def test_finetune_cli_defaults_are_the_configs():
+    from kvstore.finetune import FinetuneConfig, parser
+    a, d = parser().parse_args(["src.safetensors", "out.safetensors"]), FinetuneConfig()
+    assert (a.steps, a.lr, a.every, a.val, a.k_only) == (d.steps, d.lr, d.every, d.val_windows, False)
+    assert FinetuneConfig(steps=a.steps, lr=a.lr, val_windows=a.val, every=a.every) == d
