@@ -86,17 +86,14 @@ class Doorbell:
 
     @staticmethod
     def _reply(data: bytes, call: int) -> tuple[int, int, int, str]:
-        if len(data) == bell.REPLY.size:     # no message: an OK call's reply
-            got, code, dtype, us, _ = bell.REPLY.unpack(data)
-            if got != call and call:
-                raise rpc_error(grpc.StatusCode.INTERNAL, f"doorbell: reply to call {got}, expected {call}")
-            return code, dtype, us, ""
         if len(data) < bell.REPLY.size:
             raise rpc_error(grpc.StatusCode.INTERNAL, f"doorbell: a {len(data)}-byte reply")
         got, code, dtype, us, n = bell.REPLY.unpack_from(data)
         if got != call and call:
             raise rpc_error(grpc.StatusCode.INTERNAL, f"doorbell: reply to call {got}, expected {call}")
-        return code, dtype, us, bytes(data[bell.REPLY.size:bell.REPLY.size + n]).decode("utf-8", "replace")
+        # An OK call's reply has no message: no slice or decode on the per-step path.
+        msg = bytes(data[bell.REPLY.size:bell.REPLY.size + n]).decode("utf-8", "replace") if n else ""
+        return code, dtype, us, msg
 
     @property
     def closed(self) -> bool:
