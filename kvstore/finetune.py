@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
 import sys
 import time
 from dataclasses import dataclass
@@ -32,7 +31,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from .calibrate import CALIB_DIRS, Transform, read_text, transform_path, windows
+from .calibrate import CALIB_DIRS, Transform, load_smollm2, read_text, transform_path, windows
 from .codebooks import Codebooks
 
 
@@ -163,12 +162,6 @@ def calibration_windows(tok, window: int = 2048) -> torch.Tensor:
     return torch.tensor(windows(tok(read_text(CALIB_DIRS)).input_ids, window))
 
 
-def load_gguf(path: str):
-    from transformers import AutoModelForCausalLM
-    d, f = os.path.split(path)
-    return AutoModelForCausalLM.from_pretrained(d, gguf_file=f, dtype=torch.float32).eval()
-
-
 def parser() -> argparse.ArgumentParser:
     d = FinetuneConfig()        # slots: the class attributes are descriptors, not the defaults
     p = argparse.ArgumentParser(prog="python -m kvstore.finetune", description=__doc__.splitlines()[0])
@@ -192,20 +185,12 @@ def parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> None:
     args = parser().parse_args(argv)
     torch.set_num_threads(args.threads)
-    if args.dump_ids or not args.ids:
-        from .calibrate import load_smollm2
-        model, tok = load_smollm2()
-        wins = calibration_windows(tok, args.window)
-        if args.dump_ids:
-            torch.save(wins.to(torch.uint16), args.dump_ids)   # vocab 49,152 < 2^16
-            print(f"{args.dump_ids}: {tuple(wins.shape)} calibration windows", flush=True)
-            return
-    else:
-        wins = torch.load(args.ids)
-        model = None
-    if model is None or args.gguf:
-        from .calibrate import smollm2_gguf
-        model = load_gguf(args.gguf or smollm2_gguf())
+    model, tok = load_smollm2(path=args.gguf)
+    wins = torch.load(args.ids) if args.ids else calibration_windows(tok, args.window)
+    if args.dump_ids:
+        torch.save(wins.to(torch.uint16), args.dump_ids)   # vocab 49,152 < 2^16
+        print(f"{args.dump_ids}: {tuple(wins.shape)} calibration windows", flush=True)
+        return
     cfg = FinetuneConfig(steps=args.steps, lr=args.lr, val_windows=args.val, every=args.every,
                          train_v=not args.k_only)
     cb, t = Codebooks.load(args.src), Transform.load(transform_path(args.src))
