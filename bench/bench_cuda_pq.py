@@ -7,8 +7,9 @@ CUDA-graph replay with L2 flushed (--flush read: evicted by a read, the default;
 triton's zero_(), which adds ~50 MB of write-back to every timed kernel). The CUDA
 kernel runs in both gather layouts: cf
 (conflict-free, the default) and swz (the earlier swizzled layout, KVSTORE_CUDA_PQ_CF=0);
-cf also as session 4 left it (column s4: codebooks staged through registers, cuda_pq.TMA
-off) and with the generic block-size instantiation (column div: unsigned division for a
+cf is the default (bulk-copy codebook staging for items of up to
+cuda_pq.TMA_MAX_ITEM_TOKENS tokens, register staging past that); tma forces the bulk copies
+at every size; s4 is session 4's staging (through registers, cuda_pq.TMA off) and with the generic block-size instantiation (column div: unsigned division for a
 token's block, cuda_pq.BS_POW2 off; cf shifts and masks, bs = 16).
 """
 import argparse
@@ -134,14 +135,16 @@ def main():
         encode_info()
         time_encode(rd)
 
-    def time_cuda(cf, q, case, sl, tl_, s4=False, div=False):
+    def time_cuda(cf, q, case, sl, tl_, s4=False, div=False, tma_all=False):
         cuda_pq.CONFLICT_FREE, cuda_pq.NUM_WARPS = cf, best_nw[cf]
-        tma, pow2 = cuda_pq.TMA, cuda_pq.BS_POW2
+        tma, pow2, lim = cuda_pq.TMA, cuda_pq.BS_POW2, cuda_pq.TMA_MAX_ITEM_TOKENS
         cuda_pq.TMA, cuda_pq.BS_POW2 = tma and not s4, pow2 and not div
+        if tma_all:
+            cuda_pq.TMA_MAX_ITEM_TOKENS = 1 << 62
         try:
             return ba.time_pq(q, case, sl, tl_, 16, backend="cuda")
         finally:
-            cuda_pq.TMA, cuda_pq.BS_POW2 = tma, pow2
+            cuda_pq.TMA, cuda_pq.BS_POW2, cuda_pq.TMA_MAX_ITEM_TOKENS = tma, pow2, lim
 
     rows = []
     Bs, Ls = ((1, 8), (32768,)) if args.quick else ((1, 8, 32), (4096, 32768, 131072))
@@ -151,6 +154,7 @@ def main():
             case, sl, tl_, nbytes = ba.pq_case(b, L, 16)
             t_cf = time_cuda(True, q, case, sl, tl_)
             t_s4 = time_cuda(True, q, case, sl, tl_, s4=True)
+            t_tm = time_cuda(True, q, case, sl, tl_, tma_all=True)
             t_dv = time_cuda(True, q, case, sl, tl_, div=True)
             t_sw = time_cuda(False, q, case, sl, tl_)
             t_tr = ba.time_pq(q, case, sl, tl_, 16, backend="triton")
@@ -158,16 +162,18 @@ def main():
             torch.cuda.empty_cache()
             t_sd, be = ba.time_sdpa(q, L)
             torch.cuda.empty_cache()
-            rows.append((b, L, t_cf, t_s4, t_dv, t_sw, t_tr, t_sd, nbytes / t_cf / 1e3))
+            rows.append((b, L, t_cf, t_tm, t_s4, t_dv, t_sw, t_tr, t_sd, nbytes / t_cf / 1e3))
             print(rows[-1], flush=True)
     print(f"\nread BW {rd:.0f} GB/s; us, median, CUDA graph, L2 flushed ({args.flush}); warps cf {best_nw[True]} "
           f"swz {best_nw[False]}")
-    print(f"cf: TMA {cuda_pq.TMA}, BS_POW2 {cuda_pq.BS_POW2}")
-    print(f"{'B':>3} {'L':>7} {'cf':>8} {'s4':>8} {'div':>8} {'swz':>8} {'triton':>8} {'SDPA':>8} "
-          f"{'sdpa/cf':>8} {'sdpa/s4':>8} {'sdpa/div':>8} {'swz/cf':>7} {'GB/s':>6} {'%BW':>5}")
-    for b, L, tc, t4, td, tw, tt, ts, bw in rows:
-        print(f"{b:>3} {L:>7} {tc:>8.1f} {t4:>8.1f} {td:>8.1f} {tw:>8.1f} {tt:>8.1f} {ts:>8.1f} "
-              f"{ts / tc:>8.2f} {ts / t4:>8.2f} {ts / td:>8.2f} {tw / tc:>7.2f} {bw:>6.0f} {100 * bw / rd:>4.0f}%")
+    print(f"cf: TMA {cuda_pq.TMA} up to {cuda_pq.TMA_MAX_ITEM_TOKENS} tokens an item, else "
+          f"register staging; tma: TMA at every size; BS_POW2 {cuda_pq.BS_POW2}")
+    print(f"{'B':>3} {'L':>7} {'cf':>8} {'tma':>8} {'s4':>8} {'div':>8} {'swz':>8} {'triton':>8} {'SDPA':>8} "
+          f"{'sdpa/cf':>8} {'sdpa/tma':>8} {'sdpa/s4':>8} {'sdpa/div':>8} {'swz/cf':>7} {'GB/s':>6} {'%BW':>5}")
+    for b, L, tc, tm, t4, td, tw, tt, ts, bw in rows:
+        print(f"{b:>3} {L:>7} {tc:>8.1f} {tm:>8.1f} {t4:>8.1f} {td:>8.1f} {tw:>8.1f} {tt:>8.1f} {ts:>8.1f} "
+              f"{ts / tc:>8.2f} {ts / tm:>8.2f} {ts / t4:>8.2f} {ts / td:>8.2f} {tw / tc:>7.2f} {bw:>6.0f} "
+              f"{100 * bw / rd:>4.0f}%")
 
 
 if __name__ == "__main__":

@@ -36,6 +36,13 @@ CONFLICT_FREE = os.environ.get("KVSTORE_CUDA_PQ_CF", "1") != "0"
 # CF on sm_90: the codebooks reach shared memory as bulk copies of a pre-laid-out image
 # (codebook_image); 0 = staged through registers (also used while no image is cached)
 TMA = os.environ.get("KVSTORE_CUDA_PQ_TMA", "1") != "0"
+# ... but only for plans whose items hold at most this many PQ tokens on average. The bulk
+# copy starts a block ~4 us sooner, which is what short items are made of; past ~16K
+# tokens an item's tile loop dominates and the register-staging build's loop runs 2-5 %
+# faster (bench_cuda_pq, two runs: B=8 128K 403 vs 417 us, B=32 32K 420 vs 431, B=32 128K
+# 1698 vs 1760; a tie at 16K; measured, not explained: both loops are ~422 SASS
+# instructions). Larger than any item: TMA whenever it can run.
+TMA_MAX_ITEM_TOKENS = int(os.environ.get("KVSTORE_CUDA_PQ_TMA_MAX_ITEM", "16384"))
 # power-of-two block sizes get the instantiation that shifts and masks (cuda_pq.cu
 # BS_POW2); False = the generic one (unsigned division, any multiple of 16) for every block
 # size: tests check the two agree, the bench times both
@@ -264,6 +271,7 @@ class CudaPQPlan:
     conflict_free: bool = True
     has_pq: bool = True
     chunk0: int = 16
+    item_tokens: int = 0        # mean PQ tokens per item (picks the codebook staging)
     _fallback: object = None
     _fns: dict = field(default_factory=dict)
 
@@ -291,6 +299,7 @@ class CudaPQPlan:
             raise ValueError(f"update: the plan is for a batch of {self.batch}, got {len(sl)} lengths")
         eq = _tail_eq(self.num_warps)
         items, ptr = _fit(lambda c: _items(sl, tl_, c, eq), self.chunk0, self.items.shape[0], 5)
+        self.item_tokens = _item_tokens(sl, ptr)
         self.sealed_cols = max([x // self.block_size for x in sl] + [0])
         self.tail_cols = max([_ceil(x, self.tail_block_size) for x in tl_] + [0])
         return items, ptr, sl, tl_
@@ -328,7 +337,12 @@ class CudaPQPlan:
         return BS_POW2 and _pow2(self.block_size)
 
     def _tma(self, gp: int) -> bool:
+        """The TMA build can run (warm() compiles it)."""
         return TMA and gp > 0 and _capability(_index(self.items.device)) >= (9, 0)
+
+    def _use_tma(self, gp: int) -> bool:
+        """... and is the faster one for this plan's items (TMA_MAX_ITEM_TOKENS)."""
+        return self.item_tokens <= TMA_MAX_ITEM_TOKENS and self._tma(gp)
 
     def run_pq(self, q, k_codes, v_codes, k_codebook, v_codebook, sealed_tables,
                tail_k, tail_v, tail_tables, scale: float, out=None, lse=None,
@@ -415,7 +429,7 @@ class CudaPQPlan:
             cf = self.conflict_free and not (v_codes.data_ptr() % 16 or v_codes.stride(0) % 16
                                              or v_codes.stride(1) % 16)
             gp = _group(hq // hkv, dsub, cf)
-            img = codebook_image(k_codebook, v_codebook, gp if gp < 8 else 0) if self._tma(gp) else None
+            img = codebook_image(k_codebook, v_codebook, gp if gp < 8 else 0) if self._use_tma(gp) else None
             fn = self._fn("attn", d, dsub, bf16, self.num_warps, gp, img is not None, self._bs_pow2())
             args = (_p(q), _i64(q.stride(0)), _i64(q.stride(1)), _p(self.items), _p(self.o_part),
                     _p(self.lse_part), _p(k_codes), _p(v_codes), _i64(k_codes.stride(0)),
@@ -450,6 +464,10 @@ def _log2_or_neg(n: int) -> int:
 
 def _tail_eq(nw: int) -> int:
     return int(TAIL_TILES * 16 * nw)
+
+
+def _item_tokens(sl, ptr) -> int:
+    return sum(sl) // max(1, ptr[-1])
 
 
 def _items(sl, tl_, chunk, tail_eq=0):
@@ -555,6 +573,7 @@ def plan_pq_decode(sl: list[int], tl_: list[int], *, num_qo_heads: int, num_kv_h
         sealed_cols=max([x // block_size for x in sl] + [0]),
         tail_cols=max([_ceil(x, tail_block_size) for x in tl_] + [0]),
         num_warps=nw, fallback_args=fallback_args or {}, chunk0=chunk,
+        item_tokens=_item_tokens(sl, ptr),
         conflict_free=CONFLICT_FREE if conflict_free is None else conflict_free)
     return plan
 

@@ -174,6 +174,41 @@ def test_wave_chunk_fills_the_last_wave():
     assert n >= 17 * 4 * 8 and w >= 192
 
 
+def test_codebook_staging_follows_item_length():
+    # CPU: plans of short items (B=1 at 32K: 16 items a sequence) keep the bulk copies, plans
+    # of long ones (B=32 at 32K: one item a sequence) stage through registers; update() moves
+    # the choice with the lengths
+    def plan(b, n):
+        return cuda_pq.plan_pq_decode([n] * b, [100] * b, num_qo_heads=32, num_kv_heads=8,
+                                      head_dim=128, block_size=16, tail_block_size=128,
+                                      device="cpu", target_ctas=132, spare_items=64)
+    short, long_ = plan(1, 32768), plan(32, 32768)
+    assert short.item_tokens <= cuda_pq.TMA_MAX_ITEM_TOKENS < long_.item_tokens
+    assert long_.item_tokens == 32768
+    long_.update([2048] * 32, [100] * 32)
+    assert long_.item_tokens == 2048
+
+
+@gpu
+def test_pq_decode_cuda_long_items_stage_through_registers():
+    # past TMA_MAX_ITEM_TOKENS the register-staging build runs even with an image cached;
+    # the shared memory it fills is the same, so the results are bit-identical
+    c = make_case([3000, 54, 2900], 16, 4, 128, 2, 16, 16, torch.float16, seed=21)
+    ro, rl = pq_ref(c, 128 ** -0.5)
+    res = []
+    for limit in (1 << 40, 1000):
+        cuda_pq.TMA_MAX_ITEM_TOKENS = limit
+        try:
+            plan, out, lse = run(c, 128 ** -0.5, target_ctas=8)
+        finally:
+            cuda_pq.TMA_MAX_ITEM_TOKENS = 16384
+        assert plan.item_tokens > 1000
+        assert [key[1][5] for key in plan._fns if key[0] == "attn"] == [limit > 1000]
+        check(out, lse, ro, rl, 4e-3)
+        res.append((out, lse))
+    assert torch.equal(res[0][0], res[1][0]) and torch.equal(res[0][1], res[1][1])
+
+
 @gpu
 def test_pq_decode_cuda_many_waves():
     # more sequences x KV heads than SMs: the plan cuts them for full waves; still exact
