@@ -400,7 +400,6 @@ def finetune_codebooks(model, tok, cb: Codebooks, tr: Transform | None, steps: i
         tr = Transform(k=eye, v=eye.clone())
     out, hist = finetune(model, cb, tr, calibration_windows(tok), FinetuneConfig(steps=steps, lr=lr),
                          device, log=lambda s: print(s, flush=True))
-    model.to("cpu")
     print(f"fine-tuned {steps} steps: held-out KL {hist[0]:.5f} -> {hist[-1]:.5f}", flush=True)
     return out
 

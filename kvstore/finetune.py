@@ -113,17 +113,29 @@ def finetune(model, cb: Codebooks, transform: Transform, wins: torch.Tensor, cfg
              device: torch.device | str = "cpu", log=print) -> tuple[Codebooks, list[float]]:
     """wins: [n, window] token ids (n > cfg.val_windows). -> (fine-tuned
     codebooks, held-out KL at step 0 and at every cfg.every steps)."""
-    from .evaluate import attention_handler
     if wins.dim() != 2 or wins.shape[0] <= cfg.val_windows:
         raise ValueError(f"wins: need [n > {cfg.val_windows}, window] token ids, got {tuple(wins.shape)}")
     if cb.k.shape[:2] != transform.k.shape[:2]:
         raise ValueError(f"transform: {tuple(transform.k.shape[:2])} (layers, KV heads), "
                          f"codebooks have {tuple(cb.k.shape[:2])}")
     dev = torch.device(device)
+    # the caller's model comes back where it was, with its parameters' flags as they were
+    home = next(model.parameters()).device
+    flags = [(prm, prm.requires_grad) for prm in model.parameters()]
+    try:
+        model.to(dev)
+        for prm, _ in flags:
+            prm.requires_grad_(False)
+        return _finetune(model, cb, transform, wins, cfg, dev, log)
+    finally:
+        model.to(home)
+        for prm, flag in flags:
+            prm.requires_grad_(flag)
+
+
+def _finetune(model, cb, transform, wins, cfg, dev, log):
+    from .evaluate import attention_handler
     torch.manual_seed(cfg.seed)
-    model = model.to(dev)
-    for prm in model.parameters():
-        prm.requires_grad_(False)
     t = Transform(k=transform.k.to(dev), v=transform.v.to(dev))
     quant = STEQuantizer(cb, t, dev, train_v=cfg.train_v)
     wins = wins.to(torch.int64)
@@ -165,8 +177,9 @@ def calibration_windows(tok, window: int = 2048) -> torch.Tensor:
 def parser() -> argparse.ArgumentParser:
     d = FinetuneConfig()        # slots: the class attributes are descriptors, not the defaults
     p = argparse.ArgumentParser(prog="python -m kvstore.finetune", description=__doc__.splitlines()[0])
-    p.add_argument("src", help="codebooks from kvstore-calibrate (its .transform.safetensors beside it)")
-    p.add_argument("out")
+    p.add_argument("src", nargs="?",
+                   help="codebooks from kvstore-calibrate (its .transform.safetensors beside it)")
+    p.add_argument("out", nargs="?")
     p.add_argument("--steps", type=int, default=d.steps)
     p.add_argument("--lr", type=float, default=d.lr)
     p.add_argument("--every", type=int, default=d.every)
@@ -183,7 +196,10 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = parser().parse_args(argv)
+    p = parser()
+    args = p.parse_args(argv)
+    if not args.dump_ids and not (args.src and args.out):
+        p.error("src and out are required (only --dump-ids runs without them)")
     torch.set_num_threads(args.threads)
     model, tok = load_smollm2(path=args.gguf)
     wins = torch.load(args.ids) if args.ids else calibration_windows(tok, args.window)

@@ -155,12 +155,15 @@ def test_finetune_lowers_held_out_kl_and_keeps_the_format():
     cb, tr = rand_codebooks(), rand_transform()
     wins = torch.randint(0, 128, (8, 64), generator=torch.Generator().manual_seed(3))
     cfg = FinetuneConfig(steps=24, lr=0.3, val_windows=2, every=8)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
     out, hist = finetune(model, cb, tr, wins, cfg, log=lambda s: None)
     assert len(hist) == 4
     assert hist[-1] < 0.8 * hist[0]                                         # held-out windows, not trained on
     assert out.k.shape == cb.k.shape and out.v.shape == cb.v.shape and out.k.dtype == torch.float32
     assert not torch.equal(out.k, cb.k) and not torch.equal(out.v, cb.v)
-    assert all(not p.requires_grad for p in model.parameters())
+    # the model is the caller's: same weights, same flags, same device afterwards
+    assert all(p.requires_grad and p.device.type == "cpu" and torch.equal(p, before[n])
+               for n, p in model.named_parameters())
     k_only, _ = finetune(model, cb, tr, wins, FinetuneConfig(steps=2, val_windows=2, train_v=False), log=lambda s: None)
     assert torch.equal(k_only.v, cb.v) and not torch.equal(k_only.k, cb.k)
 
@@ -195,3 +198,11 @@ def test_finetune_cli_defaults_are_the_configs():
     a, d = parser().parse_args(["src.safetensors", "out.safetensors"]), FinetuneConfig()
     assert (a.steps, a.lr, a.every, a.val, a.k_only) == (d.steps, d.lr, d.every, d.val_windows, False)
     assert FinetuneConfig(steps=a.steps, lr=a.lr, val_windows=a.val, every=a.every) == d
+
+
+def test_finetune_cli_needs_files_except_to_dump_ids(capsys):
+    from kvstore.finetune import main, parser
+    assert parser().parse_args(["--dump-ids", "ids.pt"]).src is None
+    with pytest.raises(SystemExit):
+        main(["src.safetensors"])                       # no out: refused before the model loads
+    assert "src and out are required" in capsys.readouterr().err
