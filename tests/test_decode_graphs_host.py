@@ -140,3 +140,23 @@ def test_rows_are_computed_once_per_plan_parameters_and_lengths():
     graphs.clear()
     graphs._rows_of(layer0, lens)
     assert len(calls) == 6
+
+
+def test_dropped_graphs_wait_for_their_copies():
+    """Copies made through cupy are not known to torch's pinned pool: a graph
+    that leaves (here by clear()) waits for its host copies' last copies first."""
+    waited = []
+
+    class Ev:
+        def __init__(self, name):
+            self.name = name
+
+        def synchronize(self):
+            waited.append(self.name)
+    n, _, cols, _ = _call()
+    graphs = dg.DecodeGraphs()
+    a, b = _graph(n, cols), _graph(n, cols)
+    a.hosts[0][2], a.hosts[1][2], b.hosts[1][2] = Ev("a0"), Ev("a1"), Ev("b1")      # b's copy 0 never copied
+    graphs.graphs.update({"ka": a, "kb": b})
+    graphs.clear()
+    assert sorted(waited) == ["a0", "a1", "b1"] and not graphs.graphs
