@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from . import pinned
+from . import cuda_rt, pinned
 
 log = logging.getLogger("kvstore.graphs")
 ENABLED = os.environ.get("KVSTORE_CUDA_GRAPHS", "1") != "0"
@@ -63,23 +63,6 @@ class _Graph:
     turn: int = 0
     stream: object = None        # the torch stream it replays on (its handle is in the key); None: CPU (tests)
     device_index: int = 0
-
-
-_rt_mod = None
-
-
-def _runtime():
-    """cupy's CUDA runtime bindings (what launches the CUDA PQ kernels), or
-    None: the meta copy and its event record go through them, as thin calls,
-    instead of torch's copy_ and Event.record."""
-    global _rt_mod
-    if _rt_mod is None:
-        try:
-            from cupy.cuda import runtime
-            _rt_mod = runtime
-        except Exception:   # noqa: BLE001 - no cupy, or no CUDA libraries for it: torch's calls
-            _rt_mod = False
-    return _rt_mod or None
 
 
 def _rows_sig(plan) -> tuple:
@@ -243,7 +226,7 @@ class DecodeGraphs:
         stream. When both copies still wait for their last H2D copy (the stream
         is behind), a pinned ring slot takes the call: the host never waits
         for the GPU."""
-        rt = _runtime() if g.stream is not None else None
+        rt = cuda_rt.runtime() if g.stream is not None else None
         if rt is not None and rt.getDevice() != g.device_index:
             rt = None
         for turn in (g.turn, g.turn ^ 1):
