@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from . import pinned
+from . import cuda_rt, pinned
 
 log = logging.getLogger("kvstore.graphs")
 ENABLED = os.environ.get("KVSTORE_CUDA_GRAPHS", "1") != "0"
@@ -61,6 +61,8 @@ class _Graph:
     # second lets a call pack while the previous call's copy is still queued.
     hosts: list = dataclasses.field(default_factory=list)
     turn: int = 0
+    stream: object = None        # the torch stream it replays on (its handle is in the key); None: CPU (tests)
+    device_index: int = 0
 
 
 def _rows_sig(plan) -> tuple:
@@ -125,11 +127,14 @@ class DecodeGraphs:
 
     def clear(self) -> None:
         with self._lock:
+            dropped = list(self.graphs.values())
             self.graphs.clear()
             self._eager.clear()
             self._seen.clear()
             self._rows.clear()
             self._sigs.clear()
+        for g in dropped:
+            _drop(g)
 
     def attend(self, cache, layer: int, seqs, q: torch.Tensor, scale: float, out: torch.Tensor | None,
                new: tuple | None = None) -> tuple[torch.Tensor | None, bool]:
@@ -217,24 +222,34 @@ class DecodeGraphs:
 
     def _copy_meta(self, g: _Graph, items, ptr, sealed, tail, b: int, new=None) -> None:
         """Pack items, item_ptr, the tables and the new tokens' slots into one of
-        the graph's host copies of meta and copy it in, ordered on the current
+        the graph's host copies of meta and copy it in, ordered on the graph's
         stream. When both copies still wait for their last H2D copy (the stream
         is behind), a pinned ring slot takes the call: the host never waits
         for the GPU."""
+        rt = cuda_rt.runtime() if g.stream is not None else None
+        if rt is not None and rt.getDevice() != g.device_index:
+            rt = None
         for turn in (g.turn, g.turn ^ 1):
             h = g.hosts[turn]
-            if h[2] is None or h[2].query():
+            if h[2] is None or (rt.eventQuery(h[2].cuda_event) == 0 if rt is not None else h[2].query()):
                 break
         else:
             h = None
         if h is not None:
             g.turn = turn ^ 1
             pack_meta(h[1], items, ptr, sealed, tail, b, g.cols, new)
-            g.meta.copy_(h[0], non_blocking=True)
-            if g.meta.is_cuda:
+            if g.stream is None:
+                g.meta.copy_(h[0])
+            elif rt is not None and h[2] is not None:
+                # torch's pinned pool does not see this copy: _drop() waits for it
+                s = g.stream.cuda_stream
+                rt.memcpyAsync(g.meta.data_ptr(), h[0].data_ptr(), h[1].nbytes, rt.memcpyHostToDevice, s)
+                rt.eventRecord(h[2].cuda_event, s)
+            else:
+                g.meta.copy_(h[0], non_blocking=True)
                 if h[2] is None:
                     h[2] = torch.cuda.Event()
-                h[2].record(torch.cuda.current_stream(g.meta.device))
+                h[2].record(g.stream)
             return
         host = np.empty(g.meta.numel(), dtype=np.int32)
         pack_meta(host, items, ptr, sealed, tail, b, g.cols, new)
@@ -284,7 +299,8 @@ class DecodeGraphs:
             w_src = new[1:]
         lse = torch.empty(b, hq, dtype=torch.float32, device=dev)
         sig = self._sigs.setdefault(_rows_sig(plan), len(self._sigs))
-        g = _Graph(torch.cuda.CUDAGraph(), plan, meta, lse, width, cols, sig, _host_copies(n, dev))
+        g = _Graph(torch.cuda.CUDAGraph(), plan, meta, lse, width, cols, sig, _host_copies(n, dev),
+                   stream=torch.cuda.current_stream(dev), device_index=dev.index or 0)
         rows = self._rows_of(g, lens)
         assert rows is not None, "a plan made for these lengths has room for their items"
         self._copy_meta(g, *rows, sealed, tail, b, new)
@@ -322,8 +338,20 @@ class DecodeGraphs:
             return out
         self.captures += 1
         with self._lock:
+            dropped = [self.graphs.pop(key)] if key in self.graphs else []
             self.graphs[key] = g
             while len(self.graphs) > MAX_GRAPHS:
-                self.graphs.popitem(last=False)
+                dropped.append(self.graphs.popitem(last=False)[1])
+        for old in dropped:
+            _drop(old)
         return out
+
+
+def _drop(g: _Graph) -> None:
+    """A graph leaves (LRU, recapture, clear: rare): its host copies go back
+    to torch's pinned pool, which did not see the copies made from them
+    through cupy, so wait for their last ones."""
+    for h in g.hosts:
+        if h[2] is not None:
+            h[2].synchronize()
 

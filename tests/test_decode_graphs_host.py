@@ -140,3 +140,85 @@ def test_rows_are_computed_once_per_plan_parameters_and_lengths():
     graphs.clear()
     graphs._rows_of(layer0, lens)
     assert len(calls) == 6
+
+
+def test_dropped_graphs_wait_for_their_copies():
+    """Copies made through cupy are not known to torch's pinned pool: a graph
+    that leaves (here by clear()) waits for its host copies' last copies first."""
+    waited = []
+
+    class Ev:
+        def __init__(self, name):
+            self.name = name
+
+        def synchronize(self):
+            waited.append(self.name)
+    n, _, cols, _ = _call()
+    graphs = dg.DecodeGraphs()
+    a, b = _graph(n, cols), _graph(n, cols)
+    a.hosts[0][2], a.hosts[1][2], b.hosts[1][2] = Ev("a0"), Ev("a1"), Ev("b1")      # b's copy 0 never copied
+    graphs.graphs.update({"ka": a, "kb": b})
+    graphs.clear()
+    assert sorted(waited) == ["a0", "a1", "b1"] and not graphs.graphs
+
+
+def test_copies_through_the_runtime(monkeypatch):
+    """With cupy's runtime (a stand-in copying host to host here), a graph's
+    host copy goes in by memcpyAsync on the graph's stream, followed by a
+    record of that copy's event; a copy whose event has not completed is
+    passed by; on another device than the current one, torch's calls."""
+    import ctypes
+    log = []
+
+    class Rt:
+        memcpyHostToDevice = 1
+        device = 0
+
+        def getDevice(self):
+            return self.device
+
+        def eventQuery(self, e):
+            return 0 if e not in busy else 600
+
+        def memcpyAsync(self, dst, src, n, kind, s):
+            log.append(("copy", dst, src, n, kind, s))
+            ctypes.memmove(dst, src, n)
+
+        def eventRecord(self, e, s):
+            log.append(("record", e, s))
+
+    class Ev:
+        def __init__(self, handle):
+            self.cuda_event = handle
+
+        def query(self):
+            return True
+
+        def record(self, stream):
+            log.append(("torch record", self.cuda_event))
+
+    class St:
+        cuda_stream = 77
+    rt, busy = Rt(), set()
+    monkeypatch.setattr(dg.cuda_rt, "runtime", lambda: rt)
+    n, args, cols, new = _call()
+    g = _graph(n, cols)
+    g.stream = St()
+    g.hosts[0][2], g.hosts[1][2] = Ev(11), Ev(12)
+    graphs = dg.DecodeGraphs()
+    want = _old_pack(n, *args, cols, new)
+    meta, nbytes = g.meta.data_ptr(), g.meta.numel() * 4
+    graphs._copy_meta(g, *args, new)
+    assert torch.equal(g.meta, torch.from_numpy(want)) and g.turn == 1
+    assert log == [("copy", meta, g.hosts[0][0].data_ptr(), nbytes, 1, 77), ("record", 11, 77)]
+    log.clear()
+    busy.add(12)                        # copy 1's last copy is still queued: copy 0 again
+    g.meta.zero_()
+    graphs._copy_meta(g, *args, new)
+    assert torch.equal(g.meta, torch.from_numpy(want)) and g.turn == 1
+    assert log == [("copy", meta, g.hosts[0][0].data_ptr(), nbytes, 1, 77), ("record", 11, 77)]
+    log.clear()
+    rt.device = 1                       # not the graph's device: torch's copy and record
+    monkeypatch.setattr(torch.Tensor, "copy_", lambda self, src, non_blocking=False: log.append(("torch copy",)))
+    graphs._copy_meta(g, *args, new)
+    assert log == [("torch copy",), ("torch record", 12)]      # turn 1: copy 1 (torch sees it done)

@@ -319,3 +319,52 @@ def test_cuda_scope_orders_through_a_reused_fence(monkeypatch, busy):
                        ("enter", "daemon"), ("work",), ("record", "done", "daemon"), ("exit", "daemon"),
                        ("wait", "default", "done")]
     assert Ev.made == made + 4                   # only the ready/done stand-ins of the two calls
+
+
+@pytest.mark.parametrize("busy", [True, False], ids=["default-busy", "default-idle"])
+def test_cuda_scope_through_the_runtime_makes_the_same_calls(monkeypatch, busy):
+    """On the current device the scope's CUDA calls go through cupy's runtime
+    on raw handles (a stand-in here): the same calls in the same order as
+    torch's, and torch's own for an event torch has not created yet."""
+    from kvstore import call_scope, cuda_rt
+
+    log = []
+
+    class Rt:
+        def streamQuery(self, s):
+            log.append(("query", s))
+            return 600 if busy else 0       # cudaErrorNotReady
+
+        def eventRecord(self, e, s):
+            log.append(("record", e, s))
+
+        def streamWaitEvent(self, s, e, flags):
+            log.append(("wait", s, e))
+
+    class Ev:
+        def __init__(self, handle):
+            self.cuda_event = handle
+
+        def record(self, stream):           # torch's call: makes the event
+            log.append(("torch record", stream.cuda_stream))
+            self.cuda_event = 99
+
+    class St:
+        device, device_index = "cuda:0", 0
+
+        def __init__(self, handle):
+            self.cuda_stream = handle
+
+    default, mine = St(0), St(7)
+    monkeypatch.setattr(cuda_rt, "runtime", lambda: Rt())
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: default)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "set_stream", lambda s: log.append(("set", s.cuda_stream)))
+    fence = Ev(0)
+    for first in (True, False):
+        log.clear()
+        with call_scope.CudaScope(mine, Ev(11), Ev(12), fence):
+            log.append(("work",))
+        rec = [("torch record", 0) if first else ("record", 99, 0), ("wait", 7, 99)] if busy else []
+        assert log == [("query", 0), *rec, ("wait", 7, 11), ("set", 7), ("work",), ("record", 12, 7),
+                       ("set", 0), ("wait", 0, 12)]
