@@ -192,10 +192,10 @@ def test_codebook_staging_follows_item_length():
 @gpu
 def test_pq_decode_cuda_long_items_stage_through_registers():
     # past TMA_MAX_ITEM_TOKENS the register-staging build runs even with an image cached;
-    # the shared memory it fills is the same, so the results are bit-identical
+    # both fill the same shared memory, and both agree with the reference (not bit for bit:
+    # two compilations may contract multiply-adds differently)
     c = make_case([3000, 54, 2900], 16, 4, 128, 2, 16, 16, torch.float16, seed=21)
     ro, rl = pq_ref(c, 128 ** -0.5)
-    res = []
     for limit in (1 << 40, 1000):
         cuda_pq.TMA_MAX_ITEM_TOKENS = limit
         try:
