@@ -1,5 +1,6 @@
 """Host time of the daemon's per-call CUDA operations, through torch and
-through cupy's runtime on the same raw handles (kvstore/cuda_rt.py), and of
+through cupy's runtime on the same raw handles (kvstore/cuda_rt.py; the
+"thin" column), and of
 a whole CudaScope enter + exit either way. One process, no client.
 
     python bench/micro_cuda_calls.py [--reps 100] [--batches 50]
@@ -50,6 +51,15 @@ def main() -> None:
     h, e = side.cuda_stream, ev.cuda_event
     default = torch.cuda.current_stream(dev)
     sync = torch.cuda.synchronize
+    x = torch.zeros(8, device=dev)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(side):
+        x.add_(1)
+        with torch.cuda.graph(graph, stream=side):
+            x.add_(1)
+    sync()
+    raw_exec = getattr(graph, "raw_cuda_graph_exec", None)
+    graph_exec = int(raw_exec()) if raw_exec is not None else 0
 
     def copy_torch():
         with torch.cuda.stream(side):
@@ -63,7 +73,11 @@ def main() -> None:
         ("1 KiB pinned H2D copy (torch: + stream switch)", copy_torch,
          lambda: rt.memcpyAsync(dst.data_ptr(), src.data_ptr(), src.nbytes, rt.memcpyHostToDevice, h), sync),
         ("1 KiB pinned H2D copy on the current stream", lambda: dst.copy_(src, non_blocking=True), None, sync),
-        ("torch.cuda.current_stream(dev)", lambda: torch.cuda.current_stream(dev), None, None),
+        ("current stream (thin: cuda_rt.current_stream)", lambda: torch.cuda.current_stream(dev),
+         lambda: cuda_rt.current_stream(dev), None),
+        ("torch.cuda.is_current_stream_capturing()", torch.cuda.is_current_stream_capturing, None, None),
+        ("graph replay, 1 kernel (thin: graphLaunch of its exec)", graph.replay,
+         (lambda: rt.graphLaunch(graph_exec, default.cuda_stream)) if graph_exec else None, sync),
         ("torch.cuda.current_device()", torch.cuda.current_device, None, None),
         ("torch.cuda.set_stream(current)", lambda: torch.cuda.set_stream(default), None, None),
     ]
@@ -77,7 +91,7 @@ def main() -> None:
         cuda_rt._rt = None if rt_on else False
         return per_call(scope, args.reps, args.batches, sync)
     print(f"torch {torch.__version__}, cupy runtime {rt.runtimeGetVersion()}, {torch.cuda.get_device_name()}")
-    print(f"{'operation':52s} {'torch µs':>9s} {'cupy µs':>9s}")
+    print(f"{'operation':52s} {'torch µs':>9s} {'thin µs':>9s}")
     for name, t_fn, c_fn, after in rows:
         t = per_call(t_fn, args.reps, args.batches, after)
         c = per_call(c_fn, args.reps, args.batches, after) if c_fn is not None else float("nan")

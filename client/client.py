@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import grpc
 import torch
 
-from kvstore import wire
+from kvstore import cuda_rt, wire
 from kvstore.daemon import DEFAULT_MAX_MESSAGE_MB, SERVICE, client_options, default_socket
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.v1 import kvstore_pb2_grpc as pb_grpc
@@ -261,7 +261,7 @@ class KVStoreClient:
             msgs[k] = arena.typed(place(arena, t), tuple(t.shape), t.dtype)[1]
         for b in out_bytes:
             outs.append(pb.OutputRef(buffer_id=arena.buffer_id, offset=arena.alloc(b)))
-        stream = torch.cuda.current_stream(arena.view.device)
+        stream = cuda_rt.current_stream(arena.view.device)
         arena.ready.record(stream)
         reply = method(request_fn(msgs, outs), timeout=self.timeout, metadata=self._md)
         self._wait_done(arena, stream)
@@ -399,7 +399,7 @@ class KVStoreClient:
             out_off = arena.alloc(out_bytes)
         cuda = arena.view.is_cuda
         if cuda:
-            stream = torch.cuda.current_stream(q.device)
+            stream = cuda_rt.current_stream(q.device)
             arena.ready.record(stream)
         try:
             dtype = bell.append_attend(arena.buffer_id, cache, layer, seq_ids, wire.TO_PROTO[q.dtype],

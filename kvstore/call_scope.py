@@ -22,7 +22,7 @@ class CudaScope:
         # buffers run on the default stream): device-side waits, no host sync.
         # A default stream with nothing left to run needs no fence; asking
         # costs one CUDA call where the fence costs two.
-        self.default = torch.cuda.current_stream(self.stream.device)
+        self.default = cuda_rt.current_stream(self.stream.device)
         # The stream's own device is the current one (one GPU): switching the
         # stream is all torch.cuda.stream() would do, at a third of its cost.
         # Only there the raw calls apply: a stream handle 0 (the legacy default

@@ -166,7 +166,7 @@ class DecodeGraphs:
             cb = 0
         if 4 * len(seqs) * (cols[0] + cols[1] + 64) > MAX_META:
             return None, False
-        stream = torch.cuda.current_stream(q.device)
+        stream = cuda_rt.current_stream(q.device)
         key = (layer, len(seqs), q.data_ptr(), out.data_ptr(), q.dtype, float(scale), cols, cb,
                stream.cuda_stream)
         if new is not None and len(new[0]) <= MAX_BATCH and new[1].is_cuda:
