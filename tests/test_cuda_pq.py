@@ -191,19 +191,19 @@ def test_codebook_staging_follows_item_length():
 
 @gpu
 def test_pq_decode_cuda_long_items_stage_through_registers():
-    # past TMA_MAX_ITEM_TOKENS the register-staging build runs even with an image cached;
-    # both fill the same shared memory, and both agree with the reference (not bit for bit:
-    # two compilations may contract multiply-adds differently)
+    # past TMA_MAX_ITEM_TOKENS (0 here: every plan) the register-staging build runs even
+    # with an image cached; both fill the same shared memory, so the results are bit-identical
     c = make_case([3000, 54, 2900], 16, 4, 128, 2, 16, 16, torch.float16, seed=21)
     ro, rl = pq_ref(c, 128 ** -0.5)
-    for limit in (1 << 40, 1000):
+    res = []
+    for limit in (1 << 40, 0):
         cuda_pq.TMA_MAX_ITEM_TOKENS = limit
         try:
             plan, out, lse = run(c, 128 ** -0.5, target_ctas=8)
         finally:
             cuda_pq.TMA_MAX_ITEM_TOKENS = 16384
-        assert plan.item_tokens > 1000
-        assert [key[1][5] for key in plan._fns if key[0] == "attn"] == [limit > 1000]
+        assert plan.item_tokens > 0
+        assert [key[1][5] for key in plan._fns if key[0] == "attn"] == [limit > 0]
         check(out, lse, ro, rl, 4e-3)
         res.append((out, lse))
     assert torch.equal(res[0][0], res[1][0]) and torch.equal(res[0][1], res[1][1])
