@@ -30,10 +30,10 @@ class CudaScope:
         index = getattr(self.stream, "device_index", None)
         here = index is not None and index == torch.cuda.current_device()
         self._rt = rt = cuda_rt.runtime() if here else None
-        if not _idle(self.default, rt):
-            _record(self.fence, self.default, rt)
-            _wait(self.stream, self.fence, rt)
-        _wait(self.stream, self.ready, rt)
+        if not cuda_rt.stream_idle(self.default, rt):
+            cuda_rt.record(self.fence, self.default, rt)
+            cuda_rt.wait(self.stream, self.fence, rt)
+        cuda_rt.wait(self.stream, self.ready, rt)
         self._ctx = None
         if here:
             torch.cuda.set_stream(self.stream)
@@ -43,7 +43,7 @@ class CudaScope:
 
     def __exit__(self, *exc):
         import torch
-        _record(self.done, self.stream, self._rt)
+        cuda_rt.record(self.done, self.stream, self._rt)
         if self._ctx is None:
             torch.cuda.set_stream(self.default)
         else:
@@ -51,30 +51,7 @@ class CudaScope:
         # The default stream's later work comes after this call's. done marks
         # its end on the stream (every record of done is on this one stream per
         # device, so a later record only waits longer): no event of our own.
-        _wait(self.default, self.done, self._rt)
-
-
-# The scope's three CUDA operations, through cupy's runtime (rt) or torch. An
-# event torch has not created yet (cuda_event 0: torch makes it at its first
-# record) takes torch's call.
-def _idle(stream, rt) -> bool:
-    return stream.query() if rt is None else rt.streamQuery(stream.cuda_stream) == 0
-
-
-def _record(event, stream, rt) -> None:
-    handle = event.cuda_event if rt is not None else 0
-    if handle:
-        rt.eventRecord(handle, stream.cuda_stream)
-    else:
-        event.record(stream)
-
-
-def _wait(stream, event, rt) -> None:
-    handle = event.cuda_event if rt is not None else 0
-    if handle:
-        rt.streamWaitEvent(stream.cuda_stream, handle, 0)
-    else:
-        stream.wait_event(event)
+        cuda_rt.wait(self.default, self.done, self._rt)
 
 
 class Fences:

@@ -33,6 +33,34 @@ def runtime():
     return _rt or None
 
 
+# Stream and event operations through the runtime rt (from runtime(), on the
+# current device) or, with rt None, through torch. An event torch has not
+# created yet (cuda_event 0: torch makes it at its first record) takes torch's
+# call either way.
+def stream_idle(stream, rt) -> bool:
+    return stream.query() if rt is None else rt.streamQuery(stream.cuda_stream) == 0
+
+
+def event_done(event, rt) -> bool:
+    return event.query() if rt is None else rt.eventQuery(event.cuda_event) == 0
+
+
+def record(event, stream, rt) -> None:
+    handle = event.cuda_event if rt is not None else 0
+    if handle:
+        rt.eventRecord(handle, stream.cuda_stream)
+    else:
+        event.record(stream)
+
+
+def wait(stream, event, rt) -> None:
+    handle = event.cuda_event if rt is not None else 0
+    if handle:
+        rt.streamWaitEvent(stream.cuda_stream, handle, 0)
+    else:
+        stream.wait_event(event)
+
+
 _streams: dict = {}     # (device index, raw handle) -> the Stream torch gave for it
 
 

@@ -231,7 +231,7 @@ class DecodeGraphs:
             rt = None
         for turn in (g.turn, g.turn ^ 1):
             h = g.hosts[turn]
-            if h[2] is None or (rt.eventQuery(h[2].cuda_event) == 0 if rt is not None else h[2].query()):
+            if h[2] is None or cuda_rt.event_done(h[2], rt):
                 break
         else:
             h = None
@@ -242,9 +242,9 @@ class DecodeGraphs:
                 g.meta.copy_(h[0])
             elif rt is not None and h[2] is not None:
                 # torch's pinned pool does not see this copy: _drop() waits for it
-                s = g.stream.cuda_stream
-                rt.memcpyAsync(g.meta.data_ptr(), h[0].data_ptr(), h[1].nbytes, rt.memcpyHostToDevice, s)
-                rt.eventRecord(h[2].cuda_event, s)
+                rt.memcpyAsync(g.meta.data_ptr(), h[0].data_ptr(), h[1].nbytes, rt.memcpyHostToDevice,
+                               g.stream.cuda_stream)
+                cuda_rt.record(h[2], g.stream, rt)
             else:
                 g.meta.copy_(h[0], non_blocking=True)
                 if h[2] is None:
