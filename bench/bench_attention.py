@@ -98,9 +98,21 @@ def time_pq(q, case, sl, tl_, bs, **cfg):
                              block_size=bs, tail_block_size=TBS, device=DEV, **cfg)
     out, lse = torch.empty_like(q), torch.empty(q.shape[:2], device=DEV)
     c = case
+    img = codebook_image(c)     # what the engine passes: the bulk-copy staging's image
     return bench(lambda: plan.run_pq(q, c["k_codes"], c["v_codes"], c["k_codebook"],
                                      c["v_codebook"], c["sealed_tables"], c["tail_k"],
-                                     c["tail_v"], c["tail_tables"], D ** -0.5, out=out, lse=lse))
+                                     c["tail_v"], c["tail_tables"], D ** -0.5, out=out, lse=lse,
+                                     codebook_image=img))
+
+
+def codebook_image(case):
+    """The case's codebook image as the engine builds it (None where no kernel reads one)."""
+    from kvstore.kernels import cuda_pq
+    if not cuda_pq.available():
+        return None
+    words = cuda_pq.codebook_images(case["k_codebook"][None], case["v_codebook"][None], HQ)
+    dsub = case["k_codebook"].shape[-1]
+    return None if words is None else cuda_pq.CodebookImage(words[0], cuda_pq.image_layout(HQ, HKV, dsub))
 
 
 def time_paged(q, kcache, vcache, tables, lens, bs, **cfg):

@@ -68,6 +68,12 @@ class MappedCache:
                                       reply.device_uuid)
             self.t[st.name], alloc = cuda_ipc.import_tensor(h)
             self._allocs.append(alloc)
+        # The daemon's image of the codebooks for the attention kernel's bulk copies;
+        # it rebuilds the image in place when the codebooks change, so this stays current.
+        self.images = None
+        if "codebook_image" in self.t:
+            from kvstore.kernels.dispatch import layer_images
+            self.images = layer_images(self.t["codebook_image"], self.hq, self.t["k_codebook"].shape[-1])
         # A tiny registered buffer whose event pair orders our slot writes before
         # the daemon's sealing (at the next Reserve) and its sealing before our reads.
         self.sync = kv._cuda_arena_for(4096, self.device)
@@ -172,7 +178,8 @@ class MappedCache:
             t = self.t
             plan.kernel_plan.run_pq(q, t["k_codes"][layer], t["v_codes"][layer], t["k_codebook"][layer],
                                     t["v_codebook"][layer], plan.sealed_tables, t["tail_k"][layer],
-                                    t["tail_v"][layer], plan.tail_tables, self.scale, out=plan.out, lse=plan.lse)
+                                    t["tail_v"][layer], plan.tail_tables, self.scale, out=plan.out, lse=plan.lse,
+                                    codebook_image=None if self.images is None else self.images[layer])
         else:
             plan.kernel_plan.run_paged(q, self.t["k"][layer], self.t["v"][layer], plan.tail_tables,
                                        self.scale, out=plan.out, lse=plan.lse)

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import functools
 import os
-import weakref
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -34,7 +33,8 @@ NUM_WARPS = int(os.environ.get("KVSTORE_CUDA_PQ_WARPS", "12"))
 # conflict-free codebook gathers for dsub 2 (cuda_pq.cu, GP > 0); 0 = the swizzled layout
 CONFLICT_FREE = os.environ.get("KVSTORE_CUDA_PQ_CF", "1") != "0"
 # CF on sm_90: the codebooks reach shared memory as bulk copies of a pre-laid-out image
-# (codebook_image); 0 = staged through registers (also used while no image is cached)
+# (CodebookImage, passed by the codebooks' owner); 0 = staged through registers (also
+# used for calls that pass no image)
 TMA = os.environ.get("KVSTORE_CUDA_PQ_TMA", "1") != "0"
 # ... but only for plans whose items hold at most this many PQ tokens on average. The bulk
 # copy starts a block ~4 us sooner, which is what short items are made of; past ~16K
@@ -214,32 +214,43 @@ def build_codebook_image(k_codebook: torch.Tensor, v_codebook: torch.Tensor, vg:
     return img
 
 
-_images: dict = {}
+@dataclass(slots=True, frozen=True)
+class CodebookImage:
+    """One layer's K and V codebooks as the bulk-copy kernel stages them: words int32
+    [Hkv, IMG_WORDS] (build_codebook_image), layout the V layout they were built for
+    (image_layout). Derived data with an owner: whoever owns the codebooks builds the
+    image and rebuilds it, in place, whenever the codebooks change. The kernels keep no
+    copy of their own: a copy could not see an in-place update replayed under a CUDA
+    graph, nor a write by another process into a mapped pool."""
+    words: torch.Tensor
+    layout: int
 
 
-def codebook_image(k_codebook, v_codebook, vg: int):
-    """The image of (k_codebook, v_codebook), built on first use and cached: a cache's
-    codebooks are set once and read by every step. Keyed on the tensors' bases (held by
-    weak reference: a freed base is never matched by a new one at its address), offsets
-    and version counters (an in-place update rebuilds). None while a CUDA graph is being
-    captured and nothing is cached (the kernel then stages through registers)."""
-    kb, vb = k_codebook._base if k_codebook._base is not None else k_codebook, \
-        v_codebook._base if v_codebook._base is not None else v_codebook
-    key = (id(kb), k_codebook.storage_offset(), id(vb), v_codebook.storage_offset(), vg,
-           tuple(k_codebook.shape), k_codebook.dtype)
-    ver = (k_codebook._version, v_codebook._version)
-    hit = _images.get(key)
-    if hit is not None and hit[0]() is kb and hit[1]() is vb and hit[2] == ver:
-        return hit[3]
-    if k_codebook.is_cuda and torch.cuda.is_current_stream_capturing():
+def image_layout(num_qo_heads: int, num_kv_heads: int, dsub: int) -> int | None:
+    """The V layout (cuda_pq.cu VG) of the image the bulk-copy build reads for this
+    geometry, or None: that build never runs for it (dsub 4, or no conflict-free GP)."""
+    gp = _group(num_qo_heads // num_kv_heads, dsub, True)
+    return None if gp == 0 else (gp if gp < 8 else 0)
+
+
+def codebook_images(k_codebooks: torch.Tensor, v_codebooks: torch.Tensor, num_qo_heads: int,
+                    words: torch.Tensor | None = None) -> torch.Tensor | None:
+    """k/v_codebooks [L, Hkv, M, 256, dsub] fp16/bf16 on a GPU -> int32 [L, Hkv, IMG_WORDS]
+    of every layer's image, written into `words` when given (same address: graphs
+    captured with it read the new codebooks), or None when no kernel here would read it
+    (no Hopper GPU, no CUDA kernels, a layout without one)."""
+    if not k_codebooks.is_cuda or not available() or not TMA:
         return None
-    if len(_images) > 4096:
-        _images.clear()
-    img = build_codebook_image(k_codebook, v_codebook, vg)
-    if hit is None:     # dropped with the codebooks (a key's id is not reused before that)
-        weakref.finalize(kb, _images.pop, key, None)
-    _images[key] = (weakref.ref(kb), weakref.ref(vb), ver, img)
-    return img
+    if _capability(_index(k_codebooks.device)) < (9, 0):
+        return None
+    nl, hkv, m, _, dsub = k_codebooks.shape
+    vg = image_layout(num_qo_heads, hkv, dsub)
+    if vg is None or m * dsub not in (64, 128):
+        return None
+    imgs = torch.stack([build_codebook_image(k_codebooks[i], v_codebooks[i], vg) for i in range(nl)])
+    if words is None or words.shape != imgs.shape or words.device != imgs.device:
+        return imgs
+    return words.copy_(imgs)
 
 
 def _merge_name(d, bf16):
@@ -346,11 +357,13 @@ class CudaPQPlan:
 
     def run_pq(self, q, k_codes, v_codes, k_codebook, v_codebook, sealed_tables,
                tail_k, tail_v, tail_tables, scale: float, out=None, lse=None,
-               trusted: bool = False):
+               trusted: bool = False, codebook_image: CodebookImage | None = None):
         """Same arguments and result as DecodePlan.run_pq. trusted: the caller made
         every argument to this plan's measure (the engine, from its own pools): skip
         the shape/dtype checks (~80 µs of a tiny call); alignment still picks the
-        kernel."""
+        kernel. codebook_image: this layer's image of k/v_codebook (its owner keeps it
+        current); with it, plans of short items stage the codebooks by bulk copies,
+        without it through registers (same results)."""
         dt = q.dtype if isinstance(q, torch.Tensor) else None
         if (dt not in (torch.float16, torch.bfloat16)
                 or getattr(k_codebook, "dtype", None) != dt
@@ -367,8 +380,14 @@ class CudaPQPlan:
         else:
             out, lse, m, dsub = self._check_all(q, k_codes, v_codes, k_codebook, v_codebook,
                                                 sealed_tables, tail_k, tail_v, tail_tables, out, lse)
+            if codebook_image is not None:
+                w = codebook_image.words
+                if (not isinstance(w, torch.Tensor) or w.dtype != torch.int32 or w.device != q.device
+                        or tuple(w.shape) != (self.num_kv_heads, IMG_WORDS) or not w.is_contiguous()):
+                    raise ValueError(f"codebook_image.words must be contiguous int32 [{self.num_kv_heads}, "
+                                     f"{IMG_WORDS}] on {q.device}")
         return self._run(q, k_codes, v_codes, k_codebook, v_codebook, sealed_tables, tail_k, tail_v,
-                         tail_tables, scale, out, lse, m, dsub, dt)
+                         tail_tables, scale, out, lse, m, dsub, dt, codebook_image)
 
     def _check_all(self, q, k_codes, v_codes, k_codebook, v_codebook, sealed_tables,
                    tail_k, tail_v, tail_tables, out, lse):
@@ -407,7 +426,7 @@ class CudaPQPlan:
         return out, lse, m, dsub
 
     def _run(self, q, k_codes, v_codes, k_codebook, v_codebook, sealed_tables, tail_k, tail_v,
-             tail_tables, scale, out, lse, m, dsub, dt):
+             tail_tables, scale, out, lse, m, dsub, dt, image=None):
         b, hq, d, hkv, bs = (self.batch, self.num_qo_heads, self.head_dim, self.num_kv_heads,
                              self.block_size)
         dev = self.items.device
@@ -429,7 +448,9 @@ class CudaPQPlan:
             cf = self.conflict_free and not (v_codes.data_ptr() % 16 or v_codes.stride(0) % 16
                                              or v_codes.stride(1) % 16)
             gp = _group(hq // hkv, dsub, cf)
-            img = codebook_image(k_codebook, v_codebook, gp if gp < 8 else 0) if self._use_tma(gp) else None
+            # An image built for another V layout (another GQA group) is not this kernel's.
+            img = (image.words if image is not None and image.layout == (gp if gp < 8 else 0)
+                   and self._use_tma(gp) else None)
             fn = self._fn("attn", d, dsub, bf16, self.num_warps, gp, img is not None, self._bs_pow2())
             args = (_p(q), _i64(q.stride(0)), _i64(q.stride(1)), _p(self.items), _p(self.o_part),
                     _p(self.lse_part), _p(k_codes), _p(v_codes), _i64(k_codes.stride(0)),

@@ -135,11 +135,14 @@ class DecodePlan:
 
     # --------------------------------------------------------------- run
     def run_pq(self, q, k_codes, v_codes, k_codebook, v_codebook, sealed_tables,
-               tail_k, tail_v, tail_tables, scale: float, out=None, lse=None):
+               tail_k, tail_v, tail_tables, scale: float, out=None, lse=None,
+               trusted: bool = False, codebook_image=None):
         """q [B, Hq, d]; k_codes [nb, Hkv, bs, M] u8; v_codes [nb, Hkv, M, bs] u8;
         k/v_codebook [Hkv, M, 256, dsub] fp16|bf16 (dsub 2 or 4); sealed_tables
         [B, >=S] int32; tail_k/v [nt, Hkv, tbs, d]; tail_tables [B, >=T] int32
-        -> (out [B, Hq, d] q dtype, lse [B, Hq] fp32)."""
+        -> (out [B, Hq, d] q dtype, lse [B, Hq] fp32). trusted and codebook_image
+        are the CUDA plan's (cuda_pq.CudaPQPlan.run_pq): this plan always checks
+        its arguments and has no use for an image, so one signature serves both."""
         if not self.has_pq:
             raise ValueError("plan was made by plan_paged_decode; use run_paged")
         out, lse = self._check_q_out(q, out, lse)

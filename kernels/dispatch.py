@@ -37,6 +37,23 @@ def prepare_encode(codebook) -> None:
             cuda_pq.encode_plan(codebook, refresh=True)
 
 
+def codebook_images(k_codebooks, v_codebooks, num_qo_heads: int, words=None):
+    """k/v_codebooks [L, Hkv, M, 256, dsub] -> int32 [L, Hkv, IMG_WORDS]: every layer's
+    codebooks laid out for the CUDA attention kernel's bulk copies, written into `words`
+    when it fits; None where no kernel here reads such an image (CPU, no Hopper GPU)."""
+    if not _on_cuda(k_codebooks):
+        return None
+    from . import cuda_pq
+    return cuda_pq.codebook_images(k_codebooks, v_codebooks, num_qo_heads, words)
+
+
+def layer_images(words, num_qo_heads: int, dsub: int) -> list:
+    """The per-layer images (run_pq's codebook_image) of codebook_images' result."""
+    from . import cuda_pq
+    layout = cuda_pq.image_layout(num_qo_heads, words.shape[1], dsub)
+    return [cuda_pq.CodebookImage(words[i], layout) for i in range(words.shape[0])]
+
+
 def write_slots(k, v, k_cache, v_cache, slots):
     if _on_cuda(k):
         from .slot_write import write_slots as fn

@@ -145,8 +145,9 @@ class DecodeGraphs:
         new: (slots, k, v) of an AppendAttend whose tokens are counted but not
         written yet: [(tail block, offset)] and k, v [len(slots), Hkv, d]. When
         k and v sit at addresses that repeat (a registered buffer), the graph
-        writes them first, reading the slots from its meta buffer; else the
-        caller writes them and the graph of the attention alone replays."""
+        writes them first, reading the slots from its meta buffer; else they are
+        written here, before the graph of the attention alone replays (or the
+        caller's eager attention runs): the attention must see them either way."""
         if (not self.enabled or out is None or len(seqs) > MAX_BATCH or q.device.type != "cuda"
                 or torch.cuda.is_current_stream_capturing()):
             return None, False
@@ -169,12 +170,14 @@ class DecodeGraphs:
         stream = cuda_rt.current_stream(q.device)
         key = (layer, len(seqs), q.data_ptr(), out.data_ptr(), q.dtype, float(scale), cols, cb,
                stream.cuda_stream)
-        if new is not None and len(new[0]) <= MAX_BATCH and new[1].is_cuda:
-            got = self._run(cache, layer, seqs, q, scale, out, lens, sealed, tail, cols,
-                            key + (new[1].data_ptr(), new[2].data_ptr(), len(new[0])), new)
-            if got is not None:
-                return got, True
-        return self._run(cache, layer, seqs, q, scale, out, lens, sealed, tail, cols, key, None), False
+        if new is not None:
+            if len(new[0]) <= MAX_BATCH and new[1].is_cuda:
+                got = self._run(cache, layer, seqs, q, scale, out, lens, sealed, tail, cols,
+                                key + (new[1].data_ptr(), new[2].data_ptr(), len(new[0])), new)
+                if got is not None:
+                    return got, True
+            cache.tail.write_tokens(layer, *new)
+        return self._run(cache, layer, seqs, q, scale, out, lens, sealed, tail, cols, key, None), new is not None
 
     # ------------------------------------------------------------ internals
     def _run(self, cache, layer, seqs, q, scale, out, lens, sealed, tail, cols, key, new):
@@ -313,7 +316,7 @@ class DecodeGraphs:
             if cache.is_pq:
                 plan.run_pq(q, cache.main.k_codes[layer], cache.main.v_codes[layer], cache.main.k_cb[layer],
                             cache.main.v_cb[layer], st, cache.tail.k[layer], cache.tail.v[layer], tt, scale,
-                            out=out, lse=lse, trusted=True)
+                            out=out, lse=lse, trusted=True, codebook_image=cache.main.image(layer))
             else:
                 plan.run_paged(q, cache.main.k[layer], cache.main.v[layer], tt, scale, out=out, lse=lse,
                                trusted=True)

@@ -303,8 +303,11 @@ class Engine:
             if c.is_pq:
                 if c.codebooks is None:
                     raise FailedPrecondition("codebooks", f"cache {name!r} has no codebooks yet")
-                return dict(k_codes=c.main.k_codes, v_codes=c.main.v_codes, k_codebook=c.main.k_cb,
-                            v_codebook=c.main.v_cb, tail_k=c.tail.k, tail_v=c.tail.v)
+                out = dict(k_codes=c.main.k_codes, v_codes=c.main.v_codes, k_codebook=c.main.k_cb,
+                           v_codebook=c.main.v_cb, tail_k=c.tail.k, tail_v=c.tail.v)
+                if c.main.cb_words is not None:      # the kernels' layout of the codebooks, kept current
+                    out["codebook_image"] = c.main.cb_words
+                return out
             return dict(k=c.main.k, v=c.main.v)
 
     def retrieve(self, name: str, tenant: str, seq_id: str, start: int, end: int,

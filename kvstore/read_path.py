@@ -75,7 +75,7 @@ class ReadPath:
             if self.is_pq:
                 out, _ = plan.run_pq(q, kc, self.main.v_codes[layer], self.main.k_cb[layer], self.main.v_cb[layer],
                                      sealed, self.tail.k[layer], self.tail.v[layer], tail, scale, out=out,
-                                     trusted=True)
+                                     trusted=True, codebook_image=self.main.image(layer))
             else:
                 out, _ = plan.run_paged(q, self.main.k[layer], self.main.v[layer], table, scale, out=out,
                                         trusted=True)

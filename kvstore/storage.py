@@ -91,17 +91,37 @@ class PQStore:
                                    dtype=torch.uint8, device=cfg.device)
         self.v_codes = torch.zeros((g.num_layers, num_blocks, g.num_kv_heads, cfg.m, cfg.block_size),
                                    dtype=torch.uint8, device=cfg.device)
+        self.num_qo_heads = g.num_q_heads
         self.k_cb: torch.Tensor | None = None           # [L, Hkv, M, 256, dsub]
         self.v_cb: torch.Tensor | None = None
+        # Per layer, the codebooks as the bulk-copy attention kernel stages them
+        # (kernels/cuda_pq.py CodebookImage); None where no kernel here reads one.
+        self.cb_words: torch.Tensor | None = None       # int32 [L, Hkv, IMG_WORDS]
+        self.cb_images: list | None = None
 
     def set_codebooks(self, cb: Codebooks) -> None:
+        """New codebooks go into the same tensors as the old ones: a worker that
+        mapped the pool (MapPool) reads them through its existing mapping, and a
+        CUDA graph captured with their addresses reads the new values."""
         # fp32 for the CPU reference; the GPU kernels want the compute dtype.
         dt = torch.float32 if self.k_codes.device.type == "cpu" else self.dtype
-        self.k_cb = cb.k.to(device=self.k_codes.device, dtype=dt).contiguous()
-        self.v_cb = cb.v.to(device=self.k_codes.device, dtype=dt).contiguous()
+        k = cb.k.to(device=self.k_codes.device, dtype=dt).contiguous()
+        v = cb.v.to(device=self.k_codes.device, dtype=dt).contiguous()
+        if self.k_cb is not None and self.k_cb.shape == k.shape and self.v_cb.shape == v.shape:
+            self.k_cb.copy_(k)
+            self.v_cb.copy_(v)
+        else:
+            self.k_cb, self.v_cb = k, v
         for layer in range(self.k_cb.shape[0]):     # encoder tables now, not at the first seal
             dispatch.prepare_encode(self.k_cb[layer])
             dispatch.prepare_encode(self.v_cb[layer])
+        self.cb_words = dispatch.codebook_images(self.k_cb, self.v_cb, self.num_qo_heads, self.cb_words)
+        self.cb_images = (None if self.cb_words is None
+                          else dispatch.layer_images(self.cb_words, self.num_qo_heads, self.k_cb.shape[-1]))
+
+    def image(self, layer: int):
+        """This layer's codebook image for the attention kernels, or None."""
+        return None if self.cb_images is None else self.cb_images[layer]
 
     def encode_blocks(self, block_ids: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """k, v [L, n_blocks * bs, Hkv, d] -> codes of whole blocks block_ids."""

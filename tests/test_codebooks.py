@@ -71,3 +71,22 @@ def test_reference_encode_writes_slots_in_both_layouts():
     # nearest centroid really is nearest
     d = ((x.view(5, 2, 8, 1, 2) - cb.view(1, 2, 8, 256, 2)) ** 2).sum(-1)
     assert torch.equal(codes.long(), d.argmin(-1))
+
+
+def test_new_codebooks_go_into_the_same_tensors():
+    """A worker that mapped the pool (MapPool) holds the codebooks' memory, and a
+    captured CUDA graph their addresses: codebooks set again on an emptied cache
+    must land in those same tensors, with the new values."""
+    from kvstore.engine import Engine
+    eng = Engine()
+    cfg = config()
+    eng.create_cache(cfg)
+    cb1 = Codebooks(k=torch.randn(2, 2, 8, 256, 2), v=torch.randn(2, 2, 8, 256, 2))
+    eng.set_codebooks(cfg.name, cb1)
+    main = eng.caches[cfg.name].main
+    ptrs = (main.k_cb.data_ptr(), main.v_cb.data_ptr())
+    cb2 = Codebooks(k=torch.randn(2, 2, 8, 256, 2), v=torch.randn(2, 2, 8, 256, 2))
+    eng.set_codebooks(cfg.name, cb2)
+    assert (main.k_cb.data_ptr(), main.v_cb.data_ptr()) == ptrs
+    assert torch.equal(main.k_cb, cb2.k) and torch.equal(main.v_cb, cb2.v)
+    assert main.cb_images is None           # no image on CPU: no kernel there reads one

@@ -65,6 +65,15 @@ def pq_ref(c, scale):
     return ref.pq_decode_attention(**c64, scale=scale)
 
 
+def image(c):
+    """The case's codebook image as an owner builds it (None where no kernel reads one)."""
+    words = cuda_pq.codebook_images(c["k_codebook"][None], c["v_codebook"][None], c["q"].shape[1])
+    if words is None:
+        return None
+    dsub = c["k_codebook"].shape[-1]
+    return cuda_pq.CodebookImage(words[0], cuda_pq.image_layout(c["q"].shape[1], c["k_codes"].shape[1], dsub))
+
+
 def run(c, scale, target_ctas=None, backend="cuda", conflict_free=True):
     plan = da.plan_pq_decode(c["sealed_lens"], c["tail_lens"], num_qo_heads=c["q"].shape[1],
                              num_kv_heads=c["k_codes"].shape[1], head_dim=c["q"].shape[2],
@@ -77,7 +86,7 @@ def run(c, scale, target_ctas=None, backend="cuda", conflict_free=True):
     lse = torch.full(c["q"].shape[:2], float("nan"), device="cuda")
     plan.run_pq(c["q"], c["k_codes"], c["v_codes"], c["k_codebook"], c["v_codebook"],
                 c["sealed_tables"], c["tail_k"], c["tail_v"], c["tail_tables"], scale,
-                out=out, lse=lse)
+                out=out, lse=lse, codebook_image=image(c))
     return plan, out, lse
 
 
@@ -192,7 +201,7 @@ def test_codebook_staging_follows_item_length():
 @gpu
 def test_pq_decode_cuda_long_items_stage_through_registers():
     # past TMA_MAX_ITEM_TOKENS (0 here: every plan) the register-staging build runs even
-    # with an image cached; both fill the same shared memory, so the results are bit-identical
+    # with an image given; both fill the same shared memory, so the results are bit-identical
     c = make_case([3000, 54, 2900], 16, 4, 128, 2, 16, 16, torch.float16, seed=21)
     ro, rl = pq_ref(c, 128 ** -0.5)
     res = []
@@ -248,36 +257,39 @@ def test_pq_decode_cuda_graph_and_reuse():
 
 
 @gpu
-def test_pq_decode_cuda_graph_no_image():
-    # first call inside a capture: no codebook image cached, none built (that would allocate
-    # and launch in the graph): the kernel stages through registers; eager calls then build it
-    c = make_case([300, 4000, 17], 24, 8, 128, 2, 16, 16, torch.float16, seed=8)
+@pytest.mark.parametrize("d", [64, 128])
+def test_pq_decode_cuda_graph_reads_codebooks_and_image_in_place(d):
+    # A graph captured with an image reads the image's memory at every replay: its owner
+    # rebuilds it in place when the codebooks change (codebook_images(words=...)), and the
+    # replay follows. Without an image the graph holds the register-staging build.
+    c = make_case([300, 4000, 17], 24, 8, d, 2, 16, 16, torch.float16, seed=8)
     plan = da.plan_pq_decode(c["sealed_lens"], c["tail_lens"], num_qo_heads=24, num_kv_heads=8,
-                             head_dim=128, block_size=16, tail_block_size=16, device="cuda")
+                             head_dim=d, block_size=16, tail_block_size=16, device="cuda")
     plan.warm()
-    out = torch.full_like(c["q"], float("nan"))
-    lse = torch.full(c["q"].shape[:2], float("nan"), device="cuda")
+    img = image(c)
+    assert img is None or img.words.shape == (8, cuda_pq.IMG_WORDS)
     args = [c[k] for k in ("q", "k_codes", "v_codes", "k_codebook", "v_codebook",
                            "sealed_tables", "tail_k", "tail_v", "tail_tables")]
-    n0 = len(cuda_pq._images)
-    s = torch.cuda.Stream()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.stream(s):
-        with torch.cuda.graph(g, stream=s):
-            plan.run_pq(*args, 0.088, out=out, lse=lse)
-    assert len(cuda_pq._images) == n0
-    g.replay()
-    torch.cuda.synchronize()
-    ro, rl = pq_ref(c, 0.088)
-    check(out, lse, ro, rl, 4e-3)
-    out.fill_(float("nan"))
-    plan.run_pq(*args, 0.088, out=out, lse=lse)
-    assert len(cuda_pq._images) == n0 + (1 if plan._tma(4) else 0)
-    check(out, lse, ro, rl, 4e-3)
-    c["v_codebook"].mul_(0.5)            # in place: the version counter changes, a new image
-    plan.run_pq(*args, 0.088, out=out, lse=lse)
-    ro, rl = pq_ref(c, 0.088)
-    check(out, lse, ro, rl, 4e-3)
+    for with_image in (True, False):
+        out = torch.full_like(c["q"], float("nan"))
+        lse = torch.full(c["q"].shape[:2], float("nan"), device="cuda")
+        s = torch.cuda.Stream()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.stream(s):
+            with torch.cuda.graph(g, stream=s):
+                plan.run_pq(*args, 0.088, out=out, lse=lse, codebook_image=img if with_image else None)
+        for scale_v in (1.0, 0.5, -0.75):
+            c["v_codebook"].mul_(scale_v)            # in place, as the daemon's set_codebooks
+            c["k_codebook"].mul_(1.0 / scale_v)
+            if img is not None:
+                words = img.words[None]
+                assert cuda_pq.codebook_images(c["k_codebook"][None], c["v_codebook"][None], 24,
+                                               words).data_ptr() == words.data_ptr()
+            out.fill_(float("nan"))
+            g.replay()
+            torch.cuda.synchronize()
+            ro, rl = pq_ref(c, 0.088)
+            check(out, lse, ro, rl, 4e-3)
 
 
 @pytest.mark.parametrize("m,vg", [(64, 4), (64, 2), (64, 0), (32, 2), (32, 0)])

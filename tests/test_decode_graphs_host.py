@@ -222,3 +222,31 @@ def test_copies_through_the_runtime(monkeypatch):
     monkeypatch.setattr(torch.Tensor, "copy_", lambda self, src, non_blocking=False: log.append(("torch copy",)))
     graphs._copy_meta(g, *args, new)
     assert log == [("torch copy",), ("torch record", 12)]      # turn 1: copy 1 (torch sees it done)
+
+
+def test_new_tokens_are_written_before_an_attention_only_graph(monkeypatch):
+    """An AppendAttend whose k and v are not at addresses a graph can capture
+    (fresh tensors, inline bytes) replays the graph of its attention alone:
+    its new token must be in the tail before that replay reads it, and the
+    caller must not write it a second time, after the attention."""
+    from types import SimpleNamespace as NS
+    order = []
+    monkeypatch.setattr(dg.cuda_rt, "current_stream", lambda dev: NS(cuda_stream=5))
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    graphs = dg.DecodeGraphs()
+    graphs.enabled = True
+
+    def run(cache, layer, seqs, q, scale, out, lens, sealed, tail, cols, key, new):
+        order.append(("attention", new is not None))
+        return out
+    monkeypatch.setattr(graphs, "_run", run)
+    cache = NS(bs=16, is_pq=False,
+               tail=NS(write_tokens=lambda layer, slots, k, v: order.append(("write", tuple(slots)))))
+    seq = NS(sealed=[1], tail=[2], layer_length=lambda layer: 20)
+    q = NS(device=torch.device("cpu"), dtype=torch.float16, data_ptr=lambda: 64)
+    q.device = NS(type="cuda")
+    out = NS(data_ptr=lambda: 128)
+    k = NS(is_cuda=False, data_ptr=lambda: 256)         # not in a buffer a graph may read
+    got, wrote = graphs.attend(cache, 0, [seq], q, 0.125, out, ([(2, 3)], k, k))
+    assert got is out and wrote is True
+    assert order == [("write", ((2, 3),)), ("attention", False)]

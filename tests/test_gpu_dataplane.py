@@ -12,14 +12,14 @@ import torch
 pytestmark = pytest.mark.gpu
 
 WORKER = r"""
-import sys, json, math, torch
+import sys, json, math, os, torch
 from kvstore.client import KVStoreClient
 from kvstore.client.mapped import MappedCache
 from kvstore.kernels import reference as ref
 target, cache, sid, mode, seed = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4], int(sys.argv[5])
 dev = torch.device("cuda")
 kv = KVStoreClient(target)
-L, HQ, HKV, D = 2, 8, 2, 64
+L, HQ, HKV, D = 2, 8, 2, int(os.environ.get("KV_HEAD_DIM", "64"))
 prompt = list(range(300))
 cached = kv.allocate(cache, sid, prompt)
 g = torch.Generator(device=dev).manual_seed(0)          # same prompt -> same K/V in every worker
@@ -85,9 +85,10 @@ def start_daemon(sock, *extra):
     return start(sock, extra=["--device", "cuda", *extra])
 
 
-def worker(target, cache, sid, mode, seed=1):
+def worker(target, cache, sid, mode, seed=1, head_dim=64):
+    import os
     r = subprocess.run([sys.executable, "-c", WORKER, target, cache, sid, mode, str(seed)],
-                       capture_output=True, text=True)
+                       capture_output=True, text=True, env=dict(os.environ, KV_HEAD_DIM=str(head_dim)))
     assert r.returncode == 0, r.stderr[-3000:]
     return json.loads(r.stdout.strip().splitlines()[-1])
 
@@ -101,16 +102,18 @@ def daemon(tmp_path):
     stop_daemon(p)
 
 
-def _create(target, codec):
+def _create(target, codec, name=None, head_dim=64):
     from kvstore.client import KVStoreClient
     kv = KVStoreClient(target)
-    kv.create_cache(codec, "m", num_layers=2, num_q_heads=8, num_kv_heads=2, head_dim=64, codec=codec,
+    name = name or codec
+    kv.create_cache(name, "m", num_layers=2, num_q_heads=8, num_kv_heads=2, head_dim=head_dim, codec=codec,
                     block_size=16, residual=32, num_blocks=512, exist_ok=True)
     if codec == "pq":     # random codebooks: the GPU box has no faiss, and speed tests need no training
         from kvstore.codebooks import Codebooks
         g = torch.Generator().manual_seed(0)
-        kv.set_codebooks(codec, Codebooks(k=torch.randn(2, 2, 32, 256, 2, generator=g),
-                                          v=torch.randn(2, 2, 32, 256, 2, generator=g)).to_bytes())
+        m = head_dim // 2
+        kv.set_codebooks(name, Codebooks(k=torch.randn(2, 2, m, 256, 2, generator=g),
+                                         v=torch.randn(2, 2, m, 256, 2, generator=g)).to_bytes())
     return kv
 
 
@@ -135,6 +138,28 @@ def test_two_workers_remote_and_mapped_agree_with_reference(daemon, codec):
         time.sleep(0.5)
     st = kv.stats(codec).caches[0]
     assert st.main.used == 0 and st.sequences == 0
+
+
+@pytest.mark.parametrize("codec", ["fp16", "pq"])
+def test_mapped_graph_replays_follow_growing_lengths_head_dim_128(daemon, codec):
+    """Mapped attend under one CUDA graph per step at head_dim 128: the lengths
+    grow across steps (blocks seal, tables change), every replay's output is
+    checked against the daemon's K/V at the end, and codebooks that changed
+    on the emptied cache (in place, as set_codebooks does) are what the next
+    worker's graph reads."""
+    kv = _create(daemon, codec, name=codec + "128", head_dim=128)
+    r = worker(daemon, codec + "128", "g1", "graph", head_dim=128)
+    assert r["err"] < 2e-3, r
+    if codec == "pq":
+        deadline = time.time() + 40          # the worker's session lapses with its sequences
+        while time.time() < deadline and kv.stats(codec + "128").caches[0].sequences:
+            time.sleep(0.5)
+        from kvstore.codebooks import Codebooks
+        g = torch.Generator().manual_seed(9)
+        kv.set_codebooks(codec + "128", Codebooks(k=torch.randn(2, 2, 64, 256, 2, generator=g),
+                                                  v=torch.randn(2, 2, 64, 256, 2, generator=g)).to_bytes())
+        r = worker(daemon, codec + "128", "g2", "graph", head_dim=128)
+        assert r["err"] < 2e-3, r
 
 
 def test_killed_worker_leaves_no_blocks_after_lease(daemon):

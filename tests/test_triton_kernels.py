@@ -362,10 +362,16 @@ def test_plan_update_graph_gpu(backend):
                                          "tail_k", "tail_v")}
     out = torch.empty_like(first["q"])
     lse = torch.empty(first["q"].shape[:2], device="cuda")
+    # The codebooks change between steps here: their image (the CUDA plan's bulk-copy
+    # staging) is rebuilt in place by its owner, as the engine does, so the graph reads it.
+    words = cuda_pq.codebook_images(first["k_codebook"][None], first["v_codebook"][None], 4)
+    img = None if words is None else cuda_pq.CodebookImage(words[0], cuda_pq.image_layout(4, 2, 2))
 
     def load(c):
         for k, v in bufs.items():
             v.copy_(c[k])
+        if words is not None:
+            cuda_pq.codebook_images(bufs["k_codebook"][None], bufs["v_codebook"][None], 4, words)
         st.zero_()
         tt.zero_()
         st[:, :c["sealed_tables"].shape[1]] = c["sealed_tables"].clamp_min(0)
@@ -374,7 +380,7 @@ def test_plan_update_graph_gpu(backend):
     def attend():
         plan.run_pq(bufs["q"], bufs["k_codes"], bufs["v_codes"], bufs["k_codebook"],
                     bufs["v_codebook"], st, bufs["tail_k"], bufs["tail_v"], tt, 0.125,
-                    out=out, lse=lse)
+                    out=out, lse=lse, codebook_image=img)
     load(first)
     attend()
     torch.cuda.synchronize()
