@@ -10,7 +10,8 @@ Policy (DESIGN §5):
   send a token too. A local caller that sends a token gets the token's tenant.
 - The health service answers everyone (probes carry no token; it tells
   nothing). Reflection and KVStore need the token.
-- IPC (RegisterBuffer, MapPool) only for local callers: PERMISSION_DENIED else.
+- IPC (RegisterBuffer, MapPool) and Reserve only for local callers:
+  PERMISSION_DENIED else (the servicer checks MapPool's and Reserve's further rules).
 
 Same-uid local processes can read each other's /dev/shm and memory, so
 tenants separate data between *token holders* (remote or local); they are not
