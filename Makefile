@@ -39,7 +39,7 @@ demo: $(VENV)/.model
 
 # The daemon plus a synthetic multi-sequence workload checked against the fp64 reference.
 demo-synthetic: install
-	$(VPY) -m kvstore.demo --socket $(SOCKET)
+	$(VPY) -m kvstore.demo
 
 test: install
 	$(VPY) -m pytest -q -x --durations=10 tests

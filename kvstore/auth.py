@@ -10,7 +10,8 @@ Policy (DESIGN §5):
   send a token too. A local caller that sends a token gets the token's tenant.
 - The health service answers everyone (probes carry no token; it tells
   nothing). Reflection and KVStore need the token.
-- IPC (RegisterBuffer, MapPool) only for local callers: PERMISSION_DENIED else.
+- IPC (RegisterBuffer, MapPool) and Reserve only for local callers:
+  PERMISSION_DENIED else (the servicer checks MapPool's and Reserve's further rules).
 
 Same-uid local processes can read each other's /dev/shm and memory, so
 tenants separate data between *token holders* (remote or local); they are not
@@ -19,15 +20,14 @@ a sandbox between processes of one uid.
 from __future__ import annotations
 
 import hashlib
-import re
 import threading
 
 import grpc
 
-from .errors import KVStoreError, NotFound
+from .errors import KVStoreError, NotFound, quote
+from .names import NAME_RULE, is_name
 
 DEFAULT_TENANT = "default"
-TENANT_RE = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
 _HEALTH = "/grpc.health.v1.Health/"
 
 
@@ -61,11 +61,11 @@ def load_token_file(path: str) -> tuple[dict[str, str], str | None | bool]:
             tok, tenant = parts
             if tok == "@unix":
                 unix = None if tenant == "-" else tenant
-                if unix is not None and not TENANT_RE.match(unix):
-                    raise ValueError(f"{path}:{n}: tenant {tenant!r} must match {TENANT_RE.pattern}")
+                if unix is not None and not is_name(unix):
+                    raise ValueError(f"{path}:{n}: tenant {quote(tenant)} must be {NAME_RULE}")
                 continue
-            if not TENANT_RE.match(tenant):
-                raise ValueError(f"{path}:{n}: tenant {tenant!r} must match {TENANT_RE.pattern}")
+            if not is_name(tenant):
+                raise ValueError(f"{path}:{n}: tenant {quote(tenant)} must be {NAME_RULE}")
             if len(tok) < 16:
                 raise ValueError(f"{path}:{n}: token shorter than 16 characters")
             tokens[tok] = tenant
@@ -248,7 +248,7 @@ class _BufferView:
     def _check(self, buffer_id: str) -> None:
         owner = self.t._owners.get(buffer_id)
         if owner is None or owner[0] != self.tenant:
-            raise NotFound("buffer_id", f"no buffer {buffer_id!r}")
+            raise NotFound("buffer_id", f"no buffer {quote(buffer_id)}")
 
     def _own(self, buffer_id: str) -> str:
         with self.t._lock:

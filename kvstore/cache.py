@@ -14,8 +14,9 @@ from .block_pool import BlockPool
 from .codebooks import Codebooks, fingerprint
 from .config import CacheConfig
 from .decode_graphs import DecodeGraphs
-from .errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
+from .errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted, quote
 from .hashing import chain_hashes
+from .names import check_name
 from .read_path import ReadPath
 from .sequence import Sequence
 from .storage import ids_to
@@ -85,10 +86,10 @@ class Cache(WritePath, ReadPath):
     # ------------------------------------------------------------ codebooks
     def set_codebooks(self, cb: Codebooks) -> None:
         if not self.is_pq:
-            raise FailedPrecondition("codebooks", f"cache {self.cfg.name!r} uses the fp16 codec")
+            raise FailedPrecondition("codebooks", f"cache {quote(self.cfg.name)} uses the fp16 codec")
         cb.validate(self.cfg)
         if self.seqs:
-            raise FailedPrecondition("codebooks", f"cache {self.cfg.name!r} has {len(self.seqs)} live sequences; "
+            raise FailedPrecondition("codebooks", f"cache {quote(self.cfg.name)} has {len(self.seqs)} live sequences; "
                                      "codebooks can change only on an empty cache")
         self.main.set_codebooks(cb)
         self.graphs.clear()                # captured with the old codebooks' addresses
@@ -104,14 +105,14 @@ class Cache(WritePath, ReadPath):
 
     def _require_ready(self) -> None:
         if self.is_pq and self.codebooks is None:
-            raise FailedPrecondition("codebooks", f"cache {self.cfg.name!r} has no codebooks yet "
+            raise FailedPrecondition("codebooks", f"cache {quote(self.cfg.name)} has no codebooks yet "
                                      "(SetCodebooks or TrainCodebooks first)")
 
     # ------------------------------------------------------------- helpers
     def seq(self, tenant: str, seq_id: str) -> Sequence:
         s = self.seqs.get((tenant, seq_id))
         if s is None:
-            raise NotFound("sequence_id", f"no sequence {seq_id!r} in cache {self.cfg.name!r}")
+            raise NotFound("sequence_id", f"no sequence {quote(seq_id)} in cache {quote(self.cfg.name)}")
         return s
 
     def sealed_count(self, length: int) -> int:
@@ -141,18 +142,29 @@ class Cache(WritePath, ReadPath):
             if not 0 <= t <= MAX_TOKEN_ID:
                 raise InvalidArgument(field, f"token id {t} outside [0, 2^31)")
 
-    def _check_new_sequence(self, tenant: str, seq_id: str) -> None:
-        if not seq_id or len(seq_id) > 256:
-            raise InvalidArgument("sequence_id", "must be 1-256 characters")
+    def _check_new_sequence(self, tenant: str, seq_id: str, field: str = "sequence_id") -> None:
+        """field: the request field naming the new id (Fork: new_sequence_id)."""
+        check_name(field, seq_id)
         if (tenant, seq_id) in self.seqs:
-            raise AlreadyExists("sequence_id", f"sequence {seq_id!r} already exists")
+            raise AlreadyExists(field, f"sequence {quote(seq_id)} already exists")
         if len(self.seqs) >= self.cfg.max_sequences:
-            raise ResourceExhausted("sequence_id", f"cache holds max_sequences={self.cfg.max_sequences}")
+            raise ResourceExhausted(field, f"cache holds max_sequences={self.cfg.max_sequences}")
 
     def _alloc_tail(self, n: int) -> list[int]:
+        """n fp16 blocks (the tail pool; the main pool for codec fp16), zeroed.
+
+        NOTE: their slots are written token by token, and a Reserve commits
+        slots whatever the client wrote into them; a block keeps whatever its
+        previous owner (any tenant) left in it, so it is cleared here, on the
+        stream of the call (ordered before a mapped client's writes by the
+        Reserve's CUDA scope). Blocks that are written whole as they are
+        handed out (sealing, page-in, prefix blocks from a lower tier) come
+        straight from the pools."""
         ids = self.tail_pool.allocate(n) if n > 0 else []
         if ids is None:
             raise ResourceExhausted("tail", f"need {n} fp16 tail blocks, {self.tail_pool.num_allocatable()} free")
+        if ids:
+            self.tail.zero_blocks(ids_to(self.tail.k.device, ids))
         return ids
 
     def _root(self, tenant: str) -> bytes:
@@ -246,9 +258,9 @@ class Cache(WritePath, ReadPath):
     # ------------------------------------------------------- fork and free
     def fork(self, src: Sequence, tenant: str, dst_id: str) -> None:
         """Share every full block of src; copy its partial last block (copy-on-write)."""
-        self._check_new_sequence(tenant, dst_id)
+        self._check_new_sequence(tenant, dst_id, "new_sequence_id")
         if any(src.pending) or src.reserved:
-            raise FailedPrecondition("sequence_id", f"sequence {src.seq_id!r} has uncommitted tokens")
+            raise FailedPrecondition("sequence_id", f"sequence {quote(src.seq_id)} has uncommitted tokens")
         partial = src.length % self.bs != 0 and len(src.tail) > 0
         shared_tail = src.tail[:-1] if partial else list(src.tail)
         new = self._alloc_tail(1) if partial else []

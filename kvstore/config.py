@@ -2,12 +2,22 @@
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass, field
 
-from .errors import InvalidArgument
+from .errors import InvalidArgument, quote
+from .names import check_label, check_name
 
 DTYPES = {"float16": 2, "bfloat16": 2, "float32": 4}
 CODECS = ("fp16", "pq")
+_DEVICE = re.compile(r"cpu|cuda(:[0-9]{1,3})?", re.ASCII)
+
+
+def check_device(field: str, device: object) -> str:
+    """device, if torch can name it as the daemon's: cpu, cuda or cuda:N."""
+    if not isinstance(device, str) or _DEVICE.fullmatch(device) is None:
+        raise InvalidArgument(field, f"must be cpu, cuda or cuda:N, got {quote(device)}")
+    return device
 
 
 @dataclass(slots=True, frozen=True)
@@ -22,14 +32,14 @@ class ModelGeometry:
         for name in ("num_layers", "num_q_heads", "num_kv_heads", "head_dim"):
             v = getattr(self, name)
             if not isinstance(v, int) or v <= 0:
-                raise InvalidArgument(f"geometry.{name}", f"must be a positive integer, got {v!r}")
+                raise InvalidArgument(f"geometry.{name}", f"must be a positive integer, got {quote(v)}")
         if self.num_q_heads % self.num_kv_heads:
             raise InvalidArgument("geometry.num_q_heads",
                                   f"{self.num_q_heads} is not a multiple of num_kv_heads={self.num_kv_heads}")
         if self.head_dim % 4 or self.head_dim > 512:
             raise InvalidArgument("geometry.head_dim", f"must be a multiple of 4 and <= 512, got {self.head_dim}")
         if self.dtype not in DTYPES or self.dtype == "float32":
-            raise InvalidArgument("geometry.dtype", f"must be float16 or bfloat16, got {self.dtype!r}")
+            raise InvalidArgument("geometry.dtype", f"must be float16 or bfloat16, got {quote(self.dtype)}")
 
 
 @dataclass(slots=True, frozen=True)
@@ -40,7 +50,7 @@ class CodecConfig:
 
     def __post_init__(self) -> None:
         if self.kind not in CODECS:
-            raise InvalidArgument("codec.kind", f"must be one of {CODECS}, got {self.kind!r}")
+            raise InvalidArgument("codec.kind", f"must be one of {CODECS}, got {quote(self.kind)}")
         if self.kind == "pq" and self.num_centroids != 256:
             raise InvalidArgument("codec.num_centroids", "only 256 centroids (8-bit codes) are supported")
         if self.num_subvectors < 0:
@@ -81,10 +91,8 @@ class CacheConfig:
             raise InvalidArgument("low_watermark", f"must be in [0, 1), got {self.low_watermark}")
 
     def _validate(self) -> None:
-        if not self.name or len(self.name) > 128 or not self.name.replace("-", "").replace("_", "").replace(".", "").isalnum():
-            raise InvalidArgument("name", f"must be 1-128 characters of [A-Za-z0-9._-], got {self.name!r}")
-        if not self.model_id:
-            raise InvalidArgument("model_id", "must not be empty")
+        check_name("name", self.name)
+        check_label("model_id", self.model_id)
         if self.block_size not in (8, 16, 32, 64, 128):
             raise InvalidArgument("block_size", f"must be one of 8, 16, 32, 64, 128, got {self.block_size}")
         if self.residual < 0 or self.residual > 65536:
@@ -92,7 +100,7 @@ class CacheConfig:
         if (not isinstance(self.sink_tokens, int) or not 0 <= self.sink_tokens <= 65536
                 or self.sink_tokens % self.block_size):
             raise InvalidArgument("sink_tokens", f"must be a multiple of block_size={self.block_size} "
-                                  f"in [0, 65536], got {self.sink_tokens!r}")
+                                  f"in [0, 65536], got {quote(self.sink_tokens)}")
         if self.max_sequences <= 0 or self.max_sequences > 1 << 20:
             raise InvalidArgument("max_sequences", f"must be in [1, 2^20], got {self.max_sequences}")
         if self.num_blocks < 0 or self.pool_bytes < 0:
@@ -104,8 +112,7 @@ class CacheConfig:
             raise InvalidArgument("pool_bytes", f"{self.pool_bytes} bytes hold no block of {self.bytes_per_block()} bytes")
         if self.capacity_blocks() > 1 << 24:
             raise InvalidArgument("num_blocks", "more than 2^24 blocks")
-        if not (self.device == "cpu" or self.device.startswith("cuda")):
-            raise InvalidArgument("device", f"must be cpu or cuda[:N], got {self.device!r}")
+        check_device("device", self.device)
 
     # --- derived sizes
     @property

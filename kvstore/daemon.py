@@ -1,7 +1,9 @@
 """The daemon: `python server.py` / `kvstore-server`.
 
-Listens on a Unix socket (mode 0600, directory 0700) by default, on TCP only
-when asked and then only with bearer tokens (auth.py), optionally over TLS.
+Listens on a Unix socket (mode 0600, in a directory only its uid can write;
+sockets.py) by default, on TCP only when asked and then only with bearer
+tokens (auth.py), optionally over TLS. It refuses to start on a socket a live
+daemon serves, and checks all of its arguments before it binds anything.
 Health checking and reflection are registered, so grpcurl and
 grpc_health_probe work; health is NOT_SERVING until the engine is ready.
 Client sessions hold leases (leases.py); Prometheus metrics on --metrics-port.
@@ -9,9 +11,11 @@ Client sessions hold leases (leases.py); Prometheus metrics on --metrics-port.
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import logging
 import os
 import signal
+import socket
 import sys
 import threading
 from concurrent import futures
@@ -20,9 +24,11 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from . import wire
+from . import sockets, wire
 from .auth import Authenticator, GateInterceptor
+from .config import check_device
 from .engine import Engine
+from .errors import InvalidArgument
 from .leases import DEFAULT_TIMEOUT_S, LeaseManager
 from .servicer import DEFAULT_MAX_STREAMS, KVStoreServicer
 from .v1 import kvstore_pb2 as pb
@@ -35,13 +41,6 @@ DEFAULT_MAX_MESSAGE_MB = 1024
 
 def default_socket() -> str:
     return os.environ.get("KVSTORE_SOCKET") or f"/tmp/kvstore-{os.getuid()}/kvstore.sock"
-
-
-def _prepare_socket(path: str) -> None:
-    d = os.path.dirname(os.path.abspath(path))
-    os.makedirs(d, mode=0o700, exist_ok=True)
-    if os.path.exists(path):
-        os.unlink(path)   # a stale socket from a daemon that died
 
 
 def server_options(max_message_mb: int = DEFAULT_MAX_MESSAGE_MB) -> list[tuple[str, int]]:
@@ -91,10 +90,42 @@ def create_server(engine: "Engine | None" = None, socket_path: str | None = None
     leases.release_buffers = servicer.buffer_table.release_session
     servicer.max_pool_bytes = max_pool_bytes
     pb_grpc.add_KVStoreServicer_to_server(servicer, server)
+    if socket_path:             # before binding anything: sockets.SocketError if a live daemon serves there
+        sockets.claim(socket_path)
+        if doorbell:
+            sockets.claim(socket_path + ".bell", socket.SOCK_SEQPACKET)
+    try:
+        bound = _bind_and_start(server, socket_path, port, host, tls)
+        servicer.engine = engine if engine is not None else Engine()
+        leases.engine = servicer.engine
+        server.kvstore_engine = servicer.engine
+        leases.start()
+        if socket_path and doorbell:
+            _start_doorbell(server, servicer, leases, socket_path, max_streams, metrics)
+    except BaseException:       # leave nothing behind: no listener, no socket file
+        leases.stop()
+        server.stop(None)       # and the sockets bound so far with it
+        raise
+    if metrics is not None:
+        metrics.bind(servicer.engine, leases, servicer.buffer_table)
+    for name in ("", SERVICE):
+        health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    return server, bound, health_servicer
+
+
+def _bind_and_start(server: grpc.Server, socket_path: str | None, port: int | None, host: str,
+                    tls: tuple[bytes, bytes] | None) -> int:
+    """Listen and start; the Unix socket (0600) is removed by server.stop()
+    while it is still the one bound here. -> the TCP port (0 without one).
+
+    NOTE: gRPC unlinks the path it bound when it stops, whatever is there by
+    then (another daemon's socket, if one took the path over). So it binds a
+    staging name beside the socket, which is renamed into place once ready:
+    gRPC's unlink then finds nothing, and ours checks the inode first."""
     bound = 0
-    if socket_path:
-        _prepare_socket(socket_path)
-        server.add_insecure_port(f"unix:{socket_path}")
+    staging = sockets.staging_path(socket_path) if socket_path else None
+    if staging:
+        server.add_insecure_port(f"unix:{staging}")
     if port is not None:
         if tls is not None:
             bound = server.add_secure_port(f"{host}:{port}", grpc.ssl_server_credentials([(tls[1], tls[0])]))
@@ -106,18 +137,16 @@ def create_server(engine: "Engine | None" = None, socket_path: str | None = None
     finally:
         os.umask(umask)
     if socket_path:
-        os.chmod(socket_path, 0o600)
-    servicer.engine = engine if engine is not None else Engine()
-    leases.engine = servicer.engine
-    server.kvstore_engine = servicer.engine
-    leases.start()
-    if socket_path and doorbell:
-        _start_doorbell(server, servicer, leases, socket_path, max_streams, metrics)
-    if metrics is not None:
-        metrics.bind(servicer.engine, leases, servicer.buffer_table)
-    for name in ("", SERVICE):
-        health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-    return server, bound, health_servicer
+        os.chmod(staging, 0o600)
+        os.rename(staging, socket_path)
+        ident = sockets.identity(socket_path)
+        stop = server.stop
+
+        def stop_and_unlink(grace):
+            sockets.remove_if_ours(socket_path, ident)
+            return stop(grace)
+        server.stop = stop_and_unlink
+    return bound
 
 
 def _start_doorbell(server, servicer: KVStoreServicer, leases: LeaseManager, socket_path: str,
@@ -146,12 +175,23 @@ def _start_doorbell(server, servicer: KVStoreServicer, leases: LeaseManager, soc
     server.stop = stop_all      # callers (tests, main) stop the server: the doorbell goes with it
 
 
-def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="kvstore-server", description=__doc__.splitlines()[0])
-    p.add_argument("--socket", default=default_socket(), help="Unix socket path (default: %(default)s)")
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):
+        # One line that says what is wrong, not the whole usage above it.
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="kvstore-server", description=__doc__.splitlines()[0])
+    p.add_argument("--socket", default=default_socket(),
+                   help="Unix socket path (default: %(default)s); its directory must be writable only by this uid "
+                        "(a missing one is made 0700, one of ours that others can write is made 0700)")
     p.add_argument("--port", type=int, default=None, help="also listen on TCP 127.0.0.1:PORT")
     p.add_argument("--host", default="127.0.0.1", help="TCP address to bind with --port")
-    p.add_argument("--device", default="cuda" if _cuda() else "cpu")
+    p.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda if there is a GPU, else cpu)")
     p.add_argument("--lmdb", default=None, metavar="PATH",
                    help="disk tier: LMDB directory; sequences and prefix blocks survive restarts")
     p.add_argument("--lmdb-sync", action="store_true",
@@ -167,7 +207,8 @@ def main(argv: list[str] | None = None) -> None:
                    help="intra-op threads of the daemon's own torch CPU work (default: %(default)s): decode calls "
                         "are tiny ops, where waking a thread team costs more than it saves, and the worker pool "
                         "already runs calls side by side; raise it for bulk CPU work (large CPU-device appends)")
-    p.add_argument("--log-level", default="INFO")
+    p.add_argument("--log-level", default="INFO", type=str.upper, choices=LOG_LEVELS,
+                   help="%(choices)s, any case (default: %(default)s)")
     p.add_argument("--auth-token", default=os.environ.get("KVSTORE_AUTH_TOKEN"),
                    help="bearer token for TCP callers, tenant 'default' (env KVSTORE_AUTH_TOKEN; "
                         "prefer --token-file: argv is visible to other users)")
@@ -181,17 +222,35 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--max-pool-bytes", type=int, default=None,
                    help="memory all caches' pools may take together (default: 90%% of the GPU, or half the RAM "
                         "on CPU); CreateCache beyond it is RESOURCE_EXHAUSTED")
-    args = p.parse_args(argv)
+    return p
+
+
+def _check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> tuple[Authenticator, tuple | None]:
+    """Every argument, before anything is bound or opened: p.error (one line,
+    exit 2) on the first that is wrong. -> (auth, tls)."""
+    args.device = args.device or ("cuda" if _cuda() else "cpu")
+    try:
+        check_device("--device", args.device)
+    except InvalidArgument as e:
+        p.error(str(e))
     if args.device.startswith("cuda"):
+        n = _cuda_devices()
+        index = int(args.device.partition(":")[2] or 0)
+        if n == 0:
+            p.error(f"--device {args.device}: no CUDA device here; use --device cpu")
+        if index >= n:
+            p.error(f"--device {args.device}: there are {n} CUDA device(s) (cuda:0..cuda:{n - 1})")
         from .cuda_ipc import check_allocator
         check_allocator()      # refuses allocator settings that break CUDA IPC, saying why
-    if args.max_streams < 0:
-        p.error("--max-streams must be >= 0 (0: no streams, every client calls AppendAttend)")
-    if args.torch_threads < 1:
-        p.error("--torch-threads must be >= 1")
-    import torch
-    torch.set_num_threads(args.torch_threads)
-    logging.basicConfig(level=args.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    for flag, value, low, high in (("--port", args.port, 0, 65535), ("--metrics-port", args.metrics_port, 0, 65535),
+                                   ("--workers", args.workers, 1, None), ("--max-streams", args.max_streams, 0, None),
+                                   ("--torch-threads", args.torch_threads, 1, None),
+                                   ("--max-message-mb", args.max_message_mb, 1, 2047),
+                                   ("--max-pool-bytes", args.max_pool_bytes, 0, None)):
+        if value is not None and (value < low or (high is not None and value > high)):
+            p.error(f"{flag} must be in [{low}, {high if high is not None else 'inf'}], got {value}")
+    if not args.lease_timeout > 0:
+        p.error(f"--lease-timeout must be > 0 seconds, got {args.lease_timeout}")
     if bool(args.tls_cert) != bool(args.tls_key):
         p.error("--tls-cert and --tls-key go together")
     if args.tls_cert and args.port is None:
@@ -204,20 +263,73 @@ def main(argv: list[str] | None = None) -> None:
         p.error("--port needs --auth-token or --token-file: TCP callers must authenticate")
     tls = None
     if args.tls_cert:
-        with open(args.tls_cert, "rb") as c, open(args.tls_key, "rb") as k:
-            tls = (c.read(), k.read())
+        try:
+            with open(args.tls_cert, "rb") as c, open(args.tls_key, "rb") as k:
+                tls = (c.read(), k.read())
+        except OSError as e:
+            p.error(f"--tls-cert/--tls-key: {e.filename}: {e.strerror}")
+    return auth, tls
+
+
+def _check_port(host: str, port: int) -> None:
+    """OSError if nothing can listen on host:port now (bound and closed at
+    once, so that gRPC's bind after it is not the first to find out)."""
+    try:
+        ip = ipaddress.ip_address(host.strip("[]"))
+    except ValueError:
+        return              # a host name: gRPC resolves it, and says so if it cannot bind
+    if port == 0:
+        return
+    with socket.socket(socket.AF_INET6 if ip.version == 6 else socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        s.bind((str(ip), port))
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = _parser()
+    args = p.parse_args(argv)
+    auth, tls = _check_args(p, args)
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    import torch
+    torch.set_num_threads(args.torch_threads)
     metrics = None
-    if args.metrics_port is not None:
-        from .metrics import Metrics
-        metrics = Metrics()
-    server, port, health_servicer = create_server(Engine(args.device, args.lmdb, args.lmdb_sync), args.socket, args.port,
-                                                  args.max_message_mb, args.workers, args.host, auth=auth, tls=tls,
-                                                  lease_timeout=args.lease_timeout, metrics=metrics,
-                                                  max_pool_bytes=_pool_budget(args.device, args.max_pool_bytes),
-                                                  max_streams=args.max_streams, doorbell=not args.no_doorbell)
+    try:
+        # Refuse a live daemon's socket before anything is opened or bound.
+        sockets.claim(args.socket)
+        if not args.no_doorbell:
+            sockets.claim(args.socket + ".bell", socket.SOCK_SEQPACKET)
+        if args.port is not None:
+            try:
+                _check_port(args.host, args.port)
+            except OSError as e:
+                raise sockets.SocketError(f"--port {args.port}: cannot listen on {args.host}:{args.port}: "
+                                          f"{e.strerror}") from None
+        if args.metrics_port is not None:     # bound first: it is the one bind not rolled back by create_server
+            from .metrics import Metrics
+            metrics = Metrics()
+            try:
+                mport = metrics.serve(args.metrics_port, args.metrics_host)
+            except OSError as e:
+                raise sockets.SocketError(f"--metrics-port {args.metrics_port}: cannot listen on "
+                                          f"{args.metrics_host}:{args.metrics_port}: {e.strerror}") from None
+        try:
+            engine = Engine(args.device, args.lmdb, args.lmdb_sync)
+        except Exception as e:  # noqa: BLE001 - e.g. an LMDB directory we cannot open: one line, not a traceback
+            raise sockets.SocketError(f"--lmdb {args.lmdb}: {e}" if args.lmdb else f"engine: {e}") from None
+        try:
+            server, port, health_servicer = create_server(
+                engine, args.socket, args.port, args.max_message_mb, args.workers, args.host, auth=auth, tls=tls,
+                lease_timeout=args.lease_timeout, metrics=metrics,
+                max_pool_bytes=_pool_budget(args.device, args.max_pool_bytes), max_streams=args.max_streams,
+                doorbell=not args.no_doorbell)
+        except RuntimeError as e:    # gRPC's "Failed to bind to address ..."
+            raise sockets.SocketError(str(e).split(";")[0]) from None
+    except (sockets.SocketError, OSError) as e:
+        if metrics is not None:
+            metrics.stop()
+        sys.exit(f"kvstore-server: {e}")
     where = f"unix:{args.socket}" + (f" and {args.host}:{port}" if args.port is not None else "")
     if metrics is not None:
-        mport = metrics.serve(args.metrics_port, args.metrics_host)
         where += f", metrics on http://{args.metrics_host}:{mport}/metrics"
     log.info("kvstore serving on %s (device %s)", where, args.device)
     print(f"kvstore: serving on {where}", flush=True)
@@ -226,7 +338,7 @@ def main(argv: list[str] | None = None) -> None:
     def stop(signum, _frame):
         log.info("signal %s: stopping", signum)
         health_servicer.enter_graceful_shutdown()
-        server.stop(grace=5).wait()
+        server.stop(grace=5).wait()     # removes our sockets, if they are still ours
         done.set()
 
     signal.signal(signal.SIGTERM, stop)
@@ -235,8 +347,8 @@ def main(argv: list[str] | None = None) -> None:
     # start many) only runs its Python handler once the main thread wakes.
     while not done.wait(0.5):
         pass
-    if args.socket and os.path.exists(args.socket):
-        os.unlink(args.socket)
+    if metrics is not None:
+        metrics.stop()
     eng = getattr(server, "kvstore_engine", None)
     if eng is not None and eng.cold_store is not None:
         eng.cold_store.env.sync(True)     # what LMDB holds is on disk before we go
@@ -258,11 +370,15 @@ def _pool_budget(device: str, given: int | None) -> int:
 
 
 def _cuda() -> bool:
+    return _cuda_devices() > 0
+
+
+def _cuda_devices() -> int:
     try:
         import torch
-        return torch.cuda.is_available()
-    except Exception:
-        return False
+        return torch.cuda.device_count() if torch.cuda.is_available() else 0
+    except Exception:  # noqa: BLE001 - a broken CUDA install is no GPU to us
+        return 0
 
 
 if __name__ == "__main__":

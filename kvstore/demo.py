@@ -9,11 +9,14 @@ token with one AppendAttend per layer; one sequence is forked mid-way.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 
 import torch
@@ -39,6 +42,33 @@ def wait_serving(target: str, proc: subprocess.Popen, timeout: float = 60.0) -> 
         except grpc.RpcError:
             time.sleep(0.2)
     sys.exit("daemon did not become SERVING")
+
+
+@contextlib.contextmanager
+def spawn_daemon(socket: str | None = None, args: tuple[str, ...] = (), quiet: bool = False):
+    """Start `server.py` on a Unix socket of its own -> its target; stopped at
+    exit. By default the socket is in a fresh temporary directory (removed at
+    exit), never the daemon's default one: a demo must neither take over nor
+    talk to a daemon someone else runs."""
+    tmp = None
+    if socket is None:
+        tmp = tempfile.mkdtemp(prefix="kvstore-demo-")
+        socket = os.path.join(tmp, "kv.sock")
+    proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "server.py"), "--socket", socket, *args],
+                            stdout=subprocess.DEVNULL if quiet else None)
+    target = f"unix://{socket}"
+    try:
+        wait_serving(target, proc)
+        yield target
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
 
 
 def run_workload(kv: KVStoreClient, codec: str, layers=4, hq=8, hkv=2, d=32, n_seqs=4, prompt_len=200,
@@ -105,31 +135,25 @@ def run_workload(kv: KVStoreClient, codec: str, layers=4, hq=8, hkv=2, d=32, n_s
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--socket", default=f"/tmp/kvstore-{os.getuid()}/demo.sock")
+    p.add_argument("--socket", default=None,
+                   help="socket of the daemon the demo starts (default: one in a fresh temporary directory)")
     args = p.parse_args(argv)
-    proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "server.py"), "--socket", args.socket])
-    target = f"unix://{args.socket}"
     ok = True
-    try:
-        wait_serving(target, proc)
-        with KVStoreClient(target) as kv:
-            print(f"client transport: {kv.transport}")
-            for codec in ("fp16", "pq"):
-                r = run_workload(kv, codec)
-                s = r["stats"]
-                good = r["max_abs_err"] < 1e-3
-                ok &= good
-                print(f"\n== codec {codec}: {'OK' if good else 'MISMATCH'} (max |out - fp64 ref| = "
-                      f"{r['max_abs_err']:.2e}), {r['calls_per_s']:.0f} AppendAttend calls/s")
-                print(f"   prefix hits: {r['prefix_hit_tokens']} tokens; "
-                      f"hit rate {s.prefix_hit_rate:.1%}; bytes/token {s.bytes_per_token} "
-                      f"(fp16 {s.fp16_bytes_per_token}, compression {s.compression_ratio:.2f}x)")
-                print(f"   main pool: used {s.main.used} cached {s.main.cached} free {s.main.free} "
-                      f"of {s.main.capacity}; sequences {s.sequences}; tokens {s.tokens}; "
-                      f"sealed blocks {s.sealed_blocks} (dedup {s.dedup_blocks})")
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(timeout=30)
+    with spawn_daemon(args.socket) as target, KVStoreClient(target) as kv:
+        print(f"client transport: {kv.transport}")
+        for codec in ("fp16", "pq"):
+            r = run_workload(kv, codec)
+            s = r["stats"]
+            good = r["max_abs_err"] < 1e-3
+            ok &= good
+            print(f"\n== codec {codec}: {'OK' if good else 'MISMATCH'} (max |out - fp64 ref| = "
+                  f"{r['max_abs_err']:.2e}), {r['calls_per_s']:.0f} AppendAttend calls/s")
+            print(f"   prefix hits: {r['prefix_hit_tokens']} tokens; "
+                  f"hit rate {s.prefix_hit_rate:.1%}; bytes/token {s.bytes_per_token} "
+                  f"(fp16 {s.fp16_bytes_per_token}, compression {s.compression_ratio:.2f}x)")
+            print(f"   main pool: used {s.main.used} cached {s.main.cached} free {s.main.free} "
+                  f"of {s.main.capacity}; sequences {s.sequences}; tokens {s.tokens}; "
+                  f"sealed blocks {s.sealed_blocks} (dedup {s.dedup_blocks})")
     sys.exit(0 if ok else 1)
 
 

@@ -11,15 +11,11 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
-import signal
-import subprocess
 import sys
-import tempfile
 import time
 
 import torch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CHECK_PROMPTS = [
     "Explain the difference between a list and a tuple in Python.",
     "Write a haiku about the ocean.",
@@ -31,24 +27,10 @@ PROMPT = ("Write a short paragraph for a beginner explaining what a Python dicti
           "how to add a key, and how to loop over its items.")
 
 
-@contextlib.contextmanager
 def spawn_daemon(socket: str | None = None):
-    """Start `server.py` on a Unix socket (a temp one by default) -> its target."""
-    from .demo import wait_serving
-    if socket is None:
-        socket = os.path.join(tempfile.mkdtemp(prefix="kvstore-"), "kv.sock")
-    proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "server.py"), "--socket", socket, "--device", "cpu",
-                             "--log-level", "WARNING"], stdout=subprocess.DEVNULL)
-    target = f"unix://{socket}"
-    try:
-        wait_serving(target, proc)
-        yield target
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+    """Start `server.py` (CPU) on a socket of its own (a temp one by default) -> its target."""
+    from .demo import spawn_daemon as spawn
+    return spawn(socket, ("--device", "cpu", "--log-level", "WARNING"), quiet=True)
 
 
 def run(adapter, tok, ids: torch.Tensor, new_tokens: int) -> tuple[str, float]:
@@ -100,7 +82,8 @@ def print_stats(s) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--socket", default=f"/tmp/kvstore-{os.getuid()}/demo-model.sock")
+    p.add_argument("--socket", default=None,
+                   help="socket of the daemon the demo starts (default: one in a fresh temporary directory)")
     p.add_argument("--target", help="use a running daemon instead of starting one")
     p.add_argument("--codebooks", help="also run the PQ codec with these codebooks (kvstore-calibrate)")
     p.add_argument("--new-tokens", type=int, default=200)

@@ -10,8 +10,10 @@ whose token RegisterBuffer handed out, so calls see that caller's buffers and
 renew its lease as its gRPC calls would; the work is the servicer's
 AppendAttend path (same checks, errors, counters).
 
-Like gRPC's, the socket's directory is 0700 and the socket 0600; the token
-keeps one tenant's local caller from acting as another.
+Like gRPC's, the socket is 0600 in a directory only the daemon's uid can
+write (sockets.py), taken over only from a daemon that is gone and removed
+at stop only while it is still ours; the token keeps one tenant's local
+caller from acting as another.
 """
 from __future__ import annotations
 
@@ -26,7 +28,7 @@ import time
 
 import grpc
 
-from . import bell
+from . import bell, sockets
 from .errors import InvalidArgument, KVStoreError, Unimplemented
 from .v1 import kvstore_pb2 as pb
 
@@ -48,6 +50,7 @@ class Doorbell:
         self._lock = threading.Lock()
         self._conns: set[socket.socket] = set()
         self._listener: socket.socket | None = None
+        self._ident: tuple[int, int] | None = None   # (device, inode) of the socket file we bound
         self.counters = dict(connections=0, calls=0, errors=0)
         # observe(method, code name, seconds): the daemon's metrics, which count
         # doorbell calls as method AppendAttendDoorbell (the interceptor never sees them)
@@ -73,16 +76,20 @@ class Doorbell:
 
     # ------------------------------------------------------------ lifecycle
     def start(self) -> None:
+        sockets.claim(self.path, socket.SOCK_SEQPACKET)     # SocketError: a live daemon's
         s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        if os.path.exists(self.path):
-            os.unlink(self.path)        # a stale socket of a daemon that died
         umask = os.umask(0o077)
         try:
             s.bind(self.path)
+            self._ident = sockets.identity(self.path)
+            os.chmod(self.path, 0o600)
+            s.listen(64)
+        except OSError:
+            s.close()
+            sockets.remove_if_ours(self.path, self._ident)
+            raise
         finally:
             os.umask(umask)
-        os.chmod(self.path, 0o600)
-        s.listen(64)
         self._listener = s
         threading.Thread(target=self._accept, args=(s,), name="kvstore-doorbell", daemon=True).start()
 
@@ -91,10 +98,7 @@ class Doorbell:
         if s is not None:
             s.shutdown(socket.SHUT_RDWR)
             s.close()
-            try:
-                os.unlink(self.path)
-            except FileNotFoundError:
-                pass
+            sockets.remove_if_ours(self.path, self._ident)
         with self._lock:
             conns = list(self._conns)
         for c in conns:

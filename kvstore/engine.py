@@ -16,7 +16,7 @@ import torch
 from .cache import AllocateResult, Cache, ReserveResult
 from .codebooks import Codebooks, train_codebooks
 from .config import CacheConfig
-from .errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound
+from .errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound, quote
 from .sequence import Sequence
 from .storage import TORCH_DTYPES
 
@@ -68,8 +68,8 @@ class Engine:
             if old is not None:
                 if exist_ok and old.cfg == cfg:
                     return old
-                raise AlreadyExists("name", f"cache {cfg.name!r} exists with another configuration"
-                                    if exist_ok else f"cache {cfg.name!r} exists")
+                raise AlreadyExists("name", f"cache {quote(cfg.name)} exists with another configuration"
+                                    if exist_ok else f"cache {quote(cfg.name)} exists")
             cache = Cache(cfg, self.cold_store)
             self.caches[cfg.name] = cache
             return cache
@@ -77,7 +77,7 @@ class Engine:
     def cache(self, name: str) -> Cache:
         c = self.caches.get(name)
         if c is None:
-            raise NotFound("cache", f"no cache named {name!r}")
+            raise NotFound("cache", f"no cache named {quote(name)}")
         return c
 
     def set_codebooks(self, name: str, cb: Codebooks) -> str:
@@ -202,7 +202,7 @@ class Engine:
         main = tail = freed = 0
         for i, (s, c) in enumerate(zip(seqs, counts)):
             if (layer is None and any(s.pending)) or s.reserved:
-                raise FailedPrecondition("sequence_ids", f"sequence {s.seq_id!r} has uncommitted tokens")
+                raise FailedPrecondition("sequence_ids", f"sequence {quote(s.seq_id)} has uncommitted tokens")
             if token_ids is not None and token_ids[i]:
                 cache.check_token_ids(s, c, token_ids[i])
             m, t, f = cache.room_needed(s, c, layer)
@@ -286,7 +286,7 @@ class Engine:
             seqs = self._seqs(cache, tenant, seq_ids, unique=True)
             for s in seqs:
                 if any(s.pending):
-                    raise FailedPrecondition("sequence_ids", f"sequence {s.seq_id!r} has uncommitted per-layer tokens")
+                    raise FailedPrecondition("sequence_ids", f"sequence {quote(s.seq_id)} has uncommitted per-layer tokens")
             gpu = any(cache.reserve_touches_gpu(s, n) for s in seqs)
             with gpu_scope() if gpu else contextlib.nullcontext():
                 cache.resident(seqs)
@@ -302,7 +302,7 @@ class Engine:
             c = self.cache(name)
             if c.is_pq:
                 if c.codebooks is None:
-                    raise FailedPrecondition("codebooks", f"cache {name!r} has no codebooks yet")
+                    raise FailedPrecondition("codebooks", f"cache {quote(name)} has no codebooks yet")
                 out = dict(k_codes=c.main.k_codes, v_codes=c.main.v_codes, k_codebook=c.main.k_cb,
                            v_codebook=c.main.v_cb, tail_k=c.tail.k, tail_v=c.tail.v)
                 if c.main.cb_words is not None:      # the kernels' layout of the codebooks, kept current
@@ -328,7 +328,7 @@ class Engine:
         with self.lock:
             cache = self.cache(name)
             src = cache.seq(tenant, src_id)
-            cache._check_new_sequence(tenant, dst_id)
+            cache._check_new_sequence(tenant, dst_id, "new_sequence_id")
             cache.resident([src])
             cache.fork(src, tenant, dst_id)
             cache.seqs[(tenant, dst_id)].owner = owner
@@ -349,7 +349,7 @@ class Engine:
                 raise FailedPrecondition("sequence_ids", "no disk tier: start the daemon with --lmdb PATH")
             for s in seqs:
                 if any(s.pending) or s.reserved:
-                    raise FailedPrecondition("sequence_ids", f"sequence {s.seq_id!r} has uncommitted tokens")
+                    raise FailedPrecondition("sequence_ids", f"sequence {quote(s.seq_id)} has uncommitted tokens")
             cache.protect = set()
             for s in seqs:
                 cache.tiering.to_disk(s, sync=True)

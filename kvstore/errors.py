@@ -5,6 +5,20 @@ are what the engine raises to its callers. Each names the offending field.
 """
 from __future__ import annotations
 
+QUOTE_CHARS = 64     # characters of a user-supplied value an error message shows
+
+
+def quote(value: object, limit: int = QUOTE_CHARS) -> str:
+    """A user-supplied value as an error message shows it: its repr, cut to
+    `limit` characters with its full length after. Every message quoting a
+    request value goes through here: a whole 100 KB name would push the
+    status past gRPC's 16 KiB metadata limit, and the client would get
+    RESOURCE_EXHAUSTED "Stream removed" instead of the daemon's answer."""
+    if not isinstance(value, str):
+        value = repr(value)
+        return value if len(value) <= limit else f"{value[:limit]}... ({len(value)} characters)"
+    return repr(value) if len(value) <= limit else f"{value[:limit]!r}... ({len(value)} characters)"
+
 
 class KVStoreError(Exception):
     code = "INTERNAL"

@@ -8,7 +8,7 @@ import torch
 
 from kvstore.kernels import cpu_decode
 
-from .errors import InvalidArgument
+from .errors import InvalidArgument, quote
 from .sequence import Sequence
 from .pinned import block_table, staged
 from .storage import ids_to
@@ -31,7 +31,7 @@ class ReadPath:
             dev = q.device
             for s in seqs:
                 if s.layer_length(layer) == 0:
-                    raise InvalidArgument("sequence_ids", f"sequence {s.seq_id!r} has no tokens at layer {layer}")
+                    raise InvalidArgument("sequence_ids", f"sequence {quote(s.seq_id)} has no tokens at layer {layer}")
             graphed = None
             if dev.type == "cuda" and out is not None:
                 graphed, wrote = self.graphs.attend(self, layer, seqs, q, scale, out, new)

@@ -18,7 +18,7 @@ from .config import CacheConfig, CodecConfig, ModelGeometry
 from .engine import Engine
 from .engine import SequenceInfo as SeqInfo
 from .auth import DEFAULT_TENANT, Authenticator, PermissionDenied, TenantBuffers, is_local  # noqa: F401
-from .errors import FailedPrecondition, InvalidArgument, KVStoreError, ResourceExhausted, Unavailable
+from .errors import FailedPrecondition, InvalidArgument, KVStoreError, ResourceExhausted, Unavailable, quote
 from .leases import SESSION_KEY, LeaseManager, session_of
 from .storage import TORCH_DTYPES
 from .v1 import kvstore_pb2 as pb
@@ -28,6 +28,19 @@ log = logging.getLogger("kvstore.servicer")
 MAX_NITER = 1000
 STREAM_KEY = "x-kvstore-stream"     # trailing metadata "refused": a stream turned away before reading a request
 DEFAULT_MAX_STREAMS = 64
+# Bytes of a status message sent. gRPC carries it in a header, percent-encoded
+# (up to 3 bytes per byte), under a 16 KiB limit on all metadata; past that the
+# client gets RESOURCE_EXHAUSTED "Stream removed" instead of our status.
+MAX_STATUS_BYTES = 1024
+
+
+def status_message(message: str) -> str:
+    """message, cut to MAX_STATUS_BYTES of UTF-8 (values are quoted short
+    already, errors.quote; this bounds whatever else a message holds)."""
+    raw = message.encode("utf-8", "replace")
+    if len(raw) <= MAX_STATUS_BYTES:
+        return message
+    return f"{raw[:MAX_STATUS_BYTES].decode('utf-8', 'ignore')}... ({len(raw)} bytes)"
 
 
 def _rpc(fn):
@@ -42,10 +55,10 @@ def _rpc(fn):
             reply = fn(self, request, context)
         except KVStoreError as e:
             self._check_invariants(context, fn.__name__)
-            context.abort(getattr(grpc.StatusCode, e.code), str(e))
+            context.abort(getattr(grpc.StatusCode, e.code), status_message(str(e)))
         except Exception as e:  # noqa: BLE001 - a bad request must not take the daemon down
             log.exception("%s failed", fn.__name__)
-            context.abort(grpc.StatusCode.INTERNAL, f"{type(e).__name__}: {e}")
+            context.abort(grpc.StatusCode.INTERNAL, status_message(f"{type(e).__name__}: {e}"))
         self._check_invariants(context, fn.__name__)
         return reply
     return wrapper
@@ -128,7 +141,7 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
             self.engine.check_invariants()
         except AssertionError as e:
             log.error("invariant broken after %s: %s", method, e)
-            context.abort(grpc.StatusCode.INTERNAL, f"invariant broken after {method}: {e}")
+            context.abort(grpc.StatusCode.INTERNAL, status_message(f"invariant broken after {method}: {e}"))
 
     def _t(self, t: pb.Tensor, field: str):
         return wire.from_proto(t, self.buffers, field)
@@ -208,12 +221,42 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
                 self._streams[key] = torch.cuda.Stream()
         return self._streams[key]
 
+    # --------------------------------------------------- mapped attend (§5)
+    @staticmethod
+    def _local_mapper(context, rpc: str) -> None:
+        """MapPool and Reserve are for clients that write the pool themselves
+        (mapped attend): local ones, since the pool is mapped by IPC handle."""
+        if not is_local(context):
+            raise PermissionDenied(rpc, "only for callers on the Unix socket, which map the pool (MapPool); "
+                                   "remote callers write with Append/AppendAttend")
+
+    def _mappable(self, context, name: str, rpc: str):
+        """The cache whose pool the (local) caller may map and take slots in:
+        its handles expose every tenant's K/V, so only the default tenant's,
+        or any tenant's if the cache shares prefixes across tenants; and only
+        a CUDA pool, the one kind a client can map. Reserve follows MapPool:
+        its slots commit whatever the client wrote into them, so they are for
+        no one who cannot write the pool. -> the Cache."""
+        c = self.engine.cache(name)
+        if not c.cfg.share_prefixes_across_tenants and self._tenant(context) != DEFAULT_TENANT:
+            raise PermissionDenied(rpc, "mapping a pool is only for the default tenant, or caches created with "
+                                   "share_prefixes_across_tenants; other tenants write with Append/AppendAttend")
+        if not c.cfg.device.startswith("cuda"):
+            raise FailedPrecondition("cache", f"cache {quote(name)} lives on {c.cfg.device}: mapped attend "
+                                     "(MapPool, Reserve) needs a CUDA pool; use Append/AppendAttend")
+        return c
+
     @_rpc
     def Reserve(self, request, context):
+        self._local_mapper(context, "Reserve")
         if len(request.known_sealed) != len(request.known_epochs):
             raise InvalidArgument("known_epochs", f"{len(request.known_epochs)} epochs for "
                                   f"{len(request.known_sealed)} known_sealed counts")
         known = list(zip(request.known_sealed, request.known_epochs)) or None
+        n_seqs = len(request.sequence_ids) or 1
+        if known is not None and len(known) != n_seqs:
+            raise InvalidArgument("known_sealed", f"{len(known)} entries for {n_seqs} sequence(s)")
+        self._mappable(context, request.cache, "Reserve")
         if request.sequence_ids:
             entered = []
 
@@ -227,8 +270,6 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
                                tail_blocks=r.tail_blocks, length=r.length, sealed_start=r.sealed_start,
                                table_epoch=r.table_epoch)
                 for sid, r in zip(request.sequence_ids, rs)], gpu_idle=not entered)
-        if known is not None and len(known) != 1:
-            raise InvalidArgument("known_sealed", f"{len(known)} entries for one sequence")
         with self._cuda(request):
             r = self.engine.reserve(request.cache, self._tenant(context), request.sequence_id, request.num_tokens,
                                     known[0] if known else (0, 0))
@@ -370,18 +411,10 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
 
     @_rpc
     def MapPool(self, request, context):
-        if not is_local(context):
-            raise PermissionDenied("MapPool", "IPC handles are only for callers on the Unix socket")
+        self._local_mapper(context, "MapPool")
         from . import cuda_ipc
-        c = self.engine.cache(request.cache)
-        if not c.cfg.share_prefixes_across_tenants and self._tenant(context) != DEFAULT_TENANT:
-            # The handles map the whole pool, every tenant's K/V included.
-            raise PermissionDenied("MapPool", "mapping a pool is only for the default tenant, or caches "
-                                   "created with share_prefixes_across_tenants")
+        c = self._mappable(context, request.cache, "MapPool")
         tensors = self.engine.pool_tensors(request.cache)
-        if not c.cfg.device.startswith("cuda"):
-            raise FailedPrecondition("cache", f"cache {request.cache!r} lives on {c.cfg.device}: "
-                                     "mapped attend needs a CUDA pool (use Attend/AppendAttend)")
         uuid = cuda_ipc.device_uuid(tensors["k_codes" if c.is_pq else "k"].device.index or 0)
         if request.device_uuid and request.device_uuid != uuid:
             raise FailedPrecondition("device_uuid", f"the pool lives on GPU {uuid}, not {request.device_uuid}")

@@ -61,6 +61,11 @@ class Fp16Store:
         return (k.permute(0, 1, 3, 2, 4).reshape(nl, n * bs, h, d),
                 v.permute(0, 1, 3, 2, 4).reshape(nl, n * bs, h, d))
 
+    def zero_blocks(self, block_ids: torch.Tensor) -> None:
+        """Clear blocks in every layer: one fill per tensor."""
+        self.k.index_fill_(1, block_ids, 0)
+        self.v.index_fill_(1, block_ids, 0)
+
     def copy_block(self, src: int, dst: int) -> None:
         self.k[:, dst] = self.k[:, src]
         self.v[:, dst] = self.v[:, src]

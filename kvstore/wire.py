@@ -5,13 +5,13 @@ from __future__ import annotations
 import math
 import mmap
 import os
-import re
 import secrets
 import threading
 
 import torch
 
-from .errors import InvalidArgument, NotFound
+from .errors import InvalidArgument, NotFound, quote
+from .names import check_name
 from .v1 import kvstore_pb2 as pb
 
 TO_TORCH = {pb.FLOAT16: torch.float16, pb.BFLOAT16: torch.bfloat16, pb.FLOAT32: torch.float32,
@@ -20,7 +20,6 @@ TO_PROTO = {v: k for k, v in TO_TORCH.items()}
 MAX_DIMS = 8
 MAX_DIM = 1 << 31
 MAX_VIEWS = 4096          # cached typed views of registered buffers (see BufferRegistry.view)
-_SHM_NAME = re.compile(r"^[A-Za-z0-9._-]{1,200}$")
 
 
 class BufferRegistry:
@@ -41,23 +40,22 @@ class BufferRegistry:
         self._lock = threading.Lock()
 
     def register_shm(self, name: str, size: int, owner: str = "") -> str:
-        if not _SHM_NAME.match(name or ""):
-            raise InvalidArgument("name", f"shared-memory name {name!r} must match [A-Za-z0-9._-]{{1,200}}")
+        check_name("name", name)     # a file name under shm_dir: no '/', ASCII
         if size <= 0:
             raise InvalidArgument("size", "must be > 0")
         path = os.path.join(self.shm_dir, name)
         try:
             fd = os.open(path, os.O_RDWR)
         except FileNotFoundError:
-            raise NotFound("name", f"no shared memory named {name!r}") from None
+            raise NotFound("name", f"no shared memory named {quote(name)}") from None
         except PermissionError:
-            raise InvalidArgument("name", f"shared memory {name!r} is not readable and writable by the daemon") from None
+            raise InvalidArgument("name", f"shared memory {quote(name)} is not readable and writable by the daemon") from None
         except OSError as e:   # ".", "..": a directory, not a shared-memory object
-            raise InvalidArgument("name", f"cannot open shared memory {name!r}: {e.strerror}") from None
+            raise InvalidArgument("name", f"cannot open shared memory {quote(name)}: {e.strerror}") from None
         try:
             have = os.fstat(fd).st_size
             if have < size:
-                raise InvalidArgument("size", f"{size} bytes asked, shared memory {name!r} has {have}")
+                raise InvalidArgument("size", f"{size} bytes asked, shared memory {quote(name)} has {have}")
             mm = mmap.mmap(fd, size)
         finally:
             os.close(fd)
@@ -107,13 +105,13 @@ class BufferRegistry:
                 for key in [k for k in self._views if k[0] == buffer_id]:
                     del self._views[key]
         if entry is None:
-            raise NotFound("buffer_id", f"no buffer {buffer_id!r}")
+            raise NotFound("buffer_id", f"no buffer {quote(buffer_id)}")
         # The mmap closes when the last tensor view of it is gone.
 
     def get(self, buffer_id: str) -> torch.Tensor:
         entry = self._bufs.get(buffer_id)
         if entry is None:
-            raise NotFound("buffer_id", f"no buffer {buffer_id!r}")
+            raise NotFound("buffer_id", f"no buffer {quote(buffer_id)}")
         return entry[1]
 
     def view(self, buffer_id: str, offset: int, shape: tuple, dtype: torch.dtype) -> torch.Tensor:

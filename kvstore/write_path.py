@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .errors import FailedPrecondition, InvalidArgument, ResourceExhausted
+from .errors import FailedPrecondition, InvalidArgument, ResourceExhausted, quote
 from .sequence import Sequence
 from .storage import ids_to
 
@@ -154,7 +154,7 @@ class WritePath:
         """All layers, n tokens: k, v [L, n, Hkv, d]. Validated by the caller."""
         self._require_ready()
         if any(s.pending) or s.reserved:
-            raise FailedPrecondition("sequence_id", f"sequence {s.seq_id!r} has uncommitted per-layer or reserved tokens")
+            raise FailedPrecondition("sequence_id", f"sequence {quote(s.seq_id)} has uncommitted per-layer or reserved tokens")
         n = k.shape[1]
         if token_ids is not None:
             self.check_token_ids(s, n, token_ids)
@@ -226,14 +226,18 @@ class WritePath:
         self._require_ready()
         for s in seqs:
             if s.reserved:
-                raise FailedPrecondition("sequence_id", f"sequence {s.seq_id!r} has reserved tokens")
+                raise FailedPrecondition("sequence_id", f"sequence {quote(s.seq_id)} has reserved tokens")
         if len(seqs) == 1:
             main_need, need, _ = self.room_needed(seqs[0], counts[0], layer)
             self.check_room(main_need, need, 0)
+        starts = [s.length + s.pending[layer] for s in seqs]
+        needs = [max(0, math.ceil((start + n) / self.bs) - len(s.sealed) - len(s.tail))
+                 for s, start, n in zip(seqs, starts, counts)]
+        new = self._alloc_tail(sum(needs))      # one clearing launch for the whole batch
         slots = []
-        for s, n in zip(seqs, counts):
-            start = s.length + s.pending[layer]
-            s.tail += self._alloc_tail(max(0, math.ceil((start + n) / self.bs) - len(s.sealed) - len(s.tail)))
+        for s, start, n, need in zip(seqs, starts, counts, needs):
+            s.tail += new[:need]
+            del new[:need]
             slots.append((s, start, n))
         toks = None
         if k.shape[0] <= SMALL_WRITE:    # a decode step of a few sequences: no index tensors
@@ -302,7 +306,7 @@ class WritePath:
         prefix of the table, only the blocks after it are returned."""
         self._require_ready()
         if any(s.pending):
-            raise FailedPrecondition("sequence_id", f"sequence {s.seq_id!r} has uncommitted per-layer tokens")
+            raise FailedPrecondition("sequence_id", f"sequence {quote(s.seq_id)} has uncommitted per-layer tokens")
         need = self.tail_blocks_for(s, n)
         seal_count = self.seals_at_reserve(s)
         if self.is_pq and seal_count > self.main_pool.num_allocatable():

@@ -91,9 +91,11 @@ def test_pq_codec_matches_fp64_over_dequantized_codes(setup, capsys):
 
 @pytest.mark.parametrize("codec", ["pq", "fp16"])
 def test_reserve_says_when_it_ran_no_gpu_work(setup, codec):
-    """A batch Reserve reports gpu_idle exactly on the steps without a seal or a
-    block allocation, so a mapped client skips the cross-process event wait."""
-    from kvstore.v1 import kvstore_pb2 as pb
+    """A batch Reserve enters its CUDA scope (and so reports gpu_idle=False)
+    exactly on the steps with a seal or a block allocation, so a mapped client
+    skips the cross-process event wait on the others. Through the engine: the
+    Reserve RPC admits only mapped clients of a CUDA pool."""
+    import contextlib
     engine, kv = setup
     kv.create_cache("c", "m", num_layers=L, num_q_heads=HQ, num_kv_heads=HKV, head_dim=D, codec=codec,
                     block_size=BS, residual=R, num_blocks=64)
@@ -108,8 +110,13 @@ def test_reserve_says_when_it_ran_no_gpu_work(setup, codec):
     for step in range(40):
         seqs = [engine.cache("c").seq("default", sid) for sid in ("a", "b")]
         want_busy = any(engine.cache("c").reserve_touches_gpu(s, 1) for s in seqs)
-        r = kv.stub.Reserve(pb.ReserveRequest(cache="c", sequence_ids=["a", "b"], num_tokens=1))
-        assert r.gpu_idle == (not want_busy), step
+        entered = []
+
+        def scope():
+            entered.append(True)
+            return contextlib.nullcontext()
+        engine.reserve_batch("c", "default", ["a", "b"], 1, gpu_scope=scope)
+        assert bool(entered) == want_busy, step
         busy.append(want_busy)
     # a new tail block every BS tokens, and for PQ a seal every BS tokens once past R + BS
     assert sum(busy) == (8 if codec == "pq" else 5), busy

@@ -138,7 +138,6 @@ def test_tenant_cannot_name_another_tenants_sequence(live):
         "Append": lambda kv, sid: kv.append("c", [sid], k[:, :1], k[:, :1]),
         "Fork": lambda kv, sid: kv.fork("c", sid, "stolen"),
         "Free": lambda kv, sid: kv.free("c", [sid]),
-        "Reserve": lambda kv, sid: kv.reserve("c", sid, 1),
     }
     for name, call in calls.items():
         theirs = code_of(call, bob, "s")
@@ -146,6 +145,10 @@ def test_tenant_cannot_name_another_tenants_sequence(live):
         assert theirs[0] == grpc.StatusCode.NOT_FOUND, name
         # Same answer as for an id that never existed: nothing leaks that "s" exists.
         assert theirs[1] == absent[1].replace("never-existed", "s"), name
+    # Reserve (mapped clients only) is refused over TCP before any sequence is looked up.
+    reserve = lambda kv, sid: kv.reserve("c", sid, 1)  # noqa: E731
+    assert code_of(reserve, bob, "s") == code_of(reserve, bob, "never-existed")
+    assert code_of(reserve, bob, "s")[0] == grpc.StatusCode.PERMISSION_DENIED
     assert bob.list_sequences("c") == []
     # Bob's own "s" is another sequence; Alice's is untouched.
     bob.allocate("c", "s", [7])

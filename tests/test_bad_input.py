@@ -125,10 +125,11 @@ def _ok(stub, rpc: str, req):
     return getattr(stub, rpc)(req, timeout=30)
 
 
-def _populate(stub, cache: str) -> None:
+def _populate(stub, engine, cache: str) -> None:
     """a: 40 prompt tokens appended with ids (PQ: 3 sealed blocks); b: 5 tokens;
     w: a 12-id prompt, nothing appended; p: 3 tokens + 1 pending at layer 0;
-    r: 2 tokens + 2 reserved; e: empty."""
+    r: 2 tokens + 2 reserved (through the engine: the Reserve RPC is for mapped
+    clients of a CUDA pool); e: empty."""
     prompt = list(range(100, 140))
     _ok(stub, "Allocate", pb.AllocateRequest(cache=cache, sequence_id="a", prompt_token_ids=prompt))
     _ok(stub, "Append", append(cache, ["a"], [40], token_ids=[prompt]))
@@ -138,7 +139,7 @@ def _populate(stub, cache: str) -> None:
     _ok(stub, "Allocate", pb.AllocateRequest(cache=cache, sequence_id="w", prompt_token_ids=list(range(500, 512))))
     _ok(stub, "Allocate", pb.AllocateRequest(cache=cache, sequence_id="e"))
     _ok(stub, "Append", append(cache, ["p"], [1], layer=0))
-    _ok(stub, "Reserve", pb.ReserveRequest(cache=cache, sequence_id="r", num_tokens=2))
+    engine.reserve(cache, "default", "r", 2)
 
 
 @pytest.fixture(scope="module")
@@ -161,8 +162,9 @@ def live(tmp_path_factory):
     _ok(stub, "TrainCodebooks", train("pq"))
     _ok(stub, "CreateCache", pb.CreateCacheRequest(spec=spec("f16", "fp16")))
     _ok(stub, "CreateCache", pb.CreateCacheRequest(spec=spec("raw", "pq")))
+    engine = server.kvstore_engine
     for name in ("pq", "f16"):
-        _populate(stub, name)
+        _populate(stub, engine, name)
     # tiny: fp16, 3 blocks, all held by "full" (20 tokens: the last block has 4 free slots); t2 empty.
     _ok(stub, "CreateCache", pb.CreateCacheRequest(spec=spec("tiny", "fp16", num_blocks=3, max_sequences=3)))
     for sid in ("full", "t2"):
@@ -179,7 +181,7 @@ def live(tmp_path_factory):
     for sid in ("s", "r"):
         _ok(stub, "Allocate", pb.AllocateRequest(cache="tinypq", sequence_id=sid))
     _ok(stub, "Append", append("tinypq", ["s"], [16]))
-    _ok(stub, "Reserve", pb.ReserveRequest(cache="tinypq", sequence_id="r", num_tokens=16))
+    engine.reserve("tinypq", "default", "r", 16)
     # sinkpq: PQ with 16 sink tokens and one main block, taken by s (32 tokens, R=0: 16 sinks, 1 sealed,
     # 8 in the tail); r holds 32 reserved tokens, whose commit would seal one block.
     _ok(stub, "CreateCache", pb.CreateCacheRequest(spec=spec("sinkpq", "pq", num_blocks=1, max_sequences=2,
@@ -188,7 +190,7 @@ def live(tmp_path_factory):
     for sid in ("s", "r"):
         _ok(stub, "Allocate", pb.AllocateRequest(cache="sinkpq", sequence_id=sid))
     _ok(stub, "Append", append("sinkpq", ["s"], [32]))
-    _ok(stub, "Reserve", pb.ReserveRequest(cache="sinkpq", sequence_id="r", num_tokens=32))
+    engine.reserve("sinkpq", "default", "r", 32)
     # A registered shared-memory buffer for buffer-reference cases.
     shm_name = f"kvstore-test-{os.getpid()}-{secrets.token_hex(4)}"
     path = os.path.join("/dev/shm", shm_name)
@@ -351,26 +353,14 @@ CASES = [
     case("Allocate", "max-sequences", lambda lv: pb.AllocateRequest(cache="one", sequence_id="x"),
          EXHAUSTED, "sequence_id"),
     # -------------------------------------------------------------------- Reserve
+    # Slots are for mapped clients of a CUDA pool (tests/test_reserve_admission.py); the
+    # engine's own refusals (sequence, num_tokens, pending, room) are in tests/test_reserve_engine.py.
     case("Reserve", "unknown-cache", lambda lv: pb.ReserveRequest(cache="nope", sequence_id="b", num_tokens=1),
          NOT_FOUND, "cache"),
-    case("Reserve", "unknown-sequence", lambda lv: pb.ReserveRequest(cache="f16", sequence_id="zz", num_tokens=1),
-         NOT_FOUND, "sequence_id"),
-    case("Reserve", "over-2^20", lambda lv: pb.ReserveRequest(cache="f16", sequence_id="b", num_tokens=(1 << 20) + 1),
-         INVALID, "num_tokens"),
-    case("Reserve", "uint32-max", lambda lv: pb.ReserveRequest(cache="pq", sequence_id="b", num_tokens=2**32 - 1),
-         INVALID, "num_tokens"),
-    case("Reserve", "pending", lambda lv: pb.ReserveRequest(cache="f16", sequence_id="p", num_tokens=1),
-         PRECOND, "sequence_id"),
-    case("Reserve", "pending-pq", lambda lv: pb.ReserveRequest(cache="pq", sequence_id="p", num_tokens=1),
-         PRECOND, "sequence_id"),
-    case("Reserve", "pool-exhausted", lambda lv: pb.ReserveRequest(cache="f16", sequence_id="b", num_tokens=1 << 20),
-         EXHAUSTED, "num_tokens"),
-    case("Reserve", "pool-exhausted-tiny", lambda lv: pb.ReserveRequest(cache="tiny", sequence_id="t2", num_tokens=1),
-         EXHAUSTED, "num_tokens"),
-    case("Reserve", "seal-exhausted-pq", lambda lv: pb.ReserveRequest(cache="tinypq", sequence_id="r", num_tokens=1),
-         EXHAUSTED, "num_tokens"),
-    case("Reserve", "seal-exhausted-sinks", lambda lv: pb.ReserveRequest(cache="sinkpq", sequence_id="r",
-                                                                         num_tokens=1), EXHAUSTED, "num_tokens"),
+    case("Reserve", "cpu-pool", lambda lv: pb.ReserveRequest(cache="f16", sequence_id="b", num_tokens=1),
+         PRECOND, "cache"),
+    case("Reserve", "cpu-pool-batch", lambda lv: pb.ReserveRequest(cache="pq", sequence_ids=["b", "e"], num_tokens=1),
+         PRECOND, "cache"),
     case("Reserve", "known-epochs-count", lambda lv: pb.ReserveRequest(cache="f16", sequence_id="b", num_tokens=1,
                                                                        known_sealed=[0], known_epochs=[]),
          INVALID, "known_epochs"),
@@ -530,12 +520,14 @@ CASES = [
     case("Fork", "unknown-source", lambda lv: pb.ForkRequest(cache="f16", sequence_id="zz", new_sequence_id="x"),
          NOT_FOUND, "sequence_id"),
     case("Fork", "target-exists", lambda lv: pb.ForkRequest(cache="f16", sequence_id="b", new_sequence_id="a"),
-         EXISTS, "sequence_id"),
+         EXISTS, "new_sequence_id"),
     case("Fork", "target-is-source", lambda lv: pb.ForkRequest(cache="pq", sequence_id="b", new_sequence_id="b"),
-         EXISTS, "sequence_id"),
-    case("Fork", "target-empty", lambda lv: pb.ForkRequest(cache="f16", sequence_id="b"), INVALID, "sequence_id"),
+         EXISTS, "new_sequence_id"),
+    case("Fork", "target-empty", lambda lv: pb.ForkRequest(cache="f16", sequence_id="b"), INVALID, "new_sequence_id"),
     case("Fork", "target-too-long", lambda lv: pb.ForkRequest(cache="pq", sequence_id="b", new_sequence_id="y" * 300),
-         INVALID, "sequence_id"),
+         INVALID, "new_sequence_id"),
+    case("Fork", "target-not-a-name", lambda lv: pb.ForkRequest(cache="pq", sequence_id="b", new_sequence_id="caché٣"),
+         INVALID, "new_sequence_id"),
     case("Fork", "source-pending", lambda lv: pb.ForkRequest(cache="f16", sequence_id="p", new_sequence_id="x"),
          PRECOND, "sequence_id"),
     case("Fork", "source-reserved-pq", lambda lv: pb.ForkRequest(cache="pq", sequence_id="r", new_sequence_id="x"),
@@ -543,7 +535,7 @@ CASES = [
     case("Fork", "pool-exhausted", lambda lv: pb.ForkRequest(cache="tiny", sequence_id="full", new_sequence_id="x"),
          EXHAUSTED, "tail"),
     case("Fork", "max-sequences", lambda lv: pb.ForkRequest(cache="one", sequence_id="only", new_sequence_id="x"),
-         EXHAUSTED, "sequence_id"),
+         EXHAUSTED, "new_sequence_id"),
     # ----------------------------------------------------------------------- Free
     case("Free", "unknown-cache", lambda lv: pb.FreeRequest(cache="nope", sequence_ids=["b"]), NOT_FOUND, "cache"),
     case("Free", "empty-batch", lambda lv: pb.FreeRequest(cache="f16"), INVALID, "sequence_ids"),
@@ -570,7 +562,6 @@ CASES = [
          NOT_FOUND, "sequence_id"),
     # ------------------------------------------------------------------- MapPool
     case("MapPool", "unknown-cache", lambda lv: pb.MapPoolRequest(cache="nope"), NOT_FOUND, "cache"),
-    case("MapPool", "no-codebooks", lambda lv: pb.MapPoolRequest(cache="raw"), PRECOND, "codebooks"),
     case("MapPool", "cpu-pool", lambda lv: pb.MapPoolRequest(cache="pq"), PRECOND, "cache"),
     # ------------------------------------------------------------ RegisterBuffer
     case("RegisterBuffer", "kind-missing", lambda lv: pb.RegisterBufferRequest(name=lv.shm_name, size=64),
@@ -737,6 +728,8 @@ def remote(tmp_path_factory):
                  C.PERMISSION_DENIED, "UnregisterBuffer", id="unregister-buffer-remote"),
     pytest.param("MapPool", pb.MapPoolRequest(cache="f16"), AUTH, C.PERMISSION_DENIED, "MapPool",
                  id="map-pool-remote"),
+    pytest.param("Reserve", pb.ReserveRequest(cache="f16", sequence_id="b", num_tokens=1), AUTH, C.PERMISSION_DENIED,
+                 "Reserve", id="reserve-remote"),
     pytest.param("Append", append("f16", ["b"], [2], k=ref("shm-0", 0, (L, 2, HKV, D))), AUTH, INVALID, "k",
                  id="buffer-ref-remote"),
     pytest.param("Attend", attend("f16", ["b"], out=pb.OutputRef(buffer_id="shm-0")), AUTH, INVALID, "out",

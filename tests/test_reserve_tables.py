@@ -1,6 +1,10 @@
 """Incremental block tables in Reserve: a client that says which sealed blocks it
 holds gets only the rest, and rebuilds exactly the daemon's table; a table that
-was rebuilt (a tier move) or a client that never saw it gets the whole table."""
+was rebuilt (a tier move) or a client that never saw it gets the whole table.
+
+The Reserve RPC admits only mapped clients of a CUDA pool, so on CPU the steps
+reserve through the engine (what the servicer calls) and the client's tables
+read the same Reservation messages the servicer would send."""
 import grpc
 import pytest
 import torch
@@ -33,10 +37,19 @@ def setup(request, tmp_path):
     server.stop(0)
 
 
-def _reserve(kv, tables, ids, n=1, **kw):
+def _reserve_engine(engine, ids, n=1, counts=(), epochs=()):
+    """A batch Reserve as the servicer runs it -> ReserveReply."""
+    known = list(zip(counts, epochs)) or None
+    rs = engine.reserve_batch("c", T, list(ids), n, known=known)
+    return pb.ReserveReply(reservations=[
+        pb.Reservation(sequence_id=sid, slot_mapping=r.slot_mapping, sealed_blocks=r.sealed_blocks,
+                       tail_blocks=r.tail_blocks, length=r.length, sealed_start=r.sealed_start,
+                       table_epoch=r.table_epoch) for sid, r in zip(ids, rs)])
+
+
+def _reserve(engine, tables, ids, n=1):
     counts, epochs = tables.known(ids)
-    r = kv.stub.Reserve(pb.ReserveRequest(cache="c", sequence_ids=ids, num_tokens=n, known_sealed=counts,
-                                          known_epochs=epochs, **kw))
+    r = _reserve_engine(engine, ids, n, counts, epochs)
     return r, [tables.update(sid, x) for sid, x in zip(ids, r.reservations)]
 
 
@@ -54,7 +67,7 @@ def test_steps_send_only_new_blocks_and_tables_match(setup):
     tables = SealedTables()
     sent = []
     for step in range(100):
-        r, full = _reserve(kv, tables, ids)
+        r, full = _reserve(engine, tables, ids)
         for sid, t, x in zip(ids, full, r.reservations):
             assert t.tolist() == _sealed(engine, sid), (step, sid)
             assert x.table_epoch == engine.cache("c").seq(T, sid).table_epoch
@@ -70,26 +83,25 @@ def test_rebuilt_or_unknown_tables_come_whole(setup):
     kv.allocate("c", "a", [])
     kv.append("c", ["a"], torch.randn(L, 40, HKV, D).half(), torch.randn(L, 40, HKV, D).half())
     tables = SealedTables()
-    r, _ = _reserve(kv, tables, ["a"])
+    r, _ = _reserve(engine, tables, ["a"])
     assert r.reservations[0].sealed_start == 0 and len(r.reservations[0].sealed_blocks) > 0
-    r, _ = _reserve(kv, tables, ["a"])
+    r, _ = _reserve(engine, tables, ["a"])
     assert r.reservations[0].sealed_start == len(_sealed(engine, "a")) - len(r.reservations[0].sealed_blocks)
     assert r.reservations[0].sealed_start > 0
     # a tier move rebuilds the table under a new epoch: the whole table again
     epoch = engine.cache("c").seq(T, "a").table_epoch
-    r, _ = _reserve(kv, tables, ["a"], n=0)          # commit, reserve nothing: nothing in flight
+    r, _ = _reserve(engine, tables, ["a"], n=0)      # commit, reserve nothing: nothing in flight
     kv.offload("c", ["a"])
     kv.prefetch("c", ["a"])
     assert engine.cache("c").seq(T, "a").table_epoch != epoch
-    r, (full,) = _reserve(kv, tables, ["a"])
+    r, (full,) = _reserve(engine, tables, ["a"])
     assert r.reservations[0].sealed_start == 0 and full.tolist() == _sealed(engine, "a")
     # a client that claims more than the table, or another epoch, gets it whole
     for counts, epochs in (([10 ** 6], [r.reservations[0].table_epoch]), ([1], [12345])):
-        x = kv.stub.Reserve(pb.ReserveRequest(cache="c", sequence_ids=["a"], num_tokens=1,
-                                              known_sealed=counts, known_epochs=epochs)).reservations[0]
+        x = _reserve_engine(engine, ["a"], 1, counts, epochs).reservations[0]
         assert x.sealed_start == 0 and list(x.sealed_blocks) == _sealed(engine, "a")
     # no known fields (older clients): whole tables
-    x = kv.stub.Reserve(pb.ReserveRequest(cache="c", sequence_ids=["a"], num_tokens=1)).reservations[0]
+    x = _reserve_engine(engine, ["a"], 1).reservations[0]
     assert x.sealed_start == 0 and list(x.sealed_blocks) == _sealed(engine, "a")
 
 
