@@ -52,6 +52,7 @@ class LMDBStore:
             for k, v in txn.cursor():
                 self._sizes[bytes(k)] = entry_bytes(k, v)
         self.used_bytes = sum(self._sizes.values())
+        self.books = None     # what the owner of the key layout keeps over these entries (tiers.DiskTier)
 
     def _write(self, fn) -> None:
         while True:

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import json
 import struct
-import weakref
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -141,10 +140,9 @@ class DiskTier:
 
     @classmethod
     def of(cls, store: LMDBStore) -> "DiskTier":
-        t = _SHARED.get(store)
-        if t is None:
-            t = _SHARED[store] = cls(store)
-        return t
+        if store.books is None:
+            store.books = cls(store)
+        return store.books
 
     # ------------------------------------------------------------ books
     def _unreferenced(self, k: bytes) -> None:
@@ -327,9 +325,6 @@ class DiskTier:
         # Over the bound only with nothing left to evict (a store opened under a smaller bound).
         assert not self.store.max_bytes or self.store.used_bytes <= self.store.max_bytes or not self.lru, \
             "over the byte bound"
-
-
-_SHARED: "weakref.WeakKeyDictionary[LMDBStore, DiskTier]" = weakref.WeakKeyDictionary()
 
 
 def _view(payload: torch.Tensor) -> memoryview:
