@@ -11,8 +11,10 @@ would have written, whichever client wrote it. Checks:
   (fp16 sinks and tail) or to its PQ codes dequantized (sealed), computed here
   with the reference encoder and the codebooks the soak set (the CPU daemon
   runs the same reference code); the sealed tokens come first.
-- Attend: within 2e-3 of an fp64 attention over the K/V just retrieved and
-  checked (attention is computed, not stored: its rounding is the daemon's).
+- Attend: bit-identical before and after the sequence's round trip through
+  the disk (Offload, then the page-in of the next Attend), and within 2e-3 of
+  an fp64 attention over the K/V just retrieved and checked (attention is
+  computed, not stored: its rounding is the daemon's).
 """
 from __future__ import annotations
 
@@ -173,6 +175,13 @@ def worker(target: str, idx: int, seconds: float, seed: int, crash_after: float,
                 cache, shadow = live[sid]
                 layer, q = rng.randrange(L), torch.randn(1, HQ, D).half()
                 out = kv.attend(cache, layer, [sid], q)
+                try:
+                    kv.offload(cache, [sid])          # a round trip through the disk changes no bit
+                except grpc.RpcError as e:
+                    if e.code() != grpc.StatusCode.RESOURCE_EXHAUSTED:
+                        raise
+                if not torch.equal(kv.attend(cache, layer, [sid], q), out):
+                    errors[f"attend: {cache} {sid}: another result after a round trip to disk"] += 1
                 k, v = verify(cache, sid, 0, len(shadow.tokens), layer)
                 want, _ = ref.attention_dense(q[0].double(), k[0].double(), v[0].double(), 1 / D ** 0.5)
                 err = float((out[0].double() - want).abs().max())

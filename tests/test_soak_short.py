@@ -34,7 +34,7 @@ def test_soak_one_minute_eight_clients():
 def test_soak_tier_pressure_one_minute():
     """scripts/soak.py --tiers: GPU pools of a few sequences over a host tier and
     a bounded LMDB; every read checked against what was written."""
-    res = load("soak").run(minutes=0.75, clients=8, lease_timeout=3.0, seed=2, crash=True, verbose=False, tiers=True)
+    res = load("soak").run(minutes=0.7, clients=8, lease_timeout=3.0, seed=2, crash=True, verbose=False, tiers=True)
     assert res["failures"] == [], res
     assert res["blocks_leaked"] == 0 and res["sequences_leaked"] == 0 and res["disk_held_bytes"] == 0
     assert res["checked_reads"] > 100, res
