@@ -62,7 +62,7 @@ class Cache(WritePath, ReadPath):
             host = HostTier(self.main.block_bytes(), self.tail.block_bytes(), cfg.host_bytes,
                             pin=cfg.device.startswith("cuda"))
         if cold_store is not None:
-            disk = DiskTier(cold_store)
+            disk = DiskTier.of(cold_store)
         self.tiering = Tiering(self, host, disk) if (host or disk) else None
         if self.tiering is not None and not self.is_pq:
             self.tiering.restore()
@@ -74,6 +74,12 @@ class Cache(WritePath, ReadPath):
         for s in seqs:
             if s.tier != "gpu":
                 self.tiering.page_in(s, self.protect)
+
+    def changing(self, s: Sequence) -> None:
+        """s's committed tokens are about to change: a disk copy of what it
+        was goes first."""
+        if s.manifest is not None:
+            self.tiering.changing(s)
 
     def after_write(self) -> None:
         """Keep free GPU blocks above the low watermark."""
@@ -210,34 +216,37 @@ class Cache(WritePath, ReadPath):
                 if bid is not None:
                     hits.append(("tail", bid))
                     continue
-            payload = self.tiering.lookup_below(h) if self.tiering is not None and (sealed_range or not self.is_pq) else None
-            if payload is None:
+            found = self.tiering.lookup_below(h) if self.tiering is not None and (sealed_range or not self.is_pq) else None
+            if found is None:
                 break
-            hits.append(("below", payload))
+            hits.append(("below", found))     # (tier, payload)
         if hits and len(hits) * self.bs == len(prompt):
             hits.pop()     # the caller must compute at least one token to get logits
-        fresh = [i for i, (kind, _) in enumerate(hits) if kind in ("encode", "below")]
-        # Main-pool blocks the hits take out of its free queue (fp16 "tail" hits are main-pool blocks too).
-        refs = [b for kind, b in hits if kind == "main" or (kind == "tail" and not self.is_pq)]
-        # Fresh blocks must come from the free queue; if there are too few,
-        # serve a shorter prefix rather than evict what we are about to use.
-        reclaimable = self.main_pool.num_allocatable() - sum(
-            1 for b in refs if self.main_pool.blocks[b].ref_cnt == 0)
-        if len(fresh) > max(0, reclaimable):
-            hits = hits[:fresh[max(0, reclaimable)]]
-            fresh = [i for i in fresh if i < len(hits)]
-        s = Sequence(seq_id, tenant, self.cfg.geometry.num_layers, token_ids=list(prompt), hashes=hashes)
+        # Hold every hit first, so that making room for the fresh blocks can
+        # neither move nor reuse them (an "encode" source only until encoded).
         self.main_pool.ref([b for kind, b in hits if kind == "main"])
-        self.tail_pool.ref([b for kind, b in hits if kind == "tail"])
-        new = dict(zip(fresh, self.main_pool.allocate(len(fresh)) or []))
+        self.tail_pool.ref([b for kind, b in hits if kind in ("tail", "encode")])
+        fresh = [i for i, (kind, _) in enumerate(hits) if kind in ("encode", "below")]
+        if len(fresh) > self.main_pool.num_allocatable() and self.tiering is not None:
+            self.tiering.make_room(len(fresh), 0, set())
+        if len(fresh) > self.main_pool.num_allocatable():
+            # Serve a shorter prefix: up to the first fresh block there is no room for.
+            cut = fresh[self.main_pool.num_allocatable()]
+            self.main_pool.release([b for kind, b in hits[cut:] if kind == "main"])
+            self.tail_pool.release([b for kind, b in hits[cut:] if kind in ("tail", "encode")])
+            hits, fresh = hits[:cut], [i for i in fresh if i < cut]
+        s = Sequence(seq_id, tenant, self.cfg.geometry.num_layers, token_ids=list(prompt), hashes=hashes)
+        new = dict(zip(fresh, self.main_pool.allocate(len(fresh))))
         enc = [i for i in fresh if hits[i][0] == "encode"]
         if enc:
             k, v = self.tail.read_blocks(slice(None), ids_to(self.tail.k.device, [hits[i][1] for i in enc]))
             self.main.encode_blocks(ids_to(k.device, [new[i] for i in enc]), k, v)
+            self.tail_pool.release([hits[i][1] for i in enc])
         below = [i for i in fresh if hits[i][0] == "below"]
         if below:
             self.main.unpack(ids_to(self.main_device, [new[i] for i in below]),
-                             torch.stack([hits[i][1] for i in below]))
+                             torch.stack([hits[i][1][1] for i in below]))
+            self.tiering.served([hits[i][1][0] for i in below])
         for i, (kind, b) in enumerate(hits):
             bid = new.get(i, b)
             if i in new:
@@ -263,6 +272,8 @@ class Cache(WritePath, ReadPath):
             raise FailedPrecondition("sequence_id", f"sequence {quote(src.seq_id)} has uncommitted tokens")
         partial = src.length % self.bs != 0 and len(src.tail) > 0
         shared_tail = src.tail[:-1] if partial else list(src.tail)
+        if partial:
+            self.check_room(0, 1, 0, "tail")
         new = self._alloc_tail(1) if partial else []
         self.main_pool.ref(src.sealed)
         self.tail_pool.ref(shared_tail)
@@ -274,9 +285,9 @@ class Cache(WritePath, ReadPath):
         self.seqs[(tenant, dst_id)] = dst
 
     def free(self, s: Sequence) -> None:
-        if s.tier != "gpu":
-            self.tiering.free(s)
-        else:
+        if self.tiering is not None:
+            self.tiering.free(s)          # its disk copy first, then host blocks
+        if s.tier == "gpu":
             # Release back to front: the newest blocks are the least likely to
             # be shared prefixes, so they should be evicted first.
             self.tail_pool.release(s.tail[::-1])
@@ -334,3 +345,5 @@ class Cache(WritePath, ReadPath):
         if self.tiering is not None and self.tiering.host is not None:
             self.tiering.host.main_pool.check_invariants(refs["host"][0])
             self.tiering.host.tail_pool.check_invariants(refs["host"][1])
+        if self.tiering is not None:
+            self.tiering.check_invariants()

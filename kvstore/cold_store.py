@@ -1,8 +1,10 @@
 """The cold tier: a small key-value interface with LMDB as its implementation.
 
 Keys and values are bytes; what they mean (block payloads, manifests) is
-decided by kvstore/tiers.py. Batched writes go in one transaction, so a
-sequence's blocks and its manifest are on disk together or not at all.
+decided by kvstore/tiers.py, and so is what goes when the store is over its
+byte bound (the store only keeps the books). Batched writes go in one
+transaction, so a sequence's blocks and its manifest are on disk together or
+not at all.
 """
 from __future__ import annotations
 
@@ -18,19 +20,39 @@ class ColdStore(Protocol):
     def scan(self, prefix: bytes) -> Iterator[tuple[bytes, bytes]]: ...
 
 
-class LMDBStore:
-    """LMDB-backed ColdStore. A full map grows instead of failing."""
+def entry_bytes(key: bytes, value) -> int:
+    """What one entry counts against the bound: its key and value bytes (LMDB
+    adds its page overhead on top: the file is somewhat larger)."""
+    return len(key) + (value.nbytes if isinstance(value, memoryview) else len(value))
 
-    def __init__(self, path: str, map_size: int = 1 << 30, sync: bool = False):
+
+class LMDBStore:
+    """LMDB-backed ColdStore. A full map grows instead of failing.
+
+    The size of every entry is kept in memory (read at open, updated at each
+    commit; this process is the store's only writer), so `used_bytes` is exact
+    and `contains` needs no transaction. `max_bytes` (0: none) is the bound the
+    owner of the key layout keeps (tiers.DiskTier)."""
+
+    def __init__(self, path: str, map_size: int = 1 << 30, sync: bool = False, max_bytes: int = 0):
         import lmdb
+        if max_bytes < 0:
+            raise ValueError(f"max_bytes must be >= 0, got {max_bytes}")
         self._lmdb = lmdb
         os.makedirs(path, mode=0o700, exist_ok=True)
         self.path = path
+        self.max_bytes = max_bytes
         # sync=False: commits reach the OS, not the disk; durable writes ask for
         # sync explicitly (put_many(sync=True) calls env.sync()).
         self.env = lmdb.open(path, map_size=map_size, subdir=True, sync=sync, metasync=sync,
                              max_dbs=0, lock=True, readahead=False)
         self._grow_lock = threading.Lock()
+        self._sizes: dict[bytes, int] = {}
+        with self.env.begin(buffers=True) as txn:   # values stay in the map: only their length is read
+            for k, v in txn.cursor():
+                self._sizes[bytes(k)] = entry_bytes(k, v)
+        self.used_bytes = sum(self._sizes.values())
+        self.books = None     # what the owner of the key layout keeps over these entries (tiers.DiskTier)
 
     def _write(self, fn) -> None:
         while True:
@@ -42,40 +64,45 @@ class LMDBStore:
                 with self._grow_lock:
                     self.env.set_mapsize(self.env.info()["map_size"] * 2)
 
-    def put_many(self, items: Iterable[tuple[bytes, bytes]], sync: bool = False) -> None:
-        items = list(items)
+    def keys(self, prefix: bytes = b"") -> list[bytes]:
+        """Keys under prefix, from the books (no transaction)."""
+        return [k for k in self._sizes if k.startswith(prefix)]
 
-        def fn(txn):
-            for k, v in items:
-                txn.put(k, v)
-        self._write(fn)
-        if sync:
-            self.env.sync(True)
+    def size(self, key: bytes) -> int | None:
+        """Bytes the entry counts, None if absent."""
+        return self._sizes.get(key)
+
+    def growth(self, puts: list[tuple[bytes, bytes]], deletes: Iterable[bytes]) -> int:
+        """Bytes write_batch(puts, deletes) would add to used_bytes (< 0: frees)."""
+        return sum(n - self._sizes.get(k, 0) for k, n in _after(puts, deletes).items())
+
+    def put_many(self, items: Iterable[tuple[bytes, bytes]], sync: bool = False) -> None:
+        self.write_batch(list(items), [], sync)
 
     def get_many(self, keys: list[bytes]) -> list[bytes | None]:
         with self.env.begin(buffers=False) as txn:
             return [txn.get(k) for k in keys]
 
     def contains(self, key: bytes) -> bool:
-        with self.env.begin() as txn:
-            return txn.get(key) is not None
+        return key in self._sizes
 
     def delete_many(self, keys: Iterable[bytes]) -> None:
-        keys = list(keys)
-
-        def fn(txn):
-            for k in keys:
-                txn.delete(k)
-        self._write(fn)
+        self.write_batch([], list(keys))
 
     def write_batch(self, puts: list[tuple[bytes, bytes]], deletes: list[bytes], sync: bool = False) -> None:
-        """Puts and deletes in one transaction."""
+        """Puts and deletes in one transaction (deletes first)."""
         def fn(txn):
             for k in deletes:
                 txn.delete(k)
             for k, v in puts:
                 txn.put(k, v)
         self._write(fn)
+        for k, n in _after(puts, deletes).items():     # committed: the books follow
+            self.used_bytes += n - self._sizes.get(k, 0)
+            if n:
+                self._sizes[k] = n
+            else:
+                self._sizes.pop(k, None)
         if sync:
             self.env.sync(True)
 
@@ -94,7 +121,16 @@ class LMDBStore:
         info = self.env.info()
         return dict(entries=st["entries"], map_size=info["map_size"],
                     pages=st["branch_pages"] + st["leaf_pages"] + st["overflow_pages"],
-                    bytes=(st["branch_pages"] + st["leaf_pages"] + st["overflow_pages"]) * st["psize"])
+                    bytes=(st["branch_pages"] + st["leaf_pages"] + st["overflow_pages"]) * st["psize"],
+                    used_bytes=self.used_bytes, max_bytes=self.max_bytes)
 
     def close(self) -> None:
         self.env.close()
+
+
+def _after(puts: list[tuple[bytes, bytes]], deletes: Iterable[bytes]) -> dict[bytes, int]:
+    """key -> bytes it counts after a batch (0: deleted)."""
+    out = {k: 0 for k in deletes}
+    for k, v in puts:
+        out[k] = entry_bytes(k, v)
+    return out

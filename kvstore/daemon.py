@@ -14,6 +14,7 @@ import argparse
 import ipaddress
 import logging
 import os
+import shutil
 import signal
 import socket
 import sys
@@ -31,6 +32,7 @@ from .engine import Engine
 from .errors import InvalidArgument
 from .leases import DEFAULT_TIMEOUT_S, LeaseManager
 from .servicer import DEFAULT_MAX_STREAMS, KVStoreServicer
+from .sizes import parse_bytes
 from .v1 import kvstore_pb2 as pb
 from .v1 import kvstore_pb2_grpc as pb_grpc
 
@@ -196,6 +198,10 @@ def _parser() -> argparse.ArgumentParser:
                    help="disk tier: LMDB directory; sequences and prefix blocks survive restarts")
     p.add_argument("--lmdb-sync", action="store_true",
                    help="make pressure spills durable too (Offload always syncs)")
+    p.add_argument("--lmdb-max-bytes", type=_byte_size, default=None, metavar="SIZE",
+                   help="bound of the disk tier, in bytes (40GiB, 512MB and the like work too; 0: none); past it the "
+                        "least recently used prefix blocks no sequence holds go first, and an Offload that cannot fit "
+                        "is RESOURCE_EXHAUSTED (default: 90%% of the free space of --lmdb's filesystem at start)")
     p.add_argument("--max-message-mb", type=int, default=DEFAULT_MAX_MESSAGE_MB)
     p.add_argument("--workers", type=int, default=8, help="threads serving calls (default: %(default)s)")
     p.add_argument("--max-streams", type=int, default=DEFAULT_MAX_STREAMS,
@@ -313,7 +319,7 @@ def main(argv: list[str] | None = None) -> None:
                 raise sockets.SocketError(f"--metrics-port {args.metrics_port}: cannot listen on "
                                           f"{args.metrics_host}:{args.metrics_port}: {e.strerror}") from None
         try:
-            engine = Engine(args.device, args.lmdb, args.lmdb_sync)
+            engine = Engine(args.device, args.lmdb, args.lmdb_sync, _disk_budget(args.lmdb, args.lmdb_max_bytes))
         except Exception as e:  # noqa: BLE001 - e.g. an LMDB directory we cannot open: one line, not a traceback
             raise sockets.SocketError(f"--lmdb {args.lmdb}: {e}" if args.lmdb else f"engine: {e}") from None
         try:
@@ -367,6 +373,21 @@ def _pool_budget(device: str, given: int | None) -> int:
         import torch
         return int(torch.cuda.get_device_properties(torch.device(device)).total_memory * 0.9)
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2
+
+
+def _byte_size(text: str) -> int:
+    try:
+        return parse_bytes(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _disk_budget(path: str | None, given: int | None) -> int:
+    if given is not None or not path:
+        return given or 0
+    os.makedirs(path, mode=0o700, exist_ok=True)
+    held = sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path))
+    return int((shutil.disk_usage(path).free + held) * 0.9)
 
 
 def _cuda() -> bool:

@@ -49,17 +49,18 @@ class SequenceInfo:
 
 
 class Engine:
-    def __init__(self, device: str = "cpu", lmdb_path: str | None = None, lmdb_sync: bool = False):
+    def __init__(self, device: str = "cpu", lmdb_path: str | None = None, lmdb_sync: bool = False,
+                 lmdb_max_bytes: int = 0):
         """lmdb_path: the disk tier shared by every cache (keys carry each
         cache's fingerprint); lmdb_sync: make pressure spills durable too
-        (Offload always is)."""
+        (Offload always is); lmdb_max_bytes: its bound (0: none)."""
         self.device = device
         self.caches: dict[str, Cache] = {}
         self.lock = threading.RLock()
         self.cold_store = None
         if lmdb_path:
             from .cold_store import LMDBStore
-            self.cold_store = LMDBStore(lmdb_path, sync=lmdb_sync)
+            self.cold_store = LMDBStore(lmdb_path, sync=lmdb_sync, max_bytes=lmdb_max_bytes)
 
     # --------------------------------------------------------------- caches
     def create_cache(self, cfg: CacheConfig, exist_ok: bool = False) -> Cache:
@@ -351,8 +352,7 @@ class Engine:
                 if any(s.pending) or s.reserved:
                     raise FailedPrecondition("sequence_ids", f"sequence {quote(s.seq_id)} has uncommitted tokens")
             cache.protect = set()
-            for s in seqs:
-                cache.tiering.to_disk(s, sync=True)
+            cache.tiering.offload(seqs)
 
     def prefetch(self, name: str, tenant: str, seq_ids: list[str]) -> None:
         """Page sequences back into the GPU pools ahead of use."""

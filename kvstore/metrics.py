@@ -24,7 +24,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 COUNTERS = {"prefix_query_tokens", "prefix_hit_tokens", "appended_tokens", "sealed_blocks", "dedup_blocks",
             "attend_calls", "evictions", "page_ins", "page_outs", "offloads", "prefetches", "bytes_down",
-            "bytes_up", "spilled_blocks", "prefix_hit_blocks", "prefix_hits"}
+            "bytes_up", "spilled_blocks", "prefix_hit_blocks", "prefix_hits", "evicted_bytes", "skipped_spills"}
 HIT_BLOCKS = ("prefix_hit_blocks", "prefix_hits")    # per-tier prefix hits, counted in blocks
 TIER_SUFFIXES = ("gpu", "host", "disk")
 POOL_STATES = ("used", "cached", "free")

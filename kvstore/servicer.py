@@ -526,8 +526,12 @@ def _tier_stats(msg: pb.CacheStats, t: dict) -> None:
         msg.host.CopyFrom(_pool(t["host_main"]))
         msg.host_tail.CopyFrom(_pool(t["host_tail"]))
     if "disk" in t:
-        msg.disk_bytes = t["disk"]["bytes"]
-        msg.disk_entries = t["disk"]["entries"]
+        d = t["disk"]
+        msg.disk_bytes = d["bytes"]
+        msg.disk_entries = d["entries"]
+        msg.disk_used_bytes, msg.disk_max_bytes, msg.disk_held_bytes = d["used_bytes"], d["max_bytes"], d["held_bytes"]
+        msg.disk_evictions, msg.disk_evicted_bytes = d["evictions"], d["evicted_bytes"]
+        msg.disk_skipped_spills = d["skipped_spills"]
 
 
 def _pool_bytes(cfg: CacheConfig) -> int:

@@ -6,7 +6,12 @@ hand) move down whole: to the pinned host pool, or to LMDB when the host is
 full or absent. Cached (freed, hashed) GPU blocks are copied to the host
 before their slot is reused, and host cached blocks to LMDB, so prefix hits
 survive eviction. Any access pages a sequence back in; Offload writes it to
-LMDB and returns once the transaction is durable.
+LMDB and returns once the transaction is durable, and that copy stays until
+the sequence is freed or changed.
+
+Books: every move takes the references it needs first (hits it will share,
+so that making room can neither move nor reuse them), then makes room, then
+allocates what it checked, and on any failure gives back all it took.
 """
 from __future__ import annotations
 
@@ -18,7 +23,7 @@ import torch
 from .errors import FailedPrecondition, ResourceExhausted
 from .sequence import Sequence
 from .storage import ids_to
-from .tiers import DiskTier, HostTier
+from .tiers import DiskTier, HostTier, SeqImage, block_key
 
 
 class Tiering:
@@ -51,8 +56,9 @@ class Tiering:
                 return
         if self.disk is not None:
             payload = payload.cpu()
-            self.counters["bytes_down"] += self.disk.put_blocks(self.c.fingerprint, [(h, p) for (_, h), p in zip(todo, payload)])
-            self.counters["spilled_blocks"] += len(todo)
+            n = self.disk.put_blocks(self.c.fingerprint, [(h, p) for (_, h), p in zip(todo, payload)])
+            self.counters["bytes_down"] += n
+            self.counters["spilled_blocks"] += n // payload.shape[1]
 
     def _spill_host_cached(self, evicted: list[tuple[int, bytes]]) -> None:
         if self.disk is None:
@@ -64,105 +70,136 @@ class Tiering:
     def _below_has(self, h: bytes) -> bool:
         if self.host is not None and self.host.main_pool.lookup(h) is not None:
             return True
-        return self.disk is not None and self.disk.store.contains(b"B" + self.c.fingerprint + h)
+        return self.disk is not None and self.disk.has_block(self.c.fingerprint, h)
 
     # --------------------------------------------------------------- room
-    def make_room(self, main: int, tail: int, protect: set) -> bool:
-        """Move LRU sequences down until the GPU pools can give main + tail blocks."""
+    def _gpu_fits(self, main: int, tail: int) -> bool:
         c = self.c
-        while True:
-            if c.is_pq:
-                ok = c.main_pool.num_allocatable() >= main and c.tail_pool.num_allocatable() >= tail
-            else:
-                ok = c.main_pool.num_allocatable() >= main + tail
-            if ok:
-                return True
-            victims = sorted((s for s in c.seqs.values() if s.tier == "gpu" and id(s) not in protect
-                              and not any(s.pending) and not s.reserved and (s.sealed or s.tail)),
-                             key=lambda s: s.last_use)
-            if not victims:
+        if c.is_pq:
+            return c.main_pool.num_allocatable() >= main and c.tail_pool.num_allocatable() >= tail
+        return c.main_pool.num_allocatable() >= main + tail
+
+    def make_room(self, main: int, tail: int, protect: set) -> bool:
+        """Move LRU sequences down until the GPU pools can give main + tail
+        blocks. Blocks the caller holds references on stay where they are."""
+        while not self._gpu_fits(main, tail):
+            victim = _lru(s for s in self.c.seqs.values() if s.tier == "gpu" and id(s) not in protect
+                          and not any(s.pending) and not s.reserved and (s.sealed or s.tail))
+            if victim is None or not self.move_down(victim, protect):
+                return False
+        return True
+
+    def move_down(self, s: Sequence, protect: set = frozenset()) -> bool:
+        """GPU -> host if it fits there, else -> disk. False: no room below."""
+        if self.host is not None and self.to_host(s, protect):
+            return True
+        if self.disk is None:
+            return False
+        try:
+            self._to_disk([s], durable=False)
+        except ResourceExhausted:
+            return False
+        return True
+
+    def _host_room(self, main: int, tail: int, protect: set) -> bool:
+        """Move LRU host sequences to disk until the host pools can give main + tail."""
+        h = self.host
+        if main > h.main_pool.capacity or tail > h.tail_pool.capacity:
+            return False
+        while h.main_pool.num_allocatable() < main or h.tail_pool.num_allocatable() < tail:
+            victim = _lru(v for v in self.c.seqs.values() if v.tier == "host" and id(v) not in protect)
+            if victim is None or self.disk is None:
                 return False
             try:
-                self.move_down(victims[0], sync=False)
+                self._to_disk([victim], durable=False)
             except ResourceExhausted:
                 return False
-
-    def move_down(self, s: Sequence, sync: bool) -> None:
-        """GPU -> host if it fits, else -> disk."""
-        if self.host is not None and self._host_fits(s):
-            self.to_host(s)
-        elif self.disk is not None:
-            self.to_disk(s, sync)
-        else:
-            raise ResourceExhausted("sequence_id", "no room in the host tier and no disk tier configured")
+        return True
 
     def _sealed_hash(self, s: Sequence, j: int) -> bytes | None:
-        """Content hash of sealed block j (behind the sink blocks), if known."""
+        """Content hash of sealed block j (behind the sink blocks), if registered."""
         i = self.c.sink_blocks + j
-        return s.hashes[i] if i < len(s.hashes) else None
-
-    def _host_fits(self, s: Sequence) -> bool:
-        h = self.host
-        hashes = (self._sealed_hash(s, j) for j in range(len(s.sealed)))
-        need_main = sum(1 for hj in hashes if hj is None or h.main_pool.lookup(hj) is None)
-        if h.main_pool.num_allocatable() < need_main or h.tail_pool.num_allocatable() < len(s.tail):
-            self._host_make_room(need_main, len(s.tail))
-        return h.main_pool.num_allocatable() >= need_main and h.tail_pool.num_allocatable() >= len(s.tail)
-
-    def _host_make_room(self, main: int, tail: int) -> None:
-        if self.disk is None:
-            return
-        h = self.host
-        victims = sorted((s for s in self.c.seqs.values() if s.tier == "host"), key=lambda s: s.last_use)
-        for v in victims:
-            if h.main_pool.num_allocatable() >= main and h.tail_pool.num_allocatable() >= tail:
-                return
-            self.to_disk(v, sync=False)
+        return s.hashes[i] if i < min(s.hashed_upto, len(s.hashes)) else None
 
     # ------------------------------------------------------------- moves
-    def to_host(self, s: Sequence) -> None:
+    def to_host(self, s: Sequence, protect: set = frozenset()) -> bool:
+        """GPU -> host, sharing blocks the host already holds. False (and
+        nothing changed but host sequences moved to disk) if it does not fit."""
         c, h = self.c, self.host
         assert s.tier == "gpu"
-        host_main = []
-        new_idx = []
-        for i, b in enumerate(s.sealed):
+        hits = {}
+        for i in range(len(s.sealed)):
             hi = self._sealed_hash(s, i)
             hb = h.main_pool.lookup(hi) if hi is not None else None
             if hb is not None:
-                h.main_pool.ref([hb])
-                host_main.append(hb)
-            else:
-                host_main.append(None)
-                new_idx.append(i)
-        alloc = h.main_pool.allocate(len(new_idx))
-        tail_ids = h.tail_pool.allocate(len(s.tail))
-        assert alloc is not None and tail_ids is not None, "host room was checked"
-        if new_idx:
-            payload = c.main.pack(ids_to(c.main_device, [s.sealed[i] for i in new_idx]))
-            h.put(h.main, alloc, payload)
-            self.counters["bytes_down"] += payload.numel()
-        for i, hb in zip(new_idx, alloc):
-            host_main[i] = hb
-            if c.sink_blocks + i < min(s.hashed_upto, len(s.hashes)):
-                h.main_pool.set_hash(hb, s.hashes[c.sink_blocks + i])
-        if s.tail:
-            payload = c.tail.pack(ids_to(c.tail.k.device, s.tail))
-            h.put(h.tail, tail_ids, payload)
-            self.counters["bytes_down"] += payload.numel()
+                hits[i] = hb
+        h.main_pool.ref(list(hits.values()))
+        todo = [i for i in range(len(s.sealed)) if i not in hits]
+        alloc = tail_ids = None
+        done = False
+        try:
+            if not self._host_room(len(todo), len(s.tail), protect | {id(s)}):
+                return False
+            alloc = h.main_pool.allocate(len(todo))
+            tail_ids = h.tail_pool.allocate(len(s.tail))
+            assert alloc is not None and tail_ids is not None, "host room was made"
+            if todo:
+                payload = c.main.pack(ids_to(c.main_device, [s.sealed[i] for i in todo]))
+                h.put(h.main, alloc, payload)
+                self.counters["bytes_down"] += payload.numel()
+            if s.tail:
+                payload = c.tail.pack(ids_to(c.tail.k.device, s.tail))
+                h.put(h.tail, tail_ids, payload)
+                self.counters["bytes_down"] += payload.numel()
+            host_main = [hits.get(i) for i in range(len(s.sealed))]
+            for i, hb in zip(todo, alloc):
+                host_main[i] = hb
+                hi = self._sealed_hash(s, i)
+                if hi is not None:
+                    h.main_pool.set_hash(hb, hi)
+            done = True
+        finally:
+            if not done:
+                h.tail_pool.release(tail_ids or [])
+                h.main_pool.release((alloc or []) + list(hits.values()))
         self._release(s)
         s.sealed, s.tail, s.tier = host_main, tail_ids, "host"
         s.rebuilt_table()
         self.counters["offloads_host"] += 1
+        return True
 
-    def to_disk(self, s: Sequence, sync: bool) -> None:
-        """Write the sequence to LMDB in one transaction, then let go of its blocks."""
+    def offload(self, seqs: list[Sequence]) -> None:
+        """Offload: every sequence durable on disk, or (ResourceExhausted) none moved."""
         if self.disk is None:
             raise FailedPrecondition("sequence_ids", "no disk tier configured (start the daemon with --lmdb PATH)")
+        self._to_disk(seqs, durable=True)
+
+    def _to_disk(self, seqs: list[Sequence], durable: bool) -> None:
+        """Write the sequences to LMDB in one transaction, then let go of their blocks.
+        A sequence whose disk copy is current is not written again."""
         c = self.c
-        if s.tier == "disk":
-            if sync:
-                self.disk.store.env.sync(True)
-            return
+        images = []
+        for s in seqs:
+            m = s.manifest
+            if m is None:
+                images.append(self._image(s, durable))
+            elif durable and not m.get("durable"):      # a pressure copy, durable from now on
+                images.append(SeqImage(s.tenant, s.seq_id, dict(m, durable=True)))
+        if images:
+            self.counters["bytes_down"] += self.disk.write_sequences(c.fingerprint, images, sync=durable)
+        elif durable:
+            self.disk.sync()
+        written = {(im.tenant, im.seq_id): im.manifest for im in images}
+        for s in seqs:
+            s.manifest = written.get((s.tenant, s.seq_id), s.manifest)
+            if s.tier != "disk":
+                self._release(s)
+                s.sealed, s.tail, s.tier = [], [], "disk"
+                s.rebuilt_table()
+                self.counters["offloads_disk"] += 1
+
+    def _image(self, s: Sequence, durable: bool) -> SeqImage:
+        c = self.c
         if s.tier == "gpu":
             sealed = c.main.pack(ids_to(c.main_device, s.sealed)).cpu() if s.sealed else None
             tail = c.tail.pack(ids_to(c.tail.k.device, s.tail)).cpu() if s.tail else None
@@ -188,13 +225,8 @@ class Tiering:
         manifest = dict(seq_id=s.seq_id, tenant=s.tenant, length=s.length, token_ids=s.token_ids,
                         hashes=[h.hex() for h in s.hashes], hashed_upto=s.hashed_upto,
                         sealed_hashes=block_hashes[:len(s.sealed)], tail_hashes=block_hashes[len(s.sealed):],
-                        n_tail=len(s.tail), n_other=len(others))
-        self.counters["bytes_down"] += self.disk.write_sequence(c.fingerprint, s.tenant, s.seq_id, manifest,
-                                                                hashed, others, sync)
-        self._release(s)
-        s.sealed, s.tail, s.tier, s.manifest = [], [], "disk", manifest
-        s.rebuilt_table()
-        self.counters["offloads_disk"] += 1
+                        n_tail=len(s.tail), n_other=len(others), durable=durable)
+        return SeqImage(s.tenant, s.seq_id, manifest, hashed, others)
 
     def _release(self, s: Sequence) -> None:
         if s.tier == "gpu":
@@ -205,27 +237,17 @@ class Tiering:
             self.host.main_pool.release(s.sealed[::-1])
 
     def page_in(self, s: Sequence, protect: set) -> None:
-        """Bring a host or disk sequence back to the GPU pools."""
+        """Bring a host or disk sequence back to the GPU pools. A durable disk
+        copy stays (Offload's promise); a pressure copy goes."""
         c = self.c
         if s.tier == "gpu":
             return
         n_sealed = len(s.sealed) if s.tier == "host" else len(s.manifest["sealed_hashes"])
         n_tail = len(s.tail) if s.tier == "host" else s.manifest["n_tail"]
-        known = min(s.hashed_upto, len(s.hashes))
-        gpu_hits = {i: c.main_pool.lookup(s.hashes[c.sink_blocks + i])
-                    for i in range(n_sealed) if c.sink_blocks + i < known}
-        gpu_hits = {i: b for i, b in gpu_hits.items() if b is not None}
-        # Hits that sit cached (unreferenced) stop being allocatable once we ref them.
-        cached_hits = sum(1 for b in gpu_hits.values() if c.main_pool.blocks[b].ref_cnt == 0)
-        need_main = n_sealed - len(gpu_hits) + cached_hits
-        if not self.make_room(need_main, n_tail, protect | {id(s)}):
-            raise ResourceExhausted("sequence_ids", f"no GPU room to page in sequence {s.seq_id!r}")
-        c.main_pool.ref(list(gpu_hits.values()))
-        need_main -= cached_hits
+        # Read first: a copy that cannot be read fails before anything changes.
         if s.tier == "host":
             sealed_payload = self.host.get(self.host.main, s.sealed, c.main_device) if s.sealed else None
             tail_payload = self.host.get(self.host.tail, s.tail, c.tail.k.device) if s.tail else None
-            self.counters["page_ins_host"] += 1
         else:
             pin = c.main_device.type == "cuda"
             sealed_payload, tail_payload = self.disk.read_sequence(
@@ -233,18 +255,32 @@ class Tiering:
             if pin:   # one DMA each from pinned memory
                 sealed_payload = sealed_payload.to(c.main_device, non_blocking=True) if n_sealed else None
                 tail_payload = tail_payload.to(c.tail.k.device, non_blocking=True) if n_tail else None
-            self.counters["page_ins_disk"] += 1
-        todo = [i for i in range(n_sealed) if i not in gpu_hits]
-        new = c.main_pool.allocate(len(todo))
-        new_tail = c.tail_pool.allocate(n_tail)
-        assert new is not None and new_tail is not None, "GPU room was made"
-        if todo:
-            c.main.unpack(ids_to(c.main_device, new), sealed_payload[todo])
-            self.counters["bytes_up"] += sealed_payload[todo].numel()
-        if n_tail:
-            c.tail.unpack(ids_to(c.tail.k.device, new_tail), tail_payload)
-            self.counters["bytes_up"] += tail_payload.numel()
-        sealed = [gpu_hits.get(i) for i in range(n_sealed)]
+        known = min(s.hashed_upto, len(s.hashes))
+        hits = {i: c.main_pool.lookup(s.hashes[c.sink_blocks + i])
+                for i in range(n_sealed) if c.sink_blocks + i < known}
+        hits = {i: b for i, b in hits.items() if b is not None}
+        c.main_pool.ref(list(hits.values()))
+        todo = [i for i in range(n_sealed) if i not in hits]
+        new = new_tail = None
+        done = False
+        try:
+            if not self.make_room(len(todo), n_tail, protect | {id(s)}):
+                raise ResourceExhausted("sequence_ids", f"no GPU room to page in sequence {s.seq_id!r}")
+            new = c.main_pool.allocate(len(todo))
+            new_tail = c.tail_pool.allocate(n_tail)
+            assert new is not None and new_tail is not None, "GPU room was made"
+            if todo:
+                c.main.unpack(ids_to(c.main_device, new), sealed_payload[todo])
+                self.counters["bytes_up"] += sealed_payload[todo].numel()
+            if n_tail:
+                c.tail.unpack(ids_to(c.tail.k.device, new_tail), tail_payload)
+                self.counters["bytes_up"] += tail_payload.numel()
+            done = True
+        finally:
+            if not done:
+                c.tail_pool.release(new_tail or [])
+                c.main_pool.release((new or []) + list(hits.values()))
+        sealed = [hits.get(i) for i in range(n_sealed)]
         for i, b in zip(todo, new):
             sealed[i] = b
             if c.sink_blocks + i < known:
@@ -253,36 +289,50 @@ class Tiering:
             i = c.tail_block_index(j, n_sealed)
             if i < known:
                 c.tail_pool.set_hash(b, s.hashes[i])
-        if s.tier == "host":
-            self._release(s)
-        else:
-            self.disk.delete_sequence(c.fingerprint, s.tenant, s.seq_id, s.manifest["n_other"])
-            s.manifest = None
+        below = s.tier
+        self._release(s)
         s.sealed, s.tail, s.tier = sealed, new_tail, "gpu"
         s.rebuilt_table()
         s.last_use = time.monotonic()
+        self.counters["page_ins_" + below] += 1
+        if below == "disk" and not s.manifest.get("durable"):
+            self.disk.delete_sequence(c.fingerprint, s.tenant, s.seq_id, s.manifest)
+            s.manifest = None
+
+    def changing(self, s: Sequence) -> None:
+        """s is about to change: its disk copy goes first (durably, so that a
+        restart cannot bring back what it no longer is)."""
+        if s.manifest is not None:
+            assert s.tier != "disk", "a sequence on disk changes only after a page-in"
+            self.disk.delete_sequence(self.c.fingerprint, s.tenant, s.seq_id, s.manifest, sync=True)
+            s.manifest = None
 
     def free(self, s: Sequence) -> None:
+        """The disk copy and host blocks of a sequence being freed (GPU blocks: Cache.free)."""
+        if s.manifest is not None:
+            self.disk.delete_sequence(self.c.fingerprint, s.tenant, s.seq_id, s.manifest)
+            s.manifest = None
         if s.tier == "host":
             self._release(s)
-        elif s.tier == "disk":
-            self.disk.delete_sequence(self.c.fingerprint, s.tenant, s.seq_id, s.manifest["n_other"])
 
     # ---------------------------------------------------------- prefix hits
-    def lookup_below(self, h: bytes) -> torch.Tensor | None:
-        """Payload of a sealed block with hash h from the host or disk tier."""
+    def lookup_below(self, h: bytes) -> tuple[str, torch.Tensor] | None:
+        """(tier, payload) of a sealed block with hash h from the host or disk tier."""
         if self.host is not None:
             b = self.host.main_pool.lookup(h)
             if b is not None:
-                self.counters["prefix_hits_host"] += 1
                 self.host.settle()
-                return self.host.main[b].clone()   # the slot may be reused before we copy
+                return "host", self.host.main[b].clone()   # the slot may be reused before we copy
         if self.disk is not None:
             v = self.disk.get_block(self.c.fingerprint, h)
             if v is not None:
-                self.counters["prefix_hits_disk"] += 1
-                return torch.from_numpy(np.frombuffer(v, dtype=np.uint8).copy())
+                return "disk", torch.from_numpy(np.frombuffer(v, dtype=np.uint8).copy())
         return None
+
+    def served(self, tiers: list[str]) -> None:
+        """Count prefix blocks from below that a sequence got."""
+        for t in tiers:
+            self.counters["prefix_hits_" + t] += 1
 
     def restore(self) -> int:
         """Register the sequences a previous daemon left on disk for this fingerprint."""
@@ -310,5 +360,20 @@ class Tiering:
         out["sequences_host"] = sum(1 for s in self.c.seqs.values() if s.tier == "host")
         out["sequences_disk"] = sum(1 for s in self.c.seqs.values() if s.tier == "disk")
         if self.disk is not None:
-            out["disk"] = self.disk.store.stats()
+            out["disk"] = self.disk.stats()
         return out
+
+    def check_invariants(self) -> None:
+        """The disk books, and every disk copy a sequence claims is there and pinned."""
+        if self.disk is None:
+            return
+        self.disk.check_invariants()
+        for s in self.c.seqs.values():
+            if s.manifest is not None:
+                for h in s.manifest["sealed_hashes"] + s.manifest["tail_hashes"]:
+                    assert not h or self.disk.pins.get(block_key(self.c.fingerprint, bytes.fromhex(h))), \
+                        f"{s.seq_id}: a block of its disk copy is not pinned"
+
+
+def _lru(seqs) -> Sequence | None:
+    return min(seqs, key=lambda s: s.last_use, default=None)

@@ -166,6 +166,7 @@ class WritePath:
         ns = self.sink_blocks
         release = s.tail[ns:ns + seal_count] if self.is_pq else []
         # ---- validated; mutate from here on
+        self.changing(s)
         if token_ids is not None:
             self._apply_token_ids(s, s.length, token_ids)
         if self.is_pq and seal_count:
@@ -234,6 +235,9 @@ class WritePath:
         needs = [max(0, math.ceil((start + n) / self.bs) - len(s.sealed) - len(s.tail))
                  for s, start, n in zip(seqs, starts, counts)]
         new = self._alloc_tail(sum(needs))      # one clearing launch for the whole batch
+        for s, n in zip(seqs, counts):      # the sequences whose committed tokens change now
+            if min(p + (n if i == layer else 0) for i, p in enumerate(s.pending)):
+                self.changing(s)
         slots = []
         for s, start, n, need in zip(seqs, starts, counts, needs):
             s.tail += new[:need]
@@ -309,10 +313,9 @@ class WritePath:
             raise FailedPrecondition("sequence_id", f"sequence {quote(s.seq_id)} has uncommitted per-layer tokens")
         need = self.tail_blocks_for(s, n)
         seal_count = self.seals_at_reserve(s)
-        if self.is_pq and seal_count > self.main_pool.num_allocatable():
-            raise ResourceExhausted("num_tokens", f"need {seal_count} blocks to seal")
-        if need > self.tail_pool.num_allocatable():
-            raise ResourceExhausted("num_tokens", f"need {need} tail blocks, {self.tail_pool.num_allocatable()} free")
+        self.check_room(seal_count if self.is_pq else 0, need, 0, "num_tokens")
+        if s.reserved:
+            self.changing(s)
         s.tail += self._alloc_tail(need)
         if s.reserved:
             s.length += s.reserved

@@ -10,6 +10,14 @@ block must be accounted for (used == 0 in every pool once all clients are
 gone), no sequence or buffer left behind, pool invariants checked after every
 call (KVSTORE_DEBUG_INVARIANTS=1), and the daemon's RSS flat after warm-up.
 Prints ops/s, errors, blocks leaked and RSS start/end.
+
+    python scripts/soak.py --tiers --minutes 10
+
+--tiers: tier pressure (scripts/soak_tiers.py): both codecs on GPU pools so
+small that sequences keep moving to a host tier and a bounded LMDB, Offload
+and Prefetch among the ops, every Retrieve and Attend checked against what
+was written; at the end nothing is held in any tier (host pools and the
+disk's held bytes included) and LMDB is within its bound.
 """
 from __future__ import annotations
 
@@ -29,6 +37,8 @@ import urllib.request
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "scripts"))
+import soak_tiers  # noqa: E402
 
 L, HQ, HKV, D, BS, R = 2, 4, 2, 16, 8, 16
 CACHES = ("soak-pq", "soak-f16")
@@ -123,11 +133,12 @@ def rss_kb(pid: int) -> int:
         return int(re.search(r"VmRSS:\s+(\d+)", f.read()).group(1))
 
 
-def start_daemon(tmp: str, lease_timeout: float, debug: bool):
+def start_daemon(tmp: str, lease_timeout: float, debug: bool, extra: list[str] = ()):
     sock = os.path.join(tmp, "run", "kv.sock")
     env = dict(os.environ, PYTHONUNBUFFERED="1", KVSTORE_DEBUG_INVARIANTS="1" if debug else "0")
     p = subprocess.Popen([sys.executable, os.path.join(ROOT, "server.py"), "--socket", sock, "--device", "cpu",
-                          "--lease-timeout", str(lease_timeout), "--metrics-port", "0", "--log-level", "WARNING"],
+                          "--lease-timeout", str(lease_timeout), "--metrics-port", "0", "--log-level", "WARNING",
+                          *extra],
                          stdout=subprocess.PIPE, stderr=open(os.path.join(tmp, "daemon.log"), "w"), text=True, env=env)
     line = p.stdout.readline()
     m = re.search(r"metrics on (http://\S+)", line)
@@ -147,33 +158,47 @@ def scrape(url: str) -> dict[str, float]:
 
 
 def usage(kv) -> dict:
-    used = {f"{c.cache}.{t}": getattr(c, t).used for c in kv.stats().caches for t in ("main", "tail")}
-    return dict(used=used, blocks=sum(used.values()), sequences=sum(c.sequences for c in kv.stats().caches))
+    """Blocks used in every pool of every tier, sequences, and bytes sequences hold on disk."""
+    caches = kv.stats().caches
+    used = {f"{c.cache}.{t}": getattr(c, t).used for c in caches for t in ("main", "tail", "host", "host_tail")}
+    return dict(used=used, blocks=sum(used.values()), sequences=sum(c.sequences for c in caches),
+                disk_held=max((c.disk_held_bytes for c in caches), default=0), caches=caches)
 
 
 def run(minutes: float, clients: int = 8, lease_timeout: float = 3.0, seed: int = 0, crash: bool = True,
-        debug: bool = True, verbose: bool = True) -> dict:
+        debug: bool = True, verbose: bool = True, tiers: bool = False) -> dict:
     import torch
     from kvstore.client import KVStoreClient
+    from kvstore.codebooks import Codebooks
     seconds = minutes * 60
     tmp = tempfile.mkdtemp(prefix="kvstore-soak-")
-    proc, target, metrics_url = start_daemon(tmp, lease_timeout, debug)
+    extra = ["--lmdb", os.path.join(tmp, "lmdb"), "--lmdb-max-bytes", str(soak_tiers.LMDB_MAX_BYTES)] if tiers else []
+    proc, target, metrics_url = start_daemon(tmp, lease_timeout, debug, extra)
     kv = KVStoreClient(target, transport="inline")
     failures: list[str] = []
+    codebooks = os.path.join(tmp, "codebooks.safetensors")
     try:
         for name, codec in zip(CACHES, ("pq", "fp16")):
-            kv.create_cache(name, "soak-model", num_layers=L, num_q_heads=HQ, num_kv_heads=HKV, head_dim=D,
-                            codec=codec, block_size=BS, residual=R, num_blocks=768, max_sequences=96)
+            spec = (soak_tiers.cache_kwargs(codec) if tiers else dict(
+                num_layers=L, num_q_heads=HQ, num_kv_heads=HKV, head_dim=D, codec=codec, block_size=BS, residual=R,
+                num_blocks=768, max_sequences=96))
+            kv.create_cache(name, "soak-model", **spec)
         g = torch.Generator().manual_seed(seed)
-        kv.train_codebooks("soak-pq", torch.randn(L, 512, HKV, D, generator=g),
-                           torch.randn(L, 512, HKV, D, generator=g), niter=4)
+        if tiers:    # the clients compute the codes of what they wrote: they need the codebooks
+            Codebooks(k=torch.randn(L, HKV, D // 2, 256, 2, generator=g),
+                      v=torch.randn(L, HKV, D // 2, 256, 2, generator=g)).save(codebooks)
+            with open(codebooks, "rb") as f:
+                kv.set_codebooks("soak-pq", f.read())
+        else:
+            kv.train_codebooks("soak-pq", torch.randn(L, 512, HKV, D, generator=g),
+                               torch.randn(L, 512, HKV, D, generator=g), niter=4)
         rng = random.Random(seed)
         t0 = time.time()
 
         def spawn(i: int, crash_after: float = 0.0):
             left = max(1.0, seconds - (time.time() - t0))
-            return subprocess.Popen([sys.executable, __file__, "--worker", target, str(i), str(left),
-                                     str(rng.randrange(1 << 30)), str(crash_after)],
+            return subprocess.Popen([sys.executable, __file__, "--tier-worker" if tiers else "--worker", target, str(i),
+                                     str(left), str(rng.randrange(1 << 30)), str(crash_after), codebooks],
                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
         crash_next = lambda: rng.uniform(10, 25) if crash else 0.0  # noqa: E731
@@ -234,6 +259,18 @@ def run(minutes: float, clients: int = 8, lease_timeout: float = 3.0, seed: int 
             failures.append(f"{end['blocks']} blocks still used after every client is gone: {end['used']}")
         if end["sequences"]:
             failures.append(f"{end['sequences']} sequences leaked")
+        if end["disk_held"]:
+            failures.append(f"{end['disk_held']} bytes still held on disk after every client is gone")
+        disk_over = [f"{c.cache}: {c.disk_used_bytes} > {c.disk_max_bytes}" for c in end["caches"]
+                     if c.disk_max_bytes and c.disk_used_bytes > c.disk_max_bytes]
+        if disk_over:
+            failures.append(f"LMDB over its bound: {disk_over}")
+        tier = {k: sum(getattr(c, k) for c in end["caches"]) for k in (
+            "offloads_host", "offloads_disk", "page_ins_host", "page_ins_disk", "prefix_hit_blocks_host",
+            "prefix_hit_blocks_disk", "spilled_blocks")}
+        for k in ("disk_used_bytes", "disk_max_bytes", "disk_evictions", "disk_skipped_spills"):
+            tier[k] = getattr(end["caches"][0], k)                    # one store: every cache reports it
+        reads = sum(ops.get(k, 0) for k in ("read", "attend", "retrieve"))
         if m.get("kvstore_registered_buffers", 0):
             failures.append(f"{m['kvstore_registered_buffers']:.0f} buffers still registered")
         result = dict(
@@ -242,7 +279,8 @@ def run(minutes: float, clients: int = 8, lease_timeout: float = 3.0, seed: int 
                 "RESOURCE_EXHAUSTED", 0), crashes=crashes,
             lease_freed_sequences=int(m.get("kvstore_lease_freed_sequences_total", 0)),
             lease_released_buffers=int(m.get("kvstore_lease_released_buffers_total", 0)),
-            blocks_leaked=end["blocks"], sequences_leaked=end["sequences"],
+            blocks_leaked=end["blocks"], sequences_leaked=end["sequences"], disk_held_bytes=end["disk_held"],
+            checked_reads=reads, tiers=tier if tiers else None,
             rss_start_mib=round(rss_start / 1024, 1), rss_end_mib=round(rss_end / 1024, 1),
             rss_growth_mib=round((rss_end - rss_start) / 1024, 1),
             used_blocks_mean_first_half=round(used_first, 1), used_blocks_mean_second_half=round(used_second, 1),
@@ -259,9 +297,12 @@ def run(minutes: float, clients: int = 8, lease_timeout: float = 3.0, seed: int 
 
 
 def main() -> None:
-    if len(sys.argv) > 1 and sys.argv[1] == "--worker":
-        target, idx, seconds, seed, crash_after = sys.argv[2:7]
-        worker(target, int(idx), float(seconds), int(seed), float(crash_after))
+    if len(sys.argv) > 1 and sys.argv[1] in ("--worker", "--tier-worker"):
+        target, idx, seconds, seed, crash_after, codebooks = sys.argv[2:8]
+        if sys.argv[1] == "--worker":
+            worker(target, int(idx), float(seconds), int(seed), float(crash_after))
+        else:
+            soak_tiers.worker(target, int(idx), float(seconds), int(seed), float(crash_after), codebooks)
         return
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--minutes", type=float, default=5.0)
@@ -270,10 +311,12 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-crash", action="store_true", help="no client crashes on purpose")
     p.add_argument("--no-debug-invariants", action="store_true", help="skip the per-call invariant check")
+    p.add_argument("--tiers", action="store_true",
+                   help="tier pressure: tiny GPU pools over a host tier and a bounded LMDB, every read checked")
     p.add_argument("--json", action="store_true")
     args = p.parse_args()
     res = run(args.minutes, args.clients, args.lease_timeout, args.seed, not args.no_crash,
-              not args.no_debug_invariants, verbose=not args.json)
+              not args.no_debug_invariants, verbose=not args.json, tiers=args.tiers)
     if args.json:
         print(json.dumps(res, indent=2))
     else:
@@ -284,6 +327,9 @@ def main() -> None:
               f"daemon RSS {res['rss_start_mib']} -> {res['rss_end_mib']} MiB after warm-up "
               f"({res['rss_growth_mib']:+} MiB); used blocks mean {res['used_blocks_mean_first_half']} -> "
               f"{res['used_blocks_mean_second_half']}")
+        if res["tiers"] is not None:
+            print(f"  tiers: {res['checked_reads']} reads checked; " + ", ".join(f"{k} {v}" for k, v in res["tiers"].items())
+                  + f"; disk held after: {res['disk_held_bytes']} bytes")
         for f in res["failures"]:
             print("FAIL", f)
         print("PASS" if res["ok"] else f"FAIL (daemon log: {res['log']})")

@@ -486,7 +486,7 @@ class PoolStats(_message.Message):
     def __init__(self, capacity: _Optional[int] = ..., used: _Optional[int] = ..., cached: _Optional[int] = ..., free: _Optional[int] = ..., evictions: _Optional[int] = ...) -> None: ...
 
 class CacheStats(_message.Message):
-    __slots__ = ("cache", "main", "tail", "sequences", "tokens", "sealed_tokens", "bytes_per_token", "fp16_bytes_per_token", "compression_ratio", "used_bytes", "effective_bytes_per_token", "prefix_query_tokens", "prefix_hit_tokens", "prefix_hit_rate", "appended_tokens", "sealed_blocks", "dedup_blocks", "attend_calls", "host", "host_tail", "sequences_host", "sequences_disk", "offloads_host", "offloads_disk", "page_ins_host", "page_ins_disk", "bytes_down", "bytes_up", "spilled_blocks", "prefix_hit_blocks_host", "prefix_hit_blocks_disk", "disk_bytes", "disk_entries", "sink_tokens")
+    __slots__ = ("cache", "main", "tail", "sequences", "tokens", "sealed_tokens", "bytes_per_token", "fp16_bytes_per_token", "compression_ratio", "used_bytes", "effective_bytes_per_token", "prefix_query_tokens", "prefix_hit_tokens", "prefix_hit_rate", "appended_tokens", "sealed_blocks", "dedup_blocks", "attend_calls", "host", "host_tail", "sequences_host", "sequences_disk", "offloads_host", "offloads_disk", "page_ins_host", "page_ins_disk", "bytes_down", "bytes_up", "spilled_blocks", "prefix_hit_blocks_host", "prefix_hit_blocks_disk", "disk_bytes", "disk_entries", "sink_tokens", "disk_used_bytes", "disk_max_bytes", "disk_held_bytes", "disk_evictions", "disk_evicted_bytes", "disk_skipped_spills")
     CACHE_FIELD_NUMBER: _ClassVar[int]
     MAIN_FIELD_NUMBER: _ClassVar[int]
     TAIL_FIELD_NUMBER: _ClassVar[int]
@@ -521,6 +521,12 @@ class CacheStats(_message.Message):
     DISK_BYTES_FIELD_NUMBER: _ClassVar[int]
     DISK_ENTRIES_FIELD_NUMBER: _ClassVar[int]
     SINK_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    DISK_USED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DISK_MAX_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DISK_HELD_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DISK_EVICTIONS_FIELD_NUMBER: _ClassVar[int]
+    DISK_EVICTED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DISK_SKIPPED_SPILLS_FIELD_NUMBER: _ClassVar[int]
     cache: str
     main: PoolStats
     tail: PoolStats
@@ -555,7 +561,13 @@ class CacheStats(_message.Message):
     disk_bytes: int
     disk_entries: int
     sink_tokens: int
-    def __init__(self, cache: _Optional[str] = ..., main: _Optional[_Union[PoolStats, _Mapping]] = ..., tail: _Optional[_Union[PoolStats, _Mapping]] = ..., sequences: _Optional[int] = ..., tokens: _Optional[int] = ..., sealed_tokens: _Optional[int] = ..., bytes_per_token: _Optional[int] = ..., fp16_bytes_per_token: _Optional[int] = ..., compression_ratio: _Optional[float] = ..., used_bytes: _Optional[int] = ..., effective_bytes_per_token: _Optional[float] = ..., prefix_query_tokens: _Optional[int] = ..., prefix_hit_tokens: _Optional[int] = ..., prefix_hit_rate: _Optional[float] = ..., appended_tokens: _Optional[int] = ..., sealed_blocks: _Optional[int] = ..., dedup_blocks: _Optional[int] = ..., attend_calls: _Optional[int] = ..., host: _Optional[_Union[PoolStats, _Mapping]] = ..., host_tail: _Optional[_Union[PoolStats, _Mapping]] = ..., sequences_host: _Optional[int] = ..., sequences_disk: _Optional[int] = ..., offloads_host: _Optional[int] = ..., offloads_disk: _Optional[int] = ..., page_ins_host: _Optional[int] = ..., page_ins_disk: _Optional[int] = ..., bytes_down: _Optional[int] = ..., bytes_up: _Optional[int] = ..., spilled_blocks: _Optional[int] = ..., prefix_hit_blocks_host: _Optional[int] = ..., prefix_hit_blocks_disk: _Optional[int] = ..., disk_bytes: _Optional[int] = ..., disk_entries: _Optional[int] = ..., sink_tokens: _Optional[int] = ...) -> None: ...
+    disk_used_bytes: int
+    disk_max_bytes: int
+    disk_held_bytes: int
+    disk_evictions: int
+    disk_evicted_bytes: int
+    disk_skipped_spills: int
+    def __init__(self, cache: _Optional[str] = ..., main: _Optional[_Union[PoolStats, _Mapping]] = ..., tail: _Optional[_Union[PoolStats, _Mapping]] = ..., sequences: _Optional[int] = ..., tokens: _Optional[int] = ..., sealed_tokens: _Optional[int] = ..., bytes_per_token: _Optional[int] = ..., fp16_bytes_per_token: _Optional[int] = ..., compression_ratio: _Optional[float] = ..., used_bytes: _Optional[int] = ..., effective_bytes_per_token: _Optional[float] = ..., prefix_query_tokens: _Optional[int] = ..., prefix_hit_tokens: _Optional[int] = ..., prefix_hit_rate: _Optional[float] = ..., appended_tokens: _Optional[int] = ..., sealed_blocks: _Optional[int] = ..., dedup_blocks: _Optional[int] = ..., attend_calls: _Optional[int] = ..., host: _Optional[_Union[PoolStats, _Mapping]] = ..., host_tail: _Optional[_Union[PoolStats, _Mapping]] = ..., sequences_host: _Optional[int] = ..., sequences_disk: _Optional[int] = ..., offloads_host: _Optional[int] = ..., offloads_disk: _Optional[int] = ..., page_ins_host: _Optional[int] = ..., page_ins_disk: _Optional[int] = ..., bytes_down: _Optional[int] = ..., bytes_up: _Optional[int] = ..., spilled_blocks: _Optional[int] = ..., prefix_hit_blocks_host: _Optional[int] = ..., prefix_hit_blocks_disk: _Optional[int] = ..., disk_bytes: _Optional[int] = ..., disk_entries: _Optional[int] = ..., sink_tokens: _Optional[int] = ..., disk_used_bytes: _Optional[int] = ..., disk_max_bytes: _Optional[int] = ..., disk_held_bytes: _Optional[int] = ..., disk_evictions: _Optional[int] = ..., disk_evicted_bytes: _Optional[int] = ..., disk_skipped_spills: _Optional[int] = ...) -> None: ...
 
 class StatsReply(_message.Message):
     __slots__ = ("caches",)
