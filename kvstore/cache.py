@@ -17,6 +17,7 @@ from .decode_graphs import DecodeGraphs
 from .errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
 from .hashing import chain_hashes
 from .read_path import ReadPath
+from .redis_tier import RedisTier
 from .sequence import Sequence
 from .storage import ids_to
 from .storage import Fp16Store, PQStore
@@ -34,7 +35,7 @@ class AllocateResult:
 
 
 class Cache(WritePath, ReadPath):
-    def __init__(self, cfg: CacheConfig, cold_store=None):
+    def __init__(self, cfg: CacheConfig, cold_store=None, redis_store=None):
         self.cfg = cfg
         self.bs = cfg.block_size
         self.is_pq = cfg.codec.kind == "pq"
@@ -65,6 +66,8 @@ class Cache(WritePath, ReadPath):
         self.tiering = Tiering(self, host, disk) if (host or disk) else None
         if self.tiering is not None and not self.is_pq:
             self.tiering.restore()
+        # The shared Redis tier below both (redis_tier.py): hashed main-pool blocks go up to it, prefix misses ask it.
+        self.redis = RedisTier(redis_store, self) if redis_store is not None else None
 
     def resident(self, seqs: list[Sequence]) -> None:
         """Protect the request's sequences from eviction and page in any that
@@ -75,12 +78,19 @@ class Cache(WritePath, ReadPath):
                 self.tiering.page_in(s, self.protect)
 
     def after_write(self) -> None:
-        """Keep free GPU blocks above the low watermark."""
+        """Publish the blocks this write hashed; keep free GPU blocks above the low watermark."""
+        self.publish()
         if self.tiering is None or not self.cfg.low_watermark:
             return
         want = int(self.cfg.low_watermark * self.main_pool.capacity)
         if self.main_pool.num_allocatable() < want:
             self.tiering.make_room(want, 0, self.protect)
+
+    def publish(self) -> None:
+        """Queue the main-pool blocks hashed since the last call for the Redis
+        tier. Called after the request's encodes (they are in the blocks by then)."""
+        if self.redis is not None:
+            self.redis.flush()
 
     # ------------------------------------------------------------ codebooks
     def set_codebooks(self, cb: Codebooks) -> None:
@@ -202,6 +212,12 @@ class Cache(WritePath, ReadPath):
             if payload is None:
                 break
             hits.append(("below", payload))
+        # ---- Redis tier: the rest of the prefix (sealed blocks; any full block for fp16) in one batch
+        first, end = len(hits), (self.sink_blocks + n_sealed if self.is_pq else len(hashes))
+        if self.redis is not None and self.sink_blocks <= first < end:
+            end = min(end, first + self.main_pool.num_allocatable())
+            hits += [("below", p) for p in self.redis.get_prefix(hashes[first:end])]
+        # ----
         if hits and len(hits) * self.bs == len(prompt):
             hits.pop()     # the caller must compute at least one token to get logits
         fresh = [i for i, (kind, _) in enumerate(hits) if kind in ("encode", "below")]
@@ -241,6 +257,7 @@ class Cache(WritePath, ReadPath):
         self.seqs[(tenant, seq_id)] = s
         self.counters["prefix_query_tokens"] += len(prompt)
         self.counters["prefix_hit_tokens"] += s.length
+        self.publish()
         return AllocateResult(cached_tokens=s.length, hit_blocks=len(hits))
 
     # ------------------------------------------------------- fork and free
@@ -294,6 +311,7 @@ class Cache(WritePath, ReadPath):
             effective_bytes_per_token=(used_bytes / tokens) if tokens else 0.0,
             prefix_hit_rate=(c["prefix_hit_tokens"] / c["prefix_query_tokens"]) if c["prefix_query_tokens"] else 0.0,
             tiers=self.tiering.stats() if self.tiering is not None else None,
+            redis=self.redis.stats() if self.redis is not None else None,
             **c)
 
     def check_invariants(self) -> None:

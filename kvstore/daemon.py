@@ -156,6 +156,15 @@ def main(argv: list[str] | None = None) -> None:
                    help="disk tier: LMDB directory; sequences and prefix blocks survive restarts")
     p.add_argument("--lmdb-sync", action="store_true",
                    help="make pressure spills durable too (Offload always syncs)")
+    p.add_argument("--redis", default=None, metavar="URL",
+                   help="shared tier below --lmdb, for daemons on many hosts: redis://[user:password@]host:port/db "
+                        "(rediss:// for TLS); run Redis with maxmemory-policy allkeys-lru")
+    p.add_argument("--redis-ttl", type=int, default=0, metavar="SECONDS",
+                   help="expiry of each block put to Redis, renewed by hits (default: none)")
+    p.add_argument("--redis-timeout", type=float, default=0.25, metavar="SECONDS",
+                   help="connect and socket timeout of Redis calls (default: %(default)s)")
+    p.add_argument("--redis-backoff", type=float, default=10.0, metavar="SECONDS",
+                   help="longest pause before trying a failed Redis again (default: %(default)s)")
     p.add_argument("--max-message-mb", type=int, default=DEFAULT_MAX_MESSAGE_MB)
     p.add_argument("--workers", type=int, default=8, help="threads serving calls (default: %(default)s)")
     p.add_argument("--max-streams", type=int, default=DEFAULT_MAX_STREAMS,
@@ -182,6 +191,19 @@ def main(argv: list[str] | None = None) -> None:
                    help="memory all caches' pools may take together (default: 90%% of the GPU, or half the RAM "
                         "on CPU); CreateCache beyond it is RESOURCE_EXHAUSTED")
     args = p.parse_args(argv)
+    redis_cfg = None
+    if args.redis:
+        from .errors import InvalidArgument
+        from .redis_tier import RedisConfig
+        try:
+            redis_cfg = RedisConfig(args.redis, ttl_s=args.redis_ttl, timeout_s=args.redis_timeout,
+                                    backoff_s=args.redis_backoff)
+        except InvalidArgument as e:
+            sys.exit(f"kvstore-server: --{e}")       # one line, exit status 1
+        try:
+            import redis  # noqa: F401
+        except ImportError:
+            sys.exit("kvstore-server: --redis needs the redis client: pip install 'redis==8.1.0' (kvstore[redis])")
     if args.device.startswith("cuda"):
         from .cuda_ipc import check_allocator
         check_allocator()      # refuses allocator settings that break CUDA IPC, saying why
@@ -210,12 +232,15 @@ def main(argv: list[str] | None = None) -> None:
     if args.metrics_port is not None:
         from .metrics import Metrics
         metrics = Metrics()
-    server, port, health_servicer = create_server(Engine(args.device, args.lmdb, args.lmdb_sync), args.socket, args.port,
+    engine = Engine(args.device, args.lmdb, args.lmdb_sync, redis_cfg)
+    server, port, health_servicer = create_server(engine, args.socket, args.port,
                                                   args.max_message_mb, args.workers, args.host, auth=auth, tls=tls,
                                                   lease_timeout=args.lease_timeout, metrics=metrics,
                                                   max_pool_bytes=_pool_budget(args.device, args.max_pool_bytes),
                                                   max_streams=args.max_streams, doorbell=not args.no_doorbell)
     where = f"unix:{args.socket}" + (f" and {args.host}:{port}" if args.port is not None else "")
+    if redis_cfg is not None:
+        where += f", redis tier {redis_cfg.redacted()} ({'up' if engine.redis.up else 'down'})"
     if metrics is not None:
         mport = metrics.serve(args.metrics_port, args.metrics_host)
         where += f", metrics on http://{args.metrics_host}:{mport}/metrics"
@@ -240,6 +265,8 @@ def main(argv: list[str] | None = None) -> None:
     eng = getattr(server, "kvstore_engine", None)
     if eng is not None and eng.cold_store is not None:
         eng.cold_store.env.sync(True)     # what LMDB holds is on disk before we go
+    if eng is not None and eng.redis is not None:
+        eng.redis.close()                 # queued puts get a moment to reach Redis
     logging.shutdown()
     if args.device.startswith("cuda"):
         # Interpreter teardown of CUDA memory that workers still map through IPC

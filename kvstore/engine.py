@@ -16,6 +16,7 @@ import torch
 from .cache import AllocateResult, Cache, ReserveResult
 from .codebooks import Codebooks, train_codebooks
 from .config import CacheConfig
+from .redis_tier import RedisConfig
 from .errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound
 from .sequence import Sequence
 from .storage import TORCH_DTYPES
@@ -49,10 +50,12 @@ class SequenceInfo:
 
 
 class Engine:
-    def __init__(self, device: str = "cpu", lmdb_path: str | None = None, lmdb_sync: bool = False):
+    def __init__(self, device: str = "cpu", lmdb_path: str | None = None, lmdb_sync: bool = False,
+                 redis: "RedisConfig | None" = None):
         """lmdb_path: the disk tier shared by every cache (keys carry each
         cache's fingerprint); lmdb_sync: make pressure spills durable too
-        (Offload always is)."""
+        (Offload always is); redis: the tier below it, shared with the
+        daemons of other hosts (redis_tier.py)."""
         self.device = device
         self.caches: dict[str, Cache] = {}
         self.lock = threading.RLock()
@@ -60,6 +63,10 @@ class Engine:
         if lmdb_path:
             from .cold_store import LMDBStore
             self.cold_store = LMDBStore(lmdb_path, sync=lmdb_sync)
+        self.redis = None
+        if redis is not None:
+            from .redis_tier import RedisStore
+            self.redis = RedisStore(redis)
 
     # --------------------------------------------------------------- caches
     def create_cache(self, cfg: CacheConfig, exist_ok: bool = False) -> Cache:
@@ -70,7 +77,7 @@ class Engine:
                     return old
                 raise AlreadyExists("name", f"cache {cfg.name!r} exists with another configuration"
                                     if exist_ok else f"cache {cfg.name!r} exists")
-            cache = Cache(cfg, self.cold_store)
+            cache = Cache(cfg, self.cold_store, self.redis)
             self.caches[cfg.name] = cache
             return cache
 
@@ -266,7 +273,9 @@ class Engine:
             cache = self.cache(name)
             s = cache.seq(tenant, seq_id)
             cache.resident([s])
-            return cache.reserve(s, n, known)
+            r = cache.reserve(s, n, known)
+            cache.publish()
+            return r
 
     def reserve_batch(self, name: str, tenant: str, seq_ids: list[str], n: int,
                       gpu_scope=contextlib.nullcontext,
@@ -292,9 +301,12 @@ class Engine:
                 cache.resident(seqs)
                 cache.defer_encodes()
                 try:
-                    return [cache.reserve(s, n, k) for s, k in zip(seqs, known or [(0, 0)] * len(seqs))]
+                    rs = [cache.reserve(s, n, k) for s, k in zip(seqs, known or [(0, 0)] * len(seqs))]
                 finally:
                     cache.flush_encodes()
+                if gpu:       # packs read the blocks: only in the client's CUDA order (else at a later flush)
+                    cache.publish()
+                return rs
 
     def pool_tensors(self, name: str) -> dict[str, torch.Tensor]:
         """The cache's pool tensors, all layers, for MapPool."""
