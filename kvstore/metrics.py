@@ -89,8 +89,8 @@ class EngineCollector:
     @staticmethod
     def _redis(f: _Families, r: dict) -> None:
         f.add("redis_up", {}, r["up"], False, "1 while the shared Redis tier answers; 0 while it is skipped")
-        for k in ("outages", "errors", "blocks_out", "bytes_out", "dropped_puts"):
-            f.add(f"redis_{k}_total", {}, r[k], True, f"shared Redis tier: {k.replace('_', ' ')}")
+        f.add("redis_outages_total", {}, r["outages"], True, "times the shared Redis tier went down")
+        f.add("redis_errors_total", {}, r["errors"], True, "Redis calls that failed")
         f.add("redis_queue_puts", {}, r["queue_puts"], False, "block batches waiting for the Redis writer")
         f.add("redis_queue_bytes", {}, r["queue_bytes"], False, "payload bytes waiting for the Redis writer")
 

@@ -19,6 +19,9 @@ Value: an 88-byte header, then the payload:
   payload length u64, blake2b-8 of all of the header before it and the payload.
 A value whose magic, version, fingerprint, hash, length or checksum is not
 what the lookup expects is refused: counted, treated as a miss, never served.
+The checksum catches corruption and mix-ups, not a forger: whoever may write
+to this Redis may write blocks, so give the daemons their own ACL user (and
+TLS across hosts).
 
 Eviction is Redis's own: run it with `maxmemory <bytes>` and
 `maxmemory-policy allkeys-lru` (these blocks are a cache: any of them may go).
@@ -39,7 +42,7 @@ import threading
 import time
 from collections import OrderedDict, deque
 from dataclasses import dataclass
-from urllib.parse import urlsplit
+from urllib.parse import parse_qs, urlsplit
 
 import numpy as np
 import torch
@@ -57,6 +60,8 @@ PUT_BATCH_BYTES = 16 << 20                # one pipeline of the writer sends at 
 KNOWN_HASHES = 1 << 16                    # per cache: hashes known to be in Redis (not put again)
 MAX_PENDING = 1 << 14                     # per cache: hashed blocks waiting for the next flush
 BACKOFF_START_S = 0.5
+# What a rediss:// URL may add (redis-py passes them to its TLS connection).
+TLS_OPTIONS = ("ssl_ca_certs", "ssl_ca_path", "ssl_certfile", "ssl_keyfile", "ssl_cert_reqs", "ssl_check_hostname")
 
 
 def block_key(fp: bytes, h: bytes) -> bytes:
@@ -92,7 +97,8 @@ def unpack_value(v, fp: bytes, h: bytes, length: int) -> torch.Tensor | None:
 
 @dataclass(frozen=True, slots=True)
 class RedisConfig:
-    """url: redis://[user:password@]host:port/db (rediss:// for TLS); ttl_s:
+    """url: redis://[user:password@]host:port/db (rediss:// for TLS, which
+    may add TLS_OPTIONS as query options); ttl_s:
     expiry of each block (0: none, eviction by maxmemory-policy only);
     timeout_s: connect and socket timeout; backoff_s: the longest a failed
     Redis is skipped before the next try; queue_bytes: puts waiting for the
@@ -116,8 +122,12 @@ class RedisConfig:
             raise InvalidArgument("redis", f"{self.redacted()}: no host (redis://[user:password@]host:port/db)")
         if db and not db.isdigit():
             raise InvalidArgument("redis", f"{self.redacted()}: the path must be a database number, got {db!r}")
-        if u.query or u.fragment:
-            raise InvalidArgument("redis", f"{self.redacted()}: no query or fragment (options are flags)")
+        opts = parse_qs(u.query, keep_blank_values=True)
+        bad = sorted(set(opts) - set(TLS_OPTIONS)) if u.scheme == "rediss" else sorted(opts)
+        if bad or u.fragment:
+            raise InvalidArgument("redis", f"{self.redacted()}: options {bad or u.fragment!r}: the URL takes "
+                                  f"only TLS files and checks (rediss://...?{'&'.join(TLS_OPTIONS)}=...); "
+                                  "timeouts and TTL are flags")
         if self.ttl_s < 0:
             raise InvalidArgument("redis-ttl", f"must be >= 0, got {self.ttl_s}")
         if not 0 < self.timeout_s <= 60:
@@ -162,7 +172,7 @@ class RedisStore:
                                            socket_connect_timeout=cfg.timeout_s, retry=Retry(NoBackoff(), 0))
         self._lock = threading.Lock()
         self.up, self.last_error = True, ""
-        self.counters = dict(errors=0, outages=0, dropped_puts=0, blocks_out=0, bytes_out=0)
+        self.counters = dict(errors=0, outages=0)     # calls that failed; times it went down
         self._backoff, self._retry_at, self._down_since = BACKOFF_START_S, 0.0, 0.0
         self._cv = threading.Condition()
         self._queue: deque[_Put] = deque()
@@ -279,11 +289,12 @@ class RedisStore:
             return
         self._ok()
         for p in batch:
-            done = [h for h, r in zip(p.hashes, res) if r is True]
-            if len(done) < len(p.hashes):      # refused by the server (e.g. OOM under maxmemory-policy noeviction)
+            results = [next(res) for _ in p.hashes]
+            refused = [r for r in results if r is not True]
+            if refused:      # e.g. OOM under maxmemory-policy noeviction: run Redis with allkeys-lru
                 with self._lock:
-                    self.last_error = "put refused by the server (see its log; maxmemory-policy allkeys-lru?)"
-            p.tier.written(done, p.rows.shape[1], len(p.hashes) - len(done))
+                    self.last_error = f"put refused: {type(refused[0]).__name__}: {refused[0]}"
+            p.tier.written([h for h, r in zip(p.hashes, results) if r is True], p.rows.shape[1], len(refused))
 
     def close(self, timeout: float = 2.0) -> None:
         """Stop the writer after the queued puts (at most timeout seconds)."""
@@ -366,38 +377,26 @@ class RedisTier:
             self.dropped(len(hashes))
 
     def written(self, hashes: list[bytes], block_bytes: int, failed: int) -> None:
-        """Writer thread: hashes were stored, `failed` more were refused."""
-        with self._lock:
-            self.counters["blocks_out"] += len(hashes)
-            self.counters["bytes_out"] += len(hashes) * block_bytes
-            self.counters["dropped_puts"] += failed
-            self.counters["errors"] += failed
-            self._remember(hashes)
-        with self.store._lock:
-            self.store.counters["blocks_out"] += len(hashes)
-            self.store.counters["bytes_out"] += len(hashes) * block_bytes
-            self.store.counters["dropped_puts"] += failed
+        """Writer thread: hashes were stored, `failed` more refused by the server."""
+        self._count(blocks_out=len(hashes), bytes_out=len(hashes) * block_bytes, dropped_puts=failed, errors=failed)
+        self._remember(hashes)
 
     def dropped(self, n: int) -> None:
-        with self._lock:
-            self.counters["dropped_puts"] += n
-        with self.store._lock:
-            self.store.counters["dropped_puts"] += n
+        self._count(dropped_puts=n)
 
     def _is_known(self, h: bytes) -> bool:
         with self._lock:
             if h in self._known:
                 self._known.move_to_end(h)
-                return True
-            return False
+            return h in self._known
 
     def _remember(self, hashes: list[bytes]) -> None:
-        """Under self._lock."""
-        for h in hashes:
-            self._known[h] = None
-            self._known.move_to_end(h)
-        while len(self._known) > KNOWN_HASHES:
-            self._known.popitem(last=False)
+        with self._lock:
+            for h in hashes:
+                self._known[h] = None
+                self._known.move_to_end(h)
+            while len(self._known) > KNOWN_HASHES:
+                self._known.popitem(last=False)
 
     # -------------------------------------------------------------- reads
     def get_prefix(self, hashes: list[bytes]) -> list[torch.Tensor]:
@@ -423,8 +422,7 @@ class RedisTier:
             break
         if out:
             self._count(prefix_hits=len(out), bytes_in=len(out) * width)
-            with self._lock:
-                self._remember(hashes[:len(out)])
+            self._remember(hashes[:len(out)])
         return out
 
     def _miss(self, h: bytes, refused: bool) -> None:
