@@ -16,8 +16,8 @@ import torch
 from .cache import AllocateResult, Cache, ReserveResult
 from .codebooks import Codebooks, train_codebooks
 from .config import CacheConfig
-from .redis_tier import RedisConfig
 from .errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound
+from .redis_tier import RedisConfig, RedisStore
 from .sequence import Sequence
 from .storage import TORCH_DTYPES
 
@@ -51,7 +51,7 @@ class SequenceInfo:
 
 class Engine:
     def __init__(self, device: str = "cpu", lmdb_path: str | None = None, lmdb_sync: bool = False,
-                 redis: "RedisConfig | None" = None):
+                 redis: RedisConfig | None = None):
         """lmdb_path: the disk tier shared by every cache (keys carry each
         cache's fingerprint); lmdb_sync: make pressure spills durable too
         (Offload always is); redis: the tier below it, shared with the
@@ -63,10 +63,7 @@ class Engine:
         if lmdb_path:
             from .cold_store import LMDBStore
             self.cold_store = LMDBStore(lmdb_path, sync=lmdb_sync)
-        self.redis = None
-        if redis is not None:
-            from .redis_tier import RedisStore
-            self.redis = RedisStore(redis)
+        self.redis = RedisStore(redis) if redis is not None else None
 
     # --------------------------------------------------------------- caches
     def create_cache(self, cfg: CacheConfig, exist_ok: bool = False) -> Cache:

@@ -27,11 +27,12 @@ Eviction is Redis's own: run it with `maxmemory <bytes>` and
 `maxmemory-policy allkeys-lru` (these blocks are a cache: any of them may go).
 --redis-ttl adds an expiry to every put; every hit renews it (GETEX).
 
-Redis down or slow never fails or holds up a request: short socket timeouts,
-no client retries, and a circuit breaker (after a failed call Redis is
-skipped for a back-off, 0.5 s doubling up to --redis-backoff, then tried
-again; one WARNING per outage, one INFO on recovery). Puts go through a
-bounded queue to one writer thread: a full queue drops and counts, never waits.
+Redis down or slow never fails a request and delays one by at most one
+socket timeout (--redis-timeout): no client retries, and a circuit breaker
+skips a failed Redis for a back-off (0.5 s doubling up to --redis-backoff)
+before it tries again, logging one WARNING per outage and one INFO on
+recovery. Puts go through a bounded queue to one writer thread: a full queue
+drops and counts, never waits.
 """
 from __future__ import annotations
 
@@ -97,11 +98,10 @@ def unpack_value(v, fp: bytes, h: bytes, length: int) -> torch.Tensor | None:
 
 @dataclass(frozen=True, slots=True)
 class RedisConfig:
-    """url: redis://[user:password@]host:port/db (rediss:// for TLS, which
-    may add TLS_OPTIONS as query options); ttl_s:
-    expiry of each block (0: none, eviction by maxmemory-policy only);
-    timeout_s: connect and socket timeout; backoff_s: the longest a failed
-    Redis is skipped before the next try; queue_bytes: puts waiting for the
+    """url: redis://[user:password@]host:port/db (rediss:// for TLS, which may
+    add TLS_OPTIONS); ttl_s: expiry of each block (0: none, maxmemory-policy
+    alone evicts); timeout_s: connect and socket timeout; backoff_s: the
+    longest a failed Redis is skipped; queue_bytes: puts waiting for the
     writer before new ones are dropped."""
     url: str
     ttl_s: int = 0
@@ -125,9 +125,8 @@ class RedisConfig:
         opts = parse_qs(u.query, keep_blank_values=True)
         bad = sorted(set(opts) - set(TLS_OPTIONS)) if u.scheme == "rediss" else sorted(opts)
         if bad or u.fragment:
-            raise InvalidArgument("redis", f"{self.redacted()}: options {bad or u.fragment!r}: the URL takes "
-                                  f"only TLS files and checks (rediss://...?{'&'.join(TLS_OPTIONS)}=...); "
-                                  "timeouts and TTL are flags")
+            raise InvalidArgument("redis", f"{self.redacted()}: unexpected {bad or u.fragment!r}: only a rediss:// "
+                                  f"(TLS) URL takes options, {', '.join(TLS_OPTIONS)}; timeouts and TTL are flags")
         if self.ttl_s < 0:
             raise InvalidArgument("redis-ttl", f"must be >= 0, got {self.ttl_s}")
         if not 0 < self.timeout_s <= 60:
@@ -135,7 +134,7 @@ class RedisConfig:
         if not 0 < self.backoff_s <= 3600:
             raise InvalidArgument("redis-backoff", f"must be in (0, 3600] seconds, got {self.backoff_s}")
         if self.queue_bytes <= 0:
-            raise InvalidArgument("redis-queue-bytes", f"must be > 0, got {self.queue_bytes}")
+            raise InvalidArgument("queue_bytes", f"must be > 0, got {self.queue_bytes}")
 
     def redacted(self) -> str:
         """The URL without its password (for logs and errors)."""
@@ -270,7 +269,7 @@ class RedisStore:
     def _write(self, batch: list[_Put]) -> None:
         if not self.allow():
             for p in batch:
-                p.tier.dropped(len(p.hashes))
+                p.tier._count(dropped_puts=len(p.hashes))
             return
         pipe = self.client.pipeline(transaction=False)
         ex = self.cfg.ttl_s or None
@@ -285,7 +284,7 @@ class RedisStore:
         except self._errors as e:
             self._fail(e)
             for p in batch:
-                p.tier.dropped(len(p.hashes))
+                p.tier._count(dropped_puts=len(p.hashes))
             return
         self._ok()
         for p in batch:
@@ -334,7 +333,7 @@ class RedisTier:
         if self._is_known(h):
             return
         if len(self.pending) >= MAX_PENDING:
-            self.dropped(1)
+            self._count(dropped_puts=1)
             return
         self.pending.append((block_id, h))
 
@@ -350,22 +349,21 @@ class RedisTier:
         if not keep:
             return
         if not self.store.allow():
-            self.dropped(len(keep))
+            self._count(dropped_puts=len(keep))
             return
-        payload = self.c.main.pack(ids_to(self.c.main_device, [b for b, _ in keep]))
-        self._send([h for _, h in keep], payload)
+        self.put([h for _, h in keep], self.c.main.pack(ids_to(self.c.main_device, [b for b, _ in keep])))
 
-    def spill(self, hashes: list[bytes], payload: torch.Tensor) -> None:
-        """Blocks a lower tier of this host is taking (payload [n, block bytes],
-        any device): put the ones not known to be in Redis."""
+    def put(self, hashes: list[bytes], payload: torch.Tensor) -> None:
+        """Queue blocks (payload [n, block bytes] uint8, any device) not known
+        to be in Redis; also the spill paths' hook (tiering.py)."""
         idx = [i for i, h in enumerate(hashes) if not self._is_known(h)]
-        if not idx or not self.store.allow():
+        if not idx:
+            return
+        if not self.store.allow():
+            self._count(dropped_puts=len(idx))
             return
         if len(idx) < len(hashes):
-            payload = payload.index_select(0, ids_to(payload.device, idx))
-        self._send([hashes[i] for i in idx], payload)
-
-    def _send(self, hashes: list[bytes], payload: torch.Tensor) -> None:
+            hashes, payload = [hashes[i] for i in idx], payload.index_select(0, ids_to(payload.device, idx))
         event = None
         if payload.is_cuda:       # the writer waits for the copy, the caller does not
             host = torch.empty(payload.shape, dtype=torch.uint8, pin_memory=True)
@@ -374,15 +372,12 @@ class RedisTier:
             event.record(torch.cuda.current_stream(payload.device))
             payload = host
         if not self.store.submit(_Put(self, self.c.fingerprint, hashes, payload, event)):
-            self.dropped(len(hashes))
+            self._count(dropped_puts=len(hashes))
 
     def written(self, hashes: list[bytes], block_bytes: int, failed: int) -> None:
         """Writer thread: hashes were stored, `failed` more refused by the server."""
         self._count(blocks_out=len(hashes), bytes_out=len(hashes) * block_bytes, dropped_puts=failed, errors=failed)
         self._remember(hashes)
-
-    def dropped(self, n: int) -> None:
-        self._count(dropped_puts=n)
 
     def _is_known(self, h: bytes) -> bool:
         with self._lock:
@@ -417,9 +412,8 @@ class RedisTier:
                     self._miss(h, refused=v is not None)
                     break
                 out.append(p)
-            else:
-                continue
-            break
+            if len(out) < start + len(chunk):
+                break
         if out:
             self._count(prefix_hits=len(out), bytes_in=len(out) * width)
             self._remember(hashes[:len(out)])

@@ -40,7 +40,7 @@ class Tiering:
             return
         payload = self.c.main.pack(ids_to(self.c.main_device, [b for b, _ in todo]))
         if self.c.redis is not None:      # ---- Redis tier: the ones it may not have yet (redis_tier.py)
-            self.c.redis.spill([h for _, h in todo], payload)
+            self.c.redis.put([h for _, h in todo], payload)
         if self.host is not None:
             ids = self.host.main_pool.allocate(len(todo))
             if ids is not None:
@@ -62,7 +62,7 @@ class Tiering:
         self.host.settle()
         items = [(h, self.host.main[b].clone()) for b, h in evicted]
         if self.c.redis is not None:      # ---- Redis tier: the ones it may not have yet (redis_tier.py)
-            self.c.redis.spill([h for h, _ in items], torch.stack([p for _, p in items]))
+            self.c.redis.put([h for h, _ in items], torch.stack([p for _, p in items]))
         if self.disk is not None:
             self.counters["bytes_down"] += self.disk.put_blocks(self.c.fingerprint, items)
 

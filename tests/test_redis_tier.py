@@ -321,3 +321,17 @@ def test_acl_user_from_the_url_and_puts_the_server_refuses(redis_server):
     wait_for(lambda: rstats(e)["dropped_puts"] == SEALED, what="refused puts")
     s = rstats(e)
     assert s["state"] == "up" and s["blocks_out"] == SEALED and s["errors"] == SEALED and "OutOfMemoryError" in s["last_error"]
+
+
+def test_ttl_is_set_by_puts_and_renewed_by_hits(redis_server):
+    a = engine(redis_server.url, ttl_s=100)
+    fill(a, "a", prompt(1), lookup=False)
+    wait_for(lambda: rstats(a)["blocks_out"] == SEALED, what="puts")
+    r = redis_server.client()
+    keys = sorted(r.scan_iter(match=b"kvstore:v1:*"))
+    assert len(keys) == SEALED and all(0 < r.ttl(k) <= 100 for k in keys)
+    for k in keys:
+        r.expire(k, 5)
+    b = engine(redis_server.url, ttl_s=100)
+    assert b.allocate("c", T, "b", prompt(1)).cached_tokens == SEALED * BS
+    assert all(r.ttl(k) > 5 for k in keys)            # GETEX renewed them
