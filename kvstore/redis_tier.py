@@ -32,7 +32,8 @@ socket timeout (--redis-timeout): no client retries, and a circuit breaker
 skips a failed Redis for a back-off (0.5 s doubling up to --redis-backoff)
 before it tries again, logging one WARNING per outage and one INFO on
 recovery. Puts go through a bounded queue to one writer thread: a full queue
-drops and counts, never waits.
+drops and counts, never waits. A block this daemon put or read is not put
+again until Redis comes back from an outage (which may have emptied it).
 """
 from __future__ import annotations
 
@@ -170,7 +171,7 @@ class RedisStore:
         self.client = redis.Redis.from_url(cfg.url, socket_timeout=cfg.timeout_s,
                                            socket_connect_timeout=cfg.timeout_s, retry=Retry(NoBackoff(), 0))
         self._lock = threading.Lock()
-        self.up, self.last_error = True, ""
+        self.up, self.last_error, self.epoch = True, "", 0
         self.counters = dict(errors=0, outages=0)     # calls that failed; times it went down
         self._backoff, self._retry_at, self._down_since = BACKOFF_START_S, 0.0, 0.0
         self._cv = threading.Condition()
@@ -192,6 +193,7 @@ class RedisStore:
             if self.up:
                 return
             self.up, self._backoff = True, BACKOFF_START_S
+            self.epoch += 1          # what Redis holds may have changed (a restart without persistence)
             log.info("redis tier %s is back after %.1f s", self.cfg.redacted(), time.monotonic() - self._down_since)
 
     def _fail(self, e: BaseException) -> None:
@@ -322,7 +324,8 @@ class RedisTier:
     def __init__(self, store: RedisStore, cache):
         self.store, self.c = store, cache
         self.pending: list[tuple[int, bytes]] = []
-        self._known: OrderedDict[bytes, None] = OrderedDict()
+        self._known: OrderedDict[bytes, None] = OrderedDict()     # LRU; _epoch: the store's when filled
+        self._epoch = store.epoch
         self._lock = threading.Lock()           # counters and _known: the writer thread updates them too
         self.counters = dict(blocks_out=0, bytes_out=0, prefix_hits=0, bytes_in=0, misses=0, refused=0,
                              dropped_puts=0, errors=0)
@@ -379,14 +382,22 @@ class RedisTier:
         self._count(blocks_out=len(hashes), bytes_out=len(hashes) * block_bytes, dropped_puts=failed, errors=failed)
         self._remember(hashes)
 
+    def _known_now(self) -> OrderedDict:
+        """The hashes known to be in Redis since it last came back (under self._lock)."""
+        if self._epoch != self.store.epoch:
+            self._known.clear()
+            self._epoch = self.store.epoch
+        return self._known
+
     def _is_known(self, h: bytes) -> bool:
         with self._lock:
-            if h in self._known:
+            if h in self._known_now():
                 self._known.move_to_end(h)
             return h in self._known
 
     def _remember(self, hashes: list[bytes]) -> None:
         with self._lock:
+            self._known_now()
             for h in hashes:
                 self._known[h] = None
                 self._known.move_to_end(h)

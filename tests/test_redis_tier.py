@@ -335,3 +335,28 @@ def test_ttl_is_set_by_puts_and_renewed_by_hits(redis_server):
     b = engine(redis_server.url, ttl_s=100)
     assert b.allocate("c", T, "b", prompt(1)).cached_tokens == SEALED * BS
     assert all(r.ttl(k) > 5 for k in keys)            # GETEX renewed them
+
+
+def test_blocks_go_up_again_after_redis_came_back_empty(tmp_path):
+    from tests.redis_server import RedisServer
+    srv = RedisServer(str(tmp_path), appendonly=False)          # a restart loses everything
+    try:
+        a = engine(srv.url, lmdb=str(tmp_path / "lmdb"), num_blocks=24, backoff_s=0.5)
+        fill(a, "a", prompt(1), lookup=False)
+        wait_for(lambda: rstats(a)["blocks_out"] == SEALED, what="puts")
+        a.free("c", T, ["a"])
+        srv.kill()
+        assert a.allocate("c", T, "probe", prompt(2)).cached_tokens == 0    # sees the outage
+        a.free("c", T, ["probe"])
+        srv.start()
+        assert srv.client().dbsize() == 0
+        wait_for(a.redis.ping, what="Redis back")
+        for i in range(3):            # pressure: A's cached blocks spill, and go up again
+            fill(a, f"x{i}", prompt(10 + i), lookup=False)
+            a.free("c", T, [f"x{i}"])
+        assert a.stats()["c"]["tiers"]["spilled_blocks"] >= SEALED
+        wait_for(lambda: rstats(a)["blocks_out"] == 5 * SEALED, what="A's puts")
+        b = engine(srv.url)
+        assert b.allocate("c", T, "b", prompt(1)).cached_tokens == SEALED * BS
+    finally:
+        srv.kill()
