@@ -15,7 +15,7 @@ COPY pyproject.toml ./
 # setuptools: the --no-build-isolation install below builds with what is here.
 RUN pip install --no-cache-dir torch==2.13.0 triton==3.6.0 "numpy<2.4" "grpcio==1.84.0" \
     "grpcio-health-checking==1.84.0" "grpcio-reflection==1.84.0" "protobuf>=7.35,<8" safetensors faiss-cpu lmdb \
-    prometheus-client "setuptools>=68"
+    prometheus-client "redis==8.1.0" "setuptools>=68"
 COPY protos protos
 COPY kvstore kvstore
 COPY kernels kernels

@@ -1,6 +1,6 @@
 """kvstore-admin: inspect a running daemon (ops tooling).
 
-    kvstore-admin stats                  # pools per tier, hit rates, bytes per token
+    kvstore-admin stats                  # pools per tier, hit rates, bytes per token, Redis tier
     kvstore-admin seqs --cache llama     # the caller's tenant's sequences
     kvstore-admin seq req-1 --cache llama
     kvstore-admin blocks                 # blocks per tier and state, ref-count histogram
@@ -71,6 +71,11 @@ def render_stats(reply) -> str:
         if c.sequences_host or c.sequences_disk or c.page_ins_host or c.page_ins_disk:
             out.append(f"  sequences host/disk {c.sequences_host}/{c.sequences_disk}, page-ins host/disk "
                        f"{c.page_ins_host}/{c.page_ins_disk}, offloads host/disk {c.offloads_host}/{c.offloads_disk}")
+        if c.redis_state:
+            out.append(f"  redis {c.redis_state}: {c.prefix_hit_blocks_redis} blocks in ({_mib(c.redis_bytes_in)}), "
+                       f"{c.redis_blocks_out} out ({_mib(c.redis_bytes_out)}), {c.redis_misses} misses, "
+                       f"{c.redis_refused} refused, {c.redis_dropped_puts} puts dropped, {c.redis_errors} errors"
+                       + (f"; last error: {c.redis_last_error}" if c.redis_last_error else ""))
     return "\n".join(out) if out else "no caches"
 
 

@@ -42,6 +42,9 @@ class BlockPool:
         # Called with [(block id, hash)] of cached blocks allocate() is about to
         # reuse, before anything overwrites them (the tiers copy them down).
         self.on_evict = None
+        # Called with (block id, hash) when a block gets its content hash
+        # (the shared Redis tier queues it for other hosts: redis_tier.py).
+        self.on_hash = None
 
     @property
     def capacity(self) -> int:
@@ -105,8 +108,11 @@ class BlockPool:
         blk = self.blocks[block_id]
         assert blk.ref_cnt > 0, f"hashing unreferenced block {block_id}"
         assert blk.hash is None or blk.hash == h, f"block {block_id} already has another hash"
+        new = blk.hash is None
         blk.hash = h
         self._by_hash.setdefault(h, block_id)
+        if new and self.on_hash is not None:
+            self.on_hash(block_id, h)
 
     def clear_hashes(self) -> None:
         """Forget every content hash (e.g. the codebooks changed)."""

@@ -18,6 +18,7 @@ from .errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound
 from .hashing import chain_hashes
 from .names import check_name
 from .read_path import ReadPath
+from .redis_tier import RedisTier
 from .sequence import Sequence
 from .storage import ids_to
 from .storage import Fp16Store, PQStore
@@ -35,7 +36,7 @@ class AllocateResult:
 
 
 class Cache(WritePath, ReadPath):
-    def __init__(self, cfg: CacheConfig, cold_store=None):
+    def __init__(self, cfg: CacheConfig, cold_store=None, redis_store=None):
         self.cfg = cfg
         self.bs = cfg.block_size
         self.is_pq = cfg.codec.kind == "pq"
@@ -66,6 +67,8 @@ class Cache(WritePath, ReadPath):
         self.tiering = Tiering(self, host, disk) if (host or disk) else None
         if self.tiering is not None and not self.is_pq:
             self.tiering.restore()
+        # The shared Redis tier below both (redis_tier.py): hashed main-pool blocks go up to it, prefix misses ask it.
+        self.redis = RedisTier(redis_store, self) if redis_store is not None else None
 
     def resident(self, seqs: list[Sequence]) -> None:
         """Protect the request's sequences from eviction and page in any that
@@ -82,12 +85,19 @@ class Cache(WritePath, ReadPath):
             self.tiering.changing(s)
 
     def after_write(self) -> None:
-        """Keep free GPU blocks above the low watermark."""
+        """Publish the blocks this write hashed; keep free GPU blocks above the low watermark."""
+        self.publish()
         if self.tiering is None or not self.cfg.low_watermark:
             return
         want = int(self.cfg.low_watermark * self.main_pool.capacity)
         if self.main_pool.num_allocatable() < want:
             self.tiering.make_room(want, 0, self.protect)
+
+    def publish(self) -> None:
+        """Queue the main-pool blocks hashed since the last call for the Redis
+        tier. Called after the request's encodes (they are in the blocks by then)."""
+        if self.redis is not None:
+            self.redis.flush()
 
     # ------------------------------------------------------------ codebooks
     def set_codebooks(self, cb: Codebooks) -> None:
@@ -220,6 +230,12 @@ class Cache(WritePath, ReadPath):
             if found is None:
                 break
             hits.append(("below", found))     # (tier, payload)
+        # ---- Redis tier: the rest of the prefix (sealed blocks; any full block for fp16) in one batch
+        first, end = len(hits), (self.sink_blocks + n_sealed if self.is_pq else len(hashes))
+        if self.redis is not None and self.sink_blocks <= first < end:
+            end = min(end, first + self.main_pool.num_allocatable())
+            hits += [("below", ("redis", p)) for p in self.redis.get_prefix(hashes[first:end])]
+        # ----
         if hits and len(hits) * self.bs == len(prompt):
             hits.pop()     # the caller must compute at least one token to get logits
         # Hold every hit first, so that making room for the fresh blocks can
@@ -246,7 +262,11 @@ class Cache(WritePath, ReadPath):
         if below:
             self.main.unpack(ids_to(self.main_device, [new[i] for i in below]),
                              torch.stack([hits[i][1][1] for i in below]))
-            self.tiering.served([hits[i][1][0] for i in below])
+            tiers = [hits[i][1][0] for i in below]
+            if self.tiering is not None:
+                self.tiering.served([t for t in tiers if t != "redis"])
+            if self.redis is not None:
+                self.redis.served(tiers.count("redis"))
         for i, (kind, b) in enumerate(hits):
             bid = new.get(i, b)
             if i in new:
@@ -262,6 +282,7 @@ class Cache(WritePath, ReadPath):
         self.seqs[(tenant, seq_id)] = s
         self.counters["prefix_query_tokens"] += len(prompt)
         self.counters["prefix_hit_tokens"] += s.length
+        self.publish()
         return AllocateResult(cached_tokens=s.length, hit_blocks=len(hits))
 
     # ------------------------------------------------------- fork and free
@@ -317,6 +338,7 @@ class Cache(WritePath, ReadPath):
             effective_bytes_per_token=(used_bytes / tokens) if tokens else 0.0,
             prefix_hit_rate=(c["prefix_hit_tokens"] / c["prefix_query_tokens"]) if c["prefix_query_tokens"] else 0.0,
             tiers=self.tiering.stats() if self.tiering is not None else None,
+            redis=self.redis.stats() if self.redis is not None else None,
             **c)
 
     def check_invariants(self) -> None:

@@ -202,6 +202,15 @@ def _parser() -> argparse.ArgumentParser:
                    help="bound of the disk tier, in bytes (40GiB, 512MB and the like work too; 0: none); past it the "
                         "least recently used prefix blocks no sequence holds go first, and an Offload that cannot fit "
                         "is RESOURCE_EXHAUSTED (default: 90%% of the free space of --lmdb's filesystem at start)")
+    p.add_argument("--redis", default=None, metavar="URL",
+                   help="shared tier below --lmdb, for daemons on many hosts: redis://[user:password@]host:port/db "
+                        "(rediss:// for TLS); run Redis with maxmemory-policy allkeys-lru")
+    p.add_argument("--redis-ttl", type=int, default=0, metavar="SECONDS",
+                   help="expiry of each block put to Redis, renewed by hits (default: none)")
+    p.add_argument("--redis-timeout", type=float, default=0.25, metavar="SECONDS",
+                   help="connect and socket timeout of Redis calls (default: %(default)s)")
+    p.add_argument("--redis-backoff", type=float, default=10.0, metavar="SECONDS",
+                   help="longest pause before trying a failed Redis again (default: %(default)s)")
     p.add_argument("--max-message-mb", type=int, default=DEFAULT_MAX_MESSAGE_MB)
     p.add_argument("--workers", type=int, default=8, help="threads serving calls (default: %(default)s)")
     p.add_argument("--max-streams", type=int, default=DEFAULT_MAX_STREAMS,
@@ -239,6 +248,18 @@ def _check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> tuple[A
         check_device("--device", args.device)
     except InvalidArgument as e:
         p.error(str(e))
+    args.redis_cfg = None
+    if args.redis:
+        from .redis_tier import RedisConfig
+        try:
+            args.redis_cfg = RedisConfig(args.redis, ttl_s=args.redis_ttl, timeout_s=args.redis_timeout,
+                                         backoff_s=args.redis_backoff)
+        except InvalidArgument as e:
+            p.error(f"--{e}")
+        try:
+            import redis  # noqa: F401
+        except ImportError:
+            p.error("--redis needs the redis client: pip install 'redis==8.1.0' (kvstore[redis])")
     if args.device.startswith("cuda"):
         n = _cuda_devices()
         index = int(args.device.partition(":")[2] or 0)
@@ -319,7 +340,8 @@ def main(argv: list[str] | None = None) -> None:
                 raise sockets.SocketError(f"--metrics-port {args.metrics_port}: cannot listen on "
                                           f"{args.metrics_host}:{args.metrics_port}: {e.strerror}") from None
         try:
-            engine = Engine(args.device, args.lmdb, args.lmdb_sync, _disk_budget(args.lmdb, args.lmdb_max_bytes))
+            engine = Engine(args.device, args.lmdb, args.lmdb_sync, _disk_budget(args.lmdb, args.lmdb_max_bytes),
+                            args.redis_cfg)
         except Exception as e:  # noqa: BLE001 - e.g. an LMDB directory we cannot open: one line, not a traceback
             raise sockets.SocketError(f"--lmdb {args.lmdb}: {e}" if args.lmdb else f"engine: {e}") from None
         try:
@@ -335,6 +357,8 @@ def main(argv: list[str] | None = None) -> None:
             metrics.stop()
         sys.exit(f"kvstore-server: {e}")
     where = f"unix:{args.socket}" + (f" and {args.host}:{port}" if args.port is not None else "")
+    if args.redis_cfg is not None:
+        where += f", redis tier {args.redis_cfg.redacted()} ({'up' if engine.redis.up else 'down'})"
     if metrics is not None:
         where += f", metrics on http://{args.metrics_host}:{mport}/metrics"
     log.info("kvstore serving on %s (device %s)", where, args.device)
@@ -358,6 +382,8 @@ def main(argv: list[str] | None = None) -> None:
     eng = getattr(server, "kvstore_engine", None)
     if eng is not None and eng.cold_store is not None:
         eng.cold_store.env.sync(True)     # what LMDB holds is on disk before we go
+    if eng is not None and eng.redis is not None:
+        eng.redis.close()                 # queued puts get a moment to reach Redis
     logging.shutdown()
     if args.device.startswith("cuda"):
         # Interpreter teardown of CUDA memory that workers still map through IPC

@@ -17,6 +17,7 @@ from .cache import AllocateResult, Cache, ReserveResult
 from .codebooks import Codebooks, train_codebooks
 from .config import CacheConfig
 from .errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound, quote
+from .redis_tier import RedisConfig, RedisStore
 from .sequence import Sequence
 from .storage import TORCH_DTYPES
 
@@ -50,10 +51,11 @@ class SequenceInfo:
 
 class Engine:
     def __init__(self, device: str = "cpu", lmdb_path: str | None = None, lmdb_sync: bool = False,
-                 lmdb_max_bytes: int = 0):
+                 lmdb_max_bytes: int = 0, redis: RedisConfig | None = None):
         """lmdb_path: the disk tier shared by every cache (keys carry each
         cache's fingerprint); lmdb_sync: make pressure spills durable too
-        (Offload always is); lmdb_max_bytes: its bound (0: none)."""
+        (Offload always is); lmdb_max_bytes: its bound (0: none); redis: the
+        tier below it, shared with the daemons of other hosts (redis_tier.py)."""
         self.device = device
         self.caches: dict[str, Cache] = {}
         self.lock = threading.RLock()
@@ -61,6 +63,7 @@ class Engine:
         if lmdb_path:
             from .cold_store import LMDBStore
             self.cold_store = LMDBStore(lmdb_path, sync=lmdb_sync, max_bytes=lmdb_max_bytes)
+        self.redis = RedisStore(redis) if redis is not None else None
 
     # --------------------------------------------------------------- caches
     def create_cache(self, cfg: CacheConfig, exist_ok: bool = False) -> Cache:
@@ -71,7 +74,7 @@ class Engine:
                     return old
                 raise AlreadyExists("name", f"cache {quote(cfg.name)} exists with another configuration"
                                     if exist_ok else f"cache {quote(cfg.name)} exists")
-            cache = Cache(cfg, self.cold_store)
+            cache = Cache(cfg, self.cold_store, self.redis)
             self.caches[cfg.name] = cache
             return cache
 
@@ -267,7 +270,9 @@ class Engine:
             cache = self.cache(name)
             s = cache.seq(tenant, seq_id)
             cache.resident([s])
-            return cache.reserve(s, n, known)
+            r = cache.reserve(s, n, known)
+            cache.publish()
+            return r
 
     def reserve_batch(self, name: str, tenant: str, seq_ids: list[str], n: int,
                       gpu_scope=contextlib.nullcontext,
@@ -293,9 +298,12 @@ class Engine:
                 cache.resident(seqs)
                 cache.defer_encodes()
                 try:
-                    return [cache.reserve(s, n, k) for s, k in zip(seqs, known or [(0, 0)] * len(seqs))]
+                    rs = [cache.reserve(s, n, k) for s, k in zip(seqs, known or [(0, 0)] * len(seqs))]
                 finally:
                     cache.flush_encodes()
+                if gpu:       # packs read the blocks: only in the client's CUDA order (else at a later flush)
+                    cache.publish()
+                return rs
 
     def pool_tensors(self, name: str) -> dict[str, torch.Tensor]:
         """The cache's pool tensors, all layers, for MapPool."""

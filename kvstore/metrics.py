@@ -11,7 +11,8 @@ new tier shows up without touching this file:
 - a number whose key ends in `_<tier>` (`page_ins_host`) -> kvstore_tier_<base>;
 - any other number -> kvstore_<key>.
 Keys nest one level under `tiers`. Counters are the names in COUNTERS (they
-get `_total`); every other number is a gauge.
+get `_total`); every other number is a gauge. The daemon's shared Redis tier
+(redis_tier.py) also has daemon-wide series, kvstore_redis_*.
 """
 from __future__ import annotations
 
@@ -24,7 +25,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 COUNTERS = {"prefix_query_tokens", "prefix_hit_tokens", "appended_tokens", "sealed_blocks", "dedup_blocks",
             "attend_calls", "evictions", "page_ins", "page_outs", "offloads", "prefetches", "bytes_down",
-            "bytes_up", "spilled_blocks", "prefix_hit_blocks", "prefix_hits", "evicted_bytes", "skipped_spills"}
+            "bytes_up", "spilled_blocks", "prefix_hit_blocks", "prefix_hits", "evicted_bytes", "skipped_spills",
+            "blocks_out", "bytes_out", "bytes_in", "misses", "refused", "dropped_puts", "errors"}
 HIT_BLOCKS = ("prefix_hit_blocks", "prefix_hits")    # per-tier prefix hits, counted in blocks
 TIER_SUFFIXES = ("gpu", "host", "disk")
 POOL_STATES = ("used", "cached", "free")
@@ -80,7 +82,17 @@ class EngineCollector:
                 f.add(f"lease_{k}", {}, ls[k], True, f"leases lapsed: {k.replace('_', ' ')}")
         if self.buffers is not None:
             f.add("registered_buffers", {}, len(self.buffers), False, "shared-memory buffers clients registered")
+        if getattr(self.engine, "redis", None) is not None:
+            self._redis(f, self.engine.redis.stats())
         yield from f.fams.values()
+
+    @staticmethod
+    def _redis(f: _Families, r: dict) -> None:
+        f.add("redis_up", {}, r["up"], False, "1 while the shared Redis tier answers; 0 while it is skipped")
+        f.add("redis_outages_total", {}, r["outages"], True, "times the shared Redis tier went down")
+        f.add("redis_errors_total", {}, r["errors"], True, "Redis calls that failed")
+        f.add("redis_queue_puts", {}, r["queue_puts"], False, "block batches waiting for the Redis writer")
+        f.add("redis_queue_bytes", {}, r["queue_bytes"], False, "payload bytes waiting for the Redis writer")
 
     def _cache(self, f: _Families, cache: str, stats: dict) -> None:
         flat = {k: v for k, v in stats.items() if k != "tiers"}
@@ -91,7 +103,7 @@ class EngineCollector:
             if v is None:
                 continue
             if key in tiers:
-                self._tier(f, cache, key, _fields(v))
+                self._tier(f, cache, key, _fields(v), stats)
             elif _number(v):
                 base, tier = _split_tier(key, suffixes)
                 if tier is None:
@@ -102,7 +114,7 @@ class EngineCollector:
                     if base in HIT_BLOCKS:
                         self._tier_hit_rate(f, cache, tier, v, stats)
 
-    def _tier(self, f: _Families, cache: str, tier: str, fields: dict) -> None:
+    def _tier(self, f: _Families, cache: str, tier: str, fields: dict, stats: dict) -> None:
         lab = {"cache": cache, "tier": tier}
         if "capacity" in fields and "used" in fields:
             for state in POOL_STATES:
@@ -112,6 +124,10 @@ class EngineCollector:
             f.add("capacity_blocks", lab, fields["capacity"], False, "blocks a tier holds")
         for k, v in fields.items():
             if k in POOL_STATES or k == "capacity" or not _number(v):
+                continue
+            if k in HIT_BLOCKS:     # the same series as a `prefix_hits_<tier>` number's
+                f.add(f"tier_{k}_total", lab, v, True)
+                self._tier_hit_rate(f, cache, tier, v, stats)
                 continue
             f.add(f"{k}_total" if k in COUNTERS else f"tier_{k}", lab, v, k in COUNTERS)
 

@@ -459,12 +459,15 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
         for name, s in self.engine.stats().items():
             if request.cache and name != request.cache:
                 continue
-            msg = out.caches.add(cache=name, **{k: v for k, v in s.items() if k not in ("main", "tail", "tiers")})
+            msg = out.caches.add(cache=name, **{k: v for k, v in s.items()
+                                                if k not in ("main", "tail", "tiers", "redis")})
             msg.main.CopyFrom(_pool(s["main"]))
             if s["tail"] is not None:
                 msg.tail.CopyFrom(_pool(s["tail"]))
             if s["tiers"] is not None:
                 _tier_stats(msg, s["tiers"])
+            if s["redis"] is not None:
+                _redis_stats(msg, s["redis"])
         return out
 
     def _seq_reply(self, name: str, i: SeqInfo) -> pb.SequenceInfoReply:
@@ -532,6 +535,12 @@ def _tier_stats(msg: pb.CacheStats, t: dict) -> None:
         msg.disk_used_bytes, msg.disk_max_bytes, msg.disk_held_bytes = d["used_bytes"], d["max_bytes"], d["held_bytes"]
         msg.disk_evictions, msg.disk_evicted_bytes = d["evictions"], d["evicted_bytes"]
         msg.disk_skipped_spills = d["skipped_spills"]
+
+
+def _redis_stats(msg: pb.CacheStats, r: dict) -> None:
+    msg.redis_state, msg.redis_last_error, msg.prefix_hit_blocks_redis = r["state"], r["last_error"], r["prefix_hits"]
+    for key in ("blocks_out", "bytes_out", "bytes_in", "misses", "refused", "dropped_puts", "errors"):
+        setattr(msg, "redis_" + key, r[key])
 
 
 def _pool_bytes(cfg: CacheConfig) -> int:

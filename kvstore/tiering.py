@@ -44,6 +44,8 @@ class Tiering:
         if not todo:
             return
         payload = self.c.main.pack(ids_to(self.c.main_device, [b for b, _ in todo]))
+        if self.c.redis is not None:      # ---- Redis tier: the ones it may not have yet (redis_tier.py)
+            self.c.redis.put([h for _, h in todo], payload)
         if self.host is not None:
             ids = self.host.main_pool.allocate(len(todo))
             if ids is not None:
@@ -61,11 +63,14 @@ class Tiering:
             self.counters["spilled_blocks"] += n // payload.shape[1]
 
     def _spill_host_cached(self, evicted: list[tuple[int, bytes]]) -> None:
-        if self.disk is None:
+        if self.disk is None and self.c.redis is None:
             return
         self.host.settle()
         items = [(h, self.host.main[b].clone()) for b, h in evicted]
-        self.counters["bytes_down"] += self.disk.put_blocks(self.c.fingerprint, items)
+        if self.c.redis is not None:      # ---- Redis tier: the ones it may not have yet (redis_tier.py)
+            self.c.redis.put([h for h, _ in items], torch.stack([p for _, p in items]))
+        if self.disk is not None:
+            self.counters["bytes_down"] += self.disk.put_blocks(self.c.fingerprint, items)
 
     def _below_has(self, h: bytes) -> bool:
         if self.host is not None and self.host.main_pool.lookup(h) is not None:

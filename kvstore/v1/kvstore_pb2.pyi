@@ -486,7 +486,7 @@ class PoolStats(_message.Message):
     def __init__(self, capacity: _Optional[int] = ..., used: _Optional[int] = ..., cached: _Optional[int] = ..., free: _Optional[int] = ..., evictions: _Optional[int] = ...) -> None: ...
 
 class CacheStats(_message.Message):
-    __slots__ = ("cache", "main", "tail", "sequences", "tokens", "sealed_tokens", "bytes_per_token", "fp16_bytes_per_token", "compression_ratio", "used_bytes", "effective_bytes_per_token", "prefix_query_tokens", "prefix_hit_tokens", "prefix_hit_rate", "appended_tokens", "sealed_blocks", "dedup_blocks", "attend_calls", "host", "host_tail", "sequences_host", "sequences_disk", "offloads_host", "offloads_disk", "page_ins_host", "page_ins_disk", "bytes_down", "bytes_up", "spilled_blocks", "prefix_hit_blocks_host", "prefix_hit_blocks_disk", "disk_bytes", "disk_entries", "sink_tokens", "disk_used_bytes", "disk_max_bytes", "disk_held_bytes", "disk_evictions", "disk_evicted_bytes", "disk_skipped_spills")
+    __slots__ = ("cache", "main", "tail", "sequences", "tokens", "sealed_tokens", "bytes_per_token", "fp16_bytes_per_token", "compression_ratio", "used_bytes", "effective_bytes_per_token", "prefix_query_tokens", "prefix_hit_tokens", "prefix_hit_rate", "appended_tokens", "sealed_blocks", "dedup_blocks", "attend_calls", "host", "host_tail", "sequences_host", "sequences_disk", "offloads_host", "offloads_disk", "page_ins_host", "page_ins_disk", "bytes_down", "bytes_up", "spilled_blocks", "prefix_hit_blocks_host", "prefix_hit_blocks_disk", "disk_bytes", "disk_entries", "sink_tokens", "disk_used_bytes", "disk_max_bytes", "disk_held_bytes", "disk_evictions", "disk_evicted_bytes", "disk_skipped_spills", "redis_state", "redis_blocks_out", "redis_bytes_out", "prefix_hit_blocks_redis", "redis_bytes_in", "redis_misses", "redis_refused", "redis_dropped_puts", "redis_errors", "redis_last_error")
     CACHE_FIELD_NUMBER: _ClassVar[int]
     MAIN_FIELD_NUMBER: _ClassVar[int]
     TAIL_FIELD_NUMBER: _ClassVar[int]
@@ -527,6 +527,16 @@ class CacheStats(_message.Message):
     DISK_EVICTIONS_FIELD_NUMBER: _ClassVar[int]
     DISK_EVICTED_BYTES_FIELD_NUMBER: _ClassVar[int]
     DISK_SKIPPED_SPILLS_FIELD_NUMBER: _ClassVar[int]
+    REDIS_STATE_FIELD_NUMBER: _ClassVar[int]
+    REDIS_BLOCKS_OUT_FIELD_NUMBER: _ClassVar[int]
+    REDIS_BYTES_OUT_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_HIT_BLOCKS_REDIS_FIELD_NUMBER: _ClassVar[int]
+    REDIS_BYTES_IN_FIELD_NUMBER: _ClassVar[int]
+    REDIS_MISSES_FIELD_NUMBER: _ClassVar[int]
+    REDIS_REFUSED_FIELD_NUMBER: _ClassVar[int]
+    REDIS_DROPPED_PUTS_FIELD_NUMBER: _ClassVar[int]
+    REDIS_ERRORS_FIELD_NUMBER: _ClassVar[int]
+    REDIS_LAST_ERROR_FIELD_NUMBER: _ClassVar[int]
     cache: str
     main: PoolStats
     tail: PoolStats
@@ -567,7 +577,17 @@ class CacheStats(_message.Message):
     disk_evictions: int
     disk_evicted_bytes: int
     disk_skipped_spills: int
-    def __init__(self, cache: _Optional[str] = ..., main: _Optional[_Union[PoolStats, _Mapping]] = ..., tail: _Optional[_Union[PoolStats, _Mapping]] = ..., sequences: _Optional[int] = ..., tokens: _Optional[int] = ..., sealed_tokens: _Optional[int] = ..., bytes_per_token: _Optional[int] = ..., fp16_bytes_per_token: _Optional[int] = ..., compression_ratio: _Optional[float] = ..., used_bytes: _Optional[int] = ..., effective_bytes_per_token: _Optional[float] = ..., prefix_query_tokens: _Optional[int] = ..., prefix_hit_tokens: _Optional[int] = ..., prefix_hit_rate: _Optional[float] = ..., appended_tokens: _Optional[int] = ..., sealed_blocks: _Optional[int] = ..., dedup_blocks: _Optional[int] = ..., attend_calls: _Optional[int] = ..., host: _Optional[_Union[PoolStats, _Mapping]] = ..., host_tail: _Optional[_Union[PoolStats, _Mapping]] = ..., sequences_host: _Optional[int] = ..., sequences_disk: _Optional[int] = ..., offloads_host: _Optional[int] = ..., offloads_disk: _Optional[int] = ..., page_ins_host: _Optional[int] = ..., page_ins_disk: _Optional[int] = ..., bytes_down: _Optional[int] = ..., bytes_up: _Optional[int] = ..., spilled_blocks: _Optional[int] = ..., prefix_hit_blocks_host: _Optional[int] = ..., prefix_hit_blocks_disk: _Optional[int] = ..., disk_bytes: _Optional[int] = ..., disk_entries: _Optional[int] = ..., sink_tokens: _Optional[int] = ..., disk_used_bytes: _Optional[int] = ..., disk_max_bytes: _Optional[int] = ..., disk_held_bytes: _Optional[int] = ..., disk_evictions: _Optional[int] = ..., disk_evicted_bytes: _Optional[int] = ..., disk_skipped_spills: _Optional[int] = ...) -> None: ...
+    redis_state: str
+    redis_blocks_out: int
+    redis_bytes_out: int
+    prefix_hit_blocks_redis: int
+    redis_bytes_in: int
+    redis_misses: int
+    redis_refused: int
+    redis_dropped_puts: int
+    redis_errors: int
+    redis_last_error: str
+    def __init__(self, cache: _Optional[str] = ..., main: _Optional[_Union[PoolStats, _Mapping]] = ..., tail: _Optional[_Union[PoolStats, _Mapping]] = ..., sequences: _Optional[int] = ..., tokens: _Optional[int] = ..., sealed_tokens: _Optional[int] = ..., bytes_per_token: _Optional[int] = ..., fp16_bytes_per_token: _Optional[int] = ..., compression_ratio: _Optional[float] = ..., used_bytes: _Optional[int] = ..., effective_bytes_per_token: _Optional[float] = ..., prefix_query_tokens: _Optional[int] = ..., prefix_hit_tokens: _Optional[int] = ..., prefix_hit_rate: _Optional[float] = ..., appended_tokens: _Optional[int] = ..., sealed_blocks: _Optional[int] = ..., dedup_blocks: _Optional[int] = ..., attend_calls: _Optional[int] = ..., host: _Optional[_Union[PoolStats, _Mapping]] = ..., host_tail: _Optional[_Union[PoolStats, _Mapping]] = ..., sequences_host: _Optional[int] = ..., sequences_disk: _Optional[int] = ..., offloads_host: _Optional[int] = ..., offloads_disk: _Optional[int] = ..., page_ins_host: _Optional[int] = ..., page_ins_disk: _Optional[int] = ..., bytes_down: _Optional[int] = ..., bytes_up: _Optional[int] = ..., spilled_blocks: _Optional[int] = ..., prefix_hit_blocks_host: _Optional[int] = ..., prefix_hit_blocks_disk: _Optional[int] = ..., disk_bytes: _Optional[int] = ..., disk_entries: _Optional[int] = ..., sink_tokens: _Optional[int] = ..., disk_used_bytes: _Optional[int] = ..., disk_max_bytes: _Optional[int] = ..., disk_held_bytes: _Optional[int] = ..., disk_evictions: _Optional[int] = ..., disk_evicted_bytes: _Optional[int] = ..., disk_skipped_spills: _Optional[int] = ..., redis_state: _Optional[str] = ..., redis_blocks_out: _Optional[int] = ..., redis_bytes_out: _Optional[int] = ..., prefix_hit_blocks_redis: _Optional[int] = ..., redis_bytes_in: _Optional[int] = ..., redis_misses: _Optional[int] = ..., redis_refused: _Optional[int] = ..., redis_dropped_puts: _Optional[int] = ..., redis_errors: _Optional[int] = ..., redis_last_error: _Optional[str] = ...) -> None: ...
 
 class StatsReply(_message.Message):
     __slots__ = ("caches",)
