@@ -2,7 +2,7 @@
 checks shared by all callers (the gRPC servicer, tests, in-process users).
 
 Tensors come in already decoded (torch); this layer checks shapes, dtypes,
-layers and sequences, then hands over to Cache. It knows nothing of gRPC.
+values, layers and sequences, then hands over to Cache. It knows nothing of gRPC.
 """
 from __future__ import annotations
 
@@ -17,20 +17,9 @@ from .cache import AllocateResult, Cache, ReserveResult
 from .codebooks import Codebooks, train_codebooks
 from .config import CacheConfig
 from .errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound, quote
+from .checks import request_tensor
 from .redis_tier import RedisConfig, RedisStore
 from .sequence import Sequence
-from .storage import TORCH_DTYPES
-
-FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-
-
-def _finite(t: torch.Tensor) -> bool:
-    """No NaN or Inf in t: its sum is finite exactly then, accumulated wide
-    enough not to overflow (fp16 in fp32; bf16, fp32 in fp64); one reduction
-    instead of isfinite + all."""
-    acc = torch.float32 if t.dtype == torch.float16 else torch.float64
-    return math.isfinite(t.sum(dtype=acc).item())
-
 
 @dataclass(slots=True)
 class SequenceInfo:
@@ -91,9 +80,10 @@ class Engine:
 
     def train_codebooks(self, name: str, k: torch.Tensor, v: torch.Tensor, niter: int = 20) -> str:
         cache = self.cache(name)
-        for field, t in (("k_samples", k), ("v_samples", v)):
-            if t.dtype not in FLOAT_DTYPES:
-                raise InvalidArgument(field, f"dtype {t.dtype} is not float16/bfloat16/float32")
+        g = cache.cfg.geometry
+        for field, t, limit in (("k_samples", k, g.qk_limit), ("v_samples", v, None)):
+            # Centroids are means of samples: samples the cache dtype holds give centroids it holds.
+            request_tensor(cache.cfg, t, field, (None,) * t.dim(), limit)
         cb = train_codebooks(cache.cfg, k, v, niter=niter)   # slow: outside the lock
         return self.set_codebooks(name, cb)
 
@@ -109,21 +99,6 @@ class Engine:
     def _layer(cache: Cache, layer: int) -> None:
         if not 0 <= layer < cache.cfg.geometry.num_layers:
             raise InvalidArgument("layer", f"{layer} outside [0, {cache.cfg.geometry.num_layers})")
-
-    @staticmethod
-    def _tensor(cache: Cache, t: torch.Tensor, field: str, shape: tuple) -> torch.Tensor:
-        """Check a float tensor's shape (None = any size) and move it to the
-        cache's device in the cache dtype."""
-        if t.dtype not in FLOAT_DTYPES:
-            raise InvalidArgument(field, f"dtype {t.dtype} is not float16/bfloat16/float32")
-        if t.dim() != len(shape) or any(w is not None and w != g for w, g in zip(shape, t.shape)):
-            want = "[" + ", ".join("*" if w is None else str(w) for w in shape) + "]"
-            raise InvalidArgument(field, f"shape {list(t.shape)}, expected {want}")
-        # On CUDA the check would synchronise with the host on every call; data
-        # that arrives on the GPU is the client's responsibility.
-        if not t.is_cuda and not _finite(t):
-            raise InvalidArgument(field, "contains NaN or Inf")
-        return t.to(device=cache.cfg.device, dtype=TORCH_DTYPES[cache.cfg.geometry.dtype])
 
     # ------------------------------------------------------------ requests
     def allocate(self, name: str, tenant: str, seq_id: str, prompt: list[int], owner: str = "",
@@ -158,8 +133,8 @@ class Engine:
             else:
                 self._layer(cache, layer)
                 shape = (n, g.num_kv_heads, g.head_dim)
-            k = self._tensor(cache, k, "k", shape)
-            v = self._tensor(cache, v, "v", shape)
+            k = request_tensor(cache.cfg, k, "k", shape, g.qk_limit)
+            v = request_tensor(cache.cfg, v, "v", shape)
             if token_ids is not None:
                 if layer is not None:
                     raise InvalidArgument("token_ids", "token ids go with all-layer appends")
@@ -217,9 +192,10 @@ class Engine:
                scale: float) -> tuple[torch.Tensor, float]:
         """Checks shared by the attend paths -> (q on the cache device, scale)."""
         g = cache.cfg.geometry
-        q = self._tensor(cache, q, "q", (len(seqs), g.num_q_heads, g.head_dim))
-        if scale < 0 or not math.isfinite(scale):
-            raise InvalidArgument("scale", f"must be finite and >= 0, got {scale}")
+        q = request_tensor(cache.cfg, q, "q", (len(seqs), g.num_q_heads, g.head_dim), g.qk_limit)
+        if not 0 <= scale <= g.max_scale():      # NaN fails too; Inf is past the bound
+            raise InvalidArgument("scale", f"must be in [0, {g.max_scale():.3g}] (0: 1/sqrt(head_dim); past the "
+                                  f"bound, scores of {g.dtype} q and k overflow fp32), got {scale}")
         return q, scale or 1.0 / math.sqrt(g.head_dim)
 
     @staticmethod
@@ -256,8 +232,8 @@ class Engine:
             # append()'s checks less those done just above (errors in the same order).
             g = cache.cfg.geometry
             shape = (len(seqs), g.num_kv_heads, g.head_dim)
-            k = self._tensor(cache, k, "k", shape)
-            v = self._tensor(cache, v, "v", shape)
+            k = request_tensor(cache.cfg, k, "k", shape, g.qk_limit)
+            v = request_tensor(cache.cfg, v, "v", shape)
             # The new tokens' write joins the attention (its decode graph, when it has one).
             new = self._append_checked(cache, seqs, k, v, [1] * len(seqs), layer, None, defer_write=True)
             return cache.attend(layer, seqs, q, scale, out=self._out(out, q), new=new)
