@@ -101,22 +101,24 @@ class Engine:
             raise InvalidArgument("layer", f"{layer} outside [0, {cache.cfg.geometry.num_layers})")
 
     # ------------------------------------------------------------ requests
-    def allocate(self, name: str, tenant: str, seq_id: str, prompt: list[int], owner: str = "",
+    def allocate(self, name: str, tenant: str, seq_id: str, prompt, owner: str = "",
                  pinned: bool = False, persist: bool = False) -> AllocateResult:
-        """owner: the session whose lease lapse frees the sequence (see leases.py)."""
+        """prompt: token ids (a list or a protobuf repeated field); owner: the
+        session whose lease lapse frees the sequence (see leases.py)."""
         with self.lock:
             cache = self.cache(name)
-            r = cache.allocate(tenant, seq_id, list(prompt))
+            r = cache.allocate(tenant, seq_id, prompt)
             s = cache.seqs[(tenant, seq_id)]
             s.owner, s.pinned, s.persist = owner, pinned, persist
             return r
 
     def append(self, name: str, tenant: str, seq_ids: list[str], k: torch.Tensor, v: torch.Tensor,
                counts: list[int], layer: int | None = None,
-               token_ids: list[list[int]] | None = None, defer_write: bool = False) -> tuple | None:
+               token_ids: list | None = None, defer_write: bool = False) -> tuple | None:
         """k, v: [L, sum(counts), Hkv, d] (all layers) or [sum(counts), Hkv, d]
         (layer given); tokens of seq_ids[i] are the counts[i] rows after those
-        of the earlier sequences. Validated for all sequences before any
+        of the earlier sequences; token_ids[i]: their ids (a list or a protobuf
+        repeated field), optional. Validated for all sequences before any
         sequence changes. defer_write (with layer): -> (slots, k, v) of tokens
         counted but not written, for Cache.attend(new=...); None: all written."""
         with self.lock:
@@ -140,10 +142,12 @@ class Engine:
                     raise InvalidArgument("token_ids", "token ids go with all-layer appends")
                 if len(token_ids) != len(seqs):
                     raise InvalidArgument("token_ids", f"{len(token_ids)} id lists for {len(seqs)} sequences")
+                for ids in token_ids:      # before any of them is copied
+                    cache.check_length(len(ids), "token_ids")
             return self._append_checked(cache, seqs, k, v, counts, layer, token_ids, defer_write)
 
     def _append_checked(self, cache: Cache, seqs: list[Sequence], k: torch.Tensor, v: torch.Tensor,
-                        counts: list[int], layer: int | None, token_ids: list[list[int]] | None,
+                        counts: list[int], layer: int | None, token_ids: list | None,
                         defer_write: bool) -> tuple | None:
         """append() after its argument checks (under self.lock): k, v already
         on the cache's device and dtype, of the shape counts and layer ask for."""
@@ -163,7 +167,7 @@ class Engine:
             else:
                 off = 0
                 for i, (s, c) in enumerate(zip(seqs, counts)):
-                    ids = token_ids[i] if token_ids is not None and token_ids[i] else None
+                    ids = token_ids[i] if token_ids is not None and len(token_ids[i]) else None
                     cache.append(s, k[:, off:off + c], v[:, off:off + c], ids)
                     off += c
             cache.after_write()
@@ -175,14 +179,14 @@ class Engine:
 
     @staticmethod
     def _check_batch_room(cache: Cache, seqs: list[Sequence], counts: list[int], layer: int | None,
-                          token_ids: list[list[int]] | None = None) -> None:
+                          token_ids: list | None = None) -> None:
         """Refuse a batch that will not fit, or that any of its sequences
         would refuse, before writing any of it."""
         main = tail = freed = 0
         for i, (s, c) in enumerate(zip(seqs, counts)):
             if (layer is None and any(s.pending)) or s.reserved:
                 raise FailedPrecondition("sequence_ids", f"sequence {quote(s.seq_id)} has uncommitted tokens")
-            if token_ids is not None and token_ids[i]:
+            if token_ids is not None and len(token_ids[i]):
                 cache.check_token_ids(s, c, token_ids[i])
             m, t, f = cache.room_needed(s, c, layer)
             main, tail, freed = main + m, tail + t, freed + f

@@ -190,8 +190,9 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
     # ------------------------------------------------------------- sequences
     @_rpc
     def Allocate(self, request, context):
+        # The repeated field itself: the engine bounds its length before copying it.
         r = self.engine.allocate(request.cache, self._tenant(context), request.sequence_id,
-                                 list(request.prompt_token_ids), owner=session_of(context),
+                                 request.prompt_token_ids, owner=session_of(context),
                                  pinned=request.pinned, persist=request.persist)
         return pb.AllocateReply(cached_tokens=r.cached_tokens, hit_blocks=r.hit_blocks)
 
@@ -280,7 +281,7 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
     @_rpc
     def Append(self, request, context):
         self.engine.cache(request.cache)
-        token_ids = [list(t.ids) for t in request.token_ids] if request.token_ids else None
+        token_ids = [t.ids for t in request.token_ids] if request.token_ids else None   # bounded, then copied
         with self._cuda(request):
             self.engine.append(request.cache, self._tenant(context), list(request.sequence_ids),
                                self._t(request.k, "k"), self._t(request.v, "v"), list(request.counts),
@@ -525,6 +526,7 @@ def _tier_stats(msg: pb.CacheStats, t: dict) -> None:
         setattr(msg, key, t[key])
     msg.prefix_hit_blocks_host = t["prefix_hits_host"]
     msg.prefix_hit_blocks_disk = t["prefix_hits_disk"]
+    msg.host_tier_bytes = t.get("host_bytes", 0)
     if "host_main" in t:
         msg.host.CopyFrom(_pool(t["host_main"]))
         msg.host_tail.CopyFrom(_pool(t["host_tail"]))

@@ -465,8 +465,10 @@ CASES = [
          EXHAUSTED, "k"),
     case("Append", "pool-exhausted-one-layer", lambda lv: append("tiny", seqs=["full"], counts=[5], layer=1),
          EXHAUSTED, "k"),
-    case("Append", "seal-exhausted-pq", lambda lv: append("tinypq", seqs=["s"], counts=[8]), EXHAUSTED, "k"),
-    case("Append", "seal-exhausted-sinks", lambda lv: append("sinkpq", seqs=["s"], counts=[1]), EXHAUSTED, "k"),
+    # Past what its pools can ever hold (tinypq: 1 block + R=0 + a block of tail = 16 tokens; sinkpq: 16 sinks
+    # more) a sequence never fits, whatever else is freed: misuse, not a lack of room.
+    case("Append", "beyond-capacity-pq", lambda lv: append("tinypq", seqs=["s"], counts=[8]), INVALID, "counts"),
+    case("Append", "beyond-capacity-sinks", lambda lv: append("sinkpq", seqs=["s"], counts=[1]), INVALID, "counts"),
     case("Append", "unknown-buffer", lambda lv: append(k=ref("shm-nope", 0, (L, 2, HKV, D))), NOT_FOUND, "buffer_id"),
     case("Append", "buffer-offset-out-of-range", lambda lv: append(k=ref(lv.buf, SHM_BYTES - 64, (L, 2, HKV, D))),
          INVALID, "k"),
