@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import threading
 from array import array
 from dataclasses import dataclass
 
@@ -37,6 +38,9 @@ class AllocateResult:
 class Cache(WritePath, ReadPath):
     def __init__(self, cfg: CacheConfig, cold_store=None, redis_store=None):
         self.cfg = cfg
+        # Guards everything below: every request on this cache holds it, so a
+        # long request here never waits on, or stalls, another cache (Engine).
+        self.lock = threading.RLock()
         self.bs = cfg.block_size
         self.is_pq = cfg.codec.kind == "pq"
         self.sinks = cfg.sinks                    # S: fp16 tokens at the front of every sequence
@@ -213,12 +217,23 @@ class Cache(WritePath, ReadPath):
             s.hashed_upto += 1
 
     # ------------------------------------------------------------- allocate
-    def allocate(self, tenant: str, seq_id: str, prompt) -> AllocateResult:
-        """prompt: token ids (a list, a protobuf repeated field, an array)."""
+    def prompt_hashes(self, tenant: str, prompt: array) -> tuple[bytes, list[bytes]]:
+        """-> (the fingerprint they were made with, the chained hashes of the
+        prompt's full blocks). Reads no state but the fingerprint: callers run it
+        outside the cache lock (a long prompt hashes for a while) and pass it to
+        allocate(), which redoes it if the codebooks changed in between."""
+        fp = self.fingerprint
+        return fp, chain_hashes(prompt, self.bs, fp, self._root(tenant))
+
+    def allocate(self, tenant: str, seq_id: str, prompt, hashed: tuple[bytes, list[bytes]] | None = None
+                 ) -> AllocateResult:
+        """prompt: token ids (a list, or prompt_ids()' array); hashed: prompt_hashes() of it."""
         self._require_ready()
         self._check_new_sequence(tenant, seq_id)
         prompt = self.prompt_ids(prompt)
-        hashes = chain_hashes(prompt, self.bs, self.fingerprint, self._root(tenant))
+        if hashed is None or hashed[0] != self.fingerprint:
+            hashed = self.prompt_hashes(tenant, prompt)
+        hashes = hashed[1]
         n_sealed = self.sealed_count(len(prompt))
         # ("main" | "tail", block id), ("encode", tail block id), ("below", payload)
         hits: list[tuple[str, object]] = []

@@ -1,8 +1,15 @@
-"""The engine: every cache of the daemon behind one lock, with the input
-checks shared by all callers (the gRPC servicer, tests, in-process users).
+"""The engine: every cache of the daemon, each behind its own lock, with the
+input checks shared by all callers (the gRPC servicer, tests, in-process users).
 
 Tensors come in already decoded (torch); this layer checks shapes, dtypes,
 values, layers and sequences, then hands over to Cache. It knows nothing of gRPC.
+
+Locks: a request holds the lock of the one cache it names (Cache.lock), so a
+long request in one cache never stalls another. Engine.lock guards only the
+dict of caches and what spans caches (the servicer's pool budget at
+CreateCache); it is taken before, never while holding, a cache's lock. Work
+that must see every cache at rest (the lease reaper) takes them all with
+locked_caches().
 """
 from __future__ import annotations
 
@@ -47,7 +54,7 @@ class Engine:
         tier below it, shared with the daemons of other hosts (redis_tier.py)."""
         self.device = device
         self.caches: dict[str, Cache] = {}
-        self.lock = threading.RLock()
+        self.lock = threading.RLock()      # the dict of caches (see the module docstring)
         self.cold_store = None
         if lmdb_path:
             from .cold_store import LMDBStore
@@ -68,14 +75,44 @@ class Engine:
             return cache
 
     def cache(self, name: str) -> Cache:
-        c = self.caches.get(name)
+        c = self.caches.get(name)      # caches are never removed: no lock needed to find one
         if c is None:
             raise NotFound("cache", f"no cache named {quote(name)}")
         return c
 
-    def set_codebooks(self, name: str, cb: Codebooks) -> str:
+    def _all(self) -> list[Cache]:
         with self.lock:
-            self.cache(name).set_codebooks(cb)
+            return list(self.caches.values())
+
+    @contextlib.contextmanager
+    def locked_caches(self):
+        """Hold every cache's lock at once -> the caches held. It never waits
+        for one lock while holding another (it backs off and waits for the busy
+        one alone), so a long request in one cache stalls no other meanwhile."""
+        caches = self._all()
+        first = 0
+        while True:
+            order = caches[first:] + caches[:first]
+            held = []
+            for c in order:
+                if not c.lock.acquire(blocking=not held):
+                    break
+                held.append(c)
+            if len(held) == len(order):
+                break
+            for c in held:
+                c.lock.release()
+            first = caches.index(order[len(held)])     # wait for the busy one first next time
+        try:
+            yield caches
+        finally:
+            for c in held:
+                c.lock.release()
+
+    def set_codebooks(self, name: str, cb: Codebooks) -> str:
+        cache = self.cache(name)
+        with cache.lock:
+            cache.set_codebooks(cb)
             return cb.sha256()
 
     def train_codebooks(self, name: str, k: torch.Tensor, v: torch.Tensor, niter: int = 20) -> str:
@@ -105,9 +142,16 @@ class Engine:
                  pinned: bool = False, persist: bool = False) -> AllocateResult:
         """prompt: token ids (a list or a protobuf repeated field); owner: the
         session whose lease lapse frees the sequence (see leases.py)."""
-        with self.lock:
-            cache = self.cache(name)
-            r = cache.allocate(tenant, seq_id, prompt)
+        cache = self.cache(name)
+        with cache.lock:          # the cheap refusals first, in Cache.allocate's order
+            cache._require_ready()
+            cache._check_new_sequence(tenant, seq_id)
+        # Checking, copying and hashing a long prompt takes a while (~0.3 s for
+        # 4M tokens): outside the lock. allocate() checks it all again.
+        ids = cache.prompt_ids(prompt)
+        hashed = cache.prompt_hashes(tenant, ids)
+        with cache.lock:
+            r = cache.allocate(tenant, seq_id, ids, hashed)
             s = cache.seqs[(tenant, seq_id)]
             s.owner, s.pinned, s.persist = owner, pinned, persist
             return r
@@ -121,8 +165,8 @@ class Engine:
         repeated field), optional. Validated for all sequences before any
         sequence changes. defer_write (with layer): -> (slots, k, v) of tokens
         counted but not written, for Cache.attend(new=...); None: all written."""
-        with self.lock:
-            cache = self.cache(name)
+        cache = self.cache(name)
+        with cache.lock:
             g = cache.cfg.geometry
             seqs = self._seqs(cache, tenant, seq_ids, unique=True)
             if len(counts) != len(seqs):
@@ -149,7 +193,7 @@ class Engine:
     def _append_checked(self, cache: Cache, seqs: list[Sequence], k: torch.Tensor, v: torch.Tensor,
                         counts: list[int], layer: int | None, token_ids: list | None,
                         defer_write: bool) -> tuple | None:
-        """append() after its argument checks (under self.lock): k, v already
+        """append() after its argument checks (under cache.lock): k, v already
         on the cache's device and dtype, of the shape counts and layer ask for."""
         cache.resident(seqs)
         # Batches of several sequences are checked whole before any write.
@@ -215,8 +259,8 @@ class Engine:
                scale: float = 0.0, out: torch.Tensor | None = None) -> torch.Tensor:
         """q [B, Hq, d] -> out [B, Hq, d] in the cache dtype; written into `out`
         when it fits (see _out), which the caller compares with the result."""
-        with self.lock:
-            cache = self.cache(name)
+        cache = self.cache(name)
+        with cache.lock:
             self._layer(cache, layer)
             seqs = self._seqs(cache, tenant, seq_ids, unique=False)
             q, scale = self._query(cache, seqs, q, scale)
@@ -228,8 +272,8 @@ class Engine:
                       out: torch.Tensor | None = None) -> torch.Tensor:
         """Decode step of one layer: k, v [B, Hkv, d] (one new token per
         sequence), q [B, Hq, d] -> out [B, Hq, d] (`out` as in attend)."""
-        with self.lock:
-            cache = self.cache(name)
+        cache = self.cache(name)
+        with cache.lock:
             self._layer(cache, layer)
             seqs = self._seqs(cache, tenant, seq_ids, unique=True)
             q, scale = self._query(cache, seqs, q, scale)
@@ -244,10 +288,10 @@ class Engine:
 
     def reserve(self, name: str, tenant: str, seq_id: str, n: int,
                 known: tuple[int, int] = (0, 0)) -> ReserveResult:
-        with self.lock:
-            if n < 0 or n > 1 << 20:
-                raise InvalidArgument("num_tokens", f"must be in [0, 2^20], got {n}")
-            cache = self.cache(name)
+        if n < 0 or n > 1 << 20:
+            raise InvalidArgument("num_tokens", f"must be in [0, 2^20], got {n}")
+        cache = self.cache(name)
+        with cache.lock:
             s = cache.seq(tenant, seq_id)
             cache.resident([s])
             r = cache.reserve(s, n, known)
@@ -263,12 +307,12 @@ class Engine:
         entered only when the reserve may run GPU work (Cache.reserve_touches_gpu):
         the other steps of a decode loop then cost the GPU nothing, not even a
         switch to the daemon's context and back (~0.35 ms a step, measured)."""
-        with self.lock:
-            if n < 0 or n > 1 << 20:
-                raise InvalidArgument("num_tokens", f"must be in [0, 2^20], got {n}")
-            if known is not None and len(known) != len(seq_ids):
-                raise InvalidArgument("known_sealed", f"{len(known)} entries for {len(seq_ids)} sequences")
-            cache = self.cache(name)
+        if n < 0 or n > 1 << 20:
+            raise InvalidArgument("num_tokens", f"must be in [0, 2^20], got {n}")
+        if known is not None and len(known) != len(seq_ids):
+            raise InvalidArgument("known_sealed", f"{len(known)} entries for {len(seq_ids)} sequences")
+        cache = self.cache(name)
+        with cache.lock:
             seqs = self._seqs(cache, tenant, seq_ids, unique=True)
             for s in seqs:
                 if any(s.pending):
@@ -287,8 +331,8 @@ class Engine:
 
     def pool_tensors(self, name: str) -> dict[str, torch.Tensor]:
         """The cache's pool tensors, all layers, for MapPool."""
-        with self.lock:
-            c = self.cache(name)
+        c = self.cache(name)
+        with c.lock:
             if c.is_pq:
                 if c.codebooks is None:
                     raise FailedPrecondition("codebooks", f"cache {quote(name)} has no codebooks yet")
@@ -301,8 +345,8 @@ class Engine:
 
     def retrieve(self, name: str, tenant: str, seq_id: str, start: int, end: int,
                  layer_start: int = 0, layer_end: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-        with self.lock:
-            cache = self.cache(name)
+        cache = self.cache(name)
+        with cache.lock:
             nl = cache.cfg.geometry.num_layers
             layer_end = layer_end or nl
             if not 0 <= layer_start < layer_end <= nl:
@@ -314,8 +358,8 @@ class Engine:
             return cache.retrieve(s, start, end, slice(layer_start, layer_end))
 
     def fork(self, name: str, tenant: str, src_id: str, dst_id: str, owner: str = "") -> None:
-        with self.lock:
-            cache = self.cache(name)
+        cache = self.cache(name)
+        with cache.lock:
             src = cache.seq(tenant, src_id)
             cache._check_new_sequence(tenant, dst_id, "new_sequence_id")
             cache.resident([src])
@@ -323,16 +367,16 @@ class Engine:
             cache.seqs[(tenant, dst_id)].owner = owner
 
     def free(self, name: str, tenant: str, seq_ids: list[str]) -> None:
-        with self.lock:
-            cache = self.cache(name)
+        cache = self.cache(name)
+        with cache.lock:
             seqs = self._seqs(cache, tenant, seq_ids, unique=True)
             for s in seqs:
                 cache.free(s)
 
     def offload(self, name: str, tenant: str, seq_ids: list[str]) -> None:
         """Write sequences to the disk tier; returns once they are durable."""
-        with self.lock:
-            cache = self.cache(name)
+        cache = self.cache(name)
+        with cache.lock:
             seqs = self._seqs(cache, tenant, seq_ids, unique=True)
             if cache.tiering is None or cache.tiering.disk is None:
                 raise FailedPrecondition("sequence_ids", "no disk tier: start the daemon with --lmdb PATH")
@@ -344,42 +388,49 @@ class Engine:
 
     def prefetch(self, name: str, tenant: str, seq_ids: list[str]) -> None:
         """Page sequences back into the GPU pools ahead of use."""
-        with self.lock:
-            cache = self.cache(name)
+        cache = self.cache(name)
+        with cache.lock:
             cache.resident(self._seqs(cache, tenant, seq_ids, unique=True))
 
     # ------------------------------------------------------------ introspection
     def sequence_info(self, name: str, tenant: str, seq_id: str) -> SequenceInfo:
-        with self.lock:
-            c = self.cache(name)
+        c = self.cache(name)
+        with c.lock:
             s = c.seq(tenant, seq_id)
             return SequenceInfo(s.seq_id, s.length, list(s.sealed), list(s.tail), list(s.pending),
                                 s.reserved, len(s.token_ids), list(s.hashes), s.owner, s.pinned, s.persist, s.tier,
                                 min(len(s.tail), c.sink_blocks))
 
     def owned_sequences(self, tenant: str, owner: str) -> dict[str, list[tuple[str, bool]]]:
-        """Lease hook: cache -> [(seq_id, persist)] of the unpinned sequences a session owns."""
+        """Lease hook: cache -> [(seq_id, persist)] of the unpinned sequences a
+        session owns (each cache read under its own lock, one at a time)."""
         out: dict[str, list[tuple[str, bool]]] = {}
         if not owner:
             return out
-        with self.lock:
-            for name, c in self.caches.items():
+        for c in self._all():
+            with c.lock:
                 ids = [(s.seq_id, s.persist) for s in c.seqs.values()
                        if s.tenant == tenant and s.owner == owner and not s.pinned]
-                if ids:
-                    out[name] = ids
+            if ids:
+                out[c.cfg.name] = ids
         return out
 
     def list_sequences(self, name: str, tenant: str) -> list[SequenceInfo]:
-        with self.lock:
-            cache = self.cache(name)
+        cache = self.cache(name)
+        with cache.lock:
             return [self.sequence_info(name, tenant, sid) for (t, sid) in sorted(cache.seqs) if t == tenant]
 
-    def stats(self) -> dict[str, dict]:
-        with self.lock:
-            return {name: c.stats() for name, c in self.caches.items()}
+    def stats(self, name: str | None = None) -> dict[str, dict]:
+        """Stats of one cache (name) or all, each read under its own lock in
+        turn: a request in one cache delays only that cache's entry."""
+        caches = [self.cache(name)] if name is not None else self._all()
+        out = {}
+        for c in caches:
+            with c.lock:
+                out[c.cfg.name] = c.stats()
+        return out
 
     def check_invariants(self) -> None:
-        with self.lock:
-            for c in self.caches.values():
+        for c in self._all():
+            with c.lock:
                 c.check_invariants()
