@@ -264,6 +264,7 @@ class Engine:
             self._layer(cache, layer)
             seqs = self._seqs(cache, tenant, seq_ids, unique=False)
             q, scale = self._query(cache, seqs, q, scale)
+            cache.check_visible(layer, seqs)     # before paging in: a refused call moves nothing
             cache.resident(seqs)
             return cache.attend(layer, seqs, q, scale, out=self._out(out, q))
 

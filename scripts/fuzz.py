@@ -119,13 +119,15 @@ def setup(target: str) -> None:
 
 
 # Where a sequence lies (its tier, its block ids and their ref counts) and what
-# moving it costs: not part of what a refused call must leave unchanged (see
-# the module docstring); everything else of Stats and SequenceInfo is.
+# moving it costs or changes (sealed_tokens counts the sealed blocks in the GPU
+# and host pools, none of a sequence on disk): not part of what a refused call
+# must leave unchanged (see the module docstring); everything else of Stats and
+# SequenceInfo is.
 PLACEMENT = {"tier", "sealed_blocks", "sealed_block_refs", "tail_blocks", "tail_block_refs"}
-MOVES = {"main", "tail", "host", "host_tail", "used_bytes", "effective_bytes_per_token", "sequences_host",
-         "sequences_disk", "offloads_host", "offloads_disk", "page_ins_host", "page_ins_disk", "bytes_down",
-         "bytes_up", "spilled_blocks", "prefix_hit_blocks_host", "prefix_hit_blocks_disk", "disk_bytes",
-         "disk_entries", "disk_used_bytes", "disk_held_bytes", "disk_evictions", "disk_evicted_bytes",
+MOVES = {"main", "tail", "host", "host_tail", "used_bytes", "effective_bytes_per_token", "sealed_tokens",
+         "sequences_host", "sequences_disk", "offloads_host", "offloads_disk", "page_ins_host", "page_ins_disk",
+         "bytes_down", "bytes_up", "spilled_blocks", "prefix_hit_blocks_host", "prefix_hit_blocks_disk",
+         "disk_bytes", "disk_entries", "disk_used_bytes", "disk_held_bytes", "disk_evictions", "disk_evicted_bytes",
          "disk_skipped_spills", "host_metadata_bytes"}
 
 
