@@ -134,6 +134,7 @@ STAGES = [("kvstore.servicer", "KVStoreServicer", "AppendAttend"), ("kvstore.ser
           ("kvstore.servicer", "KVStoreServicer", "_cuda"), ("kvstore.wire", None, "to_proto"),
           ("kvstore.engine", "Engine", "append_attend"), ("kvstore.engine", "Engine", "_query"),
           ("kvstore.engine", "Engine", "append"), ("kvstore.engine", "Engine", "_tensor"), ("kvstore.engine", None, "_finite"),
+          ("kvstore.checks", None, "request_tensor"), ("kvstore.checks", None, "check_values"),
           ("kvstore.cache", "Cache", "append_layer_batch"), ("kvstore.cache", "Cache", "attend"),
           ("kvstore.call_scope", "CudaScope", "__enter__"), ("kvstore.call_scope", "CudaScope", "__exit__"),
           ("kvstore.servicer", "KVStoreServicer", "doorbell_append_attend"),

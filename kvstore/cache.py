@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import hashlib
 import math
+import threading
+from array import array
 from dataclasses import dataclass
 
 import torch
@@ -19,14 +21,12 @@ from .hashing import chain_hashes
 from .names import check_name
 from .read_path import ReadPath
 from .redis_tier import RedisTier
-from .sequence import Sequence
+from .sequence import Sequence, token_array
 from .storage import ids_to
 from .storage import Fp16Store, PQStore
 from .tiering import Tiering
 from .tiers import DiskTier, HostTier
 from .write_path import ReserveResult, WritePath  # noqa: F401 (re-exported)
-
-MAX_TOKEN_ID = 2**31 - 1
 
 
 @dataclass(slots=True)
@@ -38,6 +38,9 @@ class AllocateResult:
 class Cache(WritePath, ReadPath):
     def __init__(self, cfg: CacheConfig, cold_store=None, redis_store=None):
         self.cfg = cfg
+        # Guards everything below: every request on this cache holds it, so a
+        # long request here never waits on, or stalls, another cache (Engine).
+        self.lock = threading.RLock()
         self.bs = cfg.block_size
         self.is_pq = cfg.codec.kind == "pq"
         self.sinks = cfg.sinks                    # S: fp16 tokens at the front of every sequence
@@ -51,6 +54,12 @@ class Cache(WritePath, ReadPath):
             # The fp16 codec needs no separate tail: sealing just relabels blocks.
             self.main = Fp16Store(cfg, self.main_pool.capacity)
             self.tail_pool, self.tail = self.main_pool, self.main
+        # The most committed tokens one sequence can ever hold: every main-pool
+        # block sealed, plus the sinks and the R + block_size tail it keeps in
+        # fp16 (the fp16 codec keeps them in the main pool too). A longer prompt
+        # or append can never fit: it is misuse, not a lack of room.
+        self.max_tokens = self.main_pool.capacity * self.bs + (
+            self.sinks + cfg.residual + self.bs if self.is_pq else 0)
         self.codebooks: Codebooks | None = None
         self.fingerprint = fingerprint(cfg, None)
         self.seqs: dict[tuple[str, str], Sequence] = {}
@@ -153,10 +162,16 @@ class Cache(WritePath, ReadPath):
             return self.main_pool, s.sealed[j]
         return self.tail_pool, s.tail[i if j < 0 else i - len(s.sealed)]
 
-    def _check_tokens(self, ids: list[int], field: str) -> None:
-        for t in ids:
-            if not 0 <= t <= MAX_TOKEN_ID:
-                raise InvalidArgument(field, f"token id {t} outside [0, 2^31)")
+    def check_length(self, n: int, field: str) -> None:
+        """A sequence of n committed tokens must fit the cache (max_tokens)."""
+        if n > self.max_tokens:
+            raise InvalidArgument(field, f"a sequence of {n} tokens: one sequence of cache {quote(self.cfg.name)} "
+                                  f"holds at most {self.max_tokens} (its pools' capacity)")
+
+    def prompt_ids(self, prompt) -> array:
+        """Check a prompt's ids (count first, before anything is copied) -> array('i')."""
+        self.check_length(len(prompt), "prompt_token_ids")
+        return token_array(prompt, "prompt_token_ids")
 
     def _check_new_sequence(self, tenant: str, seq_id: str, field: str = "sequence_id") -> None:
         """field: the request field naming the new id (Fork: new_sequence_id)."""
@@ -202,11 +217,23 @@ class Cache(WritePath, ReadPath):
             s.hashed_upto += 1
 
     # ------------------------------------------------------------- allocate
-    def allocate(self, tenant: str, seq_id: str, prompt: list[int]) -> AllocateResult:
+    def prompt_hashes(self, tenant: str, prompt: array) -> tuple[bytes, list[bytes]]:
+        """-> (the fingerprint they were made with, the chained hashes of the
+        prompt's full blocks). Reads no state but the fingerprint: callers run it
+        outside the cache lock (a long prompt hashes for a while) and pass it to
+        allocate(), which redoes it if the codebooks changed in between."""
+        fp = self.fingerprint
+        return fp, chain_hashes(prompt, self.bs, fp, self._root(tenant))
+
+    def allocate(self, tenant: str, seq_id: str, prompt, hashed: tuple[bytes, list[bytes]] | None = None
+                 ) -> AllocateResult:
+        """prompt: token ids (a list, or prompt_ids()' array); hashed: prompt_hashes() of it."""
         self._require_ready()
         self._check_new_sequence(tenant, seq_id)
-        self._check_tokens(prompt, "prompt_token_ids")
-        hashes = chain_hashes(prompt, self.bs, self.fingerprint, self._root(tenant))
+        prompt = self.prompt_ids(prompt)
+        if hashed is None or hashed[0] != self.fingerprint:
+            hashed = self.prompt_hashes(tenant, prompt)
+        hashes = hashed[1]
         n_sealed = self.sealed_count(len(prompt))
         # ("main" | "tail", block id), ("encode", tail block id), ("below", payload)
         hits: list[tuple[str, object]] = []
@@ -251,7 +278,7 @@ class Cache(WritePath, ReadPath):
             self.main_pool.release([b for kind, b in hits[cut:] if kind == "main"])
             self.tail_pool.release([b for kind, b in hits[cut:] if kind in ("tail", "encode")])
             hits, fresh = hits[:cut], [i for i in fresh if i < cut]
-        s = Sequence(seq_id, tenant, self.cfg.geometry.num_layers, token_ids=list(prompt), hashes=hashes)
+        s = Sequence(seq_id, tenant, self.cfg.geometry.num_layers, token_ids=prompt, hashes=hashes)
         new = dict(zip(fresh, self.main_pool.allocate(len(fresh))))
         enc = [i for i in fresh if hits[i][0] == "encode"]
         if enc:
@@ -301,7 +328,7 @@ class Cache(WritePath, ReadPath):
         if partial:
             self.tail.copy_block(src.tail[-1], new[0])
         dst = Sequence(dst_id, tenant, src.num_layers, length=src.length, sealed=list(src.sealed),
-                       tail=shared_tail + new, token_ids=list(src.token_ids), hashes=list(src.hashes),
+                       tail=shared_tail + new, token_ids=array("i", src.token_ids), hashes=list(src.hashes),
                        hashed_upto=src.hashed_upto)
         self.seqs[(tenant, dst_id)] = dst
 
@@ -331,6 +358,7 @@ class Cache(WritePath, ReadPath):
             used_bytes += tail.used * self.bs * self.cfg.fp16_bytes_per_token()
         return dict(
             main=main, tail=tail, sequences=len(self.seqs), tokens=tokens, sealed_tokens=sealed_tokens,
+            host_metadata_bytes=sum(s.host_bytes() for s in self.seqs.values()),
             sink_tokens=self.sinks,
             bytes_per_token=self.cfg.bytes_per_token(), fp16_bytes_per_token=self.cfg.fp16_bytes_per_token(),
             compression_ratio=self.cfg.fp16_bytes_per_token() / self.cfg.bytes_per_token(),

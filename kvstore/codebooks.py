@@ -55,11 +55,19 @@ class Codebooks:
     def validate(self, cfg: CacheConfig) -> None:
         g = cfg.geometry
         want = (g.num_layers, g.num_kv_heads, cfg.m, 256, g.head_dim // cfg.m)
-        for name, t in (("k", self.k), ("v", self.v)):
+        dtype = getattr(torch, g.dtype)
+        # Centroids are the K and V the kernels read, in the cache dtype on the
+        # GPU: they must stay finite there, and K within the limit that keeps
+        # scores finite (config.QK_LIMITS).
+        for name, t, limit in (("k", self.k, g.qk_limit), ("v", self.v, torch.finfo(dtype).max)):
             if tuple(t.shape) != want:
                 raise InvalidArgument(f"codebooks.{name}", f"shape {tuple(t.shape)}, cache needs {want}")
             if not torch.isfinite(t).all():
                 raise InvalidArgument(f"codebooks.{name}", "contains NaN or Inf")
+            peak = float(t.to(dtype).abs().amax())
+            if not peak <= limit:
+                raise InvalidArgument(f"codebooks.{name}", f"a centroid of magnitude {float(t.abs().amax()):g} "
+                                      f"does not fit the cache's {g.dtype} (at most {limit:g})")
 
 
 def train_pq(x: torch.Tensor, m: int, niter: int = 20, init: torch.Tensor | None = None,

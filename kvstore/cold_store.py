@@ -8,6 +8,7 @@ not at all.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 from typing import Iterable, Iterator, Protocol
@@ -32,7 +33,15 @@ class LMDBStore:
     The size of every entry is kept in memory (read at open, updated at each
     commit; this process is the store's only writer), so `used_bytes` is exact
     and `contains` needs no transaction. `max_bytes` (0: none) is the bound the
-    owner of the key layout keeps (tiers.DiskTier)."""
+    owner of the key layout keeps (tiers.DiskTier).
+
+    One store serves every cache, and caches run requests in parallel. LMDB
+    serialises write transactions itself, and py-lmdb's read transactions may
+    be used from any thread, but growing the map (set_mapsize) invalidates
+    every open transaction of the process and fails while any write is open,
+    and the books must follow each commit: every transaction here runs under
+    self.lock, which the owner of the books (tiers.DiskTier) also holds over
+    its own check-then-write sequences."""
 
     def __init__(self, path: str, map_size: int = 1 << 30, sync: bool = False, max_bytes: int = 0):
         import lmdb
@@ -46,7 +55,7 @@ class LMDBStore:
         # sync explicitly (put_many(sync=True) calls env.sync()).
         self.env = lmdb.open(path, map_size=map_size, subdir=True, sync=sync, metasync=sync,
                              max_dbs=0, lock=True, readahead=False)
-        self._grow_lock = threading.Lock()
+        self.lock = threading.RLock()
         self._sizes: dict[bytes, int] = {}
         with self.env.begin(buffers=True) as txn:   # values stay in the map: only their length is read
             for k, v in txn.cursor():
@@ -55,18 +64,20 @@ class LMDBStore:
         self.books = None     # what the owner of the key layout keeps over these entries (tiers.DiskTier)
 
     def _write(self, fn) -> None:
-        while True:
-            try:
-                with self.env.begin(write=True) as txn:
-                    fn(txn)
-                return
-            except self._lmdb.MapFullError:
-                with self._grow_lock:
+        with self.lock:
+            while True:
+                try:
+                    with self.env.begin(write=True) as txn:
+                        fn(txn)
+                    return
+                except self._lmdb.MapFullError:
                     self.env.set_mapsize(self.env.info()["map_size"] * 2)
 
-    def keys(self, prefix: bytes = b"") -> list[bytes]:
-        """Keys under prefix, from the books (no transaction)."""
-        return [k for k in self._sizes if k.startswith(prefix)]
+    @contextlib.contextmanager
+    def reader(self, buffers: bool = False):
+        """A read transaction, held under self.lock (see the class docstring)."""
+        with self.lock, self.env.begin(buffers=buffers) as txn:
+            yield txn
 
     def size(self, key: bytes) -> int | None:
         """Bytes the entry counts, None if absent."""
@@ -80,7 +91,7 @@ class LMDBStore:
         self.write_batch(list(items), [], sync)
 
     def get_many(self, keys: list[bytes]) -> list[bytes | None]:
-        with self.env.begin(buffers=False) as txn:
+        with self.reader() as txn:
             return [txn.get(k) for k in keys]
 
     def contains(self, key: bytes) -> bool:
@@ -96,29 +107,37 @@ class LMDBStore:
                 txn.delete(k)
             for k, v in puts:
                 txn.put(k, v)
-        self._write(fn)
-        for k, n in _after(puts, deletes).items():     # committed: the books follow
-            self.used_bytes += n - self._sizes.get(k, 0)
-            if n:
-                self._sizes[k] = n
-            else:
-                self._sizes.pop(k, None)
+        with self.lock:
+            self._write(fn)
+            for k, n in _after(puts, deletes).items():     # committed: the books follow
+                self.used_bytes += n - self._sizes.get(k, 0)
+                if n:
+                    self._sizes[k] = n
+                else:
+                    self._sizes.pop(k, None)
         if sync:
             self.env.sync(True)
 
     def scan(self, prefix: bytes) -> Iterator[tuple[bytes, bytes]]:
-        with self.env.begin() as txn:
+        out = []          # read whole: a generator would hold the lock between its items
+        with self.reader() as txn:
             cur = txn.cursor()
-            if not cur.set_range(prefix):
-                return
-            for k, v in cur:
-                if not k.startswith(prefix):
-                    break
-                yield bytes(k), bytes(v)
+            if cur.set_range(prefix):
+                for k, v in cur:
+                    if not k.startswith(prefix):
+                        break
+                    out.append((bytes(k), bytes(v)))
+        return iter(out)
+
+    def keys(self, prefix: bytes = b"") -> list[bytes]:
+        """Keys under prefix, from the books (no transaction)."""
+        with self.lock:
+            return [k for k in self._sizes if k.startswith(prefix)]
 
     def stats(self) -> dict:
-        st = self.env.stat()
-        info = self.env.info()
+        with self.lock:
+            st = self.env.stat()
+            info = self.env.info()
         return dict(entries=st["entries"], map_size=info["map_size"],
                     pages=st["branch_pages"] + st["leaf_pages"] + st["overflow_pages"],
                     bytes=(st["branch_pages"] + st["leaf_pages"] + st["overflow_pages"]) * st["psize"],

@@ -10,6 +10,15 @@ from .names import check_label, check_name
 
 DTYPES = {"float16": 2, "bfloat16": 2, "float32": 4}
 CODECS = ("fp16", "pq")
+F32_MAX = 3.4028234663852886e38
+# Largest |element| of q and k a cache takes. The kernels accumulate scores
+# q.k * scale in fp32 (then scale them by log2(e) and subtract the row max),
+# so |q.k| <= head_dim * QK_LIMIT^2 must leave room for a useful scale
+# (ModelGeometry.max_scale). float16: its own max, every finite value.
+# bfloat16 reaches fp32's range itself (a single q.k of two bf16 maxima is
+# inf in fp32): its limit is 2^32, which still leaves scales up to ~9e15 at
+# head_dim 512 and is far past what K and Q of a trained model hold.
+QK_LIMITS = {"float16": 65504.0, "bfloat16": 2.0 ** 32}
 _DEVICE = re.compile(r"cpu|cuda(:[0-9]{1,3})?", re.ASCII)
 
 
@@ -40,6 +49,17 @@ class ModelGeometry:
             raise InvalidArgument("geometry.head_dim", f"must be a multiple of 4 and <= 512, got {self.head_dim}")
         if self.dtype not in DTYPES or self.dtype == "float32":
             raise InvalidArgument("geometry.dtype", f"must be float16 or bfloat16, got {quote(self.dtype)}")
+
+    @property
+    def qk_limit(self) -> float:
+        return QK_LIMITS[self.dtype]
+
+    def max_scale(self) -> float:
+        """The largest attention scale whose fp32 scores can never overflow:
+        |scale * q.k| <= F32_MAX / 4 for q, k within qk_limit (the factor 4
+        covers the log2(e) the kernels fold in and the subtraction of the row
+        max). ~1.2e27 at head_dim 16 in fp16, ~3.6e16 at 128 in bf16."""
+        return F32_MAX / (4 * self.head_dim * self.qk_limit ** 2)
 
 
 @dataclass(slots=True, frozen=True)

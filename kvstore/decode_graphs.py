@@ -41,6 +41,12 @@ SPARE_ITEMS = 16        # plan capacity past the first call's items, for longer 
 MIN_COLS = 16           # table columns of a new graph (doubled as sequences outgrow them)
 MAX_META = 1 << 19      # bytes of a graph's items and tables (one pinned slot holds 1 MiB)
 MAX_ROWS = 512          # (plan parameters, lengths) -> work items, kept across a step's layers
+# One capture at a time in the process: caches run requests in parallel (each
+# under its own lock), and torch.cuda.graph's entry (synchronize, empty_cache)
+# must not run while another thread captures (the allocator asserts that no
+# capture is under way). Work outside captures needs no lock: captures are
+# thread-local, on each cache's own side stream.
+_capture_lock = threading.Lock()
 
 
 def _cols(n: int) -> int:
@@ -330,6 +336,8 @@ class DecodeGraphs:
         if side is None:
             side = self._streams[dev.index] = torch.cuda.Stream(dev)
         cur = torch.cuda.current_stream(dev)
+        if not _capture_lock.acquire(blocking=False):
+            return out          # another cache is capturing: this call ran eagerly, a later one captures
         try:
             side.wait_stream(cur)
             with torch.cuda.graph(g.graph, stream=side, capture_error_mode="thread_local"):
@@ -339,6 +347,8 @@ class DecodeGraphs:
             self.enabled = False
             log.warning("decode graphs off: capture failed (%s)", e)
             return out
+        finally:
+            _capture_lock.release()
         self.captures += 1
         with self._lock:
             dropped = [self.graphs.pop(key)] if key in self.graphs else []

@@ -1,8 +1,15 @@
-"""The engine: every cache of the daemon behind one lock, with the input
-checks shared by all callers (the gRPC servicer, tests, in-process users).
+"""The engine: every cache of the daemon, each behind its own lock, with the
+input checks shared by all callers (the gRPC servicer, tests, in-process users).
 
 Tensors come in already decoded (torch); this layer checks shapes, dtypes,
-layers and sequences, then hands over to Cache. It knows nothing of gRPC.
+values, layers and sequences, then hands over to Cache. It knows nothing of gRPC.
+
+Locks: a request holds the lock of the one cache it names (Cache.lock), so a
+long request in one cache never stalls another. Engine.lock guards only the
+dict of caches and what spans caches (the servicer's pool budget at
+CreateCache); it is taken before, never while holding, a cache's lock. Work
+that must see every cache at rest (the lease reaper) takes them all with
+locked_caches().
 """
 from __future__ import annotations
 
@@ -17,20 +24,9 @@ from .cache import AllocateResult, Cache, ReserveResult
 from .codebooks import Codebooks, train_codebooks
 from .config import CacheConfig
 from .errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound, quote
+from .checks import request_tensor
 from .redis_tier import RedisConfig, RedisStore
 from .sequence import Sequence
-from .storage import TORCH_DTYPES
-
-FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-
-
-def _finite(t: torch.Tensor) -> bool:
-    """No NaN or Inf in t: its sum is finite exactly then, accumulated wide
-    enough not to overflow (fp16 in fp32; bf16, fp32 in fp64); one reduction
-    instead of isfinite + all."""
-    acc = torch.float32 if t.dtype == torch.float16 else torch.float64
-    return math.isfinite(t.sum(dtype=acc).item())
-
 
 @dataclass(slots=True)
 class SequenceInfo:
@@ -58,7 +54,7 @@ class Engine:
         tier below it, shared with the daemons of other hosts (redis_tier.py)."""
         self.device = device
         self.caches: dict[str, Cache] = {}
-        self.lock = threading.RLock()
+        self.lock = threading.RLock()      # the dict of caches (see the module docstring)
         self.cold_store = None
         if lmdb_path:
             from .cold_store import LMDBStore
@@ -79,21 +75,52 @@ class Engine:
             return cache
 
     def cache(self, name: str) -> Cache:
-        c = self.caches.get(name)
+        c = self.caches.get(name)      # caches are never removed: no lock needed to find one
         if c is None:
             raise NotFound("cache", f"no cache named {quote(name)}")
         return c
 
-    def set_codebooks(self, name: str, cb: Codebooks) -> str:
+    def _all(self) -> list[Cache]:
         with self.lock:
-            self.cache(name).set_codebooks(cb)
+            return list(self.caches.values())
+
+    @contextlib.contextmanager
+    def locked_caches(self):
+        """Hold every cache's lock at once -> the caches held. It never waits
+        for one lock while holding another (it backs off and waits for the busy
+        one alone), so a long request in one cache stalls no other meanwhile."""
+        caches = self._all()
+        first = 0
+        while True:
+            order = caches[first:] + caches[:first]
+            held = []
+            for c in order:
+                if not c.lock.acquire(blocking=not held):
+                    break
+                held.append(c)
+            if len(held) == len(order):
+                break
+            for c in held:
+                c.lock.release()
+            first = caches.index(order[len(held)])     # wait for the busy one first next time
+        try:
+            yield caches
+        finally:
+            for c in held:
+                c.lock.release()
+
+    def set_codebooks(self, name: str, cb: Codebooks) -> str:
+        cache = self.cache(name)
+        with cache.lock:
+            cache.set_codebooks(cb)
             return cb.sha256()
 
     def train_codebooks(self, name: str, k: torch.Tensor, v: torch.Tensor, niter: int = 20) -> str:
         cache = self.cache(name)
-        for field, t in (("k_samples", k), ("v_samples", v)):
-            if t.dtype not in FLOAT_DTYPES:
-                raise InvalidArgument(field, f"dtype {t.dtype} is not float16/bfloat16/float32")
+        g = cache.cfg.geometry
+        for field, t, limit in (("k_samples", k, g.qk_limit), ("v_samples", v, None)):
+            # Centroids are means of samples: samples the cache dtype holds give centroids it holds.
+            request_tensor(cache.cfg, t, field, (None,) * t.dim(), limit)
         cb = train_codebooks(cache.cfg, k, v, niter=niter)   # slow: outside the lock
         return self.set_codebooks(name, cb)
 
@@ -110,42 +137,36 @@ class Engine:
         if not 0 <= layer < cache.cfg.geometry.num_layers:
             raise InvalidArgument("layer", f"{layer} outside [0, {cache.cfg.geometry.num_layers})")
 
-    @staticmethod
-    def _tensor(cache: Cache, t: torch.Tensor, field: str, shape: tuple) -> torch.Tensor:
-        """Check a float tensor's shape (None = any size) and move it to the
-        cache's device in the cache dtype."""
-        if t.dtype not in FLOAT_DTYPES:
-            raise InvalidArgument(field, f"dtype {t.dtype} is not float16/bfloat16/float32")
-        if t.dim() != len(shape) or any(w is not None and w != g for w, g in zip(shape, t.shape)):
-            want = "[" + ", ".join("*" if w is None else str(w) for w in shape) + "]"
-            raise InvalidArgument(field, f"shape {list(t.shape)}, expected {want}")
-        # On CUDA the check would synchronise with the host on every call; data
-        # that arrives on the GPU is the client's responsibility.
-        if not t.is_cuda and not _finite(t):
-            raise InvalidArgument(field, "contains NaN or Inf")
-        return t.to(device=cache.cfg.device, dtype=TORCH_DTYPES[cache.cfg.geometry.dtype])
-
     # ------------------------------------------------------------ requests
-    def allocate(self, name: str, tenant: str, seq_id: str, prompt: list[int], owner: str = "",
+    def allocate(self, name: str, tenant: str, seq_id: str, prompt, owner: str = "",
                  pinned: bool = False, persist: bool = False) -> AllocateResult:
-        """owner: the session whose lease lapse frees the sequence (see leases.py)."""
-        with self.lock:
-            cache = self.cache(name)
-            r = cache.allocate(tenant, seq_id, list(prompt))
+        """prompt: token ids (a list or a protobuf repeated field); owner: the
+        session whose lease lapse frees the sequence (see leases.py)."""
+        cache = self.cache(name)
+        with cache.lock:          # the cheap refusals first, in Cache.allocate's order
+            cache._require_ready()
+            cache._check_new_sequence(tenant, seq_id)
+        # Checking, copying and hashing a long prompt takes a while (~0.3 s for
+        # 4M tokens): outside the lock. allocate() checks it all again.
+        ids = cache.prompt_ids(prompt)
+        hashed = cache.prompt_hashes(tenant, ids)
+        with cache.lock:
+            r = cache.allocate(tenant, seq_id, ids, hashed)
             s = cache.seqs[(tenant, seq_id)]
             s.owner, s.pinned, s.persist = owner, pinned, persist
             return r
 
     def append(self, name: str, tenant: str, seq_ids: list[str], k: torch.Tensor, v: torch.Tensor,
                counts: list[int], layer: int | None = None,
-               token_ids: list[list[int]] | None = None, defer_write: bool = False) -> tuple | None:
+               token_ids: list | None = None, defer_write: bool = False) -> tuple | None:
         """k, v: [L, sum(counts), Hkv, d] (all layers) or [sum(counts), Hkv, d]
         (layer given); tokens of seq_ids[i] are the counts[i] rows after those
-        of the earlier sequences. Validated for all sequences before any
+        of the earlier sequences; token_ids[i]: their ids (a list or a protobuf
+        repeated field), optional. Validated for all sequences before any
         sequence changes. defer_write (with layer): -> (slots, k, v) of tokens
         counted but not written, for Cache.attend(new=...); None: all written."""
-        with self.lock:
-            cache = self.cache(name)
+        cache = self.cache(name)
+        with cache.lock:
             g = cache.cfg.geometry
             seqs = self._seqs(cache, tenant, seq_ids, unique=True)
             if len(counts) != len(seqs):
@@ -158,19 +179,21 @@ class Engine:
             else:
                 self._layer(cache, layer)
                 shape = (n, g.num_kv_heads, g.head_dim)
-            k = self._tensor(cache, k, "k", shape)
-            v = self._tensor(cache, v, "v", shape)
+            k = request_tensor(cache.cfg, k, "k", shape, g.qk_limit)
+            v = request_tensor(cache.cfg, v, "v", shape)
             if token_ids is not None:
                 if layer is not None:
                     raise InvalidArgument("token_ids", "token ids go with all-layer appends")
                 if len(token_ids) != len(seqs):
                     raise InvalidArgument("token_ids", f"{len(token_ids)} id lists for {len(seqs)} sequences")
+                for ids in token_ids:      # before any of them is copied
+                    cache.check_length(len(ids), "token_ids")
             return self._append_checked(cache, seqs, k, v, counts, layer, token_ids, defer_write)
 
     def _append_checked(self, cache: Cache, seqs: list[Sequence], k: torch.Tensor, v: torch.Tensor,
-                        counts: list[int], layer: int | None, token_ids: list[list[int]] | None,
+                        counts: list[int], layer: int | None, token_ids: list | None,
                         defer_write: bool) -> tuple | None:
-        """append() after its argument checks (under self.lock): k, v already
+        """append() after its argument checks (under cache.lock): k, v already
         on the cache's device and dtype, of the shape counts and layer ask for."""
         cache.resident(seqs)
         # Batches of several sequences are checked whole before any write.
@@ -188,7 +211,7 @@ class Engine:
             else:
                 off = 0
                 for i, (s, c) in enumerate(zip(seqs, counts)):
-                    ids = token_ids[i] if token_ids is not None and token_ids[i] else None
+                    ids = token_ids[i] if token_ids is not None and len(token_ids[i]) else None
                     cache.append(s, k[:, off:off + c], v[:, off:off + c], ids)
                     off += c
             cache.after_write()
@@ -200,14 +223,14 @@ class Engine:
 
     @staticmethod
     def _check_batch_room(cache: Cache, seqs: list[Sequence], counts: list[int], layer: int | None,
-                          token_ids: list[list[int]] | None = None) -> None:
+                          token_ids: list | None = None) -> None:
         """Refuse a batch that will not fit, or that any of its sequences
         would refuse, before writing any of it."""
         main = tail = freed = 0
         for i, (s, c) in enumerate(zip(seqs, counts)):
             if (layer is None and any(s.pending)) or s.reserved:
                 raise FailedPrecondition("sequence_ids", f"sequence {quote(s.seq_id)} has uncommitted tokens")
-            if token_ids is not None and token_ids[i]:
+            if token_ids is not None and len(token_ids[i]):
                 cache.check_token_ids(s, c, token_ids[i])
             m, t, f = cache.room_needed(s, c, layer)
             main, tail, freed = main + m, tail + t, freed + f
@@ -217,9 +240,10 @@ class Engine:
                scale: float) -> tuple[torch.Tensor, float]:
         """Checks shared by the attend paths -> (q on the cache device, scale)."""
         g = cache.cfg.geometry
-        q = self._tensor(cache, q, "q", (len(seqs), g.num_q_heads, g.head_dim))
-        if scale < 0 or not math.isfinite(scale):
-            raise InvalidArgument("scale", f"must be finite and >= 0, got {scale}")
+        q = request_tensor(cache.cfg, q, "q", (len(seqs), g.num_q_heads, g.head_dim), g.qk_limit)
+        if not 0 <= scale <= g.max_scale():      # NaN fails too; Inf is past the bound
+            raise InvalidArgument("scale", f"must be in [0, {g.max_scale():.3g}] (0: 1/sqrt(head_dim); past the "
+                                  f"bound, scores of {g.dtype} q and k overflow fp32), got {scale}")
         return q, scale or 1.0 / math.sqrt(g.head_dim)
 
     @staticmethod
@@ -235,11 +259,12 @@ class Engine:
                scale: float = 0.0, out: torch.Tensor | None = None) -> torch.Tensor:
         """q [B, Hq, d] -> out [B, Hq, d] in the cache dtype; written into `out`
         when it fits (see _out), which the caller compares with the result."""
-        with self.lock:
-            cache = self.cache(name)
+        cache = self.cache(name)
+        with cache.lock:
             self._layer(cache, layer)
             seqs = self._seqs(cache, tenant, seq_ids, unique=False)
             q, scale = self._query(cache, seqs, q, scale)
+            cache.check_visible(layer, seqs)     # before paging in: a refused call moves nothing
             cache.resident(seqs)
             return cache.attend(layer, seqs, q, scale, out=self._out(out, q))
 
@@ -248,26 +273,26 @@ class Engine:
                       out: torch.Tensor | None = None) -> torch.Tensor:
         """Decode step of one layer: k, v [B, Hkv, d] (one new token per
         sequence), q [B, Hq, d] -> out [B, Hq, d] (`out` as in attend)."""
-        with self.lock:
-            cache = self.cache(name)
+        cache = self.cache(name)
+        with cache.lock:
             self._layer(cache, layer)
             seqs = self._seqs(cache, tenant, seq_ids, unique=True)
             q, scale = self._query(cache, seqs, q, scale)
             # append()'s checks less those done just above (errors in the same order).
             g = cache.cfg.geometry
             shape = (len(seqs), g.num_kv_heads, g.head_dim)
-            k = self._tensor(cache, k, "k", shape)
-            v = self._tensor(cache, v, "v", shape)
+            k = request_tensor(cache.cfg, k, "k", shape, g.qk_limit)
+            v = request_tensor(cache.cfg, v, "v", shape)
             # The new tokens' write joins the attention (its decode graph, when it has one).
             new = self._append_checked(cache, seqs, k, v, [1] * len(seqs), layer, None, defer_write=True)
             return cache.attend(layer, seqs, q, scale, out=self._out(out, q), new=new)
 
     def reserve(self, name: str, tenant: str, seq_id: str, n: int,
                 known: tuple[int, int] = (0, 0)) -> ReserveResult:
-        with self.lock:
-            if n < 0 or n > 1 << 20:
-                raise InvalidArgument("num_tokens", f"must be in [0, 2^20], got {n}")
-            cache = self.cache(name)
+        if n < 0 or n > 1 << 20:
+            raise InvalidArgument("num_tokens", f"must be in [0, 2^20], got {n}")
+        cache = self.cache(name)
+        with cache.lock:
             s = cache.seq(tenant, seq_id)
             cache.resident([s])
             r = cache.reserve(s, n, known)
@@ -283,12 +308,12 @@ class Engine:
         entered only when the reserve may run GPU work (Cache.reserve_touches_gpu):
         the other steps of a decode loop then cost the GPU nothing, not even a
         switch to the daemon's context and back (~0.35 ms a step, measured)."""
-        with self.lock:
-            if n < 0 or n > 1 << 20:
-                raise InvalidArgument("num_tokens", f"must be in [0, 2^20], got {n}")
-            if known is not None and len(known) != len(seq_ids):
-                raise InvalidArgument("known_sealed", f"{len(known)} entries for {len(seq_ids)} sequences")
-            cache = self.cache(name)
+        if n < 0 or n > 1 << 20:
+            raise InvalidArgument("num_tokens", f"must be in [0, 2^20], got {n}")
+        if known is not None and len(known) != len(seq_ids):
+            raise InvalidArgument("known_sealed", f"{len(known)} entries for {len(seq_ids)} sequences")
+        cache = self.cache(name)
+        with cache.lock:
             seqs = self._seqs(cache, tenant, seq_ids, unique=True)
             for s in seqs:
                 if any(s.pending):
@@ -307,8 +332,8 @@ class Engine:
 
     def pool_tensors(self, name: str) -> dict[str, torch.Tensor]:
         """The cache's pool tensors, all layers, for MapPool."""
-        with self.lock:
-            c = self.cache(name)
+        c = self.cache(name)
+        with c.lock:
             if c.is_pq:
                 if c.codebooks is None:
                     raise FailedPrecondition("codebooks", f"cache {quote(name)} has no codebooks yet")
@@ -321,8 +346,8 @@ class Engine:
 
     def retrieve(self, name: str, tenant: str, seq_id: str, start: int, end: int,
                  layer_start: int = 0, layer_end: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-        with self.lock:
-            cache = self.cache(name)
+        cache = self.cache(name)
+        with cache.lock:
             nl = cache.cfg.geometry.num_layers
             layer_end = layer_end or nl
             if not 0 <= layer_start < layer_end <= nl:
@@ -334,8 +359,8 @@ class Engine:
             return cache.retrieve(s, start, end, slice(layer_start, layer_end))
 
     def fork(self, name: str, tenant: str, src_id: str, dst_id: str, owner: str = "") -> None:
-        with self.lock:
-            cache = self.cache(name)
+        cache = self.cache(name)
+        with cache.lock:
             src = cache.seq(tenant, src_id)
             cache._check_new_sequence(tenant, dst_id, "new_sequence_id")
             cache.resident([src])
@@ -343,16 +368,16 @@ class Engine:
             cache.seqs[(tenant, dst_id)].owner = owner
 
     def free(self, name: str, tenant: str, seq_ids: list[str]) -> None:
-        with self.lock:
-            cache = self.cache(name)
+        cache = self.cache(name)
+        with cache.lock:
             seqs = self._seqs(cache, tenant, seq_ids, unique=True)
             for s in seqs:
                 cache.free(s)
 
     def offload(self, name: str, tenant: str, seq_ids: list[str]) -> None:
         """Write sequences to the disk tier; returns once they are durable."""
-        with self.lock:
-            cache = self.cache(name)
+        cache = self.cache(name)
+        with cache.lock:
             seqs = self._seqs(cache, tenant, seq_ids, unique=True)
             if cache.tiering is None or cache.tiering.disk is None:
                 raise FailedPrecondition("sequence_ids", "no disk tier: start the daemon with --lmdb PATH")
@@ -364,42 +389,49 @@ class Engine:
 
     def prefetch(self, name: str, tenant: str, seq_ids: list[str]) -> None:
         """Page sequences back into the GPU pools ahead of use."""
-        with self.lock:
-            cache = self.cache(name)
+        cache = self.cache(name)
+        with cache.lock:
             cache.resident(self._seqs(cache, tenant, seq_ids, unique=True))
 
     # ------------------------------------------------------------ introspection
     def sequence_info(self, name: str, tenant: str, seq_id: str) -> SequenceInfo:
-        with self.lock:
-            c = self.cache(name)
+        c = self.cache(name)
+        with c.lock:
             s = c.seq(tenant, seq_id)
             return SequenceInfo(s.seq_id, s.length, list(s.sealed), list(s.tail), list(s.pending),
                                 s.reserved, len(s.token_ids), list(s.hashes), s.owner, s.pinned, s.persist, s.tier,
                                 min(len(s.tail), c.sink_blocks))
 
     def owned_sequences(self, tenant: str, owner: str) -> dict[str, list[tuple[str, bool]]]:
-        """Lease hook: cache -> [(seq_id, persist)] of the unpinned sequences a session owns."""
+        """Lease hook: cache -> [(seq_id, persist)] of the unpinned sequences a
+        session owns (each cache read under its own lock, one at a time)."""
         out: dict[str, list[tuple[str, bool]]] = {}
         if not owner:
             return out
-        with self.lock:
-            for name, c in self.caches.items():
+        for c in self._all():
+            with c.lock:
                 ids = [(s.seq_id, s.persist) for s in c.seqs.values()
                        if s.tenant == tenant and s.owner == owner and not s.pinned]
-                if ids:
-                    out[name] = ids
+            if ids:
+                out[c.cfg.name] = ids
         return out
 
     def list_sequences(self, name: str, tenant: str) -> list[SequenceInfo]:
-        with self.lock:
-            cache = self.cache(name)
+        cache = self.cache(name)
+        with cache.lock:
             return [self.sequence_info(name, tenant, sid) for (t, sid) in sorted(cache.seqs) if t == tenant]
 
-    def stats(self) -> dict[str, dict]:
-        with self.lock:
-            return {name: c.stats() for name, c in self.caches.items()}
+    def stats(self, name: str | None = None) -> dict[str, dict]:
+        """Stats of one cache (name) or all, each read under its own lock in
+        turn: a request in one cache delays only that cache's entry."""
+        caches = [self.cache(name)] if name is not None else self._all()
+        out = {}
+        for c in caches:
+            with c.lock:
+                out[c.cfg.name] = c.stats()
+        return out
 
     def check_invariants(self) -> None:
-        with self.lock:
-            for c in self.caches.values():
+        for c in self._all():
+            with c.lock:
                 c.check_invariants()

@@ -8,14 +8,20 @@ seeds (never Python's `hash`).
 from __future__ import annotations
 
 import hashlib
-import struct
 from typing import Sequence
+
+import numpy as np
+
+
+def _ids_bytes(token_ids: Sequence[int]) -> bytes:
+    """Token ids (a list or an array('i')) as little-endian int64, the hashed form."""
+    return np.asarray(token_ids, dtype="<i8").tobytes() if len(token_ids) else b""
 
 
 def block_hash(parent: bytes, token_ids: Sequence[int], fingerprint: bytes) -> bytes:
     h = hashlib.sha256()
     h.update(parent)
-    h.update(struct.pack(f"<{len(token_ids)}q", *token_ids))
+    h.update(_ids_bytes(token_ids))
     h.update(fingerprint)
     return h.digest()
 
@@ -24,8 +30,16 @@ def chain_hashes(token_ids: Sequence[int], block_size: int, fingerprint: bytes,
                  parent: bytes = b"", start_block: int = 0) -> list[bytes]:
     """Hashes of the full blocks of token_ids, from block `start_block` on,
     chained from `parent` (the hash of block start_block - 1)."""
+    end = len(token_ids) // block_size
+    if end <= start_block:
+        return []
+    raw = _ids_bytes(token_ids[start_block * block_size:end * block_size])   # converted once, not per block
+    step = 8 * block_size
     out = []
-    for i in range(start_block, len(token_ids) // block_size):
-        parent = block_hash(parent, token_ids[i * block_size:(i + 1) * block_size], fingerprint)
+    for i in range(end - start_block):
+        h = hashlib.sha256(parent)
+        h.update(raw[i * step:(i + 1) * step])
+        h.update(fingerprint)
+        parent = h.digest()
         out.append(parent)
     return out

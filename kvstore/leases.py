@@ -73,13 +73,13 @@ class LeaseManager:
         """Expire every lapsed session now; returns them."""
         if self.engine is None:
             return []
-        with self._lock:     # the common case, nothing lapsed, without touching the engine lock
+        with self._lock:     # the common case, nothing lapsed, without touching the caches' locks
             if not any(self.clock() - t > self.timeout_s for t in self._seen.values()):
                 return []
-        # Under the engine lock a call of the session cannot be half done: a
-        # call that renewed the lease after we looked keeps its sequences, and
-        # one that arrives later runs after the frees.
-        with self.engine.lock:
+        # Holding every cache's lock, no call of the session is half done in any
+        # cache: a call that renewed the lease after we looked keeps its
+        # sequences, and one that arrives later runs after the frees.
+        with self.engine.locked_caches():
             now = self.clock()
             with self._lock:
                 lapsed = [key for key, t in self._seen.items() if now - t > self.timeout_s]

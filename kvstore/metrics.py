@@ -29,6 +29,9 @@ COUNTERS = {"prefix_query_tokens", "prefix_hit_tokens", "appended_tokens", "seal
             "blocks_out", "bytes_out", "bytes_in", "misses", "refused", "dropped_puts", "errors"}
 HIT_BLOCKS = ("prefix_hit_blocks", "prefix_hits")    # per-tier prefix hits, counted in blocks
 TIER_SUFFIXES = ("gpu", "host", "disk")
+# HELP text where the name alone says too little.
+DOCS = {"host_metadata_bytes": "host memory a cache's sequence metadata holds: token ids, block hashes, block tables",
+        "host_bytes": "pinned host memory a cache's host tier reserves"}
 POOL_STATES = ("used", "cached", "free")
 LATENCY_BUCKETS = (.0001, .00025, .0005, .001, .0025, .005, .01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10, 30)
 
@@ -107,7 +110,8 @@ class EngineCollector:
             elif _number(v):
                 base, tier = _split_tier(key, suffixes)
                 if tier is None:
-                    f.add(f"{key}_total" if key in COUNTERS else key, {"cache": cache}, v, key in COUNTERS)
+                    f.add(f"{key}_total" if key in COUNTERS else key, {"cache": cache}, v, key in COUNTERS,
+                          DOCS.get(key, ""))
                 else:
                     name = f"tier_{base}_total" if base in COUNTERS else f"tier_{base}"
                     f.add(name, {"cache": cache, "tier": tier}, v, base in COUNTERS)

@@ -18,6 +18,13 @@ class ReadPath:
     """Mixed into Cache; builds block tables and calls the kernels."""
 
     # ------------------------------------------------------------- reading
+    @staticmethod
+    def check_visible(layer: int, seqs: list[Sequence]) -> None:
+        """Every sequence has a token to attend to at this layer."""
+        for s in seqs:
+            if s.layer_length(layer) == 0:
+                raise InvalidArgument("sequence_ids", f"sequence {quote(s.seq_id)} has no tokens at layer {layer}")
+
     def attend(self, layer: int, seqs: list[Sequence], q: torch.Tensor, scale: float,
                out: torch.Tensor | None = None, new: tuple | None = None) -> torch.Tensor:
         """q [B, Hq, d] -> out [B, Hq, d]: decode attention of one query token per
@@ -29,9 +36,7 @@ class ReadPath:
         try:
             self._require_ready()
             dev = q.device
-            for s in seqs:
-                if s.layer_length(layer) == 0:
-                    raise InvalidArgument("sequence_ids", f"sequence {quote(s.seq_id)} has no tokens at layer {layer}")
+            self.check_visible(layer, seqs)
             graphed = None
             if dev.type == "cuda" and out is not None:
                 graphed, wrote = self.graphs.attend(self, layer, seqs, q, scale, out, new)

@@ -2,8 +2,45 @@
 from __future__ import annotations
 
 import itertools
+import sys
 import time
+from array import array
 from dataclasses import dataclass, field
+
+import numpy as np
+
+from .errors import InvalidArgument
+
+MAX_TOKEN_ID = 2**31 - 1
+assert array("i").itemsize == 4, "token ids are stored as 32-bit C ints"
+# What one entry of a sequence's metadata takes beyond its list slot: a block
+# hash is a 32-byte bytes object, a block id an int object (ids under 257 are
+# shared by the interpreter: counted anyway, so the figure is an upper bound).
+_HASH_OBJ = sys.getsizeof(bytes(32))
+_INT_OBJ = sys.getsizeof(1 << 20)
+
+
+def token_array(ids, field: str) -> array:
+    """Token ids (a list, a protobuf repeated field, an array) -> array('i'),
+    4 bytes an id where a list of Python ints takes ~36; InvalidArgument
+    (naming field) unless every id is an integer in [0, 2^31)."""
+    if isinstance(ids, array) and ids.typecode == "i":
+        a = np.frombuffer(ids, dtype=np.int32) if len(ids) else np.zeros(0, np.int32)
+    else:
+        try:
+            a = np.asarray(ids)
+        except (OverflowError, ValueError, TypeError):
+            raise InvalidArgument(field, "token ids must be integers in [0, 2^31)") from None
+        if a.size == 0:
+            return array("i")
+        if a.ndim != 1 or a.dtype.kind not in "iu":
+            raise InvalidArgument(field, "token ids must be a flat list of integers")
+    bad = (a < 0) | (a > MAX_TOKEN_ID)
+    if bad.any():
+        raise InvalidArgument(field, f"token id {int(a[bad.argmax()])} outside [0, 2^31)")
+    out = array("i")
+    out.frombytes(a.astype(np.int32, copy=False).tobytes())
+    return out
 
 # Table epochs: unique per process. A sequence's sealed table only grows at its end
 # while the epoch stays; anything that rebuilds it (a tier move) takes a new epoch,
@@ -34,7 +71,7 @@ class Sequence:
     reserved: int = 0                                  # slots handed out by Reserve
     sealed: list[int] = field(default_factory=list)    # main-pool block ids
     tail: list[int] = field(default_factory=list)      # tail-pool block ids
-    token_ids: list[int] = field(default_factory=list) # known ids from position 0
+    token_ids: array = field(default_factory=lambda: array("i"))   # known ids from position 0 (token_array)
     hashes: list[bytes] = field(default_factory=list)  # hash of full block i
     hashed_upto: int = 0          # blocks [0, hashed_upto) are registered in a pool index
     last_use: float = field(default_factory=time.monotonic)
@@ -61,3 +98,13 @@ class Sequence:
 
     def max_length(self) -> int:
         return self.length + max(self.pending) + self.reserved
+
+    def host_bytes(self) -> int:
+        """Host memory this metadata holds, roughly: token ids, block hashes,
+        block tables, and the hash lists of a disk-tier manifest."""
+        n = (sys.getsizeof(self.token_ids) + sys.getsizeof(self.hashes) + len(self.hashes) * _HASH_OBJ
+             + sys.getsizeof(self.sealed) + sys.getsizeof(self.tail) + (len(self.sealed) + len(self.tail)) * _INT_OBJ)
+        if self.manifest is not None:
+            hexes = self.manifest.get("sealed_hashes", []) + self.manifest.get("tail_hashes", [])
+            n += sum(sys.getsizeof(h) for h in hexes)
+        return n

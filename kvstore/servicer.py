@@ -102,6 +102,7 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
         self.debug_invariants = os.environ.get("KVSTORE_DEBUG_INVARIANTS") == "1"
         self.max_pool_bytes = 0      # all caches' pools together; 0: unlimited (set by the daemon)
         self._streams: dict = {}     # the daemon's own CUDA stream per device
+        self._streams_lock = threading.Lock()   # calls on different caches run at once
         self._fences = Fences()
         # An open stream holds a server thread for its life (the daemon sizes
         # its pool as workers + max_streams): past the limit, turn it away.
@@ -148,6 +149,11 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
 
     def _info(self, name: str) -> pb.CacheInfo:
         c = self.engine.cache(name)
+        with c.lock:        # codebooks and fingerprint change together
+            return self._info_locked(c)
+
+    @staticmethod
+    def _info_locked(c) -> pb.CacheInfo:
         return pb.CacheInfo(spec=config_to_spec(c.cfg), has_codebooks=c.codebooks is not None,
                             codebooks_sha256=c.codebooks.sha256() if c.codebooks is not None else "",
                             fingerprint=c.fingerprint, capacity_blocks=c.main_pool.capacity,
@@ -190,8 +196,9 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
     # ------------------------------------------------------------- sequences
     @_rpc
     def Allocate(self, request, context):
+        # The repeated field itself: the engine bounds its length before copying it.
         r = self.engine.allocate(request.cache, self._tenant(context), request.sequence_id,
-                                 list(request.prompt_token_ids), owner=session_of(context),
+                                 request.prompt_token_ids, owner=session_of(context),
                                  pinned=request.pinned, persist=request.persist)
         return pb.AllocateReply(cached_tokens=r.cached_tokens, hit_blocks=r.hit_blocks)
 
@@ -216,10 +223,13 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
         import torch
         dev = torch.cuda.current_device() if not hasattr(event, "device") else event.device
         key = str(dev)
-        if key not in self._streams:
-            with torch.cuda.device(dev):
-                self._streams[key] = torch.cuda.Stream()
-        return self._streams[key]
+        stream = self._streams.get(key)
+        if stream is None:
+            with self._streams_lock, torch.cuda.device(dev):   # one stream per device, whoever asks first
+                stream = self._streams.get(key)
+                if stream is None:
+                    stream = self._streams[key] = torch.cuda.Stream()
+        return stream
 
     # --------------------------------------------------- mapped attend (§5)
     @staticmethod
@@ -280,7 +290,7 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
     @_rpc
     def Append(self, request, context):
         self.engine.cache(request.cache)
-        token_ids = [list(t.ids) for t in request.token_ids] if request.token_ids else None
+        token_ids = [t.ids for t in request.token_ids] if request.token_ids else None   # bounded, then copied
         with self._cuda(request):
             self.engine.append(request.cache, self._tenant(context), list(request.sequence_ids),
                                self._t(request.k, "k"), self._t(request.v, "v"), list(request.counts),
@@ -453,12 +463,8 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
     # ----------------------------------------------------------------- stats
     @_rpc
     def Stats(self, request, context):
-        if request.cache:
-            self.engine.cache(request.cache)
         out = pb.StatsReply()
-        for name, s in self.engine.stats().items():
-            if request.cache and name != request.cache:
-                continue
+        for name, s in self.engine.stats(request.cache or None).items():
             msg = out.caches.add(cache=name, **{k: v for k, v in s.items()
                                                 if k not in ("main", "tail", "tiers", "redis")})
             msg.main.CopyFrom(_pool(s["main"]))
@@ -485,13 +491,13 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
 
     @_rpc
     def SequenceInfo(self, request, context):
-        with self.engine.lock:
+        with self.engine.cache(request.cache).lock:     # the ref counts must match the info
             return self._seq_reply(request.cache, self.engine.sequence_info(
                 request.cache, self._tenant(context), request.sequence_id))
 
     @_rpc
     def ListSequences(self, request, context):
-        with self.engine.lock:
+        with self.engine.cache(request.cache).lock:
             infos = self.engine.list_sequences(request.cache, self._tenant(context))
             return pb.ListSequencesReply(sequences=[self._seq_reply(request.cache, i) for i in infos])
 
@@ -525,6 +531,7 @@ def _tier_stats(msg: pb.CacheStats, t: dict) -> None:
         setattr(msg, key, t[key])
     msg.prefix_hit_blocks_host = t["prefix_hits_host"]
     msg.prefix_hit_blocks_disk = t["prefix_hits_disk"]
+    msg.host_tier_bytes = t.get("host_bytes", 0)
     if "host_main" in t:
         msg.host.CopyFrom(_pool(t["host_main"]))
         msg.host_tail.CopyFrom(_pool(t["host_tail"]))

@@ -16,6 +16,7 @@ allocates what it checked, and on any failure gives back all it took.
 from __future__ import annotations
 
 import time
+from array import array
 
 import numpy as np
 import torch
@@ -24,6 +25,15 @@ from .errors import FailedPrecondition, ResourceExhausted
 from .sequence import Sequence
 from .storage import ids_to
 from .tiers import DiskTier, HostTier, SeqImage, block_key
+
+# Manifest fields a restart needs, written to disk but not kept in memory,
+# where the sequence holds them already (token ids as array('i')).
+_HELD = ("token_ids", "hashes")
+
+
+def _written(s: Sequence, manifest: dict) -> dict:
+    """The manifest as written to disk: with s's token ids and hashes."""
+    return dict(manifest, token_ids=s.token_ids.tolist(), hashes=[h.hex() for h in s.hashes])
 
 
 class Tiering:
@@ -189,12 +199,13 @@ class Tiering:
             if m is None:
                 images.append(self._image(s, durable))
             elif durable and not m.get("durable"):      # a pressure copy, durable from now on
-                images.append(SeqImage(s.tenant, s.seq_id, dict(m, durable=True)))
+                images.append(SeqImage(s.tenant, s.seq_id, _written(s, dict(m, durable=True))))
         if images:
             self.counters["bytes_down"] += self.disk.write_sequences(c.fingerprint, images, sync=durable)
         elif durable:
             self.disk.sync()
-        written = {(im.tenant, im.seq_id): im.manifest for im in images}
+        written = {(im.tenant, im.seq_id): {k: v for k, v in im.manifest.items() if k not in _HELD}
+                   for im in images}
         for s in seqs:
             s.manifest = written.get((s.tenant, s.seq_id), s.manifest)
             if s.tier != "disk":
@@ -227,11 +238,10 @@ class Tiering:
             else:
                 others.append(payload)
                 block_hashes.append("")
-        manifest = dict(seq_id=s.seq_id, tenant=s.tenant, length=s.length, token_ids=s.token_ids,
-                        hashes=[h.hex() for h in s.hashes], hashed_upto=s.hashed_upto,
+        manifest = dict(seq_id=s.seq_id, tenant=s.tenant, length=s.length, hashed_upto=s.hashed_upto,
                         sealed_hashes=block_hashes[:len(s.sealed)], tail_hashes=block_hashes[len(s.sealed):],
                         n_tail=len(s.tail), n_other=len(others), durable=durable)
-        return SeqImage(s.tenant, s.seq_id, manifest, hashed, others)
+        return SeqImage(s.tenant, s.seq_id, _written(s, manifest), hashed, others)
 
     def _release(self, s: Sequence) -> None:
         if s.tier == "gpu":
@@ -349,7 +359,7 @@ class Tiering:
             if key in self.c.seqs:
                 continue
             s = Sequence(m["seq_id"], m["tenant"], self.c.cfg.geometry.num_layers, length=m["length"],
-                         token_ids=m["token_ids"], hashes=[bytes.fromhex(h) for h in m["hashes"]],
+                         token_ids=array("i", m.pop("token_ids")), hashes=[bytes.fromhex(h) for h in m.pop("hashes")],
                          hashed_upto=m["hashed_upto"])
             s.tier, s.manifest = "disk", m
             self.c.seqs[key] = s

@@ -15,6 +15,7 @@ Key layout (every key carries the cache fingerprint):
 """
 from __future__ import annotations
 
+import functools
 import json
 import struct
 from collections import OrderedDict
@@ -110,6 +111,17 @@ class SeqImage:
     others: list[torch.Tensor] | None = None                 # payload rows stored under the sequence
 
 
+def _under_store_lock(fn):
+    """Caches run requests in parallel and share one DiskTier per store: its
+    books and the writes they decide (evictions, the byte bound) change
+    together, under the store's lock (cold_store.LMDBStore)."""
+    @functools.wraps(fn)
+    def locked(self, *args, **kwargs):
+        with self.store.lock:
+            return fn(self, *args, **kwargs)
+    return locked
+
+
 class DiskTier:
     """Every cache's view of one LMDB store: one instance per store (of()),
     since the byte bound is the store's.
@@ -186,11 +198,13 @@ class DiskTier:
         self.counters["evictions"] += len(freed)
         self.counters["evicted_bytes"] += sum(n for _, n in freed)
 
+    @_under_store_lock
     def held_bytes(self) -> int:
         """Bytes that sequences hold: never evicted by the bound."""
         return self.store.used_bytes - self.lru_bytes
 
     # -------------------------------------------------------- sequences
+    @_under_store_lock
     def write_sequences(self, fp: bytes, images: list[SeqImage], sync: bool) -> int:
         """One transaction: per sequence its new hashed blocks, its other
         blocks and its manifest (replacing an older copy), plus the evictions
@@ -227,6 +241,7 @@ class DiskTier:
             self._unpin(k)
         return nbytes
 
+    @_under_store_lock
     def read_sequence(self, fp: bytes, tenant: str, seq_id: str, manifest: dict, main_bytes: int,
                       tail_bytes: int, pin: bool) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """-> (sealed rows [n, main_bytes], tail rows [t, tail_bytes]) uint8, read
@@ -238,7 +253,7 @@ class DiskTier:
                     for h in hashes]
         sealed_keys, tail_keys = keys(manifest["sealed_hashes"]), keys(manifest["tail_hashes"])
         out = []
-        with self.store.env.begin(buffers=True) as txn:
+        with self.store.reader(buffers=True) as txn:
             for ks, width in ((sealed_keys, main_bytes), (tail_keys, tail_bytes)):
                 if not ks:
                     out.append(None)
@@ -253,15 +268,15 @@ class DiskTier:
                 out.append(rows)
         return out[0], out[1]
 
+    @_under_store_lock
     def delete_sequence(self, fp: bytes, tenant: str, seq_id: str, manifest: dict, sync: bool = False) -> None:
         keys = [seq_block_key(fp, tenant, seq_id, i) for i in range(manifest["n_other"])]
         self._write([], keys + [manifest_key(fp, tenant, seq_id)], [], sync)
         for k in _refs(fp, manifest):
             self._unpin(k)
 
-    def manifests(self, fp: bytes):
-        for k, v in self.store.scan(b"M" + fp):
-            yield json.loads(v)
+    def manifests(self, fp: bytes) -> list[dict]:
+        return [json.loads(v) for _, v in self.store.scan(b"M" + fp)]
 
     def _manifest(self, mk: bytes) -> dict | None:
         if not self.store.contains(mk):
@@ -269,9 +284,11 @@ class DiskTier:
         return json.loads(self.store.get_many([mk])[0])
 
     # ------------------------------------------------------ cached blocks
+    @_under_store_lock
     def has_block(self, fp: bytes, h: bytes) -> bool:
         return self.store.contains(block_key(fp, h))
 
+    @_under_store_lock
     def get_block(self, fp: bytes, h: bytes) -> bytes | None:
         k = block_key(fp, h)
         v = self.store.get_many([k])[0]
@@ -279,6 +296,7 @@ class DiskTier:
             self.lru.move_to_end(k)
         return v
 
+    @_under_store_lock
     def put_blocks(self, fp: bytes, items: list[tuple[bytes, torch.Tensor]]) -> int:
         """Spill cached blocks: as many as fit the bound after evicting older
         unreferenced blocks, the rest skipped. Returns bytes written."""
@@ -311,9 +329,11 @@ class DiskTier:
     def sync(self) -> None:
         self.store.env.sync(True)
 
+    @_under_store_lock
     def stats(self) -> dict:
         return dict(self.store.stats(), held_bytes=self.held_bytes(), **self.counters)
 
+    @_under_store_lock
     def check_invariants(self) -> None:
         """The books: unreferenced blocks are exactly the stored block keys no
         manifest pins, and their bytes add up."""

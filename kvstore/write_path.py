@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import math
 import time
+from array import array
 from dataclasses import dataclass
 
 import torch
 
 from .errors import FailedPrecondition, InvalidArgument, ResourceExhausted, quote
-from .sequence import Sequence
+from .sequence import Sequence, token_array
 from .storage import ids_to
 
 SMALL_WRITE = 8      # tokens up to which a per-layer append writes slot by slot
@@ -94,28 +95,31 @@ class WritePath:
 
 
     # --------------------------------------------------------------- append
-    def _apply_token_ids(self, s: Sequence, start: int, ids: list[int]) -> None:
-        """Record (already checked) ids of tokens [start, start + len(ids));
-        they extend the hash chain only if every earlier id is known."""
+    def _apply_token_ids(self, s: Sequence, start: int, ids: array) -> None:
+        """Record (already checked: check_token_ids) ids of tokens [start,
+        start + len(ids)); they extend the hash chain only if every earlier id
+        is known."""
         known = s.token_ids[start:start + len(ids)]
         if len(s.token_ids) >= start:
             s.token_ids.extend(ids[len(known):])
             self._extend_hashes(s)
 
-    def check_token_ids(self, s: Sequence, n: int, token_ids: list[int]) -> None:
-        """Ids of the n tokens an all-layer append adds after s.length."""
+    def check_token_ids(self, s: Sequence, n: int, token_ids) -> array:
+        """Ids of the n tokens an all-layer append adds after s.length -> them as an array('i')."""
         if len(token_ids) != n:
             raise InvalidArgument("token_ids", f"{len(token_ids)} ids for {n} tokens")
-        self._check_tokens(token_ids, "token_ids")
+        ids = token_array(token_ids, "token_ids")
         known = s.token_ids[s.length:s.length + n]
-        if known != token_ids[:len(known)]:
+        if known != ids[:len(known)]:
             raise InvalidArgument("token_ids", f"differ from the ids given at Allocate for positions {s.length}..")
+        return ids
 
     def room_needed(self, s: Sequence, n: int, layer: int | None) -> tuple[int, int, int]:
         """(main blocks, tail blocks, tail blocks freed by sealing) that
         appending n tokens (all layers, or one layer) will take at most."""
         if layer is None:
             T = s.length + n
+            self.check_length(T, "counts")
             n_sealed = max(self.sealed_count(T), len(s.sealed))
             seal = n_sealed - len(s.sealed)
             if not self.is_pq:
@@ -150,14 +154,14 @@ class WritePath:
                     and tail <= self.tail_pool.num_allocatable() + freed)
         return tail <= self.main_pool.num_allocatable()
 
-    def append(self, s: Sequence, k: torch.Tensor, v: torch.Tensor, token_ids: list[int] | None) -> None:
+    def append(self, s: Sequence, k: torch.Tensor, v: torch.Tensor, token_ids=None) -> None:
         """All layers, n tokens: k, v [L, n, Hkv, d]. Validated by the caller."""
         self._require_ready()
         if any(s.pending) or s.reserved:
             raise FailedPrecondition("sequence_id", f"sequence {quote(s.seq_id)} has uncommitted per-layer or reserved tokens")
         n = k.shape[1]
         if token_ids is not None:
-            self.check_token_ids(s, n, token_ids)
+            token_ids = self.check_token_ids(s, n, token_ids)
         T = s.length + n
         n_sealed0 = len(s.sealed)
         seal_count = max(self.sealed_count(T), n_sealed0) - n_sealed0

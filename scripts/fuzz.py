@@ -6,19 +6,29 @@
 Requests are plausible ones with random fields rewritten (shapes, dtypes,
 sizes, ids, enums, NaNs, huge numbers), raw garbage bytes sent to every method
 path with identity serializers, bad or missing tokens over TCP, and a second
-tenant naming the first one's sequences. Passes if the daemon never dies,
-every answer is a documented status code (INTERNAL, UNKNOWN, a deadline or a
-dropped connection fail), pool invariants hold after every call (the daemon
-runs with KVSTORE_DEBUG_INVARIANTS=1), the pinned anchor sequences are
-byte-identical at the end, and once every fuzz sequence is freed the pools
-hold exactly the anchors' blocks again.
+tenant naming the first one's sequences. They also cover the tiers (Offload
+and Prefetch on a daemon with --lmdb and a cache with a host tier, frees in
+between), odd names (non-ASCII, over-long, empty, control characters in cache
+names, sequence ids and model ids), and values that overflow on conversion
+(fp32 1e5, 7e4, -65520 into float16, 3.4e38 into bfloat16; huge, zero,
+negative, NaN scales).
+
+Passes if the daemon never dies, every answer is a documented status code
+(INTERNAL, UNKNOWN, a deadline or a dropped connection fail), pool invariants
+hold after every call (the daemon runs with KVSTORE_DEBUG_INVARIANTS=1), a
+refused call leaves what clients see unchanged (Stats, GetCache and every
+sequence's SequenceInfo of both tenants, compared before and after each
+refusal; where a sequence lies, tier and block ids, is not compared: a call
+may page in the sequences it names, and the pressure policy moves sequences
+at any time), the pinned anchor sequences hold the same tokens at the end,
+and once every fuzz sequence is freed the pools hold exactly the anchors'
+blocks again.
 """
 from __future__ import annotations
 
 import argparse
 import collections
 import json
-import math
 import os
 import random
 import secrets
@@ -30,32 +40,30 @@ import time
 
 import grpc
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+sys.path[:0] = [ROOT, HERE]      # the package, and fuzz_requests.py beside this file
 
+from fuzz_requests import (ANCHOR_CACHES, ANCHORS, BS, CACHES, HKV, HQ, STREAMS, SHM_BYTES, D, Gen, L,  # noqa: E402
+                           R)
 from kvstore.v1 import kvstore_pb2 as pb  # noqa: E402
 from kvstore.v1 import kvstore_pb2_grpc as pb_grpc  # noqa: E402
 
 C = grpc.StatusCode
 DOCUMENTED = {C.OK, C.INVALID_ARGUMENT, C.NOT_FOUND, C.ALREADY_EXISTS, C.FAILED_PRECONDITION,
               C.RESOURCE_EXHAUSTED, C.UNIMPLEMENTED, C.UNAUTHENTICATED, C.PERMISSION_DENIED}
-L, HQ, HKV, D, BS, R = 2, 4, 2, 16, 8, 8
-CACHES = ("fz-pq", "fz-f16")
-SEQS = [f"fz-{i}" for i in range(6)]
-ANCHORS = ["anchor-0", "anchor-1"]
 TOKEN_OTHER = "fuzz-token-other-" + "x" * 16
 SERVICE = "/kvstore.v1.KVStore/"
 METHODS = list(pb.DESCRIPTOR.services_by_name["KVStore"].methods_by_name)
 # The sequence calls get drawn more often, so the fuzz reaches states that take a few valid calls to build.
 WEIGHTS = [4 if m in ("Allocate", "Append", "AppendAttend", "Attend", "Fork", "Free", "Reserve", "Retrieve") else
-           2 if m == "AppendAttendStream" else 1 for m in METHODS]
-STREAMS = {"AppendAttendStream": "AppendAttend"}     # streaming method -> the unary call of each message
-SHM_BYTES = 1 << 16
+           3 if m in ("Offload", "Prefetch") else 2 if m == "AppendAttendStream" else 1 for m in METHODS]
 
 
 # ------------------------------------------------------------------ daemon
 def start_daemon(tmp: str, lease_timeout: float = 600.0):
-    """-> (process, unix target, tcp port). Tokens: TOKEN_OTHER is tenant "other"."""
+    """-> (process, unix target, tcp port). Tokens: TOKEN_OTHER is tenant "other".
+    An LMDB disk tier under tmp serves every cache."""
     tokens = os.path.join(tmp, "tokens")
     with open(tokens, "w") as f:
         f.write(f"{TOKEN_OTHER} other\n")
@@ -63,7 +71,8 @@ def start_daemon(tmp: str, lease_timeout: float = 600.0):
     env = dict(os.environ, KVSTORE_DEBUG_INVARIANTS="1", PYTHONUNBUFFERED="1")
     p = subprocess.Popen([sys.executable, os.path.join(ROOT, "server.py"), "--socket", sock, "--device", "cpu",
                           "--port", "0", "--token-file", tokens, "--lease-timeout", str(lease_timeout),
-                          "--max-pool-bytes", str(256 << 20), "--log-level", "WARNING"],
+                          "--max-pool-bytes", str(256 << 20), "--log-level", "WARNING",
+                          "--lmdb", os.path.join(tmp, "lmdb")],
                          stdout=subprocess.PIPE, stderr=open(os.path.join(tmp, "daemon.log"), "w"), text=True, env=env)
     line = p.stdout.readline()
     if "serving on" not in line:
@@ -88,13 +97,19 @@ def setup(target: str) -> None:
     import torch
     from kvstore.client import KVStoreClient
     kv = KVStoreClient(target, transport="inline", heartbeat=False)
-    for name, codec in zip(CACHES, ("pq", "fp16")):
+    for name, codec in zip(CACHES[:2], ("pq", "fp16")):
         kv.create_cache(name, "fuzz-model", num_layers=L, num_q_heads=HQ, num_kv_heads=HKV, head_dim=D, codec=codec,
                         block_size=BS, residual=R, num_blocks=48, max_sequences=24)
+    # A small pool over a small host tier (and LMDB): pressure moves sequences down and back.
+    kv.create_cache("fz-tier", "fuzz-model", num_layers=L, num_q_heads=HQ, num_kv_heads=HKV, head_dim=D, codec="pq",
+                    block_size=BS, residual=R, num_blocks=12, max_sequences=24, host_bytes=24 << 10)
+    kv.create_cache("fz-bf16", "fuzz-model", num_layers=L, num_q_heads=HQ, num_kv_heads=HKV, head_dim=D,
+                    codec="fp16", dtype="bfloat16", block_size=BS, residual=R, num_blocks=48, max_sequences=24)
     g = torch.Generator().manual_seed(0)
-    kv.train_codebooks("fz-pq", torch.randn(L, 256, HKV, D, generator=g), torch.randn(L, 256, HKV, D, generator=g),
-                       niter=2)
-    for name in CACHES:
+    for name in ("fz-pq", "fz-tier"):
+        kv.train_codebooks(name, torch.randn(L, 256, HKV, D, generator=g), torch.randn(L, 256, HKV, D, generator=g),
+                           niter=2)
+    for name in ANCHOR_CACHES:
         for i, sid in enumerate(ANCHORS):
             prompt = list(range(100 * i, 100 * i + 30))
             kv.allocate(name, sid, prompt, pinned=True)
@@ -103,33 +118,79 @@ def setup(target: str) -> None:
     kv.close()
 
 
+# Where a sequence lies (its tier, its block ids and their ref counts) and what
+# moving it costs or changes (sealed_tokens counts the sealed blocks in the GPU
+# and host pools, none of a sequence on disk): not part of what a refused call
+# must leave unchanged (see the module docstring); everything else of Stats and
+# SequenceInfo is.
+PLACEMENT = {"tier", "sealed_blocks", "sealed_block_refs", "tail_blocks", "tail_block_refs"}
+MOVES = {"main", "tail", "host", "host_tail", "used_bytes", "effective_bytes_per_token", "sealed_tokens",
+         "sequences_host", "sequences_disk", "offloads_host", "offloads_disk", "page_ins_host", "page_ins_disk",
+         "bytes_down", "bytes_up", "spilled_blocks", "prefix_hit_blocks_host", "prefix_hit_blocks_disk",
+         "disk_bytes", "disk_entries", "disk_used_bytes", "disk_held_bytes", "disk_evictions", "disk_evicted_bytes",
+         "disk_skipped_spills", "host_metadata_bytes"}
+
+
+def _fields(msg, skip) -> dict:
+    return {f.name: getattr(msg, f.name) for f in msg.DESCRIPTOR.fields if f.name not in skip}
+
+
+def _info(info) -> dict:
+    return _fields(info, PLACEMENT)
+
+
 def snapshot(stub) -> dict:
-    """The anchors' metadata and K/V bytes, and pool usage per cache."""
+    """The anchors' metadata (less placement) and K/V bytes."""
     out = {}
-    for name in CACHES:
+    for name in ANCHOR_CACHES:
         for sid in ANCHORS:
             info = stub.SequenceInfo(pb.SequenceInfoRequest(cache=name, sequence_id=sid), timeout=30)
             r = stub.Retrieve(pb.RetrieveRequest(cache=name, sequence_id=sid, start=0, end=info.length), timeout=30)
-            out[f"{name}/{sid}"] = (info.SerializeToString(deterministic=True), r.k.inline, r.v.inline)
+            out[f"{name}/{sid}"] = (_info(info), r.k.inline, r.v.inline)
     return out
 
 
 def _diff(old, new) -> str:
-    a, b = pb.SequenceInfoReply.FromString(old[0]), pb.SequenceInfoReply.FromString(new[0])
-    out = [f"{f.name}: {getattr(a, f.name)} -> {getattr(b, f.name)}" for f in a.DESCRIPTOR.fields
-           if getattr(a, f.name) != getattr(b, f.name)]
+    out = [f"{k}: {old[0][k]} -> {new[0][k]}" for k in old[0] if old[0][k] != new[0][k]]
     if old[1:] != new[1:]:
         out.append("K/V bytes differ")
     return "; ".join(str(x).replace("\n", " ") for x in out)
 
 
-def pool_usage(stub) -> dict:
+def seen_state(stub, tcp_stub, other_md) -> dict:
+    """What clients see, less placement: Stats and GetCache of every cache, and
+    SequenceInfo of every sequence of both tenants (ListSequences)."""
     out = {}
     for c in stub.Stats(pb.StatsRequest(), timeout=30).caches:
-        for t in ("main", "tail"):
+        out[f"Stats {c.cache}"] = _fields(c, MOVES)
+        out[f"GetCache {c.cache}"] = stub.GetCache(pb.GetCacheRequest(cache=c.cache), timeout=30).SerializeToString(
+            deterministic=True)
+        for who, st, md in (("default", stub, ()), ("other", tcp_stub, other_md)):
+            for s in st.ListSequences(pb.ListSequencesRequest(cache=c.cache), timeout=30, metadata=md).sequences:
+                out[f"{who} {c.cache}/{s.sequence_id!r}"] = _info(s)
+    return out
+
+
+def state_diff(before: dict, after: dict) -> list[str]:
+    """What changed: a key, or a key and its fields that changed."""
+    out = []
+    for k in sorted(before.keys() | after.keys()):
+        a, b = before.get(k), after.get(k)
+        if a != b:
+            fields = sorted(f for f in a if a[f] != b[f]) if isinstance(a, dict) and isinstance(b, dict) else []
+            out.append(f"{k} {fields}" if fields else k)
+    return out
+
+
+def pool_usage(stub) -> dict:
+    """Blocks used per GPU pool, and what lies below (host pools, disk sequences)."""
+    out = {}
+    for c in stub.Stats(pb.StatsRequest(), timeout=30).caches:
+        for t in ("main", "tail", "host", "host_tail"):
             p = getattr(c, t)
             assert p.used + p.cached + p.free == p.capacity, f"{c.cache}.{t}: {p}"
             out[f"{c.cache}.{t}"] = p.used
+        out[f"{c.cache}.sequences_disk"] = c.sequences_disk
     return out
 
 
@@ -137,185 +198,39 @@ def free_all(stub, md=()) -> int:
     n = 0
     for c in stub.Stats(pb.StatsRequest(), timeout=30, metadata=md).caches:
         seqs = stub.ListSequences(pb.ListSequencesRequest(cache=c.cache), timeout=30, metadata=md).sequences
-        ids = [s.sequence_id for s in seqs if s.sequence_id not in ANCHORS or c.cache not in CACHES or md]
+        ids = [s.sequence_id for s in seqs if s.sequence_id not in ANCHORS or c.cache not in ANCHOR_CACHES or md]
         if ids:
             stub.Free(pb.FreeRequest(cache=c.cache, sequence_ids=ids), timeout=30, metadata=md)
             n += len(ids)
     return n
 
 
-# ---------------------------------------------------------------- requests
-class Gen:
-    def __init__(self, rng: random.Random, shm_name: str):
-        self.rng = rng
-        self.shm_name = shm_name
-        self.buffer_id = ""
-        self.other = False      # building for tenant "other": it may name the anchors (and must not reach them)
-        self.live: dict[str, set[str]] = {c: set() for c in CACHES}   # default tenant's fuzz sequences, roughly
-
-    def observe(self, method: str, req) -> None:
-        """Track what an OK call of the default tenant created or freed, so
-        later calls name live sequences more often than not."""
-        live = self.live.get(getattr(req, "cache", ""))
-        if live is None:
-            return
-        if method == "Allocate":
-            live.add(req.sequence_id)
-        elif method == "Fork":
-            live.add(req.new_sequence_id)
-        elif method == "Free":
-            live.difference_update(req.sequence_ids)
-
-    # --- values
-    def string(self) -> str:
-        r = self.rng
-        return r.choice(["", "fz-0", "fz-pq", "fz-f16", "x" * 300, "../../etc/passwd", "\x00",
-                         "é中文", "a b", secrets.token_hex(r.randint(1, 8)), r.choice(SEQS)])
-
-    def scalar(self, f):
-        r = self.rng
-        t = f.cpp_type
-        if t == f.CPPTYPE_BOOL:
-            return r.random() < 0.5
-        if t == f.CPPTYPE_STRING:
-            if f.type == f.TYPE_BYTES:
-                return r.randbytes(r.choice([0, 1, 7, 64, 1000]))
-            return self.string()
-        if t in (f.CPPTYPE_FLOAT, f.CPPTYPE_DOUBLE):
-            return r.choice([0.0, -1.0, math.nan, math.inf, -math.inf, 1e30, 1e-30, r.uniform(-10, 10)])
-        if t == f.CPPTYPE_ENUM:
-            return r.randint(-3, 12)
-        lo, hi = {f.CPPTYPE_INT32: (-2**31, 2**31 - 1), f.CPPTYPE_INT64: (-2**63, 2**63 - 1),
-                  f.CPPTYPE_UINT32: (0, 2**32 - 1), f.CPPTYPE_UINT64: (0, 2**64 - 1)}[t]
-        return r.choice([lo, hi, 0, 1, max(lo, -1), 2, 7, 8, 16, 255, 256, 4096, r.randint(max(lo, -100), 100),
-                         r.randint(lo, hi)])
-
-    def mutate(self, msg, depth: int = 0) -> None:
-        r = self.rng
-        if not msg.DESCRIPTOR.fields:
-            return
-        f = r.choice(msg.DESCRIPTOR.fields)
-        try:
-            if f.message_type is not None and not f.is_repeated:
-                if r.random() < 0.25 or depth > 3:
-                    msg.ClearField(f.name)
-                else:
-                    self.mutate(getattr(msg, f.name), depth + 1)
-            elif f.is_repeated:
-                field = getattr(msg, f.name)
-                if f.message_type is not None:
-                    if r.random() < 0.5:
-                        del field[:]
-                    else:
-                        for _ in range(r.randint(1, 3)):
-                            self.mutate(field.add(), depth + 1)
-                else:
-                    del field[:]
-                    field.extend(self.scalar(f) for _ in range(r.choice([0, 1, 2, 3, 5, 9, 300])))
-            else:
-                setattr(msg, f.name, self.scalar(f))
-        except (ValueError, TypeError, OverflowError):
-            pass   # the client library refuses this value: not a request we can send
-
-    # --- plausible requests
-    def tensor(self, shape, dtype=pb.FLOAT16) -> pb.Tensor:
-        r = self.rng
-        n = math.prod(shape) * (4 if dtype == pb.FLOAT32 else 2)
-        if self.buffer_id and r.random() < 0.3 and n <= SHM_BYTES:
-            return pb.Tensor(shape=list(shape), dtype=dtype,
-                             ref=pb.BufferRef(buffer_id=self.buffer_id, offset=r.choice([0, 64, SHM_BYTES - n])))
-        import numpy as np
-        data = np.random.default_rng(r.randint(0, 2**31)).standard_normal(math.prod(shape))
-        return pb.Tensor(shape=list(shape), dtype=dtype,
-                         inline=data.astype(np.float32 if dtype == pb.FLOAT32 else np.float16).tobytes())
-
-    def out_ref(self):
-        return pb.OutputRef(buffer_id=self.buffer_id, offset=self.rng.choice([0, 128, SHM_BYTES - 8]))
-
-    def base(self, method: str):
-        method = STREAMS.get(method, method)       # a stream carries the unary call's requests
-        r = self.rng
-        cache = r.choice(CACHES) if r.random() < 0.85 else r.choice(("fz-new", "nope", ""))
-        # The default tenant names its anchors only in calls that cannot change them.
-        names = SEQS + ANCHORS if self.other else SEQS
-        sid = r.choice(SEQS + ANCHORS if self.other or method in ("SequenceInfo", "Retrieve", "Fork") else SEQS)
-        ids = r.sample(names, r.randint(1, 3))
-        live = sorted(self.live.get(cache, ()))
-        if live and not self.other and method != "Allocate" and r.random() < 0.7:
-            sid = r.choice(live)
-            ids = r.sample(live, r.randint(1, min(3, len(live))))
-        b = len(ids)
-        if method == "CreateCache":
-            spec = pb.CacheSpec(name=r.choice(["fz-new", "fz-pq", f"fz-c{r.randint(0, 3)}"]), model_id="fuzz",
-                                geometry=pb.Geometry(num_layers=L, num_q_heads=HQ, num_kv_heads=HKV, head_dim=D),
-                                codec=r.choice(["pq", "fp16"]), block_size=BS, num_blocks=r.randint(1, 32),
-                                max_sequences=r.randint(1, 8))
-            return pb.CreateCacheRequest(spec=spec, exist_ok=r.random() < 0.5)
-        if method == "GetCache":
-            return pb.GetCacheRequest(cache=cache)
-        if method == "SetCodebooks":
-            return pb.SetCodebooksRequest(cache=cache, safetensors=r.randbytes(r.choice([0, 8, 200])))
-        if method == "TrainCodebooks":
-            n = r.choice([0, 10, 256])
-            return pb.TrainCodebooksRequest(cache=cache, k_samples=self.tensor((L, n, HKV, D)),
-                                            v_samples=self.tensor((L, n, HKV, D)), niter=r.randint(0, 2))
-        if method == "Allocate":
-            return pb.AllocateRequest(cache=cache, sequence_id=sid,
-                                      prompt_token_ids=[r.randint(0, 20) for _ in range(r.randint(0, 40))])
-        if method == "Reserve":
-            return pb.ReserveRequest(cache=cache, sequence_id=sid, num_tokens=r.randint(0, 12))
-        if method == "Append":
-            counts = [r.randint(1, 6) for _ in ids]
-            layer = r.choice([None, 0, 1])
-            shape = (sum(counts), HKV, D) if layer is not None else (L, sum(counts), HKV, D)
-            req = pb.AppendRequest(cache=cache, sequence_ids=ids, counts=counts, k=self.tensor(shape),
-                                   v=self.tensor(shape))
-            if layer is not None:
-                req.layer = layer
-            elif r.random() < 0.5:
-                req.token_ids.extend(pb.TokenIds(ids=[r.randint(0, 20) for _ in range(c)]) for c in counts)
-            return req
-        if method in ("Attend", "AppendAttend"):
-            req = (pb.AttendRequest if method == "Attend" else pb.AppendAttendRequest)(
-                cache=cache, layer=r.randint(0, L - 1), sequence_ids=ids, q=self.tensor((b, HQ, D)))
-            if method == "AppendAttend":
-                req.k.CopyFrom(self.tensor((b, HKV, D)))
-                req.v.CopyFrom(self.tensor((b, HKV, D)))
-            if self.buffer_id and r.random() < 0.3:
-                req.out.CopyFrom(self.out_ref())
-            return req
-        if method == "Retrieve":
-            s = r.randint(0, 20)
-            req = pb.RetrieveRequest(cache=cache, sequence_id=sid, start=s, end=s + r.randint(0, 20),
-                                     layer_start=r.randint(0, 1), layer_end=r.randint(0, 2))
-            if self.buffer_id and r.random() < 0.3:
-                req.k_out.CopyFrom(self.out_ref())
-                req.v_out.CopyFrom(self.out_ref())
-            return req
-        if method == "Fork":
-            return pb.ForkRequest(cache=cache, sequence_id=sid, new_sequence_id=r.choice(SEQS))
-        if method in ("Free", "Offload", "Prefetch"):
-            return getattr(pb, f"{method}Request")(cache=cache, sequence_ids=ids)
-        if method == "RegisterBuffer":
-            return pb.RegisterBufferRequest(kind=r.choice([pb.SHM, pb.CUDA_IPC, 0]),
-                                            name=r.choice([self.shm_name, "nope"]), size=r.choice([1, SHM_BYTES]))
-        if method == "UnregisterBuffer":
-            return pb.UnregisterBufferRequest(buffer_id=r.choice(["shm-0000", "", self.buffer_id]))
-        if method in ("MapPool", "Stats", "ListSequences"):
-            return getattr(pb, f"{method}Request")(cache=cache)
-        if method == "SequenceInfo":
-            return pb.SequenceInfoRequest(cache=cache, sequence_id=sid)
-        if method == "Heartbeat":
-            return pb.HeartbeatRequest()
-        raise KeyError(method)
-
-
 # ------------------------------------------------------------------ the run
-def invoke(stub, method: str, req, md) -> None:
+def invoke(stub, method: str, req, md) -> list:
+    """-> the replies (one, or a stream's)."""
     if method in STREAMS:                        # one request on a fresh stream
-        list(getattr(stub, method)(iter([req]), timeout=30, metadata=md))
-    else:
-        getattr(stub, method)(req, timeout=30, metadata=md)
+        return list(getattr(stub, method)(iter([req]), timeout=30, metadata=md))
+    return [getattr(stub, method)(req, timeout=30, metadata=md)]
+
+
+def nonfinite(replies) -> bool:
+    """Whether an accepted call's inline K, V or attention output holds NaN or
+    Inf: finite inputs the daemon took must never come back so."""
+    import numpy as np
+    import torch
+    for r in replies:
+        for name in ("out", "k", "v"):
+            t = getattr(r, name, None)
+            if t is None or t.WhichOneof("data") != "inline" or not t.inline:
+                continue
+            if t.dtype == pb.FLOAT32:
+                x = np.frombuffer(t.inline, dtype=np.float32)
+            else:
+                x = torch.frombuffer(bytearray(t.inline), dtype=torch.bfloat16 if t.dtype == pb.BFLOAT16
+                                     else torch.float16).float().numpy()
+            if not np.isfinite(x).all():
+                return True
+    return False
 
 
 def run(n: int = 10_000, seed: int = 0, verbose: bool = True) -> dict:
@@ -333,6 +248,7 @@ def run(n: int = 10_000, seed: int = 0, verbose: bool = True) -> dict:
     outcomes: collections.Counter = collections.Counter()
     by_method: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
     failures: list[str] = []
+    refusals_checked = 0
     t0 = time.time()
     try:
         setup(target)
@@ -340,7 +256,10 @@ def run(n: int = 10_000, seed: int = 0, verbose: bool = True) -> dict:
         gen.buffer_id = stub.RegisterBuffer(pb.RegisterBufferRequest(kind=pb.SHM, name=shm_name, size=SHM_BYTES),
                                             timeout=30).buffer_id
         before, usage0 = snapshot(stub), pool_usage(stub)
+        seen = None      # seen_state() before the call at hand
         for i in range(n):
+            if seen is None:
+                seen = seen_state(stub, tcp_stub, other)
             method = rng.choices(METHODS, WEIGHTS)[0]
             kind = rng.random()
             md: tuple = ()
@@ -360,19 +279,23 @@ def run(n: int = 10_000, seed: int = 0, verbose: bool = True) -> dict:
                         call(raw, timeout=30, metadata=md)
                 else:
                     gen.other = 0.72 <= kind < 0.94
+                    clean = gen.clean = kind < 0.72 and rng.random() < 0.4
                     req = gen.base(method)
-                    if rng.random() < 0.6:
+                    gen.clean = False
+                    if rng.random() < 0.6 and not clean:
                         for _ in range(rng.randint(1, 3)):
                             gen.mutate(req)
                     if kind < 0.72:
-                        if rng.random() < 0.03:
+                        if rng.random() < 0.03 and not clean:
                             md += (("authorization", rng.choice(["Bearer nope", "Basic x", "Bearer "])),)
-                        invoke(stub, method, req, md)
+                        replies = invoke(stub, method, req, md)
                     elif kind < 0.94:
-                        invoke(tcp_stub, method, req, md + other)
+                        replies = invoke(tcp_stub, method, req, md + other)
                     else:
                         bad = rng.choice([(), (("authorization", "Bearer wrong-token-123456789"),)])
-                        invoke(tcp_stub, method, req, md + bad)
+                        replies = invoke(tcp_stub, method, req, md + bad)
+                    if nonfinite(replies):
+                        failures.append(f"#{i} {method}: OK, but its reply holds NaN or Inf")
                 code, detail = C.OK, ""
                 if kind >= 0.12 and not gen.other:
                     gen.observe(STREAMS.get(method, method), req)
@@ -385,6 +308,15 @@ def run(n: int = 10_000, seed: int = 0, verbose: bool = True) -> dict:
                 if proc.poll() is not None:
                     failures.append(f"daemon died with exit code {proc.returncode}")
                     break
+            if code == C.OK:
+                seen = None
+            else:               # a refusal: nothing a client sees may have changed
+                after = seen_state(stub, tcp_stub, other)
+                changed = state_diff(seen, after)
+                if changed:
+                    failures.append(f"#{i} {method}: {code.name} ({detail}) changed {changed[:4]}")
+                refusals_checked += 1
+                seen = after
             if verbose and (i + 1) % 2000 == 0:
                 print(f"  {i + 1} requests, {time.time() - t0:.0f}s, {dict(outcomes)}", flush=True)
         elapsed = time.time() - t0
@@ -395,6 +327,8 @@ def run(n: int = 10_000, seed: int = 0, verbose: bool = True) -> dict:
         else:
             free_all(stub)
             free_all(tcp_stub, other)
+            for name in ANCHOR_CACHES:      # pressure may have moved them down
+                stub.Prefetch(pb.PrefetchRequest(cache=name, sequence_ids=ANCHORS), timeout=30)
             after = snapshot(stub)
             for key in before:
                 if after[key] != before[key]:
@@ -415,8 +349,8 @@ def run(n: int = 10_000, seed: int = 0, verbose: bool = True) -> dict:
                 proc.kill()
         os.unlink(f"/dev/shm/{shm_name}")
     result = dict(requests=sum(outcomes.values()), seconds=round(elapsed, 1), outcomes=dict(outcomes.most_common()),
-                  by_method={m: dict(c) for m, c in sorted(by_method.items())}, failures=failures[:50],
-                  ok=not failures, log=os.path.join(tmp, "daemon.log"))
+                  by_method={m: dict(c) for m, c in sorted(by_method.items())}, refusals_checked=refusals_checked,
+                  failures=failures[:50], ok=not failures, log=os.path.join(tmp, "daemon.log"))
     return result
 
 
@@ -430,7 +364,8 @@ def main() -> None:
     if args.json:
         print(json.dumps(res, indent=2))
     else:
-        print(f"fuzz: {res['requests']} requests in {res['seconds']}s against a live daemon")
+        print(f"fuzz: {res['requests']} requests in {res['seconds']}s against a live daemon, "
+              f"state compared around {res['refusals_checked']} refusals")
         w = max(len(k) for k in res["outcomes"]) if res["outcomes"] else 0
         for code, cnt in res["outcomes"].items():
             print(f"  {code.ljust(w)}  {cnt:6d}")

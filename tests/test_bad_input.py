@@ -62,6 +62,17 @@ def poisoned(x: torch.Tensor, value: float) -> pb.Tensor:
     return t(x)
 
 
+def spiked(*shape, value: float) -> torch.Tensor:
+    """Random fp32 with one element set to value (finite in fp32; it may overflow the cache dtype)."""
+    x = rnd(*shape, dtype=torch.float32)
+    x.view(-1)[x.numel() // 2] = value
+    return x
+
+
+def f32(*shape, value: float) -> pb.Tensor:
+    return t(spiked(*shape, value=value))
+
+
 def spec(name: str, codec: str = "pq", num_blocks: int = 64, max_sequences: int = 16, residual: int = R,
          block_size: int = BS, model_id: str = "test-model", sink_tokens: int = 0, **geom) -> pb.CacheSpec:
     g = dict(num_layers=L, num_q_heads=HQ, num_kv_heads=HKV, head_dim=D, dtype="float16")
@@ -191,6 +202,10 @@ def live(tmp_path_factory):
         _ok(stub, "Allocate", pb.AllocateRequest(cache="sinkpq", sequence_id=sid))
     _ok(stub, "Append", append("sinkpq", ["s"], [32]))
     engine.reserve("sinkpq", "default", "r", 32)
+    # bf: the fp16 codec in bfloat16, b holding 5 tokens.
+    _ok(stub, "CreateCache", pb.CreateCacheRequest(spec=spec("bf", "fp16", dtype="bfloat16")))
+    _ok(stub, "Allocate", pb.AllocateRequest(cache="bf", sequence_id="b"))
+    _ok(stub, "Append", append("bf", ["b"], [5]))
     # A registered shared-memory buffer for buffer-reference cases.
     shm_name = f"kvstore-test-{os.getpid()}-{secrets.token_hex(4)}"
     path = os.path.join("/dev/shm", shm_name)
@@ -308,6 +323,11 @@ CASES = [
     case("SetCodebooks", "nan", lambda lv: pb.SetCodebooksRequest(
         cache="raw", safetensors=codebooks(v=torch.full((L, HKV, M, 256, 2), float("nan")))),
          INVALID, "codebooks.v"),
+    # Finite in fp32, out of the cache's float16: Inf once converted.
+    case("SetCodebooks", "k-overflows-fp16", lambda lv: pb.SetCodebooksRequest(
+        cache="raw", safetensors=codebooks(k=spiked(L, HKV, M, 256, 2, value=1e5))), INVALID, "codebooks.k"),
+    case("SetCodebooks", "v-overflows-fp16", lambda lv: pb.SetCodebooksRequest(
+        cache="raw", safetensors=codebooks(v=torch.full((L, HKV, M, 256, 2), -7e4))), INVALID, "codebooks.v"),
     case("SetCodebooks", "fp16-cache", lambda lv: pb.SetCodebooksRequest(cache="f16", safetensors=codebooks()),
          PRECOND, "codebooks"),
     case("SetCodebooks", "live-sequences", lambda lv: pb.SetCodebooksRequest(cache="pq", safetensors=codebooks()),
@@ -321,6 +341,10 @@ CASES = [
     case("TrainCodebooks", "too-few-samples", lambda lv: train(k=t(rnd(L, 100, HKV, D, dtype=torch.float32))),
          INVALID, "k_samples"),
     case("TrainCodebooks", "nan", lambda lv: train(v=poisoned(rnd(L, 256, HKV, D, dtype=torch.float32), math.nan)),
+         INVALID, "v_samples"),
+    case("TrainCodebooks", "k-overflows-fp16", lambda lv: train(k=f32(L, 256, HKV, D, value=1e5)),
+         INVALID, "k_samples"),
+    case("TrainCodebooks", "v-overflows-fp16", lambda lv: train(v=f32(L, 256, HKV, D, value=-65520.0)),
          INVALID, "v_samples"),
     case("TrainCodebooks", "dtype-missing", lambda lv: train(k=raw((L, 256, HKV, D), pb.DTYPE_UNSPECIFIED)),
          INVALID, "k_samples"),
@@ -405,6 +429,14 @@ CASES = [
     case("Append", "nan-k", lambda lv: append(k=poisoned(rnd(L, 2, HKV, D), math.nan)), INVALID, "k"),
     case("Append", "inf-v-pq", lambda lv: append("pq", v=poisoned(rnd(L, 2, HKV, D), math.inf)), INVALID, "v"),
     case("Append", "nan-k-layer", lambda lv: append(layer=1, k=poisoned(rnd(2, HKV, D), math.nan)), INVALID, "k"),
+    case("Append", "k-overflows-fp16", lambda lv: append(k=f32(L, 2, HKV, D, value=1e5)), INVALID, "k"),
+    case("Append", "v-overflows-fp16-pq", lambda lv: append("pq", v=f32(L, 2, HKV, D, value=7e4)), INVALID, "v"),
+    case("Append", "k-overflows-fp16-layer", lambda lv: append(layer=0, k=f32(2, HKV, D, value=-65520.0)),
+         INVALID, "k"),
+    case("Append", "k-overflows-bf16", lambda lv: append("bf", k=f32(L, 2, HKV, D, value=3.4e38)), INVALID, "k"),
+    case("Append", "v-overflows-bf16", lambda lv: append("bf", v=f32(L, 2, HKV, D, value=-3.4e38)), INVALID, "v"),
+    # Finite in bfloat16, but q.k of two such would overflow the fp32 scores.
+    case("Append", "k-past-qk-limit-bf16", lambda lv: append("bf", k=f32(L, 2, HKV, D, value=1e10)), INVALID, "k"),
     case("Append", "layer-out-of-range", lambda lv: append(layer=L), INVALID, "layer"),
     case("Append", "layer-negative", lambda lv: append("pq", layer=-1), INVALID, "layer"),
     case("Append", "token-ids-with-layer", lambda lv: append(layer=0, token_ids=[[1, 2]]), INVALID, "token_ids"),
@@ -433,8 +465,10 @@ CASES = [
          EXHAUSTED, "k"),
     case("Append", "pool-exhausted-one-layer", lambda lv: append("tiny", seqs=["full"], counts=[5], layer=1),
          EXHAUSTED, "k"),
-    case("Append", "seal-exhausted-pq", lambda lv: append("tinypq", seqs=["s"], counts=[8]), EXHAUSTED, "k"),
-    case("Append", "seal-exhausted-sinks", lambda lv: append("sinkpq", seqs=["s"], counts=[1]), EXHAUSTED, "k"),
+    # Past what its pools can ever hold (tinypq: 1 block + R=0 + a block of tail = 16 tokens; sinkpq: 16 sinks
+    # more) a sequence never fits, whatever else is freed: misuse, not a lack of room.
+    case("Append", "beyond-capacity-pq", lambda lv: append("tinypq", seqs=["s"], counts=[8]), INVALID, "counts"),
+    case("Append", "beyond-capacity-sinks", lambda lv: append("sinkpq", seqs=["s"], counts=[1]), INVALID, "counts"),
     case("Append", "unknown-buffer", lambda lv: append(k=ref("shm-nope", 0, (L, 2, HKV, D))), NOT_FOUND, "buffer_id"),
     case("Append", "buffer-offset-out-of-range", lambda lv: append(k=ref(lv.buf, SHM_BYTES - 64, (L, 2, HKV, D))),
          INVALID, "k"),
@@ -453,6 +487,14 @@ CASES = [
     case("Attend", "q-dtype-int64", lambda lv: attend(q=raw((1, HQ, D), pb.INT64, nbytes=HQ * D * 8)), INVALID, "q"),
     case("Attend", "q-byte-length", lambda lv: attend(q=raw((1, HQ, D), nbytes=10)), INVALID, "q"),
     case("Attend", "q-nan", lambda lv: attend("pq", q=poisoned(rnd(1, HQ, D), math.nan)), INVALID, "q"),
+    case("Attend", "q-overflows-fp16", lambda lv: attend(q=f32(1, HQ, D, value=1e5)), INVALID, "q"),
+    case("Attend", "q-overflows-bf16", lambda lv: attend("bf", q=f32(1, HQ, D, value=3.4e38)), INVALID, "q"),
+    case("Attend", "q-past-qk-limit-bf16", lambda lv: attend("bf", q=t(rnd(1, HQ, D, dtype=torch.bfloat16) * 1e12)),
+         INVALID, "q"),
+    # Past ModelGeometry.max_scale, scores of in-range q and k could overflow fp32.
+    case("Attend", "scale-overflows-scores", lambda lv: attend(scale=3e38), INVALID, "scale"),
+    case("Attend", "scale-overflows-scores-pq", lambda lv: attend("pq", scale=1e30), INVALID, "scale"),
+    case("Attend", "scale-overflows-scores-bf16", lambda lv: attend("bf", scale=1e20), INVALID, "scale"),
     case("Attend", "scale-negative", lambda lv: attend(scale=-1.0), INVALID, "scale"),
     case("Attend", "scale-nan", lambda lv: attend(scale=math.nan), INVALID, "scale"),
     case("Attend", "scale-inf-pq", lambda lv: attend("pq", scale=math.inf), INVALID, "scale"),
@@ -483,6 +525,13 @@ CASES = [
          INVALID, "k"),
     case("AppendAttend", "q-inf", lambda lv: append_attend(q=poisoned(rnd(1, HQ, D), -math.inf)), INVALID, "q"),
     case("AppendAttend", "scale-negative", lambda lv: append_attend(scale=-0.5), INVALID, "scale"),
+    case("AppendAttend", "scale-overflows-scores", lambda lv: append_attend("pq", scale=3e38), INVALID, "scale"),
+    case("AppendAttend", "k-overflows-fp16", lambda lv: append_attend(k=f32(1, HKV, D, value=1e5)), INVALID, "k"),
+    case("AppendAttend", "v-overflows-fp16-pq", lambda lv: append_attend("pq", v=f32(1, HKV, D, value=7e4)),
+         INVALID, "v"),
+    case("AppendAttend", "q-overflows-fp16", lambda lv: append_attend(q=f32(1, HQ, D, value=-1e5)), INVALID, "q"),
+    case("AppendAttend", "k-overflows-bf16", lambda lv: append_attend("bf", k=f32(1, HKV, D, value=3.4e38)),
+         INVALID, "k"),
     case("AppendAttend", "reserved", lambda lv: append_attend(seqs=["r"]), PRECOND, "sequence_id"),
     case("AppendAttend", "batch-second-reserved", lambda lv: append_attend(seqs=["b", "r"]), PRECOND, "sequence_ids"),
     case("AppendAttend", "batch-second-reserved-pq", lambda lv: append_attend("pq", seqs=["a", "r"], layer=1),

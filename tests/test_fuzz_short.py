@@ -1,6 +1,7 @@
 """CI version of scripts/fuzz.py: 1,000 malformed requests against a live
 daemon process; every answer a documented status code, the daemon alive,
-invariants after every call, anchors unchanged, no blocks leaked."""
+invariants after every call, what clients see unchanged by every refusal,
+accepted outputs finite, anchors unchanged, no blocks leaked."""
 import importlib.util
 import os
 
@@ -25,3 +26,7 @@ def test_fuzz_1000_requests():
     # The run reached past the front door: valid calls, tenants, IPC refusals.
     for code in ("OK", "INVALID_ARGUMENT", "NOT_FOUND", "UNAUTHENTICATED", "PERMISSION_DENIED"):
         assert res["outcomes"].get(code, 0) > 0, code
+    # ... and past the checks into the tiers and the kernels, comparing state around the refusals.
+    for method in ("Offload", "Prefetch", "Free", "Append", "Attend", "AppendAttend"):
+        assert res["by_method"][method].get("OK", 0) > 0, (method, res["by_method"][method])
+    assert res["refusals_checked"] > 500, res["refusals_checked"]

@@ -16,7 +16,9 @@ import torch
 from kvstore import wire
 from kvstore.client import KVStoreClient
 from kvstore.daemon import create_server
-from kvstore.engine import Engine, _finite
+from kvstore.checks import check_values
+from kvstore.engine import Engine
+from kvstore.errors import InvalidArgument
 from kvstore.kernels import cpu_decode
 from kvstore.kernels import reference as ref
 from kvstore.v1 import kvstore_pb2 as pb
@@ -65,17 +67,22 @@ def test_cpu_decode_matches_reference_pq(sealed, tail):
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
-def test_finite_check_is_exact(dtype):
+def test_value_check_is_exact(dtype):
     big = torch.finfo(dtype).max
     x = torch.full((4096,), big, dtype=dtype)       # a sum that overflows the input dtype: still finite
-    assert _finite(x) and _finite(-x) and _finite(torch.empty(0, dtype=dtype))
+    for ok in (x, -x, torch.empty(0, dtype=dtype)):
+        check_values(ok, "k", big, converted=False)
     for bad in (float("nan"), float("inf"), -float("inf")):
         y = x.clone()
         y[17] = bad
-        assert not _finite(y)
+        with pytest.raises(InvalidArgument, match="^k: contains"):
+            check_values(y, "k", big, converted=False)
     y = x.clone()
     y[0], y[1] = float("inf"), -float("inf")          # inf - inf: the sum is NaN, still caught
-    assert not _finite(y)
+    with pytest.raises(InvalidArgument):
+        check_values(y, "k", big, converted=False)
+    with pytest.raises(InvalidArgument, match="holds"):     # finite, past a tighter limit
+        check_values(x, "q", big / 2, converted=False)
 
 
 def test_decode_write_slot_by_slot_equals_scatter():

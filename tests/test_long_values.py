@@ -85,7 +85,7 @@ def test_any_long_status_message_is_cut_under_the_metadata_limit(tmp_path):
     server, _, _ = create_server(socket_path=sock)
     engine = server.kvstore_engine
 
-    def broken_stats():
+    def broken_stats(name=None):
         raise RuntimeError("state: " + "z" * 100_000)
     engine.stats = broken_stats
     kv = KVStoreClient(f"unix://{sock}", heartbeat=False)

@@ -323,6 +323,8 @@ class Fuzz:
         else:
             cfg = config("fp16", name="c", block_size=BS, residual=R, num_blocks=16, max_sequences=6)
         self.cfg = cfg
+        # The most tokens one sequence can hold: all main blocks sealed, plus the fp16 sinks and tail.
+        self.max_tokens = cfg.num_blocks * BS + (sinks + R + BS if codec == "pq" else 0)
         self.e.create_cache(cfg)
         self.c = self.e.cache("c")
         if codec == "pq":
@@ -509,6 +511,7 @@ class Fuzz:
         counts = [p[1] for p in plan]
         token_ids = [p[2] for p in plan] if any(p[2] for p in plan) else None
         busy = any(any(self.sh[s].pending) or self.sh[s].reserved for s in sids)
+        beyond = any(self.sh[s].length + n > self.max_tokens for s, n in zip(sids, counts))
         bound = sum(math.ceil(n / BS) + 1 for n in counts)
 
         def ok(_):
@@ -518,8 +521,10 @@ class Fuzz:
                 for layer in range(L):
                     sh.add(layer, kk[layer], vv[layer])
                 sh.length += n
+        # Past max_tokens a sequence never fits: InvalidArgument, whatever the pools hold.
         self.run("append", lambda: self.e.append("c", TENANT, sids, k, v, counts, token_ids=token_ids), ok,
-                 must=FailedPrecondition if busy else None, may=self.tight(bound, bound))
+                 must=FailedPrecondition if busy else InvalidArgument if beyond else None,
+                 may=self.tight(bound, bound) + ((InvalidArgument,) if beyond else ()))
 
     def _layer_plan(self, sids: list[str], layer: int, n_of):
         plan = []

@@ -401,7 +401,7 @@ def test_a_stuck_daemon_is_deadline_exceeded_then_the_stream_reopens(tmp_path, c
         st.append_attend("fp16", layer, ["s"], k, v, q)
         uni.append_attend("fp16", layer, ["u"], k, v, q)
         errs = []
-        with server.kvstore_engine.lock:        # every engine call waits
+        with server.kvstore_engine.cache("fp16").lock:     # every call on the cache waits
             for kv, seq in ((st, "s"), (uni, "u")):
                 kv.timeout = 0.3
                 with pytest.raises(grpc.RpcError) as info:
@@ -451,7 +451,7 @@ def test_a_signal_during_a_call_leaves_the_stream_in_order(tmp_path, core):
             prefill(kv, "fp16", seq)
         layer, k, v, q = steps(1, seed=0)[0]
         timer = threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGUSR1))
-        with server.kvstore_engine.lock:         # the call waits for its reply until the signal
+        with server.kvstore_engine.cache("fp16").lock:   # the call waits for its reply until the signal
             timer.start()
             with pytest.raises(_Interrupt):
                 st.append_attend("fp16", layer, ["s"], k, v, q)
