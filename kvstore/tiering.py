@@ -199,7 +199,7 @@ class Tiering:
             if m is None:
                 images.append(self._image(s, durable))
             elif durable and not m.get("durable"):      # a pressure copy, durable from now on
-                images.append(SeqImage(s.tenant, s.seq_id, _written(s, dict(m, durable=True))))
+                images.append(SeqImage(c.cfg.name, s.tenant, s.seq_id, _written(s, dict(m, durable=True))))
         if images:
             self.counters["bytes_down"] += self.disk.write_sequences(c.fingerprint, images, sync=durable)
         elif durable:
@@ -241,7 +241,7 @@ class Tiering:
         manifest = dict(seq_id=s.seq_id, tenant=s.tenant, length=s.length, hashed_upto=s.hashed_upto,
                         sealed_hashes=block_hashes[:len(s.sealed)], tail_hashes=block_hashes[len(s.sealed):],
                         n_tail=len(s.tail), n_other=len(others), durable=durable)
-        return SeqImage(s.tenant, s.seq_id, _written(s, manifest), hashed, others)
+        return SeqImage(c.cfg.name, s.tenant, s.seq_id, _written(s, manifest), hashed, others)
 
     def _release(self, s: Sequence) -> None:
         if s.tier == "gpu":
@@ -266,7 +266,7 @@ class Tiering:
         else:
             pin = c.main_device.type == "cuda"
             sealed_payload, tail_payload = self.disk.read_sequence(
-                c.fingerprint, s.tenant, s.seq_id, s.manifest, c.main.block_bytes(), c.tail.block_bytes(), pin)
+                c.fingerprint, c.cfg.name, s.tenant, s.seq_id, s.manifest, c.main.block_bytes(), c.tail.block_bytes(), pin)
             if pin:   # one DMA each from pinned memory
                 sealed_payload = sealed_payload.to(c.main_device, non_blocking=True) if n_sealed else None
                 tail_payload = tail_payload.to(c.tail.k.device, non_blocking=True) if n_tail else None
@@ -311,7 +311,7 @@ class Tiering:
         s.last_use = time.monotonic()
         self.counters["page_ins_" + below] += 1
         if below == "disk" and not s.manifest.get("durable"):
-            self.disk.delete_sequence(c.fingerprint, s.tenant, s.seq_id, s.manifest)
+            self.disk.delete_sequence(c.fingerprint, c.cfg.name, s.tenant, s.seq_id, s.manifest)
             s.manifest = None
 
     def changing(self, s: Sequence) -> None:
@@ -319,13 +319,13 @@ class Tiering:
         restart cannot bring back what it no longer is)."""
         if s.manifest is not None:
             assert s.tier != "disk", "a sequence on disk changes only after a page-in"
-            self.disk.delete_sequence(self.c.fingerprint, s.tenant, s.seq_id, s.manifest, sync=True)
+            self.disk.delete_sequence(self.c.fingerprint, self.c.cfg.name, s.tenant, s.seq_id, s.manifest, sync=True)
             s.manifest = None
 
     def free(self, s: Sequence) -> None:
         """The disk copy and host blocks of a sequence being freed (GPU blocks: Cache.free)."""
         if s.manifest is not None:
-            self.disk.delete_sequence(self.c.fingerprint, s.tenant, s.seq_id, s.manifest)
+            self.disk.delete_sequence(self.c.fingerprint, self.c.cfg.name, s.tenant, s.seq_id, s.manifest)
             s.manifest = None
         if s.tier == "host":
             self._release(s)
@@ -354,7 +354,7 @@ class Tiering:
         if self.disk is None:
             return 0
         n = 0
-        for m in self.disk.manifests(self.c.fingerprint):
+        for m in self.disk.manifests(self.c.fingerprint, self.c.cfg.name):
             key = (m["tenant"], m["seq_id"])
             if key in self.c.seqs:
                 continue

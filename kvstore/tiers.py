@@ -9,9 +9,12 @@ stored under that hash (deduplicated, and found again after a restart). The
 disk has a byte bound: DiskTier keeps its books.
 
 Key layout (every key carries the cache fingerprint):
-  b"B" fp hash            sealed block with a content hash
-  b"S" fp tenant/seq #i   other blocks of a sequence (unhashed sealed, then tail)
-  b"M" fp tenant/seq      the sequence manifest (JSON)
+  b"B" fp hash                  sealed block with a content hash (shared by every
+                                cache of that fingerprint: same model, codebooks)
+  b"S" fp cache/tenant/seq #i   other blocks of a sequence (unhashed sealed, then tail)
+  b"M" fp cache/tenant/seq      the sequence manifest (JSON)
+Sequences are a cache's own: two caches of one fingerprint (the same model and
+codebooks under two names) share blocks, never sequences.
 """
 from __future__ import annotations
 
@@ -32,21 +35,25 @@ from .errors import ResourceExhausted
 FP_BYTES = 32     # a cache fingerprint: sha256 (codebooks.fingerprint)
 
 
-def _seq_key(fp: bytes, tenant: str, seq_id: str) -> bytes:
-    t, s = tenant.encode(), seq_id.encode()
-    return fp + struct.pack("<H", len(t)) + t + struct.pack("<H", len(s)) + s
+def _part(text: str) -> bytes:
+    b = text.encode()
+    return struct.pack("<H", len(b)) + b
+
+
+def _seq_key(fp: bytes, cache: str, tenant: str, seq_id: str) -> bytes:
+    return fp + _part(cache) + _part(tenant) + _part(seq_id)
 
 
 def block_key(fp: bytes, h: bytes) -> bytes:
     return b"B" + fp + h
 
 
-def manifest_key(fp: bytes, tenant: str, seq_id: str) -> bytes:
-    return b"M" + _seq_key(fp, tenant, seq_id)
+def manifest_key(fp: bytes, cache: str, tenant: str, seq_id: str) -> bytes:
+    return b"M" + _seq_key(fp, cache, tenant, seq_id)
 
 
-def seq_block_key(fp: bytes, tenant: str, seq_id: str, i: int) -> bytes:
-    return b"S" + _seq_key(fp, tenant, seq_id) + struct.pack(">I", i)
+def seq_block_key(fp: bytes, cache: str, tenant: str, seq_id: str, i: int) -> bytes:
+    return b"S" + _seq_key(fp, cache, tenant, seq_id) + struct.pack(">I", i)
 
 
 class HostTier:
@@ -104,6 +111,7 @@ def _runs(ids: list[int]):
 class SeqImage:
     """One sequence as write_sequences stores it. hashed and others None: its
     blocks are on disk already and only the manifest is rewritten."""
+    cache: str
     tenant: str
     seq_id: str
     manifest: dict
@@ -212,11 +220,11 @@ class DiskTier:
         nothing written, if it cannot fit the bound."""
         puts, deletes, pin, unpin, nbytes, new = [], [], [], [], 0, set()
         for im in images:
-            mk = manifest_key(fp, im.tenant, im.seq_id)
+            mk = manifest_key(fp, im.cache, im.tenant, im.seq_id)
             old = self._manifest(mk)
             if im.others is not None:
                 if old is not None:     # its other blocks go, or are overwritten just below
-                    deletes += [seq_block_key(fp, im.tenant, im.seq_id, i) for i in range(old["n_other"])]
+                    deletes += [seq_block_key(fp, im.cache, im.tenant, im.seq_id, i) for i in range(old["n_other"])]
                 for h, payload in im.hashed:
                     k = block_key(fp, h)
                     if not self.store.contains(k) and k not in new:
@@ -224,7 +232,7 @@ class DiskTier:
                         puts.append((k, _view(payload)))
                         nbytes += payload.numel()
                 for i, payload in enumerate(im.others):
-                    puts.append((seq_block_key(fp, im.tenant, im.seq_id, i), _view(payload)))
+                    puts.append((seq_block_key(fp, im.cache, im.tenant, im.seq_id, i), _view(payload)))
                     nbytes += payload.numel()
             puts.append((mk, json.dumps(im.manifest).encode()))
             pin += _refs(fp, im.manifest)
@@ -242,14 +250,14 @@ class DiskTier:
         return nbytes
 
     @_under_store_lock
-    def read_sequence(self, fp: bytes, tenant: str, seq_id: str, manifest: dict, main_bytes: int,
+    def read_sequence(self, fp: bytes, cache: str, tenant: str, seq_id: str, manifest: dict, main_bytes: int,
                       tail_bytes: int, pin: bool) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """-> (sealed rows [n, main_bytes], tail rows [t, tail_bytes]) uint8, read
         straight from LMDB's map into (pinned) host memory: one copy per block."""
         other = iter(range(manifest["n_other"]))
 
         def keys(hashes):
-            return [block_key(fp, bytes.fromhex(h)) if h else seq_block_key(fp, tenant, seq_id, next(other))
+            return [block_key(fp, bytes.fromhex(h)) if h else seq_block_key(fp, cache, tenant, seq_id, next(other))
                     for h in hashes]
         sealed_keys, tail_keys = keys(manifest["sealed_hashes"]), keys(manifest["tail_hashes"])
         out = []
@@ -269,14 +277,15 @@ class DiskTier:
         return out[0], out[1]
 
     @_under_store_lock
-    def delete_sequence(self, fp: bytes, tenant: str, seq_id: str, manifest: dict, sync: bool = False) -> None:
-        keys = [seq_block_key(fp, tenant, seq_id, i) for i in range(manifest["n_other"])]
-        self._write([], keys + [manifest_key(fp, tenant, seq_id)], [], sync)
+    def delete_sequence(self, fp: bytes, cache: str, tenant: str, seq_id: str, manifest: dict,
+                        sync: bool = False) -> None:
+        keys = [seq_block_key(fp, cache, tenant, seq_id, i) for i in range(manifest["n_other"])]
+        self._write([], keys + [manifest_key(fp, cache, tenant, seq_id)], [], sync)
         for k in _refs(fp, manifest):
             self._unpin(k)
 
-    def manifests(self, fp: bytes) -> list[dict]:
-        return [json.loads(v) for _, v in self.store.scan(b"M" + fp)]
+    def manifests(self, fp: bytes, cache: str) -> list[dict]:
+        return [json.loads(v) for _, v in self.store.scan(b"M" + fp + _part(cache))]
 
     def _manifest(self, mk: bytes) -> dict | None:
         if not self.store.contains(mk):

@@ -465,3 +465,35 @@ def test_the_bound_in_flag_stats_and_metrics(tmp_path):
     assert s['kvstore_tier_used_bytes{cache="c",tier="disk"}'] == d["used_bytes"] > 0
     assert s['kvstore_evictions_total{cache="c",tier="disk"}'] == d["evictions"] > 0
     assert s['kvstore_tier_held_bytes{cache="c",tier="disk"}'] == 0
+
+
+@pytest.mark.parametrize("codec", ["pq", "fp16"])
+def test_two_caches_of_one_fingerprint_keep_their_own_sequences_on_disk(tmp_path, codec):
+    """Two caches of the same model and codebooks under two names share a
+    fingerprint (and prefix blocks); a sequence id that both use is two
+    sequences: offloaded, paged in and restored, each reads its own K/V."""
+    e = engine(tmp_path, codec)
+    e.create_cache(config(name="d", codec=codec, num_blocks=64))
+    if codec == "pq":
+        e.set_codebooks("d", e.caches["c"].codebooks)
+    assert e.caches["c"].fingerprint == e.caches["d"].fingerprint
+    want = {}
+    for name, first in (("c", 0), ("d", 5000)):
+        tokens = toks(first, 70)
+        k, v = kv_of(tokens)
+        e.allocate(name, T, "s", tokens)
+        e.append(name, T, ["s"], k, v, [70], token_ids=[tokens])
+        want[name] = e.retrieve(name, T, "s", 0, 70)
+        e.offload(name, T, ["s"])
+    for name in ("c", "d"):
+        e.prefetch(name, T, ["s"])
+        got = e.retrieve(name, T, "s", 0, 70)
+        assert torch.equal(got[0], want[name][0]) and torch.equal(got[1], want[name][1]), name
+    e.cold_store.close()
+    e2 = Engine(lmdb_path=str(tmp_path / "lmdb"))
+    for name in ("c", "d"):
+        e2.create_cache(config(name=name, codec=codec, num_blocks=64))
+        if codec == "pq":
+            e2.set_codebooks(name, e.caches["c"].codebooks)
+        got = e2.retrieve(name, T, "s", 0, 70)
+        assert torch.equal(got[0], want[name][0]) and torch.equal(got[1], want[name][1]), name
