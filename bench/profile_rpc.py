@@ -257,13 +257,9 @@ def profile(args, tmp: str) -> None:
                 raise RuntimeError(p.stdout.read())
             time.sleep(0.05)
         time.sleep(0.5)
-        import inspect
-        streams = "stream" in inspect.signature(KVStoreClient).parameters     # older checkouts: unary only
         cuda = args.transport == "cuda"     # tensors on the GPU: the client's CUDA IPC buffer
-        kv = KVStoreClient(f"unix://{sock}", transport="shm" if cuda else args.transport, shm_bytes=1 << 24, heartbeat=False,
-                           **({"stream": args.stream} if streams else {}),
-                           **({"doorbell": args.bell} if "doorbell" in inspect.signature(KVStoreClient).parameters
-                              else {}))
+        kv = KVStoreClient(f"unix://{sock}", transport="shm" if cuda else args.transport, shm_bytes=1 << 24,
+                           heartbeat=False, stream=args.stream, doorbell=args.bell)
         for _ in range(100):
             try:
                 kv.heartbeat()
@@ -285,7 +281,7 @@ def profile(args, tmp: str) -> None:
         syncs: list[int] = []
         if args.bell:
             return bell(args, kv, k, q, pre, out, p)
-        attr = "_raw" if hasattr(kv, "_raw") else "stub"     # older clients call through kv.stub
+        attr = "_raw"       # the client's stub without its metadata interceptor: what AppendAttend calls
         stub_method = getattr(kv, attr).AppendAttend
         cmarks: list[tuple[int, int, int, int]] = []
         cur = {}
