@@ -1,11 +1,12 @@
-"""Decode attention: PQ codes vs our fp16 paged kernel vs torch SDPA flash (fp16).
+"""Decode attention: the fp16 paged kernel and the router's PQ kernel vs torch SDPA flash (fp16).
 
-python bench/bench_attention.py [--quick] [--sweep] [--profile-only]
+python bench/bench_attention.py [--quick] [--sweep] [--bs 16 ...]
 Hq=32, Hkv=8, d=128, M=64 (dsub 2), PQ tail of 128 fp16 tokens. Every time is a
 median over a CUDA graph replay, L2 flushed before each rep (bench(), FLUSH), so
-launch gaps are those of a captured decode step. Prints
-ratios against SDPA measured in the same run and PQ bytes/time against a read
-bandwidth measured in the same run.
+launch gaps are those of a captured decode step. Prints ratios against SDPA
+measured in the same run, and bytes/time against a read bandwidth measured in
+the same run. --sweep first times Triton configs of both kernels at B=8 (and
+B=1 for PQ), L=32K, and uses the fastest. bench_cuda_pq.py uses its helpers.
 """
 import argparse
 import itertools
@@ -25,7 +26,7 @@ DEV = "cuda"
 # How L2 is flushed before each timed rep. "read": sum a 256 MB buffer, which evicts L2
 # but leaves it clean. "zero": triton.testing.do_bench's own flush (cache.zero_()), which
 # leaves ~50 MB of dirty lines that the timed kernel then pays to write back (about
-# 17 us at 3 TB/s, whatever the kernel): kept to compare with earlier logs.
+# 17 us at 3 TB/s, whatever the kernel): an option, to compare with triton's own timing.
 FLUSH = "read"
 _flush_buf = {}
 

@@ -1,16 +1,26 @@
-"""CUDA C++ PQ decode attention / encode (kernels/cuda_pq.py) vs Triton PQ vs SDPA flash.
+"""CUDA C++ PQ decode attention and PQ encode (kernels/cuda_pq.py) against SDPA flash, the
+Triton PQ kernel and the CUDA kernel's other builds, all measured in one run.
 
-python bench/bench_cuda_pq.py [--quick] [--warps 8 12 16] [--encode-only] [--no-encode]
-Same shape and timing method as bench/bench_attention.py (whose helpers it uses):
-Hq=32, Hkv=8, d=128, M=64, bs=16, PQ tail 128 fp16 tokens, median of do_bench over a
-CUDA-graph replay with L2 flushed (--flush read: evicted by a read, the default; zero:
-triton's zero_(), which adds ~50 MB of write-back to every timed kernel). The CUDA
-kernel runs in both gather layouts: cf
-(conflict-free, the default) and swz (the earlier swizzled layout, KVSTORE_CUDA_PQ_CF=0);
-cf is the default (bulk-copy codebook staging for items of up to
-cuda_pq.TMA_MAX_ITEM_TOKENS tokens, register staging past that); tma forces the bulk copies
-at every size; s4 is session 4's staging (through registers, cuda_pq.TMA off) and with the generic block-size instantiation (column div: unsigned division for a
-token's block, cuda_pq.BS_POW2 off; cf shifts and masks, bs = 16).
+python bench/bench_cuda_pq.py [--quick] [--warps 8 12 16] [--encode-only] [--no-encode] [--shape B L]
+
+Same case and timing as bench/bench_attention.py (whose helpers it uses): Hq 32, Hkv 8, d 128,
+M 64 (4-bit), bs 16, a 128-token fp16 tail; median over CUDA-graph replays with L2 flushed
+before each (--flush read: evicted by a read, the default; zero: triton's zero_(), which adds
+~50 MB of write-back to every timed kernel). The same run measures the read bandwidth
+(x.sum() over 2 GiB) and the measurement floor (a 1-element add timed the same way), which
+every time below contains.
+
+Columns: cf = the default build (conflict-free gathers; codebooks staged by bulk copies for
+items of up to cuda_pq.TMA_MAX_ITEM_TOKENS tokens, through registers past that); tma = bulk
+copies at every item size; reg = register staging at every size (cuda_pq.TMA off); div = the
+generic block-size instantiation (an unsigned division finds a token's block, where cf shifts
+and masks); swz = swizzled gathers (KVSTORE_CUDA_PQ_CF=0); triton = the Triton PQ kernel;
+SDPA = torch SDPA flash over contiguous fp16 K/V.
+
+With more than one --warps value the warps per block are swept first (B=8 and B=1, L=32K).
+--shape B L times that one shape with no correctness check, sweep or encode before it, so
+that under a profiler the first pq_attn launch is that shape's default build (docs/kernels.md
+gives the ncu command).
 """
 import argparse
 import os
@@ -94,29 +104,35 @@ def time_encode(rd: float | None = None):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--warps", type=int, nargs="*", default=[8, 12, 16])
+    ap.add_argument("--warps", type=int, nargs="+", default=[8, 12, 16])
     ap.add_argument("--encode-only", action="store_true")
     ap.add_argument("--no-encode", action="store_true")
     ap.add_argument("--flush", choices=("read", "zero"), default="read",
                     help="L2 flush before each rep (bench_attention.FLUSH)")
+    ap.add_argument("--shape", type=int, nargs=2, metavar=("B", "L"),
+                    help="time this batch and context length only (for a profiler; needs one --warps value)")
     args = ap.parse_args()
+    if args.shape and len(args.warps) != 1:
+        ap.error("--shape needs one --warps value")
     ba.FLUSH = args.flush
     torch.manual_seed(0)
     props = torch.cuda.get_device_properties(0)
     print(f"device {props.name}, {props.multi_processor_count} SMs, torch {torch.__version__}")
     rd, _ = ba.read_bandwidth()
     print(f"read bandwidth (sum) {rd:.0f} GB/s")
+    one = torch.zeros(1, device="cuda")
+    print(f"measurement floor (a 1-element add timed the same way) {ba.bench(lambda: one.add_(1)):.1f} us")
     if args.encode_only:
         encode_info()
         time_encode(rd)
         return 0
     kernel_info()
-    for cf in (True, False):
+    for cf in (True, False) if not args.shape else ():
         cuda_pq.CONFLICT_FREE = cf
         ba.check_pq(16)
-    # warps sweep at the two target shapes, per layout
-    best_nw = {}
-    for cf in (True, False):
+    # warps sweep at B=8 and B=1, L=32K, per layout
+    best_nw = {True: args.warps[0], False: args.warps[0]}
+    for cf in (True, False) if len(args.warps) > 1 else ():
         cuda_pq.CONFLICT_FREE = cf
         best = {}
         for b in (8, 1):
@@ -131,14 +147,14 @@ def main():
             del case
         best_nw[cf] = min(args.warps, key=lambda nw: best[8][nw] + 4 * best[1][nw])
     print(f"warps used below: cf {best_nw[True]}, swz {best_nw[False]}")
-    if not args.no_encode:
+    if not args.no_encode and not args.shape:
         encode_info()
         time_encode(rd)
 
-    def time_cuda(cf, q, case, sl, tl_, s4=False, div=False, tma_all=False):
+    def time_cuda(cf, q, case, sl, tl_, reg=False, div=False, tma_all=False):
         cuda_pq.CONFLICT_FREE, cuda_pq.NUM_WARPS = cf, best_nw[cf]
         tma, pow2, lim = cuda_pq.TMA, cuda_pq.BS_POW2, cuda_pq.TMA_MAX_ITEM_TOKENS
-        cuda_pq.TMA, cuda_pq.BS_POW2 = tma and not s4, pow2 and not div
+        cuda_pq.TMA, cuda_pq.BS_POW2 = tma and not reg, pow2 and not div
         if tma_all:
             cuda_pq.TMA_MAX_ITEM_TOKENS = 1 << 62
         try:
@@ -148,12 +164,14 @@ def main():
 
     rows = []
     Bs, Ls = ((1, 8), (32768,)) if args.quick else ((1, 8, 32), (4096, 32768, 131072))
+    if args.shape:
+        Bs, Ls = (args.shape[0],), (args.shape[1],)
     for b in Bs:
         for L in Ls:
             q = torch.randn(b, ba.HQ, ba.D, device="cuda", dtype=torch.float16)
             case, sl, tl_, nbytes = ba.pq_case(b, L, 16)
             t_cf = time_cuda(True, q, case, sl, tl_)
-            t_s4 = time_cuda(True, q, case, sl, tl_, s4=True)
+            t_rg = time_cuda(True, q, case, sl, tl_, reg=True)
             t_tm = time_cuda(True, q, case, sl, tl_, tma_all=True)
             t_dv = time_cuda(True, q, case, sl, tl_, div=True)
             t_sw = time_cuda(False, q, case, sl, tl_)
@@ -162,17 +180,17 @@ def main():
             torch.cuda.empty_cache()
             t_sd, be = ba.time_sdpa(q, L)
             torch.cuda.empty_cache()
-            rows.append((b, L, t_cf, t_tm, t_s4, t_dv, t_sw, t_tr, t_sd, nbytes / t_cf / 1e3))
+            rows.append((b, L, t_cf, t_tm, t_rg, t_dv, t_sw, t_tr, t_sd, nbytes / t_cf / 1e3))
             print(rows[-1], flush=True)
     print(f"\nread BW {rd:.0f} GB/s; us, median, CUDA graph, L2 flushed ({args.flush}); warps cf {best_nw[True]} "
           f"swz {best_nw[False]}")
     print(f"cf: TMA {cuda_pq.TMA} up to {cuda_pq.TMA_MAX_ITEM_TOKENS} tokens an item, else "
           f"register staging; tma: TMA at every size; BS_POW2 {cuda_pq.BS_POW2}")
-    print(f"{'B':>3} {'L':>7} {'cf':>8} {'tma':>8} {'s4':>8} {'div':>8} {'swz':>8} {'triton':>8} {'SDPA':>8} "
-          f"{'sdpa/cf':>8} {'sdpa/tma':>8} {'sdpa/s4':>8} {'sdpa/div':>8} {'swz/cf':>7} {'GB/s':>6} {'%BW':>5}")
-    for b, L, tc, tm, t4, td, tw, tt, ts, bw in rows:
-        print(f"{b:>3} {L:>7} {tc:>8.1f} {tm:>8.1f} {t4:>8.1f} {td:>8.1f} {tw:>8.1f} {tt:>8.1f} {ts:>8.1f} "
-              f"{ts / tc:>8.2f} {ts / tm:>8.2f} {ts / t4:>8.2f} {ts / td:>8.2f} {tw / tc:>7.2f} {bw:>6.0f} "
+    print(f"{'B':>3} {'L':>7} {'cf':>8} {'tma':>8} {'reg':>8} {'div':>8} {'swz':>8} {'triton':>8} {'SDPA':>8} "
+          f"{'sdpa/cf':>8} {'sdpa/tma':>8} {'sdpa/reg':>8} {'sdpa/div':>8} {'swz/cf':>7} {'GB/s':>6} {'%BW':>5}")
+    for b, L, tc, tm, tr, td, tw, tt, ts, bw in rows:
+        print(f"{b:>3} {L:>7} {tc:>8.1f} {tm:>8.1f} {tr:>8.1f} {td:>8.1f} {tw:>8.1f} {tt:>8.1f} {ts:>8.1f} "
+              f"{ts / tc:>8.2f} {ts / tm:>8.2f} {ts / tr:>8.2f} {ts / td:>8.2f} {tw / tc:>7.2f} {bw:>6.0f} "
               f"{100 * bw / rd:>4.0f}%")
 
 

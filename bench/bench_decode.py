@@ -1,5 +1,5 @@
-"""End-to-end decode benchmark (issue 4), Llama-3-8B geometry (32 layers,
-hidden 4096, 32 q / 8 kv heads, d 128, random fp16 weights), ratios from one run:
+"""End-to-end decode benchmark, Llama-3-8B geometry (32 layers, hidden 4096,
+32 q / 8 kv heads, d 128, random fp16 weights), ratios from one run:
 
   (a) in-process baseline: preallocated contiguous fp16 KV + torch SDPA (no torch.cat)
   (b) daemon, remote AppendAttend (one RPC per layer), PQ
@@ -14,7 +14,9 @@ computed from the measured time to read the weights and the KV bytes.
 
 python bench/bench_decode.py [--batch 8] [--context 32768] [--new 128] [--modes a,b,c,d]
 One layer's weights are reused by all 32 layers: each layer still reads them
-from HBM (436 MB >> L2), and the run needs 0.5 GB instead of 15 GB.
+from HBM (436 MB >> L2), and the run needs 0.5 GB instead of 15 GB. Each mode
+runs in a fresh process; a mode that fails leaves its output in
+bench/results/decode_MODE.err.
 """
 from __future__ import annotations
 
@@ -31,6 +33,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 L, HID, HQ, HKV, D, FFN = 32, 4096, 32, 8, 128, 14336
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RESULTS = os.path.join(ROOT, "bench", "results")      # git-ignored
 
 
 class Model:
@@ -141,16 +144,40 @@ def run_baseline(args):
     return dict(step_s=t, tok_s=B / t, weights_s=m.weight_read_time(B), kv_bytes=2 * L * B * args.context * HKV * D * 2)
 
 
+def start_daemon(sock: str, port: int) -> subprocess.Popen:
+    """server.py on the GPU with metrics on `port`; returns once its health check says SERVING."""
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+    p = subprocess.Popen([sys.executable, os.path.join(ROOT, "server.py"), "--socket", sock, "--device", "cuda",
+                          "--log-level", "WARNING", "--metrics-port", str(port)],
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                         env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    deadline = time.time() + 120
+    while time.time() < deadline and p.poll() is None:
+        try:
+            with grpc.insecure_channel(f"unix://{sock}") as ch:
+                r = health_pb2_grpc.HealthStub(ch).Check(
+                    health_pb2.HealthCheckRequest(service="kvstore.v1.KVStore"), timeout=2)
+            if r.status == health_pb2.HealthCheckResponse.SERVING:
+                return p
+        except grpc.RpcError:
+            time.sleep(0.2)
+    p.kill()
+    raise RuntimeError("daemon did not become SERVING: " + (p.communicate(timeout=10)[0] or "")[-3000:])
+
+
 def run_daemon(args, codec, plane):
-    from tests.test_daemon_process import start_daemon, stop_daemon
+    import shutil
+    import signal
     import socket
-    sock = os.path.join(tempfile.mkdtemp(), "kv.sock")
+    tmp = tempfile.mkdtemp(prefix="kvdecode-")
+    sock = os.path.join(tmp, "kv.sock")
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    p, target = start_daemon(sock, extra=["--device", "cuda", "--log-level", "WARNING", "--metrics-port", str(port)])
+    p = start_daemon(sock, port)
     try:
-        out = _run_daemon(args, codec, plane, target)
+        out = _run_daemon(args, codec, plane, f"unix://{sock}")
         out["daemon_rpc_ms"] = daemon_rpc_ms(port)
         return out
     except BaseException:
@@ -161,7 +188,12 @@ def run_daemon(args, codec, plane):
         raise
     finally:
         if p.poll() is None:
-            stop_daemon(p)
+            p.send_signal(signal.SIGTERM)
+            try:
+                p.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                p.kill()
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _run_daemon(args, codec, plane, target):
@@ -301,7 +333,8 @@ def main():
         line = [x for x in r.stdout.splitlines() if x.startswith("RESULT ")]
         if not line:
             print(f"mode {mode} failed:\n{r.stdout[-2000:]}\n{r.stderr[-6000:]}")
-            with open(os.path.join(os.environ.get("OUT", "/tmp"), f"decode_{mode}.err"), "w") as f:
+            os.makedirs(RESULTS, exist_ok=True)
+            with open(os.path.join(RESULTS, f"decode_{mode}.err"), "w") as f:
                 f.write(r.stdout + "\n" + r.stderr)
             continue
         res[mode] = json.loads(line[0][7:])
@@ -337,14 +370,14 @@ def main():
               f"byte limit ({a_floor * 1e3:.2f} ms)")
         if "c" in res and res["c"]["batch"] == a["batch"]:
             got = res["c"]["tok_s"] / a["tok_s"]
-            print(f"  (c) reaches {got:.2f}x = {got / ideal:.2f} of the ideal (target >= 0.9)")
+            print(f"  (c) reaches {got:.2f}x = {got / ideal:.2f} of the ideal")
         for m in ("c", "d"):
             if m in res and res[m]["batch"] != a["batch"]:
                 print(f"  ({m}) at B={res[m]['batch']} vs (a) at B={a['batch']}: "
                       f"{res[m]['tok_s'] / a['tok_s']:.2f}x tokens/s")
     if "b" in res:
         print(f"  AppendAttend tiny payload: p50 {res['b']['append_attend_p50_us']:.0f} us, "
-              f"p99 {res['b']['append_attend_p99_us']:.0f} us (target p50 <= 150 us)")
+              f"p99 {res['b']['append_attend_p99_us']:.0f} us")
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""Tier benchmark (issue 5): every figure is a ratio against a baseline measured
+"""Tier benchmark: every figure is a ratio against a baseline measured
 in the same run.
 
   GPU -> host and host -> GPU GB/s of the tier moves vs a plain pinned copy of the same bytes

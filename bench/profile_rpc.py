@@ -30,6 +30,7 @@ import io
 import json
 import os
 import pstats
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -127,14 +128,15 @@ def serve(sock: str, out: str, extra: list[str]) -> None:
         dump()
 
 
-# Functions timed (inclusive wall time per call) with --stages; missing ones are skipped,
-# so the same list works on older checkouts.
+# Functions timed (inclusive wall time per call) with --stages, as (module, class or None,
+# attribute): patched where they are looked up, so a function imported by name is patched
+# in the module that imported it. Ones this checkout lacks are listed as not found.
 STAGES = [("kvstore.servicer", "KVStoreServicer", "AppendAttend"), ("kvstore.servicer", "KVStoreServicer", "_begin"),
-          ("kvstore.servicer", "KVStoreServicer", "_out_check"), ("kvstore.servicer", "KVStoreServicer", "_t"),
+          ("kvstore.servicer", "KVStoreServicer", "_t"),
           ("kvstore.servicer", "KVStoreServicer", "_cuda"), ("kvstore.wire", None, "to_proto"),
           ("kvstore.engine", "Engine", "append_attend"), ("kvstore.engine", "Engine", "_query"),
-          ("kvstore.engine", "Engine", "append"), ("kvstore.engine", "Engine", "_tensor"), ("kvstore.engine", None, "_finite"),
-          ("kvstore.checks", None, "request_tensor"), ("kvstore.checks", None, "check_values"),
+          ("kvstore.engine", "Engine", "append"),
+          ("kvstore.engine", None, "request_tensor"), ("kvstore.checks", None, "check_values"),
           ("kvstore.cache", "Cache", "append_layer_batch"), ("kvstore.cache", "Cache", "attend"),
           ("kvstore.call_scope", "CudaScope", "__enter__"), ("kvstore.call_scope", "CudaScope", "__exit__"),
           ("kvstore.servicer", "KVStoreServicer", "doorbell_append_attend"),
@@ -150,8 +152,42 @@ CLIENT_STAGES = [("kvstore.client.client", "KVStoreClient", "append_attend"),
                  ("kvstore.client.doorbell", "Doorbell", "_reply")]
 
 
+def patch_stages(stages) -> dict[str, list[int] | None]:
+    """Wrap each stage in a timer; per label, its calls' wall times (ns), None where not found."""
+    import importlib
+    import inspect
+    acc: dict[str, list[int] | None] = {}
+    for mod, cls, name in stages:
+        label = f"{cls or mod.rsplit('.', 1)[-1]}.{name}"
+        try:
+            owner = importlib.import_module(mod)
+        except ImportError:
+            owner = None
+        owner = getattr(owner, cls, None) if cls and owner is not None else owner
+        fn = getattr(owner, name, None) if owner is not None else None
+        if fn is None:
+            acc.setdefault(label, None)
+            continue
+        xs = acc[label] = acc.get(label) if acc.get(label) is not None else []
+
+        def timed(*a, _fn=fn, _xs=xs, **kw):
+            t0 = time.perf_counter_ns()
+            try:
+                return _fn(*a, **kw)
+            finally:
+                _xs.append(time.perf_counter_ns() - t0)
+        static = cls and isinstance(inspect.getattr_static(owner, name), staticmethod)
+        setattr(owner, name, staticmethod(timed) if static else timed)
+    return acc
+
+
+def _not_found(stages: dict) -> None:
+    missing = [label for label, xs in stages.items() if xs is None]
+    if missing:
+        print(f"  (not found in this checkout, not timed: {', '.join(missing)})")
+
+
 def _patch_stages() -> dict:
-    from profile_engine import patch_stages    # bench/ is this script's own folder
     return patch_stages(STAGES)
 
 
@@ -189,13 +225,19 @@ def main(argv=None) -> None:
     args, extra = ap.parse_known_args(argv)
     if args.serve:      # --device is this parser's: hand it on to the daemon
         return serve(args.serve[0], args.serve[1], extra + ["--device", args.device])
+    tmp = tempfile.mkdtemp(prefix="kvprof-")       # the daemon's socket and what it dumps for us
+    try:
+        profile(args, tmp)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 
+
+def profile(args, tmp: str) -> None:
     import torch
 
     from kvstore.client import KVStoreClient
     from kvstore.codebooks import Codebooks
 
-    tmp = tempfile.mkdtemp(prefix="kvprof-")
     sock, out = os.path.join(tmp, "kv.sock"), os.path.join(tmp, "marks.json")
     env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     cmd = [sys.executable, os.path.abspath(__file__), "--serve", sock, out] + (
@@ -215,13 +257,9 @@ def main(argv=None) -> None:
                 raise RuntimeError(p.stdout.read())
             time.sleep(0.05)
         time.sleep(0.5)
-        import inspect
-        streams = "stream" in inspect.signature(KVStoreClient).parameters     # older checkouts: unary only
         cuda = args.transport == "cuda"     # tensors on the GPU: the client's CUDA IPC buffer
-        kv = KVStoreClient(f"unix://{sock}", transport="shm" if cuda else args.transport, shm_bytes=1 << 24, heartbeat=False,
-                           **({"stream": args.stream} if streams else {}),
-                           **({"doorbell": args.bell} if "doorbell" in inspect.signature(KVStoreClient).parameters
-                              else {}))
+        kv = KVStoreClient(f"unix://{sock}", transport="shm" if cuda else args.transport, shm_bytes=1 << 24,
+                           heartbeat=False, stream=args.stream, doorbell=args.bell)
         for _ in range(100):
             try:
                 kv.heartbeat()
@@ -243,7 +281,7 @@ def main(argv=None) -> None:
         syncs: list[int] = []
         if args.bell:
             return bell(args, kv, k, q, pre, out, p)
-        attr = "_raw" if hasattr(kv, "_raw") else "stub"     # older clients call through kv.stub
+        attr = "_raw"       # the client's stub without its metadata interceptor: what AppendAttend calls
         stub_method = getattr(kv, attr).AppendAttend
         cmarks: list[tuple[int, int, int, int]] = []
         cur = {}
@@ -337,6 +375,7 @@ def main(argv=None) -> None:
                 by_pos = "  (by position in the call: " + ", ".join(f"{med(xs[i::k]):.0f}" for i in range(k)) + ")" \
                     if k > 1 and len(xs) % k == 0 else ""
                 print(f"  {label:<44}{med(xs):8.0f}  x{per:.0f}/call{by_pos}")
+        _not_found(stages)
         del n
     if args.no_cprofile or args.stages:
         return
@@ -376,7 +415,8 @@ def bell(args, kv, k, q, pre, marks: str, p) -> None:
     for i in range(args.calls + 50):
         if i == 50:
             for xs in stages.values():
-                xs.clear()
+                if xs is not None:
+                    xs.clear()
         t0 = time.perf_counter_ns()
         kv.append_attend("c", i % 2, ["t"], k, k, q, out=out)
         t1 = time.perf_counter_ns()
@@ -408,15 +448,18 @@ def bell(args, kv, k, q, pre, marks: str, p) -> None:
     for label, xs in stages.items():
         if xs:
             print(f"  {label:<44}{med(xs):8.1f}  x{len(xs) / args.calls:.0f}/call")
+    _not_found(stages)
     if args.stages:
         print("\n== daemon stages, inclusive (median over calls)")
-        for label, xs in json.load(open(marks + ".stages")).items():
+        with open(marks + ".stages") as f:
+            daemon_stages = json.load(f)
+        for label, xs in daemon_stages.items():
             if xs:
                 print(f"  {label:<44}{med(xs):8.1f}  x{len(xs) / (args.calls + 50):.1f}/call")
+        _not_found(daemon_stages)
 
 
 def _client_stages() -> dict:
-    from profile_engine import patch_stages
     return patch_stages(CLIENT_STAGES)
 
 
