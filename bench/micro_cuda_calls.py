@@ -1,5 +1,5 @@
 """Host time of the daemon's per-call CUDA operations, through torch and
-through cupy's runtime on the same raw handles (kvstore/cuda_rt.py; the
+through cupy's runtime on the same raw handles (kvstore/cuda/runtime.py; the
 "thin" column), and of
 a whole CudaScope enter + exit either way. One process, no client.
 
@@ -39,7 +39,7 @@ def main() -> None:
     import torch
     from cupy.cuda import runtime as rt
 
-    from kvstore import call_scope, cuda_rt
+    from kvstore.cuda import scope as call_scope, runtime as cuda_rt
 
     dev = torch.device("cuda", torch.cuda.current_device())
     side, ready, done, ev = torch.cuda.Stream(), torch.cuda.Event(), torch.cuda.Event(), torch.cuda.Event()

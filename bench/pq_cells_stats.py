@@ -16,7 +16,7 @@ import time
 
 import torch
 
-from kvstore.codebooks import Codebooks
+from kvstore.codec.codebooks import Codebooks
 from kvstore.kernels import pq_cells
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -30,11 +30,11 @@ GEOM = dict(num_layers=2, num_q_heads=4, num_kv_heads=2, head_dim=64)
 # (module, class or None, attribute): timed where it is looked up, so a function
 # imported by name is patched in the module that imported it. Missing ones are skipped.
 STAGES = [
-    ("kvstore.call_scope", "CudaScope", "__enter__"), ("kvstore.call_scope", "CudaScope", "__exit__"),
-    ("kvstore.engine", "Engine", "append_attend"), ("kvstore.engine", "Engine", "_query"),
-    ("kvstore.engine", "Engine", "append"), ("kvstore.cache", "Cache", "append_layer_batch"),
-    ("kvstore.storage", "Fp16Store", "write_tokens"), ("kvstore.cache", "Cache", "_commit"),
-    ("kvstore.cache", "Cache", "attend"), ("kvstore.read_path", None, "block_table"),
+    ("kvstore.cuda.scope", "CudaScope", "__enter__"), ("kvstore.cuda.scope", "CudaScope", "__exit__"),
+    ("kvstore.engine.engine", "Engine", "append_attend"), ("kvstore.engine.engine", "Engine", "_query"),
+    ("kvstore.engine.engine", "Engine", "append"), ("kvstore.engine.cache", "Cache", "append_layer_batch"),
+    ("kvstore.engine.storage", "Fp16Store", "write_tokens"), ("kvstore.engine.cache", "Cache", "_commit"),
+    ("kvstore.engine.cache", "Cache", "attend"), ("kvstore.engine.read_path", None, "block_table"),
     ("kvstore.kernels.dispatch", None, "pq_decode_attention"),
     ("kvstore.kernels.dispatch", None, "paged_decode_attention"),
     ("kvstore.kernels.decode_attention", None, "plan_pq_decode"),
@@ -43,10 +43,10 @@ STAGES = [
     ("kvstore.kernels.cuda_pq", "CudaPQPlan", "run_pq"), ("kvstore.kernels.cuda_pq", None, "_launch"),
     ("kvstore.kernels.decode_attention", "DecodePlan", "run_paged"),
     ("kvstore.kernels.decode_attention", "DecodePlan", "_launch"),
-    ("kvstore.pinned", "_Ring", "copy"),
-    ("kvstore.decode_graphs", "DecodeGraphs", "attend"), ("kvstore.decode_graphs", "DecodeGraphs", "_copy_meta"),
-    ("kvstore.decode_graphs", "DecodeGraphs", "_run"), ("kvstore.call_scope", None, "tensor_fields"),
-    ("kvstore.wire", None, "to_proto"),
+    ("kvstore.cuda.pinned", "_Ring", "copy"),
+    ("kvstore.engine.decode_graphs", "DecodeGraphs", "attend"), ("kvstore.engine.decode_graphs", "DecodeGraphs", "_copy_meta"),
+    ("kvstore.engine.decode_graphs", "DecodeGraphs", "_run"), ("kvstore.cuda.scope", None, "tensor_fields"),
+    ("kvstore.protocol.wire", None, "to_proto"),
 ]
 
 
@@ -92,11 +92,11 @@ def main(argv=None) -> None:
 
     import torch
 
-    from kvstore import wire
-    from kvstore.call_scope import CudaScope, Fences
-    from kvstore.codebooks import Codebooks
-    from kvstore.config import CacheConfig, CodecConfig, ModelGeometry
-    from kvstore.engine import Engine
+    from kvstore.protocol import wire
+    from kvstore.cuda.scope import CudaScope, Fences
+    from kvstore.codec.codebooks import Codebooks
+    from kvstore.core.config import CacheConfig, CodecConfig, ModelGeometry
+    from kvstore.engine.engine import Engine
 
     dev = torch.device(args.device)
     cuda = dev.type == "cuda"

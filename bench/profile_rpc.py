@@ -16,7 +16,7 @@ deserialisation) | server handler (interceptors, servicer, engine) | server
 AppendAttendStream; the server's segments are then per message (a request
 handed to the handler -> its reply yielded), and there is no handler lookup.
 
-With --bell the calls go by the doorbell (kvstore/doorbell.py): the client's
+With --bell the calls go by the doorbell (kvstore/service/doorbell.py): the client's
 stages (CLIENT_STAGES, inclusive timers), the daemon's handler time from its
 replies and its stages (--stages), and on CUDA the synchronisation after the
 call (the daemon's GPU work and the wait for its done event) timed apart.
@@ -90,7 +90,7 @@ def serve(sock: str, out: str, extra: list[str]) -> None:
 
     stages = _patch_stages() if os.environ.get("KVPROF_STAGES") else {}
     if os.environ.get("KVPROF_NULL"):      # the same request and reply, no work: the RPC layer's share
-        from kvstore import servicer as sv
+        from kvstore.service import servicer as sv
         from kvstore.v1 import kvstore_pb2 as pb
         reply = pb.AttendReply(out=pb.Tensor(shape=[1, 4, 64], dtype=pb.FLOAT16, ref=pb.BufferRef(buffer_id="x")))
         real = sv.KVStoreServicer.AppendAttend
@@ -107,7 +107,7 @@ def serve(sock: str, out: str, extra: list[str]) -> None:
         return orig(pool, handlers=handlers, interceptors=[Timing()] + list(interceptors or []), options=options,
                     **kw)
     grpc.server = server
-    from kvstore import daemon
+    from kvstore.service import daemon
 
     def dump():
         prof.dump_stats(out + ".prof")
@@ -129,19 +129,19 @@ def serve(sock: str, out: str, extra: list[str]) -> None:
 
 # Functions timed (inclusive wall time per call) with --stages; missing ones are skipped,
 # so the same list works on older checkouts.
-STAGES = [("kvstore.servicer", "KVStoreServicer", "AppendAttend"), ("kvstore.servicer", "KVStoreServicer", "_begin"),
-          ("kvstore.servicer", "KVStoreServicer", "_out_check"), ("kvstore.servicer", "KVStoreServicer", "_t"),
-          ("kvstore.servicer", "KVStoreServicer", "_cuda"), ("kvstore.wire", None, "to_proto"),
-          ("kvstore.engine", "Engine", "append_attend"), ("kvstore.engine", "Engine", "_query"),
-          ("kvstore.engine", "Engine", "append"), ("kvstore.engine", "Engine", "_tensor"), ("kvstore.engine", None, "_finite"),
-          ("kvstore.checks", None, "request_tensor"), ("kvstore.checks", None, "check_values"),
-          ("kvstore.cache", "Cache", "append_layer_batch"), ("kvstore.cache", "Cache", "attend"),
-          ("kvstore.call_scope", "CudaScope", "__enter__"), ("kvstore.call_scope", "CudaScope", "__exit__"),
-          ("kvstore.servicer", "KVStoreServicer", "doorbell_append_attend"),
-          ("kvstore.servicer", "KVStoreServicer", "_append_attend"), ("kvstore.leases", "LeaseManager", "touch"),
-          ("kvstore.engine", "Engine", "_append_checked"), ("kvstore.engine", "Engine", "_seqs"),
-          ("kvstore.decode_graphs", "DecodeGraphs", "attend"), ("kvstore.decode_graphs", "DecodeGraphs", "_run"),
-          ("kvstore.decode_graphs", "DecodeGraphs", "_copy_meta"), ("kvstore.decode_graphs", "DecodeGraphs", "_rows_of")]
+STAGES = [("kvstore.service.servicer", "KVStoreServicer", "AppendAttend"), ("kvstore.service.servicer", "KVStoreServicer", "_begin"),
+          ("kvstore.service.servicer", "KVStoreServicer", "_out_check"), ("kvstore.service.servicer", "KVStoreServicer", "_t"),
+          ("kvstore.service.servicer", "KVStoreServicer", "_cuda"), ("kvstore.protocol.wire", None, "to_proto"),
+          ("kvstore.engine.engine", "Engine", "append_attend"), ("kvstore.engine.engine", "Engine", "_query"),
+          ("kvstore.engine.engine", "Engine", "append"), ("kvstore.engine.engine", "Engine", "_tensor"), ("kvstore.engine.engine", None, "_finite"),
+          ("kvstore.engine.checks", None, "request_tensor"), ("kvstore.engine.checks", None, "check_values"),
+          ("kvstore.engine.cache", "Cache", "append_layer_batch"), ("kvstore.engine.cache", "Cache", "attend"),
+          ("kvstore.cuda.scope", "CudaScope", "__enter__"), ("kvstore.cuda.scope", "CudaScope", "__exit__"),
+          ("kvstore.service.servicer", "KVStoreServicer", "doorbell_append_attend"),
+          ("kvstore.service.servicer", "KVStoreServicer", "_append_attend"), ("kvstore.service.leases", "LeaseManager", "touch"),
+          ("kvstore.engine.engine", "Engine", "_append_checked"), ("kvstore.engine.engine", "Engine", "_seqs"),
+          ("kvstore.engine.decode_graphs", "DecodeGraphs", "attend"), ("kvstore.engine.decode_graphs", "DecodeGraphs", "_run"),
+          ("kvstore.engine.decode_graphs", "DecodeGraphs", "_copy_meta"), ("kvstore.engine.decode_graphs", "DecodeGraphs", "_rows_of")]
 # The client's side of a doorbell call (--bell), inclusive.
 CLIENT_STAGES = [("kvstore.client.client", "KVStoreClient", "append_attend"),
                  ("kvstore.client.client", "KVStoreClient", "_append_attend_bell"),
@@ -193,7 +193,7 @@ def main(argv=None) -> None:
     import torch
 
     from kvstore.client import KVStoreClient
-    from kvstore.codebooks import Codebooks
+    from kvstore.codec.codebooks import Codebooks
 
     tmp = tempfile.mkdtemp(prefix="kvprof-")
     sock, out = os.path.join(tmp, "kv.sock"), os.path.join(tmp, "marks.json")

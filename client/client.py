@@ -31,8 +31,9 @@ from dataclasses import dataclass
 import grpc
 import torch
 
-from kvstore import cuda_rt, wire
-from kvstore.daemon import DEFAULT_MAX_MESSAGE_MB, SERVICE, client_options, default_socket
+from kvstore.cuda import runtime as cuda_rt
+from kvstore.protocol import wire
+from kvstore.service.daemon import DEFAULT_MAX_MESSAGE_MB, SERVICE, client_options, default_socket
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.v1 import kvstore_pb2_grpc as pb_grpc
 

@@ -1,7 +1,7 @@
 """Small shared builders for tests (tiny geometries: the reference kernels run on CPU)."""
 import torch
 
-from kvstore.config import CacheConfig, CodecConfig, ModelGeometry
+from kvstore.core.config import CacheConfig, CodecConfig, ModelGeometry
 
 GEOM = dict(num_layers=2, num_q_heads=4, num_kv_heads=2, head_dim=16)
 

@@ -1,7 +1,7 @@
 """Capture calibration samples plus per-row attention weights (scratch, session 5)."""
 import os, sys, torch, math
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
-from kvstore import calibrate as C
+from kvstore.tools import calibrate as C
 
 class WSampler(C.Sampler):
     def __init__(self, *a, **kw):
@@ -51,7 +51,7 @@ if __name__ == "__main__":
     step = max(1, len(all_w) // nwin)
     chosen = all_w[::step][:nwin]
     s = WSampler(C.geometry_of(model), 512, 16, 0)
-    from kvstore.evaluate import attention_handler
+    from kvstore.tools.evaluate import attention_handler
     from tqdm import tqdm
     with torch.no_grad(), attention_handler(model, s):
         for w in tqdm(chosen):

@@ -1,0 +1,433 @@
+"""The daemon: `python server.py` / `kvstore-server`.
+
+Listens on a Unix socket (mode 0600, in a directory only its uid can write;
+sockets.py) by default, on TCP only when asked and then only with bearer
+tokens (auth.py), optionally over TLS. It refuses to start on a socket a live
+daemon serves, and checks all of its arguments before it binds anything.
+Health checking and reflection are registered, so grpcurl and
+grpc_health_probe work; health is NOT_SERVING until the engine is ready.
+Client sessions hold leases (leases.py); Prometheus metrics on --metrics-port.
+"""
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import logging
+import os
+import shutil
+import signal
+import socket
+import sys
+import threading
+from concurrent import futures
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from kvstore.core.config import check_device
+from kvstore.core.sizes import parse_bytes
+from kvstore.engine.engine import Engine
+from kvstore.errors import InvalidArgument
+from kvstore.protocol import wire
+from kvstore.v1 import kvstore_pb2 as pb
+from kvstore.v1 import kvstore_pb2_grpc as pb_grpc
+from . import sockets
+from .auth import Authenticator, GateInterceptor
+from .leases import DEFAULT_TIMEOUT_S, LeaseManager
+from .servicer import DEFAULT_MAX_STREAMS, KVStoreServicer
+
+log = logging.getLogger("kvstore.daemon")
+SERVICE = pb.DESCRIPTOR.services_by_name["KVStore"].full_name
+DEFAULT_MAX_MESSAGE_MB = 1024
+
+
+def default_socket() -> str:
+    return os.environ.get("KVSTORE_SOCKET") or f"/tmp/kvstore-{os.getuid()}/kvstore.sock"
+
+
+def server_options(max_message_mb: int = DEFAULT_MAX_MESSAGE_MB) -> list[tuple[str, int]]:
+    """gRPC server options (also used by bench/bench_rpc.py's floor server)."""
+    limit = max_message_mb * 1024 * 1024
+    return [("grpc.max_receive_message_length", limit), ("grpc.max_send_message_length", limit),
+            ("grpc.so_reuseport", 0)]
+
+
+def client_options(max_message_mb: int = DEFAULT_MAX_MESSAGE_MB) -> list[tuple[str, int]]:
+    """gRPC channel options of the client."""
+    limit = max_message_mb * 1024 * 1024
+    return [("grpc.max_receive_message_length", limit), ("grpc.max_send_message_length", limit)]
+
+
+def create_server(engine: "Engine | None" = None, socket_path: str | None = None, port: int | None = None,
+                  max_message_mb: int = DEFAULT_MAX_MESSAGE_MB, workers: int = 8,
+                  host: str = "127.0.0.1", auth: Authenticator | None = None,
+                  tls: tuple[bytes, bytes] | None = None, lease_timeout: float = DEFAULT_TIMEOUT_S,
+                  metrics=None, max_pool_bytes: int = 0,
+                  max_streams: int = DEFAULT_MAX_STREAMS,
+                  doorbell: bool = True) -> tuple[grpc.Server, int, health.HealthServicer]:
+    """Build and start a server. port=0 binds a free TCP port (returned).
+    auth: tokens and tenants (TCP refuses to start without tokens); tls: (cert
+    PEM, key PEM) for the TCP port; metrics: a kvstore.service.metrics.Metrics to feed;
+    max_pool_bytes: memory all caches' pools may take (0: unlimited);
+    max_streams: open AppendAttendStream streams, each holding a thread of
+    its own beside the `workers` that serve calls (and as many doorbell
+    connections); doorbell: serve the per-step fast lane (doorbell.py) next to
+    the Unix socket.
+    Returns (server, tcp_port or 0, health servicer)."""
+    auth = auth or Authenticator()
+    if port is not None and not auth.has_tokens:
+        raise ValueError("TCP needs bearer tokens: pass --auth-token or --token-file with --port")
+    opts = server_options(max_message_mb)
+    # Metrics outermost, so that calls the gate refuses are counted too.
+    interceptors = ([metrics.interceptor] if metrics is not None else []) + [GateInterceptor(auth)]
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=workers + max_streams), options=opts,
+                         interceptors=interceptors)
+    health_servicer = health.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    for name in ("", SERVICE):
+        health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+    reflection.enable_server_reflection((SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+    leases = LeaseManager(None, lease_timeout)
+    servicer = KVStoreServicer(None, wire.BufferRegistry(), auth, leases, max_streams)
+    leases.release_buffers = servicer.buffer_table.release_session
+    servicer.max_pool_bytes = max_pool_bytes
+    pb_grpc.add_KVStoreServicer_to_server(servicer, server)
+    if socket_path:             # before binding anything: sockets.SocketError if a live daemon serves there
+        sockets.claim(socket_path)
+        if doorbell:
+            sockets.claim(socket_path + ".bell", socket.SOCK_SEQPACKET)
+    try:
+        bound = _bind_and_start(server, socket_path, port, host, tls)
+        servicer.engine = engine if engine is not None else Engine()
+        leases.engine = servicer.engine
+        server.kvstore_engine = servicer.engine
+        leases.start()
+        if socket_path and doorbell:
+            _start_doorbell(server, servicer, leases, socket_path, max_streams, metrics)
+    except BaseException:       # leave nothing behind: no listener, no socket file
+        leases.stop()
+        server.stop(None)       # and the sockets bound so far with it
+        raise
+    if metrics is not None:
+        metrics.bind(servicer.engine, leases, servicer.buffer_table)
+    for name in ("", SERVICE):
+        health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    return server, bound, health_servicer
+
+
+def _bind_and_start(server: grpc.Server, socket_path: str | None, port: int | None, host: str,
+                    tls: tuple[bytes, bytes] | None) -> int:
+    """Listen and start; the Unix socket (0600) is removed by server.stop()
+    while it is still the one bound here. -> the TCP port (0 without one).
+
+    NOTE: gRPC unlinks the path it bound when it stops, whatever is there by
+    then (another daemon's socket, if one took the path over). So it binds a
+    staging name beside the socket, which is renamed into place once ready:
+    gRPC's unlink then finds nothing, and ours checks the inode first."""
+    bound = 0
+    staging = sockets.staging_path(socket_path) if socket_path else None
+    if staging:
+        server.add_insecure_port(f"unix:{staging}")
+    if port is not None:
+        if tls is not None:
+            bound = server.add_secure_port(f"{host}:{port}", grpc.ssl_server_credentials([(tls[1], tls[0])]))
+        else:
+            bound = server.add_insecure_port(f"{host}:{port}")
+    umask = os.umask(0o077)    # no moment where the socket is open to others before the chmod
+    try:
+        server.start()
+    finally:
+        os.umask(umask)
+    if socket_path:
+        os.chmod(staging, 0o600)
+        os.rename(staging, socket_path)
+        ident = sockets.identity(socket_path)
+        stop = server.stop
+
+        def stop_and_unlink(grace):
+            sockets.remove_if_ours(socket_path, ident)
+            return stop(grace)
+        server.stop = stop_and_unlink
+    return bound
+
+
+def _start_doorbell(server, servicer: KVStoreServicer, leases: LeaseManager, socket_path: str,
+                    max_conns: int, metrics=None) -> None:
+    from .doorbell import Doorbell
+    bell = Doorbell(socket_path + ".bell", servicer, max_conns)
+    if metrics is not None:
+        bell.observe = metrics.interceptor.observe
+    try:
+        bell.start()
+    except OSError as e:       # e.g. a path past the 108 bytes of sun_path: gRPC still serves every call
+        log.warning("no doorbell at %s: %s", bell.path, e)
+        return
+    servicer.doorbell = server.kvstore_doorbell = bell
+    release = leases.release_buffers
+
+    def release_session(tenant: str, session: str) -> int:
+        bell.revoke(tenant, session)
+        return release(tenant, session)
+    leases.release_buffers = release_session
+    stop = server.stop
+
+    def stop_all(grace):
+        bell.stop()
+        return stop(grace)
+    server.stop = stop_all      # callers (tests, main) stop the server: the doorbell goes with it
+
+
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):
+        # One line that says what is wrong, not the whole usage above it.
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="kvstore-server", description=__doc__.splitlines()[0])
+    p.add_argument("--socket", default=default_socket(),
+                   help="Unix socket path (default: %(default)s); its directory must be writable only by this uid "
+                        "(a missing one is made 0700, one of ours that others can write is made 0700)")
+    p.add_argument("--port", type=int, default=None, help="also listen on TCP 127.0.0.1:PORT")
+    p.add_argument("--host", default="127.0.0.1", help="TCP address to bind with --port")
+    p.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda if there is a GPU, else cpu)")
+    p.add_argument("--lmdb", default=None, metavar="PATH",
+                   help="disk tier: LMDB directory; sequences and prefix blocks survive restarts")
+    p.add_argument("--lmdb-sync", action="store_true",
+                   help="make pressure spills durable too (Offload always syncs)")
+    p.add_argument("--lmdb-max-bytes", type=_byte_size, default=None, metavar="SIZE",
+                   help="bound of the disk tier, in bytes (40GiB, 512MB and the like work too; 0: none); past it the "
+                        "least recently used prefix blocks no sequence holds go first, and an Offload that cannot fit "
+                        "is RESOURCE_EXHAUSTED (default: 90%% of the free space of --lmdb's filesystem at start)")
+    p.add_argument("--redis", default=None, metavar="URL",
+                   help="shared tier below --lmdb, for daemons on many hosts: redis://[user:password@]host:port/db "
+                        "(rediss:// for TLS); run Redis with maxmemory-policy allkeys-lru")
+    p.add_argument("--redis-ttl", type=int, default=0, metavar="SECONDS",
+                   help="expiry of each block put to Redis, renewed by hits (default: none)")
+    p.add_argument("--redis-timeout", type=float, default=0.25, metavar="SECONDS",
+                   help="connect and socket timeout of Redis calls (default: %(default)s)")
+    p.add_argument("--redis-backoff", type=float, default=10.0, metavar="SECONDS",
+                   help="longest pause before trying a failed Redis again (default: %(default)s)")
+    p.add_argument("--max-message-mb", type=int, default=DEFAULT_MAX_MESSAGE_MB)
+    p.add_argument("--workers", type=int, default=8, help="threads serving calls (default: %(default)s)")
+    p.add_argument("--max-streams", type=int, default=DEFAULT_MAX_STREAMS,
+                   help="open AppendAttendStream streams (one per client), each on a thread of its own beside "
+                        "--workers (default: %(default)s); past it clients call AppendAttend")
+    p.add_argument("--no-doorbell", action="store_true",
+                   help="serve no doorbell socket (SOCKET.bell): clients send every AppendAttend over gRPC")
+    p.add_argument("--torch-threads", type=int, default=1,
+                   help="intra-op threads of the daemon's own torch CPU work (default: %(default)s): decode calls "
+                        "are tiny ops, where waking a thread team costs more than it saves, and the worker pool "
+                        "already runs calls side by side; raise it for bulk CPU work (large CPU-device appends)")
+    p.add_argument("--log-level", default="INFO", type=str.upper, choices=LOG_LEVELS,
+                   help="%(choices)s, any case (default: %(default)s)")
+    p.add_argument("--auth-token", default=os.environ.get("KVSTORE_AUTH_TOKEN"),
+                   help="bearer token for TCP callers, tenant 'default' (env KVSTORE_AUTH_TOKEN; "
+                        "prefer --token-file: argv is visible to other users)")
+    p.add_argument("--token-file", help="lines `TOKEN TENANT`; `@unix TENANT` or `@unix -` sets Unix callers' tenant")
+    p.add_argument("--tls-cert", help="PEM certificate for the TCP port")
+    p.add_argument("--tls-key", help="PEM private key for the TCP port")
+    p.add_argument("--lease-timeout", type=float, default=DEFAULT_TIMEOUT_S,
+                   help="seconds without a call or heartbeat before a session's unpinned sequences are freed")
+    p.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus metrics on this port")
+    p.add_argument("--metrics-host", default="127.0.0.1", help="address for --metrics-port")
+    p.add_argument("--max-pool-bytes", type=int, default=None,
+                   help="memory all caches' pools may take together (default: 90%% of the GPU, or half the RAM "
+                        "on CPU); CreateCache beyond it is RESOURCE_EXHAUSTED")
+    return p
+
+
+def _check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> tuple[Authenticator, tuple | None]:
+    """Every argument, before anything is bound or opened: p.error (one line,
+    exit 2) on the first that is wrong. -> (auth, tls)."""
+    args.device = args.device or ("cuda" if _cuda() else "cpu")
+    try:
+        check_device("--device", args.device)
+    except InvalidArgument as e:
+        p.error(str(e))
+    args.redis_cfg = None
+    if args.redis:
+        from kvstore.tiers.redis import RedisConfig
+        try:
+            args.redis_cfg = RedisConfig(args.redis, ttl_s=args.redis_ttl, timeout_s=args.redis_timeout,
+                                         backoff_s=args.redis_backoff)
+        except InvalidArgument as e:
+            p.error(f"--{e}")
+        try:
+            import redis  # noqa: F401
+        except ImportError:
+            p.error("--redis needs the redis client: pip install 'redis==8.1.0' (kvstore[redis])")
+    if args.device.startswith("cuda"):
+        n = _cuda_devices()
+        index = int(args.device.partition(":")[2] or 0)
+        if n == 0:
+            p.error(f"--device {args.device}: no CUDA device here; use --device cpu")
+        if index >= n:
+            p.error(f"--device {args.device}: there are {n} CUDA device(s) (cuda:0..cuda:{n - 1})")
+        from kvstore.cuda.ipc import check_allocator
+        check_allocator()      # refuses allocator settings that break CUDA IPC, saying why
+    for flag, value, low, high in (("--port", args.port, 0, 65535), ("--metrics-port", args.metrics_port, 0, 65535),
+                                   ("--workers", args.workers, 1, None), ("--max-streams", args.max_streams, 0, None),
+                                   ("--torch-threads", args.torch_threads, 1, None),
+                                   ("--max-message-mb", args.max_message_mb, 1, 2047),
+                                   ("--max-pool-bytes", args.max_pool_bytes, 0, None)):
+        if value is not None and (value < low or (high is not None and value > high)):
+            p.error(f"{flag} must be in [{low}, {high if high is not None else 'inf'}], got {value}")
+    if not args.lease_timeout > 0:
+        p.error(f"--lease-timeout must be > 0 seconds, got {args.lease_timeout}")
+    if bool(args.tls_cert) != bool(args.tls_key):
+        p.error("--tls-cert and --tls-key go together")
+    if args.tls_cert and args.port is None:
+        p.error("--tls-cert needs --port")
+    try:
+        auth = Authenticator.from_args(args.auth_token, args.token_file)
+    except (OSError, ValueError) as e:
+        p.error(f"--token-file: {e}")
+    if args.port is not None and not auth.has_tokens:
+        p.error("--port needs --auth-token or --token-file: TCP callers must authenticate")
+    tls = None
+    if args.tls_cert:
+        try:
+            with open(args.tls_cert, "rb") as c, open(args.tls_key, "rb") as k:
+                tls = (c.read(), k.read())
+        except OSError as e:
+            p.error(f"--tls-cert/--tls-key: {e.filename}: {e.strerror}")
+    return auth, tls
+
+
+def _check_port(host: str, port: int) -> None:
+    """OSError if nothing can listen on host:port now (bound and closed at
+    once, so that gRPC's bind after it is not the first to find out)."""
+    try:
+        ip = ipaddress.ip_address(host.strip("[]"))
+    except ValueError:
+        return              # a host name: gRPC resolves it, and says so if it cannot bind
+    if port == 0:
+        return
+    with socket.socket(socket.AF_INET6 if ip.version == 6 else socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        s.bind((str(ip), port))
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = _parser()
+    args = p.parse_args(argv)
+    auth, tls = _check_args(p, args)
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    import torch
+    torch.set_num_threads(args.torch_threads)
+    metrics = None
+    try:
+        # Refuse a live daemon's socket before anything is opened or bound.
+        sockets.claim(args.socket)
+        if not args.no_doorbell:
+            sockets.claim(args.socket + ".bell", socket.SOCK_SEQPACKET)
+        if args.port is not None:
+            try:
+                _check_port(args.host, args.port)
+            except OSError as e:
+                raise sockets.SocketError(f"--port {args.port}: cannot listen on {args.host}:{args.port}: "
+                                          f"{e.strerror}") from None
+        if args.metrics_port is not None:     # bound first: it is the one bind not rolled back by create_server
+            from .metrics import Metrics
+            metrics = Metrics()
+            try:
+                mport = metrics.serve(args.metrics_port, args.metrics_host)
+            except OSError as e:
+                raise sockets.SocketError(f"--metrics-port {args.metrics_port}: cannot listen on "
+                                          f"{args.metrics_host}:{args.metrics_port}: {e.strerror}") from None
+        try:
+            engine = Engine(args.device, args.lmdb, args.lmdb_sync, _disk_budget(args.lmdb, args.lmdb_max_bytes),
+                            args.redis_cfg)
+        except Exception as e:  # noqa: BLE001 - e.g. an LMDB directory we cannot open: one line, not a traceback
+            raise sockets.SocketError(f"--lmdb {args.lmdb}: {e}" if args.lmdb else f"engine: {e}") from None
+        try:
+            server, port, health_servicer = create_server(
+                engine, args.socket, args.port, args.max_message_mb, args.workers, args.host, auth=auth, tls=tls,
+                lease_timeout=args.lease_timeout, metrics=metrics,
+                max_pool_bytes=_pool_budget(args.device, args.max_pool_bytes), max_streams=args.max_streams,
+                doorbell=not args.no_doorbell)
+        except RuntimeError as e:    # gRPC's "Failed to bind to address ..."
+            raise sockets.SocketError(str(e).split(";")[0]) from None
+    except (sockets.SocketError, OSError) as e:
+        if metrics is not None:
+            metrics.stop()
+        sys.exit(f"kvstore-server: {e}")
+    where = f"unix:{args.socket}" + (f" and {args.host}:{port}" if args.port is not None else "")
+    if args.redis_cfg is not None:
+        where += f", redis tier {args.redis_cfg.redacted()} ({'up' if engine.redis.up else 'down'})"
+    if metrics is not None:
+        where += f", metrics on http://{args.metrics_host}:{mport}/metrics"
+    log.info("kvstore serving on %s (device %s)", where, args.device)
+    print(f"kvstore: serving on {where}", flush=True)
+    done = threading.Event()
+
+    def stop(signum, _frame):
+        log.info("signal %s: stopping", signum)
+        health_servicer.enter_graceful_shutdown()
+        server.stop(grace=5).wait()     # removes our sockets, if they are still ours
+        done.set()
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    # Wake up now and then: a signal delivered to another thread (CUDA and gRPC
+    # start many) only runs its Python handler once the main thread wakes.
+    while not done.wait(0.5):
+        pass
+    if metrics is not None:
+        metrics.stop()
+    eng = getattr(server, "kvstore_engine", None)
+    if eng is not None and eng.cold_store is not None:
+        eng.cold_store.env.sync(True)     # what LMDB holds is on disk before we go
+    if eng is not None and eng.redis is not None:
+        eng.redis.close()                 # queued puts get a moment to reach Redis
+    logging.shutdown()
+    if args.device.startswith("cuda"):
+        # Interpreter teardown of CUDA memory that workers still map through IPC
+        # can block; every request has finished and LMDB is synced, so leave now.
+        sys.stdout.flush()
+        os._exit(0)
+
+
+def _pool_budget(device: str, given: int | None) -> int:
+    if given is not None:
+        return given
+    if device.startswith("cuda"):
+        import torch
+        return int(torch.cuda.get_device_properties(torch.device(device)).total_memory * 0.9)
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2
+
+
+def _byte_size(text: str) -> int:
+    try:
+        return parse_bytes(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _disk_budget(path: str | None, given: int | None) -> int:
+    if given is not None or not path:
+        return given or 0
+    os.makedirs(path, mode=0o700, exist_ok=True)
+    held = sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path))
+    return int((shutil.disk_usage(path).free + held) * 0.9)
+
+
+def _cuda() -> bool:
+    return _cuda_devices() > 0
+
+
+def _cuda_devices() -> int:
+    try:
+        import torch
+        return torch.cuda.device_count() if torch.cuda.is_available() else 0
+    except Exception:  # noqa: BLE001 - a broken CUDA install is no GPU to us
+        return 0
+
+
+if __name__ == "__main__":
+    main()
