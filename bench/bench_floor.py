@@ -64,7 +64,7 @@ def serve(kind: str, sock: str, workers: int) -> None:
 
     import grpc
 
-    from kvstore.service.daemon import server_options
+    from kvstore.protocol.channel import server_options
     if kind == "sync":
         server = grpc.server(futures.ThreadPoolExecutor(max_workers=workers), options=server_options(),
                              handlers=[_handlers(grpc, False)])
@@ -114,7 +114,7 @@ def time_sync(fn, payload: bytes, n: int) -> list[float]:
 
 async def time_aio(target: str, stream: bool, payload: bytes, n: int, warmup: int) -> list[float]:
     import grpc
-    from kvstore.service.daemon import client_options
+    from kvstore.protocol.channel import client_options
     async with grpc.aio.insecure_channel(target, options=client_options()) as ch:
         if stream:
             call = ch.stream_stream(STREAM)()
@@ -152,7 +152,7 @@ def main(argv=None) -> None:
 
     import grpc
 
-    from kvstore.service.daemon import client_options
+    from kvstore.protocol.channel import client_options
     tmp = tempfile.mkdtemp(prefix="kvfloor-")
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     socks = {k: os.path.join(tmp, f"{k}.sock") for k in ("sync", "aio")}

@@ -61,7 +61,7 @@ def echo_server(sock: str, workers: int) -> None:
 
     import grpc
 
-    from kvstore.service.daemon import server_options
+    from kvstore.protocol.channel import server_options
 
     def stream(requests, ctx):
         for r in requests:
@@ -222,7 +222,7 @@ def main(argv=None) -> None:
 
     from kvstore.client import KVStoreClient
     from kvstore.codec.codebooks import Codebooks
-    from kvstore.service.daemon import client_options
+    from kvstore.protocol.channel import client_options
     from kvstore.v1 import kvstore_pb2 as pb
 
     cuda = torch.cuda.is_available()

@@ -33,7 +33,7 @@ import torch
 
 from kvstore.cuda import runtime as cuda_rt
 from kvstore.protocol import wire
-from kvstore.service.daemon import DEFAULT_MAX_MESSAGE_MB, SERVICE, client_options, default_socket
+from kvstore.protocol.channel import DEFAULT_MAX_MESSAGE_MB, SERVICE, SESSION_KEY, client_options, default_socket
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.v1 import kvstore_pb2_grpc as pb_grpc
 
@@ -90,7 +90,7 @@ class KVStoreClient:
             self.channel = grpc.insecure_channel(self.target, options=opts)
         self.session_id = session_id or uuid.uuid4().hex
         token = token if token is not None else os.environ.get("KVSTORE_TOKEN")
-        md = [("x-kvstore-session", self.session_id)] + ([("authorization", f"Bearer {token}")] if token else [])
+        md = [(SESSION_KEY, self.session_id)] + ([("authorization", f"Bearer {token}")] if token else [])
         self.stub = pb_grpc.KVStoreStub(grpc.intercept_channel(self.channel, _Metadata(md)))
         # The tensor calls pass the metadata themselves: a Python client
         # interceptor costs tens of µs per call.

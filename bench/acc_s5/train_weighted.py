@@ -3,8 +3,8 @@ usage: trainw.py OUT KMODE VMODE ALPHA [MIX]
   mode: none | mass | p2 | p2v ; weights -> (w/mean)^alpha, then (1-mix) + mix*w"""
 import sys, os, math, torch, numpy as np
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
-from kvstore.tools import calibrate as C
 from kvstore.codec.codebooks import Codebooks
+from kvstore.tools import calibrate as C
 import faiss
 torch.set_num_threads(2)
 faiss.omp_set_num_threads(2)

@@ -1,5 +1,5 @@
 """Who is calling: bearer tokens -> tenants, local (Unix socket) vs remote
-peers, and the tenant-scoped view of registered buffers.
+peers (the tenant-scoped view of registered buffers: buffers.py).
 
 Policy (DESIGN §5):
 - TCP callers must send `authorization: Bearer <token>`; a missing or unknown
@@ -20,12 +20,11 @@ a sandbox between processes of one uid.
 from __future__ import annotations
 
 import hashlib
-import threading
 
 import grpc
 
 from kvstore.core.names import NAME_RULE, is_name
-from kvstore.errors import KVStoreError, NotFound, quote
+from kvstore.errors import KVStoreError, quote
 
 DEFAULT_TENANT = "default"
 _HEALTH = "/grpc.health.v1.Health/"
@@ -208,74 +207,3 @@ class GateInterceptor(grpc.ServerInterceptor):
         elif handler.stream_stream:
             kw["stream_stream"] = stream_req(handler.stream_stream)
         return handler._replace(**kw)
-
-
-class TenantBuffers:
-    """Which tenant and session registered each buffer. A caller sees only
-    its tenant's buffers (others are NOT_FOUND, as if absent), and a session's
-    buffers are dropped when its lease lapses."""
-
-    def __init__(self, registry):
-        self.registry = registry
-        self._owners: dict[str, tuple[str, str]] = {}
-        self._lock = threading.Lock()
-
-    def view(self, tenant: str, session: str) -> "_BufferView":
-        return _BufferView(self, tenant, session)
-
-    def release_session(self, tenant: str, session: str) -> int:
-        with self._lock:
-            ids = [b for b, o in self._owners.items() if o == (tenant, session)]
-            for b in ids:
-                del self._owners[b]
-        for b in ids:
-            try:
-                self.registry.unregister(b)
-            except NotFound:
-                pass
-        return len(ids)
-
-    def __len__(self) -> int:
-        return len(self._owners)
-
-
-class _BufferView:
-    """Duck-types the BufferRegistry methods protocol/wire.py and the servicer call."""
-
-    def __init__(self, table: TenantBuffers, tenant: str, session: str):
-        self.t, self.tenant, self.session = table, tenant, session
-
-    def _check(self, buffer_id: str) -> None:
-        owner = self.t._owners.get(buffer_id)
-        if owner is None or owner[0] != self.tenant:
-            raise NotFound("buffer_id", f"no buffer {quote(buffer_id)}")
-
-    def _own(self, buffer_id: str) -> str:
-        with self.t._lock:
-            self.t._owners[buffer_id] = (self.tenant, self.session)
-        return buffer_id
-
-    def register_shm(self, name: str, size: int) -> str:
-        return self._own(self.t.registry.register_shm(name, size, owner=self.tenant))
-
-    def register_cuda(self, *args, **kw) -> str:
-        return self._own(self.t.registry.register_cuda(*args, owner=self.tenant, **kw))
-
-    def get(self, buffer_id: str):
-        self._check(buffer_id)
-        return self.t.registry.get(buffer_id)
-
-    def view(self, buffer_id: str, offset: int, shape: tuple, dtype):
-        self._check(buffer_id)
-        return self.t.registry.view(buffer_id, offset, shape, dtype)
-
-    def cuda_events(self, buffer_id: str):
-        if self.t._owners.get(buffer_id, ("",))[0] != self.tenant:
-            return None     # not ours: the lookup that follows answers NOT_FOUND
-        return self.t.registry.cuda_events(buffer_id)
-
-    def unregister(self, buffer_id: str) -> None:
-        self._check(buffer_id)
-        with self.t._lock:
-            self.t._owners.pop(buffer_id, None)
-        self.t.registry.unregister(buffer_id)

@@ -29,36 +29,15 @@ from kvstore.core.config import check_device
 from kvstore.core.sizes import parse_bytes
 from kvstore.engine.engine import Engine
 from kvstore.errors import InvalidArgument
-from kvstore.protocol import wire
-from kvstore.v1 import kvstore_pb2 as pb
+from kvstore.protocol.channel import DEFAULT_MAX_MESSAGE_MB, SERVICE, default_socket, server_options
 from kvstore.v1 import kvstore_pb2_grpc as pb_grpc
 from . import sockets
 from .auth import Authenticator, GateInterceptor
+from .buffers import BufferRegistry
 from .leases import DEFAULT_TIMEOUT_S, LeaseManager
 from .servicer import DEFAULT_MAX_STREAMS, KVStoreServicer
 
 log = logging.getLogger("kvstore.daemon")
-SERVICE = pb.DESCRIPTOR.services_by_name["KVStore"].full_name
-DEFAULT_MAX_MESSAGE_MB = 1024
-
-
-def default_socket() -> str:
-    return os.environ.get("KVSTORE_SOCKET") or f"/tmp/kvstore-{os.getuid()}/kvstore.sock"
-
-
-def server_options(max_message_mb: int = DEFAULT_MAX_MESSAGE_MB) -> list[tuple[str, int]]:
-    """gRPC server options (also used by bench/bench_rpc.py's floor server)."""
-    limit = max_message_mb * 1024 * 1024
-    return [("grpc.max_receive_message_length", limit), ("grpc.max_send_message_length", limit),
-            ("grpc.so_reuseport", 0)]
-
-
-def client_options(max_message_mb: int = DEFAULT_MAX_MESSAGE_MB) -> list[tuple[str, int]]:
-    """gRPC channel options of the client."""
-    limit = max_message_mb * 1024 * 1024
-    return [("grpc.max_receive_message_length", limit), ("grpc.max_send_message_length", limit)]
-
-
 def create_server(engine: "Engine | None" = None, socket_path: str | None = None, port: int | None = None,
                   max_message_mb: int = DEFAULT_MAX_MESSAGE_MB, workers: int = 8,
                   host: str = "127.0.0.1", auth: Authenticator | None = None,
@@ -89,7 +68,7 @@ def create_server(engine: "Engine | None" = None, socket_path: str | None = None
         health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
     reflection.enable_server_reflection((SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
     leases = LeaseManager(None, lease_timeout)
-    servicer = KVStoreServicer(None, wire.BufferRegistry(), auth, leases, max_streams)
+    servicer = KVStoreServicer(None, BufferRegistry(), auth, leases, max_streams)
     leases.release_buffers = servicer.buffer_table.release_session
     servicer.max_pool_bytes = max_pool_bytes
     pb_grpc.add_KVStoreServicer_to_server(servicer, server)

@@ -21,9 +21,9 @@ import time
 from typing import Callable
 
 from kvstore.errors import InvalidArgument, KVStoreError, NotFound
+from kvstore.protocol.channel import SESSION_KEY
 
 log = logging.getLogger("kvstore.leases")
-SESSION_KEY = "x-kvstore-session"
 _SESSION_RE = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
 DEFAULT_TIMEOUT_S = 30.0
 

@@ -19,14 +19,15 @@ from kvstore.engine.engine import SequenceInfo as SeqInfo
 from kvstore.engine.storage import TORCH_DTYPES
 from kvstore.errors import FailedPrecondition, InvalidArgument, KVStoreError, ResourceExhausted, Unavailable, quote
 from kvstore.protocol import wire
+from kvstore.protocol.channel import SESSION_KEY, STREAM_KEY
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.v1 import kvstore_pb2_grpc as pb_grpc
-from .auth import DEFAULT_TENANT, Authenticator, PermissionDenied, TenantBuffers, is_local  # noqa: F401
-from .leases import SESSION_KEY, LeaseManager, session_of
+from .auth import DEFAULT_TENANT, Authenticator, PermissionDenied, is_local
+from .buffers import BufferRegistry, TenantBuffers
+from .leases import LeaseManager, session_of
 
 log = logging.getLogger("kvstore.servicer")
 MAX_NITER = 1000
-STREAM_KEY = "x-kvstore-stream"     # trailing metadata "refused": a stream turned away before reading a request
 DEFAULT_MAX_STREAMS = 64
 # Bytes of a status message sent. gRPC carries it in a header, percent-encoded
 # (up to 3 bytes per byte), under a 16 KiB limit on all metadata; past that the
@@ -91,7 +92,7 @@ def config_to_spec(cfg: CacheConfig) -> pb.CacheSpec:
 
 
 class KVStoreServicer(pb_grpc.KVStoreServicer):
-    def __init__(self, engine: Engine | None, buffers: wire.BufferRegistry, auth: Authenticator | None = None,
+    def __init__(self, engine: Engine | None, buffers: BufferRegistry, auth: Authenticator | None = None,
                  leases: LeaseManager | None = None, max_streams: int = DEFAULT_MAX_STREAMS):
         self.engine = engine
         self.auth = auth or Authenticator()

@@ -31,7 +31,7 @@ def _dict(msg) -> dict:
 
 def _client(args):
     from kvstore.client import KVStoreClient   # imports torch: keep `--help` fast
-    from kvstore.service.daemon import default_socket
+    from kvstore.protocol.channel import default_socket
     target = args.target or f"unix://{args.socket or default_socket()}"
     return KVStoreClient(target, transport="inline", heartbeat=False, token=args.token, tls_ca=args.tls_ca,
                          timeout=args.timeout)

@@ -12,8 +12,8 @@ import torch
 from kvstore.client import KVStoreClient
 from kvstore.client.tables import SealedTables
 from kvstore.codec.codebooks import Codebooks
-from kvstore.service.daemon import create_server
 from kvstore.engine.engine import Engine
+from kvstore.service.daemon import create_server
 from kvstore.v1 import kvstore_pb2 as pb
 
 L, HQ, HKV, D, BS, R = 2, 4, 2, 16, 8, 8

@@ -16,13 +16,14 @@ import grpc
 import pytest
 import torch
 
-from kvstore.service import leases as leases_mod
-from kvstore.protocol import wire
-from kvstore.service.auth import Authenticator
 from kvstore.client import KVStoreClient
 from kvstore.client.stream import CallStream
 from kvstore.codec.codebooks import Codebooks
-from kvstore.service.daemon import SERVICE, create_server
+from kvstore.protocol import wire
+from kvstore.protocol.channel import SERVICE
+from kvstore.service import leases as leases_mod
+from kvstore.service.auth import Authenticator
+from kvstore.service.daemon import create_server
 from kvstore.service.metrics import Metrics
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.v1 import kvstore_pb2_grpc as pb_grpc

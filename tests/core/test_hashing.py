@@ -6,8 +6,8 @@ from kvstore.core.hashing import block_hash, chain_hashes
 
 SCRIPT = r"""
 import torch
-from kvstore.engine.engine import Engine
 from kvstore.core.config import CacheConfig, CodecConfig, ModelGeometry
+from kvstore.engine.engine import Engine
 g = ModelGeometry(2, 4, 2, 16)
 e = Engine()
 c = e.create_cache(CacheConfig(name="c", model_id="m", geometry=g, codec=CodecConfig("fp16"), num_blocks=32))

@@ -4,9 +4,9 @@ buffer names; model_id is a label: up to 256 characters, no control characters."
 import grpc
 import pytest
 
-from kvstore.service.auth import load_token_file
 from kvstore.client import KVStoreClient
 from kvstore.errors import InvalidArgument
+from kvstore.service.auth import load_token_file
 from kvstore.v1 import kvstore_pb2 as pb
 
 GOOD = ["a", "A-z_0.9", "x" * 128, "..", "llama-3.1-8b_instruct"]

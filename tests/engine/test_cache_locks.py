@@ -11,10 +11,10 @@ import threading
 import pytest
 import torch
 
-import kvstore.engine.cache
 from kvstore.client import KVStoreClient
-from kvstore.service.daemon import create_server
+import kvstore.engine.cache
 from kvstore.engine.engine import Engine
+from kvstore.service.daemon import create_server
 from kvstore.service.leases import LeaseManager
 
 from helpers import config, kv

@@ -13,14 +13,14 @@ import grpc
 import pytest
 import torch
 
-from kvstore.protocol import wire
 from kvstore.client import KVStoreClient
-from kvstore.service.daemon import create_server
 from kvstore.engine.checks import check_values
 from kvstore.engine.engine import Engine
-from kvstore.errors import InvalidArgument
+from kvstore.errors import InvalidArgument, NotFound
 from kvstore.kernels import cpu_decode
 from kvstore.kernels import reference as ref
+from kvstore.service.buffers import BufferRegistry
+from kvstore.service.daemon import create_server
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.v1 import kvstore_pb2_grpc as pb_grpc
 
@@ -130,7 +130,7 @@ def _shm(size: int) -> tuple[str, mmap.mmap]:
 
 
 def test_registry_views_are_dropped_with_their_buffer():
-    reg = wire.BufferRegistry()
+    reg = BufferRegistry()
     name, mm = _shm(4096)
     try:
         bid = reg.register_shm(name, 4096)
@@ -141,7 +141,7 @@ def test_registry_views_are_dropped_with_their_buffer():
         assert reg.view(bid, 64, (1,), torch.float16).item() == -2.0
         reg.unregister(bid)
         assert not reg._views
-        with pytest.raises(wire.NotFound):
+        with pytest.raises(NotFound):
             reg.view(bid, 64, (1,), torch.float16)
         bid2 = reg.register_shm(name, 4096)
         assert bid2 != bid and reg.view(bid2, 64, (1,), torch.float16).item() == -2.0

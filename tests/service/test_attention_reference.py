@@ -5,9 +5,9 @@ import pytest
 import torch
 
 from kvstore.client import KVStoreClient
-from kvstore.service.daemon import create_server
 from kvstore.engine.engine import Engine
 from kvstore.kernels import reference as ref
+from kvstore.service.daemon import create_server
 
 L, HQ, HKV, D, BS, R = 2, 6, 2, 16, 8, 8
 LENS = [1, 54, 97, 16, 33]

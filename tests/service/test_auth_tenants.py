@@ -12,9 +12,9 @@ import pytest
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from kvstore.service.auth import Authenticator, load_token_file
 from kvstore.client import KVStoreClient
 from kvstore.core.config import CacheConfig
+from kvstore.service.auth import Authenticator, load_token_file
 from kvstore.service.daemon import create_server
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.v1 import kvstore_pb2_grpc as pb_grpc

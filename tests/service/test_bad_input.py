@@ -20,11 +20,12 @@ import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from safetensors.torch import save as safetensors_save
 
-from kvstore.protocol import wire
-from kvstore.service.auth import Authenticator
 from kvstore.client import KVStoreClient
 from kvstore.codec.codebooks import Codebooks
-from kvstore.service.daemon import SERVICE, create_server
+from kvstore.protocol import wire
+from kvstore.protocol.channel import SERVICE
+from kvstore.service.auth import Authenticator
+from kvstore.service.daemon import create_server
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.v1 import kvstore_pb2_grpc as pb_grpc
 

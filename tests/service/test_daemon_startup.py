@@ -210,7 +210,8 @@ def test_stale_sockets_are_taken_over_and_only_our_own_removed_at_exit(sock):
 
 # ---------------------------------------------------------------- demos
 def test_demos_start_their_daemon_on_a_socket_of_their_own(sock, monkeypatch):
-    from kvstore.service.daemon import create_server, default_socket
+    from kvstore.protocol.channel import default_socket
+    from kvstore.service.daemon import create_server
     from kvstore.tools.demo import spawn_daemon
     monkeypatch.setenv("KVSTORE_SOCKET", sock)        # "the default socket", served by a live daemon
     assert default_socket() == sock

@@ -11,9 +11,9 @@ import grpc
 import pytest
 import torch
 
-from kvstore.protocol import bell
 from kvstore.client import KVStoreClient
 from kvstore.codec.codebooks import Codebooks
+from kvstore.protocol import bell
 from kvstore.service.daemon import create_server
 from kvstore.v1 import kvstore_pb2 as pb
 

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from kvstore.client import KVStoreClient
-from kvstore.service.daemon import create_server
 from kvstore.engine.engine import Engine
+from kvstore.service.daemon import create_server
 from kvstore.service.leases import LeaseManager
 from kvstore.service.metrics import Metrics
 from kvstore.v1 import kvstore_pb2 as pb

@@ -11,11 +11,11 @@ import grpc
 import pytest
 import torch
 
-from kvstore.tools import admin
-from kvstore.core.block_pool import PoolStats
 from kvstore.client import KVStoreClient
+from kvstore.core.block_pool import PoolStats
 from kvstore.service.daemon import create_server
 from kvstore.service.metrics import EngineCollector, Metrics
+from kvstore.tools import admin
 
 L, HQ, HKV, D = 2, 4, 2, 16
 

@@ -11,11 +11,11 @@ import pytest
 import torch
 
 from helpers import config
-from kvstore.service.auth import Authenticator
 from kvstore.client import KVStoreClient
 from kvstore.codec.codebooks import Codebooks
-from kvstore.service.daemon import create_server
 from kvstore.engine.engine import Engine
+from kvstore.service.auth import Authenticator
+from kvstore.service.daemon import create_server
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.v1 import kvstore_pb2_grpc as pb_grpc
 

@@ -9,10 +9,10 @@ import torch
 
 pytest.importorskip("transformers")
 
-from kvstore.tools import calibrate as C  # noqa: E402
-from kvstore.tools import evaluate as E  # noqa: E402
 from kvstore.client import KVStoreClient  # noqa: E402
 from kvstore.codec.codebooks import Codebooks  # noqa: E402
+from kvstore.tools import calibrate as C  # noqa: E402
+from kvstore.tools import evaluate as E  # noqa: E402
 
 from helpers import config  # noqa: E402
 

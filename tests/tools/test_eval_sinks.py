@@ -8,8 +8,8 @@ import torch
 
 pytest.importorskip("transformers")
 
-from kvstore.tools import evaluate as E  # noqa: E402
 from kvstore.client import KVStoreClient  # noqa: E402
+from kvstore.tools import evaluate as E  # noqa: E402
 
 from test_calibrate_eval import rand_codebooks, tiny_llama  # noqa: E402
 
