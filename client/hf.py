@@ -71,7 +71,7 @@ def kvstore_attention(module, query, key, value, attention_mask, dropout=0.0, sc
 class KVStoreAdapter:
     """Binds a model to a daemon cache. codec "fp16" or "pq" (codebooks: the
     safetensors bytes or path from kvstore-calibrate; transform: its optional
-    kvstore.tools.calibrate.Transform, applied on this side before encoding).
+    kvstore.codec.transform.Transform, applied on this side before encoding).
     sink_tokens: the first tokens of every sequence the daemon keeps in fp16;
     None: 32 for pq (rounded up to a whole block), which keeps 4-bit PQ within
     0.5 % perplexity of fp16 at R = 128 (bench/ACCURACY.md)."""

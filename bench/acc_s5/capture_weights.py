@@ -1,7 +1,7 @@
 """Capture calibration samples plus per-row attention weights (scratch, session 5)."""
 import os, sys, torch, math
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
-from kvstore.tools import calibrate as C
+from kvstore.tools import calibrate as C, models, text
 
 class WSampler(C.Sampler):
     def __init__(self, *a, **kw):
@@ -43,15 +43,15 @@ class WSampler(C.Sampler):
 
 if __name__ == "__main__":
     torch.set_num_threads(2)
-    model, tok = C.load_smollm2()
-    text = C.read_text(C.CALIB_DIRS)
+    model, tok = models.load_smollm2()
+    text = text.read_text(text.CALIB_DIRS)
     ids = tok(text).input_ids
-    all_w = C.windows(ids, 2048)
+    all_w = text.windows(ids, 2048)
     nwin = int(sys.argv[1]) if len(sys.argv) > 1 else 32
     step = max(1, len(all_w) // nwin)
     chosen = all_w[::step][:nwin]
-    s = WSampler(C.geometry_of(model), 512, 16, 0)
-    from kvstore.tools.evaluate import attention_handler
+    s = WSampler(models.geometry_of(model), 512, 16, 0)
+    from kvstore.tools.hooks import attention_handler
     from tqdm import tqdm
     with torch.no_grad(), attention_handler(model, s):
         for w in tqdm(chosen):

@@ -33,14 +33,14 @@ from kvstore.codec.codebooks import Codebooks
 
 
 class QKVRecorder:
-    """Attention handler (kvstore.tools.evaluate.attention_handler) that keeps every
+    """Attention handler (kvstore.tools.hooks.attention_handler) that keeps every
     layer's q, k, v (after RoPE) of each window in fp16, then attends exactly."""
 
     def __init__(self, num_layers: int):
         self.qkv: list[list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]] = [[] for _ in range(num_layers)]
 
     def __call__(self, layer: int, q, k, v, scaling: float):
-        from kvstore.tools.evaluate import exact_attention
+        from kvstore.tools.hooks import exact_attention
         self.qkv[layer].append((q[0].half(), k[0].half(), v[0].half()))     # [Hq|Hkv, n, d]
         return exact_attention(q, k, v, scaling)
 
@@ -48,7 +48,7 @@ class QKVRecorder:
 def record(model, wins: list[list[int]]) -> QKVRecorder:
     from tqdm import tqdm
 
-    from kvstore.tools.evaluate import attention_handler
+    from kvstore.tools.hooks import attention_handler
     rec = QKVRecorder(model.config.num_hidden_layers)
     with torch.no_grad(), attention_handler(model, rec):
         for w in tqdm(wins, desc="fine-tuning windows", file=sys.stderr):
@@ -151,7 +151,7 @@ def finetune_layer(problem: LayerProblem, ck: torch.Tensor, cv: torch.Tensor, st
 def finetune(model, rec: QKVRecorder, cb: Codebooks, transform, steps: int, lr: float = 3e-3,
              queries: int = 256, log=None) -> tuple[Codebooks, list[tuple[float, float]]]:
     """All layers -> (codebooks, [(loss before, after)] per layer). `transform`
-    (kvstore.tools.calibrate.Transform) is the one the codebooks were trained under."""
+    (kvstore.codec.transform.Transform) is the one the codebooks were trained under."""
     from tqdm import tqdm
     c = model.config
     d = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
@@ -174,7 +174,8 @@ def finetune(model, rec: QKVRecorder, cb: Codebooks, transform, steps: int, lr: 
 if __name__ == "__main__":
     import argparse
 
-    from kvstore.tools import calibrate as C
+    from kvstore.codec.transform import Transform, transform_path
+    from kvstore.tools import models, text
     p = argparse.ArgumentParser()
     p.add_argument("cb_in")
     p.add_argument("cb_out")
@@ -184,10 +185,10 @@ if __name__ == "__main__":
     p.add_argument("--queries", type=int, default=256)
     a = p.parse_args()
     torch.set_num_threads(2)
-    model, tok = C.load_smollm2()
-    all_w = C.windows(tok(C.read_text(C.CALIB_DIRS)).input_ids, 2048)
+    model, tok = models.load_smollm2()
+    all_w = text.windows(tok(text.read_text(text.CALIB_DIRS)).input_ids, 2048)
     step = max(1, len(all_w) // a.windows)
-    cb, tr = Codebooks.load(a.cb_in), C.Transform.load(C.transform_path(a.cb_in))
+    cb, tr = Codebooks.load(a.cb_in), Transform.load(transform_path(a.cb_in))
     out, _ = finetune(model, record(model, all_w[3::step][:a.windows]), cb, tr, a.steps, a.lr, a.queries, log=print)
     out.save(a.cb_out)
-    tr.save(C.transform_path(a.cb_out))
+    tr.save(transform_path(a.cb_out))

@@ -4,7 +4,8 @@ usage: trainw.py OUT KMODE VMODE ALPHA [MIX]
 import sys, os, math, torch, numpy as np
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 from kvstore.codec.codebooks import Codebooks
-from kvstore.tools import calibrate as C
+from kvstore.codec.transform import Transform, transform_path
+from kvstore.tools import calibrate as C, models
 import faiss
 torch.set_num_threads(2)
 faiss.omp_set_num_threads(2)
@@ -12,11 +13,11 @@ out, kmode, vmode, alpha = sys.argv[1], sys.argv[2], sys.argv[3], float(sys.argv
 mix = float(sys.argv[5]) if len(sys.argv) > 5 else 1.0
 bits = int(os.environ.get("BITS", "4"))
 cap = torch.load("capw.pt")
-model, tok = C.load_smollm2()
+model, tok = models.load_smollm2()
 kmet = os.environ.get("KMET", "qq")
 tr0 = C.qaware_transform(model, cap["qq"] if kmet == "qq" else cap["qw"][kmet])
 print("K metric", kmet, flush=True)
-g = C.geometry_of(model)
+g = models.geometry_of(model)
 m = g.head_dim // (2 if bits == 4 else 4)
 
 def weights(mode, l, h):
@@ -69,5 +70,5 @@ for l in range(g.num_layers):
     print("layer", l, flush=True)
 cb = Codebooks(k=torch.stack(cbs["k"]), v=torch.stack(cbs["v"]))
 cb.save(out)
-C.Transform(k=torch.stack(trs["k"]), v=torch.stack(trs["v"])).save(C.transform_path(out))
+Transform(k=torch.stack(trs["k"]), v=torch.stack(trs["v"])).save(transform_path(out))
 print("saved", out)

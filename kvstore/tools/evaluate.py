@@ -36,42 +36,11 @@ import torch
 import torch.nn.functional as F
 
 from kvstore.codec.codebooks import Codebooks
-from .calibrate import EVAL_DIRS, Transform, geometry_of, read_text, transform_path, windows
+from kvstore.codec.transform import Transform, transform_path
 
-_HANDLER: list = [None]
-
-
-# ----------------------------------------------------------- attention hook
-def _attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
-    """query [B, Hq, n, d], key/value [B, Hkv, n, d] -> ([B, n, Hq, d], None)."""
-    out = _HANDLER[0](module.layer_idx, query, key, value, scaling)
-    return out.transpose(1, 2).contiguous(), None
-
-
-def _no_mask(*args, **kwargs):
-    return None
-
-
-@contextlib.contextmanager
-def attention_handler(model, handler):
-    """Route every attention call of `model` to handler(layer, q, k, v, scaling)
-    -> out [B, Hq, n, d] (full causal windows, no cache, no padding)."""
-    from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface
-    AttentionInterface.register("kvstore_eval", _attention)
-    AttentionMaskInterface.register("kvstore_eval", _no_mask)
-    old, _HANDLER[0] = model.config._attn_implementation, handler
-    model.config._attn_implementation = "kvstore_eval"
-    try:
-        yield
-    finally:
-        model.config._attn_implementation = old
-        _HANDLER[0] = None
-
-
-def exact_attention(q, k, v, scaling):
-    return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scaling, enable_gqa=True)
-
+from .hooks import attention_handler, exact_attention
+from .models import geometry_of, load_smollm2
+from .text import EVAL_DIRS, read_text, windows
 
 # ------------------------------------------------------------- quantizers
 class SimQuantizer:
@@ -305,7 +274,6 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--threads", type=int, default=2)
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
-    from .calibrate import load_smollm2
     model, tok = load_smollm2()
     wins = windows(tok(read_text(EVAL_DIRS)).input_ids, args.window, args.windows)
     rows = [Row.parse(s) for s in args.row] or default_rows(args.codebooks, args.codebooks2, args.sinks, args.residual)

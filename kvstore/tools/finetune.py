@@ -32,7 +32,11 @@ import torch
 import torch.nn.functional as F
 
 from kvstore.codec.codebooks import Codebooks
-from .calibrate import CALIB_DIRS, Transform, load_smollm2, read_text, transform_path, windows
+from kvstore.codec.transform import Transform, transform_path
+
+from .hooks import attention_handler
+from .models import load_smollm2
+from .text import CALIB_DIRS, read_text, windows
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,7 +60,7 @@ class FinetuneConfig:
 
 
 class STEQuantizer:
-    """Attention handler (kvstore.tools.evaluate.attention_handler): every key and
+    """Attention handler (kvstore.tools.hooks.attention_handler): every key and
     value through transform -> nearest centroid -> learnable centroid (+ the
     straight-through term) -> inverse transform, then causal attention."""
 
@@ -134,7 +138,6 @@ def finetune(model, cb: Codebooks, transform: Transform, wins: torch.Tensor, cfg
 
 
 def _finetune(model, cb, transform, wins, cfg, dev, log):
-    from .evaluate import attention_handler
     torch.manual_seed(cfg.seed)
     t = Transform(k=transform.k.to(dev), v=transform.v.to(dev))
     quant = STEQuantizer(cb, t, dev, train_v=cfg.train_v)

