@@ -31,7 +31,7 @@ GEOM = dict(num_layers=2, num_q_heads=4, num_kv_heads=2, head_dim=64)
 # imported by name is patched in the module that imported it. Missing ones are skipped.
 STAGES = [
     ("kvstore.cuda.scope", "CudaScope", "__enter__"), ("kvstore.cuda.scope", "CudaScope", "__exit__"),
-    ("kvstore.engine.engine", "Engine", "append_attend"), ("kvstore.engine.engine", "Engine", "_query"),
+    ("kvstore.engine.engine", "Engine", "append_attend"), ("kvstore.engine.checks", None, "query"),
     ("kvstore.engine.engine", "Engine", "append"), ("kvstore.engine.cache", "Cache", "append_layer_batch"),
     ("kvstore.engine.storage", "Fp16Store", "write_tokens"), ("kvstore.engine.cache", "Cache", "_commit"),
     ("kvstore.engine.cache", "Cache", "attend"), ("kvstore.engine.read_path", None, "block_table"),
@@ -45,7 +45,7 @@ STAGES = [
     ("kvstore.kernels.decode_attention", "DecodePlan", "_launch"),
     ("kvstore.cuda.pinned", "_Ring", "copy"),
     ("kvstore.engine.decode_graphs", "DecodeGraphs", "attend"), ("kvstore.engine.decode_graphs", "DecodeGraphs", "_copy_meta"),
-    ("kvstore.engine.decode_graphs", "DecodeGraphs", "_run"), ("kvstore.cuda.scope", None, "tensor_fields"),
+    ("kvstore.engine.decode_graphs", "DecodeGraphs", "_run"), ("kvstore.service.handlers", None, "tensor_fields"),
     ("kvstore.protocol.wire", None, "to_proto"),
 ]
 

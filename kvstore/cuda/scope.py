@@ -70,25 +70,3 @@ class Fences:
             with torch.cuda.device(device):
                 mine[key] = torch.cuda.Event()
         return mine[key]
-
-
-_FIELDS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {}
-
-
-def _field_names(request) -> tuple[tuple[str, ...], tuple[str, ...]]:
-    """(Tensor fields, OutputRef fields) of a request type, found once."""
-    d = request.DESCRIPTOR
-    names = _FIELDS.get(d.full_name)
-    if names is None:
-        def of(kind):
-            return tuple(f.name for f in d.fields if f.message_type is not None and f.message_type.name == kind)
-        names = _FIELDS[d.full_name] = (of("Tensor"), of("OutputRef"))
-    return names
-
-
-def tensor_fields(request):
-    return [getattr(request, n) for n in _field_names(request)[0] if request.HasField(n)]
-
-
-def output_fields(request):
-    return [getattr(request, n) for n in _field_names(request)[1] if request.HasField(n)]

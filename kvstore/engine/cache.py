@@ -8,7 +8,6 @@ import hashlib
 import math
 import threading
 from array import array
-from dataclasses import dataclass
 
 import torch
 
@@ -24,15 +23,10 @@ from kvstore.tiers.policy import Tiering
 from kvstore.tiers.redis import RedisTier
 from .decode_graphs import DecodeGraphs
 from .read_path import ReadPath
+from .results import AllocateResult
 from .storage import Fp16Store, PQStore
 from .storage import ids_to
-from .write_path import ReserveResult, WritePath  # noqa: F401 (re-exported)
-
-
-@dataclass(slots=True)
-class AllocateResult:
-    cached_tokens: int
-    hit_blocks: int
+from .write_path import WritePath
 
 
 class Cache(WritePath, ReadPath):

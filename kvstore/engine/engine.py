@@ -2,48 +2,30 @@
 input checks shared by all callers (the gRPC servicer, tests, in-process users).
 
 Tensors come in already decoded (torch); this layer checks shapes, dtypes,
-values, layers and sequences, then hands over to Cache. It knows nothing of gRPC.
+values, layers and sequences (checks.py), then hands over to Cache. What it
+hands back are the small dataclasses of results.py. It knows nothing of gRPC.
 
 Locks: a request holds the lock of the one cache it names (Cache.lock), so a
 long request in one cache never stalls another. Engine.lock guards only the
-dict of caches and what spans caches (the servicer's pool budget at
-CreateCache); it is taken before, never while holding, a cache's lock. Work
-that must see every cache at rest (the lease reaper) takes them all with
-locked_caches().
+dict of caches and what spans caches (create_cache's pool budget); it is
+taken before, never while holding, a cache's lock. Work that must see every
+cache at rest (the lease reaper) takes them all with locked_caches().
 """
 from __future__ import annotations
 
 import contextlib
-import math
 import threading
-from dataclasses import dataclass
 
 import torch
 
 from kvstore.codec.codebooks import Codebooks, train_codebooks
 from kvstore.core.config import CacheConfig
 from kvstore.core.sequence import Sequence
-from kvstore.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound, quote
+from kvstore.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted, quote
 from kvstore.tiers.redis import RedisConfig, RedisStore
-from .cache import AllocateResult, Cache, ReserveResult
-from .checks import request_tensor
-
-@dataclass(slots=True)
-class SequenceInfo:
-    seq_id: str
-    length: int
-    sealed_blocks: list[int]
-    tail_blocks: list[int]
-    pending: list[int]
-    reserved: int
-    known_token_ids: int
-    block_hashes: list[bytes]
-    owner: str = ""
-    pinned: bool = False
-    persist: bool = False
-    tier: str = "gpu"
-    sink_blocks: int = 0         # tail_blocks[:sink_blocks] hold the sink tokens
-
+from . import checks, results
+from .cache import Cache
+from .results import AllocateResult, CacheInfo, PoolMap, ReserveResult, SequenceInfo
 
 class Engine:
     def __init__(self, device: str = "cpu", lmdb_path: str | None = None, lmdb_sync: bool = False,
@@ -62,17 +44,35 @@ class Engine:
         self.redis = RedisStore(redis) if redis is not None else None
 
     # --------------------------------------------------------------- caches
-    def create_cache(self, cfg: CacheConfig, exist_ok: bool = False) -> Cache:
+    def create_cache(self, cfg: CacheConfig, exist_ok: bool = False, max_pool_bytes: int = 0) -> CacheInfo:
+        """exist_ok: an existing cache of the same configuration is no error;
+        max_pool_bytes: memory all caches' pools may take together (0: no
+        bound), refused before anything is allocated: a pool past the
+        machine's memory would get the daemon OOM-killed."""
         with self.lock:
             old = self.caches.get(cfg.name)
             if old is not None:
-                if exist_ok and old.cfg == cfg:
-                    return old
-                raise AlreadyExists("name", f"cache {quote(cfg.name)} exists with another configuration"
-                                    if exist_ok else f"cache {quote(cfg.name)} exists")
-            cache = Cache(cfg, self.cold_store, self.redis)
-            self.caches[cfg.name] = cache
-            return cache
+                if not (exist_ok and old.cfg == cfg):
+                    raise AlreadyExists("name", f"cache {quote(cfg.name)} exists with another configuration"
+                                        if exist_ok else f"cache {quote(cfg.name)} exists")
+            else:
+                if max_pool_bytes:
+                    held = sum(results.pool_memory(c.cfg) for c in self.caches.values())
+                    need = results.pool_memory(cfg)
+                    if held + need > max_pool_bytes:
+                        raise ResourceExhausted("spec.num_blocks", f"the cache needs {need} bytes; "
+                                                f"{max_pool_bytes - held} of the daemon's --max-pool-bytes are left")
+                self.caches[cfg.name] = Cache(cfg, self.cold_store, self.redis)
+        return self.cache_info(cfg.name)
+
+    def config(self, name: str) -> CacheConfig:
+        """A cache's configuration (frozen: read without its lock)."""
+        return self.cache(name).cfg
+
+    def cache_info(self, name: str) -> CacheInfo:
+        c = self.cache(name)
+        with c.lock:        # codebooks and fingerprint change together
+            return results.cache_info(c)
 
     def cache(self, name: str) -> Cache:
         c = self.caches.get(name)      # caches are never removed: no lock needed to find one
@@ -120,22 +120,9 @@ class Engine:
         g = cache.cfg.geometry
         for field, t, limit in (("k_samples", k, g.qk_limit), ("v_samples", v, None)):
             # Centroids are means of samples: samples the cache dtype holds give centroids it holds.
-            request_tensor(cache.cfg, t, field, (None,) * t.dim(), limit)
+            checks.request_tensor(cache.cfg, t, field, (None,) * t.dim(), limit)
         cb = train_codebooks(cache.cfg, k, v, niter=niter)   # slow: outside the lock
         return self.set_codebooks(name, cb)
-
-    # ------------------------------------------------------------ checks
-    def _seqs(self, cache: Cache, tenant: str, seq_ids: list[str], unique: bool) -> list[Sequence]:
-        if not seq_ids:
-            raise InvalidArgument("sequence_ids", "empty batch")
-        if unique and len(set(seq_ids)) != len(seq_ids):
-            raise InvalidArgument("sequence_ids", "a sequence appears twice in one batch")
-        return [cache.seq(tenant, i) for i in seq_ids]
-
-    @staticmethod
-    def _layer(cache: Cache, layer: int) -> None:
-        if not 0 <= layer < cache.cfg.geometry.num_layers:
-            raise InvalidArgument("layer", f"{layer} outside [0, {cache.cfg.geometry.num_layers})")
 
     # ------------------------------------------------------------ requests
     def allocate(self, name: str, tenant: str, seq_id: str, prompt, owner: str = "",
@@ -168,7 +155,7 @@ class Engine:
         cache = self.cache(name)
         with cache.lock:
             g = cache.cfg.geometry
-            seqs = self._seqs(cache, tenant, seq_ids, unique=True)
+            seqs = checks.sequences(cache, tenant, seq_ids, unique=True)
             if len(counts) != len(seqs):
                 raise InvalidArgument("counts", f"{len(counts)} counts for {len(seqs)} sequences")
             if any(c <= 0 for c in counts):
@@ -177,10 +164,10 @@ class Engine:
             if layer is None:
                 shape = (g.num_layers, n, g.num_kv_heads, g.head_dim)
             else:
-                self._layer(cache, layer)
+                checks.check_layer(cache.cfg, layer)
                 shape = (n, g.num_kv_heads, g.head_dim)
-            k = request_tensor(cache.cfg, k, "k", shape, g.qk_limit)
-            v = request_tensor(cache.cfg, v, "v", shape)
+            k = checks.request_tensor(cache.cfg, k, "k", shape, g.qk_limit)
+            v = checks.request_tensor(cache.cfg, v, "v", shape)
             if token_ids is not None:
                 if layer is not None:
                     raise InvalidArgument("token_ids", "token ids go with all-layer appends")
@@ -198,7 +185,7 @@ class Engine:
         cache.resident(seqs)
         # Batches of several sequences are checked whole before any write.
         if len(seqs) > 1:
-            self._check_batch_room(cache, seqs, counts, layer, token_ids)
+            checks.batch_room(cache, seqs, counts, layer, token_ids)
         deferred = None
         try:
             if layer is not None:        # decode: one scatter, one encode for the whole batch
@@ -221,52 +208,18 @@ class Engine:
             raise
         return deferred
 
-    @staticmethod
-    def _check_batch_room(cache: Cache, seqs: list[Sequence], counts: list[int], layer: int | None,
-                          token_ids: list | None = None) -> None:
-        """Refuse a batch that will not fit, or that any of its sequences
-        would refuse, before writing any of it."""
-        main = tail = freed = 0
-        for i, (s, c) in enumerate(zip(seqs, counts)):
-            if (layer is None and any(s.pending)) or s.reserved:
-                raise FailedPrecondition("sequence_ids", f"sequence {quote(s.seq_id)} has uncommitted tokens")
-            if token_ids is not None and len(token_ids[i]):
-                cache.check_token_ids(s, c, token_ids[i])
-            m, t, f = cache.room_needed(s, c, layer)
-            main, tail, freed = main + m, tail + t, freed + f
-        cache.check_room(main, tail, freed)
-
-    def _query(self, cache: Cache, seqs: list[Sequence], q: torch.Tensor,
-               scale: float) -> tuple[torch.Tensor, float]:
-        """Checks shared by the attend paths -> (q on the cache device, scale)."""
-        g = cache.cfg.geometry
-        q = request_tensor(cache.cfg, q, "q", (len(seqs), g.num_q_heads, g.head_dim), g.qk_limit)
-        if not 0 <= scale <= g.max_scale():      # NaN fails too; Inf is past the bound
-            raise InvalidArgument("scale", f"must be in [0, {g.max_scale():.3g}] (0: 1/sqrt(head_dim); past the "
-                                  f"bound, scores of {g.dtype} q and k overflow fp32), got {scale}")
-        return q, scale or 1.0 / math.sqrt(g.head_dim)
-
-    @staticmethod
-    def _out(out: torch.Tensor | None, q: torch.Tensor) -> torch.Tensor | None:
-        """out if the kernels can write the result straight into it (q's shape,
-        dtype and device, contiguous), else None: the result gets its own tensor."""
-        if out is None or out.shape != q.shape or out.dtype != q.dtype or out.device != q.device \
-                or not out.is_contiguous():
-            return None
-        return out
-
     def attend(self, name: str, tenant: str, layer: int, seq_ids: list[str], q: torch.Tensor,
                scale: float = 0.0, out: torch.Tensor | None = None) -> torch.Tensor:
         """q [B, Hq, d] -> out [B, Hq, d] in the cache dtype; written into `out`
         when it fits (see _out), which the caller compares with the result."""
         cache = self.cache(name)
         with cache.lock:
-            self._layer(cache, layer)
-            seqs = self._seqs(cache, tenant, seq_ids, unique=False)
-            q, scale = self._query(cache, seqs, q, scale)
+            checks.check_layer(cache.cfg, layer)
+            seqs = checks.sequences(cache, tenant, seq_ids, unique=False)
+            q, scale = checks.query(cache.cfg, len(seqs), q, scale)
             cache.check_visible(layer, seqs)     # before paging in: a refused call moves nothing
             cache.resident(seqs)
-            return cache.attend(layer, seqs, q, scale, out=self._out(out, q))
+            return cache.attend(layer, seqs, q, scale, out=checks.output_into(out, q))
 
     def append_attend(self, name: str, tenant: str, layer: int, seq_ids: list[str], k: torch.Tensor,
                       v: torch.Tensor, q: torch.Tensor, scale: float = 0.0,
@@ -275,17 +228,17 @@ class Engine:
         sequence), q [B, Hq, d] -> out [B, Hq, d] (`out` as in attend)."""
         cache = self.cache(name)
         with cache.lock:
-            self._layer(cache, layer)
-            seqs = self._seqs(cache, tenant, seq_ids, unique=True)
-            q, scale = self._query(cache, seqs, q, scale)
+            checks.check_layer(cache.cfg, layer)
+            seqs = checks.sequences(cache, tenant, seq_ids, unique=True)
+            q, scale = checks.query(cache.cfg, len(seqs), q, scale)
             # append()'s checks less those done just above (errors in the same order).
             g = cache.cfg.geometry
             shape = (len(seqs), g.num_kv_heads, g.head_dim)
-            k = request_tensor(cache.cfg, k, "k", shape, g.qk_limit)
-            v = request_tensor(cache.cfg, v, "v", shape)
+            k = checks.request_tensor(cache.cfg, k, "k", shape, g.qk_limit)
+            v = checks.request_tensor(cache.cfg, v, "v", shape)
             # The new tokens' write joins the attention (its decode graph, when it has one).
             new = self._append_checked(cache, seqs, k, v, [1] * len(seqs), layer, None, defer_write=True)
-            return cache.attend(layer, seqs, q, scale, out=self._out(out, q), new=new)
+            return cache.attend(layer, seqs, q, scale, out=checks.output_into(out, q), new=new)
 
     def reserve(self, name: str, tenant: str, seq_id: str, n: int,
                 known: tuple[int, int] = (0, 0)) -> ReserveResult:
@@ -314,7 +267,7 @@ class Engine:
             raise InvalidArgument("known_sealed", f"{len(known)} entries for {len(seq_ids)} sequences")
         cache = self.cache(name)
         with cache.lock:
-            seqs = self._seqs(cache, tenant, seq_ids, unique=True)
+            seqs = checks.sequences(cache, tenant, seq_ids, unique=True)
             for s in seqs:
                 if any(s.pending):
                     raise FailedPrecondition("sequence_ids", f"sequence {quote(s.seq_id)} has uncommitted per-layer tokens")
@@ -330,19 +283,11 @@ class Engine:
                     cache.publish()
                 return rs
 
-    def pool_tensors(self, name: str) -> dict[str, torch.Tensor]:
+    def map_pool(self, name: str) -> PoolMap:
         """The cache's pool tensors, all layers, for MapPool."""
         c = self.cache(name)
         with c.lock:
-            if c.is_pq:
-                if c.codebooks is None:
-                    raise FailedPrecondition("codebooks", f"cache {quote(name)} has no codebooks yet")
-                out = dict(k_codes=c.main.k_codes, v_codes=c.main.v_codes, k_codebook=c.main.k_cb,
-                           v_codebook=c.main.v_cb, tail_k=c.tail.k, tail_v=c.tail.v)
-                if c.main.cb_words is not None:      # the kernels' layout of the codebooks, kept current
-                    out["codebook_image"] = c.main.cb_words
-                return out
-            return dict(k=c.main.k, v=c.main.v)
+            return results.pool_map(c)
 
     def retrieve(self, name: str, tenant: str, seq_id: str, start: int, end: int,
                  layer_start: int = 0, layer_end: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -370,7 +315,7 @@ class Engine:
     def free(self, name: str, tenant: str, seq_ids: list[str]) -> None:
         cache = self.cache(name)
         with cache.lock:
-            seqs = self._seqs(cache, tenant, seq_ids, unique=True)
+            seqs = checks.sequences(cache, tenant, seq_ids, unique=True)
             for s in seqs:
                 cache.free(s)
 
@@ -378,7 +323,7 @@ class Engine:
         """Write sequences to the disk tier; returns once they are durable."""
         cache = self.cache(name)
         with cache.lock:
-            seqs = self._seqs(cache, tenant, seq_ids, unique=True)
+            seqs = checks.sequences(cache, tenant, seq_ids, unique=True)
             if cache.tiering is None or cache.tiering.disk is None:
                 raise FailedPrecondition("sequence_ids", "no disk tier: start the daemon with --lmdb PATH")
             for s in seqs:
@@ -391,16 +336,13 @@ class Engine:
         """Page sequences back into the GPU pools ahead of use."""
         cache = self.cache(name)
         with cache.lock:
-            cache.resident(self._seqs(cache, tenant, seq_ids, unique=True))
+            cache.resident(checks.sequences(cache, tenant, seq_ids, unique=True))
 
     # ------------------------------------------------------------ introspection
     def sequence_info(self, name: str, tenant: str, seq_id: str) -> SequenceInfo:
         c = self.cache(name)
-        with c.lock:
-            s = c.seq(tenant, seq_id)
-            return SequenceInfo(s.seq_id, s.length, list(s.sealed), list(s.tail), list(s.pending),
-                                s.reserved, len(s.token_ids), list(s.hashes), s.owner, s.pinned, s.persist, s.tier,
-                                min(len(s.tail), c.sink_blocks))
+        with c.lock:        # the ref counts match the block ids
+            return results.sequence_info(c, c.seq(tenant, seq_id))
 
     def owned_sequences(self, tenant: str, owner: str) -> dict[str, list[tuple[str, bool]]]:
         """Lease hook: cache -> [(seq_id, persist)] of the unpinned sequences a
@@ -417,9 +359,9 @@ class Engine:
         return out
 
     def list_sequences(self, name: str, tenant: str) -> list[SequenceInfo]:
-        cache = self.cache(name)
-        with cache.lock:
-            return [self.sequence_info(name, tenant, sid) for (t, sid) in sorted(cache.seqs) if t == tenant]
+        c = self.cache(name)
+        with c.lock:
+            return [results.sequence_info(c, s) for (t, _), s in sorted(c.seqs.items()) if t == tenant]
 
     def stats(self, name: str | None = None) -> dict[str, dict]:
         """Stats of one cache (name) or all, each read under its own lock in
@@ -435,3 +377,11 @@ class Engine:
         for c in self._all():
             with c.lock:
                 c.check_invariants()
+
+    def close(self) -> None:
+        """Before the process exits: what LMDB holds is on disk, and queued
+        Redis puts get a moment to reach Redis."""
+        if self.cold_store is not None:
+            self.cold_store.env.sync(True)
+        if self.redis is not None:
+            self.redis.close()

@@ -9,25 +9,15 @@ from __future__ import annotations
 import math
 import time
 from array import array
-from dataclasses import dataclass
 
 import torch
 
 from kvstore.core.sequence import Sequence, token_array
 from kvstore.errors import FailedPrecondition, InvalidArgument, ResourceExhausted, quote
+from .results import ReserveResult
 from .storage import ids_to
 
 SMALL_WRITE = 8      # tokens up to which a per-layer append writes slot by slot
-
-
-@dataclass(slots=True)
-class ReserveResult:
-    slot_mapping: list[int]     # tail-pool slot (block * bs + offset) of each reserved token
-    sealed_blocks: list[int]    # the sealed table from sealed_start on
-    tail_blocks: list[int]      # sink blocks first: one fp16 table for the kernels
-    length: int                 # tokens visible after the reservation
-    sealed_start: int = 0
-    table_epoch: int = 0
 
 
 class WritePath:
@@ -223,7 +213,7 @@ class WritePath:
                            counts: list[int], defer_write: bool = False) -> list[tuple[int, int]] | None:
         """One layer for a batch (decode): counts[i] tokens of seqs[i] in the
         rows of k, v [sum(counts), Hkv, d], written with one scatter. A batch of
-        several sequences must have been checked whole (Engine._check_batch_room).
+        several sequences must have been checked whole (checks.batch_room).
         defer_write: a few tokens are not written but returned as their
         [(tail block, offset)], for attend(new=...) to write before it reads
         them (inside its decode graph); sealing never reads the newest token of

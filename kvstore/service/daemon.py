@@ -134,7 +134,7 @@ def _bind_and_start(server: grpc.Server, socket_path: str | None, port: int | No
 def _start_doorbell(server, servicer: KVStoreServicer, leases: LeaseManager, socket_path: str,
                     max_conns: int, metrics=None) -> None:
     from .doorbell import Doorbell
-    bell = Doorbell(socket_path + ".bell", servicer, max_conns)
+    bell = Doorbell(socket_path + ".bell", servicer.handlers, max_conns)
     if metrics is not None:
         bell.observe = metrics.interceptor.observe
     try:
@@ -360,10 +360,8 @@ def main(argv: list[str] | None = None) -> None:
     if metrics is not None:
         metrics.stop()
     eng = getattr(server, "kvstore_engine", None)
-    if eng is not None and eng.cold_store is not None:
-        eng.cold_store.env.sync(True)     # what LMDB holds is on disk before we go
-    if eng is not None and eng.redis is not None:
-        eng.redis.close()                 # queued puts get a moment to reach Redis
+    if eng is not None:
+        eng.close()         # LMDB synced, queued Redis puts sent
     logging.shutdown()
     if args.device.startswith("cuda"):
         # Interpreter teardown of CUDA memory that workers still map through IPC

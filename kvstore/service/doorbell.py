@@ -3,12 +3,12 @@ plane (DESIGN §5), for local callers with a registered buffer.
 
 A Python gRPC message costs ~150-250 µs a round trip (bench/NOTES-rpc.md)
 before any work, more than issue 4's whole budget. Here a step is one small
-struct-packed packet (bell.py) on a SOCK_SEQPACKET Unix socket next to the
+struct-packed packet (protocol/bell.py) on a SOCK_SEQPACKET Unix socket next to the
 daemon's, read by a thread of its own per connection, and one status packet
 back. The connection is bound at its first packet to the (tenant, session)
 whose token RegisterBuffer handed out, so calls see that caller's buffers and
-renew its lease as its gRPC calls would; the work is the servicer's
-AppendAttend path (same checks, errors, counters).
+renew its lease as its gRPC calls would; the work is gRPC's AppendAttend
+path (handlers.py: same checks, errors, counters).
 
 Like gRPC's, the socket is 0600 in a directory only the daemon's uid can
 write (sockets.py), taken over only from a daemon that is gone and removed
@@ -39,12 +39,12 @@ _CODES = {c.name: c.value[0] for c in grpc.StatusCode}
 
 
 class Doorbell:
-    """servicer: the KVStoreServicer whose doorbell_append_attend serves calls;
+    """handlers: the Handlers (handlers.py) whose doorbell_append_attend serves calls;
     max_conns: open connections (each holds a thread while open)."""
 
-    def __init__(self, path: str, servicer, max_conns: int = 64):
+    def __init__(self, path: str, handlers, max_conns: int = 64):
         self.path = path
-        self.servicer = servicer
+        self.handlers = handlers
         self._slots = threading.BoundedSemaphore(max_conns)
         self._sessions: dict[bytes, tuple[str, str]] = {}      # token digest -> (tenant, session)
         self._tokens: dict[tuple[str, str], bytes] = {}
@@ -156,10 +156,10 @@ class Doorbell:
         return (digest, *who)
 
     def _loop(self, conn: socket.socket, digest: bytes, tenant: str, session: str) -> None:
-        view = self.servicer.buffer_table.view(tenant, session)
+        view = self.handlers.buffer_table.view(tenant, session)
         buf = bytearray(bell.MAX_PACKET)
         mv = memoryview(buf)
-        registry = self.servicer.buffer_table.registry
+        registry = self.handlers.buffer_table.registry
         # descriptor -> [its request, its Resolved, the registry generation it was resolved in]
         requests: dict[bytes, list] = {}
         while True:
@@ -182,7 +182,7 @@ class Doorbell:
                         requests.clear()
                     requests[key] = entry
                 gen = registry.generation
-                dtype, resolved = self.servicer.doorbell_append_attend(
+                dtype, resolved = self.handlers.doorbell_append_attend(
                     entry[0], tenant, session, view, entry[1] if entry[2] == gen else None)
                 entry[1], entry[2] = resolved, gen
             except KVStoreError as e:

@@ -138,7 +138,7 @@ class EngineCollector:
     def _tier_hit_rate(self, f: _Families, cache: str, tier: str, blocks: float, stats: dict) -> None:
         queried = stats.get("prefix_query_tokens", 0)
         try:
-            bs = self.engine.cache(cache).cfg.block_size
+            bs = self.engine.config(cache).block_size
         except Exception:  # noqa: BLE001 - the cache was dropped between stats() and here
             return
         f.add("tier_hit_rate", {"cache": cache, "tier": tier}, blocks * bs / queried if queried else 0.0, False,

@@ -1,29 +1,28 @@
-"""The gRPC servicer: a thin translation between protos and the engine.
-Engine errors become status codes here and nowhere else."""
+"""The gRPC servicer: one method per RPC, each a thin translation between
+protos and engine calls (convert.py builds the messages; handlers.py holds
+the work the doorbell shares). Engine errors become status codes here and
+nowhere else."""
 from __future__ import annotations
 
-import contextlib
 import functools
 import logging
 import os
 import threading
-from dataclasses import dataclass
 
 import grpc
 
 from kvstore.codec.codebooks import Codebooks
-from kvstore.core.config import CacheConfig, CodecConfig, ModelGeometry
-from kvstore.cuda.scope import CudaScope, Fences, output_fields, tensor_fields
 from kvstore.engine.engine import Engine
-from kvstore.engine.engine import SequenceInfo as SeqInfo
-from kvstore.engine.storage import TORCH_DTYPES
-from kvstore.errors import FailedPrecondition, InvalidArgument, KVStoreError, ResourceExhausted, Unavailable, quote
+from kvstore.errors import FailedPrecondition, InvalidArgument, KVStoreError, quote
 from kvstore.protocol import wire
 from kvstore.protocol.channel import SESSION_KEY, STREAM_KEY
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.v1 import kvstore_pb2_grpc as pb_grpc
+
+from . import convert
 from .auth import DEFAULT_TENANT, Authenticator, PermissionDenied, is_local
 from .buffers import BufferRegistry, TenantBuffers
+from .handlers import Handlers
 from .leases import LeaseManager, session_of
 
 log = logging.getLogger("kvstore.servicer")
@@ -65,51 +64,30 @@ def _rpc(fn):
     return wrapper
 
 
-def spec_to_config(spec: pb.CacheSpec, device: str) -> CacheConfig:
-    g = spec.geometry
-    return CacheConfig(
-        name=spec.name, model_id=spec.model_id,
-        geometry=ModelGeometry(g.num_layers, g.num_q_heads, g.num_kv_heads, g.head_dim, g.dtype or "float16"),
-        codec=CodecConfig(kind=spec.codec or "pq", num_subvectors=spec.num_subvectors),
-        block_size=spec.block_size or 16,
-        residual=spec.residual if spec.HasField("residual") else 128, sink_tokens=spec.sink_tokens,
-        num_blocks=spec.num_blocks, pool_bytes=spec.pool_bytes,
-        max_sequences=spec.max_sequences or 256, device=device, host_bytes=spec.host_bytes,
-        low_watermark=spec.low_watermark, share_prefixes_across_tenants=spec.share_prefixes_across_tenants)
-
-
-def config_to_spec(cfg: CacheConfig) -> pb.CacheSpec:
-    g = cfg.geometry
-    return pb.CacheSpec(
-        name=cfg.name, model_id=cfg.model_id,
-        geometry=pb.Geometry(num_layers=g.num_layers, num_q_heads=g.num_q_heads, num_kv_heads=g.num_kv_heads,
-                             head_dim=g.head_dim, dtype=g.dtype),
-        codec=cfg.codec.kind, num_subvectors=cfg.m if cfg.codec.kind == "pq" else 0,
-        block_size=cfg.block_size, residual=cfg.residual, sink_tokens=cfg.sink_tokens,
-        num_blocks=cfg.num_blocks, pool_bytes=cfg.pool_bytes,
-        max_sequences=cfg.max_sequences, host_bytes=cfg.host_bytes, low_watermark=cfg.low_watermark,
-        share_prefixes_across_tenants=cfg.share_prefixes_across_tenants)
-
-
 class KVStoreServicer(pb_grpc.KVStoreServicer):
     def __init__(self, engine: Engine | None, buffers: BufferRegistry, auth: Authenticator | None = None,
                  leases: LeaseManager | None = None, max_streams: int = DEFAULT_MAX_STREAMS):
-        self.engine = engine
         self.auth = auth or Authenticator()
         self.leases = leases
         self.buffer_table = TenantBuffers(buffers)
-        self._call = threading.local()
         # Debug builds (fuzz, soak) check pool invariants after every call.
-        self.debug_invariants = os.environ.get("KVSTORE_DEBUG_INVARIANTS") == "1"
+        self.handlers = Handlers(engine, self.buffer_table, leases,
+                                 debug_invariants=os.environ.get("KVSTORE_DEBUG_INVARIANTS") == "1")
+        self._call = threading.local()
         self.max_pool_bytes = 0      # all caches' pools together; 0: unlimited (set by the daemon)
-        self._streams: dict = {}     # the daemon's own CUDA stream per device
-        self._streams_lock = threading.Lock()   # calls on different caches run at once
-        self._fences = Fences()
         # An open stream holds a server thread for its life (the daemon sizes
         # its pool as workers + max_streams): past the limit, turn it away.
         self.max_streams = max_streams
         self._stream_slots = threading.BoundedSemaphore(max_streams)
         self.doorbell = None         # the per-step fast lane (doorbell.py), set by the daemon
+
+    @property
+    def engine(self) -> Engine | None:
+        return self.handlers.engine
+
+    @engine.setter
+    def engine(self, engine: Engine) -> None:
+        self.handlers.engine = engine
 
     @property
     def buffers(self):
@@ -137,7 +115,7 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
         self._call.buffers = who[2]
 
     def _check_invariants(self, context, method: str) -> None:
-        if not self.debug_invariants:
+        if not self.handlers.debug_invariants:
             return
         try:
             self.engine.check_invariants()
@@ -146,48 +124,30 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
             context.abort(grpc.StatusCode.INTERNAL, status_message(f"invariant broken after {method}: {e}"))
 
     def _t(self, t: pb.Tensor, field: str):
-        return wire.from_proto(t, self.buffers, field)
+        return self.handlers.tensor(t, self.buffers, field)
 
-    def _info(self, name: str) -> pb.CacheInfo:
-        c = self.engine.cache(name)
-        with c.lock:        # codebooks and fingerprint change together
-            return self._info_locked(c)
-
-    @staticmethod
-    def _info_locked(c) -> pb.CacheInfo:
-        return pb.CacheInfo(spec=config_to_spec(c.cfg), has_codebooks=c.codebooks is not None,
-                            codebooks_sha256=c.codebooks.sha256() if c.codebooks is not None else "",
-                            fingerprint=c.fingerprint, capacity_blocks=c.main_pool.capacity,
-                            tail_capacity_blocks=c.tail_pool.capacity if c.is_pq else 0,
-                            bytes_per_token=c.cfg.bytes_per_token(),
-                            compression_ratio=c.cfg.fp16_bytes_per_token() / c.cfg.bytes_per_token())
+    def _cuda(self, request):
+        return self.handlers.cuda_scope(request, self.buffers)
 
     # ---------------------------------------------------------------- caches
     @_rpc
     def CreateCache(self, request, context):
-        cfg = spec_to_config(request.spec, self.engine.device)
-        with self.engine.lock:
-            if self.max_pool_bytes and cfg.name not in self.engine.caches:
-                # Refuse before allocating: a pool past memory gets the daemon OOM-killed.
-                held = sum(_pool_bytes(c.cfg) for c in self.engine.caches.values())
-                if held + _pool_bytes(cfg) > self.max_pool_bytes:
-                    raise ResourceExhausted("spec.num_blocks", f"the cache needs {_pool_bytes(cfg)} bytes; "
-                                            f"{self.max_pool_bytes - held} of the daemon's --max-pool-bytes are left")
-            self.engine.create_cache(cfg, exist_ok=request.exist_ok)
-        return self._info(cfg.name)
+        cfg = convert.spec_to_config(request.spec, self.engine.device)
+        return convert.cache_info(self.engine.create_cache(cfg, exist_ok=request.exist_ok,
+                                                           max_pool_bytes=self.max_pool_bytes))
 
     @_rpc
     def GetCache(self, request, context):
-        return self._info(request.cache)
+        return convert.cache_info(self.engine.cache_info(request.cache))
 
     @_rpc
     def SetCodebooks(self, request, context):
-        self.engine.cache(request.cache)
+        self.engine.config(request.cache)
         return pb.CodebooksReply(sha256=self.engine.set_codebooks(request.cache, Codebooks.from_bytes(request.safetensors)))
 
     @_rpc
     def TrainCodebooks(self, request, context):
-        self.engine.cache(request.cache)
+        self.engine.config(request.cache)
         k = self._t(request.k_samples, "k_samples")
         v = self._t(request.v_samples, "v_samples")
         if request.niter > MAX_NITER:   # unbounded, one call could hold a worker thread for hours
@@ -203,35 +163,6 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
                                  pinned=request.pinned, persist=request.persist)
         return pb.AllocateReply(cached_tokens=r.cached_tokens, hit_blocks=r.hit_blocks)
 
-    def _cuda(self, request):
-        """For calls naming a CUDA buffer: run on the daemon's stream after the
-        client's ready event, record the done event after the outputs; no host
-        synchronisation. A no-op context otherwise."""
-        if self.buffers is None or not self.buffer_table.registry.cuda_buffers:
-            return contextlib.nullcontext()
-        ids = {t.ref.buffer_id for t in tensor_fields(request) if t.WhichOneof("data") == "ref"}
-        ids |= {o.buffer_id for o in output_fields(request) if o.buffer_id}
-        if getattr(request, "buffer_id", ""):
-            ids.add(request.buffer_id)
-        for bid in ids:
-            events = self.buffers.cuda_events(bid) if self.buffers is not None else None
-            if events is not None:
-                stream = self._stream(events[0])
-                return CudaScope(stream, *events, self._fences.get(stream.device))
-        return contextlib.nullcontext()
-
-    def _stream(self, event):
-        import torch
-        dev = torch.cuda.current_device() if not hasattr(event, "device") else event.device
-        key = str(dev)
-        stream = self._streams.get(key)
-        if stream is None:
-            with self._streams_lock, torch.cuda.device(dev):   # one stream per device, whoever asks first
-                stream = self._streams.get(key)
-                if stream is None:
-                    stream = self._streams[key] = torch.cuda.Stream()
-        return stream
-
     # --------------------------------------------------- mapped attend (§5)
     @staticmethod
     def _local_mapper(context, rpc: str) -> None:
@@ -241,21 +172,20 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
             raise PermissionDenied(rpc, "only for callers on the Unix socket, which map the pool (MapPool); "
                                    "remote callers write with Append/AppendAttend")
 
-    def _mappable(self, context, name: str, rpc: str):
-        """The cache whose pool the (local) caller may map and take slots in:
-        its handles expose every tenant's K/V, so only the default tenant's,
-        or any tenant's if the cache shares prefixes across tenants; and only
-        a CUDA pool, the one kind a client can map. Reserve follows MapPool:
-        its slots commit whatever the client wrote into them, so they are for
-        no one who cannot write the pool. -> the Cache."""
-        c = self.engine.cache(name)
-        if not c.cfg.share_prefixes_across_tenants and self._tenant(context) != DEFAULT_TENANT:
+    def _mappable(self, context, name: str, rpc: str) -> None:
+        """Whether the (local) caller may map the cache's pool and take slots
+        in it: its handles expose every tenant's K/V, so only the default
+        tenant's, or any tenant's if the cache shares prefixes across tenants;
+        and only a CUDA pool, the one kind a client can map. Reserve follows
+        MapPool: its slots commit whatever the client wrote into them, so they
+        are for no one who cannot write the pool."""
+        cfg = self.engine.config(name)
+        if not cfg.share_prefixes_across_tenants and self._tenant(context) != DEFAULT_TENANT:
             raise PermissionDenied(rpc, "mapping a pool is only for the default tenant, or caches created with "
                                    "share_prefixes_across_tenants; other tenants write with Append/AppendAttend")
-        if not c.cfg.device.startswith("cuda"):
-            raise FailedPrecondition("cache", f"cache {quote(name)} lives on {c.cfg.device}: mapped attend "
+        if not cfg.device.startswith("cuda"):
+            raise FailedPrecondition("cache", f"cache {quote(name)} lives on {cfg.device}: mapped attend "
                                      "(MapPool, Reserve) needs a CUDA pool; use Append/AppendAttend")
-        return c
 
     @_rpc
     def Reserve(self, request, context):
@@ -276,21 +206,16 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
                 return self._cuda(request)
             rs = self.engine.reserve_batch(request.cache, self._tenant(context), list(request.sequence_ids),
                                            request.num_tokens, gpu_scope=scope, known=known)
-            return pb.ReserveReply(reservations=[
-                pb.Reservation(sequence_id=sid, slot_mapping=r.slot_mapping, sealed_blocks=r.sealed_blocks,
-                               tail_blocks=r.tail_blocks, length=r.length, sealed_start=r.sealed_start,
-                               table_epoch=r.table_epoch)
-                for sid, r in zip(request.sequence_ids, rs)], gpu_idle=not entered)
+            return pb.ReserveReply(reservations=[pb.Reservation(sequence_id=sid, **convert.reservation(r))
+                                                 for sid, r in zip(request.sequence_ids, rs)], gpu_idle=not entered)
         with self._cuda(request):
             r = self.engine.reserve(request.cache, self._tenant(context), request.sequence_id, request.num_tokens,
                                     known[0] if known else (0, 0))
-        return pb.ReserveReply(slot_mapping=r.slot_mapping, sealed_blocks=r.sealed_blocks,
-                               tail_blocks=r.tail_blocks, length=r.length, sealed_start=r.sealed_start,
-                               table_epoch=r.table_epoch)
+        return pb.ReserveReply(**convert.reservation(r))
 
     @_rpc
     def Append(self, request, context):
-        self.engine.cache(request.cache)
+        self.engine.config(request.cache)
         token_ids = [t.ids for t in request.token_ids] if request.token_ids else None   # bounded, then copied
         with self._cuda(request):
             self.engine.append(request.cache, self._tenant(context), list(request.sequence_ids),
@@ -298,23 +223,9 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
                                layer=request.layer if request.HasField("layer") else None, token_ids=token_ids)
         return pb.AppendReply()
 
-    def _out_view(self, request, n_seqs: int):
-        """Check the request's output range; -> (its OutputRef or None, a view of
-        it the kernels may write straight into (the engine checks it fits) or None)."""
-        ref = request.out if request.HasField("out") else None
-        c = self.engine.cache(request.cache)
-        g = c.cfg.geometry
-        shape = (n_seqs, g.num_q_heads, g.head_dim)
-        dtype = TORCH_DTYPES[g.dtype]
-        wire.check_output(self.buffers, ref, n_seqs * g.num_q_heads * g.head_dim * dtype.itemsize,
-                          dtype.itemsize, "out")
-        if ref is None or not ref.buffer_id or n_seqs == 0:
-            return ref, None
-        return ref, self.buffers.view(ref.buffer_id, ref.offset, shape, dtype)
-
     @_rpc
     def Attend(self, request, context):
-        ref, view = self._out_view(request, len(request.sequence_ids))
+        ref, view = self.handlers.out_view(request, len(request.sequence_ids), self.buffers)
         with self._cuda(request):
             out = self.engine.attend(request.cache, self._tenant(context), request.layer,
                                      list(request.sequence_ids), self._t(request.q, "q"), request.scale, out=view)
@@ -322,52 +233,9 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
 
     @_rpc
     def AppendAttend(self, request, context):
-        return self._append_attend(request, self._tenant(context),
-                                   lambda out, ref: pb.AttendReply(out=wire.to_proto(out, self.buffers, ref)))
-
-    def _append_attend(self, request, tenant: str, finish, resolved: Resolved | None = None):
-        """AppendAttend's work, for the gRPC handler and the doorbell alike:
-        -> finish(out, its OutputRef), run inside the CUDA scope so that a copy
-        into the output range comes before the done event. resolved: this
-        request's resolve(), still valid (the doorbell keeps it per descriptor)."""
-        r = resolved or self.resolve(request)
-        with r.scope:
-            out = self.engine.append_attend(request.cache, tenant, request.layer, list(request.sequence_ids),
-                                            r.k, r.v, r.q, request.scale, out=r.out_view)
-            return finish(out, r.out_ref)
-
-    def resolve(self, request) -> Resolved:
-        """What an AppendAttend's tensor fields name, checked in the order its
-        errors are reported (out, k, v, q), and its CUDA scope."""
-        ref, view = self._out_view(request, len(request.sequence_ids))
-        return Resolved(self._t(request.k, "k"), self._t(request.v, "v"), self._t(request.q, "q"), ref, view,
-                        self._cuda(request))
-
-    def doorbell_append_attend(self, request, tenant: str, session: str, buffers,
-                               resolved: Resolved | None = None) -> tuple[int, Resolved]:
-        """An AppendAttend that came by the doorbell (doorbell.py) from a local
-        caller of (tenant, session): the lease, buffer view and invariant checks
-        of a gRPC call; engine errors propagate for the doorbell to report.
-        resolved: this request's from an earlier call on this thread (its CUDA
-        scope holds the thread's fence), if no buffer was unregistered since
-        (BufferRegistry.generation).
-        -> (the output's dtype (pb.DType), resolved); the output is in request.out's range."""
-        if self.engine is None:
-            raise Unavailable("engine", "is starting")
-        if self.leases is not None:
-            self.leases.touch(tenant, session)
-        self._call.buffers = buffers
-        r = resolved or self.resolve(request)
-
-        def finish(out, ref):       # ref: never None, every descriptor names its output range
-            if out is not r.out_view:   # else the kernels wrote it there, into the range resolve() checked
-                wire.place(out, buffers, ref)
-            return wire.TO_PROTO[out.dtype]
-        try:
-            return self._append_attend(request, tenant, finish, r), r
-        finally:
-            if self.debug_invariants:
-                self.engine.check_invariants()
+        buffers = self.buffers
+        return self.handlers.append_attend(request, self._tenant(context), buffers,
+                                           lambda out, ref: pb.AttendReply(out=wire.to_proto(out, buffers, ref)))
 
     def AppendAttendStream(self, requests, context):
         """AppendAttend, one reply per request in order, on one long-lived
@@ -384,8 +252,7 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
 
     @_rpc
     def Retrieve(self, request, context):
-        c = self.engine.cache(request.cache)
-        g = c.cfg.geometry
+        g = self.engine.config(request.cache).geometry
         nl = (request.layer_end or g.num_layers) - request.layer_start
         n = max(0, request.end - request.start)
         nbytes = max(0, nl) * n * g.num_kv_heads * g.head_dim * 2
@@ -424,13 +291,13 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
     def MapPool(self, request, context):
         self._local_mapper(context, "MapPool")
         from kvstore.cuda import ipc as cuda_ipc
-        c = self._mappable(context, request.cache, "MapPool")
-        tensors = self.engine.pool_tensors(request.cache)
-        uuid = cuda_ipc.device_uuid(tensors["k_codes" if c.is_pq else "k"].device.index or 0)
+        self._mappable(context, request.cache, "MapPool")
+        pool = self.engine.map_pool(request.cache)
+        uuid = cuda_ipc.device_uuid(pool.device.index or 0)
         if request.device_uuid and request.device_uuid != uuid:
             raise FailedPrecondition("device_uuid", f"the pool lives on GPU {uuid}, not {request.device_uuid}")
-        reply = pb.MapPoolReply(spec=config_to_spec(c.cfg), device_uuid=uuid)
-        for name, t in tensors.items():
+        reply = pb.MapPoolReply(spec=convert.config_to_spec(pool.cfg), device_uuid=uuid)
+        for name, t in pool.tensors.items():
             h = cuda_ipc.export_tensor(t)
             reply.tensors.add(name=name, ipc_handle=h.handle, offset=h.offset, shape=list(t.shape),
                               dtype=wire.TO_PROTO[t.dtype])
@@ -464,43 +331,17 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
     # ----------------------------------------------------------------- stats
     @_rpc
     def Stats(self, request, context):
-        out = pb.StatsReply()
-        for name, s in self.engine.stats(request.cache or None).items():
-            msg = out.caches.add(cache=name, **{k: v for k, v in s.items()
-                                                if k not in ("main", "tail", "tiers", "redis")})
-            msg.main.CopyFrom(_pool(s["main"]))
-            if s["tail"] is not None:
-                msg.tail.CopyFrom(_pool(s["tail"]))
-            if s["tiers"] is not None:
-                _tier_stats(msg, s["tiers"])
-            if s["redis"] is not None:
-                _redis_stats(msg, s["redis"])
-        return out
-
-    def _seq_reply(self, name: str, i: SeqInfo) -> pb.SequenceInfoReply:
-        c = self.engine.cache(name)
-        # Block ids index the pools of the tier the sequence lives in.
-        pools = ((c.tiering.host.main_pool, c.tiering.host.tail_pool) if i.tier == "host"
-                 else (c.main_pool, c.tail_pool))
-        return pb.SequenceInfoReply(
-            sequence_id=i.seq_id, length=i.length, sealed_blocks=i.sealed_blocks,
-            sealed_block_refs=[pools[0].blocks[b].ref_cnt for b in i.sealed_blocks],
-            tail_blocks=i.tail_blocks, tail_block_refs=[pools[1].blocks[b].ref_cnt for b in i.tail_blocks],
-            pending=i.pending, reserved=i.reserved, known_token_ids=i.known_token_ids,
-            block_hashes=i.block_hashes, tier=i.tier, owner_session=i.owner, pinned=i.pinned, persist=i.persist,
-            sink_blocks=i.sink_blocks)
+        return convert.stats_reply(self.engine.stats(request.cache or None))
 
     @_rpc
     def SequenceInfo(self, request, context):
-        with self.engine.cache(request.cache).lock:     # the ref counts must match the info
-            return self._seq_reply(request.cache, self.engine.sequence_info(
-                request.cache, self._tenant(context), request.sequence_id))
+        return convert.sequence_info(self.engine.sequence_info(request.cache, self._tenant(context),
+                                                               request.sequence_id))
 
     @_rpc
     def ListSequences(self, request, context):
-        with self.engine.cache(request.cache).lock:
-            infos = self.engine.list_sequences(request.cache, self._tenant(context))
-            return pb.ListSequencesReply(sequences=[self._seq_reply(request.cache, i) for i in infos])
+        infos = self.engine.list_sequences(request.cache, self._tenant(context))
+        return pb.ListSequencesReply(sequences=[convert.sequence_info(i) for i in infos])
 
     # ---------------------------------------------------------------- leases
     @_rpc
@@ -512,52 +353,3 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
         held = sum(len(v) for v in self.engine.owned_sequences(tenant, session).values())
         return pb.HeartbeatReply(session_id=session, tenant=tenant, sequences=held,
                                  lease_timeout_s=self.leases.timeout_s if self.leases is not None else 0.0)
-
-
-@dataclass(slots=True)
-class Resolved:
-    """An AppendAttend request's tensors, output range and CUDA scope; reusable
-    (CudaScope keeps no state from one call to the next)."""
-    k: object
-    v: object
-    q: object
-    out_ref: object
-    out_view: object
-    scope: object
-
-
-def _tier_stats(msg: pb.CacheStats, t: dict) -> None:
-    for key in ("sequences_host", "sequences_disk", "offloads_host", "offloads_disk", "page_ins_host",
-                "page_ins_disk", "bytes_down", "bytes_up", "spilled_blocks"):
-        setattr(msg, key, t[key])
-    msg.prefix_hit_blocks_host = t["prefix_hits_host"]
-    msg.prefix_hit_blocks_disk = t["prefix_hits_disk"]
-    msg.host_tier_bytes = t.get("host_bytes", 0)
-    if "host_main" in t:
-        msg.host.CopyFrom(_pool(t["host_main"]))
-        msg.host_tail.CopyFrom(_pool(t["host_tail"]))
-    if "disk" in t:
-        d = t["disk"]
-        msg.disk_bytes = d["bytes"]
-        msg.disk_entries = d["entries"]
-        msg.disk_used_bytes, msg.disk_max_bytes, msg.disk_held_bytes = d["used_bytes"], d["max_bytes"], d["held_bytes"]
-        msg.disk_evictions, msg.disk_evicted_bytes = d["evictions"], d["evicted_bytes"]
-        msg.disk_skipped_spills = d["skipped_spills"]
-
-
-def _redis_stats(msg: pb.CacheStats, r: dict) -> None:
-    msg.redis_state, msg.redis_last_error, msg.prefix_hit_blocks_redis = r["state"], r["last_error"], r["prefix_hits"]
-    for key in ("blocks_out", "bytes_out", "bytes_in", "misses", "refused", "dropped_puts", "errors"):
-        setattr(msg, "redis_" + key, r[key])
-
-
-def _pool_bytes(cfg: CacheConfig) -> int:
-    """Memory a cache's pools take: main, fp16 tail (PQ) and host tier."""
-    n = cfg.capacity_blocks() * cfg.bytes_per_block() + cfg.host_bytes
-    if cfg.codec.kind == "pq":
-        n += cfg.tail_capacity_blocks() * cfg.block_size * cfg.fp16_bytes_per_token()
-    return n
-
-
-def _pool(p) -> pb.PoolStats:
-    return pb.PoolStats(capacity=p.capacity, used=p.used, cached=p.cached, free=p.free, evictions=p.evictions)

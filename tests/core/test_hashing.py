@@ -10,11 +10,11 @@ from kvstore.core.config import CacheConfig, CodecConfig, ModelGeometry
 from kvstore.engine.engine import Engine
 g = ModelGeometry(2, 4, 2, 16)
 e = Engine()
-c = e.create_cache(CacheConfig(name="c", model_id="m", geometry=g, codec=CodecConfig("fp16"), num_blocks=32))
+info = e.create_cache(CacheConfig(name="c", model_id="m", geometry=g, codec=CodecConfig("fp16"), num_blocks=32))
 e.allocate("c", "t", "s", list(range(100)))
 k = torch.zeros(2, 100, 2, 16).half()
 e.append("c", "t", ["s"], k, k, [100])
-print(c.fingerprint.hex(), ",".join(h.hex() for h in c.seq("t", "s").hashes))
+print(info.fingerprint.hex(), ",".join(h.hex() for h in e.sequence_info("c", "t", "s").block_hashes))
 """
 
 

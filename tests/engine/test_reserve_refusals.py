@@ -92,7 +92,7 @@ CASES = [
     ("seal-exhausted-sinks", lambda e: e.reserve("sinkpq", T, "r", 1), ResourceExhausted, "num_tokens"),
     ("known-batch-count", lambda e: e.reserve_batch("f16", T, ["b"], 1, known=[(0, 0), (0, 0)]),
      InvalidArgument, "known_sealed"),
-    ("map-no-codebooks", lambda e: e.pool_tensors("raw"), FailedPrecondition, "codebooks"),
+    ("map-no-codebooks", lambda e: e.map_pool("raw"), FailedPrecondition, "codebooks"),
 ]
 
 

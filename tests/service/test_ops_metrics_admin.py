@@ -80,8 +80,8 @@ def test_new_tiers_appear_without_code_changes():
                                                                page_ins_host=7, prefix_hits_disk=2,
                                                                disk=dict(bytes=4096, entries=3)))}
 
-        def cache(self, name):
-            return type("C", (), {"cfg": type("Cfg", (), {"block_size": 8})})()
+        def config(self, name):
+            return type("Cfg", (), {"block_size": 8})()
 
     from prometheus_client import CollectorRegistry, generate_latest
     reg = CollectorRegistry()
