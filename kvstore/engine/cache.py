@@ -18,9 +18,11 @@ from kvstore.core.hashing import chain_hashes
 from kvstore.core.names import check_name
 from kvstore.core.sequence import Sequence, token_array
 from kvstore.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted, quote
-from kvstore.tiers.disk import DiskTier, HostTier
+from kvstore.tiers.disk import DiskTier
+from kvstore.tiers.host import HostTier
 from kvstore.tiers.policy import Tiering
 from kvstore.tiers.redis import RedisTier
+from .block_io import BlockIO
 from .decode_graphs import DecodeGraphs
 from .read_path import ReadPath
 from .results import AllocateResult
@@ -48,6 +50,9 @@ class Cache(WritePath, ReadPath):
             # The fp16 codec needs no separate tail: sealing just relabels blocks.
             self.main = Fp16Store(cfg, self.main_pool.capacity)
             self.tail_pool, self.tail = self.main_pool, self.main
+        # The pools' blocks as payloads, what the tiers move (tiers/interface.py).
+        self.main_io = BlockIO(self.main, self.main_device)
+        self.tail_io = BlockIO(self.tail, self.tail.k.device) if self.is_pq else self.main_io
         # The most committed tokens one sequence can ever hold: every main-pool
         # block sealed, plus the sinks and the R + block_size tail it keeps in
         # fp16 (the fp16 codec keeps them in the main pool too). A longer prompt

@@ -22,7 +22,7 @@ from kvstore.codec.codebooks import Codebooks, train_codebooks
 from kvstore.core.config import CacheConfig
 from kvstore.core.sequence import Sequence
 from kvstore.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted, quote
-from kvstore.tiers.redis import RedisConfig, RedisStore
+from kvstore.tiers.redis_store import RedisConfig, RedisStore
 from . import checks, results
 from .cache import Cache
 from .results import AllocateResult, CacheInfo, PoolMap, ReserveResult, SequenceInfo
@@ -33,7 +33,7 @@ class Engine:
         """lmdb_path: the disk tier shared by every cache (keys carry each
         cache's fingerprint); lmdb_sync: make pressure spills durable too
         (Offload always is); lmdb_max_bytes: its bound (0: none); redis: the
-        tier below it, shared with the daemons of other hosts (tiers/redis.py)."""
+        tier below it, shared with the daemons of other hosts (tiers/redis_store.py)."""
         self.device = device
         self.caches: dict[str, Cache] = {}
         self.lock = threading.RLock()      # the dict of caches (see the module docstring)

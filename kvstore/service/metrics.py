@@ -12,7 +12,7 @@ new tier shows up without touching this file:
 - any other number -> kvstore_<key>.
 Keys nest one level under `tiers`. Counters are the names in COUNTERS (they
 get `_total`); every other number is a gauge. The daemon's shared Redis tier
-(tiers/redis.py) also has daemon-wide series, kvstore_redis_*.
+(tiers/redis_store.py) also has daemon-wide series, kvstore_redis_*.
 """
 from __future__ import annotations
 

@@ -22,9 +22,10 @@ import numpy as np
 import torch
 
 from kvstore.core.sequence import Sequence
-from kvstore.engine.storage import ids_to
 from kvstore.errors import FailedPrecondition, ResourceExhausted
-from .disk import DiskTier, HostTier, SeqImage, block_key
+from .disk import DiskTier, SeqImage, block_key
+from .host import HostTier
+from .interface import TieredCache
 
 # Manifest fields a restart needs, written to disk but not kept in memory,
 # where the sequence holds them already (token ids as array('i')).
@@ -37,7 +38,7 @@ def _written(s: Sequence, manifest: dict) -> dict:
 
 
 class Tiering:
-    def __init__(self, cache, host: HostTier | None, disk: DiskTier | None):
+    def __init__(self, cache: TieredCache, host: HostTier | None, disk: DiskTier | None):
         self.c = cache
         self.host = host
         self.disk = disk
@@ -53,7 +54,7 @@ class Tiering:
         todo = [(b, h) for b, h in evicted if not self._below_has(h)]
         if not todo:
             return
-        payload = self.c.main.pack(ids_to(self.c.main_device, [b for b, _ in todo]))
+        payload = self.c.main_io.pack([b for b, _ in todo])
         if self.c.redis is not None:      # ---- Redis tier: the ones it may not have yet (redis.py)
             self.c.redis.put([h for _, h in todo], payload)
         if self.host is not None:
@@ -159,11 +160,11 @@ class Tiering:
             tail_ids = h.tail_pool.allocate(len(s.tail))
             assert alloc is not None and tail_ids is not None, "host room was made"
             if todo:
-                payload = c.main.pack(ids_to(c.main_device, [s.sealed[i] for i in todo]))
+                payload = c.main_io.pack([s.sealed[i] for i in todo])
                 h.put(h.main, alloc, payload)
                 self.counters["bytes_down"] += payload.numel()
             if s.tail:
-                payload = c.tail.pack(ids_to(c.tail.k.device, s.tail))
+                payload = c.tail_io.pack(s.tail)
                 h.put(h.tail, tail_ids, payload)
                 self.counters["bytes_down"] += payload.numel()
             host_main = [hits.get(i) for i in range(len(s.sealed))]
@@ -217,8 +218,8 @@ class Tiering:
     def _image(self, s: Sequence, durable: bool) -> SeqImage:
         c = self.c
         if s.tier == "gpu":
-            sealed = c.main.pack(ids_to(c.main_device, s.sealed)).cpu() if s.sealed else None
-            tail = c.tail.pack(ids_to(c.tail.k.device, s.tail)).cpu() if s.tail else None
+            sealed = c.main_io.pack(s.sealed).cpu() if s.sealed else None
+            tail = c.tail_io.pack(s.tail).cpu() if s.tail else None
         else:
             self.host.settle()
             sealed = self.host.main[s.sealed] if s.sealed else None
@@ -261,15 +262,15 @@ class Tiering:
         n_tail = len(s.tail) if s.tier == "host" else s.manifest["n_tail"]
         # Read first: a copy that cannot be read fails before anything changes.
         if s.tier == "host":
-            sealed_payload = self.host.get(self.host.main, s.sealed, c.main_device) if s.sealed else None
-            tail_payload = self.host.get(self.host.tail, s.tail, c.tail.k.device) if s.tail else None
+            sealed_payload = self.host.get(self.host.main, s.sealed, c.main_io.device) if s.sealed else None
+            tail_payload = self.host.get(self.host.tail, s.tail, c.tail_io.device) if s.tail else None
         else:
-            pin = c.main_device.type == "cuda"
+            pin = c.main_io.device.type == "cuda"
             sealed_payload, tail_payload = self.disk.read_sequence(
-                c.fingerprint, c.cfg.name, s.tenant, s.seq_id, s.manifest, c.main.block_bytes(), c.tail.block_bytes(), pin)
+                c.fingerprint, c.cfg.name, s.tenant, s.seq_id, s.manifest, c.main_io.block_bytes(), c.tail_io.block_bytes(), pin)
             if pin:   # one DMA each from pinned memory
-                sealed_payload = sealed_payload.to(c.main_device, non_blocking=True) if n_sealed else None
-                tail_payload = tail_payload.to(c.tail.k.device, non_blocking=True) if n_tail else None
+                sealed_payload = sealed_payload.to(c.main_io.device, non_blocking=True) if n_sealed else None
+                tail_payload = tail_payload.to(c.tail_io.device, non_blocking=True) if n_tail else None
         known = min(s.hashed_upto, len(s.hashes))
         hits = {i: c.main_pool.lookup(s.hashes[c.sink_blocks + i])
                 for i in range(n_sealed) if c.sink_blocks + i < known}
@@ -285,10 +286,10 @@ class Tiering:
             new_tail = c.tail_pool.allocate(n_tail)
             assert new is not None and new_tail is not None, "GPU room was made"
             if todo:
-                c.main.unpack(ids_to(c.main_device, new), sealed_payload[todo])
+                c.main_io.unpack(new, sealed_payload[todo])
                 self.counters["bytes_up"] += sealed_payload[todo].numel()
             if n_tail:
-                c.tail.unpack(ids_to(c.tail.k.device, new_tail), tail_payload)
+                c.tail_io.unpack(new_tail, tail_payload)
                 self.counters["bytes_up"] += tail_payload.numel()
             done = True
         finally:

@@ -15,7 +15,7 @@ from kvstore.codec.codebooks import Codebooks
 from kvstore.engine.engine import Engine
 from kvstore.errors import InvalidArgument
 from kvstore.service.metrics import Metrics
-from kvstore.tiers.redis import HEADER_BYTES, RedisConfig, block_key, pack_value
+from kvstore.tiers.redis_store import HEADER_BYTES, RedisConfig, block_key, pack_value
 from tests.helpers import config
 from tests.tiers.redis_server import redis_server  # noqa: F401 (fixture)
 
