@@ -144,8 +144,8 @@ STAGES = [("kvstore.service.servicer", "KVStoreServicer", "AppendAttend"), ("kvs
           ("kvstore.engine.decode_graphs", "DecodeGraphs", "_copy_meta"), ("kvstore.engine.decode_graphs", "DecodeGraphs", "_rows_of")]
 # The client's side of a doorbell call (--bell), inclusive.
 CLIENT_STAGES = [("kvstore.client.client", "KVStoreClient", "append_attend"),
-                 ("kvstore.client.client", "KVStoreClient", "_append_attend_bell"),
-                 ("kvstore.client.client", None, "place"),
+                 ("kvstore.client.connection", "Connection", "_append_attend_bell"),
+                 ("kvstore.client.connection", None, "place"),
                  ("kvstore.client.doorbell", "Doorbell", "append_attend"),
                  ("kvstore.client.doorbell", "Doorbell", "_reply")]
 

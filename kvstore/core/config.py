@@ -6,6 +6,7 @@ import re
 from dataclasses import dataclass, field
 
 from kvstore.errors import InvalidArgument, quote
+
 from .names import check_label, check_name
 
 DTYPES = {"float16": 2, "bfloat16": 2, "float32": 4}

@@ -22,6 +22,7 @@ from kvstore.tiers.disk import DiskTier
 from kvstore.tiers.host import HostTier
 from kvstore.tiers.policy import Tiering
 from kvstore.tiers.redis import RedisTier
+
 from .block_io import BlockIO
 from .decode_graphs import DecodeGraphs
 from .read_path import ReadPath

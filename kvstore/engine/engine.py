@@ -23,6 +23,7 @@ from kvstore.core.config import CacheConfig
 from kvstore.core.sequence import Sequence
 from kvstore.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted, quote
 from kvstore.tiers.redis_store import RedisConfig, RedisStore
+
 from . import checks, results
 from .cache import Cache
 from .results import AllocateResult, CacheInfo, PoolMap, ReserveResult, SequenceInfo

@@ -11,6 +11,7 @@ from kvstore.kernels import cpu_decode
 from kvstore.core.sequence import Sequence
 from kvstore.cuda.pinned import block_table, staged
 from kvstore.errors import InvalidArgument, quote
+
 from .storage import ids_to
 
 

@@ -14,6 +14,7 @@ import torch
 
 from kvstore.core.sequence import Sequence, token_array
 from kvstore.errors import FailedPrecondition, InvalidArgument, ResourceExhausted, quote
+
 from .results import ReserveResult
 from .storage import ids_to
 

@@ -31,6 +31,7 @@ import grpc
 from kvstore.errors import InvalidArgument, KVStoreError, Unimplemented
 from kvstore.protocol import bell
 from kvstore.v1 import kvstore_pb2 as pb
+
 from . import sockets
 
 log = logging.getLogger("kvstore.doorbell")

@@ -30,6 +30,7 @@ import numpy as np
 import torch
 
 from kvstore.errors import ResourceExhausted
+
 from .lmdb_store import LMDBStore, entry_bytes
 
 FP_BYTES = 32     # a cache fingerprint: sha256 (codebooks.fingerprint)

@@ -23,6 +23,7 @@ import torch
 
 from kvstore.core.sequence import Sequence
 from kvstore.errors import FailedPrecondition, ResourceExhausted
+
 from .disk import DiskTier, SeqImage, block_key
 from .host import HostTier
 from .interface import TieredCache
