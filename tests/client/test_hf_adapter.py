@@ -16,8 +16,8 @@ transformers = pytest.importorskip("transformers")
 
 from kvstore.client.hf import KVStoreAdapter  # noqa: E402
 from kvstore.codec.codebooks import Codebooks  # noqa: E402
+from helpers import ROOT  # noqa: E402
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 GEN = dict(max_new_tokens=24, do_sample=False, pad_token_id=0)
 
 

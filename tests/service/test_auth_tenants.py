@@ -18,8 +18,8 @@ from kvstore.service.auth import Authenticator, load_token_file
 from kvstore.service.daemon import create_server
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.v1 import kvstore_pb2_grpc as pb_grpc
+from helpers import ROOT
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 ALICE, BOB = "alice-token-" + "a" * 16, "bob-token-" + "b" * 16
 L, HQ, HKV, D = 2, 4, 2, 16
 

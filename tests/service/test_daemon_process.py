@@ -12,7 +12,8 @@ import pytest
 
 from kvstore.v1 import kvstore_pb2 as pb
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from helpers import ROOT
+
 
 WORKER = r"""
 import sys, json, torch

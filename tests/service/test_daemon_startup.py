@@ -18,8 +18,8 @@ import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from test_daemon_process import start_daemon, stop_daemon
+from helpers import ROOT
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TOKEN = "startup-test-token-0123456789"
 
 

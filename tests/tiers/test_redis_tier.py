@@ -16,7 +16,7 @@ from kvstore.engine.engine import Engine
 from kvstore.errors import InvalidArgument
 from kvstore.service.metrics import Metrics
 from kvstore.tiers.redis_store import HEADER_BYTES, RedisConfig, block_key, pack_value
-from tests.helpers import config
+from tests.helpers import ROOT, config
 from tests.tiers.redis_server import redis_server  # noqa: F401 (fixture)
 
 T = "default"
@@ -206,7 +206,7 @@ def test_bad_config_names_the_flag(url, field):
 
 
 def test_daemon_refuses_a_bad_url_in_one_line(tmp_path):
-    r = subprocess.run([sys.executable, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "server.py"),
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "server.py"),
                         "--socket", str(tmp_path / "kv.sock"), "--device", "cpu",
                         "--redis", "http://kv:s3cret@127.0.0.1:6379/0"], capture_output=True, text=True, timeout=60)
     assert r.returncode != 0

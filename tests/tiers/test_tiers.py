@@ -1,6 +1,5 @@
 """Host and LMDB tiers: bit-exact round trips, pressure, restarts, crashes (CPU, real LMDB)."""
 import math
-import os
 import random
 import signal
 import subprocess
@@ -124,7 +123,6 @@ def test_prefix_blocks_spill_and_hit_from_lower_tiers(tmp_path):
 
 # ------------------------------------------------------------ restarts, crashes
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 WRITER = r"""
 import sys, torch
 from kvstore.client import KVStoreClient
