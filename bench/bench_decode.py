@@ -207,7 +207,7 @@ def _run_daemon(args, codec, plane, target):
                         codec=codec, block_size=16, residual=128, num_blocks=blocks, max_sequences=B + 1)
         if codec == "pq":
             g = torch.Generator().manual_seed(0)
-            from kvstore.codebooks import Codebooks
+            from kvstore.codec.codebooks import Codebooks
             kv.set_codebooks("b", Codebooks(k=torch.randn(L, HKV, 64, 256, 2, generator=g),
                                             v=torch.randn(L, HKV, 64, 256, 2, generator=g)).to_bytes())
         ids = [f"s{i}" for i in range(B)]
@@ -275,7 +275,7 @@ def _run_daemon(args, codec, plane, target):
             out["launch_s"] = sorted(launch)[len(launch) // 2]
             out["replay_s"] = time_steps(graph.replay, 20)
             # the step without the Reserve RPC: same refills (host copies), then the replay
-            from kvstore.pinned import copy_into
+            from kvstore.cuda.pinned import copy_into
             host_slots = plan.slots.cpu()
 
             def refill_replay():

@@ -24,7 +24,7 @@ Rows (each: p50 / p99 over rounds x calls, and the overhead over its floor):
   echo/bell  the echo server's SOCK_SEQPACKET echo of a descriptor-sized
              packet on a thread: the doorbell's floor
   <codec>/<shm|cuda>/bell
-             the same by the daemon's doorbell (kvstore/doorbell.py; the
+             the same by the daemon's doorbell (kvstore/service/doorbell.py; the
              client's default once it has a buffer); floor: echo/bell
   <codec>/cuda/bell+views
              the doorbell with k, v, q and out in the client's registered
@@ -65,7 +65,7 @@ def echo_server(sock: str, workers: int) -> None:
 
     import grpc
 
-    from kvstore.daemon import server_options
+    from kvstore.protocol.channel import server_options
 
     def stream(requests, ctx):
         for r in requests:
@@ -247,8 +247,8 @@ def main(argv=None) -> None:
     import torch
 
     from kvstore.client import KVStoreClient
-    from kvstore.codebooks import Codebooks
-    from kvstore.daemon import client_options
+    from kvstore.codec.codebooks import Codebooks
+    from kvstore.protocol.channel import client_options
     from kvstore.v1 import kvstore_pb2 as pb
 
     cuda = torch.cuda.is_available()

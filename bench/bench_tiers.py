@@ -18,9 +18,9 @@ import time
 
 import torch
 
-from kvstore.codebooks import Codebooks
-from kvstore.config import CacheConfig, CodecConfig, ModelGeometry
-from kvstore.engine import Engine
+from kvstore.codec.codebooks import Codebooks
+from kvstore.core.config import CacheConfig, CodecConfig, ModelGeometry
+from kvstore.engine.engine import Engine
 
 
 def sync(dev):

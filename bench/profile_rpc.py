@@ -16,7 +16,7 @@ deserialisation) | server handler (interceptors, servicer, engine) | server
 AppendAttendStream; the server's segments are then per message (a request
 handed to the handler -> its reply yielded), and there is no handler lookup.
 
-With --bell the calls go by the doorbell (kvstore/doorbell.py): the client's
+With --bell the calls go by the doorbell (kvstore/service/doorbell.py): the client's
 stages (CLIENT_STAGES, inclusive timers), the daemon's handler time from its
 replies and its stages (--stages), and on CUDA the synchronisation after the
 call (the daemon's GPU work and the wait for its done event) timed apart.
@@ -91,7 +91,7 @@ def serve(sock: str, out: str, extra: list[str]) -> None:
 
     stages = _patch_stages() if os.environ.get("KVPROF_STAGES") else {}
     if os.environ.get("KVPROF_NULL"):      # the same request and reply, no work: the RPC layer's share
-        from kvstore import servicer as sv
+        from kvstore.service import servicer as sv
         from kvstore.v1 import kvstore_pb2 as pb
         reply = pb.AttendReply(out=pb.Tensor(shape=[1, 4, 64], dtype=pb.FLOAT16, ref=pb.BufferRef(buffer_id="x")))
         real = sv.KVStoreServicer.AppendAttend
@@ -108,7 +108,7 @@ def serve(sock: str, out: str, extra: list[str]) -> None:
         return orig(pool, handlers=handlers, interceptors=[Timing()] + list(interceptors or []), options=options,
                     **kw)
     grpc.server = server
-    from kvstore import daemon
+    from kvstore.service import daemon
 
     def dump():
         prof.dump_stats(out + ".prof")
@@ -131,23 +131,23 @@ def serve(sock: str, out: str, extra: list[str]) -> None:
 # Functions timed (inclusive wall time per call) with --stages, as (module, class or None,
 # attribute): patched where they are looked up, so a function imported by name is patched
 # in the module that imported it. Ones this checkout lacks are listed as not found.
-STAGES = [("kvstore.servicer", "KVStoreServicer", "AppendAttend"), ("kvstore.servicer", "KVStoreServicer", "_begin"),
-          ("kvstore.servicer", "KVStoreServicer", "_t"),
-          ("kvstore.servicer", "KVStoreServicer", "_cuda"), ("kvstore.wire", None, "to_proto"),
-          ("kvstore.engine", "Engine", "append_attend"), ("kvstore.engine", "Engine", "_query"),
-          ("kvstore.engine", "Engine", "append"),
-          ("kvstore.engine", None, "request_tensor"), ("kvstore.checks", None, "check_values"),
-          ("kvstore.cache", "Cache", "append_layer_batch"), ("kvstore.cache", "Cache", "attend"),
-          ("kvstore.call_scope", "CudaScope", "__enter__"), ("kvstore.call_scope", "CudaScope", "__exit__"),
-          ("kvstore.servicer", "KVStoreServicer", "doorbell_append_attend"),
-          ("kvstore.servicer", "KVStoreServicer", "_append_attend"), ("kvstore.leases", "LeaseManager", "touch"),
-          ("kvstore.engine", "Engine", "_append_checked"), ("kvstore.engine", "Engine", "_seqs"),
-          ("kvstore.decode_graphs", "DecodeGraphs", "attend"), ("kvstore.decode_graphs", "DecodeGraphs", "_run"),
-          ("kvstore.decode_graphs", "DecodeGraphs", "_copy_meta"), ("kvstore.decode_graphs", "DecodeGraphs", "_rows_of")]
+STAGES = [("kvstore.service.servicer", "KVStoreServicer", "AppendAttend"), ("kvstore.service.servicer", "KVStoreServicer", "_begin"),
+          ("kvstore.service.handlers", "Handlers", "out_view"), ("kvstore.service.servicer", "KVStoreServicer", "_t"),
+          ("kvstore.service.servicer", "KVStoreServicer", "_cuda"), ("kvstore.protocol.wire", None, "to_proto"),
+          ("kvstore.engine.engine", "Engine", "append_attend"), ("kvstore.engine.checks", None, "query"),
+          ("kvstore.engine.engine", "Engine", "append"), ("kvstore.engine.engine", "Engine", "_tensor"), ("kvstore.engine.engine", None, "_finite"),
+          ("kvstore.engine.checks", None, "request_tensor"), ("kvstore.engine.checks", None, "check_values"),
+          ("kvstore.engine.cache", "Cache", "append_layer_batch"), ("kvstore.engine.cache", "Cache", "attend"),
+          ("kvstore.cuda.scope", "CudaScope", "__enter__"), ("kvstore.cuda.scope", "CudaScope", "__exit__"),
+          ("kvstore.service.handlers", "Handlers", "doorbell_append_attend"),
+          ("kvstore.service.handlers", "Handlers", "append_attend"), ("kvstore.service.leases", "LeaseManager", "touch"),
+          ("kvstore.engine.engine", "Engine", "_append_checked"), ("kvstore.engine.engine", "Engine", "_seqs"),
+          ("kvstore.engine.decode_graphs", "DecodeGraphs", "attend"), ("kvstore.engine.decode_graphs", "DecodeGraphs", "_run"),
+          ("kvstore.engine.decode_graphs", "DecodeGraphs", "_copy_meta"), ("kvstore.engine.decode_graphs", "DecodeGraphs", "_rows_of")]
 # The client's side of a doorbell call (--bell), inclusive.
 CLIENT_STAGES = [("kvstore.client.client", "KVStoreClient", "append_attend"),
-                 ("kvstore.client.client", "KVStoreClient", "_append_attend_bell"),
-                 ("kvstore.client.client", None, "place"),
+                 ("kvstore.client.connection", "Connection", "_append_attend_bell"),
+                 ("kvstore.client.connection", None, "place"),
                  ("kvstore.client.doorbell", "Doorbell", "append_attend"),
                  ("kvstore.client.doorbell", "Doorbell", "_reply")]
 
@@ -236,7 +236,7 @@ def profile(args, tmp: str) -> None:
     import torch
 
     from kvstore.client import KVStoreClient
-    from kvstore.codebooks import Codebooks
+    from kvstore.codec.codebooks import Codebooks
 
     sock, out = os.path.join(tmp, "kv.sock"), os.path.join(tmp, "marks.json")
     env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvstore import wire
+from kvstore.protocol import wire
 from kvstore.v1 import kvstore_pb2 as pb
 
 
@@ -89,7 +89,7 @@ class CudaArena:
     host never synchronises."""
 
     def __init__(self, size: int, device: torch.device):
-        from kvstore import cuda_ipc
+        from kvstore.cuda import ipc as cuda_ipc
         self.size = self.top = size
         self.view = torch.empty(size, dtype=torch.uint8, device=device)
         self.handle = cuda_ipc.export_tensor(self.view)

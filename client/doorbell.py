@@ -1,4 +1,4 @@
-"""The client end of the daemon's doorbell (kvstore/doorbell.py): AppendAttend
+"""The client end of the daemon's doorbell (kvstore/service/doorbell.py): AppendAttend
 as one packet each way on a SOCK_SEQPACKET socket, for inputs and output in
 a registered buffer.
 
@@ -17,7 +17,7 @@ import socket
 
 import grpc
 
-from kvstore import bell
+from kvstore.protocol import bell
 
 from .stream import rpc_error
 

@@ -29,18 +29,16 @@ from __future__ import annotations
 import itertools
 import math
 import os
-import threading
 import warnings
 
 import grpc
 import torch
 
 from .client import KVStoreClient
-from .hf_cache import FALLBACK_ERRORS, KVStoreCache
+from .hf_cache import FALLBACK_ERRORS, KVStoreCache, take_decode_target
 
 ATTN = "kvstore"
 DEFAULT_PQ_SINKS = 32     # bench/ACCURACY.md: 32 sinks keep 4-bit PQ within 0.5 % at R = 128
-_local = threading.local()     # (cache, layer) set by KVStoreCache.update for the attention call after it
 _registered = False
 
 
@@ -56,16 +54,12 @@ def register() -> None:
     _registered = True
 
 
-def set_decode_target(cache: KVStoreCache | None, layer: int = -1) -> None:
-    _local.ctx = (cache, layer) if cache is not None else None
-
-
 def kvstore_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
     """query [B, Hq, n, d], key/value [B, Hkv, kv, d] -> ([B, n, Hq, d], None).
     Decode steps of a KVStoreCache go to the daemon; everything else (prefill,
     fallback, plain caches) is sdpa in-process."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
-    ctx, _local.ctx = getattr(_local, "ctx", None), None
+    ctx = take_decode_target()
     if ctx is not None and ctx[1] == module.layer_idx:
         out, key, value = ctx[0].decode_attention(module.layer_idx, query, key, value, scaling)
         if out is not None:
@@ -77,7 +71,7 @@ def kvstore_attention(module, query, key, value, attention_mask, dropout=0.0, sc
 class KVStoreAdapter:
     """Binds a model to a daemon cache. codec "fp16" or "pq" (codebooks: the
     safetensors bytes or path from kvstore-calibrate; transform: its optional
-    kvstore.calibrate.Transform, applied on this side before encoding).
+    kvstore.codec.transform.Transform, applied on this side before encoding).
     sink_tokens: the first tokens of every sequence the daemon keeps in fp16;
     None: 32 for pq (rounded up to a whole block), which keeps 4-bit PQ within
     0.5 % perplexity of fp16 at R = 128 (bench/ACCURACY.md)."""

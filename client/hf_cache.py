@@ -6,6 +6,8 @@ per layer and [L, n, Hkv, d] for all layers.
 """
 from __future__ import annotations
 
+import threading
+
 import grpc
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin, DynamicCache
@@ -13,6 +15,19 @@ from transformers.cache_utils import Cache, CacheLayerMixin, DynamicCache
 # What makes the adapter fall back in-process: RPC failures of any status and
 # the shared-memory arena failing (the daemon took its buffer with it).
 FALLBACK_ERRORS = (grpc.RpcError, OSError, MemoryError)
+_local = threading.local()     # (cache, layer) set by KVStoreCache.update for the attention call after it
+
+
+def set_decode_target(cache: "KVStoreCache | None", layer: int = -1) -> None:
+    """The decode step of `layer` goes to the daemon: the attention function
+    (hf.kvstore_attention) called next on this thread takes it."""
+    _local.ctx = (cache, layer) if cache is not None else None
+
+
+def take_decode_target() -> "tuple[KVStoreCache, int] | None":
+    """(cache, layer) set for this attention call, cleared: at most one call takes it."""
+    ctx, _local.ctx = getattr(_local, "ctx", None), None
+    return ctx
 
 
 class _DaemonLayer(CacheLayerMixin):
@@ -76,7 +91,6 @@ class KVStoreCache(Cache):
         else:
             self._step[layer_idx] = (key_states, value_states)
             if n == 1 and self.length > 0:
-                from .hf import set_decode_target
                 set_decode_target(self, layer_idx)         # the attention call sends them to the daemon
                 out = (key_states, value_states)
             else:
@@ -174,7 +188,6 @@ class KVStoreCache(Cache):
         elif self.length > 0:
             if self._ids is None or self._ids.shape[1] != self.length:
                 raise RuntimeError("kvstore: cannot recompute the cache in-process: token ids unknown") from err
-            from .hf import set_decode_target
             set_decode_target(None)
             base = self.adapter.model.base_model
             base(input_ids=self._ids.to(self.adapter.model.device), past_key_values=dyn, use_cache=True)

@@ -28,8 +28,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kvstore import cuda_ipc, wire
-from kvstore.pinned import block_table, copy_into, host_table, to_device
+from kvstore.cuda import ipc as cuda_ipc
+from kvstore.cuda.pinned import block_table, copy_into, host_table, to_device
+from kvstore.protocol import wire
 from kvstore.v1 import kvstore_pb2 as pb
 
 from .client import KVStoreClient

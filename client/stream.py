@@ -30,8 +30,9 @@ import time
 
 import grpc
 
+from kvstore.protocol.channel import STREAM_KEY
+
 log = logging.getLogger("kvstore.client")
-STREAM_KEY = "x-kvstore-stream"      # trailing metadata of a stream the daemon turned away: "refused"
 
 try:
     from grpc import _common as _grpc_common

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from kvstore.pinned import copy_into, to_device
+from kvstore.cuda.pinned import copy_into, to_device
 
 _SRC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cuda_pq.cu")
 _cupy = None

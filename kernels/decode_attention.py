@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 import triton
 
-from kvstore.pinned import copy_into, to_device
+from kvstore.cuda.pinned import copy_into, to_device
 
 from ._decode_kernels import _decode_kernel, _merge_kernel
 

@@ -169,7 +169,7 @@ def run(minutes: float, clients: int = 8, lease_timeout: float = 3.0, seed: int 
         debug: bool = True, verbose: bool = True, tiers: bool = False) -> dict:
     import torch
     from kvstore.client import KVStoreClient
-    from kvstore.codebooks import Codebooks
+    from kvstore.codec.codebooks import Codebooks
     seconds = minutes * 60
     tmp = tempfile.mkdtemp(prefix="kvstore-soak-")
     extra = ["--lmdb", os.path.join(tmp, "lmdb"), "--lmdb-max-bytes", str(soak_tiers.LMDB_MAX_BYTES)] if tiers else []

@@ -102,7 +102,7 @@ def worker(target: str, idx: int, seconds: float, seed: int, crash_after: float,
     import grpc
     import torch
     from kvstore.client import KVStoreClient
-    from kvstore.codebooks import Codebooks
+    from kvstore.codec.codebooks import Codebooks
     from kvstore.kernels import reference as ref
     rng = random.Random(seed)
     torch.manual_seed(seed)

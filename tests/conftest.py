@@ -19,7 +19,7 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture
 def daemon(tmp_path):
     """A daemon in this process on a temp Unix socket -> 'unix://…' target."""
-    from kvstore.daemon import create_server
+    from kvstore.service.daemon import create_server
     sock = str(tmp_path / "kv.sock")
     server, _, _ = create_server(socket_path=sock)
     yield f"unix://{sock}"

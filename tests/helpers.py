@@ -1,8 +1,11 @@
 """Small shared builders for tests (tiny geometries: the reference kernels run on CPU)."""
+import os
+
 import torch
 
-from kvstore.config import CacheConfig, CodecConfig, ModelGeometry
+from kvstore.core.config import CacheConfig, CodecConfig, ModelGeometry
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))     # the checkout
 GEOM = dict(num_layers=2, num_q_heads=4, num_kv_heads=2, head_dim=16)
 
 

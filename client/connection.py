@@ -1,0 +1,311 @@
+"""The connection under KVStoreClient (client.py): the gRPC channel and the
+session it calls in (metadata, heartbeat), and how a call's tensors travel:
+staged in a registered shared-memory or CUDA buffer (arena.py) when the daemon
+is local, inline bytes otherwise; append_attend by the doorbell
+(doorbell.py), else over one long-lived stream (stream.py), else unary."""
+from __future__ import annotations
+
+import os
+import threading
+import time
+import uuid
+
+import grpc
+import torch
+
+from kvstore.cuda import runtime as cuda_rt
+from kvstore.protocol import wire
+from kvstore.protocol.channel import DEFAULT_MAX_MESSAGE_MB, SERVICE, SESSION_KEY, client_options, default_socket
+from kvstore.v1 import kvstore_pb2 as pb
+from kvstore.v1 import kvstore_pb2_grpc as pb_grpc
+
+from .arena import CudaArena, ShmArena, place
+from .doorbell import BellDown, Doorbell
+from .stream import CallStream, StreamRefused
+
+STREAM_RETRY_S = 30.0      # after the daemon turned a stream away, call unary this long before trying again
+
+
+class _Metadata(grpc.UnaryUnaryClientInterceptor):
+    def __init__(self, metadata: list[tuple[str, str]]):
+        self.metadata = metadata
+
+    def intercept_unary_unary(self, continuation, details, request):
+        md = list(details.metadata or []) + self.metadata
+        return continuation(details._replace(metadata=md), request)
+
+
+class Connection:
+    """KVStoreClient's plumbing: the channel and session, the heartbeat, the
+    registered buffers a call's tensors cross in, and the lanes of
+    append_attend (the doorbell, the stream, unary)."""
+
+    def __init__(self, target: str | None = None, transport: str = "auto",
+                 shm_bytes: int = 64 << 20, max_message_mb: int = DEFAULT_MAX_MESSAGE_MB, timeout: float = 60.0,
+                 token: str | None = None, tls_ca: str | bytes | None = None, session_id: str | None = None,
+                 heartbeat: bool = True, stream: bool | None = None, doorbell: bool | None = None,
+                 host_wait: bool = False):
+        """target: "unix:///path/kvstore.sock" or "host:port" (default: the
+        daemon's default socket). transport: "auto", "shm" or "inline".
+        token: bearer token (default env KVSTORE_TOKEN); tls_ca: CA PEM (path
+        or bytes) to reach a TLS port; session_id: default a random uuid;
+        heartbeat: keep the session's lease alive from a background thread;
+        stream: append_attend over one long-lived stream (default: on a Unix
+        socket) instead of a unary call each; doorbell: append_attend by the
+        daemon's doorbell socket once a buffer is registered, when the daemon
+        offers one (default: on a Unix socket), else by gRPC. host_wait: a
+        call with CUDA tensors returns once its outputs are in place (the host
+        waits for the daemon's done event) instead of making the caller's
+        stream wait for it: the GPU then never switches to the caller's
+        context just to wait (bench/NOTES-rpc.md, session 6), but the host
+        cannot queue work past the call."""
+        self.target = target or f"unix://{default_socket()}"
+        opts = client_options(max_message_mb)
+        if tls_ca is not None:
+            ca = open(tls_ca, "rb").read() if isinstance(tls_ca, str) else tls_ca
+            self.channel = grpc.secure_channel(self.target, grpc.ssl_channel_credentials(ca), options=opts)
+        else:
+            self.channel = grpc.insecure_channel(self.target, options=opts)
+        self.session_id = session_id or uuid.uuid4().hex
+        token = token if token is not None else os.environ.get("KVSTORE_TOKEN")
+        md = [(SESSION_KEY, self.session_id)] + ([("authorization", f"Bearer {token}")] if token else [])
+        self.stub = pb_grpc.KVStoreStub(grpc.intercept_channel(self.channel, _Metadata(md)))
+        # The tensor calls pass the metadata themselves: a Python client
+        # interceptor costs tens of µs per call.
+        self._raw = pb_grpc.KVStoreStub(self.channel)
+        self._md = tuple(md)
+        self.timeout = timeout
+        self._lock = threading.Lock()
+        self._arena: ShmArena | None = None
+        self._cuda_arena: CudaArena | None = None
+        self._no_cuda_buffers = False     # the daemon refused a CUDA buffer once
+        self._shm_bytes = shm_bytes
+        if transport not in ("auto", "shm", "inline"):
+            raise ValueError(f"transport must be auto, shm or inline, got {transport!r}")
+        local = self.target.startswith("unix:")
+        self.transport = "shm" if transport == "shm" or (transport == "auto" and local) else "inline"
+        self._stream = CallStream(self.channel, f"/{SERVICE}/AppendAttendStream", md) \
+            if (local if stream is None else stream) else None
+        self._stream_retry_at = 0.0
+        self._use_bell = local if doorbell is None else doorbell
+        self._bell: Doorbell | None = None
+        self._bell_addr: tuple[str, bytes] | None = None     # from RegisterBufferReply
+        self._bell_retry_at = 0.0
+        self._host_wait = host_wait
+        self._beat_stop = threading.Event()
+        if heartbeat:
+            threading.Thread(target=self._beat, name="kvstore-heartbeat", daemon=True).start()
+
+    # ------------------------------------------------------------ plumbing
+    def close(self) -> None:
+        self._beat_stop.set()
+        with self._lock:
+            if self._stream is not None:
+                self._stream.close()
+            if self._bell is not None:
+                self._bell.close()
+            self._drop_arena()
+        self.channel.close()
+
+    def heartbeat(self) -> pb.HeartbeatReply:
+        """Renew this session's lease now (any call does)."""
+        return self.stub.Heartbeat(pb.HeartbeatRequest(), timeout=self.timeout)
+
+    def _beat(self) -> None:
+        # A third of the daemon's lease timeout (learned from the first reply),
+        # so two beats can be lost before the lease lapses.
+        period = 0.0     # beat at once: the reply says how often to beat
+        while not self._beat_stop.wait(period):
+            period = 5.0
+            try:
+                r = self.stub.Heartbeat(pb.HeartbeatRequest(), timeout=max(1.0, period))
+                if r.lease_timeout_s > 0:
+                    period = max(0.2, min(10.0, r.lease_timeout_s / 3))
+            except grpc.RpcError as e:
+                if e.code() in (grpc.StatusCode.UNIMPLEMENTED, grpc.StatusCode.UNAUTHENTICATED):
+                    return     # an older daemon, or one that will never take us
+            except ValueError:
+                return         # the channel was closed under us
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def _drop_arena(self) -> None:
+        if self._arena is not None:
+            try:
+                self.stub.UnregisterBuffer(pb.UnregisterBufferRequest(buffer_id=self._arena.buffer_id),
+                                           timeout=self.timeout)
+            except grpc.RpcError:
+                pass
+            self._arena.close()
+            self._arena = None
+
+    def _arena_for(self, nbytes: int) -> ShmArena | None:
+        """A registered arena of at least nbytes, or None to send inline."""
+        if self.transport != "shm":
+            return None
+        if self._arena is None or self._arena.top < nbytes:
+            self._drop_arena()
+            size = max(self._shm_bytes, 1 << (nbytes - 1).bit_length())
+            arena = None
+            try:
+                arena = ShmArena(size)
+                arena.buffer_id = self._register(pb.RegisterBufferRequest(kind=pb.SHM, name=arena.name, size=size))
+            except (OSError, grpc.RpcError):
+                # Daemon on another host or no /dev/shm: inline bytes still work.
+                if arena is not None:
+                    arena.close()
+                self.transport = "inline"
+                return None
+            # Both sides have it mapped now: drop the name, so a client that dies
+            # without close() leaves nothing behind in /dev/shm.
+            arena.close()
+            self._arena = arena
+        self._arena.cursor = 0
+        return self._arena
+
+    def _cuda_arena_for(self, nbytes: int, device: torch.device) -> CudaArena | None:
+        if not self.target.startswith("unix:") or self.transport == "inline" or self._no_cuda_buffers:
+            return None
+        a = self._cuda_arena
+        if a is None or a.top < nbytes or a.view.device != device:
+            if a is not None:
+                self.stub.UnregisterBuffer(pb.UnregisterBufferRequest(buffer_id=a.buffer_id), timeout=self.timeout)
+            a = CudaArena(max(self._shm_bytes, 1 << (nbytes - 1).bit_length()), device)
+            try:
+                a.buffer_id = self._register(pb.RegisterBufferRequest(
+                    kind=pb.CUDA_IPC, size=a.size, ipc_handle=a.handle.handle, offset=a.handle.offset,
+                    device_uuid=a.handle.device_uuid, ready_event=a.ready.ipc_handle(),
+                    done_event=a.done.ipc_handle()))
+            except grpc.RpcError:
+                # A daemon without CUDA: go through host memory, and do not try
+                # again on every call (a new arena costs a cudaMalloc, an IPC
+                # export and an RPC: ~0.2 s a call, measured).
+                self._cuda_arena = None
+                self._no_cuda_buffers = True
+                return None
+            self._cuda_arena = a
+        a.cursor = 0
+        return a
+
+    def _register(self, request: pb.RegisterBufferRequest) -> str:
+        reply = self.stub.RegisterBuffer(request, timeout=self.timeout)
+        if reply.doorbell_path:
+            self._bell_addr = (reply.doorbell_path, reply.doorbell_token)
+        return reply.buffer_id
+
+    def _doorbell(self) -> Doorbell | None:
+        """The open doorbell, opened on first use; None: call by gRPC."""
+        if self._bell is not None and not self._bell.closed:
+            return self._bell
+        self._bell = None
+        if self._bell_addr is None or time.monotonic() < self._bell_retry_at:
+            return None
+        try:
+            self._bell = Doorbell(*self._bell_addr, timeout=self.timeout)
+        except BellDown:
+            self._bell_retry_at = time.monotonic() + STREAM_RETRY_S
+        return self._bell
+
+    def _call(self, method, request_fn, inputs: dict[str, torch.Tensor], out_bytes: list[int], read=None):
+        """Build a request with `inputs` placed in the arena (or inline) and
+        output ranges reserved, call, and run read(reply, arena) before the
+        arena can be reused by another call."""
+        with self._lock:
+            need = sum(t.numel() * t.element_size() + 64 for t in inputs.values()) + sum(b + 64 for b in out_bytes)
+            cuda = [t for t in inputs.values() if t.is_cuda]
+            arena = self._cuda_arena_for(need, cuda[0].device) if cuda else None
+            if arena is not None:
+                return self._call_cuda(arena, method, request_fn, inputs, out_bytes, read)
+            arena = self._arena_for(need)
+            msgs, outs = {}, []
+            for k, t in inputs.items():
+                t = t.detach()
+                if arena is None:
+                    msgs[k] = wire.to_proto(t)
+                else:
+                    msgs[k] = arena.typed(place(arena, t), tuple(t.shape), t.dtype)[1]
+            for b in out_bytes:
+                outs.append(None if arena is None else pb.OutputRef(buffer_id=arena.buffer_id, offset=arena.alloc(b)))
+            reply = method(request_fn(msgs, outs), timeout=self.timeout, metadata=self._md)
+            return read(reply, arena) if read else reply
+
+    def _call_cuda(self, arena: CudaArena, method, request_fn, inputs, out_bytes, read):
+        msgs, outs = {}, []
+        for k, t in inputs.items():
+            t = t.detach()
+            msgs[k] = arena.typed(place(arena, t), tuple(t.shape), t.dtype)[1]
+        for b in out_bytes:
+            outs.append(pb.OutputRef(buffer_id=arena.buffer_id, offset=arena.alloc(b)))
+        stream = cuda_rt.current_stream(arena.view.device)
+        arena.ready.record(stream)
+        reply = method(request_fn(msgs, outs), timeout=self.timeout, metadata=self._md)
+        self._wait_done(arena, stream)
+        return read(reply, arena) if read else reply
+
+    def _wait_done(self, arena: CudaArena, stream) -> None:
+        """Order what reads the outputs after the daemon's work (see host_wait)."""
+        if self._host_wait:
+            arena.done.synchronize()
+        else:
+            stream.wait_event(arena.done)
+
+    def _append_attend(self, request: pb.AppendAttendRequest, timeout: float, metadata) -> pb.AttendReply:
+        """AppendAttend on this client's stream; unary without one, or while
+        the daemon turns streams away (it read nothing of the refused call)."""
+        if self._stream is not None and time.monotonic() >= self._stream_retry_at:
+            try:
+                return pb.AttendReply.FromString(self._stream(request.SerializeToString(), timeout))
+            except StreamRefused:
+                self._stream_retry_at = time.monotonic() + STREAM_RETRY_S
+        return self._raw.AppendAttend(request, timeout=timeout, metadata=metadata)
+
+    @property
+    def doorbell_handler_us(self) -> int:
+        """The daemon's time in the last doorbell call, µs (0 before one)."""
+        return self._bell.last_handler_us if self._bell is not None else 0
+
+    def _tensor(self, t: pb.Tensor, arena: ShmArena | None) -> torch.Tensor:
+        if t.WhichOneof("data") == "ref":
+            return arena.typed(t.ref.offset, tuple(t.shape), wire.TO_TORCH[t.dtype])[0].clone()
+        return wire.from_proto(t, None, "reply")
+
+    def _append_attend_bell(self, cache, layer, seq_ids, k, v, q, scale, out) -> torch.Tensor | None:
+        """append_attend by the doorbell (under the lock) -> out, or None: send
+        it by gRPC (no doorbell, inputs it cannot name, or it went down before
+        taking the request)."""
+        if not (k.dim() == v.dim() == q.dim() == 3 and k.dtype == v.dtype == q.dtype
+                and k.device == v.device == q.device) or q.dtype not in wire.TO_PROTO:
+            return None
+        ts = (k, v, q)
+        out_bytes = q.numel() * 2
+        need = (k.numel() + v.numel() + q.numel()) * q.element_size() + out_bytes + 256
+        arena = self._cuda_arena_for(need, q.device) if q.is_cuda else None
+        arena = arena or self._arena_for(need)
+        bell = self._doorbell() if arena is not None else None
+        if bell is None:
+            return None
+        offs = [place(arena, t) for t in ts]   # place() detaches what it copies
+        out_off = arena.offset_of(out) if out is not None else None
+        if out_off is None:
+            out_off = arena.alloc(out_bytes)
+        cuda = arena.view.is_cuda
+        if cuda:
+            stream = cuda_rt.current_stream(q.device)
+            arena.ready.record(stream)
+        try:
+            dtype = bell.append_attend(arena.buffer_id, cache, layer, seq_ids, wire.TO_PROTO[q.dtype],
+                                       (*offs, out_off), (*k.shape, *v.shape, *q.shape), scale)
+        except BellDown:
+            bell.close()
+            return None
+        finally:
+            if cuda:
+                self._wait_done(arena, stream)    # also after an error: the daemon may have queued work
+        res = arena.typed(out_off, tuple(q.shape), wire.TO_TORCH[dtype])[0]
+        if out is None:
+            return res.clone()
+        return out if out.data_ptr() == res.data_ptr() and out.dtype == res.dtype else out.copy_(res)

@@ -1,0 +1,1 @@
+"""PQ codebooks (training, fingerprint, safetensors) and the transform applied before encoding."""

@@ -1,0 +1,143 @@
+"""PQ codebooks: separate K and V codebooks per layer and KV head (DESIGN §3),
+trained with faiss k-means, stored as safetensors with their sha256."""
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from kvstore.core.config import CacheConfig
+from kvstore.errors import FailedPrecondition, InvalidArgument
+
+
+@dataclass(slots=True)
+class Codebooks:
+    k: torch.Tensor      # [L, Hkv, M, 256, dsub] fp32
+    v: torch.Tensor      # [L, Hkv, M, 256, dsub] fp32
+
+    def sha256(self) -> str:
+        h = hashlib.sha256()
+        for t in (self.k, self.v):
+            h.update(json.dumps(list(t.shape)).encode())
+            h.update(t.contiguous().cpu().numpy().tobytes())
+        return h.hexdigest()
+
+    def to_bytes(self) -> bytes:
+        from safetensors.torch import save
+        return save({"k": self.k.contiguous().cpu(), "v": self.v.contiguous().cpu()},
+                    metadata={"sha256": self.sha256(), "format": "kvstore.pq.v1"})
+
+    @staticmethod
+    def from_bytes(data: bytes) -> "Codebooks":
+        from safetensors import SafetensorError
+        from safetensors.torch import load
+        try:
+            tensors = load(data)
+        except (SafetensorError, Exception) as e:  # malformed user bytes
+            raise InvalidArgument("codebooks", f"not a safetensors file: {e}") from None
+        if set(tensors) != {"k", "v"}:
+            raise InvalidArgument("codebooks", f"expected tensors 'k' and 'v', got {sorted(tensors)}")
+        return Codebooks(k=tensors["k"].float(), v=tensors["v"].float())
+
+    def save(self, path: str) -> str:
+        with open(path, "wb") as f:
+            f.write(self.to_bytes())
+        return self.sha256()
+
+    @staticmethod
+    def load(path: str) -> "Codebooks":
+        with open(path, "rb") as f:
+            return Codebooks.from_bytes(f.read())
+
+    def validate(self, cfg: CacheConfig) -> None:
+        g = cfg.geometry
+        want = (g.num_layers, g.num_kv_heads, cfg.m, 256, g.head_dim // cfg.m)
+        dtype = getattr(torch, g.dtype)
+        # Centroids are the K and V the kernels read, in the cache dtype on the
+        # GPU: they must stay finite there, and K within the limit that keeps
+        # scores finite (config.QK_LIMITS).
+        for name, t, limit in (("k", self.k, g.qk_limit), ("v", self.v, torch.finfo(dtype).max)):
+            if tuple(t.shape) != want:
+                raise InvalidArgument(f"codebooks.{name}", f"shape {tuple(t.shape)}, cache needs {want}")
+            if not torch.isfinite(t).all():
+                raise InvalidArgument(f"codebooks.{name}", "contains NaN or Inf")
+            peak = float(t.to(dtype).abs().amax())
+            if not peak <= limit:
+                raise InvalidArgument(f"codebooks.{name}", f"a centroid of magnitude {float(t.abs().amax()):g} "
+                                      f"does not fit the cache's {g.dtype} (at most {limit:g})")
+
+
+def train_pq(x: torch.Tensor, m: int, niter: int = 20, init: torch.Tensor | None = None,
+             seed: int = 1234, max_rows_per_centroid: int = 1 << 30) -> torch.Tensor:
+    """x [N, d] -> centroids [m, 256, d/m]: one faiss k-means of 256 centroids per
+    subspace of d/m consecutive dims, warm-started from `init` [m, 256, d/m] if
+    given (OPQ's rounds). By default over every row: faiss would cap a training
+    set at 256 rows per centroid, and a larger calibration set should all count."""
+    import faiss
+    n, d = x.shape
+    dsub = d // m
+    xs = x.float().reshape(n, m, dsub).numpy()
+    out = np.empty((m, 256, dsub), np.float32)
+    for i in range(m):
+        km = faiss.Kmeans(dsub, 256, niter=niter, seed=seed, min_points_per_centroid=1,
+                          max_points_per_centroid=max_rows_per_centroid, verbose=False)
+        km.train(np.ascontiguousarray(xs[:, i]),
+                 init_centroids=None if init is None else np.ascontiguousarray(init[i].float().numpy()))
+        out[i] = km.centroids
+    return torch.from_numpy(out)
+
+
+def train_codebooks(cfg: CacheConfig, k_samples: torch.Tensor, v_samples: torch.Tensor,
+                    niter: int = 20, seed: int = 1234, progress=None) -> Codebooks:
+    """k_samples, v_samples: [L, N, Hkv, d] (K after RoPE). One PQ per
+    (layer, K/V, KV head); each trains M independent 256-centroid k-means."""
+    try:
+        import faiss  # noqa: F401
+    except ImportError:
+        raise FailedPrecondition("codebooks", "training needs faiss (pip install faiss-cpu)") from None
+    g = cfg.geometry
+    m = cfg.m
+    dsub = g.head_dim // m
+    for name, s in (("k_samples", k_samples), ("v_samples", v_samples)):
+        if s.dim() != 4 or s.shape[0] != g.num_layers or s.shape[2] != g.num_kv_heads or s.shape[3] != g.head_dim:
+            raise InvalidArgument(name, f"shape {tuple(s.shape)}, need [{g.num_layers}, N, {g.num_kv_heads}, {g.head_dim}]")
+        if s.shape[1] < 256:
+            raise InvalidArgument(name, f"need at least 256 sample tokens for 256 centroids, got {s.shape[1]}")
+        if not torch.isfinite(s).all():
+            raise InvalidArgument(name, "contains NaN or Inf")
+    out = []
+    total = 2 * g.num_layers * g.num_kv_heads
+    done = 0
+    for samples in (k_samples, v_samples):
+        cb = torch.empty(g.num_layers, g.num_kv_heads, m, 256, dsub)
+        for layer in range(g.num_layers):
+            for h in range(g.num_kv_heads):
+                # faiss's own cap of 256 rows per centroid keeps a daemon-side call bounded
+                cb[layer, h] = train_pq(samples[layer, :, h, :].cpu(), m, niter, seed=seed, max_rows_per_centroid=256)
+                done += 1
+                if progress:
+                    progress(done, total)
+        out.append(cb)
+    return Codebooks(k=out[0], v=out[1])
+
+
+def fingerprint(cfg: CacheConfig, codebooks: Codebooks | None) -> bytes:
+    """sha256 of model id, geometry, codec params (sink tokens included) and
+    codebook bytes: part of every block hash, so blocks never cross models or
+    codebooks."""
+    g = cfg.geometry
+    desc = {
+        "model_id": cfg.model_id,
+        "geometry": [g.num_layers, g.num_q_heads, g.num_kv_heads, g.head_dim, g.dtype],
+        "codec": [cfg.codec.kind, cfg.m if cfg.codec.kind == "pq" else 0, cfg.block_size],
+        "codebooks": codebooks.sha256() if codebooks is not None else "",
+    }
+    if cfg.sinks:
+        # Sink blocks change which blocks are sealed and how a sequence lies on
+        # disk. Only added when set, so fingerprints (and LMDB keys) of caches
+        # without sinks stay what they were.
+        desc["sinks"] = cfg.sinks
+    return hashlib.sha256(json.dumps(desc, sort_keys=True).encode()).digest()

@@ -1,0 +1,47 @@
+"""The per-head linear transform applied to K and V before PQ encoding (and
+undone on the way out): what kvstore-calibrate learns beside the codebooks and
+saves next to them; the Hugging Face adapter applies it on its side."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass(slots=True)
+class Transform:
+    """Per (layer, KV head) invertible maps applied before PQ: K' = K A_k^T,
+    V' = V A_v^T. Attention is unchanged when queries go in as q' = q A_k^-1
+    and outputs come back as out = out' A_v^-T, so the fp16 tail may hold K', V'
+    too. "qaware" makes ||K'-K'^||^2 the expected score error over the layer's
+    queries (A_k = E[q q^T]^1/2) and ||V'-V'^||^2 the error after o_proj."""
+    k: torch.Tensor          # [L, Hkv, d, d] fp32
+    v: torch.Tensor
+    _inv: dict = field(default_factory=dict, repr=False)
+
+    def __post_init__(self) -> None:
+        self._inv = {"k": torch.linalg.inv(self.k.double()).float(), "v": torch.linalg.inv(self.v.double()).float()}
+
+    def forward(self, x: torch.Tensor, layer: int, which: str) -> torch.Tensor:
+        """x [..., Hkv, d] -> x A^T, per head."""
+        a = getattr(self, which)[layer].to(x.device)
+        return torch.einsum("...hd,hed->...he", x.float(), a).to(x.dtype)
+
+    def inverse(self, x: torch.Tensor, layer: int, which: str) -> torch.Tensor:
+        a = self._inv[which][layer].to(x.device)
+        return torch.einsum("...hd,hed->...he", x.float(), a).to(x.dtype)
+
+    def save(self, path: str) -> None:
+        from safetensors.torch import save_file
+        save_file({"k": self.k.contiguous(), "v": self.v.contiguous()}, path,
+                  metadata={"format": "kvstore.transform.v1"})
+
+    @staticmethod
+    def load(path: str) -> "Transform":
+        from safetensors.torch import load_file
+        t = load_file(path)
+        return Transform(k=t["k"].float(), v=t["v"].float())
+
+
+def transform_path(codebook_path: str) -> str:
+    return codebook_path.removesuffix(".safetensors") + ".transform.safetensors"

@@ -1,0 +1,1 @@
+"""Metadata only: block pool, prefix hashes, sequences, names, configs. No tensors, no gRPC."""

@@ -1,0 +1,170 @@
+"""Validated configuration dataclasses: one per concept."""
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, field
+
+from kvstore.errors import InvalidArgument, quote
+
+from .names import check_label, check_name
+
+DTYPES = {"float16": 2, "bfloat16": 2, "float32": 4}
+CODECS = ("fp16", "pq")
+F32_MAX = 3.4028234663852886e38
+# Largest |element| of q and k a cache takes. The kernels accumulate scores
+# q.k * scale in fp32 (then scale them by log2(e) and subtract the row max),
+# so |q.k| <= head_dim * QK_LIMIT^2 must leave room for a useful scale
+# (ModelGeometry.max_scale). float16: its own max, every finite value.
+# bfloat16 reaches fp32's range itself (a single q.k of two bf16 maxima is
+# inf in fp32): its limit is 2^32, which still leaves scales up to ~9e15 at
+# head_dim 512 and is far past what K and Q of a trained model hold.
+QK_LIMITS = {"float16": 65504.0, "bfloat16": 2.0 ** 32}
+_DEVICE = re.compile(r"cpu|cuda(:[0-9]{1,3})?", re.ASCII)
+
+
+def check_device(field: str, device: object) -> str:
+    """device, if torch can name it as the daemon's: cpu, cuda or cuda:N."""
+    if not isinstance(device, str) or _DEVICE.fullmatch(device) is None:
+        raise InvalidArgument(field, f"must be cpu, cuda or cuda:N, got {quote(device)}")
+    return device
+
+
+@dataclass(slots=True, frozen=True)
+class ModelGeometry:
+    num_layers: int
+    num_q_heads: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: str = "float16"      # dtype of K/V/Q the client sends and receives
+
+    def __post_init__(self) -> None:
+        for name in ("num_layers", "num_q_heads", "num_kv_heads", "head_dim"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v <= 0:
+                raise InvalidArgument(f"geometry.{name}", f"must be a positive integer, got {quote(v)}")
+        if self.num_q_heads % self.num_kv_heads:
+            raise InvalidArgument("geometry.num_q_heads",
+                                  f"{self.num_q_heads} is not a multiple of num_kv_heads={self.num_kv_heads}")
+        if self.head_dim % 4 or self.head_dim > 512:
+            raise InvalidArgument("geometry.head_dim", f"must be a multiple of 4 and <= 512, got {self.head_dim}")
+        if self.dtype not in DTYPES or self.dtype == "float32":
+            raise InvalidArgument("geometry.dtype", f"must be float16 or bfloat16, got {quote(self.dtype)}")
+
+    @property
+    def qk_limit(self) -> float:
+        return QK_LIMITS[self.dtype]
+
+    def max_scale(self) -> float:
+        """The largest attention scale whose fp32 scores can never overflow:
+        |scale * q.k| <= F32_MAX / 4 for q, k within qk_limit (the factor 4
+        covers the log2(e) the kernels fold in and the subtraction of the row
+        max). ~1.2e27 at head_dim 16 in fp16, ~3.6e16 at 128 in bf16."""
+        return F32_MAX / (4 * self.head_dim * self.qk_limit ** 2)
+
+
+@dataclass(slots=True, frozen=True)
+class CodecConfig:
+    kind: str = "pq"            # "pq" or "fp16"
+    num_subvectors: int = 0     # M; 0 means head_dim // 2 (4 bits per element)
+    num_centroids: int = 256
+
+    def __post_init__(self) -> None:
+        if self.kind not in CODECS:
+            raise InvalidArgument("codec.kind", f"must be one of {CODECS}, got {quote(self.kind)}")
+        if self.kind == "pq" and self.num_centroids != 256:
+            raise InvalidArgument("codec.num_centroids", "only 256 centroids (8-bit codes) are supported")
+        if self.num_subvectors < 0:
+            raise InvalidArgument("codec.num_subvectors", "must be >= 0")
+
+    def subvectors(self, head_dim: int) -> int:
+        m = self.num_subvectors or head_dim // 2
+        if self.kind == "pq" and m not in (head_dim // 2, head_dim // 4):
+            raise InvalidArgument("codec.num_subvectors",
+                                  f"must be head_dim/2={head_dim // 2} or head_dim/4={head_dim // 4}, got {m}")
+        return m
+
+
+@dataclass(slots=True, frozen=True)
+class CacheConfig:
+    """A cache namespace. The pool is sized from `num_blocks`, or from
+    `pool_bytes` divided by the bytes one block takes across all layers."""
+    name: str
+    model_id: str
+    geometry: ModelGeometry
+    codec: CodecConfig = field(default_factory=CodecConfig)
+    block_size: int = 16
+    residual: int = 128          # R: newest tokens kept in fp16 per sequence
+    sink_tokens: int = 0         # S: first tokens of every sequence kept in fp16, never sealed (codec pq)
+    num_blocks: int = 0
+    pool_bytes: int = 0
+    max_sequences: int = 256     # sizes the fp16 tail pool
+    device: str = "cpu"
+    host_bytes: int = 0          # pinned host tier under the GPU pools (0: none)
+    low_watermark: float = 0.0   # move LRU sequences down while fewer blocks are free
+    share_prefixes_across_tenants: bool = False   # else the tenant seeds every hash chain
+
+    def __post_init__(self) -> None:
+        self._validate()
+        if self.host_bytes < 0:
+            raise InvalidArgument("host_bytes", "must be >= 0")
+        if not 0.0 <= self.low_watermark < 1.0:
+            raise InvalidArgument("low_watermark", f"must be in [0, 1), got {self.low_watermark}")
+
+    def _validate(self) -> None:
+        check_name("name", self.name)
+        check_label("model_id", self.model_id)
+        if self.block_size not in (8, 16, 32, 64, 128):
+            raise InvalidArgument("block_size", f"must be one of 8, 16, 32, 64, 128, got {self.block_size}")
+        if self.residual < 0 or self.residual > 65536:
+            raise InvalidArgument("residual", f"must be in [0, 65536], got {self.residual}")
+        if (not isinstance(self.sink_tokens, int) or not 0 <= self.sink_tokens <= 65536
+                or self.sink_tokens % self.block_size):
+            raise InvalidArgument("sink_tokens", f"must be a multiple of block_size={self.block_size} "
+                                  f"in [0, 65536], got {quote(self.sink_tokens)}")
+        if self.max_sequences <= 0 or self.max_sequences > 1 << 20:
+            raise InvalidArgument("max_sequences", f"must be in [1, 2^20], got {self.max_sequences}")
+        if self.num_blocks < 0 or self.pool_bytes < 0:
+            raise InvalidArgument("num_blocks", "num_blocks and pool_bytes must be >= 0")
+        if (self.num_blocks == 0) == (self.pool_bytes == 0):
+            raise InvalidArgument("num_blocks", "give exactly one of num_blocks or pool_bytes")
+        self.codec.subvectors(self.geometry.head_dim)   # validates M against head_dim
+        if self.capacity_blocks() < 1:
+            raise InvalidArgument("pool_bytes", f"{self.pool_bytes} bytes hold no block of {self.bytes_per_block()} bytes")
+        if self.capacity_blocks() > 1 << 24:
+            raise InvalidArgument("num_blocks", "more than 2^24 blocks")
+        check_device("device", self.device)
+
+    # --- derived sizes
+    @property
+    def m(self) -> int:
+        return self.codec.subvectors(self.geometry.head_dim)
+
+    def fp16_bytes_per_token(self) -> int:
+        g = self.geometry
+        return 2 * g.num_layers * g.num_kv_heads * g.head_dim * DTYPES[g.dtype]
+
+    def bytes_per_token(self) -> int:
+        """Bytes one sealed token takes in the main pool, K and V, all layers."""
+        if self.codec.kind == "fp16":
+            return self.fp16_bytes_per_token()
+        return 2 * self.geometry.num_layers * self.geometry.num_kv_heads * self.m
+
+    def bytes_per_block(self) -> int:
+        return self.bytes_per_token() * self.block_size
+
+    def capacity_blocks(self) -> int:
+        return self.num_blocks or self.pool_bytes // self.bytes_per_block()
+
+    @property
+    def sinks(self) -> int:
+        """Sink tokens in effect: the fp16 codec keeps every token exact anyway."""
+        return self.sink_tokens if self.codec.kind == "pq" else 0
+
+    def tail_blocks_per_sequence(self) -> int:
+        # The sinks, R + block_size tokens at rest, plus one block being
+        # filled, plus one when the tail starts mid-block.
+        return self.sinks // self.block_size + math.ceil((self.residual + self.block_size) / self.block_size) + 2
+
+    def tail_capacity_blocks(self) -> int:
+        return self.max_sequences * self.tail_blocks_per_sequence()

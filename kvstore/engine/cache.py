@@ -1,0 +1,399 @@
+"""One cache namespace: its pools, tensors and sequences; allocation with
+prefix hits, fork and free. The write and read paths of DESIGN §4 are in
+write_path.py and read_path.py. Every method validates all of its input
+before it changes any state, so a rejected call leaves the cache as it was."""
+from __future__ import annotations
+
+import hashlib
+import math
+import threading
+from array import array
+
+import torch
+
+from kvstore.codec.codebooks import Codebooks, fingerprint
+from kvstore.core.block_pool import BlockPool
+from kvstore.core.config import CacheConfig
+from kvstore.core.hashing import chain_hashes
+from kvstore.core.names import check_name
+from kvstore.core.sequence import Sequence, token_array
+from kvstore.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted, quote
+from kvstore.tiers.disk import DiskTier
+from kvstore.tiers.host import HostTier
+from kvstore.tiers.policy import Tiering
+from kvstore.tiers.redis import RedisTier
+
+from .block_io import BlockIO
+from .decode_graphs import DecodeGraphs
+from .read_path import ReadPath
+from .results import AllocateResult
+from .storage import Fp16Store, PQStore
+from .storage import ids_to
+from .write_path import WritePath
+
+
+class Cache(WritePath, ReadPath):
+    def __init__(self, cfg: CacheConfig, cold_store=None, redis_store=None):
+        self.cfg = cfg
+        # Guards everything below: every request on this cache holds it, so a
+        # long request here never waits on, or stalls, another cache (Engine).
+        self.lock = threading.RLock()
+        self.bs = cfg.block_size
+        self.is_pq = cfg.codec.kind == "pq"
+        self.sinks = cfg.sinks                    # S: fp16 tokens at the front of every sequence
+        self.sink_blocks = self.sinks // self.bs
+        self.main_pool = BlockPool(cfg.capacity_blocks())
+        if self.is_pq:
+            self.main: PQStore | Fp16Store = PQStore(cfg, self.main_pool.capacity)
+            self.tail_pool = BlockPool(cfg.tail_capacity_blocks())
+            self.tail = Fp16Store(cfg, self.tail_pool.capacity)
+        else:
+            # The fp16 codec needs no separate tail: sealing just relabels blocks.
+            self.main = Fp16Store(cfg, self.main_pool.capacity)
+            self.tail_pool, self.tail = self.main_pool, self.main
+        # The pools' blocks as payloads, what the tiers move (tiers/interface.py).
+        self.main_io = BlockIO(self.main, self.main_device)
+        self.tail_io = BlockIO(self.tail, self.tail.k.device) if self.is_pq else self.main_io
+        # The most committed tokens one sequence can ever hold: every main-pool
+        # block sealed, plus the sinks and the R + block_size tail it keeps in
+        # fp16 (the fp16 codec keeps them in the main pool too). A longer prompt
+        # or append can never fit: it is misuse, not a lack of room.
+        self.max_tokens = self.main_pool.capacity * self.bs + (
+            self.sinks + cfg.residual + self.bs if self.is_pq else 0)
+        self.codebooks: Codebooks | None = None
+        self.fingerprint = fingerprint(cfg, None)
+        self.seqs: dict[tuple[str, str], Sequence] = {}
+        self.counters = dict(prefix_query_tokens=0, prefix_hit_tokens=0, appended_tokens=0,
+                             sealed_blocks=0, dedup_blocks=0, attend_calls=0)
+        self.protect: set[int] = set()    # ids of the sequences of the request at hand
+        self.graphs = DecodeGraphs()      # CUDA graphs of small decode steps (decode_graphs.py)
+        host = disk = None
+        if cfg.host_bytes:
+            host = HostTier(self.main.block_bytes(), self.tail.block_bytes(), cfg.host_bytes,
+                            pin=cfg.device.startswith("cuda"))
+        if cold_store is not None:
+            disk = DiskTier.of(cold_store)
+        self.tiering = Tiering(self, host, disk) if (host or disk) else None
+        if self.tiering is not None and not self.is_pq:
+            self.tiering.restore()
+        # The shared Redis tier below both (tiers/redis.py): hashed main-pool blocks go up to it, prefix misses ask it.
+        self.redis = RedisTier(redis_store, self) if redis_store is not None else None
+
+    def resident(self, seqs: list[Sequence]) -> None:
+        """Protect the request's sequences from eviction and page in any that
+        live in a lower tier."""
+        self.protect = {id(s) for s in seqs}
+        for s in seqs:
+            if s.tier != "gpu":
+                self.tiering.page_in(s, self.protect)
+
+    def changing(self, s: Sequence) -> None:
+        """s's committed tokens are about to change: a disk copy of what it
+        was goes first."""
+        if s.manifest is not None:
+            self.tiering.changing(s)
+
+    def after_write(self) -> None:
+        """Publish the blocks this write hashed; keep free GPU blocks above the low watermark."""
+        self.publish()
+        if self.tiering is None or not self.cfg.low_watermark:
+            return
+        want = int(self.cfg.low_watermark * self.main_pool.capacity)
+        if self.main_pool.num_allocatable() < want:
+            self.tiering.make_room(want, 0, self.protect)
+
+    def publish(self) -> None:
+        """Queue the main-pool blocks hashed since the last call for the Redis
+        tier. Called after the request's encodes (they are in the blocks by then)."""
+        if self.redis is not None:
+            self.redis.flush()
+
+    # ------------------------------------------------------------ codebooks
+    def set_codebooks(self, cb: Codebooks) -> None:
+        if not self.is_pq:
+            raise FailedPrecondition("codebooks", f"cache {quote(self.cfg.name)} uses the fp16 codec")
+        cb.validate(self.cfg)
+        if self.seqs:
+            raise FailedPrecondition("codebooks", f"cache {quote(self.cfg.name)} has {len(self.seqs)} live sequences; "
+                                     "codebooks can change only on an empty cache")
+        self.main.set_codebooks(cb)
+        self.graphs.clear()                # captured with the old codebooks' addresses
+        self.codebooks = cb
+        self.fingerprint = fingerprint(self.cfg, cb)
+        # Blocks hashed under the old fingerprint must never be found again.
+        self.main_pool.clear_hashes()
+        self.tail_pool.clear_hashes()
+        if self.tiering is not None:
+            if self.tiering.host is not None:
+                self.tiering.host.main_pool.clear_hashes()
+            self.tiering.restore()
+
+    def _require_ready(self) -> None:
+        if self.is_pq and self.codebooks is None:
+            raise FailedPrecondition("codebooks", f"cache {quote(self.cfg.name)} has no codebooks yet "
+                                     "(SetCodebooks or TrainCodebooks first)")
+
+    # ------------------------------------------------------------- helpers
+    def seq(self, tenant: str, seq_id: str) -> Sequence:
+        s = self.seqs.get((tenant, seq_id))
+        if s is None:
+            raise NotFound("sequence_id", f"no sequence {quote(seq_id)} in cache {quote(self.cfg.name)}")
+        return s
+
+    def sealed_count(self, length: int) -> int:
+        """Sealed blocks a sequence of `length` committed tokens has: after the
+        S sink tokens, the tail keeps at most R + block_size tokens."""
+        return max(0, math.ceil((length - self.sinks - self.cfg.residual - self.bs) / self.bs))
+
+    # Positions map to blocks as: block i < sink_blocks is tail[i]; the sealed
+    # blocks follow; then tail[sink_blocks:] (core/sequence.py).
+    def tail_index(self, s: Sequence, pos: torch.Tensor) -> torch.Tensor:
+        """Host positions of fp16 tokens -> their index in the concatenated tail blocks."""
+        return torch.where(pos < self.sinks, pos, pos - len(s.sealed) * self.bs)
+
+    def tail_block_index(self, j: int, n_sealed: int) -> int:
+        """Block index (in position order) of tail[j] when n_sealed blocks are sealed."""
+        return j if j < self.sink_blocks else j + n_sealed
+
+    def block_at(self, s: Sequence, i: int) -> tuple[BlockPool, int]:
+        """(pool, block id) of the sequence's block i in position order."""
+        j = i - self.sink_blocks
+        if 0 <= j < len(s.sealed):
+            return self.main_pool, s.sealed[j]
+        return self.tail_pool, s.tail[i if j < 0 else i - len(s.sealed)]
+
+    def check_length(self, n: int, field: str) -> None:
+        """A sequence of n committed tokens must fit the cache (max_tokens)."""
+        if n > self.max_tokens:
+            raise InvalidArgument(field, f"a sequence of {n} tokens: one sequence of cache {quote(self.cfg.name)} "
+                                  f"holds at most {self.max_tokens} (its pools' capacity)")
+
+    def prompt_ids(self, prompt) -> array:
+        """Check a prompt's ids (count first, before anything is copied) -> array('i')."""
+        self.check_length(len(prompt), "prompt_token_ids")
+        return token_array(prompt, "prompt_token_ids")
+
+    def _check_new_sequence(self, tenant: str, seq_id: str, field: str = "sequence_id") -> None:
+        """field: the request field naming the new id (Fork: new_sequence_id)."""
+        check_name(field, seq_id)
+        if (tenant, seq_id) in self.seqs:
+            raise AlreadyExists(field, f"sequence {quote(seq_id)} already exists")
+        if len(self.seqs) >= self.cfg.max_sequences:
+            raise ResourceExhausted(field, f"cache holds max_sequences={self.cfg.max_sequences}")
+
+    def _alloc_tail(self, n: int) -> list[int]:
+        """n fp16 blocks (the tail pool; the main pool for codec fp16), zeroed.
+
+        NOTE: their slots are written token by token, and a Reserve commits
+        slots whatever the client wrote into them; a block keeps whatever its
+        previous owner (any tenant) left in it, so it is cleared here, on the
+        stream of the call (ordered before a mapped client's writes by the
+        Reserve's CUDA scope). Blocks that are written whole as they are
+        handed out (sealing, page-in, prefix blocks from a lower tier) come
+        straight from the pools."""
+        ids = self.tail_pool.allocate(n) if n > 0 else []
+        if ids is None:
+            raise ResourceExhausted("tail", f"need {n} fp16 tail blocks, {self.tail_pool.num_allocatable()} free")
+        if ids:
+            self.tail.zero_blocks(ids_to(self.tail.k.device, ids))
+        return ids
+
+    def _root(self, tenant: str) -> bytes:
+        """h_{-1}: tenants share prefix blocks only if the cache says so."""
+        if self.cfg.share_prefixes_across_tenants:
+            return b""
+        return hashlib.sha256(b"kvstore.tenant\0" + tenant.encode()).digest()
+
+    def _extend_hashes(self, s: Sequence) -> None:
+        parent = s.hashes[-1] if s.hashes else self._root(s.tenant)
+        s.hashes += chain_hashes(s.token_ids, self.bs, self.fingerprint, parent, start_block=len(s.hashes))
+
+    def _register_hashes(self, s: Sequence) -> None:
+        """Make committed full blocks findable by prefix lookups."""
+        full = s.length // self.bs
+        while s.hashed_upto < min(full, len(s.hashes)):
+            pool, bid = self.block_at(s, s.hashed_upto)
+            pool.set_hash(bid, s.hashes[s.hashed_upto])
+            s.hashed_upto += 1
+
+    # ------------------------------------------------------------- allocate
+    def prompt_hashes(self, tenant: str, prompt: array) -> tuple[bytes, list[bytes]]:
+        """-> (the fingerprint they were made with, the chained hashes of the
+        prompt's full blocks). Reads no state but the fingerprint: callers run it
+        outside the cache lock (a long prompt hashes for a while) and pass it to
+        allocate(), which redoes it if the codebooks changed in between."""
+        fp = self.fingerprint
+        return fp, chain_hashes(prompt, self.bs, fp, self._root(tenant))
+
+    def allocate(self, tenant: str, seq_id: str, prompt, hashed: tuple[bytes, list[bytes]] | None = None
+                 ) -> AllocateResult:
+        """prompt: token ids (a list, or prompt_ids()' array); hashed: prompt_hashes() of it."""
+        self._require_ready()
+        self._check_new_sequence(tenant, seq_id)
+        prompt = self.prompt_ids(prompt)
+        if hashed is None or hashed[0] != self.fingerprint:
+            hashed = self.prompt_hashes(tenant, prompt)
+        hashes = hashed[1]
+        n_sealed = self.sealed_count(len(prompt))
+        # ("main" | "tail", block id), ("encode", tail block id), ("below", payload)
+        hits: list[tuple[str, object]] = []
+        for i, h in enumerate(hashes):
+            sealed_range = self.sink_blocks <= i < self.sink_blocks + n_sealed
+            if self.is_pq and sealed_range:
+                bid = self.main_pool.lookup(h)
+                if bid is not None:
+                    hits.append(("main", bid))
+                    continue
+                tb = self.tail_pool.lookup(h)    # another sequence still holds it in fp16
+                if tb is not None:
+                    hits.append(("encode", tb))
+                    continue
+            else:
+                bid = self.tail_pool.lookup(h)
+                if bid is not None:
+                    hits.append(("tail", bid))
+                    continue
+            found = self.tiering.lookup_below(h) if self.tiering is not None and (sealed_range or not self.is_pq) else None
+            if found is None:
+                break
+            hits.append(("below", found))     # (tier, payload)
+        # ---- Redis tier: the rest of the prefix (sealed blocks; any full block for fp16) in one batch
+        first, end = len(hits), (self.sink_blocks + n_sealed if self.is_pq else len(hashes))
+        if self.redis is not None and self.sink_blocks <= first < end:
+            end = min(end, first + self.main_pool.num_allocatable())
+            hits += [("below", ("redis", p)) for p in self.redis.get_prefix(hashes[first:end])]
+        # ----
+        if hits and len(hits) * self.bs == len(prompt):
+            hits.pop()     # the caller must compute at least one token to get logits
+        # Hold every hit first, so that making room for the fresh blocks can
+        # neither move nor reuse them (an "encode" source only until encoded).
+        self.main_pool.ref([b for kind, b in hits if kind == "main"])
+        self.tail_pool.ref([b for kind, b in hits if kind in ("tail", "encode")])
+        fresh = [i for i, (kind, _) in enumerate(hits) if kind in ("encode", "below")]
+        if len(fresh) > self.main_pool.num_allocatable() and self.tiering is not None:
+            self.tiering.make_room(len(fresh), 0, set())
+        if len(fresh) > self.main_pool.num_allocatable():
+            # Serve a shorter prefix: up to the first fresh block there is no room for.
+            cut = fresh[self.main_pool.num_allocatable()]
+            self.main_pool.release([b for kind, b in hits[cut:] if kind == "main"])
+            self.tail_pool.release([b for kind, b in hits[cut:] if kind in ("tail", "encode")])
+            hits, fresh = hits[:cut], [i for i in fresh if i < cut]
+        s = Sequence(seq_id, tenant, self.cfg.geometry.num_layers, token_ids=prompt, hashes=hashes)
+        new = dict(zip(fresh, self.main_pool.allocate(len(fresh))))
+        enc = [i for i in fresh if hits[i][0] == "encode"]
+        if enc:
+            k, v = self.tail.read_blocks(slice(None), ids_to(self.tail.k.device, [hits[i][1] for i in enc]))
+            self.main.encode_blocks(ids_to(k.device, [new[i] for i in enc]), k, v)
+            self.tail_pool.release([hits[i][1] for i in enc])
+        below = [i for i in fresh if hits[i][0] == "below"]
+        if below:
+            self.main.unpack(ids_to(self.main_device, [new[i] for i in below]),
+                             torch.stack([hits[i][1][1] for i in below]))
+            tiers = [hits[i][1][0] for i in below]
+            if self.tiering is not None:
+                self.tiering.served([t for t in tiers if t != "redis"])
+            if self.redis is not None:
+                self.redis.served(tiers.count("redis"))
+        for i, (kind, b) in enumerate(hits):
+            bid = new.get(i, b)
+            if i in new:
+                self.main_pool.set_hash(bid, hashes[i])
+            if kind == "tail" or not self.is_pq:   # sinks and tail; fp16: relabelled as sealed just below
+                s.tail.append(bid)
+            else:
+                s.sealed.append(bid)
+        s.length = len(hits) * self.bs
+        s.hashed_upto = len(hits)
+        if not self.is_pq:   # like an append of these tokens: the tail keeps at most R + block_size
+            self._seal(s, self.sealed_count(s.length), None, None)
+        self.seqs[(tenant, seq_id)] = s
+        self.counters["prefix_query_tokens"] += len(prompt)
+        self.counters["prefix_hit_tokens"] += s.length
+        self.publish()
+        return AllocateResult(cached_tokens=s.length, hit_blocks=len(hits))
+
+    # ------------------------------------------------------- fork and free
+    def fork(self, src: Sequence, tenant: str, dst_id: str) -> None:
+        """Share every full block of src; copy its partial last block (copy-on-write)."""
+        self._check_new_sequence(tenant, dst_id, "new_sequence_id")
+        if any(src.pending) or src.reserved:
+            raise FailedPrecondition("sequence_id", f"sequence {quote(src.seq_id)} has uncommitted tokens")
+        partial = src.length % self.bs != 0 and len(src.tail) > 0
+        shared_tail = src.tail[:-1] if partial else list(src.tail)
+        if partial:
+            self.check_room(0, 1, 0, "tail")
+        new = self._alloc_tail(1) if partial else []
+        self.main_pool.ref(src.sealed)
+        self.tail_pool.ref(shared_tail)
+        if partial:
+            self.tail.copy_block(src.tail[-1], new[0])
+        dst = Sequence(dst_id, tenant, src.num_layers, length=src.length, sealed=list(src.sealed),
+                       tail=shared_tail + new, token_ids=array("i", src.token_ids), hashes=list(src.hashes),
+                       hashed_upto=src.hashed_upto)
+        self.seqs[(tenant, dst_id)] = dst
+
+    def free(self, s: Sequence) -> None:
+        if self.tiering is not None:
+            self.tiering.free(s)          # its disk copy first, then host blocks
+        if s.tier == "gpu":
+            # Release back to front: the newest blocks are the least likely to
+            # be shared prefixes, so they should be evicted first.
+            self.tail_pool.release(s.tail[::-1])
+            self.main_pool.release(s.sealed[::-1])
+        del self.seqs[(s.tenant, s.seq_id)]
+
+    @property
+    def main_device(self) -> torch.device:
+        return self.main.k_codes.device if self.is_pq else self.main.k.device
+
+    # --------------------------------------------------------------- stats
+    def stats(self) -> dict:
+        main = self.main_pool.stats()
+        tail = self.tail_pool.stats() if self.is_pq else None
+        tokens = sum(s.length for s in self.seqs.values())
+        sealed_tokens = sum(len(s.sealed) * self.bs for s in self.seqs.values())
+        c = self.counters
+        used_bytes = main.used * self.cfg.bytes_per_block()
+        if self.is_pq:
+            used_bytes += tail.used * self.bs * self.cfg.fp16_bytes_per_token()
+        return dict(
+            main=main, tail=tail, sequences=len(self.seqs), tokens=tokens, sealed_tokens=sealed_tokens,
+            host_metadata_bytes=sum(s.host_bytes() for s in self.seqs.values()),
+            sink_tokens=self.sinks,
+            bytes_per_token=self.cfg.bytes_per_token(), fp16_bytes_per_token=self.cfg.fp16_bytes_per_token(),
+            compression_ratio=self.cfg.fp16_bytes_per_token() / self.cfg.bytes_per_token(),
+            used_bytes=used_bytes,
+            effective_bytes_per_token=(used_bytes / tokens) if tokens else 0.0,
+            prefix_hit_rate=(c["prefix_hit_tokens"] / c["prefix_query_tokens"]) if c["prefix_query_tokens"] else 0.0,
+            tiers=self.tiering.stats() if self.tiering is not None else None,
+            redis=self.redis.stats() if self.redis is not None else None,
+            **c)
+
+    def check_invariants(self) -> None:
+        """Pool accounting, and ref counts equal the references sequences hold,
+        in every tier."""
+        refs = {tier: ({}, {}) for tier in ("gpu", "host")}
+        if not self.is_pq:
+            refs["gpu"] = (refs["gpu"][0], refs["gpu"][0])   # one pool for sealed and tail
+        for s in self.seqs.values():
+            if s.tier == "disk":
+                assert not s.sealed and not s.tail and s.manifest is not None, f"{s.seq_id}: disk tier holds ids"
+                continue
+            main_refs, tail_refs = refs[s.tier]
+            for b in s.sealed:
+                main_refs[b] = main_refs.get(b, 0) + 1
+            for b in s.tail:
+                tail_refs[b] = tail_refs.get(b, 0) + 1
+            assert len(s.sealed) >= self.sealed_count(s.length), f"{s.seq_id}: tail too long"
+            assert (len(s.sealed) + len(s.tail)) * self.bs >= s.max_length(), f"{s.seq_id}: blocks do not cover tokens"
+            if s.sealed:
+                assert len(s.tail) >= self.sink_blocks, f"{s.seq_id}: sealed blocks before complete sinks"
+                assert self.sinks + len(s.sealed) * self.bs <= s.length, f"{s.seq_id}: sealed beyond committed length"
+        self.main_pool.check_invariants(refs["gpu"][0])
+        if self.is_pq:
+            self.tail_pool.check_invariants(refs["gpu"][1])
+        if self.tiering is not None and self.tiering.host is not None:
+            self.tiering.host.main_pool.check_invariants(refs["host"][0])
+            self.tiering.host.tail_pool.check_invariants(refs["host"][1])
+        if self.tiering is not None:
+            self.tiering.check_invariants()

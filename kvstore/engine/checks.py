@@ -1,0 +1,103 @@
+"""The engine's checks of a request, run before any state changes; errors
+name the request field: the float tensors it brings (K, V, Q, codebook
+samples: dtype, shape, values in the cache's dtype), the sequences and layer
+it names, its scale, and the room a batch needs."""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from kvstore.core.config import CacheConfig
+from kvstore.core.sequence import Sequence
+from kvstore.errors import FailedPrecondition, InvalidArgument, quote
+
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def check_values(x: torch.Tensor, field: str, limit: float, converted: bool) -> None:
+    """Refuse NaN, Inf and |element| > limit in x, a tensor in a cache's dtype
+    (one min/max reduction). converted: x is the daemon's conversion of the
+    request's tensor, where an Inf may be a finite value past the dtype's range."""
+    if x.numel() == 0:
+        return
+    lo, hi = torch.stack(torch.aminmax(x)).tolist()
+    if -limit <= lo and hi <= limit:       # False for NaN too
+        return
+    if math.isnan(lo) or math.isnan(hi):
+        raise InvalidArgument(field, "contains NaN")
+    if math.isinf(lo) or math.isinf(hi):
+        top = torch.finfo(x.dtype).max
+        raise InvalidArgument(field, f"contains Inf, or values past {top:g} that overflow the cache's {x.dtype}"
+                              if converted else "contains Inf")
+    raise InvalidArgument(field, f"holds {max(-lo, hi):g}; a {x.dtype} cache takes |{field}| <= {limit:g} "
+                          "(larger ones overflow the fp32 attention scores)")
+
+
+def request_tensor(cfg: CacheConfig, t: torch.Tensor, field: str, shape: tuple,
+                   limit: float | None = None) -> torch.Tensor:
+    """Check a float tensor's shape (None = any size) and values, -> it on the
+    cache's device in the cache dtype. limit: the largest |element| taken (q
+    and k: ModelGeometry.qk_limit); None: any value finite in the cache dtype."""
+    if t.dtype not in FLOAT_DTYPES:
+        raise InvalidArgument(field, f"dtype {t.dtype} is not float16/bfloat16/float32")
+    if t.dim() != len(shape) or any(w is not None and w != g for w, g in zip(shape, t.shape)):
+        want = "[" + ", ".join("*" if w is None else str(w) for w in shape) + "]"
+        raise InvalidArgument(field, f"shape {list(t.shape)}, expected {want}")
+    x = t.to(dtype=getattr(torch, cfg.geometry.dtype))
+    # Values are checked in the cache dtype, after the conversion, which can
+    # overflow (1e5 in fp32 is Inf in fp16). On CUDA the check synchronises
+    # with the host: a tensor that arrives on the GPU in the cache dtype (the
+    # decode path) is the client's responsibility, as a check would stall
+    # every call; one the daemon converts costs a copy anyway and is checked.
+    if not x.is_cuda or x is not t:
+        check_values(x, field, limit if limit is not None else torch.finfo(x.dtype).max, x is not t)
+    return x.to(device=cfg.device)
+
+
+def sequences(cache, tenant: str, seq_ids: list[str], unique: bool) -> list[Sequence]:
+    """The sequences a request names, in its order (NotFound for one that is not there)."""
+    if not seq_ids:
+        raise InvalidArgument("sequence_ids", "empty batch")
+    if unique and len(set(seq_ids)) != len(seq_ids):
+        raise InvalidArgument("sequence_ids", "a sequence appears twice in one batch")
+    return [cache.seq(tenant, i) for i in seq_ids]
+
+
+def check_layer(cfg: CacheConfig, layer: int) -> None:
+    if not 0 <= layer < cfg.geometry.num_layers:
+        raise InvalidArgument("layer", f"{layer} outside [0, {cfg.geometry.num_layers})")
+
+
+def query(cfg: CacheConfig, n_seqs: int, q: torch.Tensor, scale: float) -> tuple[torch.Tensor, float]:
+    """Checks shared by the attend paths -> (q on the cache device, scale)."""
+    g = cfg.geometry
+    q = request_tensor(cfg, q, "q", (n_seqs, g.num_q_heads, g.head_dim), g.qk_limit)
+    if not 0 <= scale <= g.max_scale():      # NaN fails too; Inf is past the bound
+        raise InvalidArgument("scale", f"must be in [0, {g.max_scale():.3g}] (0: 1/sqrt(head_dim); past the "
+                              f"bound, scores of {g.dtype} q and k overflow fp32), got {scale}")
+    return q, scale or 1.0 / math.sqrt(g.head_dim)
+
+
+def output_into(out: torch.Tensor | None, q: torch.Tensor) -> torch.Tensor | None:
+    """out if the kernels can write the result straight into it (q's shape,
+    dtype and device, contiguous), else None: the result gets its own tensor."""
+    if out is None or out.shape != q.shape or out.dtype != q.dtype or out.device != q.device \
+            or not out.is_contiguous():
+        return None
+    return out
+
+
+def batch_room(cache, seqs: list[Sequence], counts: list[int], layer: int | None,
+               token_ids: list | None = None) -> None:
+    """Refuse a batch that will not fit, or that any of its sequences
+    would refuse, before writing any of it."""
+    main = tail = freed = 0
+    for i, (s, c) in enumerate(zip(seqs, counts)):
+        if (layer is None and any(s.pending)) or s.reserved:
+            raise FailedPrecondition("sequence_ids", f"sequence {quote(s.seq_id)} has uncommitted tokens")
+        if token_ids is not None and len(token_ids[i]):
+            cache.check_token_ids(s, c, token_ids[i])
+        m, t, f = cache.room_needed(s, c, layer)
+        main, tail, freed = main + m, tail + t, freed + f
+    cache.check_room(main, tail, freed)

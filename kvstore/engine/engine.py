@@ -1,0 +1,388 @@
+"""The engine: every cache of the daemon, each behind its own lock, with the
+input checks shared by all callers (the gRPC servicer, tests, in-process users).
+
+Tensors come in already decoded (torch); this layer checks shapes, dtypes,
+values, layers and sequences (checks.py), then hands over to Cache. What it
+hands back are the small dataclasses of results.py. It knows nothing of gRPC.
+
+Locks: a request holds the lock of the one cache it names (Cache.lock), so a
+long request in one cache never stalls another. Engine.lock guards only the
+dict of caches and what spans caches (create_cache's pool budget); it is
+taken before, never while holding, a cache's lock. Work that must see every
+cache at rest (the lease reaper) takes them all with locked_caches().
+"""
+from __future__ import annotations
+
+import contextlib
+import threading
+
+import torch
+
+from kvstore.codec.codebooks import Codebooks, train_codebooks
+from kvstore.core.config import CacheConfig
+from kvstore.core.sequence import Sequence
+from kvstore.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted, quote
+from kvstore.tiers.redis_store import RedisConfig, RedisStore
+
+from . import checks, results
+from .cache import Cache
+from .results import AllocateResult, CacheInfo, PoolMap, ReserveResult, SequenceInfo
+
+class Engine:
+    def __init__(self, device: str = "cpu", lmdb_path: str | None = None, lmdb_sync: bool = False,
+                 lmdb_max_bytes: int = 0, redis: RedisConfig | None = None):
+        """lmdb_path: the disk tier shared by every cache (keys carry each
+        cache's fingerprint); lmdb_sync: make pressure spills durable too
+        (Offload always is); lmdb_max_bytes: its bound (0: none); redis: the
+        tier below it, shared with the daemons of other hosts (tiers/redis_store.py)."""
+        self.device = device
+        self.caches: dict[str, Cache] = {}
+        self.lock = threading.RLock()      # the dict of caches (see the module docstring)
+        self.cold_store = None
+        if lmdb_path:
+            from kvstore.tiers.lmdb_store import LMDBStore
+            self.cold_store = LMDBStore(lmdb_path, sync=lmdb_sync, max_bytes=lmdb_max_bytes)
+        self.redis = RedisStore(redis) if redis is not None else None
+
+    # --------------------------------------------------------------- caches
+    def create_cache(self, cfg: CacheConfig, exist_ok: bool = False, max_pool_bytes: int = 0) -> CacheInfo:
+        """exist_ok: an existing cache of the same configuration is no error;
+        max_pool_bytes: memory all caches' pools may take together (0: no
+        bound), refused before anything is allocated: a pool past the
+        machine's memory would get the daemon OOM-killed."""
+        with self.lock:
+            old = self.caches.get(cfg.name)
+            if old is not None:
+                if not (exist_ok and old.cfg == cfg):
+                    raise AlreadyExists("name", f"cache {quote(cfg.name)} exists with another configuration"
+                                        if exist_ok else f"cache {quote(cfg.name)} exists")
+            else:
+                if max_pool_bytes:
+                    held = sum(results.pool_memory(c.cfg) for c in self.caches.values())
+                    need = results.pool_memory(cfg)
+                    if held + need > max_pool_bytes:
+                        raise ResourceExhausted("spec.num_blocks", f"the cache needs {need} bytes; "
+                                                f"{max_pool_bytes - held} of the daemon's --max-pool-bytes are left")
+                self.caches[cfg.name] = Cache(cfg, self.cold_store, self.redis)
+        return self.cache_info(cfg.name)
+
+    def config(self, name: str) -> CacheConfig:
+        """A cache's configuration (frozen: read without its lock)."""
+        return self.cache(name).cfg
+
+    def cache_info(self, name: str) -> CacheInfo:
+        c = self.cache(name)
+        with c.lock:        # codebooks and fingerprint change together
+            return results.cache_info(c)
+
+    def cache(self, name: str) -> Cache:
+        c = self.caches.get(name)      # caches are never removed: no lock needed to find one
+        if c is None:
+            raise NotFound("cache", f"no cache named {quote(name)}")
+        return c
+
+    def _all(self) -> list[Cache]:
+        with self.lock:
+            return list(self.caches.values())
+
+    @contextlib.contextmanager
+    def locked_caches(self):
+        """Hold every cache's lock at once -> the caches held. It never waits
+        for one lock while holding another (it backs off and waits for the busy
+        one alone), so a long request in one cache stalls no other meanwhile."""
+        caches = self._all()
+        first = 0
+        while True:
+            order = caches[first:] + caches[:first]
+            held = []
+            for c in order:
+                if not c.lock.acquire(blocking=not held):
+                    break
+                held.append(c)
+            if len(held) == len(order):
+                break
+            for c in held:
+                c.lock.release()
+            first = caches.index(order[len(held)])     # wait for the busy one first next time
+        try:
+            yield caches
+        finally:
+            for c in held:
+                c.lock.release()
+
+    def set_codebooks(self, name: str, cb: Codebooks) -> str:
+        cache = self.cache(name)
+        with cache.lock:
+            cache.set_codebooks(cb)
+            return cb.sha256()
+
+    def train_codebooks(self, name: str, k: torch.Tensor, v: torch.Tensor, niter: int = 20) -> str:
+        cache = self.cache(name)
+        g = cache.cfg.geometry
+        for field, t, limit in (("k_samples", k, g.qk_limit), ("v_samples", v, None)):
+            # Centroids are means of samples: samples the cache dtype holds give centroids it holds.
+            checks.request_tensor(cache.cfg, t, field, (None,) * t.dim(), limit)
+        cb = train_codebooks(cache.cfg, k, v, niter=niter)   # slow: outside the lock
+        return self.set_codebooks(name, cb)
+
+    # ------------------------------------------------------------ requests
+    def allocate(self, name: str, tenant: str, seq_id: str, prompt, owner: str = "",
+                 pinned: bool = False, persist: bool = False) -> AllocateResult:
+        """prompt: token ids (a list or a protobuf repeated field); owner: the
+        session whose lease lapse frees the sequence (see service/leases.py)."""
+        cache = self.cache(name)
+        with cache.lock:          # the cheap refusals first, in Cache.allocate's order
+            cache._require_ready()
+            cache._check_new_sequence(tenant, seq_id)
+        # Checking, copying and hashing a long prompt takes a while (~0.3 s for
+        # 4M tokens): outside the lock. allocate() checks it all again.
+        ids = cache.prompt_ids(prompt)
+        hashed = cache.prompt_hashes(tenant, ids)
+        with cache.lock:
+            r = cache.allocate(tenant, seq_id, ids, hashed)
+            s = cache.seqs[(tenant, seq_id)]
+            s.owner, s.pinned, s.persist = owner, pinned, persist
+            return r
+
+    def append(self, name: str, tenant: str, seq_ids: list[str], k: torch.Tensor, v: torch.Tensor,
+               counts: list[int], layer: int | None = None,
+               token_ids: list | None = None, defer_write: bool = False) -> tuple | None:
+        """k, v: [L, sum(counts), Hkv, d] (all layers) or [sum(counts), Hkv, d]
+        (layer given); tokens of seq_ids[i] are the counts[i] rows after those
+        of the earlier sequences; token_ids[i]: their ids (a list or a protobuf
+        repeated field), optional. Validated for all sequences before any
+        sequence changes. defer_write (with layer): -> (slots, k, v) of tokens
+        counted but not written, for Cache.attend(new=...); None: all written."""
+        cache = self.cache(name)
+        with cache.lock:
+            g = cache.cfg.geometry
+            seqs = checks.sequences(cache, tenant, seq_ids, unique=True)
+            if len(counts) != len(seqs):
+                raise InvalidArgument("counts", f"{len(counts)} counts for {len(seqs)} sequences")
+            if any(c <= 0 for c in counts):
+                raise InvalidArgument("counts", "every count must be >= 1")
+            n = sum(counts)
+            if layer is None:
+                shape = (g.num_layers, n, g.num_kv_heads, g.head_dim)
+            else:
+                checks.check_layer(cache.cfg, layer)
+                shape = (n, g.num_kv_heads, g.head_dim)
+            k = checks.request_tensor(cache.cfg, k, "k", shape, g.qk_limit)
+            v = checks.request_tensor(cache.cfg, v, "v", shape)
+            if token_ids is not None:
+                if layer is not None:
+                    raise InvalidArgument("token_ids", "token ids go with all-layer appends")
+                if len(token_ids) != len(seqs):
+                    raise InvalidArgument("token_ids", f"{len(token_ids)} id lists for {len(seqs)} sequences")
+                for ids in token_ids:      # before any of them is copied
+                    cache.check_length(len(ids), "token_ids")
+            return self._append_checked(cache, seqs, k, v, counts, layer, token_ids, defer_write)
+
+    def _append_checked(self, cache: Cache, seqs: list[Sequence], k: torch.Tensor, v: torch.Tensor,
+                        counts: list[int], layer: int | None, token_ids: list | None,
+                        defer_write: bool) -> tuple | None:
+        """append() after its argument checks (under cache.lock): k, v already
+        on the cache's device and dtype, of the shape counts and layer ask for."""
+        cache.resident(seqs)
+        # Batches of several sequences are checked whole before any write.
+        if len(seqs) > 1:
+            checks.batch_room(cache, seqs, counts, layer, token_ids)
+        deferred = None
+        try:
+            if layer is not None:        # decode: one scatter, one encode for the whole batch
+                cache.defer_encodes()
+                try:
+                    slots = cache.append_layer_batch(seqs, layer, k, v, counts, defer_write=defer_write)
+                    deferred = (slots, k, v) if slots is not None else None
+                finally:
+                    cache.flush_encodes()
+            else:
+                off = 0
+                for i, (s, c) in enumerate(zip(seqs, counts)):
+                    ids = token_ids[i] if token_ids is not None and len(token_ids[i]) else None
+                    cache.append(s, k[:, off:off + c], v[:, off:off + c], ids)
+                    off += c
+            cache.after_write()
+        except BaseException:
+            if deferred is not None:     # counted tokens hold their data, whatever failed after
+                cache.tail.write_tokens(layer, *deferred)
+            raise
+        return deferred
+
+    def attend(self, name: str, tenant: str, layer: int, seq_ids: list[str], q: torch.Tensor,
+               scale: float = 0.0, out: torch.Tensor | None = None) -> torch.Tensor:
+        """q [B, Hq, d] -> out [B, Hq, d] in the cache dtype; written into `out`
+        when it fits (see _out), which the caller compares with the result."""
+        cache = self.cache(name)
+        with cache.lock:
+            checks.check_layer(cache.cfg, layer)
+            seqs = checks.sequences(cache, tenant, seq_ids, unique=False)
+            q, scale = checks.query(cache.cfg, len(seqs), q, scale)
+            cache.check_visible(layer, seqs)     # before paging in: a refused call moves nothing
+            cache.resident(seqs)
+            return cache.attend(layer, seqs, q, scale, out=checks.output_into(out, q))
+
+    def append_attend(self, name: str, tenant: str, layer: int, seq_ids: list[str], k: torch.Tensor,
+                      v: torch.Tensor, q: torch.Tensor, scale: float = 0.0,
+                      out: torch.Tensor | None = None) -> torch.Tensor:
+        """Decode step of one layer: k, v [B, Hkv, d] (one new token per
+        sequence), q [B, Hq, d] -> out [B, Hq, d] (`out` as in attend)."""
+        cache = self.cache(name)
+        with cache.lock:
+            checks.check_layer(cache.cfg, layer)
+            seqs = checks.sequences(cache, tenant, seq_ids, unique=True)
+            q, scale = checks.query(cache.cfg, len(seqs), q, scale)
+            # append()'s checks less those done just above (errors in the same order).
+            g = cache.cfg.geometry
+            shape = (len(seqs), g.num_kv_heads, g.head_dim)
+            k = checks.request_tensor(cache.cfg, k, "k", shape, g.qk_limit)
+            v = checks.request_tensor(cache.cfg, v, "v", shape)
+            # The new tokens' write joins the attention (its decode graph, when it has one).
+            new = self._append_checked(cache, seqs, k, v, [1] * len(seqs), layer, None, defer_write=True)
+            return cache.attend(layer, seqs, q, scale, out=checks.output_into(out, q), new=new)
+
+    def reserve(self, name: str, tenant: str, seq_id: str, n: int,
+                known: tuple[int, int] = (0, 0)) -> ReserveResult:
+        if n < 0 or n > 1 << 20:
+            raise InvalidArgument("num_tokens", f"must be in [0, 2^20], got {n}")
+        cache = self.cache(name)
+        with cache.lock:
+            s = cache.seq(tenant, seq_id)
+            cache.resident([s])
+            r = cache.reserve(s, n, known)
+            cache.publish()
+            return r
+
+    def reserve_batch(self, name: str, tenant: str, seq_ids: list[str], n: int,
+                      gpu_scope=contextlib.nullcontext,
+                      known: list[tuple[int, int]] | None = None) -> list[ReserveResult]:
+        """Reserve for a decode step of a batch, sequence by sequence.
+
+        gpu_scope() (the caller's CUDA ordering against the client's stream) is
+        entered only when the reserve may run GPU work (Cache.reserve_touches_gpu):
+        the other steps of a decode loop then cost the GPU nothing, not even a
+        switch to the daemon's context and back (~0.35 ms a step, measured)."""
+        if n < 0 or n > 1 << 20:
+            raise InvalidArgument("num_tokens", f"must be in [0, 2^20], got {n}")
+        if known is not None and len(known) != len(seq_ids):
+            raise InvalidArgument("known_sealed", f"{len(known)} entries for {len(seq_ids)} sequences")
+        cache = self.cache(name)
+        with cache.lock:
+            seqs = checks.sequences(cache, tenant, seq_ids, unique=True)
+            for s in seqs:
+                if any(s.pending):
+                    raise FailedPrecondition("sequence_ids", f"sequence {quote(s.seq_id)} has uncommitted per-layer tokens")
+            gpu = any(cache.reserve_touches_gpu(s, n) for s in seqs)
+            with gpu_scope() if gpu else contextlib.nullcontext():
+                cache.resident(seqs)
+                cache.defer_encodes()
+                try:
+                    rs = [cache.reserve(s, n, k) for s, k in zip(seqs, known or [(0, 0)] * len(seqs))]
+                finally:
+                    cache.flush_encodes()
+                if gpu:       # packs read the blocks: only in the client's CUDA order (else at a later flush)
+                    cache.publish()
+                return rs
+
+    def map_pool(self, name: str) -> PoolMap:
+        """The cache's pool tensors, all layers, for MapPool."""
+        c = self.cache(name)
+        with c.lock:
+            return results.pool_map(c)
+
+    def retrieve(self, name: str, tenant: str, seq_id: str, start: int, end: int,
+                 layer_start: int = 0, layer_end: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        cache = self.cache(name)
+        with cache.lock:
+            nl = cache.cfg.geometry.num_layers
+            layer_end = layer_end or nl
+            if not 0 <= layer_start < layer_end <= nl:
+                raise InvalidArgument("layer_end", f"layers [{layer_start}, {layer_end}) outside [0, {nl})")
+            s = cache.seq(tenant, seq_id)
+            if not 0 <= start < end <= s.length:
+                raise InvalidArgument("end", f"range [{start}, {end}) outside the {s.length} committed tokens")
+            cache.resident([s])
+            return cache.retrieve(s, start, end, slice(layer_start, layer_end))
+
+    def fork(self, name: str, tenant: str, src_id: str, dst_id: str, owner: str = "") -> None:
+        cache = self.cache(name)
+        with cache.lock:
+            src = cache.seq(tenant, src_id)
+            cache._check_new_sequence(tenant, dst_id, "new_sequence_id")
+            cache.resident([src])
+            cache.fork(src, tenant, dst_id)
+            cache.seqs[(tenant, dst_id)].owner = owner
+
+    def free(self, name: str, tenant: str, seq_ids: list[str]) -> None:
+        cache = self.cache(name)
+        with cache.lock:
+            seqs = checks.sequences(cache, tenant, seq_ids, unique=True)
+            for s in seqs:
+                cache.free(s)
+
+    def offload(self, name: str, tenant: str, seq_ids: list[str]) -> None:
+        """Write sequences to the disk tier; returns once they are durable."""
+        cache = self.cache(name)
+        with cache.lock:
+            seqs = checks.sequences(cache, tenant, seq_ids, unique=True)
+            if cache.tiering is None or cache.tiering.disk is None:
+                raise FailedPrecondition("sequence_ids", "no disk tier: start the daemon with --lmdb PATH")
+            for s in seqs:
+                if any(s.pending) or s.reserved:
+                    raise FailedPrecondition("sequence_ids", f"sequence {quote(s.seq_id)} has uncommitted tokens")
+            cache.protect = set()
+            cache.tiering.offload(seqs)
+
+    def prefetch(self, name: str, tenant: str, seq_ids: list[str]) -> None:
+        """Page sequences back into the GPU pools ahead of use."""
+        cache = self.cache(name)
+        with cache.lock:
+            cache.resident(checks.sequences(cache, tenant, seq_ids, unique=True))
+
+    # ------------------------------------------------------------ introspection
+    def sequence_info(self, name: str, tenant: str, seq_id: str) -> SequenceInfo:
+        c = self.cache(name)
+        with c.lock:        # the ref counts match the block ids
+            return results.sequence_info(c, c.seq(tenant, seq_id))
+
+    def owned_sequences(self, tenant: str, owner: str) -> dict[str, list[tuple[str, bool]]]:
+        """Lease hook: cache -> [(seq_id, persist)] of the unpinned sequences a
+        session owns (each cache read under its own lock, one at a time)."""
+        out: dict[str, list[tuple[str, bool]]] = {}
+        if not owner:
+            return out
+        for c in self._all():
+            with c.lock:
+                ids = [(s.seq_id, s.persist) for s in c.seqs.values()
+                       if s.tenant == tenant and s.owner == owner and not s.pinned]
+            if ids:
+                out[c.cfg.name] = ids
+        return out
+
+    def list_sequences(self, name: str, tenant: str) -> list[SequenceInfo]:
+        c = self.cache(name)
+        with c.lock:
+            return [results.sequence_info(c, s) for (t, _), s in sorted(c.seqs.items()) if t == tenant]
+
+    def stats(self, name: str | None = None) -> dict[str, dict]:
+        """Stats of one cache (name) or all, each read under its own lock in
+        turn: a request in one cache delays only that cache's entry."""
+        caches = [self.cache(name)] if name is not None else self._all()
+        out = {}
+        for c in caches:
+            with c.lock:
+                out[c.cfg.name] = c.stats()
+        return out
+
+    def check_invariants(self) -> None:
+        for c in self._all():
+            with c.lock:
+                c.check_invariants()
+
+    def close(self) -> None:
+        """Before the process exits: what LMDB holds is on disk, and queued
+        Redis puts get a moment to reach Redis."""
+        if self.cold_store is not None:
+            self.cold_store.env.sync(True)
+        if self.redis is not None:
+            self.redis.close()

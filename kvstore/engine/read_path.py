@@ -1,0 +1,143 @@
+"""The read path of a cache: decode attention and Retrieve."""
+from __future__ import annotations
+
+import math
+import time
+
+import torch
+
+from kvstore.kernels import cpu_decode
+
+from kvstore.core.sequence import Sequence
+from kvstore.cuda.pinned import block_table, staged
+from kvstore.errors import InvalidArgument, quote
+
+from .storage import ids_to
+
+
+class ReadPath:
+    """Mixed into Cache; builds block tables and calls the kernels."""
+
+    # ------------------------------------------------------------- reading
+    @staticmethod
+    def check_visible(layer: int, seqs: list[Sequence]) -> None:
+        """Every sequence has a token to attend to at this layer."""
+        for s in seqs:
+            if s.layer_length(layer) == 0:
+                raise InvalidArgument("sequence_ids", f"sequence {quote(s.seq_id)} has no tokens at layer {layer}")
+
+    def attend(self, layer: int, seqs: list[Sequence], q: torch.Tensor, scale: float,
+               out: torch.Tensor | None = None, new: tuple | None = None) -> torch.Tensor:
+        """q [B, Hq, d] -> out [B, Hq, d]: decode attention of one query token per
+        sequence over every token visible at this layer. out: where to write it
+        (q's shape, dtype and device, contiguous), e.g. the caller's buffer.
+        new: (slots, k, v) of tokens append_layer_batch(defer_write=True) counted
+        but left to write: written here first (by the decode graph if it can)."""
+        wrote = False
+        try:
+            self._require_ready()
+            dev = q.device
+            self.check_visible(layer, seqs)
+            graphed = None
+            if dev.type == "cuda" and out is not None:
+                graphed, wrote = self.graphs.attend(self, layer, seqs, q, scale, out, new)
+            if new is not None and not wrote:
+                self.tail.write_tokens(layer, *new)
+                wrote = True
+        finally:
+            if new is not None and not wrote:     # an error above: the counted tokens hold their data anyway
+                self.tail.write_tokens(layer, *new)
+        if dev.type == "cpu":
+            res = self._attend_cpu(layer, seqs, q, scale)
+            if out is None:
+                out = res
+            else:
+                out.copy_(res)
+        elif graphed is not None:
+            pass        # replayed (or captured) into out
+        else:
+            # The hot path holds a plan (DESIGN §4): block tables and work items
+            # built on the host and copied in one go (pinned.staged), then the
+            # kernels, which take the engine's own pool tensors unchecked.
+            from kvstore.kernels import decode_attention as da
+            hq, d = q.shape[1], q.shape[2]
+            with staged(dev):
+                if self.is_pq:
+                    kc = self.main.k_codes[layer]
+                    sealed = block_table([s.sealed for s in seqs], dev)
+                    # Sinks then tail as one fp16 table: attention does not care about token order.
+                    tail = block_table([s.tail for s in seqs], dev)
+                    # Lengths stay host lists: the kernels plan on the host, and a
+                    # device tensor would cost a synchronisation to read back.
+                    plan = da.plan_pq_decode([len(s.sealed) * self.bs for s in seqs],
+                                             [s.layer_length(layer) - len(s.sealed) * self.bs for s in seqs],
+                                             num_qo_heads=hq, num_kv_heads=kc.shape[1], head_dim=d,
+                                             block_size=self.bs, tail_block_size=self.tail.k.shape[3], device=dev)
+                else:
+                    table = block_table([s.sealed + s.tail for s in seqs], dev)
+                    plan = da.plan_paged_decode([s.layer_length(layer) for s in seqs], num_qo_heads=hq,
+                                                num_kv_heads=self.main.k.shape[2], head_dim=d,
+                                                block_size=self.bs, device=dev)
+            if self.is_pq:
+                out, _ = plan.run_pq(q, kc, self.main.v_codes[layer], self.main.k_cb[layer], self.main.v_cb[layer],
+                                     sealed, self.tail.k[layer], self.tail.v[layer], tail, scale, out=out,
+                                     trusted=True, codebook_image=self.main.image(layer))
+            else:
+                out, _ = plan.run_paged(q, self.main.k[layer], self.main.v[layer], table, scale, out=out,
+                                        trusted=True)
+        now = time.monotonic()
+        for s in seqs:
+            s.last_use = now
+        self.counters["attend_calls"] += 1
+        return out
+
+    def _attend_cpu(self, layer: int, seqs: list[Sequence], q: torch.Tensor, scale: float) -> torch.Tensor:
+        """The CPU device: no block tables, no plan; see kernels/cpu_decode.py."""
+        outs = []
+        for i, s in enumerate(seqs):
+            n = s.layer_length(layer)
+            if self.is_pq:
+                ns = len(s.sealed) * self.bs
+                tail = torch.tensor(s.tail, dtype=torch.long)
+                k = cpu_decode.gather_tokens(self.tail.k[layer], tail, n - ns)
+                v = cpu_decode.gather_tokens(self.tail.v[layer], tail, n - ns)
+                if ns:
+                    ks, vs = cpu_decode.dequantize_tokens(self.main.k_codes[layer], self.main.v_codes[layer],
+                                                          self.main.k_cb[layer], self.main.v_cb[layer], s.sealed)
+                    k = torch.cat([ks, k], dim=1)
+                    v = torch.cat([vs, v], dim=1)
+            else:
+                blocks = torch.tensor(s.sealed + s.tail, dtype=torch.long)
+                k = cpu_decode.gather_tokens(self.main.k[layer], blocks, n)
+                v = cpu_decode.gather_tokens(self.main.v[layer], blocks, n)
+            outs.append(cpu_decode.attend_one(q[i], k, v, scale))
+        out = outs[0].unsqueeze(0) if len(outs) == 1 else torch.stack(outs)
+        return out.to(q.dtype)
+
+    def retrieve(self, s: Sequence, start: int, end: int, layers: slice) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> k, v [nl, end - start, Hkv, d] of committed tokens in position
+        order: sinks exact, sealed ones dequantized, tail ones exact."""
+        if not 0 <= start < end <= s.length:
+            raise InvalidArgument("end", f"range [{start}, {end}) outside the {s.length} committed tokens")
+        s0 = self.sinks if s.sealed else 0       # sealed tokens are [s0, s1)
+        s1 = s0 + len(s.sealed) * self.bs
+        parts = []
+        if start < min(end, s0):
+            parts.append(self._read_fp16(s, layers, start, min(end, s0)))
+        if max(start, s0) < min(end, s1):
+            a, b = max(start, s0) - s0, min(end, s1) - s0
+            b0, b1 = a // self.bs, math.ceil(b / self.bs)
+            k, v = self.main.read_blocks(layers, ids_to(self.main_device, s.sealed[b0:b1]))
+            parts.append((k[:, a - b0 * self.bs:b - b0 * self.bs], v[:, a - b0 * self.bs:b - b0 * self.bs]))
+        if end > max(start, s1):
+            parts.append(self._read_fp16(s, layers, max(start, s1), end))
+        s.last_use = time.monotonic()
+        return torch.cat([k for k, _ in parts], dim=1), torch.cat([v for _, v in parts], dim=1)
+
+    def _read_fp16(self, s: Sequence, layers: slice, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Tokens [start, end) that sit contiguously in the fp16 blocks (all sinks, or all tail)."""
+        t0 = int(self.tail_index(s, torch.tensor(start)))
+        t1 = t0 + end - start
+        b0, b1 = t0 // self.bs, math.ceil(t1 / self.bs)
+        k, v = self.tail.read_blocks(layers, ids_to(self.tail.k.device, s.tail[b0:b1]))
+        return k[:, t0 - b0 * self.bs:t1 - b0 * self.bs], v[:, t0 - b0 * self.bs:t1 - b0 * self.bs]

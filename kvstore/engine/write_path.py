@@ -1,0 +1,326 @@
+"""The write path of a cache (DESIGN §4): tokens go to the fp16 tail; once
+the tail holds more than R + block_size committed tokens after the S sink
+tokens, its oldest blocks are encoded into sealed blocks (or, when another
+sequence already sealed the same content, shared). The sink blocks at the
+front of the tail are never sealed. Every method checks room before it
+changes state."""
+from __future__ import annotations
+
+import math
+import time
+from array import array
+
+import torch
+
+from kvstore.core.sequence import Sequence, token_array
+from kvstore.errors import FailedPrecondition, InvalidArgument, ResourceExhausted, quote
+
+from .results import ReserveResult
+from .storage import ids_to
+
+SMALL_WRITE = 8      # tokens up to which a per-layer append writes slot by slot
+
+
+class WritePath:
+    """Mixed into Cache; uses its pools, stores and counters."""
+
+    _deferred: list | None = None
+
+    def _encode(self, block_ids: list[int], k: torch.Tensor, v: torch.Tensor) -> None:
+        """Encode whole blocks now, or at flush_encodes() inside a batch."""
+        if self._deferred is not None:
+            self._deferred.append((block_ids, k, v))
+        else:
+            self.main.encode_blocks(ids_to(k.device, block_ids), k, v)
+
+    def defer_encodes(self) -> None:
+        """Until flush_encodes(), collect seals so a batch encodes in one launch
+        per layer and K/V, not one per sequence (the block data is already
+        copied out of the tail, so nothing reads it in between)."""
+        self._deferred = []
+
+    def flush_encodes(self) -> None:
+        todo, self._deferred = self._deferred, None
+        if todo:
+            ids = [b for blocks, _, _ in todo for b in blocks]
+            k = torch.cat([kk for _, kk, _ in todo], dim=1)
+            v = torch.cat([vv for _, _, vv in todo], dim=1)
+            self.main.encode_blocks(ids_to(k.device, ids), k, v)
+
+    def _seal(self, s: Sequence, count: int, k: torch.Tensor | None, v: torch.Tensor | None) -> None:
+        """Append `count` new sealed blocks; k, v [L, count * bs, Hkv, d] hold
+        their tokens (unused for fp16, where the tail blocks are relabelled).
+        Capacity was checked by the caller."""
+        if count <= 0:
+            return
+        if not self.is_pq:
+            s.sealed += s.tail[:count]
+            del s.tail[:count]
+            return
+        first = self.sink_blocks + len(s.sealed)     # block index of the first new sealed block
+        hits: dict[int, int] = {}
+        for j in range(count):
+            i = first + j
+            if i < len(s.hashes):
+                bid = self.main_pool.lookup(s.hashes[i])
+                if bid is not None:
+                    hits[j] = bid
+        # Ref the hits before allocating, so allocation cannot evict them.
+        self.main_pool.ref(list(hits.values()))
+        todo = [j for j in range(count) if j not in hits]
+        new = self.main_pool.allocate(len(todo))
+        assert new is not None, "main-pool capacity was checked before sealing"
+        if todo:
+            sel = ids_to(k.device, [j * self.bs + t for j in todo for t in range(self.bs)])
+            self._encode(new, k.index_select(1, sel), v.index_select(1, sel))
+        ids = [hits.get(j) for j in range(count)]
+        for j, bid in zip(todo, new):
+            ids[j] = bid
+            # Blocks already registered as tail blocks get their sealed twin
+            # registered now; the rest are registered at commit.
+            if first + j < min(s.hashed_upto, len(s.hashes)):
+                self.main_pool.set_hash(bid, s.hashes[first + j])
+        s.sealed += ids
+        self.counters["sealed_blocks"] += count
+        self.counters["dedup_blocks"] += len(hits)
+
+
+    # --------------------------------------------------------------- append
+    def _apply_token_ids(self, s: Sequence, start: int, ids: array) -> None:
+        """Record (already checked: check_token_ids) ids of tokens [start,
+        start + len(ids)); they extend the hash chain only if every earlier id
+        is known."""
+        known = s.token_ids[start:start + len(ids)]
+        if len(s.token_ids) >= start:
+            s.token_ids.extend(ids[len(known):])
+            self._extend_hashes(s)
+
+    def check_token_ids(self, s: Sequence, n: int, token_ids) -> array:
+        """Ids of the n tokens an all-layer append adds after s.length -> them as an array('i')."""
+        if len(token_ids) != n:
+            raise InvalidArgument("token_ids", f"{len(token_ids)} ids for {n} tokens")
+        ids = token_array(token_ids, "token_ids")
+        known = s.token_ids[s.length:s.length + n]
+        if known != ids[:len(known)]:
+            raise InvalidArgument("token_ids", f"differ from the ids given at Allocate for positions {s.length}..")
+        return ids
+
+    def room_needed(self, s: Sequence, n: int, layer: int | None) -> tuple[int, int, int]:
+        """(main blocks, tail blocks, tail blocks freed by sealing) that
+        appending n tokens (all layers, or one layer) will take at most."""
+        if layer is None:
+            T = s.length + n
+            self.check_length(T, "counts")
+            n_sealed = max(self.sealed_count(T), len(s.sealed))
+            seal = n_sealed - len(s.sealed)
+            if not self.is_pq:
+                return 0, max(0, math.ceil(T / self.bs) - len(s.sealed) - len(s.tail)), 0
+            sinks = min(len(s.tail), self.sink_blocks)
+            rest = len(s.tail) - sinks               # the tail blocks sealing can take
+            freed = sum(1 for b in s.tail[sinks:sinks + seal] if self.tail_pool.blocks[b].ref_cnt == 1)
+            return seal, max(0, math.ceil(T / self.bs) - sinks - max(n_sealed, len(s.sealed) + rest)), freed
+        end = s.length + s.pending[layer] + n
+        tail = max(0, math.ceil(end / self.bs) - len(s.sealed) - len(s.tail))
+        commit = min(p + (n if i == layer else 0) for i, p in enumerate(s.pending))
+        seal = max(self.sealed_count(s.length + commit), len(s.sealed)) - len(s.sealed)
+        return (seal if self.is_pq else 0), tail, 0
+
+    def check_room(self, main: int, tail: int, freed: int, field: str = "k") -> None:
+        """Raise ResourceExhausted unless the pools can give main + tail blocks,
+        after moving least recently used sequences down a tier if need be."""
+        if self.tiering is not None and not self._fits(main, tail, freed):
+            self.tiering.make_room(main, max(0, tail - freed), self.protect)
+        if self.is_pq:
+            if main > self.main_pool.num_allocatable():
+                raise ResourceExhausted(field, f"need {main} blocks, {self.main_pool.num_allocatable()} free")
+            if tail > self.tail_pool.num_allocatable() + freed:
+                raise ResourceExhausted(field, f"need {tail} fp16 tail blocks, "
+                                        f"{self.tail_pool.num_allocatable() + freed} free")
+        elif tail > self.main_pool.num_allocatable():
+            raise ResourceExhausted(field, f"need {tail} blocks, {self.main_pool.num_allocatable()} free")
+
+    def _fits(self, main: int, tail: int, freed: int) -> bool:
+        if self.is_pq:
+            return (main <= self.main_pool.num_allocatable()
+                    and tail <= self.tail_pool.num_allocatable() + freed)
+        return tail <= self.main_pool.num_allocatable()
+
+    def append(self, s: Sequence, k: torch.Tensor, v: torch.Tensor, token_ids=None) -> None:
+        """All layers, n tokens: k, v [L, n, Hkv, d]. Validated by the caller."""
+        self._require_ready()
+        if any(s.pending) or s.reserved:
+            raise FailedPrecondition("sequence_id", f"sequence {quote(s.seq_id)} has uncommitted per-layer or reserved tokens")
+        n = k.shape[1]
+        if token_ids is not None:
+            token_ids = self.check_token_ids(s, n, token_ids)
+        T = s.length + n
+        n_sealed0 = len(s.sealed)
+        seal_count = max(self.sealed_count(T), n_sealed0) - n_sealed0
+        main_need, need_tail, freed = self.room_needed(s, n, None)
+        self.check_room(main_need, need_tail, freed)
+        ns = self.sink_blocks
+        release = s.tail[ns:ns + seal_count] if self.is_pq else []
+        # ---- validated; mutate from here on
+        self.changing(s)
+        if token_ids is not None:
+            self._apply_token_ids(s, s.length, token_ids)
+        if self.is_pq and seal_count:
+            first = self.sinks + n_sealed0 * self.bs     # first position to seal
+            have = max(0, s.length - first)              # of those, already in tail[ns:]
+            n_old = math.ceil(have / self.bs)
+            old_k, old_v = (self.tail.read_blocks(slice(None), ids_to(k.device, s.tail[ns:ns + n_old])) if n_old
+                            else (k[:, :0], v[:, :0]))
+            seal_tok = seal_count * self.bs
+            skip = max(0, first - s.length)              # new tokens that are sinks, not sealed
+            kk = torch.cat([old_k[:, :have], k[:, skip:]], dim=1)[:, :seal_tok]
+            vv = torch.cat([old_v[:, :have], v[:, skip:]], dim=1)[:, :seal_tok]
+            self.tail_pool.release(release)
+            del s.tail[ns:ns + len(release)]
+            self._seal(s, seal_count, kk, vv)
+        s.tail += self._alloc_tail(need_tail)
+        # New tokens go to the fp16 blocks (sinks or tail) unless they were just sealed.
+        pos = torch.arange(s.length, T)
+        fp16 = (pos < self.sinks) | (pos >= self.sinks + len(s.sealed) * self.bs) if self.is_pq else None
+        if fp16 is not None and not bool(fp16.all()):
+            keep = ids_to(k.device, fp16.nonzero().flatten())
+            pos, k, v = pos[fp16], k.index_select(1, keep), v.index_select(1, keep)
+        self._write_tail(s, slice(None), pos, k, v)
+        s.length = T
+        if not self.is_pq:
+            self._seal(s, max(self.sealed_count(T), n_sealed0) - len(s.sealed), None, None)
+        self._register_hashes(s)
+        s.last_use = time.monotonic()
+        self.counters["appended_tokens"] += n
+
+    def _tail_slots(self, s: Sequence, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(tail block, offset) of the fp16 tokens at host positions pos, host long tensors."""
+        idx = self.tail_index(s, pos)
+        return torch.tensor(s.tail, dtype=torch.long)[idx // self.bs], idx % self.bs
+
+    def _write_tail(self, s: Sequence, layers: slice, pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Write k, v [nl, n, Hkv, d] (the tokens at host positions pos [n]) into the tail."""
+        if pos.numel() == 0:
+            return
+        blocks, offs = self._tail_slots(s, pos)
+        dev = self.tail.k.device
+        self.tail.write(layers, ids_to(dev, blocks), ids_to(dev, offs), k, v)
+
+    def append_layer(self, s: Sequence, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """One layer, n tokens: k, v [n, Hkv, d]. Tokens commit (and seal) once
+        every layer has appended them."""
+        self.append_layer_batch([s], layer, k, v, [k.shape[0]])
+
+    def append_layer_batch(self, seqs: list[Sequence], layer: int, k: torch.Tensor, v: torch.Tensor,
+                           counts: list[int], defer_write: bool = False) -> list[tuple[int, int]] | None:
+        """One layer for a batch (decode): counts[i] tokens of seqs[i] in the
+        rows of k, v [sum(counts), Hkv, d], written with one scatter. A batch of
+        several sequences must have been checked whole (checks.batch_room).
+        defer_write: a few tokens are not written but returned as their
+        [(tail block, offset)], for attend(new=...) to write before it reads
+        them (inside its decode graph); sealing never reads the newest token of
+        a layer, so the seals this call queues do not need it. None: written."""
+        self._require_ready()
+        for s in seqs:
+            if s.reserved:
+                raise FailedPrecondition("sequence_id", f"sequence {quote(s.seq_id)} has reserved tokens")
+        if len(seqs) == 1:
+            main_need, need, _ = self.room_needed(seqs[0], counts[0], layer)
+            self.check_room(main_need, need, 0)
+        starts = [s.length + s.pending[layer] for s in seqs]
+        needs = [max(0, math.ceil((start + n) / self.bs) - len(s.sealed) - len(s.tail))
+                 for s, start, n in zip(seqs, starts, counts)]
+        new = self._alloc_tail(sum(needs))      # one clearing launch for the whole batch
+        for s, n in zip(seqs, counts):      # the sequences whose committed tokens change now
+            if min(p + (n if i == layer else 0) for i, p in enumerate(s.pending)):
+                self.changing(s)
+        slots = []
+        for s, start, n, need in zip(seqs, starts, counts, needs):
+            s.tail += new[:need]
+            del new[:need]
+            slots.append((s, start, n))
+        toks = None
+        if k.shape[0] <= SMALL_WRITE:    # a decode step of a few sequences: no index tensors
+            toks = []
+            for s, start, n in slots:
+                for p in range(start, start + n):
+                    i = p if p < self.sinks else p - len(s.sealed) * self.bs    # as tail_index
+                    toks.append((s.tail[i // self.bs], i % self.bs))
+            if not defer_write:
+                self.tail.write_tokens(layer, toks, k, v)
+                toks = None
+        else:
+            idx = [self._tail_slots(s, torch.arange(start, start + n)) for s, start, n in slots]
+            dev = self.tail.k.device
+            self.tail.write(slice(layer, layer + 1), ids_to(dev, torch.cat([b for b, _ in idx])),
+                            ids_to(dev, torch.cat([o for _, o in idx])), k.unsqueeze(0), v.unsqueeze(0))
+        now = time.monotonic()
+        for s, n in zip(seqs, counts):
+            s.pending[layer] += n
+            commit = min(s.pending)
+            if commit:
+                s.pending = [p - commit for p in s.pending]
+                s.length += commit
+                self.counters["appended_tokens"] += commit
+                self._commit(s)
+            s.last_use = now
+        return toks
+
+    def _commit(self, s: Sequence) -> None:
+        """Seal what the committed length allows, taking data from the tail."""
+        self._register_hashes(s)
+        count = max(self.sealed_count(s.length), len(s.sealed)) - len(s.sealed)
+        if count <= 0:
+            return
+        if self.is_pq:
+            ns = self.sink_blocks
+            assert len(s.tail) >= ns + count, f"{s.seq_id}: sealing past the tail"
+            ids = s.tail[ns:ns + count]
+            k, v = self.tail.read_blocks(slice(None), ids_to(self.tail.k.device, ids))
+            self._seal(s, count, k, v)
+            self.tail_pool.release(ids)
+            del s.tail[ns:ns + count]
+        else:
+            self._seal(s, count, None, None)
+
+    def seals_at_reserve(self, s: Sequence) -> int:
+        """Blocks the next reserve() of s seals (its previous reservation is
+        committed then)."""
+        return max(self.sealed_count(s.length + s.reserved), len(s.sealed)) - len(s.sealed)
+
+    def tail_blocks_for(self, s: Sequence, n: int) -> int:
+        """Tail blocks a reserve of n more tokens must allocate."""
+        return max(0, math.ceil((s.length + s.reserved + n) / self.bs) - len(s.sealed) - len(s.tail))
+
+    def reserve_touches_gpu(self, s: Sequence, n: int) -> bool:
+        """Whether reserve(s, n) may run GPU work: sealing (PQ encodes read the
+        tail), or allocating blocks (an evicted block is copied out before the
+        client may write it), or paging in. Most decode steps do none."""
+        return (s.tier != "gpu" or self.tail_blocks_for(s, n) > 0
+                or (self.is_pq and self.seals_at_reserve(s) > 0))
+
+    def reserve(self, s: Sequence, n: int, known: tuple[int, int] = (0, 0)) -> ReserveResult:
+        """Commit the previous reservation (its slots were written by the
+        client in every layer), then hand out slots for n more tokens.
+        known = (sealed blocks the caller holds, their table epoch): when still a
+        prefix of the table, only the blocks after it are returned."""
+        self._require_ready()
+        if any(s.pending):
+            raise FailedPrecondition("sequence_id", f"sequence {quote(s.seq_id)} has uncommitted per-layer tokens")
+        need = self.tail_blocks_for(s, n)
+        seal_count = self.seals_at_reserve(s)
+        self.check_room(seal_count if self.is_pq else 0, need, 0, "num_tokens")
+        if s.reserved:
+            self.changing(s)
+        s.tail += self._alloc_tail(need)
+        if s.reserved:
+            s.length += s.reserved
+            self.counters["appended_tokens"] += s.reserved
+            s.reserved = 0
+            self._commit(s)
+        blocks, offs = self._tail_slots(s, torch.arange(s.length, s.length + n))
+        slots = (blocks * self.bs + offs).tolist()
+        s.reserved = n
+        s.last_use = time.monotonic()
+        start = known[0] if known[1] == s.table_epoch and known[0] <= len(s.sealed) else 0
+        return ReserveResult(slots, s.sealed[start:], list(s.tail), s.length + n, start, s.table_epoch)
+

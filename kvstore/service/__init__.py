@@ -1,0 +1,1 @@
+"""The only code that knows gRPC and sockets: servicer, handlers, auth, leases, metrics, the daemon."""

@@ -1,0 +1,191 @@
+"""kvstore-server's command line: its arguments and their checks, all made
+before the daemon binds or opens anything (daemon.py), and the budgets
+derived from them."""
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import os
+import shutil
+import socket
+
+from kvstore.core.config import check_device
+from kvstore.core.sizes import parse_bytes
+from kvstore.errors import InvalidArgument
+from kvstore.protocol.channel import DEFAULT_MAX_MESSAGE_MB, default_socket
+
+from .auth import Authenticator
+from .leases import DEFAULT_TIMEOUT_S
+from .servicer import DEFAULT_MAX_STREAMS
+
+DESCRIPTION = "The daemon: `python server.py` / `kvstore-server`."
+
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):
+        # One line that says what is wrong, not the whole usage above it.
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
+def parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="kvstore-server", description=DESCRIPTION)
+    p.add_argument("--socket", default=default_socket(),
+                   help="Unix socket path (default: %(default)s); its directory must be writable only by this uid "
+                        "(a missing one is made 0700, one of ours that others can write is made 0700)")
+    p.add_argument("--port", type=int, default=None, help="also listen on TCP 127.0.0.1:PORT")
+    p.add_argument("--host", default="127.0.0.1", help="TCP address to bind with --port")
+    p.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda if there is a GPU, else cpu)")
+    p.add_argument("--lmdb", default=None, metavar="PATH",
+                   help="disk tier: LMDB directory; sequences and prefix blocks survive restarts")
+    p.add_argument("--lmdb-sync", action="store_true",
+                   help="make pressure spills durable too (Offload always syncs)")
+    p.add_argument("--lmdb-max-bytes", type=_byte_size, default=None, metavar="SIZE",
+                   help="bound of the disk tier, in bytes (40GiB, 512MB and the like work too; 0: none); past it the "
+                        "least recently used prefix blocks no sequence holds go first, and an Offload that cannot fit "
+                        "is RESOURCE_EXHAUSTED (default: 90%% of the free space of --lmdb's filesystem at start)")
+    p.add_argument("--redis", default=None, metavar="URL",
+                   help="shared tier below --lmdb, for daemons on many hosts: redis://[user:password@]host:port/db "
+                        "(rediss:// for TLS); run Redis with maxmemory-policy allkeys-lru")
+    p.add_argument("--redis-ttl", type=int, default=0, metavar="SECONDS",
+                   help="expiry of each block put to Redis, renewed by hits (default: none)")
+    p.add_argument("--redis-timeout", type=float, default=0.25, metavar="SECONDS",
+                   help="connect and socket timeout of Redis calls (default: %(default)s)")
+    p.add_argument("--redis-backoff", type=float, default=10.0, metavar="SECONDS",
+                   help="longest pause before trying a failed Redis again (default: %(default)s)")
+    p.add_argument("--max-message-mb", type=int, default=DEFAULT_MAX_MESSAGE_MB)
+    p.add_argument("--workers", type=int, default=8, help="threads serving calls (default: %(default)s)")
+    p.add_argument("--max-streams", type=int, default=DEFAULT_MAX_STREAMS,
+                   help="open AppendAttendStream streams (one per client), each on a thread of its own beside "
+                        "--workers (default: %(default)s); past it clients call AppendAttend")
+    p.add_argument("--no-doorbell", action="store_true",
+                   help="serve no doorbell socket (SOCKET.bell): clients send every AppendAttend over gRPC")
+    p.add_argument("--torch-threads", type=int, default=1,
+                   help="intra-op threads of the daemon's own torch CPU work (default: %(default)s): decode calls "
+                        "are tiny ops, where waking a thread team costs more than it saves, and the worker pool "
+                        "already runs calls side by side; raise it for bulk CPU work (large CPU-device appends)")
+    p.add_argument("--log-level", default="INFO", type=str.upper, choices=LOG_LEVELS,
+                   help="%(choices)s, any case (default: %(default)s)")
+    p.add_argument("--auth-token", default=os.environ.get("KVSTORE_AUTH_TOKEN"),
+                   help="bearer token for TCP callers, tenant 'default' (env KVSTORE_AUTH_TOKEN; "
+                        "prefer --token-file: argv is visible to other users)")
+    p.add_argument("--token-file", help="lines `TOKEN TENANT`; `@unix TENANT` or `@unix -` sets Unix callers' tenant")
+    p.add_argument("--tls-cert", help="PEM certificate for the TCP port")
+    p.add_argument("--tls-key", help="PEM private key for the TCP port")
+    p.add_argument("--lease-timeout", type=float, default=DEFAULT_TIMEOUT_S,
+                   help="seconds without a call or heartbeat before a session's unpinned sequences are freed")
+    p.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus metrics on this port")
+    p.add_argument("--metrics-host", default="127.0.0.1", help="address for --metrics-port")
+    p.add_argument("--max-pool-bytes", type=int, default=None,
+                   help="memory all caches' pools may take together (default: 90%% of the GPU, or half the RAM "
+                        "on CPU); CreateCache beyond it is RESOURCE_EXHAUSTED")
+    return p
+
+
+def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> tuple[Authenticator, tuple | None]:
+    """Every argument, before anything is bound or opened: p.error (one line,
+    exit 2) on the first that is wrong. -> (auth, tls)."""
+    args.device = args.device or ("cuda" if _cuda() else "cpu")
+    try:
+        check_device("--device", args.device)
+    except InvalidArgument as e:
+        p.error(str(e))
+    args.redis_cfg = None
+    if args.redis:
+        from kvstore.tiers.redis_store import RedisConfig
+        try:
+            args.redis_cfg = RedisConfig(args.redis, ttl_s=args.redis_ttl, timeout_s=args.redis_timeout,
+                                         backoff_s=args.redis_backoff)
+        except InvalidArgument as e:
+            p.error(f"--{e}")
+        try:
+            import redis  # noqa: F401
+        except ImportError:
+            p.error("--redis needs the redis client: pip install 'redis==8.1.0' (kvstore[redis])")
+    if args.device.startswith("cuda"):
+        n = _cuda_devices()
+        index = int(args.device.partition(":")[2] or 0)
+        if n == 0:
+            p.error(f"--device {args.device}: no CUDA device here; use --device cpu")
+        if index >= n:
+            p.error(f"--device {args.device}: there are {n} CUDA device(s) (cuda:0..cuda:{n - 1})")
+        from kvstore.cuda.ipc import check_allocator
+        check_allocator()      # refuses allocator settings that break CUDA IPC, saying why
+    for flag, value, low, high in (("--port", args.port, 0, 65535), ("--metrics-port", args.metrics_port, 0, 65535),
+                                   ("--workers", args.workers, 1, None), ("--max-streams", args.max_streams, 0, None),
+                                   ("--torch-threads", args.torch_threads, 1, None),
+                                   ("--max-message-mb", args.max_message_mb, 1, 2047),
+                                   ("--max-pool-bytes", args.max_pool_bytes, 0, None)):
+        if value is not None and (value < low or (high is not None and value > high)):
+            p.error(f"{flag} must be in [{low}, {high if high is not None else 'inf'}], got {value}")
+    if not args.lease_timeout > 0:
+        p.error(f"--lease-timeout must be > 0 seconds, got {args.lease_timeout}")
+    if bool(args.tls_cert) != bool(args.tls_key):
+        p.error("--tls-cert and --tls-key go together")
+    if args.tls_cert and args.port is None:
+        p.error("--tls-cert needs --port")
+    try:
+        auth = Authenticator.from_args(args.auth_token, args.token_file)
+    except (OSError, ValueError) as e:
+        p.error(f"--token-file: {e}")
+    if args.port is not None and not auth.has_tokens:
+        p.error("--port needs --auth-token or --token-file: TCP callers must authenticate")
+    tls = None
+    if args.tls_cert:
+        try:
+            with open(args.tls_cert, "rb") as c, open(args.tls_key, "rb") as k:
+                tls = (c.read(), k.read())
+        except OSError as e:
+            p.error(f"--tls-cert/--tls-key: {e.filename}: {e.strerror}")
+    return auth, tls
+
+
+def check_port(host: str, port: int) -> None:
+    """OSError if nothing can listen on host:port now (bound and closed at
+    once, so that gRPC's bind after it is not the first to find out)."""
+    try:
+        ip = ipaddress.ip_address(host.strip("[]"))
+    except ValueError:
+        return              # a host name: gRPC resolves it, and says so if it cannot bind
+    if port == 0:
+        return
+    with socket.socket(socket.AF_INET6 if ip.version == 6 else socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        s.bind((str(ip), port))
+
+
+def pool_budget(device: str, given: int | None) -> int:
+    if given is not None:
+        return given
+    if device.startswith("cuda"):
+        import torch
+        return int(torch.cuda.get_device_properties(torch.device(device)).total_memory * 0.9)
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2
+
+
+def _byte_size(text: str) -> int:
+    try:
+        return parse_bytes(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def disk_budget(path: str | None, given: int | None) -> int:
+    if given is not None or not path:
+        return given or 0
+    os.makedirs(path, mode=0o700, exist_ok=True)
+    held = sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path))
+    return int((shutil.disk_usage(path).free + held) * 0.9)
+
+
+def _cuda() -> bool:
+    return _cuda_devices() > 0
+
+
+def _cuda_devices() -> int:
+    try:
+        import torch
+        return torch.cuda.device_count() if torch.cuda.is_available() else 0
+    except Exception:  # noqa: BLE001 - a broken CUDA install is no GPU to us
+        return 0

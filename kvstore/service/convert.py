@@ -1,0 +1,100 @@
+"""Protobuf <-> the engine's types: cache specs and configs, and the replies
+built from what the engine hands back (results.py, stats). The servicer and
+the daemon build no message from engine data anywhere else."""
+from __future__ import annotations
+
+from kvstore.core.config import CacheConfig, CodecConfig, ModelGeometry
+from kvstore.engine.results import CacheInfo, ReserveResult, SequenceInfo
+from kvstore.v1 import kvstore_pb2 as pb
+
+
+def spec_to_config(spec: pb.CacheSpec, device: str) -> CacheConfig:
+    g = spec.geometry
+    return CacheConfig(
+        name=spec.name, model_id=spec.model_id,
+        geometry=ModelGeometry(g.num_layers, g.num_q_heads, g.num_kv_heads, g.head_dim, g.dtype or "float16"),
+        codec=CodecConfig(kind=spec.codec or "pq", num_subvectors=spec.num_subvectors),
+        block_size=spec.block_size or 16,
+        residual=spec.residual if spec.HasField("residual") else 128, sink_tokens=spec.sink_tokens,
+        num_blocks=spec.num_blocks, pool_bytes=spec.pool_bytes,
+        max_sequences=spec.max_sequences or 256, device=device, host_bytes=spec.host_bytes,
+        low_watermark=spec.low_watermark, share_prefixes_across_tenants=spec.share_prefixes_across_tenants)
+
+
+def config_to_spec(cfg: CacheConfig) -> pb.CacheSpec:
+    g = cfg.geometry
+    return pb.CacheSpec(
+        name=cfg.name, model_id=cfg.model_id,
+        geometry=pb.Geometry(num_layers=g.num_layers, num_q_heads=g.num_q_heads, num_kv_heads=g.num_kv_heads,
+                             head_dim=g.head_dim, dtype=g.dtype),
+        codec=cfg.codec.kind, num_subvectors=cfg.m if cfg.codec.kind == "pq" else 0,
+        block_size=cfg.block_size, residual=cfg.residual, sink_tokens=cfg.sink_tokens,
+        num_blocks=cfg.num_blocks, pool_bytes=cfg.pool_bytes,
+        max_sequences=cfg.max_sequences, host_bytes=cfg.host_bytes, low_watermark=cfg.low_watermark,
+        share_prefixes_across_tenants=cfg.share_prefixes_across_tenants)
+
+
+def cache_info(i: CacheInfo) -> pb.CacheInfo:
+    cfg = i.cfg
+    return pb.CacheInfo(spec=config_to_spec(cfg), has_codebooks=i.has_codebooks, codebooks_sha256=i.codebooks_sha256,
+                        fingerprint=i.fingerprint, capacity_blocks=i.capacity_blocks,
+                        tail_capacity_blocks=i.tail_capacity_blocks, bytes_per_token=cfg.bytes_per_token(),
+                        compression_ratio=cfg.fp16_bytes_per_token() / cfg.bytes_per_token())
+
+
+def reservation(r: ReserveResult) -> dict:
+    """The fields of a Reservation (and of a single-sequence ReserveReply)."""
+    return dict(slot_mapping=r.slot_mapping, sealed_blocks=r.sealed_blocks, tail_blocks=r.tail_blocks,
+                length=r.length, sealed_start=r.sealed_start, table_epoch=r.table_epoch)
+
+
+def sequence_info(i: SequenceInfo) -> pb.SequenceInfoReply:
+    return pb.SequenceInfoReply(
+        sequence_id=i.seq_id, length=i.length, sealed_blocks=i.sealed_blocks, sealed_block_refs=i.sealed_block_refs,
+        tail_blocks=i.tail_blocks, tail_block_refs=i.tail_block_refs, pending=i.pending, reserved=i.reserved,
+        known_token_ids=i.known_token_ids, block_hashes=i.block_hashes, tier=i.tier, owner_session=i.owner,
+        pinned=i.pinned, persist=i.persist, sink_blocks=i.sink_blocks)
+
+
+def stats_reply(stats: dict[str, dict]) -> pb.StatsReply:
+    """Engine.stats() -> StatsReply."""
+    out = pb.StatsReply()
+    for name, s in stats.items():
+        msg = out.caches.add(cache=name, **{k: v for k, v in s.items() if k not in ("main", "tail", "tiers", "redis")})
+        msg.main.CopyFrom(_pool(s["main"]))
+        if s["tail"] is not None:
+            msg.tail.CopyFrom(_pool(s["tail"]))
+        if s["tiers"] is not None:
+            _tier_stats(msg, s["tiers"])
+        if s["redis"] is not None:
+            _redis_stats(msg, s["redis"])
+    return out
+
+
+def _tier_stats(msg: pb.CacheStats, t: dict) -> None:
+    for key in ("sequences_host", "sequences_disk", "offloads_host", "offloads_disk", "page_ins_host",
+                "page_ins_disk", "bytes_down", "bytes_up", "spilled_blocks"):
+        setattr(msg, key, t[key])
+    msg.prefix_hit_blocks_host = t["prefix_hits_host"]
+    msg.prefix_hit_blocks_disk = t["prefix_hits_disk"]
+    msg.host_tier_bytes = t.get("host_bytes", 0)
+    if "host_main" in t:
+        msg.host.CopyFrom(_pool(t["host_main"]))
+        msg.host_tail.CopyFrom(_pool(t["host_tail"]))
+    if "disk" in t:
+        d = t["disk"]
+        msg.disk_bytes = d["bytes"]
+        msg.disk_entries = d["entries"]
+        msg.disk_used_bytes, msg.disk_max_bytes, msg.disk_held_bytes = d["used_bytes"], d["max_bytes"], d["held_bytes"]
+        msg.disk_evictions, msg.disk_evicted_bytes = d["evictions"], d["evicted_bytes"]
+        msg.disk_skipped_spills = d["skipped_spills"]
+
+
+def _redis_stats(msg: pb.CacheStats, r: dict) -> None:
+    msg.redis_state, msg.redis_last_error, msg.prefix_hit_blocks_redis = r["state"], r["last_error"], r["prefix_hits"]
+    for key in ("blocks_out", "bytes_out", "bytes_in", "misses", "refused", "dropped_puts", "errors"):
+        setattr(msg, "redis_" + key, r[key])
+
+
+def _pool(p) -> pb.PoolStats:
+    return pb.PoolStats(capacity=p.capacity, used=p.used, cached=p.cached, free=p.free, evictions=p.evictions)

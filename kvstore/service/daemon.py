@@ -1,0 +1,234 @@
+"""The daemon: `python server.py` / `kvstore-server`.
+
+Listens on a Unix socket (mode 0600, in a directory only its uid can write;
+sockets.py) by default, on TCP only when asked and then only with bearer
+tokens (auth.py), optionally over TLS. It refuses to start on a socket a live
+daemon serves, and checks all of its arguments (cli.py) before it binds anything.
+Health checking and reflection are registered, so grpcurl and
+grpc_health_probe work; health is NOT_SERVING until the engine is ready.
+Client sessions hold leases (leases.py); Prometheus metrics on --metrics-port.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+import sys
+import threading
+from concurrent import futures
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from kvstore.engine.engine import Engine
+from kvstore.protocol.channel import DEFAULT_MAX_MESSAGE_MB, SERVICE, server_options
+from kvstore.v1 import kvstore_pb2_grpc as pb_grpc
+
+from . import cli, sockets
+from .auth import Authenticator, GateInterceptor
+from .buffers import BufferRegistry
+from .leases import DEFAULT_TIMEOUT_S, LeaseManager
+from .servicer import DEFAULT_MAX_STREAMS, KVStoreServicer
+
+log = logging.getLogger("kvstore.daemon")
+def create_server(engine: "Engine | None" = None, socket_path: str | None = None, port: int | None = None,
+                  max_message_mb: int = DEFAULT_MAX_MESSAGE_MB, workers: int = 8,
+                  host: str = "127.0.0.1", auth: Authenticator | None = None,
+                  tls: tuple[bytes, bytes] | None = None, lease_timeout: float = DEFAULT_TIMEOUT_S,
+                  metrics=None, max_pool_bytes: int = 0,
+                  max_streams: int = DEFAULT_MAX_STREAMS,
+                  doorbell: bool = True) -> tuple[grpc.Server, int, health.HealthServicer]:
+    """Build and start a server. port=0 binds a free TCP port (returned).
+    auth: tokens and tenants (TCP refuses to start without tokens); tls: (cert
+    PEM, key PEM) for the TCP port; metrics: a kvstore.service.metrics.Metrics to feed;
+    max_pool_bytes: memory all caches' pools may take (0: unlimited);
+    max_streams: open AppendAttendStream streams, each holding a thread of
+    its own beside the `workers` that serve calls (and as many doorbell
+    connections); doorbell: serve the per-step fast lane (doorbell.py) next to
+    the Unix socket.
+    Returns (server, tcp_port or 0, health servicer)."""
+    auth = auth or Authenticator()
+    if port is not None and not auth.has_tokens:
+        raise ValueError("TCP needs bearer tokens: pass --auth-token or --token-file with --port")
+    opts = server_options(max_message_mb)
+    # Metrics outermost, so that calls the gate refuses are counted too.
+    interceptors = ([metrics.interceptor] if metrics is not None else []) + [GateInterceptor(auth)]
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=workers + max_streams), options=opts,
+                         interceptors=interceptors)
+    health_servicer = health.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    for name in ("", SERVICE):
+        health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+    reflection.enable_server_reflection((SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+    leases = LeaseManager(None, lease_timeout)
+    servicer = KVStoreServicer(None, BufferRegistry(), auth, leases, max_streams)
+    leases.release_buffers = servicer.buffer_table.release_session
+    servicer.max_pool_bytes = max_pool_bytes
+    pb_grpc.add_KVStoreServicer_to_server(servicer, server)
+    if socket_path:             # before binding anything: sockets.SocketError if a live daemon serves there
+        sockets.claim(socket_path)
+        if doorbell:
+            sockets.claim(socket_path + ".bell", socket.SOCK_SEQPACKET)
+    try:
+        bound = _bind_and_start(server, socket_path, port, host, tls)
+        servicer.engine = engine if engine is not None else Engine()
+        leases.engine = servicer.engine
+        server.kvstore_engine = servicer.engine
+        leases.start()
+        if socket_path and doorbell:
+            _start_doorbell(server, servicer, leases, socket_path, max_streams, metrics)
+    except BaseException:       # leave nothing behind: no listener, no socket file
+        leases.stop()
+        server.stop(None)       # and the sockets bound so far with it
+        raise
+    if metrics is not None:
+        metrics.bind(servicer.engine, leases, servicer.buffer_table)
+    for name in ("", SERVICE):
+        health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    return server, bound, health_servicer
+
+
+def _bind_and_start(server: grpc.Server, socket_path: str | None, port: int | None, host: str,
+                    tls: tuple[bytes, bytes] | None) -> int:
+    """Listen and start; the Unix socket (0600) is removed by server.stop()
+    while it is still the one bound here. -> the TCP port (0 without one).
+
+    NOTE: gRPC unlinks the path it bound when it stops, whatever is there by
+    then (another daemon's socket, if one took the path over). So it binds a
+    staging name beside the socket, which is renamed into place once ready:
+    gRPC's unlink then finds nothing, and ours checks the inode first."""
+    bound = 0
+    staging = sockets.staging_path(socket_path) if socket_path else None
+    if staging:
+        server.add_insecure_port(f"unix:{staging}")
+    if port is not None:
+        if tls is not None:
+            bound = server.add_secure_port(f"{host}:{port}", grpc.ssl_server_credentials([(tls[1], tls[0])]))
+        else:
+            bound = server.add_insecure_port(f"{host}:{port}")
+    umask = os.umask(0o077)    # no moment where the socket is open to others before the chmod
+    try:
+        server.start()
+    finally:
+        os.umask(umask)
+    if socket_path:
+        os.chmod(staging, 0o600)
+        os.rename(staging, socket_path)
+        ident = sockets.identity(socket_path)
+        stop = server.stop
+
+        def stop_and_unlink(grace):
+            sockets.remove_if_ours(socket_path, ident)
+            return stop(grace)
+        server.stop = stop_and_unlink
+    return bound
+
+
+def _start_doorbell(server, servicer: KVStoreServicer, leases: LeaseManager, socket_path: str,
+                    max_conns: int, metrics=None) -> None:
+    from .doorbell import Doorbell
+    bell = Doorbell(socket_path + ".bell", servicer.handlers, max_conns)
+    if metrics is not None:
+        bell.observe = metrics.interceptor.observe
+    try:
+        bell.start()
+    except OSError as e:       # e.g. a path past the 108 bytes of sun_path: gRPC still serves every call
+        log.warning("no doorbell at %s: %s", bell.path, e)
+        return
+    servicer.doorbell = server.kvstore_doorbell = bell
+    release = leases.release_buffers
+
+    def release_session(tenant: str, session: str) -> int:
+        bell.revoke(tenant, session)
+        return release(tenant, session)
+    leases.release_buffers = release_session
+    stop = server.stop
+
+    def stop_all(grace):
+        bell.stop()
+        return stop(grace)
+    server.stop = stop_all      # callers (tests, main) stop the server: the doorbell goes with it
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = cli.parser()
+    args = p.parse_args(argv)
+    auth, tls = cli.check_args(p, args)
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    import torch
+    torch.set_num_threads(args.torch_threads)
+    metrics = None
+    try:
+        # Refuse a live daemon's socket before anything is opened or bound.
+        sockets.claim(args.socket)
+        if not args.no_doorbell:
+            sockets.claim(args.socket + ".bell", socket.SOCK_SEQPACKET)
+        if args.port is not None:
+            try:
+                cli.check_port(args.host, args.port)
+            except OSError as e:
+                raise sockets.SocketError(f"--port {args.port}: cannot listen on {args.host}:{args.port}: "
+                                          f"{e.strerror}") from None
+        if args.metrics_port is not None:     # bound first: it is the one bind not rolled back by create_server
+            from .metrics import Metrics
+            metrics = Metrics()
+            try:
+                mport = metrics.serve(args.metrics_port, args.metrics_host)
+            except OSError as e:
+                raise sockets.SocketError(f"--metrics-port {args.metrics_port}: cannot listen on "
+                                          f"{args.metrics_host}:{args.metrics_port}: {e.strerror}") from None
+        try:
+            engine = Engine(args.device, args.lmdb, args.lmdb_sync, cli.disk_budget(args.lmdb, args.lmdb_max_bytes),
+                            args.redis_cfg)
+        except Exception as e:  # noqa: BLE001 - e.g. an LMDB directory we cannot open: one line, not a traceback
+            raise sockets.SocketError(f"--lmdb {args.lmdb}: {e}" if args.lmdb else f"engine: {e}") from None
+        try:
+            server, port, health_servicer = create_server(
+                engine, args.socket, args.port, args.max_message_mb, args.workers, args.host, auth=auth, tls=tls,
+                lease_timeout=args.lease_timeout, metrics=metrics,
+                max_pool_bytes=cli.pool_budget(args.device, args.max_pool_bytes), max_streams=args.max_streams,
+                doorbell=not args.no_doorbell)
+        except RuntimeError as e:    # gRPC's "Failed to bind to address ..."
+            raise sockets.SocketError(str(e).split(";")[0]) from None
+    except (sockets.SocketError, OSError) as e:
+        if metrics is not None:
+            metrics.stop()
+        sys.exit(f"kvstore-server: {e}")
+    where = f"unix:{args.socket}" + (f" and {args.host}:{port}" if args.port is not None else "")
+    if args.redis_cfg is not None:
+        where += f", redis tier {args.redis_cfg.redacted()} ({'up' if engine.redis.up else 'down'})"
+    if metrics is not None:
+        where += f", metrics on http://{args.metrics_host}:{mport}/metrics"
+    log.info("kvstore serving on %s (device %s)", where, args.device)
+    print(f"kvstore: serving on {where}", flush=True)
+    done = threading.Event()
+
+    def stop(signum, _frame):
+        log.info("signal %s: stopping", signum)
+        health_servicer.enter_graceful_shutdown()
+        server.stop(grace=5).wait()     # removes our sockets, if they are still ours
+        done.set()
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    # Wake up now and then: a signal delivered to another thread (CUDA and gRPC
+    # start many) only runs its Python handler once the main thread wakes.
+    while not done.wait(0.5):
+        pass
+    if metrics is not None:
+        metrics.stop()
+    eng = getattr(server, "kvstore_engine", None)
+    if eng is not None:
+        eng.close()         # LMDB synced, queued Redis puts sent
+    logging.shutdown()
+    if args.device.startswith("cuda"):
+        # Interpreter teardown of CUDA memory that workers still map through IPC
+        # can block; every request has finished and LMDB is synced, so leave now.
+        sys.stdout.flush()
+        os._exit(0)
+
+
+if __name__ == "__main__":
+    main()

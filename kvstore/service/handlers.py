@@ -1,0 +1,158 @@
+"""The work of a call whichever transport brought it: the gRPC servicer and
+the doorbell (doorbell.py) both run requests through these, so a call gets
+the same checks, errors, leases and results either way.
+
+What a request names (tensors inline or in the caller's registered buffers,
+its output range) is resolved here; a call naming a CUDA buffer runs on the
+daemon's own stream, after the caller's ready event and before its done
+event (cuda/scope.py); then the engine does the work. `buffers` is the
+calling tenant's view of the registered buffers (buffers.py), None for
+remote callers."""
+from __future__ import annotations
+
+import contextlib
+import threading
+from dataclasses import dataclass
+
+from kvstore.cuda.scope import CudaScope, Fences
+from kvstore.engine.storage import TORCH_DTYPES
+from kvstore.errors import Unavailable
+from kvstore.protocol import wire
+
+
+@dataclass(slots=True)
+class Resolved:
+    """An AppendAttend request's tensors, output range and CUDA scope; reusable
+    (CudaScope keeps no state from one call to the next)."""
+    k: object
+    v: object
+    q: object
+    out_ref: object
+    out_view: object
+    scope: object
+
+
+class Handlers:
+    """engine: the Engine (set later when the daemon builds it after the
+    server); buffer_table: TenantBuffers; leases: the LeaseManager whose
+    sessions a doorbell call renews; debug_invariants: check the pools after
+    every doorbell call (the servicer does after every gRPC call)."""
+
+    def __init__(self, engine, buffer_table, leases=None, debug_invariants: bool = False):
+        self.engine = engine
+        self.buffer_table = buffer_table
+        self.leases = leases
+        self.debug_invariants = debug_invariants
+        self._streams: dict = {}     # the daemon's own CUDA stream per device
+        self._streams_lock = threading.Lock()   # calls on different caches run at once
+        self._fences = Fences()
+
+    def tensor(self, t, buffers, field: str):
+        return wire.from_proto(t, buffers, field)
+
+    def cuda_scope(self, request, buffers):
+        """For calls naming a CUDA buffer: run on the daemon's stream after the
+        client's ready event, record the done event after the outputs; no host
+        synchronisation. A no-op context otherwise."""
+        if buffers is None or not self.buffer_table.registry.cuda_buffers:
+            return contextlib.nullcontext()
+        ids = {t.ref.buffer_id for t in tensor_fields(request) if t.WhichOneof("data") == "ref"}
+        ids |= {o.buffer_id for o in output_fields(request) if o.buffer_id}
+        if getattr(request, "buffer_id", ""):
+            ids.add(request.buffer_id)
+        for bid in ids:
+            events = buffers.cuda_events(bid)
+            if events is not None:
+                stream = self._stream(events[0])
+                return CudaScope(stream, *events, self._fences.get(stream.device))
+        return contextlib.nullcontext()
+
+    def _stream(self, event):
+        import torch
+        dev = torch.cuda.current_device() if not hasattr(event, "device") else event.device
+        key = str(dev)
+        stream = self._streams.get(key)
+        if stream is None:
+            with self._streams_lock, torch.cuda.device(dev):   # one stream per device, whoever asks first
+                stream = self._streams.get(key)
+                if stream is None:
+                    stream = self._streams[key] = torch.cuda.Stream()
+        return stream
+
+    def out_view(self, request, n_seqs: int, buffers):
+        """Check the request's output range; -> (its OutputRef or None, a view of
+        it the kernels may write straight into (the engine checks it fits) or None)."""
+        ref = request.out if request.HasField("out") else None
+        g = self.engine.config(request.cache).geometry
+        shape = (n_seqs, g.num_q_heads, g.head_dim)
+        dtype = TORCH_DTYPES[g.dtype]
+        wire.check_output(buffers, ref, n_seqs * g.num_q_heads * g.head_dim * dtype.itemsize,
+                          dtype.itemsize, "out")
+        if ref is None or not ref.buffer_id or n_seqs == 0:
+            return ref, None
+        return ref, buffers.view(ref.buffer_id, ref.offset, shape, dtype)
+
+    def resolve(self, request, buffers) -> Resolved:
+        """What an AppendAttend's tensor fields name, checked in the order its
+        errors are reported (out, k, v, q), and its CUDA scope."""
+        ref, view = self.out_view(request, len(request.sequence_ids), buffers)
+        return Resolved(self.tensor(request.k, buffers, "k"), self.tensor(request.v, buffers, "v"),
+                        self.tensor(request.q, buffers, "q"), ref, view, self.cuda_scope(request, buffers))
+
+    def append_attend(self, request, tenant: str, buffers, finish, resolved: Resolved | None = None):
+        """AppendAttend's work: -> finish(out, its OutputRef), run inside the
+        CUDA scope so that a copy into the output range comes before the done
+        event. resolved: this request's resolve(), still valid (the doorbell
+        keeps it per descriptor)."""
+        r = resolved or self.resolve(request, buffers)
+        with r.scope:
+            out = self.engine.append_attend(request.cache, tenant, request.layer, list(request.sequence_ids),
+                                            r.k, r.v, r.q, request.scale, out=r.out_view)
+            return finish(out, r.out_ref)
+
+    def doorbell_append_attend(self, request, tenant: str, session: str, buffers,
+                               resolved: Resolved | None = None) -> tuple[int, Resolved]:
+        """An AppendAttend that came by the doorbell from a local caller of
+        (tenant, session): the lease, buffer view and invariant checks of a
+        gRPC call; engine errors propagate for the doorbell to report.
+        resolved: this request's from an earlier call on this thread (its CUDA
+        scope holds the thread's fence), if no buffer was unregistered since
+        (BufferRegistry.generation).
+        -> (the output's dtype (pb.DType), resolved); the output is in request.out's range."""
+        if self.engine is None:
+            raise Unavailable("engine", "is starting")
+        if self.leases is not None:
+            self.leases.touch(tenant, session)
+        r = resolved or self.resolve(request, buffers)
+
+        def finish(out, ref):       # ref: never None, every descriptor names its output range
+            if out is not r.out_view:   # else the kernels wrote it there, into the range resolve() checked
+                wire.place(out, buffers, ref)
+            return wire.TO_PROTO[out.dtype]
+        try:
+            return self.append_attend(request, tenant, buffers, finish, r), r
+        finally:
+            if self.debug_invariants:
+                self.engine.check_invariants()
+
+
+_FIELDS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {}
+
+
+def _field_names(request) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """(Tensor fields, OutputRef fields) of a request type, found once."""
+    d = request.DESCRIPTOR
+    names = _FIELDS.get(d.full_name)
+    if names is None:
+        def of(kind):
+            return tuple(f.name for f in d.fields if f.message_type is not None and f.message_type.name == kind)
+        names = _FIELDS[d.full_name] = (of("Tensor"), of("OutputRef"))
+    return names
+
+
+def tensor_fields(request):
+    return [getattr(request, n) for n in _field_names(request)[0] if request.HasField(n)]
+
+
+def output_fields(request):
+    return [getattr(request, n) for n in _field_names(request)[1] if request.HasField(n)]

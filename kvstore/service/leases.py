@@ -1,0 +1,143 @@
+"""Session leases: a client process that dies must not leak its sequences.
+
+Every call may carry `x-kvstore-session: <id>` metadata (the client sends a
+random id per KVStoreClient, and a Heartbeat every few seconds while idle).
+A call renews the session's lease. When a lease lapses (no call for
+`timeout_s`), a reaper thread frees the session's unpinned sequences through
+the normal engine path (so pool invariants hold) and drops its buffers.
+Sequences allocated with `persist` are offloaded to the disk tier instead
+(freed if the daemon has none).
+Sequences created without session metadata have no owner and never lapse.
+
+Sessions are keyed by (tenant, session id): a tenant cannot keep another
+tenant's session alive or expire it.
+"""
+from __future__ import annotations
+
+import logging
+import re
+import threading
+import time
+from typing import Callable
+
+from kvstore.errors import InvalidArgument, KVStoreError, NotFound
+from kvstore.protocol.channel import SESSION_KEY
+
+log = logging.getLogger("kvstore.leases")
+_SESSION_RE = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
+DEFAULT_TIMEOUT_S = 30.0
+
+
+def session_of(context) -> str:
+    """The caller's session id, "" if it sent none."""
+    for k, v in context.invocation_metadata() or ():
+        if k == SESSION_KEY:
+            if not isinstance(v, str) or not _SESSION_RE.match(v):
+                raise InvalidArgument(SESSION_KEY, f"session id must match {_SESSION_RE.pattern}")
+            return v
+    return ""
+
+
+class LeaseManager:
+    """engine: the Engine (set later if the daemon builds it after the server).
+    release_buffers(tenant, session) -> number of buffers dropped."""
+
+    def __init__(self, engine=None, timeout_s: float = DEFAULT_TIMEOUT_S,
+                 release_buffers: Callable[[str, str], int] | None = None,
+                 clock: Callable[[], float] = time.monotonic):
+        if not timeout_s > 0:
+            raise ValueError(f"lease timeout must be > 0, got {timeout_s}")
+        self.engine = engine
+        self.timeout_s = timeout_s
+        self.release_buffers = release_buffers
+        self.clock = clock
+        self._seen: dict[tuple[str, str], float] = {}
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.counters = dict(expired=0, freed_sequences=0, offload_requests=0, released_buffers=0)
+
+    def touch(self, tenant: str, session: str) -> None:
+        if session:
+            with self._lock:
+                self._seen[(tenant, session)] = self.clock()
+
+    def sessions(self) -> int:
+        return len(self._seen)
+
+    def stats(self) -> dict:
+        return dict(sessions=self.sessions(), timeout_s=self.timeout_s, **self.counters)
+
+    # ------------------------------------------------------------- reaping
+    def reap(self) -> list[tuple[str, str]]:
+        """Expire every lapsed session now; returns them."""
+        if self.engine is None:
+            return []
+        with self._lock:     # the common case, nothing lapsed, without touching the caches' locks
+            if not any(self.clock() - t > self.timeout_s for t in self._seen.values()):
+                return []
+        # Holding every cache's lock, no call of the session is half done in any
+        # cache: a call that renewed the lease after we looked keeps its
+        # sequences, and one that arrives later runs after the frees.
+        with self.engine.locked_caches():
+            now = self.clock()
+            with self._lock:
+                lapsed = [key for key, t in self._seen.items() if now - t > self.timeout_s]
+                for key in lapsed:
+                    del self._seen[key]
+            for tenant, session in lapsed:
+                self._expire(tenant, session)
+        for tenant, session in lapsed:
+            if self.release_buffers is not None:
+                self.counters["released_buffers"] += self.release_buffers(tenant, session)
+        return lapsed
+
+    def _expire(self, tenant: str, session: str) -> None:
+        owned = self.engine.owned_sequences(tenant, session)
+        n = 0
+        for cache, seqs in owned.items():
+            to_free = [seq_id for seq_id, persist in seqs
+                       if not (persist and self._offload(cache, tenant, seq_id))]
+            try:
+                self.engine.free(cache, tenant, to_free)
+                n += len(to_free)
+            except NotFound:
+                pass   # the cache went away under us; nothing of it is held
+        self.counters["expired"] += 1
+        self.counters["freed_sequences"] += n
+        log.info("lease of session %s (tenant %s) lapsed: freed %d sequences", session, tenant, n)
+
+    def _offload(self, cache: str, tenant: str, seq_id: str) -> bool:
+        """The persistence hook: True if the sequence is now durable on the
+        disk tier (it stays, for a later session to find); False: free it."""
+        self.counters["offload_requests"] += 1
+        offload = getattr(self.engine, "offload", None)
+        if offload is None:
+            log.warning("sequence %s/%s asked to persist, but the engine cannot offload: freeing it", cache, seq_id)
+            return False
+        try:
+            offload(cache, tenant, [seq_id])
+            return True
+        except KVStoreError as e:   # e.g. no disk tier (--lmdb): freeing beats leaking
+            log.warning("sequence %s/%s asked to persist, offload failed (%s): freeing it", cache, seq_id, e)
+            return False
+
+    def _run(self, period: float) -> None:
+        while not self._stop.wait(period):
+            try:
+                self.reap()
+            except Exception:  # noqa: BLE001 - the reaper must outlive a bad free
+                log.exception("lease reaper failed; retrying")
+
+    def start(self) -> None:
+        if self._thread is None:
+            period = min(1.0, self.timeout_s / 4)
+            self._thread = threading.Thread(target=self._run, args=(period,), name="kvstore-lease-reaper",
+                                            daemon=True)
+            self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+            self._thread = None

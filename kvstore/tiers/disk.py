@@ -1,0 +1,315 @@
+"""The disk tier under a cache's GPU and host pools (DESIGN §7; the host
+tier: host.py).
+
+GPU pool -> pinned host pool -> LMDB. A block crosses tiers as its payload:
+the bytes of every layer's K then V (codes for PQ blocks, fp16 for tail
+blocks; storage.pack/unpack). Sequences move whole: in the host tier their
+block ids point into the host pools; on disk they are a manifest plus block
+values written in one LMDB transaction. Sealed blocks with a content hash are
+stored under that hash (deduplicated, and found again after a restart). The
+disk has a byte bound: DiskTier keeps its books.
+
+Key layout (every key carries the cache fingerprint):
+  b"B" fp hash                  sealed block with a content hash (shared by every
+                                cache of that fingerprint: same model, codebooks)
+  b"S" fp cache/tenant/seq #i   other blocks of a sequence (unhashed sealed, then tail)
+  b"M" fp cache/tenant/seq      the sequence manifest (JSON)
+Sequences are a cache's own: two caches of one fingerprint (the same model and
+codebooks under two names) share blocks, never sequences.
+"""
+from __future__ import annotations
+
+import functools
+import json
+import struct
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import numpy as np
+
+import torch
+
+from kvstore.errors import ResourceExhausted
+
+from .lmdb_store import LMDBStore, entry_bytes
+
+FP_BYTES = 32     # a cache fingerprint: sha256 (codebooks.fingerprint)
+
+
+def _part(text: str) -> bytes:
+    b = text.encode()
+    return struct.pack("<H", len(b)) + b
+
+
+def _seq_key(fp: bytes, cache: str, tenant: str, seq_id: str) -> bytes:
+    return fp + _part(cache) + _part(tenant) + _part(seq_id)
+
+
+def block_key(fp: bytes, h: bytes) -> bytes:
+    return b"B" + fp + h
+
+
+def manifest_key(fp: bytes, cache: str, tenant: str, seq_id: str) -> bytes:
+    return b"M" + _seq_key(fp, cache, tenant, seq_id)
+
+
+def seq_block_key(fp: bytes, cache: str, tenant: str, seq_id: str, i: int) -> bytes:
+    return b"S" + _seq_key(fp, cache, tenant, seq_id) + struct.pack(">I", i)
+
+
+@dataclass(slots=True)
+class SeqImage:
+    """One sequence as write_sequences stores it. hashed and others None: its
+    blocks are on disk already and only the manifest is rewritten."""
+    cache: str
+    tenant: str
+    seq_id: str
+    manifest: dict
+    hashed: list[tuple[bytes, torch.Tensor]] | None = None   # (content hash, payload row)
+    others: list[torch.Tensor] | None = None                 # payload rows stored under the sequence
+
+
+def _under_store_lock(fn):
+    """Caches run requests in parallel and share one DiskTier per store: its
+    books and the writes they decide (evictions, the byte bound) change
+    together, under the store's lock (cold_store.LMDBStore)."""
+    @functools.wraps(fn)
+    def locked(self, *args, **kwargs):
+        with self.store.lock:
+            return fn(self, *args, **kwargs)
+    return locked
+
+
+class DiskTier:
+    """Every cache's view of one LMDB store: one instance per store (of()),
+    since the byte bound is the store's.
+
+    The bound (store.max_bytes, 0: none) counts every entry. Content-hashed
+    blocks that no sequence manifest references are a cache of prefix blocks:
+    when a write needs room the least recently used of them go first. What a
+    manifest holds (its blocks, hashed or not, and itself) is never evicted:
+    a sequence write that cannot fit is refused whole (ResourceExhausted),
+    a spill of cached blocks keeps what fits. Recency lives in memory; at open
+    the unreferenced blocks start in key order."""
+
+    def __init__(self, store: LMDBStore):
+        self.store = store
+        self.pins: dict[bytes, int] = {}                         # block key -> manifests referencing it
+        self.lru: OrderedDict[bytes, None] = OrderedDict()       # unreferenced block keys, oldest first
+        self.lru_bytes = 0
+        self.counters = dict(evictions=0, evicted_bytes=0, skipped_spills=0)
+        for k, v in store.scan(b"M"):
+            for b in _refs(k[1:1 + FP_BYTES], json.loads(v)):
+                self.pins[b] = self.pins.get(b, 0) + 1
+        for k in store.keys(b"B"):
+            if k not in self.pins:
+                self._unreferenced(k)
+        if store.max_bytes and store.used_bytes > store.max_bytes:     # a smaller bound than last time
+            evict = self._victims(0, set())
+            self._write([], [], list(self.lru) if evict is None else evict)
+
+    @classmethod
+    def of(cls, store: LMDBStore) -> "DiskTier":
+        if store.books is None:
+            store.books = cls(store)
+        return store.books
+
+    # ------------------------------------------------------------ books
+    def _unreferenced(self, k: bytes) -> None:
+        self.lru[k] = None
+        self.lru_bytes += self.store.size(k)
+
+    def _pin(self, k: bytes) -> None:
+        self.pins[k] = self.pins.get(k, 0) + 1
+        if k in self.lru:
+            del self.lru[k]
+            self.lru_bytes -= self.store.size(k)
+
+    def _unpin(self, k: bytes) -> None:
+        self.pins[k] -= 1
+        if not self.pins[k]:
+            del self.pins[k]
+            if self.store.contains(k):
+                self._unreferenced(k)       # the newest of the cache: just released by a sequence
+
+    def _victims(self, need: int, keep: set[bytes]) -> list[bytes] | None:
+        """Unreferenced blocks to delete, oldest first, so that need more bytes
+        fit the bound; None if even all of them would not do."""
+        if not self.store.max_bytes:
+            return []
+        over = self.store.used_bytes + need - self.store.max_bytes
+        out = []
+        for k in self.lru:
+            if over <= 0:
+                break
+            if k not in keep:
+                out.append(k)
+                over -= self.store.size(k)
+        return out if over <= 0 else None
+
+    def _write(self, puts: list, deletes: list[bytes], evict: list[bytes], sync: bool = False) -> None:
+        freed = [(k, self.store.size(k)) for k in evict]
+        self.store.write_batch(puts, deletes + evict, sync=sync)
+        for k, n in freed:
+            del self.lru[k]
+            self.lru_bytes -= n
+        self.counters["evictions"] += len(freed)
+        self.counters["evicted_bytes"] += sum(n for _, n in freed)
+
+    @_under_store_lock
+    def held_bytes(self) -> int:
+        """Bytes that sequences hold: never evicted by the bound."""
+        return self.store.used_bytes - self.lru_bytes
+
+    # -------------------------------------------------------- sequences
+    @_under_store_lock
+    def write_sequences(self, fp: bytes, images: list[SeqImage], sync: bool) -> int:
+        """One transaction: per sequence its new hashed blocks, its other
+        blocks and its manifest (replacing an older copy), plus the evictions
+        that make room. Returns payload bytes written. ResourceExhausted, and
+        nothing written, if it cannot fit the bound."""
+        puts, deletes, pin, unpin, nbytes, new = [], [], [], [], 0, set()
+        for im in images:
+            mk = manifest_key(fp, im.cache, im.tenant, im.seq_id)
+            old = self._manifest(mk)
+            if im.others is not None:
+                if old is not None:     # its other blocks go, or are overwritten just below
+                    deletes += [seq_block_key(fp, im.cache, im.tenant, im.seq_id, i) for i in range(old["n_other"])]
+                for h, payload in im.hashed:
+                    k = block_key(fp, h)
+                    if not self.store.contains(k) and k not in new:
+                        new.add(k)
+                        puts.append((k, _view(payload)))
+                        nbytes += payload.numel()
+                for i, payload in enumerate(im.others):
+                    puts.append((seq_block_key(fp, im.cache, im.tenant, im.seq_id, i), _view(payload)))
+                    nbytes += payload.numel()
+            puts.append((mk, json.dumps(im.manifest).encode()))
+            pin += _refs(fp, im.manifest)
+            unpin += _refs(fp, old) if old is not None else []
+        need = self.store.growth(puts, deletes)
+        evict = self._victims(need, set(pin) | {k for k, _ in puts})
+        if evict is None:
+            raise ResourceExhausted("sequence_ids", f"the disk tier cannot take {need} more bytes: "
+                                    f"{self.held_bytes()} of its {self.store.max_bytes} are held by sequences")
+        self._write(puts, deletes, evict, sync)
+        for k in pin:
+            self._pin(k)
+        for k in unpin:
+            self._unpin(k)
+        return nbytes
+
+    @_under_store_lock
+    def read_sequence(self, fp: bytes, cache: str, tenant: str, seq_id: str, manifest: dict, main_bytes: int,
+                      tail_bytes: int, pin: bool) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """-> (sealed rows [n, main_bytes], tail rows [t, tail_bytes]) uint8, read
+        straight from LMDB's map into (pinned) host memory: one copy per block."""
+        other = iter(range(manifest["n_other"]))
+
+        def keys(hashes):
+            return [block_key(fp, bytes.fromhex(h)) if h else seq_block_key(fp, cache, tenant, seq_id, next(other))
+                    for h in hashes]
+        sealed_keys, tail_keys = keys(manifest["sealed_hashes"]), keys(manifest["tail_hashes"])
+        out = []
+        with self.store.reader(buffers=True) as txn:
+            for ks, width in ((sealed_keys, main_bytes), (tail_keys, tail_bytes)):
+                if not ks:
+                    out.append(None)
+                    continue
+                rows = torch.empty((len(ks), width), dtype=torch.uint8, pin_memory=pin)
+                arr = rows.numpy()
+                for i, k in enumerate(ks):
+                    v = txn.get(k)
+                    if v is None or len(v) != width:
+                        raise RuntimeError(f"sequence {seq_id!r} is incomplete on disk")
+                    arr[i] = np.frombuffer(v, dtype=np.uint8)
+                out.append(rows)
+        return out[0], out[1]
+
+    @_under_store_lock
+    def delete_sequence(self, fp: bytes, cache: str, tenant: str, seq_id: str, manifest: dict,
+                        sync: bool = False) -> None:
+        keys = [seq_block_key(fp, cache, tenant, seq_id, i) for i in range(manifest["n_other"])]
+        self._write([], keys + [manifest_key(fp, cache, tenant, seq_id)], [], sync)
+        for k in _refs(fp, manifest):
+            self._unpin(k)
+
+    def manifests(self, fp: bytes, cache: str) -> list[dict]:
+        return [json.loads(v) for _, v in self.store.scan(b"M" + fp + _part(cache))]
+
+    def _manifest(self, mk: bytes) -> dict | None:
+        if not self.store.contains(mk):
+            return None
+        return json.loads(self.store.get_many([mk])[0])
+
+    # ------------------------------------------------------ cached blocks
+    @_under_store_lock
+    def has_block(self, fp: bytes, h: bytes) -> bool:
+        return self.store.contains(block_key(fp, h))
+
+    @_under_store_lock
+    def get_block(self, fp: bytes, h: bytes) -> bytes | None:
+        k = block_key(fp, h)
+        v = self.store.get_many([k])[0]
+        if v is not None and k in self.lru:
+            self.lru.move_to_end(k)
+        return v
+
+    @_under_store_lock
+    def put_blocks(self, fp: bytes, items: list[tuple[bytes, torch.Tensor]]) -> int:
+        """Spill cached blocks: as many as fit the bound after evicting older
+        unreferenced blocks, the rest skipped. Returns bytes written."""
+        puts, new = [], set()
+        for h, p in items:
+            k = block_key(fp, h)
+            if k in self.lru:
+                self.lru.move_to_end(k)
+            elif not self.store.contains(k) and k not in new:
+                new.add(k)
+                puts.append((k, _view(p)))
+        if self.store.max_bytes:
+            room = self.store.max_bytes - self.held_bytes()     # what evicting every older block leaves
+            fit = 0
+            while fit < len(puts) and entry_bytes(*puts[fit]) <= room:
+                room -= entry_bytes(*puts[fit])
+                fit += 1
+            self.counters["skipped_spills"] += len(puts) - fit
+            puts = puts[:fit]
+        if not puts:
+            return 0
+        evict = self._victims(self.store.growth(puts, []), {k for k, _ in puts})
+        assert evict is not None, "spills were cut to what the bound holds"
+        self._write(puts, [], evict)
+        for k, _ in puts:
+            self._unreferenced(k)
+        return sum(v.nbytes for _, v in puts)
+
+    # ------------------------------------------------------------- state
+    def sync(self) -> None:
+        self.store.env.sync(True)
+
+    @_under_store_lock
+    def stats(self) -> dict:
+        return dict(self.store.stats(), held_bytes=self.held_bytes(), **self.counters)
+
+    @_under_store_lock
+    def check_invariants(self) -> None:
+        """The books: unreferenced blocks are exactly the stored block keys no
+        manifest pins, and their bytes add up."""
+        assert self.lru.keys().isdisjoint(self.pins), "a block is both referenced and evictable"
+        stored = self.store.keys(b"B")
+        assert all(k in self.lru or k in self.pins for k in stored), "a stored block is missing from the books"
+        assert all(self.store.contains(k) for k in self.lru), "an evictable block is not stored"
+        assert self.lru_bytes == sum(self.store.size(k) for k in self.lru), "evictable bytes drifted"
+        # Over the bound only with nothing left to evict (a store opened under a smaller bound).
+        assert not self.store.max_bytes or self.store.used_bytes <= self.store.max_bytes or not self.lru, \
+            "over the byte bound"
+
+
+def _view(payload: torch.Tensor) -> memoryview:
+    return memoryview(payload.contiguous().numpy())
+
+
+def _refs(fp: bytes, manifest: dict) -> list[bytes]:
+    """Keys of the content-hashed blocks a manifest references."""
+    return [block_key(fp, bytes.fromhex(h)) for h in manifest["sealed_hashes"] + manifest["tail_hashes"] if h]

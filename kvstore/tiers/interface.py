@@ -1,0 +1,40 @@
+"""What the tiers need of a cache (engine/cache.py's Cache implements it):
+its metadata, which is core's (pools, sequences, fingerprint), and its blocks
+as payloads. Nothing of the tensors behind the pools: the tiers import
+nothing of the engine."""
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from kvstore.core.block_pool import BlockPool
+from kvstore.core.config import CacheConfig
+from kvstore.core.sequence import Sequence
+
+
+class BlockPayloads(Protocol):
+    """A pool's blocks as payloads [n, block_bytes()] uint8 (engine/block_io.py)."""
+    device: torch.device
+
+    def block_bytes(self) -> int: ...
+
+    def pack(self, ids: list[int]) -> torch.Tensor: ...
+
+    def unpack(self, ids: list[int], payload: torch.Tensor) -> None: ...
+
+
+class TieredCache(Protocol):
+    cfg: CacheConfig
+    fingerprint: bytes                          # part of every key below the GPU
+    is_pq: bool
+    sink_blocks: int
+    seqs: dict[tuple[str, str], Sequence]       # (tenant, seq_id) -> sequence
+    main_pool: BlockPool                        # sealed blocks (codec fp16: every block)
+    tail_pool: BlockPool                        # fp16 tail blocks (codec fp16: the main pool)
+    main_io: BlockPayloads
+    tail_io: BlockPayloads
+    redis: object                               # the cache's RedisTier (redis.py), or None
+
+    def tail_block_index(self, j: int, n_sealed: int) -> int:
+        """Block index (in position order) of tail[j] when n_sealed blocks are sealed."""

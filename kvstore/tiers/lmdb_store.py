@@ -1,0 +1,155 @@
+"""The cold tier: a small key-value interface with LMDB as its implementation.
+
+Keys and values are bytes; what they mean (block payloads, manifests) is
+decided by kvstore/tiers/disk.py, and so is what goes when the store is over its
+byte bound (the store only keeps the books). Batched writes go in one
+transaction, so a sequence's blocks and its manifest are on disk together or
+not at all.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+from typing import Iterable, Iterator, Protocol
+
+class ColdStore(Protocol):
+    def put_many(self, items: Iterable[tuple[bytes, bytes]], sync: bool = ...) -> None: ...
+    def get_many(self, keys: list[bytes]) -> list[bytes | None]: ...
+    def contains(self, key: bytes) -> bool: ...
+    def delete_many(self, keys: Iterable[bytes]) -> None: ...
+    def scan(self, prefix: bytes) -> Iterator[tuple[bytes, bytes]]: ...
+
+
+def entry_bytes(key: bytes, value) -> int:
+    """What one entry counts against the bound: its key and value bytes (LMDB
+    adds its page overhead on top: the file is somewhat larger)."""
+    return len(key) + (value.nbytes if isinstance(value, memoryview) else len(value))
+
+
+class LMDBStore:
+    """LMDB-backed ColdStore. A full map grows instead of failing.
+
+    The size of every entry is kept in memory (read at open, updated at each
+    commit; this process is the store's only writer), so `used_bytes` is exact
+    and `contains` needs no transaction. `max_bytes` (0: none) is the bound the
+    owner of the key layout keeps (tiers.DiskTier).
+
+    One store serves every cache, and caches run requests in parallel. LMDB
+    serialises write transactions itself, and py-lmdb's read transactions may
+    be used from any thread, but growing the map (set_mapsize) invalidates
+    every open transaction of the process and fails while any write is open,
+    and the books must follow each commit: every transaction here runs under
+    self.lock, which the owner of the books (tiers.DiskTier) also holds over
+    its own check-then-write sequences."""
+
+    def __init__(self, path: str, map_size: int = 1 << 30, sync: bool = False, max_bytes: int = 0):
+        import lmdb
+        if max_bytes < 0:
+            raise ValueError(f"max_bytes must be >= 0, got {max_bytes}")
+        self._lmdb = lmdb
+        os.makedirs(path, mode=0o700, exist_ok=True)
+        self.path = path
+        self.max_bytes = max_bytes
+        # sync=False: commits reach the OS, not the disk; durable writes ask for
+        # sync explicitly (put_many(sync=True) calls env.sync()).
+        self.env = lmdb.open(path, map_size=map_size, subdir=True, sync=sync, metasync=sync,
+                             max_dbs=0, lock=True, readahead=False)
+        self.lock = threading.RLock()
+        self._sizes: dict[bytes, int] = {}
+        with self.env.begin(buffers=True) as txn:   # values stay in the map: only their length is read
+            for k, v in txn.cursor():
+                self._sizes[bytes(k)] = entry_bytes(k, v)
+        self.used_bytes = sum(self._sizes.values())
+        self.books = None     # what the owner of the key layout keeps over these entries (tiers.DiskTier)
+
+    def _write(self, fn) -> None:
+        with self.lock:
+            while True:
+                try:
+                    with self.env.begin(write=True) as txn:
+                        fn(txn)
+                    return
+                except self._lmdb.MapFullError:
+                    self.env.set_mapsize(self.env.info()["map_size"] * 2)
+
+    @contextlib.contextmanager
+    def reader(self, buffers: bool = False):
+        """A read transaction, held under self.lock (see the class docstring)."""
+        with self.lock, self.env.begin(buffers=buffers) as txn:
+            yield txn
+
+    def size(self, key: bytes) -> int | None:
+        """Bytes the entry counts, None if absent."""
+        return self._sizes.get(key)
+
+    def growth(self, puts: list[tuple[bytes, bytes]], deletes: Iterable[bytes]) -> int:
+        """Bytes write_batch(puts, deletes) would add to used_bytes (< 0: frees)."""
+        return sum(n - self._sizes.get(k, 0) for k, n in _after(puts, deletes).items())
+
+    def put_many(self, items: Iterable[tuple[bytes, bytes]], sync: bool = False) -> None:
+        self.write_batch(list(items), [], sync)
+
+    def get_many(self, keys: list[bytes]) -> list[bytes | None]:
+        with self.reader() as txn:
+            return [txn.get(k) for k in keys]
+
+    def contains(self, key: bytes) -> bool:
+        return key in self._sizes
+
+    def delete_many(self, keys: Iterable[bytes]) -> None:
+        self.write_batch([], list(keys))
+
+    def write_batch(self, puts: list[tuple[bytes, bytes]], deletes: list[bytes], sync: bool = False) -> None:
+        """Puts and deletes in one transaction (deletes first)."""
+        def fn(txn):
+            for k in deletes:
+                txn.delete(k)
+            for k, v in puts:
+                txn.put(k, v)
+        with self.lock:
+            self._write(fn)
+            for k, n in _after(puts, deletes).items():     # committed: the books follow
+                self.used_bytes += n - self._sizes.get(k, 0)
+                if n:
+                    self._sizes[k] = n
+                else:
+                    self._sizes.pop(k, None)
+        if sync:
+            self.env.sync(True)
+
+    def scan(self, prefix: bytes) -> Iterator[tuple[bytes, bytes]]:
+        out = []          # read whole: a generator would hold the lock between its items
+        with self.reader() as txn:
+            cur = txn.cursor()
+            if cur.set_range(prefix):
+                for k, v in cur:
+                    if not k.startswith(prefix):
+                        break
+                    out.append((bytes(k), bytes(v)))
+        return iter(out)
+
+    def keys(self, prefix: bytes = b"") -> list[bytes]:
+        """Keys under prefix, from the books (no transaction)."""
+        with self.lock:
+            return [k for k in self._sizes if k.startswith(prefix)]
+
+    def stats(self) -> dict:
+        with self.lock:
+            st = self.env.stat()
+            info = self.env.info()
+        return dict(entries=st["entries"], map_size=info["map_size"],
+                    pages=st["branch_pages"] + st["leaf_pages"] + st["overflow_pages"],
+                    bytes=(st["branch_pages"] + st["leaf_pages"] + st["overflow_pages"]) * st["psize"],
+                    used_bytes=self.used_bytes, max_bytes=self.max_bytes)
+
+    def close(self) -> None:
+        self.env.close()
+
+
+def _after(puts: list[tuple[bytes, bytes]], deletes: Iterable[bytes]) -> dict[bytes, int]:
+    """key -> bytes it counts after a batch (0: deleted)."""
+    out = {k: 0 for k in deletes}
+    for k, v in puts:
+        out[k] = entry_bytes(k, v)
+    return out

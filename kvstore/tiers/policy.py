@@ -1,0 +1,396 @@
+"""Moving a cache's blocks between GPU, host and disk (DESIGN §7).
+
+Policy: when an allocation would fail, the least recently used sequences that
+nobody is writing to (no pending or reserved tokens, not in the request at
+hand) move down whole: to the pinned host pool, or to LMDB when the host is
+full or absent. Cached (freed, hashed) GPU blocks are copied to the host
+before their slot is reused, and host cached blocks to LMDB, so prefix hits
+survive eviction. Any access pages a sequence back in; Offload writes it to
+LMDB and returns once the transaction is durable, and that copy stays until
+the sequence is freed or changed.
+
+Books: every move takes the references it needs first (hits it will share,
+so that making room can neither move nor reuse them), then makes room, then
+allocates what it checked, and on any failure gives back all it took.
+"""
+from __future__ import annotations
+
+import time
+from array import array
+
+import numpy as np
+import torch
+
+from kvstore.core.sequence import Sequence
+from kvstore.errors import FailedPrecondition, ResourceExhausted
+
+from .disk import DiskTier, SeqImage, block_key
+from .host import HostTier
+from .interface import TieredCache
+
+# Manifest fields a restart needs, written to disk but not kept in memory,
+# where the sequence holds them already (token ids as array('i')).
+_HELD = ("token_ids", "hashes")
+
+
+def _written(s: Sequence, manifest: dict) -> dict:
+    """The manifest as written to disk: with s's token ids and hashes."""
+    return dict(manifest, token_ids=s.token_ids.tolist(), hashes=[h.hex() for h in s.hashes])
+
+
+class Tiering:
+    def __init__(self, cache: TieredCache, host: HostTier | None, disk: DiskTier | None):
+        self.c = cache
+        self.host = host
+        self.disk = disk
+        self.counters = dict(offloads_host=0, offloads_disk=0, page_ins_host=0, page_ins_disk=0,
+                             bytes_down=0, bytes_up=0, spilled_blocks=0, prefix_hits_host=0, prefix_hits_disk=0)
+        cache.main_pool.on_evict = self._spill_gpu_cached
+        if host is not None:
+            host.main_pool.on_evict = self._spill_host_cached
+
+    # ------------------------------------------------------------ spilling
+    def _spill_gpu_cached(self, evicted: list[tuple[int, bytes]]) -> None:
+        """GPU cached blocks are about to be reused: keep their payload below."""
+        todo = [(b, h) for b, h in evicted if not self._below_has(h)]
+        if not todo:
+            return
+        payload = self.c.main_io.pack([b for b, _ in todo])
+        if self.c.redis is not None:      # ---- Redis tier: the ones it may not have yet (redis.py)
+            self.c.redis.put([h for _, h in todo], payload)
+        if self.host is not None:
+            ids = self.host.main_pool.allocate(len(todo))
+            if ids is not None:
+                self.host.put(self.host.main, ids, payload)
+                for i, (_, h) in zip(ids, todo):
+                    self.host.main_pool.set_hash(i, h)
+                self.host.main_pool.release(ids)           # cached on the host, findable
+                self.counters["spilled_blocks"] += len(todo)
+                self.counters["bytes_down"] += payload.numel()
+                return
+        if self.disk is not None:
+            payload = payload.cpu()
+            n = self.disk.put_blocks(self.c.fingerprint, [(h, p) for (_, h), p in zip(todo, payload)])
+            self.counters["bytes_down"] += n
+            self.counters["spilled_blocks"] += n // payload.shape[1]
+
+    def _spill_host_cached(self, evicted: list[tuple[int, bytes]]) -> None:
+        if self.disk is None and self.c.redis is None:
+            return
+        self.host.settle()
+        items = [(h, self.host.main[b].clone()) for b, h in evicted]
+        if self.c.redis is not None:      # ---- Redis tier: the ones it may not have yet (redis.py)
+            self.c.redis.put([h for h, _ in items], torch.stack([p for _, p in items]))
+        if self.disk is not None:
+            self.counters["bytes_down"] += self.disk.put_blocks(self.c.fingerprint, items)
+
+    def _below_has(self, h: bytes) -> bool:
+        if self.host is not None and self.host.main_pool.lookup(h) is not None:
+            return True
+        return self.disk is not None and self.disk.has_block(self.c.fingerprint, h)
+
+    # --------------------------------------------------------------- room
+    def _gpu_fits(self, main: int, tail: int) -> bool:
+        c = self.c
+        if c.is_pq:
+            return c.main_pool.num_allocatable() >= main and c.tail_pool.num_allocatable() >= tail
+        return c.main_pool.num_allocatable() >= main + tail
+
+    def make_room(self, main: int, tail: int, protect: set) -> bool:
+        """Move LRU sequences down until the GPU pools can give main + tail
+        blocks. Blocks the caller holds references on stay where they are."""
+        while not self._gpu_fits(main, tail):
+            victim = _lru(s for s in self.c.seqs.values() if s.tier == "gpu" and id(s) not in protect
+                          and not any(s.pending) and not s.reserved and (s.sealed or s.tail))
+            if victim is None or not self.move_down(victim, protect):
+                return False
+        return True
+
+    def move_down(self, s: Sequence, protect: set = frozenset()) -> bool:
+        """GPU -> host if it fits there, else -> disk. False: no room below."""
+        if self.host is not None and self.to_host(s, protect):
+            return True
+        if self.disk is None:
+            return False
+        try:
+            self._to_disk([s], durable=False)
+        except ResourceExhausted:
+            return False
+        return True
+
+    def _host_room(self, main: int, tail: int, protect: set) -> bool:
+        """Move LRU host sequences to disk until the host pools can give main + tail."""
+        h = self.host
+        if main > h.main_pool.capacity or tail > h.tail_pool.capacity:
+            return False
+        while h.main_pool.num_allocatable() < main or h.tail_pool.num_allocatable() < tail:
+            victim = _lru(v for v in self.c.seqs.values() if v.tier == "host" and id(v) not in protect)
+            if victim is None or self.disk is None:
+                return False
+            try:
+                self._to_disk([victim], durable=False)
+            except ResourceExhausted:
+                return False
+        return True
+
+    def _sealed_hash(self, s: Sequence, j: int) -> bytes | None:
+        """Content hash of sealed block j (behind the sink blocks), if registered."""
+        i = self.c.sink_blocks + j
+        return s.hashes[i] if i < min(s.hashed_upto, len(s.hashes)) else None
+
+    # ------------------------------------------------------------- moves
+    def to_host(self, s: Sequence, protect: set = frozenset()) -> bool:
+        """GPU -> host, sharing blocks the host already holds. False (and
+        nothing changed but host sequences moved to disk) if it does not fit."""
+        c, h = self.c, self.host
+        assert s.tier == "gpu"
+        hits = {}
+        for i in range(len(s.sealed)):
+            hi = self._sealed_hash(s, i)
+            hb = h.main_pool.lookup(hi) if hi is not None else None
+            if hb is not None:
+                hits[i] = hb
+        h.main_pool.ref(list(hits.values()))
+        todo = [i for i in range(len(s.sealed)) if i not in hits]
+        alloc = tail_ids = None
+        done = False
+        try:
+            if not self._host_room(len(todo), len(s.tail), protect | {id(s)}):
+                return False
+            alloc = h.main_pool.allocate(len(todo))
+            tail_ids = h.tail_pool.allocate(len(s.tail))
+            assert alloc is not None and tail_ids is not None, "host room was made"
+            if todo:
+                payload = c.main_io.pack([s.sealed[i] for i in todo])
+                h.put(h.main, alloc, payload)
+                self.counters["bytes_down"] += payload.numel()
+            if s.tail:
+                payload = c.tail_io.pack(s.tail)
+                h.put(h.tail, tail_ids, payload)
+                self.counters["bytes_down"] += payload.numel()
+            host_main = [hits.get(i) for i in range(len(s.sealed))]
+            for i, hb in zip(todo, alloc):
+                host_main[i] = hb
+                hi = self._sealed_hash(s, i)
+                if hi is not None:
+                    h.main_pool.set_hash(hb, hi)
+            done = True
+        finally:
+            if not done:
+                h.tail_pool.release(tail_ids or [])
+                h.main_pool.release((alloc or []) + list(hits.values()))
+        self._release(s)
+        s.sealed, s.tail, s.tier = host_main, tail_ids, "host"
+        s.rebuilt_table()
+        self.counters["offloads_host"] += 1
+        return True
+
+    def offload(self, seqs: list[Sequence]) -> None:
+        """Offload: every sequence durable on disk, or (ResourceExhausted) none moved."""
+        if self.disk is None:
+            raise FailedPrecondition("sequence_ids", "no disk tier configured (start the daemon with --lmdb PATH)")
+        self._to_disk(seqs, durable=True)
+
+    def _to_disk(self, seqs: list[Sequence], durable: bool) -> None:
+        """Write the sequences to LMDB in one transaction, then let go of their blocks.
+        A sequence whose disk copy is current is not written again."""
+        c = self.c
+        images = []
+        for s in seqs:
+            m = s.manifest
+            if m is None:
+                images.append(self._image(s, durable))
+            elif durable and not m.get("durable"):      # a pressure copy, durable from now on
+                images.append(SeqImage(c.cfg.name, s.tenant, s.seq_id, _written(s, dict(m, durable=True))))
+        if images:
+            self.counters["bytes_down"] += self.disk.write_sequences(c.fingerprint, images, sync=durable)
+        elif durable:
+            self.disk.sync()
+        written = {(im.tenant, im.seq_id): {k: v for k, v in im.manifest.items() if k not in _HELD}
+                   for im in images}
+        for s in seqs:
+            s.manifest = written.get((s.tenant, s.seq_id), s.manifest)
+            if s.tier != "disk":
+                self._release(s)
+                s.sealed, s.tail, s.tier = [], [], "disk"
+                s.rebuilt_table()
+                self.counters["offloads_disk"] += 1
+
+    def _image(self, s: Sequence, durable: bool) -> SeqImage:
+        c = self.c
+        if s.tier == "gpu":
+            sealed = c.main_io.pack(s.sealed).cpu() if s.sealed else None
+            tail = c.tail_io.pack(s.tail).cpu() if s.tail else None
+        else:
+            self.host.settle()
+            sealed = self.host.main[s.sealed] if s.sealed else None
+            tail = self.host.tail[s.tail] if s.tail else None
+        # Blocks with a content hash go under that hash (deduplicated, found by
+        # prefix lookups after a restart); fp16 tail blocks only where they share
+        # the sealed blocks' format (codec fp16).
+        hashed, others, block_hashes = [], [], []
+        known = min(s.hashed_upto, len(s.hashes))
+        rows = [sealed[i] for i in range(len(s.sealed))] + [tail[j] for j in range(len(s.tail))]
+        index = ([c.sink_blocks + i for i in range(len(s.sealed))]     # block index of each row, in position order
+                 + [c.tail_block_index(j, len(s.sealed)) for j in range(len(s.tail))])
+        for r, (i, payload) in enumerate(zip(index, rows)):
+            if i < known and (r < len(s.sealed) or not c.is_pq):
+                hashed.append((s.hashes[i], payload))
+                block_hashes.append(s.hashes[i].hex())
+            else:
+                others.append(payload)
+                block_hashes.append("")
+        manifest = dict(seq_id=s.seq_id, tenant=s.tenant, length=s.length, hashed_upto=s.hashed_upto,
+                        sealed_hashes=block_hashes[:len(s.sealed)], tail_hashes=block_hashes[len(s.sealed):],
+                        n_tail=len(s.tail), n_other=len(others), durable=durable)
+        return SeqImage(c.cfg.name, s.tenant, s.seq_id, _written(s, manifest), hashed, others)
+
+    def _release(self, s: Sequence) -> None:
+        if s.tier == "gpu":
+            self.c.tail_pool.release(s.tail[::-1])
+            self.c.main_pool.release(s.sealed[::-1])
+        elif s.tier == "host":
+            self.host.tail_pool.release(s.tail[::-1])
+            self.host.main_pool.release(s.sealed[::-1])
+
+    def page_in(self, s: Sequence, protect: set) -> None:
+        """Bring a host or disk sequence back to the GPU pools. A durable disk
+        copy stays (Offload's promise); a pressure copy goes."""
+        c = self.c
+        if s.tier == "gpu":
+            return
+        n_sealed = len(s.sealed) if s.tier == "host" else len(s.manifest["sealed_hashes"])
+        n_tail = len(s.tail) if s.tier == "host" else s.manifest["n_tail"]
+        # Read first: a copy that cannot be read fails before anything changes.
+        if s.tier == "host":
+            sealed_payload = self.host.get(self.host.main, s.sealed, c.main_io.device) if s.sealed else None
+            tail_payload = self.host.get(self.host.tail, s.tail, c.tail_io.device) if s.tail else None
+        else:
+            pin = c.main_io.device.type == "cuda"
+            sealed_payload, tail_payload = self.disk.read_sequence(
+                c.fingerprint, c.cfg.name, s.tenant, s.seq_id, s.manifest, c.main_io.block_bytes(), c.tail_io.block_bytes(), pin)
+            if pin:   # one DMA each from pinned memory
+                sealed_payload = sealed_payload.to(c.main_io.device, non_blocking=True) if n_sealed else None
+                tail_payload = tail_payload.to(c.tail_io.device, non_blocking=True) if n_tail else None
+        known = min(s.hashed_upto, len(s.hashes))
+        hits = {i: c.main_pool.lookup(s.hashes[c.sink_blocks + i])
+                for i in range(n_sealed) if c.sink_blocks + i < known}
+        hits = {i: b for i, b in hits.items() if b is not None}
+        c.main_pool.ref(list(hits.values()))
+        todo = [i for i in range(n_sealed) if i not in hits]
+        new = new_tail = None
+        done = False
+        try:
+            if not self.make_room(len(todo), n_tail, protect | {id(s)}):
+                raise ResourceExhausted("sequence_ids", f"no GPU room to page in sequence {s.seq_id!r}")
+            new = c.main_pool.allocate(len(todo))
+            new_tail = c.tail_pool.allocate(n_tail)
+            assert new is not None and new_tail is not None, "GPU room was made"
+            if todo:
+                c.main_io.unpack(new, sealed_payload[todo])
+                self.counters["bytes_up"] += sealed_payload[todo].numel()
+            if n_tail:
+                c.tail_io.unpack(new_tail, tail_payload)
+                self.counters["bytes_up"] += tail_payload.numel()
+            done = True
+        finally:
+            if not done:
+                c.tail_pool.release(new_tail or [])
+                c.main_pool.release((new or []) + list(hits.values()))
+        sealed = [hits.get(i) for i in range(n_sealed)]
+        for i, b in zip(todo, new):
+            sealed[i] = b
+            if c.sink_blocks + i < known:
+                c.main_pool.set_hash(b, s.hashes[c.sink_blocks + i])
+        for j, b in enumerate(new_tail):          # full sink and tail blocks are findable again
+            i = c.tail_block_index(j, n_sealed)
+            if i < known:
+                c.tail_pool.set_hash(b, s.hashes[i])
+        below = s.tier
+        self._release(s)
+        s.sealed, s.tail, s.tier = sealed, new_tail, "gpu"
+        s.rebuilt_table()
+        s.last_use = time.monotonic()
+        self.counters["page_ins_" + below] += 1
+        if below == "disk" and not s.manifest.get("durable"):
+            self.disk.delete_sequence(c.fingerprint, c.cfg.name, s.tenant, s.seq_id, s.manifest)
+            s.manifest = None
+
+    def changing(self, s: Sequence) -> None:
+        """s is about to change: its disk copy goes first (durably, so that a
+        restart cannot bring back what it no longer is)."""
+        if s.manifest is not None:
+            assert s.tier != "disk", "a sequence on disk changes only after a page-in"
+            self.disk.delete_sequence(self.c.fingerprint, self.c.cfg.name, s.tenant, s.seq_id, s.manifest, sync=True)
+            s.manifest = None
+
+    def free(self, s: Sequence) -> None:
+        """The disk copy and host blocks of a sequence being freed (GPU blocks: Cache.free)."""
+        if s.manifest is not None:
+            self.disk.delete_sequence(self.c.fingerprint, self.c.cfg.name, s.tenant, s.seq_id, s.manifest)
+            s.manifest = None
+        if s.tier == "host":
+            self._release(s)
+
+    # ---------------------------------------------------------- prefix hits
+    def lookup_below(self, h: bytes) -> tuple[str, torch.Tensor] | None:
+        """(tier, payload) of a sealed block with hash h from the host or disk tier."""
+        if self.host is not None:
+            b = self.host.main_pool.lookup(h)
+            if b is not None:
+                self.host.settle()
+                return "host", self.host.main[b].clone()   # the slot may be reused before we copy
+        if self.disk is not None:
+            v = self.disk.get_block(self.c.fingerprint, h)
+            if v is not None:
+                return "disk", torch.from_numpy(np.frombuffer(v, dtype=np.uint8).copy())
+        return None
+
+    def served(self, tiers: list[str]) -> None:
+        """Count prefix blocks from below that a sequence got."""
+        for t in tiers:
+            self.counters["prefix_hits_" + t] += 1
+
+    def restore(self) -> int:
+        """Register the sequences a previous daemon left on disk for this fingerprint."""
+        if self.disk is None:
+            return 0
+        n = 0
+        for m in self.disk.manifests(self.c.fingerprint, self.c.cfg.name):
+            key = (m["tenant"], m["seq_id"])
+            if key in self.c.seqs:
+                continue
+            s = Sequence(m["seq_id"], m["tenant"], self.c.cfg.geometry.num_layers, length=m["length"],
+                         token_ids=array("i", m.pop("token_ids")), hashes=[bytes.fromhex(h) for h in m.pop("hashes")],
+                         hashed_upto=m["hashed_upto"])
+            s.tier, s.manifest = "disk", m
+            self.c.seqs[key] = s
+            n += 1
+        return n
+
+    def stats(self) -> dict:
+        out = dict(self.counters)
+        if self.host is not None:
+            out["host_main"] = self.host.main_pool.stats()
+            out["host_tail"] = self.host.tail_pool.stats()
+            out["host_bytes"] = self.host.nbytes()
+        out["sequences_host"] = sum(1 for s in self.c.seqs.values() if s.tier == "host")
+        out["sequences_disk"] = sum(1 for s in self.c.seqs.values() if s.tier == "disk")
+        if self.disk is not None:
+            out["disk"] = self.disk.stats()
+        return out
+
+    def check_invariants(self) -> None:
+        """The disk books, and every disk copy a sequence claims is there and pinned."""
+        if self.disk is None:
+            return
+        self.disk.check_invariants()
+        for s in self.c.seqs.values():
+            if s.manifest is not None:
+                for h in s.manifest["sealed_hashes"] + s.manifest["tail_hashes"]:
+                    assert not h or self.disk.pins.get(block_key(self.c.fingerprint, bytes.fromhex(h))), \
+                        f"{s.seq_id}: a block of its disk copy is not pinned"
+
+
+def _lru(seqs) -> Sequence | None:
+    return min(seqs, key=lambda s: s.last_use, default=None)

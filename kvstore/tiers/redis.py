@@ -1,0 +1,160 @@
+"""A cache's view of the shared Redis tier (DESIGN §7; the store, its key
+and value format and its failure handling: redis_store.py): main-pool
+blocks that got a content hash go up to it once encoded, and the part of a
+prefix that no tier of this host has is asked of it, in one batch."""
+from __future__ import annotations
+
+import logging
+import threading
+from collections import OrderedDict
+
+import torch
+
+from kvstore.cuda.pinned import to_device
+
+from .interface import TieredCache
+from .redis_store import GET_BATCH_BYTES, HEADER_BYTES, Put, RedisStore, block_key, unpack_value
+
+log = logging.getLogger("kvstore.redis")
+KNOWN_HASHES = 1 << 16                    # per cache: hashes known to be in Redis (not put again)
+MAX_PENDING = 1 << 14                     # per cache: hashed blocks waiting for the next flush
+
+
+class RedisTier:
+    """A cache's view of the shared RedisStore, with its own counters.
+
+    note() is the main pool's on_hash hook: a block that got a content hash
+    waits in `pending` until flush() (called once the write that hashed it
+    has encoded it) packs the lot and queues one put. get_prefix() serves
+    Cache.allocate the blocks of a prefix that no tier of this host has."""
+
+    def __init__(self, store: RedisStore, cache: TieredCache):
+        self.store, self.c = store, cache
+        self.pending: list[tuple[int, bytes]] = []
+        self._known: OrderedDict[bytes, None] = OrderedDict()     # LRU; _epoch: the store's when filled
+        self._epoch = store.epoch
+        self._lock = threading.Lock()           # counters and _known: the writer thread updates them too
+        self.counters = dict(blocks_out=0, bytes_out=0, prefix_hits=0, bytes_in=0, misses=0, refused=0,
+                             dropped_puts=0, errors=0)
+        cache.main_pool.on_hash = self.note
+
+    # --------------------------------------------------------------- puts
+    def note(self, block_id: int, h: bytes) -> None:
+        if self._is_known(h):
+            return
+        if len(self.pending) >= MAX_PENDING:
+            self._count(dropped_puts=1)
+            return
+        self.pending.append((block_id, h))
+
+    def flush(self) -> None:
+        """Queue the noted blocks that still hold their hash (an evicted one
+        was overwritten: skipped; its spill puts it if it is still missing)."""
+        todo, self.pending = self.pending, []
+        pool, seen, keep = self.c.main_pool, set(), []
+        for b, h in todo:
+            if pool.blocks[b].hash == h and h not in seen:
+                seen.add(h)
+                keep.append((b, h))
+        if not keep:
+            return
+        if not self.store.allow():
+            self._count(dropped_puts=len(keep))
+            return
+        self.put([h for _, h in keep], self.c.main_io.pack([b for b, _ in keep]))
+
+    def put(self, hashes: list[bytes], payload: torch.Tensor) -> None:
+        """Queue blocks (payload [n, block bytes] uint8, any device) not known
+        to be in Redis; also the spill paths' hook (policy.py)."""
+        idx = [i for i, h in enumerate(hashes) if not self._is_known(h)]
+        if not idx:
+            return
+        if not self.store.allow():
+            self._count(dropped_puts=len(idx))
+            return
+        if len(idx) < len(hashes):
+            hashes, payload = [hashes[i] for i in idx], payload.index_select(0, to_device(torch.tensor(idx), payload.device))
+        event = None
+        if payload.is_cuda:       # the writer waits for the copy, the caller does not
+            host = torch.empty(payload.shape, dtype=torch.uint8, pin_memory=True)
+            host.copy_(payload, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(payload.device))
+            payload = host
+        if not self.store.submit(Put(self, self.c.fingerprint, hashes, payload, event)):
+            self._count(dropped_puts=len(hashes))
+
+    def written(self, hashes: list[bytes], block_bytes: int, failed: int) -> None:
+        """Writer thread: hashes were stored, `failed` more refused by the server."""
+        self._count(blocks_out=len(hashes), bytes_out=len(hashes) * block_bytes, dropped_puts=failed, errors=failed)
+        self._remember(hashes)
+
+    def _known_now(self) -> OrderedDict:
+        """The hashes known to be in Redis since it last came back (under self._lock)."""
+        if self._epoch != self.store.epoch:
+            self._known.clear()
+            self._epoch = self.store.epoch
+        return self._known
+
+    def _is_known(self, h: bytes) -> bool:
+        with self._lock:
+            if h in self._known_now():
+                self._known.move_to_end(h)
+            return h in self._known
+
+    def _remember(self, hashes: list[bytes]) -> None:
+        with self._lock:
+            self._known_now()
+            for h in hashes:
+                self._known[h] = None
+                self._known.move_to_end(h)
+            while len(self._known) > KNOWN_HASHES:
+                self._known.popitem(last=False)
+
+    # -------------------------------------------------------------- reads
+    def get_prefix(self, hashes: list[bytes]) -> list[torch.Tensor]:
+        """Payloads [block bytes] uint8 of the leading blocks of `hashes` that
+        Redis holds and that check out; one round trip per GET_BATCH_BYTES."""
+        fp, width = self.c.fingerprint, self.c.main_io.block_bytes()
+        per = max(1, GET_BATCH_BYTES // (HEADER_BYTES + width))
+        out: list[torch.Tensor] = []
+        for start in range(0, len(hashes), per):
+            chunk = hashes[start:start + per]
+            values = self.store.get_many([block_key(fp, h) for h in chunk])
+            if values is None:
+                self._count(errors=1)
+                break
+            for h, v in zip(chunk, values):
+                p = unpack_value(v, fp, h, width) if v is not None else None
+                if p is None:
+                    self._miss(h, refused=v is not None)
+                    break
+                out.append(p)
+            if len(out) < start + len(chunk):
+                break
+        if out:
+            self._remember(hashes[:len(out)])
+        return out
+
+    def served(self, n: int) -> None:
+        """Count n prefix blocks from Redis that a sequence got (a lookup may
+        return more than there is room to serve)."""
+        if n:
+            self._count(prefix_hits=n, bytes_in=n * self.c.main_io.block_bytes())
+
+    def _miss(self, h: bytes, refused: bool) -> None:
+        self._count(**{"refused" if refused else "misses": 1})
+        if refused:     # the first one loudly: something else writes under our keys
+            log.log(logging.WARNING if self.counters["refused"] == 1 else logging.DEBUG,
+                    "cache %r: refused the Redis value stored for block %s: not this cache's block (counted in "
+                    "redis_refused; served as a miss)", self.c.cfg.name, h.hex()[:16])
+
+    def _count(self, **kw) -> None:
+        with self._lock:
+            for k, v in kw.items():
+                self.counters[k] += v
+
+    def stats(self) -> dict:
+        st = self.store.stats()
+        with self._lock:
+            return dict(state=st["state"], up=st["up"], last_error=st["last_error"], **self.counters)

@@ -1,0 +1,310 @@
+"""The shared cold tier on Redis or Valkey (DESIGN §7): below the host and
+disk tiers, so that daemons on many hosts share prefix blocks.
+
+Only main-pool blocks with a content hash go there (sealed PQ blocks; full
+blocks for codec fp16). The hash chains the block's token ids with the cache
+fingerprint (core/hashing.py), so one key means one content on every host with
+the same model, geometry and codebooks, and a prefix hit crosses the network
+as PQ codes (storage.pack: every layer's K codes, then V codes).
+
+Key layout:   kvstore:v1:<cache fingerprint hex>:<content hash hex>
+No hash tag ({...}): Redis Cluster hashes the whole key, so one cache's
+blocks spread over every slot. A lookup reads the prefix it misses in one
+pipeline of GETs, not an MGET, which a cluster refuses across slots
+(CROSSSLOT); a Cluster client must split such a pipeline by node (redis-py's
+RedisCluster pipeline does), one round trip per node owning keys of it.
+
+Value: an 88-byte header, then the payload:
+  b"KVRB", version u16, 0 u16, fingerprint [32], content hash [32],
+  payload length u64, blake2b-8 of all of the header before it and the payload.
+A value whose magic, version, fingerprint, hash, length or checksum is not
+what the lookup expects is refused: counted, treated as a miss, never served.
+The checksum catches corruption and mix-ups, not a forger: whoever may write
+to this Redis may write blocks, so give the daemons their own ACL user (and
+TLS across hosts).
+
+Eviction is Redis's own: run it with `maxmemory <bytes>` and
+`maxmemory-policy allkeys-lru` (these blocks are a cache: any of them may go).
+--redis-ttl adds an expiry to every put; every hit renews it (GETEX).
+
+Redis down or slow never fails a request and delays one by at most one
+socket timeout (--redis-timeout): no client retries, and a circuit breaker
+skips a failed Redis for a back-off (0.5 s doubling up to --redis-backoff)
+before it tries again, logging one WARNING per outage and one INFO on
+recovery. Puts go through a bounded queue to one writer thread: a full queue
+drops and counts, never waits. A block this daemon put or read is not put
+again until Redis comes back from an outage (which may have emptied it).
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+import struct
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+from urllib.parse import parse_qs, urlsplit
+
+import numpy as np
+import torch
+
+from kvstore.errors import InvalidArgument
+
+log = logging.getLogger("kvstore.redis")
+
+MAGIC, VERSION = b"KVRB", 1
+_HEAD = struct.Struct("<4sHH32s32sQ")     # magic, version, 0, fingerprint, hash, payload length
+HEADER_BYTES = _HEAD.size + 8             # + blake2b-8
+GET_BATCH_BYTES = 64 << 20                # one round trip reads at most this much
+PUT_BATCH_BYTES = 16 << 20                # one pipeline of the writer sends at most this much
+BACKOFF_START_S = 0.5
+# What a rediss:// URL may add (redis-py passes them to its TLS connection).
+TLS_OPTIONS = ("ssl_ca_certs", "ssl_ca_path", "ssl_certfile", "ssl_keyfile", "ssl_cert_reqs", "ssl_check_hostname")
+
+
+def block_key(fp: bytes, h: bytes) -> bytes:
+    return b"kvstore:v1:" + fp.hex().encode() + b":" + h.hex().encode()
+
+
+def _checksum(head: bytes, payload) -> bytes:
+    d = hashlib.blake2b(head, digest_size=8)
+    d.update(payload)
+    return d.digest()
+
+
+def pack_value(fp: bytes, h: bytes, payload) -> bytes:
+    """payload: a bytes-like block payload -> the stored value."""
+    mv = memoryview(payload).cast("B")
+    head = _HEAD.pack(MAGIC, VERSION, 0, fp, h, mv.nbytes)
+    return b"".join((head, _checksum(head, mv), mv))
+
+
+def unpack_value(v, fp: bytes, h: bytes, length: int) -> torch.Tensor | None:
+    """The payload [length] uint8 of value v stored for (fp, h), or None if v
+    is not exactly that."""
+    if not isinstance(v, bytes) or len(v) != HEADER_BYTES + length:
+        return None
+    head = v[:_HEAD.size]
+    if head != _HEAD.pack(MAGIC, VERSION, 0, fp, h, length):
+        return None
+    payload = memoryview(v)[HEADER_BYTES:]
+    if _checksum(head, payload) != v[_HEAD.size:HEADER_BYTES]:
+        return None
+    return torch.from_numpy(np.frombuffer(v, dtype=np.uint8, offset=HEADER_BYTES).copy())
+
+
+@dataclass(frozen=True, slots=True)
+class RedisConfig:
+    """url: redis://[user:password@]host:port/db (rediss:// for TLS, which may
+    add TLS_OPTIONS); ttl_s: expiry of each block (0: none, maxmemory-policy
+    alone evicts); timeout_s: connect and socket timeout; backoff_s: the
+    longest a failed Redis is skipped; queue_bytes: puts waiting for the
+    writer before new ones are dropped."""
+    url: str
+    ttl_s: int = 0
+    timeout_s: float = 0.25
+    backoff_s: float = 10.0
+    queue_bytes: int = 64 << 20
+
+    def __post_init__(self) -> None:
+        try:
+            u = urlsplit(self.url)
+            u.port                      # raises on a port that is not a number in range
+        except ValueError as e:
+            raise InvalidArgument("redis", f"{self.redacted()}: {e}") from None
+        db = u.path.strip("/")
+        if u.scheme not in ("redis", "rediss"):
+            raise InvalidArgument("redis", f"{self.redacted()}: scheme must be redis:// or rediss:// (TLS)")
+        if not u.hostname:
+            raise InvalidArgument("redis", f"{self.redacted()}: no host (redis://[user:password@]host:port/db)")
+        if db and not db.isdigit():
+            raise InvalidArgument("redis", f"{self.redacted()}: the path must be a database number, got {db!r}")
+        opts = parse_qs(u.query, keep_blank_values=True)
+        bad = sorted(set(opts) - set(TLS_OPTIONS)) if u.scheme == "rediss" else sorted(opts)
+        if bad or u.fragment:
+            raise InvalidArgument("redis", f"{self.redacted()}: unexpected {bad or u.fragment!r}: only a rediss:// "
+                                  f"(TLS) URL takes options, {', '.join(TLS_OPTIONS)}; timeouts and TTL are flags")
+        if self.ttl_s < 0:
+            raise InvalidArgument("redis-ttl", f"must be >= 0, got {self.ttl_s}")
+        if not 0 < self.timeout_s <= 60:
+            raise InvalidArgument("redis-timeout", f"must be in (0, 60] seconds, got {self.timeout_s}")
+        if not 0 < self.backoff_s <= 3600:
+            raise InvalidArgument("redis-backoff", f"must be in (0, 3600] seconds, got {self.backoff_s}")
+        if self.queue_bytes <= 0:
+            raise InvalidArgument("queue_bytes", f"must be > 0, got {self.queue_bytes}")
+
+    def redacted(self) -> str:
+        """The URL without its password (for logs and errors)."""
+        try:
+            u = urlsplit(self.url)
+            if u.password is None:
+                return self.url
+            return u._replace(netloc=u.netloc.replace(":" + u.password + "@", ":***@", 1)).geturl()
+        except ValueError:
+            return "<unparsable URL>"
+
+
+@dataclass(slots=True)
+class Put:
+    tier: object                    # the RedisTier (redis.py) whose counters written() updates
+    fp: bytes
+    hashes: list[bytes]
+    rows: torch.Tensor              # [n, block bytes] uint8 on the CPU (pinned when copied from a GPU)
+    event: object = None            # CUDA event after the copy into rows, or None
+
+
+class RedisStore:
+    """One Redis for the whole daemon: the client, the circuit breaker and the
+    put queue with its writer thread. Caches see it through RedisTier."""
+
+    def __init__(self, cfg: RedisConfig):
+        import redis
+        from redis.backoff import NoBackoff
+        from redis.retry import Retry
+        self.cfg = cfg
+        self._errors = (redis.RedisError, OSError)
+        # No client retries: the breaker decides when Redis is tried again.
+        self.client = redis.Redis.from_url(cfg.url, socket_timeout=cfg.timeout_s,
+                                           socket_connect_timeout=cfg.timeout_s, retry=Retry(NoBackoff(), 0))
+        self._lock = threading.Lock()
+        self.up, self.last_error, self.epoch = True, "", 0
+        self.counters = dict(errors=0, outages=0)     # calls that failed; times it went down
+        self._backoff, self._retry_at, self._down_since = BACKOFF_START_S, 0.0, 0.0
+        self._cv = threading.Condition()
+        self._queue: deque[Put] = deque()
+        self._queued_bytes = 0
+        self._closed = False
+        self._writer = threading.Thread(target=self._run, name="kvstore-redis-writer", daemon=True)
+        self._writer.start()
+        self.ping()
+
+    # ---------------------------------------------------------- the breaker
+    def allow(self) -> bool:
+        """Whether to try Redis now: up, or down with its back-off over."""
+        with self._lock:
+            return self.up or time.monotonic() >= self._retry_at
+
+    def _ok(self) -> None:
+        with self._lock:
+            if self.up:
+                return
+            self.up, self._backoff = True, BACKOFF_START_S
+            self.epoch += 1          # what Redis holds may have changed (a restart without persistence)
+            log.info("redis tier %s is back after %.1f s", self.cfg.redacted(), time.monotonic() - self._down_since)
+
+    def _fail(self, e: BaseException) -> None:
+        with self._lock:
+            now = time.monotonic()
+            self.counters["errors"] += 1
+            self.last_error = f"{type(e).__name__}: {e}"
+            if self.up:
+                self.up, self._down_since = False, now
+                self.counters["outages"] += 1
+                log.warning("redis tier %s is down (%s); serving without it, trying again every %.1f-%.1f s",
+                            self.cfg.redacted(), self.last_error, BACKOFF_START_S, self.cfg.backoff_s)
+            else:
+                self._backoff = min(self._backoff * 2, self.cfg.backoff_s)
+            self._retry_at = now + min(self._backoff, self.cfg.backoff_s)
+
+    def ping(self) -> bool:
+        try:
+            self.client.ping()
+        except self._errors as e:
+            self._fail(e)
+            return False
+        self._ok()
+        return True
+
+    # ---------------------------------------------------------------- reads
+    def get_many(self, keys: list[bytes]) -> list | None:
+        """-> one entry per key (bytes, None for a missing key, or the
+        server's error for that key), or None when Redis is down or failed."""
+        if not self.allow():
+            return None
+        pipe = self.client.pipeline(transaction=False)
+        for k in keys:
+            if self.cfg.ttl_s:
+                pipe.getex(k, ex=self.cfg.ttl_s)
+            else:
+                pipe.get(k)
+        try:
+            out = pipe.execute(raise_on_error=False)
+        except self._errors as e:
+            self._fail(e)
+            return None
+        self._ok()
+        return out
+
+    # ---------------------------------------------------------------- puts
+    def submit(self, put: Put) -> bool:
+        """Queue a put for the writer; False (nothing queued) when Redis is
+        down or the queue is full."""
+        n = put.rows.numel()
+        if not self.allow():
+            return False
+        with self._cv:
+            if self._closed or self._queued_bytes + n > self.cfg.queue_bytes:
+                return False
+            self._queue.append(put)
+            self._queued_bytes += n
+            self._cv.notify()
+        return True
+
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                while not self._queue and not self._closed:
+                    self._cv.wait()
+                if not self._queue:
+                    return
+                batch, size = [], 0
+                while self._queue and (not batch or size + self._queue[0].rows.numel() <= PUT_BATCH_BYTES):
+                    batch.append(self._queue.popleft())
+                    size += batch[-1].rows.numel()
+                self._queued_bytes -= size
+            self._write(batch)
+
+    def _write(self, batch: list[Put]) -> None:
+        if not self.allow():
+            for p in batch:
+                p.tier._count(dropped_puts=len(p.hashes))
+            return
+        pipe = self.client.pipeline(transaction=False)
+        ex = self.cfg.ttl_s or None
+        for p in batch:
+            if p.event is not None:
+                p.event.synchronize()          # the copy into p.rows is done
+            rows = p.rows.numpy()
+            for h, row in zip(p.hashes, rows):
+                pipe.set(block_key(p.fp, h), pack_value(p.fp, h, row), ex=ex)
+        try:
+            res = iter(pipe.execute(raise_on_error=False))
+        except self._errors as e:
+            self._fail(e)
+            for p in batch:
+                p.tier._count(dropped_puts=len(p.hashes))
+            return
+        self._ok()
+        for p in batch:
+            results = [next(res) for _ in p.hashes]
+            refused = [r for r in results if r is not True]
+            if refused:      # e.g. OOM under maxmemory-policy noeviction: run Redis with allkeys-lru
+                with self._lock:
+                    self.last_error = f"put refused: {type(refused[0]).__name__}: {refused[0]}"
+            p.tier.written([h for h, r in zip(p.hashes, results) if r is True], p.rows.shape[1], len(refused))
+
+    def close(self, timeout: float = 2.0) -> None:
+        """Stop the writer after the queued puts (at most timeout seconds)."""
+        with self._cv:
+            self._closed = True
+            self._cv.notify()
+        self._writer.join(timeout)
+        self.client.close()
+
+    def stats(self) -> dict:
+        with self._cv:
+            queued = (len(self._queue), self._queued_bytes)
+        with self._lock:
+            return dict(up=int(self.up), state="up" if self.up else "down", last_error=self.last_error,
+                        queue_puts=queued[0], queue_bytes=queued[1], **self.counters)

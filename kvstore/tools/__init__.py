@@ -1,0 +1,1 @@
+"""Offline commands (calibrate, evaluate, admin, demos, stub generation); the daemon never imports them."""

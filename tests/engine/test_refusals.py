@@ -1,0 +1,28 @@
+"""A refused call moves nothing: checks that need no data run before the
+sequences a call names are paged back in from a lower tier."""
+import pytest
+import torch
+
+from kvstore.engine.engine import Engine
+from kvstore.errors import InvalidArgument
+
+from helpers import config, kv
+
+TENANT = "default"
+
+
+def test_a_refused_attend_pages_nothing_in(tmp_path):
+    e = Engine(lmdb_path=str(tmp_path / "lmdb"))
+    e.create_cache(config("fp16", num_blocks=16))
+    for sid in ("full", "empty"):
+        e.allocate("c", TENANT, sid, [])
+    k, v = kv(2, 40, 2, 16)
+    e.append("c", TENANT, ["full"], k, v, [40])
+    e.offload("c", TENANT, ["full", "empty"])
+    before = e.stats()["c"], e.sequence_info("c", TENANT, "full")
+    with pytest.raises(InvalidArgument, match="^sequence_ids: .* no tokens at layer 0"):
+        e.attend("c", TENANT, 0, ["full", "empty"], torch.randn(2, 4, 16).half())
+    assert (e.stats()["c"], e.sequence_info("c", TENANT, "full")) == before
+    assert before[1].tier == "disk" and e.stats()["c"]["tiers"]["page_ins_disk"] == 0
+    out = e.attend("c", TENANT, 0, ["full"], torch.randn(1, 4, 16).half())     # the data is all there
+    assert out.shape == (1, 4, 16) and e.sequence_info("c", TENANT, "full").tier == "gpu"

@@ -1,0 +1,146 @@
+"""The daemon as users run it: a separate process, health and reflection, two
+client processes sharing a prefix, restarts."""
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import grpc
+import pytest
+
+from kvstore.v1 import kvstore_pb2 as pb
+
+from helpers import ROOT
+
+
+WORKER = r"""
+import sys, json, torch
+from kvstore.client import KVStoreClient
+target, seq, seed = sys.argv[1], sys.argv[2], int(sys.argv[3])
+kv = KVStoreClient(target)
+prompt = list(range(1000, 2000))          # the same 1,000-token prompt in both workers
+cached = kv.allocate("shared", seq, prompt)
+g = torch.Generator().manual_seed(seed)
+k = torch.randn(2, 1000 - cached, 2, 16, generator=g).half()
+kv.append("shared", [seq], k, k, token_ids=[prompt[cached:]])
+info = kv.sequence_info("shared", seq)
+print(json.dumps({"cached": cached, "sealed": list(info.sealed_blocks), "tail": list(info.tail_blocks),
+                  "hashes": [h.hex() for h in info.block_hashes]}))
+"""
+
+
+def start_daemon(sock, hash_seed="0", extra=()):
+    env = dict(os.environ, PYTHONHASHSEED=hash_seed, PYTHONUNBUFFERED="1")
+    p = subprocess.Popen([sys.executable, os.path.join(ROOT, "server.py"), "--socket", sock, "--device", "cpu",
+                          *extra],
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    target = f"unix://{sock}"
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+    deadline = time.time() + 60
+    while time.time() < deadline:
+        try:
+            with grpc.insecure_channel(target) as ch:
+                r = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service="kvstore.v1.KVStore"),
+                                                         timeout=2)
+                if r.status == health_pb2.HealthCheckResponse.SERVING:
+                    return p, target
+        except grpc.RpcError:
+            time.sleep(0.2)
+    p.kill()
+    raise RuntimeError("daemon did not become SERVING: " + p.stdout.read())
+
+
+def stop_daemon(p):
+    p.send_signal(signal.SIGTERM)
+    try:
+        rc = p.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        p.kill()
+        raise AssertionError("daemon did not stop within 30 s of SIGTERM: " + (p.stdout.read() or "")[-3000:])
+    assert rc == 0, (p.stdout.read() or "")[-3000:]
+
+
+@pytest.fixture
+def sock(tmp_path):
+    return str(tmp_path / "run" / "kv.sock")
+
+
+def test_health_reflection_and_socket_mode(sock):
+    p, target = start_daemon(sock)
+    try:
+        assert oct(os.stat(sock).st_mode & 0o777) == "0o600"
+        assert oct(os.stat(os.path.dirname(sock)).st_mode & 0o777) == "0o700"
+        from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+        with grpc.insecure_channel(target) as ch:
+            stub = reflection_pb2_grpc.ServerReflectionStub(ch)
+            resp = list(stub.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")])))
+            services = {s.name for s in resp[0].list_services_response.service}
+            assert {"kvstore.v1.KVStore", "grpc.health.v1.Health"} <= services
+            resp = list(stub.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(
+                file_containing_symbol="kvstore.v1.KVStore")])))
+            assert resp[0].file_descriptor_response.file_descriptor_proto
+    finally:
+        stop_daemon(p)
+    assert not os.path.exists(sock), "graceful stop removes the socket"
+
+
+def _worker(target, seq, seed):
+    import json
+    r = subprocess.run([sys.executable, "-c", WORKER, target, seq, str(seed)], capture_output=True, text=True,
+                       check=True)
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("codec, sinks", [("pq", 0), ("fp16", 0), ("pq", 32)])
+def test_two_processes_share_prefix_and_restart_keeps_hashes(sock, codec, sinks, capsys):
+    from kvstore.tools import admin
+    from kvstore.client import KVStoreClient
+    import torch
+    hashes_by_run = []
+    for run, seed in enumerate(["0", "4242"]):
+        p, target = start_daemon(sock, hash_seed=seed)
+        try:
+            kv = KVStoreClient(target)
+            kv.create_cache("shared", "m", num_layers=2, num_q_heads=4, num_kv_heads=2, head_dim=16, codec=codec,
+                            block_size=16, residual=128, num_blocks=256, sink_tokens=sinks)
+            if codec == "pq":
+                g = torch.Generator().manual_seed(0)
+                kv.train_codebooks("shared", torch.randn(2, 512, 2, 16, generator=g),
+                                   torch.randn(2, 512, 2, 16, generator=g), niter=2)
+            start = kv.stats("shared").caches[0]
+            a = _worker(target, "a", 1)
+            b = _worker(target, "b", 2)
+            assert a["cached"] == 0
+            assert b["cached"] == 1000 // 16 * 16          # every full block of the prompt
+            full_a = (a["sealed"] + a["tail"])[:62]
+            full_b = (b["sealed"] + b["tail"])[:62]
+            assert full_a == full_b
+            info = kv.sequence_info("shared", "b")
+            refs = list(info.sealed_block_refs) + list(info.tail_block_refs)
+            assert refs[:62] == [2] * 62 and refs[62:] == [1]
+            assert a["hashes"] == b["hashes"] and len(a["hashes"]) == 62
+            if sinks:     # b shares a's sink blocks; a's sinks come back exactly as its worker sent them
+                assert kv.get_cache("shared").spec.sink_tokens == kv.stats("shared").caches[0].sink_tokens == sinks
+                assert info.sink_blocks == sinks // 16 and b["tail"][:2] == a["tail"][:2]
+                assert len(info.sealed_blocks) == math.ceil((1000 - sinks - 128 - 16) / 16)
+                sent = torch.randn(2, 1000, 2, 16, generator=torch.Generator().manual_seed(1)).half()
+                assert torch.equal(kv.retrieve("shared", "a", 0, sinks)[0], sent[:, :sinks])
+                admin.main(["--socket", sock, "seqs", "--cache", "shared"])
+                rows = [line.split() for line in capsys.readouterr().out.splitlines()]
+                header = next(r for r in rows if r and r[0] == "sequence")
+                row_a = next(r for r in rows if r and r[0] == "a")
+                assert row_a[header.index("sinks")] == "2" and row_a[header.index("tokens")] == "1000"
+            hashes_by_run.append(a["hashes"])
+            kv.free("shared", ["a", "b"])
+            end = kv.stats("shared").caches[0]
+            for pool in ("main", "tail"):
+                s0, s1 = getattr(start, pool), getattr(end, pool)
+                assert s1.used == s0.used == 0
+                assert s1.free + s1.cached == s0.free + s0.cached == s0.capacity
+            assert end.main.cached > 0                      # freed prefix blocks stay findable
+            kv.close()
+        finally:
+            stop_daemon(p)
+    assert hashes_by_run[0] == hashes_by_run[1]               # same across restarts and hash seeds

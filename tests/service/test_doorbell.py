@@ -1,0 +1,315 @@
+"""The doorbell (kvstore/service/doorbell.py, client/doorbell.py): AppendAttend by a
+SOCK_SEQPACKET descriptor gives the gRPC call's results and errors, bad
+descriptors change nothing, and clients that lose it fall back to gRPC."""
+from __future__ import annotations
+
+import contextlib
+import socket
+import time
+
+import grpc
+import pytest
+import torch
+
+from kvstore.client import KVStoreClient
+from kvstore.codec.codebooks import Codebooks
+from kvstore.protocol import bell
+from kvstore.service.daemon import create_server
+from kvstore.v1 import kvstore_pb2 as pb
+
+G = dict(num_layers=2, num_q_heads=4, num_kv_heads=2, head_dim=16)
+
+
+@contextlib.contextmanager
+def _daemon(sock: str, **kw):
+    server, _, _ = create_server(socket_path=sock, **kw)
+    try:
+        yield server
+    finally:
+        server.stop(0)
+
+
+@pytest.fixture
+def served(tmp_path):
+    sock = str(tmp_path / "kv.sock")
+    with _daemon(sock) as server:
+        yield sock, server
+
+
+def _cache(kv: KVStoreClient, name: str, codec: str) -> None:
+    kv.create_cache(name, "m", codec=codec, block_size=8, residual=8, num_blocks=64, max_sequences=8, **G)
+    if codec == "pq":
+        gen = torch.Generator().manual_seed(0)
+        m = G["head_dim"] // 2
+        kv.set_codebooks(name, Codebooks(k=torch.randn(2, 2, m, 256, 2, generator=gen),
+                                         v=torch.randn(2, 2, m, 256, 2, generator=gen)).to_bytes())
+
+
+def _steps(kv: KVStoreClient, name: str, sid: str, n: int, seed: int = 1) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    kv.allocate(name, sid, [])
+    pre = torch.randn(2, 12, 2, 16, generator=gen).half()
+    kv.append(name, [sid], pre, pre)
+    outs = []
+    for i in range(n):
+        k = torch.randn(1, 2, 16, generator=gen).half()
+        q = torch.randn(1, 4, 16, generator=gen).half()
+        outs.append(kv.append_attend(name, i % 2, [sid], k, -k, q))
+    return torch.stack(outs)
+
+
+@pytest.mark.parametrize("codec", ["pq", "fp16"])
+def test_doorbell_matches_grpc(served, codec):
+    sock, server = served
+    with KVStoreClient(f"unix://{sock}", heartbeat=False, doorbell=False) as a, \
+            KVStoreClient(f"unix://{sock}", heartbeat=False) as b:
+        _cache(a, "c", codec)
+        want = _steps(a, "c", "s1", 40)
+        got = _steps(b, "c", "s2", 40)
+        assert b._bell is not None and b.doorbell_handler_us > 0
+        assert a._bell is None
+        assert torch.equal(want, got)
+        i1, i2 = a.sequence_info("c", "s1"), b.sequence_info("c", "s2")
+        assert (i1.length, len(i1.sealed_blocks)) == (i2.length, len(i2.sealed_blocks)) == (32, len(i1.sealed_blocks))
+    assert server.kvstore_engine.caches["c"].counters["attend_calls"] == 80
+
+
+def test_client_errors_are_the_unary_ones(served):
+    sock, _ = served
+    with KVStoreClient(f"unix://{sock}", heartbeat=False, stream=False, doorbell=False) as a, \
+            KVStoreClient(f"unix://{sock}", heartbeat=False) as b:
+        _cache(a, "c", "pq")
+        _steps(b, "c", "s", 2)
+        k, q = torch.zeros(1, 2, 16).half(), torch.zeros(1, 4, 16).half()
+        for bad in (dict(layer=7), dict(seq_ids=["nope"]), dict(q=torch.zeros(1, 3, 16).half())):
+            args = dict(cache="c", layer=0, seq_ids=["s"], k=k, v=k, q=q) | bad
+            errs = []
+            for kv in (a, b):
+                before = kv.sequence_info("c", "s")
+                with pytest.raises(grpc.RpcError) as e:
+                    kv.append_attend(**args)
+                errs.append((e.value.code(), e.value.details()))
+                assert kv.sequence_info("c", "s") == before
+            assert errs[0] == errs[1], bad
+        assert b._bell is not None          # errors keep the connection
+
+
+# ------------------------------------------------------------- raw descriptors
+def _registered(sock: str):
+    """A client with a registered shm buffer and a sequence 's' of cache 'c';
+    -> (client, buffer id, doorbell path, token)."""
+    kv = KVStoreClient(f"unix://{sock}", heartbeat=False, doorbell=False)
+    _cache(kv, "c", "pq")
+    _steps(kv, "c", "s", 2)
+    arena = kv._arena_for(1 << 16)
+    path, token = kv._bell_addr
+    return kv, arena.buffer_id, path, token
+
+
+def _connect(path: str, token: bytes) -> socket.socket:
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    s.settimeout(10)
+    s.connect(path)
+    s.sendall(bell.HELLO.pack(bell.HELLO_MAGIC, token))
+    return s
+
+
+def _reply(s: socket.socket) -> tuple[int, str]:
+    data = s.recv(bell.MAX_PACKET)
+    _, code, _, _, n = bell.REPLY.unpack_from(data)
+    return code, data[bell.REPLY.size:bell.REPLY.size + n].decode()
+
+
+def _desc(bid: str, layer=0, seqs=("s",), dtype=pb.FLOAT16, offs=(0, 64, 128, 256), shapes=None, cache="c", call=1):
+    shapes = shapes or (1, 2, 16, 1, 2, 16, 1, 4, 16)
+    return bell.pack_request(call, dtype, layer, 0.0, offs, shapes, bid.encode(), cache.encode(),
+                             [x.encode() for x in seqs])
+
+
+def test_bad_descriptors_name_the_field_and_change_nothing(served):
+    sock, _ = served
+    kv, bid, path, token = _registered(sock)
+    s = _connect(path, token)
+    assert _reply(s)[0] == 0
+    before = kv.sequence_info("c", "s")
+    inv, nf = grpc.StatusCode.INVALID_ARGUMENT.value[0], grpc.StatusCode.NOT_FOUND.value[0]
+    good = _desc(bid)
+    cases = [
+        (_desc(bid, layer=5), inv, "layer"),
+        (_desc(bid, layer=-1), inv, "layer"),
+        (_desc(bid, seqs=("zz",)), nf, "sequence_id"),
+        (_desc(bid, seqs=()), inv, "sequence_ids"),
+        (_desc(bid, seqs=("s", "s")), inv, "sequence_ids"),
+        (_desc(bid, cache="nope"), nf, "cache"),
+        (_desc("shm-0000"), nf, "buffer_id"),
+        (_desc(bid, dtype=99), inv, "k: dtype"),
+        (_desc(bid, offs=(1 << 40, 64, 128, 256)), inv, "k: bytes"),
+        (_desc(bid, offs=(1, 64, 128, 256)), inv, "k: offset 1"),
+        (_desc(bid, offs=(0, 64, 128, 1 << 40)), inv, "out: output needs"),
+        (_desc(bid, shapes=(1, 3, 16, 1, 2, 16, 1, 4, 16)), inv, "k: shape"),
+        (_desc(bid, shapes=(1, 2, 16, 1, 2, 16, 2, 4, 16)), inv, "q: shape"),
+        (good[:-1], inv, "descriptor:"),
+        (good + b"x", inv, "descriptor:"),
+        (good[:10], inv, "descriptor:"),
+        (good[:4] + (7).to_bytes(2, "little") + good[6:], grpc.StatusCode.UNIMPLEMENTED.value[0], "op:"),
+        (good[:-1] + b"t", nf, "sequence_id"),
+        (good[:-1] + b"\x80", inv, "sequence_ids: is not UTF-8"),
+        (b"x" * (bell.MAX_PACKET + 10), inv, "descriptor:"),
+    ]
+    for data, code, field in cases:
+        s.sendall(data)
+        got = _reply(s)
+        assert got[0] == code and got[1].startswith(field), (data[:40], got)
+        assert kv.sequence_info("c", "s") == before
+    s.sendall(good)                   # the connection still serves
+    assert _reply(s) == (0, "")
+    assert kv.sequence_info("c", "s").length == before.length or any(kv.sequence_info("c", "s").pending)
+    s.close()
+    kv.close()
+
+
+def test_hello_needs_the_token(served):
+    sock, _ = served
+    kv, bid, path, token = _registered(sock)
+    for hello in (bell.HELLO.pack(bell.HELLO_MAGIC, b"\0" * 32), b"KVB1", b"hello" * 20):
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        s.settimeout(10)
+        s.connect(path)
+        s.sendall(hello)
+        code, msg = _reply(s)
+        assert code in (grpc.StatusCode.UNAUTHENTICATED.value[0], grpc.StatusCode.INVALID_ARGUMENT.value[0]), msg
+        assert s.recv(100) == b""        # and closed
+        s.close()
+    kv.close()
+
+
+def test_revoked_token_and_disconnects(served):
+    sock, server = served
+    kv, bid, path, token = _registered(sock)
+    bell_srv = server.kvstore_doorbell
+    # A client that sends a call and goes away without reading the reply.
+    for _ in range(3):
+        s = _connect(path, token)
+        assert _reply(s)[0] == 0
+        s.sendall(_desc(bid))
+        s.close()
+    s = _connect(path, token)
+    assert _reply(s)[0] == 0
+    s.sendall(_desc(bid, layer=1))
+    assert _reply(s) == (0, "")
+    deadline = time.time() + 5
+    while len(bell_srv._conns) > 1 and time.time() < deadline:
+        time.sleep(0.01)
+    assert len(bell_srv._conns) == 1
+    server.kvstore_engine.check_invariants()
+    bell_srv.revoke("default", kv.session_id)
+    s.sendall(_desc(bid))
+    code, msg = _reply(s)
+    assert code == grpc.StatusCode.UNAUTHENTICATED.value[0] and msg.startswith("doorbell_token")
+    s.close()
+    kv.close()
+
+
+def test_falls_back_to_grpc(tmp_path):
+    sock = str(tmp_path / "kv.sock")
+    with _daemon(sock, doorbell=False), KVStoreClient(f"unix://{sock}", heartbeat=False) as kv:
+        _cache(kv, "c", "fp16")
+        _steps(kv, "c", "s", 4)
+        assert kv._bell_addr is None and kv._bell is None
+    sock = str(tmp_path / "kv2.sock")      # grpc unlinks the old path as it stops, asynchronously
+    with _daemon(sock) as server:
+        with KVStoreClient(f"unix://{sock}", heartbeat=False) as kv, \
+                KVStoreClient(f"unix://{sock}", heartbeat=False, doorbell=False) as ref:
+            _cache(kv, "c", "fp16")
+            want = _steps(ref, "c", "r", 6)
+            gen = torch.Generator().manual_seed(1)
+            kv.allocate("c", "s", [])
+            pre = torch.randn(2, 12, 2, 16, generator=gen).half()
+            kv.append("c", ["s"], pre, pre)
+            outs = []
+            for i in range(6):
+                if i == 3:      # the doorbell goes away mid-loop: the next calls go by gRPC
+                    server.kvstore_doorbell.stop()
+                k = torch.randn(1, 2, 16, generator=gen).half()
+                q = torch.randn(1, 4, 16, generator=gen).half()
+                outs.append(kv.append_attend("c", i % 2, ["s"], k, -k, q))
+            assert torch.equal(torch.stack(outs), want)
+            assert kv._bell is None
+
+
+def test_step_buffers_cross_in_place(served):
+    sock, _ = served
+    with KVStoreClient(f"unix://{sock}", heartbeat=False, doorbell=False) as a, \
+            KVStoreClient(f"unix://{sock}", heartbeat=False) as b:
+        _cache(a, "c", "pq")
+        want = _steps(a, "c", "s1", 6)
+        gen = torch.Generator().manual_seed(1)
+        b.allocate("c", "s2", [])
+        pre = torch.randn(2, 12, 2, 16, generator=gen).half()
+        b.append("c", ["s2"], pre, pre)
+        io = b.step_buffers("c", 1, "cpu")
+        arena = b._arena
+        assert all(arena.offset_of(t) is not None for t in (io.k, io.v, io.q, io.out))
+        outs = []
+        for i in range(6):
+            k = torch.randn(1, 2, 16, generator=gen).half()
+            io.q.copy_(torch.randn(1, 4, 16, generator=gen).half())
+            io.k.copy_(k)
+            io.v.copy_(-k)
+            got = b.append_attend("c", i % 2, ["s2"], io.k, io.v, io.q, out=io.out)
+            assert got is io.out
+            outs.append(got.clone())
+        assert torch.equal(torch.stack(outs), want)
+
+
+def test_unregistered_buffer_is_not_served_from_the_descriptor_cache(served):
+    sock, _ = served
+    kv, bid, path, token = _registered(sock)
+    s = _connect(path, token)
+    assert _reply(s)[0] == 0
+    s.sendall(_desc(bid))
+    assert _reply(s) == (0, "")            # resolved and kept for this descriptor
+    kv.stub.UnregisterBuffer(pb.UnregisterBufferRequest(buffer_id=bid))
+    kv._arena = None
+    before = kv.sequence_info("c", "s")
+    s.sendall(_desc(bid, layer=1))
+    s.sendall(_desc(bid))
+    for _ in range(2):
+        code, msg = _reply(s)
+        assert code == grpc.StatusCode.NOT_FOUND.value[0] and msg.startswith("buffer_id"), msg
+    assert kv.sequence_info("c", "s") == before
+    s.close()
+    kv.close()
+
+
+def test_doorbell_calls_are_counted_in_metrics(tmp_path):
+    from kvstore.service.metrics import Metrics
+    metrics = Metrics()
+    sock = str(tmp_path / "kv.sock")
+    with _daemon(sock, metrics=metrics):
+        with KVStoreClient(f"unix://{sock}", heartbeat=False) as kv:
+            _cache(kv, "c", "fp16")
+            _steps(kv, "c", "s", 3)
+            with pytest.raises(grpc.RpcError):
+                kv.append_attend("c", 9, ["s"], torch.zeros(1, 2, 16).half(), torch.zeros(1, 2, 16).half(),
+                                 torch.zeros(1, 4, 16).half())
+            assert kv._bell is not None
+        text = metrics.render()
+        assert 'kvstore_rpc_total{code="OK",method="AppendAttendDoorbell"} 3.0' in text
+        assert 'kvstore_rpc_total{code="INVALID_ARGUMENT",method="AppendAttendDoorbell"} 1.0' in text
+        assert 'kvstore_attend_calls_total{cache="c"} 3.0' in text
+
+
+@pytest.mark.parametrize("message", ["", "k: shape [1, 2, 16], expected [1, 2, 8]"])
+def test_client_reads_replies_with_and_without_a_message(message):
+    """client/doorbell.py's reply parsing: an OK reply (no message, the per-step
+    case) and an error's; a reply to another call is INTERNAL either way."""
+    from kvstore.client.doorbell import Doorbell as ClientBell
+    data = bell.pack_reply(7, 3 if message else 0, 42, message, pb.FLOAT16)
+    assert ClientBell._reply(data, 7) == (3 if message else 0, pb.FLOAT16, 42, message)
+    assert ClientBell._reply(data, 0)[3] == message         # the hello's reply: any call id
+    with pytest.raises(grpc.RpcError) as e:
+        ClientBell._reply(data, 8)
+    assert e.value.code() == grpc.StatusCode.INTERNAL and "reply to call 7, expected 8" in e.value.details()
+    with pytest.raises(grpc.RpcError, match=""):
+        ClientBell._reply(data[:bell.REPLY.size - 1], 7)

@@ -1,0 +1,181 @@
+"""Leases: a session that stops calling loses its unpinned sequences (freed
+through the engine, so the pools stay consistent) and its buffers; pinned
+ones stay; persisted ones go to disk when there is a disk tier."""
+import os
+import subprocess
+import sys
+import time
+
+import grpc
+import pytest
+import torch
+
+from kvstore.client import KVStoreClient
+from kvstore.engine.engine import Engine
+from kvstore.service.daemon import create_server
+from kvstore.service.leases import LeaseManager
+from kvstore.service.metrics import Metrics
+from kvstore.v1 import kvstore_pb2 as pb
+from kvstore.v1 import kvstore_pb2_grpc as pb_grpc
+from tests.helpers import config
+
+L, HKV, D = 2, 2, 16
+
+
+class Clock:
+    def __init__(self):
+        self.t = 100.0
+
+    def __call__(self):
+        return self.t
+
+
+def engine_with(tmp_path=None):
+    e = Engine(lmdb_path=str(tmp_path / "lmdb") if tmp_path is not None else None)
+    e.create_cache(config(codec="fp16", num_blocks=64))
+    return e
+
+
+def fill(e, sid, owner, n=20, **kw):
+    e.allocate("c", "default", sid, list(range(n)), owner=owner, **kw)
+    k = torch.randn(L, n, HKV, D).half()
+    e.append("c", "default", [sid], k, k, [n])
+
+
+def test_lapsed_session_frees_only_its_unpinned_sequences():
+    e, clock = engine_with(), Clock()
+    leases = LeaseManager(e, timeout_s=10, clock=clock)
+    fill(e, "a1", "s1")
+    fill(e, "a2", "s1")
+    fill(e, "pin", "s1", pinned=True)
+    fill(e, "b", "s2")
+    fill(e, "nobody", "")               # no session metadata: never lapses
+    leases.touch("default", "s1")
+    leases.touch("default", "s2")
+    clock.t += 6
+    leases.touch("default", "s2")
+    assert leases.reap() == []
+    clock.t += 5                        # s1 silent for 11 s, s2 for 5 s
+    assert leases.reap() == [("default", "s1")]
+    assert sorted(s.seq_id for s in e.list_sequences("c", "default")) == ["b", "nobody", "pin"]
+    e.check_invariants()
+    assert leases.stats()["freed_sequences"] == 2 and leases.stats()["sessions"] == 1
+    clock.t += 100
+    assert leases.reap() == [("default", "s2")]
+    assert sorted(s.seq_id for s in e.list_sequences("c", "default")) == ["nobody", "pin"]
+    e.check_invariants()
+
+
+def test_sessions_are_per_tenant():
+    e, clock = engine_with(), Clock()
+    leases = LeaseManager(e, timeout_s=10, clock=clock)
+    e.allocate("c", "alice", "x", [1], owner="same-id")
+    leases.touch("alice", "same-id")
+    clock.t += 8
+    leases.touch("bob", "same-id")      # bob cannot keep alice's session alive
+    clock.t += 5
+    assert leases.reap() == [("alice", "same-id")]
+    assert e.list_sequences("c", "alice") == []
+
+
+def test_persisted_sequences_are_freed_without_a_disk_tier_and_offloaded_with_one(tmp_path):
+    for disk in (None, tmp_path):
+        e, clock = engine_with(disk), Clock()
+        leases = LeaseManager(e, timeout_s=1, clock=clock)
+        fill(e, "keep", "s", persist=True)
+        fill(e, "drop", "s")
+        leases.touch("default", "s")
+        clock.t += 2
+        leases.reap()
+        left = {s.seq_id: s for s in e.list_sequences("c", "default")}
+        assert leases.counters["offload_requests"] == 1
+        if disk is None:
+            assert left == {}
+        else:
+            assert list(left) == ["keep"] and e.cache("c").seqs[("default", "keep")].tier == "disk"
+        e.check_invariants()
+
+
+@pytest.fixture
+def live(tmp_path):
+    sock = str(tmp_path / "kv.sock")
+    metrics = Metrics()
+    server, _, _ = create_server(socket_path=sock, lease_timeout=1.0, metrics=metrics)
+    kv = KVStoreClient(f"unix://{sock}", heartbeat=False)
+    kv.create_cache("c", "m", num_layers=L, num_q_heads=4, num_kv_heads=HKV, head_dim=D, codec="fp16",
+                    block_size=8, num_blocks=64)
+    yield f"unix://{sock}", metrics
+    kv.close()
+    server.stop(0)
+
+
+def used_blocks(target):
+    with KVStoreClient(target, heartbeat=False) as kv:
+        return kv.stats("c").caches[0].main.used
+
+
+def test_heartbeat_keeps_a_session_and_silence_frees_it(live):
+    target, _ = live
+    quiet = KVStoreClient(target, heartbeat=False, transport="inline")
+    beating = KVStoreClient(target, transport="inline")      # beats every lease_timeout / 3
+    for kv, sid in ((quiet, "q"), (beating, "b")):
+        kv.allocate("c", sid, list(range(20)))
+        k = torch.randn(L, 20, HKV, D).half()
+        kv.append("c", [sid], k, k)
+    assert quiet.heartbeat().sequences == 1
+    assert beating.heartbeat().lease_timeout_s == 1.0
+    time.sleep(2.5)
+    with KVStoreClient(target, heartbeat=False) as admin:
+        assert [s.sequence_id for s in admin.list_sequences("c")] == ["b"]
+        assert admin.sequence_info("c", "b").owner_session == beating.session_id
+    beating.close()
+    time.sleep(2.5)
+    assert used_blocks(target) == 0
+    quiet.close()
+
+
+def test_heartbeat_needs_a_valid_session(live):
+    target, _ = live
+    with grpc.insecure_channel(target) as ch:
+        stub = pb_grpc.KVStoreStub(ch)
+        for md in ((), (("x-kvstore-session", "not a valid id!"),)):
+            with pytest.raises(grpc.RpcError) as e:
+                stub.Heartbeat(pb.HeartbeatRequest(), metadata=md, timeout=10)
+            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert e.value.details().startswith("x-kvstore-session")
+        # Without a session a sequence has no owner and never lapses.
+        stub.Allocate(pb.AllocateRequest(cache="c", sequence_id="orphan", prompt_token_ids=[1]), timeout=10)
+    time.sleep(2.0)
+    with KVStoreClient(target, heartbeat=False) as kv:
+        assert [s.sequence_id for s in kv.list_sequences("c")] == ["orphan"]
+
+
+CRASHER = r"""
+import os, sys, torch
+from kvstore.client import KVStoreClient
+kv = KVStoreClient(sys.argv[1], transport="shm")
+kv.allocate("c", "crash", list(range(30)))
+k = torch.randn(2, 30, 2, 16).half()
+kv.append("c", ["crash"], k, k)
+print(kv._arena.name, flush=True)
+os._exit(1)     # no free, no unregister
+"""
+
+
+def test_crashed_client_is_cleaned_up(live):
+    target, metrics = live
+    r = subprocess.run([sys.executable, "-c", CRASHER, target], capture_output=True, text=True, timeout=120)
+    shm = r.stdout.strip()
+    assert r.returncode == 1 and shm, r.stderr
+    try:
+        assert used_blocks(target) > 0
+        time.sleep(2.5)
+        assert used_blocks(target) == 0
+        text = metrics.render()
+        assert "kvstore_registered_buffers 0.0" in text
+        assert "kvstore_lease_released_buffers_total 1.0" in text
+        # The client dropped the shared-memory name once both sides had it mapped.
+        assert not os.path.exists(f"/dev/shm/{shm}")
+    finally:
+        if os.path.exists(f"/dev/shm/{shm}"):
+            os.unlink(f"/dev/shm/{shm}")

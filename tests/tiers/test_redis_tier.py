@@ -1,0 +1,363 @@
+"""The shared Redis tier against a real redis-server (tests/tiers/redis_server.py):
+blocks cross daemons bit-identical, values that do not check out are refused,
+Redis down or slow never fails or holds up a request, hits resume after its
+restart, the put queue is bounded."""
+import logging
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from kvstore.codec.codebooks import Codebooks
+from kvstore.engine.engine import Engine
+from kvstore.errors import InvalidArgument
+from kvstore.service.metrics import Metrics
+from kvstore.tiers.redis_store import HEADER_BYTES, RedisConfig, block_key, pack_value
+from tests.helpers import ROOT, config
+from tests.tiers.redis_server import redis_server  # noqa: F401 (fixture)
+
+T = "default"
+L, HKV, D, BS = 2, 2, 16, 16
+N = 200                  # prompt tokens: 12 full blocks, the first 11 sealed (residual 8)
+SEALED = 11
+
+
+def codebooks() -> Codebooks:
+    g = torch.Generator().manual_seed(0)
+    return Codebooks(k=torch.randn(L, HKV, 8, 256, 2, generator=g), v=torch.randn(L, HKV, 8, 256, 2, generator=g))
+
+
+def engine(url, lmdb=None, num_blocks=64, **kw) -> Engine:
+    e = Engine(lmdb_path=lmdb, redis=RedisConfig(url, **kw))
+    e.create_cache(config(block_size=BS, num_blocks=num_blocks))
+    e.set_codebooks("c", codebooks())
+    return e
+
+
+def prompt(i: int) -> list[int]:
+    return [i * 100_000 + t for t in range(N)]
+
+
+def fill(e, sid, tokens, seed=1, lookup=True):
+    """Allocate with the prompt (lookup: its cached prefix is used), append the rest with ids."""
+    g = torch.Generator().manual_seed(seed)
+    k, v = torch.randn(L, len(tokens), HKV, D, generator=g).half(), torch.randn(L, len(tokens), HKV, D, generator=g).half()
+    cached = e.allocate("c", T, sid, tokens if lookup else []).cached_tokens
+    e.append("c", T, [sid], k[:, cached:], v[:, cached:], [len(tokens) - cached], token_ids=[tokens[cached:]])
+
+
+def rstats(e) -> dict:
+    return e.stats()["c"]["redis"]
+
+
+def wait_for(cond, timeout=10.0, what=""):
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.02)
+
+
+def test_blocks_cross_engines_and_bad_values_are_refused(redis_server):
+    a, b = engine(redis_server.url), engine(redis_server.url)
+    fill(a, "a", prompt(1))
+    wait_for(lambda: rstats(a)["blocks_out"] == SEALED, what="A's puts")
+    assert rstats(a)["bytes_out"] == SEALED * a.cache("c").main.block_bytes()
+    fp = a.cache("c").fingerprint
+    hashes = list(a.sequence_info("c", T, "a").block_hashes)
+    r = redis_server.client()
+    keys = [block_key(fp, h) for h in hashes[:SEALED]]
+    good = [r.get(k) for k in keys]
+    assert all(v is not None for v in good) and r.dbsize() == SEALED
+
+    j = 3
+    payload = good[j][HEADER_BYTES:]
+    flipped = bytearray(good[j])
+    flipped[-1] ^= 1
+    bad = {"garbage": b"not a block",
+           "another fingerprint": pack_value(bytes(32), hashes[j], payload),
+           "another block's value": good[j + 1],
+           "short payload": pack_value(fp, hashes[j], payload[:-1]),
+           "bad checksum": bytes(flipped)}
+    for n, (what, value) in enumerate(bad.items(), 1):
+        r.set(keys[j], value)
+        res = b.allocate("c", T, f"b{n}", prompt(1))
+        assert res.cached_tokens == j * BS, what          # stops before the block: never served
+        assert rstats(b)["refused"] == n, what
+    r.delete(keys[j])
+    r.rpush(keys[j], b"a list")                           # a value of another type (WRONGTYPE)
+    assert b.allocate("c", T, "b-list", prompt(1)).cached_tokens == j * BS
+    assert rstats(b)["refused"] == len(bad) + 1
+    r.delete(keys[j])
+    assert b.allocate("c", T, "b-miss", prompt(1)).cached_tokens == j * BS
+    assert rstats(b)["misses"] == 1
+
+    r.set(keys[j], good[j])
+    assert b.allocate("c", T, "b", prompt(1)).cached_tokens == SEALED * BS
+    for x, y in zip(a.retrieve("c", T, "a", 0, SEALED * BS), b.retrieve("c", T, "b", 0, SEALED * BS)):
+        assert torch.equal(x, y)                          # the same codes, bit for bit
+    s = rstats(b)
+    assert s["prefix_hits"] == SEALED and s["bytes_in"] == SEALED * a.cache("c").main.block_bytes()
+    time.sleep(0.2)
+    assert rstats(b)["blocks_out"] == 0, "blocks that came from Redis are not put back"
+    b.check_invariants()
+
+
+def test_down_or_slow_redis_never_holds_up_a_request(redis_server, caplog):
+    caplog.set_level(logging.INFO, logger="kvstore.redis")
+    a = engine(redis_server.url, timeout_s=0.2, backoff_s=0.5)
+    b = engine(redis_server.url, timeout_s=0.2, backoff_s=0.5)
+    metrics = Metrics()
+    metrics.bind(engine=b)
+    fill(a, "a", prompt(1))
+    wait_for(lambda: rstats(a)["blocks_out"] == SEALED, what="A's puts")
+
+    redis_server.kill()
+    for i in range(5):
+        t0 = time.monotonic()
+        assert b.allocate("c", T, f"down{i}", prompt(1)).cached_tokens == 0
+        assert time.monotonic() - t0 < 0.1               # a refused connection: no wait
+        b.free("c", T, [f"down{i}"])
+        fill(a, f"a-down{i}", prompt(10 + i))            # seals and puts: dropped
+        a.free("c", T, [f"a-down{i}"])
+    a.attend("c", T, 0, ["a"], torch.randn(1, 4, D).half())
+    wait_for(lambda: rstats(a)["state"] == "down", what="A down")
+    assert rstats(b)["state"] == "down" and rstats(b)["errors"] >= 1 and rstats(b)["last_error"]
+    assert rstats(a)["dropped_puts"] > 0
+    assert "kvstore_redis_up 0.0" in metrics.render()
+    assert sum(1 for r in caplog.records if r.levelno == logging.WARNING) == 2, "one warning per outage per daemon"
+
+    redis_server.start()       # same port; its AOF kept what A put
+    n = 0
+
+    def b_hits():
+        nonlocal n
+        n += 1
+        if b.allocate("c", T, f"up{n}", prompt(1)).cached_tokens == SEALED * BS:
+            return True
+        b.free("c", T, [f"up{n}"])
+        return False
+    wait_for(b_hits, timeout=5, what="hits after the restart")
+    assert rstats(b)["state"] == "up" and rstats(b)["prefix_hits"] == SEALED
+    assert sum(1 for r in caplog.records if r.levelno == logging.INFO and "back" in r.getMessage()) == 1
+    out = metrics.render()
+    assert "kvstore_redis_up 1.0" in out and 'kvstore_tier_prefix_hits_total{cache="c",tier="redis"} 11.0' in out
+
+    redis_server.pause()       # slow: accepts, never answers
+    t0 = time.monotonic()
+    assert b.allocate("c", T, "slow0", prompt(2)).cached_tokens == 0
+    assert time.monotonic() - t0 < 0.2 + 0.3           # one socket timeout, once
+    t0 = time.monotonic()
+    for i in range(1, 4):
+        assert b.allocate("c", T, f"slow{i}", prompt(2 + i)).cached_tokens == 0
+    assert time.monotonic() - t0 < 0.1                 # skipped while the breaker is open
+    assert rstats(b)["state"] == "down"
+    redis_server.resume()
+
+
+def test_blocks_missed_at_seal_go_up_when_they_spill(tmp_path, redis_server):
+    a = engine(redis_server.url, lmdb=str(tmp_path / "lmdb"), num_blocks=24, backoff_s=0.5)
+    redis_server.kill()
+    fill(a, "a", prompt(1), lookup=False)       # sealed while Redis is down: not put
+    wait_for(lambda: rstats(a)["dropped_puts"] == SEALED, what="the writer to give up")
+    assert rstats(a)["blocks_out"] == 0 and rstats(a)["state"] == "down"
+    a.free("c", T, ["a"])                       # its blocks stay cached on the GPU
+    redis_server.start()
+    wait_for(a.redis.ping, what="Redis back")
+    for i in range(3):                          # pressure: the cached blocks spill to LMDB, and to Redis
+        fill(a, f"x{i}", prompt(10 + i), lookup=False)
+        a.free("c", T, [f"x{i}"])
+    assert a.stats()["c"]["tiers"]["spilled_blocks"] >= SEALED
+    b = engine(redis_server.url)
+    wait_for(lambda: rstats(a)["blocks_out"] >= 3 * SEALED, what="A's puts")
+    assert b.allocate("c", T, "b", prompt(1)).cached_tokens == SEALED * BS
+    assert rstats(b)["prefix_hits"] == SEALED
+
+
+def test_put_queue_is_bounded_and_every_block_accounted(redis_server):
+    e = engine(redis_server.url, timeout_s=1.0, queue_bytes=2 * 1024)
+    assert e.cache("c").main.block_bytes() == 1024
+    redis_server.pause()
+    t0 = time.monotonic()
+    for i in range(5):        # 48 tokens: 2 sealed blocks each
+        fill(e, f"s{i}", [i * 1000 + t for t in range(48)], lookup=False)     # puts only
+    assert time.monotonic() - t0 < 0.5, "the writer is stuck on Redis; appends must not be"
+    assert rstats(e)["dropped_puts"] >= 6
+    redis_server.resume()
+    wait_for(lambda: rstats(e)["blocks_out"] + rstats(e)["dropped_puts"] == 10, what="every block put or dropped")
+    e.redis.close()
+
+
+@pytest.mark.parametrize("url, field", [
+    ("http://127.0.0.1:6379/0", "redis"), ("redis:///0", "redis"), ("redis://h:99999/0", "redis"),
+    ("redis://h:6379/db0", "redis"), ("redis://h:6379/0?socket_timeout=9", "redis")])
+def test_bad_config_names_the_flag(url, field):
+    with pytest.raises(InvalidArgument) as e:
+        RedisConfig(url)
+    assert e.value.field == field
+    with pytest.raises(InvalidArgument, match="redis-ttl"):
+        RedisConfig("redis://h:1/0", ttl_s=-1)
+    assert RedisConfig("rediss://kv:s3cret@h:6380/2").redacted() == "rediss://kv:***@h:6380/2"
+    RedisConfig("rediss://h:6380/0?ssl_ca_certs=/etc/ca.pem&ssl_check_hostname=false")
+    with pytest.raises(InvalidArgument, match="TLS"):
+        RedisConfig("redis://h:6379/0?ssl_ca_certs=/etc/ca.pem")       # TLS files without TLS
+
+
+def test_daemon_refuses_a_bad_url_in_one_line(tmp_path):
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "server.py"),
+                        "--socket", str(tmp_path / "kv.sock"), "--device", "cpu",
+                        "--redis", "http://kv:s3cret@127.0.0.1:6379/0"], capture_output=True, text=True, timeout=60)
+    assert r.returncode != 0
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("kvstore-server: ") and "--redis: " in lines[0] \
+        and "redis://" in lines[0], r.stderr
+    assert "s3cret" not in r.stderr
+
+
+# ------------------------------------------------------- two daemons, two "hosts"
+def test_two_daemons_share_prefix_blocks_through_redis(tmp_path, redis_server, capsys):
+    """Separate processes, each with its own socket, host tier and LMDB: B gets
+    A's prefix blocks through Redis; Redis killed, both go on serving; Redis
+    restarted (AOF), hits resume with no action on the daemons."""
+    from kvstore.tools import admin
+    from kvstore.client import KVStoreClient
+    from tests.service.test_daemon_process import start_daemon, stop_daemon
+    procs, kvs = [], []
+    try:
+        for name in ("a", "b"):
+            p, target = start_daemon(str(tmp_path / name / "kv.sock"), extra=[
+                "--lmdb", str(tmp_path / name / "lmdb"), "--redis", redis_server.url, "--redis-backoff", "0.5"])
+            procs.append(p)
+            kv = KVStoreClient(target)
+            kv.create_cache("c", "m", num_layers=L, num_q_heads=4, num_kv_heads=HKV, head_dim=D, block_size=BS,
+                            residual=8, num_blocks=256, host_bytes=1 << 20)
+            kv.set_codebooks("c", codebooks().to_bytes())
+            kvs.append(kv)
+        a, b = kvs
+
+        def put(kv, sid, tokens, seed=1, cached=None):
+            """The K/V of a prompt is a function of its seed: recomputing it gives the same values."""
+            g = torch.Generator().manual_seed(seed)
+            k = torch.randn(L, len(tokens), HKV, D, generator=g).half()
+            if cached is None:
+                cached = kv.allocate("c", sid, tokens)
+            kv.append("c", [sid], k[:, cached:], -k[:, cached:], token_ids=[tokens[cached:]])
+
+        def st(kv):
+            return kv.stats("c").caches[0]
+        for i in (1, 2, 3):
+            put(a, f"a{i}", prompt(i), seed=i)
+        wait_for(lambda: st(a).redis_blocks_out == 3 * SEALED, what="A's puts")
+        assert st(a).redis_state == "up"
+
+        # B: A's blocks, bit for bit.
+        assert b.allocate("c", "b1", prompt(1)) == SEALED * BS
+        assert st(b).prefix_hit_blocks_redis == SEALED
+        for x, y in zip(a.retrieve("c", "a1", 0, SEALED * BS), b.retrieve("c", "b1", 0, SEALED * BS)):
+            assert torch.equal(x, y)
+
+        # A value that does not check out: refused, and B computes from there.
+        r = redis_server.client()
+        h = a.sequence_info("c", "a3").block_hashes[4]
+        (key,) = list(r.scan_iter(match=b"kvstore:v1:*:" + h.hex().encode()))
+        r.set(key, b"garbage")
+        assert b.allocate("c", "b3", prompt(3)) == 4 * BS
+        assert st(b).redis_refused == 1 and st(b).prefix_hit_blocks_redis == SEALED + 4
+        put(b, "b3", prompt(3), seed=3, cached=4 * BS)     # recomputed: the same codes as A's
+        wait_for(lambda: r.get(key) != b"garbage", what="B's put to replace the garbage")
+        for x, y in zip(a.retrieve("c", "a3", 0, N), b.retrieve("c", "b3", 0, N)):
+            assert torch.equal(x, y)
+
+        # Redis killed: every call still succeeds on both daemons.
+        redis_server.kill()
+        assert b.allocate("c", "b-down", prompt(2)) == 0
+        b.free("c", ["b-down"])
+        put(a, "a4", prompt(4), seed=4)
+        a.attend("c", 0, ["a1", "a4"], torch.randn(2, 4, D).half())
+        b.attend("c", 1, ["b1", "b3"], torch.randn(2, 4, D).half())
+        wait_for(lambda: st(a).redis_state == "down" and st(b).redis_state == "down", what="both see it down")
+        assert st(a).redis_dropped_puts > 0 and st(b).redis_errors > 0 and st(b).redis_last_error
+        admin.main(["--socket", str(tmp_path / "b" / "kv.sock"), "stats"])
+        assert "redis down:" in capsys.readouterr().out
+
+        # Restarted with its AOF: B's hits resume, no daemon restarted.
+        redis_server.start()
+        n = [0]
+
+        def b_hits():
+            n[0] += 1
+            if b.allocate("c", f"b2-{n[0]}", prompt(2)) == SEALED * BS:
+                return True
+            b.free("c", [f"b2-{n[0]}"])
+            return False
+        wait_for(b_hits, timeout=10, what="hits after Redis restarted")
+        assert st(b).redis_state == "up" and st(b).prefix_hit_blocks_redis == 2 * SEALED + 4
+        for x, y in zip(a.retrieve("c", "a2", 0, SEALED * BS), b.retrieve("c", f"b2-{n[0]}", 0, SEALED * BS)):
+            assert torch.equal(x, y)
+        admin.main(["--socket", str(tmp_path / "b" / "kv.sock"), "stats"])
+        assert f"redis up: {2 * SEALED + 4} blocks in" in capsys.readouterr().out
+    finally:
+        for kv in kvs:
+            kv.close()
+        for p in procs:
+            stop_daemon(p)
+
+
+def test_acl_user_from_the_url_and_puts_the_server_refuses(redis_server):
+    r = redis_server.client()
+    # A user of its own that may touch only kvstore keys (what the module docstring advises).
+    r.acl_setuser("kv", enabled=True, passwords=["+s3cret"], keys=["kvstore:*"], commands=["+@all"])
+    port = redis_server.port
+    wrong = engine(f"redis://kv:nope@127.0.0.1:{port}/0")
+    assert rstats(wrong)["state"] == "down" and "nope" not in rstats(wrong)["last_error"]
+    e = engine(f"redis://kv:s3cret@127.0.0.1:{port}/0")
+    fill(e, "a", prompt(1), lookup=False)
+    wait_for(lambda: rstats(e)["blocks_out"] == SEALED, what="puts as user kv")
+    assert r.dbsize() == SEALED
+    r.config_set("maxmemory-policy", "noeviction")     # a full Redis that may not evict refuses writes
+    r.config_set("maxmemory", "1")
+    fill(e, "b", prompt(2), lookup=False)
+    wait_for(lambda: rstats(e)["dropped_puts"] == SEALED, what="refused puts")
+    s = rstats(e)
+    assert s["state"] == "up" and s["blocks_out"] == SEALED and s["errors"] == SEALED and "OutOfMemoryError" in s["last_error"]
+
+
+def test_ttl_is_set_by_puts_and_renewed_by_hits(redis_server):
+    a = engine(redis_server.url, ttl_s=100)
+    fill(a, "a", prompt(1), lookup=False)
+    wait_for(lambda: rstats(a)["blocks_out"] == SEALED, what="puts")
+    r = redis_server.client()
+    keys = sorted(r.scan_iter(match=b"kvstore:v1:*"))
+    assert len(keys) == SEALED and all(0 < r.ttl(k) <= 100 for k in keys)
+    for k in keys:
+        r.expire(k, 5)
+    b = engine(redis_server.url, ttl_s=100)
+    assert b.allocate("c", T, "b", prompt(1)).cached_tokens == SEALED * BS
+    assert all(r.ttl(k) > 5 for k in keys)            # GETEX renewed them
+
+
+def test_blocks_go_up_again_after_redis_came_back_empty(tmp_path):
+    from tests.tiers.redis_server import RedisServer
+    srv = RedisServer(str(tmp_path), appendonly=False)          # a restart loses everything
+    try:
+        a = engine(srv.url, lmdb=str(tmp_path / "lmdb"), num_blocks=24, backoff_s=0.5)
+        fill(a, "a", prompt(1), lookup=False)
+        wait_for(lambda: rstats(a)["blocks_out"] == SEALED, what="puts")
+        a.free("c", T, ["a"])
+        srv.kill()
+        assert a.allocate("c", T, "probe", prompt(2)).cached_tokens == 0    # sees the outage
+        a.free("c", T, ["probe"])
+        srv.start()
+        assert srv.client().dbsize() == 0
+        wait_for(a.redis.ping, what="Redis back")
+        for i in range(3):            # pressure: A's cached blocks spill, and go up again
+            fill(a, f"x{i}", prompt(10 + i), lookup=False)
+            a.free("c", T, [f"x{i}"])
+        assert a.stats()["c"]["tiers"]["spilled_blocks"] >= SEALED
+        wait_for(lambda: rstats(a)["blocks_out"] == 5 * SEALED, what="A's puts")
+        b = engine(srv.url)
+        assert b.allocate("c", T, "b", prompt(1)).cached_tokens == SEALED * BS
+    finally:
+        srv.kill()

@@ -1,0 +1,249 @@
+"""Host and LMDB tiers: bit-exact round trips, pressure, restarts, crashes (CPU, real LMDB)."""
+import math
+import random
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from kvstore.codec.codebooks import Codebooks
+from kvstore.engine.engine import Engine
+from kvstore.kernels import reference as ref
+from tests.helpers import config
+
+T = "default"
+HKV, D, L = 2, 16, 2
+
+
+def make_engine(tmp_path, codec="pq", num_blocks=64, host_bytes=0, lmdb=True, **kw):
+    e = Engine(lmdb_path=str(tmp_path / "lmdb") if lmdb else None)
+    cfg = config(codec=codec, num_blocks=num_blocks, **kw)
+    cfg = type(cfg)(**{**{f: getattr(cfg, f) for f in cfg.__slots__}, "host_bytes": host_bytes})
+    e.create_cache(cfg)
+    if codec == "pq":
+        g = torch.Generator().manual_seed(0)
+        e.set_codebooks("c", Codebooks(k=torch.randn(L, HKV, 8, 256, 2, generator=g),
+                                       v=torch.randn(L, HKV, 8, 256, 2, generator=g)))
+    return e
+
+
+def fill(e, sid, n, seed, prompt=None):
+    g = torch.Generator().manual_seed(seed)
+    k = torch.randn(L, n, HKV, D, generator=g).half()
+    v = torch.randn(L, n, HKV, D, generator=g).half()
+    e.allocate("c", T, sid, prompt or [])
+    e.append("c", T, [sid], k, v, [n], token_ids=[prompt] if prompt else None)
+    return k, v
+
+
+def snapshot(e, sid):
+    info = e.sequence_info("c", T, sid)
+    k, v = e.retrieve("c", T, sid, 0, info.length)
+    return k.clone(), v.clone()
+
+
+@pytest.mark.parametrize("codec", ["pq", "fp16"])
+@pytest.mark.parametrize("via", ["host", "disk"])
+def test_offload_page_in_is_bit_exact(tmp_path, codec, via):
+    # block_size 16 != M 8: K and V code blocks have different shapes
+    e = make_engine(tmp_path, codec, host_bytes=1 << 20 if via == "host" else 0, block_size=16)
+    fill(e, "a", 77, 1)
+    fill(e, "b", 40, 2)
+    q = torch.randn(2, 4, D).half()
+    before = snapshot(e, "a")
+    out_before = e.attend("c", T, 1, ["a", "b"], q)
+    cache = e.cache("c")
+    if via == "host":
+        cache.tiering.to_host(cache.seq(T, "a"))
+    else:
+        e.offload("c", T, ["a"])
+    assert e.sequence_info("c", T, "a").tier == via
+    e.check_invariants()
+    assert e.stats()["c"]["main"].used < 77 // 8 + 40 // 8 + 4
+    e.prefetch("c", T, ["a"])
+    assert e.sequence_info("c", T, "a").tier == "gpu"
+    after = snapshot(e, "a")
+    assert torch.equal(before[0], after[0]) and torch.equal(before[1], after[1])
+    assert torch.equal(e.attend("c", T, 1, ["a", "b"], q), out_before)
+    # decode continues on the paged-in sequence
+    e.append("c", T, ["a"], torch.randn(L, 5, HKV, D).half(), torch.randn(L, 5, HKV, D).half(), [5])
+    assert e.sequence_info("c", T, "a").length == 82
+    e.check_invariants()
+
+
+@pytest.mark.parametrize("codec", ["pq", "fp16"])
+def test_pressure_serves_four_times_the_pool(tmp_path, codec):
+    # 16 GPU blocks; 8 sequences of 64 tokens need 8 blocks each = 64 blocks = 4N.
+    e = make_engine(tmp_path, codec, num_blocks=16, host_bytes=20 * 2048, residual=0, max_sequences=8)
+    shadow = {}
+    for i in range(8):
+        shadow[f"s{i}"] = fill(e, f"s{i}", 64, i)
+        e.check_invariants()
+    st = e.stats()["c"]
+    assert st["tiers"]["offloads_host"] + st["tiers"]["offloads_disk"] >= 6
+    assert st["tiers"]["offloads_disk"] >= 1          # the host tier overflowed to LMDB
+    rng = random.Random(0)
+    for step in range(24):                            # random access pages sequences back in
+        sid = f"s{rng.randrange(8)}"
+        q = torch.randn(1, 4, D, generator=torch.Generator().manual_seed(step)).half()
+        out = e.attend("c", T, 0, [sid], q)
+        k, v = e.retrieve("c", T, sid, 0, 64, 0, 1)
+        want, _ = ref.attention_dense(q[0].double(), k[0].double(), v[0].double(), 1 / math.sqrt(D))
+        assert (out[0].double() - want).abs().max() < 1e-3
+        if codec == "fp16":                           # exact data after any number of moves
+            assert torch.equal(k[0], shadow[sid][0][0]) and torch.equal(v[0], shadow[sid][1][0])
+        e.check_invariants()
+    st = e.stats()["c"]["tiers"]
+    assert st["page_ins_host"] + st["page_ins_disk"] >= 10
+    e.free("c", T, [f"s{i}" for i in range(8)])
+    e.check_invariants()
+    assert e.stats()["c"]["main"].used == 0
+
+
+def test_prefix_blocks_spill_and_hit_from_lower_tiers(tmp_path):
+    e = make_engine(tmp_path, "pq", num_blocks=12, host_bytes=4 * 2048, residual=0, max_sequences=4)
+    prompt = list(range(64))
+    k, v = fill(e, "a", 64, 1, prompt)
+    want = snapshot(e, "a")
+    e.free("c", T, ["a"])
+    for i in range(3):                                # churn: the cached prefix blocks are reused
+        fill(e, f"x{i}", 64, 10 + i)
+        e.free("c", T, [f"x{i}"])
+    assert e.stats()["c"]["tiers"]["spilled_blocks"] > 0
+    assert e.allocate("c", T, "b", prompt).cached_tokens == 56     # all but the last block: logits
+    e.append("c", T, ["b"], k[:, 56:], v[:, 56:], [8], token_ids=[prompt[56:]])
+    got = snapshot(e, "b")
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    st = e.stats()["c"]["tiers"]
+    assert st["prefix_hits_host"] + st["prefix_hits_disk"] >= 1
+
+
+# ------------------------------------------------------------ restarts, crashes
+
+WRITER = r"""
+import sys, torch
+from kvstore.client import KVStoreClient
+target, n_seqs, n_tok = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+kv = KVStoreClient(target)
+for i in range(n_seqs):
+    sid = f"s{i}"
+    g = torch.Generator().manual_seed(i)
+    prompt = [i * 100000 + t for t in range(n_tok)]
+    kv.allocate("c", sid, prompt)
+    k = torch.randn(2, n_tok, 2, 16, generator=g).half()
+    kv.append("c", [sid], k, -k, token_ids=[prompt])
+    kv.offload("c", [sid])
+    print("offloaded", sid, flush=True)
+"""
+
+
+def start(sock, lmdb):
+    from tests.service.test_daemon_process import start_daemon
+    return start_daemon(sock, extra=["--lmdb", lmdb])
+
+
+def create(kv):
+    kv.create_cache("c", "m", num_layers=2, num_q_heads=4, num_kv_heads=2, head_dim=16, codec="fp16",
+                    block_size=16, residual=16, num_blocks=4096, max_sequences=64, exist_ok=True)
+
+
+def test_restart_resumes_offloaded_sequences_and_prefix_hits_from_disk(tmp_path):
+    from kvstore.client import KVStoreClient
+    from tests.service.test_daemon_process import stop_daemon
+    sock, lmdb = str(tmp_path / "kv.sock"), str(tmp_path / "lmdb")
+    p, target = start(sock, lmdb)
+    try:
+        kv = KVStoreClient(target)
+        create(kv)
+        subprocess.run([sys.executable, "-c", WRITER, target, "2", "200"], check=True, capture_output=True)
+        want = {s: kv.retrieve("c", s, 0, 200) for s in ("s0", "s1")}   # pages back in ...
+        kv.offload("c", ["s0", "s1"])                                   # ... and down again
+        kv.close()
+    finally:
+        stop_daemon(p)
+    p, target = start(sock, lmdb)
+    try:
+        kv = KVStoreClient(target)
+        create(kv)                                   # same spec -> same fingerprint -> found again
+        assert {i.sequence_id: i.tier for i in kv.list_sequences("c")} == {"s0": "disk", "s1": "disk"}
+        for s in ("s0", "s1"):
+            k, v = kv.retrieve("c", s, 0, 200)
+            assert torch.equal(k, want[s][0]) and torch.equal(v, want[s][1])
+        kv.free("c", ["s0"])
+        # A new sequence with s1's prompt: s1 paged in, so its full blocks are hits.
+        prompt = [100000 + t for t in range(200)]
+        assert kv.allocate("c", "new", prompt) == 192
+        kv.free("c", ["s1", "new"])
+        st = kv.stats("c").caches[0]
+        assert st.sequences == 0 and st.main.used == 0
+        kv.close()
+    finally:
+        stop_daemon(p)
+
+
+def test_prefix_hit_from_disk_after_restart(tmp_path):
+    from kvstore.client import KVStoreClient
+    from tests.service.test_daemon_process import stop_daemon
+    sock, lmdb = str(tmp_path / "kv.sock"), str(tmp_path / "lmdb")
+    p, target = start(sock, lmdb)
+    try:
+        kv = KVStoreClient(target)
+        create(kv)
+        subprocess.run([sys.executable, "-c", WRITER, target, "1", "200"], check=True, capture_output=True)
+        kv.close()
+    finally:
+        stop_daemon(p)
+    p, target = start(sock, lmdb)
+    try:
+        kv = KVStoreClient(target)
+        create(kv)
+        kv.free("c", ["s0"])                      # the sequence goes; its hashed blocks stay on disk
+        prompt = list(range(200))
+        assert kv.allocate("c", "new", prompt) == 192
+        st = kv.stats("c").caches[0]
+        assert st.prefix_hit_blocks_disk == 12
+        kv.close()
+    finally:
+        stop_daemon(p)
+
+
+def test_kill_9_during_offload_never_tears_a_sequence(tmp_path):
+    from kvstore.client import KVStoreClient
+    from tests.service.test_daemon_process import stop_daemon
+    sock, lmdb = str(tmp_path / "kv.sock"), str(tmp_path / "lmdb")
+    rng = random.Random(1)
+    n_tok = 2000
+    seen_whole = 0
+    for trial in range(20):
+        p, target = start(sock, lmdb)
+        kv = KVStoreClient(target)
+        create(kv)
+        for s in [i.sequence_id for i in kv.list_sequences("c")]:
+            kv.free("c", [s])                     # start each trial empty
+        w = subprocess.Popen([sys.executable, "-c", WRITER, target, "4", str(n_tok)],
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        time.sleep(rng.uniform(0.5, 3.0))
+        p.send_signal(signal.SIGKILL)
+        p.wait()
+        w.kill()
+        w.wait()
+        kv.close()
+        p, target = start(sock, lmdb)
+        try:
+            kv = KVStoreClient(target)
+            create(kv)
+            for info in kv.list_sequences("c"):
+                assert info.tier == "disk" and info.length == n_tok
+                i = int(info.sequence_id[1:])
+                k, v = kv.retrieve("c", info.sequence_id, 0, n_tok)
+                g = torch.Generator().manual_seed(i)
+                want = torch.randn(2, n_tok, 2, 16, generator=g).half()
+                assert torch.equal(k, want) and torch.equal(v, -want)
+                seen_whole += 1
+            kv.close()
+        finally:
+            stop_daemon(p)
+    assert seen_whole > 0, "no trial got as far as one durable sequence: kill later"
