@@ -11,9 +11,14 @@
 
 Importing this package imports neither Triton nor CuPy: the router does, on first use.
 """
-from . import reference, tunables  # noqa: F401
-from .plan import DecodePlan  # noqa: F401
-from .router import (CUDA, REFERENCE, TRITON, codebook_images, decode_backend,  # noqa: F401
+from . import reference, tunables
+from .plan import DecodePlan
+from .router import (CUDA, REFERENCE, TRITON, codebook_images, decode_backend,
                      encode_backend, gather_pq_blocks, layer_images, paged_decode_attention,
                      plan_decode, pq_decode_attention, pq_encode_to_slots, prepare_encode,
                      query_aligned, write_slots)
+
+__all__ = ["reference", "tunables", "DecodePlan", "CUDA", "REFERENCE", "TRITON", "codebook_images",
+           "decode_backend", "encode_backend", "gather_pq_blocks", "layer_images", "paged_decode_attention",
+           "plan_decode", "pq_decode_attention", "pq_encode_to_slots", "prepare_encode", "query_aligned",
+           "write_slots"]

@@ -109,7 +109,7 @@ def check_encode(x, cb, slots, bs, device, encode):
     reference.pq_encode_to_slots: near-ties may differ (fp32 rounding, 8 packed index
     bits), on under 1 % of codes, and then the chosen centroid is as close as the
     reference's to ~1e-4 relative."""
-    nb, (n, hkv, d), m = 1 + int(slots.max()) // bs, x.shape, cb.shape[1]
+    nb, (n, hkv, _), m = 1 + int(slots.max()) // bs, x.shape, cb.shape[1]
     for kind, shape in (("k_codes", (nb, hkv, bs, m)), ("v_codes", (nb, hkv, m, bs))):
         got = torch.full(shape, 7, dtype=torch.uint8, device=device)
         want = got.cpu().clone()
