@@ -16,8 +16,9 @@ import torch
 import triton
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from kvstore.kernels import decode_attention as da
-from kvstore.kernels import pq_encode, reference
+from kvstore import kernels
+from kvstore.kernels import reference
+from kvstore.kernels.triton import encode as triton_encode
 
 HQ, HKV, D, M, TAIL, TBS = 32, 8, 128, 64, 128, 16
 DEV = "cuda"
@@ -94,12 +95,15 @@ def pq_case(b, L, bs):
                 tail_k=tk, tail_v=tv, tail_tables=tt), [ns] * b, [TAIL] * b, nbytes
 
 
-def time_pq(q, case, sl, tl_, bs, **cfg):
-    plan = da.plan_pq_decode(sl, tl_, num_qo_heads=HQ, num_kv_heads=HKV, head_dim=D,
-                             block_size=bs, tail_block_size=TBS, device=DEV, **cfg)
+def time_pq(q, case, sl, tl_, bs, image=True, **cfg):
+    """cfg: plan_decode's backend, target_ctas and Triton tuning. image: pass the codebook
+    image (the engine does; the CUDA plan then stages codebooks by bulk copies for short
+    items), else the CUDA plan stages them through registers at every size."""
+    plan = kernels.plan_decode("pq", sl, tl_, num_qo_heads=HQ, num_kv_heads=HKV, head_dim=D,
+                               block_size=bs, tail_block_size=TBS, device=DEV, dtype=q.dtype, **cfg)
     out, lse = torch.empty_like(q), torch.empty(q.shape[:2], device=DEV)
     c = case
-    img = codebook_image(c)     # what the engine passes: the bulk-copy staging's image
+    img = codebook_image(c) if image else None     # what the engine passes
     return bench(lambda: plan.run_pq(q, c["k_codes"], c["v_codes"], c["k_codebook"],
                                      c["v_codebook"], c["sealed_tables"], c["tail_k"],
                                      c["tail_v"], c["tail_tables"], D ** -0.5, out=out, lse=lse,
@@ -108,17 +112,14 @@ def time_pq(q, case, sl, tl_, bs, **cfg):
 
 def codebook_image(case):
     """The case's codebook image as the engine builds it (None where no kernel reads one)."""
-    from kvstore.kernels import cuda_pq
-    if not cuda_pq.available():
-        return None
-    words = cuda_pq.codebook_images(case["k_codebook"][None], case["v_codebook"][None], HQ)
+    words = kernels.codebook_images(case["k_codebook"][None], case["v_codebook"][None], HQ)
     dsub = case["k_codebook"].shape[-1]
-    return None if words is None else cuda_pq.CodebookImage(words[0], cuda_pq.image_layout(HQ, HKV, dsub))
+    return None if words is None else kernels.layer_images(words, HQ, dsub)[0]
 
 
 def time_paged(q, kcache, vcache, tables, lens, bs, **cfg):
-    plan = da.plan_paged_decode(lens, num_qo_heads=HQ, num_kv_heads=HKV, head_dim=D,
-                                block_size=bs, device=DEV, **cfg)
+    plan = kernels.plan_decode("paged", lens, num_qo_heads=HQ, num_kv_heads=HKV, head_dim=D,
+                               block_size=bs, device=DEV, dtype=q.dtype, **cfg)
     out, lse = torch.empty_like(q), torch.empty(q.shape[:2], device=DEV)
     return bench(lambda: plan.run_paged(q, kcache, vcache, tables, D ** -0.5, out=out, lse=lse))
 
@@ -146,8 +147,8 @@ def time_sdpa(q, L):
 def check_pq(bs):
     case, sl, tl_, _ = pq_case(2, 2000, bs)
     q = torch.randn(2, HQ, D, device=DEV, dtype=torch.float16)
-    plan = da.plan_pq_decode(sl, tl_, num_qo_heads=HQ, num_kv_heads=HKV, head_dim=D,
-                             block_size=bs, tail_block_size=TBS, device=DEV)
+    plan = kernels.plan_decode("pq", sl, tl_, num_qo_heads=HQ, num_kv_heads=HKV, head_dim=D,
+                               block_size=bs, tail_block_size=TBS, device=DEV, dtype=q.dtype)
     out, lse = plan.run_pq(q, *case.values(), D ** -0.5)
     c64 = {k: (v.cpu().double() if v.is_floating_point() else v.cpu()) for k, v in case.items()}
     out, lse = out.cpu(), lse.cpu()
@@ -170,7 +171,7 @@ def time_encode():
     slots = torch.arange(n, device=DEV)
     res = {}
     for cfg in ({}, dict(tile_n=128), dict(tile_n=32), dict(num_warps=8, tile_n=128)):
-        plan = pq_encode.plan_pq_encode(cb, **cfg)
+        plan = triton_encode.plan_pq_encode(cb, **cfg)
         res[str(cfg)] = bench(lambda: (plan.run(x, slots, k_codes=kc), plan.run(x, slots, v_codes=vc)))
     return res
 

@@ -1,4 +1,4 @@
-"""CUDA C++ PQ decode attention and PQ encode (kernels/cuda_pq.py) against SDPA flash, the
+"""CUDA C++ PQ decode attention and PQ encode (kernels/cuda/) against SDPA flash, the
 Triton PQ kernel and the CUDA kernel's other builds, all measured in one run.
 
 python bench/bench_cuda_pq.py [--quick] [--warps 8 12 16] [--encode-only] [--no-encode] [--shape B L]
@@ -10,12 +10,10 @@ before each (--flush read: evicted by a read, the default; zero: triton's zero_(
 (x.sum() over 2 GiB) and the measurement floor (a 1-element add timed the same way), which
 every time below contains.
 
-Columns: cf = the default build (conflict-free gathers; codebooks staged by bulk copies for
-items of up to cuda_pq.TMA_MAX_ITEM_TOKENS tokens, through registers past that); tma = bulk
-copies at every item size; reg = register staging at every size (cuda_pq.TMA off); div = the
-generic block-size instantiation (an unsigned division finds a token's block, where cf shifts
-and masks); swz = swizzled gathers (KVSTORE_CUDA_PQ_CF=0); triton = the Triton PQ kernel;
-SDPA = torch SDPA flash over contiguous fp16 K/V.
+Columns: cuda = the kernel as the engine runs it (codebooks staged by bulk copies for items
+of up to tunables.TMA_MAX_ITEM_TOKENS tokens, through registers past that); tma = bulk copies
+at every item size; reg = register staging at every size (no codebook image); triton = the
+Triton PQ kernel; SDPA = torch SDPA flash over contiguous fp16 K/V.
 
 With more than one --warps value the warps per block are swept first (B=8 and B=1, L=32K).
 --shape B L times that one shape with no correctness check, sweep or encode before it, so
@@ -32,28 +30,28 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_attention as ba  # noqa: E402
 
-from kvstore.kernels import cuda_pq  # noqa: E402
-from kvstore.kernels import decode_attention as da  # noqa: E402
-from kvstore.kernels import pq_encode  # noqa: E402
+from kvstore.kernels import tunables  # noqa: E402
+from kvstore.kernels.cuda import attention as cuda_attention  # noqa: E402
+from kvstore.kernels.cuda import build  # noqa: E402
+from kvstore.kernels.cuda import encode as cuda_encode  # noqa: E402
+from kvstore.kernels.triton import encode as triton_encode  # noqa: E402
+
+DEV = torch.device("cuda")
 
 
 def kernel_info():
     for nw in (8, 12, 16):
         for dsub in (2, 4):
-            for gp, tma in (((0, False), (4, False), (4, True)) if dsub == 2 else ((0, False),)):
-                fn = cuda_pq._function(cuda_pq._attn_name(128, dsub, False, nw, gp, tma),
-                                       torch.device("cuda"))
+            for gp, tma in (((4, False), (4, True)) if dsub == 2 else ((0, False),)):
+                fn = build.function("attention.cu", cuda_attention._attn_name(128, dsub, False, nw, gp, tma), DEV)
                 print(f"pq_attn<128,{dsub},f16,{nw},GP={gp},TMA={tma}>: regs {fn.num_regs}, "
                       f"local {fn.local_size_bytes} B")
-    fn = cuda_pq._function(cuda_pq._attn_name(128, 2, False, 12, 4, True, False), torch.device("cuda"))
-    print(f"pq_attn<128,2,f16,12,GP=4,TMA=True,BS_POW2=False>: regs {fn.num_regs}, "
-          f"local {fn.local_size_bytes} B")
 
 
 def encode_info():
     for name in ("pq_encode<2, 4, 8, false, false, true>",
                  "pq_encode_cells<32, 7, false, false, true>"):
-        fn = cuda_pq._function(name, torch.device("cuda"))
+        fn = build.function("encode.cu", name, DEV)
         print(f"{name}: regs {fn.num_regs}, local {fn.local_size_bytes} B, "
               f"smem {fn.shared_size_bytes} B")
 
@@ -69,13 +67,13 @@ def time_encode(rd: float | None = None):
     nbytes = 2 * x.numel() * x.element_size()                  # x read for K and for V
     res = {}
     for t in (2, 4, 8):
-        p = cuda_pq.plan_pq_encode(cb, tokens_per_thread=t, cells=False)
+        p = cuda_encode.plan_pq_encode(cb, tokens_per_thread=t, cells=False)
         res[f"brute T={t}"] = ba.bench(lambda: (p.run(x, slots, k_codes=kc), p.run(x, slots, v_codes=vc)))
-    p = pq_encode.plan_pq_encode(cb, tile_n=128)
+    p = triton_encode.plan_pq_encode(cb, tile_n=128)
     res["triton tile128"] = ba.bench(lambda: (p.run(x, slots, k_codes=kc), p.run(x, slots, v_codes=vc)))
     torch.cuda.synchronize()
     t0 = time.perf_counter()
-    pc = cuda_pq.plan_pq_encode(cb)
+    pc = cuda_encode.plan_pq_encode(cb)
     torch.cuda.synchronize()
     build_ms = 1e3 * (time.perf_counter() - t0)
     for tpb in (0, 256, 512, 2048):
@@ -84,7 +82,7 @@ def time_encode(rd: float | None = None):
             lambda: (pc.run(x, slots, k_codes=kc), pc.run(x, slots, v_codes=vc)))
     pc.cells["tokens_per_block"] = 0
     # same codes as the brute-force kernel up to its 2^-15 near-tie rounding
-    pb = cuda_pq.plan_pq_encode(cb, cells=False)
+    pb = cuda_encode.plan_pq_encode(cb, cells=False)
     kb = torch.empty_like(kc)
     pb.run(x, slots, k_codes=kb)
     pc.run(x, slots, k_codes=kc)
@@ -127,40 +125,35 @@ def main():
         time_encode(rd)
         return 0
     kernel_info()
-    for cf in (True, False) if not args.shape else ():
-        cuda_pq.CONFLICT_FREE = cf
+    if not args.shape:
         ba.check_pq(16)
-    # warps sweep at B=8 and B=1, L=32K, per layout
-    best_nw = {True: args.warps[0], False: args.warps[0]}
-    for cf in (True, False) if len(args.warps) > 1 else ():
-        cuda_pq.CONFLICT_FREE = cf
+    # warps sweep at B=8 and B=1, L=32K
+    tunables.NUM_WARPS = args.warps[0]
+    if len(args.warps) > 1:
         best = {}
         for b in (8, 1):
             q = torch.randn(b, ba.HQ, ba.D, device="cuda", dtype=torch.float16)
             case, sl, tl_, nbytes = ba.pq_case(b, 32768, 16)
             for nw in args.warps:
-                cuda_pq.NUM_WARPS = nw
+                tunables.NUM_WARPS = nw
                 t = ba.time_pq(q, case, sl, tl_, 16, backend="cuda")
-                print(f"sweep cuda {'cf' if cf else 'swz'} B={b} L=32K warps={nw}: {t:.1f} us "
-                      f"({nbytes / t / 1e3:.0f} GB/s)")
+                print(f"sweep cuda B={b} L=32K warps={nw}: {t:.1f} us ({nbytes / t / 1e3:.0f} GB/s)")
                 best.setdefault(b, {})[nw] = t
             del case
-        best_nw[cf] = min(args.warps, key=lambda nw: best[8][nw] + 4 * best[1][nw])
-    print(f"warps used below: cf {best_nw[True]}, swz {best_nw[False]}")
+        tunables.NUM_WARPS = min(args.warps, key=lambda nw: best[8][nw] + 4 * best[1][nw])
+    print(f"warps used below: {tunables.NUM_WARPS}")
     if not args.no_encode and not args.shape:
         encode_info()
         time_encode(rd)
 
-    def time_cuda(cf, q, case, sl, tl_, reg=False, div=False, tma_all=False):
-        cuda_pq.CONFLICT_FREE, cuda_pq.NUM_WARPS = cf, best_nw[cf]
-        tma, pow2, lim = cuda_pq.TMA, cuda_pq.BS_POW2, cuda_pq.TMA_MAX_ITEM_TOKENS
-        cuda_pq.TMA, cuda_pq.BS_POW2 = tma and not reg, pow2 and not div
+    def time_cuda(q, case, sl, tl_, reg=False, tma_all=False):
+        lim = tunables.TMA_MAX_ITEM_TOKENS
         if tma_all:
-            cuda_pq.TMA_MAX_ITEM_TOKENS = 1 << 62
+            tunables.TMA_MAX_ITEM_TOKENS = 1 << 62
         try:
-            return ba.time_pq(q, case, sl, tl_, 16, backend="cuda")
+            return ba.time_pq(q, case, sl, tl_, 16, backend="cuda", image=not reg)
         finally:
-            cuda_pq.TMA, cuda_pq.BS_POW2, cuda_pq.TMA_MAX_ITEM_TOKENS = tma, pow2, lim
+            tunables.TMA_MAX_ITEM_TOKENS = lim
 
     rows = []
     Bs, Ls = ((1, 8), (32768,)) if args.quick else ((1, 8, 32), (4096, 32768, 131072))
@@ -170,29 +163,25 @@ def main():
         for L in Ls:
             q = torch.randn(b, ba.HQ, ba.D, device="cuda", dtype=torch.float16)
             case, sl, tl_, nbytes = ba.pq_case(b, L, 16)
-            t_cf = time_cuda(True, q, case, sl, tl_)
-            t_rg = time_cuda(True, q, case, sl, tl_, reg=True)
-            t_tm = time_cuda(True, q, case, sl, tl_, tma_all=True)
-            t_dv = time_cuda(True, q, case, sl, tl_, div=True)
-            t_sw = time_cuda(False, q, case, sl, tl_)
+            t_cu = time_cuda(q, case, sl, tl_)
+            t_rg = time_cuda(q, case, sl, tl_, reg=True)
+            t_tm = time_cuda(q, case, sl, tl_, tma_all=True)
             t_tr = ba.time_pq(q, case, sl, tl_, 16, backend="triton")
             del case
             torch.cuda.empty_cache()
             t_sd, be = ba.time_sdpa(q, L)
             torch.cuda.empty_cache()
-            rows.append((b, L, t_cf, t_tm, t_rg, t_dv, t_sw, t_tr, t_sd, nbytes / t_cf / 1e3))
+            rows.append((b, L, t_cu, t_tm, t_rg, t_tr, t_sd, nbytes / t_cu / 1e3))
             print(rows[-1], flush=True)
-    print(f"\nread BW {rd:.0f} GB/s; us, median, CUDA graph, L2 flushed ({args.flush}); warps cf {best_nw[True]} "
-          f"swz {best_nw[False]}")
-    print(f"cf: TMA {cuda_pq.TMA} up to {cuda_pq.TMA_MAX_ITEM_TOKENS} tokens an item, else "
-          f"register staging; tma: TMA at every size; BS_POW2 {cuda_pq.BS_POW2}")
-    print(f"{'B':>3} {'L':>7} {'cf':>8} {'tma':>8} {'reg':>8} {'div':>8} {'swz':>8} {'triton':>8} {'SDPA':>8} "
-          f"{'sdpa/cf':>8} {'sdpa/tma':>8} {'sdpa/reg':>8} {'sdpa/div':>8} {'swz/cf':>7} {'GB/s':>6} {'%BW':>5}")
-    for b, L, tc, tm, tr, td, tw, tt, ts, bw in rows:
-        print(f"{b:>3} {L:>7} {tc:>8.1f} {tm:>8.1f} {tr:>8.1f} {td:>8.1f} {tw:>8.1f} {tt:>8.1f} {ts:>8.1f} "
-              f"{ts / tc:>8.2f} {ts / tm:>8.2f} {ts / tr:>8.2f} {ts / td:>8.2f} {tw / tc:>7.2f} {bw:>6.0f} "
+    print(f"\nread BW {rd:.0f} GB/s; us, median, CUDA graph, L2 flushed ({args.flush}); warps {tunables.NUM_WARPS}")
+    print(f"cuda: bulk copies up to {tunables.TMA_MAX_ITEM_TOKENS} tokens an item, else register staging; "
+          f"tma: bulk copies at every size; reg: register staging at every size")
+    print(f"{'B':>3} {'L':>7} {'cuda':>8} {'tma':>8} {'reg':>8} {'triton':>8} {'SDPA':>8} "
+          f"{'sdpa/cuda':>9} {'sdpa/tma':>8} {'sdpa/reg':>8} {'triton/cuda':>11} {'GB/s':>6} {'%BW':>5}")
+    for b, L, tc, tm, tg, tt, ts, bw in rows:
+        print(f"{b:>3} {L:>7} {tc:>8.1f} {tm:>8.1f} {tg:>8.1f} {tt:>8.1f} {ts:>8.1f} "
+              f"{ts / tc:>9.2f} {ts / tm:>8.2f} {ts / tg:>8.2f} {tt / tc:>11.2f} {bw:>6.0f} "
               f"{100 * bw / rd:>4.0f}%")
-
 
 if __name__ == "__main__":
     sys.exit(main())

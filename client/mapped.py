@@ -42,7 +42,7 @@ class StepPlan:
     slots: torch.Tensor          # [B * n] int64: tail-pool slot (block * bs + offset) of each reserved token
     sealed_tables: torch.Tensor  # [B, S] int32
     tail_tables: torch.Tensor    # [B, T] int32
-    kernel_plan: object          # kernels.decode_attention.DecodePlan
+    kernel_plan: object          # kernels.plan.DecodePlan
     out: torch.Tensor            # [B, Hq, d] reused by every layer
     lse: torch.Tensor            # [B, Hq] fp32, likewise
     host_tables: torch.Tensor | None = None   # what the tables hold now (refills skip equal ones)
@@ -73,7 +73,7 @@ class MappedCache:
         # it rebuilds the image in place when the codebooks change, so this stays current.
         self.images = None
         if "codebook_image" in self.t:
-            from kvstore.kernels.dispatch import layer_images
+            from kvstore.kernels import layer_images
             self.images = layer_images(self.t["codebook_image"], self.hq, self.t["k_codebook"].shape[-1])
         # A tiny registered buffer whose event pair orders our slot writes before
         # the daemon's sealing (at the next Reserve) and its sealing before our reads.
@@ -134,12 +134,12 @@ class MappedCache:
         return plan
 
     def _plan(self, lens, spare):
-        from kvstore.kernels.decode_attention import plan_paged_decode, plan_pq_decode
+        from kvstore.kernels import plan_decode
         kw = dict(num_qo_heads=self.hq, num_kv_heads=self.hkv, head_dim=self.d, block_size=self.bs,
-                  device=self.device, spare_items=spare)
+                  device=self.device, dtype=self._dtype(), spare_items=spare)
         if self.is_pq:
-            return plan_pq_decode(*lens, tail_block_size=self.bs, **kw)
-        return plan_paged_decode(*lens, **kw)
+            return plan_decode("pq", *lens, tail_block_size=self.bs, codebook_dtype=self.t["k_codebook"].dtype, **kw)
+        return plan_decode("paged", *lens, **kw)
 
     def _refill(self, plan: StepPlan, slots, sealed_rows, tail_rows, lens, replan: bool = True) -> StepPlan:
         if slots.numel() != plan.slots.numel() or len(sealed_rows) != plan.out.shape[0]:
@@ -169,7 +169,7 @@ class MappedCache:
 
     def write(self, plan: StepPlan, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """k, v [B * n, Hkv, d] -> the reserved fp16 slots of this layer."""
-        from kvstore.kernels.dispatch import write_slots
+        from kvstore.kernels import write_slots
         tk, tv = (self.t["tail_k"], self.t["tail_v"]) if self.is_pq else (self.t["k"], self.t["v"])
         write_slots(k, v, tk[layer], tv[layer], plan.slots)
 

@@ -1,7 +1,24 @@
-"""Decode-attention and PQ codec kernels: Triton on CUDA, torch references on CPU.
+"""Decode-attention and PQ codec kernels, installed as kvstore.kernels.
 
-Callers use `kvstore.kernels.dispatch` (reference signatures, routed by device) or,
-on the hot path, the plans in `decode_attention` / `pq_encode`. Triton is imported
-only when a CUDA tensor first reaches a kernel.
+    router.py     the one place that picks a backend for every op (re-exported here)
+    plan.py       what every decode plan is (plan/run, update() for CUDA graphs) and shares
+    tunables.py   every knob, with its environment variable and the measurement behind it
+    reference.py  pure-torch references: the contract every kernel is tested against
+    cuda/         CUDA C++ kernels (NVRTC through CuPy): PQ attention + merge, PQ encode
+    triton/       Triton kernels: PQ and paged attention, encode, dequantize, slot writes
+    pq_cells.py   cell tables for exact fast PQ encoding (dsub 2), built in torch
+    cpu_decode.py the CPU daemon's decode attention (reference math, fewer torch ops)
+
+Importing this package imports neither Triton nor CuPy: the router does, on first use.
 """
-from . import dispatch, reference  # noqa: F401
+from . import reference, tunables
+from .plan import DecodePlan
+from .router import (CUDA, REFERENCE, TRITON, codebook_images, decode_backend,
+                     encode_backend, gather_pq_blocks, layer_images, paged_decode_attention,
+                     plan_decode, pq_decode_attention, pq_encode_to_slots, prepare_encode,
+                     query_aligned, write_slots)
+
+__all__ = ["reference", "tunables", "DecodePlan", "CUDA", "REFERENCE", "TRITON", "codebook_images",
+           "decode_backend", "encode_backend", "gather_pq_blocks", "layer_images", "paged_decode_attention",
+           "plan_decode", "pq_decode_attention", "pq_encode_to_slots", "prepare_encode", "query_aligned",
+           "write_slots"]

@@ -135,10 +135,8 @@ IMPORTS = {m: _imports(m) for m in MODULES}
 
 def test_no_import_cycles():
     assert _cycles({m: top for m, (top, _) in IMPORTS.items()}) == []
-    # Lazy imports too. NOTE: kernels/ is left out here: cuda_pq and
-    # decode_attention still import each other inside functions.
-    lazy = {m: {t for t in anywhere if not t.startswith("kvstore.kernels")}
-            for m, (_, anywhere) in IMPORTS.items() if not m.startswith("kvstore.kernels")}
+    # Lazy imports (inside functions) too.
+    lazy = {m: anywhere for m, (_, anywhere) in IMPORTS.items()}
     assert _cycles(lazy) == []
 
 

@@ -59,7 +59,7 @@ class _Graph:
     plan: object
     meta: torch.Tensor           # int32 [items | item_ptr | sealed table | tail table | new blocks | new offsets]
     lse: torch.Tensor
-    width: int                   # ints per work item (5: CUDA PQ plan, 4: Triton)
+    width: int                   # ints per work item (the plan's item_width)
     cols: tuple[int, int]        # (sealed, tail) table columns; sealed 0 for fp16
     rows_sig: object = None      # what plan.rows() depends on besides the lengths (_rows_sig, interned)
     # Two host copies of meta, used in turn: [int32 tensor (pinned on CUDA), its
@@ -124,7 +124,6 @@ class DecodeGraphs:
         self.hits = self.captures = 0
         self.enabled = ENABLED
         self._streams: dict[int, torch.cuda.Stream] = {}
-        self._eager: set[tuple] = set()     # keys whose plan left its CUDA kernels: never captured
         self._seen: OrderedDict[tuple, None] = OrderedDict()     # keys met once, not captured yet
         self._rows: dict[tuple, tuple[np.ndarray, np.ndarray]] = {}  # (rows_sig, lengths) -> (items, item_ptr)
         self._sigs: dict[tuple, int] = {}   # _rows_sig -> a small int: hashed per call instead of ~15 pairs
@@ -135,7 +134,6 @@ class DecodeGraphs:
         with self._lock:
             dropped = list(self.graphs.values())
             self.graphs.clear()
-            self._eager.clear()
             self._seen.clear()
             self._rows.clear()
             self._sigs.clear()
@@ -188,8 +186,6 @@ class DecodeGraphs:
     # ------------------------------------------------------------ internals
     def _run(self, cache, layer, seqs, q, scale, out, lens, sealed, tail, cols, key, new):
         """Replay key's graph, or capture it on its second call -> out, or None."""
-        if key in self._eager:
-            return None
         with self._lock:
             g = self.graphs.get(key)
             if g is not None:
@@ -272,8 +268,7 @@ class DecodeGraphs:
             ring.release(slot, buf, g.meta.device)
 
     def _capture(self, cache, layer, seqs, q, scale, out, lens, sealed, tail, cols, key, new):
-        from kvstore.kernels import cuda_pq
-        from kvstore.kernels import decode_attention as da
+        from kvstore import kernels
         if self.captures >= MAX_GRAPHS and self.hits < 2 * self.captures:
             # Addresses that do not repeat, or more layers x buffers than the LRU
             # holds: graphs would not pay for their captures.
@@ -282,14 +277,16 @@ class DecodeGraphs:
             return None
         dev, b, hq, d = q.device, len(seqs), q.shape[1], q.shape[2]
         if cache.is_pq:
-            plan = da.plan_pq_decode(*lens, num_qo_heads=hq, num_kv_heads=cache.main.k_codes.shape[2],
-                                     head_dim=d, block_size=cache.bs, tail_block_size=cache.tail.k.shape[3],
-                                     device=dev, spare_items=SPARE_ITEMS)
-            width = 5 if isinstance(plan, cuda_pq.CudaPQPlan) else 4
+            plan = kernels.plan_decode("pq", *lens, num_qo_heads=hq, num_kv_heads=cache.main.k_codes.shape[2],
+                                       head_dim=d, block_size=cache.bs, tail_block_size=cache.tail.k.shape[3],
+                                       device=dev, dtype=q.dtype, kv_dtype=cache.tail.k.dtype,
+                                       codebook_dtype=cache.main.k_cb.dtype, aligned=kernels.query_aligned(q),
+                                       spare_items=SPARE_ITEMS)
         else:
-            plan = da.plan_paged_decode(*lens, num_qo_heads=hq, num_kv_heads=cache.main.k.shape[2], head_dim=d,
-                                        block_size=cache.bs, device=dev, spare_items=SPARE_ITEMS)
-            width = 4
+            plan = kernels.plan_decode("paged", *lens, num_qo_heads=hq, num_kv_heads=cache.main.k.shape[2],
+                                       head_dim=d, block_size=cache.bs, device=dev, dtype=q.dtype,
+                                       spare_items=SPARE_ITEMS)
+        width = plan.item_width
         cap = plan.items.shape[0]
         nw = len(new[0]) if new is not None else 0
         n = cap * width + b + 1 + b * (cols[0] + cols[1]) + 2 * nw
@@ -327,11 +324,6 @@ class DecodeGraphs:
                 plan.run_paged(q, cache.main.k[layer], cache.main.v[layer], tt, scale, out=out, lse=lse,
                                trusted=True)
         run()           # this call's result, and every kernel compiled and loaded before capture
-        if getattr(plan, "_fallback", None) is not None:
-            # The CUDA plan handed these buffers to its Triton fallback, whose items
-            # are not in meta: no graph for them.
-            self._eager.add(key)
-            return out
         side = self._streams.get(dev.index)
         if side is None:
             side = self._streams[dev.index] = torch.cuda.Stream(dev)

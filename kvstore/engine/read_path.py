@@ -6,6 +6,7 @@ import time
 
 import torch
 
+from kvstore import kernels
 from kvstore.kernels import cpu_decode
 
 from kvstore.core.sequence import Sequence
@@ -59,7 +60,6 @@ class ReadPath:
             # The hot path holds a plan (DESIGN §4): block tables and work items
             # built on the host and copied in one go (pinned.staged), then the
             # kernels, which take the engine's own pool tensors unchecked.
-            from kvstore.kernels import decode_attention as da
             hq, d = q.shape[1], q.shape[2]
             with staged(dev):
                 if self.is_pq:
@@ -69,15 +69,17 @@ class ReadPath:
                     tail = block_table([s.tail for s in seqs], dev)
                     # Lengths stay host lists: the kernels plan on the host, and a
                     # device tensor would cost a synchronisation to read back.
-                    plan = da.plan_pq_decode([len(s.sealed) * self.bs for s in seqs],
-                                             [s.layer_length(layer) - len(s.sealed) * self.bs for s in seqs],
-                                             num_qo_heads=hq, num_kv_heads=kc.shape[1], head_dim=d,
-                                             block_size=self.bs, tail_block_size=self.tail.k.shape[3], device=dev)
+                    plan = kernels.plan_decode("pq", [len(s.sealed) * self.bs for s in seqs],
+                                               [s.layer_length(layer) - len(s.sealed) * self.bs for s in seqs],
+                                               num_qo_heads=hq, num_kv_heads=kc.shape[1], head_dim=d,
+                                               block_size=self.bs, tail_block_size=self.tail.k.shape[3], device=dev,
+                                               dtype=q.dtype, kv_dtype=self.tail.k.dtype,
+                                               codebook_dtype=self.main.k_cb.dtype, aligned=kernels.query_aligned(q))
                 else:
                     table = block_table([s.sealed + s.tail for s in seqs], dev)
-                    plan = da.plan_paged_decode([s.layer_length(layer) for s in seqs], num_qo_heads=hq,
-                                                num_kv_heads=self.main.k.shape[2], head_dim=d,
-                                                block_size=self.bs, device=dev)
+                    plan = kernels.plan_decode("paged", [s.layer_length(layer) for s in seqs], num_qo_heads=hq,
+                                               num_kv_heads=self.main.k.shape[2], head_dim=d,
+                                               block_size=self.bs, device=dev, dtype=q.dtype)
             if self.is_pq:
                 out, _ = plan.run_pq(q, kc, self.main.v_codes[layer], self.main.k_cb[layer], self.main.v_cb[layer],
                                      sealed, self.tail.k[layer], self.tail.v[layer], tail, scale, out=out,

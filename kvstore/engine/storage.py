@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import torch
 
+from kvstore import kernels
 from kvstore.cuda.pinned import to_device
-from kvstore.kernels import dispatch
 
 from kvstore.codec.codebooks import Codebooks
 from kvstore.core.config import CacheConfig
@@ -100,7 +100,7 @@ class PQStore:
         self.k_cb: torch.Tensor | None = None           # [L, Hkv, M, 256, dsub]
         self.v_cb: torch.Tensor | None = None
         # Per layer, the codebooks as the bulk-copy attention kernel stages them
-        # (kernels/cuda_pq.py CodebookImage); None where no kernel here reads one.
+        # (kernels/cuda/images.py CodebookImage); None where no kernel here reads one.
         self.cb_words: torch.Tensor | None = None       # int32 [L, Hkv, IMG_WORDS]
         self.cb_images: list | None = None
 
@@ -118,11 +118,11 @@ class PQStore:
         else:
             self.k_cb, self.v_cb = k, v
         for layer in range(self.k_cb.shape[0]):     # encoder tables now, not at the first seal
-            dispatch.prepare_encode(self.k_cb[layer])
-            dispatch.prepare_encode(self.v_cb[layer])
-        self.cb_words = dispatch.codebook_images(self.k_cb, self.v_cb, self.num_qo_heads, self.cb_words)
+            kernels.prepare_encode(self.k_cb[layer])
+            kernels.prepare_encode(self.v_cb[layer])
+        self.cb_words = kernels.codebook_images(self.k_cb, self.v_cb, self.num_qo_heads, self.cb_words)
         self.cb_images = (None if self.cb_words is None
-                          else dispatch.layer_images(self.cb_words, self.num_qo_heads, self.k_cb.shape[-1]))
+                          else kernels.layer_images(self.cb_words, self.num_qo_heads, self.k_cb.shape[-1]))
 
     def image(self, layer: int):
         """This layer's codebook image for the attention kernels, or None."""
@@ -135,14 +135,14 @@ class PQStore:
         slots = (block_ids.view(-1, 1) * self.bs + torch.arange(self.bs, device=block_ids.device)).view(-1)
         slots = slots.to(torch.int32)
         for layer in range(k.shape[0]):
-            dispatch.pq_encode_to_slots(k[layer, :n].contiguous(), self.k_cb[layer], slots, k_codes=self.k_codes[layer])
-            dispatch.pq_encode_to_slots(v[layer, :n].contiguous(), self.v_cb[layer], slots, v_codes=self.v_codes[layer])
+            kernels.pq_encode_to_slots(k[layer, :n].contiguous(), self.k_cb[layer], slots, k_codes=self.k_codes[layer])
+            kernels.pq_encode_to_slots(v[layer, :n].contiguous(), self.v_cb[layer], slots, v_codes=self.v_codes[layer])
 
     def read_blocks(self, layers: slice, block_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Dequantized -> k, v [nl, n_blocks * bs, Hkv, d] in the cache dtype."""
         ks, vs = [], []
         for layer in range(*layers.indices(self.k_codes.shape[0])):
-            k, v = dispatch.gather_pq_blocks(self.k_codes[layer], self.v_codes[layer],
+            k, v = kernels.gather_pq_blocks(self.k_codes[layer], self.v_codes[layer],
                                              self.k_cb[layer], self.v_cb[layer], block_ids)
             ks.append(k.to(self.dtype))
             vs.append(v.to(self.dtype))

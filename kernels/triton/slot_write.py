@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .reference import check_write_slots
+from ..reference import check_write_slots
 
 
 @triton.jit

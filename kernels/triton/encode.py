@@ -16,6 +16,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ..plan import check_encode_args
+
 
 @triton.jit
 def _pq_encode_kernel(x_ptr, sx_n, sx_h, cm2_ptr, cn_ptr, slots_ptr, out_ptr,
@@ -96,28 +98,3 @@ def pq_encode_to_slots(x, codebook, slots, k_codes=None, v_codes=None) -> None:
     """Same contract as reference.pq_encode_to_slots (plans, then runs)."""
     plan_pq_encode(codebook).run(x, slots, k_codes=k_codes, v_codes=v_codes)
 
-
-def check_encode_args(x, slots, k_codes, v_codes, hkv: int, m: int, dsub: int, device):
-    """The checks every encode launcher makes -> (codes, block_size, offset
-    stride, subspace stride) of the one code tensor given."""
-    if (k_codes is None) == (v_codes is None):
-        raise ValueError("give exactly one of k_codes or v_codes")
-    if x.dim() != 3 or x.shape[1] != hkv or x.shape[2] != m * dsub:
-        raise ValueError(f"x must be [N, {hkv}, {m * dsub}], got {tuple(x.shape)}")
-    if x.dtype not in (torch.float16, torch.bfloat16, torch.float32) or x.stride(2) != 1:
-        raise ValueError("x must be fp16/bf16/fp32 and contiguous in its last dim")
-    if slots.dim() != 1 or slots.shape[0] != x.shape[0] or slots.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"slots must be int32/int64 [{x.shape[0]}], got {slots.dtype} {tuple(slots.shape)}")
-    codes, name = (k_codes, "k_codes") if k_codes is not None else (v_codes, "v_codes")
-    if codes.dtype != torch.uint8 or codes.dim() != 4 or codes.shape[1] != hkv:
-        raise ValueError(f"{name} must be uint8 [nb, {hkv}, ., .], got {codes.dtype} {tuple(codes.shape)}")
-    for t, nm in ((x, "x"), (slots, "slots"), (codes, name)):
-        if t.device != device:
-            raise ValueError(f"{nm} is on {t.device}, the plan on {device}")
-    if k_codes is not None:
-        if k_codes.shape[3] != m:
-            raise ValueError(f"k_codes last dim must be M={m}")
-        return k_codes, k_codes.shape[2], k_codes.stride(2), k_codes.stride(3)
-    if v_codes.shape[2] != m:
-        raise ValueError(f"v_codes dim 2 must be M={m}")
-    return v_codes, v_codes.shape[3], v_codes.stride(3), v_codes.stride(2)

@@ -1,4 +1,4 @@
-"""Triton kernels behind decode_attention.py (launch them through its plans).
+"""Triton kernels behind decode.py (launch them through its plans).
 
 One program = one work item x one KV head. A work item is a token range of one
 sequence, either over PQ-coded sealed blocks (kind 0) or over fp16 paged

@@ -17,116 +17,40 @@ if not HAS_CUDA and "triton" not in sys.modules:
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 triton = pytest.importorskip("triton")
 
-from kvstore.kernels import decode_attention as da  # noqa: E402
-from kvstore.kernels import dispatch  # noqa: E402
-from kvstore.kernels import pq_dequantize, pq_encode  # noqa: E402
+from kernel_cases import (POISON, RUN_ARGS, check_attn, check_encode, make_pq_case,  # noqa: E402
+                          plan_pq, pq_ref)
+from kernel_cases import tables as make_tables  # noqa: E402
+
+from kvstore import kernels  # noqa: E402
 from kvstore.kernels import reference as ref  # noqa: E402
+from kvstore.kernels.triton import decode as triton_decode  # noqa: E402
+from kvstore.kernels.triton import dequantize, encode, slot_write  # noqa: E402
 
 cpu_only = pytest.mark.skipif(HAS_CUDA or not INTERPRET,
                               reason="interpreter tests: CPU with TRITON_INTERPRET=1")
+
+
 def gpu(f):
     return pytest.mark.gpu(pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")(f))
-POISON = float("nan")
 
 
-def _rel(a, b):
-    a, b = a.double(), b.double()
-    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+def run_pq(c, scale, target_ctas=None):
+    """The Triton plan of case c (backend="triton": on the CPU too), run into poisoned buffers."""
+    from kernel_cases import run_pq as run
+    return run(plan_pq(c, backend="triton", target_ctas=target_ctas), c, scale)
 
 
-def _tables(lens, bs, pool, gen):
-    """Random disjoint block tables [B, max_blocks] int32 from a pool of `pool` blocks."""
-    nblk = [(n + bs - 1) // bs for n in lens]
-    assert sum(nblk) <= pool
-    perm = torch.randperm(pool, generator=gen)
-    t = torch.full((len(lens), max(nblk + [1])), -1, dtype=torch.int32)
-    i = 0
-    for b, n in enumerate(nblk):
-        t[b, :n] = perm[i:i + n]
-        i += n
-    return t
-
-
-def make_pq_case(sealed_blocks, tails, hq, hkv, d, dsub, bs, tbs, dtype, device, seed=0):
-    gen = torch.Generator().manual_seed(seed)
-    m = d // dsub
-    cb_dt = dtype if dtype != torch.float32 else torch.float16
-    nb = sum(sealed_blocks) + 2
-    nt = sum((t + tbs - 1) // tbs for t in tails) + 2
-    c = dict(
-        q=torch.randn(len(tails), hq, d, generator=gen).to(dtype),
-        k_codes=torch.randint(0, 256, (nb, hkv, bs, m), generator=gen, dtype=torch.uint8),
-        v_codes=torch.randint(0, 256, (nb, hkv, m, bs), generator=gen, dtype=torch.uint8),
-        k_codebook=torch.randn(hkv, m, 256, dsub, generator=gen).to(cb_dt),
-        v_codebook=torch.randn(hkv, m, 256, dsub, generator=gen).to(cb_dt),
-        sealed_tables=_tables([n * bs for n in sealed_blocks], bs, nb, gen),
-        sealed_lens=torch.tensor([n * bs for n in sealed_blocks], dtype=torch.int32),
-        tail_k=torch.randn(nt, hkv, tbs, d, generator=gen).to(dtype),
-        tail_v=torch.randn(nt, hkv, tbs, d, generator=gen).to(dtype),
-        tail_tables=_tables(tails, tbs, nt, gen),
-        tail_lens=torch.tensor(tails, dtype=torch.int32))
-    return {k: v.to(device) for k, v in c.items()}
-
-
-def pq_ref(c, scale):
-    c64 = {k: (v.cpu().double() if v.is_floating_point() else v.cpu()) for k, v in c.items()}
-    return ref.pq_decode_attention(**c64, scale=scale)
-
-
-def check_attn(out, lse, ro, rl, tol):
-    assert not torch.isnan(out).any() and not torch.isnan(lse).any(), "unwritten output"
-    assert _rel(out.cpu(), ro) < tol
-    fin = torch.isfinite(rl)
-    assert torch.equal(torch.isfinite(lse.cpu()), fin)
-    assert (lse.cpu().double()[fin] - rl[fin]).abs().max().item() < tol * 10 if fin.any() else True
-
-
-def run_pq(c, scale, target_ctas=None, poison=True):
-    plan = da.plan_pq_decode(c["sealed_lens"], c["tail_lens"], num_qo_heads=c["q"].shape[1],
-                             num_kv_heads=c["k_codes"].shape[1], head_dim=c["q"].shape[2],
-                             block_size=c["k_codes"].shape[2],
-                             tail_block_size=c["tail_k"].shape[2], device=c["q"].device,
-                             target_ctas=target_ctas)
-    out = torch.full_like(c["q"], POISON)
-    lse = torch.full(c["q"].shape[:2], POISON, device=c["q"].device)
-    plan.run_pq(c["q"], c["k_codes"], c["v_codes"], c["k_codebook"], c["v_codebook"],
-                c["sealed_tables"], c["tail_k"], c["tail_v"], c["tail_tables"], scale,
-                out=out, lse=lse)
-    return out, lse
+def plan_paged(lens, q, kc, **kw):
+    return kernels.plan_decode("paged", lens, num_qo_heads=q.shape[1], num_kv_heads=kc.shape[1],
+                               head_dim=q.shape[2], block_size=kc.shape[2], device=q.device,
+                               dtype=q.dtype, backend="triton", **kw)
 
 
 def run_paged(q, kc, vc, tables, lens, scale, target_ctas=None):
-    plan = da.plan_paged_decode(lens, num_qo_heads=q.shape[1], num_kv_heads=kc.shape[1],
-                                head_dim=q.shape[2], block_size=kc.shape[2], device=q.device,
-                                target_ctas=target_ctas)
+    plan = plan_paged(lens, q, kc, target_ctas=target_ctas)
     out = torch.full_like(q, POISON)
     lse = torch.full(q.shape[:2], POISON, device=q.device)
     return plan.run_paged(q, kc, vc, tables, scale, out=out, lse=lse)
-
-
-def check_encode(x, cb, slots, bs, device):
-    nb, (n, hkv, d), m = 1 + int(slots.max()) // bs, x.shape, cb.shape[1]
-    for kind, shape in (("k_codes", (nb, hkv, bs, m)), ("v_codes", (nb, hkv, m, bs))):
-        got = torch.full(shape, 7, dtype=torch.uint8, device=device)
-        want = got.cpu().clone()
-        pq_encode.pq_encode_to_slots(x.to(device), cb.to(device), slots.to(device),
-                                     **{kind: got})
-        ref.pq_encode_to_slots(x, cb, slots, **{kind: want})
-        diff = got.cpu() != want
-        # near-ties may differ (fp32 rounding, 8 packed index bits): the chosen
-        # centroid must be as close as the reference's to ~1e-4 relative.
-        assert diff.float().mean().item() < 0.01, kind
-        if diff.any():
-            codes = ref.pq_encode(x, cb)
-            sl = slots.long()
-            g = (got.cpu()[sl // bs, :, sl % bs, :] if kind == "k_codes"
-                 else got.cpu().permute(0, 3, 1, 2)[sl // bs, sl % bs])
-            xs = x.double().reshape(n, hkv, m, -1)
-            h = torch.arange(hkv).view(1, hkv, 1)
-            j = torch.arange(m).view(1, 1, m)
-            dg = ((cb.double()[h, j, g.long()] - xs) ** 2).sum(-1)
-            dr = ((cb.double()[h, j, codes.long()] - xs) ** 2).sum(-1)
-            assert (dg - dr).max().item() <= 1e-4 * (xs ** 2).sum(-1).max().item() + 1e-6
 
 
 # ------------------------------------------------------------------ CPU (interpreter)
@@ -156,7 +80,7 @@ def test_paged_decode_cpu(hq, hkv, d, bs, lens, dtype):
     kc = torch.randn(nb, hkv, bs, d, generator=gen).to(dtype)
     vc = torch.randn(nb, hkv, bs, d, generator=gen).to(dtype)
     q = torch.randn(len(lens), hq, d, generator=gen).to(dtype)
-    tables = _tables(lens, bs, nb, gen)
+    tables = make_tables(lens, bs, nb, gen)
     lens_t = torch.tensor(lens, dtype=torch.int32)
     out, lse = run_paged(q, kc, vc, tables, lens_t, 0.125, target_ctas=2 * hkv)
     ro, rl = ref.paged_decode_attention(q.double(), kc.double(), vc.double(), tables, lens_t, 0.125)
@@ -176,9 +100,7 @@ def _update_cases(device, dtype):
 def _run_updated(first, second, scale, target_ctas):
     """A plan with room for update(), run on `first`, updated to `second`'s lengths
     with second's tables copied into first's table buffers (what a graph sees)."""
-    plan = da.plan_pq_decode(first["sealed_lens"], first["tail_lens"], num_qo_heads=4,
-                             num_kv_heads=2, head_dim=64, block_size=16, tail_block_size=16,
-                             device=first["q"].device, target_ctas=target_ctas, spare_items=3)
+    plan = plan_pq(first, backend="triton", target_ctas=target_ctas, spare_items=3)
     st = torch.zeros(3, 16, dtype=torch.int32, device=first["q"].device)
     tt = torch.zeros_like(st)
     out = torch.full_like(first["q"], POISON)
@@ -210,8 +132,7 @@ def test_plan_update_cpu():
     gen = torch.Generator().manual_seed(2)
     kc, vc = (torch.randn(8, 1, 16, 64, generator=gen).half() for _ in range(2))
     q = torch.randn(2, 2, 64, generator=gen).half()
-    plan = da.plan_paged_decode([5, 5], num_qo_heads=2, num_kv_heads=1, head_dim=64,
-                                block_size=16, device="cpu", target_ctas=2, spare_items=2)
+    plan = plan_paged([5, 5], q, kc, target_ctas=2, spare_items=2)
     plan.update(lens)
     tables = torch.tensor([[0, 1, 2], [5, 0, 0]], dtype=torch.int32)
     out, lse = plan.run_paged(q, kc, vc, tables, 0.125)
@@ -222,14 +143,14 @@ def test_plan_update_cpu():
 
 @cpu_only
 def test_plan_update_errors():
-    plan = da.plan_pq_decode([16], [5], num_qo_heads=2, num_kv_heads=1, head_dim=64,
-                             block_size=16, tail_block_size=16, device="cpu", spare_items=1)
+    kw = dict(num_qo_heads=2, num_kv_heads=1, head_dim=64, block_size=16, tail_block_size=16,
+              device="cpu", dtype=torch.float16, backend="triton")
+    plan = kernels.plan_decode("pq", [16], [5], spare_items=1, **kw)
     with pytest.raises(ValueError, match="batch of 1"):
         plan.update([16, 16], [1, 1])
     with pytest.raises(ValueError, match="sealed_lens"):
         plan.update([15], [1])
-    tight = da.plan_pq_decode([0, 0], [5, 5], num_qo_heads=2, num_kv_heads=1, head_dim=64,
-                              block_size=16, tail_block_size=16, device="cpu", spare_items=0)
+    tight = kernels.plan_decode("pq", [0, 0], [5, 5], spare_items=0, **kw)
     with pytest.raises(ValueError, match="room for"):     # tails > 4096 split: 8 items > 4
         tight.update([16, 16], [9000, 9000])
     tight.update([16, 16], [5, 5])                         # 4 items fit
@@ -241,7 +162,7 @@ def test_pq_encode_cpu(dsub, dtype):
     gen = torch.Generator().manual_seed(2)
     x = torch.randn(37, 2, 64, generator=gen).to(dtype)
     cb = torch.randn(2, 64 // dsub, 256, dsub, generator=gen)
-    check_encode(x, cb, torch.randperm(8 * 16, generator=gen)[:37], 16, "cpu")
+    check_encode(x, cb, torch.randperm(8 * 16, generator=gen)[:37], 16, "cpu", encode.pq_encode_to_slots)
 
 
 @cpu_only
@@ -249,16 +170,15 @@ def test_gather_pq_blocks_cpu():
     c = make_pq_case([3, 2], [0, 0], 2, 2, 64, 2, 16, 16, torch.float16, "cpu")
     ids = torch.tensor([4, 0, 2], dtype=torch.int32)
     args = (c["k_codes"], c["v_codes"], c["k_codebook"], c["v_codebook"], ids)
-    for got, want in zip(pq_dequantize.gather_pq_blocks(*args), ref.gather_pq_blocks(*args)):
+    for got, want in zip(dequantize.gather_pq_blocks(*args), ref.gather_pq_blocks(*args)):
         assert torch.equal(got, want)
 
 
 def test_launcher_errors():
     c = make_pq_case([2], [3], 4, 2, 64, 2, 16, 16, torch.float16, "cpu")
-    plan = da.plan_pq_decode(c["sealed_lens"], c["tail_lens"], num_qo_heads=4, num_kv_heads=2,
-                             head_dim=64, block_size=16, tail_block_size=16, device="cpu")
-    good = [c[k] for k in ("q", "k_codes", "v_codes", "k_codebook", "v_codebook",
-                           "sealed_tables", "tail_k", "tail_v", "tail_tables")]
+    plan = plan_pq(c, backend="triton")
+    assert isinstance(plan, triton_decode.TritonDecodePlan) and plan.item_width == 4
+    good = [c[k] for k in RUN_ARGS]
     for i, name, bad in [(0, "q", c["q"][:, :2]), (1, "k_codes", c["k_codes"].int()),
                          (5, "sealed_tables", c["sealed_tables"].long()),
                          (3, "k_codebook", c["k_codebook"].float())]:
@@ -267,16 +187,8 @@ def test_launcher_errors():
         with pytest.raises(ValueError, match=name):
             plan.run_pq(*args, 0.1)
     with pytest.raises(ValueError, match="num_qo_heads"):
-        da.plan_paged_decode([4], num_qo_heads=3, num_kv_heads=2, head_dim=64, block_size=16,
-                             device="cpu")
-
-
-def test_dispatch_cpu_is_reference():
-    c = make_pq_case([2], [3], 4, 2, 64, 2, 16, 16, torch.float32, "cpu")
-    c["k_codebook"], c["v_codebook"] = c["k_codebook"].float(), c["v_codebook"].float()
-    got = dispatch.pq_decode_attention(**c, scale=0.1)
-    want = ref.pq_decode_attention(**c, scale=0.1)
-    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+        kernels.plan_decode("paged", [4], num_qo_heads=3, num_kv_heads=2, head_dim=64, block_size=16,
+                            device="cpu", dtype=torch.float16, backend="triton")
 
 
 # ------------------------------------------------------------------------------ GPU
@@ -313,7 +225,7 @@ def test_paged_decode_gpu(dtype, d, g, bs):
     kc = torch.randn(nb, hkv, bs, d, generator=gen).to(dtype)
     vc = torch.randn(nb, hkv, bs, d, generator=gen).to(dtype)
     q = torch.randn(len(lens), g * hkv, d, generator=gen).to(dtype)
-    tables = _tables(lens, bs, nb, gen)
+    tables = make_tables(lens, bs, nb, gen)
     lens_t = torch.tensor(lens, dtype=torch.int32)
     out, lse = run_paged(q.cuda(), kc.cuda(), vc.cuda(), tables.cuda(), lens_t, d ** -0.5)
     ro, rl = ref.paged_decode_attention(q.double(), kc.double(), vc.double(), tables, lens_t,
@@ -328,20 +240,20 @@ def test_pq_encode_gpu(d, dsub, dtype):
     gen = torch.Generator().manual_seed(d)
     x = torch.randn(1000, 4, d, generator=gen).to(dtype)
     cb = torch.randn(4, d // dsub, 256, dsub, generator=gen)
-    check_encode(x, cb, torch.randperm(100 * 16, generator=gen)[:1000], 16, "cuda")
+    check_encode(x, cb, torch.randperm(100 * 16, generator=gen)[:1000], 16, "cuda", encode.pq_encode_to_slots)
 
 
 @gpu
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("dsub", [2, 4])
-def test_gather_and_dispatch_gpu(dtype, dsub):
+def test_gather_and_router_gpu(dtype, dsub):
     c = make_pq_case([30, 7], [40, 3], 8, 2, 128, dsub, 16, 16, dtype, "cuda")
     ids = torch.tensor([5, 0, 17, 36], dtype=torch.int32, device="cuda")
     args = (c["k_codes"], c["v_codes"], c["k_codebook"], c["v_codebook"], ids)
-    for got, want in zip(dispatch.gather_pq_blocks(*args),
+    for got, want in zip(kernels.gather_pq_blocks(*args),
                          ref.gather_pq_blocks(*[a.cpu() for a in args])):
         assert torch.equal(got.cpu(), want)
-    out, lse = dispatch.pq_decode_attention(**c, scale=0.09)
+    out, lse = kernels.pq_decode_attention(**c, scale=0.09)
     ro, rl = pq_ref(c, 0.09)
     check_attn(out, lse, ro, rl, 1e-2 if dtype == torch.bfloat16 else 2e-3)
 
@@ -349,13 +261,11 @@ def test_gather_and_dispatch_gpu(dtype, dsub):
 @gpu
 @pytest.mark.parametrize("backend", ["cuda", "triton"])
 def test_plan_update_graph_gpu(backend):
-    from kvstore.kernels import cuda_pq
-    if backend == "cuda" and not cuda_pq.available():
+    from kvstore.kernels.cuda import build
+    if backend == "cuda" and not build.available():
         pytest.skip("cupy missing")
     first, second = _update_cases("cuda", torch.float16)
-    kw = dict(num_qo_heads=4, num_kv_heads=2, head_dim=64, block_size=16, tail_block_size=16,
-              device="cuda", spare_items=3, backend=backend)
-    plan = da.plan_pq_decode(first["sealed_lens"], first["tail_lens"], **kw)
+    plan = plan_pq(first, backend=backend, spare_items=3)
     st = torch.zeros(3, 16, dtype=torch.int32, device="cuda")
     tt = torch.zeros_like(st)
     bufs = {k: first[k].clone() for k in ("q", "k_codes", "v_codes", "k_codebook", "v_codebook",
@@ -364,14 +274,14 @@ def test_plan_update_graph_gpu(backend):
     lse = torch.empty(first["q"].shape[:2], device="cuda")
     # The codebooks change between steps here: their image (the CUDA plan's bulk-copy
     # staging) is rebuilt in place by its owner, as the engine does, so the graph reads it.
-    words = cuda_pq.codebook_images(first["k_codebook"][None], first["v_codebook"][None], 4)
-    img = None if words is None else cuda_pq.CodebookImage(words[0], cuda_pq.image_layout(4, 2, 2))
+    words = kernels.codebook_images(first["k_codebook"][None], first["v_codebook"][None], 4)
+    img = None if words is None else kernels.layer_images(words, 4, 2)[0]
 
     def load(c):
         for k, v in bufs.items():
             v.copy_(c[k])
         if words is not None:
-            cuda_pq.codebook_images(bufs["k_codebook"][None], bufs["v_codebook"][None], 4, words)
+            kernels.codebook_images(bufs["k_codebook"][None], bufs["v_codebook"][None], 4, words)
         st.zero_()
         tt.zero_()
         st[:, :c["sealed_tables"].shape[1]] = c["sealed_tables"].clamp_min(0)
@@ -408,7 +318,6 @@ def _write_case(device, dtype):
 
 
 def _check_write(device, dtype):
-    from kvstore.kernels import slot_write
     k, v, kc, vc, slots = _write_case(device, dtype)
     slot_write.write_slots(k, v, kc, vc, slots)
     wk, wv = (t.cpu().clone() for t in (kc, vc))

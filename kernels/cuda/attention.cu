@@ -1,0 +1,618 @@
+// PQ decode attention (loaded by kernels/cuda/attention.py; partials merged by merge.cu).
+//
+// One thread block per (work item, KV head). A work item is a range of PQ-coded sealed
+// tokens of one sequence and/or a range of its fp16 tail. The block stages the K and V
+// codebooks of its KV head in shared memory once, then each warp takes 16-token tiles
+// (round robin) and runs them through mma.sync:
+//   S  = Q K^T   A = q (rows = the G query heads, padded to 16), B = gathered K
+//                centroid words (a dsub=2 centroid is one fp16 pair = one B reg)
+//   O^T = V^T P^T A = gathered V words, re-paired across tokens with PRMT,
+//                B = P (straight from S's accumulator layout, FA2 style).
+// Head-dim coordinates are permuted (free for a dot product) so that lane
+// (g, c) of a warp reads the K codes of one token as M/4 contiguous bytes and
+// the V codes of one subspace as 4 contiguous bytes.
+// Two families of shared-memory layouts, by GP (attention.py _group):
+// - GP = 2, 4, 8 (dsub 2, "CF"): gathers that never conflict, whatever the codes (the
+//   comments at the K and V gathers below); code tiles stream through a per-warp cp.async
+//   ring. On sm_90 (TMA) the codebooks arrive as bulk copies of a per-head image of exactly
+//   these shared-memory bytes (attention.py CodebookImage, built by the codebooks' owner);
+//   without an image they are staged through registers (RegStager).
+// - GP = 0 (dsub 4): K entry (m, code) at (m % MQ)*1024 + code*4 + m/MQ (lanes with
+//   c = m/MQ use banks = c mod 4 + 4*(code mod 8)); V entry at (m/8)*2048 + code*8 + m%8.
+// Block sizes are powers of two (bs_shift = log2(bs)): a token's block and row are a shift
+// and a mask (a runtime division was ~30 of the tile loop's ~474 instructions).
+// Partials (o, base-2 lse) per item go to o_part / lse_part; pq_merge combines them.
+#include "attention.cuh"
+
+template <int D, int DSUB, bool BF16, int NW, int GP, bool TMA>
+__global__ void __launch_bounds__(NW * 32, 1) pq_attn(
+    const u16* q, long long sq_b, long long sq_h, const int* items, float* o_part,
+    float* lse_part, const u8* kc, const u8* vc, long long skc_blk, long long skc_h,
+    long long svc_blk, long long svc_h, const u16* kcb, const u16* vcb, const int* st,
+    long long st_stride, const u16* tk, const u16* tv, long long stk_blk, long long stk_h,
+    long long stk_t, long long stv_blk, long long stv_h, long long stv_t, const int* tt,
+    long long tt_stride, float qk_scale, int hq, int g, int bs, int tbs, int bs_shift,
+    const u8* img) {
+  static_assert(GP == 0 || (DSUB == 2 && (GP == 2 || GP == 4 || GP == 8)), "GP: 0 or 2/4/8, dsub 2");
+  static_assert(GP > 0 || DSUB == 4, "dsub 2 runs the conflict-free layouts (GP > 0)");
+  static_assert(!TMA || GP > 0, "TMA: the CF layouts only");
+  constexpr bool CF = GP > 0;
+  constexpr int VG = GP == 2 || GP == 4 ? GP : 0;     // conflict-free V gathers too
+  constexpr bool STAGE_REG = CF && !TMA;
+  AttnArgs a;
+  a.q = q; a.sq_b = sq_b; a.sq_h = sq_h; a.items = items; a.n_items = 0;
+  a.o_part = o_part; a.lse_part = lse_part; a.kc = kc; a.vc = vc; a.skc_blk = skc_blk;
+  a.skc_h = skc_h; a.svc_blk = svc_blk; a.svc_h = svc_h; a.kcb = kcb; a.vcb = vcb; a.st = st;
+  a.st_stride = st_stride; a.tk = tk; a.tv = tv; a.stk_blk = stk_blk; a.stk_h = stk_h;
+  a.stk_t = stk_t; a.stv_blk = stv_blk; a.stv_h = stv_h; a.stv_t = stv_t; a.tt = tt;
+  a.tt_stride = tt_stride; a.qk_scale = qk_scale; a.hq = hq; a.g = g; a.bs = bs; a.tbs = tbs;
+  constexpr int M = D / DSUB, MQ = M / 4, KS = D / 16, NX = M / 8;
+  typedef typename Ent<DSUB>::T E;
+  extern __shared__ __align__(16) unsigned char smem[];
+  E* sK = reinterpret_cast<E*>(smem);
+  // CF: K rows of 256 B per code (64 KiB, see the staging below), V after them
+  E* sV = CF ? reinterpret_cast<E*>(smem + 65536) : sK + M * 256;
+
+  const int item = blockIdx.x, h = blockIdx.y;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int gq = lane >> 2, cq = lane & 3;
+  // the first batch of codebook loads goes out before the item is known (they depend on
+  // the head only; a block with no PQ tiles never uses them): its latency overlaps the
+  // item's and the block table's
+  constexpr int M_ = D / DSUB;
+  RegStager<M_, NW, VG> stg;
+  const u32* stg_k = reinterpret_cast<const u32*>(a.kcb) + (long long)h * M_ * 256;
+  const u32* stg_v = reinterpret_cast<const u32*>(a.vcb) + (long long)h * M_ * 256;
+  const int stg_rot = (int)((blockIdx.x * 544u) % (u32)RegStager<M_, NW, VG>::UT) & ~31;
+  if constexpr (STAGE_REG) stg.load(stg_k, stg_v, tid, 0, stg_rot);
+  // TMA: the head's codebook image in IMG_CHUNKS bulk copies (lanes of warp 0, each block
+  // starting at its own chunk), at entry, before the item is known; every path below waits
+  // for them before it leaves or reuses the shared memory. Their mbarrier sits 8 bytes
+  // after the ring (attention.py _attn_smem); as a static __shared__ variable it moved the
+  // dynamic shared memory by 16 bytes and the tile loop ran ~6 % slower.
+  const u32 bar = (u32)__cvta_generic_to_shared(smem) + cf_ring_offset<D>() + NW * cf_stages(NW) * 32 * M_;
+  if constexpr (TMA) {
+    if (warp == 0) {
+      if (lane == 0) {
+        mbar_init(bar, 1);
+        mbar_expect_tx(bar, IMG_BYTES);
+      }
+      __syncwarp();
+      if (lane < IMG_CHUNKS) {
+        constexpr u32 CH = IMG_BYTES / IMG_CHUNKS;
+        const u32 c = (lane + blockIdx.x) % IMG_CHUNKS;
+        bulk_g2s((u32)__cvta_generic_to_shared(smem) + c * CH, img + (long long)h * IMG_BYTES + c * CH,
+                 CH, bar);
+      }
+    }
+  }
+  const int* it = a.items + item * 5;
+  const int b = it[0], pq_lo = it[1], pq_hi = it[2], t_lo = it[3], t_hi = it[4];
+  const int n_pq = (pq_hi - pq_lo) >> 4;
+  const int n_tl = (t_hi - t_lo + 15) >> 4;
+  if (n_pq == 0 && n_tl == 0) {   // padding item of a plan kept for update()
+    if constexpr (TMA) if (warp == 0) mbar_wait(bar, 0);
+    return;
+  }
+  const int G = a.g;
+  // CF: the block ids of the ring prologue's tiles, in flight together (one at a time,
+  // each of its copies waited a memory round trip on its table load)
+  int bpre[cf_stages(NW)];
+  if constexpr (CF) {
+    const int* st_b0 = a.st + (long long)b * a.st_stride;
+#pragma unroll
+    for (int k = 0; k < cf_stages(NW); ++k) {
+      const int tile = warp + k * NW, t0 = pq_lo + 16 * tile;
+      bpre[k] = tile < n_pq ? st_b0[t0 >> bs_shift] : 0;
+    }
+  }
+  // batch 0 to shared memory as soon as it lands and batch 1 out behind it, so that its
+  // round trip overlaps the q / block-table loads and the ring prologue below
+  if constexpr (STAGE_REG) {
+    if (n_pq > 0) {
+      stg.store(smem, tid, 0);
+      if constexpr (RegStager<M_, NW, VG>::NB > 1) stg.load(stg_k, stg_v, tid, RegStager<M_, NW, VG>::BATCH, stg_rot);
+    }
+  }
+
+  // ---- q fragments (permuted coordinates), rows >= G are zero. CF loads them only
+  // for the tail tiles (after the PQ tiles, which use the rotated quads below).
+  u32 qa0[KS], qa2[KS];
+  auto load_q = [&]() {
+    const bool row_ok = gq < G;
+    const u16* qr = a.q + (long long)b * a.sq_b + (long long)(h * G + (row_ok ? gq : 0)) * a.sq_h;
+#pragma unroll
+    for (int ks = 0; ks < KS; ++ks) {
+      int e0, e2;
+      if (DSUB == 2) { e0 = 2 * (cq * MQ + 2 * ks); e2 = 2 * (cq * MQ + 2 * ks + 1); }
+      else { e0 = 4 * (cq * MQ + ks); e2 = e0 + 2; }
+      qa0[ks] = row_ok ? *reinterpret_cast<const u32*>(qr + e0) : 0u;
+      qa2[ks] = row_ok ? *reinterpret_cast<const u32*>(qr + e2) : 0u;
+    }
+  };
+  if constexpr (!CF) load_q();
+
+  // ---- stage the codebooks of head h. CF: K word (code, pos) at byte code*256 + 4*pos,
+  // pos = 32*hh + 4*i + c holding subspace m = c*MQ + 8*hh + i, so the bank (pos mod 32)
+  // does not depend on the code: 32 lanes that fetch 32 distinct (i, c) never collide,
+  // whatever their codes; VG: V word (code, m) at byte 65536 + code*256 + 4*m, likewise.
+  // Those arrive by bulk copies (TMA) or from RegStager with the ring prologue below; here
+  // only the GP = 0 tables (dsub 4) and GP 8's V table (X*2048 + code*8 + m%8 words).
+  if (!TMA && n_pq > 0) {
+    const E* gk = reinterpret_cast<const E*>(a.kcb) + (long long)h * M * 256;
+    const E* gv = reinterpret_cast<const E*>(a.vcb) + (long long)h * M * 256;
+    if constexpr (!CF) {
+      // K: thread unit (r, code) -> 4 entries m = r + j*MQ -> smem r*1024 + code*4 + j
+      for (int u = tid; u < MQ * 256; u += NW * 32) {
+        int r = u >> 8, code = u & 255;
+        E e[4];
+#pragma unroll
+        for (int j = 0; j < 4; ++j) e[j] = gk[(r + j * MQ) * 256 + code];
+        E* dst = sK + r * 1024 + code * 4;
+#pragma unroll
+        for (int j = 0; j < 4; ++j) dst[j] = e[j];
+      }
+    }
+    if constexpr (VG == 0) {
+      // V: unit (X, code) -> 8 entries m = 8X + j -> smem X*2048 + code*8 + j
+      for (int u = tid; u < NX * 256; u += NW * 32) {
+        int X = u >> 8, code = u & 255;
+        E e[8];
+#pragma unroll
+        for (int j = 0; j < 8; ++j) e[j] = gv[(8 * X + j) * 256 + code];
+        E* dst = sV + X * 2048 + code * 8;
+#pragma unroll
+        for (int j = 0; j < 8; ++j) dst[j] = e[j];
+      }
+    }
+  }
+  if constexpr (!CF) __syncthreads();   // CF: after the ring prologue (PQ tiles below)
+
+  WarpState<D, DSUB, BF16, VG> ws;
+  auto zero_o = [&]() {
+#pragma unroll
+    for (int mt = 0; mt < KS; ++mt) ws.o[mt][0] = ws.o[mt][1] = ws.o[mt][2] = ws.o[mt][3] = 0.f;
+  };
+  if constexpr (VG == 0) zero_o();
+#pragma unroll
+  for (int hx = 0; hx < WarpState<D, DSUB, BF16, VG>::NHX; ++hx)
+#pragma unroll
+    for (int nt = 0; nt < WarpState<D, DSUB, BF16, VG>::NT; ++nt)
+      ws.ov[hx][nt][0] = ws.ov[hx][nt][1] = ws.ov[hx][nt][2] = ws.ov[hx][nt][3] = 0.f;
+  ws.m_i = NEG_INF;
+  ws.l_i = 0.f;
+
+  const E* sKl = sK + cq;     // lane's K bank offset (m / MQ == cq)
+  const E* sVl = sV + gq;     // lane's V subspace within an octet
+  const u8* kc_h = a.kc + (long long)h * a.skc_h;
+  const u8* vc_h = a.vc + (long long)h * a.svc_h;
+  const int* st_b = a.st + (long long)b * a.st_stride;
+  const bool alltrue[2][2] = {{true, true}, {true, true}};
+
+  // ---- PQ tiles, codes prefetched one tile ahead
+  {
+    CodeVec<MQ> kn[2];
+    u32 vn[NX];
+    int ti = warp;
+    // The block id of a tile is read two tiles ahead of its codes: a code load that
+    // waits on the table load in the same step stalls the warp for a memory latency.
+    auto blk_of = [&](int tile) -> long long {
+      const int t0 = pq_lo + 16 * tile;
+      return tile < n_pq ? st_b[t0 >> bs_shift] : 0;
+    };
+    auto fetch = [&](int tile, long long blk, CodeVec<MQ> (&kk)[2], u32 (&vv)[NX]) {
+      int t0 = pq_lo + 16 * tile;
+      int off = t0 & (a.bs - 1);
+      const u8* kb = kc_h + blk * a.skc_blk + cq * MQ;
+#pragma unroll
+      for (int t = 0; t < 2; ++t) load_codes<MQ>(kk[t], kb + (off + sigma(t, gq)) * M);
+      const u8* vb = vc_h + blk * a.svc_blk + off + 4 * cq + gq * a.bs;
+#pragma unroll
+      for (int X = 0; X < NX; ++X) vv[X] = __ldg(reinterpret_cast<const u32*>(vb + 8 * X * a.bs));
+    };
+    // CF (K side). Gather j of a half fetches, in lane (gq, cq), byte i = (gq + j) & 7
+    // of the half (subspace cq*MQ + 8*hh + i): the 8 lanes of one cq fetch 8 distinct
+    // i, so one shared-memory wavefront per gather whatever the codes. Column gq of B
+    // then holds its subspaces rotated by gq. rot_hi undoes the rotation's high bits
+    // (select stages); its low bits (gq mod NR) are matched by the rows of A instead:
+    // the 16 rows are NR rotated copies of the GP query heads (row GP*rho + head), so
+    // copy rho = gq mod NR meets column gq, and the wanted scores are picked out of the
+    // accumulator afterwards (one select and shuffle per score).
+    // ksel: PRMT selectors rotating a half's code bytes by gq; klo: the low byte
+    // 16*i + 4*cq of gather j's address, four per register (< 0x80, so sign nibbles
+    // in the address PRMT give zero bytes 2 and 3).
+    constexpr int NR = CF ? 16 / GP : 1;
+    u32 qk[KS][4];
+    u32 ksel[2], klo[2];
+    if constexpr (CF) {
+      const int hd = gq % GP, r0 = gq / GP, r1 = (gq + 8) / GP;
+      const bool ok = hd < G;
+      const u16* qr = a.q + (long long)b * a.sq_b + (long long)(h * G + (ok ? hd : 0)) * a.sq_h;
+#pragma unroll
+      for (int ks = 0; ks < KS; ++ks) {
+        const int base = cq * MQ + 8 * (ks / 4), kq = ks % 4;
+        const int sub[4] = {base + ((r0 + 2 * kq) & 7), base + ((r1 + 2 * kq) & 7),
+                            base + ((r0 + 2 * kq + 1) & 7), base + ((r1 + 2 * kq + 1) & 7)};
+#pragma unroll
+        for (int e = 0; e < 4; ++e)
+          qk[ks][e] = ok ? *reinterpret_cast<const u32*>(qr + 2 * sub[e]) : 0u;
+      }
+      ksel[0] = ((gq + 0) & 7) | ((gq + 1) & 7) << 4 | ((gq + 2) & 7) << 8 | ((gq + 3) & 7) << 12;
+      ksel[1] = ((gq + 4) & 7) | ((gq + 5) & 7) << 4 | ((gq + 6) & 7) << 8 | ((gq + 7) & 7) << 12;
+      klo[0] = klo[1] = 0u;
+#pragma unroll
+      for (int j = 0; j < 8; ++j) klo[j >> 2] |= (16u * ((gq + j) & 7) + 4u * cq) << (8 * (j & 3));
+      // opaque: kept in registers, not recomputed from the thread index every tile
+      asm volatile("" : "+r"(ksel[0]), "+r"(ksel[1]), "+r"(klo[0]), "+r"(klo[1]));
+    }
+    const u32 vlane = (u32)__cvta_generic_to_shared(smem) + 65536u + 4u * gq;
+    // VG (V side). Slot j of a group hx of four m-tiles: lane (gq, cq) gathers m-tile
+    // X = 4*hx + ((cq + j) & 3), so the 4 lanes of one gq hit 4 distinct banks; its
+    // code word comes from the ring in that order (vr[j]). The rotation by cq is undone
+    // by the MMA's columns: column n = (c, h) = (n / VG, n % VG) takes P of head h only
+    // on k rows whose lane has (cq + j) & 3 == c, so it sums m-tile 4*hx + c.
+    // vlo: address byte 32*((cq+j)&3) + 4*gq of slot j, four per register (< 0x80).
+    u32 vlo = 0u;
+    if constexpr (VG > 0) {
+#pragma unroll
+      for (int j = 0; j < 4; ++j) vlo |= (32u * ((cq + j) & 3) + 4u * gq) << (8 * j);
+      asm volatile("" : "+r"(vlo));
+    }
+    // two code buffers in turn (no register copies): tile ti uses one while the
+    // other fills with tile ti + NW
+    CodeVec<MQ> kn2[2];
+    u32 vn2[NX];
+    auto tile = [&](CodeVec<MQ> (&kk)[2], u32 (&vv)[NX]) {
+      float s[2][4];
+#pragma unroll
+      for (int t = 0; t < 2; ++t) s[t][0] = s[t][1] = s[t][2] = s[t][3] = 0.f;
+      if constexpr (CF) {
+        float s2[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+#pragma unroll
+        for (int hh = 0; hh < MQ / 8; ++hh) {
+#pragma unroll
+          for (int t = 0; t < 2; ++t) {
+            const u32 c0 = kk[t].w[2 * hh], c1 = kk[t].w[(2 * hh + 1) % (MQ / 4)];
+            const u32 rc[2] = {__byte_perm(c0, c1, ksel[0]), __byte_perm(c0, c1, ksel[1])};
+            u32 f[8];
+#pragma unroll
+            for (int j = 0; j < 8; ++j) {
+              const u32 sel = (j & 3) | (4 + (j & 3)) << 4 | (8 + (j & 3)) << 8 | (8 + (j & 3)) << 12;
+              const u32 ad = prmt(klo[j >> 2], rc[j >> 2], sel);     // code*256 + 16i + 4cq
+              f[j] = *reinterpret_cast<const u32*>(smem + ad + 128 * hh);
+            }
+            rot_hi<NR>(f, gq);
+            // two accumulator chains per n-tile (even / odd kq), summed below
+#pragma unroll
+            for (int kq = 0; kq < 4; ++kq) {
+              const u32* qq = qk[4 * hh + kq];
+              mma16816<BF16>(kq & 1 ? s2[t] : s[t], qq[0], qq[1], qq[2], qq[3], f[2 * kq],
+                             f[2 * kq + 1]);
+            }
+          }
+        }
+#pragma unroll
+        for (int t = 0; t < 2; ++t)
+#pragma unroll
+          for (int r = 0; r < 4; ++r) s[t][r] += s2[t][r];
+        // score (head gq, column 2cq+e) sits at row GP*((2cq+e) mod NR) + head of the
+        // lane with the same cq: register c_e or c_{2+e}, lane 4*(row mod 8) + cq
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const int x = (2 * cq + e) % NR;
+          const bool hi = GP * x >= 8;
+          const int src = 4 * ((GP * x + gq % GP) & 7) + cq;
+#pragma unroll
+          for (int t = 0; t < 2; ++t) {
+            const float v = hi ? s[t][2 + e] : s[t][e];
+            s[t][e] = NR == 2 ? v : __shfl_sync(FULL, v, src);
+          }
+        }
+      } else {
+#pragma unroll
+      for (int ks = 0; ks < KS; ++ks) {
+#pragma unroll
+        for (int t = 0; t < 2; ++t) {
+          // GP = 0 is dsub 4: one entry holds both B registers of a k-step
+          E e = sKl[ks * 1024 + code_at<MQ>(kk[t], ks) * 4];
+          u32 b0 = ent_word<DSUB>(e, 0), b1 = ent_word<DSUB>(e, 1);
+          mma16816<BF16>(s[t], qa0[ks], 0u, qa2[ks], 0u, b0, b1);
+        }
+      }
+      }
+      u32 pb0, pb1;
+      softmax_pv<D, DSUB, BF16, VG, VG == 0>(ws, s, alltrue, a.qk_scale, lane, pb0, pb1);
+#pragma unroll
+      if constexpr (VG > 0) {
+        constexpr int NT = VG / 2;
+        // P of head gq % VG in every lane: the B columns n = gq are (c, head) pairs
+        const int psrc = 4 * (gq % VG) + cq;
+        const u32 px0 = __shfl_sync(FULL, pb0, psrc), px1 = __shfl_sync(FULL, pb1, psrc);
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          u32 bm0[NT], bm1[NT];
+#pragma unroll
+          for (int nt = 0; nt < NT; ++nt) {
+            const bool on = ((cq + j) & 3) == (8 * nt + gq) / VG;
+            bm0[nt] = on ? px0 : 0u;
+            bm1[nt] = on ? px1 : 0u;
+          }
+#pragma unroll
+          for (int hx = 0; hx < D / 64; ++hx) {
+            const u32 cw = vv[4 * hx + j];
+            u32 w[4];
+#pragma unroll
+            for (int k = 0; k < 4; ++k) {
+              const u32 sel = j | (4 + k) << 4 | (8 + j) << 8 | (8 + j) << 12;
+              w[k] = *reinterpret_cast<const u32*>(smem + prmt(vlo, cw, sel) + 65536 + 128 * hx);
+            }
+            const u32 a0 = __byte_perm(w[0], w[1], 0x5410), a1 = __byte_perm(w[0], w[1], 0x7632);
+            const u32 a2 = __byte_perm(w[2], w[3], 0x5410), a3 = __byte_perm(w[2], w[3], 0x7632);
+#pragma unroll
+            for (int nt = 0; nt < NT; ++nt)
+              mma16816<BF16>(ws.ov[hx][nt], a0, a1, a2, a3, bm0[nt], bm1[nt]);
+          }
+        }
+      } else {
+#pragma unroll
+      for (int X = 0; X < NX; ++X) {
+        const u32 v4 = vv[X];
+        if constexpr (CF) {   // GP = 8: swizzled V table; code byte by PRMT, address by IMAD
+          u32 w[4];
+#pragma unroll
+          for (int k = 0; k < 4; ++k)
+            w[k] = lds32(__byte_perm(v4, 0u, 0x4440 | k) * 32u + (vlane + X * 8192u));
+          pv_mma<D, DSUB, BF16, VG>(ws, X, 0, w[0], w[1], w[2], w[3], pb0, pb1);
+        } else {
+          E e0 = sVl[X * 2048 + (v4 & 0xff) * 8];
+          E e1 = sVl[X * 2048 + ((v4 >> 8) & 0xff) * 8];
+          E e2 = sVl[X * 2048 + ((v4 >> 16) & 0xff) * 8];
+          E e3 = sVl[X * 2048 + (v4 >> 24) * 8];
+#pragma unroll
+          for (int p = 0; p < DSUB / 2; ++p)
+            pv_mma<D, DSUB, BF16, VG>(ws, X, p, ent_word<DSUB>(e0, p), ent_word<DSUB>(e1, p),
+                                      ent_word<DSUB>(e2, p), ent_word<DSUB>(e3, p), pb0, pb1);
+        }
+      }
+      }
+    };
+    if constexpr (CF) {
+      // ring of STAGES tiles per warp after the codebooks: [K codes 16 x M][V codes M x 16]
+      constexpr u32 TILE = 32 * M;
+      constexpr int STAGES = cf_stages(NW);
+      unsigned char* ring = smem + cf_ring_offset<D>() + warp * STAGES * TILE;
+      // lane constants, kept in registers (opaque) rather than rebuilt every tile
+      u32 kdst = 16 * lane, krd0 = sigma(0, gq) * M + cq * MQ, krd1 = sigma(1, gq) * M + cq * MQ;
+      u32 vrd = 16 * M + gq * 16 + 4 * cq;
+      long long vsrc = (long long)lane * a.bs;
+      asm volatile("" : "+r"(kdst), "+r"(krd0), "+r"(krd1), "+r"(vrd), "+l"(vsrc));
+      u32 vr[4];
+#pragma unroll
+      for (int j = 0; j < 4; ++j) vr[j] = vrd + 128 * ((cq + j) & 3);
+      if constexpr (VG > 0) asm volatile("" : "+r"(vr[0]), "+r"(vr[1]), "+r"(vr[2]), "+r"(vr[3]));
+      auto issue = [&](int tile, long long blk, u32 stage_off) {
+        if (tile < n_pq) {
+          const int t0 = pq_lo + 16 * tile;
+          const int off = t0 & (a.bs - 1);
+          unsigned char* dst = ring + stage_off + kdst;
+          const u8* kb = kc_h + blk * a.skc_blk + off * M + kdst;   // 16 rows, contiguous
+          const u8* vb = vc_h + blk * a.svc_blk + off + vsrc;       // M rows of 16 B, stride bs
+#pragma unroll
+          for (int c = 0; c < M / 32; ++c) {
+            cp_async16(dst + 512 * c, kb + 512 * c);
+            cp_async16(dst + 16 * M + 512 * c, vb + (long long)(32 * c) * a.bs);
+          }
+        }
+        cp_async_commit();      // empty groups too: the wait count stays uniform
+      };
+      // bpre: the block ids of the prologue's tiles, loaded at entry
+#pragma unroll
+      for (int k = 0; k < STAGES - 1; ++k) issue(warp + k * NW, bpre[k], k * TILE);
+      long long bn = bpre[STAGES - 1];
+      if constexpr (STAGE_REG) {
+        if (n_pq > 0) {
+#pragma unroll
+          for (int nb = 1; nb < RegStager<M, NW, VG>::NB; ++nb) {
+            if (nb > 1) stg.load(stg_k, stg_v, tid, nb * RegStager<M, NW, VG>::BATCH, stg_rot);
+            stg.store(smem, tid, nb * RegStager<M, NW, VG>::BATCH);
+          }
+        }
+      }
+      // the codebook copies (the oldest group, when this item has PQ tiles) are done
+      if constexpr (TMA) {
+        __syncthreads();                        // the mbarrier's init is seen by every warp
+        if (n_pq > 0) mbar_wait(bar, 0);
+      } else {
+        cp_async_wait<STAGES - 1>();
+        __syncthreads();
+      }
+      u32 rd = 0, wr = (STAGES - 1) * TILE;      // stage offsets, advanced with wrap
+      for (int k = 0; warp + k * NW < n_pq; ++k) {
+        cp_async_wait<STAGES - 2>();
+        __syncwarp();           // tile k landed for every lane; stage (k - 1) is free
+        {
+          const long long bc = bn;
+          bn = blk_of(warp + (k + STAGES) * NW);
+          issue(warp + (k + STAGES - 1) * NW, bc, wr);
+          wr = wr == (STAGES - 1) * TILE ? 0 : wr + TILE;
+        }
+        const unsigned char* st = ring + rd;
+        rd = rd == (STAGES - 1) * TILE ? 0 : rd + TILE;
+        CodeVec<MQ> kk[2];
+        u32 vv[NX];
+#pragma unroll
+        for (int t = 0; t < 2; ++t) {
+          const unsigned char* row = st + (t ? krd1 : krd0);
+          if constexpr (MQ == 16) {
+            const uint4 x = *reinterpret_cast<const uint4*>(row);
+            kk[t].w[0] = x.x; kk[t].w[1] = x.y; kk[t].w[2 % (MQ / 4)] = x.z; kk[t].w[3 % (MQ / 4)] = x.w;
+          } else {
+            const uint2 x = *reinterpret_cast<const uint2*>(row);
+            kk[t].w[0] = x.x; kk[t].w[1 % (MQ / 4)] = x.y;
+          }
+        }
+        if constexpr (VG > 0) {     // slot order: vv[4*hx + j] is m-tile 4*hx + ((cq+j)&3)
+#pragma unroll
+          for (int hx = 0; hx < D / 64; ++hx)
+#pragma unroll
+            for (int j = 0; j < 4; ++j)
+              vv[4 * hx + j] = *reinterpret_cast<const u32*>(st + vr[j] + 512 * hx);
+        } else {
+#pragma unroll
+          for (int X = 0; X < NX; ++X)
+            vv[X] = *reinterpret_cast<const u32*>(st + vrd + 128 * X);
+        }
+        tile(kk, vv);
+      }
+      cp_async_wait<0>();
+    } else {
+    long long bA = blk_of(ti), bB = blk_of(ti + NW);
+    if (ti < n_pq) fetch(ti, bA, kn, vn);
+    bA = blk_of(ti + 2 * NW);
+    for (; ti < n_pq; ti += 2 * NW) {
+      if (ti + NW < n_pq) fetch(ti + NW, bB, kn2, vn2);
+      bB = blk_of(ti + 3 * NW);
+      tile(kn, vn);
+      if (ti + NW >= n_pq) break;
+      if (ti + 2 * NW < n_pq) fetch(ti + 2 * NW, bA, kn, vn);
+      bA = blk_of(ti + 4 * NW);
+      tile(kn2, vn2);
+    }
+    }
+  }
+
+  if constexpr (VG > 0) zero_o();   // o starts here: the PQ tiles used ov
+  // ---- fp16/bf16 tail tiles (dense), same warp state
+  if (n_tl > 0) {
+    if constexpr (CF) load_q();
+    const int* tt_b = a.tt + (long long)b * a.tt_stride;
+    // tiles continue the round robin after the PQ tiles
+    int first = warp - (n_pq % NW);
+    if (first < 0) first += NW;
+    // tail blocks are powers of two in practice: shifts, not divisions (the tail tiles are
+    // a single warp's serial chain at the end of the longest block: every instruction counts)
+    const int tsh = (a.tbs & (a.tbs - 1)) == 0 ? __ffs(a.tbs) - 1 : -1;
+    for (int ti = first; ti < n_tl; ti += NW) {
+      const int t0 = t_lo + 16 * ti;
+      float s[2][4];
+      bool valid[2][2];
+#pragma unroll
+      for (int t = 0; t < 2; ++t) {
+        s[t][0] = s[t][1] = s[t][2] = s[t][3] = 0.f;
+        valid[t][0] = t0 + sigma(t, 2 * cq) < t_hi;
+        valid[t][1] = t0 + sigma(t, 2 * cq + 1) < t_hi;
+      }
+#pragma unroll
+      for (int t = 0; t < 2; ++t) {
+        int tok = t0 + sigma(t, gq);
+        bool ok = tok < t_hi;
+        const u16* row = a.tk;
+        if (ok) {
+          long long blk = tt_b[tsh >= 0 ? tok >> tsh : tok / a.tbs];
+          row = a.tk + blk * a.stk_blk + (long long)h * a.stk_h + (long long)(tsh >= 0 ? tok & (a.tbs - 1) : tok % a.tbs) * a.stk_t;
+        }
+#pragma unroll
+        for (int ks = 0; ks < KS; ++ks) {
+          u32 b0 = 0, b1 = 0;
+          if (ok) {
+            if (DSUB == 2) {
+              b0 = *reinterpret_cast<const u32*>(row + 2 * (cq * MQ + 2 * ks));
+              b1 = *reinterpret_cast<const u32*>(row + 2 * (cq * MQ + 2 * ks + 1));
+            } else {
+              uint2 e = *reinterpret_cast<const uint2*>(row + 4 * (cq * MQ + ks));
+              b0 = e.x; b1 = e.y;
+            }
+          }
+          mma16816<BF16>(s[t], qa0[ks], 0u, qa2[ks], 0u, b0, b1);
+        }
+      }
+      u32 pb0, pb1;
+      softmax_pv<D, DSUB, BF16, VG>(ws, s, valid, a.qk_scale, lane, pb0, pb1);
+      const u16* vrow[4];
+      bool vok[4];
+#pragma unroll
+      for (int k = 0; k < 4; ++k) {
+        int tok = t0 + 4 * cq + k;
+        vok[k] = tok < t_hi;
+        vrow[k] = a.tv;
+        if (vok[k]) {
+          long long blk = tt_b[tsh >= 0 ? tok >> tsh : tok / a.tbs];
+          vrow[k] = a.tv + blk * a.stv_blk + (long long)h * a.stv_h + (long long)(tsh >= 0 ? tok & (a.tbs - 1) : tok % a.tbs) * a.stv_t;
+        }
+      }
+#pragma unroll
+      for (int X = 0; X < NX; ++X) {
+        E e[4];
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+          if (vok[k]) e[k] = *reinterpret_cast<const E*>(vrow[k] + DSUB * (8 * X + gq));
+          else e[k] = E();
+        }
+#pragma unroll
+        for (int p = 0; p < DSUB / 2; ++p)
+          pv_mma<D, DSUB, BF16, VG>(ws, X, p, ent_word<DSUB>(e[0], p), ent_word<DSUB>(e[1], p),
+                                ent_word<DSUB>(e[2], p), ent_word<DSUB>(e[3], p), pb0, pb1);
+      }
+    }
+  }
+
+  // ---- combine the warps of the block through shared memory
+  float l = ws.l_i;
+  l += __shfl_xor_sync(FULL, l, 1);
+  l += __shfl_xor_sync(FULL, l, 2);
+  if constexpr (TMA) if (n_pq == 0) mbar_wait(bar, 0);   // a tail-only block's copies landed
+  __syncthreads();                                     // codebooks no longer needed
+  // rows of SD = D + 4 floats, coordinate pairs as 8-byte stores: the 16 lanes of a phase
+  // (gq < 4 or >= 4, any cq) take 32 distinct banks (2*cq*SD = 8*cq mod 32); with rows of D
+  // the four cq of a gq hit one bank (4-way on every store)
+  constexpr int SD = D + 4;
+  float* so = reinterpret_cast<float*>(smem);          // [NW][8][SD]
+  float* sm = so + NW * 8 * SD;                        // [NW][8]
+  float* sl = sm + NW * 8;                             // [NW][8]
+  if (cq == 0) { sm[warp * 8 + gq] = ws.m_i; sl[warp * 8 + gq] = l; }
+  float* base = so + warp * 8 * SD;
+#pragma unroll
+  for (int X = 0; X < NX; ++X) {
+#pragma unroll
+    for (int p = 0; p < DSUB / 2; ++p) {
+      const float* c = ws.o[X * (DSUB / 2) + p];
+      const int coord = (8 * X + gq) * DSUB + 2 * p;
+      *reinterpret_cast<float2*>(base + (2 * cq) * SD + coord) = make_float2(c[0], c[2]);
+      *reinterpret_cast<float2*>(base + (2 * cq + 1) * SD + coord) = make_float2(c[1], c[3]);
+    }
+  }
+  if constexpr (VG > 0) {   // the PQ tiles' part: column n = 2cq + e of n-tile nt is (c, h)
+    __syncwarp();
+#pragma unroll
+    for (int hx = 0; hx < D / 64; ++hx)
+#pragma unroll
+      for (int nt = 0; nt < VG / 2; ++nt)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const int n = 8 * nt + 2 * cq + e, c = n / VG, hd = n % VG;
+          const int coord = 2 * (8 * (4 * hx + c) + gq);
+          float2* pp = reinterpret_cast<float2*>(base + hd * SD + coord);
+          float2 x = *pp;
+          x.x += ws.ov[hx][nt][e];
+          x.y += ws.ov[hx][nt][2 + e];
+          *pp = x;
+        }
+  }
+  __syncthreads();
+  for (int e = tid; e < G * D; e += NW * 32) {
+    int hd = e / D, coord = e % D;
+    float mm = NEG_INF;
+#pragma unroll
+    for (int w = 0; w < NW; ++w) mm = fmaxf(mm, sm[w * 8 + hd]);
+    float L = 0.f, O = 0.f;
+#pragma unroll
+    for (int w = 0; w < NW; ++w) {
+      float wt = exp2f(sm[w * 8 + hd] - mm);        // empty warps: exp2(-inf) = 0
+      L += sl[w * 8 + hd] * wt;
+      O += so[(w * 8 + hd) * SD + coord] * wt;
+    }
+    long long row = (long long)item * a.hq + h * G + hd;
+    a.o_part[row * D + coord] = O / L;
+    if (coord == 0) a.lse_part[row] = mm + log2f(L);
+  }
+}

@@ -1,0 +1,202 @@
+// What the PQ attention kernel (attention.cu) is built from: its shared-memory plan, the
+// per-lane code and codebook-entry types, the per-warp online-softmax state and its P.V
+// step, and the register staging of the codebooks. Layouts and why: attention.cu's top.
+#include "common.cuh"
+
+// CF shared memory: K table (64 KiB: 256-byte code rows), V table (64 KiB region), then
+// each warp's ring of code tiles (cf_stages x 32*M bytes: 4 deep up to 12 warps, else
+// 3, to fit 227 KiB at d = 128); attention.py _attn_smem mirrors this
+__host__ __device__ constexpr int cf_stages(int nw) { return nw <= 12 ? 4 : 3; }
+template <int D>
+__host__ __device__ constexpr int cf_ring_offset() { return 131072; }
+
+// token of column n of S n-tile t (and of P^T k-row)
+__device__ __forceinline__ int sigma(int t, int n) { return 4 * (n >> 1) + 2 * t + (n & 1); }
+
+// r[i] <- r[(i - s) & 7] with s = gq minus its bits below NR: select stages, registers only
+template <int NR>
+__device__ __forceinline__ void rot_hi(u32 (&r)[8], int gq) {
+#pragma unroll
+  for (int v = NR; v < 8; v *= 2) {
+    const bool on = gq & v;
+    u32 t[8];
+#pragma unroll
+    for (int i = 0; i < 8; ++i) t[i] = on ? r[(i - v) & 7] : r[i];
+#pragma unroll
+    for (int i = 0; i < 8; ++i) r[i] = t[i];
+  }
+}
+
+// one codebook entry: DSUB fp16 = 1 (dsub 2) or 2 (dsub 4) 32-bit words
+template <int DSUB> struct Ent;
+template <> struct Ent<2> { typedef u32 T; };
+template <> struct Ent<4> { typedef uint2 T; };
+
+template <int DSUB>
+__device__ __forceinline__ u32 ent_word(const typename Ent<DSUB>::T& e, int p);
+template <> __device__ __forceinline__ u32 ent_word<2>(const u32& e, int p) { return e; }
+template <> __device__ __forceinline__ u32 ent_word<4>(const uint2& e, int p) {
+  return p ? e.y : e.x;
+}
+
+// code bytes of one lane: MQ bytes (4, 8 or 16)
+template <int MQ> struct CodeVec;
+template <> struct CodeVec<4> { u32 w[1]; };
+template <> struct CodeVec<8> { u32 w[2]; };
+template <> struct CodeVec<16> { u32 w[4]; };
+
+template <int MQ>
+__device__ __forceinline__ void load_codes(CodeVec<MQ>& v, const u8* p) {
+  if (MQ == 16) {
+    uint4 x = __ldg(reinterpret_cast<const uint4*>(p));
+    v.w[0] = x.x; v.w[1] = x.y; v.w[2 % (MQ / 4)] = x.z; v.w[3 % (MQ / 4)] = x.w;
+  } else if (MQ == 8) {
+    uint2 x = __ldg(reinterpret_cast<const uint2*>(p));
+    v.w[0] = x.x; v.w[1 % (MQ / 4)] = x.y;
+  } else {
+    v.w[0] = __ldg(reinterpret_cast<const u32*>(p));
+  }
+}
+
+template <int MQ>
+__device__ __forceinline__ u32 code_at(const CodeVec<MQ>& v, int i) {
+  return (v.w[i >> 2] >> ((i & 3) * 8)) & 0xffu;
+}
+
+struct AttnArgs {
+  const u16* q; long long sq_b, sq_h;
+  const int* items; int n_items;           // [n, 5]: b, pq_lo, pq_hi, t_lo, t_hi
+  float* o_part; float* lse_part;          // [n, Hq, D], [n, Hq]
+  const u8* kc; const u8* vc; long long skc_blk, skc_h, svc_blk, svc_h;
+  const u16* kcb; const u16* vcb;          // [Hkv, M, 256, DSUB]
+  const int* st; long long st_stride;
+  const u16* tk; const u16* tv; long long stk_blk, stk_h, stk_t, stv_blk, stv_h, stv_t;
+  const int* tt; long long tt_stride;
+  float qk_scale;                          // scale * log2(e)
+  int hq, g, bs, tbs;
+};
+
+// Everything per warp for one 16-token tile once its K/V entries are known.
+// VG > 0 (conflict-free V gathers, G <= VG in {2, 4}): the PQ tiles accumulate O^T in
+// ov, whose 8 * NT columns are (m-tile c of a group of four, head h) = (n / VG, n % VG);
+// o keeps the usual columns (= heads) for the fp16 tail tiles. Both share m_i, l_i.
+template <int D, int DSUB, bool BF16, int VG = 0>
+struct WarpState {
+  static constexpr int M = D / DSUB;
+  static constexpr int KS = D / 16;     // k-steps of S = Q K^T
+  static constexpr int NMT = D / 16;    // m-tiles of O^T
+  static constexpr int NT = VG ? VG / 2 : 1;
+  static constexpr int NHX = VG ? D / 64 : 1;
+  float o[NMT][4];
+  float ov[NHX][NT][4];
+  float m_i, l_i;
+};
+
+// RESCALE_O false: o is known to be zero (the PQ tiles of VG, before any tail tile), so
+// it need not stay live in registers through the PQ loop
+template <int D, int DSUB, bool BF16, int VG, bool RESCALE_O = true>
+__device__ __forceinline__ void softmax_pv(WarpState<D, DSUB, BF16, VG>& ws, float (&s)[2][4],
+                                           const bool (&valid)[2][2], float qk_scale, int lane,
+                                           u32& pb0, u32& pb1) {
+  float x00 = valid[0][0] ? s[0][0] * qk_scale : NEG_INF;
+  float x01 = valid[0][1] ? s[0][1] * qk_scale : NEG_INF;
+  float x10 = valid[1][0] ? s[1][0] * qk_scale : NEG_INF;
+  float x11 = valid[1][1] ? s[1][1] * qk_scale : NEG_INF;
+  float mx = fmaxf(fmaxf(x00, x01), fmaxf(x10, x11));
+  mx = fmaxf(mx, __shfl_xor_sync(FULL, mx, 1));
+  mx = fmaxf(mx, __shfl_xor_sync(FULL, mx, 2));
+  float m_new = fmaxf(ws.m_i, mx);
+  float alpha = exp2f(ws.m_i - m_new);
+  float p00 = exp2f(x00 - m_new), p01 = exp2f(x01 - m_new);
+  float p10 = exp2f(x10 - m_new), p11 = exp2f(x11 - m_new);
+  ws.l_i = ws.l_i * alpha + ((p00 + p01) + (p10 + p11));
+  if (__any_sync(FULL, m_new > ws.m_i)) {
+    int c = lane & 3;
+    float a0 = __shfl_sync(FULL, alpha, (2 * c) * 4);
+    float a1 = __shfl_sync(FULL, alpha, (2 * c + 1) * 4);
+    if constexpr (RESCALE_O) {
+#pragma unroll
+      for (int mt = 0; mt < WarpState<D, DSUB, BF16, VG>::NMT; ++mt) {
+        ws.o[mt][0] *= a0; ws.o[mt][1] *= a1; ws.o[mt][2] *= a0; ws.o[mt][3] *= a1;
+      }
+    }
+    if constexpr (VG > 0) {
+      const float b0 = __shfl_sync(FULL, alpha, ((2 * c) % VG) * 4);
+      const float b1 = __shfl_sync(FULL, alpha, ((2 * c + 1) % VG) * 4);
+#pragma unroll
+      for (int hx = 0; hx < WarpState<D, DSUB, BF16, VG>::NHX; ++hx)
+#pragma unroll
+        for (int nt = 0; nt < WarpState<D, DSUB, BF16, VG>::NT; ++nt) {
+          float* v = ws.ov[hx][nt];
+          v[0] *= b0; v[1] *= b1; v[2] *= b0; v[3] *= b1;
+        }
+    }
+  }
+  ws.m_i = m_new;
+  pb0 = pack2<BF16>(p00, p01);
+  pb1 = pack2<BF16>(p10, p11);
+}
+
+template <int D, int DSUB, bool BF16, int VG>
+__device__ __forceinline__ void pv_mma(WarpState<D, DSUB, BF16, VG>& ws, int X, int p, u32 w0, u32 w1,
+                                       u32 w2, u32 w3, u32 pb0, u32 pb1) {
+  u32 a0 = __byte_perm(w0, w1, 0x5410), a1 = __byte_perm(w0, w1, 0x7632);
+  u32 a2 = __byte_perm(w2, w3, 0x5410), a3 = __byte_perm(w2, w3, 0x7632);
+  mma16816<BF16>(ws.o[X * (DSUB / 2) + p], a0, a1, a2, a3, pb0, pb1);
+}
+
+// CF tables staged through registers: global [M][256] words -> the CF layouts (K word
+// (code, m = c*MQ + 8hh + i) at code*256 + 4*(32hh + 4i + c); VG: V word (code, m) at
+// 65536 + code*256 + 4m). A unit is 16 B of global = 4 codes of one subspace; lanes (r, s)
+// of a warp read 16 subspaces x 32 contiguous bytes (whole sectors) and store each word to
+// a bank that depends on the subspace only (16 distinct: 2 wavefronts per store). The
+// units go in NB = 2 batches; a batch's loads are all in flight before its stores, and the
+// kernel issues batch 0 at entry, before anything that waits on memory. (4-byte cp.async
+// copies of the same words spent ~11 us issuing: each touched 8 half-used sectors.)
+template <int M, int NW, int VG>
+struct RegStager {
+  static constexpr int MQ = M / 4, NT = NW * 32, U = M * 64;   // units per table
+  static constexpr int UT = VG > 0 ? 2 * U : U;
+  static constexpr int IT = (UT + NT - 1) / NT;
+  static constexpr int NB = IT < 2 ? IT : 2;
+  static constexpr int BATCH = (IT + NB - 1) / NB;
+  uint4 v[BATCH];
+  u32 dst[BATCH];
+  // rot (a multiple of 32, < UT): where this block starts in the tables, so that the
+  // blocks of one head do not all ask the same L2 lines at the same time
+  __device__ __forceinline__ void load(const u32* gk, const u32* gv, int tid, int i0, int rot) {
+#pragma unroll
+    for (int j = 0; j < BATCH; ++j) {
+      const int u0 = tid + (i0 + j) * NT;
+      if (i0 + j < IT && u0 < UT) {
+        const int u = u0 + rot < UT ? u0 + rot : u0 + rot - UT;
+        const int uu = u % U, s = uu & 1, r = (uu >> 1) & 15, cg = (uu >> 5) & 31, mb = uu >> 10;
+        const int code0 = 8 * cg + 4 * s;
+        if (u < U) {   // K
+          const int hh = mb % (MQ / 8), cpair = mb / (MQ / 8), i = r & 7, c = 2 * cpair + (r >> 3);
+          dst[j] = code0 * 256 + 4 * (32 * hh + 4 * i + c);
+          v[j] = __ldg(reinterpret_cast<const uint4*>(gk + (c * MQ + 8 * hh + i) * 256 + code0));
+        } else {       // V
+          dst[j] = 65536 + code0 * 256 + 4 * (16 * mb + r);
+          v[j] = __ldg(reinterpret_cast<const uint4*>(gv + (16 * mb + r) * 256 + code0));
+        }
+      }
+    }
+  }
+  __device__ __forceinline__ void store(unsigned char* smem, int tid, int i0) {
+#pragma unroll
+    for (int j = 0; j < BATCH; ++j) {
+      const int u = tid + (i0 + j) * NT;
+      if (i0 + j < IT && u < UT) {
+        u32* d = reinterpret_cast<u32*>(smem + dst[j]);
+        d[0] = v[j].x; d[64] = v[j].y; d[128] = v[j].z; d[192] = v[j].w;
+      }
+    }
+  }
+};
+
+// CF codebook image: the first 128 KiB of the CF kernel's shared memory (K and V tables in
+// the layouts above) for one KV head, built once per codebook in global memory
+// (attention.py build_codebook_image); TMA kernels copy it with IMG_CHUNKS bulk copies.
+constexpr u32 IMG_BYTES = 131072;
+constexpr int IMG_CHUNKS = 8;

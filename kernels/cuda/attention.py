@@ -1,0 +1,306 @@
+"""PQ decode attention in CUDA C++ (attention.cu + merge.cu): the plan and its run.
+
+The plan type and its contract: kernels/plan.py. The router (kernels/router.py) makes
+this plan where supports() holds, for callers whose tensors meet the kernels' alignment
+(aligned()); the kernels are loaded at plan time (warm) or first run, and launched on
+torch's current stream, so a run can be captured in a CUDA graph.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from kvstore.cuda.pinned import to_device
+
+from .. import tunables
+from ..plan import HALF, DecodePlan, capacity, ceil, check, check_batch, fit, pq_lens
+from . import build
+from .build import NULL, f32, i32, i64, ptr
+from .images import IMG_WORDS, CodebookImage, group
+
+
+def supports(*, num_qo_heads: int, num_kv_heads: int, head_dim: int, block_size: int, device,
+             dtype: torch.dtype, kv_dtype: torch.dtype, codebook_dtype: torch.dtype) -> bool:
+    """The kernels take this geometry and these dtypes on this device: sm_80+, head_dim
+    64 or 128, GQA groups of 1-8, power-of-two block sizes of 16 tokens or more, and q,
+    out, tail and codebooks all fp16 or all bf16."""
+    dev = torch.device(device)
+    if dev.type != "cuda" or not build.available():
+        return False
+    if num_kv_heads <= 0 or num_qo_heads % num_kv_heads:
+        return False
+    g = num_qo_heads // num_kv_heads
+    return (head_dim in (64, 128) and 1 <= g <= 8 and block_size % 16 == 0
+            and block_size & (block_size - 1) == 0 and dtype in HALF and kv_dtype == dtype
+            and codebook_dtype == dtype
+            and build.capability(build.index(dev)) >= (8, 0))
+
+
+def query_aligned(q: torch.Tensor) -> bool:
+    """q's rows as the kernel loads them: 4-byte aligned, even strides."""
+    return q.data_ptr() % 4 == 0 and q.stride(0) % 2 == 0 and q.stride(1) % 2 == 0
+
+
+def misaligned(q, k_codes, v_codes, tail_k, tail_v, dsub: int) -> str | None:
+    """The first argument whose address or strides the kernels' vector loads cannot take,
+    or None: 16 B code rows (cp.async of K codes, and of V codes for dsub 2), 4 B V code
+    words (dsub 4), 4 B q pairs, 4 / 8 B fp16 pairs / quads of the tail (dsub 2 / 4)."""
+    if k_codes.data_ptr() % 16 or k_codes.stride(0) % 16 or k_codes.stride(1) % 16:
+        return "k_codes"
+    va = 16 if dsub == 2 else 4
+    if v_codes.data_ptr() % va or v_codes.stride(0) % va or v_codes.stride(1) % va:
+        return "v_codes"
+    if not query_aligned(q):
+        return "q"
+    ew = 2 * dsub
+    for name, t in (("tail_k", tail_k), ("tail_v", tail_v)):
+        if t.data_ptr() % ew or any(s % (ew // 2) for s in t.stride()[:3]):
+            return name
+    return None
+
+
+def _attn_name(d, dsub, bf16, nw, gp, tma):
+    b = lambda x: "true" if x else "false"  # noqa: E731
+    return f"pq_attn<{d}, {dsub}, {b(bf16)}, {nw}, {gp}, {b(tma)}>"
+
+
+def _merge_name(d, bf16):
+    return f"pq_merge<{d}, {'true' if bf16 else 'false'}>"
+
+
+def _attn_smem(d: int, gp: int, nw: int, tma: bool = False) -> int:
+    """GP > 0: K and V tables, 64 KiB each (256-byte code rows), + per warp a ring of code
+    tiles (32 * M bytes each, M = d/2; 4 deep up to 12 warps, else 3: attention.cuh
+    cf_stages), + with TMA the bulk copies' mbarrier (16 B). Else the two tables, d KiB."""
+    stages = 4 if nw <= 12 else 3
+    return 131072 + nw * stages * 16 * d + 16 * tma if gp else 1024 * d
+
+
+@dataclass(slots=True, kw_only=True)
+class CudaPQPlan(DecodePlan):
+    """A PQ DecodePlan for attention.cu: items [capacity, 5] int32 (b, pq_lo, pq_hi,
+    tail_lo, tail_hi), one thread block per (item, KV head); lse_part is base-2. dtype:
+    that of q, out, the tail and the codebooks (fp16 or bf16, supports())."""
+    item_width = 5
+    dtype: torch.dtype
+    num_warps: int
+    item_tokens: int = 0        # mean PQ tokens per item (picks the codebook staging)
+    _fns: dict = field(default_factory=dict)
+
+    def rows(self, sealed_lens, tail_lens) -> tuple[list[int], list[int]]:
+        sl, tl_ = pq_lens(sealed_lens, tail_lens, block_size=self.block_size)
+        check_batch(self, sl)
+        eq = _tail_eq(self.num_warps)
+        items, ptr_ = fit(lambda c: _items(sl, tl_, c, eq), self.chunk0, self.items.shape[0], 5)
+        self.item_tokens = _item_tokens(sl, ptr_)
+        self.sealed_cols = max([x // self.block_size for x in sl] + [0])
+        self.tail_cols = max([ceil(x, self.tail_block_size) for x in tl_] + [0])
+        return items, ptr_
+
+    def _fn(self, kind, *key):
+        fn = self._fns.get((kind, key))
+        if fn is None:
+            dev = self.items.device
+            if kind == "attn":
+                fn = build.function("attention.cu", _attn_name(*key), dev)
+                fn.max_dynamic_shared_size_bytes = _attn_smem(key[0], key[4], key[3], key[5])
+            else:
+                fn = build.function("merge.cu", _merge_name(*key), dev)
+            self._fns[(kind, key)] = fn
+        return fn
+
+    def warm(self, dsubs=(2, 4)):
+        """Compile + load the kernels (outside any graph capture)."""
+        bf16 = self.dtype == torch.bfloat16
+        for dsub in dsubs:
+            gp = group(self.num_qo_heads // self.num_kv_heads, dsub)
+            for tma in ((False, True) if self._tma(gp) else (False,)):
+                self._fn("attn", self.head_dim, dsub, bf16, self.num_warps, gp, tma)
+        self._fn("merge", self.head_dim, bf16)
+
+    def _tma(self, gp: int) -> bool:
+        """The bulk-copy build can run (warm() compiles it)."""
+        return gp > 0 and build.capability(build.index(self.items.device)) >= (9, 0)
+
+    def _use_tma(self, gp: int) -> bool:
+        """... and is the faster one for this plan's items (tunables.TMA_MAX_ITEM_TOKENS)."""
+        return self.item_tokens <= tunables.TMA_MAX_ITEM_TOKENS and self._tma(gp)
+
+    def run_pq(self, q, k_codes, v_codes, k_codebook, v_codebook, sealed_tables,
+               tail_k, tail_v, tail_tables, scale: float, out=None, lse=None,
+               trusted: bool = False, codebook_image: CodebookImage | None = None):
+        """DecodePlan.run_pq. trusted skips the shape checks (~80 µs of a tiny call); dtypes
+        and alignment are checked on every call (a few attribute reads): the router chose
+        this plan for them, and a tensor that breaks them would be read as garbage or fault
+        the context. With codebook_image, plans of short items stage the codebooks by bulk
+        copies, without it through registers (same results)."""
+        dt = self.dtype
+        for name, t in (("q", q), ("k_codebook", k_codebook), ("v_codebook", v_codebook),
+                        ("tail_k", tail_k), ("tail_v", tail_v)):
+            if getattr(t, "dtype", None) != dt:
+                raise ValueError(f"{name} must be {dt}, the dtype this plan was made for; "
+                                 f"got {getattr(t, 'dtype', type(t).__name__)}")
+        if trusted:
+            b, hq = self.batch, self.num_qo_heads
+            out = torch.empty_like(q) if out is None else out
+            lse = torch.empty(b, hq, dtype=torch.float32, device=q.device) if lse is None else lse
+            dsub = k_codebook.shape[3]
+        else:
+            out, lse = self.check_q_out(q, out, lse)
+            _, dsub = self.check_codes(q, k_codes, v_codes, k_codebook, v_codebook, sealed_tables)
+            self.check_pool(tail_k, tail_v, tail_tables, ("tail_k", "tail_v", "tail_tables"),
+                            self.tail_cols, same_strides=False)
+            if codebook_image is not None:
+                check(codebook_image.words, "codebook_image.words", (self.num_kv_heads, IMG_WORDS),
+                      (torch.int32,), q.device, contiguous=True)
+        bad = misaligned(q, k_codes, v_codes, tail_k, tail_v, dsub)
+        if bad is not None:
+            raise ValueError(f"{bad}: address or strides not aligned for the CUDA kernels' vector "
+                             "loads; plan with aligned=False (the Triton kernels) for such tensors")
+        self._run(q, k_codes, v_codes, k_codebook, v_codebook, sealed_tables, tail_k, tail_v,
+                  tail_tables, scale, out, lse, dsub, codebook_image)
+        return out, lse
+
+    def _run(self, q, k_codes, v_codes, k_codebook, v_codebook, sealed_tables, tail_k, tail_v,
+             tail_tables, scale, out, lse, dsub, image):
+        b, hq, d, hkv, bs = (self.batch, self.num_qo_heads, self.head_dim, self.num_kv_heads,
+                             self.block_size)
+        dev = self.items.device
+        bf16 = self.dtype == torch.bfloat16
+        n_items = self.items.shape[0]
+        stream = build.stream(dev)
+        if n_items > 0:
+            gp = group(hq // hkv, dsub)
+            # An image built for another V layout (another GQA group) is not this kernel's.
+            img = (image.words if image is not None and image.layout == (gp if gp < 8 else 0)
+                   and self._use_tma(gp) else None)
+            fn = self._fn("attn", d, dsub, bf16, self.num_warps, gp, img is not None)
+            args = (ptr(q), i64(q.stride(0)), i64(q.stride(1)), ptr(self.items), ptr(self.o_part),
+                    ptr(self.lse_part), ptr(k_codes), ptr(v_codes), i64(k_codes.stride(0)),
+                    i64(k_codes.stride(1)), i64(v_codes.stride(0)), i64(v_codes.stride(1)),
+                    ptr(k_codebook), ptr(v_codebook), ptr(sealed_tables),
+                    i64(sealed_tables.stride(0)), ptr(tail_k), ptr(tail_v),
+                    i64(tail_k.stride(0)), i64(tail_k.stride(1)), i64(tail_k.stride(2)),
+                    i64(tail_v.stride(0)), i64(tail_v.stride(1)), i64(tail_v.stride(2)),
+                    ptr(tail_tables), i64(tail_tables.stride(0)),
+                    f32(scale * 1.4426950408889634), i32(hq), i32(hq // hkv), i32(bs),
+                    i32(self.tail_block_size), i32(bs.bit_length() - 1),
+                    ptr(img) if img is not None else NULL)
+            build.launch(fn, dev, (n_items, hkv), (32 * self.num_warps,), args,
+                         _attn_smem(d, gp, self.num_warps, img is not None), stream)
+        fn = self._fn("merge", d, bf16)
+        build.launch(fn, dev, (b, hq), (d,),
+                     (ptr(self.o_part), ptr(self.lse_part), ptr(self.item_ptr), ptr(out),
+                      i64(out.stride(0)), i64(out.stride(1)), ptr(lse), i64(lse.stride(0)),
+                      i32(hq)), stream_=stream)
+
+
+# ---------------------------------------------------------------------- plan
+
+def _tail_eq(nw: int) -> int:
+    return int(tunables.TAIL_TILES * 16 * nw)
+
+
+def _item_tokens(sl, ptr_) -> int:
+    return sum(sl) // max(1, ptr_[-1])
+
+
+def _items(sl, tl_, chunk, tail_eq=0):
+    """[b, pq_lo, pq_hi, tail_lo, tail_hi] work items; each sequence's tail (its first
+    `chunk` tokens) joins its last PQ item. tail_eq: what that tail costs in PQ tokens
+    (tunables.TAIL_TILES): a sequence cut into k > 1 items gets k equal shares of PQ +
+    tail_eq, the last one tail_eq fewer PQ tokens (none: the tail alone, a block with no
+    codebooks to stage)."""
+    items, ptr_ = [], [0]
+    for b, (ns, nt) in enumerate(zip(sl, tl_)):
+        mine = []
+        eq = tail_eq if nt > 0 else 0
+        # rounded, not ceil: the plan's chunk is the grid's total over its blocks per head
+        k = max(1, round((ns + eq) / chunk)) if ns > 0 else 0
+        if k > 1 and eq > 0:
+            last = max(0, (ns + eq) // k - eq) // 16 * 16
+            share = ceil(ceil(ns - last, k - 1), 16) * 16
+            lo = 0
+            while lo < ns - last:
+                hi = min(ns - last, lo + share)
+                mine.append([b, lo, hi, 0, 0])
+                lo = hi
+            mine.append([b, ns - last, ns, 0, 0] if last > 0 else [b, 0, 0, 0, 0])
+        else:
+            for lo in range(0, ns, chunk):
+                mine.append([b, lo, min(ns, lo + chunk), 0, 0])
+        t_lo = 0
+        if nt > 0 and mine:
+            take = min(nt, chunk)
+            mine[-1][3:] = [0, take]
+            t_lo = take
+        for lo in range(t_lo, nt, chunk):
+            mine.append([b, 0, 0, lo, min(nt, lo + chunk)])
+        for it in mine:
+            items += it
+        ptr_.append(len(items) // 5)
+    return items, ptr_
+
+
+# What starting a block costs beyond its tokens (codebook staging, epilogue, its share of
+# the merge), in tokens of one KV head: ~7 us at the ~150 tokens/us a block streams on an H100.
+ITEM_OVERHEAD_TOKENS = 1024
+
+
+def _wave_chunk(total: int, batch: int, hkv: int, num_sms: int, min_chunk: int,
+                max_split: int = 16) -> int | None:
+    """Chunk for a plan that needs more than one wave of blocks (one resident block per SM).
+    Cut every sequence into k items, k minimising waves(k) * (tokens per item + overhead)
+    for sequences of the mean length: one item per sequence leaves the last wave almost
+    empty just past a multiple of the SMs (69 sequences x 8 KV heads = 552 blocks = 4.2
+    waves of 132 run as 5 waves of 32K tokens; k = 3 runs 13 waves of 11K). Measured, the
+    gain is smaller than the wave count says (a part-empty wave gets the whole memory
+    bandwidth): Llama-3-8B geometry, B=69 at 32K, 41.06 -> 40.02 ms a decode step
+    (bench/logs/bench_decode_s6_waves69.log). None: keep one item per sequence."""
+    mean = max(total, 1) / max(batch, 1)
+
+    def cost(k: int) -> float:
+        return ceil(batch * k * hkv, num_sms) * (mean / k + ITEM_OVERHEAD_TOKENS)
+    k = min(range(1, max_split + 1), key=lambda k: (cost(k), k))
+    return max(min_chunk, ceil(ceil(int(mean), k), 16) * 16) if k > 1 else None
+
+
+def plan_pq(sl: list[int], tl_: list[int], *, num_qo_heads: int, num_kv_heads: int,
+            head_dim: int, block_size: int, tail_block_size: int, device, dtype: torch.dtype,
+            target_ctas: int | None = None, num_warps: int | None = None,
+            spare_items: int | None = None) -> CudaPQPlan:
+    """sl / tl_: checked host lists of sealed (multiples of block_size) / tail lengths.
+    One block per (item, KV head) and one resident block per SM (the codebooks take most
+    of its shared memory): items are cut so that about target_ctas (default: #SMs) blocks
+    run. spare_items: room for update() (router.plan_decode)."""
+    dev = torch.device(device)
+    nw = num_warps or tunables.NUM_WARPS
+    if target_ctas is None:
+        target_ctas = build.num_sms(build.index(dev))
+    per_head = max(1, target_ctas // num_kv_heads)
+    eq = _tail_eq(nw)
+    total = sum(sl) + sum(eq if eq and t > 0 else t for t in tl_)
+    chunk = max(16 * nw, ceil(ceil(max(total, 1), per_head), 16) * 16)
+    items, ptr_ = _items(sl, tl_, chunk, eq)
+    if len(items) // 5 * num_kv_heads > target_ctas:
+        better = _wave_chunk(total, len(sl), num_kv_heads, target_ctas, 16 * nw)
+        if better is not None:
+            chunk = better
+            items, ptr_ = _items(sl, tl_, chunk, eq)
+    n = len(items) // 5
+    cap = capacity(n, len(sl), spare_items)
+    if cap is not None:     # empty items past item_ptr[-1]: the kernel returns at once
+        items += [0] * (5 * (cap - n))
+        n = cap
+    hq, d = num_qo_heads, head_dim
+    return CudaPQPlan(
+        items=to_device(torch.tensor(items, dtype=torch.int32).reshape(n, 5), dev),
+        item_ptr=to_device(torch.tensor(ptr_, dtype=torch.int32), dev),
+        o_part=torch.empty(max(n, 1), hq, d, dtype=torch.float32, device=dev),
+        lse_part=torch.empty(max(n, 1), hq, dtype=torch.float32, device=dev),
+        batch=len(sl), num_qo_heads=hq, num_kv_heads=num_kv_heads, head_dim=d,
+        block_size=block_size, tail_block_size=tail_block_size,
+        sealed_cols=max([x // block_size for x in sl] + [0]),
+        tail_cols=max([ceil(x, tail_block_size) for x in tl_] + [0]),
+        has_pq=True, chunk0=chunk, dtype=dtype, num_warps=nw, item_tokens=_item_tokens(sl, ptr_))

@@ -1,0 +1,253 @@
+"""What every decode plan is, and the helpers every backend's plans share.
+
+Plan/run split as in FlashInfer's BatchDecodeWithPagedKVCacheWrapper (DESIGN §4):
+
+    plan = router.plan_decode("pq", sealed_lens, tail_lens, num_qo_heads=32, ...)  # once a step
+    out, lse = plan.run_pq(q, k_codes, v_codes, k_cb, v_cb, sealed_tables,
+                           tail_k, tail_v, tail_tables, scale, out=out, lse=lse)   # per layer
+
+Planning reads the lengths on the host, cuts every sequence into work items (split-K over
+its tokens) and allocates the partial-result workspace. A run checks metadata and
+launches an attention kernel and a log-sum-exp merge: it allocates nothing when `out` and
+`lse` are given, never synchronises, and can be captured in a CUDA graph; update()
+refills the same buffers for new lengths, so a captured graph replays the new step.
+Semantics are those of reference.pq_decode_attention / paged_decode_attention.
+
+This module imports neither Triton nor CuPy: the router and both backends import it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from kvstore.cuda.pinned import copy_into
+
+FLOAT = (torch.float16, torch.bfloat16, torch.float32)
+HALF = (torch.float16, torch.bfloat16)
+
+
+@dataclass(slots=True, kw_only=True)
+class DecodePlan:
+    """One decode step's work partition and workspace, shared by every layer.
+
+    items [capacity, item_width] int32: the work items, in the backend's row format
+    (item_width ints each: 4 for Triton, 5 for CUDA C++); rows past item_ptr[-1] are
+    empty. item_ptr [B + 1] int32: sequence b's items are item_ptr[b]:item_ptr[b + 1].
+    o_part fp32 [capacity, Hq, d] and lse_part fp32 [capacity, Hq]: the partials the
+    merge combines. A caller may point items and item_ptr at views of its own buffer of
+    the same shapes (kvstore/decode_graphs.py packs them with the block tables)."""
+    item_width: ClassVar[int]
+    items: torch.Tensor
+    item_ptr: torch.Tensor
+    o_part: torch.Tensor
+    lse_part: torch.Tensor
+    batch: int
+    num_qo_heads: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int          # PQ block size (pq plans) or the fp16 pool's
+    tail_block_size: int
+    sealed_cols: int         # block-table columns the plan needs (rows() keeps them current)
+    tail_cols: int
+    has_pq: bool
+    chunk0: int              # split size the plan was made with (rows() starts there)
+
+    @property
+    def capacity(self) -> int:
+        """Work items the plan has room for (update() never grows it)."""
+        return self.items.shape[0]
+
+    def update(self, *lens) -> "DecodePlan":
+        """Re-partition for new lengths (same batch) into this plan's own buffers.
+
+        For CUDA graphs: the item count, workspace and merge width stay those of the
+        plan (splits grow until the items fit; unused items are empty and never merged),
+        so a graph captured with this plan replays correctly after update(). Arguments
+        as the plan's: (sealed_lens, tail_lens) for a PQ plan, (seq_lens,) for a paged one."""
+        items, ptr = self.rows(*lens)
+        copy_into(self.items, torch.tensor(items, dtype=torch.int32))
+        copy_into(self.item_ptr, torch.tensor(ptr, dtype=torch.int32))
+        return self
+
+    def rows(self, *lens) -> tuple[list[int], list[int]]:
+        """update() on the host: (items, item_ptr) as flat lists for the new lengths, items
+        padded to capacity, for a caller that copies them in itself. ValueError when the
+        lengths need more items than the plan has room for."""
+        raise NotImplementedError
+
+    def run_pq(self, q, k_codes, v_codes, k_codebook, v_codebook, sealed_tables, tail_k, tail_v,
+               tail_tables, scale: float, out=None, lse=None, trusted: bool = False,
+               codebook_image=None):
+        """q [B, Hq, d]; k_codes [nb, Hkv, bs, M] u8; v_codes [nb, Hkv, M, bs] u8;
+        k/v_codebook [Hkv, M, 256, dsub] fp16|bf16 (dsub 2 or 4); sealed_tables [B, >=S]
+        int32; tail_k/v [nt, Hkv, tbs, d]; tail_tables [B, >=T] int32 -> (out [B, Hq, d] in
+        q's dtype, lse [B, Hq] fp32). trusted: the caller made every argument to this plan's
+        measure (the engine, from its own pools): skip the shape checks. codebook_image:
+        this layer's cuda.images.CodebookImage, kept current by the codebooks' owner (the
+        CUDA plan stages codebooks from it by bulk copies; others ignore it)."""
+        raise ValueError("plan was made for paged decode; use run_paged")
+
+    def run_paged(self, q, k_cache, v_cache, block_tables, scale: float, out=None, lse=None,
+                  trusted: bool = False):
+        """q [B, Hq, d]; k/v_cache [nb, Hkv, bs, d]; block_tables [B, >=S] int32
+        -> (out [B, Hq, d] in q's dtype, lse [B, Hq] fp32); trusted as in run_pq."""
+        raise ValueError("plan was made for PQ decode; use run_pq")
+
+    def check_q_out(self, q, out, lse):
+        """Checked (out, lse), allocated when None."""
+        b, hq, d = self.batch, self.num_qo_heads, self.head_dim
+        check(q, "q", (b, hq, d), FLOAT, self.items.device)
+        if out is None:
+            out = torch.empty_like(q)
+        else:
+            check(out, "out", (b, hq, d), (q.dtype,), q.device)
+        if lse is None:
+            lse = torch.empty(b, hq, dtype=torch.float32, device=q.device)
+        else:
+            check(lse, "lse", (b, hq), (torch.float32,), q.device, last=False)
+        return out, lse
+
+    def check_codes(self, q, k_codes, v_codes, k_codebook, v_codebook, sealed_tables) -> tuple[int, int]:
+        """The PQ arguments' checks -> (M, dsub)."""
+        hkv, d, bs = self.num_kv_heads, self.head_dim, self.block_size
+        if k_codebook.dim() != 4:
+            raise ValueError(f"k_codebook must be [Hkv, M, 256, dsub], got {tuple(k_codebook.shape)}")
+        m, dsub = k_codebook.shape[1], k_codebook.shape[3]
+        if dsub not in (2, 4) or m * dsub != d:
+            raise ValueError(f"k_codebook: need dsub in (2, 4) and M*dsub == head_dim, got M={m} dsub={dsub}")
+        for name, cb in (("k_codebook", k_codebook), ("v_codebook", v_codebook)):
+            check(cb, name, (hkv, m, 256, dsub), HALF, q.device, contiguous=True)
+        if v_codebook.dtype != k_codebook.dtype:
+            raise ValueError("v_codebook must have k_codebook's dtype")
+        nb = k_codes.shape[0] if k_codes.dim() == 4 else -1
+        check(k_codes, "k_codes", (nb, hkv, bs, m), (torch.uint8,), q.device)
+        check(v_codes, "v_codes", (nb, hkv, m, bs), (torch.uint8,), q.device)
+        if k_codes.stride(2) != m or v_codes.stride(2) != bs:
+            raise ValueError("k_codes / v_codes: each (block, head) slice must be contiguous")
+        check_table(sealed_tables, "sealed_tables", self.batch, self.sealed_cols, q.device)
+        return m, dsub
+
+    def check_pool(self, k, v, tables, names, cols, same_strides: bool = True):
+        """An fp16 pool pair [nb, Hkv, tbs, d] and its block table (k and v with the same
+        strides, where the kernel reads both through one set)."""
+        nb = k.shape[0] if k.dim() == 4 else -1
+        shape = (nb, self.num_kv_heads, self.tail_block_size, self.head_dim)
+        check(k, names[0], shape, FLOAT, self.items.device)
+        check(v, names[1], shape, (k.dtype,), k.device)
+        if same_strides and k.stride() != v.stride():
+            raise ValueError(f"{names[0]} and {names[1]} must have the same strides")
+        check_table(tables, names[2], self.batch, cols, k.device)
+
+
+# -------------------------------------------------------------------- checks
+
+def check(t, name, shape, dtypes, device, last=True, contiguous=False):
+    """t is a tensor of shape (-1: any size), dtype and device as given, contiguous in
+    its last dim (last) or whole (contiguous); else ValueError naming it."""
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"{name} must be a tensor")
+    if t.dim() != len(shape) or any(s >= 0 and a != s for a, s in zip(t.shape, shape)):
+        want = tuple("?" if s < 0 else s for s in shape)
+        raise ValueError(f"{name} must have shape {want}, got {tuple(t.shape)}")
+    if t.dtype not in dtypes:
+        raise ValueError(f"{name} must have dtype in {[str(d) for d in dtypes]}, got {t.dtype}")
+    if t.device != device:
+        raise ValueError(f"{name} is on {t.device}, expected {device}")
+    if last and t.stride(-1) != 1:
+        raise ValueError(f"{name} must be contiguous in its last dim")
+    if contiguous and not t.is_contiguous():
+        raise ValueError(f"{name} must be contiguous")
+
+
+def check_table(t, name, batch, cols, device):
+    check(t, name, (batch, -1), (torch.int32,), device)
+    if t.shape[1] < cols:
+        raise ValueError(f"{name} has {t.shape[1]} columns, the plan needs {cols}")
+
+
+def check_encode_args(x, slots, k_codes, v_codes, hkv: int, m: int, dsub: int, device):
+    """The checks every encode launcher makes -> (codes, block_size, offset
+    stride, subspace stride) of the one code tensor given."""
+    if (k_codes is None) == (v_codes is None):
+        raise ValueError("give exactly one of k_codes or v_codes")
+    if x.dim() != 3 or x.shape[1] != hkv or x.shape[2] != m * dsub:
+        raise ValueError(f"x must be [N, {hkv}, {m * dsub}], got {tuple(x.shape)}")
+    if x.dtype not in FLOAT or x.stride(2) != 1:
+        raise ValueError("x must be fp16/bf16/fp32 and contiguous in its last dim")
+    if slots.dim() != 1 or slots.shape[0] != x.shape[0] or slots.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"slots must be int32/int64 [{x.shape[0]}], got {slots.dtype} {tuple(slots.shape)}")
+    codes, name = (k_codes, "k_codes") if k_codes is not None else (v_codes, "v_codes")
+    if codes.dtype != torch.uint8 or codes.dim() != 4 or codes.shape[1] != hkv:
+        raise ValueError(f"{name} must be uint8 [nb, {hkv}, ., .], got {codes.dtype} {tuple(codes.shape)}")
+    for t, nm in ((x, "x"), (slots, "slots"), (codes, name)):
+        if t.device != device:
+            raise ValueError(f"{nm} is on {t.device}, the plan on {device}")
+    if k_codes is not None:
+        if k_codes.shape[3] != m:
+            raise ValueError(f"k_codes last dim must be M={m}")
+        return k_codes, k_codes.shape[2], k_codes.stride(2), k_codes.stride(3)
+    if v_codes.shape[2] != m:
+        raise ValueError(f"v_codes dim 2 must be M={m}")
+    return v_codes, v_codes.shape[3], v_codes.stride(3), v_codes.stride(2)
+
+
+def validate_heads(hq: int, hkv: int, d: int) -> None:
+    if hkv <= 0 or hq % hkv:
+        raise ValueError(f"num_qo_heads ({hq}) must be a multiple of num_kv_heads ({hkv})")
+    if d not in (64, 128, 256):
+        raise ValueError(f"head_dim must be 64, 128 or 256, got {d}")
+
+
+# ---------------------------------------------------------------- partition
+
+def host_lens(x, name: str) -> list[int]:
+    if isinstance(x, torch.Tensor):
+        if x.dim() != 1:
+            raise ValueError(f"{name} must be 1-D, got shape {tuple(x.shape)}")
+        return [int(v) for v in x.tolist()]                       # plan may sync
+    return [int(v) for v in x]
+
+
+def pq_lens(sealed_lens, tail_lens, *, block_size: int) -> tuple[list[int], list[int]]:
+    """Checked host lists of a PQ plan's lengths."""
+    sl, tl_ = host_lens(sealed_lens, "sealed_lens"), host_lens(tail_lens, "tail_lens")
+    if len(sl) != len(tl_):
+        raise ValueError("sealed_lens and tail_lens must have the same length")
+    if any(n % block_size or n < 0 for n in sl):
+        raise ValueError(f"sealed_lens must be non-negative multiples of block_size={block_size}")
+    if any(n < 0 for n in tl_):
+        raise ValueError("tail_lens must be non-negative")
+    return sl, tl_
+
+
+def check_batch(plan: DecodePlan, lens: list[int]) -> None:
+    if len(lens) != plan.batch:
+        raise ValueError(f"update: the plan is for a batch of {plan.batch}, got {len(lens)} lengths")
+
+
+def fit(make, chunk: int, cap: int | None, width: int, max_per_seq: int | None = None):
+    """items, ptr = make(chunk), with chunk doubled until at most cap items (and at
+    most max_per_seq per sequence) come out, then padded with empty items to cap."""
+    while True:
+        items, ptr = make(chunk)
+        n = len(items) // width
+        per_seq = max([ptr[i + 1] - ptr[i] for i in range(len(ptr) - 1)] + [0])
+        if (cap is None or n <= cap) and (max_per_seq is None or per_seq <= max_per_seq):
+            break
+        if all(ptr[i + 1] - ptr[i] <= 1 for i in range(len(ptr) - 1)) or chunk > 1 << 40:
+            raise ValueError(f"the plan has room for {cap} work items, these lengths need {n}")
+        chunk *= 2
+    if cap is not None:
+        items = items + [0] * (width * (cap - n))
+    return items, ptr
+
+
+def capacity(n: int, batch: int, spare_items: int | None) -> int | None:
+    """Item capacity of a plan meant for update(): what it needs now plus room."""
+    return None if spare_items is None else n + max(spare_items, batch)
+
+
+def ceil(a: int, b: int) -> int:
+    return -(-a // b)

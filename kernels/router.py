@@ -1,0 +1,211 @@
+"""The one place that picks a backend for every kernel op.
+
+Three backends: the torch reference (reference.py) off the GPU; the CUDA C++ kernels
+(cuda/: cupy, sm_80+, the shapes and dtypes they take) where they apply, being the
+fastest; the Triton kernels (triton/) for everything else on CUDA. The choice is made
+from what the caller states up front (device, geometry, dtypes, q's alignment), so a
+plan never swaps itself for another at run time: `decode_backend` and `encode_backend`
+say which, and every entry point below goes through them.
+
+    plan = plan_decode("pq", sealed_lens, tail_lens, num_qo_heads=32, num_kv_heads=8,
+                       head_dim=128, block_size=16, tail_block_size=16, device=dev,
+                       dtype=q.dtype, aligned=query_aligned(q))     # once a step
+    out, lse = plan.run_pq(q, ...)                                   # per layer (plan.py)
+
+Entry points with reference.py's signatures (pq_decode_attention, paged_decode_attention,
+pq_encode_to_slots, gather_pq_blocks, write_slots) plan and run in one call: the engine's
+hot path holds plans instead. Triton and CuPy are imported on first use only: a CPU
+install never imports either.
+"""
+from __future__ import annotations
+
+import torch
+
+from . import reference, tunables
+from .cuda import attention as cuda_attention
+from .cuda import build as cuda_build
+from .cuda import encode as cuda_encode
+from .cuda import images as cuda_images
+from .plan import HALF, DecodePlan, host_lens, pq_lens, validate_heads
+
+REFERENCE, CUDA, TRITON = "reference", "cuda", "triton"
+KINDS = ("pq", "paged")
+
+
+def query_aligned(q: torch.Tensor) -> bool:
+    """q meets the CUDA attention kernel's alignment (4-byte rows, even strides): what
+    plan_decode's `aligned` asks of a caller whose q may sit anywhere in a buffer."""
+    return cuda_attention.query_aligned(q)
+
+
+def decode_backend(kind: str, *, device, num_qo_heads: int, num_kv_heads: int, head_dim: int,
+                   block_size: int, dtype: torch.dtype, kv_dtype: torch.dtype | None = None,
+                   codebook_dtype: torch.dtype | None = None, aligned: bool = True,
+                   backend: str = "auto") -> str:
+    """REFERENCE, CUDA or TRITON for a decode of this kind ("pq" or "paged").
+
+    dtype: that of q and out; kv_dtype and codebook_dtype (default: dtype): those of the
+    fp16 tail or pool and of the PQ codebooks. aligned: q and the pools meet the CUDA kernels' alignment
+    (query_aligned(q); pools the engine or a client allocates always do). backend:
+    "auto", or "cuda" / "triton" to insist (the benches and tests); "cuda" where the
+    CUDA kernels do not apply is a ValueError."""
+    if kind not in KINDS:
+        raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
+    if backend not in ("auto", CUDA, TRITON):
+        raise ValueError(f"backend must be 'auto', 'cuda' or 'triton', got {backend!r}")
+    if backend == TRITON:
+        return TRITON
+    if kind == "pq" and aligned and cuda_attention.supports(
+            num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
+            block_size=block_size, device=device, dtype=dtype,
+            kv_dtype=dtype if kv_dtype is None else kv_dtype,
+            codebook_dtype=dtype if codebook_dtype is None else codebook_dtype):
+        return CUDA
+    if backend == CUDA:
+        raise ValueError("backend='cuda': cupy is missing, or the CUDA kernels do not take this "
+                         "kind, shape, dtype or alignment")
+    return TRITON if torch.device(device).type == "cuda" else REFERENCE
+
+
+def plan_decode(kind: str, *lens, num_qo_heads: int, num_kv_heads: int, head_dim: int,
+                block_size: int, device, dtype: torch.dtype, tail_block_size: int | None = None,
+                kv_dtype: torch.dtype | None = None, codebook_dtype: torch.dtype | None = None,
+                aligned: bool = True, spare_items: int | None = None, backend: str = "auto",
+                target_ctas: int | None = None, **triton_tuning) -> DecodePlan:
+    """The plan of one decode step (plan.py: run_pq / run_paged per layer, update()).
+
+    kind "pq": lens = (sealed_lens [B] multiples of block_size, tail_lens [B]), with
+    tail_block_size the fp16 tail's block size; "paged": lens = (seq_lens [B],). Host
+    lists or tensors (read on the host). Choice of backend: decode_backend. spare_items
+    (None: a one-step plan) keeps room for that many more work items (at least B) and
+    a fixed merge width, so later steps update() its buffers and a CUDA graph captured
+    with it replays them. target_ctas: the grid size the partition aims at (default:
+    the backend's); triton_tuning: the Triton kernels' tile_pq, tile_fp, tile,
+    num_warps, num_stages, maxnreg (bench/sweep_*.py), unused by the CUDA plan.
+
+    Decode plans run on CUDA (on a CPU device only backend="triton", which runs under
+    TRITON_INTERPRET in the tests); off the GPU use pq_decode_attention /
+    paged_decode_attention, the reference."""
+    if kind not in KINDS:
+        raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
+    validate_heads(num_qo_heads, num_kv_heads, head_dim)
+    if len(lens) != (2 if kind == "pq" else 1):
+        raise ValueError(f"a {kind!r} plan takes {'(sealed_lens, tail_lens)' if kind == 'pq' else '(seq_lens,)'}")
+    if kind == "pq":
+        if tail_block_size is None:
+            raise ValueError("a 'pq' plan needs tail_block_size")
+        sl, tl_ = pq_lens(*lens, block_size=block_size)
+    else:
+        sl = host_lens(lens[0], "seq_lens")
+    which = decode_backend(kind, device=device, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads,
+                           head_dim=head_dim, block_size=block_size, dtype=dtype, kv_dtype=kv_dtype,
+                           codebook_dtype=codebook_dtype, aligned=aligned, backend=backend)
+    geo = dict(num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
+               block_size=block_size, device=device, target_ctas=target_ctas, spare_items=spare_items)
+    if which == CUDA:
+        return cuda_attention.plan_pq(sl, tl_, tail_block_size=tail_block_size, dtype=dtype, **geo)
+    if which == REFERENCE:
+        raise ValueError(f"decode plans run on CUDA devices, not {torch.device(device)}: use "
+                         "pq_decode_attention / paged_decode_attention (the reference) there")
+    from .triton import decode as triton_decode
+    if kind == "pq":
+        return triton_decode.plan_pq(sl, tl_, tail_block_size=tail_block_size, **geo, **triton_tuning)
+    return triton_decode.plan_paged(sl, **geo, **triton_tuning)
+
+
+def pq_decode_attention(q, k_codes, v_codes, k_codebook, v_codebook, sealed_tables, sealed_lens,
+                        tail_k, tail_v, tail_tables, tail_lens, scale):
+    """reference.pq_decode_attention's contract, on whichever backend applies."""
+    if q.device.type != "cuda":
+        return reference.pq_decode_attention(q, k_codes, v_codes, k_codebook, v_codebook, sealed_tables,
+                                             sealed_lens, tail_k, tail_v, tail_tables, tail_lens, scale)
+    # The kernels read fp16/bf16 codebooks: others in q's dtype (fp16 for an fp32 q).
+    cb_dt = q.dtype if q.dtype in HALF else torch.float16
+    kcb, vcb = (c if c.dtype in HALF else c.to(cb_dt) for c in (k_codebook, v_codebook))
+    kcb, vcb = kcb.contiguous(), vcb.to(kcb.dtype).contiguous()
+    sealed_tables, tail_tables = sealed_tables.to(torch.int32), tail_tables.to(torch.int32)
+    dsub = kcb.shape[-1] if kcb.dim() == 4 else 2
+    plan = plan_decode("pq", sealed_lens, tail_lens, num_qo_heads=q.shape[1], num_kv_heads=k_codes.shape[1],
+                       head_dim=q.shape[2], block_size=k_codes.shape[2], tail_block_size=tail_k.shape[2],
+                       device=q.device, dtype=q.dtype,
+                       kv_dtype=tail_k.dtype, codebook_dtype=kcb.dtype,
+                       aligned=cuda_attention.misaligned(q, k_codes, v_codes, tail_k, tail_v, dsub) is None)
+    return plan.run_pq(q, k_codes, v_codes, kcb, vcb, sealed_tables, tail_k, tail_v, tail_tables, scale)
+
+
+def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale):
+    """reference.paged_decode_attention's contract, on whichever backend applies."""
+    if q.device.type != "cuda":
+        return reference.paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale)
+    plan = plan_decode("paged", seq_lens, num_qo_heads=q.shape[1], num_kv_heads=k_cache.shape[1],
+                       head_dim=q.shape[2], block_size=k_cache.shape[2], device=q.device, dtype=q.dtype)
+    return plan.run_paged(q, k_cache, v_cache, block_tables.to(torch.int32), scale)
+
+
+# ------------------------------------------------------------------ encode
+
+def encode_backend(codebook: torch.Tensor) -> str:
+    """REFERENCE, CUDA or TRITON for PQ encoding with this codebook [Hkv, M, 256, dsub]."""
+    if not codebook.is_cuda:
+        return REFERENCE
+    return CUDA if cuda_encode.supported(codebook) else TRITON
+
+
+def pq_encode_to_slots(x, codebook, slots, k_codes=None, v_codes=None) -> None:
+    """reference.pq_encode_to_slots's contract, on whichever backend applies."""
+    which = encode_backend(codebook)
+    if which == CUDA:
+        fn = cuda_encode.pq_encode_to_slots
+    elif which == TRITON:
+        from .triton.encode import pq_encode_to_slots as fn
+    else:
+        fn = reference.pq_encode_to_slots
+    fn(x, codebook, slots, k_codes=k_codes, v_codes=v_codes)
+
+
+def prepare_encode(codebook: torch.Tensor) -> None:
+    """Build whatever pq_encode_to_slots caches per codebook now (the CUDA cell tables),
+    replacing anything cached under the same address: call it for new codebooks."""
+    if encode_backend(codebook) == CUDA:
+        cuda_encode.encode_plan(codebook, refresh=True)
+
+
+# ------------------------------------------------------- blocks and slots
+
+def gather_pq_blocks(k_codes, v_codes, k_codebook, v_codebook, block_ids):
+    """reference.gather_pq_blocks's contract: Triton on CUDA, the reference elsewhere."""
+    if k_codes.device.type != "cuda":
+        return reference.gather_pq_blocks(k_codes, v_codes, k_codebook, v_codebook, block_ids)
+    from .triton.dequantize import gather_pq_blocks as fn
+    return fn(k_codes, v_codes, k_codebook.contiguous(), v_codebook.contiguous(), block_ids)
+
+
+def write_slots(k, v, k_cache, v_cache, slots) -> None:
+    """reference.write_slots's contract: Triton on CUDA, the reference elsewhere."""
+    if k.device.type != "cuda":
+        return reference.write_slots(k, v, k_cache, v_cache, slots)
+    from .triton.slot_write import write_slots as fn
+    return fn(k, v, k_cache, v_cache, slots)
+
+
+# ---------------------------------------------------------- codebook images
+
+def codebook_images(k_codebooks, v_codebooks, num_qo_heads: int, words=None):
+    """k/v_codebooks [L, Hkv, M, 256, dsub] -> int32 [L, Hkv, IMG_WORDS]: every layer's
+    codebooks laid out for the CUDA attention kernel's bulk copies (cuda/images.py),
+    written into `words` when it fits; None where no kernel here reads such an image
+    (CPU, no CUDA kernels, no Hopper GPU, bulk copies off: tunables.TMA_MAX_ITEM_TOKENS)."""
+    if not k_codebooks.is_cuda or not cuda_build.available():
+        return None
+    return cuda_images.codebook_images(k_codebooks, v_codebooks, num_qo_heads, words)
+
+
+def layer_images(words, num_qo_heads: int, dsub: int) -> list:
+    """The per-layer images (run_pq's codebook_image) of codebook_images' result."""
+    return cuda_images.layer_images(words, num_qo_heads, dsub)
+
+
+__all__ = ["REFERENCE", "CUDA", "TRITON", "DecodePlan", "decode_backend", "plan_decode", "query_aligned",
+           "pq_decode_attention", "paged_decode_attention", "encode_backend", "pq_encode_to_slots",
+           "prepare_encode", "gather_pq_blocks", "write_slots", "codebook_images", "layer_images",
+           "tunables"]

@@ -1,0 +1,208 @@
+"""Decode attention in Triton over PQ codes (+ fp16 tail) and over plain fp16 paged KV.
+
+The plan type and its contract: kernels/plan.py. Made by the router (kernels/router.py)
+for every shape and dtype, on CUDA wherever the CUDA C++ kernels do not apply; the
+kernels themselves: decode_kernels.py. A work item is 4 ints (b, kind, lo, hi): a token
+range of one sequence over its PQ blocks (kind 0) or its fp16 blocks (kind 1).
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+import triton
+
+from kvstore.cuda.pinned import to_device
+
+from ..plan import DecodePlan, capacity, check_batch, fit, host_lens, pq_lens
+from .decode_kernels import _decode_kernel, _merge_kernel
+
+_PQ, _DENSE = 0, 1
+
+
+@functools.lru_cache(maxsize=None)
+def _sms(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return _sms(device.index if device.index is not None else torch.cuda.current_device())
+    return 1
+
+
+@dataclass(slots=True, kw_only=True)
+class TritonDecodePlan(DecodePlan):
+    """A DecodePlan for decode_kernels.py: items [capacity, 4] (b, kind, lo, hi); the
+    merge reads at most max_items items a sequence; the rest are the kernels' tuning."""
+    item_width = 4
+    max_items: int
+    tile_pq: int
+    tile_fp: int
+    num_warps: int
+    num_stages: int
+    maxnreg: int | None = None   # register cap: more resident programs to hide gather latency
+
+    def rows(self, *lens) -> tuple[list[int], list[int]]:
+        cap = self.items.shape[0]
+        if self.has_pq:
+            sl, tl_ = pq_lens(*lens, block_size=self.block_size)
+            make = lambda c: _pq_items(sl, tl_, c)           # noqa: E731
+        else:
+            sl = host_lens(lens[0], "seq_lens")
+            tl_ = sl
+            make = lambda c: _paged_items(sl, c)             # noqa: E731
+        check_batch(self, sl)
+        items, ptr = fit(make, self.chunk0, cap, 4, self.max_items)
+        if self.has_pq:
+            self.sealed_cols = max([n // self.block_size for n in sl] + [0])
+        self.tail_cols = max([triton.cdiv(n, self.tail_block_size) for n in tl_] + [0])
+        return items, ptr
+
+    # --------------------------------------------------------------- run
+    def run_pq(self, q, k_codes, v_codes, k_codebook, v_codebook, sealed_tables,
+               tail_k, tail_v, tail_tables, scale: float, out=None, lse=None,
+               trusted: bool = False, codebook_image=None):
+        """DecodePlan.run_pq. This plan always checks its arguments (trusted is the CUDA
+        plan's saving) and reads no codebook image."""
+        if not self.has_pq:
+            raise ValueError("plan was made for paged decode; use run_paged")
+        out, lse = self.check_q_out(q, out, lse)
+        m, dsub = self.check_codes(q, k_codes, v_codes, k_codebook, v_codebook, sealed_tables)
+        self.check_pool(tail_k, tail_v, tail_tables, ("tail_k", "tail_v", "tail_tables"), self.tail_cols)
+        word = torch.int32 if dsub == 2 else torch.int64
+        kw, vw = k_codebook.view(word), v_codebook.view(word)      # no copy
+        self._launch(q, out, lse, scale, k_codes, v_codes, kw, vw, sealed_tables,
+                     tail_k, tail_v, tail_tables, m, dsub, k_codebook.dtype == torch.bfloat16,
+                     tail_k.dtype)
+        return out, lse
+
+    def run_paged(self, q, k_cache, v_cache, block_tables, scale: float, out=None, lse=None,
+                  trusted: bool = False):
+        """DecodePlan.run_paged; trusted skips the checks (~40 µs of a tiny call)."""
+        if self.has_pq:
+            raise ValueError("plan was made for PQ decode; use run_pq")
+        if trusted:
+            out = torch.empty_like(q) if out is None else out
+            lse = torch.empty(self.batch, self.num_qo_heads, dtype=torch.float32, device=q.device) \
+                if lse is None else lse
+        else:
+            out, lse = self.check_q_out(q, out, lse)
+            self.check_pool(k_cache, v_cache, block_tables, ("k_cache", "v_cache", "block_tables"),
+                            self.tail_cols)
+        self._launch(q, out, lse, scale, q, q, q, q, block_tables, k_cache, v_cache,
+                     block_tables, 16, 2, False, k_cache.dtype)
+        return out, lse
+
+    def _launch(self, q, out, lse, scale, kc, vc, kw, vw, st, tk, tv, tt, m, dsub, cb_bf16,
+                dense_dtype):
+        hq, hkv = self.num_qo_heads, self.num_kv_heads
+        g = hq // hkv
+        n_items = self.items.shape[0]
+        prec = "ieee" if dense_dtype == torch.float32 else "tf32"
+        if n_items > 0:
+            _decode_kernel[(n_items, hkv)](
+                q, q.stride(0), q.stride(1), self.items, self.o_part, self.lse_part,
+                kc, vc, kc.stride(0), kc.stride(1), vc.stride(0), vc.stride(1),
+                kw, vw, st, st.stride(0),
+                tk, tv, tk.stride(0), tk.stride(1), tk.stride(2),
+                tv.stride(0), tv.stride(1), tv.stride(2), tt, tt.stride(0),
+                scale * 1.4426950408889634, hq,
+                G=g, GP=max(16, triton.next_power_of_2(g)), D=self.head_dim, M=m, DSUB=dsub,
+                BS=self.block_size, TBS=self.tail_block_size, TILE_PQ=self.tile_pq,
+                TILE_FP=self.tile_fp, HAS_PQ=self.has_pq, CB_BF16=cb_bf16, PREC=prec,
+                num_warps=self.num_warps, num_stages=self.num_stages, maxnreg=self.maxnreg)
+        _merge_kernel[(self.batch, hq)](
+            self.o_part, self.lse_part, self.item_ptr, out, out.stride(0), out.stride(1),
+            lse, lse.stride(0), hq, D=self.head_dim, MAX_ITEMS=self.max_items, num_warps=4)
+
+
+# ---------------------------------------------------------------------- plan
+
+def _chunk(total: int, n_fixed: int, hkv: int, tile: int, target_ctas: int) -> int:
+    """Tokens per split: about target_ctas programs in all, whole tiles, >= 4 tiles."""
+    items = max(1, target_ctas // hkv - n_fixed)
+    return max(4 * tile, triton.cdiv(triton.cdiv(max(total, 1), items), tile) * tile)
+
+
+def _finish(items, ptr, batch, hq, d, device, cap=None, **kw) -> TritonDecodePlan:
+    n = len(items) // 4
+    per_seq = max([ptr[i + 1] - ptr[i] for i in range(batch)] + [1])
+    dev = torch.device(device)
+    if cap is not None:         # room for update(): a fixed count and merge width
+        items = items + [0] * (4 * (cap - n))
+        n, per_seq = cap, cap
+    return TritonDecodePlan(
+        items=to_device(torch.tensor(items, dtype=torch.int32).reshape(n, 4), dev),
+        item_ptr=to_device(torch.tensor(ptr, dtype=torch.int32), dev),
+        o_part=torch.empty(max(n, 1), hq, d, dtype=torch.float32, device=dev),
+        lse_part=torch.empty(max(n, 1), hq, dtype=torch.float32, device=dev),
+        batch=batch, num_qo_heads=hq, head_dim=d, max_items=triton.next_power_of_2(per_seq),
+        **kw)
+
+
+def _pq_items(sl, tl_, chunk):
+    items, ptr = [], [0]
+    for b, (ns, nt) in enumerate(zip(sl, tl_)):
+        for lo in range(0, ns, chunk):
+            items += [b, _PQ, lo, min(ns, lo + chunk)]
+        for lo in range(0, nt, 4096):      # the tail is short; cap keeps items bounded
+            items += [b, _DENSE, lo, min(nt, lo + 4096)]
+        ptr.append(len(items) // 4)
+    return items, ptr
+
+
+def plan_pq(sl: list[int], tl_: list[int], *, num_qo_heads: int, num_kv_heads: int,
+            head_dim: int, block_size: int, tail_block_size: int, device,
+            target_ctas: int | None = None, tile_pq: int = 128, tile_fp: int = 32,
+            num_warps: int = 4, num_stages: int = 1, maxnreg: int | None = 128,
+            spare_items: int | None = None) -> TritonDecodePlan:
+    """sl / tl_: checked host lists of sealed (multiples of block_size) / tail lengths.
+    spare_items (None: a one-step plan): room for that many more work items (at least
+    B) and a fixed merge width, for update().
+
+    Defaults are the fastest of bench/sweep_pq.py on an H100 (bench/NOTES-attention.md):
+    the code -> centroid gathers are latency-bound, so many small-register programs
+    (~8 per SM at 128 registers) with 128-token tiles keep the most loads in flight."""
+    if target_ctas is None:
+        target_ctas = 8 * _num_sms(torch.device(device))
+    chunk = _chunk(sum(sl), sum(1 for n in tl_ if n > 0), num_kv_heads, tile_pq, target_ctas)
+    items, ptr = _pq_items(sl, tl_, chunk)
+    return _finish(items, ptr, len(sl), num_qo_heads, head_dim, device,
+                   cap=capacity(len(items) // 4, len(sl), spare_items),
+                   num_kv_heads=num_kv_heads, block_size=block_size,
+                   tail_block_size=tail_block_size,
+                   sealed_cols=max([n // block_size for n in sl] + [0]),
+                   tail_cols=max([triton.cdiv(n, tail_block_size) for n in tl_] + [0]),
+                   has_pq=True, tile_pq=tile_pq, tile_fp=tile_fp,
+                   num_warps=num_warps, num_stages=num_stages, maxnreg=maxnreg, chunk0=chunk)
+
+
+def _paged_items(sl, chunk):
+    items, ptr = [], [0]
+    for b, n in enumerate(sl):
+        for lo in range(0, n, chunk):
+            items += [b, _DENSE, lo, min(n, lo + chunk)]
+        ptr.append(len(items) // 4)
+    return items, ptr
+
+
+def plan_paged(sl: list[int], *, num_qo_heads: int, num_kv_heads: int, head_dim: int,
+               block_size: int, device, target_ctas: int | None = None, tile: int = 128,
+               num_warps: int = 4, num_stages: int = 3,
+               spare_items: int | None = None) -> TritonDecodePlan:
+    """sl: host list of sequence lengths; spare_items as in plan_pq. Defaults from
+    bench/sweep_paged.py on an H100 (tile 128, 4 x SMs work items: 0.98x / 0.95x SDPA
+    flash at B=8, 32K / 128K, against 0.93x with tile 64 and 2 x SMs)."""
+    if target_ctas is None:
+        target_ctas = 4 * _num_sms(torch.device(device))
+    chunk = _chunk(sum(sl), 0, num_kv_heads, tile, target_ctas)
+    items, ptr = _paged_items(sl, chunk)
+    return _finish(items, ptr, len(sl), num_qo_heads, head_dim, device,
+                   cap=capacity(len(items) // 4, len(sl), spare_items),
+                   num_kv_heads=num_kv_heads, block_size=block_size,
+                   tail_block_size=block_size, sealed_cols=0,
+                   tail_cols=max([triton.cdiv(n, block_size) for n in sl] + [0]),
+                   has_pq=False, tile_pq=64, tile_fp=tile,
+                   num_warps=num_warps, num_stages=num_stages, chunk0=chunk)

@@ -1,0 +1,34 @@
+"""Every knob of the kernels, in one place: its environment variable, its default, what it
+trades, and the measurement behind the default. Read once at import; the benches set the
+module attributes directly (the plans read them at plan time).
+
+Times are H100 SXM, Hq 32, Hkv 8, d 128, M 64, bs 16, fp16 tail of 128 tokens
+(bench/bench_cuda_pq.py, median over CUDA-graph replays with L2 flushed).
+"""
+from __future__ import annotations
+
+import os
+
+# KVSTORE_CUDA_PQ=0: the Triton kernels everywhere, never the CUDA C++ ones (which run,
+# where cupy imports and the shape fits, because they are faster: kernels/router.py).
+CUDA = os.environ.get("KVSTORE_CUDA_PQ", "1") != "0"
+
+# KVSTORE_CUDA_PQ_WARPS: warps per attention thread block. More warps keep more gathers in
+# flight but shrink each warp's share of shared memory (the code-tile ring is 4 deep up to
+# 12 warps, 3 past): 12 was the fastest of 8 / 12 / 16 at B=1 and B=8 x 32K tokens.
+NUM_WARPS = int(os.environ.get("KVSTORE_CUDA_PQ_WARPS", "12"))
+
+# KVSTORE_CUDA_PQ_TAIL_TILES: what a sequence's fp16 tail costs the block that runs it, in
+# PQ tiles per tail tile. The tail runs at the end of one block as one warp's serial chain
+# of loads and arithmetic, ~5 us against ~1.15 us a PQ tile of that warp; the partition
+# (cuda/attention.py _items) takes that many PQ tokens off the block with the tail.
+# 0: the tail counts as free.
+TAIL_TILES = float(os.environ.get("KVSTORE_CUDA_PQ_TAIL_TILES", "4"))
+
+# KVSTORE_CUDA_PQ_TMA_MAX_ITEM: on sm_90, plans whose work items average at most this many
+# PQ tokens stage the codebooks by bulk (TMA) copies of the codebook image; longer ones
+# through registers. The bulk copy starts a block ~4 us sooner, which is what short items
+# are made of; past ~16K tokens an item's tile loop dominates and the register-staging
+# build's loop runs 2-5 % faster (B=8 128K 403 vs 417 us, B=32 32K 420 vs 431, B=32 128K
+# 1698 vs 1760; a tie at 16K). 0: registers always, and no codebook image is built.
+TMA_MAX_ITEM_TOKENS = int(os.environ.get("KVSTORE_CUDA_PQ_TMA_MAX_ITEM", "16384"))

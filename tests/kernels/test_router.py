@@ -1,0 +1,128 @@
+"""The router (kernels/router.py) is the one place that picks a backend: reference off the
+GPU, CUDA C++ where its kernels take the shape, dtypes and alignment, Triton for the rest.
+
+CPU only: the GPU is stood in for by monkeypatching what the choice reads (cupy's
+availability, the device's compute capability). Nothing here imports Triton, so the
+interpreter tests (test_triton_kernels.py) still get TRITON_INTERPRET before it.
+"""
+import subprocess
+import sys
+
+import pytest
+import torch
+from kernel_cases import make_pq_case
+
+from kvstore import kernels
+from kvstore.kernels import reference as ref
+from kvstore.kernels import router, tunables
+from kvstore.kernels.cuda import attention as cuda_attention
+from kvstore.kernels.cuda import build
+
+GEO = dict(num_qo_heads=32, num_kv_heads=8, head_dim=128, block_size=16)
+
+
+@pytest.fixture
+def fake_gpu(monkeypatch):
+    """An sm_90 GPU with cupy, as far as the choice can tell."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(build, "cupy", lambda: object())
+    monkeypatch.setattr(build, "capability", lambda idx: (9, 0))
+    monkeypatch.setattr(tunables, "CUDA", True)
+
+
+def choose(kind="pq", device="cuda:0", dtype=torch.float16, **kw):
+    return kernels.decode_backend(kind, device=device, dtype=dtype, **{**GEO, **kw})
+
+
+def test_cpu_device_is_reference_for_every_op():
+    assert choose(device="cpu") == choose("paged", device="cpu") == kernels.REFERENCE
+    assert kernels.encode_backend(torch.zeros(2, 32, 256, 2)) == kernels.REFERENCE
+    # a decode plan is a GPU object: off the GPU the reference entry points serve
+    with pytest.raises(ValueError, match="reference"):
+        kernels.plan_decode("pq", [16], [3], tail_block_size=16, device="cpu", dtype=torch.float16, **GEO)
+    c = make_pq_case([2], [3], 4, 2, 64, 2, 16, 16, torch.float32, "cpu")
+    c["k_codebook"], c["v_codebook"] = c["k_codebook"].float(), c["v_codebook"].float()
+    got, want = kernels.pq_decode_attention(**c, scale=0.1), ref.pq_decode_attention(**c, scale=0.1)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    assert kernels.codebook_images(c["k_codebook"][None], c["v_codebook"][None], 4) is None
+
+
+def test_cuda_where_the_kernels_take_it_triton_elsewhere(fake_gpu, monkeypatch):
+    assert choose() == kernels.CUDA
+    assert choose(dtype=torch.bfloat16) == kernels.CUDA
+    # what the CUDA kernels do not take goes to Triton at plan time, never at run time
+    assert choose(dtype=torch.float32) == kernels.TRITON                     # fp32 q
+    assert choose(codebook_dtype=torch.bfloat16) == kernels.TRITON           # codebooks of another dtype
+    assert choose(kv_dtype=torch.float32) == kernels.TRITON                  # an fp32 tail
+    assert choose(aligned=False) == kernels.TRITON                           # q at a 2-byte offset
+    assert choose(head_dim=256) == kernels.TRITON
+    assert choose(num_qo_heads=8 * 16) == kernels.TRITON                     # GQA group of 16
+    assert choose(block_size=8) == choose(block_size=48) == kernels.TRITON   # < 16, not a power of two
+    assert choose(block_size=128) == kernels.CUDA
+    assert choose("paged") == kernels.TRITON                                 # no CUDA C++ paged kernel
+    assert choose(backend="triton") == kernels.TRITON
+    with pytest.raises(ValueError, match="backend='cuda'"):
+        choose(dtype=torch.float32, backend="cuda")
+    with pytest.raises(ValueError, match="kind"):
+        choose("dense")
+    monkeypatch.setattr(build, "capability", lambda idx: (7, 5))             # below sm_80
+    assert choose() == kernels.TRITON
+    monkeypatch.setattr(build, "capability", lambda idx: (8, 0))
+    assert choose() == kernels.CUDA
+    assert kernels.encode_backend(FakeCodebook(2, 64, 256, 2)) == kernels.CUDA
+    assert kernels.encode_backend(FakeCodebook(2, 32, 256, 4)) == kernels.CUDA
+    assert kernels.encode_backend(FakeCodebook(2, 60, 256, 2)) == kernels.TRITON  # M not a multiple of 8
+    assert kernels.encode_backend(FakeCodebook(2, 64, 16, 2)) == kernels.TRITON   # not 256 centroids
+    monkeypatch.setattr(tunables, "CUDA", False)                             # KVSTORE_CUDA_PQ=0
+    assert choose() == kernels.TRITON
+    assert kernels.encode_backend(FakeCodebook(2, 64, 256, 2)) == kernels.TRITON
+
+
+class FakeCodebook:
+    """A CUDA codebook's metadata, on a machine without a GPU."""
+    is_cuda = True
+
+    def __init__(self, *shape):
+        self.shape = shape
+
+    def dim(self):
+        return len(self.shape)
+
+
+def test_plans_follow_the_one_choice(fake_gpu, monkeypatch):
+    """plan_decode and the one-shot entry point build what decode_backend says, from
+    the dtypes and alignment they are given."""
+    made = []
+    monkeypatch.setattr(cuda_attention, "plan_pq", lambda sl, tl_, **kw: made.append((sl, tl_, kw)) or "cuda plan")
+    plan = kernels.plan_decode("pq", torch.tensor([32, 0]), [5, 7], tail_block_size=16, device="cuda:0",
+                               dtype=torch.float16, spare_items=3, **GEO)
+    assert plan == "cuda plan"
+    (sl, tl_, kw), = made
+    assert (sl, tl_) == ([32, 0], [5, 7]) and kw["dtype"] == torch.float16 and kw["spare_items"] == 3
+    asked = []
+
+    def decide(kind, **kw):
+        asked.append((kind, kw["dtype"], kw["kv_dtype"], kw["codebook_dtype"], kw["aligned"]))
+        return kernels.REFERENCE        # stop before anything is planned on a GPU
+    monkeypatch.setattr(router, "decode_backend", decide)
+    with pytest.raises(ValueError, match="reference"):
+        kernels.plan_decode("pq", [16], [3], tail_block_size=16, device="cuda:0", dtype=torch.float32,
+                            codebook_dtype=torch.float16, aligned=False, **GEO)
+    assert asked == [("pq", torch.float32, None, torch.float16, False)]
+    with pytest.raises(ValueError, match="sealed_lens"):        # lengths are checked before the choice
+        kernels.plan_decode("pq", [15], [3], tail_block_size=16, device="cuda:0", dtype=torch.float16, **GEO)
+    assert len(asked) == 1
+
+
+def test_query_alignment():
+    q = torch.zeros(3 * 4 * 64 + 1, dtype=torch.float16)
+    assert kernels.query_aligned(q[:-1].view(3, 4, 64))
+    assert not kernels.query_aligned(q[1:].view(3, 4, 64))                  # 2-byte offset
+    assert not kernels.query_aligned(torch.zeros(3, 5, 65, dtype=torch.float16)[:, :4, :64])   # odd stride
+
+
+def test_importing_the_kernels_imports_no_gpu_library():
+    code = ("import sys, kvstore.kernels, kvstore.kernels.router, kvstore.kernels.cuda.attention; "
+            "print(sorted({m.split('.')[0] for m in sys.modules} & {'triton', 'cupy'}))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
