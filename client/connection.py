@@ -57,7 +57,7 @@ class Connection:
         call with CUDA tensors returns once its outputs are in place (the host
         waits for the daemon's done event) instead of making the caller's
         stream wait for it: the GPU then never switches to the caller's
-        context just to wait (bench/NOTES-rpc.md, session 6), but the host
+        context just to wait (docs/rpc.md), but the host
         cannot queue work past the call."""
         self.target = target or f"unix://{default_socket()}"
         opts = client_options(max_message_mb)

@@ -1,4 +1,4 @@
-"""Mapped attend (DESIGN §5): the worker maps the daemon's pool once and runs
+"""Mapped attend (docs/design.md, Control plane and data planes): the worker maps the daemon's pool once and runs
 the decode kernels in its own process; the daemon keeps allocation, sharing,
 sealing, eviction and codebooks. One Reserve per step is the only RPC.
 

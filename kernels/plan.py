@@ -1,6 +1,6 @@
 """What every decode plan is, and the helpers every backend's plans share.
 
-Plan/run split as in FlashInfer's BatchDecodeWithPagedKVCacheWrapper (DESIGN §4):
+Plan/run split as in FlashInfer's BatchDecodeWithPagedKVCacheWrapper (docs/design.md, Write path, Read path):
 
     plan = router.plan_decode("pq", sealed_lens, tail_lens, num_qo_heads=32, ...)  # once a step
     out, lse = plan.run_pq(q, k_codes, v_codes, k_cb, v_cb, sealed_tables,

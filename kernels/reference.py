@@ -1,6 +1,6 @@
 """Pure-torch reference kernels: the contract the Triton kernels must meet.
 
-Layouts (DESIGN §2), per layer:
+Layouts (docs/design.md, Data model), per layer:
   fp16 block pool    k_cache, v_cache  [num_blocks, Hkv, block_size, d]
   PQ K codes         k_codes           [num_blocks, Hkv, block_size, M] uint8
   PQ V codes         v_codes           [num_blocks, Hkv, M, block_size] uint8

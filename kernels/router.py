@@ -81,7 +81,7 @@ def plan_decode(kind: str, *lens, num_qo_heads: int, num_kv_heads: int, head_dim
     a fixed merge width, so later steps update() its buffers and a CUDA graph captured
     with it replays them. target_ctas: the grid size the partition aims at (default:
     the backend's); triton_tuning: the Triton kernels' tile_pq, tile_fp, tile,
-    num_warps, num_stages, maxnreg (bench/sweep_*.py), unused by the CUDA plan.
+    num_warps, num_stages, maxnreg, unused by the CUDA plan.
 
     Decode plans run on CUDA (on a CPU device only backend="triton", which runs under
     TRITON_INTERPRET in the tests); off the GPU use pq_decode_attention /

@@ -257,7 +257,7 @@ def _wave_chunk(total: int, batch: int, hkv: int, num_sms: int, min_chunk: int,
     waves of 132 run as 5 waves of 32K tokens; k = 3 runs 13 waves of 11K). Measured, the
     gain is smaller than the wave count says (a part-empty wave gets the whole memory
     bandwidth): Llama-3-8B geometry, B=69 at 32K, 41.06 -> 40.02 ms a decode step
-    (bench/logs/bench_decode_s6_waves69.log). None: keep one item per sequence."""
+    (bench/bench_decode.py --batches c=69). None: keep one item per sequence."""
     mean = max(total, 1) / max(batch, 1)
 
     def cost(k: int) -> float:

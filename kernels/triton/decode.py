@@ -162,7 +162,7 @@ def plan_pq(sl: list[int], tl_: list[int], *, num_qo_heads: int, num_kv_heads: i
     spare_items (None: a one-step plan): room for that many more work items (at least
     B) and a fixed merge width, for update().
 
-    Defaults are the fastest of bench/sweep_pq.py on an H100 (bench/NOTES-attention.md):
+    Defaults are the fastest of a sweep of these parameters on an H100 (docs/kernels.md):
     the code -> centroid gathers are latency-bound, so many small-register programs
     (~8 per SM at 128 registers) with 128-token tiles keep the most loads in flight."""
     if target_ctas is None:
@@ -193,7 +193,7 @@ def plan_paged(sl: list[int], *, num_qo_heads: int, num_kv_heads: int, head_dim:
                num_warps: int = 4, num_stages: int = 3,
                spare_items: int | None = None) -> TritonDecodePlan:
     """sl: host list of sequence lengths; spare_items as in plan_pq. Defaults from
-    bench/sweep_paged.py on an H100 (tile 128, 4 x SMs work items: 0.98x / 0.95x SDPA
+    a sweep on an H100 (tile 128, 4 x SMs work items: 0.98x / 0.95x SDPA
     flash at B=8, 32K / 128K, against 0.93x with tile 64 and 2 x SMs)."""
     if target_ctas is None:
         target_ctas = 4 * _num_sms(torch.device(device))

@@ -1,4 +1,4 @@
-"""PQ codebooks: separate K and V codebooks per layer and KV head (DESIGN §3),
+"""PQ codebooks: separate K and V codebooks per layer and KV head (docs/design.md, Codec),
 trained with faiss k-means, stored as safetensors with their sha256."""
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Chained SHA-256 block hashes (DESIGN §6).
+"""Chained SHA-256 block hashes (docs/design.md, Prefix sharing).
 
 h_i = sha256(h_{i-1} || token ids of block i as little-endian int64 || fingerprint)
 with h_{-1} = sha256(tenant) (b"" for caches that share prefixes across

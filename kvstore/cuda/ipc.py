@@ -1,4 +1,4 @@
-"""CUDA IPC for the data planes (DESIGN §5): memory handles, inter-process
+"""CUDA IPC for the data planes (docs/design.md, Control plane and data planes): memory handles, inter-process
 events and device matching by UUID, through the CUDA driver API (libcuda,
 loaded by torch anyway) so no extra package is needed.
 

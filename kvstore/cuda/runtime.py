@@ -1,7 +1,7 @@
 """cupy's CUDA runtime bindings, for the few per-call CUDA calls of the
 daemon's hot path (stream query, event record and wait, the meta copy) made
 on raw handles: ~1-2 µs each where torch's Python API takes several times
-that (bench/NOTES-rpc.md, sessions 6-7). The handles are torch's
+that (docs/rpc.md). The handles are torch's
 (`Stream.cuda_stream`, `Event.cuda_event`): both libraries work in the
 device's primary context.
 

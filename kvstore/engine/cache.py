@@ -1,5 +1,5 @@
 """One cache namespace: its pools, tensors and sequences; allocation with
-prefix hits, fork and free. The write and read paths of DESIGN §4 are in
+prefix hits, fork and free. The write and read paths (docs/design.md) are in
 write_path.py and read_path.py. Every method validates all of its input
 before it changes any state, so a rejected call leaves the cache as it was."""
 from __future__ import annotations

@@ -1,19 +1,19 @@
 """CUDA graphs for the decode attention of small batches (AppendAttend, Attend).
 
-DESIGN §4: run launches allocate nothing and never synchronise, so they can be
+The plan/run split (docs/design.md, Read path): run launches allocate nothing and never synchronise, so they can be
 captured. A graph holds the attention launches of one layer for one batch
 shape and one pair of caller buffers (q in, out written in place); it reads
 its work items and block tables from one static int32 buffer. A call packs
 those into the graph's own pinned copy of that buffer, copies it in with one
 H2D copy, and replays: three CUDA calls where the eager path makes ~15
-Python-level ops and two argument-packing launches (bench/NOTES-rpc.md).
+Python-level ops and two argument-packing launches (docs/rpc.md).
 Work items depend only on the lengths and the plan's parameters, and every
 layer of a decode step has the same lengths: they are computed once a step.
 
 An AppendAttend's graph also writes the new tokens into the fp16 tail
 (index_put_ at slots read from the meta buffer), where k and v come from a
 registered buffer too: the two per-token copies of the eager write cost more
-host time than the whole replay (bench/NOTES-rpc.md, session 5).
+host time than the whole replay (docs/rpc.md).
 
 Off with KVSTORE_CUDA_GRAPHS=0. Only calls whose q and out are views of a
 caller's registered buffer come here (their addresses repeat call after

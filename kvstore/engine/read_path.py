@@ -57,7 +57,7 @@ class ReadPath:
         elif graphed is not None:
             pass        # replayed (or captured) into out
         else:
-            # The hot path holds a plan (DESIGN §4): block tables and work items
+            # The hot path holds a plan (docs/design.md, Read path): block tables and work items
             # built on the host and copied in one go (pinned.staged), then the
             # kernels, which take the engine's own pool tensors unchecked.
             hq, d = q.shape[1], q.shape[2]

@@ -1,4 +1,4 @@
-"""The write path of a cache (DESIGN §4): tokens go to the fp16 tail; once
+"""The write path of a cache (docs/design.md, Write path): tokens go to the fp16 tail; once
 the tail holds more than R + block_size committed tokens after the S sink
 tokens, its oldest blocks are encoded into sealed blocks (or, when another
 sequence already sealed the same content, shared). The sink blocks at the

@@ -1,7 +1,7 @@
 """Who is calling: bearer tokens -> tenants, local (Unix socket) vs remote
 peers (the tenant-scoped view of registered buffers: buffers.py).
 
-Policy (DESIGN §5):
+Policy (docs/design.md, Control plane and data planes):
 - TCP callers must send `authorization: Bearer <token>`; a missing or unknown
   token is UNAUTHENTICATED. The daemon refuses to listen on TCP without tokens.
 - Unix-socket callers are already authenticated by the socket's 0600 mode (same

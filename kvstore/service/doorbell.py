@@ -1,8 +1,8 @@
 """The doorbell: a per-step fast lane for AppendAttend beside the gRPC control
-plane (DESIGN §5), for local callers with a registered buffer.
+plane (docs/design.md, Control plane and data planes), for local callers with a registered buffer.
 
-A Python gRPC message costs ~150-250 µs a round trip (bench/NOTES-rpc.md)
-before any work, more than issue 4's whole budget. Here a step is one small
+A Python gRPC message costs ~150-250 µs a round trip (docs/rpc.md)
+before any work, as much as a whole decode step's attention budget. Here a step is one small
 struct-packed packet (protocol/bell.py) on a SOCK_SEQPACKET Unix socket next to the
 daemon's, read by a thread of its own per connection, and one status packet
 back. The connection is bound at its first packet to the (tenant, session)

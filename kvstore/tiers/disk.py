@@ -1,4 +1,4 @@
-"""The disk tier under a cache's GPU and host pools (DESIGN §7; the host
+"""The disk tier under a cache's GPU and host pools (docs/design.md, Tiers; the host
 tier: host.py).
 
 GPU pool -> pinned host pool -> LMDB. A block crosses tiers as its payload:

@@ -1,4 +1,4 @@
-"""The host tier (DESIGN §7): pinned host copies of a cache's blocks, below
+"""The host tier (docs/design.md, Tiers): pinned host copies of a cache's blocks, below
 its GPU pools and above the disk tier (disk.py). A block crosses as its
 payload (BlockIO: every layer's K then V)."""
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Moving a cache's blocks between GPU, host and disk (DESIGN §7).
+"""Moving a cache's blocks between GPU, host and disk (docs/design.md, Tiers).
 
 Policy: when an allocation would fail, the least recently used sequences that
 nobody is writing to (no pending or reserved tokens, not in the request at

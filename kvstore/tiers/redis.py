@@ -1,4 +1,4 @@
-"""A cache's view of the shared Redis tier (DESIGN §7; the store, its key
+"""A cache's view of the shared Redis tier (docs/design.md, Tiers; the store, its key
 and value format and its failure handling: redis_store.py): main-pool
 blocks that got a content hash go up to it once encoded, and the part of a
 prefix that no tier of this host has is asked of it, in one batch."""

@@ -1,4 +1,4 @@
-"""The shared cold tier on Redis or Valkey (DESIGN §7): below the host and
+"""The shared cold tier on Redis or Valkey (docs/design.md, Tiers): below the host and
 disk tiers, so that daemons on many hosts share prefix blocks.
 
 Only main-pool blocks with a content hash go there (sealed PQ blocks; full

@@ -1,4 +1,4 @@
-"""GPU data plane (issue 4): CUDA IPC buffers, remote and mapped attend, two
+"""GPU data plane : CUDA IPC buffers, remote and mapped attend, two
 worker processes, lease expiry after a killed worker. Runs on a CUDA machine."""
 import json
 import signal

@@ -1,4 +1,4 @@
-"""AppendAttendStream through the client (issue 4): the same numbers, the
+"""AppendAttendStream through the client : the same numbers, the
 same errors and the same state as unary AppendAttend; replies in order, one
 per request; a client shared by threads keeps its replies apart; interceptors
 (auth, tenants, leases, metrics) apply; past the daemon's stream limit and

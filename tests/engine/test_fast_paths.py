@@ -1,4 +1,4 @@
-"""The per-call fast paths of issue 4 (bench/bench_rpc.py) give the same
+"""The per-call fast paths (bench/bench_rpc.py) give the same
 numbers and the same errors as the general ones: CPU decode attention vs the
 reference, the slot-by-slot decode write vs the scatter, the finiteness check
 vs isfinite, and cached buffer views that never outlive their buffer."""

@@ -1,4 +1,4 @@
-"""Bad input to every RPC of a live daemon (DESIGN §8): the exact status code,
+"""Bad input to every RPC of a live daemon (docs/design.md, RPCs): the exact status code,
 a message that starts with the offending field, no state change (Stats,
 ListSequences, SequenceInfo, GetCache and the K/V of every sequence are
 byte-identical before and after), and the daemon keeps answering.

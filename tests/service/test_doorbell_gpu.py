@@ -1,4 +1,4 @@
-"""The doorbell with CUDA buffers (issue 4): a client whose host waits for
+"""The doorbell with CUDA buffers : a client whose host waits for
 the daemon's done event (host_wait) finds its output in place as the call
 returns, equal to the default client's, whose stream waits instead. Runs on
 a CUDA machine (the daemon in its own process: CUDA IPC needs two)."""

@@ -1,4 +1,4 @@
-"""Reserve commits slots whatever was written into them, so (DESIGN §5):
+"""Reserve commits slots whatever was written into them, so (docs/design.md, Control plane and data planes):
 - it is for the callers that write the pool themselves, as MapPool is: local
   (Unix socket), the default tenant or a cache that shares prefixes across
   tenants, a CUDA pool; PERMISSION_DENIED over TCP or for another tenant,

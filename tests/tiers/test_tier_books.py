@@ -1,4 +1,4 @@
-"""Every tier keeps exact books (DESIGN §7): moves onto shared blocks, room
+"""Every tier keeps exact books (docs/design.md, Tiers): moves onto shared blocks, room
 made on every path, the disk's byte bound, and what Offload made durable
 (CPU engine, small pools, a host tier and a real LMDB in tmp_path)."""
 import hashlib
