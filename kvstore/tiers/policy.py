@@ -18,15 +18,16 @@ from __future__ import annotations
 import time
 from array import array
 
-import numpy as np
 import torch
 
 from kvstore.core.sequence import Sequence
+from kvstore.cuda.pinned import to_device
 from kvstore.errors import FailedPrecondition, ResourceExhausted
 
 from .disk import DiskTier, SeqImage, block_key
 from .host import HostTier
 from .interface import TieredCache
+from .staging import to_host
 
 # Manifest fields a restart needs, written to disk but not kept in memory,
 # where the sequence holds them already (token ids as array('i')).
@@ -69,7 +70,7 @@ class Tiering:
                 self.counters["bytes_down"] += payload.numel()
                 return
         if self.disk is not None:
-            payload = payload.cpu()
+            payload = to_host(payload)
             n = self.disk.put_blocks(self.c.fingerprint, [(h, p) for (_, h), p in zip(todo, payload)])
             self.counters["bytes_down"] += n
             self.counters["spilled_blocks"] += n // payload.shape[1]
@@ -219,8 +220,8 @@ class Tiering:
     def _image(self, s: Sequence, durable: bool) -> SeqImage:
         c = self.c
         if s.tier == "gpu":
-            sealed = c.main_io.pack(s.sealed).cpu() if s.sealed else None
-            tail = c.tail_io.pack(s.tail).cpu() if s.tail else None
+            sealed = to_host(c.main_io.pack(s.sealed)) if s.sealed else None
+            tail = to_host(c.tail_io.pack(s.tail)) if s.tail else None
         else:
             self.host.settle()
             sealed = self.host.main[s.sealed] if s.sealed else None
@@ -266,12 +267,9 @@ class Tiering:
             sealed_payload = self.host.get(self.host.main, s.sealed, c.main_io.device) if s.sealed else None
             tail_payload = self.host.get(self.host.tail, s.tail, c.tail_io.device) if s.tail else None
         else:
-            pin = c.main_io.device.type == "cuda"
             sealed_payload, tail_payload = self.disk.read_sequence(
-                c.fingerprint, c.cfg.name, s.tenant, s.seq_id, s.manifest, c.main_io.block_bytes(), c.tail_io.block_bytes(), pin)
-            if pin:   # one DMA each from pinned memory
-                sealed_payload = sealed_payload.to(c.main_io.device, non_blocking=True) if n_sealed else None
-                tail_payload = tail_payload.to(c.tail_io.device, non_blocking=True) if n_tail else None
+                c.fingerprint, c.cfg.name, s.tenant, s.seq_id, s.manifest, c.main_io.block_bytes(),
+                c.tail_io.block_bytes(), c.main_io.device)
         known = min(s.hashed_upto, len(s.hashes))
         hits = {i: c.main_pool.lookup(s.hashes[c.sink_blocks + i])
                 for i in range(n_sealed) if c.sink_blocks + i < known}
@@ -287,8 +285,9 @@ class Tiering:
             new_tail = c.tail_pool.allocate(n_tail)
             assert new is not None and new_tail is not None, "GPU room was made"
             if todo:
-                c.main_io.unpack(new, sealed_payload[todo])
-                self.counters["bytes_up"] += sealed_payload[todo].numel()
+                rows = sealed_payload if len(todo) == n_sealed else sealed_payload[_ids(sealed_payload.device, todo)]
+                c.main_io.unpack(new, rows)
+                self.counters["bytes_up"] += rows.numel()
             if n_tail:
                 c.tail_io.unpack(new_tail, tail_payload)
                 self.counters["bytes_up"] += tail_payload.numel()
@@ -333,18 +332,38 @@ class Tiering:
             self._release(s)
 
     # ---------------------------------------------------------- prefix hits
-    def lookup_below(self, h: bytes) -> tuple[str, torch.Tensor] | None:
-        """(tier, payload) of a sealed block with hash h from the host or disk tier."""
+    def lookup_below(self, h: bytes) -> tuple[str, object] | None:
+        """Where below the GPU a sealed block with hash h is: ("host", host
+        block id) or ("disk", h); fetch_below reads a run of them at once."""
         if self.host is not None:
             b = self.host.main_pool.lookup(h)
             if b is not None:
-                self.host.settle()
-                return "host", self.host.main[b].clone()   # the slot may be reused before we copy
-        if self.disk is not None:
-            v = self.disk.get_block(self.c.fingerprint, h)
-            if v is not None:
-                return "disk", torch.from_numpy(np.frombuffer(v, dtype=np.uint8).copy())
+                return "host", b
+        if self.disk is not None and self.disk.has_block(self.c.fingerprint, h):
+            return "disk", h
         return None
+
+    def fetch_below(self, found: list[tuple[str, object]], device) -> torch.Tensor:
+        """Payloads [n, block bytes] uint8 on device of lookup_below's answers,
+        in order: host rows by DMA from the pinned pool, disk rows in one read
+        transaction. n < len(found) where a disk block went since its lookup
+        (another cache's spill evicted it): the leading run that is there.
+        Host rows are copied on the current stream before anything can reuse
+        their slots (a spill into the host pool queues behind them)."""
+        rows = torch.empty((len(found), self.c.main_io.block_bytes()), dtype=torch.uint8, device=device)
+        host = [i for i, (t, _) in enumerate(found) if t == "host"]
+        disk = [i for i, (t, _) in enumerate(found) if t == "disk"]
+        n = len(found)
+        if disk:
+            got = self.disk.read_blocks(self.c.fingerprint, [found[i][1] for i in disk], rows.shape[1], device)
+            if len(got) < len(disk):
+                n = disk[len(got)]
+                disk = disk[:len(got)]
+            _put_rows(rows, disk, got)
+        host = [i for i in host if i < n]
+        if host:
+            _put_rows(rows, host, self.host.get(self.host.main, [found[i][1] for i in host], device))
+        return rows[:n]
 
     def served(self, tiers: list[str]) -> None:
         """Count prefix blocks from below that a sequence got."""
@@ -390,6 +409,18 @@ class Tiering:
                 for h in s.manifest["sealed_hashes"] + s.manifest["tail_hashes"]:
                     assert not h or self.disk.pins.get(block_key(self.c.fingerprint, bytes.fromhex(h))), \
                         f"{s.seq_id}: a block of its disk copy is not pinned"
+
+
+def _ids(device, ids: list[int]) -> torch.Tensor:
+    return to_device(torch.tensor(ids, dtype=torch.long), device)
+
+
+def _put_rows(rows: torch.Tensor, idx: list[int], src: torch.Tensor) -> None:
+    """rows[idx[j]] = src[j]: one copy where idx is a run."""
+    if idx == list(range(idx[0], idx[0] + len(idx))):
+        rows[idx[0]:idx[0] + len(idx)] = src
+    else:
+        rows[_ids(rows.device, idx)] = src
 
 
 def _lru(seqs) -> Sequence | None:
