@@ -45,10 +45,16 @@ class Tiering:
         self.host = host
         self.disk = disk
         self.counters = dict(offloads_host=0, offloads_disk=0, page_ins_host=0, page_ins_disk=0,
-                             bytes_down=0, bytes_up=0, spilled_blocks=0, prefix_hits_host=0, prefix_hits_disk=0)
+                             bytes_down=0, bytes_up=0, spilled_blocks=0, prefix_hits_host=0, prefix_hits_disk=0,
+                             bytes_down_host=0, bytes_down_disk=0, bytes_up_host=0, bytes_up_disk=0)
         cache.main_pool.on_evict = self._spill_gpu_cached
         if host is not None:
             host.main_pool.on_evict = self._spill_host_cached
+
+    def _moved(self, way: str, tier: str, n: int) -> None:
+        """n bytes moved down to / up from tier: the total and the tier's share."""
+        self.counters[way] += n
+        self.counters[f"{way}_{tier}"] += n
 
     # ------------------------------------------------------------ spilling
     def _spill_gpu_cached(self, evicted: list[tuple[int, bytes]]) -> None:
@@ -67,12 +73,12 @@ class Tiering:
                     self.host.main_pool.set_hash(i, h)
                 self.host.main_pool.release(ids)           # cached on the host, findable
                 self.counters["spilled_blocks"] += len(todo)
-                self.counters["bytes_down"] += payload.numel()
+                self._moved("bytes_down", "host", payload.numel())
                 return
         if self.disk is not None:
             payload = to_host(payload)
             n = self.disk.put_blocks(self.c.fingerprint, [(h, p) for (_, h), p in zip(todo, payload)])
-            self.counters["bytes_down"] += n
+            self._moved("bytes_down", "disk", n)
             self.counters["spilled_blocks"] += n // payload.shape[1]
 
     def _spill_host_cached(self, evicted: list[tuple[int, bytes]]) -> None:
@@ -83,7 +89,7 @@ class Tiering:
         if self.c.redis is not None:      # ---- Redis tier: the ones it may not have yet (redis.py)
             self.c.redis.put([h for h, _ in items], torch.stack([p for _, p in items]))
         if self.disk is not None:
-            self.counters["bytes_down"] += self.disk.put_blocks(self.c.fingerprint, items)
+            self._moved("bytes_down", "disk", self.disk.put_blocks(self.c.fingerprint, items))
 
     def _below_has(self, h: bytes) -> bool:
         if self.host is not None and self.host.main_pool.lookup(h) is not None:
@@ -164,11 +170,11 @@ class Tiering:
             if todo:
                 payload = c.main_io.pack([s.sealed[i] for i in todo])
                 h.put(h.main, alloc, payload)
-                self.counters["bytes_down"] += payload.numel()
+                self._moved("bytes_down", "host", payload.numel())
             if s.tail:
                 payload = c.tail_io.pack(s.tail)
                 h.put(h.tail, tail_ids, payload)
-                self.counters["bytes_down"] += payload.numel()
+                self._moved("bytes_down", "host", payload.numel())
             host_main = [hits.get(i) for i in range(len(s.sealed))]
             for i, hb in zip(todo, alloc):
                 host_main[i] = hb
@@ -204,7 +210,7 @@ class Tiering:
             elif durable and not m.get("durable"):      # a pressure copy, durable from now on
                 images.append(SeqImage(c.cfg.name, s.tenant, s.seq_id, _written(s, dict(m, durable=True))))
         if images:
-            self.counters["bytes_down"] += self.disk.write_sequences(c.fingerprint, images, sync=durable)
+            self._moved("bytes_down", "disk", self.disk.write_sequences(c.fingerprint, images, sync=durable))
         elif durable:
             self.disk.sync()
         written = {(im.tenant, im.seq_id): {k: v for k, v in im.manifest.items() if k not in _HELD}
@@ -287,10 +293,10 @@ class Tiering:
             if todo:
                 rows = sealed_payload if len(todo) == n_sealed else sealed_payload[_ids(sealed_payload.device, todo)]
                 c.main_io.unpack(new, rows)
-                self.counters["bytes_up"] += rows.numel()
+                self._moved("bytes_up", s.tier, rows.numel())
             if n_tail:
                 c.tail_io.unpack(new_tail, tail_payload)
-                self.counters["bytes_up"] += tail_payload.numel()
+                self._moved("bytes_up", s.tier, tail_payload.numel())
             done = True
         finally:
             if not done:
