@@ -21,13 +21,12 @@ from array import array
 import torch
 
 from kvstore.core.sequence import Sequence
-from kvstore.cuda.pinned import to_device
 from kvstore.errors import FailedPrecondition, ResourceExhausted
 
 from .disk import DiskTier, SeqImage, block_key
 from .host import HostTier
 from .interface import TieredCache
-from .staging import to_host
+from .staging import index, put_rows, to_host
 
 # Manifest fields a restart needs, written to disk but not kept in memory,
 # where the sequence holds them already (token ids as array('i')).
@@ -291,7 +290,7 @@ class Tiering:
             new_tail = c.tail_pool.allocate(n_tail)
             assert new is not None and new_tail is not None, "GPU room was made"
             if todo:
-                rows = sealed_payload if len(todo) == n_sealed else sealed_payload[_ids(sealed_payload.device, todo)]
+                rows = sealed_payload if len(todo) == n_sealed else sealed_payload[index(sealed_payload.device, todo)]
                 c.main_io.unpack(new, rows)
                 self._moved("bytes_up", s.tier, rows.numel())
             if n_tail:
@@ -352,10 +351,9 @@ class Tiering:
     def fetch_below(self, found: list[tuple[str, object]], device) -> torch.Tensor:
         """Payloads [n, block bytes] uint8 on device of lookup_below's answers,
         in order: host rows by DMA from the pinned pool, disk rows in one read
-        transaction. n < len(found) where a disk block went since its lookup
-        (another cache's spill evicted it): the leading run that is there.
-        Host rows are copied on the current stream before anything can reuse
-        their slots (a spill into the host pool queues behind them)."""
+        transaction; n < len(found) where a disk block went since its lookup
+        (another cache's spill evicted it). Host rows are copied on the current
+        stream: a later spill into their slots queues behind the copy."""
         rows = torch.empty((len(found), self.c.main_io.block_bytes()), dtype=torch.uint8, device=device)
         host = [i for i, (t, _) in enumerate(found) if t == "host"]
         disk = [i for i, (t, _) in enumerate(found) if t == "disk"]
@@ -365,10 +363,10 @@ class Tiering:
             if len(got) < len(disk):
                 n = disk[len(got)]
                 disk = disk[:len(got)]
-            _put_rows(rows, disk, got)
+            put_rows(rows, disk, got)
         host = [i for i in host if i < n]
         if host:
-            _put_rows(rows, host, self.host.get(self.host.main, [found[i][1] for i in host], device))
+            put_rows(rows, host, self.host.get(self.host.main, [found[i][1] for i in host], device))
         return rows[:n]
 
     def served(self, tiers: list[str]) -> None:
@@ -415,18 +413,6 @@ class Tiering:
                 for h in s.manifest["sealed_hashes"] + s.manifest["tail_hashes"]:
                     assert not h or self.disk.pins.get(block_key(self.c.fingerprint, bytes.fromhex(h))), \
                         f"{s.seq_id}: a block of its disk copy is not pinned"
-
-
-def _ids(device, ids: list[int]) -> torch.Tensor:
-    return to_device(torch.tensor(ids, dtype=torch.long), device)
-
-
-def _put_rows(rows: torch.Tensor, idx: list[int], src: torch.Tensor) -> None:
-    """rows[idx[j]] = src[j]: one copy where idx is a run."""
-    if idx == list(range(idx[0], idx[0] + len(idx))):
-        rows[idx[0]:idx[0] + len(idx)] = src
-    else:
-        rows[_ids(rows.device, idx)] = src
 
 
 def _lru(seqs) -> Sequence | None:

@@ -22,6 +22,8 @@ from concurrent.futures import ThreadPoolExecutor, wait
 import numpy as np
 import torch
 
+from kvstore.cuda.pinned import to_device
+
 CHUNK_BYTES = 8 << 20       # rows per copy task and per H2D copy: the first DMA starts after 8 MiB
 THREADS = max(1, min(8, os.cpu_count() or 1))
 
@@ -85,6 +87,19 @@ def gather(sources: list, width: int, device, offset: int = 0) -> torch.Tensor:
     finally:
         wait(futures)
     return out
+
+
+def index(device, ids: list[int]) -> torch.Tensor:
+    """Row ids -> an index tensor on device (without a stall: cuda.pinned)."""
+    return to_device(torch.tensor(ids, dtype=torch.long), device)
+
+
+def put_rows(rows: torch.Tensor, idx: list[int], src: torch.Tensor) -> None:
+    """rows[idx[j]] = src[j]: one slice copy where idx is a run."""
+    if idx == list(range(idx[0], idx[0] + len(idx))):
+        rows[idx[0]:idx[0] + len(idx)] = src
+    else:
+        rows[index(rows.device, idx)] = src
 
 
 def to_host(payload: torch.Tensor) -> torch.Tensor:
