@@ -2,17 +2,21 @@
 in the same run.
 
   GPU -> host and host -> GPU GB/s of the tier moves vs a plain pinned copy of the same bytes
-  LMDB spill and restore GB/s
-  restoring an 8K-token prefix from host and from LMDB vs recomputing its prefill
-  with a Llama-3-8B-geometry layer stack (32 layers, 32 q / 8 kv heads, d 128)
+  LMDB spill (Offload, synced) and restore (Prefetch) GB/s
+  Redis put and get GB/s through the store (a redis-server this script starts on a free port)
+  restoring an 8K-token prefix (Allocate with its token ids) from host, from LMDB and from
+  Redis (a second engine with empty local tiers: another host) vs recomputing its prefill
+  with a Llama-3-8B-geometry layer stack (32 layers, 32 q / 8 kv heads, d 128, 4-bit PQ)
 
-python bench/bench_tiers.py [--tokens 8192] [--layers 32] [--device cuda]
+python bench/bench_tiers.py [--tokens 8192] [--layers 32] [--device cuda] [--redis-server PATH]
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import shutil
+import subprocess
 import tempfile
 import time
 
@@ -65,94 +69,199 @@ def prefill_stack(layers, tokens, dev, hidden=4096, hq=32, hkv=8, d=128, ffn=143
     return timed(run, dev, reps=2)
 
 
+def start_redis(binary: str | None, directory: str):
+    """A redis-server on a free port (no persistence: a cache), or None with why."""
+    try:
+        import redis
+    except ImportError:
+        return None, "redis-py is not installed (pip install 'kvstore[redis]')"
+    binary = binary or shutil.which("redis-server")
+    if binary is None:
+        return None, "no redis-server (give --redis-server PATH or put it on PATH)"
+    import socket
+    with socket.socket() as sk:
+        sk.bind(("127.0.0.1", 0))
+        port = sk.getsockname()[1]
+    proc = subprocess.Popen([binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+                             "--dir", directory, "--maxmemory", "8gb", "--maxmemory-policy", "allkeys-lru"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+    client = redis.Redis(port=port, socket_timeout=1)
+    for _ in range(200):
+        try:
+            client.ping()
+            return proc, f"redis://127.0.0.1:{port}/0"
+        except redis.RedisError:
+            if proc.poll() is not None:
+                break
+            time.sleep(0.05)
+    proc.kill()
+    return None, f"{binary} did not start"
+
+
+def wait_until(cond, what: str, timeout: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"timed out waiting for {what}")
+        time.sleep(0.01)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--tokens", type=int, default=8192)
     p.add_argument("--layers", type=int, default=32)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--redis-server", default=None, metavar="PATH",
+                   help="redis-server binary (or a wrapper) for the Redis rows; default: redis-server on PATH")
+    p.add_argument("--reps", type=int, default=3)
     p.add_argument("--skip-prefill", action="store_true")
     args = p.parse_args()
     dev, L, n = args.device, args.layers, args.tokens
     tmp = tempfile.mkdtemp(prefix="kvbench-")
+    server, url = start_redis(args.redis_server, tmp)
     try:
-        geom = ModelGeometry(L, 32, 8, 128)
-        blocks = n // 16 + 64
-        cfg = CacheConfig(name="b", model_id="llama-3-8b-geometry", geometry=geom, codec=CodecConfig("pq"),
-                          block_size=16, residual=128, num_blocks=blocks, max_sequences=4, device=dev,
-                          host_bytes=3 * blocks * (2 * L * 8 * 16 * 64 + 2 * L * 8 * 16 * 128 * 2) // 2)
-        e = Engine(dev, lmdb_path=os.path.join(tmp, "lmdb"))
-        e.create_cache(cfg)
-        g = torch.Generator().manual_seed(0)
-        e.set_codebooks("b", Codebooks(k=torch.randn(L, 8, 64, 256, 2, generator=g),
-                                       v=torch.randn(L, 8, 64, 256, 2, generator=g)))
-        # No token ids: no content hashes, so every move copies every block
-        # (with hashes, a block already below is shared instead of copied).
-        e.allocate("b", "t", "s", [])
-        chunk = 1024
+        run(args, dev, L, n, tmp, url if server is not None else None, None if server is not None else url)
+    finally:
+        if server is not None:
+            server.kill()
+            server.wait()
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def run(args, dev: str, L: int, n: int, tmp: str, url: str | None, no_redis: str | None) -> None:
+    from kvstore.tiers.redis_store import RedisConfig
+    geom = ModelGeometry(L, 32, 8, 128)
+    blocks = n // 16 + 64
+    cfg = CacheConfig(name="b", model_id="llama-3-8b-geometry", geometry=geom, codec=CodecConfig("pq"),
+                      block_size=16, residual=128, num_blocks=blocks, max_sequences=4, device=dev,
+                      host_bytes=3 * blocks * (2 * L * 8 * 16 * 64 + 2 * L * 8 * 16 * 128 * 2) // 2)
+    redis_cfg = RedisConfig(url, timeout_s=30) if url else None
+    e = Engine(dev, lmdb_path=os.path.join(tmp, "lmdb"), redis=redis_cfg)
+    g = torch.Generator().manual_seed(0)
+    cb = Codebooks(k=torch.randn(L, 8, 64, 256, 2, generator=g), v=torch.randn(L, 8, 64, 256, 2, generator=g))
+
+    def new_cache(engine, name, host=False):
+        engine.create_cache(dataclasses.replace(cfg, name=name, host_bytes=cfg.host_bytes if host else 0))
+        engine.set_codebooks(name, cb)
+        return engine.cache(name)
+
+    def fill(name, seq, prompt):
+        e.allocate(name, "t", seq, prompt)
+        chunk = min(1024, n)
         for i in range(0, n, chunk):
             k = torch.randn(L, chunk, 8, 128, dtype=torch.float16, device=dev)
-            e.append("b", "t", ["s"], k, k, [chunk])
-        cache = e.cache("b")
-        s = cache.seq("t", "s")
-        moved = (len(s.sealed) * cache.main.block_bytes() + len(s.tail) * cache.tail.block_bytes())
+            e.append(name, "t", [seq], k, k, [chunk], token_ids=[prompt[i:i + chunk]] if prompt else None)
+    cache = new_cache(e, "b", host=True)
+    # No token ids: no content hashes, so every move copies every block
+    # (with hashes, a block already below is shared instead of copied).
+    fill("b", "s", [])
+    s = cache.seq("t", "s")
+    moved = (len(s.sealed) * cache.main.block_bytes() + len(s.tail) * cache.tail.block_bytes())
 
-        # Baseline: one plain copy of the same bytes, GPU -> pinned host -> GPU.
-        src = torch.empty(moved, dtype=torch.uint8, device=dev)
-        pinned = torch.empty(moved, dtype=torch.uint8, pin_memory=dev.startswith("cuda"))
-        t_d2h_plain = timed(lambda: pinned.copy_(src, non_blocking=True), dev)
-        t_h2d_plain = timed(lambda: src.copy_(pinned, non_blocking=True), dev)
+    # Baseline: one plain copy of the same bytes, GPU -> pinned host -> GPU.
+    src = torch.empty(moved, dtype=torch.uint8, device=dev)
+    pinned = torch.empty(moved, dtype=torch.uint8, pin_memory=dev.startswith("cuda"))
+    t_d2h_plain = timed(lambda: pinned.copy_(src, non_blocking=True), dev)
+    t_h2d_plain = timed(lambda: src.copy_(pinned, non_blocking=True), dev)
+    t_down = t_up = t_spill = t_restore = float("inf")
+    for _ in range(args.reps):
+        t_down = min(t_down, timed(lambda: cache.tiering.to_host(s), dev, reps=1))
+        t_up = min(t_up, timed(lambda: cache.tiering.page_in(s, set()), dev, reps=1))
+    for _ in range(args.reps):           # LMDB: Offload (durable: committed and synced) and Prefetch
+        t_spill = min(t_spill, timed(lambda: e.offload("b", "t", ["s"]), dev, reps=1))
+        t_restore = min(t_restore, timed(lambda: e.prefetch("b", "t", ["s"]), dev, reps=1))
+        cache.changing(s)      # as a write would: the durable copy goes, the next Offload writes again
 
-        def down():
-            cache.tiering.to_host(s)
+    # An 8K-token prefix with token ids: its sealed blocks get content hashes.
+    prompt = list(range(1, n + 1))
+    fill("b", "p", prompt)
+    sealed = len(cache.seq("t", "p").sealed)
+    prefix_bytes = sealed * cache.main.block_bytes()
+    if url:
+        wait_until(lambda: cache.redis.stats()["blocks_out"] >= sealed, "the prefix's puts to Redis")
+    cache.tiering.to_host(cache.seq("t", "p"))       # host: its blocks findable there
+    e.offload("b", "t", ["p"])                        # LMDB: its blocks under their hashes
+    e.free("b", "t", ["p"])                           # the sequence goes, its blocks stay below
 
-        def up():
-            cache.tiering.page_in(s, set())
-        t_down = t_up = float("inf")
-        for _ in range(3):
+    def prefix_hit(engine, name, want):
+        """Allocate the prompt where only a tier below has it: host (cache "b"
+        with its GPU pools forgetting their hashes), LMDB (a fresh cache of the
+        same fingerprint, no host tier) or Redis (a fresh cache of another engine)."""
+        if want == "host":
+            cache.main_pool.clear_hashes()
+            cache.tail_pool.clear_hashes()
+            name = "b"
+        else:
+            new_cache(engine, name)
+        before = engine.stats(name)[name]
+        before = before["redis"]["prefix_hits"] if want == "redis" else before["tiers"]["prefix_hits_" + want]
+        sync(dev)
+        t = time.perf_counter()
+        got = engine.allocate(name, "t", "x", prompt).cached_tokens
+        sync(dev)
+        dt = time.perf_counter() - t
+        st = engine.stats(name)[name]
+        hits = (st["redis"]["prefix_hits"] if want == "redis" else st["tiers"]["prefix_hits_" + want])
+        assert hits - before == sealed and got == sealed * 16, f"{want}: {hits} of {sealed} blocks from below"
+        engine.free(name, "t", ["x"])
+        return dt
+    t_hit = {"host": float("inf"), "disk": float("inf"), "redis": float("inf")}
+    e2 = Engine(dev, redis=redis_cfg) if url else None       # another host: nothing local
+    for r in range(args.reps):
+        t_hit["host"] = min(t_hit["host"], prefix_hit(e, f"h{r}", "host"))
+        t_hit["disk"] = min(t_hit["disk"], prefix_hit(e, f"d{r}", "disk"))
+        if e2 is not None:
+            t_hit["redis"] = min(t_hit["redis"], prefix_hit(e2, f"r{r}", "redis"))
+    t_rput = float("inf")
+    if url:      # puts through the store: the prefix's blocks again, as a spill sends them
+        payload = cache.main_io.pack(list(range(sealed)))
+        hashes = [bytes([r]) * 32 for r in range(sealed)] if sealed < 256 else [os.urandom(32) for _ in range(sealed)]
+        for _ in range(args.reps):
+            tier = cache.redis
+            tier._known.clear()
+            before = tier.stats()["blocks_out"]
             sync(dev)
             t = time.perf_counter()
-            down()
-            sync(dev)
-            t_down = min(t_down, time.perf_counter() - t)
-            t = time.perf_counter()
-            up()
-            sync(dev)
-            t_up = min(t_up, time.perf_counter() - t)
-        # LMDB: Offload (durable) and restore.
-        t_spill = t_restore = float("inf")
-        for _ in range(2):
-            sync(dev)
-            t = time.perf_counter()
-            e.offload("b", "t", ["s"])
-            t_spill = min(t_spill, time.perf_counter() - t)
-            t = time.perf_counter()
-            e.prefetch("b", "t", ["s"])
-            sync(dev)
-            t_restore = min(t_restore, time.perf_counter() - t)
-            cache.changing(s)      # as a write would: the durable copy goes, the next Offload writes again
-        gb = moved / 1e9
-        rows = [
-            ("bytes moved (PQ sealed + fp16 tail)", f"{moved / 2**20:.1f} MiB", ""),
-            ("GPU->host tier move", f"{gb / t_down:.1f} GB/s", f"{t_d2h_plain / t_down:.2f}x of plain copy "
-                                                                 f"({gb / t_d2h_plain:.1f} GB/s)"),
-            ("host->GPU page-in", f"{gb / t_up:.1f} GB/s", f"{t_h2d_plain / t_up:.2f}x of plain copy "
-                                                            f"({gb / t_h2d_plain:.1f} GB/s)"),
-            ("LMDB spill (Offload, synced)", f"{gb / t_spill:.2f} GB/s", ""),
-            ("LMDB restore (Prefetch)", f"{gb / t_restore:.2f} GB/s", ""),
-        ]
-        if not args.skip_prefill:
-            t_prefill = prefill_stack(L, n, dev)
-            rows += [("recompute prefill (Llama-3-8B geometry)", f"{t_prefill * 1e3:.1f} ms", ""),
-                     (f"restore {n} tokens from host", f"{t_up * 1e3:.1f} ms", f"{t_prefill / t_up:.1f}x faster"),
-                     (f"restore {n} tokens from LMDB", f"{t_restore * 1e3:.1f} ms",
-                      f"{t_prefill / t_restore:.1f}x faster")]
-        print(f"\ntiers benchmark: device {dev} ({torch.cuda.get_device_name() if dev.startswith('cuda') else 'cpu'}),"
-              f" {n} tokens, {L} layers")
-        w = max(len(r[0]) for r in rows)
-        for a, b, c in rows:
-            print(f"  {a:<{w}}  {b:>12}  {c}")
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+            tier.put(hashes, payload)
+            wait_until(lambda: tier.stats()["blocks_out"] >= before + sealed, "Redis puts")
+            t_rput = min(t_rput, time.perf_counter() - t)
+
+    gb, pgb = moved / 1e9, prefix_bytes / 1e9
+    rows = [
+        ("bytes moved (PQ sealed + fp16 tail)", f"{moved / 2**20:.1f} MiB", ""),
+        ("GPU->host tier move", f"{gb / t_down:.1f} GB/s", f"{t_d2h_plain / t_down:.2f}x of plain copy "
+                                                             f"({gb / t_d2h_plain:.1f} GB/s)"),
+        ("host->GPU page-in", f"{gb / t_up:.1f} GB/s", f"{t_h2d_plain / t_up:.2f}x of plain copy "
+                                                        f"({gb / t_h2d_plain:.1f} GB/s)"),
+        ("LMDB spill (Offload, synced)", f"{gb / t_spill:.2f} GB/s", f"{t_spill * 1e3:.1f} ms"),
+        ("LMDB restore (Prefetch, to the device)", f"{gb / t_restore:.2f} GB/s", f"{t_restore * 1e3:.1f} ms"),
+        (f"prefix: {sealed} sealed blocks", f"{prefix_bytes / 2**20:.1f} MiB", ""),
+    ]
+    if url:
+        rows += [("Redis put (through the store, not persisted)", f"{pgb / t_rput:.2f} GB/s", f"{t_rput * 1e3:.1f} ms"),
+                 ("Redis get (prefix hit, to the device)", f"{pgb / t_hit['redis']:.2f} GB/s", "")]
+    else:
+        rows += [("Redis rows", "skipped", no_redis)]
+    for t, name in (("host", "host"), ("disk", "LMDB")):
+        rows.append((f"prefix hit from {name} (to the device)", f"{pgb / t_hit[t]:.2f} GB/s", ""))
+    if not args.skip_prefill:
+        t_prefill = prefill_stack(L, n, dev)
+        rows.append((f"recompute prefill of {n} tokens (Llama-3-8B geometry)", f"{t_prefill * 1e3:.1f} ms", ""))
+        for label, t in ((f"restore {n} tokens from host (page-in)", t_up),
+                         (f"restore {n} tokens from LMDB (Prefetch)", t_restore),
+                         (f"{n}-token prefix hit from host", t_hit["host"]),
+                         (f"{n}-token prefix hit from LMDB", t_hit["disk"]),
+                         (f"{n}-token prefix hit from Redis", t_hit["redis"])):
+            if t < float("inf"):
+                rows.append((label, f"{t * 1e3:.1f} ms", f"{t_prefill / t:.1f}x faster than recompute"))
+    print(f"\ntiers benchmark: device {dev} ({torch.cuda.get_device_name() if dev.startswith('cuda') else 'cpu'}),"
+          f" {n} tokens, {L} layers")
+    w = max(len(r[0]) for r in rows)
+    for a, b, c in rows:
+        print(f"  {a:<{w}}  {b:>12}  {c}")
+    e.close()
+    if e2 is not None:
+        e2.close()
 
 
 if __name__ == "__main__":

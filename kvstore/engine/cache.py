@@ -256,12 +256,27 @@ class Cache(WritePath, ReadPath):
             found = self.tiering.lookup_below(h) if self.tiering is not None and (sealed_range or not self.is_pq) else None
             if found is None:
                 break
-            hits.append(("below", found))     # (tier, payload)
+            hits.append(("below", found))     # (tier, where): read below, all at once
+        # Rows of the hits from below, one batched read per tier, on the device:
+        # ("below", j) is row j of payloads' concatenation, from tier below_tiers[j].
+        payloads, below_tiers = [], []
+        at = [i for i, (kind, _) in enumerate(hits) if kind == "below"]
+        if at:
+            rows = self.tiering.fetch_below([hits[i][1] for i in at], self.main_device)
+            below_tiers += [hits[i][1][0] for i in at[:len(rows)]]
+            for j, i in enumerate(at[:len(rows)]):
+                hits[i] = ("below", j)
+            if len(rows) < len(at):           # a disk block went since its lookup: the prefix ends there
+                hits = hits[:at[len(rows)]]
+            payloads.append(rows)
         # ---- Redis tier: the rest of the prefix (sealed blocks; any full block for fp16) in one batch
         first, end = len(hits), (self.sink_blocks + n_sealed if self.is_pq else len(hashes))
         if self.redis is not None and self.sink_blocks <= first < end:
             end = min(end, first + self.main_pool.num_allocatable())
-            hits += [("below", ("redis", p)) for p in self.redis.get_prefix(hashes[first:end])]
+            rows = self.redis.get_prefix(hashes[first:end], self.main_device)
+            hits += [("below", len(below_tiers) + j) for j in range(len(rows))]
+            below_tiers += ["redis"] * len(rows)
+            payloads.append(rows)
         # ----
         if hits and len(hits) * self.bs == len(prompt):
             hits.pop()     # the caller must compute at least one token to get logits
@@ -287,9 +302,12 @@ class Cache(WritePath, ReadPath):
             self.tail_pool.release([hits[i][1] for i in enc])
         below = [i for i in fresh if hits[i][0] == "below"]
         if below:
-            self.main.unpack(ids_to(self.main_device, [new[i] for i in below]),
-                             torch.stack([hits[i][1][1] for i in below]))
-            tiers = [hits[i][1][0] for i in below]
+            payload = payloads[0] if len(payloads) == 1 else torch.cat(payloads)
+            rows = [hits[i][1] for i in below]
+            if rows != list(range(len(payload))):
+                payload = payload[ids_to(payload.device, rows)]
+            self.main.unpack(ids_to(self.main_device, [new[i] for i in below]), payload)
+            tiers = [below_tiers[j] for j in rows]
             if self.tiering is not None:
                 self.tiering.served([t for t in tiers if t != "redis"])
             if self.redis is not None:

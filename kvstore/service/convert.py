@@ -73,7 +73,8 @@ def stats_reply(stats: dict[str, dict]) -> pb.StatsReply:
 
 def _tier_stats(msg: pb.CacheStats, t: dict) -> None:
     for key in ("sequences_host", "sequences_disk", "offloads_host", "offloads_disk", "page_ins_host",
-                "page_ins_disk", "bytes_down", "bytes_up", "spilled_blocks"):
+                "page_ins_disk", "bytes_down", "bytes_up", "spilled_blocks", "bytes_down_host", "bytes_down_disk",
+                "bytes_up_host", "bytes_up_disk"):
         setattr(msg, key, t[key])
     msg.prefix_hit_blocks_host = t["prefix_hits_host"]
     msg.prefix_hit_blocks_disk = t["prefix_hits_disk"]

@@ -25,13 +25,12 @@ import struct
 from collections import OrderedDict
 from dataclasses import dataclass
 
-import numpy as np
-
 import torch
 
 from kvstore.errors import ResourceExhausted
 
 from .lmdb_store import LMDBStore, entry_bytes
+from .staging import gather
 
 FP_BYTES = 32     # a cache fingerprint: sha256 (codebooks.fingerprint)
 
@@ -201,9 +200,10 @@ class DiskTier:
 
     @_under_store_lock
     def read_sequence(self, fp: bytes, cache: str, tenant: str, seq_id: str, manifest: dict, main_bytes: int,
-                      tail_bytes: int, pin: bool) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """-> (sealed rows [n, main_bytes], tail rows [t, tail_bytes]) uint8, read
-        straight from LMDB's map into (pinned) host memory: one copy per block."""
+                      tail_bytes: int, device) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """-> (sealed rows [n, main_bytes], tail rows [t, tail_bytes]) uint8 on
+        device, read straight from LMDB's map (staging.gather: parallel copies
+        into pinned memory overlapping the host-to-device copies)."""
         other = iter(range(manifest["n_other"]))
 
         def keys(hashes):
@@ -216,14 +216,10 @@ class DiskTier:
                 if not ks:
                     out.append(None)
                     continue
-                rows = torch.empty((len(ks), width), dtype=torch.uint8, pin_memory=pin)
-                arr = rows.numpy()
-                for i, k in enumerate(ks):
-                    v = txn.get(k)
-                    if v is None or len(v) != width:
-                        raise RuntimeError(f"sequence {seq_id!r} is incomplete on disk")
-                    arr[i] = np.frombuffer(v, dtype=np.uint8)
-                out.append(rows)
+                values = [txn.get(k) for k in ks]
+                if any(v is None or len(v) != width for v in values):
+                    raise RuntimeError(f"sequence {seq_id!r} is incomplete on disk")
+                out.append(gather(values, width, device))
         return out[0], out[1]
 
     @_under_store_lock
@@ -248,12 +244,23 @@ class DiskTier:
         return self.store.contains(block_key(fp, h))
 
     @_under_store_lock
-    def get_block(self, fp: bytes, h: bytes) -> bytes | None:
-        k = block_key(fp, h)
-        v = self.store.get_many([k])[0]
-        if v is not None and k in self.lru:
-            self.lru.move_to_end(k)
-        return v
+    def read_blocks(self, fp: bytes, hashes: list[bytes], width: int, device) -> torch.Tensor:
+        """Payloads [n, width] uint8 on device of the leading blocks of `hashes`
+        that are on disk (n < len(hashes) where one is missing: evicted since it
+        was looked up), in one read transaction; they become the most recent."""
+        keys = [block_key(fp, h) for h in hashes]
+        values = []
+        with self.store.reader(buffers=True) as txn:
+            for k in keys:
+                v = txn.get(k)
+                if v is None or len(v) != width:
+                    break
+                values.append(v)
+            rows = gather(values, width, device)
+        for k in keys[:len(values)]:
+            if k in self.lru:
+                self.lru.move_to_end(k)
+        return rows
 
     @_under_store_lock
     def put_blocks(self, fp: bytes, items: list[tuple[bytes, torch.Tensor]]) -> int:

@@ -18,7 +18,6 @@ from __future__ import annotations
 import time
 from array import array
 
-import numpy as np
 import torch
 
 from kvstore.core.sequence import Sequence
@@ -27,6 +26,7 @@ from kvstore.errors import FailedPrecondition, ResourceExhausted
 from .disk import DiskTier, SeqImage, block_key
 from .host import HostTier
 from .interface import TieredCache
+from .staging import index, put_rows, to_host
 
 # Manifest fields a restart needs, written to disk but not kept in memory,
 # where the sequence holds them already (token ids as array('i')).
@@ -44,10 +44,16 @@ class Tiering:
         self.host = host
         self.disk = disk
         self.counters = dict(offloads_host=0, offloads_disk=0, page_ins_host=0, page_ins_disk=0,
-                             bytes_down=0, bytes_up=0, spilled_blocks=0, prefix_hits_host=0, prefix_hits_disk=0)
+                             bytes_down=0, bytes_up=0, spilled_blocks=0, prefix_hits_host=0, prefix_hits_disk=0,
+                             bytes_down_host=0, bytes_down_disk=0, bytes_up_host=0, bytes_up_disk=0)
         cache.main_pool.on_evict = self._spill_gpu_cached
         if host is not None:
             host.main_pool.on_evict = self._spill_host_cached
+
+    def _moved(self, way: str, tier: str, n: int) -> None:
+        """n bytes moved down to / up from tier: the total and the tier's share."""
+        self.counters[way] += n
+        self.counters[f"{way}_{tier}"] += n
 
     # ------------------------------------------------------------ spilling
     def _spill_gpu_cached(self, evicted: list[tuple[int, bytes]]) -> None:
@@ -66,12 +72,12 @@ class Tiering:
                     self.host.main_pool.set_hash(i, h)
                 self.host.main_pool.release(ids)           # cached on the host, findable
                 self.counters["spilled_blocks"] += len(todo)
-                self.counters["bytes_down"] += payload.numel()
+                self._moved("bytes_down", "host", payload.numel())
                 return
         if self.disk is not None:
-            payload = payload.cpu()
+            payload = to_host(payload)
             n = self.disk.put_blocks(self.c.fingerprint, [(h, p) for (_, h), p in zip(todo, payload)])
-            self.counters["bytes_down"] += n
+            self._moved("bytes_down", "disk", n)
             self.counters["spilled_blocks"] += n // payload.shape[1]
 
     def _spill_host_cached(self, evicted: list[tuple[int, bytes]]) -> None:
@@ -82,7 +88,7 @@ class Tiering:
         if self.c.redis is not None:      # ---- Redis tier: the ones it may not have yet (redis.py)
             self.c.redis.put([h for h, _ in items], torch.stack([p for _, p in items]))
         if self.disk is not None:
-            self.counters["bytes_down"] += self.disk.put_blocks(self.c.fingerprint, items)
+            self._moved("bytes_down", "disk", self.disk.put_blocks(self.c.fingerprint, items))
 
     def _below_has(self, h: bytes) -> bool:
         if self.host is not None and self.host.main_pool.lookup(h) is not None:
@@ -163,11 +169,11 @@ class Tiering:
             if todo:
                 payload = c.main_io.pack([s.sealed[i] for i in todo])
                 h.put(h.main, alloc, payload)
-                self.counters["bytes_down"] += payload.numel()
+                self._moved("bytes_down", "host", payload.numel())
             if s.tail:
                 payload = c.tail_io.pack(s.tail)
                 h.put(h.tail, tail_ids, payload)
-                self.counters["bytes_down"] += payload.numel()
+                self._moved("bytes_down", "host", payload.numel())
             host_main = [hits.get(i) for i in range(len(s.sealed))]
             for i, hb in zip(todo, alloc):
                 host_main[i] = hb
@@ -203,7 +209,7 @@ class Tiering:
             elif durable and not m.get("durable"):      # a pressure copy, durable from now on
                 images.append(SeqImage(c.cfg.name, s.tenant, s.seq_id, _written(s, dict(m, durable=True))))
         if images:
-            self.counters["bytes_down"] += self.disk.write_sequences(c.fingerprint, images, sync=durable)
+            self._moved("bytes_down", "disk", self.disk.write_sequences(c.fingerprint, images, sync=durable))
         elif durable:
             self.disk.sync()
         written = {(im.tenant, im.seq_id): {k: v for k, v in im.manifest.items() if k not in _HELD}
@@ -219,8 +225,8 @@ class Tiering:
     def _image(self, s: Sequence, durable: bool) -> SeqImage:
         c = self.c
         if s.tier == "gpu":
-            sealed = c.main_io.pack(s.sealed).cpu() if s.sealed else None
-            tail = c.tail_io.pack(s.tail).cpu() if s.tail else None
+            sealed = to_host(c.main_io.pack(s.sealed)) if s.sealed else None
+            tail = to_host(c.tail_io.pack(s.tail)) if s.tail else None
         else:
             self.host.settle()
             sealed = self.host.main[s.sealed] if s.sealed else None
@@ -266,12 +272,9 @@ class Tiering:
             sealed_payload = self.host.get(self.host.main, s.sealed, c.main_io.device) if s.sealed else None
             tail_payload = self.host.get(self.host.tail, s.tail, c.tail_io.device) if s.tail else None
         else:
-            pin = c.main_io.device.type == "cuda"
             sealed_payload, tail_payload = self.disk.read_sequence(
-                c.fingerprint, c.cfg.name, s.tenant, s.seq_id, s.manifest, c.main_io.block_bytes(), c.tail_io.block_bytes(), pin)
-            if pin:   # one DMA each from pinned memory
-                sealed_payload = sealed_payload.to(c.main_io.device, non_blocking=True) if n_sealed else None
-                tail_payload = tail_payload.to(c.tail_io.device, non_blocking=True) if n_tail else None
+                c.fingerprint, c.cfg.name, s.tenant, s.seq_id, s.manifest, c.main_io.block_bytes(),
+                c.tail_io.block_bytes(), c.main_io.device)
         known = min(s.hashed_upto, len(s.hashes))
         hits = {i: c.main_pool.lookup(s.hashes[c.sink_blocks + i])
                 for i in range(n_sealed) if c.sink_blocks + i < known}
@@ -287,11 +290,12 @@ class Tiering:
             new_tail = c.tail_pool.allocate(n_tail)
             assert new is not None and new_tail is not None, "GPU room was made"
             if todo:
-                c.main_io.unpack(new, sealed_payload[todo])
-                self.counters["bytes_up"] += sealed_payload[todo].numel()
+                rows = sealed_payload if len(todo) == n_sealed else sealed_payload[index(sealed_payload.device, todo)]
+                c.main_io.unpack(new, rows)
+                self._moved("bytes_up", s.tier, rows.numel())
             if n_tail:
                 c.tail_io.unpack(new_tail, tail_payload)
-                self.counters["bytes_up"] += tail_payload.numel()
+                self._moved("bytes_up", s.tier, tail_payload.numel())
             done = True
         finally:
             if not done:
@@ -333,18 +337,37 @@ class Tiering:
             self._release(s)
 
     # ---------------------------------------------------------- prefix hits
-    def lookup_below(self, h: bytes) -> tuple[str, torch.Tensor] | None:
-        """(tier, payload) of a sealed block with hash h from the host or disk tier."""
+    def lookup_below(self, h: bytes) -> tuple[str, object] | None:
+        """Where below the GPU a sealed block with hash h is: ("host", host
+        block id) or ("disk", h); fetch_below reads a run of them at once."""
         if self.host is not None:
             b = self.host.main_pool.lookup(h)
             if b is not None:
-                self.host.settle()
-                return "host", self.host.main[b].clone()   # the slot may be reused before we copy
-        if self.disk is not None:
-            v = self.disk.get_block(self.c.fingerprint, h)
-            if v is not None:
-                return "disk", torch.from_numpy(np.frombuffer(v, dtype=np.uint8).copy())
+                return "host", b
+        if self.disk is not None and self.disk.has_block(self.c.fingerprint, h):
+            return "disk", h
         return None
+
+    def fetch_below(self, found: list[tuple[str, object]], device) -> torch.Tensor:
+        """Payloads [n, block bytes] uint8 on device of lookup_below's answers,
+        in order: host rows by DMA from the pinned pool, disk rows in one read
+        transaction; n < len(found) where a disk block went since its lookup
+        (another cache's spill evicted it). Host rows are copied on the current
+        stream: a later spill into their slots queues behind the copy."""
+        rows = torch.empty((len(found), self.c.main_io.block_bytes()), dtype=torch.uint8, device=device)
+        host = [i for i, (t, _) in enumerate(found) if t == "host"]
+        disk = [i for i, (t, _) in enumerate(found) if t == "disk"]
+        n = len(found)
+        if disk:
+            got = self.disk.read_blocks(self.c.fingerprint, [found[i][1] for i in disk], rows.shape[1], device)
+            if len(got) < len(disk):
+                n = disk[len(got)]
+                disk = disk[:len(got)]
+            put_rows(rows, disk, got)
+        host = [i for i in host if i < n]
+        if host:
+            put_rows(rows, host, self.host.get(self.host.main, [found[i][1] for i in host], device))
+        return rows[:n]
 
     def served(self, tiers: list[str]) -> None:
         """Count prefix blocks from below that a sequence got."""

@@ -13,7 +13,8 @@ import torch
 from kvstore.cuda.pinned import to_device
 
 from .interface import TieredCache
-from .redis_store import GET_BATCH_BYTES, HEADER_BYTES, Put, RedisStore, block_key, unpack_value
+from .redis_store import GET_BATCH_BYTES, HEADER_BYTES, Put, RedisStore, block_key, check_value
+from .staging import gather, run_all, spans
 
 log = logging.getLogger("kvstore.redis")
 KNOWN_HASHES = 1 << 16                    # per cache: hashes known to be in Redis (not put again)
@@ -112,29 +113,35 @@ class RedisTier:
                 self._known.popitem(last=False)
 
     # -------------------------------------------------------------- reads
-    def get_prefix(self, hashes: list[bytes]) -> list[torch.Tensor]:
-        """Payloads [block bytes] uint8 of the leading blocks of `hashes` that
-        Redis holds and that check out; one round trip per GET_BATCH_BYTES."""
+    def get_prefix(self, hashes: list[bytes], device) -> torch.Tensor:
+        """Payloads [n, block bytes] uint8 on device of the leading n blocks of
+        `hashes` that Redis holds and that check out: pipelines of up to
+        GET_BATCH_BYTES read in parallel, the values checked on the copy
+        threads, the payloads copied straight into pinned memory and on to
+        the device (staging.gather)."""
         fp, width = self.c.fingerprint, self.c.main_io.block_bytes()
         per = max(1, GET_BATCH_BYTES // (HEADER_BYTES + width))
-        out: list[torch.Tensor] = []
-        for start in range(0, len(hashes), per):
-            chunk = hashes[start:start + per]
-            values = self.store.get_many([block_key(fp, h) for h in chunk])
-            if values is None:
+        chunks = [hashes[a:a + per] for a in range(0, len(hashes), per)]
+        replies = self.store.get_batches([[block_key(fp, h) for h in c] for c in chunks])
+        values = []
+        for chunk, got in zip(chunks, replies):
+            if got is None:
                 self._count(errors=1)
                 break
-            for h, v in zip(chunk, values):
-                p = unpack_value(v, fp, h, width) if v is not None else None
-                if p is None:
-                    self._miss(h, refused=v is not None)
-                    break
-                out.append(p)
-            if len(out) < start + len(chunk):
+            values += got
+            if any(v is None for v in got):
                 break
-        if out:
-            self._remember(hashes[:len(out)])
-        return out
+
+        def check(a: int, b: int) -> list[bool]:
+            return [values[i] is not None and check_value(values[i], fp, hashes[i], width) for i in range(a, b)]
+        ok = [x for part in run_all(check, spans(len(values), HEADER_BYTES + width)) for x in part]
+        n = ok.index(False) if False in ok else len(ok)
+        if n < len(values):       # (n == len(values) < len(hashes): Redis failed, counted above)
+            self._miss(hashes[n], refused=values[n] is not None)
+        rows = gather(values[:n], width, device, offset=HEADER_BYTES)
+        if n:
+            self._remember(hashes[:n])
+        return rows
 
     def served(self, n: int) -> None:
         """Count n prefix blocks from Redis that a sequence got (a lookup may

@@ -71,6 +71,14 @@ def render_stats(reply) -> str:
         if c.sequences_host or c.sequences_disk or c.page_ins_host or c.page_ins_disk:
             out.append(f"  sequences host/disk {c.sequences_host}/{c.sequences_disk}, page-ins host/disk "
                        f"{c.page_ins_host}/{c.page_ins_disk}, offloads host/disk {c.offloads_host}/{c.offloads_disk}")
+        if c.bytes_down or c.bytes_up or c.redis_state:
+            hits = [f"host {c.prefix_hit_blocks_host}", f"disk {c.prefix_hit_blocks_disk}"]
+            moved = [f"host {_mib(c.bytes_down_host)}/{_mib(c.bytes_up_host)}",
+                     f"disk {_mib(c.bytes_down_disk)}/{_mib(c.bytes_up_disk)}"]
+            if c.redis_state:
+                hits.append(f"redis {c.prefix_hit_blocks_redis}")
+                moved.append(f"redis {_mib(c.redis_bytes_out)}/{_mib(c.redis_bytes_in)}")
+            out.append(f"  prefix hit blocks by tier: {', '.join(hits)}; bytes down/up by tier: {', '.join(moved)}")
         if c.redis_state:
             out.append(f"  redis {c.redis_state}: {c.prefix_hit_blocks_redis} blocks in ({_mib(c.redis_bytes_in)}), "
                        f"{c.redis_blocks_out} out ({_mib(c.redis_bytes_out)}), {c.redis_misses} misses, "

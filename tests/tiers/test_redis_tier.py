@@ -271,6 +271,7 @@ def test_two_daemons_share_prefix_blocks_through_redis(tmp_path, redis_server, c
             assert torch.equal(x, y)
 
         # Redis killed: every call still succeeds on both daemons.
+        keys = r.dbsize()
         redis_server.kill()
         assert b.allocate("c", "b-down", prompt(2)) == 0
         b.free("c", ["b-down"])
@@ -284,6 +285,7 @@ def test_two_daemons_share_prefix_blocks_through_redis(tmp_path, redis_server, c
 
         # Restarted with its AOF: B's hits resume, no daemon restarted.
         redis_server.start()
+        assert redis_server.client().dbsize() == keys, "the AOF brought back every block"
         n = [0]
 
         def b_hits():

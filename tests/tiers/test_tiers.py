@@ -74,6 +74,29 @@ def test_offload_page_in_is_bit_exact(tmp_path, codec, via):
     e.check_invariants()
 
 
+def test_bytes_moved_are_counted_per_tier(tmp_path):
+    from kvstore.service.metrics import Metrics
+    e = make_engine(tmp_path, host_bytes=1 << 20, block_size=16)
+    fill(e, "a", 77, 1)
+    cache = e.cache("c")
+    s = cache.seq(T, "a")
+    main, tail = cache.main_io.block_bytes(), cache.tail_io.block_bytes()
+    size = len(s.sealed) * main + len(s.tail) * tail
+    cache.tiering.to_host(s)
+    e.prefetch("c", T, ["a"])            # host -> GPU
+    e.offload("c", T, ["a"])             # GPU -> disk
+    e.prefetch("c", T, ["a"])            # disk -> GPU
+    t = e.stats()["c"]["tiers"]
+    assert (t["bytes_down_host"], t["bytes_up_host"], t["bytes_down_disk"], t["bytes_up_disk"]) == (size,) * 4
+    assert t["bytes_down"] == 2 * size and t["bytes_up"] == 2 * size
+    m = Metrics()
+    m.bind(engine=e)
+    out = m.render()
+    for way in ("down", "up"):
+        for tier in ("host", "disk"):
+            assert f'kvstore_tier_bytes_{way}_total{{cache="c",tier="{tier}"}} {float(size)}' in out
+
+
 @pytest.mark.parametrize("codec", ["pq", "fp16"])
 def test_pressure_serves_four_times_the_pool(tmp_path, codec):
     # 16 GPU blocks; 8 sequences of 64 tokens need 8 blocks each = 64 blocks = 4N.

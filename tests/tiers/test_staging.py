@@ -1,0 +1,38 @@
+"""staging.gather: many host buffers into one device tensor, copied by
+threads in chunks (CPU here; the pinned-memory path on a GPU)."""
+import numpy as np
+import pytest
+import torch
+
+from kvstore.tiers import staging
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("n, width, offset", [(1, 7, 0), (13, 1000, 88), (40, 4096, 3)])
+def test_gather_copies_every_row_at_its_offset(monkeypatch, device, n, width, offset):
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("no CUDA")
+    monkeypatch.setattr(staging, "CHUNK_BYTES", 3 * width)      # several chunks, so several threads
+    rng = np.random.default_rng(n)
+    want = rng.integers(0, 256, size=(n, width), dtype=np.uint8)
+    sources = [bytes(rng.integers(0, 256, size=offset, dtype=np.uint8)) + row.tobytes()
+               + b"tail" for row in want]
+    sources[0] = memoryview(sources[0])                          # LMDB hands out memoryviews
+    out = staging.gather(sources, width, device, offset=offset)
+    assert out.shape == (n, width) and out.device.type == device
+    assert torch.equal(out.cpu(), torch.from_numpy(want))
+
+
+def test_gather_of_nothing_and_errors_wait_for_every_thread(monkeypatch):
+    assert staging.gather([], 16, "cpu").shape == (0, 16)
+    monkeypatch.setattr(staging, "CHUNK_BYTES", 16)
+    done = []
+
+    def fn(a, b):
+        if a == 0:
+            raise ValueError("first span")
+        done.append(a)
+        return a
+    with pytest.raises(ValueError, match="first span"):
+        staging.run_all(fn, staging.spans(8, 16))
+    assert sorted(done) == list(range(1, 8)), "every other span ran to its end before the error surfaced"
