@@ -31,6 +31,7 @@ from kvstore.cuda.pinned import copy_into
 
 FLOAT = (torch.float16, torch.bfloat16, torch.float32)
 HALF = (torch.float16, torch.bfloat16)
+HEAD_DIMS = (64, 128, 256)      # what every GPU decode plan takes (Triton; CUDA C++ 64 and 128)
 
 
 @dataclass(slots=True, kw_only=True)
@@ -203,7 +204,7 @@ def check_encode_args(x, slots, k_codes, v_codes, hkv: int, m: int, dsub: int, d
 def validate_heads(hq: int, hkv: int, d: int) -> None:
     if hkv <= 0 or hq % hkv:
         raise ValueError(f"num_qo_heads ({hq}) must be a multiple of num_kv_heads ({hkv})")
-    if d not in (64, 128, 256):
+    if d not in HEAD_DIMS:
         raise ValueError(f"head_dim must be 64, 128 or 256, got {d}")
 
 

@@ -33,7 +33,7 @@ from .cuda import attention as cuda_attention
 from .cuda import build as cuda_build
 from .cuda import encode as cuda_encode
 from .cuda import images as cuda_images
-from .plan import HALF, DecodePlan, host_lens, pq_lens, validate_heads
+from .plan import HALF, HEAD_DIMS, DecodePlan, host_lens, pq_lens, validate_heads
 
 REFERENCE, CUDA, TRITON = "reference", "cuda", "triton"
 KINDS = ("pq", "paged")
@@ -231,7 +231,7 @@ def layer_images(words, num_qo_heads: int, dsub: int) -> list:
     return cuda_images.layer_images(words, num_qo_heads, dsub)
 
 
-__all__ = ["REFERENCE", "CUDA", "TRITON", "DecodePlan", "decode_backend", "plan_decode", "query_aligned",
+__all__ = ["HEAD_DIMS", "REFERENCE", "CUDA", "TRITON", "DecodePlan", "decode_backend", "plan_decode", "query_aligned",
            "pq_decode_attention", "paged_decode_attention", "encode_backend", "pq_encode_to_slots",
            "prepare_encode", "gather_pq_blocks", "write_slots", "codebook_images", "layer_images",
            "tunables"]
