@@ -154,14 +154,6 @@ class CacheConfig:
         """The layer's sliding window in tokens; 0: it reads every token."""
         return self.layer_windows[layer] if self.layer_windows else 0
 
-    def dead_before(self, length: int) -> int:
-        """Positions below this one no layer of a sequence of `length` tokens reads
-        again, now or later (windows only move forward): 0 unless every layer slides."""
-        w = self.layer_windows
-        if not w or 0 in w:
-            return 0
-        return max(0, length - max(w))
-
     # --- derived sizes
     @property
     def m(self) -> int:

@@ -61,14 +61,6 @@ def test_config_refuses_bad_windows_and_softcap(windows, softcap, field):
     assert err.value.field == field
 
 
-def test_dead_before_only_when_every_layer_slides():
-    cfg = config("fp16")
-    assert dataclasses.replace(cfg, layer_windows=(8, 0)).dead_before(100) == 0
-    assert dataclasses.replace(cfg, layer_windows=(8, 24)).dead_before(100) == 76
-    assert dataclasses.replace(cfg, layer_windows=(8, 24)).dead_before(10) == 0
-    assert cfg.dead_before(100) == 0
-
-
 def test_gpu_cache_with_unsupported_head_dim_is_refused_at_creation():
     """The GPU decode kernels take head_dim 64, 128, 256: a CUDA cache of another is refused
     before anything is allocated, naming the field (a CPU cache takes it)."""
