@@ -10,8 +10,11 @@
 
 How a step runs (any decoder-only model whose attention calls
 `past_key_values.update` then the registered attention function: Llama,
-Qwen2, SmolLM, Mistral, Gemma-style GQA without sliding windows):
-  - prefill (a forward of n > 1 tokens): attention in-process on exact K/V
+Qwen2/3, SmolLM, Mistral, Phi-3, Gemma-2/3: sliding-window layers and logit
+soft-capping go to the daemon with the cache spec, hf_variants.py; what it
+cannot run is refused at construction, naming the feature):
+  - prefill (a forward of n > 1 tokens): attention in-process on exact K/V, by
+    the model's own attention implementation (eager for Gemma-2's soft-cap)
     (a cached prefix comes back from `Retrieve`, dequantized); the last
     layer's update sends the new tokens of all layers in one Append with their
     token ids (so later prompts can hit them).
@@ -34,12 +37,14 @@ import warnings
 import grpc
 import torch
 
+from . import hf_variants
 from .client import KVStoreClient
 from .hf_cache import FALLBACK_ERRORS, KVStoreCache, take_decode_target
 
 ATTN = "kvstore"
 DEFAULT_PQ_SINKS = 32     # bench/ACCURACY.md: 32 sinks keep 4-bit PQ within 0.5 % at R = 128
 _registered = False
+_inner: dict[int, str | None] = {}     # id(config) -> the attention implementation it had before
 
 
 def register() -> None:
@@ -57,15 +62,19 @@ def register() -> None:
 def kvstore_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
     """query [B, Hq, n, d], key/value [B, Hkv, kv, d] -> ([B, n, Hq, d], None).
     Decode steps of a KVStoreCache go to the daemon; everything else (prefill,
-    fallback, plain caches) is sdpa in-process."""
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    fallback, plain caches) runs in-process by the model's own attention."""
     ctx = take_decode_target()
     if ctx is not None and ctx[1] == module.layer_idx:
+        ctx[0].adapter.variant.check_call(module.layer_idx, kwargs)
         out, key, value = ctx[0].decode_attention(module.layer_idx, query, key, value, scaling)
         if out is not None:
             return out, None
-    return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
-                                  **kwargs)
+    impl = _inner.get(id(module.config), "sdpa")
+    fn = hf_variants.inner_attention(module, impl)
+    if impl != "sdpa":
+        # the registered mask is sdpa's (bool, or None for plain causal); eager adds a float one
+        attention_mask = hf_variants.as_additive_mask(attention_mask, query, key)
+    return fn(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
 
 
 class KVStoreAdapter:
@@ -88,6 +97,7 @@ class KVStoreAdapter:
         if sink_tokens is None:
             sink_tokens = math.ceil(DEFAULT_PQ_SINKS / block_size) * block_size if codec == "pq" else 0
         c = model.config.get_text_config(decoder=True)
+        self.variant = hf_variants.detect(model, c)       # ValueError naming what the daemon cannot run
         self.model, self.target, self.cache_name, self.codec = model, target, cache, codec
         self.codebooks, self.transform, self.timeout = codebooks, transform, timeout
         self.num_layers = c.num_hidden_layers
@@ -98,6 +108,10 @@ class KVStoreAdapter:
                          head_dim=self.head_dim, dtype="bfloat16" if model.dtype == torch.bfloat16 else "float16",
                          codec=codec, block_size=block_size, residual=residual, num_blocks=num_blocks,
                          max_sequences=max_sequences, sink_tokens=sink_tokens)
+        if self.variant.windows:
+            self.spec["layer_windows"] = list(self.variant.windows)
+        if self.variant.softcap:
+            self.spec["logit_softcap"] = self.variant.softcap
         if codec == "pq":
             from safetensors.torch import load
             self.spec["num_subvectors"] = load(codebooks)["k"].shape[2]
@@ -108,7 +122,9 @@ class KVStoreAdapter:
         register()
         self._configs = {id(m.config): m.config for m in model.modules() if getattr(m, "config", None) is not None}
         self._old_attn = {k: c._attn_implementation for k, c in self._configs.items()}
-        for c in self._configs.values():    # sub-configs (e.g. a decoder's) carry their own attribute
+        for k, c in self._configs.items():    # sub-configs (e.g. a decoder's) carry their own attribute
+            if self._old_attn[k] != ATTN:
+                _inner[k] = self._old_attn[k]
             c._attn_implementation = ATTN
         self._hook = model.register_forward_pre_hook(self._pre_forward, with_kwargs=True)
 
@@ -144,6 +160,7 @@ class KVStoreAdapter:
         self._hook.remove()
         for k, c in self._configs.items():
             c._attn_implementation = self._old_attn[k]
+            _inner.pop(k, None)
         if self._kv is not None:
             self._kv.close()
             self._kv = None

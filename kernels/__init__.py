@@ -13,7 +13,7 @@ Importing this package imports neither Triton nor CuPy: the router does, on firs
 """
 from . import reference, tunables
 from .plan import DecodePlan
-from .router import (CUDA, REFERENCE, TRITON, codebook_images, decode_backend,
+from .router import (CUDA, HEAD_DIMS, REFERENCE, TRITON, codebook_images, decode_backend,
                      encode_backend, gather_pq_blocks, layer_images, paged_decode_attention,
                      plan_decode, pq_decode_attention, pq_encode_to_slots, prepare_encode,
                      query_aligned, write_slots)

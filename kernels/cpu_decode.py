@@ -38,10 +38,15 @@ def dequantize_tokens(k_codes: torch.Tensor, v_codes: torch.Tensor, k_codebook: 
     return k.float(), v.float()
 
 
-def attend_one(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-    """q [Hq, d]; k, v [Hkv, n, d] fp32 (n >= 1) -> out [Hq, d] fp32."""
+def attend_one(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+               softcap: float = 0.0) -> torch.Tensor:
+    """q [Hq, d]; k, v [Hkv, n, d] fp32 (n >= 1) -> out [Hq, d] fp32. softcap > 0: scores
+    s become softcap * tanh(s / softcap) (reference.attention_dense)."""
     hq, d = q.shape
     hkv = k.shape[0]
     qg = (q.float() * scale).view(hkv, hq // hkv, d)
-    p = torch.softmax(torch.bmm(qg, k.transpose(1, 2)), dim=-1)     # [Hkv, g, n]
+    s = torch.bmm(qg, k.transpose(1, 2))                             # [Hkv, g, n]
+    if softcap:
+        s = softcap * torch.tanh(s / softcap)
+    p = torch.softmax(s, dim=-1)
     return torch.bmm(p, v).view(hq, d)

@@ -13,6 +13,11 @@ launches an attention kernel and a log-sum-exp merge: it allocates nothing when 
 refills the same buffers for new lengths, so a captured graph replays the new step.
 Semantics are those of reference.pq_decode_attention / paged_decode_attention.
 
+A layer with a sliding window plans with start indices after the lengths: ("pq")
+(sealed_lens, tail_lens, sealed_starts, tail_starts), ("paged") (seq_lens, starts);
+window_starts / pq_window_starts turn a window into them. `softcap` (> 0: scores go
+through softcap * tanh(s / softcap)) is a plan parameter.
+
 This module imports neither Triton nor CuPy: the router and both backends import it.
 """
 from __future__ import annotations
@@ -26,6 +31,7 @@ from kvstore.cuda.pinned import copy_into
 
 FLOAT = (torch.float16, torch.bfloat16, torch.float32)
 HALF = (torch.float16, torch.bfloat16)
+HEAD_DIMS = (64, 128, 256)      # what every GPU decode plan takes (Triton; CUDA C++ 64 and 128)
 
 
 @dataclass(slots=True, kw_only=True)
@@ -53,6 +59,7 @@ class DecodePlan:
     tail_cols: int
     has_pq: bool
     chunk0: int              # split size the plan was made with (rows() starts there)
+    softcap: float = 0.0     # > 0: every score s becomes softcap * tanh(s / softcap)
 
     @property
     def capacity(self) -> int:
@@ -65,7 +72,8 @@ class DecodePlan:
         For CUDA graphs: the item count, workspace and merge width stay those of the
         plan (splits grow until the items fit; unused items are empty and never merged),
         so a graph captured with this plan replays correctly after update(). Arguments
-        as the plan's: (sealed_lens, tail_lens) for a PQ plan, (seq_lens,) for a paged one."""
+        as the plan's: (sealed_lens, tail_lens[, sealed_starts, tail_starts]) for a PQ plan,
+        (seq_lens[, starts]) for a paged one."""
         items, ptr = self.rows(*lens)
         copy_into(self.items, torch.tensor(items, dtype=torch.int32))
         copy_into(self.item_ptr, torch.tensor(ptr, dtype=torch.int32))
@@ -196,7 +204,7 @@ def check_encode_args(x, slots, k_codes, v_codes, hkv: int, m: int, dsub: int, d
 def validate_heads(hq: int, hkv: int, d: int) -> None:
     if hkv <= 0 or hq % hkv:
         raise ValueError(f"num_qo_heads ({hq}) must be a multiple of num_kv_heads ({hkv})")
-    if d not in (64, 128, 256):
+    if d not in HEAD_DIMS:
         raise ValueError(f"head_dim must be 64, 128 or 256, got {d}")
 
 
@@ -220,6 +228,39 @@ def pq_lens(sealed_lens, tail_lens, *, block_size: int) -> tuple[list[int], list
     if any(n < 0 for n in tl_):
         raise ValueError("tail_lens must be non-negative")
     return sl, tl_
+
+
+def range_starts(starts, lens: list[int], name: str) -> list[int]:
+    """Checked host list of per-sequence start indices into ranges of these lengths
+    (None: zeros): 0 <= start <= len."""
+    if starts is None:
+        return [0] * len(lens)
+    st = host_lens(starts, name)
+    if len(st) != len(lens) or any(not 0 <= a <= n for a, n in zip(st, lens)):
+        raise ValueError(f"{name} must hold one start in [0, length] per sequence")
+    return st
+
+
+def window_start(length: int, window: int) -> int:
+    """The first position a decode query at position length - 1 reads under a sliding
+    window of `window` tokens (0: none). transformers' convention (masking_utils
+    sliding_window_overlay: kv_idx > q_idx - window): the last `window` positions,
+    the query's own included."""
+    return max(0, length - window) if window else 0
+
+
+def pq_window_starts(length: int, window: int, sinks: int, sealed_tokens: int) -> tuple[int, int]:
+    """(sealed start, tail start) of a PQ sequence's window, in the kernels' coordinates
+    (core/sequence.py's layout): the tail table holds positions [0, sinks) and then
+    [sinks + sealed_tokens, length); the sealed blocks [sinks, sinks + sealed_tokens).
+    A window is a suffix of positions, so it is a suffix of each range: sink tokens
+    outside it are not read (a windowed layer never sees them)."""
+    ws = window_start(length, window)
+    if ws < sinks:
+        return 0, ws
+    if ws < sinks + sealed_tokens:
+        return ws - sinks, sinks
+    return sealed_tokens, ws - sealed_tokens
 
 
 def check_batch(plan: DecodePlan, lens: list[int]) -> None:

@@ -11,6 +11,12 @@ Every attention returns (out [B, Hq, d] in q's dtype, lse [B, Hq] fp32) so that
 partial results over disjoint key sets merge exactly (`merge_attention`).
 Computation is fp32 (fp64 if the inputs are fp64); rows with no keys give
 out = 0 and lse = -inf.
+
+Sliding windows: every attention takes per-sequence start indices (`starts`,
+`sealed_starts`, `tail_starts`): only tokens [start, len) of each range are read.
+The caller maps a layer's window onto them (plan.window_starts). softcap > 0
+replaces every score s (already scaled) by softcap * tanh(s / softcap), as
+Gemma-2's attn_logit_softcapping does.
 """
 from __future__ import annotations
 
@@ -99,7 +105,7 @@ def gather_fp16_blocks(k_cache: torch.Tensor, v_cache: torch.Tensor,
 # ---------------------------------------------------------------- attention
 
 def attention_dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                    scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+                    scale: float, softcap: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
     """One sequence. q [Hq, d]; k, v [n, Hkv, d] -> out [Hq, d] (acc dtype), lse [Hq]."""
     hq, d = q.shape
     n, hkv, _ = k.shape
@@ -110,6 +116,8 @@ def attention_dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     g = hq // hkv
     qg = q.to(acc).view(hkv, g, d)
     s = torch.einsum("hgd,nhd->hgn", qg, k.to(acc)) * scale     # [Hkv, g, n]
+    if softcap:
+        s = softcap * torch.tanh(s / softcap)
     lse = torch.logsumexp(s, dim=-1)
     p = torch.exp(s - lse.unsqueeze(-1))
     out = torch.einsum("hgn,nhd->hgd", p, v.to(acc))
@@ -129,13 +137,19 @@ def merge_attention(o1: torch.Tensor, lse1: torch.Tensor,
     return o1 * w1 + o2 * w2, lse
 
 
+def _start(starts, b: int) -> int:
+    return 0 if starts is None else int(starts[b])
+
+
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, seq_lens: torch.Tensor,
-                           scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+                           scale: float, starts=None, softcap: float = 0.0
+                           ) -> tuple[torch.Tensor, torch.Tensor]:
     """fp16 paged decode attention.
 
     q [B, Hq, d]; k_cache, v_cache [nb, Hkv, bs, d]; block_tables [B, max_blocks]
-    int32; seq_lens [B] int32 (tokens) -> out [B, Hq, d] (q dtype), lse [B, Hq] fp32.
+    int32; seq_lens [B] int32 (tokens); starts [B] (None: zeros): sequence b attends
+    to its tokens [starts[b], seq_lens[b]) -> out [B, Hq, d] (q dtype), lse [B, Hq] fp32.
     """
     bs = k_cache.shape[2]
     outs, lses = [], []
@@ -143,7 +157,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         n = int(seq_lens[b])
         nblk = (n + bs - 1) // bs
         k, v = gather_fp16_blocks(k_cache, v_cache, block_tables[b, :nblk])
-        o, l = attention_dense(q[b], k[:n], v[:n], scale)
+        lo = _start(starts, b)
+        o, l = attention_dense(q[b], k[lo:n], v[lo:n], scale, softcap)
         outs.append(o)
         lses.append(l)
     return torch.stack(outs).to(q.dtype), torch.stack(lses).float()
@@ -155,13 +170,16 @@ def pq_decode_attention(q: torch.Tensor,
                         sealed_tables: torch.Tensor, sealed_lens: torch.Tensor,
                         tail_k: torch.Tensor, tail_v: torch.Tensor,
                         tail_tables: torch.Tensor, tail_lens: torch.Tensor,
-                        scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+                        scale: float, sealed_starts=None, tail_starts=None,
+                        softcap: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
     """Decode attention over PQ-coded sealed blocks plus an fp16 paged tail.
 
     q [B, Hq, d]; k_codes [nb, Hkv, bs, M] u8; v_codes [nb, Hkv, M, bs] u8;
     k/v_codebook [Hkv, M, 256, dsub]; sealed_tables [B, S] int32;
     sealed_lens [B] int32 (tokens, multiple of bs); tail_k/v [nt, Hkv, bs, d];
-    tail_tables [B, T] int32; tail_lens [B] int32.
+    tail_tables [B, T] int32; tail_lens [B] int32; sealed_starts, tail_starts [B]
+    (None: zeros): only sealed tokens [sealed_starts[b], sealed_lens[b]) and tail
+    tokens [tail_starts[b], tail_lens[b]) are attended to.
     Token order: sealed tokens, then tail tokens.
     -> out [B, Hq, d] (q dtype), lse [B, Hq] fp32.
     """
@@ -174,8 +192,9 @@ def pq_decode_attention(q: torch.Tensor,
         ks, vs = gather_pq_blocks(k_codes, v_codes, k_codebook, v_codebook,
                                   sealed_tables[b, : ns // bs])
         kt, vt = gather_fp16_blocks(tail_k, tail_v, tail_tables[b, : (nt + tbs - 1) // tbs])
-        o1, l1 = attention_dense(q[b], ks, vs, scale)
-        o2, l2 = attention_dense(q[b], kt[:nt], vt[:nt], scale)
+        s0, t0 = _start(sealed_starts, b), _start(tail_starts, b)
+        o1, l1 = attention_dense(q[b], ks[s0:], vs[s0:], scale, softcap)
+        o2, l2 = attention_dense(q[b], kt[t0:nt], vt[t0:nt], scale, softcap)
         o, l = merge_attention(o1, l1, o2, l2)
         outs.append(o)
         lses.append(l)

@@ -12,12 +12,19 @@ say which, and every entry point below goes through them.
                        dtype=q.dtype, aligned=query_aligned(q))     # once a step
     out, lse = plan.run_pq(q, ...)                                   # per layer (plan.py)
 
+Sliding windows and logit soft-capping run on the Triton kernels and the reference: the
+CUDA C++ kernels read whole 16-token tiles from a range's start and have no soft-cap, so
+decode_backend never picks them for a windowed plan (start indices after the lengths,
+plan.py) or a softcap (docs/kernels.md).
+
 Entry points with reference.py's signatures (pq_decode_attention, paged_decode_attention,
 pq_encode_to_slots, gather_pq_blocks, write_slots) plan and run in one call: the engine's
 hot path holds plans instead. Triton and CuPy are imported on first use only: a CPU
 install never imports either.
 """
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -26,7 +33,7 @@ from .cuda import attention as cuda_attention
 from .cuda import build as cuda_build
 from .cuda import encode as cuda_encode
 from .cuda import images as cuda_images
-from .plan import HALF, DecodePlan, host_lens, pq_lens, validate_heads
+from .plan import HALF, HEAD_DIMS, DecodePlan, host_lens, pq_lens, validate_heads
 
 REFERENCE, CUDA, TRITON = "reference", "cuda", "triton"
 KINDS = ("pq", "paged")
@@ -41,21 +48,23 @@ def query_aligned(q: torch.Tensor) -> bool:
 def decode_backend(kind: str, *, device, num_qo_heads: int, num_kv_heads: int, head_dim: int,
                    block_size: int, dtype: torch.dtype, kv_dtype: torch.dtype | None = None,
                    codebook_dtype: torch.dtype | None = None, aligned: bool = True,
-                   backend: str = "auto") -> str:
+                   backend: str = "auto", windowed: bool = False, softcap: float = 0.0) -> str:
     """REFERENCE, CUDA or TRITON for a decode of this kind ("pq" or "paged").
 
     dtype: that of q and out; kv_dtype and codebook_dtype (default: dtype): those of the
     fp16 tail or pool and of the PQ codebooks. aligned: q and the pools meet the CUDA kernels' alignment
     (query_aligned(q); pools the engine or a client allocates always do). backend:
     "auto", or "cuda" / "triton" to insist (the benches and tests); "cuda" where the
-    CUDA kernels do not apply is a ValueError."""
+    CUDA kernels do not apply is a ValueError. windowed: the plan reads from start
+    indices (a sliding window); softcap: > 0 for soft-capped scores. The CUDA C++
+    kernels take neither."""
     if kind not in KINDS:
         raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
     if backend not in ("auto", CUDA, TRITON):
         raise ValueError(f"backend must be 'auto', 'cuda' or 'triton', got {backend!r}")
     if backend == TRITON:
         return TRITON
-    if kind == "pq" and aligned and cuda_attention.supports(
+    if kind == "pq" and aligned and not windowed and not softcap and cuda_attention.supports(
             num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
             block_size=block_size, device=device, dtype=dtype,
             kv_dtype=dtype if kv_dtype is None else kv_dtype,
@@ -63,7 +72,7 @@ def decode_backend(kind: str, *, device, num_qo_heads: int, num_kv_heads: int, h
         return CUDA
     if backend == CUDA:
         raise ValueError("backend='cuda': cupy is missing, or the CUDA kernels do not take this "
-                         "kind, shape, dtype or alignment")
+                         "kind, shape, dtype, alignment, sliding window or soft-cap")
     return TRITON if torch.device(device).type == "cuda" else REFERENCE
 
 
@@ -71,12 +80,16 @@ def plan_decode(kind: str, *lens, num_qo_heads: int, num_kv_heads: int, head_dim
                 block_size: int, device, dtype: torch.dtype, tail_block_size: int | None = None,
                 kv_dtype: torch.dtype | None = None, codebook_dtype: torch.dtype | None = None,
                 aligned: bool = True, spare_items: int | None = None, backend: str = "auto",
-                target_ctas: int | None = None, **triton_tuning) -> DecodePlan:
+                target_ctas: int | None = None, softcap: float = 0.0, **triton_tuning) -> DecodePlan:
     """The plan of one decode step (plan.py: run_pq / run_paged per layer, update()).
 
     kind "pq": lens = (sealed_lens [B] multiples of block_size, tail_lens [B]), with
     tail_block_size the fp16 tail's block size; "paged": lens = (seq_lens [B],). Host
-    lists or tensors (read on the host). Choice of backend: decode_backend. spare_items
+    lists or tensors (read on the host). A layer with a sliding window adds the start
+    index of each range after them (plan.pq_window_starts / window_start): ("pq")
+    (sealed_lens, tail_lens, sealed_starts, tail_starts), ("paged") (seq_lens, starts);
+    its plan's update() takes the same four / two. softcap: > 0 caps every score s to
+    softcap * tanh(s / softcap). Choice of backend: decode_backend. spare_items
     (None: a one-step plan) keeps room for that many more work items (at least B) and
     a fixed merge width, so later steps update() its buffers and a CUDA graph captured
     with it replays them. target_ctas: the grid size the partition aims at (default:
@@ -89,17 +102,23 @@ def plan_decode(kind: str, *lens, num_qo_heads: int, num_kv_heads: int, head_dim
     if kind not in KINDS:
         raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
     validate_heads(num_qo_heads, num_kv_heads, head_dim)
-    if len(lens) != (2 if kind == "pq" else 1):
-        raise ValueError(f"a {kind!r} plan takes {'(sealed_lens, tail_lens)' if kind == 'pq' else '(seq_lens,)'}")
+    n_lens = 2 if kind == "pq" else 1
+    if len(lens) not in (n_lens, 2 * n_lens):
+        raise ValueError(f"a {kind!r} plan takes "
+                         f"{'(sealed_lens, tail_lens[, sealed_starts, tail_starts])' if kind == 'pq' else '(seq_lens[, starts])'}")
+    if not (softcap >= 0.0 and math.isfinite(softcap)):
+        raise ValueError(f"softcap must be a finite number >= 0, got {softcap}")
+    windowed = len(lens) == 2 * n_lens
     if kind == "pq":
         if tail_block_size is None:
             raise ValueError("a 'pq' plan needs tail_block_size")
-        sl, tl_ = pq_lens(*lens, block_size=block_size)
+        sl, tl_ = pq_lens(*lens[:2], block_size=block_size)
     else:
         sl = host_lens(lens[0], "seq_lens")
     which = decode_backend(kind, device=device, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads,
                            head_dim=head_dim, block_size=block_size, dtype=dtype, kv_dtype=kv_dtype,
-                           codebook_dtype=codebook_dtype, aligned=aligned, backend=backend)
+                           codebook_dtype=codebook_dtype, aligned=aligned, backend=backend,
+                           windowed=windowed, softcap=softcap)
     geo = dict(num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
                block_size=block_size, device=device, target_ctas=target_ctas, spare_items=spare_items)
     if which == CUDA:
@@ -109,36 +128,43 @@ def plan_decode(kind: str, *lens, num_qo_heads: int, num_kv_heads: int, head_dim
                          "pq_decode_attention / paged_decode_attention (the reference) there")
     from .triton import decode as triton_decode
     if kind == "pq":
-        return triton_decode.plan_pq(sl, tl_, tail_block_size=tail_block_size, **geo, **triton_tuning)
-    return triton_decode.plan_paged(sl, **geo, **triton_tuning)
+        return triton_decode.plan_pq(sl, tl_, *lens[2:], tail_block_size=tail_block_size, softcap=softcap,
+                                     **geo, **triton_tuning)
+    return triton_decode.plan_paged(sl, *lens[1:], softcap=softcap, **geo, **triton_tuning)
 
 
 def pq_decode_attention(q, k_codes, v_codes, k_codebook, v_codebook, sealed_tables, sealed_lens,
-                        tail_k, tail_v, tail_tables, tail_lens, scale):
+                        tail_k, tail_v, tail_tables, tail_lens, scale, sealed_starts=None, tail_starts=None,
+                        softcap: float = 0.0):
     """reference.pq_decode_attention's contract, on whichever backend applies."""
     if q.device.type != "cuda":
         return reference.pq_decode_attention(q, k_codes, v_codes, k_codebook, v_codebook, sealed_tables,
-                                             sealed_lens, tail_k, tail_v, tail_tables, tail_lens, scale)
+                                             sealed_lens, tail_k, tail_v, tail_tables, tail_lens, scale,
+                                             sealed_starts, tail_starts, softcap)
+    starts = () if sealed_starts is None and tail_starts is None else (sealed_starts, tail_starts)
     # The kernels read fp16/bf16 codebooks: others in q's dtype (fp16 for an fp32 q).
     cb_dt = q.dtype if q.dtype in HALF else torch.float16
     kcb, vcb = (c if c.dtype in HALF else c.to(cb_dt) for c in (k_codebook, v_codebook))
     kcb, vcb = kcb.contiguous(), vcb.to(kcb.dtype).contiguous()
     sealed_tables, tail_tables = sealed_tables.to(torch.int32), tail_tables.to(torch.int32)
     dsub = kcb.shape[-1] if kcb.dim() == 4 else 2
-    plan = plan_decode("pq", sealed_lens, tail_lens, num_qo_heads=q.shape[1], num_kv_heads=k_codes.shape[1],
-                       head_dim=q.shape[2], block_size=k_codes.shape[2], tail_block_size=tail_k.shape[2],
-                       device=q.device, dtype=q.dtype,
+    plan = plan_decode("pq", sealed_lens, tail_lens, *starts, num_qo_heads=q.shape[1],
+                       num_kv_heads=k_codes.shape[1], head_dim=q.shape[2], block_size=k_codes.shape[2],
+                       tail_block_size=tail_k.shape[2], device=q.device, dtype=q.dtype, softcap=softcap,
                        kv_dtype=tail_k.dtype, codebook_dtype=kcb.dtype,
                        aligned=cuda_attention.misaligned(q, k_codes, v_codes, tail_k, tail_v, dsub) is None)
     return plan.run_pq(q, k_codes, v_codes, kcb, vcb, sealed_tables, tail_k, tail_v, tail_tables, scale)
 
 
-def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale):
+def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, starts=None,
+                           softcap: float = 0.0):
     """reference.paged_decode_attention's contract, on whichever backend applies."""
     if q.device.type != "cuda":
-        return reference.paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale)
-    plan = plan_decode("paged", seq_lens, num_qo_heads=q.shape[1], num_kv_heads=k_cache.shape[1],
-                       head_dim=q.shape[2], block_size=k_cache.shape[2], device=q.device, dtype=q.dtype)
+        return reference.paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, starts,
+                                                softcap)
+    plan = plan_decode("paged", seq_lens, *(() if starts is None else (starts,)), num_qo_heads=q.shape[1],
+                       num_kv_heads=k_cache.shape[1], head_dim=q.shape[2], block_size=k_cache.shape[2],
+                       device=q.device, dtype=q.dtype, softcap=softcap)
     return plan.run_paged(q, k_cache, v_cache, block_tables.to(torch.int32), scale)
 
 
@@ -205,7 +231,7 @@ def layer_images(words, num_qo_heads: int, dsub: int) -> list:
     return cuda_images.layer_images(words, num_qo_heads, dsub)
 
 
-__all__ = ["REFERENCE", "CUDA", "TRITON", "DecodePlan", "decode_backend", "plan_decode", "query_aligned",
+__all__ = ["HEAD_DIMS", "REFERENCE", "CUDA", "TRITON", "DecodePlan", "decode_backend", "plan_decode", "query_aligned",
            "pq_decode_attention", "paged_decode_attention", "encode_backend", "pq_encode_to_slots",
            "prepare_encode", "gather_pq_blocks", "write_slots", "codebook_images", "layer_images",
            "tunables"]

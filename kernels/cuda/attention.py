@@ -88,7 +88,11 @@ class CudaPQPlan(DecodePlan):
     item_tokens: int = 0        # mean PQ tokens per item (picks the codebook staging)
     _fns: dict = field(default_factory=dict)
 
-    def rows(self, sealed_lens, tail_lens) -> tuple[list[int], list[int]]:
+    def rows(self, sealed_lens, tail_lens, *starts) -> tuple[list[int], list[int]]:
+        if starts:
+            # The kernel reads whole 16-token PQ tiles from an item's start: the router
+            # sends windowed layers to Triton, and a window reaching this plan is refused.
+            raise ValueError("the CUDA C++ plan takes no window starts (router.decode_backend)")
         sl, tl_ = pq_lens(sealed_lens, tail_lens, block_size=self.block_size)
         check_batch(self, sl)
         eq = _tail_eq(self.num_warps)

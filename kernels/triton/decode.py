@@ -3,7 +3,8 @@
 The plan type and its contract: kernels/plan.py. Made by the router (kernels/router.py)
 for every shape and dtype, on CUDA wherever the CUDA C++ kernels do not apply; the
 kernels themselves: decode_kernels.py. A work item is 4 ints (b, kind, lo, hi): a token
-range of one sequence over its PQ blocks (kind 0) or its fp16 blocks (kind 1).
+range of one sequence over its PQ blocks (kind 0) or its fp16 blocks (kind 1). A sliding
+window only moves where a sequence's ranges start (any token, not only a block's first).
 """
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import triton
 
 from kvstore.cuda.pinned import to_device
 
-from ..plan import DecodePlan, capacity, check_batch, fit, host_lens, pq_lens
+from ..plan import DecodePlan, capacity, check_batch, fit, host_lens, pq_lens, range_starts
 from .decode_kernels import _decode_kernel, _merge_kernel
 
 _PQ, _DENSE = 0, 1
@@ -47,12 +48,12 @@ class TritonDecodePlan(DecodePlan):
     def rows(self, *lens) -> tuple[list[int], list[int]]:
         cap = self.items.shape[0]
         if self.has_pq:
-            sl, tl_ = pq_lens(*lens, block_size=self.block_size)
-            make = lambda c: _pq_items(sl, tl_, c)           # noqa: E731
+            sl, tl_, ss, ts = pq_ranges(*lens, block_size=self.block_size)
+            make = lambda c: _pq_items(sl, tl_, c, ss, ts)   # noqa: E731
         else:
-            sl = host_lens(lens[0], "seq_lens")
+            sl, st = paged_ranges(*lens)
             tl_ = sl
-            make = lambda c: _paged_items(sl, c)             # noqa: E731
+            make = lambda c: _paged_items(sl, c, st)         # noqa: E731
         check_batch(self, sl)
         items, ptr = fit(make, self.chunk0, cap, 4, self.max_items)
         if self.has_pq:
@@ -108,10 +109,11 @@ class TritonDecodePlan(DecodePlan):
                 kw, vw, st, st.stride(0),
                 tk, tv, tk.stride(0), tk.stride(1), tk.stride(2),
                 tv.stride(0), tv.stride(1), tv.stride(2), tt, tt.stride(0),
-                scale * 1.4426950408889634, hq,
+                scale * 1.4426950408889634, self.softcap * 1.4426950408889634, hq,
                 G=g, GP=max(16, triton.next_power_of_2(g)), D=self.head_dim, M=m, DSUB=dsub,
                 BS=self.block_size, TBS=self.tail_block_size, TILE_PQ=self.tile_pq,
                 TILE_FP=self.tile_fp, HAS_PQ=self.has_pq, CB_BF16=cb_bf16, PREC=prec,
+                SOFTCAP=self.softcap > 0,
                 num_warps=self.num_warps, num_stages=self.num_stages, maxnreg=self.maxnreg)
         _merge_kernel[(self.batch, hq)](
             self.o_part, self.lse_part, self.item_ptr, out, out.stride(0), out.stride(1),
@@ -119,6 +121,18 @@ class TritonDecodePlan(DecodePlan):
 
 
 # ---------------------------------------------------------------------- plan
+
+def pq_ranges(sealed_lens, tail_lens, sealed_starts=None, tail_starts=None, *, block_size: int):
+    """A PQ plan's lengths (and window starts, plan.py) -> checked host lists."""
+    sl, tl_ = pq_lens(sealed_lens, tail_lens, block_size=block_size)
+    return (sl, tl_, range_starts(sealed_starts, sl, "sealed_starts"),
+            range_starts(tail_starts, tl_, "tail_starts"))
+
+
+def paged_ranges(seq_lens, starts=None):
+    sl = host_lens(seq_lens, "seq_lens")
+    return sl, range_starts(starts, sl, "starts")
+
 
 def _chunk(total: int, n_fixed: int, hkv: int, tile: int, target_ctas: int) -> int:
     """Tokens per split: about target_ctas programs in all, whole tiles, >= 4 tiles."""
@@ -142,23 +156,25 @@ def _finish(items, ptr, batch, hq, d, device, cap=None, **kw) -> TritonDecodePla
         **kw)
 
 
-def _pq_items(sl, tl_, chunk):
+def _pq_items(sl, tl_, chunk, ss, ts):
     items, ptr = [], [0]
     for b, (ns, nt) in enumerate(zip(sl, tl_)):
-        for lo in range(0, ns, chunk):
+        for lo in range(ss[b], ns, chunk):
             items += [b, _PQ, lo, min(ns, lo + chunk)]
-        for lo in range(0, nt, 4096):      # the tail is short; cap keeps items bounded
+        for lo in range(ts[b], nt, 4096):      # the tail is short; cap keeps items bounded
             items += [b, _DENSE, lo, min(nt, lo + 4096)]
         ptr.append(len(items) // 4)
     return items, ptr
 
 
-def plan_pq(sl: list[int], tl_: list[int], *, num_qo_heads: int, num_kv_heads: int,
+def plan_pq(sl: list[int], tl_: list[int], ss: list[int] | None = None, ts: list[int] | None = None, *,
+            num_qo_heads: int, num_kv_heads: int,
             head_dim: int, block_size: int, tail_block_size: int, device,
             target_ctas: int | None = None, tile_pq: int = 128, tile_fp: int = 32,
             num_warps: int = 4, num_stages: int = 1, maxnreg: int | None = 128,
-            spare_items: int | None = None) -> TritonDecodePlan:
-    """sl / tl_: checked host lists of sealed (multiples of block_size) / tail lengths.
+            spare_items: int | None = None, softcap: float = 0.0) -> TritonDecodePlan:
+    """sl / tl_: checked host lists of sealed (multiples of block_size) / tail lengths;
+    ss / ts: the window's start in each (None: zeros).
     spare_items (None: a one-step plan): room for that many more work items (at least
     B) and a fixed merge width, for update().
 
@@ -167,42 +183,46 @@ def plan_pq(sl: list[int], tl_: list[int], *, num_qo_heads: int, num_kv_heads: i
     (~8 per SM at 128 registers) with 128-token tiles keep the most loads in flight."""
     if target_ctas is None:
         target_ctas = 8 * _num_sms(torch.device(device))
-    chunk = _chunk(sum(sl), sum(1 for n in tl_ if n > 0), num_kv_heads, tile_pq, target_ctas)
-    items, ptr = _pq_items(sl, tl_, chunk)
+    sl, tl_, ss, ts = pq_ranges(sl, tl_, ss, ts, block_size=block_size)
+    chunk = _chunk(sum(sl) - sum(ss), sum(1 for n, a in zip(tl_, ts) if n > a), num_kv_heads, tile_pq,
+                   target_ctas)
+    items, ptr = _pq_items(sl, tl_, chunk, ss, ts)
     return _finish(items, ptr, len(sl), num_qo_heads, head_dim, device,
                    cap=capacity(len(items) // 4, len(sl), spare_items),
                    num_kv_heads=num_kv_heads, block_size=block_size,
                    tail_block_size=tail_block_size,
                    sealed_cols=max([n // block_size for n in sl] + [0]),
                    tail_cols=max([triton.cdiv(n, tail_block_size) for n in tl_] + [0]),
-                   has_pq=True, tile_pq=tile_pq, tile_fp=tile_fp,
+                   has_pq=True, tile_pq=tile_pq, tile_fp=tile_fp, softcap=softcap,
                    num_warps=num_warps, num_stages=num_stages, maxnreg=maxnreg, chunk0=chunk)
 
 
-def _paged_items(sl, chunk):
+def _paged_items(sl, chunk, st):
     items, ptr = [], [0]
     for b, n in enumerate(sl):
-        for lo in range(0, n, chunk):
+        for lo in range(st[b], n, chunk):
             items += [b, _DENSE, lo, min(n, lo + chunk)]
         ptr.append(len(items) // 4)
     return items, ptr
 
 
-def plan_paged(sl: list[int], *, num_qo_heads: int, num_kv_heads: int, head_dim: int,
-               block_size: int, device, target_ctas: int | None = None, tile: int = 128,
+def plan_paged(sl: list[int], st: list[int] | None = None, *, num_qo_heads: int, num_kv_heads: int,
+               head_dim: int, block_size: int, device, target_ctas: int | None = None, tile: int = 128,
                num_warps: int = 4, num_stages: int = 3,
-               spare_items: int | None = None) -> TritonDecodePlan:
-    """sl: host list of sequence lengths; spare_items as in plan_pq. Defaults from
+               spare_items: int | None = None, softcap: float = 0.0) -> TritonDecodePlan:
+    """sl: host list of sequence lengths; st: the window's start in each (None: zeros);
+    spare_items as in plan_pq. Defaults from
     a sweep on an H100 (tile 128, 4 x SMs work items: 0.98x / 0.95x SDPA
     flash at B=8, 32K / 128K, against 0.93x with tile 64 and 2 x SMs)."""
     if target_ctas is None:
         target_ctas = 4 * _num_sms(torch.device(device))
-    chunk = _chunk(sum(sl), 0, num_kv_heads, tile, target_ctas)
-    items, ptr = _paged_items(sl, chunk)
+    sl, st = paged_ranges(sl, st)
+    chunk = _chunk(sum(sl) - sum(st), 0, num_kv_heads, tile, target_ctas)
+    items, ptr = _paged_items(sl, chunk, st)
     return _finish(items, ptr, len(sl), num_qo_heads, head_dim, device,
                    cap=capacity(len(items) // 4, len(sl), spare_items),
                    num_kv_heads=num_kv_heads, block_size=block_size,
                    tail_block_size=block_size, sealed_cols=0,
                    tail_cols=max([triton.cdiv(n, block_size) for n in sl] + [0]),
-                   has_pq=False, tile_pq=64, tile_fp=tile,
+                   has_pq=False, tile_pq=64, tile_fp=tile, softcap=softcap,
                    num_warps=num_warps, num_stages=num_stages, chunk0=chunk)

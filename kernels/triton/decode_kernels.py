@@ -22,9 +22,20 @@ def _piece(w, J: tl.constexpr, CB_BF16: tl.constexpr):
 
 
 @triton.jit
-def _softmax_step(s, valid, m_i, l_i):
+def _cap(s, cap2, SOFTCAP: tl.constexpr):
+    """Logit soft-capping of base-2 scores: cap2 * tanh(s / cap2), cap2 = softcap * log2(e)
+    (the natural-log form softcap * tanh(x / softcap), scaled by log2(e) on both sides).
+    tanh(t) = 1 - 2 / (e^2t + 1) saturates to +-1 without overflow (e^2t -> inf or 0)."""
+    if SOFTCAP:
+        e = tl.exp2(s / cap2 * 2.8853900817779268)      # e^(2t): 2 * log2(e)
+        s = cap2 * (1.0 - 2.0 / (e + 1.0))
+    return s
+
+
+@triton.jit
+def _softmax_step(s, valid, m_i, l_i, cap2, SOFTCAP: tl.constexpr):
     """Online softmax over one tile of base-2 scores s [GP, TILE] -> p, m, l, alpha."""
-    s = tl.where(valid[None, :], s, float("-inf"))
+    s = tl.where(valid[None, :], _cap(s, cap2, SOFTCAP), float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(s - m_new[:, None])
@@ -34,9 +45,10 @@ def _softmax_step(s, valid, m_i, l_i):
 @triton.jit
 def _pq_range(q0, q1, q2, q3, b, h, lo, hi, m_i, l_i, a0, a1, a2, a3,
               kc_ptr, vc_ptr, skc_blk, skc_h, svc_blk, svc_h, kw_ptr, vw_ptr,
-              tab_ptr, tab_stride, qk_scale,
+              tab_ptr, tab_stride, qk_scale, cap2,
               M: tl.constexpr, DSUB: tl.constexpr, BS: tl.constexpr,
-              TILE: tl.constexpr, CB_BF16: tl.constexpr, PREC: tl.constexpr):
+              TILE: tl.constexpr, CB_BF16: tl.constexpr, PREC: tl.constexpr,
+              SOFTCAP: tl.constexpr):
     # Head dim split by coordinate: q_j = q[:, j::DSUB] and K_j[n, m] = coord j of
     # the centroid of code (n, m), so q.k = sum_j q_j . K_j and out[:, m*DSUB+j]
     # = acc_j. This keeps the gathered words in their load layout (no
@@ -60,7 +72,7 @@ def _pq_range(q0, q1, q2, q3, b, h, lo, hi, m_i, l_i, a0, a1, a2, a3,
         if DSUB == 4:
             s = tl.dot(q2, tl.trans(_piece(kw, 2, CB_BF16)), s, input_precision=PREC)
             s = tl.dot(q3, tl.trans(_piece(kw, 3, CB_BF16)), s, input_precision=PREC)
-        p, m_i, l_i, alpha = _softmax_step(s * qk_scale, valid, m_i, l_i)
+        p, m_i, l_i, alpha = _softmax_step(s * qk_scale, valid, m_i, l_i, cap2, SOFTCAP)
         # V codes transposed [M, bs]: contiguous along tokens
         vc = tl.load(vc_ptr + blk[:, None] * svc_blk + h * svc_h + offs_m[None, :] * BS
                      + off[:, None], mask=valid[:, None], other=0)
@@ -77,8 +89,9 @@ def _pq_range(q0, q1, q2, q3, b, h, lo, hi, m_i, l_i, a0, a1, a2, a3,
 @triton.jit
 def _dense_range(q, b, h, lo, hi, m_i, l_i, acc,
                  k_ptr, v_ptr, sk_blk, sk_h, sk_t, sv_blk, sv_h, sv_t,
-                 tab_ptr, tab_stride, qk_scale,
-                 D: tl.constexpr, BS: tl.constexpr, TILE: tl.constexpr, PREC: tl.constexpr):
+                 tab_ptr, tab_stride, qk_scale, cap2,
+                 D: tl.constexpr, BS: tl.constexpr, TILE: tl.constexpr, PREC: tl.constexpr,
+                 SOFTCAP: tl.constexpr):
     offs_n = tl.arange(0, TILE)
     offs_d = tl.arange(0, D)
     for start in range(lo, hi, TILE):
@@ -89,7 +102,7 @@ def _dense_range(q, b, h, lo, hi, m_i, l_i, acc,
         k = tl.load(k_ptr + blk[:, None] * sk_blk + h * sk_h + off[:, None] * sk_t
                     + offs_d[None, :], mask=valid[:, None], other=0.0)
         s = tl.dot(q.to(k.dtype), tl.trans(k), input_precision=PREC) * qk_scale
-        p, m_i, l_i, alpha = _softmax_step(s, valid, m_i, l_i)
+        p, m_i, l_i, alpha = _softmax_step(s, valid, m_i, l_i, cap2, SOFTCAP)
         acc = acc * alpha[:, None]
         v = tl.load(v_ptr + blk[:, None] * sv_blk + h * sv_h + off[:, None] * sv_t
                     + offs_d[None, :], mask=valid[:, None], other=0.0)
@@ -108,9 +121,9 @@ def _store_part(op_ptr, lp_ptr, item, rows, gmask, cols, o, m_i, l_i, Hq, D: tl.
 @triton.jit
 def _pq_item(q_rows, rows, gmask, item, b, h, lo, hi, m_i, l_i, op_ptr, lp_ptr,
              kc_ptr, vc_ptr, skc_blk, skc_h, svc_blk, svc_h, kw_ptr, vw_ptr, st_ptr, st_stride,
-             qk_scale, Hq, GP: tl.constexpr, D: tl.constexpr, M: tl.constexpr,
+             qk_scale, cap2, Hq, GP: tl.constexpr, D: tl.constexpr, M: tl.constexpr,
              DSUB: tl.constexpr, BS: tl.constexpr, TILE_PQ: tl.constexpr,
-             CB_BF16: tl.constexpr, PREC: tl.constexpr):
+             CB_BF16: tl.constexpr, PREC: tl.constexpr, SOFTCAP: tl.constexpr):
     if CB_BF16:
         cdt: tl.constexpr = tl.bfloat16
     else:
@@ -127,7 +140,7 @@ def _pq_item(q_rows, rows, gmask, item, b, h, lo, hi, m_i, l_i, op_ptr, lp_ptr,
     m_i, l_i, a0, a1, a2, a3 = _pq_range(
         q0, q1, q2, q3, b, h, lo, hi, m_i, l_i, z, z, z, z,
         kc_ptr, vc_ptr, skc_blk, skc_h, svc_blk, svc_h, kw_ptr, vw_ptr,
-        st_ptr, st_stride, qk_scale, M, DSUB, BS, TILE_PQ, CB_BF16, PREC)
+        st_ptr, st_stride, qk_scale, cap2, M, DSUB, BS, TILE_PQ, CB_BF16, PREC, SOFTCAP)
     _store_part(op_ptr, lp_ptr, item, rows, gmask, cols, a0, m_i, l_i, Hq, D)
     _store_part(op_ptr, lp_ptr, item, rows, gmask, cols + 1, a1, m_i, l_i, Hq, D)
     if DSUB == 4:
@@ -138,14 +151,14 @@ def _pq_item(q_rows, rows, gmask, item, b, h, lo, hi, m_i, l_i, op_ptr, lp_ptr,
 @triton.jit
 def _dense_item(q_rows, rows, gmask, item, b, h, lo, hi, m_i, l_i, op_ptr, lp_ptr,
                 k_ptr, v_ptr, sk_blk, sk_h, sk_t, sv_blk, sv_h, sv_t, tt_ptr, tt_stride,
-                qk_scale, Hq, GP: tl.constexpr, D: tl.constexpr, TBS: tl.constexpr,
-                TILE_FP: tl.constexpr, PREC: tl.constexpr):
+                qk_scale, cap2, Hq, GP: tl.constexpr, D: tl.constexpr, TBS: tl.constexpr,
+                TILE_FP: tl.constexpr, PREC: tl.constexpr, SOFTCAP: tl.constexpr):
     offs_d = tl.arange(0, D)
     q = tl.load(q_rows + offs_d[None, :], mask=gmask[:, None], other=0.0)
     acc = tl.zeros([GP, D], tl.float32)
     m_i, l_i, acc = _dense_range(q, b, h, lo, hi, m_i, l_i, acc,
                                  k_ptr, v_ptr, sk_blk, sk_h, sk_t, sv_blk, sv_h, sv_t,
-                                 tt_ptr, tt_stride, qk_scale, D, TBS, TILE_FP, PREC)
+                                 tt_ptr, tt_stride, qk_scale, cap2, D, TBS, TILE_FP, PREC, SOFTCAP)
     _store_part(op_ptr, lp_ptr, item, rows, gmask, offs_d, acc, m_i, l_i, Hq, D)
 
 
@@ -158,11 +171,11 @@ def _decode_kernel(
         kw_ptr, vw_ptr, st_ptr, st_stride,      # codebook words, sealed tables
         k_ptr, v_ptr, sk_blk, sk_h, sk_t, sv_blk, sv_h, sv_t,  # fp16 pool (kind 1)
         tt_ptr, tt_stride,                      # its block tables
-        qk_scale, Hq,
+        qk_scale, cap2, Hq,                     # cap2: softcap * log2(e) (used if SOFTCAP)
         G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, M: tl.constexpr,
         DSUB: tl.constexpr, BS: tl.constexpr, TBS: tl.constexpr,
         TILE_PQ: tl.constexpr, TILE_FP: tl.constexpr, HAS_PQ: tl.constexpr,
-        CB_BF16: tl.constexpr, PREC: tl.constexpr):
+        CB_BF16: tl.constexpr, PREC: tl.constexpr, SOFTCAP: tl.constexpr):
     item = tl.program_id(0)
     h = tl.program_id(1)
     b = tl.load(items_ptr + item * 4)
@@ -179,15 +192,16 @@ def _decode_kernel(
         if kind == 0:
             _pq_item(q_rows, rows, gmask, item, b, h, lo, hi, m_i, l_i, op_ptr, lp_ptr,
                      kc_ptr, vc_ptr, skc_blk, skc_h, svc_blk, svc_h, kw_ptr, vw_ptr, st_ptr,
-                     st_stride, qk_scale, Hq, GP, D, M, DSUB, BS, TILE_PQ, CB_BF16, PREC)
+                     st_stride, qk_scale, cap2, Hq, GP, D, M, DSUB, BS, TILE_PQ, CB_BF16, PREC,
+                     SOFTCAP)
         else:
             _dense_item(q_rows, rows, gmask, item, b, h, lo, hi, m_i, l_i, op_ptr, lp_ptr,
                         k_ptr, v_ptr, sk_blk, sk_h, sk_t, sv_blk, sv_h, sv_t, tt_ptr,
-                        tt_stride, qk_scale, Hq, GP, D, TBS, TILE_FP, PREC)
+                        tt_stride, qk_scale, cap2, Hq, GP, D, TBS, TILE_FP, PREC, SOFTCAP)
     else:
         _dense_item(q_rows, rows, gmask, item, b, h, lo, hi, m_i, l_i, op_ptr, lp_ptr,
                     k_ptr, v_ptr, sk_blk, sk_h, sk_t, sv_blk, sv_h, sv_t, tt_ptr,
-                    tt_stride, qk_scale, Hq, GP, D, TBS, TILE_FP, PREC)
+                    tt_stride, qk_scale, cap2, Hq, GP, D, TBS, TILE_FP, PREC, SOFTCAP)
 
 
 @triton.jit

@@ -103,6 +103,10 @@ class CacheConfig:
     host_bytes: int = 0          # pinned host tier under the GPU pools (0: none)
     low_watermark: float = 0.0   # move LRU sequences down while fewer blocks are free
     share_prefixes_across_tenants: bool = False   # else the tenant seeds every hash chain
+    # Sliding-window attention: () or one entry per layer; w > 0: a decode query at
+    # position p reads positions (p - w, p] only (transformers' convention), 0: all.
+    layer_windows: tuple[int, ...] = ()
+    logit_softcap: float = 0.0   # > 0: scores s become c * tanh(s / c) (Gemma-2); 0: none
 
     def __post_init__(self) -> None:
         self._validate()
@@ -134,6 +138,21 @@ class CacheConfig:
         if self.capacity_blocks() > 1 << 24:
             raise InvalidArgument("num_blocks", "more than 2^24 blocks")
         check_device("device", self.device)
+        w = self.layer_windows
+        if not isinstance(w, tuple) or (w and len(w) != self.geometry.num_layers):
+            raise InvalidArgument("layer_windows", f"must be empty or hold one window per layer "
+                                  f"({self.geometry.num_layers}), got {len(w) if isinstance(w, tuple) else quote(w)}")
+        for x in w:
+            if not isinstance(x, int) or not 0 <= x < 1 << 31:
+                raise InvalidArgument("layer_windows", f"windows must be integers in [0, 2^31), got {quote(x)}")
+        c = self.logit_softcap
+        if not isinstance(c, (int, float)) or not (0.0 <= c < math.inf):
+            raise InvalidArgument("logit_softcap", f"must be a finite number >= 0, got {quote(c)}")
+
+    # --- attention
+    def window(self, layer: int) -> int:
+        """The layer's sliding window in tokens; 0: it reads every token."""
+        return self.layer_windows[layer] if self.layer_windows else 0
 
     # --- derived sizes
     @property

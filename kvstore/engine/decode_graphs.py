@@ -155,18 +155,15 @@ class DecodeGraphs:
         if (not self.enabled or out is None or len(seqs) > MAX_BATCH or q.device.type != "cuda"
                 or torch.cuda.is_current_stream_capturing()):
             return None, False
-        bs = cache.bs
+        lens = cache.decode_lens(layer, seqs)     # a windowed layer's start indices included
         if cache.is_pq:
             sealed = [s.sealed for s in seqs]
             tail = [s.tail for s in seqs]
-            lens = ([len(s.sealed) * bs for s in seqs],
-                    [s.layer_length(layer) - len(s.sealed) * bs for s in seqs])
             cols = (_cols(max(len(r) for r in sealed)), _cols(max(len(r) for r in tail)))
             # The codebooks' addresses (layer is in the key too): no per-layer views
             cb = (cache.main.k_cb.data_ptr(), cache.main.v_cb.data_ptr())
         else:
             sealed, tail = None, [s.sealed + s.tail for s in seqs]
-            lens = ([s.layer_length(layer) for s in seqs],)
             cols = (0, _cols(max(len(r) for r in tail)))
             cb = 0
         if 4 * len(seqs) * (cols[0] + cols[1] + 64) > MAX_META:
@@ -281,11 +278,11 @@ class DecodeGraphs:
                                        head_dim=d, block_size=cache.bs, tail_block_size=cache.tail.k.shape[3],
                                        device=dev, dtype=q.dtype, kv_dtype=cache.tail.k.dtype,
                                        codebook_dtype=cache.main.k_cb.dtype, aligned=kernels.query_aligned(q),
-                                       spare_items=SPARE_ITEMS)
+                                       spare_items=SPARE_ITEMS, softcap=cache.cfg.logit_softcap)
         else:
             plan = kernels.plan_decode("paged", *lens, num_qo_heads=hq, num_kv_heads=cache.main.k.shape[2],
                                        head_dim=d, block_size=cache.bs, device=dev, dtype=q.dtype,
-                                       spare_items=SPARE_ITEMS)
+                                       spare_items=SPARE_ITEMS, softcap=cache.cfg.logit_softcap)
         width = plan.item_width
         cap = plan.items.shape[0]
         nw = len(new[0]) if new is not None else 0

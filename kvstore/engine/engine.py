@@ -18,6 +18,7 @@ import threading
 
 import torch
 
+from kvstore import kernels
 from kvstore.codec.codebooks import Codebooks, train_codebooks
 from kvstore.core.config import CacheConfig
 from kvstore.core.sequence import Sequence
@@ -50,6 +51,11 @@ class Engine:
         max_pool_bytes: memory all caches' pools may take together (0: no
         bound), refused before anything is allocated: a pool past the
         machine's memory would get the daemon OOM-killed."""
+        d = cfg.geometry.head_dim
+        if torch.device(cfg.device).type == "cuda" and d not in kernels.HEAD_DIMS:
+            # Refused here, not at the first attend: the GPU decode plans take only these.
+            raise InvalidArgument("geometry.head_dim", f"head_dim {d}: the GPU decode kernels take head_dim "
+                                  f"{', '.join(map(str, kernels.HEAD_DIMS))} (a CPU cache takes any)")
         with self.lock:
             old = self.caches.get(cfg.name)
             if old is not None:

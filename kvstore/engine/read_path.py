@@ -8,6 +8,7 @@ import torch
 
 from kvstore import kernels
 from kvstore.kernels import cpu_decode
+from kvstore.kernels.plan import pq_window_starts, window_start
 
 from kvstore.core.sequence import Sequence
 from kvstore.cuda.pinned import block_table, staged
@@ -26,6 +27,23 @@ class ReadPath:
         for s in seqs:
             if s.layer_length(layer) == 0:
                 raise InvalidArgument("sequence_ids", f"sequence {quote(s.seq_id)} has no tokens at layer {layer}")
+
+    def decode_lens(self, layer: int, seqs: list[Sequence]) -> tuple[list[int], ...]:
+        """The kernels' lengths of a decode step at this layer (router.plan_decode's
+        lens): pq (sealed tokens, tail tokens), fp16 (tokens,); a windowed layer adds
+        each range's first token in its window (kernels/plan.py)."""
+        window = self.cfg.window(layer)
+        if self.is_pq:
+            sealed = [len(s.sealed) * self.bs for s in seqs]
+            lens = (sealed, [s.layer_length(layer) - n for s, n in zip(seqs, sealed)])
+            if window:
+                st = [pq_window_starts(s.layer_length(layer), window, self.sinks, n) for s, n in zip(seqs, sealed)]
+                lens += ([a for a, _ in st], [b for _, b in st])
+            return lens
+        lens = ([s.layer_length(layer) for s in seqs],)
+        if window:
+            lens += ([window_start(n, window) for n in lens[0]],)
+        return lens
 
     def attend(self, layer: int, seqs: list[Sequence], q: torch.Tensor, scale: float,
                out: torch.Tensor | None = None, new: tuple | None = None) -> torch.Tensor:
@@ -69,17 +87,17 @@ class ReadPath:
                     tail = block_table([s.tail for s in seqs], dev)
                     # Lengths stay host lists: the kernels plan on the host, and a
                     # device tensor would cost a synchronisation to read back.
-                    plan = kernels.plan_decode("pq", [len(s.sealed) * self.bs for s in seqs],
-                                               [s.layer_length(layer) - len(s.sealed) * self.bs for s in seqs],
-                                               num_qo_heads=hq, num_kv_heads=kc.shape[1], head_dim=d,
+                    plan = kernels.plan_decode("pq", *self.decode_lens(layer, seqs), num_qo_heads=hq, num_kv_heads=kc.shape[1], head_dim=d,
                                                block_size=self.bs, tail_block_size=self.tail.k.shape[3], device=dev,
                                                dtype=q.dtype, kv_dtype=self.tail.k.dtype,
-                                               codebook_dtype=self.main.k_cb.dtype, aligned=kernels.query_aligned(q))
+                                               codebook_dtype=self.main.k_cb.dtype, aligned=kernels.query_aligned(q),
+                                               softcap=self.cfg.logit_softcap)
                 else:
                     table = block_table([s.sealed + s.tail for s in seqs], dev)
-                    plan = kernels.plan_decode("paged", [s.layer_length(layer) for s in seqs], num_qo_heads=hq,
+                    plan = kernels.plan_decode("paged", *self.decode_lens(layer, seqs), num_qo_heads=hq,
                                                num_kv_heads=self.main.k.shape[2], head_dim=d,
-                                               block_size=self.bs, device=dev, dtype=q.dtype)
+                                               block_size=self.bs, device=dev, dtype=q.dtype,
+                                               softcap=self.cfg.logit_softcap)
             if self.is_pq:
                 out, _ = plan.run_pq(q, kc, self.main.v_codes[layer], self.main.k_cb[layer], self.main.v_cb[layer],
                                      sealed, self.tail.k[layer], self.tail.v[layer], tail, scale, out=out,
@@ -94,8 +112,10 @@ class ReadPath:
         return out
 
     def _attend_cpu(self, layer: int, seqs: list[Sequence], q: torch.Tensor, scale: float) -> torch.Tensor:
-        """The CPU device: no block tables, no plan; see kernels/cpu_decode.py."""
+        """The CPU device: no block tables, no plan; see kernels/cpu_decode.py. K/V are
+        gathered in position order (sinks, sealed, tail), so a window is a slice."""
         outs = []
+        window = self.cfg.window(layer)
         for i, s in enumerate(seqs):
             n = s.layer_length(layer)
             if self.is_pq:
@@ -106,13 +126,15 @@ class ReadPath:
                 if ns:
                     ks, vs = cpu_decode.dequantize_tokens(self.main.k_codes[layer], self.main.v_codes[layer],
                                                           self.main.k_cb[layer], self.main.v_cb[layer], s.sealed)
-                    k = torch.cat([ks, k], dim=1)
-                    v = torch.cat([vs, v], dim=1)
+                    s0 = self.sinks      # the tail's first S tokens are positions [0, S)
+                    k = torch.cat([k[:, :s0], ks, k[:, s0:]], dim=1)
+                    v = torch.cat([v[:, :s0], vs, v[:, s0:]], dim=1)
             else:
                 blocks = torch.tensor(s.sealed + s.tail, dtype=torch.long)
                 k = cpu_decode.gather_tokens(self.main.k[layer], blocks, n)
                 v = cpu_decode.gather_tokens(self.main.v[layer], blocks, n)
-            outs.append(cpu_decode.attend_one(q[i], k, v, scale))
+            lo = window_start(n, window)
+            outs.append(cpu_decode.attend_one(q[i], k[:, lo:], v[:, lo:], scale, self.cfg.logit_softcap))
         out = outs[0].unsqueeze(0) if len(outs) == 1 else torch.stack(outs)
         return out.to(q.dtype)
 

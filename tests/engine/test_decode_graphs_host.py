@@ -241,7 +241,8 @@ def test_new_tokens_are_written_before_an_attention_only_graph(monkeypatch):
         return out
     monkeypatch.setattr(graphs, "_run", run)
     cache = NS(bs=16, is_pq=False,
-               tail=NS(write_tokens=lambda layer, slots, k, v: order.append(("write", tuple(slots)))))
+               tail=NS(write_tokens=lambda layer, slots, k, v: order.append(("write", tuple(slots)))),
+               decode_lens=lambda layer, seqs: ([s.layer_length(layer) for s in seqs],))
     seq = NS(sealed=[1], tail=[2], layer_length=lambda layer: 20)
     q = NS(device=torch.device("cpu"), dtype=torch.float16, data_ptr=lambda: 64)
     q.device = NS(type="cuda")

@@ -1,0 +1,110 @@
+"""Which attention a transformers model runs, as the daemon must run it, and what
+the adapter cannot run (refused when it is built, naming the feature).
+
+The daemon runs decode attention with GQA, a per-call scale (the model's own
+`scaling`: query_pre_attn_scalar and head_dim not hidden / heads come in that
+way), a sliding window per layer and logit soft-capping, in fp16 or bf16. The
+in-process attention (prefill, fallback) is the model's own implementation, so
+every variant the model has is computed there as transformers computes it.
+"""
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+
+import torch
+
+LAYER_TYPES = ("full_attention", "sliding_attention")
+
+
+@dataclass(slots=True, frozen=True)
+class AttentionVariant:
+    windows: tuple[int, ...]     # per layer; 0: global; () when no layer slides
+    softcap: float               # attn_logit_softcapping; 0: none
+
+    def window(self, layer: int) -> int:
+        return self.windows[layer] if self.windows else 0
+
+    def check_call(self, layer: int, kwargs: dict) -> None:
+        """The attention call of `layer` asks for what the daemon's cache was made with:
+        a model whose layers decide their window or cap otherwise than its config
+        says is refused before its decode step reaches the daemon."""
+        w = kwargs.get("sliding_window") or 0
+        cap = kwargs.get("softcap") or 0.0
+        if w != self.window(layer):
+            raise ValueError(f"layer {layer}: the model attends with sliding_window={w}, the kvstore cache "
+                             f"was made with {self.window(layer)} (from its config)")
+        if float(cap) != self.softcap:
+            raise ValueError(f"layer {layer}: the model soft-caps attention logits at {cap}, the kvstore "
+                             f"cache at {self.softcap}")
+        if kwargs.get("s_aux") is not None:
+            raise ValueError("learned attention-sink logits (s_aux): not supported by kvstore")
+
+
+def _refuse(feature: str) -> None:
+    raise ValueError(f"{feature}: not supported by the kvstore adapter (the daemon's decode attention "
+                     "would compute something else)")
+
+
+def detect(model, c) -> AttentionVariant:
+    """The attention variant of `model` (c: its decoder's text config); ValueError naming
+    the first feature the daemon cannot run."""
+    if model.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        _refuse(f"model dtype {model.dtype}")
+    for m in model.modules():
+        if isinstance(getattr(m, "sinks", None), torch.nn.Parameter):
+            _refuse("learned attention-sink logits (the attention's `sinks` parameter, as gpt-oss)")
+        if hasattr(m, "layer_idx") and hasattr(m, "is_causal") and m.is_causal is False:
+            _refuse("non-causal (bidirectional) attention")
+    if getattr(c, "use_bidirectional_attention", False):
+        _refuse("use_bidirectional_attention")
+    if getattr(c, "attention_chunk_size", None):
+        _refuse("chunked attention (attention_chunk_size)")
+    if getattr(c, "alibi", False) or getattr(c, "position_embedding_type", None) == "alibi":
+        _refuse("ALiBi position biases")
+    if getattr(c, "kv_lora_rank", None) or getattr(c, "v_head_dim", None) not in (None, getattr(c, "head_dim", None)):
+        _refuse("latent / asymmetric K and V heads (kv_lora_rank, v_head_dim)")
+    n = c.num_hidden_layers
+    sw = getattr(c, "sliding_window", None) or 0
+    types = getattr(c, "layer_types", None)
+    if types is not None:
+        other = sorted(set(types) - set(LAYER_TYPES))
+        if other:
+            _refuse(f"layer_types {other}")
+        if len(types) != n:
+            _refuse(f"layer_types of {len(types)} layers for num_hidden_layers={n}")
+        windows = tuple(sw if t == "sliding_attention" else 0 for t in types)
+    else:
+        # Mistral and Phi-3: no layer_types; every layer slides when sliding_window is set
+        windows = (sw,) * n if sw else ()
+    if not any(windows):
+        windows = ()
+    cap = getattr(c, "attn_logit_softcapping", None) or 0.0
+    return AttentionVariant(windows=windows, softcap=float(cap))
+
+
+def inner_attention(module, impl: str):
+    """The attention function the model ran before the adapter (for prefill and
+    fallbacks): a registered one, or its modeling file's eager_attention_forward."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+    if impl not in (None, "eager"):
+        return ALL_ATTENTION_FUNCTIONS[impl]
+    fn = getattr(sys.modules[type(module).__module__], "eager_attention_forward", None)
+    if fn is None:
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+        return sdpa_attention_forward
+    return fn
+
+
+def as_additive_mask(mask, query: torch.Tensor, key: torch.Tensor):
+    """transformers' sdpa mask (bool, True = attend, or None for plain causal) as the
+    additive float mask eager attention adds to its scores."""
+    if mask is not None and mask.dtype != torch.bool:
+        return mask
+    n, kv = query.shape[-2], key.shape[-2]
+    if mask is None:
+        i = torch.arange(n, device=query.device).view(n, 1)
+        j = torch.arange(kv, device=query.device).view(1, kv)
+        mask = (j <= i + (kv - n)).view(1, 1, n, kv)
+    zero = torch.zeros((), dtype=query.dtype, device=query.device)
+    return torch.where(mask, zero, torch.finfo(query.dtype).min)

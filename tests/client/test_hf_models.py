@@ -1,0 +1,214 @@
+"""The transformers adapter on tiny random models of each architecture it claims (no
+download): greedy generate() through an in-process daemon, codec fp16, equals
+transformers' own token for token for prompts past twice the sliding window; the pq
+codec's windowed decode attention equals the reference over what the daemon holds;
+variants the daemon cannot run are refused when the adapter is built."""
+import copy
+import warnings
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from kvstore.client.hf import KVStoreAdapter  # noqa: E402
+from kvstore.client.hf_cache import KVStoreCache  # noqa: E402
+from kvstore.codec.codebooks import Codebooks  # noqa: E402
+from kvstore.kernels import reference as ref  # noqa: E402
+
+WINDOW = 16
+PROMPT = 2 * WINDOW + 9          # past twice the window before the first decode step
+GEN = dict(max_new_tokens=20, min_new_tokens=20, do_sample=False, pad_token_id=0)
+SMALL = dict(vocab_size=128, hidden_size=64, intermediate_size=128, max_position_embeddings=512,
+             initializer_range=0.2)
+
+
+def _llama():
+    return transformers.LlamaConfig(num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, **SMALL)
+
+
+def _qwen2():      # layer 0 global, layer 1 slides (max_window_layers)
+    return transformers.Qwen2Config(num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                    use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1, **SMALL)
+
+
+def _qwen3():      # head_dim 32, not hidden / heads = 16
+    return transformers.Qwen3Config(num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                                    use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1, **SMALL)
+
+
+def _mistral():    # every layer slides
+    return transformers.MistralConfig(num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                      sliding_window=WINDOW, **SMALL)
+
+
+def _gemma2():     # alternating windows, soft-capped logits, query_pre_attn_scalar scaling
+    return transformers.Gemma2Config(num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                                     sliding_window=WINDOW, attn_logit_softcapping=3.0, query_pre_attn_scalar=20,
+                                     final_logit_softcapping=30.0, **SMALL)
+
+
+def _gemma3():     # 5 sliding layers to 1 global, head_dim 256, one KV head
+    return transformers.Gemma3TextConfig(num_hidden_layers=6, num_attention_heads=2, num_key_value_heads=1,
+                                         head_dim=256, sliding_window=WINDOW, query_pre_attn_scalar=256, **SMALL)
+
+
+def _phi3():
+    return transformers.Phi3Config(num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                   sliding_window=WINDOW, pad_token_id=0, **SMALL)
+
+
+MODELS = {"llama": (_llama, "LlamaForCausalLM"), "qwen2": (_qwen2, "Qwen2ForCausalLM"),
+          "qwen3": (_qwen3, "Qwen3ForCausalLM"), "mistral": (_mistral, "MistralForCausalLM"),
+          "gemma2": (_gemma2, "Gemma2ForCausalLM"), "gemma3": (_gemma3, "Gemma3ForCausalLM"),
+          "phi3": (_phi3, "Phi3ForCausalLM")}
+WINDOWS = {"llama": (), "qwen2": (0, WINDOW), "qwen3": (0, WINDOW), "mistral": (WINDOW,) * 2,
+           "gemma2": (WINDOW, 0), "gemma3": (WINDOW,) * 5 + (0,), "phi3": (WINDOW,) * 2}
+
+
+def build(name, seed=0, **overrides):
+    make, cls = MODELS[name]
+    cfg = make()
+    gemma = name.startswith("gemma")
+    if gemma:
+        # Gemma's embedding, tied and scaled by sqrt(hidden), makes a tiny random model
+        # repeat its last input token whatever attention says; untied and small, it does not.
+        cfg.tie_word_embeddings = False
+    for k, v in overrides.items():
+        setattr(cfg, k, v)
+    torch.manual_seed(seed)
+    model = getattr(transformers, cls)(cfg).eval()
+    if gemma:
+        with torch.no_grad():
+            model.model.embed_tokens.weight.mul_(0.05)
+    return model
+
+
+def prompt(n=PROMPT, seed=1):
+    return torch.randint(3, 128, (1, n), generator=torch.Generator().manual_seed(seed))
+
+
+def reference(model, ids):
+    """transformers' generate on an untouched copy (its own attention implementation)."""
+    with torch.no_grad():
+        return copy.deepcopy(model).generate(ids, **GEN)
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_fp16_greedy_equals_transformers(daemon, name):
+    model = build(name)
+    ids = prompt()
+    want = reference(model, ids)
+    ad = KVStoreAdapter(model, daemon, cache=name, codec="fp16", block_size=8, residual=8)
+    assert ad.variant.windows == WINDOWS[name]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")           # no fallback
+        with torch.no_grad():
+            got = ad.generate(ids, **GEN)
+    assert torch.equal(got, want), (got, want)
+    info = ad.client().get_cache(name).spec
+    assert tuple(info.layer_windows) == WINDOWS[name]
+    assert info.logit_softcap == (3.0 if name == "gemma2" else 0.0)
+    s = ad.stats()
+    assert s.attend_calls == model.config.num_hidden_layers * (GEN["max_new_tokens"] - 1)
+    ad.close()
+
+
+@pytest.mark.parametrize("name", ["mistral", "gemma3"])
+def test_windows_change_the_answer(name):
+    """The equality above is a check of the windows: without them transformers itself
+    generates other tokens from the same weights and prompt."""
+    model = build(name)
+    flat = build(name, **({"sliding_window": None} if name == "mistral"
+                          else {"layer_types": ["full_attention"] * 6}))
+    flat.load_state_dict(model.state_dict())
+    want = reference(model, prompt())
+    assert len(set(want[0, PROMPT:].tolist())) > 2           # not a model that repeats one token
+    assert not torch.equal(want, reference(flat, prompt()))
+
+
+def test_gemma3_pq_windowed_attention_equals_reference(daemon):
+    """pq: every decode step's attention at every layer equals the fp64 reference over
+    the K/V the daemon holds (Retrieve: dequantized sealed tokens, exact sinks and
+    tail), read through the layer's window; the sliding layers' windows exclude the
+    sinks once the sequence is past them."""
+    model = build("gemma3")
+    c = model.config
+    m = c.head_dim // 2
+    g = torch.Generator().manual_seed(0)
+    cb = Codebooks(k=torch.randn(c.num_hidden_layers, 1, m, 256, 2, generator=g) * 0.5,
+                   v=torch.randn(c.num_hidden_layers, 1, m, 256, 2, generator=g) * 0.5)
+    ad = KVStoreAdapter(model, daemon, cache="g3pq", codec="pq", codebooks=cb.to_bytes(), block_size=8,
+                        residual=8, sink_tokens=8)
+    seen = []
+    orig = KVStoreCache.decode_attention
+
+    def spy(self, layer, q, k, v, scaling):
+        out = orig(self, layer, q, k, v, scaling)
+        if out[0] is not None:
+            # the tokens before this step, then this step's (the cache counts it from its
+            # last layer's update on, which runs before that layer's attention)
+            before = self.length - (layer == c.num_hidden_layers - 1)
+            kk, vv = self.adapter.client().retrieve(ad.cache_name, self.seq_ids[0], 0, before)
+            kk = torch.cat([kk[layer], k[0, :, 0].half().unsqueeze(0)])
+            vv = torch.cat([vv[layer], v[0, :, 0].half().unsqueeze(0)])
+            seen.append((layer, q[0, :, 0].clone(), out[0][0, 0].clone(), kk, vv, scaling))
+        return out
+    KVStoreCache.decode_attention = spy
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            with torch.no_grad():
+                ad.generate(prompt(), max_new_tokens=6, min_new_tokens=6, do_sample=False, pad_token_id=0)
+    finally:
+        KVStoreCache.decode_attention = orig
+    assert len(seen) == 5 * c.num_hidden_layers
+    assert ad.stats().sealed_blocks > 0
+    for layer, q, out, k, v, scaling in seen:
+        w = WINDOWS["gemma3"][layer]
+        n = k.shape[0]
+        lo = max(0, n - w) if w else 0
+        want, _ = ref.attention_dense(q.double(), k[lo:].double(), v[lo:].double(), scaling)
+        assert torch.allclose(out.double(), want, atol=2e-3, rtol=2e-3), layer
+        if w:
+            assert lo > 8            # past the 8 sink tokens: they are outside the window
+
+
+def test_bf16_model_runs_in_bf16(daemon):
+    """A bf16 model makes a bf16 cache; generate runs through the daemon."""
+    model = build("gemma2").to(torch.bfloat16)
+    ad = KVStoreAdapter(model, daemon, cache="bf16", codec="fp16", block_size=8, residual=8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with torch.no_grad():
+            out = ad.generate(prompt(), **GEN)
+    assert out.shape[1] == PROMPT + GEN["max_new_tokens"]
+    assert ad.client().get_cache("bf16").spec.geometry.dtype == "bfloat16"
+
+
+# --------------------------------------------------------------- refusals
+def test_learned_sink_logits_are_refused(daemon):
+    model = build("llama")
+    model.model.layers[0].self_attn.sinks = torch.nn.Parameter(torch.zeros(4))
+    with pytest.raises(ValueError, match="learned attention-sink logits"):
+        KVStoreAdapter(model, daemon, cache="sinks", codec="fp16")
+
+
+@pytest.mark.parametrize("attr,value,feature", [
+    ("attention_chunk_size", 8, "chunked attention"),
+    ("layer_types", ["full_attention", "linear_attention"], "layer_types"),
+    ("use_bidirectional_attention", True, "use_bidirectional_attention"),
+])
+def test_unsupported_attention_is_refused_naming_it(daemon, attr, value, feature):
+    model = build("llama")
+    setattr(model.config, attr, value)
+    with pytest.raises(ValueError, match=feature):
+        KVStoreAdapter(model, daemon, cache="refused", codec="fp16")

@@ -1,0 +1,125 @@
+"""Sliding-window layers and logit soft-capping in the engine (CacheConfig.layer_windows,
+logit_softcap): attention at each layer reads only its window, sink tokens included,
+checked on CPU against an fp64 reference over the tokens in position order for lengths
+around the window, the sinks and the sealing threshold; the config's checks; a GPU
+cache with a head_dim the kernels cannot run refused at creation."""
+import dataclasses
+import math
+
+import pytest
+import torch
+
+from kvstore.engine.engine import Engine
+from kvstore.errors import InvalidArgument
+from kvstore.kernels import reference as ref
+from kvstore.codec.codebooks import Codebooks
+from tests.engine.test_sinks import BS, D, HKV, HQ, L, M, R, SCALE, T, TOL, expected
+from tests.helpers import config, kv
+
+WINDOWS = (13, 0)          # layer 0 slides (a window that is no multiple of the block), layer 1 is global
+
+
+def engine(sinks: int, codec: str = "pq", windows=WINDOWS, softcap: float = 0.0) -> Engine:
+    e = Engine()
+    cfg = config(codec, block_size=BS, residual=R, sink_tokens=sinks)
+    e.create_cache(dataclasses.replace(cfg, layer_windows=windows, logit_softcap=softcap))
+    if codec == "pq":
+        g = torch.Generator().manual_seed(0)
+        e.set_codebooks("c", Codebooks(k=torch.randn(L, HKV, M, 256, D // M, generator=g),
+                                       v=torch.randn(L, HKV, M, 256, D // M, generator=g)))
+    return e
+
+
+def windowed(q, k, v, window: int, softcap: float) -> torch.Tensor:
+    """q [Hq, d], k/v [n, Hkv, d]: the decode query at position n - 1 with transformers'
+    mask (kv_idx > q_idx - window), soft-capped scores -> fp64 [Hq, d]."""
+    n = k.shape[0]
+    keep = torch.arange(n) > (n - 1 - window) if window else torch.ones(n, dtype=torch.bool)
+    return ref.attention_dense(q.double(), k[keep].double(), v[keep].double(), SCALE, softcap)[0]
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+# ------------------------------------------------------------------- config
+@pytest.mark.parametrize("windows,softcap,field", [
+    ((4,), 0.0, "layer_windows"),             # one entry for two layers
+    ((4, -1), 0.0, "layer_windows"),
+    ([4, 4], 0.0, "layer_windows"),           # a list, not a tuple: the frozen config compares by value
+    ((), -1.0, "logit_softcap"),
+    ((), float("nan"), "logit_softcap"),
+    ((), float("inf"), "logit_softcap"),
+])
+def test_config_refuses_bad_windows_and_softcap(windows, softcap, field):
+    with pytest.raises(InvalidArgument) as err:
+        dataclasses.replace(config("fp16"), layer_windows=windows, logit_softcap=softcap)
+    assert err.value.field == field
+
+
+def test_gpu_cache_with_unsupported_head_dim_is_refused_at_creation():
+    """The GPU decode kernels take head_dim 64, 128, 256: a CUDA cache of another is refused
+    before anything is allocated, naming the field (a CPU cache takes it)."""
+    e = Engine()
+    cfg = dataclasses.replace(config("fp16", head_dim=96, num_q_heads=4, num_kv_heads=2), device="cuda")
+    with pytest.raises(InvalidArgument) as err:
+        e.create_cache(cfg)
+    assert err.value.field == "geometry.head_dim" and "64, 128, 256" in str(err.value)
+    assert not e.caches
+    e.create_cache(dataclasses.replace(cfg, device="cpu"))
+    assert "c" in e.caches
+
+
+# ---------------------------------------------------------------- attention
+@pytest.mark.parametrize("codec,sinks", [("fp16", 0), ("pq", 0), ("pq", 16)])
+@pytest.mark.parametrize("softcap", [0.0, 2.0])
+def test_windowed_attention_matches_positional_reference(codec, sinks, softcap):
+    """Ragged batch: inside the window, exactly it, just past it, past the sinks and the
+    first seal, long. Every layer after a prefill, then an AppendAttend step."""
+    e = engine(sinks, codec, softcap=softcap)
+    c = e.cache("c")
+    lens = [1, 12, 13, 14, sinks + 5, sinks + R + BS + 1, sinks + 97]
+    data = {}
+    for i, n in enumerate(lens):
+        sid = f"s{i}"
+        k, v = kv(L, n + 1, HKV, D, seed=20 + i)
+        e.allocate("c", T, sid, [])
+        e.append("c", T, [sid], k[:, :n], v[:, :n], [n])
+        data[sid] = (k, v)
+    g = torch.Generator().manual_seed(6)
+    q = (torch.randn(len(lens), HQ, D, generator=g) * 3).half()     # scores large enough for the cap
+
+    def check(out, layer, upto):
+        for b, (sid, (k, v)) in enumerate(data.items()):
+            n = lens[b] + upto
+            ek, ev = expected(e, sid, k[:, :n], v[:, :n]) if codec == "pq" else (k[:, :n], v[:, :n])
+            want = windowed(q[b], ek[layer], ev[layer], WINDOWS[layer], softcap)
+            assert torch.allclose(out[b].double(), want, rtol=TOL, atol=TOL), (sid, n, layer)
+    for layer in range(L):
+        check(e.attend("c", T, layer, list(data), q), layer, 0)
+    for layer in range(L):
+        k1 = torch.stack([k[layer, -1] for k, _ in data.values()])
+        v1 = torch.stack([v[layer, -1] for _, v in data.values()])
+        check(e.append_attend("c", T, layer, list(data), k1, v1, q), layer, 1)
+    if sinks:       # the window really excluded sinks somewhere: sealed blocks exist behind them
+        assert any(c.seq(T, sid).sealed for sid in data)
+    e.check_invariants()
+
+
+def test_window_leaves_out_what_global_attention_reads():
+    """Same tokens, a windowed and a global cache: the outputs differ past the window
+    (the test above could not tell a window that is never applied otherwise)."""
+    outs = []
+    for windows in ((13, 13), (0, 0)):
+        e = engine(0, "fp16", windows=windows)
+        k, v = kv(L, 40, HKV, D, seed=2)
+        e.allocate("c", T, "a", [])
+        e.append("c", T, ["a"], k, v, [40])
+        q = torch.randn(1, HQ, D, generator=torch.Generator().manual_seed(1)).half()
+        outs.append(e.attend("c", T, 0, ["a"], q))
+    assert (outs[0].float() - outs[1].float()).abs().max() > 1e-2
+    assert math.isfinite(outs[0].float().sum().item())
