@@ -135,7 +135,9 @@ def run(args, dev: str, L: int, n: int, tmp: str, url: str | None, no_redis: str
     cfg = CacheConfig(name="b", model_id="llama-3-8b-geometry", geometry=geom, codec=CodecConfig("pq"),
                       block_size=16, residual=128, num_blocks=blocks, max_sequences=4, device=dev,
                       host_bytes=3 * blocks * (2 * L * 8 * 16 * 64 + 2 * L * 8 * 16 * 128 * 2) // 2)
-    redis_cfg = RedisConfig(url, timeout_s=30) if url else None
+    # The put queue holds the whole prefix (the default 64 MiB would drop most of an
+    # 8K-token prefix's 264 MB of 4-bit codes while the writer drains it).
+    redis_cfg = RedisConfig(url, timeout_s=30, queue_bytes=1 << 30) if url else None
     e = Engine(dev, lmdb_path=os.path.join(tmp, "lmdb"), redis=redis_cfg)
     g = torch.Generator().manual_seed(0)
     cb = Codebooks(k=torch.randn(L, 8, 64, 256, 2, generator=g), v=torch.randn(L, 8, 64, 256, 2, generator=g))
@@ -178,7 +180,10 @@ def run(args, dev: str, L: int, n: int, tmp: str, url: str | None, no_redis: str
     sealed = len(cache.seq("t", "p").sealed)
     prefix_bytes = sealed * cache.main.block_bytes()
     if url:
-        wait_until(lambda: cache.redis.stats()["blocks_out"] >= sealed, "the prefix's puts to Redis")
+        wait_until(lambda: cache.redis.stats()["blocks_out"] + cache.redis.stats()["dropped_puts"] >= sealed,
+                   "the prefix's puts to Redis")
+        if cache.redis.stats()["dropped_puts"]:
+            raise RuntimeError(f"{cache.redis.stats()['dropped_puts']} of the prefix's puts were dropped")
     cache.tiering.to_host(cache.seq("t", "p"))       # host: its blocks findable there
     e.offload("b", "t", ["p"])                        # LMDB: its blocks under their hashes
     e.free("b", "t", ["p"])                           # the sequence goes, its blocks stay below

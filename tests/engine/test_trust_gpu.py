@@ -18,13 +18,13 @@ gpu = pytest.mark.gpu
 pytestmark = [gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
 T = "default"
-L, HQ, HKV, D, BS = 2, 4, 2, 16, 8
+L, HQ, HKV, D, BS = 2, 4, 2, 64, 16   # head_dim: one the GPU kernels take
 N = 64
 
 
 def codebooks() -> Codebooks:
     g = torch.Generator().manual_seed(0)
-    return Codebooks(k=torch.randn(L, HKV, 8, 256, 2, generator=g), v=torch.randn(L, HKV, 8, 256, 2, generator=g))
+    return Codebooks(k=torch.randn(L, HKV, D // 2, 256, 2, generator=g), v=torch.randn(L, HKV, D // 2, 256, 2, generator=g))
 
 
 def cuda_engine(codec: str, residual: int = 32, **kw) -> Engine:
