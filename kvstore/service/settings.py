@@ -58,8 +58,11 @@ def _convert(action: argparse.Action, value, where: str):
     else:
         try:
             value = action.type(value if isinstance(value, str) else str(value))
-        except (argparse.ArgumentTypeError, TypeError, ValueError) as e:
+        except argparse.ArgumentTypeError as e:
             raise ValueError(f"{where}: {e}") from None
+        except (TypeError, ValueError):     # worded as argparse words it for the flag
+            name = getattr(action.type, "__name__", repr(action.type))
+            raise ValueError(f"{where}: invalid {name} value: {value!r}") from None
     if action.choices is not None and value not in action.choices:
         raise ValueError(f"{where}: {value!r} is not one of {', '.join(map(str, action.choices))}")
     return value

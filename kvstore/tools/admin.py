@@ -68,7 +68,11 @@ def _caches(kv, cache: str) -> list[str]:
 
 
 def _mib(n: float) -> str:
-    return f"{n / 2**20:.1f} MiB"
+    """Bytes in the largest binary unit that keeps the figure >= 1."""
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{int(n)} B"
 
 
 def _table(rows: list[list], header: list[str]) -> str:
@@ -99,8 +103,8 @@ def render_stats(reply) -> str:
                          else "-", _mib(c.disk_used_bytes)])
         out.append(_indent(_table(rows, ["tier", "capacity", "used", "cached", "free", "evictions", "reserved",
                                          "used bytes"])))
-        out.append(f"  reserved in all {_mib(c.reserved_bytes)} (pools and host tier, allocated at creation), "
-                   f"used {_mib(c.used_bytes)} on the GPU")
+        out.append(f"  reserved {_mib(c.reserved_bytes)} in all, allocated at creation (GPU main and tail pools, "
+                   f"the host tier: its row counts both host pools); used {_mib(c.used_bytes)} of the GPU pools")
         if c.sequences_host or c.sequences_disk or c.page_ins_host or c.page_ins_disk:
             out.append(f"  sequences host/disk {c.sequences_host}/{c.sequences_disk}, page-ins host/disk "
                        f"{c.page_ins_host}/{c.page_ins_disk}, offloads host/disk {c.offloads_host}/{c.offloads_disk}")
