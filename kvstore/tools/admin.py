@@ -93,11 +93,11 @@ def render_stats(reply) -> str:
         out.append("  " + _bytes_per_token(c))
         out.append(f"  {c.appended_tokens} appended, {c.sealed_blocks} sealed blocks ({c.dedup_blocks} dedup), "
                    f"{c.attend_calls} attend calls")
-        memory = {"main": (c.main_reserved_bytes, c.main_used_bytes), "tail": (c.tail_reserved_bytes, c.tail_used_bytes),
-                  "host": (c.host_tier_bytes, c.host_used_bytes)}
+        # (reserved, used) bytes; the host tier's cover both host pools, on the `host` row.
+        memory = {"main": (c.main_reserved_bytes, c.main_used_bytes),
+                  "tail": (c.tail_reserved_bytes, c.tail_used_bytes), "host": (c.host_tier_bytes, c.host_used_bytes)}
         rows = [[t, p.capacity, p.used, p.cached, p.free, p.evictions,
-                 *(_mib(b) for b in memory.get(t, ())), *(("", "") if t not in memory else ())]
-                for t, p in _tiers(c)]
+                 *((_mib(b) for b in memory[t]) if t in memory else ("", ""))] for t, p in _tiers(c)]
         if c.disk_entries or c.disk_bytes:
             rows.append(["disk", "-", c.disk_entries, "-", "-", "-", _mib(c.disk_max_bytes) if c.disk_max_bytes
                          else "-", _mib(c.disk_used_bytes)])

@@ -178,3 +178,35 @@ def test_gpu_memory_goes_back_to_the_driver():
     e.delete_cache("c")
     gc.collect()
     assert torch.cuda.memory_reserved() <= base
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_mapped_pool_over_grpc_holds_until_the_mapping_session_lapses(tmp_path):
+    import time
+    sock = str(tmp_path / "kv.sock")
+    server, _, _ = create_server(Engine("cuda"), socket_path=sock, lease_timeout=1.0)
+    mapper = KVStoreClient(f"unix://{sock}", heartbeat=False)
+    operator = KVStoreClient(f"unix://{sock}", heartbeat=False)      # another session
+    try:
+        create(mapper)
+        mapper.stub.MapPool(pb.MapPoolRequest(cache="c"), timeout=30)
+        with pytest.raises(grpc.RpcError) as e:
+            operator.delete_cache("c", force=True)
+        assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert "mapped by 1 client session" in e.value.details()
+        deadline = time.monotonic() + 30
+        while True:          # the mapper makes no more calls: its lease lapses after 1 s
+            try:
+                operator.delete_cache("c")
+                break
+            except grpc.RpcError as err:
+                assert err.code() == grpc.StatusCode.FAILED_PRECONDITION and time.monotonic() < deadline
+                time.sleep(0.2)
+        with pytest.raises(grpc.RpcError) as e:
+            mapper.reserve("c", "x", 1)                              # the mapper's next step: the cache is gone
+        assert e.value.code() == grpc.StatusCode.NOT_FOUND
+    finally:
+        mapper.close()
+        operator.close()
+        server.stop(0)
