@@ -48,7 +48,8 @@ class VersionAction(argparse.Action):
         super().__init__(option_strings, dest, nargs=0, help="print the version and git commit, and exit")
 
     def __call__(self, parser, namespace, values, option_string=None):
-        parser.exit(0, version_line(parser.prog) + "\n")
+        print(version_line(parser.prog))       # stdout, as `--version` goes: parser.exit would write stderr
+        parser.exit(0)
 
 
 def _package(name: str) -> str:
