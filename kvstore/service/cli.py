@@ -220,7 +220,7 @@ def flags_markdown(p: argparse.ArgumentParser | None = None) -> str:
     p = p or parser()
     rows = ["| flag | environment | default | what |", "| --- | --- | --- | --- |"]
     for key, a in settings.settings(p).items():
-        if settings._switch(a):
+        if settings.is_switch(a):
             default, flag = "off", f"`--{key}`"
         else:
             default = DOC_DEFAULTS.get(key, "unset" if a.default is None else a.default)

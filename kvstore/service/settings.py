@@ -35,14 +35,14 @@ def env_name(key: str) -> str:
     return ENV_PREFIX + key.upper().replace("-", "_")
 
 
-def _switch(action: argparse.Action) -> bool:
+def is_switch(action: argparse.Action) -> bool:
     return isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction))
 
 
 def _convert(action: argparse.Action, value, where: str):
     """A value from a file or the environment, as the flag would parse it.
     ValueError (saying where) if it does not fit."""
-    if _switch(action):
+    if is_switch(action):
         if isinstance(value, str):
             low = value.strip().lower()
             if low in _TRUE + _FALSE:
