@@ -47,10 +47,7 @@ class Engine:
             from kvstore.tiers.lmdb_store import LMDBStore
             self.cold_store = LMDBStore(lmdb_path, sync=lmdb_sync, max_bytes=lmdb_max_bytes)
         self.redis = RedisStore(redis) if redis is not None else None
-        # cache name -> the (tenant, session)s that mapped its pool (MapPool):
-        # while any holds the handles, the pool's memory must stay where it is.
-        # Written under that cache's lock.
-        self.mappers: dict[str, set[tuple[str, str]]] = {}
+        self.mappers = lifecycle.Mappers()   # who maps each cache's pool (MapPool)
 
     # --------------------------------------------------------------- caches
     def create_cache(self, cfg: CacheConfig, exist_ok: bool = False, max_pool_bytes: int = 0) -> CacheInfo:
@@ -98,16 +95,12 @@ class Engine:
             yield c
 
     def delete_cache(self, name: str, force: bool = False, live=None) -> DeleteResult:
-        """Drop a cache: its sequences (their disk copies too), its GPU pools and
-        host tier. live(tenant, session) -> whether that session's lease is
-        current: sequences such a session holds refuse the delete unless force.
-        A pool some client has mapped (MapPool) is never dropped: its handles
-        would read freed memory. Refusals change nothing (lifecycle.drop)."""
+        """Drop a cache, its sequences of every tenant and tier, its pools: see
+        lifecycle.drop (live(tenant, session): whether that lease is current)."""
         with self._locked(name) as cache:
-            r = lifecycle.drop(cache, len(self.mappers.get(name, ())), force, live)
+            r = lifecycle.drop(cache, self.mappers.count(name), force, live)
             with self.lock:
                 del self.caches[name]
-                self.mappers.pop(name, None)
         if cache.main_device.type == "cuda":
             del cache
             # Give the pool back to the driver: the model workers sharing the GPU may use it now.
@@ -311,24 +304,16 @@ class Engine:
                 return rs
 
     def map_pool(self, name: str, holder: tuple[str, str] = ("", "")) -> PoolMap:
-        """The cache's pool tensors, all layers, for MapPool. holder: (tenant,
-        session) that maps them; the pool cannot be deleted until
-        release_mappings(*holder) (a session of "" never is)."""
-        with self._locked(name) as c:
+        """The cache's pool tensors, all layers, for MapPool. holder: the (tenant,
+        session) that maps them: the pool is not deleted until its lease lapses."""
+        with self._locked(name) as c:       # under the lock delete_cache counts mappers under
             pm = results.pool_map(c)
-            self.mappers.setdefault(name, set()).add(holder)
+            self.mappers.add(name, holder)
             return pm
 
     def release_mappings(self, tenant: str, session: str) -> int:
-        """The session's mappings are gone (its lease lapsed) -> how many."""
-        n = 0
-        for c in self._all():
-            with c.lock:
-                held = self.mappers.get(c.cfg.name)
-                if held is not None and (tenant, session) in held:
-                    held.discard((tenant, session))
-                    n += 1
-        return n
+        """The session's lease lapsed: its mappings end -> how many."""
+        return self.mappers.release(tenant, session)
 
     def retrieve(self, name: str, tenant: str, seq_id: str, start: int, end: int,
                  layer_start: int = 0, layer_end: int = 0) -> tuple[torch.Tensor, torch.Tensor]:

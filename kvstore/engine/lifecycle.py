@@ -4,6 +4,7 @@ hold the locks; these run under them)."""
 from __future__ import annotations
 
 import dataclasses
+import threading
 
 from kvstore.core.config import CacheConfig
 from kvstore.errors import FailedPrecondition, quote
@@ -38,6 +39,31 @@ def exists_message(old: CacheConfig, new: CacheConfig, exist_ok: bool) -> str:
     if not diff:
         return f"cache {quote(old.name)} exists with this configuration (exist_ok returns it)"
     return f"cache {quote(old.name)} exists with another configuration: " + ", ".join(diff)
+
+
+class Mappers:
+    """cache name -> the (tenant, session)s that mapped its pool (MapPool).
+    While any holds the handles, the pool's memory must stay where it is; a
+    mapping ends with its session's lease (a session of "" never lapses)."""
+
+    def __init__(self):
+        self._by_cache: dict[str, set[tuple[str, str]]] = {}
+        self._lock = threading.Lock()
+
+    def add(self, name: str, holder: tuple[str, str]) -> None:
+        with self._lock:
+            self._by_cache.setdefault(name, set()).add(holder)
+
+    def count(self, name: str) -> int:
+        with self._lock:
+            return len(self._by_cache.get(name, ()))
+
+    def release(self, tenant: str, session: str) -> int:
+        with self._lock:
+            held = [s for s in self._by_cache.values() if (tenant, session) in s]
+            for s in held:
+                s.discard((tenant, session))
+            return len(held)
 
 
 def drop(cache, mappers: int, force: bool, live) -> DeleteResult:
