@@ -61,6 +61,12 @@ class KVStoreClient(Connection):
                                                  num_kv_heads=num_kv_heads, head_dim=head_dim, dtype=dtype))
         return self.stub.CreateCache(pb.CreateCacheRequest(spec=spec, exist_ok=exist_ok), timeout=self.timeout)
 
+    def delete_cache(self, name: str, force: bool = False) -> pb.DeleteCacheReply:
+        """Drop a cache and every tenant's sequences in it (tenant "default"
+        only); force: even sequences that live sessions hold. The reply counts
+        what was dropped."""
+        return self.stub.DeleteCache(pb.DeleteCacheRequest(cache=name, force=force), timeout=self.timeout)
+
     def get_cache(self, name: str) -> pb.CacheInfo:
         return self.stub.GetCache(pb.GetCacheRequest(cache=name), timeout=self.timeout)
 
@@ -148,10 +154,13 @@ class KVStoreClient(Connection):
             return StepBuffers(*(arena.view[(off := arena.reserve(n)):off + n].view(dtype).view(s)
                                  for n, s in zip(nbytes, shapes)))
 
-    def retrieve(self, cache: str, seq_id: str, start: int, end: int, layer_start: int = 0,
+    def retrieve(self, cache: str, seq_id: str, start: int = 0, end: int = 0, layer_start: int = 0,
                  layer_end: int = 0, out_bytes: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-        """K, V [layers, end - start, Hkv, d] (sealed tokens dequantized)."""
+        """K, V [layers, end - start, Hkv, d] (sealed tokens dequantized);
+        end 0: to the sequence's end."""
         if not out_bytes:
+            if not end:      # the output range is sized here: the length, now
+                end = self.sequence_info(cache, seq_id).length
             info = self.get_cache(cache).spec.geometry
             nl = (layer_end or info.num_layers) - layer_start
             out_bytes = max(0, nl * (end - start) * info.num_kv_heads * info.head_dim * 2)

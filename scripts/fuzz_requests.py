@@ -159,6 +159,9 @@ class Gen:
             return pb.CreateCacheRequest(spec=spec, exist_ok=r.random() < 0.5)
         if method == "GetCache":
             return pb.GetCacheRequest(cache=cache)
+        if method == "DeleteCache":     # the default tenant only ever deletes caches outside CACHES (fuzz.py)
+            return pb.DeleteCacheRequest(cache=cache if self.other or cache not in CACHES else "fz-new",
+                                         force=r.random() < 0.5)
         if method == "SetCodebooks":
             return pb.SetCodebooksRequest(cache=cache, safetensors=r.randbytes(r.choice([0, 8, 200])))
         if method == "TrainCodebooks":

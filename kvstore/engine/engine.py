@@ -7,9 +7,12 @@ hands back are the small dataclasses of results.py. It knows nothing of gRPC.
 
 Locks: a request holds the lock of the one cache it names (Cache.lock), so a
 long request in one cache never stalls another. Engine.lock guards only the
-dict of caches and what spans caches (create_cache's pool budget); it is
-taken before, never while holding, a cache's lock. Work that must see every
-cache at rest (the lease reaper) takes them all with locked_caches().
+dict of caches and what spans caches (create_cache's pool budget); it is the
+innermost lock: taken briefly, possibly while holding caches' locks (the lease
+reaper, delete_cache), never held while waiting for a cache's lock. Work that
+must see every cache at rest (the lease reaper) takes them all with
+locked_caches(). A request finds its cache and locks it in _locked(), which
+also checks that the cache was not deleted while the request waited for it.
 """
 from __future__ import annotations
 
@@ -25,9 +28,10 @@ from kvstore.core.sequence import Sequence
 from kvstore.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted, quote
 from kvstore.tiers.redis_store import RedisConfig, RedisStore
 
-from . import checks, results
+from . import checks, lifecycle, results
 from .cache import Cache
-from .results import AllocateResult, CacheInfo, PoolMap, ReserveResult, SequenceInfo
+from .results import AllocateResult, CacheInfo, DeleteResult, PoolMap, ReserveResult, SequenceInfo
+
 
 class Engine:
     def __init__(self, device: str = "cpu", lmdb_path: str | None = None, lmdb_sync: bool = False,
@@ -44,6 +48,7 @@ class Engine:
             from kvstore.tiers.lmdb_store import LMDBStore
             self.cold_store = LMDBStore(lmdb_path, sync=lmdb_sync, max_bytes=lmdb_max_bytes)
         self.redis = RedisStore(redis) if redis is not None else None
+        self.mappers = lifecycle.Mappers()   # who maps each cache's pool (MapPool)
 
     # --------------------------------------------------------------- caches
     def create_cache(self, cfg: CacheConfig, exist_ok: bool = False, max_pool_bytes: int = 0) -> CacheInfo:
@@ -60,8 +65,7 @@ class Engine:
             old = self.caches.get(cfg.name)
             if old is not None:
                 if not (exist_ok and old.cfg == cfg):
-                    raise AlreadyExists("name", f"cache {quote(cfg.name)} exists with another configuration"
-                                        if exist_ok else f"cache {quote(cfg.name)} exists")
+                    raise AlreadyExists("name", lifecycle.exists_message(old.cfg, cfg, exist_ok))
             else:
                 if max_pool_bytes:
                     held = sum(results.pool_memory(c.cfg) for c in self.caches.values())
@@ -77,15 +81,37 @@ class Engine:
         return self.cache(name).cfg
 
     def cache_info(self, name: str) -> CacheInfo:
-        c = self.cache(name)
-        with c.lock:        # codebooks and fingerprint change together
+        with self._locked(name) as c:        # codebooks and fingerprint change together
             return results.cache_info(c)
 
     def cache(self, name: str) -> Cache:
-        c = self.caches.get(name)      # caches are never removed: no lock needed to find one
+        c = self.caches.get(name)      # one dict lookup: atomic, no lock needed to find one
         if c is None:
             raise NotFound("cache", f"no cache named {quote(name)}")
         return c
+
+    @contextlib.contextmanager
+    def _locked(self, name: str):
+        """The cache `name`, its lock held. NotFound if it is deleted before the
+        lock is ours: a request that waited on a deleted cache touches nothing of it."""
+        c = self.cache(name)
+        with c.lock:
+            if self.caches.get(name) is not c:
+                raise NotFound("cache", f"no cache named {quote(name)} (deleted)")
+            yield c
+
+    def delete_cache(self, name: str, force: bool = False, live=None) -> DeleteResult:
+        """Drop a cache, its sequences of every tenant and tier, its pools: see
+        lifecycle.drop (live(tenant, session): whether that lease is current)."""
+        with self._locked(name) as cache:
+            r = lifecycle.drop(cache, self.mappers.count(name), force, live)
+            with self.lock:
+                del self.caches[name]
+        if cache.main_device.type == "cuda":
+            del cache
+            # Give the pool back to the driver: the model workers sharing the GPU may use it now.
+            torch.cuda.empty_cache()
+        return r
 
     def _all(self) -> list[Cache]:
         with self.lock:
@@ -117,8 +143,7 @@ class Engine:
                 c.lock.release()
 
     def set_codebooks(self, name: str, cb: Codebooks) -> str:
-        cache = self.cache(name)
-        with cache.lock:
+        with self._locked(name) as cache:
             cache.set_codebooks(cb)
             return cb.sha256()
 
@@ -136,15 +161,14 @@ class Engine:
                  pinned: bool = False, persist: bool = False) -> AllocateResult:
         """prompt: token ids (a list or a protobuf repeated field); owner: the
         session whose lease lapse frees the sequence (see service/leases.py)."""
-        cache = self.cache(name)
-        with cache.lock:          # the cheap refusals first, in Cache.allocate's order
+        with self._locked(name) as cache:          # the cheap refusals first, in Cache.allocate's order
             cache._require_ready()
             cache._check_new_sequence(tenant, seq_id)
         # Checking, copying and hashing a long prompt takes a while (~0.3 s for
         # 4M tokens): outside the lock. allocate() checks it all again.
         ids = cache.prompt_ids(prompt)
         hashed = cache.prompt_hashes(tenant, ids)
-        with cache.lock:
+        with self._locked(name) as cache:     # allocate() rehashes if the cache changed meanwhile
             r = cache.allocate(tenant, seq_id, ids, hashed)
             s = cache.seqs[(tenant, seq_id)]
             s.owner, s.pinned, s.persist = owner, pinned, persist
@@ -159,8 +183,7 @@ class Engine:
         repeated field), optional. Validated for all sequences before any
         sequence changes. defer_write (with layer): -> (slots, k, v) of tokens
         counted but not written, for Cache.attend(new=...); None: all written."""
-        cache = self.cache(name)
-        with cache.lock:
+        with self._locked(name) as cache:
             g = cache.cfg.geometry
             seqs = checks.sequences(cache, tenant, seq_ids, unique=True)
             if len(counts) != len(seqs):
@@ -219,8 +242,7 @@ class Engine:
                scale: float = 0.0, out: torch.Tensor | None = None) -> torch.Tensor:
         """q [B, Hq, d] -> out [B, Hq, d] in the cache dtype; written into `out`
         when it fits (see _out), which the caller compares with the result."""
-        cache = self.cache(name)
-        with cache.lock:
+        with self._locked(name) as cache:
             checks.check_layer(cache.cfg, layer)
             seqs = checks.sequences(cache, tenant, seq_ids, unique=False)
             q, scale = checks.query(cache.cfg, len(seqs), q, scale)
@@ -233,8 +255,7 @@ class Engine:
                       out: torch.Tensor | None = None) -> torch.Tensor:
         """Decode step of one layer: k, v [B, Hkv, d] (one new token per
         sequence), q [B, Hq, d] -> out [B, Hq, d] (`out` as in attend)."""
-        cache = self.cache(name)
-        with cache.lock:
+        with self._locked(name) as cache:
             checks.check_layer(cache.cfg, layer)
             seqs = checks.sequences(cache, tenant, seq_ids, unique=True)
             q, scale = checks.query(cache.cfg, len(seqs), q, scale)
@@ -251,8 +272,7 @@ class Engine:
                 known: tuple[int, int] = (0, 0)) -> ReserveResult:
         if n < 0 or n > 1 << 20:
             raise InvalidArgument("num_tokens", f"must be in [0, 2^20], got {n}")
-        cache = self.cache(name)
-        with cache.lock:
+        with self._locked(name) as cache:
             s = cache.seq(tenant, seq_id)
             cache.resident([s])
             r = cache.reserve(s, n, known)
@@ -272,8 +292,7 @@ class Engine:
             raise InvalidArgument("num_tokens", f"must be in [0, 2^20], got {n}")
         if known is not None and len(known) != len(seq_ids):
             raise InvalidArgument("known_sealed", f"{len(known)} entries for {len(seq_ids)} sequences")
-        cache = self.cache(name)
-        with cache.lock:
+        with self._locked(name) as cache:
             seqs = checks.sequences(cache, tenant, seq_ids, unique=True)
             for s in seqs:
                 if any(s.pending):
@@ -290,29 +309,36 @@ class Engine:
                     cache.publish()
                 return rs
 
-    def map_pool(self, name: str) -> PoolMap:
-        """The cache's pool tensors, all layers, for MapPool."""
-        c = self.cache(name)
-        with c.lock:
-            return results.pool_map(c)
+    def map_pool(self, name: str, holder: tuple[str, str] = ("", "")) -> PoolMap:
+        """The cache's pool tensors, all layers, for MapPool. holder: the (tenant,
+        session) that maps them: the pool is not deleted until its lease lapses."""
+        with self._locked(name) as c:       # under the lock delete_cache counts mappers under
+            pm = results.pool_map(c)
+            self.mappers.add(name, holder)
+            return pm
+
+    def release_mappings(self, tenant: str, session: str) -> int:
+        """The session's lease lapsed: its mappings end -> how many."""
+        return self.mappers.release(tenant, session)
 
     def retrieve(self, name: str, tenant: str, seq_id: str, start: int, end: int,
                  layer_start: int = 0, layer_end: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-        cache = self.cache(name)
-        with cache.lock:
+        """fp16 K, V [layers, end - start, Hkv, d] of committed tokens [start,
+        end); end 0: the sequence's length; layer_end 0: every layer."""
+        with self._locked(name) as cache:
             nl = cache.cfg.geometry.num_layers
             layer_end = layer_end or nl
             if not 0 <= layer_start < layer_end <= nl:
                 raise InvalidArgument("layer_end", f"layers [{layer_start}, {layer_end}) outside [0, {nl})")
             s = cache.seq(tenant, seq_id)
+            end = end or s.length          # 0: to the end (an empty range is never valid)
             if not 0 <= start < end <= s.length:
                 raise InvalidArgument("end", f"range [{start}, {end}) outside the {s.length} committed tokens")
             cache.resident([s])
             return cache.retrieve(s, start, end, slice(layer_start, layer_end))
 
     def fork(self, name: str, tenant: str, src_id: str, dst_id: str, owner: str = "") -> None:
-        cache = self.cache(name)
-        with cache.lock:
+        with self._locked(name) as cache:
             src = cache.seq(tenant, src_id)
             cache._check_new_sequence(tenant, dst_id, "new_sequence_id")
             cache.resident([src])
@@ -320,16 +346,14 @@ class Engine:
             cache.seqs[(tenant, dst_id)].owner = owner
 
     def free(self, name: str, tenant: str, seq_ids: list[str]) -> None:
-        cache = self.cache(name)
-        with cache.lock:
+        with self._locked(name) as cache:
             seqs = checks.sequences(cache, tenant, seq_ids, unique=True)
             for s in seqs:
                 cache.free(s)
 
     def offload(self, name: str, tenant: str, seq_ids: list[str]) -> None:
         """Write sequences to the disk tier; returns once they are durable."""
-        cache = self.cache(name)
-        with cache.lock:
+        with self._locked(name) as cache:
             seqs = checks.sequences(cache, tenant, seq_ids, unique=True)
             if cache.tiering is None or cache.tiering.disk is None:
                 raise FailedPrecondition("sequence_ids", "no disk tier: start the daemon with --lmdb PATH")
@@ -341,14 +365,17 @@ class Engine:
 
     def prefetch(self, name: str, tenant: str, seq_ids: list[str]) -> None:
         """Page sequences back into the GPU pools ahead of use."""
-        cache = self.cache(name)
-        with cache.lock:
+        with self._locked(name) as cache:
             cache.resident(checks.sequences(cache, tenant, seq_ids, unique=True))
 
     # ------------------------------------------------------------ introspection
+    def length(self, name: str, tenant: str, seq_id: str) -> int:
+        """A sequence's committed tokens."""
+        with self._locked(name) as c:
+            return c.seq(tenant, seq_id).length
+
     def sequence_info(self, name: str, tenant: str, seq_id: str) -> SequenceInfo:
-        c = self.cache(name)
-        with c.lock:        # the ref counts match the block ids
+        with self._locked(name) as c:        # the ref counts match the block ids
             return results.sequence_info(c, c.seq(tenant, seq_id))
 
     def owned_sequences(self, tenant: str, owner: str) -> dict[str, list[tuple[str, bool]]]:
@@ -366,8 +393,7 @@ class Engine:
         return out
 
     def list_sequences(self, name: str, tenant: str) -> list[SequenceInfo]:
-        c = self.cache(name)
-        with c.lock:
+        with self._locked(name) as c:
             return [results.sequence_info(c, s) for (t, _), s in sorted(c.seqs.items()) if t == tenant]
 
     def stats(self, name: str | None = None) -> dict[str, dict]:
@@ -377,7 +403,7 @@ class Engine:
         out = {}
         for c in caches:
             with c.lock:
-                out[c.cfg.name] = c.stats()
+                out[c.cfg.name] = {**c.stats(), **results.memory(c)}
         return out
 
     def check_invariants(self) -> None:

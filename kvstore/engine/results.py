@@ -96,9 +96,42 @@ def pool_map(c) -> PoolMap:
     return PoolMap(c.cfg, c.main_device, dict(k=c.main.k, v=c.main.v))
 
 
+def memory(c) -> dict[str, int]:
+    """Reserved (allocated at creation, whatever it holds) and used bytes of
+    each of a cache's pools, for Stats."""
+    cfg = c.cfg
+    main = c.main_pool.stats().used
+    out = dict(main_reserved_bytes=c.main_pool.capacity * cfg.bytes_per_block(),
+               main_used_bytes=main * cfg.bytes_per_block(), tail_reserved_bytes=0, tail_used_bytes=0,
+               host_used_bytes=0, reserved_bytes=pool_memory(cfg))
+    if c.is_pq:
+        per_block = cfg.block_size * cfg.fp16_bytes_per_token()
+        out["tail_reserved_bytes"] = c.tail_pool.capacity * per_block
+        out["tail_used_bytes"] = c.tail_pool.stats().used * per_block
+    host = c.tiering.host if c.tiering is not None else None
+    if host is not None:
+        out["host_used_bytes"] = (host.main_pool.stats().used * host.main.shape[1]
+                                  + host.tail_pool.stats().used * host.tail.shape[1])
+    return out
+
+
 def pool_memory(cfg: CacheConfig) -> int:
     """Memory a cache's pools take: main, fp16 tail (PQ) and host tier."""
     n = cfg.capacity_blocks() * cfg.bytes_per_block() + cfg.host_bytes
     if cfg.codec.kind == "pq":
         n += cfg.tail_capacity_blocks() * cfg.block_size * cfg.fp16_bytes_per_token()
     return n
+
+
+@dataclass(slots=True)
+class DeleteResult:
+    """What a DeleteCache dropped: nothing of it is lost silently."""
+    sequences: int               # every sequence of the cache, of every tenant and tier
+    leased_sequences: int        # of them, held by a session whose lease was current (force)
+    pinned_sequences: int        # of them, pinned (they would have outlived their session)
+    disk_sequences: int          # of them, with a copy on the disk tier (deleted with it)
+    main_blocks: int             # GPU main-pool blocks sequences held
+    tail_blocks: int             # GPU fp16 tail-pool blocks sequences held (codec pq)
+    host_blocks: int             # host-tier blocks sequences held
+    cached_blocks: int           # unreferenced prefix blocks still findable in the GPU pools and host tier
+    reserved_bytes: int          # GPU pools and host tier given back (results.pool_memory)

@@ -1,6 +1,8 @@
 """kvstore-server's command line: its arguments and their checks, all made
 before the daemon binds or opens anything (daemon.py), and the budgets
-derived from them."""
+derived from them. Every flag can also come from the environment or a config
+file (settings.py); docs/operations.md's table of them is generated here
+(`python -m kvstore.service.cli`)."""
 from __future__ import annotations
 
 import argparse
@@ -14,6 +16,7 @@ from kvstore.core.sizes import parse_bytes
 from kvstore.errors import InvalidArgument
 from kvstore.protocol.channel import DEFAULT_MAX_MESSAGE_MB, default_socket
 
+from . import buildinfo, logs, settings
 from .auth import Authenticator
 from .leases import DEFAULT_TIMEOUT_S
 from .servicer import DEFAULT_MAX_STREAMS
@@ -23,14 +26,29 @@ DESCRIPTION = "The daemon: `python server.py` / `kvstore-server`."
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 
 
+# Defaults as the docs show them, where the value depends on who runs it.
+DOC_DEFAULTS = {"socket": "/tmp/kvstore-$UID/kvstore.sock"}
+
+
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str):
         # One line that says what is wrong, not the whole usage above it.
         self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
 
 
+def parse_args(argv: list[str] | None = None) -> tuple[argparse.ArgumentParser, argparse.Namespace]:
+    """Flags over KVSTORE_* variables over the config file over defaults."""
+    p = parser()
+    settings.apply(p, argv)
+    return p, p.parse_args(argv)
+
+
 def parser() -> argparse.ArgumentParser:
     p = _Parser(prog="kvstore-server", description=DESCRIPTION)
+    p.add_argument("--version", action=buildinfo.VersionAction)
+    p.add_argument("--config", metavar="PATH",
+                   help="TOML file of settings, keys named as these flags without the dashes (env KVSTORE_CONFIG); "
+                        "flags and KVSTORE_* variables override it")
     p.add_argument("--socket", default=default_socket(),
                    help="Unix socket path (default: %(default)s); its directory must be writable only by this uid "
                         "(a missing one is made 0700, one of ours that others can write is made 0700)")
@@ -54,7 +72,9 @@ def parser() -> argparse.ArgumentParser:
                    help="connect and socket timeout of Redis calls (default: %(default)s)")
     p.add_argument("--redis-backoff", type=float, default=10.0, metavar="SECONDS",
                    help="longest pause before trying a failed Redis again (default: %(default)s)")
-    p.add_argument("--max-message-mb", type=int, default=DEFAULT_MAX_MESSAGE_MB)
+    p.add_argument("--max-message-mb", type=int, default=DEFAULT_MAX_MESSAGE_MB, metavar="MB",
+                   help="largest gRPC message either way, in MiB (default: %(default)s); larger calls are "
+                        "RESOURCE_EXHAUSTED: send big tensors through a registered buffer")
     p.add_argument("--workers", type=int, default=8, help="threads serving calls (default: %(default)s)")
     p.add_argument("--max-streams", type=int, default=DEFAULT_MAX_STREAMS,
                    help="open AppendAttendStream streams (one per client), each on a thread of its own beside "
@@ -67,9 +87,12 @@ def parser() -> argparse.ArgumentParser:
                         "already runs calls side by side; raise it for bulk CPU work (large CPU-device appends)")
     p.add_argument("--log-level", default="INFO", type=str.upper, choices=LOG_LEVELS,
                    help="%(choices)s, any case (default: %(default)s)")
-    p.add_argument("--auth-token", default=os.environ.get("KVSTORE_AUTH_TOKEN"),
-                   help="bearer token for TCP callers, tenant 'default' (env KVSTORE_AUTH_TOKEN; "
-                        "prefer --token-file: argv is visible to other users)")
+    p.add_argument("--log-format", default="text", choices=logs.FORMATS,
+                   help="text: one human line per record; json: one JSON object per line (time, level, logger, "
+                        "message, exception) (default: %(default)s)")
+    p.add_argument("--auth-token", default=None,
+                   help="bearer token for TCP callers, tenant 'default' (prefer the environment or --token-file: "
+                        "argv is visible to other users)")
     p.add_argument("--token-file", help="lines `TOKEN TENANT`; `@unix TENANT` or `@unix -` sets Unix callers' tenant")
     p.add_argument("--tls-cert", help="PEM certificate for the TCP port")
     p.add_argument("--tls-key", help="PEM private key for the TCP port")
@@ -77,9 +100,10 @@ def parser() -> argparse.ArgumentParser:
                    help="seconds without a call or heartbeat before a session's unpinned sequences are freed")
     p.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus metrics on this port")
     p.add_argument("--metrics-host", default="127.0.0.1", help="address for --metrics-port")
-    p.add_argument("--max-pool-bytes", type=int, default=None,
-                   help="memory all caches' pools may take together (default: 90%% of the GPU, or half the RAM "
-                        "on CPU); CreateCache beyond it is RESOURCE_EXHAUSTED")
+    p.add_argument("--max-pool-bytes", type=_byte_size, default=None, metavar="SIZE",
+                   help="memory all caches' pools may take together, in bytes (40GiB, 512MB and the like work too; "
+                        "default: 90%% of the GPU, or half the RAM on CPU); CreateCache beyond it is "
+                        "RESOURCE_EXHAUSTED")
     return p
 
 
@@ -189,3 +213,22 @@ def _cuda_devices() -> int:
         return torch.cuda.device_count() if torch.cuda.is_available() else 0
     except Exception:  # noqa: BLE001 - a broken CUDA install is no GPU to us
         return 0
+
+
+def flags_markdown(p: argparse.ArgumentParser | None = None) -> str:
+    """docs/operations.md's table of every setting (tests check it is current)."""
+    p = p or parser()
+    rows = ["| flag | environment | default | what |", "| --- | --- | --- | --- |"]
+    for key, a in settings.settings(p).items():
+        if settings.is_switch(a):
+            default, flag = "off", f"`--{key}`"
+        else:
+            default = DOC_DEFAULTS.get(key, "unset" if a.default is None else a.default)
+            flag = f"`--{key} {a.metavar or a.dest.upper()}`"
+        what = (a.help or "") % {"default": default, "choices": ", ".join(map(str, a.choices or ()))}
+        rows.append(f"| {flag} | `{settings.env_name(key)}` | `{default}` | {what.replace('|', '/')} |")
+    return "\n".join(rows)
+
+
+if __name__ == "__main__":
+    print(flags_markdown())

@@ -3,8 +3,10 @@ built from what the engine hands back (results.py, stats). The servicer and
 the daemon build no message from engine data anywhere else."""
 from __future__ import annotations
 
+import dataclasses
+
 from kvstore.core.config import CacheConfig, CodecConfig, ModelGeometry
-from kvstore.engine.results import CacheInfo, ReserveResult, SequenceInfo
+from kvstore.engine.results import CacheInfo, DeleteResult, ReserveResult, SequenceInfo
 from kvstore.v1 import kvstore_pb2 as pb
 
 
@@ -42,6 +44,10 @@ def cache_info(i: CacheInfo) -> pb.CacheInfo:
                         fingerprint=i.fingerprint, capacity_blocks=i.capacity_blocks,
                         tail_capacity_blocks=i.tail_capacity_blocks, bytes_per_token=cfg.bytes_per_token(),
                         compression_ratio=cfg.fp16_bytes_per_token() / cfg.bytes_per_token())
+
+
+def delete_reply(r: DeleteResult) -> pb.DeleteCacheReply:
+    return pb.DeleteCacheReply(**dataclasses.asdict(r))
 
 
 def reservation(r: ReserveResult) -> dict:

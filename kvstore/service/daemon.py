@@ -26,7 +26,7 @@ from kvstore.engine.engine import Engine
 from kvstore.protocol.channel import DEFAULT_MAX_MESSAGE_MB, SERVICE, server_options
 from kvstore.v1 import kvstore_pb2_grpc as pb_grpc
 
-from . import cli, sockets
+from . import cli, logs, sockets
 from .auth import Authenticator, GateInterceptor
 from .buffers import BufferRegistry
 from .leases import DEFAULT_TIMEOUT_S, LeaseManager
@@ -153,10 +153,9 @@ def _start_doorbell(server, servicer: KVStoreServicer, leases: LeaseManager, soc
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = cli.parser()
-    args = p.parse_args(argv)
+    p, args = cli.parse_args(argv)
     auth, tls = cli.check_args(p, args)
-    logging.basicConfig(level=args.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    logs.setup(args.log_level, args.log_format)
     import torch
     torch.set_num_threads(args.torch_threads)
     metrics = None

@@ -16,8 +16,10 @@ from dataclasses import dataclass
 
 from kvstore.cuda.scope import CudaScope, Fences
 from kvstore.engine.storage import TORCH_DTYPES
-from kvstore.errors import Unavailable
+from kvstore.errors import Unavailable, quote
 from kvstore.protocol import wire
+
+from .auth import DEFAULT_TENANT, PermissionDenied
 
 
 @dataclass(slots=True)
@@ -91,6 +93,31 @@ class Handlers:
         if ref is None or not ref.buffer_id or n_seqs == 0:
             return ref, None
         return ref, buffers.view(ref.buffer_id, ref.offset, shape, dtype)
+
+    def retrieve_outputs(self, request, tenant: str, buffers) -> tuple[int, object, object]:
+        """A Retrieve's end (0: the sequence's length now; the sequence only
+        grows, so the range stays valid) and its output ranges, checked to fit
+        before anything is read or paged in. -> (end, k_out, v_out)."""
+        g = self.engine.config(request.cache).geometry
+        end = request.end or self.engine.length(request.cache, tenant, request.sequence_id)
+        nl = (request.layer_end or g.num_layers) - request.layer_start
+        itemsize = TORCH_DTYPES[g.dtype].itemsize
+        nbytes = max(0, nl) * max(0, end - request.start) * g.num_kv_heads * g.head_dim * itemsize
+        k_out = request.k_out if request.HasField("k_out") else None
+        v_out = request.v_out if request.HasField("v_out") else None
+        wire.check_output(buffers, k_out, nbytes, itemsize, "k_out")
+        wire.check_output(buffers, v_out, nbytes, itemsize, "v_out")
+        return end, k_out, v_out
+
+    def delete_cache(self, name: str, tenant: str, force: bool):
+        """DeleteCache: only the default tenant (caches are shared by every
+        tenant, and this drops all of their sequences); sequences of sessions
+        whose lease is current refuse it unless force."""
+        if tenant != DEFAULT_TENANT:
+            raise PermissionDenied("DeleteCache", f"caches are shared by every tenant: only tenant "
+                                   f"{DEFAULT_TENANT!r} may delete one, not {quote(tenant)}")
+        live = self.leases.is_live if self.leases is not None else None
+        return self.engine.delete_cache(name, force=force, live=live)
 
     def resolve(self, request, buffers) -> Resolved:
         """What an AppendAttend's tensor fields name, checked in the order its

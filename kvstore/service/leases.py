@@ -62,6 +62,12 @@ class LeaseManager:
             with self._lock:
                 self._seen[(tenant, session)] = self.clock()
 
+    def is_live(self, tenant: str, session: str) -> bool:
+        """Whether the session's lease is current (it called within timeout_s)."""
+        with self._lock:
+            t = self._seen.get((tenant, session))
+        return t is not None and self.clock() - t <= self.timeout_s
+
     def sessions(self) -> int:
         return len(self._seen)
 
@@ -103,9 +109,13 @@ class LeaseManager:
                 n += len(to_free)
             except NotFound:
                 pass   # the cache went away under us; nothing of it is held
+        release = getattr(self.engine, "release_mappings", None)
+        mapped = release(tenant, session) if release is not None else 0
         self.counters["expired"] += 1
         self.counters["freed_sequences"] += n
-        log.info("lease of session %s (tenant %s) lapsed: freed %d sequences", session, tenant, n)
+        # An idle client's lapse is routine (DEBUG); one that freed sequences an operator may miss is INFO.
+        log.log(logging.INFO if n else logging.DEBUG, "lease of session %s (tenant %s) lapsed: freed %d sequences"
+                "%s", session, tenant, n, f", released {mapped} pool mapping(s)" if mapped else "")
 
     def _offload(self, cache: str, tenant: str, seq_id: str) -> bool:
         """The persistence hook: True if the sequence is now durable on the

@@ -23,6 +23,8 @@ from prometheus_client import (CollectorRegistry, Counter, Histogram, disable_cr
                                start_http_server)
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from . import buildinfo
+
 COUNTERS = {"prefix_query_tokens", "prefix_hit_tokens", "appended_tokens", "sealed_blocks", "dedup_blocks",
             "attend_calls", "evictions", "page_ins", "page_outs", "offloads", "prefetches", "bytes_down",
             "bytes_up", "spilled_blocks", "prefix_hit_blocks", "prefix_hits", "evicted_bytes", "skipped_spills",
@@ -74,6 +76,9 @@ class EngineCollector:
 
     def collect(self):
         f = _Families()
+        f.add("build_info", buildinfo.build_info(), 1, False,
+              "always 1; labels: kvstore version and commit, torch, the CUDA torch was built for (none: CPU build), "
+              "triton and cupy (absent: not installed)")
         if self.engine is not None:
             for cache, stats in self.engine.stats().items():
                 self._cache(f, cache, stats)

@@ -137,6 +137,10 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
                                                            max_pool_bytes=self.max_pool_bytes))
 
     @_rpc
+    def DeleteCache(self, request, context):
+        return convert.delete_reply(self.handlers.delete_cache(request.cache, self._tenant(context), request.force))
+
+    @_rpc
     def GetCache(self, request, context):
         return convert.cache_info(self.engine.cache_info(request.cache))
 
@@ -252,17 +256,11 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
 
     @_rpc
     def Retrieve(self, request, context):
-        g = self.engine.config(request.cache).geometry
-        nl = (request.layer_end or g.num_layers) - request.layer_start
-        n = max(0, request.end - request.start)
-        nbytes = max(0, nl) * n * g.num_kv_heads * g.head_dim * 2
-        k_out = request.k_out if request.HasField("k_out") else None
-        v_out = request.v_out if request.HasField("v_out") else None
-        wire.check_output(self.buffers, k_out, nbytes, 2, "k_out")
-        wire.check_output(self.buffers, v_out, nbytes, 2, "v_out")
+        tenant = self._tenant(context)
+        end, k_out, v_out = self.handlers.retrieve_outputs(request, tenant, self.buffers)
         with self._cuda(request):
-            k, v = self.engine.retrieve(request.cache, self._tenant(context), request.sequence_id,
-                                        request.start, request.end, request.layer_start, request.layer_end)
+            k, v = self.engine.retrieve(request.cache, tenant, request.sequence_id,
+                                        request.start, end, request.layer_start, request.layer_end)
             return pb.RetrieveReply(k=wire.to_proto(k, self.buffers, k_out, "k_out"),
                                     v=wire.to_proto(v, self.buffers, v_out, "v_out"))
 
@@ -292,7 +290,7 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
         self._local_mapper(context, "MapPool")
         from kvstore.cuda import ipc as cuda_ipc
         self._mappable(context, request.cache, "MapPool")
-        pool = self.engine.map_pool(request.cache)
+        pool = self.engine.map_pool(request.cache, (self._tenant(context), session_of(context)))
         uuid = cuda_ipc.device_uuid(pool.device.index or 0)
         if request.device_uuid and request.device_uuid != uuid:
             raise FailedPrecondition("device_uuid", f"the pool lives on GPU {uuid}, not {request.device_uuid}")

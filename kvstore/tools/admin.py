@@ -6,7 +6,8 @@
     kvstore-admin blocks                 # blocks per tier and state, ref-count histogram
     kvstore-admin watch --interval 2     # stats, refreshed
     kvstore-admin health                 # exit 0 if SERVING
-Each takes --json. It talks to the daemon over its Unix socket (--socket) or
+    kvstore-admin delete-cache llama     # drop a cache (tenant "default"); --force: even leased sequences
+Each takes --json (numbers as JSON numbers). It talks to the daemon over its Unix socket (--socket) or
 TCP (--target HOST:PORT with --token). Sequences are per tenant: the listing
 shows the tenant the caller authenticates as; Stats count every tenant.
 """
@@ -20,13 +21,38 @@ import time
 from collections import Counter
 
 import grpc
+from google.protobuf.descriptor import FieldDescriptor
 from google.protobuf.json_format import MessageToDict
 
 TIERS = ("main", "tail", "host", "host_tail")    # PoolStats fields of CacheStats
 
 
+_INT64 = {FieldDescriptor.TYPE_INT64, FieldDescriptor.TYPE_UINT64, FieldDescriptor.TYPE_SINT64,
+          FieldDescriptor.TYPE_FIXED64, FieldDescriptor.TYPE_SFIXED64}
+
+
 def _dict(msg) -> dict:
-    return MessageToDict(msg, always_print_fields_with_no_presence=True, preserving_proto_field_name=True)
+    """A message as JSON-ready data. 64-bit integers stay numbers: the
+    protobuf JSON mapping writes them as strings (for JavaScript's doubles),
+    which every consumer of this output would have to undo."""
+    return _numbers(msg.DESCRIPTOR, MessageToDict(msg, always_print_fields_with_no_presence=True,
+                                                  preserving_proto_field_name=True))
+
+
+def _numbers(desc, d: dict) -> dict:
+    for name, v in d.items():
+        f = desc.fields_by_name.get(name)
+        if f is None:
+            continue
+        if f.type in _INT64:
+            d[name] = [int(x) for x in v] if isinstance(v, list) else int(v)
+        elif f.message_type is not None and isinstance(v, dict):
+            _numbers(f.message_type, v)
+        elif f.message_type is not None and isinstance(v, list):
+            for x in v:
+                if isinstance(x, dict):
+                    _numbers(f.message_type, x)
+    return d
 
 
 def _client(args):
@@ -42,7 +68,11 @@ def _caches(kv, cache: str) -> list[str]:
 
 
 def _mib(n: float) -> str:
-    return f"{n / 2**20:.1f} MiB"
+    """Bytes in the largest binary unit that keeps the figure >= 1."""
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{int(n)} B"
 
 
 def _table(rows: list[list], header: list[str]) -> str:
@@ -60,14 +90,21 @@ def render_stats(reply) -> str:
     for c in reply.caches:
         out.append(f"cache {c.cache}: {c.sequences} sequences, {c.tokens} tokens ({c.sealed_tokens} sealed), "
                    f"prefix hits {c.prefix_hit_tokens}/{c.prefix_query_tokens} tokens ({c.prefix_hit_rate:.1%})")
-        sinks = f", first {c.sink_tokens} tokens of each sequence fp16 (sinks)" if c.sink_tokens else ""
-        out.append(f"  {c.bytes_per_token} B/token (x{c.compression_ratio:.2f} vs fp16){sinks}, "
-                   f"used {_mib(c.used_bytes)}, {c.appended_tokens} appended, {c.sealed_blocks} sealed blocks ({c.dedup_blocks} dedup), "
+        out.append("  " + _bytes_per_token(c))
+        out.append(f"  {c.appended_tokens} appended, {c.sealed_blocks} sealed blocks ({c.dedup_blocks} dedup), "
                    f"{c.attend_calls} attend calls")
-        rows = [[t, p.capacity, p.used, p.cached, p.free, p.evictions] for t, p in _tiers(c)]
+        # (reserved, used) bytes; the host tier's cover both host pools, on the `host` row.
+        memory = {"main": (c.main_reserved_bytes, c.main_used_bytes),
+                  "tail": (c.tail_reserved_bytes, c.tail_used_bytes), "host": (c.host_tier_bytes, c.host_used_bytes)}
+        rows = [[t, p.capacity, p.used, p.cached, p.free, p.evictions,
+                 *((_mib(b) for b in memory[t]) if t in memory else ("", ""))] for t, p in _tiers(c)]
         if c.disk_entries or c.disk_bytes:
-            rows.append(["disk", "-", c.disk_entries, "-", "-", "-"])
-        out.append(_indent(_table(rows, ["tier", "capacity", "used", "cached", "free", "evictions"])))
+            rows.append(["disk", "-", c.disk_entries, "-", "-", "-", _mib(c.disk_max_bytes) if c.disk_max_bytes
+                         else "-", _mib(c.disk_used_bytes)])
+        out.append(_indent(_table(rows, ["tier", "capacity", "used", "cached", "free", "evictions", "reserved",
+                                         "used bytes"])))
+        out.append(f"  reserved {_mib(c.reserved_bytes)} in all, allocated at creation (GPU main and tail pools, "
+                   f"the host tier: its row counts both host pools); used {_mib(c.used_bytes)} of the GPU pools")
         if c.sequences_host or c.sequences_disk or c.page_ins_host or c.page_ins_disk:
             out.append(f"  sequences host/disk {c.sequences_host}/{c.sequences_disk}, page-ins host/disk "
                        f"{c.page_ins_host}/{c.page_ins_disk}, offloads host/disk {c.offloads_host}/{c.offloads_disk}")
@@ -85,6 +122,20 @@ def render_stats(reply) -> str:
                        f"{c.redis_refused} refused, {c.redis_dropped_puts} puts dropped, {c.redis_errors} errors"
                        + (f"; last error: {c.redis_last_error}" if c.redis_last_error else ""))
     return "\n".join(out) if out else "no caches"
+
+
+def _bytes_per_token(c) -> str:
+    """Nominal (what a sealed token takes) and effective (what the cache
+    holds per token now, fp16 tail and partly filled blocks included) bytes
+    per token: until sequences are long enough to seal, the two differ."""
+    sinks = f"; the first {c.sink_tokens} tokens of each sequence stay fp16 (sinks)" if c.sink_tokens else ""
+    nominal = (f"nominal {c.bytes_per_token} B/token for sealed tokens (x{c.compression_ratio:.2f} vs fp16's "
+               f"{c.fp16_bytes_per_token}){sinks}")
+    if not c.tokens:
+        return f"{nominal}; effective: no tokens yet"
+    ratio = c.fp16_bytes_per_token / c.effective_bytes_per_token if c.effective_bytes_per_token else 0.0
+    return (f"{nominal}; effective {c.effective_bytes_per_token:,.0f} B/token now (x{ratio:.2f}: used bytes / "
+            f"{c.tokens} tokens, {c.sealed_tokens} of them sealed)")
 
 
 def _indent(s: str) -> str:
@@ -172,6 +223,16 @@ def cmd_watch(kv, args):
     return None
 
 
+def cmd_delete_cache(kv, args):
+    r = kv.delete_cache(args.name, force=args.force)
+    if args.json:
+        return {"cache": args.name, **_dict(r)}
+    return (f"deleted cache {args.name}: {r.sequences} sequences ({r.leased_sequences} held by live leases, "
+            f"{r.pinned_sequences} pinned, {r.disk_sequences} with a disk copy, deleted), blocks dropped: "
+            f"{r.main_blocks} main, {r.tail_blocks} tail, {r.host_blocks} host, {r.cached_blocks} cached prefix; "
+            f"{_mib(r.reserved_bytes)} given back. Prefix blocks on disk and in Redis stay (shared, by content).")
+
+
 def cmd_health(kv, args):
     from grpc_health.v1 import health_pb2, health_pb2_grpc
     r = health_pb2_grpc.HealthStub(kv.channel).Check(health_pb2.HealthCheckRequest(service=""), timeout=args.timeout)
@@ -183,7 +244,20 @@ def cmd_health(kv, args):
 
 
 def main(argv: list[str] | None = None) -> None:
+    try:
+        _main(argv)
+        sys.stdout.flush()
+    except BrokenPipeError:
+        # The reader left (`kvstore-admin ... | head -1`): nothing more to say, and
+        # nothing to print at exit either (Python would flush stdout again).
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        sys.exit(0)
+
+
+def _main(argv: list[str] | None) -> None:
+    from kvstore.service.buildinfo import VersionAction
     p = argparse.ArgumentParser(prog="kvstore-admin", description=__doc__.splitlines()[0])
+    p.add_argument("--version", action=VersionAction)
     p.add_argument("--socket", help="daemon Unix socket (default: the daemon's default, or KVSTORE_SOCKET)")
     p.add_argument("--target", help="HOST:PORT instead of the socket")
     p.add_argument("--token", default=os.environ.get("KVSTORE_TOKEN"), help="bearer token (env KVSTORE_TOKEN)")
@@ -200,12 +274,16 @@ def main(argv: list[str] | None = None) -> None:
         if name == "watch":
             sp.add_argument("--interval", type=float, default=2.0)
             sp.add_argument("--count", type=int, default=0, help="stop after N refreshes (0: never)")
+    sp = sub.add_parser("delete-cache", help="drop a cache, its sequences and pools (tenant default only)")
+    sp.add_argument("name")
+    sp.add_argument("--force", action="store_true", help="even sequences that live client sessions hold")
+    sp.add_argument("--json", action="store_true", default=argparse.SUPPRESS)
     sp = sub.add_parser("seq", help="one sequence")
     sp.add_argument("id")
     sp.add_argument("--cache", default="")
     sp.add_argument("--json", action="store_true", default=argparse.SUPPRESS)
     args = p.parse_args(argv)
-    cmd = globals()[f"cmd_{args.cmd}"]
+    cmd = globals()[f"cmd_{args.cmd.replace('-', '_')}"]
     kv = _client(args)
     try:
         out = cmd(kv, args)

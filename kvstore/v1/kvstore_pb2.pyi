@@ -171,6 +171,36 @@ class CodebooksReply(_message.Message):
     sha256: str
     def __init__(self, sha256: _Optional[str] = ...) -> None: ...
 
+class DeleteCacheRequest(_message.Message):
+    __slots__ = ("cache", "force")
+    CACHE_FIELD_NUMBER: _ClassVar[int]
+    FORCE_FIELD_NUMBER: _ClassVar[int]
+    cache: str
+    force: bool
+    def __init__(self, cache: _Optional[str] = ..., force: _Optional[bool] = ...) -> None: ...
+
+class DeleteCacheReply(_message.Message):
+    __slots__ = ("sequences", "leased_sequences", "pinned_sequences", "disk_sequences", "main_blocks", "tail_blocks", "host_blocks", "cached_blocks", "reserved_bytes")
+    SEQUENCES_FIELD_NUMBER: _ClassVar[int]
+    LEASED_SEQUENCES_FIELD_NUMBER: _ClassVar[int]
+    PINNED_SEQUENCES_FIELD_NUMBER: _ClassVar[int]
+    DISK_SEQUENCES_FIELD_NUMBER: _ClassVar[int]
+    MAIN_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    TAIL_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    HOST_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    CACHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    RESERVED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    sequences: int
+    leased_sequences: int
+    pinned_sequences: int
+    disk_sequences: int
+    main_blocks: int
+    tail_blocks: int
+    host_blocks: int
+    cached_blocks: int
+    reserved_bytes: int
+    def __init__(self, sequences: _Optional[int] = ..., leased_sequences: _Optional[int] = ..., pinned_sequences: _Optional[int] = ..., disk_sequences: _Optional[int] = ..., main_blocks: _Optional[int] = ..., tail_blocks: _Optional[int] = ..., host_blocks: _Optional[int] = ..., cached_blocks: _Optional[int] = ..., reserved_bytes: _Optional[int] = ...) -> None: ...
+
 class AllocateRequest(_message.Message):
     __slots__ = ("cache", "sequence_id", "prompt_token_ids", "pinned", "persist")
     CACHE_FIELD_NUMBER: _ClassVar[int]
@@ -490,7 +520,7 @@ class PoolStats(_message.Message):
     def __init__(self, capacity: _Optional[int] = ..., used: _Optional[int] = ..., cached: _Optional[int] = ..., free: _Optional[int] = ..., evictions: _Optional[int] = ...) -> None: ...
 
 class CacheStats(_message.Message):
-    __slots__ = ("cache", "main", "tail", "sequences", "tokens", "sealed_tokens", "bytes_per_token", "fp16_bytes_per_token", "compression_ratio", "used_bytes", "effective_bytes_per_token", "prefix_query_tokens", "prefix_hit_tokens", "prefix_hit_rate", "appended_tokens", "sealed_blocks", "dedup_blocks", "attend_calls", "host", "host_tail", "sequences_host", "sequences_disk", "offloads_host", "offloads_disk", "page_ins_host", "page_ins_disk", "bytes_down", "bytes_up", "spilled_blocks", "prefix_hit_blocks_host", "prefix_hit_blocks_disk", "disk_bytes", "disk_entries", "sink_tokens", "disk_used_bytes", "disk_max_bytes", "disk_held_bytes", "disk_evictions", "disk_evicted_bytes", "disk_skipped_spills", "host_metadata_bytes", "host_tier_bytes", "redis_state", "redis_blocks_out", "redis_bytes_out", "prefix_hit_blocks_redis", "redis_bytes_in", "redis_misses", "redis_refused", "redis_dropped_puts", "redis_errors", "redis_last_error", "bytes_down_host", "bytes_down_disk", "bytes_up_host", "bytes_up_disk")
+    __slots__ = ("cache", "main", "tail", "sequences", "tokens", "sealed_tokens", "bytes_per_token", "fp16_bytes_per_token", "compression_ratio", "used_bytes", "effective_bytes_per_token", "prefix_query_tokens", "prefix_hit_tokens", "prefix_hit_rate", "appended_tokens", "sealed_blocks", "dedup_blocks", "attend_calls", "host", "host_tail", "sequences_host", "sequences_disk", "offloads_host", "offloads_disk", "page_ins_host", "page_ins_disk", "bytes_down", "bytes_up", "spilled_blocks", "prefix_hit_blocks_host", "prefix_hit_blocks_disk", "disk_bytes", "disk_entries", "sink_tokens", "disk_used_bytes", "disk_max_bytes", "disk_held_bytes", "disk_evictions", "disk_evicted_bytes", "disk_skipped_spills", "host_metadata_bytes", "host_tier_bytes", "redis_state", "redis_blocks_out", "redis_bytes_out", "prefix_hit_blocks_redis", "redis_bytes_in", "redis_misses", "redis_refused", "redis_dropped_puts", "redis_errors", "redis_last_error", "main_reserved_bytes", "main_used_bytes", "tail_reserved_bytes", "tail_used_bytes", "host_used_bytes", "reserved_bytes", "bytes_down_host", "bytes_down_disk", "bytes_up_host", "bytes_up_disk")
     CACHE_FIELD_NUMBER: _ClassVar[int]
     MAIN_FIELD_NUMBER: _ClassVar[int]
     TAIL_FIELD_NUMBER: _ClassVar[int]
@@ -543,6 +573,12 @@ class CacheStats(_message.Message):
     REDIS_DROPPED_PUTS_FIELD_NUMBER: _ClassVar[int]
     REDIS_ERRORS_FIELD_NUMBER: _ClassVar[int]
     REDIS_LAST_ERROR_FIELD_NUMBER: _ClassVar[int]
+    MAIN_RESERVED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MAIN_USED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    TAIL_RESERVED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    TAIL_USED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    HOST_USED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    RESERVED_BYTES_FIELD_NUMBER: _ClassVar[int]
     BYTES_DOWN_HOST_FIELD_NUMBER: _ClassVar[int]
     BYTES_DOWN_DISK_FIELD_NUMBER: _ClassVar[int]
     BYTES_UP_HOST_FIELD_NUMBER: _ClassVar[int]
@@ -599,11 +635,17 @@ class CacheStats(_message.Message):
     redis_dropped_puts: int
     redis_errors: int
     redis_last_error: str
+    main_reserved_bytes: int
+    main_used_bytes: int
+    tail_reserved_bytes: int
+    tail_used_bytes: int
+    host_used_bytes: int
+    reserved_bytes: int
     bytes_down_host: int
     bytes_down_disk: int
     bytes_up_host: int
     bytes_up_disk: int
-    def __init__(self, cache: _Optional[str] = ..., main: _Optional[_Union[PoolStats, _Mapping]] = ..., tail: _Optional[_Union[PoolStats, _Mapping]] = ..., sequences: _Optional[int] = ..., tokens: _Optional[int] = ..., sealed_tokens: _Optional[int] = ..., bytes_per_token: _Optional[int] = ..., fp16_bytes_per_token: _Optional[int] = ..., compression_ratio: _Optional[float] = ..., used_bytes: _Optional[int] = ..., effective_bytes_per_token: _Optional[float] = ..., prefix_query_tokens: _Optional[int] = ..., prefix_hit_tokens: _Optional[int] = ..., prefix_hit_rate: _Optional[float] = ..., appended_tokens: _Optional[int] = ..., sealed_blocks: _Optional[int] = ..., dedup_blocks: _Optional[int] = ..., attend_calls: _Optional[int] = ..., host: _Optional[_Union[PoolStats, _Mapping]] = ..., host_tail: _Optional[_Union[PoolStats, _Mapping]] = ..., sequences_host: _Optional[int] = ..., sequences_disk: _Optional[int] = ..., offloads_host: _Optional[int] = ..., offloads_disk: _Optional[int] = ..., page_ins_host: _Optional[int] = ..., page_ins_disk: _Optional[int] = ..., bytes_down: _Optional[int] = ..., bytes_up: _Optional[int] = ..., spilled_blocks: _Optional[int] = ..., prefix_hit_blocks_host: _Optional[int] = ..., prefix_hit_blocks_disk: _Optional[int] = ..., disk_bytes: _Optional[int] = ..., disk_entries: _Optional[int] = ..., sink_tokens: _Optional[int] = ..., disk_used_bytes: _Optional[int] = ..., disk_max_bytes: _Optional[int] = ..., disk_held_bytes: _Optional[int] = ..., disk_evictions: _Optional[int] = ..., disk_evicted_bytes: _Optional[int] = ..., disk_skipped_spills: _Optional[int] = ..., host_metadata_bytes: _Optional[int] = ..., host_tier_bytes: _Optional[int] = ..., redis_state: _Optional[str] = ..., redis_blocks_out: _Optional[int] = ..., redis_bytes_out: _Optional[int] = ..., prefix_hit_blocks_redis: _Optional[int] = ..., redis_bytes_in: _Optional[int] = ..., redis_misses: _Optional[int] = ..., redis_refused: _Optional[int] = ..., redis_dropped_puts: _Optional[int] = ..., redis_errors: _Optional[int] = ..., redis_last_error: _Optional[str] = ..., bytes_down_host: _Optional[int] = ..., bytes_down_disk: _Optional[int] = ..., bytes_up_host: _Optional[int] = ..., bytes_up_disk: _Optional[int] = ...) -> None: ...
+    def __init__(self, cache: _Optional[str] = ..., main: _Optional[_Union[PoolStats, _Mapping]] = ..., tail: _Optional[_Union[PoolStats, _Mapping]] = ..., sequences: _Optional[int] = ..., tokens: _Optional[int] = ..., sealed_tokens: _Optional[int] = ..., bytes_per_token: _Optional[int] = ..., fp16_bytes_per_token: _Optional[int] = ..., compression_ratio: _Optional[float] = ..., used_bytes: _Optional[int] = ..., effective_bytes_per_token: _Optional[float] = ..., prefix_query_tokens: _Optional[int] = ..., prefix_hit_tokens: _Optional[int] = ..., prefix_hit_rate: _Optional[float] = ..., appended_tokens: _Optional[int] = ..., sealed_blocks: _Optional[int] = ..., dedup_blocks: _Optional[int] = ..., attend_calls: _Optional[int] = ..., host: _Optional[_Union[PoolStats, _Mapping]] = ..., host_tail: _Optional[_Union[PoolStats, _Mapping]] = ..., sequences_host: _Optional[int] = ..., sequences_disk: _Optional[int] = ..., offloads_host: _Optional[int] = ..., offloads_disk: _Optional[int] = ..., page_ins_host: _Optional[int] = ..., page_ins_disk: _Optional[int] = ..., bytes_down: _Optional[int] = ..., bytes_up: _Optional[int] = ..., spilled_blocks: _Optional[int] = ..., prefix_hit_blocks_host: _Optional[int] = ..., prefix_hit_blocks_disk: _Optional[int] = ..., disk_bytes: _Optional[int] = ..., disk_entries: _Optional[int] = ..., sink_tokens: _Optional[int] = ..., disk_used_bytes: _Optional[int] = ..., disk_max_bytes: _Optional[int] = ..., disk_held_bytes: _Optional[int] = ..., disk_evictions: _Optional[int] = ..., disk_evicted_bytes: _Optional[int] = ..., disk_skipped_spills: _Optional[int] = ..., host_metadata_bytes: _Optional[int] = ..., host_tier_bytes: _Optional[int] = ..., redis_state: _Optional[str] = ..., redis_blocks_out: _Optional[int] = ..., redis_bytes_out: _Optional[int] = ..., prefix_hit_blocks_redis: _Optional[int] = ..., redis_bytes_in: _Optional[int] = ..., redis_misses: _Optional[int] = ..., redis_refused: _Optional[int] = ..., redis_dropped_puts: _Optional[int] = ..., redis_errors: _Optional[int] = ..., redis_last_error: _Optional[str] = ..., main_reserved_bytes: _Optional[int] = ..., main_used_bytes: _Optional[int] = ..., tail_reserved_bytes: _Optional[int] = ..., tail_used_bytes: _Optional[int] = ..., host_used_bytes: _Optional[int] = ..., reserved_bytes: _Optional[int] = ..., bytes_down_host: _Optional[int] = ..., bytes_down_disk: _Optional[int] = ..., bytes_up_host: _Optional[int] = ..., bytes_up_disk: _Optional[int] = ...) -> None: ...
 
 class StatsReply(_message.Message):
     __slots__ = ("caches",)

@@ -54,6 +54,11 @@ class KVStoreStub:
                 request_serializer=kvstore_dot_v1_dot_kvstore__pb2.TrainCodebooksRequest.SerializeToString,
                 response_deserializer=kvstore_dot_v1_dot_kvstore__pb2.CodebooksReply.FromString,
                 _registered_method=True)
+        self.DeleteCache = channel.unary_unary(
+                '/kvstore.v1.KVStore/DeleteCache',
+                request_serializer=kvstore_dot_v1_dot_kvstore__pb2.DeleteCacheRequest.SerializeToString,
+                response_deserializer=kvstore_dot_v1_dot_kvstore__pb2.DeleteCacheReply.FromString,
+                _registered_method=True)
         self.Allocate = channel.unary_unary(
                 '/kvstore.v1.KVStore/Allocate',
                 request_serializer=kvstore_dot_v1_dot_kvstore__pb2.AllocateRequest.SerializeToString,
@@ -150,55 +155,98 @@ class KVStoreServicer:
     """Missing associated documentation comment in .proto file."""
 
     def CreateCache(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """Create a cache: a model's geometry, codec and pool sizes. The pools are
+        allocated at once. ALREADY_EXISTS if the name is taken (with exist_ok:
+        only if the existing spec differs; the message names every differing
+        field with both values). RESOURCE_EXHAUSTED: past the daemon's
+        --max-pool-bytes (nothing is allocated).
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def GetCache(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """A cache's spec, sizes and codebook state.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def SetCodebooks(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """Set the PQ codebooks of a cache (codec pq). FAILED_PRECONDITION for an
+        fp16 cache, or while the cache holds sequences; INVALID_ARGUMENT for a
+        shape or values that do not fit (see SetCodebooksRequest).
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def TrainCodebooks(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """Train codebooks from sample K and V with k-means and set them
+        (SetCodebooks' errors). Slow: seconds to minutes; give the call a deadline
+        to match (the daemon finishes the training even if the caller gave up).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def DeleteCache(self, request, context):
+        """Drop a cache: its sequences of every tenant (their disk copies too), its
+        GPU pools and host tier. Only for the tenant "default"
+        (PERMISSION_DENIED otherwise: caches are shared by every tenant).
+        FAILED_PRECONDITION, naming the count, while sequences are held by a
+        current client lease (unless force), and while any client session maps
+        the pool (MapPool; force does not override: their handles would read
+        freed memory; the mapping ends when that session's lease lapses).
+        Prefix blocks already in the disk tier are content-addressed and may be
+        shared with a cache of the same spec and codebooks: they stay until the
+        disk bound evicts them; blocks in the shared Redis tier stay too.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def Allocate(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """Start a sequence, taking every cached full block of its prompt (prefix
+        hits). FAILED_PRECONDITION: a pq cache without codebooks. ALREADY_EXISTS:
+        the id is taken (per tenant). RESOURCE_EXHAUSTED: max_sequences reached.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def Reserve(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """Mapped attend: see ReserveRequest. PERMISSION_DENIED / FAILED_PRECONDITION
+        as MapPool; FAILED_PRECONDITION for a sequence with uncommitted per-layer
+        tokens; RESOURCE_EXHAUSTED: no room for the slots.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def Append(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """Append K and V of new tokens to sequences (all layers, or one layer).
+        Tokens appended one layer at a time commit when every layer has them.
+        RESOURCE_EXHAUSTED: no room (nothing is written); a batch is checked
+        whole before any sequence changes.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def Attend(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """Attention of one layer for a batch of sequences over their committed
+        tokens. FAILED_PRECONDITION: a sequence has tokens committed in other
+        layers but not this one.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def AppendAttend(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """Decode step of one layer: append one token per sequence, then attend over
+        everything including it (Append's and Attend's errors).
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -215,74 +263,99 @@ class KVStoreServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Retrieve(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """K and V of a range of committed tokens, sealed ones dequantized (so a
+        prefill can continue a cached prefix). INVALID_ARGUMENT: a range outside
+        the committed tokens or the layers.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def Fork(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """A new sequence sharing every full block of another (copy-on-write of its
+        partial last block). FAILED_PRECONDITION: the source has uncommitted
+        tokens. ALREADY_EXISTS / RESOURCE_EXHAUSTED as Allocate.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def Free(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """Free sequences: their blocks go back to the pool (hashed full blocks stay
+        findable by prefix until their slot is reused); their disk copy is deleted.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def Offload(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """Write sequences to the disk tier; returns once the write is durable.
+        FAILED_PRECONDITION: no disk tier (daemon without --lmdb), or uncommitted
+        tokens. RESOURCE_EXHAUSTED: past --lmdb-max-bytes (nothing moves).
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def Prefetch(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """Page sequences from the host or disk tier back into the GPU pools ahead
+        of use (any call naming them does this too). RESOURCE_EXHAUSTED: no room.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def RegisterBuffer(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """Register a buffer that tensors name by byte range (Tensor.ref,
+        OutputRef). Unix-socket callers only (PERMISSION_DENIED over TCP).
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def UnregisterBuffer(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """Forget a registered buffer (NOT_FOUND: not the caller's). Buffers of a
+        session are also dropped when its lease lapses.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def MapPool(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """CUDA IPC handles of a cache's whole pool, for mapped attend (see
+        MapPoolRequest for who may). The mapping holds the pool: DeleteCache is
+        refused until the caller's session lease lapses.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def Stats(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """Pools, sequences, bytes, prefix hits and tier counters per cache (every
+        tenant's). Read-only.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def ListSequences(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """The caller's tenant's sequences of a cache.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def SequenceInfo(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """One sequence of the caller's tenant: blocks, ref counts, tier, lease.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def Heartbeat(self, request, context):
         """Keeps the caller's session lease alive (any call does; this is for idle
-        clients). The session is the `x-kvstore-session` metadata of the call.
+        clients). The session is the `x-kvstore-session` metadata of the call
+        (INVALID_ARGUMENT without it).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -310,6 +383,11 @@ def add_KVStoreServicer_to_server(servicer, server):
                     servicer.TrainCodebooks,
                     request_deserializer=kvstore_dot_v1_dot_kvstore__pb2.TrainCodebooksRequest.FromString,
                     response_serializer=kvstore_dot_v1_dot_kvstore__pb2.CodebooksReply.SerializeToString,
+            ),
+            'DeleteCache': grpc.unary_unary_rpc_method_handler(
+                    servicer.DeleteCache,
+                    request_deserializer=kvstore_dot_v1_dot_kvstore__pb2.DeleteCacheRequest.FromString,
+                    response_serializer=kvstore_dot_v1_dot_kvstore__pb2.DeleteCacheReply.SerializeToString,
             ),
             'Allocate': grpc.unary_unary_rpc_method_handler(
                     servicer.Allocate,
@@ -510,6 +588,33 @@ class KVStore:
             '/kvstore.v1.KVStore/TrainCodebooks',
             kvstore_dot_v1_dot_kvstore__pb2.TrainCodebooksRequest.SerializeToString,
             kvstore_dot_v1_dot_kvstore__pb2.CodebooksReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DeleteCache(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvstore.v1.KVStore/DeleteCache',
+            kvstore_dot_v1_dot_kvstore__pb2.DeleteCacheRequest.SerializeToString,
+            kvstore_dot_v1_dot_kvstore__pb2.DeleteCacheReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -544,6 +544,9 @@ CASES = [
         out=pb.OutputRef(buffer_id=lv.buf, offset=SHM_BYTES)), INVALID, "out"),
     case("AppendAttend", "out-unknown-buffer-pq", lambda lv: append_attend("pq", out=pb.OutputRef(buffer_id="x")),
          NOT_FOUND, "buffer_id"),
+    # ---------------------------------------------------------------- DeleteCache
+    case("DeleteCache", "unknown-cache", lambda lv: pb.DeleteCacheRequest(cache="nope"), NOT_FOUND, "cache"),
+    case("DeleteCache", "no-name", lambda lv: pb.DeleteCacheRequest(), NOT_FOUND, "cache"),
     # ------------------------------------------------------------------- Retrieve
     case("Retrieve", "unknown-cache", lambda lv: retrieve(cache="nope"), NOT_FOUND, "cache"),
     case("Retrieve", "unknown-sequence", lambda lv: retrieve(seq="zz"), NOT_FOUND, "sequence_id"),
@@ -555,6 +558,8 @@ CASES = [
     case("Retrieve", "pending-not-committed", lambda lv: retrieve(seq="p", end=4), INVALID, "end"),
     case("Retrieve", "reserved-not-committed", lambda lv: retrieve("pq", seq="r", end=3), INVALID, "end"),
     case("Retrieve", "empty-sequence", lambda lv: retrieve(seq="e", end=1), INVALID, "end"),
+    case("Retrieve", "to-the-end-of-an-empty-sequence", lambda lv: retrieve(seq="e", end=0), INVALID, "end"),
+    case("Retrieve", "to-the-end-start-past-length", lambda lv: retrieve(start=5, end=0), INVALID, "end"),
     case("Retrieve", "layer-end-out-of-range", lambda lv: retrieve(layer_end=L + 1), INVALID, "layer_end"),
     case("Retrieve", "layer-start-out-of-range", lambda lv: retrieve("pq", layer_start=L), INVALID, "layer_end"),
     case("Retrieve", "layer-range-empty", lambda lv: retrieve(layer_start=1, layer_end=1), INVALID, "layer_end"),

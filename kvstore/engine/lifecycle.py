@@ -1,0 +1,107 @@
+"""A cache's life beyond its requests: what CreateCache says when the name is
+taken, and what DeleteCache drops (Engine.create_cache, Engine.delete_cache
+hold the locks; these run under them)."""
+from __future__ import annotations
+
+import dataclasses
+import threading
+
+from kvstore.core.config import CacheConfig
+from kvstore.errors import FailedPrecondition, quote
+
+from . import results
+from .results import DeleteResult
+
+# CacheConfig's nested fields under the CacheSpec names a client sets.
+_SPEC_NAMES = {"geometry": "geometry.", "codec": ""}
+_CODEC_NAMES = {"kind": "codec", "num_subvectors": "num_subvectors", "num_centroids": "num_centroids"}
+
+
+def spec_fields(cfg: CacheConfig) -> dict[str, object]:
+    """A configuration as flat CacheSpec field names -> values."""
+    out: dict[str, object] = {}
+    for f in dataclasses.fields(cfg):
+        v = getattr(cfg, f.name)
+        if f.name == "geometry":
+            out.update({f"geometry.{g.name}": getattr(v, g.name) for g in dataclasses.fields(v)})
+        elif f.name == "codec":
+            out.update({_CODEC_NAMES[c.name]: getattr(v, c.name) for c in dataclasses.fields(v)})
+        else:
+            out[f.name] = v
+    return out
+
+
+def exists_message(old: CacheConfig, new: CacheConfig, exist_ok: bool) -> str:
+    """Why a CreateCache of an existing name is refused: each field whose value
+    differs, with both values."""
+    a, b = spec_fields(old), spec_fields(new)
+    diff = [f"{k} {a[k]!r} (existing) vs {b[k]!r} (requested)" for k in a if a[k] != b[k]]
+    if not diff:
+        return f"cache {quote(old.name)} exists with this configuration (exist_ok returns it)"
+    return f"cache {quote(old.name)} exists with another configuration: " + ", ".join(diff)
+
+
+class Mappers:
+    """cache name -> the (tenant, session)s that mapped its pool (MapPool).
+    While any holds the handles, the pool's memory must stay where it is; a
+    mapping ends with its session's lease (a session of "" never lapses)."""
+
+    def __init__(self):
+        self._by_cache: dict[str, set[tuple[str, str]]] = {}
+        self._lock = threading.Lock()
+
+    def add(self, name: str, holder: tuple[str, str]) -> None:
+        with self._lock:
+            self._by_cache.setdefault(name, set()).add(holder)
+
+    def count(self, name: str) -> int:
+        with self._lock:
+            return len(self._by_cache.get(name, ()))
+
+    def release(self, tenant: str, session: str) -> int:
+        with self._lock:
+            held = [s for s in self._by_cache.values() if (tenant, session) in s]
+            for s in held:
+                s.discard((tenant, session))
+            return len(held)
+
+
+def drop(cache, mappers: int, force: bool, live) -> DeleteResult:
+    """Free every sequence of `cache` (under its lock) through the normal
+    path, which deletes their disk copies and host blocks too -> what was
+    dropped. Refuses, changing nothing, while `mappers` sessions map the pool,
+    or (unless force) while sequences are held by a current lease
+    (live(tenant, session))."""
+    name = quote(cache.cfg.name)
+    if mappers:
+        raise FailedPrecondition("cache", f"cache {name} is mapped by {mappers} client session(s) (MapPool); "
+                                 "their handles would read freed memory: it can be deleted once they stop "
+                                 "(their lease lapses), whatever force says")
+    seqs = list(cache.seqs.values())
+    leased = [s for s in seqs if s.owner and live is not None and live(s.tenant, s.owner)]
+    if leased and not force:
+        raise FailedPrecondition("force", f"cache {name}: {len(leased)} of its {len(seqs)} sequences are held "
+                                 "by live client leases; free them first, or pass force=true to drop them too")
+    gpu = [s for s in seqs if s.tier == "gpu"]
+    host = [s for s in seqs if s.tier == "host"]
+    main_blocks = len({b for s in gpu for b in s.sealed})
+    tail_blocks = len({b for s in gpu for b in s.tail}) if cache.is_pq else 0
+    if not cache.is_pq:     # one pool: sealed and tail ids index the same blocks
+        main_blocks = len({b for s in gpu for b in s.sealed + s.tail})
+    host_blocks = len({("m", b) for s in host for b in s.sealed} | {("t", b) for s in host for b in s.tail})
+    r = DeleteResult(sequences=len(seqs), leased_sequences=len(leased),
+                     pinned_sequences=sum(1 for s in seqs if s.pinned),
+                     disk_sequences=sum(1 for s in seqs if s.manifest is not None),
+                     main_blocks=main_blocks, tail_blocks=tail_blocks, host_blocks=host_blocks,
+                     cached_blocks=0, reserved_bytes=results.pool_memory(cache.cfg))
+    for s in seqs:
+        cache.free(s)
+    if cache.tiering is not None and cache.tiering.disk is not None and r.disk_sequences:
+        cache.tiering.disk.sync()    # a restart must not bring the deleted sequences back
+    pools = [cache.main_pool] + ([cache.tail_pool] if cache.is_pq else [])
+    tiering = cache.tiering
+    if tiering is not None and tiering.host is not None:
+        pools += [tiering.host.main_pool, tiering.host.tail_pool]
+    r.cached_blocks = sum(p.stats().cached for p in pools)
+    cache.graphs.clear()         # captured over the pool's addresses
+    return r

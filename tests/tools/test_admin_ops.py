@@ -1,0 +1,88 @@
+"""kvstore-admin as an operator uses it: numbers in --json are JSON numbers,
+the stats text says nominal and effective bytes per token apart and reserved
+vs used bytes per pool, a closed pipe (`| head -1`) ends it quietly, and
+delete-cache says what it dropped."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from kvstore.client import KVStoreClient
+from kvstore.service.daemon import create_server
+from kvstore.tools import admin
+
+L, HQ, HKV, D = 2, 4, 2, 16
+
+
+@pytest.fixture
+def live(tmp_path):
+    sock = str(tmp_path / "kv.sock")
+    server, _, _ = create_server(socket_path=sock)
+    kv = KVStoreClient(f"unix://{sock}", heartbeat=False)
+    kv.create_cache("pq", "m", num_layers=L, num_q_heads=HQ, num_kv_heads=HKV, head_dim=D, codec="pq",
+                    block_size=8, residual=8, num_blocks=64, max_sequences=16)
+    g = torch.Generator().manual_seed(0)
+    kv.train_codebooks("pq", torch.randn(L, 256, HKV, D, generator=g), torch.randn(L, 256, HKV, D, generator=g),
+                       niter=2)
+    kv.allocate("pq", "a", list(range(40)))
+    k = torch.randn(L, 40, HKV, D).half()
+    kv.append("pq", ["a"], k, k, token_ids=[list(range(40))])
+    yield sock, kv
+    kv.close()
+    server.stop(0)
+
+
+def run(capsys, *argv) -> str:
+    admin.main(list(argv))
+    return capsys.readouterr().out
+
+
+def test_json_numbers_are_numbers(live, capsys):
+    sock, _ = live
+    c = json.loads(run(capsys, "--socket", sock, "--json", "stats"))["caches"][0]
+    assert c["tokens"] == 40 and c["sequences"] == 1                   # uint64: numbers, not "40"
+    assert c["main"]["capacity"] == 64 and c["tail_reserved_bytes"] > 0
+    assert isinstance(c["effective_bytes_per_token"], float)
+    s = json.loads(run(capsys, "--socket", sock, "--json", "seq", "a"))
+    assert s["length"] == 40 and all(isinstance(b, int) for b in s["sealed_blocks"])
+
+
+def test_stats_text_says_nominal_and_effective_apart(live, capsys):
+    sock, kv = live
+    c = kv.stats("pq").caches[0]
+    # 40 tokens, R = 8, block 8: 3 blocks sealed, the rest fp16 in the tail.
+    assert c.compression_ratio == 4.0 and c.fp16_bytes_per_token / c.effective_bytes_per_token < 2.0
+    out = run(capsys, "--socket", sock, "stats")
+    assert "nominal 64 B/token for sealed tokens (x4.00 vs fp16's 256)" in out
+    eff = c.fp16_bytes_per_token / c.effective_bytes_per_token
+    assert f"effective {c.effective_bytes_per_token:,.0f} B/token now (x{eff:.2f}: used bytes / 40 tokens, " \
+           "24 of them sealed)" in out
+    # Reserved vs used per pool; the tail pool (16 sequences x 4 blocks x 8 tokens x 256 B) shows up.
+    assert c.tail_reserved_bytes == 16 * 4 * 8 * 256 and c.tail_used_bytes == c.tail.used * 8 * 256
+    tail_row = next(line.split() for line in out.splitlines() if line.split()[:1] == ["tail"])
+    assert tail_row[-4:] == ["128.0", "KiB", "4.0", "KiB"], tail_row
+    assert c.reserved_bytes == c.main_reserved_bytes + c.tail_reserved_bytes
+    assert c.used_bytes == c.main_used_bytes + c.tail_used_bytes
+
+
+def test_a_closed_pipe_ends_it_quietly(live):
+    sock, _ = live
+    # watch writes again after head has gone: that write is the one that meets the closed pipe.
+    r = subprocess.run(["bash", "-c", "set -o pipefail; \"$0\" -m kvstore.tools.admin --socket \"$1\" --json watch "
+                        "--count 20 --interval 0.1 | head -1", sys.executable, sock],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and json.loads(r.stdout)["caches"][0]["tokens"] == 40, (r.stdout, r.stderr)
+    assert r.stderr == "", r.stderr
+
+
+def test_delete_cache_says_what_went(live, capsys):
+    sock, kv = live
+    with pytest.raises(SystemExit, match="FAILED_PRECONDITION: force: cache 'pq': 1 of its 1 sequences"):
+        admin.main(["--socket", sock, "delete-cache", "pq"])
+    out = run(capsys, "--socket", sock, "delete-cache", "pq", "--force")
+    assert out.startswith("deleted cache pq: 1 sequences (1 held by live leases, 0 pinned, 0 with a disk copy")
+    assert "blocks dropped: 3 main, 2 tail, 0 host, 5 cached prefix" in out      # 24 sealed + 16 tail tokens
+    assert run(capsys, "--socket", sock, "stats").strip() == "no caches"
