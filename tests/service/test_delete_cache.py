@@ -45,8 +45,8 @@ def live(tmp_path):
     server.stop(0)
 
 
-def create(client: KVStoreClient, name: str = "c", num_blocks: int = 64):
-    return client.create_cache(name, "m", num_layers=L, num_q_heads=HQ, num_kv_heads=HKV, head_dim=D, codec="fp16",
+def create(client: KVStoreClient, name: str = "c", num_blocks: int = 64, head_dim: int = D):
+    return client.create_cache(name, "m", num_layers=L, num_q_heads=HQ, num_kv_heads=HKV, head_dim=head_dim, codec="fp16",
                                block_size=8, residual=8, num_blocks=num_blocks)
 
 
@@ -173,7 +173,7 @@ def test_gpu_memory_goes_back_to_the_driver():
     e = Engine("cuda")
     torch.cuda.synchronize()
     base = torch.cuda.memory_reserved()
-    e.create_cache(replace(config(codec="fp16", num_blocks=4096), device="cuda"))
+    e.create_cache(replace(config(codec="fp16", num_blocks=4096, head_dim=64), device="cuda"))   # a head_dim the GPU kernels take
     assert torch.cuda.memory_reserved() > base
     e.delete_cache("c")
     gc.collect()
@@ -189,7 +189,7 @@ def test_a_mapped_pool_over_grpc_holds_until_the_mapping_session_lapses(tmp_path
     mapper = KVStoreClient(f"unix://{sock}", heartbeat=False)
     operator = KVStoreClient(f"unix://{sock}", heartbeat=False)      # another session
     try:
-        create(mapper)
+        create(mapper, head_dim=64)                                  # a head_dim the GPU kernels take
         mapper.stub.MapPool(pb.MapPoolRequest(cache="c"), timeout=30)
         with pytest.raises(grpc.RpcError) as e:
             operator.delete_cache("c", force=True)
