@@ -123,3 +123,24 @@ def test_target_registers_the_models_own_id(daemon):
     assert C.cache_name("google/gemma-3-1b-it") == "gemma-3-1b-it"
     assert C.cache_name(models.SMOLLM2_MODEL_ID) == "smollm2-135m-instruct"
     assert C.cache_name("/models/Llama 3 8B/") == "llama-3-8b"
+
+
+def test_calibrate_and_eval_command_lines_on_a_local_model(tmp_path, daemon, capsys):
+    """kvstore-calibrate then kvstore-eval, --model a folder, --text a glob: codebooks
+    loaded into the daemon under the model's own id, perplexity rows printed."""
+    from kvstore.tools import evaluate as E
+    folder = tmp_path / "tiny-llama"
+    tiny_llama().save_pretrained(folder)
+    word_tokenizer(True).save_pretrained(folder)
+    (tmp_path / "text").mkdir()
+    (tmp_path / "text" / "a.txt").write_text(" ".join(f"w{(i * 7) % 120}" for i in range(600)))
+    threads = ["--threads", str(torch.get_num_threads())]
+    C.main(["--model", str(folder), "--text", str(tmp_path / "text" / "*.txt"), "--window", "64", "--windows", "4",
+            "--per-window", "80", "--bits", "4", "--niter", "2", "--out", str(tmp_path / "cb{bits}.safetensors"),
+            "--target", daemon, "--device", "cpu"] + threads)
+    with KVStoreClient(daemon) as kv:
+        assert kv.get_cache("tiny-llama-pq4").spec.model_id == str(folder)
+    E.main(["--model", str(folder), "--text", str(tmp_path / "text"), "--window", "64", "--windows", "2",
+            "--backend", "sim", "--codebooks", str(tmp_path / "cb4.safetensors")] + threads)
+    out = capsys.readouterr().out
+    assert "| pq 4-bit, protocol i |" in out and "2 windows of 64, 126 scored tokens" in out
