@@ -116,17 +116,17 @@ def kmeans_torch(x: torch.Tensor, k: int, niter: int = 20, seed: int = 1234,
     else:
         c = init.clone()
     rows = max(1, chunk_bytes // (4 * b * k))
-    ar = torch.arange(b, device=x.device)[:, None]
+    base = (torch.arange(b, device=x.device) * k)[:, None]           # [B, 1]: row offsets into [B * k]
     for _ in range(niter):
         cn = (c * c).sum(-1)                                          # [B, k]
-        sums = torch.zeros_like(c)
-        counts = torch.zeros(b, k, device=x.device, dtype=x.dtype)
+        sums = torch.zeros(b * k, dsub, device=x.device, dtype=x.dtype)
+        counts = torch.zeros(b * k, device=x.device, dtype=x.dtype)
         for s in range(0, n, rows):
             xc = x[:, s:s + rows]                                     # [B, r, dsub]
-            assign = (cn[:, None] - 2 * xc @ c.mT).argmin(-1)         # [B, r]
-            sums.index_put_((ar.expand_as(assign), assign), xc, accumulate=True)
-            counts.index_put_((ar.expand_as(assign), assign), torch.ones_like(assign, dtype=x.dtype),
-                              accumulate=True)
+            flat = ((cn[:, None] - 2 * xc @ c.mT).argmin(-1) + base).reshape(-1)   # [B * r] into [B * k]
+            sums.index_add_(0, flat, xc.reshape(-1, dsub))
+            counts.index_add_(0, flat, torch.ones_like(flat, dtype=x.dtype))
+        sums, counts = sums.view(b, k, dsub), counts.view(b, k)
         c = torch.where(counts[..., None] > 0, sums / counts.clamp_min(1)[..., None], c)
         _split_empty(c, counts, gen)
     return c
