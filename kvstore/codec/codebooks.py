@@ -147,13 +147,16 @@ def _split_empty(c: torch.Tensor, counts: torch.Tensor, gen: torch.Generator, ep
 
 
 def train_codebooks(cfg: CacheConfig, k_samples: torch.Tensor, v_samples: torch.Tensor,
-                    niter: int = 20, seed: int = 1234, progress=None) -> Codebooks:
+                    niter: int = 20, seed: int = 1234, progress=None,
+                    device: torch.device | str | None = None) -> Codebooks:
     """k_samples, v_samples: [L, N, Hkv, d] (K after RoPE). One PQ per
-    (layer, K/V, KV head); each trains M independent 256-centroid k-means."""
-    try:
-        import faiss  # noqa: F401
-    except ImportError:
-        raise FailedPrecondition("codebooks", "training needs faiss (pip install faiss-cpu)") from None
+    (layer, K/V, KV head); each trains M independent 256-centroid k-means
+    (device as train_pq's: None for faiss on the CPU, else the torch k-means there)."""
+    if device is None:
+        try:
+            import faiss  # noqa: F401
+        except ImportError:
+            raise FailedPrecondition("codebooks", "training needs faiss (pip install faiss-cpu)") from None
     g = cfg.geometry
     m = cfg.m
     dsub = g.head_dim // m
@@ -172,7 +175,8 @@ def train_codebooks(cfg: CacheConfig, k_samples: torch.Tensor, v_samples: torch.
         for layer in range(g.num_layers):
             for h in range(g.num_kv_heads):
                 # faiss's own cap of 256 rows per centroid keeps a daemon-side call bounded
-                cb[layer, h] = train_pq(samples[layer, :, h, :].cpu(), m, niter, seed=seed, max_rows_per_centroid=256)
+                cb[layer, h] = train_pq(samples[layer, :, h, :].cpu(), m, niter, seed=seed, max_rows_per_centroid=256,
+                                        device=device)
                 done += 1
                 if progress:
                     progress(done, total)

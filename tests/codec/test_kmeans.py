@@ -61,3 +61,16 @@ def test_torch_kmeans_on_the_gpu_matches_the_cpu():
     e_cpu = pq_error(x, train_pq(x, 16, niter=20))
     e_gpu = pq_error(x, train_pq(x, 16, niter=20, device="cuda"))
     assert e_gpu <= 1.03 * e_cpu, (e_gpu, e_cpu)
+
+
+def test_train_codebooks_on_a_torch_device_is_as_good_as_faiss():
+    from kvstore.codec.codebooks import train_codebooks
+    from kvstore.core.config import CacheConfig, CodecConfig, ModelGeometry
+    cfg = CacheConfig(name="c", model_id="m", geometry=ModelGeometry(1, 2, 2, 16), codec=CodecConfig(kind="pq", num_subvectors=8),
+                      num_blocks=16)
+    k = samples(n=1500).reshape(1, 1500, 1, 16).expand(1, 1500, 2, 16).contiguous()
+    v = samples(n=1500, seed=1).reshape(1, 1500, 1, 16).expand(1, 1500, 2, 16).contiguous()
+    a, b = train_codebooks(cfg, k, v, niter=10), train_codebooks(cfg, k, v, niter=10, device="cpu")
+    assert a.k.shape == b.k.shape == (1, 2, 8, 256, 2)
+    for h in range(2):
+        assert pq_error(k[0, :, h], b.k[0, h]) <= 1.05 * pq_error(k[0, :, h], a.k[0, h])
