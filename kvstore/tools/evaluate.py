@@ -280,11 +280,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--backend", choices=["daemon", "sim"], default="daemon")
     p.add_argument("--target", help="daemon to use (default: start one on a temp socket)")
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--device", default="cpu", help="where the model runs (the codec runs on the CPU either way)")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     text = read_text(args.text or default_text(EVAL_DIRS))        # before the model: fail fast
     lm = load_model(args.model)
-    model, tok = lm.model, lm.tok
+    model, tok = lm.model.to(args.device), lm.tok
     wins = token_windows(tok, text, args.window, args.windows)
     if len(wins) < args.windows:
         print(f"note: the text holds {len(wins)} windows of {args.window} tokens, not {args.windows}", flush=True)
