@@ -7,7 +7,7 @@ VPY := $(VENV)/bin/python
 SOCKET ?= /tmp/kvstore-$(shell id -u)/kvstore.sock
 export PYTHONUNBUFFERED := 1
 
-.PHONY: install redis proto serve demo demo-synthetic test test-gpu clean
+.PHONY: install redis proto serve demo demo-synthetic text test test-gpu clean
 
 $(VENV)/.installed: requirements.txt requirements-model.txt pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -24,6 +24,29 @@ $(VENV)/.model: $(VENV)/.installed
 	touch $@
 
 install: $(VENV)/.installed
+
+# The offline tools' text (kvstore-calibrate, kvstore-eval, fine-tuning read it; they fetch nothing):
+# Debian's python3.11-doc reST sources, their default, and debian-reference-en, a second kind of
+# English (Debian's system administration guide, plain text), split into evaluation (chapters 1-2)
+# and calibration (chapter 3 to the end) files. Into $(KVSTORE_DATA), as the tools look there.
+KVSTORE_DATA ?= $(HOME)/.cache/kvstore
+DEBREF := $(KVSTORE_DATA)/debian-reference
+text:
+	@set -e; mkdir -p $(KVSTORE_DATA); tmp=$$(mktemp -d); trap 'rm -rf "$$tmp"' EXIT; \
+	get() { (cd "$$tmp" && apt-get download -qq "$$1" 2>/dev/null) \
+		|| (apt-get update -qq && cd "$$tmp" && apt-get download -qq "$$1"); }; \
+	if [ ! -d $(KVSTORE_DATA)/pydoc/usr/share/doc/python3.11/html/_sources ]; then \
+		get python3.11-doc; dpkg -x "$$tmp"/python3.11-doc_*.deb $(KVSTORE_DATA)/pydoc; fi; \
+	if [ ! -f $(DEBREF)/calibration.txt ]; then \
+		get debian-reference-en; dpkg -x "$$tmp"/debian-reference-en_*.deb "$$tmp/x"; mkdir -p $(DEBREF); \
+		zcat "$$tmp"/x/usr/share/debian-reference/debian-reference.en.txt.gz \
+		| awk -v ev=$(DEBREF)/evaluation.txt -v cal=$(DEBREF)/calibration.txt \
+			'/^Chapter[^0-9]+1[.]/ && !p {p = 1} /^Chapter[^0-9]+3[.]/ {p = 2} \
+			 p == 1 {print > ev} p == 2 {print > cal}'; fi; \
+	echo "text in $(KVSTORE_DATA):"; \
+	echo "  python3.11-doc: $(KVSTORE_DATA)/pydoc/usr/share/doc/python3.11/html/_sources" \
+		"(calibration library/ howto/ reference/, evaluation tutorial/)"; \
+	wc -c $(DEBREF)/evaluation.txt $(DEBREF)/calibration.txt | head -2 | sed 's/^/  debian-reference-en: /'
 
 # The shared Redis tier's tests start a real redis-server (tests/tiers/redis_server.py).
 # CI runs as root on Debian; where apt cannot install it those tests skip,

@@ -1,5 +1,6 @@
 """PQ codebooks: separate K and V codebooks per layer and KV head (docs/design.md, Codec),
-trained with faiss k-means, stored as safetensors with their sha256."""
+trained with faiss k-means (or a torch k-means on the GPU), stored as
+safetensors with their sha256."""
 from __future__ import annotations
 
 import hashlib
@@ -71,14 +72,23 @@ class Codebooks:
 
 
 def train_pq(x: torch.Tensor, m: int, niter: int = 20, init: torch.Tensor | None = None,
-             seed: int = 1234, max_rows_per_centroid: int = 1 << 30) -> torch.Tensor:
-    """x [N, d] -> centroids [m, 256, d/m]: one faiss k-means of 256 centroids per
+             seed: int = 1234, max_rows_per_centroid: int = 1 << 30,
+             device: torch.device | str | None = None) -> torch.Tensor:
+    """x [N, d] -> centroids [m, 256, d/m]: one k-means of 256 centroids per
     subspace of d/m consecutive dims, warm-started from `init` [m, 256, d/m] if
     given (OPQ's rounds). By default over every row: faiss would cap a training
-    set at 256 rows per centroid, and a larger calibration set should all count."""
-    import faiss
+    set at 256 rows per centroid, and a larger calibration set should all count.
+    device None: faiss on the CPU; a torch device: `kmeans_torch` there, all m
+    subspaces at once (the GPU path: faiss-gpu does not install everywhere)."""
     n, d = x.shape
     dsub = d // m
+    if device is not None:
+        if n > max_rows_per_centroid * 256:       # faiss's own cap, the same way
+            x = x[torch.randperm(n, generator=torch.Generator().manual_seed(seed))[:max_rows_per_centroid * 256]]
+            n = x.shape[0]
+        xs = x.to(device, torch.float32).reshape(n, m, dsub).transpose(0, 1)
+        return kmeans_torch(xs, 256, niter, seed, None if init is None else init.to(device, torch.float32)).cpu()
+    import faiss
     xs = x.float().reshape(n, m, dsub).numpy()
     out = np.empty((m, 256, dsub), np.float32)
     for i in range(m):
@@ -90,14 +100,63 @@ def train_pq(x: torch.Tensor, m: int, niter: int = 20, init: torch.Tensor | None
     return torch.from_numpy(out)
 
 
+def kmeans_torch(x: torch.Tensor, k: int, niter: int = 20, seed: int = 1234,
+                 init: torch.Tensor | None = None, chunk_bytes: int = 1 << 28) -> torch.Tensor:
+    """Batched Lloyd k-means, faiss's algorithm in torch: x [B, N, dsub] fp32 ->
+    centroids [B, k, dsub] on x's device. Starts from k distinct random rows
+    (or `init` [B, k, dsub]); a centroid left empty takes half of the largest
+    cluster (a copy of its centroid, both nudged apart), as faiss splits them.
+    Distances are computed in row chunks of at most chunk_bytes."""
+    b, n, dsub = x.shape
+    if n < k:
+        raise InvalidArgument("x", f"need at least {k} rows for {k} centroids, got {n}")
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    if init is None:
+        c = x[:, torch.randperm(n, generator=gen)[:k].to(x.device)].clone()
+    else:
+        c = init.clone()
+    rows = max(1, chunk_bytes // (4 * b * k))
+    base = (torch.arange(b, device=x.device) * k)[:, None]           # [B, 1]: row offsets into [B * k]
+    for _ in range(niter):
+        cn = (c * c).sum(-1)                                          # [B, k]
+        sums = torch.zeros(b * k, dsub, device=x.device, dtype=x.dtype)
+        counts = torch.zeros(b * k, device=x.device, dtype=x.dtype)
+        for s in range(0, n, rows):
+            xc = x[:, s:s + rows]                                     # [B, r, dsub]
+            flat = ((cn[:, None] - 2 * xc @ c.mT).argmin(-1) + base).reshape(-1)   # [B * r] into [B * k]
+            sums.index_add_(0, flat, xc.reshape(-1, dsub))
+            counts.index_add_(0, flat, torch.ones_like(flat, dtype=x.dtype))
+        sums, counts = sums.view(b, k, dsub), counts.view(b, k)
+        c = torch.where(counts[..., None] > 0, sums / counts.clamp_min(1)[..., None], c)
+        _split_empty(c, counts, gen)
+    return c
+
+
+def _split_empty(c: torch.Tensor, counts: torch.Tensor, gen: torch.Generator, eps: float = 1 / 1024) -> None:
+    """In place: each empty centroid becomes a copy of the largest cluster's,
+    the two moved apart by a random step of relative size eps (faiss moves
+    them by +-eps per dimension; a random step keeps repeated splits of one
+    cluster from landing on the same point); that cluster's count is halved
+    between them."""
+    for bi, j in (counts == 0).nonzero().tolist():
+        big = int(counts[bi].argmax())
+        step = eps * torch.randn(c.shape[-1], generator=gen).to(c.device) * (c[bi, big].abs().mean() + 1e-12)
+        c[bi, j] = c[bi, big] + step
+        c[bi, big] = c[bi, big] - step
+        counts[bi, j] = counts[bi, big] = counts[bi, big] / 2
+
+
 def train_codebooks(cfg: CacheConfig, k_samples: torch.Tensor, v_samples: torch.Tensor,
-                    niter: int = 20, seed: int = 1234, progress=None) -> Codebooks:
+                    niter: int = 20, seed: int = 1234, progress=None,
+                    device: torch.device | str | None = None) -> Codebooks:
     """k_samples, v_samples: [L, N, Hkv, d] (K after RoPE). One PQ per
-    (layer, K/V, KV head); each trains M independent 256-centroid k-means."""
-    try:
-        import faiss  # noqa: F401
-    except ImportError:
-        raise FailedPrecondition("codebooks", "training needs faiss (pip install faiss-cpu)") from None
+    (layer, K/V, KV head); each trains M independent 256-centroid k-means
+    (device as train_pq's: None for faiss on the CPU, else the torch k-means there)."""
+    if device is None:
+        try:
+            import faiss  # noqa: F401
+        except ImportError:
+            raise FailedPrecondition("codebooks", "training needs faiss (pip install faiss-cpu)") from None
     g = cfg.geometry
     m = cfg.m
     dsub = g.head_dim // m
@@ -116,7 +175,8 @@ def train_codebooks(cfg: CacheConfig, k_samples: torch.Tensor, v_samples: torch.
         for layer in range(g.num_layers):
             for h in range(g.num_kv_heads):
                 # faiss's own cap of 256 rows per centroid keeps a daemon-side call bounded
-                cb[layer, h] = train_pq(samples[layer, :, h, :].cpu(), m, niter, seed=seed, max_rows_per_centroid=256)
+                cb[layer, h] = train_pq(samples[layer, :, h, :].cpu(), m, niter, seed=seed, max_rows_per_centroid=256,
+                                        device=device)
                 done += 1
                 if progress:
                     progress(done, total)

@@ -20,7 +20,7 @@ class Transform:
     _inv: dict = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
-        self._inv = {"k": torch.linalg.inv(self.k.double()).float(), "v": torch.linalg.inv(self.v.double()).float()}
+        self._inv = {"k": _inverse(self.k), "v": _inverse(self.v)}
 
     def forward(self, x: torch.Tensor, layer: int, which: str) -> torch.Tensor:
         """x [..., Hkv, d] -> x A^T, per head."""
@@ -41,6 +41,18 @@ class Transform:
         from safetensors.torch import load_file
         t = load_file(path)
         return Transform(k=t["k"].float(), v=t["v"].float())
+
+
+def _inverse(a: torch.Tensor) -> torch.Tensor:
+    """a [..., d, d] invertible -> a^-1, through the Cholesky factor of a^T a
+    (a^-1 = (a^T a)^-1 a^T). Not torch.linalg.inv: the CPU torch's batched LU
+    (MKL getrf inside torch's own thread pool) returns invalid pivots for
+    d > 128 at more than one thread and loops on MKL errors; Cholesky has no
+    pivots. In float64 the squared condition number (<= 1e6 for the q-aware
+    transforms, whose eigenvalues are clamped at 1e-6 of the largest before
+    the square root) leaves ~1e-10 of relative error."""
+    a = a.double()
+    return torch.cholesky_solve(a.mT, torch.linalg.cholesky(a.mT @ a)).float()
 
 
 def transform_path(codebook_path: str) -> str:

