@@ -150,9 +150,10 @@ class KVStoreAdapter:
         cb.check_fits(info.model_id if local and info is not None else model_id,
                       self.num_layers, self.num_q_heads, self.num_kv_heads, self.head_dim)
         if info is not None:
-            if transform is not None and transform != "none":
-                raise ValueError("transform: the codebooks file says its own transform "
-                                 f"({'included' if cb.transform_k is not None else 'none'}); pass none")
+            says = "none" if cb.transform_k is None else "included"
+            if transform is not None and not (isinstance(transform, str) and transform == says == "none"):
+                raise ValueError(f"transform: the codebooks file says its own (transform {says}); "
+                                 "leave transform unset")
             return cb, transform_of(cb)
         if cb.k.shape[0] != self.num_layers or cb.k.shape[1] != self.num_kv_heads \
                 or cb.k.shape[2] * cb.k.shape[4] != self.head_dim:

