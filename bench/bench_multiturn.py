@@ -72,7 +72,8 @@ def main() -> None:
     gen = dict(max_new_tokens=args.answer, min_new_tokens=args.answer, do_sample=False, pad_token_id=tok.eos_token_id)
     with spawn_daemon() as target:
         def adapter(cache):
-            return KVStoreAdapter(model, target, cache=cache, codec="fp16", model_id=SMOLLM2_MODEL_ID)
+            return KVStoreAdapter(model, target, cache=cache, codec="fp16", model_id=SMOLLM2_MODEL_ID,
+                                  num_blocks=256, max_sequences=8)     # 4,096 tokens: small pools, quick to create
         ads = {name: adapter(name) for name in ("no-answer-hit", "answer-hit")}
         kv = ads["no-answer-hit"].client()
         plain = kv.append_attend

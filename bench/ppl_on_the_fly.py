@@ -34,7 +34,7 @@ OUT = os.path.join(os.path.dirname(__file__), "results")
 def train_on_the_fly(model, tok, target: str, tokens: int, prompt_len: int = 512) -> str:
     """The adapter's calibrate_tokens on the first prompts of the calibration text -> the codebooks file's path."""
     ad = KVStoreAdapter(model, target, cache="otf", codec="pq", calibrate_tokens=tokens, sink_tokens=32,
-                        model_id=SMOLLM2_MODEL_ID)
+                        model_id=SMOLLM2_MODEL_ID, num_blocks=256, max_sequences=4)
     ids = tok(read_text(CALIB_DIRS)).input_ids
     kv = ad.client()
     n = 0
