@@ -215,18 +215,19 @@ def test_hit_blocks_read_back_bit_identical(daemon, codec):
 
 
 def test_append_attend_ids_must_agree_across_layers(daemon):
+    import grpc
     kv = KVStoreClient(daemon)
-    kv.create_cache("c", "m", num_layers=2, num_q_heads=2, num_kv_heads=1, head_dim=16, codec="fp16", block_size=4,
+    kv.create_cache("c", "m", num_layers=2, num_q_heads=2, num_kv_heads=1, head_dim=16, codec="fp16", block_size=8,
                     num_blocks=16)
-    kv.allocate("c", "s", [5, 6, 7])
-    kv.append("c", ["s"], torch.randn(2, 3, 1, 16).half(), torch.randn(2, 3, 1, 16).half(), token_ids=[[5, 6, 7]])
+    ids = list(range(5, 12))                                     # 7 tokens: the first block is one short
+    kv.allocate("c", "s", ids)
+    kv.append("c", ["s"], torch.randn(2, 7, 1, 16).half(), torch.randn(2, 7, 1, 16).half(), token_ids=[ids])
     one = torch.randn(1, 1, 16).half()
     kv.append_attend("c", 0, ["s"], one, one, torch.randn(1, 2, 16).half(), token_ids=[9])
-    import grpc
     with pytest.raises(grpc.RpcError, match="token_ids: differ"):
         kv.append_attend("c", 1, ["s"], one, one, torch.randn(1, 2, 16).half(), token_ids=[8])
     kv.append_attend("c", 1, ["s"], one, one, torch.randn(1, 2, 16).half(), token_ids=[9])
     info = kv.sequence_info("c", "s")
-    assert info.length == 4 and info.known_token_ids == 4 and len(info.block_hashes) == 1
-    assert kv.allocate("c", "t", [5, 6, 7, 9, 1]) == 4          # the block completed by a decode step is found
+    assert info.length == 8 and info.known_token_ids == 8 and len(info.block_hashes) == 1
+    assert kv.allocate("c", "t", ids + [9, 1]) == 8              # the block a decode step completed is found
     kv.close()
