@@ -74,6 +74,10 @@ class KVStoreClient(Connection):
         return self.stub.SetCodebooks(pb.SetCodebooksRequest(cache=name, safetensors=safetensors_bytes),
                                       timeout=self.timeout).sha256
 
+    def get_codebooks(self, name: str) -> bytes:
+        """The codebooks file the cache uses (what set_codebooks takes back)."""
+        return self.stub.GetCodebooks(pb.GetCodebooksRequest(cache=name), timeout=self.timeout).safetensors
+
     def train_codebooks(self, name: str, k_samples: torch.Tensor, v_samples: torch.Tensor, niter: int = 20) -> str:
         """k_samples, v_samples: [L, N, Hkv, d] (K after RoPE)."""
         reply = self._call(self._raw.TrainCodebooks, lambda m, o: pb.TrainCodebooksRequest(
@@ -120,18 +124,22 @@ class KVStoreClient(Connection):
             {"q": q}, [q.numel() * 2], lambda r, a: self._tensor(r.out, a))
 
     def append_attend(self, cache: str, layer: int, seq_ids: list[str], k: torch.Tensor, v: torch.Tensor,
-                      q: torch.Tensor, scale: float = 0.0, out: torch.Tensor | None = None) -> torch.Tensor:
+                      q: torch.Tensor, scale: float = 0.0, out: torch.Tensor | None = None,
+                      token_ids: list[int] | None = None) -> torch.Tensor:
         """k, v [B, Hkv, d] (the new token), q [B, Hq, d] -> out [B, Hq, d].
         Inputs that are step_buffers() views cross without a copy; `out`: the
-        result goes there (read in place if it is the step_buffers() out)."""
-        if self._use_bell:
+        result goes there (read in place if it is the step_buffers() out).
+        token_ids: the new tokens' ids [B], optional (one layer's call is
+        enough): they are hashed as their blocks fill, for later prefix hits.
+        A call with them goes by gRPC (the doorbell does not carry ids)."""
+        if self._use_bell and not token_ids:
             with self._lock:
                 res = self._append_attend_bell(cache, layer, seq_ids, k, v, q, scale, out)
             if res is not None:
                 return res
         res = self._call(self._append_attend, lambda m, o: pb.AppendAttendRequest(
-            cache=cache, layer=layer, sequence_ids=seq_ids, k=m["k"], v=m["v"], q=m["q"], scale=scale, out=o[0]),
-            {"k": k, "v": v, "q": q}, [q.numel() * 2], lambda r, a: self._tensor(r.out, a))
+            cache=cache, layer=layer, sequence_ids=seq_ids, k=m["k"], v=m["v"], q=m["q"], scale=scale, out=o[0],
+            token_ids=token_ids or []), {"k": k, "v": v, "q": q}, [q.numel() * 2], lambda r, a: self._tensor(r.out, a))
         return res if out is None else out.copy_(res)
 
     def step_buffers(self, cache: str, batch: int, device: torch.device | str = "cuda") -> StepBuffers:

@@ -25,7 +25,11 @@ cannot run is refused at construction, naming the feature):
     tokens so far into in-process DynamicLayers and generation goes on there.
     The adapter drops its channel; the next request reconnects (re-creating
     the cache and codebooks on a restarted daemon).
-Batches of B sequences without padding work; prefix reuse is for B == 1.
+Batches of B sequences: left-padded prompts (attention_mask) are stored
+without their padding, each row a sequence of its own tokens; prefix reuse
+is for B == 1 unpadded. Token ids go with every append, decode steps
+included, so a later prompt that continues prompt + answer (the next turn
+of a chat) hits the cached blocks of both.
 """
 from __future__ import annotations
 
@@ -78,32 +82,49 @@ def kvstore_attention(module, query, key, value, attention_mask, dropout=0.0, sc
 
 
 class KVStoreAdapter:
-    """Binds a model to a daemon cache. codec "fp16" or "pq" (codebooks: the
-    safetensors bytes or path from kvstore-calibrate; transform: its optional
-    kvstore.codec.transform.Transform, applied on this side before encoding).
-    sink_tokens: the first tokens of every sequence the daemon keeps in fp16;
-    None: 32 for pq (rounded up to a whole block), which keeps 4-bit PQ within
-    0.5 % perplexity of fp16 at R = 128 (bench/ACCURACY.md)."""
+    """Binds a model to a daemon cache. codec "fp16" or "pq". codebooks: a
+    codebooks file (bytes or path, kvstore-calibrate's output or GetCodebooks'),
+    checked against the model (geometry, model id: ValueError naming
+    codebooks.<field>); a file that carries a transform applies it here. Files
+    of the old format (no description) need `transform`: a
+    kvstore.codec.transform.Transform or "none" (a path finds the transform
+    file kvstore-calibrate wrote beside it). calibrate_tokens (pq, no
+    codebooks): requests run in-process until the cache has seen that many
+    tokens (past the sinks), whose K/V then go to TrainCodebooks; the daemon
+    is used from then on. sink_tokens: the first tokens of every sequence the
+    daemon keeps in fp16; None: the file's, else 32 for pq (rounded up to a
+    whole block), which keeps 4-bit PQ within 0.5 % perplexity of fp16 at
+    R = 128 (docs/accuracy.md)."""
 
     def __init__(self, model, target: str | None = None, cache: str = "hf", codec: str = "fp16",
                  codebooks: bytes | str | None = None, transform=None, block_size: int = 16, residual: int = 128,
                  num_blocks: int = 4096, max_sequences: int = 64, model_id: str | None = None,
-                 timeout: float = 30.0, sink_tokens: int | None = None):
-        if codec == "pq" and codebooks is None:
-            raise ValueError("codec 'pq' needs codebooks (kvstore-calibrate output)")
-        if isinstance(codebooks, str):
-            with open(codebooks, "rb") as f:
-                codebooks = f.read()
-        if sink_tokens is None:
-            sink_tokens = math.ceil(DEFAULT_PQ_SINKS / block_size) * block_size if codec == "pq" else 0
+                 timeout: float = 30.0, sink_tokens: int | None = None, calibrate_tokens: int = 0):
+        if codec == "pq" and codebooks is None and calibrate_tokens < 256:
+            raise ValueError("codebooks: codec 'pq' needs codebooks (kvstore-calibrate output), or "
+                             "calibrate_tokens >= 256 to let the daemon train them from the first tokens")
         c = model.config.get_text_config(decoder=True)
         self.variant = hf_variants.detect(model, c)       # ValueError naming what the daemon cannot run
-        self.model, self.target, self.cache_name, self.codec = model, target, cache, codec
-        self.codebooks, self.transform, self.timeout = codebooks, transform, timeout
         self.num_layers = c.num_hidden_layers
         self.num_q_heads, self.num_kv_heads = c.num_attention_heads, c.num_key_value_heads
         self.head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-        self.spec = dict(model_id=model_id or getattr(c, "_name_or_path", "") or type(model).__name__,
+        named = getattr(c, "_name_or_path", "") or ""
+        cb = None
+        if codec == "pq" and codebooks is not None:
+            cb, transform = self._codebooks(codebooks, transform, model_id or named, explicit=model_id is not None)
+            model_id = model_id or (cb.info.model_id if cb.info is not None else None)
+            if sink_tokens is None and cb.info is not None and cb.info.sink_tokens:
+                sink_tokens = cb.info.sink_tokens
+        elif isinstance(transform, str):
+            transform = None if transform == "none" else self._bad_transform(transform)
+        if sink_tokens is None:
+            sink_tokens = math.ceil(DEFAULT_PQ_SINKS / block_size) * block_size if codec == "pq" else 0
+        self.model, self.target, self.cache_name, self.codec = model, target, cache, codec
+        self.codebooks = cb.to_bytes() if cb is not None else None
+        self.transform, self.timeout = transform, timeout
+        self.calibrate_tokens = calibrate_tokens if codec == "pq" and cb is None else 0
+        self._samples: list[tuple[torch.Tensor, torch.Tensor]] = []    # [L, n, Hkv, d] K/V for TrainCodebooks
+        self.spec = dict(model_id=model_id or named or type(model).__name__,
                          num_layers=self.num_layers, num_q_heads=self.num_q_heads, num_kv_heads=self.num_kv_heads,
                          head_dim=self.head_dim, dtype="bfloat16" if model.dtype == torch.bfloat16 else "float16",
                          codec=codec, block_size=block_size, residual=residual, num_blocks=num_blocks,
@@ -112,10 +133,10 @@ class KVStoreAdapter:
             self.spec["layer_windows"] = list(self.variant.windows)
         if self.variant.softcap:
             self.spec["logit_softcap"] = self.variant.softcap
-        if codec == "pq":
-            from safetensors.torch import load
-            self.spec["num_subvectors"] = load(codebooks)["k"].shape[2]
+        if cb is not None:
+            self.spec["num_subvectors"] = cb.k.shape[2]
         self._kv: KVStoreClient | None = None
+        self._ready = codec != "pq" or cb is not None     # the daemon's cache has what it needs to store
         self._ids = itertools.count()
         self._prefix = f"hf-{os.getpid()}-{id(self):x}"
         self.fallbacks = 0
@@ -128,6 +149,45 @@ class KVStoreAdapter:
             c._attn_implementation = ATTN
         self._hook = model.register_forward_pre_hook(self._pre_forward, with_kwargs=True)
 
+    def _codebooks(self, codebooks, transform, model_id: str, explicit: bool):
+        """-> (Codebooks, Transform or None) of a codebooks file, refused
+        (ValueError naming the field) unless it fits this model."""
+        from kvstore.codec.codebooks import CONVERT, Codebooks
+        from kvstore.codec.transform import load_codebooks, transform_of
+        if isinstance(codebooks, str):
+            cb, beside = load_codebooks(codebooks)
+        else:
+            cb, beside = Codebooks.from_bytes(codebooks), None
+        info = cb.info
+        # A model loaded from a local folder or file is named by its path, which
+        # says nothing of which model it is: its id is checked only when the
+        # caller gives one (model_id=). Geometry is checked always.
+        local = not explicit and (not model_id or os.path.exists(model_id))
+        cb.check_fits(info.model_id if local and info is not None else model_id,
+                      self.num_layers, self.num_q_heads, self.num_kv_heads, self.head_dim)
+        if info is not None:
+            says = "none" if cb.transform_k is None else "included"
+            if transform is not None and not (isinstance(transform, str) and transform == says == "none"):
+                raise ValueError(f"transform: the codebooks file says its own (transform {says}); "
+                                 "leave transform unset")
+            return cb, transform_of(cb)
+        if cb.k.shape[0] != self.num_layers or cb.k.shape[1] != self.num_kv_heads \
+                or cb.k.shape[2] * cb.k.shape[4] != self.head_dim:
+            raise ValueError(f"codebooks: shape {tuple(cb.k.shape)} does not fit the model's "
+                             f"[{self.num_layers}, {self.num_kv_heads}, M, 256, {self.head_dim} / M]")
+        if transform is None:
+            transform = beside
+        if transform is None:
+            raise ValueError("transform: a codebooks file of the old format does not say whether it was "
+                             "calibrated after a transform (without it the output is fluent nonsense); pass "
+                             f"transform= (a Transform, or 'none'), or convert the file: {CONVERT}")
+        return cb, None if transform == "none" else (transform if not isinstance(transform, str)
+                                                     else self._bad_transform(transform))
+
+    @staticmethod
+    def _bad_transform(value: str):
+        raise ValueError(f"transform: {value!r} is not a Transform or 'none'")
+
     # ----------------------------------------------------------- connection
     def client(self) -> KVStoreClient:
         """The live client; a fresh channel (and cache check) after a failure."""
@@ -135,8 +195,11 @@ class KVStoreAdapter:
             kv = KVStoreClient(self.target, timeout=self.timeout)
             try:
                 kv.create_cache(self.cache_name, exist_ok=True, **self.spec)
-                if self.codec == "pq" and not kv.get_cache(self.cache_name).has_codebooks:
-                    kv.set_codebooks(self.cache_name, self.codebooks)
+                if self.codec == "pq":
+                    has = kv.get_cache(self.cache_name).has_codebooks
+                    if not has and self.codebooks is not None:
+                        kv.set_codebooks(self.cache_name, self.codebooks)
+                    self._ready = has or self.codebooks is not None
             except BaseException:
                 kv.close()
                 raise
@@ -167,40 +230,71 @@ class KVStoreAdapter:
 
     # ------------------------------------------------------------- requests
     def cache_for(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> KVStoreCache:
-        """A cache for generating from input_ids [B, T]: sequences allocated in
-        the daemon, a cached prefix (B == 1) retrieved so that generate() only
-        runs the rest. Falls back to an in-process cache if the daemon fails."""
-        if attention_mask is not None and not bool(attention_mask.all()):
-            raise ValueError("attention_mask: padded batches are not supported; send sequences of equal length")
-        b = input_ids.shape[0]
+        """A cache for generating from input_ids [B, T], left-padded where
+        attention_mask [B, T] is 0: each row is a daemon sequence of its own
+        tokens only. A cached prefix (B == 1, no padding) is retrieved so that
+        generate() only runs the rest. Falls back to an in-process cache if
+        the daemon fails."""
+        b, t = input_ids.shape
+        pads = [0] * b
+        if attention_mask is not None:
+            mask = attention_mask.to(torch.long).cpu()
+            pads = (t - mask.sum(-1)).tolist()
+            if any(not bool(row[p:].all()) or bool(row[:p].any()) for row, p in zip(mask, pads)):
+                raise ValueError("attention_mask: only left padding is supported (zeros, then ones, per row): "
+                                 "tokenize with padding_side='left'")
+            if any(p == t for p in pads):
+                raise ValueError("attention_mask: a row has no tokens")
         seq_ids = [f"{self._prefix}-{next(self._ids)}" for _ in range(b)]
         try:
             kv = self.client()
-            cached = []
+            if not self._ready:           # calibrating: in-process until TrainCodebooks (release())
+                return KVStoreCache(self, [], input_ids[:, :0], None, local=True, pads=pads)
             for i, sid in enumerate(seq_ids):
-                prompt = input_ids[i].tolist() if b == 1 else []
-                cached.append(kv.allocate(self.cache_name, sid, prompt))
-                if cached[-1] == 0:
+                prompt = input_ids[i].tolist() if b == 1 and not pads[0] else []
+                cached = kv.allocate(self.cache_name, sid, prompt)
+                if cached == 0:
                     continue
-                k, v = kv.retrieve(self.cache_name, sid, 0, cached[-1])       # [L, P, Hkv, d]
+                k, v = kv.retrieve(self.cache_name, sid, 0, cached)       # [L, P, Hkv, d]
                 if self.transform is not None:
                     k = torch.stack([self.transform.inverse(k[l].float(), l, "k") for l in range(self.num_layers)])
                     v = torch.stack([self.transform.inverse(v[l].float(), l, "v") for l in range(self.num_layers)])
                 prefix = (k.transpose(1, 2).unsqueeze(1).to(self.model.dtype),
                           v.transpose(1, 2).unsqueeze(1).to(self.model.dtype))   # [L, 1, Hkv, P, d]
-                return KVStoreCache(self, seq_ids, input_ids[:, :cached[0]], prefix)
-            return KVStoreCache(self, seq_ids, input_ids[:, :0], None)
+                return KVStoreCache(self, seq_ids, input_ids[:, :cached], prefix)
+            return KVStoreCache(self, seq_ids, input_ids[:, :0], None, pads=pads)
         except FALLBACK_ERRORS as e:
             self.broken(e)
-            return KVStoreCache(self, [], input_ids[:, :0], None, local=True)
+            return KVStoreCache(self, [], input_ids[:, :0], None, local=True, pads=pads)
 
     def generate(self, input_ids: torch.Tensor, **kwargs) -> torch.Tensor:
-        """model.generate with a daemon cache, freed afterwards."""
+        """model.generate with a daemon cache, freed afterwards. A batch of
+        prompts of different lengths: left-padded, with its attention_mask."""
         cache = self.cache_for(input_ids, kwargs.get("attention_mask"))
         try:
             return self.model.generate(input_ids, past_key_values=cache, **kwargs)
         finally:
             cache.release()
+
+    def calibration_sample(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        """K/V [L, n, Hkv, d] (after RoPE, past the sinks) of a request run
+        in-process while the cache has no codebooks: once calibrate_tokens are
+        in, TrainCodebooks on them, and the daemon stores from then on."""
+        if self._ready or not self.calibrate_tokens:
+            return
+        self._samples.append((k.float().cpu(), v.float().cpu()))
+        if sum(x.shape[1] for x, _ in self._samples) < self.calibrate_tokens:
+            return
+        ks = torch.cat([x for x, _ in self._samples], dim=1)[:, :self.calibrate_tokens]
+        vs = torch.cat([y for _, y in self._samples], dim=1)[:, :self.calibrate_tokens]
+        try:
+            kv = self.client()
+            if not kv.get_cache(self.cache_name).has_codebooks:     # another worker may have trained them
+                dt = getattr(torch, self.spec["dtype"])
+                kv.train_codebooks(self.cache_name, ks.to(dt).contiguous(), vs.to(dt).contiguous())
+            self._ready, self._samples = True, []
+        except FALLBACK_ERRORS as e:
+            self.broken(e)
 
     def stats(self):
         """The daemon's CacheStats of this cache (None if unreachable)."""

@@ -61,8 +61,12 @@ class KVStoreCache(Cache):
     the base Cache does everything."""
 
     def __init__(self, adapter, seq_ids: list[str], seen_ids: torch.Tensor,
-                 prefix: tuple[torch.Tensor, torch.Tensor] | None, local: bool = False):
+                 prefix: tuple[torch.Tensor, torch.Tensor] | None, local: bool = False,
+                 pads: list[int] | None = None):
         self.adapter, self.seq_ids, self.local = adapter, seq_ids, local
+        # Row i's first pads[i] positions are left padding: never sent to the
+        # daemon, whose sequence i holds positions [pads[i], length).
+        self.pads = pads or [0] * seen_ids.shape[0]
         self.num_layers = adapter.num_layers
         if local:
             super().__init__(layers=DynamicCache(config=adapter.model.config).layers)
@@ -121,29 +125,40 @@ class KVStoreCache(Cache):
         return k, v
 
     def _retrieve_all(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """K/V [L, B, Hkv, length, d] of the tokens so far; zeros where a row is
+        padded (the attention mask hides those positions)."""
         kv, t = self.adapter.client(), self.adapter.transform
         ks, vs = [], []
-        for sid in self.seq_ids:
-            k, v = kv.retrieve(self.adapter.cache_name, sid, 0, self.length)       # [L, P, Hkv, d]
+        for sid, pad in zip(self.seq_ids, self.pads):
+            k, v = kv.retrieve(self.adapter.cache_name, sid, 0, self.length - pad)       # [L, P, Hkv, d]
             if t is not None:
                 k = torch.stack([t.inverse(k[l].float(), l, "k") for l in range(self.num_layers)])
                 v = torch.stack([t.inverse(v[l].float(), l, "v") for l in range(self.num_layers)])
-            ks.append(k.transpose(1, 2))
-            vs.append(v.transpose(1, 2))
+            ks.append(torch.nn.functional.pad(k.transpose(1, 2), (0, 0, pad, 0)))
+            vs.append(torch.nn.functional.pad(v.transpose(1, 2), (0, 0, pad, 0)))
         dt = self._step[0][0].dtype
         return torch.stack(ks, dim=1).to(dt), torch.stack(vs, dim=1).to(dt)    # [L, B, Hkv, P, d]
 
     def _append_all(self) -> None:
-        """Send the step's new tokens of every layer: [L, B * n, Hkv, d]."""
-        b, _, n, _ = self._step[0][0].shape
+        """Send the step's new tokens of every layer, less left padding:
+        [L, sum(counts), Hkv, d], row i's counts[i] real tokens after row i-1's."""
+        n = self._step[0][0].shape[2]
         k = torch.stack([s[0] for s in self._step]).transpose(2, 3)            # [L, B, n, Hkv, d]
         v = torch.stack([s[1] for s in self._step]).transpose(2, 3)
         k, v = self._to_daemon(k, "k"), self._to_daemon(v, "v")
-        ids = None
-        if self._cur_ids is not None and self._cur_ids.shape[-1] == n:
-            ids = [row.tolist() for row in self._cur_ids]
-        self.adapter.client().append(self.adapter.cache_name, self.seq_ids, k.reshape(k.shape[0], b * n, *k.shape[3:]),
-                                     v.reshape(v.shape[0], b * n, *v.shape[3:]), counts=[n] * b, token_ids=ids)
+        have_ids = self._cur_ids is not None and self._cur_ids.shape[-1] == n
+        rows, ks, vs, ids = [], [], [], []
+        for i, sid in enumerate(self.seq_ids):
+            skip = min(n, max(0, self.pads[i] - self.length))        # padding inside this forward
+            if skip == n:
+                continue
+            rows.append(sid)
+            ks.append(k[:, i, skip:])
+            vs.append(v[:, i, skip:])
+            ids.append(self._cur_ids[i, skip:].tolist() if have_ids else [])
+        if rows:
+            self.adapter.client().append(self.adapter.cache_name, rows, torch.cat(ks, dim=1), torch.cat(vs, dim=1),
+                                         counts=[x.shape[1] for x in ks], token_ids=ids if have_ids else None)
 
     def _to_daemon(self, x: torch.Tensor, which: str) -> torch.Tensor:
         """x [L, ..., Hkv, d] -> the transformed K'/V' the daemon stores."""
@@ -162,9 +177,12 @@ class KVStoreCache(Cache):
             k1, v1 = t.forward(k1.float(), layer, "k"), t.forward(v1.float(), layer, "v")
             inv_k, hkv = t._inv["k"][layer], self.adapter.num_kv_heads
             q1 = per_kv_head(q1.float(), hkv, lambda x: torch.einsum("bhgd,hde->bhge", x, inv_k))
+        # The new tokens' ids go with the first layer's call: the daemon hashes
+        # generated tokens as their blocks fill, for the next turn's prefix hit.
+        ids = self._cur_ids[:, -1].tolist() if layer == 0 and self._cur_ids is not None else None
         try:
             out = self.adapter.client().append_attend(self.adapter.cache_name, layer, self.seq_ids, k1, v1, q1,
-                                                      scale=scaling or 0.0)
+                                                      scale=scaling or 0.0, token_ids=ids)
         except Exception as e:
             self._fall_back(e, layer)
             full_k, full_v = super().update(k, v, layer)
@@ -189,8 +207,10 @@ class KVStoreCache(Cache):
             if self._ids is None or self._ids.shape[1] != self.length:
                 raise RuntimeError("kvstore: cannot recompute the cache in-process: token ids unknown") from err
             set_decode_target(None)
-            base = self.adapter.model.base_model
-            base(input_ids=self._ids.to(self.adapter.model.device), past_key_values=dyn, use_cache=True)
+            base, dev = self.adapter.model.base_model, self.adapter.model.device
+            mask = (torch.arange(self.length)[None, :] >= torch.tensor(self.pads)[:, None]).long()   # [B, length]
+            base(input_ids=self._ids.to(dev), attention_mask=mask.to(dev), past_key_values=dyn, use_cache=True,
+                 position_ids=(mask.cumsum(-1) - 1).clamp(min=0).to(dev))   # as generate() numbers padded rows
         for l in range(done_layers):
             dyn.layers[l].update(*self._step[l])
         self.layers, self.local = dyn.layers, True
@@ -207,7 +227,17 @@ class KVStoreCache(Cache):
             self.length += n
 
     def release(self) -> None:
-        """Free the daemon sequences (best effort)."""
+        """Free the daemon sequences (best effort). An in-process request of an
+        adapter still calibrating hands its K/V (past padding and sinks) over."""
+        ad = self.adapter
+        if self.local and not ad._ready and ad.calibrate_tokens and self.layers and self.layers[0].keys is not None:
+            sinks = ad.spec["sink_tokens"]
+            k = torch.stack([layer.keys for layer in self.layers])             # [L, B, Hkv, T, d]
+            v = torch.stack([layer.values for layer in self.layers])
+            for i, pad in enumerate(self.pads):
+                rows = (k[:, i, :, pad + sinks:].transpose(1, 2), v[:, i, :, pad + sinks:].transpose(1, 2))
+                if rows[0].shape[1]:
+                    ad.calibration_sample(self._to_daemon(rows[0], "k"), self._to_daemon(rows[1], "v"))
         if self.seq_ids and not self.local:
             try:
                 self.adapter.client().free(self.adapter.cache_name, self.seq_ids)

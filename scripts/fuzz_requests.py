@@ -157,8 +157,8 @@ class Gen:
                                 codec=r.choice(["pq", "fp16"]), block_size=BS, num_blocks=r.randint(1, 32),
                                 max_sequences=r.randint(1, 8))
             return pb.CreateCacheRequest(spec=spec, exist_ok=r.random() < 0.5)
-        if method == "GetCache":
-            return pb.GetCacheRequest(cache=cache)
+        if method in ("GetCache", "GetCodebooks"):
+            return getattr(pb, f"{method}Request")(cache=cache)
         if method == "DeleteCache":     # the default tenant only ever deletes caches outside CACHES (fuzz.py)
             return pb.DeleteCacheRequest(cache=cache if self.other or cache not in CACHES else "fz-new",
                                          force=r.random() < 0.5)
@@ -191,6 +191,8 @@ class Gen:
             if method == "AppendAttend":
                 req.k.CopyFrom(self.tensor((b, HKV, D)))
                 req.v.CopyFrom(self.tensor((b, HKV, D)))
+                if r.random() < 0.3:      # ids of the new tokens; a wrong count is refused
+                    req.token_ids.extend(r.randint(0, 20) for _ in range(b + (0 if self.clean else r.randint(-1, 1))))
             if self.buffer_id and r.random() < 0.3:
                 req.out.CopyFrom(self.out_ref())
             return req

@@ -28,8 +28,10 @@ MAY_IMPORT = {
                        "kvstore.errors"},
     "kvstore.service": {"kvstore.core", "kvstore.codec", "kvstore.engine", "kvstore.tiers", "kvstore.cuda",
                         "kvstore.protocol", "kvstore.errors", "kvstore.v1"},
-    # The thin client: the shared leaf and CUDA plumbing; mapped attend runs the kernels.
-    "kvstore.client": {"kvstore.protocol", "kvstore.cuda", "kvstore.errors", "kvstore.v1", "kvstore.kernels"},
+    # The thin client: the shared leaf and CUDA plumbing; mapped attend runs the kernels; the
+    # HF adapter reads codebooks files and applies their transform (codec, lazily).
+    "kvstore.client": {"kvstore.protocol", "kvstore.cuda", "kvstore.errors", "kvstore.v1", "kvstore.kernels",
+                       "kvstore.codec"},
 }
 DAEMON_SIDE = ("kvstore.engine", "kvstore.kernels", "kvstore.tiers", "kvstore.service", "kvstore.tools")
 

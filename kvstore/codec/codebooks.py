@@ -11,37 +11,142 @@ import numpy as np
 import torch
 
 from kvstore.core.config import CacheConfig
-from kvstore.errors import FailedPrecondition, InvalidArgument
+from kvstore.errors import FailedPrecondition, InvalidArgument, quote
+
+
+FORMAT = "kvstore.pq.v2"        # tensors and a description (FileInfo) in the metadata
+LEGACY_FORMAT = "kvstore.pq.v1"  # tensors "k", "v" only
+# The shell command a refusal of an old file names (kvstore/tools/codebooks.py).
+CONVERT = "python -m kvstore.tools.codebooks convert OLD.safetensors --model-id ID [--transform T] --out NEW"
+
+
+@dataclass(slots=True, frozen=True)
+class FileInfo:
+    """What a codebooks file says about itself (format kvstore.pq.v2):
+    what it fits (model id, geometry, bits) and where it came from."""
+    model_id: str = ""             # "": fits any model of this geometry
+    num_layers: int = 0
+    num_q_heads: int = 0           # 0: not recorded (K/V codebooks do not depend on it)
+    num_kv_heads: int = 0
+    head_dim: int = 0
+    bits: int = 0                  # per K/V element: 8 bits a code over head_dim / M elements
+    sink_tokens: int = 0           # the first tokens calibration left out (kept in fp16)
+    calibrated_on: str = ""        # free text: the samples the centroids were trained on
+
+    def metadata(self) -> dict[str, str]:
+        return {"model_id": self.model_id, "sink_tokens": str(self.sink_tokens), "bits": str(self.bits),
+                "calibrated_on": self.calibrated_on,
+                "geometry": json.dumps({"num_layers": self.num_layers, "num_q_heads": self.num_q_heads,
+                                        "num_kv_heads": self.num_kv_heads, "head_dim": self.head_dim})}
+
+    @staticmethod
+    def from_metadata(meta: dict[str, str]) -> "FileInfo":
+        try:
+            geo = json.loads(meta["geometry"])
+            return FileInfo(model_id=meta.get("model_id", ""), sink_tokens=int(meta.get("sink_tokens", "0")),
+                            bits=int(meta["bits"]), calibrated_on=meta.get("calibrated_on", ""),
+                            **{f: int(geo.get(f, 0)) for f in ("num_layers", "num_q_heads", "num_kv_heads",
+                                                               "head_dim")})
+        except (KeyError, ValueError, TypeError, AttributeError) as e:
+            raise InvalidArgument("codebooks", f"malformed {FORMAT} metadata ({type(e).__name__}: {e})") from None
 
 
 @dataclass(slots=True)
 class Codebooks:
+    """K and V codebooks; for codebooks trained after a per-head transform,
+    that transform's matrices (the daemon stores K' = K A_k^T; clients apply
+    it, transform.py); `info` is None for a file of the old format."""
     k: torch.Tensor      # [L, Hkv, M, 256, dsub] fp32
     v: torch.Tensor      # [L, Hkv, M, 256, dsub] fp32
+    transform_k: torch.Tensor | None = None    # [L, Hkv, d, d] fp32, or None
+    transform_v: torch.Tensor | None = None
+    info: FileInfo | None = None
 
     def sha256(self) -> str:
+        """Of the tensors (not the description): codebooks without a transform
+        hash as they always did, so fingerprints and disk keys stay."""
         h = hashlib.sha256()
-        for t in (self.k, self.v):
+        tensors = [self.k, self.v]
+        if self.transform_k is not None:
+            h.update(b"transform")
+            tensors += [self.transform_k, self.transform_v]
+        for t in tensors:
             h.update(json.dumps(list(t.shape)).encode())
             h.update(t.contiguous().cpu().numpy().tobytes())
         return h.hexdigest()
 
+    @property
+    def bits(self) -> int:
+        return 8 // self.k.shape[-1]
+
+    def describe(self, model_id: str = "", num_q_heads: int = 0, sink_tokens: int = 0,
+                 calibrated_on: str = "") -> "Codebooks":
+        """These codebooks with a description (FileInfo); geometry and bits from the shapes."""
+        L, hkv, m, _, dsub = self.k.shape
+        info = FileInfo(model_id=model_id, num_layers=L, num_q_heads=num_q_heads, num_kv_heads=hkv,
+                        head_dim=m * dsub, bits=8 // dsub, sink_tokens=sink_tokens, calibrated_on=calibrated_on)
+        return Codebooks(self.k, self.v, self.transform_k, self.transform_v, info)
+
     def to_bytes(self) -> bytes:
         from safetensors.torch import save
-        return save({"k": self.k.contiguous().cpu(), "v": self.v.contiguous().cpu()},
-                    metadata={"sha256": self.sha256(), "format": "kvstore.pq.v1"})
+        tensors = {"k": self.k.contiguous().cpu(), "v": self.v.contiguous().cpu()}
+        if self.info is None:
+            assert self.transform_k is None, "a transform goes with a described (v2) file"
+            return save(tensors, metadata={"sha256": self.sha256(), "format": LEGACY_FORMAT})
+        if self.transform_k is not None:
+            tensors["transform.k"] = self.transform_k.contiguous().cpu()
+            tensors["transform.v"] = self.transform_v.contiguous().cpu()
+        return save(tensors, metadata={"sha256": self.sha256(), "format": FORMAT, **self.info.metadata(),
+                                       "transform": "none" if self.transform_k is None else "included"})
 
     @staticmethod
     def from_bytes(data: bytes) -> "Codebooks":
-        from safetensors import SafetensorError
+        """A codebooks file of either format; InvalidArgument (naming
+        codebooks[.field]) for bytes that are not one, or whose description
+        contradicts its tensors."""
         from safetensors.torch import load
         try:
             tensors = load(data)
-        except (SafetensorError, Exception) as e:  # malformed user bytes
+            meta = _metadata(data)
+        except Exception as e:  # malformed user bytes: safetensors raises several types
             raise InvalidArgument("codebooks", f"not a safetensors file: {e}") from None
-        if set(tensors) != {"k", "v"}:
-            raise InvalidArgument("codebooks", f"expected tensors 'k' and 'v', got {sorted(tensors)}")
-        return Codebooks(k=tensors["k"].float(), v=tensors["v"].float())
+        fmt = meta.get("format", LEGACY_FORMAT)
+        if fmt == LEGACY_FORMAT:
+            if set(tensors) != {"k", "v"}:
+                raise InvalidArgument("codebooks", f"expected tensors 'k' and 'v', got {sorted(tensors)}")
+            return Codebooks(k=tensors["k"].float(), v=tensors["v"].float())
+        if fmt != FORMAT:
+            raise InvalidArgument("codebooks.format", f"{quote(fmt)} is not {FORMAT} or {LEGACY_FORMAT}")
+        has_t = meta.get("transform") == "included"
+        want = {"k", "v"} | ({"transform.k", "transform.v"} if has_t else set())
+        if set(tensors) != want or meta.get("transform") not in ("none", "included"):
+            raise InvalidArgument("codebooks", f"metadata transform={quote(meta.get('transform', ''))} "
+                                  f"with tensors {sorted(tensors)}")
+        cb = Codebooks(k=tensors["k"].float(), v=tensors["v"].float(), info=FileInfo.from_metadata(meta),
+                       transform_k=tensors["transform.k"].float() if has_t else None,
+                       transform_v=tensors["transform.v"].float() if has_t else None)
+        cb._check_self()
+        if meta.get("sha256") != cb.sha256():
+            raise InvalidArgument("codebooks.sha256", f"{quote(meta.get('sha256', ''))} does not match the "
+                                  f"tensors ({cb.sha256()}): the file is damaged")
+        return cb
+
+    def _check_self(self) -> None:
+        """A described file's tensors agree with its description."""
+        i = self.info
+        if self.k.dim() != 5 or self.k.shape[3] != 256 or self.v.shape != self.k.shape:
+            raise InvalidArgument("codebooks.k", f"shapes {tuple(self.k.shape)}, {tuple(self.v.shape)}: "
+                                  "need two [L, Hkv, M, 256, head_dim / M]")
+        L, hkv, m, _, dsub = self.k.shape
+        for name, have, want in (("num_layers", L, i.num_layers), ("num_kv_heads", hkv, i.num_kv_heads),
+                                 ("head_dim", m * dsub, i.head_dim), ("bits", 8 // dsub, i.bits)):
+            if have != want:
+                raise InvalidArgument(f"codebooks.{name}", f"the metadata says {want}, the tensors {have}")
+        if self.transform_k is not None:
+            shape = (L, hkv, m * dsub, m * dsub)
+            for name, t in (("transform.k", self.transform_k), ("transform.v", self.transform_v)):
+                if tuple(t.shape) != shape or not torch.isfinite(t).all():
+                    raise InvalidArgument(f"codebooks.{name}", f"shape {tuple(t.shape)} (need {shape}), finite")
 
     def save(self, path: str) -> str:
         with open(path, "wb") as f:
@@ -53,8 +158,29 @@ class Codebooks:
         with open(path, "rb") as f:
             return Codebooks.from_bytes(f.read())
 
+    def check_fits(self, model_id: str, num_layers: int, num_q_heads: int, num_kv_heads: int, head_dim: int,
+                   bits: int | None = None) -> None:
+        """InvalidArgument naming codebooks.<field> unless this file describes
+        itself as made for this model and geometry (bits: the cache's, if it
+        has one yet). An old file has only its shapes to go by (validate)."""
+        i = self.info
+        if i is None:
+            return
+        for name, want, have in (("num_layers", num_layers, i.num_layers),
+                                 ("num_kv_heads", num_kv_heads, i.num_kv_heads),
+                                 ("head_dim", head_dim, i.head_dim), ("bits", bits, i.bits),
+                                 ("num_q_heads", num_q_heads, i.num_q_heads or num_q_heads)):
+            if want is not None and want != have:
+                raise InvalidArgument(f"codebooks.{name}", f"the file was made for {name} {have}, "
+                                      f"this {'cache' if bits is not None else 'model'} has {want}")
+        if i.model_id and model_id != i.model_id:
+            raise InvalidArgument("codebooks.model_id", f"the file was calibrated on {quote(i.model_id)}, "
+                                  f"this is {quote(model_id)} (codebooks of one model are wrong for another)")
+
     def validate(self, cfg: CacheConfig) -> None:
         g = cfg.geometry
+        self.check_fits(cfg.model_id, g.num_layers, g.num_q_heads, g.num_kv_heads, g.head_dim,
+                        8 * cfg.m // g.head_dim)
         want = (g.num_layers, g.num_kv_heads, cfg.m, 256, g.head_dim // cfg.m)
         dtype = getattr(torch, g.dtype)
         # Centroids are the K and V the kernels read, in the cache dtype on the
@@ -69,6 +195,15 @@ class Codebooks:
             if not peak <= limit:
                 raise InvalidArgument(f"codebooks.{name}", f"a centroid of magnitude {float(t.abs().amax()):g} "
                                       f"does not fit the cache's {g.dtype} (at most {limit:g})")
+
+
+def _metadata(data: bytes) -> dict[str, str]:
+    """The __metadata__ of safetensors bytes (an 8-byte header length, then JSON)."""
+    n = int.from_bytes(data[:8], "little")
+    meta = json.loads(data[8:8 + n]).get("__metadata__") or {}
+    if not all(isinstance(k, str) and isinstance(v, str) for k, v in meta.items()):
+        raise ValueError("metadata values must be strings")
+    return meta
 
 
 def train_pq(x: torch.Tensor, m: int, niter: int = 20, init: torch.Tensor | None = None,
@@ -181,7 +316,9 @@ def train_codebooks(cfg: CacheConfig, k_samples: torch.Tensor, v_samples: torch.
                 if progress:
                     progress(done, total)
         out.append(cb)
-    return Codebooks(k=out[0], v=out[1])
+    return Codebooks(k=out[0], v=out[1]).describe(
+        model_id=cfg.model_id, num_q_heads=g.num_q_heads, sink_tokens=cfg.sink_tokens,
+        calibrated_on=f"TrainCodebooks: {k_samples.shape[1]} K/V samples a layer sent to the daemon, niter {niter}")
 
 
 def fingerprint(cfg: CacheConfig, codebooks: Codebooks | None) -> bytes:

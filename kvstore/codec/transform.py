@@ -3,6 +3,7 @@ undone on the way out): what kvstore-calibrate learns beside the codebooks and
 saves next to them; the Hugging Face adapter applies it on its side."""
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 import torch
@@ -56,4 +57,22 @@ def _inverse(a: torch.Tensor) -> torch.Tensor:
 
 
 def transform_path(codebook_path: str) -> str:
+    """Where files of the old codebooks format kept their transform."""
     return codebook_path.removesuffix(".safetensors") + ".transform.safetensors"
+
+
+def transform_of(cb) -> Transform | None:
+    """The transform a Codebooks (codebooks.py) carries, or None."""
+    return None if cb.transform_k is None else Transform(k=cb.transform_k, v=cb.transform_v)
+
+
+def load_codebooks(path: str):
+    """-> (Codebooks, Transform or None) of a codebooks file. A file of the old
+    format (no description) takes its transform from the file beside it that
+    kvstore-calibrate wrote (transform_path), if there is one."""
+    from .codebooks import Codebooks
+    cb = Codebooks.load(path)
+    if cb.info is None:
+        tp = transform_path(path)
+        return cb, Transform.load(tp) if os.path.exists(tp) else None
+    return cb, transform_of(cb)

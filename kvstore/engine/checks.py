@@ -97,7 +97,7 @@ def batch_room(cache, seqs: list[Sequence], counts: list[int], layer: int | None
         if (layer is None and any(s.pending)) or s.reserved:
             raise FailedPrecondition("sequence_ids", f"sequence {quote(s.seq_id)} has uncommitted tokens")
         if token_ids is not None and len(token_ids[i]):
-            cache.check_token_ids(s, c, token_ids[i])
+            cache.check_token_ids(s, c, token_ids[i], layer)
         m, t, f = cache.room_needed(s, c, layer)
         main, tail, freed = main + m, tail + t, freed + f
     cache.check_room(main, tail, freed)

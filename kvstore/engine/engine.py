@@ -147,6 +147,15 @@ class Engine:
             cache.set_codebooks(cb)
             return cb.sha256()
 
+    def codebooks(self, name: str) -> Codebooks:
+        """The codebooks a cache uses (FailedPrecondition: fp16, or none yet)."""
+        with self._locked(name) as cache:
+            if not cache.is_pq:
+                raise FailedPrecondition("codebooks", f"cache {quote(name)} uses the fp16 codec")
+            if cache.codebooks is None:
+                raise FailedPrecondition("codebooks", f"cache {quote(name)} has no codebooks yet")
+            return cache.codebooks
+
     def train_codebooks(self, name: str, k: torch.Tensor, v: torch.Tensor, niter: int = 20) -> str:
         cache = self.cache(name)
         g = cache.cfg.geometry
@@ -180,7 +189,8 @@ class Engine:
         """k, v: [L, sum(counts), Hkv, d] (all layers) or [sum(counts), Hkv, d]
         (layer given); tokens of seq_ids[i] are the counts[i] rows after those
         of the earlier sequences; token_ids[i]: their ids (a list or a protobuf
-        repeated field), optional. Validated for all sequences before any
+        repeated field), optional; with `layer`, the ids of the tokens this
+        layer adds (any layer may carry them; they must agree). Validated for all sequences before any
         sequence changes. defer_write (with layer): -> (slots, k, v) of tokens
         counted but not written, for Cache.attend(new=...); None: all written."""
         with self._locked(name) as cache:
@@ -199,8 +209,6 @@ class Engine:
             k = checks.request_tensor(cache.cfg, k, "k", shape, g.qk_limit)
             v = checks.request_tensor(cache.cfg, v, "v", shape)
             if token_ids is not None:
-                if layer is not None:
-                    raise InvalidArgument("token_ids", "token ids go with all-layer appends")
                 if len(token_ids) != len(seqs):
                     raise InvalidArgument("token_ids", f"{len(token_ids)} id lists for {len(seqs)} sequences")
                 for ids in token_ids:      # before any of them is copied
@@ -221,7 +229,8 @@ class Engine:
             if layer is not None:        # decode: one scatter, one encode for the whole batch
                 cache.defer_encodes()
                 try:
-                    slots = cache.append_layer_batch(seqs, layer, k, v, counts, defer_write=defer_write)
+                    slots = cache.append_layer_batch(seqs, layer, k, v, counts, defer_write=defer_write,
+                                                     token_ids=token_ids)
                     deferred = (slots, k, v) if slots is not None else None
                 finally:
                     cache.flush_encodes()
@@ -252,9 +261,11 @@ class Engine:
 
     def append_attend(self, name: str, tenant: str, layer: int, seq_ids: list[str], k: torch.Tensor,
                       v: torch.Tensor, q: torch.Tensor, scale: float = 0.0,
-                      out: torch.Tensor | None = None) -> torch.Tensor:
+                      out: torch.Tensor | None = None, token_ids=None) -> torch.Tensor:
         """Decode step of one layer: k, v [B, Hkv, d] (one new token per
-        sequence), q [B, Hq, d] -> out [B, Hq, d] (`out` as in attend)."""
+        sequence), q [B, Hq, d] -> out [B, Hq, d] (`out` as in attend).
+        token_ids: optional, the new tokens' ids [B] (a list or a protobuf
+        repeated field), so that generated tokens are hashed as they seal."""
         with self._locked(name) as cache:
             checks.check_layer(cache.cfg, layer)
             seqs = checks.sequences(cache, tenant, seq_ids, unique=True)
@@ -264,8 +275,13 @@ class Engine:
             shape = (len(seqs), g.num_kv_heads, g.head_dim)
             k = checks.request_tensor(cache.cfg, k, "k", shape, g.qk_limit)
             v = checks.request_tensor(cache.cfg, v, "v", shape)
+            ids = None
+            if token_ids is not None and len(token_ids):
+                if len(token_ids) != len(seqs):
+                    raise InvalidArgument("token_ids", f"{len(token_ids)} ids for {len(seqs)} sequences")
+                ids = [[t] for t in token_ids]
             # The new tokens' write joins the attention (its decode graph, when it has one).
-            new = self._append_checked(cache, seqs, k, v, [1] * len(seqs), layer, None, defer_write=True)
+            new = self._append_checked(cache, seqs, k, v, [1] * len(seqs), layer, ids, defer_write=True)
             return cache.attend(layer, seqs, q, scale, out=checks.output_into(out, q), new=new)
 
     def reserve(self, name: str, tenant: str, seq_id: str, n: int,

@@ -95,14 +95,22 @@ class WritePath:
             s.token_ids.extend(ids[len(known):])
             self._extend_hashes(s)
 
-    def check_token_ids(self, s: Sequence, n: int, token_ids) -> array:
-        """Ids of the n tokens an all-layer append adds after s.length -> them as an array('i')."""
+    @staticmethod
+    def token_start(s: Sequence, layer: int | None) -> int:
+        """Position of the first token an append (all layers, or one layer) adds."""
+        return s.length if layer is None else s.length + s.pending[layer]
+
+    def check_token_ids(self, s: Sequence, n: int, token_ids, layer: int | None = None) -> array:
+        """Ids of the n tokens an append (all layers, or `layer`) adds -> them as
+        an array('i'). Ids already known for those positions (from Allocate, or
+        from another layer of the same tokens) must agree."""
         if len(token_ids) != n:
             raise InvalidArgument("token_ids", f"{len(token_ids)} ids for {n} tokens")
         ids = token_array(token_ids, "token_ids")
-        known = s.token_ids[s.length:s.length + n]
+        start = self.token_start(s, layer)
+        known = s.token_ids[start:start + n]
         if known != ids[:len(known)]:
-            raise InvalidArgument("token_ids", f"differ from the ids given at Allocate for positions {s.length}..")
+            raise InvalidArgument("token_ids", f"differ from the ids already known for positions {start}..")
         return ids
 
     def room_needed(self, s: Sequence, n: int, layer: int | None) -> tuple[int, int, int]:
@@ -211,22 +219,27 @@ class WritePath:
         self.append_layer_batch([s], layer, k, v, [k.shape[0]])
 
     def append_layer_batch(self, seqs: list[Sequence], layer: int, k: torch.Tensor, v: torch.Tensor,
-                           counts: list[int], defer_write: bool = False) -> list[tuple[int, int]] | None:
+                           counts: list[int], defer_write: bool = False,
+                           token_ids: list | None = None) -> list[tuple[int, int]] | None:
         """One layer for a batch (decode): counts[i] tokens of seqs[i] in the
         rows of k, v [sum(counts), Hkv, d], written with one scatter. A batch of
         several sequences must have been checked whole (checks.batch_room).
         defer_write: a few tokens are not written but returned as their
         [(tail block, offset)], for attend(new=...) to write before it reads
         them (inside its decode graph); sealing never reads the newest token of
-        a layer, so the seals this call queues do not need it. None: written."""
+        a layer, so the seals this call queues do not need it. None: written.
+        token_ids[i]: ids of seqs[i]'s new tokens, or empty (optional): recorded
+        (and hashed once the chain before them is known) as of this layer."""
         self._require_ready()
         for s in seqs:
             if s.reserved:
                 raise FailedPrecondition("sequence_id", f"sequence {quote(s.seq_id)} has reserved tokens")
+        ids = [self.check_token_ids(s, n, t, layer) if t is not None and len(t) else None
+               for s, n, t in zip(seqs, counts, token_ids or [None] * len(seqs))]
         if len(seqs) == 1:
             main_need, need, _ = self.room_needed(seqs[0], counts[0], layer)
             self.check_room(main_need, need, 0)
-        starts = [s.length + s.pending[layer] for s in seqs]
+        starts = [self.token_start(s, layer) for s in seqs]
         needs = [max(0, math.ceil((start + n) / self.bs) - len(s.sealed) - len(s.tail))
                  for s, start, n in zip(seqs, starts, counts)]
         new = self._alloc_tail(sum(needs))      # one clearing launch for the whole batch
@@ -253,6 +266,9 @@ class WritePath:
             dev = self.tail.k.device
             self.tail.write(slice(layer, layer + 1), ids_to(dev, torch.cat([b for b, _ in idx])),
                             ids_to(dev, torch.cat([o for _, o in idx])), k.unsqueeze(0), v.unsqueeze(0))
+        for s, start, t in zip(seqs, starts, ids):
+            if t is not None:
+                self._apply_token_ids(s, start, t)
         now = time.monotonic()
         for s, n in zip(seqs, counts):
             s.pending[layer] += n

@@ -134,7 +134,8 @@ class Handlers:
         r = resolved or self.resolve(request, buffers)
         with r.scope:
             out = self.engine.append_attend(request.cache, tenant, request.layer, list(request.sequence_ids),
-                                            r.k, r.v, r.q, request.scale, out=r.out_view)
+                                            r.k, r.v, r.q, request.scale, out=r.out_view,
+                                            token_ids=request.token_ids)
             return finish(out, r.out_ref)
 
     def doorbell_append_attend(self, request, tenant: str, session: str, buffers,

@@ -150,6 +150,11 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
         return pb.CodebooksReply(sha256=self.engine.set_codebooks(request.cache, Codebooks.from_bytes(request.safetensors)))
 
     @_rpc
+    def GetCodebooks(self, request, context):
+        cb = self.engine.codebooks(request.cache)
+        return pb.GetCodebooksReply(safetensors=cb.to_bytes(), sha256=cb.sha256())
+
+    @_rpc
     def TrainCodebooks(self, request, context):
         self.engine.config(request.cache)
         k = self._t(request.k_samples, "k_samples")

@@ -26,7 +26,7 @@ import sys
 import torch
 
 from kvstore.codec.codebooks import Codebooks, train_pq
-from kvstore.codec.transform import Transform, transform_path
+from kvstore.codec.transform import Transform
 from kvstore.core.config import ModelGeometry
 
 from .hooks import AttentionCall, attention_handler
@@ -278,12 +278,17 @@ def main(argv: list[str] | None = None) -> None:
         if args.finetune_steps:
             cb = finetune_codebooks(model, tok, text, cb, tr, args.finetune_steps, args.finetune_lr, args.device)
         out = args.out.format(bits=bits)
+        g = geometry_of(model)
+        cb = Codebooks(cb.k, cb.v, tr.k if tr is not None else None, tr.v if tr is not None else None).describe(
+            # Samples cover every position, the first ones included (--sink-rows):
+            # the file assumes no sink count, the cache picks its own.
+            model_id=SMOLLM2_MODEL_ID, num_q_heads=g.num_q_heads, sink_tokens=0,
+            calibrated_on=f"{', '.join(CALIB_DIRS)}: {args.windows} windows, {args.per_window} K/V rows each; "
+                          f"transform {args.transform}, opq {args.opq}, {args.finetune_steps} fine-tuning steps")
         sha = cb.save(out)
-        print(f"{out}: {bits}-bit (M={m}) sha256 {sha}", flush=True)
-        if tr is not None:
-            tr.save(transform_path(out))
-            print(f"{transform_path(out)}: per-head transform ({args.transform}, opq {args.opq}; "
-                  f"apply before encode)", flush=True)
+        print(f"{out}: {bits}-bit (M={m}) sha256 {sha}"
+              f"{'' if tr is None else f', per-head transform included ({args.transform}, opq {args.opq})'}",
+              flush=True)
         if args.target:
             cache = f"{args.cache or cache_name(lm.model_id)}-pq{bits}"
             load_into_daemon(args.target, cache, args.model_id or lm.model_id, g, m, cb)

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import os
 import sys
 import time
 
@@ -103,8 +102,6 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(args.threads)
     from kvstore.client.hf import KVStoreAdapter
 
-    from kvstore.codec.transform import Transform, transform_path
-
     from .models import load_model
     from .text import read_text, token_windows
     text = read_text(args.text) if args.text else None
@@ -126,10 +123,8 @@ def main(argv: list[str] | None = None) -> None:
             sys.exit(0 if check_greedy(model, tok, target, args.new_tokens) else 1)
         print(f"daemon: {target}\nmodel: {lm.model_id}\nprompt ({ids.shape[1]} tokens): {prompt}\n", flush=True)
         codecs = [("fp16", None)] + ([("pq", args.codebooks)] if args.codebooks else [])
-        for codec, cb in codecs:
-            tp = transform_path(cb) if cb else None
-            tr = Transform.load(tp) if tp and os.path.exists(tp) else None
-            ad = KVStoreAdapter(model, target, cache=f"demo-{codec}", codec=codec, codebooks=cb, transform=tr,
+        for codec, cb in codecs:      # a codebooks path brings its transform (inside, or beside an old file)
+            ad = KVStoreAdapter(model, target, cache=f"demo-{codec}", codec=codec, codebooks=cb,
                                 model_id=lm.model_id)
             text, tps = run(ad, tok, ids, args.new_tokens)
             print(f"== codec {codec}: {tps:.1f} tokens/s (CPU, {args.threads} threads)\n{text}\n", flush=True)

@@ -42,7 +42,7 @@ import torch
 import torch.nn.functional as F
 
 from kvstore.codec.codebooks import Codebooks
-from kvstore.codec.transform import Transform, transform_path
+from kvstore.codec.transform import Transform, load_codebooks
 
 from .hooks import AttentionCall, attention_handler, exact_attention
 from .models import MODEL_HELP, geometry_of, load_model
@@ -213,8 +213,9 @@ class Row:
     def load(self) -> tuple[Codebooks | None, Transform | None]:
         if self.codebooks is None:
             return None, None
-        tp = transform_path(self.codebooks) if self.transform == "auto" else self.transform
-        t = Transform.load(tp) if tp != "none" and os.path.exists(tp) else None
+        if self.transform == "auto":      # the file's own, or (old format) the file beside it
+            return load_codebooks(self.codebooks)
+        t = Transform.load(self.transform) if self.transform != "none" else None
         return Codebooks.load(self.codebooks), t
 
 

@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 
 from kvstore.codec.codebooks import Codebooks
-from kvstore.codec.transform import Transform, transform_path
+from kvstore.codec.transform import Transform, load_codebooks
 
 from .hooks import AttentionCall, attention_handler
 from .models import MODEL_HELP, load_model
@@ -229,13 +229,19 @@ def main(argv: list[str] | None = None) -> None:
         return
     cfg = FinetuneConfig(steps=args.steps, lr=args.lr, val_windows=args.val, every=args.every,
                          train_v=not args.k_only)
-    cb, t = Codebooks.load(args.src), Transform.load(transform_path(args.src))
+    cb, t = load_codebooks(args.src)
+    if t is None:
+        raise SystemExit(f"{args.src}: no transform in or beside it (fine-tuning needs one)")
     print(f"{wins.shape[0]} calibration windows of {wins.shape[1]}; {cfg.steps} steps, lr {cfg.lr}, "
           f"{'K and V' if cfg.train_v else 'K only'}, {args.device}", flush=True)
     out, _ = finetune(model, cb, t, wins, cfg, args.device, log=lambda s: print(s, flush=True))
+    src = cb.info
+    out = Codebooks(out.k, out.v, t.k, t.v).describe(
+        model_id=src.model_id if src else "", num_q_heads=src.num_q_heads if src else 0,
+        sink_tokens=src.sink_tokens if src else 0,
+        calibrated_on=f"{src.calibrated_on if src else args.src}; fine-tuned {cfg.steps} steps")
     sha = out.save(args.out)
-    t.save(transform_path(args.out))
-    print(f"wrote {args.out} sha256 {sha[:8]} (transform beside it)", flush=True)
+    print(f"wrote {args.out} sha256 {sha[:8]} (transform included)", flush=True)
 
 
 if __name__ == "__main__":

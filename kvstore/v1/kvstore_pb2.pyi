@@ -201,6 +201,20 @@ class DeleteCacheReply(_message.Message):
     reserved_bytes: int
     def __init__(self, sequences: _Optional[int] = ..., leased_sequences: _Optional[int] = ..., pinned_sequences: _Optional[int] = ..., disk_sequences: _Optional[int] = ..., main_blocks: _Optional[int] = ..., tail_blocks: _Optional[int] = ..., host_blocks: _Optional[int] = ..., cached_blocks: _Optional[int] = ..., reserved_bytes: _Optional[int] = ...) -> None: ...
 
+class GetCodebooksRequest(_message.Message):
+    __slots__ = ("cache",)
+    CACHE_FIELD_NUMBER: _ClassVar[int]
+    cache: str
+    def __init__(self, cache: _Optional[str] = ...) -> None: ...
+
+class GetCodebooksReply(_message.Message):
+    __slots__ = ("safetensors", "sha256")
+    SAFETENSORS_FIELD_NUMBER: _ClassVar[int]
+    SHA256_FIELD_NUMBER: _ClassVar[int]
+    safetensors: bytes
+    sha256: str
+    def __init__(self, safetensors: _Optional[bytes] = ..., sha256: _Optional[str] = ...) -> None: ...
+
 class AllocateRequest(_message.Message):
     __slots__ = ("cache", "sequence_id", "prompt_token_ids", "pinned", "persist")
     CACHE_FIELD_NUMBER: _ClassVar[int]
@@ -324,7 +338,7 @@ class AttendRequest(_message.Message):
     def __init__(self, cache: _Optional[str] = ..., layer: _Optional[int] = ..., sequence_ids: _Optional[_Iterable[str]] = ..., q: _Optional[_Union[Tensor, _Mapping]] = ..., scale: _Optional[float] = ..., out: _Optional[_Union[OutputRef, _Mapping]] = ...) -> None: ...
 
 class AppendAttendRequest(_message.Message):
-    __slots__ = ("cache", "layer", "sequence_ids", "k", "v", "q", "scale", "out")
+    __slots__ = ("cache", "layer", "sequence_ids", "k", "v", "q", "scale", "out", "token_ids")
     CACHE_FIELD_NUMBER: _ClassVar[int]
     LAYER_FIELD_NUMBER: _ClassVar[int]
     SEQUENCE_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -333,6 +347,7 @@ class AppendAttendRequest(_message.Message):
     Q_FIELD_NUMBER: _ClassVar[int]
     SCALE_FIELD_NUMBER: _ClassVar[int]
     OUT_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     cache: str
     layer: int
     sequence_ids: _containers.RepeatedScalarFieldContainer[str]
@@ -341,7 +356,8 @@ class AppendAttendRequest(_message.Message):
     q: Tensor
     scale: float
     out: OutputRef
-    def __init__(self, cache: _Optional[str] = ..., layer: _Optional[int] = ..., sequence_ids: _Optional[_Iterable[str]] = ..., k: _Optional[_Union[Tensor, _Mapping]] = ..., v: _Optional[_Union[Tensor, _Mapping]] = ..., q: _Optional[_Union[Tensor, _Mapping]] = ..., scale: _Optional[float] = ..., out: _Optional[_Union[OutputRef, _Mapping]] = ...) -> None: ...
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, cache: _Optional[str] = ..., layer: _Optional[int] = ..., sequence_ids: _Optional[_Iterable[str]] = ..., k: _Optional[_Union[Tensor, _Mapping]] = ..., v: _Optional[_Union[Tensor, _Mapping]] = ..., q: _Optional[_Union[Tensor, _Mapping]] = ..., scale: _Optional[float] = ..., out: _Optional[_Union[OutputRef, _Mapping]] = ..., token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class AttendReply(_message.Message):
     __slots__ = ("out",)

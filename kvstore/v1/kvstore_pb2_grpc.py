@@ -149,6 +149,11 @@ class KVStoreStub:
                 request_serializer=kvstore_dot_v1_dot_kvstore__pb2.HeartbeatRequest.SerializeToString,
                 response_deserializer=kvstore_dot_v1_dot_kvstore__pb2.HeartbeatReply.FromString,
                 _registered_method=True)
+        self.GetCodebooks = channel.unary_unary(
+                '/kvstore.v1.KVStore/GetCodebooks',
+                request_serializer=kvstore_dot_v1_dot_kvstore__pb2.GetCodebooksRequest.SerializeToString,
+                response_deserializer=kvstore_dot_v1_dot_kvstore__pb2.GetCodebooksReply.FromString,
+                _registered_method=True)
 
 
 class KVStoreServicer:
@@ -361,6 +366,18 @@ class KVStoreServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetCodebooks(self, request, context):
+        """The codebooks file a cache uses (as SetCodebooks takes it, metadata
+        included; codebooks trained by TrainCodebooks come with a description of
+        what they were trained on), so they can be saved and given to
+        SetCodebooks again, on this daemon or another: the same file gives the
+        same sha256 and so the same block hashes. FAILED_PRECONDITION naming
+        codebooks for an fp16 cache or one without codebooks yet.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_KVStoreServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -478,6 +495,11 @@ def add_KVStoreServicer_to_server(servicer, server):
                     servicer.Heartbeat,
                     request_deserializer=kvstore_dot_v1_dot_kvstore__pb2.HeartbeatRequest.FromString,
                     response_serializer=kvstore_dot_v1_dot_kvstore__pb2.HeartbeatReply.SerializeToString,
+            ),
+            'GetCodebooks': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetCodebooks,
+                    request_deserializer=kvstore_dot_v1_dot_kvstore__pb2.GetCodebooksRequest.FromString,
+                    response_serializer=kvstore_dot_v1_dot_kvstore__pb2.GetCodebooksReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -1101,6 +1123,33 @@ class KVStore:
             '/kvstore.v1.KVStore/Heartbeat',
             kvstore_dot_v1_dot_kvstore__pb2.HeartbeatRequest.SerializeToString,
             kvstore_dot_v1_dot_kvstore__pb2.HeartbeatReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetCodebooks(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvstore.v1.KVStore/GetCodebooks',
+            kvstore_dot_v1_dot_kvstore__pb2.GetCodebooksRequest.SerializeToString,
+            kvstore_dot_v1_dot_kvstore__pb2.GetCodebooksReply.FromString,
             options,
             channel_credentials,
             insecure,

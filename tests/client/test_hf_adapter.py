@@ -95,8 +95,11 @@ def test_pq_codec_runs(daemon, transform):
     cb = Codebooks(k=torch.randn(2, 2, 8, 256, 2, generator=g), v=torch.randn(2, 2, 8, 256, 2, generator=g))
     a = torch.eye(16) + 0.1 * torch.randn(2, 2, 16, 16, generator=g)
     tr = Transform(k=a, v=a.transpose(-1, -2).contiguous()) if transform else None
-    ad = KVStoreAdapter(model, daemon, cache="tpq", codec="pq", codebooks=cb.to_bytes(), transform=tr,
+    if transform:         # the file carries its transform, which the adapter applies
+        cb.transform_k, cb.transform_v = tr.k, tr.v
+    ad = KVStoreAdapter(model, daemon, cache="tpq", codec="pq", codebooks=cb.describe().to_bytes(),
                         block_size=8, residual=8)
+    assert (ad.transform is not None) == transform
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         with torch.no_grad():      # every step runs, whatever the random model emits
@@ -117,8 +120,8 @@ def test_pq_sinks_covering_the_whole_sequence_equal_in_process(daemon):
     model = tiny_llama()
     g = torch.Generator().manual_seed(0)
     cb = Codebooks(k=torch.randn(2, 2, 8, 256, 2, generator=g), v=torch.randn(2, 2, 8, 256, 2, generator=g))
-    ad = KVStoreAdapter(model, daemon, cache="tpq-sinks", codec="pq", codebooks=cb.to_bytes(), block_size=8,
-                        residual=8, sink_tokens=64)
+    ad = KVStoreAdapter(model, daemon, cache="tpq-sinks", codec="pq", codebooks=cb.to_bytes(), transform="none",
+                        block_size=8, residual=8, sink_tokens=64)
     with torch.no_grad():
         out = ad.generate(prompt(40), **GEN)
     assert torch.equal(out, reference(model, prompt(40)))

@@ -105,9 +105,10 @@ def attend(cache="f16", seqs=("b",), layer=0, q=None, scale=0.0, out=None) -> pb
 
 
 def append_attend(cache="f16", seqs=("b",), layer=0, k=None, v=None, q=None, scale=0.0,
-                  out=None) -> pb.AppendAttendRequest:
+                  out=None, token_ids=()) -> pb.AppendAttendRequest:
     b = len(seqs)
     return pb.AppendAttendRequest(cache=cache, layer=layer, sequence_ids=list(seqs), scale=scale, out=out,
+                                  token_ids=list(token_ids),
                                   k=k if k is not None else t(rnd(b, HKV, D)),
                                   v=v if v is not None else t(rnd(b, HKV, D)),
                                   q=q if q is not None else t(rnd(b, HQ, D)))
@@ -305,6 +306,10 @@ CASES = [
     # ------------------------------------------------------------------- GetCache
     case("GetCache", "unknown-cache", lambda lv: pb.GetCacheRequest(cache="nope"), NOT_FOUND, "cache"),
     case("GetCache", "empty-name", lambda lv: pb.GetCacheRequest(), NOT_FOUND, "cache"),
+    # --------------------------------------------------------------- GetCodebooks
+    case("GetCodebooks", "unknown-cache", lambda lv: pb.GetCodebooksRequest(cache="nope"), NOT_FOUND, "cache"),
+    case("GetCodebooks", "fp16-cache", lambda lv: pb.GetCodebooksRequest(cache="f16"), PRECOND, "codebooks"),
+    case("GetCodebooks", "none-yet", lambda lv: pb.GetCodebooksRequest(cache="raw"), PRECOND, "codebooks"),
     # --------------------------------------------------------------- SetCodebooks
     case("SetCodebooks", "unknown-cache", lambda lv: pb.SetCodebooksRequest(cache="nope", safetensors=codebooks()),
          NOT_FOUND, "cache"),
@@ -440,7 +445,8 @@ CASES = [
     case("Append", "k-past-qk-limit-bf16", lambda lv: append("bf", k=f32(L, 2, HKV, D, value=1e10)), INVALID, "k"),
     case("Append", "layer-out-of-range", lambda lv: append(layer=L), INVALID, "layer"),
     case("Append", "layer-negative", lambda lv: append("pq", layer=-1), INVALID, "layer"),
-    case("Append", "token-ids-with-layer", lambda lv: append(layer=0, token_ids=[[1, 2]]), INVALID, "token_ids"),
+    case("Append", "token-ids-with-layer-length", lambda lv: append(layer=0, token_ids=[[1, 2, 3]]), INVALID,
+         "token_ids"),
     case("Append", "token-ids-lists", lambda lv: append(token_ids=[[1, 2], [3, 4]]), INVALID, "token_ids"),
     case("Append", "token-ids-length", lambda lv: append(token_ids=[[1, 2, 3]]), INVALID, "token_ids"),
     case("Append", "token-id-negative", lambda lv: append(token_ids=[[1, -2]]), INVALID, "token_ids"),
@@ -513,6 +519,8 @@ CASES = [
     case("AppendAttend", "empty-batch", lambda lv: append_attend(seqs=[]), INVALID, "sequence_ids"),
     case("AppendAttend", "duplicate-ids", lambda lv: append_attend("pq", seqs=["b", "b"]), INVALID, "sequence_ids"),
     case("AppendAttend", "layer-out-of-range", lambda lv: append_attend(layer=L), INVALID, "layer"),
+    case("AppendAttend", "token-ids-count", lambda lv: append_attend(token_ids=[1, 2]), INVALID, "token_ids"),
+    case("AppendAttend", "token-id-negative", lambda lv: append_attend(token_ids=[-1]), INVALID, "token_ids"),
     case("AppendAttend", "layer-negative", lambda lv: append_attend("pq", layer=-3), INVALID, "layer"),
     case("AppendAttend", "k-heads", lambda lv: append_attend(k=t(rnd(1, HQ, D))), INVALID, "k"),
     case("AppendAttend", "k-two-tokens", lambda lv: append_attend(k=t(rnd(2, HKV, D)), v=t(rnd(2, HKV, D))),

@@ -1,0 +1,93 @@
+"""Codebooks files through the client and the adapter: GetCodebooks reads
+back what a cache uses (trained in the daemon: saved, then restored
+elsewhere with the same sha256), SetCodebooks refuses a file made for
+another cache naming the field, and the adapter refuses, at construction,
+a file that does not fit its model or that cannot say whether it needs a
+transform."""
+import grpc
+import pytest
+import torch
+
+from kvstore.client.client import KVStoreClient
+from kvstore.codec.codebooks import Codebooks
+
+GEOM = dict(num_layers=2, num_q_heads=4, num_kv_heads=2, head_dim=16)
+
+
+def samples(n=300, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(2, n, 2, 16, generator=g).half(), torch.randn(2, n, 2, 16, generator=g).half()
+
+
+def test_trained_codebooks_saved_and_restored(daemon):
+    kv = KVStoreClient(daemon)
+    kv.create_cache("a", "org/model", codec="pq", num_blocks=16, sink_tokens=16, **GEOM)
+    sha = kv.train_codebooks("a", *samples(), niter=2)
+    data = kv.get_codebooks("a")
+    cb = Codebooks.from_bytes(data)
+    assert cb.sha256() == sha == kv.get_cache("a").codebooks_sha256
+    assert cb.info.model_id == "org/model" and cb.info.sink_tokens == 16 and cb.info.bits == 4
+    assert "TrainCodebooks" in cb.info.calibrated_on and "300" in cb.info.calibrated_on
+    kv.create_cache("b", "org/model", codec="pq", num_blocks=16, sink_tokens=16, **GEOM)
+    assert kv.set_codebooks("b", data) == sha
+    assert kv.get_cache("b").fingerprint == kv.get_cache("a").fingerprint    # same block hashes: prefixes carry over
+    kv.create_cache("other", "org/another", codec="pq", num_blocks=16, **GEOM)
+    with pytest.raises(grpc.RpcError) as e:
+        kv.set_codebooks("other", data)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert e.value.details().startswith("codebooks.model_id")
+    assert not kv.get_cache("other").has_codebooks
+    kv.create_cache("two-bit", "org/model", codec="pq", num_subvectors=4, num_blocks=16, **GEOM)
+    with pytest.raises(grpc.RpcError) as e:
+        kv.set_codebooks("two-bit", data)
+    assert e.value.details().startswith("codebooks.bits")
+    kv.close()
+
+
+# ------------------------------------------------------------------ adapter
+transformers = pytest.importorskip("transformers")
+
+
+def adapter(daemon, codebooks, **kw):
+    from kvstore.client.hf import KVStoreAdapter
+    from test_hf_adapter import tiny_llama
+    return KVStoreAdapter(tiny_llama(), daemon, cache="c", codec="pq", codebooks=codebooks, block_size=8,
+                          residual=8, **kw)
+
+
+def books(layers=2, transform=False):
+    g = torch.Generator().manual_seed(0)
+    cb = Codebooks(k=torch.randn(layers, 2, 8, 256, 2, generator=g), v=torch.randn(layers, 2, 8, 256, 2, generator=g))
+    if transform:
+        a = torch.eye(16).expand(layers, 2, 16, 16).contiguous()
+        cb.transform_k, cb.transform_v = a, a.clone()
+    return cb
+
+
+@pytest.mark.parametrize("field, cb, kw", [
+    ("codebooks.num_layers", books(layers=3).describe(), {}),
+    ("codebooks.model_id", books().describe(model_id="org/model"), dict(model_id="org/another")),
+    ("transform", books(transform=True).describe(), dict(transform="none")),
+])
+def test_adapter_refuses_a_file_that_does_not_fit(daemon, field, cb, kw):
+    with pytest.raises(ValueError, match=f"^{field}"):
+        adapter(daemon, cb.to_bytes(), **kw)
+
+
+def test_adapter_refuses_an_old_file_without_its_transform(daemon, tmp_path):
+    with pytest.raises(ValueError, match="^transform: .*kvstore.tools.codebooks convert"):
+        adapter(daemon, books().to_bytes())
+    ad = adapter(daemon, books().to_bytes(), transform="none")     # said explicitly: taken
+    assert ad.transform is None
+    with pytest.raises(ValueError, match=r"^codebooks: shape \(3,"):
+        adapter(daemon, books(layers=3).to_bytes(), transform="none")
+
+
+def test_adapter_takes_the_files_model_id_and_sinks(daemon, tmp_path):
+    cb = books(transform=True).describe(model_id="org/model", sink_tokens=48)
+    path = str(tmp_path / "cb.safetensors")
+    cb.save(path)
+    ad = adapter(daemon, path)
+    assert ad.transform is not None and torch.equal(ad.transform.k, cb.transform_k)
+    assert ad.spec["model_id"] == "org/model" and ad.spec["sink_tokens"] == 48
+    assert ad.client().get_cache("c").codebooks_sha256 == cb.sha256()
