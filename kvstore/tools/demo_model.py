@@ -121,10 +121,11 @@ def demo_codebooks(model, tok) -> str:
 
 def print_live_stats(s, spec) -> None:
     """What the daemon holds for the live request: sealed (quantized) vs fp16 tokens, real bytes."""
-    fp16_tokens = s.tokens - s.sealed_tokens
-    where = f"{s.sealed_blocks} blocks sealed ({s.sealed_tokens} tokens quantized), {fp16_tokens} tokens fp16"
     if spec.codec == "pq":
-        where += f" (sinks {spec.sink_tokens} + tail)"
+        where = (f"{s.sealed_tokens // spec.block_size} blocks sealed ({s.sealed_tokens} tokens quantized), "
+                 f"{s.tokens - s.sealed_tokens} tokens fp16 (sinks {spec.sink_tokens} + tail)")
+    else:
+        where = "all fp16 (codec fp16 quantizes nothing)"
     eff = s.effective_bytes_per_token
     print(f"   daemon while live: {s.tokens} tokens; {where}\n"
           f"   memory: {s.used_bytes / 2**20:.2f} MiB used = {eff:,.0f} B/token effective "
@@ -149,8 +150,7 @@ def run_codec(model, tok, target: str, codec: str, ids: torch.Tensor, new_tokens
     try:
         spec = ad.client().get_cache(ad.cache_name).spec
         seal_after = spec.sink_tokens + spec.residual + spec.block_size if codec == "pq" else None
-        total = ids.shape[1] + new_tokens
-        print(f"== codec {codec}: prompt {ids.shape[1]} + {new_tokens} new = {total} tokens", flush=True)
+        print(f"== codec {codec}: prompt {ids.shape[1]} tokens + {new_tokens} new", flush=True)
         if seal_after is not None:
             print(f"   pq seals nothing until a sequence passes sink_tokens + residual + block_size = "
                   f"{spec.sink_tokens} + {spec.residual} + {spec.block_size} = {seal_after} tokens", flush=True)
