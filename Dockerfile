@@ -17,7 +17,7 @@ WORKDIR /app
 COPY requirements.txt requirements-cuda.txt ./
 RUN pip install --no-cache-dir -r requirements.txt \
     && pip install --no-cache-dir -c requirements.txt -r requirements-cuda.txt
-COPY pyproject.toml README.md ./
+COPY pyproject.toml ./
 COPY protos protos
 COPY kvstore kvstore
 COPY kernels kernels
