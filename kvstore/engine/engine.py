@@ -22,7 +22,6 @@ import threading
 import torch
 
 from kvstore import kernels
-from kvstore.codec.codebooks import Codebooks, train_codebooks
 from kvstore.core.config import CacheConfig
 from kvstore.core.sequence import Sequence
 from kvstore.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted, quote
@@ -30,10 +29,11 @@ from kvstore.tiers.redis_store import RedisConfig, RedisStore
 
 from . import checks, lifecycle, results
 from .cache import Cache
+from .codebook_ops import CodebookOps
 from .results import AllocateResult, CacheInfo, DeleteResult, PoolMap, ReserveResult, SequenceInfo
 
 
-class Engine:
+class Engine(CodebookOps):
     def __init__(self, device: str = "cpu", lmdb_path: str | None = None, lmdb_sync: bool = False,
                  lmdb_max_bytes: int = 0, redis: RedisConfig | None = None):
         """lmdb_path: the disk tier shared by every cache (keys carry each
@@ -141,29 +141,6 @@ class Engine:
         finally:
             for c in held:
                 c.lock.release()
-
-    def set_codebooks(self, name: str, cb: Codebooks) -> str:
-        with self._locked(name) as cache:
-            cache.set_codebooks(cb)
-            return cb.sha256()
-
-    def codebooks(self, name: str) -> Codebooks:
-        """The codebooks a cache uses (FailedPrecondition: fp16, or none yet)."""
-        with self._locked(name) as cache:
-            if not cache.is_pq:
-                raise FailedPrecondition("codebooks", f"cache {quote(name)} uses the fp16 codec")
-            if cache.codebooks is None:
-                raise FailedPrecondition("codebooks", f"cache {quote(name)} has no codebooks yet")
-            return cache.codebooks
-
-    def train_codebooks(self, name: str, k: torch.Tensor, v: torch.Tensor, niter: int = 20) -> str:
-        cache = self.cache(name)
-        g = cache.cfg.geometry
-        for field, t, limit in (("k_samples", k, g.qk_limit), ("v_samples", v, None)):
-            # Centroids are means of samples: samples the cache dtype holds give centroids it holds.
-            checks.request_tensor(cache.cfg, t, field, (None,) * t.dim(), limit)
-        cb = train_codebooks(cache.cfg, k, v, niter=niter)   # slow: outside the lock
-        return self.set_codebooks(name, cb)
 
     # ------------------------------------------------------------ requests
     def allocate(self, name: str, tenant: str, seq_id: str, prompt, owner: str = "",

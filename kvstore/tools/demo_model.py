@@ -1,10 +1,19 @@
-"""`make demo` (model part): start the daemon, then a worker that generates a
-paragraph with SmolLM2-135M-Instruct through it (transformers `generate()`
-with the KV cache in the daemon), and print the text, tokens/s and the
-daemon's stats. A second request with the same prompt shows the prefix hit;
-with --codebooks the same runs on the PQ codec.
+"""`make demo` (model part): start the daemon, then generate with
+SmolLM2-135M-Instruct through it (transformers `generate()` with the KV cache
+in the daemon), codec pq and codec fp16, each beside transformers' own
+`generate()` of the same prompt in this process: the text, whether the tokens
+are identical, tokens/s of both, and what the daemon held while the request
+was live (sealed blocks, effective bytes per token). The same prompt again
+shows the prefix hit.
 
-    python -m kvstore.tools.demo_model [--codebooks smollm2-pq4.safetensors] [--new-tokens 200]
+The prompt is long enough that blocks seal: a pq sequence keeps its first
+`sink_tokens` and its newest `residual + block_size` tokens in fp16, so nothing
+is quantized until it is longer than their sum (176 tokens with the adapter's
+defaults). Without --codebooks, pq codebooks are calibrated once on this
+repository's docs/*.md (kvstore.tools.calibrate, never on the prompt) and kept
+under the data directory (KVSTORE_DATA, default ~/.cache/kvstore).
+
+    python -m kvstore.tools.demo_model [--codebooks smollm2-pq4.safetensors] [--new-tokens 96]
     python -m kvstore.tools.demo_model --model ~/models/Qwen2.5-0.5B --text notes.txt --prompt-tokens 1024
 
 `--model` as kvstore-calibrate's; `--text` makes the prompt the first
@@ -14,6 +23,9 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import glob
+import hashlib
+import os
 import sys
 import time
 
@@ -21,6 +33,7 @@ import torch
 
 from .models import MODEL_HELP
 from .text import TEXT_HELP
+from .demo import ROOT
 
 CHECK_PROMPTS = [
     "Explain the difference between a list and a tuple in Python.",
@@ -29,8 +42,29 @@ CHECK_PROMPTS = [
     "Describe how a bicycle works to a child.",
     "Summarize the plot of a detective story in a few sentences.",
 ]
-PROMPT = ("Write a short paragraph for a beginner explaining what a Python dictionary is, "
-          "how to add a key, and how to loop over its items.")
+PASSAGE = (
+    "A Python dictionary stores pairs of keys and values. You create one with curly braces, for example "
+    "ages = {'ana': 31, 'ben': 27}, or with the dict() function. Keys must be hashable: strings, numbers and "
+    "tuples of them work, lists do not, because a list can change after it was used as a key. Values can be "
+    "anything, including other dictionaries. To read a value you write ages['ana']; if the key is missing "
+    "this raises KeyError, so ages.get('carl', 0) is the safe form that returns a default instead. To add or "
+    "change an entry you assign to it: ages['carl'] = 45. To remove one you use del ages['ben'] or "
+    "ages.pop('ben'), which also returns the value. The expression 'ana' in ages tells whether a key is "
+    "present, and len(ages) counts the entries. Since Python 3.7 a dictionary remembers the order in which "
+    "keys were inserted, so looping over it gives the keys in that order. A for loop over the dictionary "
+    "itself yields its keys; ages.values() yields the values and ages.items() yields (key, value) pairs, "
+    "which you usually unpack: for name, age in ages.items(): print(name, age). You must not add or remove "
+    "keys while looping over a dictionary; loop over list(ages) instead if you need to. Dictionary "
+    "comprehensions build a dictionary from any iterable: {n: n * n for n in range(5)} maps each number to "
+    "its square. Two dictionaries merge with the | operator, where the right side wins for keys present in "
+    "both, and update() merges in place. Looking up, adding and removing a key take constant time on "
+    "average, because the dictionary is a hash table: the key's hash picks the slot where the entry lives. "
+    "That is why dictionaries are the usual tool for counting words, grouping records by a field, caching "
+    "results of slow functions and representing JSON objects.")
+PROMPT = PASSAGE + ("\n\nUsing only the passage above, write a short paragraph for a beginner explaining what "
+                    "a Python dictionary is, how to add a key, and how to loop over its items.")
+# Calibration reads 4,096 tokens: the model's forward over them is most of its cost.
+CALIB_WINDOWS, CALIB_WINDOW = 4, 1024
 
 
 def spawn_daemon(socket: str | None = None):
@@ -39,51 +73,130 @@ def spawn_daemon(socket: str | None = None):
     return spawn(socket, ("--device", "cpu", "--log-level", "WARNING"), quiet=True)
 
 
-def run(adapter, tok, ids: torch.Tensor, new_tokens: int) -> tuple[str, float]:
+def chat_ids(tok, prompt: str) -> torch.Tensor:
+    return tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                   return_tensors="pt", return_dict=True)["input_ids"]
+
+
+def timed_generate(model, ids: torch.Tensor, new_tokens: int, pad: int, **kw) -> tuple[torch.Tensor, float]:
+    """Greedy generate of exactly new_tokens -> (output ids [1, T + new], tokens/s)."""
     t0 = time.perf_counter()
     with torch.no_grad():
-        out = adapter.generate(ids, max_new_tokens=new_tokens, do_sample=False, pad_token_id=tok.eos_token_id)
-    dt = time.perf_counter() - t0
-    n = out.shape[1] - ids.shape[1]
-    return tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True), n / dt
+        out = model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
+                             pad_token_id=pad, **kw)
+    return out, (out.shape[1] - ids.shape[1]) / (time.perf_counter() - t0)
 
 
-def check_greedy(model, tok, target: str, new_tokens: int, codec: str = "fp16", codebooks=None) -> bool:
-    """Greedy generate() of each CHECK_PROMPTS through the daemon == in-process."""
+def first_difference(a: torch.Tensor, b: torch.Tensor, start: int) -> int | None:
+    """First position >= start where the rows differ (None: identical)."""
+    n = min(a.shape[1], b.shape[1])
+    diff = (a[0, start:n] != b[0, start:n]).nonzero()
+    if len(diff):
+        return start + int(diff[0, 0])
+    return None if a.shape[1] == b.shape[1] else n
+
+
+def demo_codebooks(model, tok, model_id: str) -> str:
+    """Path of 4-bit PQ codebooks (and their transform) for the model, calibrated
+    once on docs/*.md of this repository and kept in the data directory."""
+    from kvstore.codec.transform import transform_path
+
+    from . import calibrate
+    from .models import geometry_of
+    from .text import data_dir
+    files = sorted(glob.glob(os.path.join(ROOT, "docs", "*.md")))
+    if not files:
+        sys.exit("no docs/*.md to calibrate on: pass --codebooks (kvstore-calibrate output)")
+    text = "\n\n".join(open(p, encoding="utf-8").read() for p in files)
+    key = hashlib.sha256(f"{model_id} {CALIB_WINDOWS} {CALIB_WINDOW}\n{text}".encode()).hexdigest()[:12]
+    path = os.path.join(data_dir(), "demo", f"pq4-docs-{key}.safetensors")
+    if os.path.exists(path) and os.path.exists(transform_path(path)):
+        return path
+    print(f"calibrating 4-bit PQ codebooks on docs/*.md ({len(text):,} chars; {CALIB_WINDOWS} windows of "
+          f"{CALIB_WINDOW} tokens; once, kept at {path}) ...", flush=True)
+    t0 = time.perf_counter()
+    sampler = calibrate.capture(model, tok, text, CALIB_WINDOWS, window=CALIB_WINDOW)
+    tr = calibrate.qaware_transform(model, sampler.qq)
+    cb, tr = calibrate.train(model, sampler, geometry_of(model).head_dim // 2, tr)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    tr.save(transform_path(path))
+    cb.save(path)                     # last: its presence says both files are complete
+    print(f"calibrated in {time.perf_counter() - t0:.0f} s", flush=True)
+    return path
+
+
+def print_live_stats(s, spec) -> None:
+    """What the daemon holds for the live request: sealed (quantized) vs fp16 tokens, real bytes."""
+    if spec.codec == "pq":
+        where = (f"{s.sealed_tokens // spec.block_size} blocks sealed ({s.sealed_tokens} tokens quantized), "
+                 f"{s.tokens - s.sealed_tokens} tokens fp16 (sinks {spec.sink_tokens} + tail)")
+    else:
+        where = "all fp16 (codec fp16 quantizes nothing)"
+    eff = s.effective_bytes_per_token
+    print(f"   daemon while live: {s.tokens} tokens; {where}\n"
+          f"   memory: {s.used_bytes / 2**20:.2f} MiB used = {eff:,.0f} B/token effective "
+          f"({s.fp16_bytes_per_token / eff if eff else 0:.2f}x vs fp16 {s.fp16_bytes_per_token:,} B/token; "
+          f"a sealed block alone: {s.bytes_per_token:,} B/token)", flush=True)
+
+
+def run_codec(model, tok, target: str, codec: str, ids: torch.Tensor, new_tokens: int, threads: int,
+              codebooks: str | None = None, model_id: str | None = None) -> bool:
+    """Baseline then daemon for one codec -> whether the tokens were identical."""
     from kvstore.client.hf import KVStoreAdapter
-    ad = KVStoreAdapter(model, target, cache=f"check-{codec}", codec=codec, codebooks=codebooks)
+    from kvstore.codec.transform import Transform, transform_path
+
+    from .models import SMOLLM2_MODEL_ID
+    model_id = model_id or SMOLLM2_MODEL_ID
+    pad = tok.eos_token_id
+    want, base_tps = timed_generate(model, ids, new_tokens, pad)      # no adapter attached: sdpa + DynamicCache
+    tr = None
+    if codebooks and os.path.exists(transform_path(codebooks)):
+        tr = Transform.load(transform_path(codebooks))
+    ad = KVStoreAdapter(model, target, cache=f"demo-smollm2-{codec}", codec=codec, codebooks=codebooks,
+                        transform=tr, model_id=model_id, num_blocks=256)
+    try:
+        spec = ad.client().get_cache(ad.cache_name).spec
+        seal_after = spec.sink_tokens + spec.residual + spec.block_size if codec == "pq" else None
+        print(f"== codec {codec}: prompt {ids.shape[1]} tokens + {new_tokens} new", flush=True)
+        if seal_after is not None:
+            print(f"   pq seals nothing until a sequence passes sink_tokens + residual + block_size = "
+                  f"{spec.sink_tokens} + {spec.residual} + {spec.block_size} = {seal_after} tokens", flush=True)
+        cache = ad.cache_for(ids)
+        try:
+            got, tps = timed_generate(model, ids, new_tokens, pad, past_key_values=cache)
+            s = ad.stats()
+        finally:
+            cache.release()
+        first = first_difference(got, want, ids.shape[1])
+        same = "IDENTICAL" if first is None else \
+            f"differ from new token {first - ids.shape[1]} on ({first - ids.shape[1]} of {new_tokens} agree before)"
+        print(f"   in-process (transformers generate): {base_tps:6.1f} tokens/s   (CPU, {threads} threads)\n"
+              f"   through the daemon:                 {tps:6.1f} tokens/s   ({tps / base_tps:.2f}x); "
+              f"tokens {same}", flush=True)
+        print("   " + tok.decode(got[0, ids.shape[1]:], skip_special_tokens=True).strip().replace("\n", "\n   "))
+        if first is not None:
+            print("   in-process text:\n   "
+                  + tok.decode(want[0, ids.shape[1]:], skip_special_tokens=True).strip().replace("\n", "\n   "))
+        if s is not None:
+            print_live_stats(s, spec)
+        again = ad.cache_for(ids)           # Allocate finds the prompt's full blocks: Retrieve, no prefill
+        try:
+            print(f"   same prompt again: {again.length} of {ids.shape[1]} prompt tokens from the daemon's cache\n",
+                  flush=True)
+        finally:
+            again.release()
+        return first is None
+    finally:
+        ad.close()
+
+
+def check_greedy(model, tok, target: str, new_tokens: int) -> bool:
+    """Greedy generate() of each CHECK_PROMPTS through the daemon (fp16) == in-process."""
     ok = True
     for i, prompt in enumerate(CHECK_PROMPTS):
-        ids = tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
-                                      return_tensors="pt", return_dict=True)["input_ids"]
-        kw = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=tok.eos_token_id)
-        with torch.no_grad():
-            t0 = time.perf_counter()
-            want = model.generate(ids, **kw)            # no KVStoreCache: plain in-process sdpa + DynamicCache
-            t1 = time.perf_counter()
-            got = ad.generate(ids, **kw)
-            t2 = time.perf_counter()
-        n = want.shape[1] - ids.shape[1]
-        same = torch.equal(got, want)
-        first = next((j for j in range(min(got.shape[1], want.shape[1])) if got[0, j] != want[0, j]), None)
-        ok &= same
-        print(f"prompt {i}: {n} new tokens, {'IDENTICAL' if same else f'differs from token {first - ids.shape[1]}'}; "
-              f"in-process {n / (t1 - t0):.1f} tok/s, daemon {n / (t2 - t1):.1f} tok/s", flush=True)
-    print_stats(ad.stats())
-    ad.close()
+        print(f"prompt {i}: {prompt}")
+        ok &= run_codec(model, tok, target, "fp16", chat_ids(tok, prompt), new_tokens, torch.get_num_threads())
     return ok
-
-
-def print_stats(s) -> None:
-    if s is None:
-        print("   daemon stats: unavailable")
-        return
-    tail = f"; tail blocks used {s.tail.used}" if s.tail.capacity else ""
-    print(f"   daemon: sequences {s.sequences}, appended tokens {s.appended_tokens}, AppendAttend calls "
-          f"{s.attend_calls}, sealed blocks {s.sealed_blocks}; prefix hits {s.prefix_hit_tokens} of "
-          f"{s.prefix_query_tokens} prompt tokens ({s.prefix_hit_rate:.0%})")
-    print(f"   main pool used {s.main.used} cached {s.main.cached} free {s.main.free}{tail}; "
-          f"bytes/token {s.bytes_per_token} (fp16 {s.fp16_bytes_per_token}, {s.compression_ratio:.2f}x)")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -91,8 +204,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--socket", default=None,
                    help="socket of the daemon the demo starts (default: one in a fresh temporary directory)")
     p.add_argument("--target", help="use a running daemon instead of starting one")
-    p.add_argument("--codebooks", help="also run the PQ codec with these codebooks (kvstore-calibrate)")
-    p.add_argument("--new-tokens", type=int, default=200)
+    p.add_argument("--codebooks", help="pq codebooks (kvstore-calibrate output; default: calibrated on docs/*.md)")
+    p.add_argument("--codecs", nargs="+", default=["pq", "fp16"], choices=["pq", "fp16"])
+    p.add_argument("--new-tokens", type=int, default=96)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--check", action="store_true", help="compare greedy generate() of 5 prompts with in-process")
     p.add_argument("--model", help=MODEL_HELP)
@@ -100,8 +214,6 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--prompt-tokens", type=int, default=512, help="prompt length taken from --text")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
-    from kvstore.client.hf import KVStoreAdapter
-
     from .models import load_model
     from .text import read_text, token_windows
     text = read_text(args.text) if args.text else None
@@ -109,31 +221,24 @@ def main(argv: list[str] | None = None) -> None:
     lm = load_model(args.model)
     model, tok = lm.model, lm.tok
     if text is None:
-        prompt = PROMPT
-        ids = tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
-                                      return_tensors="pt", return_dict=True)["input_ids"]
+        ids = chat_ids(tok, PROMPT)
+        about = f"a passage on dictionaries, then: {PROMPT.rsplit(chr(10), 1)[-1]}"
     else:
         wins = token_windows(tok, text, args.prompt_tokens, 1)
         if not wins:
             p.error(f"--text: shorter than --prompt-tokens {args.prompt_tokens}")
         ids = torch.tensor(wins)
-        prompt = tok.decode(ids[0], skip_special_tokens=True)[:300] + " ..."
+        about = tok.decode(ids[0], skip_special_tokens=True)[:300] + " ..."
     with (contextlib.nullcontext(args.target) if args.target else spawn_daemon(args.socket)) as target:
         if args.check:
             sys.exit(0 if check_greedy(model, tok, target, args.new_tokens) else 1)
-        print(f"daemon: {target}\nmodel: {lm.model_id}\nprompt ({ids.shape[1]} tokens): {prompt}\n", flush=True)
-        codecs = [("fp16", None)] + ([("pq", args.codebooks)] if args.codebooks else [])
-        for codec, cb in codecs:      # a codebooks path brings its transform (inside, or beside an old file)
-            ad = KVStoreAdapter(model, target, cache=f"demo-{codec}", codec=codec, codebooks=cb,
-                                model_id=lm.model_id)
-            text, tps = run(ad, tok, ids, args.new_tokens)
-            print(f"== codec {codec}: {tps:.1f} tokens/s (CPU, {args.threads} threads)\n{text}\n", flush=True)
-            print_stats(ad.stats())
-            _, tps2 = run(ad, tok, ids, 16)
-            print(f"   same prompt again (16 tokens): {tps2:.1f} tokens/s")
-            print_stats(ad.stats())
-            print(flush=True)
-            ad.close()
+        codebooks = args.codebooks
+        if "pq" in args.codecs and codebooks is None:
+            codebooks = demo_codebooks(model, tok, lm.model_id)
+        print(f"daemon: {target}\nmodel: {lm.model_id}\nprompt: {ids.shape[1]} tokens ({about})\n", flush=True)
+        for codec in args.codecs:
+            run_codec(model, tok, target, codec, ids, args.new_tokens, args.threads,
+                      codebooks if codec == "pq" else None, model_id=lm.model_id)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,37 @@
+"""The engine's codebook requests: set, read back, train (kept apart from
+engine.py, which holds the per-request paths; Engine inherits them)."""
+from __future__ import annotations
+
+import torch
+
+from kvstore.codec.codebooks import Codebooks, train_codebooks
+from kvstore.errors import FailedPrecondition, quote
+
+from . import checks
+
+
+class CodebookOps:
+    """Needs the Engine's cache() and _locked()."""
+
+    def set_codebooks(self, name: str, cb: Codebooks) -> str:
+        with self._locked(name) as cache:
+            cache.set_codebooks(cb)
+            return cb.sha256()
+
+    def codebooks(self, name: str) -> Codebooks:
+        """The codebooks a cache uses (FailedPrecondition: fp16, or none yet)."""
+        with self._locked(name) as cache:
+            if not cache.is_pq:
+                raise FailedPrecondition("codebooks", f"cache {quote(name)} uses the fp16 codec")
+            if cache.codebooks is None:
+                raise FailedPrecondition("codebooks", f"cache {quote(name)} has no codebooks yet")
+            return cache.codebooks
+
+    def train_codebooks(self, name: str, k: torch.Tensor, v: torch.Tensor, niter: int = 20) -> str:
+        cache = self.cache(name)
+        g = cache.cfg.geometry
+        for field, t, limit in (("k_samples", k, g.qk_limit), ("v_samples", v, None)):
+            # Centroids are means of samples: samples the cache dtype holds give centroids it holds.
+            checks.request_tensor(cache.cfg, t, field, (None,) * t.dim(), limit)
+        cb = train_codebooks(cache.cfg, k, v, niter=niter)   # slow: outside the lock
+        return self.set_codebooks(name, cb)
