@@ -178,4 +178,6 @@ def test_readme_blocks_run(tmp_path):
         (pytest.fail if os.environ.get("CI") == "true" else pytest.skip)("SmolLM2 not installed (make install)")
     sock = os.path.join(str(tmp_path), "kv.sock")
     assert len(sock) < 100, "a Unix socket path must fit sun_path"
+    # The blocks run as a reader runs them, from a checkout's root: its docs/ is the calibration text.
+    os.symlink(os.path.join(ROOT, "docs"), os.path.join(str(tmp_path), "docs"))
     run_blocks(readme_blocks(), str(tmp_path), sock)

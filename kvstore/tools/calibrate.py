@@ -258,7 +258,10 @@ def main(argv: list[str] | None = None) -> None:
     if args.finetune_steps < 0:
         p.error(f"--finetune-steps: must be >= 0, got {args.finetune_steps}")
     torch.set_num_threads(args.threads)
-    text = read_text(args.text or default_text(CALIB_DIRS))       # before the model: fail fast
+    try:
+        text = read_text(args.text or default_text(CALIB_DIRS))       # before the model: fail fast
+    except FileNotFoundError as e:
+        p.error(str(e))
     lm = load_model(args.model)
     model, tok = lm.model, lm.tok
     model.to(args.device)
@@ -282,8 +285,8 @@ def main(argv: list[str] | None = None) -> None:
         cb = Codebooks(cb.k, cb.v, tr.k if tr is not None else None, tr.v if tr is not None else None).describe(
             # Samples cover every position, the first ones included (--sink-rows):
             # the file assumes no sink count, the cache picks its own.
-            model_id=SMOLLM2_MODEL_ID, num_q_heads=g.num_q_heads, sink_tokens=0,
-            calibrated_on=f"{', '.join(CALIB_DIRS)}: {args.windows} windows, {args.per_window} K/V rows each; "
+            model_id=args.model_id or lm.model_id, num_q_heads=g.num_q_heads, sink_tokens=0,
+            calibrated_on=f"{', '.join(args.text or CALIB_DIRS)}: {args.windows} windows, {args.per_window} K/V rows each; "
                           f"transform {args.transform}, opq {args.opq}, {args.finetune_steps} fine-tuning steps")
         sha = cb.save(out)
         print(f"{out}: {bits}-bit (M={m}) sha256 {sha}"

@@ -143,17 +143,14 @@ def run_codec(model, tok, target: str, codec: str, ids: torch.Tensor, new_tokens
               codebooks: str | None = None, model_id: str | None = None) -> bool:
     """Baseline then daemon for one codec -> whether the tokens were identical."""
     from kvstore.client.hf import KVStoreAdapter
-    from kvstore.codec.transform import Transform, transform_path
 
     from .models import SMOLLM2_MODEL_ID
     model_id = model_id or SMOLLM2_MODEL_ID
     pad = tok.eos_token_id
     want, base_tps = timed_generate(model, ids, new_tokens, pad)      # no adapter attached: sdpa + DynamicCache
-    tr = None
-    if codebooks and os.path.exists(transform_path(codebooks)):
-        tr = Transform.load(transform_path(codebooks))
+    # A codebooks path brings its transform: inside a described file, beside an old one.
     ad = KVStoreAdapter(model, target, cache=f"demo-smollm2-{codec}", codec=codec, codebooks=codebooks,
-                        transform=tr, model_id=model_id, num_blocks=256)
+                        model_id=model_id, num_blocks=256)
     try:
         spec = ad.client().get_cache(ad.cache_name).spec
         seal_after = spec.sink_tokens + spec.residual + spec.block_size if codec == "pq" else None

@@ -284,7 +284,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--device", default="cpu", help="where the model runs (the codec runs on the CPU either way)")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
-    text = read_text(args.text or default_text(EVAL_DIRS))        # before the model: fail fast
+    try:
+        text = read_text(args.text or default_text(EVAL_DIRS))        # before the model: fail fast
+    except FileNotFoundError as e:
+        p.error(str(e))
     lm = load_model(args.model)
     model, tok = lm.model.to(args.device), lm.tok
     wins = token_windows(tok, text, args.window, args.windows)

@@ -146,8 +146,8 @@ def test_gemma3_pq_windowed_attention_equals_reference(daemon):
     g = torch.Generator().manual_seed(0)
     cb = Codebooks(k=torch.randn(c.num_hidden_layers, 1, m, 256, 2, generator=g) * 0.5,
                    v=torch.randn(c.num_hidden_layers, 1, m, 256, 2, generator=g) * 0.5)
-    ad = KVStoreAdapter(model, daemon, cache="g3pq", codec="pq", codebooks=cb.to_bytes(), block_size=8,
-                        residual=8, sink_tokens=8)
+    ad = KVStoreAdapter(model, daemon, cache="g3pq", codec="pq", codebooks=cb.to_bytes(), transform="none",
+                        block_size=8, residual=8, sink_tokens=8)
     seen = []
     orig = KVStoreCache.decode_attention
 

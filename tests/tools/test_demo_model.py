@@ -15,7 +15,7 @@ pytest.importorskip("transformers")
 from kvstore.client.hf import DEFAULT_PQ_SINKS, KVStoreAdapter  # noqa: E402
 from kvstore.codec.codebooks import Codebooks  # noqa: E402
 from kvstore.tools import demo_model  # noqa: E402
-from kvstore.tools.models import smollm2_gguf  # noqa: E402
+from kvstore.tools.models import SMOLLM2_MODEL_ID, smollm2_gguf  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -54,7 +54,8 @@ def test_pq_prints_the_real_bytes_per_token(daemon, smollm2, tmp_path, capsys):
     g = torch.Generator().manual_seed(0)
     m = d // 2
     cb = Codebooks(k=torch.randn(c.num_hidden_layers, hkv, m, 256, 2, generator=g),
-                   v=torch.randn(c.num_hidden_layers, hkv, m, 256, 2, generator=g))
+                   v=torch.randn(c.num_hidden_layers, hkv, m, 256, 2, generator=g)).describe(
+        model_id=SMOLLM2_MODEL_ID, num_q_heads=c.num_attention_heads)          # a file that says: no transform
     path = str(tmp_path / "cb.safetensors")
     cb.save(path)
     ids = demo_model.chat_ids(tok, demo_model.PROMPT)

@@ -68,8 +68,11 @@ def test_tools_fail_naming_text_before_loading_a_model(tmp_path, monkeypatch, ca
     monkeypatch.setenv("KVSTORE_DATA", str(tmp_path))
     from kvstore.tools import evaluate as E
     for main in (C.main, E.main):
-        with pytest.raises(FileNotFoundError, match="--text.*make text"):
+        with pytest.raises(SystemExit) as e:          # one line on stderr, exit 2, no traceback
             main(["--model", str(tmp_path / "no-model"), "--threads", str(torch.get_num_threads())])
+        assert e.value.code == 2
+        err = capsys.readouterr().err
+        assert "--text" in err and "make text" in err and "Traceback" not in err
     assert not os.listdir(tmp_path)
 
 
