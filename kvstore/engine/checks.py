@@ -88,16 +88,24 @@ def output_into(out: torch.Tensor | None, q: torch.Tensor) -> torch.Tensor | Non
     return out
 
 
-def batch_room(cache, seqs: list[Sequence], counts: list[int], layer: int | None,
-               token_ids: list | None = None) -> None:
-    """Refuse a batch that will not fit, or that any of its sequences
-    would refuse, before writing any of it."""
-    main = tail = freed = 0
+def refusals(cache, seqs: list[Sequence], counts: list[int], layer: int | None,
+             token_ids: list | None = None) -> None:
+    """An append's refusals that read only the sequences' metadata: run before
+    anything is paged in, so a refused append leaves every sequence in its tier."""
     for i, (s, c) in enumerate(zip(seqs, counts)):
         if (layer is None and any(s.pending)) or s.reserved:
             raise FailedPrecondition("sequence_ids", f"sequence {quote(s.seq_id)} has uncommitted tokens")
         if token_ids is not None and len(token_ids[i]):
             cache.check_token_ids(s, c, token_ids[i], layer)
+
+
+def batch_room(cache, seqs: list[Sequence], counts: list[int], layer: int | None,
+               token_ids: list | None = None) -> None:
+    """Refuse a batch that will not fit, or that any of its sequences
+    would refuse, before writing any of it."""
+    refusals(cache, seqs, counts, layer, token_ids)
+    main = tail = freed = 0
+    for s, c in zip(seqs, counts):
         m, t, f = cache.room_needed(s, c, layer)
         main, tail, freed = main + m, tail + t, freed + f
     cache.check_room(main, tail, freed)

@@ -197,6 +197,7 @@ class Engine(CodebookOps):
                         defer_write: bool) -> tuple | None:
         """append() after its argument checks (under cache.lock): k, v already
         on the cache's device and dtype, of the shape counts and layer ask for."""
+        checks.refusals(cache, seqs, counts, layer, token_ids)
         cache.resident(seqs)
         # Batches of several sequences are checked whole before any write.
         if len(seqs) > 1:

@@ -26,3 +26,24 @@ def test_a_refused_attend_pages_nothing_in(tmp_path):
     assert before[1].tier == "disk" and e.stats()["c"]["tiers"]["page_ins_disk"] == 0
     out = e.attend("c", TENANT, 0, ["full"], torch.randn(1, 4, 16).half())     # the data is all there
     assert out.shape == (1, 4, 16) and e.sequence_info("c", TENANT, "full").tier == "gpu"
+
+
+def test_a_refused_append_pages_nothing_in(tmp_path):
+    """Ids that contradict the ones Allocate gave are refused before the
+    sequence leaves the disk."""
+    e = Engine(lmdb_path=str(tmp_path / "lmdb"))
+    e.create_cache(config("fp16", num_blocks=16))
+    prompt = list(range(100, 141))                  # 41 ids, 40 tokens written: position 40's id is known
+    e.allocate("c", TENANT, "s", prompt)
+    k, v = kv(2, 41, 2, 16)
+    e.append("c", TENANT, ["s"], k[:, :40], v[:, :40], [40])
+    e.offload("c", TENANT, ["s"])
+    before = e.stats()["c"], e.sequence_info("c", TENANT, "s")
+    with pytest.raises(InvalidArgument, match="^token_ids: differ"):
+        e.append("c", TENANT, ["s"], k[0, 40:], v[0, 40:], [1], layer=0, token_ids=[[7]])
+    with pytest.raises(InvalidArgument, match="^token_ids: differ"):
+        e.append("c", TENANT, ["s"], k[:, 40:], v[:, 40:], [1], token_ids=[[7]])
+    assert (e.stats()["c"], e.sequence_info("c", TENANT, "s")) == before
+    assert before[1].tier == "disk" and e.stats()["c"]["tiers"]["page_ins_disk"] == 0
+    e.append("c", TENANT, ["s"], k[:, 40:], v[:, 40:], [1], token_ids=[[140]])    # the right id: taken
+    assert e.sequence_info("c", TENANT, "s").length == 41
