@@ -19,6 +19,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from test_daemon_process import start_daemon, stop_daemon
 from helpers import ROOT
+from kvstore.service.sockets import identity
 
 TOKEN = "startup-test-token-0123456789"
 
@@ -37,14 +38,6 @@ def assert_refused(r: subprocess.CompletedProcess, *fragments: str) -> None:
     for f in fragments:
         assert f in lines[0], lines[0]
     assert "serving" not in r.stdout
-
-
-def identity(path: str) -> tuple[int, int] | None:
-    try:
-        st = os.lstat(path)
-    except FileNotFoundError:
-        return None
-    return st.st_dev, st.st_ino
 
 
 def socket_files(d: str) -> list[str]:
