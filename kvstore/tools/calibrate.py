@@ -177,11 +177,14 @@ def train_layer(k: torch.Tensor, v: torch.Tensor, m: int, ak: torch.Tensor | Non
     With opq_mode "parametric" each (K/V, KV head) gets an orthogonal R (`opq`)
     composed with its transform (A -> R A). device: None for faiss k-means on
     the CPU, else the torch k-means there (codebooks.train_pq)."""
-    import faiss
-    # One OpenMP thread for k-means: its threads spin and slow down tenfold on a busy
-    # machine. The OpenMP runtime is shared with torch, so restore it afterwards.
-    threads = faiss.omp_get_max_threads()
-    faiss.omp_set_num_threads(int(os.environ.get("KVSTORE_FAISS_THREADS", "1")))
+    # faiss only for its CPU k-means: a GPU box without it trains in torch.
+    faiss = None
+    if device is None:
+        import faiss
+        # One OpenMP thread for k-means: its threads spin and slow down tenfold on a busy
+        # machine. The OpenMP runtime is shared with torch, so restore it afterwards.
+        threads = faiss.omp_get_max_threads()
+        faiss.omp_set_num_threads(int(os.environ.get("KVSTORE_FAISS_THREADS", "1")))
     n, hkv, d = k.shape
     if n < 256:
         raise ValueError(f"need at least 256 sample rows for 256 centroids, got {n}")
@@ -202,7 +205,8 @@ def train_layer(k: torch.Tensor, v: torch.Tensor, m: int, ak: torch.Tensor | Non
             out_cb.append(cb)
             out_a.append(a)
     finally:
-        faiss.omp_set_num_threads(threads)
+        if faiss is not None:
+            faiss.omp_set_num_threads(threads)
     return out_cb[0], out_cb[1], out_a[0], out_a[1]
 
 

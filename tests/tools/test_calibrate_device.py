@@ -53,3 +53,13 @@ def test_calibration_with_the_torch_kmeans_on_cpu():
 @pytest.mark.gpu
 def test_calibration_on_the_gpu():
     check_device("cuda")
+
+
+def test_the_torch_kmeans_needs_no_faiss(monkeypatch):
+    """A GPU box where faiss does not install still calibrates with --device."""
+    model = tiny("llama")
+    s = sample(model, "cpu")
+    tr = C.qaware_transform(model, s.qq)
+    monkeypatch.setitem(__import__("sys").modules, "faiss", None)     # import faiss -> ImportError
+    cb, _ = C.train(model, s, 8, tr, niter=3, device="cpu")
+    assert torch.isfinite(cb.k).all() and cb.k.shape[-2:] == (256, 2)
