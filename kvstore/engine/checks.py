@@ -99,6 +99,16 @@ def query_tokens(cfg: CacheConfig, layer: int, t: int) -> int:
     return t
 
 
+def step_ids(token_ids, n_seqs: int, t: int) -> list | None:
+    """An AppendAttend's token_ids (empty, or one per new token: n_seqs x t, sequence
+    by sequence) -> one list per sequence, or None."""
+    if token_ids is None or not len(token_ids):
+        return None
+    if len(token_ids) != n_seqs * t:
+        raise InvalidArgument("token_ids", f"{len(token_ids)} ids for {n_seqs} sequences x {t} tokens")
+    return [list(token_ids[i * t:(i + 1) * t]) for i in range(n_seqs)]
+
+
 def output_into(out: torch.Tensor | None, q: torch.Tensor) -> torch.Tensor | None:
     """out if the kernels can write the result straight into it (q's shape,
     dtype and device, contiguous), else None: the result gets its own tensor."""

@@ -244,10 +244,8 @@ class Engine(CodebookOps):
         sequence), q [B, Hq, d] -> out [B, Hq, d] (`out` as in attend).
         token_ids: optional, the new tokens' ids [B] (a list or a protobuf
         repeated field), so that generated tokens are hashed as they seal.
-        query_tokens T (0 or 1: one; at most 16): T new tokens per sequence, k, v
-        [B * T, Hkv, d] and q [B * T, Hq, d] (sequence b's in rows b*T..b*T+T-1),
-        token_ids B * T; all are appended, then query i of a sequence attends to its
-        earlier tokens and new tokens 0..i (read_path.attend_multi)."""
+        query_tokens T in 2..16: k, v [B * T, Hkv, d], q [B * T, Hq, d], token_ids
+        B * T, sequence b's in rows b*T.., attended causally (read_path.attend_multi)."""
         with self._locked(name) as cache:
             checks.check_layer(cache.cfg, layer)
             t = checks.query_tokens(cache.cfg, layer, query_tokens)
@@ -259,12 +257,7 @@ class Engine(CodebookOps):
             shape = (rows, g.num_kv_heads, g.head_dim)
             k = checks.request_tensor(cache.cfg, k, "k", shape, g.qk_limit)
             v = checks.request_tensor(cache.cfg, v, "v", shape)
-            ids = None
-            if token_ids is not None and len(token_ids):
-                if len(token_ids) != rows:
-                    raise InvalidArgument("token_ids", f"{len(token_ids)} ids for {len(seqs)} sequences x "
-                                          f"{t} tokens")
-                ids = [list(token_ids[i * t:(i + 1) * t]) for i in range(len(seqs))]
+            ids = checks.step_ids(token_ids, len(seqs), t)
             # The new tokens' write joins the attention (its decode graph, when it has one).
             new = self._append_checked(cache, seqs, k, v, [t] * len(seqs), layer, ids, defer_write=True)
             if t == 1:
