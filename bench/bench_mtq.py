@@ -173,6 +173,9 @@ def ttft(args):
                 hit = ads["codes"].stats().prefix_hit_tokens
                 ads["codes"].generate(prompt(), **gen)
                 hit = ads["codes"].stats().prefix_hit_tokens - hit      # one request's
+            # a request that fell back in-process, or missed the prefix, times something else
+            assert all(ad.fallbacks == 0 for ad in ads.values()), "the adapter fell back in-process"
+            assert hit >= prefix - 16, f"a request hit {hit} tokens of the {prefix}-token prefix"
             for ad in ads.values():
                 ad.close()
         finally:
