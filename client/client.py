@@ -125,21 +125,25 @@ class KVStoreClient(Connection):
 
     def append_attend(self, cache: str, layer: int, seq_ids: list[str], k: torch.Tensor, v: torch.Tensor,
                       q: torch.Tensor, scale: float = 0.0, out: torch.Tensor | None = None,
-                      token_ids: list[int] | None = None) -> torch.Tensor:
+                      token_ids: list[int] | None = None, query_tokens: int = 1) -> torch.Tensor:
         """k, v [B, Hkv, d] (the new token), q [B, Hq, d] -> out [B, Hq, d].
         Inputs that are step_buffers() views cross without a copy; `out`: the
         result goes there (read in place if it is the step_buffers() out).
         token_ids: the new tokens' ids [B], optional (one layer's call is
         enough): they are hashed as their blocks fill, for later prefix hits.
-        A call with them goes by gRPC (the doorbell does not carry ids)."""
-        if self._use_bell and not token_ids:
+        A call with them goes by gRPC (the doorbell does not carry ids).
+        query_tokens T > 1 (at most 16): T new tokens per sequence, k, v
+        [B * T, Hkv, d], q and out [B * T, Hq, d], token_ids B * T; query i of a
+        sequence attends causally (its earlier tokens and new tokens 0..i). By gRPC."""
+        if self._use_bell and not token_ids and query_tokens <= 1:
             with self._lock:
                 res = self._append_attend_bell(cache, layer, seq_ids, k, v, q, scale, out)
             if res is not None:
                 return res
         res = self._call(self._append_attend, lambda m, o: pb.AppendAttendRequest(
             cache=cache, layer=layer, sequence_ids=seq_ids, k=m["k"], v=m["v"], q=m["q"], scale=scale, out=o[0],
-            token_ids=token_ids or []), {"k": k, "v": v, "q": q}, [q.numel() * 2], lambda r, a: self._tensor(r.out, a))
+            token_ids=token_ids or [], query_tokens=query_tokens),
+            {"k": k, "v": v, "q": q}, [q.numel() * 2], lambda r, a: self._tensor(r.out, a))
         return res if out is None else out.copy_(res)
 
     def step_buffers(self, cache: str, batch: int, device: torch.device | str = "cuda") -> StepBuffers:

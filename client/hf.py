@@ -14,10 +14,16 @@ Qwen2/3, SmolLM, Mistral, Phi-3, Gemma-2/3: sliding-window layers and logit
 soft-capping go to the daemon with the cache spec, hf_variants.py; what it
 cannot run is refused at construction, naming the feature):
   - prefill (a forward of n > 1 tokens): attention in-process on exact K/V, by
-    the model's own attention implementation (eager for Gemma-2's soft-cap)
-    (a cached prefix comes back from `Retrieve`, dequantized); the last
-    layer's update sends the new tokens of all layers in one Append with their
-    token ids (so later prompts can hit them).
+    the model's own attention implementation (eager for Gemma-2's soft-cap);
+    the last layer's update sends the new tokens of all layers in one Append
+    with their token ids (so later prompts can hit them).
+  - after a prefix hit (prefix_path="codes", the default): the prompt's other
+    tokens but the last run through the model in chunks of up to 16, each
+    layer's chunk one `AppendAttend` with query_tokens (appended, then attended
+    causally by the daemon from the codes); generate() then starts from the last
+    prompt token. prefix_path="retrieve" (and any model with sliding-window
+    layers, which multi-token attention does not take): the cached prefix comes
+    back from `Retrieve`, dequantized, and the rest is a prefill as above.
   - decode (one token): `KVStoreCache.update` keeps nothing; the attention
     function "kvstore" sends (k, v, q) of the layer to `AppendAttend`.
   - the daemon is unreachable (any RPC error: UNAVAILABLE, or NOT_FOUND after
@@ -94,12 +100,17 @@ class KVStoreAdapter:
     is used from then on. sink_tokens: the first tokens of every sequence the
     daemon keeps in fp16; None: the file's, else 32 for pq (rounded up to a
     whole block), which keeps 4-bit PQ within 0.5 % perplexity of fp16 at
-    R = 128 (docs/accuracy.md)."""
+    R = 128 (docs/accuracy.md). prefix_path: how the rest of a prompt that hit a
+    cached prefix runs: "codes" (multi-token AppendAttend, nothing retrieved) or
+    "retrieve" (Retrieve the prefix, prefill in-process)."""
 
     def __init__(self, model, target: str | None = None, cache: str = "hf", codec: str = "fp16",
                  codebooks: bytes | str | None = None, transform=None, block_size: int = 16, residual: int = 128,
                  num_blocks: int = 4096, max_sequences: int = 64, model_id: str | None = None,
-                 timeout: float = 30.0, sink_tokens: int | None = None, calibrate_tokens: int = 0):
+                 timeout: float = 30.0, sink_tokens: int | None = None, calibrate_tokens: int = 0,
+                 prefix_path: str = "codes"):
+        if prefix_path not in ("codes", "retrieve"):
+            raise ValueError(f"prefix_path must be 'codes' or 'retrieve', got {prefix_path!r}")
         if codec == "pq" and codebooks is None and calibrate_tokens < 256:
             raise ValueError("codebooks: codec 'pq' needs codebooks (kvstore-calibrate output), or "
                              "calibrate_tokens >= 256 to let the daemon train them from the first tokens")
@@ -122,6 +133,10 @@ class KVStoreAdapter:
         self.model, self.target, self.cache_name, self.codec = model, target, cache, codec
         self.codebooks = cb.to_bytes() if cb is not None else None
         self.transform, self.timeout = transform, timeout
+        # Tokens one AppendAttend may bring a sequence: the daemon's bound (16), and on
+        # pq the residual + 1 newest tokens it keeps in fp16 until they are attended.
+        self.chunk = None if prefix_path == "retrieve" or self.variant.windows else \
+            min(16, residual + 1) if codec == "pq" else 16
         self.calibrate_tokens = calibrate_tokens if codec == "pq" and cb is None else 0
         self._samples: list[tuple[torch.Tensor, torch.Tensor]] = []    # [L, n, Hkv, d] K/V for TrainCodebooks
         self.spec = dict(model_id=model_id or named or type(model).__name__,
@@ -255,6 +270,10 @@ class KVStoreAdapter:
                 cached = kv.allocate(self.cache_name, sid, prompt)
                 if cached == 0:
                     continue
+                if self.chunk:
+                    cache = KVStoreCache(self, seq_ids, input_ids[:, :cached], None)
+                    cache.run_chunks(input_ids[:, cached:-1])       # generate() runs the last token
+                    return cache
                 k, v = kv.retrieve(self.cache_name, sid, 0, cached)       # [L, P, Hkv, d]
                 if self.transform is not None:
                     k = torch.stack([self.transform.inverse(k[l].float(), l, "k") for l in range(self.num_layers)])

@@ -94,7 +94,7 @@ class KVStoreCache(Cache):
             out = super().update(key_states, value_states, layer_idx, *args, **kwargs)
         else:
             self._step[layer_idx] = (key_states, value_states)
-            if n == 1 and self.length > 0:
+            if self.length > 0 and (n == 1 or self._multi(n)):
                 set_decode_target(self, layer_idx)         # the attention call sends them to the daemon
                 out = (key_states, value_states)
             else:
@@ -102,6 +102,21 @@ class KVStoreCache(Cache):
         if layer_idx == self.num_layers - 1:
             self._end_forward(n)
         return out
+
+    def _multi(self, n: int) -> bool:
+        """A forward of n > 1 tokens after earlier ones goes to the daemon as one
+        multi-token AppendAttend a layer (adapter.chunk: None for the Retrieve path)."""
+        return bool(self.adapter.chunk) and n <= self.adapter.chunk and max(self.pads) <= self.length
+
+    def run_chunks(self, ids: torch.Tensor) -> None:
+        """Run the tokens ids [B, n] after this cache's through the model (no logits) in
+        forwards of up to adapter.chunk tokens: each layer's chunk is one AppendAttend
+        with query_tokens, attended by the daemon from the codes."""
+        base, dev = self.adapter.model.base_model, self.adapter.model.device
+        for lo in range(0, ids.shape[1], self.adapter.chunk):
+            part = ids[:, lo:lo + self.adapter.chunk]
+            self.begin_forward(part)
+            base(input_ids=part.to(dev), past_key_values=self, use_cache=True)
 
     # -------------------------------------------------------------- prefill
     def _prefill_update(self, k: torch.Tensor, v: torch.Tensor, layer: int):
@@ -169,20 +184,24 @@ class KVStoreCache(Cache):
 
     # --------------------------------------------------------------- decode
     def decode_attention(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float):
-        """q [B, Hq, 1, d], k/v [B, Hkv, 1, d] -> (out [B, 1, Hq, d], k, v), or
-        (None, K, V) with the full in-process K/V after a fallback."""
+        """q [B, Hq, n, d], k/v [B, Hkv, n, d] (n: 1, a decode step, or a chunk of up to
+        adapter.chunk tokens) -> (out [B, n, Hq, d], k, v), or (None, K, V) with the full
+        in-process K/V after a fallback."""
         t = self.adapter.transform
-        k1, v1, q1 = k[:, :, 0], v[:, :, 0], q[:, :, 0]                          # [B, H, d]
+        b, hq, n, d = q.shape
+        k1, v1 = k.transpose(1, 2).reshape(b * n, -1, d), v.transpose(1, 2).reshape(b * n, -1, d)   # [B*n, H, d]
+        q1 = q.transpose(1, 2).reshape(b * n, hq, d)
         if t is not None:
             k1, v1 = t.forward(k1.float(), layer, "k"), t.forward(v1.float(), layer, "v")
             inv_k, hkv = t._inv["k"][layer], self.adapter.num_kv_heads
             q1 = per_kv_head(q1.float(), hkv, lambda x: torch.einsum("bhgd,hde->bhge", x, inv_k))
         # The new tokens' ids go with the first layer's call: the daemon hashes
         # generated tokens as their blocks fill, for the next turn's prefix hit.
-        ids = self._cur_ids[:, -1].tolist() if layer == 0 and self._cur_ids is not None else None
+        ids = self._cur_ids[:, -n:].reshape(-1).tolist() \
+            if layer == 0 and self._cur_ids is not None and self._cur_ids.shape[-1] >= n else None
         try:
             out = self.adapter.client().append_attend(self.adapter.cache_name, layer, self.seq_ids, k1, v1, q1,
-                                                      scale=scaling or 0.0, token_ids=ids)
+                                                      scale=scaling or 0.0, token_ids=ids, query_tokens=n)
         except Exception as e:
             self._fall_back(e, layer)
             full_k, full_v = super().update(k, v, layer)
@@ -190,7 +209,7 @@ class KVStoreCache(Cache):
         if t is not None:
             inv_v, hkv = t._inv["v"][layer], self.adapter.num_kv_heads
             out = per_kv_head(out.float(), hkv, lambda x: torch.einsum("bhgd,hed->bhge", x, inv_v))
-        return out.to(q.dtype).unsqueeze(1), k, v
+        return out.to(q.dtype).view(b, n, hq, d), k, v
 
     # ------------------------------------------------------------- fallback
     def _fall_back(self, err: BaseException, done_layers: int) -> None:

@@ -50,3 +50,21 @@ def attend_one(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
         s = softcap * torch.tanh(s / softcap)
     p = torch.softmax(s, dim=-1)
     return torch.bmm(p, v).view(hq, d)
+
+
+def attend_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                  softcap: float = 0.0) -> torch.Tensor:
+    """q [T, Hq, d] (the sequence's T newest tokens); k, v [Hkv, n, d] fp32 (n >= T, the
+    T new tokens last) -> out [T, Hq, d] fp32: query i sees tokens [0, n - T + i]
+    (reference.pq_multi_attention)."""
+    t, hq, d = q.shape
+    hkv, n = k.shape[0], k.shape[1]
+    g = hq // hkv
+    qg = (q.float() * scale).view(t, hkv, g, d).transpose(0, 1).reshape(hkv, t * g, d)
+    s = torch.bmm(qg, k.transpose(1, 2)).view(hkv, t, g, n)                 # [Hkv, T, g, n]
+    if softcap:
+        s = softcap * torch.tanh(s / softcap)
+    seen = torch.arange(n)[None, :] <= (n - t + torch.arange(t))[:, None]    # [T, n]
+    p = torch.softmax(s.masked_fill(~seen[None, :, None, :], float("-inf")), dim=-1)
+    out = torch.bmm(p.view(hkv, t * g, n), v)                                 # [Hkv, T * g, d]
+    return out.view(hkv, t, g, d).transpose(0, 1).reshape(t, hq, d)

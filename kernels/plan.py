@@ -13,6 +13,13 @@ launches an attention kernel and a log-sum-exp merge: it allocates nothing when 
 refills the same buffers for new lengths, so a captured graph replays the new step.
 Semantics are those of reference.pq_decode_attention / paged_decode_attention.
 
+A multi-token plan (query_tokens T in 2..16: speculative-decoding verify, a prefill chunk
+after a cached prefix) takes q [B, T, Hq, d] and returns out [B, T, Hq, d], lse [B, T, Hq]:
+the last T tokens of each sequence's fp16 range (the tail, or the paged sequence) are
+the T new tokens, already written, and query i sees everything before them and new
+tokens 0..i (reference.pq_multi_attention / paged_multi_attention). Triton only, no
+sliding windows.
+
 A layer with a sliding window plans with start indices after the lengths: ("pq")
 (sealed_lens, tail_lens, sealed_starts, tail_starts), ("paged") (seq_lens, starts);
 window_starts / pq_window_starts turn a window into them. `softcap` (> 0: scores go
@@ -32,6 +39,7 @@ from kvstore.cuda.pinned import copy_into
 FLOAT = (torch.float16, torch.bfloat16, torch.float32)
 HALF = (torch.float16, torch.bfloat16)
 HEAD_DIMS = (64, 128, 256)      # what every GPU decode plan takes (Triton; CUDA C++ 64 and 128)
+MAX_QUERY_TOKENS = 16           # query tokens a sequence of a multi-token plan may bring
 
 
 @dataclass(slots=True, kw_only=True)
@@ -60,6 +68,7 @@ class DecodePlan:
     has_pq: bool
     chunk0: int              # split size the plan was made with (rows() starts there)
     softcap: float = 0.0     # > 0: every score s becomes softcap * tanh(s / softcap)
+    query_tokens: int = 1    # T query tokens per sequence (> 1: causal among them; q [B, T, Hq, d])
 
     @property
     def capacity(self) -> int:
@@ -104,17 +113,22 @@ class DecodePlan:
         raise ValueError("plan was made for PQ decode; use run_pq")
 
     def check_q_out(self, q, out, lse):
-        """Checked (out, lse), allocated when None."""
-        b, hq, d = self.batch, self.num_qo_heads, self.head_dim
-        check(q, "q", (b, hq, d), FLOAT, self.items.device)
+        """Checked (out, lse), allocated when None. A multi-token plan: q [B, T, Hq, d],
+        out [B, T, Hq, d] and lse [B, T, Hq] each contiguous over (T, Hq) (the merge
+        indexes their rows as one)."""
+        b, hq, d, t = self.batch, self.num_qo_heads, self.head_dim, self.query_tokens
+        rows = (b, hq) if t == 1 else (b, t, hq)
+        check(q, "q", rows + (d,), FLOAT, self.items.device)
         if out is None:
-            out = torch.empty_like(q)
+            out = torch.empty(rows + (d,), dtype=q.dtype, device=q.device)
         else:
-            check(out, "out", (b, hq, d), (q.dtype,), q.device)
+            check(out, "out", rows + (d,), (q.dtype,), q.device)
         if lse is None:
-            lse = torch.empty(b, hq, dtype=torch.float32, device=q.device)
+            lse = torch.empty(rows, dtype=torch.float32, device=q.device)
         else:
-            check(lse, "lse", (b, hq), (torch.float32,), q.device, last=False)
+            check(lse, "lse", rows, (torch.float32,), q.device, last=t > 1)
+        if t > 1 and (out.stride(1) != hq * out.stride(2) or lse.stride(1) != hq):
+            raise ValueError("out / lse must be contiguous over their (T, Hq) dims")
         return out, lse
 
     def check_codes(self, q, k_codes, v_codes, k_codebook, v_codebook, sealed_tables) -> tuple[int, int]:

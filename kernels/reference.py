@@ -231,3 +231,54 @@ def write_slots(k, v, k_cache, v_cache, slots) -> None:
     # [nb, Hkv, bs, d]: the two advanced indices around a slice give [n, Hkv, d]
     k_cache[blocks, :, offsets, :] = k.to(k_cache.dtype)
     v_cache[blocks, :, offsets, :] = v.to(v_cache.dtype)
+
+
+# ------------------------------------------------------ multi-token queries
+
+def causal_tail_lens(lens: torch.Tensor, t: int, i: int) -> torch.Tensor:
+    """What query i of t new tokens sees of ranges whose last t tokens are those new
+    tokens (already written, as AppendAttend writes a step's tokens before it attends):
+    all but the t - 1 - i newest."""
+    return lens - (t - 1 - i)
+
+
+def _stack_queries(results) -> tuple[torch.Tensor, torch.Tensor]:
+    results = list(results)
+    return torch.stack([o for o, _ in results], dim=1), torch.stack([l for _, l in results], dim=1)
+
+
+def pq_multi_attention(q: torch.Tensor,
+                       k_codes: torch.Tensor, v_codes: torch.Tensor,
+                       k_codebook: torch.Tensor, v_codebook: torch.Tensor,
+                       sealed_tables: torch.Tensor, sealed_lens: torch.Tensor,
+                       tail_k: torch.Tensor, tail_v: torch.Tensor,
+                       tail_tables: torch.Tensor, tail_lens: torch.Tensor,
+                       scale: float, softcap: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """T query tokens per sequence over PQ-coded sealed blocks plus an fp16 tail whose
+    last T tokens are the T new tokens (written before attention), causal among them:
+    query i sees every sealed token, and the tail less its T - 1 - i newest tokens.
+
+    q [B, T, Hq, d]; everything else as pq_decode_attention (tail_lens count the new
+    tokens, each >= T) -> out [B, T, Hq, d] (q dtype), lse [B, T, Hq] fp32. No sliding
+    windows (each query would need its own start): the router refuses them."""
+    t = q.shape[1]
+    assert bool((tail_lens >= t).all()), "the T new tokens are the tail's last T"
+    return _stack_queries(
+        pq_decode_attention(q[:, i], k_codes, v_codes, k_codebook, v_codebook, sealed_tables, sealed_lens,
+                            tail_k, tail_v, tail_tables, causal_tail_lens(tail_lens, t, i), scale,
+                            softcap=softcap)
+        for i in range(t))
+
+
+def paged_multi_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                          block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                          scale: float, softcap: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp16 paged attention of T query tokens per sequence whose last T tokens are the
+    new ones, causal among them: q [B, T, Hq, d]; the rest as paged_decode_attention
+    -> out [B, T, Hq, d] (q dtype), lse [B, T, Hq] fp32."""
+    t = q.shape[1]
+    assert bool((seq_lens >= t).all()), "the T new tokens are each sequence's last T"
+    return _stack_queries(
+        paged_decode_attention(q[:, i], k_cache, v_cache, block_tables, causal_tail_lens(seq_lens, t, i),
+                               scale, softcap=softcap)
+        for i in range(t))

@@ -17,8 +17,12 @@ CUDA C++ kernels read whole 16-token tiles from a range's start and have no soft
 decode_backend never picks them for a windowed plan (start indices after the lengths,
 plan.py) or a softcap (docs/kernels.md).
 
+Multi-token queries (plan_decode(query_tokens=T), T in 2..16: T new tokens per sequence,
+causal among them, plan.py) run on the Triton kernels only: decode_backend never picks
+the CUDA C++ kernel, which reads one query token per sequence.
+
 Entry points with reference.py's signatures (pq_decode_attention, paged_decode_attention,
-pq_encode_to_slots, gather_pq_blocks, write_slots) plan and run in one call: the engine's
+pq_multi_attention, paged_multi_attention, pq_encode_to_slots, gather_pq_blocks, write_slots) plan and run in one call: the engine's
 hot path holds plans instead. Triton and CuPy are imported on first use only: a CPU
 install never imports either.
 """
@@ -33,7 +37,7 @@ from .cuda import attention as cuda_attention
 from .cuda import build as cuda_build
 from .cuda import encode as cuda_encode
 from .cuda import images as cuda_images
-from .plan import HALF, HEAD_DIMS, DecodePlan, host_lens, pq_lens, validate_heads
+from .plan import HALF, HEAD_DIMS, MAX_QUERY_TOKENS, DecodePlan, host_lens, pq_lens, validate_heads
 
 REFERENCE, CUDA, TRITON = "reference", "cuda", "triton"
 KINDS = ("pq", "paged")
@@ -48,7 +52,8 @@ def query_aligned(q: torch.Tensor) -> bool:
 def decode_backend(kind: str, *, device, num_qo_heads: int, num_kv_heads: int, head_dim: int,
                    block_size: int, dtype: torch.dtype, kv_dtype: torch.dtype | None = None,
                    codebook_dtype: torch.dtype | None = None, aligned: bool = True,
-                   backend: str = "auto", windowed: bool = False, softcap: float = 0.0) -> str:
+                   backend: str = "auto", windowed: bool = False, softcap: float = 0.0,
+                   query_tokens: int = 1) -> str:
     """REFERENCE, CUDA or TRITON for a decode of this kind ("pq" or "paged").
 
     dtype: that of q and out; kv_dtype and codebook_dtype (default: dtype): those of the
@@ -56,15 +61,15 @@ def decode_backend(kind: str, *, device, num_qo_heads: int, num_kv_heads: int, h
     (query_aligned(q); pools the engine or a client allocates always do). backend:
     "auto", or "cuda" / "triton" to insist (the benches and tests); "cuda" where the
     CUDA kernels do not apply is a ValueError. windowed: the plan reads from start
-    indices (a sliding window); softcap: > 0 for soft-capped scores. The CUDA C++
-    kernels take neither."""
+    indices (a sliding window); softcap: > 0 for soft-capped scores; query_tokens: > 1
+    for a multi-token plan. The CUDA C++ kernels take none of them."""
     if kind not in KINDS:
         raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
     if backend not in ("auto", CUDA, TRITON):
         raise ValueError(f"backend must be 'auto', 'cuda' or 'triton', got {backend!r}")
     if backend == TRITON:
         return TRITON
-    if kind == "pq" and aligned and not windowed and not softcap and cuda_attention.supports(
+    if kind == "pq" and aligned and not windowed and not softcap and query_tokens == 1 and cuda_attention.supports(
             num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
             block_size=block_size, device=device, dtype=dtype,
             kv_dtype=dtype if kv_dtype is None else kv_dtype,
@@ -72,7 +77,7 @@ def decode_backend(kind: str, *, device, num_qo_heads: int, num_kv_heads: int, h
         return CUDA
     if backend == CUDA:
         raise ValueError("backend='cuda': cupy is missing, or the CUDA kernels do not take this "
-                         "kind, shape, dtype, alignment, sliding window or soft-cap")
+                         "kind, shape, dtype, alignment, sliding window, soft-cap or multi-token query")
     return TRITON if torch.device(device).type == "cuda" else REFERENCE
 
 
@@ -80,7 +85,8 @@ def plan_decode(kind: str, *lens, num_qo_heads: int, num_kv_heads: int, head_dim
                 block_size: int, device, dtype: torch.dtype, tail_block_size: int | None = None,
                 kv_dtype: torch.dtype | None = None, codebook_dtype: torch.dtype | None = None,
                 aligned: bool = True, spare_items: int | None = None, backend: str = "auto",
-                target_ctas: int | None = None, softcap: float = 0.0, **triton_tuning) -> DecodePlan:
+                target_ctas: int | None = None, softcap: float = 0.0, query_tokens: int = 1,
+                **triton_tuning) -> DecodePlan:
     """The plan of one decode step (plan.py: run_pq / run_paged per layer, update()).
 
     kind "pq": lens = (sealed_lens [B] multiples of block_size, tail_lens [B]), with
@@ -89,7 +95,9 @@ def plan_decode(kind: str, *lens, num_qo_heads: int, num_kv_heads: int, head_dim
     index of each range after them (plan.pq_window_starts / window_start): ("pq")
     (sealed_lens, tail_lens, sealed_starts, tail_starts), ("paged") (seq_lens, starts);
     its plan's update() takes the same four / two. softcap: > 0 caps every score s to
-    softcap * tanh(s / softcap). Choice of backend: decode_backend. spare_items
+    softcap * tanh(s / softcap). query_tokens T in 2..16: a multi-token plan (plan.py),
+    whose last T tokens of each sequence's fp16 range (tail_lens / seq_lens count them)
+    are its new tokens; no start indices. Choice of backend: decode_backend. spare_items
     (None: a one-step plan) keeps room for that many more work items (at least B) and
     a fixed merge width, so later steps update() its buffers and a CUDA graph captured
     with it replays them. target_ctas: the grid size the partition aims at (default:
@@ -108,7 +116,11 @@ def plan_decode(kind: str, *lens, num_qo_heads: int, num_kv_heads: int, head_dim
                          f"{'(sealed_lens, tail_lens[, sealed_starts, tail_starts])' if kind == 'pq' else '(seq_lens[, starts])'}")
     if not (softcap >= 0.0 and math.isfinite(softcap)):
         raise ValueError(f"softcap must be a finite number >= 0, got {softcap}")
+    if not (isinstance(query_tokens, int) and 1 <= query_tokens <= MAX_QUERY_TOKENS):
+        raise ValueError(f"query_tokens must be in [1, {MAX_QUERY_TOKENS}], got {query_tokens!r}")
     windowed = len(lens) == 2 * n_lens
+    if windowed and query_tokens > 1:
+        raise ValueError("sliding windows: a multi-token plan does not take start indices")
     if kind == "pq":
         if tail_block_size is None:
             raise ValueError("a 'pq' plan needs tail_block_size")
@@ -118,7 +130,7 @@ def plan_decode(kind: str, *lens, num_qo_heads: int, num_kv_heads: int, head_dim
     which = decode_backend(kind, device=device, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads,
                            head_dim=head_dim, block_size=block_size, dtype=dtype, kv_dtype=kv_dtype,
                            codebook_dtype=codebook_dtype, aligned=aligned, backend=backend,
-                           windowed=windowed, softcap=softcap)
+                           windowed=windowed, softcap=softcap, query_tokens=query_tokens)
     geo = dict(num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
                block_size=block_size, device=device, target_ctas=target_ctas, spare_items=spare_items)
     if which == CUDA:
@@ -129,8 +141,9 @@ def plan_decode(kind: str, *lens, num_qo_heads: int, num_kv_heads: int, head_dim
     from .triton import decode as triton_decode
     if kind == "pq":
         return triton_decode.plan_pq(sl, tl_, *lens[2:], tail_block_size=tail_block_size, softcap=softcap,
-                                     **geo, **triton_tuning)
-    return triton_decode.plan_paged(sl, *lens[1:], softcap=softcap, **geo, **triton_tuning)
+                                     query_tokens=query_tokens, **geo, **triton_tuning)
+    return triton_decode.plan_paged(sl, *lens[1:], softcap=softcap, query_tokens=query_tokens, **geo,
+                                    **triton_tuning)
 
 
 def pq_decode_attention(q, k_codes, v_codes, k_codebook, v_codebook, sealed_tables, sealed_lens,
@@ -165,6 +178,35 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, s
     plan = plan_decode("paged", seq_lens, *(() if starts is None else (starts,)), num_qo_heads=q.shape[1],
                        num_kv_heads=k_cache.shape[1], head_dim=q.shape[2], block_size=k_cache.shape[2],
                        device=q.device, dtype=q.dtype, softcap=softcap)
+    return plan.run_paged(q, k_cache, v_cache, block_tables.to(torch.int32), scale)
+
+
+def pq_multi_attention(q, k_codes, v_codes, k_codebook, v_codebook, sealed_tables, sealed_lens,
+                       tail_k, tail_v, tail_tables, tail_lens, scale, softcap: float = 0.0):
+    """reference.pq_multi_attention's contract (q [B, T, Hq, d]): Triton on CUDA, the
+    reference elsewhere."""
+    if q.device.type != "cuda":
+        return reference.pq_multi_attention(q, k_codes, v_codes, k_codebook, v_codebook, sealed_tables,
+                                            sealed_lens, tail_k, tail_v, tail_tables, tail_lens, scale, softcap)
+    cb_dt = q.dtype if q.dtype in HALF else torch.float16
+    kcb, vcb = (c if c.dtype in HALF else c.to(cb_dt) for c in (k_codebook, v_codebook))
+    kcb, vcb = kcb.contiguous(), vcb.to(kcb.dtype).contiguous()
+    plan = plan_decode("pq", sealed_lens, tail_lens, num_qo_heads=q.shape[2], num_kv_heads=k_codes.shape[1],
+                       head_dim=q.shape[3], block_size=k_codes.shape[2], tail_block_size=tail_k.shape[2],
+                       device=q.device, dtype=q.dtype, kv_dtype=tail_k.dtype, codebook_dtype=kcb.dtype,
+                       softcap=softcap, query_tokens=q.shape[1])
+    return plan.run_pq(q, k_codes, v_codes, kcb, vcb, sealed_tables.to(torch.int32), tail_k, tail_v,
+                       tail_tables.to(torch.int32), scale)
+
+
+def paged_multi_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, softcap: float = 0.0):
+    """reference.paged_multi_attention's contract (q [B, T, Hq, d]): Triton on CUDA, the
+    reference elsewhere."""
+    if q.device.type != "cuda":
+        return reference.paged_multi_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, softcap)
+    plan = plan_decode("paged", seq_lens, num_qo_heads=q.shape[2], num_kv_heads=k_cache.shape[1],
+                       head_dim=q.shape[3], block_size=k_cache.shape[2], device=q.device, dtype=q.dtype,
+                       softcap=softcap, query_tokens=q.shape[1])
     return plan.run_paged(q, k_cache, v_cache, block_tables.to(torch.int32), scale)
 
 
@@ -232,6 +274,7 @@ def layer_images(words, num_qo_heads: int, dsub: int) -> list:
 
 
 __all__ = ["HEAD_DIMS", "REFERENCE", "CUDA", "TRITON", "DecodePlan", "decode_backend", "plan_decode", "query_aligned",
-           "pq_decode_attention", "paged_decode_attention", "encode_backend", "pq_encode_to_slots",
+           "pq_decode_attention", "paged_decode_attention", "pq_multi_attention", "paged_multi_attention",
+           "encode_backend", "pq_encode_to_slots",
            "prepare_encode", "gather_pq_blocks", "write_slots", "codebook_images", "layer_images",
            "tunables"]

@@ -5,6 +5,8 @@ for every shape and dtype, on CUDA wherever the CUDA C++ kernels do not apply; t
 kernels themselves: decode_kernels.py. A work item is 4 ints (b, kind, lo, hi): a token
 range of one sequence over its PQ blocks (kind 0) or its fp16 blocks (kind 1). A sliding
 window only moves where a sequence's ranges start (any token, not only a block's first).
+A multi-token plan (query_tokens T > 1) marks the last item of each sequence's fp16
+range kind 2: it holds the T new tokens and is read causally (decode_kernels.py).
 """
 from __future__ import annotations
 
@@ -19,7 +21,8 @@ from kvstore.cuda.pinned import to_device
 from ..plan import DecodePlan, capacity, check_batch, fit, host_lens, pq_lens, range_starts
 from .decode_kernels import _decode_kernel, _merge_kernel
 
-_PQ, _DENSE = 0, 1
+_PQ, _DENSE, _CAUSAL = 0, 1, 2
+MULTI_ROWS = 64     # query rows (tokens x heads of one KV head) a multi-token program takes at most
 
 
 @functools.lru_cache(maxsize=None)
@@ -49,11 +52,13 @@ class TritonDecodePlan(DecodePlan):
         cap = self.items.shape[0]
         if self.has_pq:
             sl, tl_, ss, ts = pq_ranges(*lens, block_size=self.block_size)
-            make = lambda c: _pq_items(sl, tl_, c, ss, ts)   # noqa: E731
+            check_multi(self.query_tokens, tl_, ss + ts, "tail_lens")
+            make = lambda c: _pq_items(sl, tl_, c, ss, ts, self.query_tokens)   # noqa: E731
         else:
             sl, st = paged_ranges(*lens)
+            check_multi(self.query_tokens, sl, st, "seq_lens")
             tl_ = sl
-            make = lambda c: _paged_items(sl, c, st)         # noqa: E731
+            make = lambda c: _paged_items(sl, c, st, self.query_tokens)         # noqa: E731
         check_batch(self, sl)
         items, ptr = fit(make, self.chunk0, cap, 4, self.max_items)
         if self.has_pq:
@@ -98,26 +103,31 @@ class TritonDecodePlan(DecodePlan):
 
     def _launch(self, q, out, lse, scale, kc, vc, kw, vw, st, tk, tv, tt, m, dsub, cb_bf16,
                 dense_dtype):
-        hq, hkv = self.num_qo_heads, self.num_kv_heads
+        hq, hkv, t = self.num_qo_heads, self.num_kv_heads, self.query_tokens
         g = hq // hkv
         n_items = self.items.shape[0]
         prec = "ieee" if dense_dtype == torch.float32 else "tf32"
+        # T x G rows a KV head; a multi-token plan cuts them into blocks of MULTI_ROWS
+        gp = max(16, triton.next_power_of_2(g)) if t == 1 else \
+            max(16, min(triton.next_power_of_2(t * g), max(MULTI_ROWS, triton.next_power_of_2(g))))
+        sq_b, sq_t, sq_h = (q.stride(0), 0, q.stride(1)) if t == 1 else (q.stride(0), q.stride(1), q.stride(2))
         if n_items > 0:
-            _decode_kernel[(n_items, hkv)](
-                q, q.stride(0), q.stride(1), self.items, self.o_part, self.lse_part,
+            _decode_kernel[(n_items, hkv, triton.cdiv(t * g, gp))](
+                q, sq_b, sq_t, sq_h, self.items, self.o_part, self.lse_part,
                 kc, vc, kc.stride(0), kc.stride(1), vc.stride(0), vc.stride(1),
                 kw, vw, st, st.stride(0),
                 tk, tv, tk.stride(0), tk.stride(1), tk.stride(2),
                 tv.stride(0), tv.stride(1), tv.stride(2), tt, tt.stride(0),
                 scale * 1.4426950408889634, self.softcap * 1.4426950408889634, hq,
-                G=g, GP=max(16, triton.next_power_of_2(g)), D=self.head_dim, M=m, DSUB=dsub,
+                T=t, G=g, GP=gp, D=self.head_dim, M=m, DSUB=dsub,
                 BS=self.block_size, TBS=self.tail_block_size, TILE_PQ=self.tile_pq,
                 TILE_FP=self.tile_fp, HAS_PQ=self.has_pq, CB_BF16=cb_bf16, PREC=prec,
                 SOFTCAP=self.softcap > 0,
                 num_warps=self.num_warps, num_stages=self.num_stages, maxnreg=self.maxnreg)
-        _merge_kernel[(self.batch, hq)](
-            self.o_part, self.lse_part, self.item_ptr, out, out.stride(0), out.stride(1),
-            lse, lse.stride(0), hq, D=self.head_dim, MAX_ITEMS=self.max_items, num_warps=4)
+        # rows (token, head) of out / lse are contiguous over both (check_q_out): one index
+        _merge_kernel[(self.batch, t * hq)](
+            self.o_part, self.lse_part, self.item_ptr, out, out.stride(0), out.stride(-2),
+            lse, lse.stride(0), t * hq, D=self.head_dim, MAX_ITEMS=self.max_items, num_warps=4)
 
 
 # ---------------------------------------------------------------------- plan
@@ -140,7 +150,7 @@ def _chunk(total: int, n_fixed: int, hkv: int, tile: int, target_ctas: int) -> i
     return max(4 * tile, triton.cdiv(triton.cdiv(max(total, 1), items), tile) * tile)
 
 
-def _finish(items, ptr, batch, hq, d, device, cap=None, **kw) -> TritonDecodePlan:
+def _finish(items, ptr, batch, hq, d, device, cap=None, query_tokens=1, **kw) -> TritonDecodePlan:
     n = len(items) // 4
     per_seq = max([ptr[i + 1] - ptr[i] for i in range(batch)] + [1])
     dev = torch.device(device)
@@ -150,21 +160,40 @@ def _finish(items, ptr, batch, hq, d, device, cap=None, **kw) -> TritonDecodePla
     return TritonDecodePlan(
         items=to_device(torch.tensor(items, dtype=torch.int32).reshape(n, 4), dev),
         item_ptr=to_device(torch.tensor(ptr, dtype=torch.int32), dev),
-        o_part=torch.empty(max(n, 1), hq, d, dtype=torch.float32, device=dev),
-        lse_part=torch.empty(max(n, 1), hq, dtype=torch.float32, device=dev),
+        o_part=torch.empty(max(n, 1), query_tokens * hq, d, dtype=torch.float32, device=dev),
+        lse_part=torch.empty(max(n, 1), query_tokens * hq, dtype=torch.float32, device=dev),
         batch=batch, num_qo_heads=hq, head_dim=d, max_items=triton.next_power_of_2(per_seq),
-        **kw)
+        query_tokens=query_tokens, **kw)
 
 
-def _pq_items(sl, tl_, chunk, ss, ts):
+def _dense_items(b: int, lo: int, n: int, chunk: int, t: int) -> list[int]:
+    """Items over fp16 tokens [lo, n) of sequence b. t > 1 (a multi-token plan): the last
+    item is kind 2 and starts at least t tokens before n, so it holds every new token and
+    each of its query rows sees at least one token."""
+    starts = list(range(lo, n, chunk))
+    if t > 1 and len(starts) > 1 and n - starts[-1] < t:
+        starts.pop()
+    ends = starts[1:] + [n]
+    return [x for j, (a, e) in enumerate(zip(starts, ends))
+            for x in (b, _CAUSAL if t > 1 and j == len(starts) - 1 else _DENSE, a, e)]
+
+
+def _pq_items(sl, tl_, chunk, ss, ts, t=1):
     items, ptr = [], [0]
     for b, (ns, nt) in enumerate(zip(sl, tl_)):
         for lo in range(ss[b], ns, chunk):
             items += [b, _PQ, lo, min(ns, lo + chunk)]
-        for lo in range(ts[b], nt, 4096):      # the tail is short; cap keeps items bounded
-            items += [b, _DENSE, lo, min(nt, lo + 4096)]
+        items += _dense_items(b, ts[b], nt, 4096, t)     # the tail is short; cap keeps items bounded
         ptr.append(len(items) // 4)
     return items, ptr
+
+
+def check_multi(t: int, dense_lens: list[int], starts: list[int] | None, name: str) -> None:
+    """A multi-token plan's lengths: every fp16 range holds its t new tokens, no window."""
+    if t > 1 and starts is not None and any(starts):
+        raise ValueError("sliding windows: a multi-token plan does not take start indices")
+    if any(n < t for n in dense_lens):
+        raise ValueError(f"{name}: each sequence's fp16 range must hold its {t} new tokens")
 
 
 def plan_pq(sl: list[int], tl_: list[int], ss: list[int] | None = None, ts: list[int] | None = None, *,
@@ -172,9 +201,10 @@ def plan_pq(sl: list[int], tl_: list[int], ss: list[int] | None = None, ts: list
             head_dim: int, block_size: int, tail_block_size: int, device,
             target_ctas: int | None = None, tile_pq: int = 128, tile_fp: int = 32,
             num_warps: int = 4, num_stages: int = 1, maxnreg: int | None = 128,
-            spare_items: int | None = None, softcap: float = 0.0) -> TritonDecodePlan:
+            spare_items: int | None = None, softcap: float = 0.0, query_tokens: int = 1) -> TritonDecodePlan:
     """sl / tl_: checked host lists of sealed (multiples of block_size) / tail lengths;
-    ss / ts: the window's start in each (None: zeros).
+    ss / ts: the window's start in each (None: zeros). query_tokens T > 1: the last T
+    tail tokens of each sequence are its new tokens, attended causally.
     spare_items (None: a one-step plan): room for that many more work items (at least
     B) and a fixed merge width, for update().
 
@@ -184,11 +214,12 @@ def plan_pq(sl: list[int], tl_: list[int], ss: list[int] | None = None, ts: list
     if target_ctas is None:
         target_ctas = 8 * _num_sms(torch.device(device))
     sl, tl_, ss, ts = pq_ranges(sl, tl_, ss, ts, block_size=block_size)
+    check_multi(query_tokens, tl_, ss + ts, "tail_lens")
     chunk = _chunk(sum(sl) - sum(ss), sum(1 for n, a in zip(tl_, ts) if n > a), num_kv_heads, tile_pq,
                    target_ctas)
-    items, ptr = _pq_items(sl, tl_, chunk, ss, ts)
+    items, ptr = _pq_items(sl, tl_, chunk, ss, ts, query_tokens)
     return _finish(items, ptr, len(sl), num_qo_heads, head_dim, device,
-                   cap=capacity(len(items) // 4, len(sl), spare_items),
+                   cap=capacity(len(items) // 4, len(sl), spare_items), query_tokens=query_tokens,
                    num_kv_heads=num_kv_heads, block_size=block_size,
                    tail_block_size=tail_block_size,
                    sealed_cols=max([n // block_size for n in sl] + [0]),
@@ -197,11 +228,10 @@ def plan_pq(sl: list[int], tl_: list[int], ss: list[int] | None = None, ts: list
                    num_warps=num_warps, num_stages=num_stages, maxnreg=maxnreg, chunk0=chunk)
 
 
-def _paged_items(sl, chunk, st):
+def _paged_items(sl, chunk, st, t=1):
     items, ptr = [], [0]
     for b, n in enumerate(sl):
-        for lo in range(st[b], n, chunk):
-            items += [b, _DENSE, lo, min(n, lo + chunk)]
+        items += _dense_items(b, st[b], n, chunk, t)
         ptr.append(len(items) // 4)
     return items, ptr
 
@@ -209,18 +239,19 @@ def _paged_items(sl, chunk, st):
 def plan_paged(sl: list[int], st: list[int] | None = None, *, num_qo_heads: int, num_kv_heads: int,
                head_dim: int, block_size: int, device, target_ctas: int | None = None, tile: int = 128,
                num_warps: int = 4, num_stages: int = 3,
-               spare_items: int | None = None, softcap: float = 0.0) -> TritonDecodePlan:
+               spare_items: int | None = None, softcap: float = 0.0, query_tokens: int = 1) -> TritonDecodePlan:
     """sl: host list of sequence lengths; st: the window's start in each (None: zeros);
-    spare_items as in plan_pq. Defaults from
+    spare_items and query_tokens as in plan_pq. Defaults from
     a sweep on an H100 (tile 128, 4 x SMs work items: 0.98x / 0.95x SDPA
     flash at B=8, 32K / 128K, against 0.93x with tile 64 and 2 x SMs)."""
     if target_ctas is None:
         target_ctas = 4 * _num_sms(torch.device(device))
     sl, st = paged_ranges(sl, st)
+    check_multi(query_tokens, sl, st, "seq_lens")
     chunk = _chunk(sum(sl) - sum(st), 0, num_kv_heads, tile, target_ctas)
-    items, ptr = _paged_items(sl, chunk, st)
+    items, ptr = _paged_items(sl, chunk, st, query_tokens)
     return _finish(items, ptr, len(sl), num_qo_heads, head_dim, device,
-                   cap=capacity(len(items) // 4, len(sl), spare_items),
+                   cap=capacity(len(items) // 4, len(sl), spare_items), query_tokens=query_tokens,
                    num_kv_heads=num_kv_heads, block_size=block_size,
                    tail_block_size=block_size, sealed_cols=0,
                    tail_cols=max([triton.cdiv(n, block_size) for n in sl] + [0]),

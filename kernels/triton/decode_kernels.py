@@ -1,11 +1,14 @@
 """Triton kernels behind decode.py (launch them through its plans).
 
-One program = one work item x one KV head. A work item is a token range of one
-sequence, either over PQ-coded sealed blocks (kind 0) or over fp16 paged
-blocks (kind 1: the tail, or the whole cache for plain paged attention). The
-G query heads of the KV head are the rows of the tile (padded to GP >= 16 so
-tl.dot runs on tensor cores), so every code / K / V byte is read once per KV
-head. Each program writes a partial (out, lse) that _merge_kernel combines.
+One program = one work item x one KV head (x one block of query rows). A work item
+is a token range of one sequence, either over PQ-coded sealed blocks (kind 0) or
+over fp16 paged blocks (kind 1: the tail, or the whole cache for plain paged
+attention; kind 2: the fp16 range's last item, which holds the T new tokens of a
+multi-token query and is read causally). The T x G query rows of the KV head (T
+query tokens, G query heads each; T = 1 for decode) are the rows of the tile
+(padded to GP >= 16 so tl.dot runs on tensor cores), so every code / K / V byte is
+read once per KV head and row block. Each program writes a partial (out, lse) that
+_merge_kernel combines.
 """
 import triton
 import triton.language as tl
@@ -33,9 +36,10 @@ def _cap(s, cap2, SOFTCAP: tl.constexpr):
 
 
 @triton.jit
-def _softmax_step(s, valid, m_i, l_i, cap2, SOFTCAP: tl.constexpr):
-    """Online softmax over one tile of base-2 scores s [GP, TILE] -> p, m, l, alpha."""
-    s = tl.where(valid[None, :], _cap(s, cap2, SOFTCAP), float("-inf"))
+def _softmax_step(s, mask, m_i, l_i, cap2, SOFTCAP: tl.constexpr):
+    """Online softmax over one tile of base-2 scores s [GP, TILE] -> p, m, l, alpha;
+    mask: the scores that count, [1, TILE] or [GP, TILE]."""
+    s = tl.where(mask, _cap(s, cap2, SOFTCAP), float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(s - m_new[:, None])
@@ -72,7 +76,7 @@ def _pq_range(q0, q1, q2, q3, b, h, lo, hi, m_i, l_i, a0, a1, a2, a3,
         if DSUB == 4:
             s = tl.dot(q2, tl.trans(_piece(kw, 2, CB_BF16)), s, input_precision=PREC)
             s = tl.dot(q3, tl.trans(_piece(kw, 3, CB_BF16)), s, input_precision=PREC)
-        p, m_i, l_i, alpha = _softmax_step(s * qk_scale, valid, m_i, l_i, cap2, SOFTCAP)
+        p, m_i, l_i, alpha = _softmax_step(s * qk_scale, valid[None, :], m_i, l_i, cap2, SOFTCAP)
         # V codes transposed [M, bs]: contiguous along tokens
         vc = tl.load(vc_ptr + blk[:, None] * svc_blk + h * svc_h + offs_m[None, :] * BS
                      + off[:, None], mask=valid[:, None], other=0)
@@ -87,11 +91,12 @@ def _pq_range(q0, q1, q2, q3, b, h, lo, hi, m_i, l_i, a0, a1, a2, a3,
 
 
 @triton.jit
-def _dense_range(q, b, h, lo, hi, m_i, l_i, acc,
+def _dense_range(q, b, h, lo, hi, lim, m_i, l_i, acc,
                  k_ptr, v_ptr, sk_blk, sk_h, sk_t, sv_blk, sv_h, sv_t,
                  tab_ptr, tab_stride, qk_scale, cap2,
                  D: tl.constexpr, BS: tl.constexpr, TILE: tl.constexpr, PREC: tl.constexpr,
-                 SOFTCAP: tl.constexpr):
+                 SOFTCAP: tl.constexpr, CAUSAL: tl.constexpr):
+    # CAUSAL: row r reads tokens < lim[r] only (lim [GP]: a multi-token item's causal bound)
     offs_n = tl.arange(0, TILE)
     offs_d = tl.arange(0, D)
     for start in range(lo, hi, TILE):
@@ -102,7 +107,10 @@ def _dense_range(q, b, h, lo, hi, m_i, l_i, acc,
         k = tl.load(k_ptr + blk[:, None] * sk_blk + h * sk_h + off[:, None] * sk_t
                     + offs_d[None, :], mask=valid[:, None], other=0.0)
         s = tl.dot(q.to(k.dtype), tl.trans(k), input_precision=PREC) * qk_scale
-        p, m_i, l_i, alpha = _softmax_step(s, valid, m_i, l_i, cap2, SOFTCAP)
+        mask = valid[None, :]
+        if CAUSAL:
+            mask = mask & (t[None, :] < lim[:, None])
+        p, m_i, l_i, alpha = _softmax_step(s, mask, m_i, l_i, cap2, SOFTCAP)
         acc = acc * alpha[:, None]
         v = tl.load(v_ptr + blk[:, None] * sv_blk + h * sv_h + off[:, None] * sv_t
                     + offs_d[None, :], mask=valid[:, None], other=0.0)
@@ -149,30 +157,32 @@ def _pq_item(q_rows, rows, gmask, item, b, h, lo, hi, m_i, l_i, op_ptr, lp_ptr,
 
 
 @triton.jit
-def _dense_item(q_rows, rows, gmask, item, b, h, lo, hi, m_i, l_i, op_ptr, lp_ptr,
+def _dense_item(q_rows, rows, gmask, item, b, h, lo, hi, lim, m_i, l_i, op_ptr, lp_ptr,
                 k_ptr, v_ptr, sk_blk, sk_h, sk_t, sv_blk, sv_h, sv_t, tt_ptr, tt_stride,
                 qk_scale, cap2, Hq, GP: tl.constexpr, D: tl.constexpr, TBS: tl.constexpr,
-                TILE_FP: tl.constexpr, PREC: tl.constexpr, SOFTCAP: tl.constexpr):
+                TILE_FP: tl.constexpr, PREC: tl.constexpr, SOFTCAP: tl.constexpr,
+                CAUSAL: tl.constexpr):
     offs_d = tl.arange(0, D)
     q = tl.load(q_rows + offs_d[None, :], mask=gmask[:, None], other=0.0)
     acc = tl.zeros([GP, D], tl.float32)
-    m_i, l_i, acc = _dense_range(q, b, h, lo, hi, m_i, l_i, acc,
+    m_i, l_i, acc = _dense_range(q, b, h, lo, hi, lim, m_i, l_i, acc,
                                  k_ptr, v_ptr, sk_blk, sk_h, sk_t, sv_blk, sv_h, sv_t,
-                                 tt_ptr, tt_stride, qk_scale, cap2, D, TBS, TILE_FP, PREC, SOFTCAP)
+                                 tt_ptr, tt_stride, qk_scale, cap2, D, TBS, TILE_FP, PREC, SOFTCAP,
+                                 CAUSAL)
     _store_part(op_ptr, lp_ptr, item, rows, gmask, offs_d, acc, m_i, l_i, Hq, D)
 
 
 @triton.jit
 def _decode_kernel(
-        q_ptr, sq_b, sq_h,                      # q [B, Hq, D]
+        q_ptr, sq_b, sq_t, sq_h,                # q [B, T, Hq, D] (decode: T = 1, sq_t unused)
         items_ptr,                              # int32 [n_items, 4]: b, kind, lo, hi
-        op_ptr, lp_ptr,                         # partials: fp32 [n_items, Hq, D], [n_items, Hq]
+        op_ptr, lp_ptr,                         # partials: fp32 [n_items, T * Hq, D], [n_items, T * Hq]
         kc_ptr, vc_ptr, skc_blk, skc_h, svc_blk, svc_h,  # PQ codes (kind 0)
         kw_ptr, vw_ptr, st_ptr, st_stride,      # codebook words, sealed tables
-        k_ptr, v_ptr, sk_blk, sk_h, sk_t, sv_blk, sv_h, sv_t,  # fp16 pool (kind 1)
+        k_ptr, v_ptr, sk_blk, sk_h, sk_t, sv_blk, sv_h, sv_t,  # fp16 pool (kinds 1, 2)
         tt_ptr, tt_stride,                      # its block tables
         qk_scale, cap2, Hq,                     # cap2: softcap * log2(e) (used if SOFTCAP)
-        G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, M: tl.constexpr,
+        T: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, M: tl.constexpr,
         DSUB: tl.constexpr, BS: tl.constexpr, TBS: tl.constexpr,
         TILE_PQ: tl.constexpr, TILE_FP: tl.constexpr, HAS_PQ: tl.constexpr,
         CB_BF16: tl.constexpr, PREC: tl.constexpr, SOFTCAP: tl.constexpr):
@@ -182,32 +192,38 @@ def _decode_kernel(
     kind = tl.load(items_ptr + item * 4 + 1)
     lo = tl.load(items_ptr + item * 4 + 2)
     hi = tl.load(items_ptr + item * 4 + 3)
-    offs_g = tl.arange(0, GP)
-    rows = h * G + offs_g                                       # query heads of this KV head
-    gmask = offs_g < G
-    q_rows = q_ptr + b.to(tl.int64) * sq_b + rows[:, None] * sq_h
+    r = tl.program_id(2) * GP + tl.arange(0, GP)               # tile row: query token i, head g
+    i = r // G
+    head = h * G + r % G                                        # query heads of this KV head
+    gmask = r < T * G
+    rows = i * Hq + head                                        # the row of the partials
+    q_rows = q_ptr + b.to(tl.int64) * sq_b + i[:, None] * sq_t + head[:, None] * sq_h
     m_i = tl.full([GP], float("-inf"), tl.float32)
     l_i = tl.zeros([GP], tl.float32)
+    # kind 2 holds the T new tokens last: token i of them sees all but the T - 1 - i newest
+    lim = tl.where(kind == 2, hi - (T - 1) + i, hi)
     if HAS_PQ:
         if kind == 0:
             _pq_item(q_rows, rows, gmask, item, b, h, lo, hi, m_i, l_i, op_ptr, lp_ptr,
                      kc_ptr, vc_ptr, skc_blk, skc_h, svc_blk, svc_h, kw_ptr, vw_ptr, st_ptr,
-                     st_stride, qk_scale, cap2, Hq, GP, D, M, DSUB, BS, TILE_PQ, CB_BF16, PREC,
+                     st_stride, qk_scale, cap2, T * Hq, GP, D, M, DSUB, BS, TILE_PQ, CB_BF16, PREC,
                      SOFTCAP)
         else:
-            _dense_item(q_rows, rows, gmask, item, b, h, lo, hi, m_i, l_i, op_ptr, lp_ptr,
+            _dense_item(q_rows, rows, gmask, item, b, h, lo, hi, lim, m_i, l_i, op_ptr, lp_ptr,
                         k_ptr, v_ptr, sk_blk, sk_h, sk_t, sv_blk, sv_h, sv_t, tt_ptr,
-                        tt_stride, qk_scale, cap2, Hq, GP, D, TBS, TILE_FP, PREC, SOFTCAP)
+                        tt_stride, qk_scale, cap2, T * Hq, GP, D, TBS, TILE_FP, PREC, SOFTCAP, T > 1)
     else:
-        _dense_item(q_rows, rows, gmask, item, b, h, lo, hi, m_i, l_i, op_ptr, lp_ptr,
+        _dense_item(q_rows, rows, gmask, item, b, h, lo, hi, lim, m_i, l_i, op_ptr, lp_ptr,
                     k_ptr, v_ptr, sk_blk, sk_h, sk_t, sv_blk, sv_h, sv_t, tt_ptr,
-                    tt_stride, qk_scale, cap2, Hq, GP, D, TBS, TILE_FP, PREC, SOFTCAP)
+                    tt_stride, qk_scale, cap2, T * Hq, GP, D, TBS, TILE_FP, PREC, SOFTCAP, T > 1)
 
 
 @triton.jit
 def _merge_kernel(op_ptr, lp_ptr, ip_ptr, out_ptr, so_b, so_h, lse_ptr, sl_b, Hq,
                   D: tl.constexpr, MAX_ITEMS: tl.constexpr):
-    """Log-sum-exp merge of one (sequence, query head)'s partials (base-2 lse)."""
+    """Log-sum-exp merge of one (sequence, query row)'s partials (base-2 lse); a
+    multi-token plan's rows are (token, head) pairs, Hq = T x query heads, with out and
+    lse contiguous over them."""
     b = tl.program_id(0)
     hq = tl.program_id(1)
     lo = tl.load(ip_ptr + b)

@@ -79,6 +79,36 @@ def query(cfg: CacheConfig, n_seqs: int, q: torch.Tensor, scale: float) -> tuple
     return q, scale or 1.0 / math.sqrt(g.head_dim)
 
 
+MAX_QUERY_TOKENS = 16      # kernels/plan.py's bound: new tokens a multi-token AppendAttend brings a sequence
+
+
+def query_tokens(cfg: CacheConfig, layer: int, t: int) -> int:
+    """An AppendAttend's tokens per sequence (0: one) -> T, checked: in [1, 16]; with
+    T > 1 the layer has no sliding window (each query would need its own), and a pq
+    cache keeps all T new tokens in fp16 until they are attended (T <= residual + 1:
+    the tail keeps at least R + 1 tokens once its sealed blocks are taken)."""
+    t = t or 1
+    if not 1 <= t <= MAX_QUERY_TOKENS:
+        raise InvalidArgument("query_tokens", f"must be in [1, {MAX_QUERY_TOKENS}], got {t}")
+    if t > 1 and cfg.window(layer):
+        raise InvalidArgument("query_tokens", f"layer {layer} has a sliding window: multi-token attention "
+                              "does not take windows (send one token per call)")
+    if t > 1 and cfg.codec.kind == "pq" and t > cfg.residual + 1:
+        raise InvalidArgument("query_tokens", f"{t} tokens per sequence: a pq cache with residual "
+                              f"{cfg.residual} keeps only the newest {cfg.residual + 1} in fp16")
+    return t
+
+
+def step_ids(token_ids, n_seqs: int, t: int) -> list | None:
+    """An AppendAttend's token_ids (empty, or one per new token: n_seqs x t, sequence
+    by sequence) -> one list per sequence, or None."""
+    if token_ids is None or not len(token_ids):
+        return None
+    if len(token_ids) != n_seqs * t:
+        raise InvalidArgument("token_ids", f"{len(token_ids)} ids for {n_seqs} sequences x {t} tokens")
+    return [list(token_ids[i * t:(i + 1) * t]) for i in range(n_seqs)]
+
+
 def output_into(out: torch.Tensor | None, q: torch.Tensor) -> torch.Tensor | None:
     """out if the kernels can write the result straight into it (q's shape,
     dtype and device, contiguous), else None: the result gets its own tensor."""

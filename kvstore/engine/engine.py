@@ -239,28 +239,31 @@ class Engine(CodebookOps):
 
     def append_attend(self, name: str, tenant: str, layer: int, seq_ids: list[str], k: torch.Tensor,
                       v: torch.Tensor, q: torch.Tensor, scale: float = 0.0,
-                      out: torch.Tensor | None = None, token_ids=None) -> torch.Tensor:
+                      out: torch.Tensor | None = None, token_ids=None, query_tokens: int = 1) -> torch.Tensor:
         """Decode step of one layer: k, v [B, Hkv, d] (one new token per
         sequence), q [B, Hq, d] -> out [B, Hq, d] (`out` as in attend).
         token_ids: optional, the new tokens' ids [B] (a list or a protobuf
-        repeated field), so that generated tokens are hashed as they seal."""
+        repeated field), so that generated tokens are hashed as they seal.
+        query_tokens T in 2..16: k, v [B * T, Hkv, d], q [B * T, Hq, d], token_ids
+        B * T, sequence b's in rows b*T.., attended causally (read_path.attend_multi)."""
         with self._locked(name) as cache:
             checks.check_layer(cache.cfg, layer)
+            t = checks.query_tokens(cache.cfg, layer, query_tokens)
             seqs = checks.sequences(cache, tenant, seq_ids, unique=True)
-            q, scale = checks.query(cache.cfg, len(seqs), q, scale)
+            rows = len(seqs) * t
+            q, scale = checks.query(cache.cfg, rows, q, scale)
             # append()'s checks less those done just above (errors in the same order).
             g = cache.cfg.geometry
-            shape = (len(seqs), g.num_kv_heads, g.head_dim)
+            shape = (rows, g.num_kv_heads, g.head_dim)
             k = checks.request_tensor(cache.cfg, k, "k", shape, g.qk_limit)
             v = checks.request_tensor(cache.cfg, v, "v", shape)
-            ids = None
-            if token_ids is not None and len(token_ids):
-                if len(token_ids) != len(seqs):
-                    raise InvalidArgument("token_ids", f"{len(token_ids)} ids for {len(seqs)} sequences")
-                ids = [[t] for t in token_ids]
+            ids = checks.step_ids(token_ids, len(seqs), t)
             # The new tokens' write joins the attention (its decode graph, when it has one).
-            new = self._append_checked(cache, seqs, k, v, [1] * len(seqs), layer, ids, defer_write=True)
-            return cache.attend(layer, seqs, q, scale, out=checks.output_into(out, q), new=new)
+            new = self._append_checked(cache, seqs, k, v, [t] * len(seqs), layer, ids, defer_write=True)
+            if t == 1:
+                return cache.attend(layer, seqs, q, scale, out=checks.output_into(out, q), new=new)
+            return cache.attend_multi(layer, seqs, q.reshape(len(seqs), t, g.num_q_heads, g.head_dim), scale,
+                                      out=checks.output_into(out, q), new=new)
 
     def reserve(self, name: str, tenant: str, seq_id: str, n: int,
                 known: tuple[int, int] = (0, 0)) -> ReserveResult:

@@ -117,26 +117,76 @@ class ReadPath:
         outs = []
         window = self.cfg.window(layer)
         for i, s in enumerate(seqs):
-            n = s.layer_length(layer)
-            if self.is_pq:
-                ns = len(s.sealed) * self.bs
-                tail = torch.tensor(s.tail, dtype=torch.long)
-                k = cpu_decode.gather_tokens(self.tail.k[layer], tail, n - ns)
-                v = cpu_decode.gather_tokens(self.tail.v[layer], tail, n - ns)
-                if ns:
-                    ks, vs = cpu_decode.dequantize_tokens(self.main.k_codes[layer], self.main.v_codes[layer],
-                                                          self.main.k_cb[layer], self.main.v_cb[layer], s.sealed)
-                    s0 = self.sinks      # the tail's first S tokens are positions [0, S)
-                    k = torch.cat([k[:, :s0], ks, k[:, s0:]], dim=1)
-                    v = torch.cat([v[:, :s0], vs, v[:, s0:]], dim=1)
-            else:
-                blocks = torch.tensor(s.sealed + s.tail, dtype=torch.long)
-                k = cpu_decode.gather_tokens(self.main.k[layer], blocks, n)
-                v = cpu_decode.gather_tokens(self.main.v[layer], blocks, n)
-            lo = window_start(n, window)
+            k, v = self._positional_cpu(layer, s)
+            lo = window_start(k.shape[1], window)
             outs.append(cpu_decode.attend_one(q[i], k[:, lo:], v[:, lo:], scale, self.cfg.logit_softcap))
         out = outs[0].unsqueeze(0) if len(outs) == 1 else torch.stack(outs)
         return out.to(q.dtype)
+
+    def _positional_cpu(self, layer: int, s: Sequence) -> tuple[torch.Tensor, torch.Tensor]:
+        """K, V [Hkv, n, d] fp32 of the tokens visible at this layer, in position order."""
+        n = s.layer_length(layer)
+        if self.is_pq:
+            ns = len(s.sealed) * self.bs
+            tail = torch.tensor(s.tail, dtype=torch.long)
+            k = cpu_decode.gather_tokens(self.tail.k[layer], tail, n - ns)
+            v = cpu_decode.gather_tokens(self.tail.v[layer], tail, n - ns)
+            if ns:
+                ks, vs = cpu_decode.dequantize_tokens(self.main.k_codes[layer], self.main.v_codes[layer],
+                                                      self.main.k_cb[layer], self.main.v_cb[layer], s.sealed)
+                s0 = self.sinks      # the tail's first S tokens are positions [0, S)
+                k = torch.cat([k[:, :s0], ks, k[:, s0:]], dim=1)
+                v = torch.cat([v[:, :s0], vs, v[:, s0:]], dim=1)
+            return k, v
+        blocks = torch.tensor(s.sealed + s.tail, dtype=torch.long)
+        return (cpu_decode.gather_tokens(self.main.k[layer], blocks, n),
+                cpu_decode.gather_tokens(self.main.v[layer], blocks, n))
+
+    def attend_multi(self, layer: int, seqs: list[Sequence], q: torch.Tensor, scale: float,
+                     out: torch.Tensor | None = None, new: tuple | None = None) -> torch.Tensor:
+        """q [B, T, Hq, d]: the T newest tokens of each sequence at this layer (appended
+        already, or counted and given as `new`, which is written first) -> out
+        [B * T, Hq, d]: query i of a sequence attends to its earlier tokens and new
+        tokens 0..i, read from the codes (no fp16 copy of sealed K/V). out: where to write
+        it ([B * T, Hq, d], q's dtype and device, contiguous), as in attend(). The caller
+        checked the layer has no window and (pq) that the T tokens are all in the tail."""
+        if new is not None:      # first: the counted tokens hold their data whatever fails below
+            self.tail.write_tokens(layer, *new)
+        self._require_ready()
+        self.check_visible(layer, seqs)
+        b, t, hq, d = q.shape
+        dev = q.device
+        if dev.type == "cpu":
+            res = torch.cat([cpu_decode.attend_causal(q[i], *self._positional_cpu(layer, s), scale,
+                                                      self.cfg.logit_softcap) for i, s in enumerate(seqs)])
+            out = res.to(q.dtype) if out is None else out.copy_(res)
+        else:
+            o4 = None if out is None else out.view(b, t, hq, d)
+            lens = self.decode_lens(layer, seqs)
+            common = dict(num_qo_heads=hq, head_dim=d, block_size=self.bs, device=dev, dtype=q.dtype,
+                          softcap=self.cfg.logit_softcap, query_tokens=t)
+            with staged(dev):
+                if self.is_pq:
+                    sealed = block_table([s.sealed for s in seqs], dev)
+                    tail = block_table([s.tail for s in seqs], dev)
+                    plan = kernels.plan_decode("pq", *lens, num_kv_heads=self.main.k_codes.shape[2],
+                                               tail_block_size=self.tail.k.shape[3], kv_dtype=self.tail.k.dtype,
+                                               codebook_dtype=self.main.k_cb.dtype, **common)
+                else:
+                    table = block_table([s.sealed + s.tail for s in seqs], dev)
+                    plan = kernels.plan_decode("paged", *lens, num_kv_heads=self.main.k.shape[2], **common)
+            if self.is_pq:
+                o4, _ = plan.run_pq(q, self.main.k_codes[layer], self.main.v_codes[layer], self.main.k_cb[layer],
+                                    self.main.v_cb[layer], sealed, self.tail.k[layer], self.tail.v[layer], tail,
+                                    scale, out=o4)
+            else:
+                o4, _ = plan.run_paged(q, self.main.k[layer], self.main.v[layer], table, scale, out=o4)
+            out = o4.view(b * t, hq, d)
+        now = time.monotonic()
+        for s in seqs:
+            s.last_use = now
+        self.counters["attend_calls"] += 1
+        return out
 
     def retrieve(self, s: Sequence, start: int, end: int, layers: slice) -> tuple[torch.Tensor, torch.Tensor]:
         """-> k, v [nl, end - start, Hkv, d] of committed tokens in position

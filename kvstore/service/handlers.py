@@ -15,6 +15,7 @@ import threading
 from dataclasses import dataclass
 
 from kvstore.cuda.scope import CudaScope, Fences
+from kvstore.engine import checks
 from kvstore.engine.storage import TORCH_DTYPES
 from kvstore.errors import Unavailable, quote
 from kvstore.protocol import wire
@@ -122,7 +123,11 @@ class Handlers:
     def resolve(self, request, buffers) -> Resolved:
         """What an AppendAttend's tensor fields name, checked in the order its
         errors are reported (out, k, v, q), and its CUDA scope."""
-        ref, view = self.out_view(request, len(request.sequence_ids), buffers)
+        cfg = self.engine.config(request.cache)
+        # B * T output rows: T checked first, so a wrong one is named before out's size is
+        t = checks.query_tokens(cfg, request.layer, request.query_tokens) if 0 <= request.layer < \
+            cfg.geometry.num_layers else 1
+        ref, view = self.out_view(request, len(request.sequence_ids) * t, buffers)
         return Resolved(self.tensor(request.k, buffers, "k"), self.tensor(request.v, buffers, "v"),
                         self.tensor(request.q, buffers, "q"), ref, view, self.cuda_scope(request, buffers))
 
@@ -135,7 +140,7 @@ class Handlers:
         with r.scope:
             out = self.engine.append_attend(request.cache, tenant, request.layer, list(request.sequence_ids),
                                             r.k, r.v, r.q, request.scale, out=r.out_view,
-                                            token_ids=request.token_ids)
+                                            token_ids=request.token_ids, query_tokens=request.query_tokens)
             return finish(out, r.out_ref)
 
     def doorbell_append_attend(self, request, tenant: str, session: str, buffers,

@@ -338,7 +338,7 @@ class AttendRequest(_message.Message):
     def __init__(self, cache: _Optional[str] = ..., layer: _Optional[int] = ..., sequence_ids: _Optional[_Iterable[str]] = ..., q: _Optional[_Union[Tensor, _Mapping]] = ..., scale: _Optional[float] = ..., out: _Optional[_Union[OutputRef, _Mapping]] = ...) -> None: ...
 
 class AppendAttendRequest(_message.Message):
-    __slots__ = ("cache", "layer", "sequence_ids", "k", "v", "q", "scale", "out", "token_ids")
+    __slots__ = ("cache", "layer", "sequence_ids", "k", "v", "q", "scale", "out", "token_ids", "query_tokens")
     CACHE_FIELD_NUMBER: _ClassVar[int]
     LAYER_FIELD_NUMBER: _ClassVar[int]
     SEQUENCE_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -348,6 +348,7 @@ class AppendAttendRequest(_message.Message):
     SCALE_FIELD_NUMBER: _ClassVar[int]
     OUT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    QUERY_TOKENS_FIELD_NUMBER: _ClassVar[int]
     cache: str
     layer: int
     sequence_ids: _containers.RepeatedScalarFieldContainer[str]
@@ -357,7 +358,8 @@ class AppendAttendRequest(_message.Message):
     scale: float
     out: OutputRef
     token_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, cache: _Optional[str] = ..., layer: _Optional[int] = ..., sequence_ids: _Optional[_Iterable[str]] = ..., k: _Optional[_Union[Tensor, _Mapping]] = ..., v: _Optional[_Union[Tensor, _Mapping]] = ..., q: _Optional[_Union[Tensor, _Mapping]] = ..., scale: _Optional[float] = ..., out: _Optional[_Union[OutputRef, _Mapping]] = ..., token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    query_tokens: int
+    def __init__(self, cache: _Optional[str] = ..., layer: _Optional[int] = ..., sequence_ids: _Optional[_Iterable[str]] = ..., k: _Optional[_Union[Tensor, _Mapping]] = ..., v: _Optional[_Union[Tensor, _Mapping]] = ..., q: _Optional[_Union[Tensor, _Mapping]] = ..., scale: _Optional[float] = ..., out: _Optional[_Union[OutputRef, _Mapping]] = ..., token_ids: _Optional[_Iterable[int]] = ..., query_tokens: _Optional[int] = ...) -> None: ...
 
 class AttendReply(_message.Message):
     __slots__ = ("out",)

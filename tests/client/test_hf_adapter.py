@@ -71,7 +71,7 @@ def test_fp16_greedy_equals_in_process(daemon, batch):
 
 def test_prefix_reuse_skips_prefill(daemon):
     model = tiny_llama()
-    ad = KVStoreAdapter(model, daemon, cache="t", codec="fp16", block_size=8, residual=8)
+    ad = KVStoreAdapter(model, daemon, cache="t", codec="fp16", block_size=8, residual=8, prefix_path="retrieve")
     first = prompt(40)
     second = torch.cat([first, prompt(10, 7)], dim=1)
     with torch.no_grad():

@@ -105,10 +105,10 @@ def attend(cache="f16", seqs=("b",), layer=0, q=None, scale=0.0, out=None) -> pb
 
 
 def append_attend(cache="f16", seqs=("b",), layer=0, k=None, v=None, q=None, scale=0.0,
-                  out=None, token_ids=()) -> pb.AppendAttendRequest:
-    b = len(seqs)
+                  out=None, token_ids=(), query_tokens=0) -> pb.AppendAttendRequest:
+    b = len(seqs) * max(1, query_tokens)
     return pb.AppendAttendRequest(cache=cache, layer=layer, sequence_ids=list(seqs), scale=scale, out=out,
-                                  token_ids=list(token_ids),
+                                  token_ids=list(token_ids), query_tokens=query_tokens,
                                   k=k if k is not None else t(rnd(b, HKV, D)),
                                   v=v if v is not None else t(rnd(b, HKV, D)),
                                   q=q if q is not None else t(rnd(b, HQ, D)))
@@ -534,6 +534,15 @@ CASES = [
          INVALID, "k"),
     case("AppendAttend", "q-inf", lambda lv: append_attend(q=poisoned(rnd(1, HQ, D), -math.inf)), INVALID, "q"),
     case("AppendAttend", "scale-negative", lambda lv: append_attend(scale=-0.5), INVALID, "scale"),
+    case("AppendAttend", "query-tokens-17", lambda lv: append_attend(query_tokens=17), INVALID, "query_tokens"),
+    case("AppendAttend", "query-tokens-past-residual", lambda lv: append_attend("pq", query_tokens=R + 2),
+         INVALID, "query_tokens"),
+    case("AppendAttend", "query-tokens-q-rows", lambda lv: append_attend("pq", query_tokens=3, q=t(rnd(1, HQ, D))),
+         INVALID, "q"),
+    case("AppendAttend", "query-tokens-k-rows", lambda lv: append_attend(query_tokens=2, k=t(rnd(1, HKV, D))),
+         INVALID, "k"),
+    case("AppendAttend", "query-tokens-ids", lambda lv: append_attend(query_tokens=2, token_ids=[4]),
+         INVALID, "token_ids"),
     case("AppendAttend", "scale-overflows-scores", lambda lv: append_attend("pq", scale=3e38), INVALID, "scale"),
     case("AppendAttend", "k-overflows-fp16", lambda lv: append_attend(k=f32(1, HKV, D, value=1e5)), INVALID, "k"),
     case("AppendAttend", "v-overflows-fp16-pq", lambda lv: append_attend("pq", v=f32(1, HKV, D, value=7e4)),

@@ -1,0 +1,148 @@
+"""AppendAttend with T new tokens per sequence (query_tokens): the tokens are appended,
+then each attends causally to the sequence's earlier tokens and the new tokens up to
+itself, read from the PQ codes (sealed) and the fp16 sinks and tail. Checked on CPU (and
+GPU, marked) against an fp64 attention over the tokens in position order, with each
+layer's sealed tokens as the cache held them when it attended; refusals change nothing."""
+import math
+
+import pytest
+import torch
+
+from kvstore.codec.codebooks import Codebooks
+from kvstore.engine.engine import Engine
+from kvstore.errors import InvalidArgument
+from kvstore.kernels import reference as ref
+from tests.helpers import config, kv
+
+T_ = "t"
+L, HQ, HKV, BS, R = 2, 4, 2, 8, 8
+
+
+def engine(codec: str, sinks: int = 0, device: str = "cpu", d: int = 16, windows=()) -> Engine:
+    import dataclasses
+    e = Engine(device=device)
+    cfg = config(codec, block_size=BS, residual=R, sink_tokens=sinks, head_dim=d)
+    e.create_cache(dataclasses.replace(cfg, layer_windows=windows))
+    if codec == "pq":
+        g = torch.Generator().manual_seed(0)
+        e.set_codebooks("c", Codebooks(k=torch.randn(L, HKV, d // 2, 256, 2, generator=g),
+                                       v=torch.randn(L, HKV, d // 2, 256, 2, generator=g)))
+    return e
+
+
+def held(e: Engine, x: torch.Tensor, layer: int, which: str, sealed_blocks: int) -> torch.Tensor:
+    """x [n, Hkv, d] fp16 as the cache holds it with sealed_blocks sealed: fp32, the
+    sealed positions [S, S + sealed) encoded and decoded with the layer's codebook."""
+    c = e.cache("c")
+    out = x.float().clone()
+    if c.is_pq and sealed_blocks:
+        a, b = c.sinks, c.sinks + sealed_blocks * BS
+        cb = (c.codebooks.k if which == "k" else c.codebooks.v)[layer]
+        out[a:b] = ref.pq_dequantize(ref.pq_encode(x[a:b], cb), cb)
+    return out
+
+
+def causal(q, k, v, scale):
+    """q [T, Hq, d]; k, v [n, Hkv, d] (the T new tokens last) -> fp64 [T, Hq, d]."""
+    t, n = q.shape[0], k.shape[0]
+    return torch.stack([ref.attention_dense(q[i].double(), k[:n - t + 1 + i].double(),
+                                            v[:n - t + 1 + i].double(), scale)[0] for i in range(t)])
+
+
+def run_case(codec, sinks, t, device="cpu", d=16, prompts=(40, 21)):
+    e = engine(codec, sinks, device, d)
+    scale = 1 / math.sqrt(d)
+    ks, vs = [], []
+    for j, n in enumerate(prompts):
+        k, v = kv(L, n, HKV, d, seed=j)
+        e.allocate("c", T_, f"s{j}", [])
+        e.append("c", T_, [f"s{j}"], k, v, [n])
+        ks.append(k)
+        vs.append(v)
+    nk, nv = kv(L, t * len(prompts), HKV, d, seed=9)
+    q = torch.randn(L, t * len(prompts), HQ, d, generator=torch.Generator().manual_seed(3)).half()
+    ids = [f"s{j}" for j in range(len(prompts))]
+    for layer in range(L):
+        out = e.append_attend("c", T_, layer, ids, nk[layer].to(device), nv[layer].to(device),
+                              q[layer].to(device), query_tokens=t)
+        assert out.shape == (t * len(prompts), HQ, d)
+        for j in range(len(prompts)):
+            s = e.cache("c").seq(T_, f"s{j}")
+            rows = slice(j * t, (j + 1) * t)
+            k = torch.cat([ks[j][layer], nk[layer, rows]])
+            v = torch.cat([vs[j][layer], nv[layer, rows]])
+            want = causal(q[layer, rows], held(e, k, layer, "k", len(s.sealed)),
+                          held(e, v, layer, "v", len(s.sealed)), scale)
+            err = ((out[rows].cpu().double() - want).norm() / want.norm()).item()
+            assert err < 2e-3, (layer, j, err)
+    for j, n in enumerate(prompts):
+        assert e.length("c", T_, f"s{j}") == n + t
+    e.check_invariants()
+    return e
+
+
+@pytest.mark.parametrize("codec,sinks", [("pq", 0), ("pq", 8), ("fp16", 0)])
+@pytest.mark.parametrize("t", [2, 5, 9])
+def test_multi_attend_is_causal_over_codes_and_tail(codec, sinks, t):
+    run_case(codec, sinks, t)
+
+
+def test_token_ids_are_recorded_per_sequence():
+    e = engine("fp16")
+    for j in range(2):
+        e.allocate("c", T_, f"s{j}", [j + 1] * 16)     # distinct prompts: no prefix hit
+        e.append("c", T_, [f"s{j}"], *kv(L, 16, HKV, 16, seed=j), [16])
+    k, v = kv(1, 6, HKV, 16, seed=4)
+    q = torch.randn(6, HQ, 16).half()
+    e.append_attend("c", T_, 0, ["s0", "s1"], k[0], v[0], q, query_tokens=3, token_ids=[5, 6, 7, 8, 9, 10])
+    assert list(e.cache("c").seq(T_, "s0").token_ids[16:]) == [5, 6, 7]
+    assert list(e.cache("c").seq(T_, "s1").token_ids[16:]) == [8, 9, 10]
+
+
+def _state(e):
+    c = e.cache("c")
+    return [(s.length, list(s.pending), list(s.sealed), list(s.tail), list(s.token_ids)) for s in c.seqs.values()], \
+        dict(c.counters)
+
+
+@pytest.mark.parametrize("kw,field", [
+    (dict(query_tokens=17), "query_tokens"),
+    (dict(query_tokens=R + 2), "query_tokens"),           # pq: some new tokens would be sealed first
+    (dict(query_tokens=3, rows=5), "q"),                  # q / k rows not B x T
+    (dict(query_tokens=3, krows=5), "k"),
+    (dict(query_tokens=3, token_ids=[1, 2]), "token_ids"),
+])
+def test_bad_input_names_the_field_and_changes_nothing(kw, field):
+    e = engine("pq")
+    e.allocate("c", T_, "s0", [])
+    e.append("c", T_, ["s0"], *kv(L, 30, HKV, 16), [30])
+    before = _state(e)
+    t = kw.get("query_tokens", 1)
+    rows, krows = kw.get("rows", t), kw.get("krows", t)
+    k, v = kv(1, krows, HKV, 16)
+    with pytest.raises(InvalidArgument) as ei:
+        e.append_attend("c", T_, 0, ["s0"], k[0], v[0], torch.randn(rows, HQ, 16).half(),
+                        query_tokens=t, token_ids=kw.get("token_ids"))
+    assert ei.value.field == field
+    assert _state(e) == before
+
+
+def test_windowed_layer_refused_by_name():
+    e = engine("fp16", windows=(12, 0))
+    e.allocate("c", T_, "s0", [])
+    e.append("c", T_, ["s0"], *kv(L, 20, HKV, 16), [20])
+    before = _state(e)
+    k, v = kv(1, 2, HKV, 16)
+    with pytest.raises(InvalidArgument, match="sliding window") as ei:
+        e.append_attend("c", T_, 0, ["s0"], k[0], v[0], torch.randn(2, HQ, 16).half(), query_tokens=2)
+    assert ei.value.field == "query_tokens" and _state(e) == before
+    # the global layer takes it
+    e.append_attend("c", T_, 1, ["s0"], k[0], v[0], torch.randn(2, HQ, 16).half(), query_tokens=2)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("codec,sinks", [("pq", 0), ("pq", 8), ("fp16", 0)])
+@pytest.mark.parametrize("t", [2, 9])
+def test_multi_attend_gpu(codec, sinks, t):
+    run_case(codec, sinks, t, device="cuda", d=64, prompts=(200, 37))

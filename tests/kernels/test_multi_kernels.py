@@ -1,0 +1,215 @@
+"""Multi-token queries (T new tokens per sequence, causal among them) from PQ codes and
+over fp16 paged blocks: the reference against a dense causal attention over the tokens,
+the Triton kernels (the interpreter on CPU, every shape and bf16 on GPU) against the
+reference, and the router's refusals.
+
+Triton's interpreter must be set up before triton is first imported: this module
+defers to test_triton_kernels.py's set-up by importing it first.
+"""
+import math
+
+import pytest
+import torch
+
+from test_triton_kernels import HAS_CUDA, INTERPRET, cpu_only, gpu  # noqa: F401  (sets TRITON_INTERPRET)
+from kernel_cases import POISON, RUN_ARGS, check_attn, make_pq_case, rel
+from kernel_cases import tables as make_tables
+
+from kvstore import kernels
+from kvstore.kernels import reference as ref
+
+
+def multi_case(t, sealed_blocks, tails, hq, hkv, d, dsub, bs, tbs, dtype, device, seed=0):
+    """make_pq_case with q [B, T, Hq, d]; the tails' last T tokens are the new ones."""
+    c = make_pq_case(sealed_blocks, tails, hq, hkv, d, dsub, bs, tbs, dtype, device, seed)
+    gen = torch.Generator().manual_seed(seed + 1)
+    c["q"] = torch.randn(len(tails), t, hq, d, generator=gen).to(dtype).to(device)
+    return c
+
+
+def multi_ref(c, scale, softcap=0.0):
+    c64 = {k: (v.cpu().double() if v.is_floating_point() else v.cpu()) for k, v in c.items()}
+    return ref.pq_multi_attention(**c64, scale=scale, softcap=softcap)
+
+
+def plan_multi(c, **kw):
+    q = c["q"]
+    return kernels.plan_decode("pq", c["sealed_lens"], c["tail_lens"], num_qo_heads=q.shape[2],
+                               num_kv_heads=c["k_codes"].shape[1], head_dim=q.shape[3],
+                               block_size=c["k_codes"].shape[2], tail_block_size=c["tail_k"].shape[2],
+                               device=q.device, dtype=q.dtype, kv_dtype=c["tail_k"].dtype,
+                               codebook_dtype=c["k_codebook"].dtype, query_tokens=q.shape[1],
+                               backend="triton", **kw)
+
+
+def run_multi(c, scale, **kw):
+    plan = plan_multi(c, **kw)
+    out = torch.full_like(c["q"], POISON)
+    lse = torch.full(c["q"].shape[:3], POISON, device=c["q"].device)
+    return plan.run_pq(*[c[k] for k in RUN_ARGS], scale, out=out, lse=lse)
+
+
+def _positional(c, b):
+    """Sequence b's K/V in position order (no sinks: sealed tokens, then the tail)."""
+    bs, tbs = c["k_codes"].shape[2], c["tail_k"].shape[2]
+    ns, nt = int(c["sealed_lens"][b]), int(c["tail_lens"][b])
+    ks, vs = ref.gather_pq_blocks(c["k_codes"].cpu(), c["v_codes"].cpu(), c["k_codebook"].cpu().double(),
+                                  c["v_codebook"].cpu().double(), c["sealed_tables"][b, :ns // bs].cpu())
+    kt, vt = ref.gather_fp16_blocks(c["tail_k"].cpu().double(), c["tail_v"].cpu().double(),
+                                    c["tail_tables"][b, :math.ceil(nt / tbs)].cpu())
+    return torch.cat([ks, kt[:nt]]), torch.cat([vs, vt[:nt]])
+
+
+# ------------------------------------------------------------------ reference
+
+def test_reference_is_causal_attention_over_positions():
+    # each new token i attends to the context and new tokens <= i, nothing after
+    t, hq, hkv, d = 5, 4, 2, 64
+    c = multi_case(t, [3, 0], [9, 7], hq, hkv, d, 2, 16, 16, torch.float32, "cpu")
+    out, lse = multi_ref(c, 0.125)
+    for b in range(2):
+        k, v = _positional(c, b)
+        n = k.shape[0]
+        qg = c["q"][b].double().view(t, hkv, hq // hkv, d)
+        s = torch.einsum("thgd,nhd->thgn", qg, k) * 0.125
+        mask = torch.arange(n)[None, :] <= (n - t + torch.arange(t))[:, None]       # [t, n]
+        s = s.masked_fill(~mask[:, None, None, :], float("-inf"))
+        want = torch.einsum("thgn,nhd->thgd", torch.softmax(s, -1), v).reshape(t, hq, d)
+        assert rel(out[b], want) < 1e-12
+        assert torch.allclose(lse[b].double(), torch.logsumexp(s, -1).reshape(t, hq), atol=1e-10)
+
+
+def test_paged_reference_matches_pq_reference_without_sealed_blocks():
+    t, gen = 4, torch.Generator().manual_seed(3)
+    c = multi_case(t, [0, 0], [20, 6], 4, 2, 64, 2, 16, 8, torch.float64, "cpu")
+    a = ref.pq_multi_attention(**c, scale=0.1)
+    b = ref.paged_multi_attention(c["q"], c["tail_k"], c["tail_v"], c["tail_tables"], c["tail_lens"], 0.1)
+    assert torch.allclose(a[0], b[0]) and torch.allclose(a[1], b[1])
+    del gen
+
+
+# ------------------------------------------------------------------ CPU (interpreter)
+
+@cpu_only
+@pytest.mark.parametrize("t,hq,hkv,d,dsub,sealed,tails,dtype", [
+    (2, 4, 2, 64, 2, [2, 1], [5, 17], torch.float16),
+    (5, 4, 1, 64, 4, [1, 0], [5, 9], torch.float32),
+    (16, 2, 1, 64, 2, [2], [20], torch.float16),
+    (5, 8, 2, 128, 2, [1, 2], [6, 33], torch.float16),
+    (2, 2, 1, 128, 4, [1], [2], torch.float16),
+    (5, 2, 1, 256, 2, [1], [7], torch.float32),
+    (2, 2, 1, 256, 4, [1], [3], torch.float16),
+])
+def test_pq_multi_interpreter(t, hq, hkv, d, dsub, sealed, tails, dtype):
+    c = multi_case(t, sealed, tails, hq, hkv, d, dsub, 16, 16, dtype, "cpu")
+    out, lse = run_multi(c, 1.0 / math.sqrt(d))
+    ro, rl = multi_ref(c, 1.0 / math.sqrt(d))
+    check_attn(out, lse, ro, rl, 2e-2 if dtype == torch.float16 else 2e-3)
+
+
+@cpu_only
+def test_pq_multi_interpreter_split_items_and_softcap():
+    # several PQ items per sequence (a small target_ctas), and soft-capped scores
+    c = multi_case(5, [6, 3], [7, 21], 4, 2, 64, 2, 16, 16, torch.float32, "cpu", seed=4)
+    out, lse = run_multi(c, 0.3, target_ctas=8, tile_pq=16)
+    ro, rl = multi_ref(c, 0.3)
+    check_attn(out, lse, ro, rl, 2e-3)
+    out, lse = run_multi(c, 0.3, softcap=2.0)
+    ro, rl = multi_ref(c, 0.3, softcap=2.0)
+    check_attn(out, lse, ro, rl, 2e-3)
+
+
+@cpu_only
+def test_causal_mask_is_applied():
+    # Query 0 must not see the T - 1 newest tokens: make them dominate the scores (their
+    # keys are the queries' direction, scaled), so dropping the mask moves every row but
+    # the last one far from the reference.
+    t, d = 5, 64
+    c = multi_case(t, [1], [9], 2, 1, d, 2, 16, 16, torch.float32, "cpu", seed=7)
+    blk = int(c["tail_tables"][0, 0])
+    c["tail_k"][blk, 0, 9 - (t - 1):9] = 4.0 * c["q"][0, :t - 1, 0].float()
+    c["tail_v"][blk, 0, 9 - (t - 1):9] = 50.0
+    out, lse = run_multi(c, 1.0 / math.sqrt(d))
+    ro, rl = multi_ref(c, 1.0 / math.sqrt(d))
+    check_attn(out, lse, ro, rl, 2e-3)
+    full = dict(c, tail_lens=c["tail_lens"] + 0)
+    # what every row would read with the mask dropped: the whole tail (the last row's view)
+    no_mask = torch.stack([ref.pq_decode_attention(**{k: (v.double() if v.is_floating_point() else v)
+                                                      for k, v in dict(full, q=c["q"][:, i]).items()},
+                                                   scale=1.0 / math.sqrt(d))[0] for i in range(t)], 1)
+    assert rel(out[0, 0], no_mask[0, 0]) > 0.5 and rel(ro[0, 0], no_mask[0, 0]) > 0.5
+
+
+@cpu_only
+@pytest.mark.parametrize("t,hq,hkv,d,lens,tbs", [(2, 4, 2, 64, [5, 40], 16), (5, 8, 1, 128, [9], 8),
+                                               (16, 2, 2, 256, [16, 30], 16)])
+def test_paged_multi_interpreter(t, hq, hkv, d, lens, tbs):
+    gen = torch.Generator().manual_seed(2)
+    nb = sum(math.ceil(n / tbs) for n in lens) + 1
+    q = torch.randn(len(lens), t, hq, d, generator=gen).half()
+    kc = torch.randn(nb, hkv, tbs, d, generator=gen).half()
+    vc = torch.randn(nb, hkv, tbs, d, generator=gen).half()
+    tab = make_tables(lens, tbs, nb, gen)
+    sl = torch.tensor(lens, dtype=torch.int32)
+    plan = kernels.plan_decode("paged", sl, num_qo_heads=hq, num_kv_heads=hkv, head_dim=d, block_size=tbs,
+                               device="cpu", dtype=q.dtype, query_tokens=t, backend="triton", tile=16,
+                               target_ctas=4 * hkv)
+    out, lse = plan.run_paged(q, kc, vc, tab, 0.1)
+    ro, rl = ref.paged_multi_attention(q.double(), kc.double(), vc.double(), tab, sl, 0.1)
+    check_attn(out, lse, ro, rl, 2e-2)
+
+
+def test_multi_plan_refusals():
+    kw = dict(num_qo_heads=4, num_kv_heads=2, head_dim=64, block_size=16, tail_block_size=16, device="cpu",
+              dtype=torch.float16, backend="triton")
+    with pytest.raises(ValueError, match="query_tokens"):
+        kernels.plan_decode("pq", [16], [20], query_tokens=17, **kw)
+    with pytest.raises(ValueError, match="query_tokens"):
+        kernels.plan_decode("pq", [16], [20], query_tokens=0, **kw)
+    with pytest.raises(ValueError, match="sliding windows"):
+        kernels.plan_decode("pq", [16], [20], [0], [4], query_tokens=2, **kw)
+    with pytest.raises(ValueError, match="tail_lens"):
+        kernels.plan_decode("pq", [16], [3], query_tokens=4, **kw)
+    # the CUDA C++ kernels read one query token: never picked, refused when insisted on
+    assert kernels.decode_backend("pq", device="cpu", num_qo_heads=4, num_kv_heads=2, head_dim=64,
+                                  block_size=16, dtype=torch.float16, query_tokens=2) != kernels.CUDA
+    with pytest.raises(ValueError, match="multi-token"):
+        kernels.decode_backend("pq", device="cpu", num_qo_heads=4, num_kv_heads=2, head_dim=64,
+                               block_size=16, dtype=torch.float16, query_tokens=2, backend="cuda")
+
+
+def test_router_entry_points_use_the_reference_on_cpu():
+    c = multi_case(3, [2], [6], 4, 2, 64, 2, 16, 16, torch.float32, "cpu")
+    got = kernels.pq_multi_attention(**c, scale=0.2)
+    want = ref.pq_multi_attention(**c, scale=0.2)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+# ------------------------------------------------------------------ GPU
+
+@gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("d,dsub", [(64, 2), (128, 2), (128, 4), (256, 2), (256, 4)])
+@pytest.mark.parametrize("t,hq,hkv", [(2, 32, 8), (8, 32, 8), (16, 32, 8), (5, 8, 1), (16, 4, 1)])
+def test_pq_multi_gpu(t, hq, hkv, d, dsub, dtype):
+    c = multi_case(t, [40, 7, 0, 129], [t + 3, 130, 16 + t, t], hq, hkv, d, dsub, 16, 16, dtype, "cuda")
+    out, lse = run_multi(c, 1.0 / math.sqrt(d))
+    ro, rl = multi_ref(c, 1.0 / math.sqrt(d))
+    check_attn(out, lse, ro, rl, 3e-2 if dtype == torch.bfloat16 else 1e-2)
+
+
+@gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("t,d", [(2, 128), (8, 128), (16, 64), (5, 256)])
+def test_paged_multi_gpu(t, d, dtype):
+    gen = torch.Generator().manual_seed(5)
+    lens, bs, hq, hkv = [t, 700, 4100, 33], 16, 32, 8
+    nb = sum(math.ceil(n / bs) for n in lens) + 1
+    q = torch.randn(len(lens), t, hq, d, generator=gen).to(dtype).cuda()
+    kc = torch.randn(nb, hkv, bs, d, generator=gen).to(dtype).cuda()
+    vc = torch.randn(nb, hkv, bs, d, generator=gen).to(dtype).cuda()
+    tab = make_tables(lens, bs, nb, gen).cuda()
+    sl = torch.tensor(lens, dtype=torch.int32)
+    out, lse = kernels.paged_multi_attention(q, kc, vc, tab, sl, 0.08)
+    ro, rl = ref.paged_multi_attention(q.cpu().double(), kc.cpu().double(), vc.cpu().double(), tab.cpu(), sl, 0.08)
+    check_attn(out, lse, ro, rl, 3e-2 if dtype == torch.bfloat16 else 1e-2)
