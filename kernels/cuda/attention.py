@@ -19,6 +19,8 @@ from . import build
 from .build import NULL, f32, i32, i64, ptr
 from .images import IMG_WORDS, CodebookImage, group
 
+LOG2E = 1.4426950408889634      # the kernel's scores are base 2: scale and cap times log2(e)
+
 
 def supports(*, num_qo_heads: int, num_kv_heads: int, head_dim: int, block_size: int, device,
              dtype: torch.dtype, kv_dtype: torch.dtype, codebook_dtype: torch.dtype) -> bool:
@@ -202,9 +204,6 @@ class CudaPQPlan(DecodePlan):
                      (ptr(self.o_part), ptr(self.lse_part), ptr(self.item_ptr), ptr(out),
                       i64(out.stride(0)), i64(out.stride(1)), ptr(lse), i64(lse.stride(0)),
                       i32(hq)), stream_=stream)
-
-
-LOG2E = 1.4426950408889634      # the kernel's scores are base 2: scale and cap times log2(e)
 
 
 # ---------------------------------------------------------------------- plan
