@@ -95,11 +95,12 @@ def pq_case(b, L, bs):
                 tail_k=tk, tail_v=tv, tail_tables=tt), [ns] * b, [TAIL] * b, nbytes
 
 
-def time_pq(q, case, sl, tl_, bs, image=True, **cfg):
-    """cfg: plan_decode's backend, target_ctas and Triton tuning. image: pass the codebook
-    image (the engine does; the CUDA plan then stages codebooks by bulk copies for short
-    items), else the CUDA plan stages them through registers at every size."""
-    plan = kernels.plan_decode("pq", sl, tl_, num_qo_heads=HQ, num_kv_heads=HKV, head_dim=D,
+def time_pq(q, case, sl, tl_, bs, image=True, starts=(), **cfg):
+    """cfg: plan_decode's backend, target_ctas, softcap and Triton tuning. image: pass the
+    codebook image (the engine does; the CUDA plan then stages codebooks by bulk copies for
+    short items), else the CUDA plan stages them through registers at every size. starts:
+    a sliding window's (sealed_starts, tail_starts)."""
+    plan = kernels.plan_decode("pq", sl, tl_, *starts, num_qo_heads=HQ, num_kv_heads=HKV, head_dim=D,
                                block_size=bs, tail_block_size=TBS, device=DEV, dtype=q.dtype, **cfg)
     out, lse = torch.empty_like(q), torch.empty(q.shape[:2], device=DEV)
     c = case

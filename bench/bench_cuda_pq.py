@@ -2,6 +2,7 @@
 Triton PQ kernel and the CUDA kernel's other builds, all measured in one run.
 
 python bench/bench_cuda_pq.py [--quick] [--warps 8 12 16] [--encode-only] [--no-encode] [--shape B L]
+                              [--window W [--softcap C] [--window-shape B L]]
 
 Same case and timing as bench/bench_attention.py (whose helpers it uses): Hq 32, Hkv 8, d 128,
 M 64 (4-bit), bs 16, a 128-token fp16 tail; median over CUDA-graph replays with L2 flushed
@@ -19,6 +20,11 @@ With more than one --warps value the warps per block are swept first (B=8 and B=
 --shape B L times that one shape with no correctness check, sweep or encode before it, so
 that under a profiler the first pq_attn launch is that shape's default build (docs/kernels.md
 gives the ncu command).
+
+--window W adds a sliding window of the W newest tokens at --window-shape (default B=8,
+L=32K; --softcap C caps the scores too): the CUDA kernel's window build and the Triton
+kernel over the window, against the plain CUDA build over a sequence of W tokens (the same
+tokens read; what the window build costs on top) and over all L.
 """
 import argparse
 import os
@@ -34,6 +40,7 @@ from kvstore.kernels import tunables  # noqa: E402
 from kvstore.kernels.cuda import attention as cuda_attention  # noqa: E402
 from kvstore.kernels.cuda import build  # noqa: E402
 from kvstore.kernels.cuda import encode as cuda_encode  # noqa: E402
+from kvstore.kernels.plan import pq_window_starts  # noqa: E402
 from kvstore.kernels.triton import encode as triton_encode  # noqa: E402
 
 DEV = torch.device("cuda")
@@ -43,7 +50,8 @@ def kernel_info():
     for nw in (8, 12, 16):
         for dsub in (2, 4):
             for gp, tma in (((4, False), (4, True)) if dsub == 2 else ((0, False),)):
-                fn = build.function("attention.cu", cuda_attention._attn_name(128, dsub, False, nw, gp, tma), DEV)
+                fn = build.function("attention.cu",
+                                    cuda_attention._attn_name(128, dsub, False, nw, gp, tma, False, False), DEV)
                 print(f"pq_attn<128,{dsub},f16,{nw},GP={gp},TMA={tma}>: regs {fn.num_regs}, "
                       f"local {fn.local_size_bytes} B")
 
@@ -99,6 +107,30 @@ def time_encode(rd: float | None = None):
     return res
 
 
+def time_window(window: int, softcap: float, b: int, L: int):
+    """The window of the `window` newest of L tokens (pq_case's layout: no sinks, a 128-token
+    tail): the CUDA kernel's window build and Triton over it, the plain CUDA build over a
+    sequence of `window` tokens and over all L."""
+    q = torch.randn(b, ba.HQ, ba.D, device="cuda", dtype=torch.float16)
+    case, sl, tl_, _ = ba.pq_case(b, L, 16)
+    ss, ts = zip(*(pq_window_starts(n + t, window, 0, n) for n, t in zip(sl, tl_)))
+    starts = (list(ss), list(ts))
+    t_win = ba.time_pq(q, case, sl, tl_, 16, backend="cuda", starts=starts, softcap=softcap)
+    t_tr = ba.time_pq(q, case, sl, tl_, 16, backend="triton", starts=starts, softcap=softcap)
+    t_all = ba.time_pq(q, case, sl, tl_, 16, backend="cuda")
+    del case
+    case, sl, tl_, _ = ba.pq_case(b, window, 16)
+    t_few = ba.time_pq(q, case, sl, tl_, 16, backend="cuda")
+    del case
+    torch.cuda.empty_cache()
+    print(f"\nwindow {window} of {L} tokens, B={b}" + (f", soft-cap {softcap}" if softcap else "")
+          + f" (sealed start {ss[0]}, tail start {ts[0]}); us, median, CUDA graph, L2 flushed")
+    print(f"{'cuda window':>12} {'triton window':>14} {'cuda W tokens':>14} {'cuda all L':>11} "
+          f"{'triton/cuda':>11} {'window/W tokens':>15}")
+    print(f"{t_win:>12.1f} {t_tr:>14.1f} {t_few:>14.1f} {t_all:>11.1f} {t_tr / t_win:>11.2f} "
+          f"{t_win / t_few:>15.2f}")
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
@@ -109,6 +141,10 @@ def main():
                     help="L2 flush before each rep (bench_attention.FLUSH)")
     ap.add_argument("--shape", type=int, nargs=2, metavar=("B", "L"),
                     help="time this batch and context length only (for a profiler; needs one --warps value)")
+    ap.add_argument("--window", type=int, default=0,
+                    help="also time a sliding window of this many tokens (time_window)")
+    ap.add_argument("--softcap", type=float, default=0.0, help="with --window: soft-cap the scores")
+    ap.add_argument("--window-shape", type=int, nargs=2, metavar=("B", "L"), default=(8, 32768))
     args = ap.parse_args()
     if args.shape and len(args.warps) != 1:
         ap.error("--shape needs one --warps value")
@@ -182,6 +218,8 @@ def main():
         print(f"{b:>3} {L:>7} {tc:>8.1f} {tm:>8.1f} {tg:>8.1f} {tt:>8.1f} {ts:>8.1f} "
               f"{ts / tc:>9.2f} {ts / tm:>8.2f} {ts / tg:>8.2f} {tt / tc:>11.2f} {bw:>6.0f} "
               f"{100 * bw / rd:>4.0f}%")
+    if args.window:
+        time_window(args.window, args.softcap, *args.window_shape)
 
 if __name__ == "__main__":
     sys.exit(main())

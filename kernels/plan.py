@@ -244,6 +244,13 @@ def pq_lens(sealed_lens, tail_lens, *, block_size: int) -> tuple[list[int], list
     return sl, tl_
 
 
+def pq_ranges(sealed_lens, tail_lens, sealed_starts=None, tail_starts=None, *, block_size: int):
+    """A PQ plan's lengths (and window starts) -> checked host lists (sl, tl_, ss, ts)."""
+    sl, tl_ = pq_lens(sealed_lens, tail_lens, block_size=block_size)
+    return (sl, tl_, range_starts(sealed_starts, sl, "sealed_starts"),
+            range_starts(tail_starts, tl_, "tail_starts"))
+
+
 def range_starts(starts, lens: list[int], name: str) -> list[int]:
     """Checked host list of per-sequence start indices into ranges of these lengths
     (None: zeros): 0 <= start <= len."""

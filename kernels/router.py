@@ -12,10 +12,10 @@ say which, and every entry point below goes through them.
                        dtype=q.dtype, aligned=query_aligned(q))     # once a step
     out, lse = plan.run_pq(q, ...)                                   # per layer (plan.py)
 
-Sliding windows and logit soft-capping run on the Triton kernels and the reference: the
-CUDA C++ kernels read whole 16-token tiles from a range's start and have no soft-cap, so
-decode_backend never picks them for a windowed plan (start indices after the lengths,
-plan.py) or a softcap (docs/kernels.md).
+Sliding windows (start indices after the lengths, plan.py) and logit soft-capping run on
+every backend: the CUDA C++ plan runs them on builds of its kernel of their own (a window's
+first PQ tile masked, scores capped), so the choice of backend does not depend on them
+(docs/kernels.md, Sliding windows).
 
 Multi-token queries (plan_decode(query_tokens=T), T in 2..16: T new tokens per sequence,
 causal among them, plan.py) run on the Triton kernels only: decode_backend never picks
@@ -52,24 +52,23 @@ def query_aligned(q: torch.Tensor) -> bool:
 def decode_backend(kind: str, *, device, num_qo_heads: int, num_kv_heads: int, head_dim: int,
                    block_size: int, dtype: torch.dtype, kv_dtype: torch.dtype | None = None,
                    codebook_dtype: torch.dtype | None = None, aligned: bool = True,
-                   backend: str = "auto", windowed: bool = False, softcap: float = 0.0,
-                   query_tokens: int = 1) -> str:
+                   backend: str = "auto", query_tokens: int = 1) -> str:
     """REFERENCE, CUDA or TRITON for a decode of this kind ("pq" or "paged").
 
     dtype: that of q and out; kv_dtype and codebook_dtype (default: dtype): those of the
     fp16 tail or pool and of the PQ codebooks. aligned: q and the pools meet the CUDA kernels' alignment
     (query_aligned(q); pools the engine or a client allocates always do). backend:
     "auto", or "cuda" / "triton" to insist (the benches and tests); "cuda" where the
-    CUDA kernels do not apply is a ValueError. windowed: the plan reads from start
-    indices (a sliding window); softcap: > 0 for soft-capped scores; query_tokens: > 1
-    for a multi-token plan. The CUDA C++ kernels take none of them."""
+    CUDA kernels do not apply is a ValueError. Sliding windows and soft-capping do not
+    enter the choice: every backend takes both. query_tokens: > 1 for a
+    multi-token plan, which the CUDA C++ kernel does not take."""
     if kind not in KINDS:
         raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
     if backend not in ("auto", CUDA, TRITON):
         raise ValueError(f"backend must be 'auto', 'cuda' or 'triton', got {backend!r}")
     if backend == TRITON:
         return TRITON
-    if kind == "pq" and aligned and not windowed and not softcap and query_tokens == 1 and cuda_attention.supports(
+    if kind == "pq" and aligned and query_tokens == 1 and cuda_attention.supports(
             num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
             block_size=block_size, device=device, dtype=dtype,
             kv_dtype=dtype if kv_dtype is None else kv_dtype,
@@ -77,7 +76,7 @@ def decode_backend(kind: str, *, device, num_qo_heads: int, num_kv_heads: int, h
         return CUDA
     if backend == CUDA:
         raise ValueError("backend='cuda': cupy is missing, or the CUDA kernels do not take this "
-                         "kind, shape, dtype, alignment, sliding window, soft-cap or multi-token query")
+                         "kind, shape, dtype, alignment or multi-token query")
     return TRITON if torch.device(device).type == "cuda" else REFERENCE
 
 
@@ -118,8 +117,7 @@ def plan_decode(kind: str, *lens, num_qo_heads: int, num_kv_heads: int, head_dim
         raise ValueError(f"softcap must be a finite number >= 0, got {softcap}")
     if not (isinstance(query_tokens, int) and 1 <= query_tokens <= MAX_QUERY_TOKENS):
         raise ValueError(f"query_tokens must be in [1, {MAX_QUERY_TOKENS}], got {query_tokens!r}")
-    windowed = len(lens) == 2 * n_lens
-    if windowed and query_tokens > 1:
+    if len(lens) == 2 * n_lens and query_tokens > 1:
         raise ValueError("sliding windows: a multi-token plan does not take start indices")
     if kind == "pq":
         if tail_block_size is None:
@@ -130,11 +128,12 @@ def plan_decode(kind: str, *lens, num_qo_heads: int, num_kv_heads: int, head_dim
     which = decode_backend(kind, device=device, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads,
                            head_dim=head_dim, block_size=block_size, dtype=dtype, kv_dtype=kv_dtype,
                            codebook_dtype=codebook_dtype, aligned=aligned, backend=backend,
-                           windowed=windowed, softcap=softcap, query_tokens=query_tokens)
+                           query_tokens=query_tokens)
     geo = dict(num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
                block_size=block_size, device=device, target_ctas=target_ctas, spare_items=spare_items)
     if which == CUDA:
-        return cuda_attention.plan_pq(sl, tl_, tail_block_size=tail_block_size, dtype=dtype, **geo)
+        return cuda_attention.plan_pq(sl, tl_, *lens[2:], tail_block_size=tail_block_size, dtype=dtype,
+                                      softcap=softcap, **geo)
     if which == REFERENCE:
         raise ValueError(f"decode plans run on CUDA devices, not {torch.device(device)}: use "
                          "pq_decode_attention / paged_decode_attention (the reference) there")

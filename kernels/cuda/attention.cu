@@ -22,9 +22,15 @@
 // Block sizes are powers of two (bs_shift = log2(bs)): a token's block and row are a shift
 // and a mask (a runtime division was ~30 of the tile loop's ~474 instructions).
 // Partials (o, base-2 lse) per item go to o_part / lse_part; pq_merge combines them.
+// Two template flags, each a build of its own so that the plain build's code is untouched:
+// - WIN (sliding windows): an item's PQ range may start at any token (a window's first).
+//   Its tiles start at the 16-token tile below (the code ring reads whole, 16-byte aligned
+//   tiles) and the scores of the tokens before pq_lo are masked. The tail tiles address
+//   each token through the table and start anywhere in every build.
+// - CAP: logit soft-capping of every score (attention.cuh SoftCap), cap2 = softcap * log2(e).
 #include "attention.cuh"
 
-template <int D, int DSUB, bool BF16, int NW, int GP, bool TMA>
+template <int D, int DSUB, bool BF16, int NW, int GP, bool TMA, bool WIN, bool CAP>
 __global__ void __launch_bounds__(NW * 32, 1) pq_attn(
     const u16* q, long long sq_b, long long sq_h, const int* items, float* o_part,
     float* lse_part, const u8* kc, const u8* vc, long long skc_blk, long long skc_h,
@@ -32,7 +38,7 @@ __global__ void __launch_bounds__(NW * 32, 1) pq_attn(
     long long st_stride, const u16* tk, const u16* tv, long long stk_blk, long long stk_h,
     long long stk_t, long long stv_blk, long long stv_h, long long stv_t, const int* tt,
     long long tt_stride, float qk_scale, int hq, int g, int bs, int tbs, int bs_shift,
-    const u8* img) {
+    const u8* img, float cap2) {
   static_assert(GP == 0 || (DSUB == 2 && (GP == 2 || GP == 4 || GP == 8)), "GP: 0 or 2/4/8, dsub 2");
   static_assert(GP > 0 || DSUB == 4, "dsub 2 runs the conflict-free layouts (GP > 0)");
   static_assert(!TMA || GP > 0, "TMA: the CF layouts only");
@@ -46,6 +52,7 @@ __global__ void __launch_bounds__(NW * 32, 1) pq_attn(
   a.st_stride = st_stride; a.tk = tk; a.tv = tv; a.stk_blk = stk_blk; a.stk_h = stk_h;
   a.stk_t = stk_t; a.stv_blk = stv_blk; a.stv_h = stv_h; a.stv_t = stv_t; a.tt = tt;
   a.tt_stride = tt_stride; a.qk_scale = qk_scale; a.hq = hq; a.g = g; a.bs = bs; a.tbs = tbs;
+  if constexpr (CAP) a.cap = SoftCap{cap2, 2.8853900817779268f / cap2};   // k2 = 2 log2(e) / cap2
   constexpr int M = D / DSUB, MQ = M / 4, KS = D / 16, NX = M / 8;
   typedef typename Ent<DSUB>::T E;
   extern __shared__ __align__(16) unsigned char smem[];
@@ -87,7 +94,9 @@ __global__ void __launch_bounds__(NW * 32, 1) pq_attn(
     }
   }
   const int* it = a.items + item * 5;
-  const int b = it[0], pq_lo = it[1], pq_hi = it[2], t_lo = it[3], t_hi = it[4];
+  const int b = it[0], pq_from = it[1], pq_hi = it[2], t_lo = it[3], t_hi = it[4];
+  // WIN: the item's first PQ token (pq_from) may sit inside a tile; its tiles start below it
+  const int pq_lo = WIN ? pq_from & ~15 : pq_from;
   const int n_pq = (pq_hi - pq_lo) >> 4;
   const int n_tl = (t_hi - t_lo + 15) >> 4;
   if (n_pq == 0 && n_tl == 0) {   // padding item of a plan kept for update()
@@ -262,7 +271,7 @@ __global__ void __launch_bounds__(NW * 32, 1) pq_attn(
     // other fills with tile ti + NW
     CodeVec<MQ> kn2[2];
     u32 vn2[NX];
-    auto tile = [&](CodeVec<MQ> (&kk)[2], u32 (&vv)[NX]) {
+    auto tile = [&](CodeVec<MQ> (&kk)[2], u32 (&vv)[NX], int tix) {
       float s[2][4];
 #pragma unroll
       for (int t = 0; t < 2; ++t) s[t][0] = s[t][1] = s[t][2] = s[t][3] = 0.f;
@@ -321,8 +330,19 @@ __global__ void __launch_bounds__(NW * 32, 1) pq_attn(
       }
       }
       u32 pb0, pb1;
-      softmax_pv<D, DSUB, BF16, VG, VG == 0>(ws, s, alltrue, a.qk_scale, lane, pb0, pb1);
+      if constexpr (WIN) {
+        // score (gq, column 2cq + e) of n-tile t is token sigma(t, 2cq + e) of the tile:
+        // those before the window's first token (in the item's first tile only) are out
+        const int t0 = pq_lo + 16 * tix;
+        bool valid[2][2];
 #pragma unroll
+        for (int t = 0; t < 2; ++t)
+#pragma unroll
+          for (int e = 0; e < 2; ++e) valid[t][e] = t0 + sigma(t, 2 * cq + e) >= pq_from;
+        softmax_pv<D, DSUB, BF16, VG, VG == 0, CAP>(ws, s, valid, a.qk_scale, lane, pb0, pb1, a.cap);
+      } else {
+        softmax_pv<D, DSUB, BF16, VG, VG == 0, CAP>(ws, s, alltrue, a.qk_scale, lane, pb0, pb1, a.cap);
+      }
       if constexpr (VG > 0) {
         constexpr int NT = VG / 2;
         // P of head gq % VG in every lane: the B columns n = gq are (c, head) pairs
@@ -462,7 +482,7 @@ __global__ void __launch_bounds__(NW * 32, 1) pq_attn(
           for (int X = 0; X < NX; ++X)
             vv[X] = *reinterpret_cast<const u32*>(st + vrd + 128 * X);
         }
-        tile(kk, vv);
+        tile(kk, vv, warp + k * NW);
       }
       cp_async_wait<0>();
     } else {
@@ -472,11 +492,11 @@ __global__ void __launch_bounds__(NW * 32, 1) pq_attn(
     for (; ti < n_pq; ti += 2 * NW) {
       if (ti + NW < n_pq) fetch(ti + NW, bB, kn2, vn2);
       bB = blk_of(ti + 3 * NW);
-      tile(kn, vn);
+      tile(kn, vn, ti);
       if (ti + NW >= n_pq) break;
       if (ti + 2 * NW < n_pq) fetch(ti + 2 * NW, bA, kn, vn);
       bA = blk_of(ti + 4 * NW);
-      tile(kn2, vn2);
+      tile(kn2, vn2, ti + NW);
     }
     }
   }
@@ -527,7 +547,7 @@ __global__ void __launch_bounds__(NW * 32, 1) pq_attn(
         }
       }
       u32 pb0, pb1;
-      softmax_pv<D, DSUB, BF16, VG>(ws, s, valid, a.qk_scale, lane, pb0, pb1);
+      softmax_pv<D, DSUB, BF16, VG, true, CAP>(ws, s, valid, a.qk_scale, lane, pb0, pb1, a.cap);
       const u16* vrow[4];
       bool vok[4];
 #pragma unroll

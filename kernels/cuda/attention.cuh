@@ -63,6 +63,20 @@ __device__ __forceinline__ u32 code_at(const CodeVec<MQ>& v, int i) {
   return (v.w[i >> 2] >> ((i & 3) * 8)) & 0xffu;
 }
 
+// Logit soft-capping in the kernel's base-2 units: a score x = s * scale * log2(e) becomes
+// cap2 * tanh(x / cap2), cap2 = softcap * log2(e) (softcap * tanh(s * scale / softcap),
+// scaled by log2(e) on both sides). tanh(t) = 1 - 2 / (e^2t + 1), e^2t = exp2(x * k2) with
+// k2 = 2 log2(e) / cap2 = 2 / softcap: it saturates to +-1 without overflow (e^2t -> inf or
+// 0; the fast division's 0 for a denominator past 2^126 is the limit too). tanh.approx
+// (one MUFU op) was not taken: its 2^-11 relative error is ~0.035 of a base-2 score at
+// Gemma-2's cap of 50, a 2.4 % error on a softmax weight.
+struct SoftCap {
+  float cap2, k2;
+  __device__ __forceinline__ float operator()(float x) const {
+    return cap2 - 2.f * cap2 / (exp2f(x * k2) + 1.f);
+  }
+};
+
 struct AttnArgs {
   const u16* q; long long sq_b, sq_h;
   const int* items; int n_items;           // [n, 5]: b, pq_lo, pq_hi, t_lo, t_hi
@@ -74,6 +88,7 @@ struct AttnArgs {
   const int* tt; long long tt_stride;
   float qk_scale;                          // scale * log2(e)
   int hq, g, bs, tbs;
+  SoftCap cap;                             // read by the CAP builds only
 };
 
 // Everything per warp for one 16-token tile once its K/V entries are known.
@@ -93,15 +108,20 @@ struct WarpState {
 };
 
 // RESCALE_O false: o is known to be zero (the PQ tiles of VG, before any tail tile), so
-// it need not stay live in registers through the PQ loop
-template <int D, int DSUB, bool BF16, int VG, bool RESCALE_O = true>
+// it need not stay live in registers through the PQ loop. CAP: soft-cap the scores (cap).
+template <int D, int DSUB, bool BF16, int VG, bool RESCALE_O = true, bool CAP = false>
 __device__ __forceinline__ void softmax_pv(WarpState<D, DSUB, BF16, VG>& ws, float (&s)[2][4],
                                            const bool (&valid)[2][2], float qk_scale, int lane,
-                                           u32& pb0, u32& pb1) {
-  float x00 = valid[0][0] ? s[0][0] * qk_scale : NEG_INF;
-  float x01 = valid[0][1] ? s[0][1] * qk_scale : NEG_INF;
-  float x10 = valid[1][0] ? s[1][0] * qk_scale : NEG_INF;
-  float x11 = valid[1][1] ? s[1][1] * qk_scale : NEG_INF;
+                                           u32& pb0, u32& pb1, const SoftCap& cap) {
+  auto score = [&](float v) {
+    const float x = v * qk_scale;
+    if constexpr (CAP) return cap(x);
+    else return x;
+  };
+  float x00 = valid[0][0] ? score(s[0][0]) : NEG_INF;
+  float x01 = valid[0][1] ? score(s[0][1]) : NEG_INF;
+  float x10 = valid[1][0] ? score(s[1][0]) : NEG_INF;
+  float x11 = valid[1][1] ? score(s[1][1]) : NEG_INF;
   float mx = fmaxf(fmaxf(x00, x01), fmaxf(x10, x11));
   mx = fmaxf(mx, __shfl_xor_sync(FULL, mx, 1));
   mx = fmaxf(mx, __shfl_xor_sync(FULL, mx, 2));

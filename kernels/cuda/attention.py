@@ -14,10 +14,12 @@ import torch
 from kvstore.cuda.pinned import to_device
 
 from .. import tunables
-from ..plan import HALF, DecodePlan, capacity, ceil, check, check_batch, fit, pq_lens
+from ..plan import HALF, DecodePlan, capacity, ceil, check, check_batch, fit, pq_ranges
 from . import build
 from .build import NULL, f32, i32, i64, ptr
 from .images import IMG_WORDS, CodebookImage, group
+
+LOG2E = 1.4426950408889634      # the kernel's scores are base 2: scale and cap times log2(e)
 
 
 def supports(*, num_qo_heads: int, num_kv_heads: int, head_dim: int, block_size: int, device,
@@ -60,9 +62,9 @@ def misaligned(q, k_codes, v_codes, tail_k, tail_v, dsub: int) -> str | None:
     return None
 
 
-def _attn_name(d, dsub, bf16, nw, gp, tma):
+def _attn_name(d, dsub, bf16, nw, gp, tma, win, cap):
     b = lambda x: "true" if x else "false"  # noqa: E731
-    return f"pq_attn<{d}, {dsub}, {b(bf16)}, {nw}, {gp}, {b(tma)}>"
+    return f"pq_attn<{d}, {dsub}, {b(bf16)}, {nw}, {gp}, {b(tma)}, {b(win)}, {b(cap)}>"
 
 
 def _merge_name(d, bf16):
@@ -81,23 +83,25 @@ def _attn_smem(d: int, gp: int, nw: int, tma: bool = False) -> int:
 class CudaPQPlan(DecodePlan):
     """A PQ DecodePlan for attention.cu: items [capacity, 5] int32 (b, pq_lo, pq_hi,
     tail_lo, tail_hi), one thread block per (item, KV head); lse_part is base-2. dtype:
-    that of q, out, the tail and the codebooks (fp16 or bf16, supports())."""
+    that of q, out, the tail and the codebooks (fp16 or bf16, supports()). windowed: made
+    with window starts, run by the kernel's WIN build (a PQ range may start inside a
+    tile); softcap > 0 by its CAP build."""
     item_width = 5
     dtype: torch.dtype
     num_warps: int
     item_tokens: int = 0        # mean PQ tokens per item (picks the codebook staging)
+    windowed: bool = False
     _fns: dict = field(default_factory=dict)
 
     def rows(self, sealed_lens, tail_lens, *starts) -> tuple[list[int], list[int]]:
-        if starts:
-            # The kernel reads whole 16-token PQ tiles from an item's start: the router
-            # sends windowed layers to Triton, and a window reaching this plan is refused.
-            raise ValueError("the CUDA C++ plan takes no window starts (router.decode_backend)")
-        sl, tl_ = pq_lens(sealed_lens, tail_lens, block_size=self.block_size)
+        if starts and not self.windowed:
+            # its kernel (captured in a graph, maybe) reads every PQ range from a tile's start
+            raise ValueError("this plan was made without window starts; plan a windowed layer with them")
+        sl, tl_, ss, ts = pq_ranges(sealed_lens, tail_lens, *starts, block_size=self.block_size)
         check_batch(self, sl)
         eq = _tail_eq(self.num_warps)
-        items, ptr_ = fit(lambda c: _items(sl, tl_, c, eq), self.chunk0, self.items.shape[0], 5)
-        self.item_tokens = _item_tokens(sl, ptr_)
+        items, ptr_ = fit(lambda c: _items(sl, tl_, c, eq, ss, ts), self.chunk0, self.items.shape[0], 5)
+        self.item_tokens = _item_tokens(sl, ss, ptr_)
         self.sealed_cols = max([x // self.block_size for x in sl] + [0])
         self.tail_cols = max([ceil(x, self.tail_block_size) for x in tl_] + [0])
         return items, ptr_
@@ -120,7 +124,8 @@ class CudaPQPlan(DecodePlan):
         for dsub in dsubs:
             gp = group(self.num_qo_heads // self.num_kv_heads, dsub)
             for tma in ((False, True) if self._tma(gp) else (False,)):
-                self._fn("attn", self.head_dim, dsub, bf16, self.num_warps, gp, tma)
+                self._fn("attn", self.head_dim, dsub, bf16, self.num_warps, gp, tma, self.windowed,
+                         self.softcap > 0)
         self._fn("merge", self.head_dim, bf16)
 
     def _tma(self, gp: int) -> bool:
@@ -179,7 +184,8 @@ class CudaPQPlan(DecodePlan):
             # An image built for another V layout (another GQA group) is not this kernel's.
             img = (image.words if image is not None and image.layout == (gp if gp < 8 else 0)
                    and self._use_tma(gp) else None)
-            fn = self._fn("attn", d, dsub, bf16, self.num_warps, gp, img is not None)
+            fn = self._fn("attn", d, dsub, bf16, self.num_warps, gp, img is not None, self.windowed,
+                          self.softcap > 0)
             args = (ptr(q), i64(q.stride(0)), i64(q.stride(1)), ptr(self.items), ptr(self.o_part),
                     ptr(self.lse_part), ptr(k_codes), ptr(v_codes), i64(k_codes.stride(0)),
                     i64(k_codes.stride(1)), i64(v_codes.stride(0)), i64(v_codes.stride(1)),
@@ -188,9 +194,9 @@ class CudaPQPlan(DecodePlan):
                     i64(tail_k.stride(0)), i64(tail_k.stride(1)), i64(tail_k.stride(2)),
                     i64(tail_v.stride(0)), i64(tail_v.stride(1)), i64(tail_v.stride(2)),
                     ptr(tail_tables), i64(tail_tables.stride(0)),
-                    f32(scale * 1.4426950408889634), i32(hq), i32(hq // hkv), i32(bs),
+                    f32(scale * LOG2E), i32(hq), i32(hq // hkv), i32(bs),
                     i32(self.tail_block_size), i32(bs.bit_length() - 1),
-                    ptr(img) if img is not None else NULL)
+                    ptr(img) if img is not None else NULL, f32(self.softcap * LOG2E))
             build.launch(fn, dev, (n_items, hkv), (32 * self.num_warps,), args,
                          _attn_smem(d, gp, self.num_warps, img is not None), stream)
         fn = self._fn("merge", d, bf16)
@@ -206,39 +212,59 @@ def _tail_eq(nw: int) -> int:
     return int(tunables.TAIL_TILES * 16 * nw)
 
 
-def _item_tokens(sl, ptr_) -> int:
-    return sum(sl) // max(1, ptr_[-1])
+def _tile_base(start: int) -> int:
+    """The first token of the 16-token tile holding `start`: where the WIN build's tiles
+    of a PQ range that starts at `start` begin."""
+    return start // 16 * 16
 
 
-def _items(sl, tl_, chunk, tail_eq=0):
-    """[b, pq_lo, pq_hi, tail_lo, tail_hi] work items; each sequence's tail (its first
+def _item_tokens(sl, ss, ptr_) -> int:
+    return sum(n - _tile_base(a) for n, a in zip(sl, ss)) // max(1, ptr_[-1])
+
+
+def _window_tokens(sl, tl_, ss, ts, eq: int) -> int:
+    """What a plan's items cover, in PQ tokens (each tail at eq tokens when eq > 0)."""
+    pq = sum(n - _tile_base(a) for n, a in zip(sl, ss))
+    return pq + sum((eq if eq else n - a) for n, a in zip(tl_, ts) if n > a)
+
+
+def _items(sl, tl_, chunk, tail_eq=0, ss=None, ts=None):
+    """[b, pq_lo, pq_hi, tail_lo, tail_hi] work items over each sequence's PQ tokens [ss,
+    sl) and tail tokens [ts, tl_) (ss / ts: a window's starts, None: zeros). The PQ items
+    tile the range from ss's tile (_tile_base) on, in whole tiles; the first one says ss
+    itself (the kernel masks the tokens before it). Each sequence's tail (its first
     `chunk` tokens) joins its last PQ item. tail_eq: what that tail costs in PQ tokens
     (tunables.TAIL_TILES): a sequence cut into k > 1 items gets k equal shares of PQ +
     tail_eq, the last one tail_eq fewer PQ tokens (none: the tail alone, a block with no
     codebooks to stage)."""
     items, ptr_ = [], [0]
     for b, (ns, nt) in enumerate(zip(sl, tl_)):
+        s0, t0 = (ss[b] if ss else 0), (ts[b] if ts else 0)
+        base = _tile_base(s0)
+        npq, ntl = ns - base, nt - t0         # tokens the items read: whole PQ tiles, the tail
         mine = []
-        eq = tail_eq if nt > 0 else 0
+        eq = tail_eq if ntl > 0 else 0
         # rounded, not ceil: the plan's chunk is the grid's total over its blocks per head
-        k = max(1, round((ns + eq) / chunk)) if ns > 0 else 0
+        k = max(1, round((npq + eq) / chunk)) if npq > 0 else 0
         if k > 1 and eq > 0:
-            last = max(0, (ns + eq) // k - eq) // 16 * 16
-            share = ceil(ceil(ns - last, k - 1), 16) * 16
+            last = max(0, (npq + eq) // k - eq) // 16 * 16
+            share = ceil(ceil(npq - last, k - 1), 16) * 16
             lo = 0
-            while lo < ns - last:
-                hi = min(ns - last, lo + share)
-                mine.append([b, lo, hi, 0, 0])
+            while lo < npq - last:
+                hi = min(npq - last, lo + share)
+                mine.append([b, base + lo, base + hi, 0, 0])
                 lo = hi
-            mine.append([b, ns - last, ns, 0, 0] if last > 0 else [b, 0, 0, 0, 0])
+            mine.append([b, base + npq - last, ns, 0, 0] if last > 0 else [b, 0, 0, 0, 0])
         else:
-            for lo in range(0, ns, chunk):
-                mine.append([b, lo, min(ns, lo + chunk), 0, 0])
-        t_lo = 0
-        if nt > 0 and mine:
-            take = min(nt, chunk)
-            mine[-1][3:] = [0, take]
-            t_lo = take
+            for lo in range(0, npq, chunk):
+                mine.append([b, base + lo, base + min(npq, lo + chunk), 0, 0])
+        if mine:
+            mine[0][1] = s0                   # the first item starts at the window, mid-tile maybe
+        t_lo = t0
+        if ntl > 0 and mine:
+            take = min(ntl, chunk)
+            mine[-1][3:] = [t0, t0 + take]
+            t_lo = t0 + take
         for lo in range(t_lo, nt, chunk):
             mine.append([b, 0, 0, lo, min(nt, lo + chunk)])
         for it in mine:
@@ -270,28 +296,33 @@ def _wave_chunk(total: int, batch: int, hkv: int, num_sms: int, min_chunk: int,
     return max(min_chunk, ceil(ceil(int(mean), k), 16) * 16) if k > 1 else None
 
 
-def plan_pq(sl: list[int], tl_: list[int], *, num_qo_heads: int, num_kv_heads: int,
-            head_dim: int, block_size: int, tail_block_size: int, device, dtype: torch.dtype,
-            target_ctas: int | None = None, num_warps: int | None = None,
-            spare_items: int | None = None) -> CudaPQPlan:
-    """sl / tl_: checked host lists of sealed (multiples of block_size) / tail lengths.
-    One block per (item, KV head) and one resident block per SM (the codebooks take most
-    of its shared memory): items are cut so that about target_ctas (default: #SMs) blocks
-    run. spare_items: room for update() (router.plan_decode)."""
+def plan_pq(sl: list[int], tl_: list[int], ss: list[int] | None = None, ts: list[int] | None = None, *,
+            num_qo_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
+            tail_block_size: int, device, dtype: torch.dtype, target_ctas: int | None = None,
+            num_warps: int | None = None, spare_items: int | None = None,
+            softcap: float = 0.0) -> CudaPQPlan:
+    """sl / tl_: host lists of sealed (multiples of block_size) / tail lengths; ss / ts:
+    a window's start in each (None: zeros, and a plan whose update() takes none; given,
+    the kernel's WIN build). One block per (item, KV head) and one resident block per SM
+    (the codebooks take most of its shared memory): items are cut so that about
+    target_ctas (default: #SMs) blocks run. spare_items: room for update()
+    (router.plan_decode); softcap > 0: the CAP build."""
+    windowed = ss is not None or ts is not None
+    sl, tl_, ss, ts = pq_ranges(sl, tl_, ss, ts, block_size=block_size)
     dev = torch.device(device)
     nw = num_warps or tunables.NUM_WARPS
     if target_ctas is None:
         target_ctas = build.num_sms(build.index(dev))
     per_head = max(1, target_ctas // num_kv_heads)
     eq = _tail_eq(nw)
-    total = sum(sl) + sum(eq if eq and t > 0 else t for t in tl_)
+    total = _window_tokens(sl, tl_, ss, ts, eq)
     chunk = max(16 * nw, ceil(ceil(max(total, 1), per_head), 16) * 16)
-    items, ptr_ = _items(sl, tl_, chunk, eq)
+    items, ptr_ = _items(sl, tl_, chunk, eq, ss, ts)
     if len(items) // 5 * num_kv_heads > target_ctas:
         better = _wave_chunk(total, len(sl), num_kv_heads, target_ctas, 16 * nw)
         if better is not None:
             chunk = better
-            items, ptr_ = _items(sl, tl_, chunk, eq)
+            items, ptr_ = _items(sl, tl_, chunk, eq, ss, ts)
     n = len(items) // 5
     cap = capacity(n, len(sl), spare_items)
     if cap is not None:     # empty items past item_ptr[-1]: the kernel returns at once
@@ -307,4 +338,5 @@ def plan_pq(sl: list[int], tl_: list[int], *, num_qo_heads: int, num_kv_heads: i
         block_size=block_size, tail_block_size=tail_block_size,
         sealed_cols=max([x // block_size for x in sl] + [0]),
         tail_cols=max([ceil(x, tail_block_size) for x in tl_] + [0]),
-        has_pq=True, chunk0=chunk, dtype=dtype, num_warps=nw, item_tokens=_item_tokens(sl, ptr_))
+        has_pq=True, chunk0=chunk, dtype=dtype, num_warps=nw, item_tokens=_item_tokens(sl, ss, ptr_),
+        windowed=windowed, softcap=softcap)

@@ -18,7 +18,7 @@ import triton
 
 from kvstore.cuda.pinned import to_device
 
-from ..plan import DecodePlan, capacity, check_batch, fit, host_lens, pq_lens, range_starts
+from ..plan import DecodePlan, capacity, check_batch, fit, host_lens, pq_ranges, range_starts
 from .decode_kernels import _decode_kernel, _merge_kernel
 
 _PQ, _DENSE, _CAUSAL = 0, 1, 2
@@ -131,13 +131,6 @@ class TritonDecodePlan(DecodePlan):
 
 
 # ---------------------------------------------------------------------- plan
-
-def pq_ranges(sealed_lens, tail_lens, sealed_starts=None, tail_starts=None, *, block_size: int):
-    """A PQ plan's lengths (and window starts, plan.py) -> checked host lists."""
-    sl, tl_ = pq_lens(sealed_lens, tail_lens, block_size=block_size)
-    return (sl, tl_, range_starts(sealed_starts, sl, "sealed_starts"),
-            range_starts(tail_starts, tl_, "tail_starts"))
-
 
 def paged_ranges(seq_lens, starts=None):
     sl = host_lens(seq_lens, "seq_lens")

@@ -8,6 +8,7 @@ import torch
 
 from kvstore import kernels
 from kvstore.kernels import reference as ref
+from kvstore.kernels.plan import pq_window_starts
 
 POISON = float("nan")
 HAS_CUDA = torch.cuda.is_available()
@@ -69,10 +70,38 @@ RUN_ARGS = ("q", "k_codes", "v_codes", "k_codebook", "v_codebook", "sealed_table
             "tail_tables")
 
 
-def pq_ref(c, scale):
-    """(out, lse) of the case by reference.pq_decode_attention in fp64, on the CPU."""
+def pq_ref(c, scale, **kw):
+    """(out, lse) of the case by reference.pq_decode_attention in fp64, on the CPU; kw:
+    its sealed_starts, tail_starts, softcap."""
     c64 = {k: (v.cpu().double() if v.is_floating_point() else v.cpu()) for k, v in c.items()}
-    return ref.pq_decode_attention(**c64, scale=scale)
+    return ref.pq_decode_attention(**c64, scale=scale, **kw)
+
+
+def window_starts(c, window, sinks):
+    """Each sequence's (sealed, tail) window starts in case c (plan.pq_window_starts; a
+    sequence with no sealed blocks holds every token, sinks included, in its tail; window
+    0: zeros)."""
+    ss, ts = [], []
+    for n_s, n_t in zip(c["sealed_lens"].tolist(), c["tail_lens"].tolist()):
+        a, b = pq_window_starts(n_s + n_t, window, sinks if n_s else 0, n_s) if window else (0, 0)
+        ss.append(a)
+        ts.append(b)
+    return ss, ts
+
+
+def pq_steps(steps, seed, hq=4, hkv=2, d=64, dsub=2, dtype=torch.float16, device="cpu"):
+    """A case with room for every decode step's lengths (steps: [(sealed blocks, tails)]
+    per step), and at(i): the case at step i (its lengths). On CPU q is fp64."""
+    most = [[max(col) for col in zip(*(st[j] for st in steps))] for j in (0, 1)]
+    c = make_pq_case(*most, hq, hkv, d, dsub, 16, 16, dtype, device, seed=seed)
+    if device == "cpu":
+        c["q"] = c["q"].double()
+
+    def at(i):
+        sealed, tails = steps[i]
+        return dict(c, sealed_lens=torch.tensor([16 * n for n in sealed], dtype=torch.int32),
+                    tail_lens=torch.tensor(tails, dtype=torch.int32))
+    return c, at
 
 
 def plan_pq(c, backend="auto", **kw):

@@ -70,8 +70,10 @@ def test_pq_decode_cuda(g, d, dsub, bs, dtype):
 
 def test_attn_variant_names():
     # CPU: the launcher's instantiation keys, as attention.cu declares pq_attn / pq_merge
-    assert cuda_attention._attn_name(128, 2, False, 12, 4, True) == "pq_attn<128, 2, false, 12, 4, true>"
-    assert cuda_attention._attn_name(64, 4, True, 8, 0, False) == "pq_attn<64, 4, true, 8, 0, false>"
+    assert cuda_attention._attn_name(128, 2, False, 12, 4, True, False, False) == \
+        "pq_attn<128, 2, false, 12, 4, true, false, false>"
+    assert cuda_attention._attn_name(64, 4, True, 8, 0, False, True, True) == \
+        "pq_attn<64, 4, true, 8, 0, false, true, true>"
     assert cuda_attention._merge_name(64, True) == "pq_merge<64, true>"
     assert [images.group(g, 2) for g in (1, 2, 3, 4, 5, 8)] == [2, 2, 4, 4, 8, 8]
     assert images.group(8, 4) == 0 and images.image_layout(32, 8, 2) == 4 and images.image_layout(32, 4, 2) == 0

@@ -114,6 +114,21 @@ def test_plans_follow_the_one_choice(fake_gpu, monkeypatch):
     assert len(asked) == 1
 
 
+def test_windows_and_softcap_plan_on_cuda(fake_gpu, monkeypatch):
+    """A windowed or soft-capped PQ layer gets the CUDA plan where its geometry fits, its
+    starts and cap passed on (the kernel has builds for both)."""
+    made = []
+    monkeypatch.setattr(cuda_attention, "plan_pq", lambda *lens, **kw: made.append((lens, kw)) or "cuda plan")
+    assert kernels.plan_decode("pq", [32, 16], [5, 20], [7, 16], [0, 3], tail_block_size=16, device="cuda:0",
+                               dtype=torch.bfloat16, softcap=50.0, **GEO) == "cuda plan"
+    assert kernels.plan_decode("pq", [32], [5], tail_block_size=16, device="cuda:0", dtype=torch.float16,
+                               softcap=30.0, **GEO) == "cuda plan"
+    (lens, kw), (lens1, kw1) = made
+    assert lens == ([32, 16], [5, 20], [7, 16], [0, 3]) and kw["softcap"] == 50.0
+    assert lens1 == ([32], [5]) and kw1["softcap"] == 30.0
+    assert kernels.decode_backend("pq", device="cuda:0", dtype=torch.float16, backend="cuda", **GEO) == kernels.CUDA
+
+
 def test_query_alignment():
     q = torch.zeros(3 * 4 * 64 + 1, dtype=torch.float16)
     assert kernels.query_aligned(q[:-1].view(3, 4, 64))

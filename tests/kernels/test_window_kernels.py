@@ -1,8 +1,9 @@
 """Sliding windows and logit soft-capping in the kernels: the reference against
 attention over the tokens in position order with transformers' window mask, the
-window -> start-index mapping of a PQ sequence's layout, the Triton kernels (the
-interpreter on CPU, every shape on GPU) and the router's choice against the
-reference.
+window -> start-index mapping of a PQ sequence's layout, and every GPU backend (CUDA C++
+where it takes the geometry, Triton; Triton also under the interpreter on CPU) against
+the reference, eagerly and under CUDA-graph replay after update(). The CUDA C++ plan's
+windowed work items on the CPU: test_cuda_window_plan.py.
 
 Triton's interpreter must be set up before triton is first imported: this module
 defers to test_triton_kernels.py's set-up by importing it first.
@@ -13,12 +14,16 @@ import pytest
 import torch
 
 from test_triton_kernels import HAS_CUDA, INTERPRET, cpu_only, gpu  # noqa: F401  (sets TRITON_INTERPRET)
-from kernel_cases import POISON, RUN_ARGS, check_attn, make_pq_case, plan_pq, pq_ref
+from kernel_cases import POISON, RUN_ARGS, check_attn, make_pq_case, pq_ref, pq_steps, window_starts
 from kernel_cases import tables as make_tables
 
 from kvstore import kernels
 from kvstore.kernels import reference as ref
+from kvstore.kernels.cuda import attention as cuda_attention
+from kvstore.kernels.cuda import build
 from kvstore.kernels.plan import pq_window_starts, window_start
+
+HAS_CUDA_CXX = HAS_CUDA and build.available()
 
 
 def _hf_window_mask(length: int, window: int) -> torch.Tensor:
@@ -102,28 +107,30 @@ def test_paged_window_and_softcap_reference():
         assert torch.allclose(out[b], want, atol=1e-12)
 
 
-# ------------------------------------------------------------------ Triton
+# ---------------------------------------------------- every backend (Triton, CUDA C++)
 
-def _windowed_pq(c, window, sinks, softcap, backend="triton", **kw):
-    """Plan and run case c with each sequence's window; -> (out, lse, (ss, ts))."""
-    bs = c["k_codes"].shape[2]
-    ss, ts = [], []
-    for n_s, n_t in zip(c["sealed_lens"].tolist(), c["tail_lens"].tolist()):
-        length = n_s + n_t
-        a, b = pq_window_starts(length, window, sinks if n_s else 0, n_s) if window else (0, 0)
-        ss.append(a)
-        ts.append(b)
-    plan = kernels.plan_decode("pq", c["sealed_lens"], c["tail_lens"], ss, ts, num_qo_heads=c["q"].shape[1],
-                               num_kv_heads=c["k_codes"].shape[1], head_dim=c["q"].shape[2], block_size=bs,
-                               tail_block_size=c["tail_k"].shape[2], device=c["q"].device, dtype=c["q"].dtype,
-                               kv_dtype=c["tail_k"].dtype, codebook_dtype=c["k_codebook"].dtype,
-                               backend=backend, softcap=softcap, **kw)
+def _image(c):
+    """Case c's codebook image as its owner builds it (None where no kernel reads one)."""
+    words = kernels.codebook_images(c["k_codebook"][None], c["v_codebook"][None], c["q"].shape[1])
+    return None if words is None else kernels.layer_images(words, c["q"].shape[1], c["k_codebook"].shape[-1])[0]
+
+
+def _plan(c, lens, starts, softcap, backend, **kw):
+    return kernels.plan_decode("pq", *lens, *starts, num_qo_heads=c["q"].shape[1],
+                               num_kv_heads=c["k_codes"].shape[1], head_dim=c["q"].shape[2],
+                               block_size=c["k_codes"].shape[2], tail_block_size=c["tail_k"].shape[2],
+                               device=c["q"].device, dtype=c["q"].dtype, kv_dtype=c["tail_k"].dtype,
+                               codebook_dtype=c["k_codebook"].dtype, backend=backend, softcap=softcap, **kw)
+
+
+def _windowed_pq(c, window, sinks, softcap, backend="triton", image=None, **kw):
+    """Plan and run case c with each sequence's window; -> (plan, out, lse, (ss, ts))."""
+    ss, ts = window_starts(c, window, sinks)
+    plan = _plan(c, (c["sealed_lens"], c["tail_lens"]), (ss, ts), softcap, backend, **kw)
     out = torch.full_like(c["q"], POISON)
     lse = torch.full(c["q"].shape[:2], POISON, device=c["q"].device)
-    plan.run_pq(*[c[k] for k in RUN_ARGS], 0.2, out=out, lse=lse)
+    plan.run_pq(*[c[k] for k in RUN_ARGS], 0.2, out=out, lse=lse, codebook_image=image)
     return plan, out, lse, (ss, ts)
-
-
 @cpu_only
 @pytest.mark.parametrize("window,sinks,softcap", [(20, 0, 0.0), (45, 16, 0.0), (0, 0, 3.0), (37, 0, 2.5)])
 def test_triton_pq_window_softcap_cpu(window, sinks, softcap):
@@ -183,29 +190,98 @@ def test_router_entry_points_window_on_cpu():
 
 # -------------------------------------------------------------------- GPU
 
-@gpu
-def test_router_sends_windows_and_softcap_to_triton_gpu():
-    """Where the CUDA C++ kernels take the geometry, a window or a soft-cap still goes to Triton."""
-    geo = dict(device="cuda", num_qo_heads=8, num_kv_heads=2, head_dim=128, block_size=16,
-               dtype=torch.float16)
-    assert kernels.decode_backend("pq", windowed=True, **geo) == kernels.TRITON
-    assert kernels.decode_backend("pq", softcap=30.0, **geo) == kernels.TRITON
-    with pytest.raises(ValueError, match="sliding window"):
-        kernels.decode_backend("pq", windowed=True, backend="cuda", **geo)
+def _tol(backend, dtype):
+    """Relative error bound of out, as each backend's own tests have it (CUDA C++:
+    test_cuda_attention.py)."""
+    if backend == kernels.CUDA:
+        return 2.5e-2 if dtype == torch.bfloat16 else 4e-3
+    return 2e-2 if dtype == torch.bfloat16 else 3e-3
+
+
+def _backends_for(c):
+    """The GPU backends that take case c: Triton, and the CUDA C++ kernels where they apply."""
+    ok = HAS_CUDA_CXX and cuda_attention.supports(
+        num_qo_heads=c["q"].shape[1], num_kv_heads=c["k_codes"].shape[1], head_dim=c["q"].shape[2],
+        block_size=c["k_codes"].shape[2], device=c["q"].device, dtype=c["q"].dtype,
+        kv_dtype=c["tail_k"].dtype, codebook_dtype=c["k_codebook"].dtype)
+    return (kernels.TRITON, kernels.CUDA) if ok else (kernels.TRITON,)
 
 
 @gpu
-@pytest.mark.parametrize("d,dsub,hq,hkv", [(64, 2, 8, 2), (128, 4, 8, 1), (256, 2, 8, 1), (128, 2, 4, 4)])
+@pytest.mark.parametrize("backend", ["cuda", "triton"])
+@pytest.mark.parametrize("d,dsub,hq,hkv", [(64, 2, 8, 2), (128, 4, 8, 1), (256, 2, 8, 1), (128, 2, 4, 4),
+                                           (64, 4, 6, 2), (128, 2, 16, 2)])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("window,sinks,softcap", [(100, 0, 0.0), (700, 32, 0.0), (333, 32, 50.0), (0, 0, 30.0)])
-def test_triton_pq_window_softcap_gpu(d, dsub, hq, hkv, dtype, window, sinks, softcap):
+@pytest.mark.parametrize("window,sinks,softcap", [
+    (100, 0, 0.0),        # long sequence: start inside the tail, past every PQ token
+    (700, 32, 0.0),       # mid-tile in the sealed blocks, sinks outside the window
+    (333, 32, 50.0),      # mid-tile and Gemma-2's cap
+    (0, 0, 30.0),         # soft-cap alone
+    (60, 16, 0.0),        # short sequences: into the sinks; the long one inside its tail
+])
+def test_pq_window_softcap_gpu(backend, d, dsub, hq, hkv, dtype, window, sinks, softcap):
     c = make_pq_case([40, 3, 0], [150, 21, 9], hq, hkv, d, dsub, 16, 16, dtype, "cuda", seed=9)
     c["q"] = c["q"] * 4
-    plan, out, lse, (ss, ts) = _windowed_pq(c, window, sinks, softcap, backend="auto")
-    assert type(plan).__name__ == "TritonDecodePlan"
-    c64 = {k: (v.cpu().double() if v.is_floating_point() else v.cpu()) for k, v in c.items()}
-    ro, rl = ref.pq_decode_attention(**c64, scale=0.2, sealed_starts=ss, tail_starts=ts, softcap=softcap)
-    check_attn(out, lse, ro, rl, 2e-2 if dtype == torch.bfloat16 else 3e-3)
+    if backend not in _backends_for(c):
+        pytest.skip("the CUDA C++ kernels do not take this geometry")
+    tol = _tol(backend, dtype)
+    ss, ts = window_starts(c, window, sinks)
+    ro, rl = pq_ref(c, 0.2, sealed_starts=ss, tail_starts=ts, softcap=softcap)
+    if softcap:       # the cap changes the answer: the comparison can tell
+        assert (pq_ref(c, 0.2, sealed_starts=ss, tail_starts=ts)[0] - ro).norm() > 1e-2 * ro.norm()
+    if backend == kernels.TRITON:
+        plan, out, lse, _ = _windowed_pq(c, window, sinks, softcap, backend="triton")
+        assert type(plan).__name__ == "TritonDecodePlan"
+        check_attn(out, lse, ro, rl, tol)
+        return
+    # the router's own choice, both codebook stagings (bulk copies of the image on sm_90,
+    # registers), one wave of items and many small items
+    for image in ((_image(c), None) if dsub == 2 else (None,)):
+        for ctas in (None, 2 * hkv):
+            plan, out, lse, _ = _windowed_pq(c, window, sinks, softcap, backend="auto", image=image,
+                                             target_ctas=ctas)
+            assert isinstance(plan, cuda_attention.CudaPQPlan) and plan.windowed
+            check_attn(out, lse, ro, rl, tol)
+
+
+GRAPH_STEPS = [([30, 3, 0], [40, 21, 9]), ([30, 3, 0], [41, 22, 10]), ([32, 4, 0], [26, 23, 11]),
+               ([40, 4, 1], [150, 30, 18])]
+
+
+@gpu
+@pytest.mark.parametrize("backend", ["cuda", "triton"])
+@pytest.mark.parametrize("dsub,dtype", [(2, torch.float16), (4, torch.bfloat16), (2, torch.bfloat16)])
+def test_pq_window_graph_update_gpu(backend, dsub, dtype):
+    """A windowed, soft-capped plan captured in a CUDA graph, then update()d to each
+    step's lengths and starts and replayed: what the daemon's decode graphs do."""
+    c, at = pq_steps(GRAPH_STEPS, seed=14, hq=16, hkv=4, d=128, dsub=dsub, dtype=dtype, device="cuda")
+    c["q"] = c["q"] * 4
+    if backend not in _backends_for(c):
+        pytest.skip("the CUDA C++ kernels do not take this geometry")
+    window, cap, tol = 200, 30.0, _tol(backend, dtype)
+    c0 = at(0)
+    plan = _plan(c0, (c0["sealed_lens"].tolist(), c0["tail_lens"].tolist()), window_starts(c0, window, 16), cap,
+                 backend, spare_items=16)
+    assert type(plan).__name__ == ("CudaPQPlan" if backend == kernels.CUDA else "TritonDecodePlan")
+    out = torch.full_like(c["q"], POISON)
+    lse = torch.full(c["q"].shape[:2], POISON, device="cuda")
+    args = [c[k] for k in RUN_ARGS]
+    img = _image(c) if backend == kernels.CUDA else None
+    plan.run_pq(*args, 0.2, out=out, lse=lse, codebook_image=img)     # compiles outside the capture
+    torch.cuda.synchronize()
+    s, g = torch.cuda.Stream(), torch.cuda.CUDAGraph()
+    with torch.cuda.stream(s):
+        with torch.cuda.graph(g, stream=s):
+            plan.run_pq(*args, 0.2, out=out, lse=lse, codebook_image=img)
+    for step in range(len(GRAPH_STEPS)):
+        cs = at(step)
+        ss, ts = window_starts(cs, window, 16)
+        plan.update(cs["sealed_lens"].tolist(), cs["tail_lens"].tolist(), ss, ts)
+        out.fill_(POISON)
+        lse.fill_(POISON)
+        g.replay()
+        torch.cuda.synchronize()
+        check_attn(out, lse, *pq_ref(cs, 0.2, sealed_starts=ss, tail_starts=ts, softcap=cap), tol)
 
 
 @gpu
