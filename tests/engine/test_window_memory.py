@@ -213,3 +213,61 @@ def test_reserve_commits_release_and_renew_the_table_epoch():
     assert e.cache("c").seq(T, "a").freed == out_of_window(64)
     assert r.sealed_start == 0 and r.sealed_blocks[:5] == [e.cache("c").null_block] * out_of_window(64)
     e.check_invariants()
+
+
+# ---------------------------------------------------------------------- GPU
+@pytest.mark.gpu
+@pytest.mark.parametrize("codec,sinks", [("fp16", 0), ("pq", 16)])
+@pytest.mark.parametrize("graphs", [True, False])
+def test_gpu_holes_are_never_read(codec, sinks, graphs):
+    """On CUDA (Triton windowed plans; decode graphs replaying tables whose entries turn
+    into the null block as the window moves): decode steps of a freeing cache equal the
+    keeping cache's, and the CPU engine's over the same tokens. The null block is filled
+    with NaN: a kernel that read a hole would show it."""
+    d, hq, hkv = 64, 4, 2
+
+    def make(device, keep):
+        e = Engine(device)
+        cfg = dataclasses.replace(config(codec, block_size=16, residual=16, sink_tokens=sinks, num_blocks=128,
+                                         num_q_heads=hq, num_kv_heads=hkv, head_dim=d),
+                                  layer_windows=(40, 50), device=device)
+        e.create_cache(cfg)
+        if codec == "pq":
+            g = torch.Generator().manual_seed(0)
+            e.set_codebooks("c", Codebooks(k=torch.randn(L, hkv, d // 2, 256, 2, generator=g),
+                                           v=torch.randn(L, hkv, d // 2, 256, 2, generator=g)))
+        c = e.cache("c")
+        c.graphs.enabled = graphs
+        if keep:
+            c.window = 0
+        elif codec == "fp16":
+            c.main.k[:, c.null_block] = float("nan")
+        else:
+            c.main.k_codes[:, c.null_block] = 255
+        return e
+    engines = [make("cuda", False), make("cuda", True), make("cpu", False)]
+    n0, steps = 100, 40
+    k, v = kv(L, n0 + steps, hkv, d, seed=11)
+    q = torch.randn(2, hq, d, generator=torch.Generator().manual_seed(12)).half()
+    for e in engines:
+        for sid in ("a", "b"):
+            e.allocate("c", T, sid, [])
+        dev = e.cache("c").cfg.device
+        e.append("c", T, ["a", "b"], torch.cat([k[:, :n0], k[:, :60]], 1).to(dev),
+                 torch.cat([v[:, :n0], v[:, :60]], 1).to(dev), [n0, 60])
+    for t in range(steps):
+        for layer in range(L):
+            new_k = torch.stack([k[layer, n0 + t], k[layer, 60 + t]])
+            new_v = torch.stack([v[layer, n0 + t], v[layer, 60 + t]])
+            outs = []
+            for e in engines:
+                dev = e.cache("c").cfg.device
+                out = torch.empty(2, hq, d, dtype=torch.float16, device=dev)
+                outs.append(e.append_attend("c", T, layer, ["a", "b"], new_k.to(dev), new_v.to(dev), q.to(dev),
+                                            out=out).float().cpu())
+            assert torch.isfinite(outs[0]).all()
+            assert torch.allclose(outs[0], outs[1], atol=2e-3, rtol=2e-3), (t, layer)
+            assert torch.allclose(outs[0], outs[2], atol=2e-3, rtol=2e-3), (t, layer)
+    assert engines[0].cache("c").seq(T, "a").freed > 0
+    for e in engines:
+        e.check_invariants()
