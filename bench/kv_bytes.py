@@ -122,7 +122,6 @@ def main() -> None:
         print(f"{label:<10} {now:16.0f} {base / now:7.2f}x {grouped:10.0f} {base / grouped:7.2f}x")
     if a.paper_only:
         return
-    torch.set_num_threads(max(1, torch.get_num_threads()))
     print(f"\nmeasured: a CPU engine's pools after appending {a.context} tokens (Stats used_bytes), "
           "paper figures beside")
     print(f"{'codec':<10} {'one table':>10} {'vs fp16':>8} {'per group':>10} {'vs fp16':>8} "

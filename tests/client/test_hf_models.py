@@ -212,6 +212,51 @@ def test_gemma3_sliding_group_holds_fewer_blocks_than_one_table(daemon):
     assert freed_g[0] == 0 and freed_g[1] > 0 and freed_1 == [0]             # the sliding group frees
 
 
+def test_gemma3_prefix_hit_through_the_groups(daemon):
+    """The same prompt again: every group hits (the sliding group through blocks it
+    released but still caches), the prefix comes back from each group's window, and
+    the tokens are transformers' own."""
+    model = build("gemma3")
+    ids = prompt(6 * WINDOW + 5)
+    want = reference(model, ids)
+    ad = KVStoreAdapter(model, daemon, cache="g3hit", codec="fp16", block_size=8, residual=8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with torch.no_grad():
+            assert torch.equal(ad.generate(ids, **GEN), want)
+            before = [s.prefix_hit_tokens for _, s in ad.stats_by_group()]
+            assert torch.equal(ad.generate(ids, **GEN), want)
+    hits = [s.prefix_hit_tokens - b for (_, s), b in zip(ad.stats_by_group(), before)]
+    assert hits == [(ids.shape[1] - 1) // 8 * 8] * 2
+    ad.close()
+
+
+def test_gemma3_prefix_hit_is_the_shortest_of_the_groups(daemon):
+    """The sliding group's cached blocks of a prompt were evicted (another sequence
+    needed the slots), the global group's were not: the sequence gets the shorter hit
+    in both groups, and the tokens are still transformers' own."""
+    model = build("gemma3")
+    ids = prompt(6 * WINDOW + 5)
+    want = reference(model, ids)
+    ad = KVStoreAdapter(model, daemon, cache="g3evict", codec="fp16", block_size=8, residual=8, num_blocks=40)
+    with torch.no_grad():
+        assert torch.equal(ad.generate(ids, **GEN), want)
+        kv, (glob, slide) = ad.client(), ad.groups
+        k = torch.randn(len(slide.layers), 280, 1, 256).half()
+        kv.allocate(slide.cache, "filler", [])
+        kv.append(slide.cache, ["filler"], k, k, [280])     # 35 blocks at once of a pool of 40: cached ones go
+        kv.free(slide.cache, ["filler"])
+        cache = ad.cache_for(ids)
+        hit = cache.length
+        assert hit < (ids.shape[1] - 1) // 8 * 8                 # the sliding group lost its prefix
+        assert [kv.sequence_info(c, cache.seq_ids[0]).length for c in ad.groups.caches()] == [hit, hit]
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            assert torch.equal(model.generate(ids, past_key_values=cache, **GEN), want)
+        cache.release()
+    ad.close()
+
+
 def test_bf16_model_runs_in_bf16(daemon):
     """A bf16 model makes a bf16 cache; generate runs through the daemon."""
     model = build("gemma2").to(torch.bfloat16)
