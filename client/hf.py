@@ -31,6 +31,11 @@ cannot run is refused at construction, naming the feature):
     tokens so far into in-process DynamicLayers and generation goes on there.
     The adapter drops its channel; the next request reconnects (re-creating
     the cache and codebooks on a restarted daemon).
+Layers that attend through different windows (Gemma-2/3, Qwen2 with
+max_window_layers) go to one daemon cache per window (hf_groups.py: the global
+layers in `<cache>.global`, each window's in `<cache>.w<window>`), so that the
+sliding layers' cache frees the blocks that left their window; a model with one
+group keeps the one cache `cache`.
 Batches of B sequences: left-padded prompts (attention_mask) are stored
 without their padding, each row a sequence of its own tokens; prefix reuse
 is for B == 1 unpadded. Token ids go with every append, decode steps
@@ -50,6 +55,7 @@ import torch
 from . import hf_variants
 from .client import KVStoreClient
 from .hf_cache import FALLBACK_ERRORS, KVStoreCache, take_decode_target
+from .hf_groups import LayerGroups, merge_stats
 
 ATTN = "kvstore"
 DEFAULT_PQ_SINKS = 32     # bench/ACCURACY.md: 32 sinks keep 4-bit PQ within 0.5 % at R = 128
@@ -102,13 +108,16 @@ class KVStoreAdapter:
     whole block), which keeps 4-bit PQ within 0.5 % perplexity of fp16 at
     R = 128 (docs/accuracy.md). prefix_path: how the rest of a prompt that hit a
     cached prefix runs: "codes" (multi-token AppendAttend, nothing retrieved) or
-    "retrieve" (Retrieve the prefix, prefill in-process)."""
+    "retrieve" (Retrieve the prefix, prefill in-process; models with sliding windows
+    always take it). layer_groups=False keeps one daemon cache for every layer of a
+    model that mixes windows (hf_groups.py: correct, but every block stays), the
+    baseline the per-group caches save against."""
 
     def __init__(self, model, target: str | None = None, cache: str = "hf", codec: str = "fp16",
                  codebooks: bytes | str | None = None, transform=None, block_size: int = 16, residual: int = 128,
                  num_blocks: int = 4096, max_sequences: int = 64, model_id: str | None = None,
                  timeout: float = 30.0, sink_tokens: int | None = None, calibrate_tokens: int = 0,
-                 prefix_path: str = "codes"):
+                 prefix_path: str = "codes", layer_groups: bool = True):
         if prefix_path not in ("codes", "retrieve"):
             raise ValueError(f"prefix_path must be 'codes' or 'retrieve', got {prefix_path!r}")
         if codec == "pq" and codebooks is None and calibrate_tokens < 256:
@@ -131,7 +140,10 @@ class KVStoreAdapter:
         if sink_tokens is None:
             sink_tokens = math.ceil(DEFAULT_PQ_SINKS / block_size) * block_size if codec == "pq" else 0
         self.model, self.target, self.cache_name, self.codec = model, target, cache, codec
-        self.codebooks = cb.to_bytes() if cb is not None else None
+        self.groups = LayerGroups(cache, self.variant.windows, self.num_layers, split=layer_groups)
+        # Each group's cache gets the codebooks of its layers (the file holds every layer's).
+        self.codebooks = ([cb.to_bytes()] if len(self.groups) == 1 else
+                          [cb.layers(g.layers).to_bytes() for g in self.groups]) if cb is not None else None
         self.transform, self.timeout = transform, timeout
         # Tokens one AppendAttend may bring a sequence: the daemon's bound (16), and on
         # pq the residual + 1 newest tokens it keeps in fp16 until they are attended.
@@ -209,12 +221,16 @@ class KVStoreAdapter:
         if self._kv is None:
             kv = KVStoreClient(self.target, timeout=self.timeout)
             try:
-                kv.create_cache(self.cache_name, exist_ok=True, **self.spec)
+                ready = True
+                for i, g in enumerate(self.groups):
+                    kv.create_cache(g.cache, exist_ok=True, **g.spec(self.spec))
+                    if self.codec == "pq":
+                        has = kv.get_cache(g.cache).has_codebooks
+                        if not has and self.codebooks is not None:
+                            kv.set_codebooks(g.cache, self.codebooks[i])
+                        ready = ready and (has or self.codebooks is not None)
                 if self.codec == "pq":
-                    has = kv.get_cache(self.cache_name).has_codebooks
-                    if not has and self.codebooks is not None:
-                        kv.set_codebooks(self.cache_name, self.codebooks)
-                    self._ready = has or self.codebooks is not None
+                    self._ready = ready
             except BaseException:
                 kv.close()
                 raise
@@ -267,14 +283,14 @@ class KVStoreAdapter:
                 return KVStoreCache(self, [], input_ids[:, :0], None, local=True, pads=pads)
             for i, sid in enumerate(seq_ids):
                 prompt = input_ids[i].tolist() if b == 1 and not pads[0] else []
-                cached = kv.allocate(self.cache_name, sid, prompt)
+                cached = self._allocate(kv, sid, prompt)
                 if cached == 0:
                     continue
                 if self.chunk:
                     cache = KVStoreCache(self, seq_ids, input_ids[:, :cached], None)
                     cache.run_chunks(input_ids[:, cached:-1])       # generate() runs the last token
                     return cache
-                k, v = kv.retrieve(self.cache_name, sid, 0, cached)       # [L, P, Hkv, d]
+                k, v = self.retrieve(kv, sid, cached)                     # [L, P, Hkv, d]
                 if self.transform is not None:
                     k = torch.stack([self.transform.inverse(k[l].float(), l, "k") for l in range(self.num_layers)])
                     v = torch.stack([self.transform.inverse(v[l].float(), l, "v") for l in range(self.num_layers)])
@@ -285,6 +301,30 @@ class KVStoreAdapter:
         except FALLBACK_ERRORS as e:
             self.broken(e)
             return KVStoreCache(self, [], input_ids[:, :0], None, local=True, pads=pads)
+
+    def _allocate(self, kv: KVStoreClient, sid: str, prompt: list[int]) -> int:
+        """Allocate sid in every group's cache -> its prefix hit: the shortest of the
+        groups' (a group that hit more allocates again with the prompt cut there)."""
+        hits = [kv.allocate(c, sid, prompt) for c in self.groups.caches()]
+        while len(set(hits)) > 1:
+            m = min(hits)
+            for i, c in enumerate(self.groups.caches()):
+                if hits[i] > m:       # a block past m may have gone since: the loop takes the new minimum
+                    kv.free(c, [sid])
+                    hits[i] = kv.allocate(c, sid, prompt[:m + 1] if m else [])
+        return hits[0]
+
+    def retrieve(self, kv: KVStoreClient, sid: str, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K, V [L, length, Hkv, d] of sid's first `length` tokens as the daemon stores
+        them: each group's from the first position its window still reads (what the
+        daemon keeps), zeros before it (positions the windows mask out)."""
+        ks, vs = [], []
+        for g in self.groups:
+            lo = g.first_needed(length)
+            k, v = kv.retrieve(g.cache, sid, lo, length)
+            ks.append(torch.nn.functional.pad(k, (0, 0, 0, 0, lo, 0)))
+            vs.append(torch.nn.functional.pad(v, (0, 0, 0, 0, lo, 0)))
+        return self.groups.merge(ks), self.groups.merge(vs)
 
     def generate(self, input_ids: torch.Tensor, **kwargs) -> torch.Tensor:
         """model.generate with a daemon cache, freed afterwards. A batch of
@@ -308,17 +348,26 @@ class KVStoreAdapter:
         vs = torch.cat([y for _, y in self._samples], dim=1)[:, :self.calibrate_tokens]
         try:
             kv = self.client()
-            if not kv.get_cache(self.cache_name).has_codebooks:     # another worker may have trained them
-                dt = getattr(torch, self.spec["dtype"])
-                kv.train_codebooks(self.cache_name, ks.to(dt).contiguous(), vs.to(dt).contiguous())
+            dt = getattr(torch, self.spec["dtype"])
+            for g, gk, gv in zip(self.groups, self.groups.split(ks), self.groups.split(vs)):
+                if not kv.get_cache(g.cache).has_codebooks:     # another worker may have trained them
+                    kv.train_codebooks(g.cache, gk.to(dt).contiguous(), gv.to(dt).contiguous())
             self._ready, self._samples = True, []
         except FALLBACK_ERRORS as e:
             self.broken(e)
 
     def stats(self):
-        """The daemon's CacheStats of this cache (None if unreachable)."""
+        """The daemon's CacheStats of this model's cache (None if unreachable); with
+        several layer groups, their caches' as one (hf_groups.merge_stats): bytes and
+        blocks summed, tokens and prefix hits the global group's."""
+        got = self.stats_by_group()
+        return None if got is None else merge_stats([s for _, s in got])
+
+    def stats_by_group(self):
+        """[(LayerGroup, its cache's CacheStats)] (None if unreachable)."""
         try:
-            return self.client().stats(self.cache_name).caches[0]
+            kv = self.client()
+            return [(g, kv.stats(g.cache).caches[0]) for g in self.groups]
         except FALLBACK_ERRORS as e:
             self.broken(e)
             return None

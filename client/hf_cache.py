@@ -141,11 +141,12 @@ class KVStoreCache(Cache):
 
     def _retrieve_all(self) -> tuple[torch.Tensor, torch.Tensor]:
         """K/V [L, B, Hkv, length, d] of the tokens so far; zeros where a row is
-        padded (the attention mask hides those positions)."""
+        padded, or where a sliding layer's window no longer reaches (the attention
+        mask hides those positions; the daemon freed them: KVStoreAdapter.retrieve)."""
         kv, t = self.adapter.client(), self.adapter.transform
         ks, vs = [], []
         for sid, pad in zip(self.seq_ids, self.pads):
-            k, v = kv.retrieve(self.adapter.cache_name, sid, 0, self.length - pad)       # [L, P, Hkv, d]
+            k, v = self.adapter.retrieve(kv, sid, self.length - pad)       # [L, P, Hkv, d]
             if t is not None:
                 k = torch.stack([t.inverse(k[l].float(), l, "k") for l in range(self.num_layers)])
                 v = torch.stack([t.inverse(v[l].float(), l, "v") for l in range(self.num_layers)])
@@ -172,8 +173,10 @@ class KVStoreCache(Cache):
             vs.append(v[:, i, skip:])
             ids.append(self._cur_ids[i, skip:].tolist() if have_ids else [])
         if rows:
-            self.adapter.client().append(self.adapter.cache_name, rows, torch.cat(ks, dim=1), torch.cat(vs, dim=1),
-                                         counts=[x.shape[1] for x in ks], token_ids=ids if have_ids else None)
+            groups, kv = self.adapter.groups, self.adapter.client()
+            k, v = torch.cat(ks, dim=1), torch.cat(vs, dim=1)
+            for g, gk, gv in zip(groups, groups.split(k), groups.split(v)):
+                kv.append(g.cache, rows, gk, gv, counts=[x.shape[1] for x in ks], token_ids=ids if have_ids else None)
 
     def _to_daemon(self, x: torch.Tensor, which: str) -> torch.Tensor:
         """x [L, ..., Hkv, d] -> the transformed K'/V' the daemon stores."""
@@ -195,12 +198,13 @@ class KVStoreCache(Cache):
             k1, v1 = t.forward(k1.float(), layer, "k"), t.forward(v1.float(), layer, "v")
             inv_k, hkv = t._inv["k"][layer], self.adapter.num_kv_heads
             q1 = per_kv_head(q1.float(), hkv, lambda x: torch.einsum("bhgd,hde->bhge", x, inv_k))
-        # The new tokens' ids go with the first layer's call: the daemon hashes
-        # generated tokens as their blocks fill, for the next turn's prefix hit.
+        # The new tokens' ids go with the first layer's call of each group's cache: the
+        # daemon hashes generated tokens as their blocks fill, for the next turn's prefix hit.
+        group, at = self.adapter.groups.at(layer)
         ids = self._cur_ids[:, -n:].reshape(-1).tolist() \
-            if layer == 0 and self._cur_ids is not None and self._cur_ids.shape[-1] >= n else None
+            if at == 0 and self._cur_ids is not None and self._cur_ids.shape[-1] >= n else None
         try:
-            out = self.adapter.client().append_attend(self.adapter.cache_name, layer, self.seq_ids, k1, v1, q1,
+            out = self.adapter.client().append_attend(group.cache, at, self.seq_ids, k1, v1, q1,
                                                       scale=scaling or 0.0, token_ids=ids, query_tokens=n)
         except Exception as e:
             self._fall_back(e, layer)
@@ -259,7 +263,8 @@ class KVStoreCache(Cache):
                     ad.calibration_sample(self._to_daemon(rows[0], "k"), self._to_daemon(rows[1], "v"))
         if self.seq_ids and not self.local:
             try:
-                self.adapter.client().free(self.adapter.cache_name, self.seq_ids)
+                for cache in self.adapter.groups.caches():
+                    self.adapter.client().free(cache, self.seq_ids)
             except FALLBACK_ERRORS:
                 pass
         self.seq_ids = []

@@ -3,6 +3,7 @@ trained with faiss k-means (or a torch k-means on the GPU), stored as
 safetensors with their sha256."""
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 from dataclasses import dataclass
@@ -86,6 +87,14 @@ class Codebooks:
         info = FileInfo(model_id=model_id, num_layers=L, num_q_heads=num_q_heads, num_kv_heads=hkv,
                         head_dim=m * dsub, bits=8 // dsub, sink_tokens=sink_tokens, calibrated_on=calibrated_on)
         return Codebooks(self.k, self.v, self.transform_k, self.transform_v, info)
+
+    def layers(self, idx: list[int]) -> "Codebooks":
+        """The codebooks (and transform) of these layers, in this order: the file of a
+        cache that holds only them (a group of a model's layers, client/hf_groups.py)."""
+        def pick(t):
+            return None if t is None else t[list(idx)].contiguous()
+        info = None if self.info is None else dataclasses.replace(self.info, num_layers=len(idx))
+        return Codebooks(pick(self.k), pick(self.v), pick(self.transform_k), pick(self.transform_v), info)
 
     def to_bytes(self) -> bytes:
         from safetensors.torch import save

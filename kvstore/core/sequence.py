@@ -62,6 +62,11 @@ class Sequence:
 
     Full blocks are immutable and may be shared (ref count > 1); only the last,
     partial tail block is ever written, and it is never shared.
+
+    In a cache whose every layer slides (engine/window.py), sealed[:freed] are
+    holes: blocks released after they left the window, whose entries keep the
+    table's positions and hold the cache's null block, never read and never
+    counted as a reference (in any tier).
     """
     seq_id: str
     tenant: str
@@ -70,6 +75,7 @@ class Sequence:
     pending: list[int] = field(default_factory=list)   # per layer, beyond length
     reserved: int = 0                                  # slots handed out by Reserve
     sealed: list[int] = field(default_factory=list)    # main-pool block ids
+    freed: int = 0                                     # leading sealed entries that are holes
     tail: list[int] = field(default_factory=list)      # tail-pool block ids
     token_ids: array = field(default_factory=lambda: array("i"))   # known ids from position 0 (token_array)
     hashes: list[bytes] = field(default_factory=list)  # hash of full block i
@@ -91,6 +97,10 @@ class Sequence:
     def rebuilt_table(self) -> None:
         """sealed was replaced, not extended: earlier prefixes no longer hold."""
         self.table_epoch = next(_epochs)
+
+    def held_sealed(self) -> list[int]:
+        """The sealed blocks the sequence holds references on (holes left out)."""
+        return self.sealed[self.freed:]
 
     def layer_length(self, layer: int) -> int:
         """Tokens visible to attention at this layer."""

@@ -23,16 +23,18 @@ from kvstore.tiers.host import HostTier
 from kvstore.tiers.policy import Tiering
 from kvstore.tiers.redis import RedisTier
 
+from . import books
 from .block_io import BlockIO
 from .decode_graphs import DecodeGraphs
 from .read_path import ReadPath
 from .results import AllocateResult
 from .storage import Fp16Store, PQStore
 from .storage import ids_to
+from .window import MAX_POSITIONS, WindowedBlocks
 from .write_path import WritePath
 
 
-class Cache(WritePath, ReadPath):
+class Cache(WritePath, ReadPath, WindowedBlocks):
     def __init__(self, cfg: CacheConfig, cold_store=None, redis_store=None):
         self.cfg = cfg
         # Guards everything below: every request on this cache holds it, so a
@@ -65,6 +67,7 @@ class Cache(WritePath, ReadPath):
         self.seqs: dict[tuple[str, str], Sequence] = {}
         self.counters = dict(prefix_query_tokens=0, prefix_hit_tokens=0, appended_tokens=0,
                              sealed_blocks=0, dedup_blocks=0, attend_calls=0)
+        self.init_window()                # every layer slides: blocks that left the window go (window.py)
         self.protect: set[int] = set()    # ids of the sequences of the request at hand
         self.graphs = DecodeGraphs()      # CUDA graphs of small decode steps (decode_graphs.py)
         host = disk = None
@@ -163,14 +166,18 @@ class Cache(WritePath, ReadPath):
         return self.tail_pool, s.tail[i if j < 0 else i - len(s.sealed)]
 
     def check_length(self, n: int, field: str) -> None:
-        """A sequence of n committed tokens must fit the cache (max_tokens)."""
+        """A sequence holding n committed tokens in its blocks must fit the cache (max_tokens)."""
         if n > self.max_tokens:
             raise InvalidArgument(field, f"a sequence of {n} tokens: one sequence of cache {quote(self.cfg.name)} "
                                   f"holds at most {self.max_tokens} (its pools' capacity)")
 
     def prompt_ids(self, prompt) -> array:
-        """Check a prompt's ids (count first, before anything is copied) -> array('i')."""
-        self.check_length(len(prompt), "prompt_token_ids")
+        """Check a prompt's ids (count first, before anything is copied) -> array('i').
+        A cache that frees what left the window holds at most the window of a prompt's hits."""
+        if self.window and len(prompt) > MAX_POSITIONS:
+            raise InvalidArgument("prompt_token_ids", f"{len(prompt)} tokens: more than {MAX_POSITIONS} positions")
+        if not self.window:
+            self.check_length(len(prompt), "prompt_token_ids")
         return token_array(prompt, "prompt_token_ids")
 
     def _check_new_sequence(self, tenant: str, seq_id: str, field: str = "sequence_id") -> None:
@@ -213,7 +220,8 @@ class Cache(WritePath, ReadPath):
         full = s.length // self.bs
         while s.hashed_upto < min(full, len(s.hashes)):
             pool, bid = self.block_at(s, s.hashed_upto)
-            pool.set_hash(bid, s.hashes[s.hashed_upto])
+            if not self.sink_blocks <= s.hashed_upto < self.sink_blocks + s.freed:    # a hole holds nothing
+                pool.set_hash(bid, s.hashes[s.hashed_upto])
             s.hashed_upto += 1
 
     # ------------------------------------------------------------- allocate
@@ -325,6 +333,7 @@ class Cache(WritePath, ReadPath):
         if not self.is_pq:   # like an append of these tokens: the tail keeps at most R + block_size
             self._seal(s, self.sealed_count(s.length), None, None)
         self.seqs[(tenant, seq_id)] = s
+        self.release_window(s)            # hits the window has left already
         self.counters["prefix_query_tokens"] += len(prompt)
         self.counters["prefix_hit_tokens"] += s.length
         self.publish()
@@ -341,11 +350,11 @@ class Cache(WritePath, ReadPath):
         if partial:
             self.check_room(0, 1, 0, "tail")
         new = self._alloc_tail(1) if partial else []
-        self.main_pool.ref(src.sealed)
+        self.main_pool.ref(src.held_sealed())
         self.tail_pool.ref(shared_tail)
         if partial:
             self.tail.copy_block(src.tail[-1], new[0])
-        dst = Sequence(dst_id, tenant, src.num_layers, length=src.length, sealed=list(src.sealed),
+        dst = Sequence(dst_id, tenant, src.num_layers, length=src.length, sealed=list(src.sealed), freed=src.freed,
                        tail=shared_tail + new, token_ids=array("i", src.token_ids), hashes=list(src.hashes),
                        hashed_upto=src.hashed_upto)
         self.seqs[(tenant, dst_id)] = dst
@@ -357,61 +366,16 @@ class Cache(WritePath, ReadPath):
             # Release back to front: the newest blocks are the least likely to
             # be shared prefixes, so they should be evicted first.
             self.tail_pool.release(s.tail[::-1])
-            self.main_pool.release(s.sealed[::-1])
+            self.main_pool.release(s.held_sealed()[::-1])
         del self.seqs[(s.tenant, s.seq_id)]
 
     @property
     def main_device(self) -> torch.device:
         return self.main.k_codes.device if self.is_pq else self.main.k.device
 
-    # --------------------------------------------------------------- stats
+    # --------------------------------------------------------------- books
     def stats(self) -> dict:
-        main = self.main_pool.stats()
-        tail = self.tail_pool.stats() if self.is_pq else None
-        tokens = sum(s.length for s in self.seqs.values())
-        sealed_tokens = sum(len(s.sealed) * self.bs for s in self.seqs.values())
-        c = self.counters
-        used_bytes = main.used * self.cfg.bytes_per_block()
-        if self.is_pq:
-            used_bytes += tail.used * self.bs * self.cfg.fp16_bytes_per_token()
-        return dict(
-            main=main, tail=tail, sequences=len(self.seqs), tokens=tokens, sealed_tokens=sealed_tokens,
-            host_metadata_bytes=sum(s.host_bytes() for s in self.seqs.values()),
-            sink_tokens=self.sinks,
-            bytes_per_token=self.cfg.bytes_per_token(), fp16_bytes_per_token=self.cfg.fp16_bytes_per_token(),
-            compression_ratio=self.cfg.fp16_bytes_per_token() / self.cfg.bytes_per_token(),
-            used_bytes=used_bytes,
-            effective_bytes_per_token=(used_bytes / tokens) if tokens else 0.0,
-            prefix_hit_rate=(c["prefix_hit_tokens"] / c["prefix_query_tokens"]) if c["prefix_query_tokens"] else 0.0,
-            tiers=self.tiering.stats() if self.tiering is not None else None,
-            redis=self.redis.stats() if self.redis is not None else None,
-            **c)
+        return books.stats(self)
 
     def check_invariants(self) -> None:
-        """Pool accounting, and ref counts equal the references sequences hold,
-        in every tier."""
-        refs = {tier: ({}, {}) for tier in ("gpu", "host")}
-        if not self.is_pq:
-            refs["gpu"] = (refs["gpu"][0], refs["gpu"][0])   # one pool for sealed and tail
-        for s in self.seqs.values():
-            if s.tier == "disk":
-                assert not s.sealed and not s.tail and s.manifest is not None, f"{s.seq_id}: disk tier holds ids"
-                continue
-            main_refs, tail_refs = refs[s.tier]
-            for b in s.sealed:
-                main_refs[b] = main_refs.get(b, 0) + 1
-            for b in s.tail:
-                tail_refs[b] = tail_refs.get(b, 0) + 1
-            assert len(s.sealed) >= self.sealed_count(s.length), f"{s.seq_id}: tail too long"
-            assert (len(s.sealed) + len(s.tail)) * self.bs >= s.max_length(), f"{s.seq_id}: blocks do not cover tokens"
-            if s.sealed:
-                assert len(s.tail) >= self.sink_blocks, f"{s.seq_id}: sealed blocks before complete sinks"
-                assert self.sinks + len(s.sealed) * self.bs <= s.length, f"{s.seq_id}: sealed beyond committed length"
-        self.main_pool.check_invariants(refs["gpu"][0])
-        if self.is_pq:
-            self.tail_pool.check_invariants(refs["gpu"][1])
-        if self.tiering is not None and self.tiering.host is not None:
-            self.tiering.host.main_pool.check_invariants(refs["host"][0])
-            self.tiering.host.tail_pool.check_invariants(refs["host"][1])
-        if self.tiering is not None:
-            self.tiering.check_invariants()
+        books.check_invariants(self)

@@ -331,6 +331,7 @@ class Engine(CodebookOps):
             end = end or s.length          # 0: to the end (an empty range is never valid)
             if not 0 <= start < end <= s.length:
                 raise InvalidArgument("end", f"range [{start}, {end}) outside the {s.length} committed tokens")
+            cache.check_held(s, start, end)          # before paging in: a refused call moves nothing
             cache.resident([s])
             return cache.retrieve(s, start, end, slice(layer_start, layer_end))
 

@@ -84,11 +84,11 @@ def drop(cache, mappers: int, force: bool, live) -> DeleteResult:
                                  "by live client leases; free them first, or pass force=true to drop them too")
     gpu = [s for s in seqs if s.tier == "gpu"]
     host = [s for s in seqs if s.tier == "host"]
-    main_blocks = len({b for s in gpu for b in s.sealed})
+    main_blocks = len({b for s in gpu for b in s.held_sealed()})
     tail_blocks = len({b for s in gpu for b in s.tail}) if cache.is_pq else 0
     if not cache.is_pq:     # one pool: sealed and tail ids index the same blocks
-        main_blocks = len({b for s in gpu for b in s.sealed + s.tail})
-    host_blocks = len({("m", b) for s in host for b in s.sealed} | {("t", b) for s in host for b in s.tail})
+        main_blocks = len({b for s in gpu for b in s.held_sealed() + s.tail})
+    host_blocks = len({("m", b) for s in host for b in s.held_sealed()} | {("t", b) for s in host for b in s.tail})
     r = DeleteResult(sequences=len(seqs), leased_sequences=len(leased),
                      pinned_sequences=sum(1 for s in seqs if s.pinned),
                      disk_sequences=sum(1 for s in seqs if s.manifest is not None),

@@ -113,32 +113,37 @@ class ReadPath:
 
     def _attend_cpu(self, layer: int, seqs: list[Sequence], q: torch.Tensor, scale: float) -> torch.Tensor:
         """The CPU device: no block tables, no plan; see kernels/cpu_decode.py. K/V are
-        gathered in position order (sinks, sealed, tail), so a window is a slice."""
+        gathered in position order (sinks, sealed, tail), so a window is a slice. Holes
+        (window.py) lie before every window: left out, the positions after them shift."""
         outs = []
         window = self.cfg.window(layer)
         for i, s in enumerate(seqs):
-            k, v = self._positional_cpu(layer, s)
-            lo = window_start(k.shape[1], window)
+            k, v = self._positional_cpu(layer, s)      # held tokens: holes left out
+            gone = s.freed * self.bs
+            lo = window_start(s.layer_length(layer), window) - gone
+            assert lo >= (self.sinks if gone else 0), f"{s.seq_id}: layer {layer} reads a hole"
             outs.append(cpu_decode.attend_one(q[i], k[:, lo:], v[:, lo:], scale, self.cfg.logit_softcap))
         out = outs[0].unsqueeze(0) if len(outs) == 1 else torch.stack(outs)
         return out.to(q.dtype)
 
     def _positional_cpu(self, layer: int, s: Sequence) -> tuple[torch.Tensor, torch.Tensor]:
-        """K, V [Hkv, n, d] fp32 of the tokens visible at this layer, in position order."""
-        n = s.layer_length(layer)
+        """K, V [Hkv, n, d] fp32 of the tokens visible at this layer and still held, in
+        position order (a sliding cache's freed blocks, s.freed of them, left out)."""
+        n = s.layer_length(layer) - s.freed * self.bs
         if self.is_pq:
-            ns = len(s.sealed) * self.bs
+            ns = len(s.held_sealed()) * self.bs
             tail = torch.tensor(s.tail, dtype=torch.long)
             k = cpu_decode.gather_tokens(self.tail.k[layer], tail, n - ns)
             v = cpu_decode.gather_tokens(self.tail.v[layer], tail, n - ns)
             if ns:
                 ks, vs = cpu_decode.dequantize_tokens(self.main.k_codes[layer], self.main.v_codes[layer],
-                                                      self.main.k_cb[layer], self.main.v_cb[layer], s.sealed)
+                                                      self.main.k_cb[layer], self.main.v_cb[layer],
+                                                      s.held_sealed())
                 s0 = self.sinks      # the tail's first S tokens are positions [0, S)
                 k = torch.cat([k[:, :s0], ks, k[:, s0:]], dim=1)
                 v = torch.cat([v[:, :s0], vs, v[:, s0:]], dim=1)
             return k, v
-        blocks = torch.tensor(s.sealed + s.tail, dtype=torch.long)
+        blocks = torch.tensor(s.held_sealed() + s.tail, dtype=torch.long)
         return (cpu_decode.gather_tokens(self.main.k[layer], blocks, n),
                 cpu_decode.gather_tokens(self.main.v[layer], blocks, n))
 
@@ -193,6 +198,7 @@ class ReadPath:
         order: sinks exact, sealed ones dequantized, tail ones exact."""
         if not 0 <= start < end <= s.length:
             raise InvalidArgument("end", f"range [{start}, {end}) outside the {s.length} committed tokens")
+        self.check_held(s, start, end)
         s0 = self.sinks if s.sealed else 0       # sealed tokens are [s0, s1)
         s1 = s0 + len(s.sealed) * self.bs
         parts = []

@@ -46,6 +46,7 @@ class SequenceInfo:
     sink_blocks: int = 0         # tail_blocks[:sink_blocks] hold the sink tokens
     sealed_block_refs: list[int] = field(default_factory=list)   # ref count of each sealed block
     tail_block_refs: list[int] = field(default_factory=list)
+    window_freed_blocks: int = 0  # sealed_blocks[:n] are holes: released after they left the sliding window
 
 
 @dataclass(slots=True)
@@ -80,8 +81,9 @@ def sequence_info(c, s: Sequence) -> SequenceInfo:
     main, tail = (host.main_pool, host.tail_pool) if host is not None else (c.main_pool, c.tail_pool)
     return SequenceInfo(s.seq_id, s.length, list(s.sealed), list(s.tail), list(s.pending), s.reserved,
                         len(s.token_ids), list(s.hashes), s.owner, s.pinned, s.persist, s.tier,
-                        min(len(s.tail), c.sink_blocks), [main.blocks[b].ref_cnt for b in s.sealed],
-                        [tail.blocks[b].ref_cnt for b in s.tail])
+                        min(len(s.tail), c.sink_blocks),
+                        [0] * s.freed + [main.blocks[b].ref_cnt for b in s.held_sealed()],
+                        [tail.blocks[b].ref_cnt for b in s.tail], s.freed)
 
 
 def pool_map(c) -> PoolMap:

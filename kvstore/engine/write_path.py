@@ -46,6 +46,7 @@ class WritePath:
             k = torch.cat([kk for _, kk, _ in todo], dim=1)
             v = torch.cat([vv for _, _, vv in todo], dim=1)
             self.main.encode_blocks(ids_to(k.device, ids), k, v)
+        self.release_deferred()
 
     def _seal(self, s: Sequence, count: int, k: torch.Tensor | None, v: torch.Tensor | None) -> None:
         """Append `count` new sealed blocks; k, v [L, count * bs, Hkv, d] hold
@@ -118,7 +119,7 @@ class WritePath:
         appending n tokens (all layers, or one layer) will take at most."""
         if layer is None:
             T = s.length + n
-            self.check_length(T, "counts")
+            self.check_length(T - s.freed * self.bs, "counts")     # holes hold nothing
             n_sealed = max(self.sealed_count(T), len(s.sealed))
             seal = n_sealed - len(s.sealed)
             if not self.is_pq:
@@ -197,6 +198,7 @@ class WritePath:
         if not self.is_pq:
             self._seal(s, max(self.sealed_count(T), n_sealed0) - len(s.sealed), None, None)
         self._register_hashes(s)
+        self.release_window(s)
         s.last_use = time.monotonic()
         self.counters["appended_tokens"] += n
 
@@ -282,11 +284,15 @@ class WritePath:
         return toks
 
     def _commit(self, s: Sequence) -> None:
-        """Seal what the committed length allows, taking data from the tail."""
+        """Seal what the committed length allows, taking data from the tail; release
+        what left the window."""
         self._register_hashes(s)
         count = max(self.sealed_count(s.length), len(s.sealed)) - len(s.sealed)
-        if count <= 0:
-            return
+        if count > 0:
+            self._seal_committed(s, count)
+        self.release_window(s)
+
+    def _seal_committed(self, s: Sequence, count: int) -> None:
         if self.is_pq:
             ns = self.sink_blocks
             assert len(s.tail) >= ns + count, f"{s.seq_id}: sealing past the tail"

@@ -34,6 +34,7 @@ class TieredCache(Protocol):
     tail_pool: BlockPool                        # fp16 tail blocks (codec fp16: the main pool)
     main_io: BlockPayloads
     tail_io: BlockPayloads
+    null_block: int | None                      # the id holes hold (engine/window.py); None: no holes
     redis: object                               # the cache's RedisTier (redis.py), or None
 
     def tail_block_index(self, j: int, n_sealed: int) -> int:

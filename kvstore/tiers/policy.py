@@ -7,7 +7,7 @@ full or absent. Cached (freed, hashed) GPU blocks are copied to the host
 before their slot is reused, and host cached blocks to LMDB, so prefix hits
 survive eviction. Any access pages a sequence back in; Offload writes it to
 LMDB and returns once the transaction is durable, and that copy stays until
-the sequence is freed or changed.
+the sequence is freed or changed. Holes (engine/window.py) stay holes: never moved.
 
 Books: every move takes the references it needs first (hits it will share,
 so that making room can neither move nor reuse them), then makes room, then
@@ -151,13 +151,13 @@ class Tiering:
         c, h = self.c, self.host
         assert s.tier == "gpu"
         hits = {}
-        for i in range(len(s.sealed)):
+        for i in range(s.freed, len(s.sealed)):
             hi = self._sealed_hash(s, i)
             hb = h.main_pool.lookup(hi) if hi is not None else None
             if hb is not None:
                 hits[i] = hb
         h.main_pool.ref(list(hits.values()))
-        todo = [i for i in range(len(s.sealed)) if i not in hits]
+        todo = [i for i in range(s.freed, len(s.sealed)) if i not in hits]
         alloc = tail_ids = None
         done = False
         try:
@@ -174,7 +174,7 @@ class Tiering:
                 payload = c.tail_io.pack(s.tail)
                 h.put(h.tail, tail_ids, payload)
                 self._moved("bytes_down", "host", payload.numel())
-            host_main = [hits.get(i) for i in range(len(s.sealed))]
+            host_main = [hits.get(i, c.null_block) for i in range(len(s.sealed))]     # holes stay holes
             for i, hb in zip(todo, alloc):
                 host_main[i] = hb
                 hi = self._sealed_hash(s, i)
@@ -223,41 +223,41 @@ class Tiering:
                 self.counters["offloads_disk"] += 1
 
     def _image(self, s: Sequence, durable: bool) -> SeqImage:
-        c = self.c
+        c, held = self.c, s.held_sealed()
         if s.tier == "gpu":
-            sealed = to_host(c.main_io.pack(s.sealed)) if s.sealed else None
+            sealed = to_host(c.main_io.pack(held)) if held else None
             tail = to_host(c.tail_io.pack(s.tail)) if s.tail else None
         else:
             self.host.settle()
-            sealed = self.host.main[s.sealed] if s.sealed else None
+            sealed = self.host.main[held] if held else None
             tail = self.host.tail[s.tail] if s.tail else None
         # Blocks with a content hash go under that hash (deduplicated, found by
         # prefix lookups after a restart); fp16 tail blocks only where they share
         # the sealed blocks' format (codec fp16).
         hashed, others, block_hashes = [], [], []
         known = min(s.hashed_upto, len(s.hashes))
-        rows = [sealed[i] for i in range(len(s.sealed))] + [tail[j] for j in range(len(s.tail))]
-        index = ([c.sink_blocks + i for i in range(len(s.sealed))]     # block index of each row, in position order
+        rows = [sealed[i] for i in range(len(held))] + [tail[j] for j in range(len(s.tail))]
+        index = ([c.sink_blocks + s.freed + i for i in range(len(held))]     # block index of each row
                  + [c.tail_block_index(j, len(s.sealed)) for j in range(len(s.tail))])
         for r, (i, payload) in enumerate(zip(index, rows)):
-            if i < known and (r < len(s.sealed) or not c.is_pq):
+            if i < known and (r < len(held) or not c.is_pq):
                 hashed.append((s.hashes[i], payload))
                 block_hashes.append(s.hashes[i].hex())
             else:
                 others.append(payload)
                 block_hashes.append("")
         manifest = dict(seq_id=s.seq_id, tenant=s.tenant, length=s.length, hashed_upto=s.hashed_upto,
-                        sealed_hashes=block_hashes[:len(s.sealed)], tail_hashes=block_hashes[len(s.sealed):],
-                        n_tail=len(s.tail), n_other=len(others), durable=durable)
+                        sealed_hashes=block_hashes[:len(held)], tail_hashes=block_hashes[len(held):],
+                        n_tail=len(s.tail), n_other=len(others), durable=durable, freed=s.freed)
         return SeqImage(c.cfg.name, s.tenant, s.seq_id, _written(s, manifest), hashed, others)
 
     def _release(self, s: Sequence) -> None:
         if s.tier == "gpu":
             self.c.tail_pool.release(s.tail[::-1])
-            self.c.main_pool.release(s.sealed[::-1])
+            self.c.main_pool.release(s.held_sealed()[::-1])
         elif s.tier == "host":
             self.host.tail_pool.release(s.tail[::-1])
-            self.host.main_pool.release(s.sealed[::-1])
+            self.host.main_pool.release(s.held_sealed()[::-1])
 
     def page_in(self, s: Sequence, protect: set) -> None:
         """Bring a host or disk sequence back to the GPU pools. A durable disk
@@ -265,19 +265,20 @@ class Tiering:
         c = self.c
         if s.tier == "gpu":
             return
-        n_sealed = len(s.sealed) if s.tier == "host" else len(s.manifest["sealed_hashes"])
+        held = s.held_sealed()                    # the rows below: holes were never moved
+        n_sealed = len(held) if s.tier == "host" else len(s.manifest["sealed_hashes"])
         n_tail = len(s.tail) if s.tier == "host" else s.manifest["n_tail"]
+        h0 = c.sink_blocks + s.freed              # block index of row 0
         # Read first: a copy that cannot be read fails before anything changes.
         if s.tier == "host":
-            sealed_payload = self.host.get(self.host.main, s.sealed, c.main_io.device) if s.sealed else None
+            sealed_payload = self.host.get(self.host.main, held, c.main_io.device) if held else None
             tail_payload = self.host.get(self.host.tail, s.tail, c.tail_io.device) if s.tail else None
         else:
             sealed_payload, tail_payload = self.disk.read_sequence(
                 c.fingerprint, c.cfg.name, s.tenant, s.seq_id, s.manifest, c.main_io.block_bytes(),
                 c.tail_io.block_bytes(), c.main_io.device)
         known = min(s.hashed_upto, len(s.hashes))
-        hits = {i: c.main_pool.lookup(s.hashes[c.sink_blocks + i])
-                for i in range(n_sealed) if c.sink_blocks + i < known}
+        hits = {i: c.main_pool.lookup(s.hashes[h0 + i]) for i in range(n_sealed) if h0 + i < known}
         hits = {i: b for i, b in hits.items() if b is not None}
         c.main_pool.ref(list(hits.values()))
         todo = [i for i in range(n_sealed) if i not in hits]
@@ -304,15 +305,15 @@ class Tiering:
         sealed = [hits.get(i) for i in range(n_sealed)]
         for i, b in zip(todo, new):
             sealed[i] = b
-            if c.sink_blocks + i < known:
-                c.main_pool.set_hash(b, s.hashes[c.sink_blocks + i])
+            if h0 + i < known:
+                c.main_pool.set_hash(b, s.hashes[h0 + i])
         for j, b in enumerate(new_tail):          # full sink and tail blocks are findable again
-            i = c.tail_block_index(j, n_sealed)
+            i = c.tail_block_index(j, s.freed + n_sealed)
             if i < known:
                 c.tail_pool.set_hash(b, s.hashes[i])
         below = s.tier
         self._release(s)
-        s.sealed, s.tail, s.tier = sealed, new_tail, "gpu"
+        s.sealed, s.tail, s.tier = [c.null_block] * s.freed + sealed, new_tail, "gpu"
         s.rebuilt_table()
         s.last_use = time.monotonic()
         self.counters["page_ins_" + below] += 1
@@ -385,7 +386,7 @@ class Tiering:
                 continue
             s = Sequence(m["seq_id"], m["tenant"], self.c.cfg.geometry.num_layers, length=m["length"],
                          token_ids=array("i", m.pop("token_ids")), hashes=[bytes.fromhex(h) for h in m.pop("hashes")],
-                         hashed_upto=m["hashed_upto"])
+                         hashed_upto=m["hashed_upto"], freed=m.get("freed", 0))
             s.tier, s.manifest = "disk", m
             self.c.seqs[key] = s
             n += 1

@@ -152,7 +152,7 @@ def run_codec(model, tok, target: str, codec: str, ids: torch.Tensor, new_tokens
     ad = KVStoreAdapter(model, target, cache=f"demo-smollm2-{codec}", codec=codec, codebooks=codebooks,
                         model_id=model_id, num_blocks=256)
     try:
-        spec = ad.client().get_cache(ad.cache_name).spec
+        spec = ad.client().get_cache(ad.groups.caches()[0]).spec     # every layer group has these fields alike
         seal_after = spec.sink_tokens + spec.residual + spec.block_size if codec == "pq" else None
         print(f"== codec {codec}: prompt {ids.shape[1]} tokens + {new_tokens} new", flush=True)
         if seal_after is not None:

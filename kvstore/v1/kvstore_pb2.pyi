@@ -538,7 +538,7 @@ class PoolStats(_message.Message):
     def __init__(self, capacity: _Optional[int] = ..., used: _Optional[int] = ..., cached: _Optional[int] = ..., free: _Optional[int] = ..., evictions: _Optional[int] = ...) -> None: ...
 
 class CacheStats(_message.Message):
-    __slots__ = ("cache", "main", "tail", "sequences", "tokens", "sealed_tokens", "bytes_per_token", "fp16_bytes_per_token", "compression_ratio", "used_bytes", "effective_bytes_per_token", "prefix_query_tokens", "prefix_hit_tokens", "prefix_hit_rate", "appended_tokens", "sealed_blocks", "dedup_blocks", "attend_calls", "host", "host_tail", "sequences_host", "sequences_disk", "offloads_host", "offloads_disk", "page_ins_host", "page_ins_disk", "bytes_down", "bytes_up", "spilled_blocks", "prefix_hit_blocks_host", "prefix_hit_blocks_disk", "disk_bytes", "disk_entries", "sink_tokens", "disk_used_bytes", "disk_max_bytes", "disk_held_bytes", "disk_evictions", "disk_evicted_bytes", "disk_skipped_spills", "host_metadata_bytes", "host_tier_bytes", "redis_state", "redis_blocks_out", "redis_bytes_out", "prefix_hit_blocks_redis", "redis_bytes_in", "redis_misses", "redis_refused", "redis_dropped_puts", "redis_errors", "redis_last_error", "main_reserved_bytes", "main_used_bytes", "tail_reserved_bytes", "tail_used_bytes", "host_used_bytes", "reserved_bytes", "bytes_down_host", "bytes_down_disk", "bytes_up_host", "bytes_up_disk")
+    __slots__ = ("cache", "main", "tail", "sequences", "tokens", "sealed_tokens", "bytes_per_token", "fp16_bytes_per_token", "compression_ratio", "used_bytes", "effective_bytes_per_token", "prefix_query_tokens", "prefix_hit_tokens", "prefix_hit_rate", "appended_tokens", "sealed_blocks", "dedup_blocks", "attend_calls", "host", "host_tail", "sequences_host", "sequences_disk", "offloads_host", "offloads_disk", "page_ins_host", "page_ins_disk", "bytes_down", "bytes_up", "spilled_blocks", "prefix_hit_blocks_host", "prefix_hit_blocks_disk", "disk_bytes", "disk_entries", "sink_tokens", "disk_used_bytes", "disk_max_bytes", "disk_held_bytes", "disk_evictions", "disk_evicted_bytes", "disk_skipped_spills", "host_metadata_bytes", "host_tier_bytes", "redis_state", "redis_blocks_out", "redis_bytes_out", "prefix_hit_blocks_redis", "redis_bytes_in", "redis_misses", "redis_refused", "redis_dropped_puts", "redis_errors", "redis_last_error", "main_reserved_bytes", "main_used_bytes", "tail_reserved_bytes", "tail_used_bytes", "host_used_bytes", "reserved_bytes", "window_freed_blocks", "bytes_down_host", "bytes_down_disk", "bytes_up_host", "bytes_up_disk")
     CACHE_FIELD_NUMBER: _ClassVar[int]
     MAIN_FIELD_NUMBER: _ClassVar[int]
     TAIL_FIELD_NUMBER: _ClassVar[int]
@@ -597,6 +597,7 @@ class CacheStats(_message.Message):
     TAIL_USED_BYTES_FIELD_NUMBER: _ClassVar[int]
     HOST_USED_BYTES_FIELD_NUMBER: _ClassVar[int]
     RESERVED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    WINDOW_FREED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     BYTES_DOWN_HOST_FIELD_NUMBER: _ClassVar[int]
     BYTES_DOWN_DISK_FIELD_NUMBER: _ClassVar[int]
     BYTES_UP_HOST_FIELD_NUMBER: _ClassVar[int]
@@ -659,11 +660,12 @@ class CacheStats(_message.Message):
     tail_used_bytes: int
     host_used_bytes: int
     reserved_bytes: int
+    window_freed_blocks: int
     bytes_down_host: int
     bytes_down_disk: int
     bytes_up_host: int
     bytes_up_disk: int
-    def __init__(self, cache: _Optional[str] = ..., main: _Optional[_Union[PoolStats, _Mapping]] = ..., tail: _Optional[_Union[PoolStats, _Mapping]] = ..., sequences: _Optional[int] = ..., tokens: _Optional[int] = ..., sealed_tokens: _Optional[int] = ..., bytes_per_token: _Optional[int] = ..., fp16_bytes_per_token: _Optional[int] = ..., compression_ratio: _Optional[float] = ..., used_bytes: _Optional[int] = ..., effective_bytes_per_token: _Optional[float] = ..., prefix_query_tokens: _Optional[int] = ..., prefix_hit_tokens: _Optional[int] = ..., prefix_hit_rate: _Optional[float] = ..., appended_tokens: _Optional[int] = ..., sealed_blocks: _Optional[int] = ..., dedup_blocks: _Optional[int] = ..., attend_calls: _Optional[int] = ..., host: _Optional[_Union[PoolStats, _Mapping]] = ..., host_tail: _Optional[_Union[PoolStats, _Mapping]] = ..., sequences_host: _Optional[int] = ..., sequences_disk: _Optional[int] = ..., offloads_host: _Optional[int] = ..., offloads_disk: _Optional[int] = ..., page_ins_host: _Optional[int] = ..., page_ins_disk: _Optional[int] = ..., bytes_down: _Optional[int] = ..., bytes_up: _Optional[int] = ..., spilled_blocks: _Optional[int] = ..., prefix_hit_blocks_host: _Optional[int] = ..., prefix_hit_blocks_disk: _Optional[int] = ..., disk_bytes: _Optional[int] = ..., disk_entries: _Optional[int] = ..., sink_tokens: _Optional[int] = ..., disk_used_bytes: _Optional[int] = ..., disk_max_bytes: _Optional[int] = ..., disk_held_bytes: _Optional[int] = ..., disk_evictions: _Optional[int] = ..., disk_evicted_bytes: _Optional[int] = ..., disk_skipped_spills: _Optional[int] = ..., host_metadata_bytes: _Optional[int] = ..., host_tier_bytes: _Optional[int] = ..., redis_state: _Optional[str] = ..., redis_blocks_out: _Optional[int] = ..., redis_bytes_out: _Optional[int] = ..., prefix_hit_blocks_redis: _Optional[int] = ..., redis_bytes_in: _Optional[int] = ..., redis_misses: _Optional[int] = ..., redis_refused: _Optional[int] = ..., redis_dropped_puts: _Optional[int] = ..., redis_errors: _Optional[int] = ..., redis_last_error: _Optional[str] = ..., main_reserved_bytes: _Optional[int] = ..., main_used_bytes: _Optional[int] = ..., tail_reserved_bytes: _Optional[int] = ..., tail_used_bytes: _Optional[int] = ..., host_used_bytes: _Optional[int] = ..., reserved_bytes: _Optional[int] = ..., bytes_down_host: _Optional[int] = ..., bytes_down_disk: _Optional[int] = ..., bytes_up_host: _Optional[int] = ..., bytes_up_disk: _Optional[int] = ...) -> None: ...
+    def __init__(self, cache: _Optional[str] = ..., main: _Optional[_Union[PoolStats, _Mapping]] = ..., tail: _Optional[_Union[PoolStats, _Mapping]] = ..., sequences: _Optional[int] = ..., tokens: _Optional[int] = ..., sealed_tokens: _Optional[int] = ..., bytes_per_token: _Optional[int] = ..., fp16_bytes_per_token: _Optional[int] = ..., compression_ratio: _Optional[float] = ..., used_bytes: _Optional[int] = ..., effective_bytes_per_token: _Optional[float] = ..., prefix_query_tokens: _Optional[int] = ..., prefix_hit_tokens: _Optional[int] = ..., prefix_hit_rate: _Optional[float] = ..., appended_tokens: _Optional[int] = ..., sealed_blocks: _Optional[int] = ..., dedup_blocks: _Optional[int] = ..., attend_calls: _Optional[int] = ..., host: _Optional[_Union[PoolStats, _Mapping]] = ..., host_tail: _Optional[_Union[PoolStats, _Mapping]] = ..., sequences_host: _Optional[int] = ..., sequences_disk: _Optional[int] = ..., offloads_host: _Optional[int] = ..., offloads_disk: _Optional[int] = ..., page_ins_host: _Optional[int] = ..., page_ins_disk: _Optional[int] = ..., bytes_down: _Optional[int] = ..., bytes_up: _Optional[int] = ..., spilled_blocks: _Optional[int] = ..., prefix_hit_blocks_host: _Optional[int] = ..., prefix_hit_blocks_disk: _Optional[int] = ..., disk_bytes: _Optional[int] = ..., disk_entries: _Optional[int] = ..., sink_tokens: _Optional[int] = ..., disk_used_bytes: _Optional[int] = ..., disk_max_bytes: _Optional[int] = ..., disk_held_bytes: _Optional[int] = ..., disk_evictions: _Optional[int] = ..., disk_evicted_bytes: _Optional[int] = ..., disk_skipped_spills: _Optional[int] = ..., host_metadata_bytes: _Optional[int] = ..., host_tier_bytes: _Optional[int] = ..., redis_state: _Optional[str] = ..., redis_blocks_out: _Optional[int] = ..., redis_bytes_out: _Optional[int] = ..., prefix_hit_blocks_redis: _Optional[int] = ..., redis_bytes_in: _Optional[int] = ..., redis_misses: _Optional[int] = ..., redis_refused: _Optional[int] = ..., redis_dropped_puts: _Optional[int] = ..., redis_errors: _Optional[int] = ..., redis_last_error: _Optional[str] = ..., main_reserved_bytes: _Optional[int] = ..., main_used_bytes: _Optional[int] = ..., tail_reserved_bytes: _Optional[int] = ..., tail_used_bytes: _Optional[int] = ..., host_used_bytes: _Optional[int] = ..., reserved_bytes: _Optional[int] = ..., window_freed_blocks: _Optional[int] = ..., bytes_down_host: _Optional[int] = ..., bytes_down_disk: _Optional[int] = ..., bytes_up_host: _Optional[int] = ..., bytes_up_disk: _Optional[int] = ...) -> None: ...
 
 class StatsReply(_message.Message):
     __slots__ = ("caches",)
@@ -680,7 +682,7 @@ class SequenceInfoRequest(_message.Message):
     def __init__(self, cache: _Optional[str] = ..., sequence_id: _Optional[str] = ...) -> None: ...
 
 class SequenceInfoReply(_message.Message):
-    __slots__ = ("sequence_id", "length", "sealed_blocks", "sealed_block_refs", "tail_blocks", "tail_block_refs", "pending", "reserved", "known_token_ids", "block_hashes", "owner_session", "pinned", "persist", "tier", "sink_blocks")
+    __slots__ = ("sequence_id", "length", "sealed_blocks", "sealed_block_refs", "tail_blocks", "tail_block_refs", "pending", "reserved", "known_token_ids", "block_hashes", "owner_session", "pinned", "persist", "tier", "sink_blocks", "window_freed_blocks")
     SEQUENCE_ID_FIELD_NUMBER: _ClassVar[int]
     LENGTH_FIELD_NUMBER: _ClassVar[int]
     SEALED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -696,6 +698,7 @@ class SequenceInfoReply(_message.Message):
     PERSIST_FIELD_NUMBER: _ClassVar[int]
     TIER_FIELD_NUMBER: _ClassVar[int]
     SINK_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    WINDOW_FREED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     sequence_id: str
     length: int
     sealed_blocks: _containers.RepeatedScalarFieldContainer[int]
@@ -711,7 +714,8 @@ class SequenceInfoReply(_message.Message):
     persist: bool
     tier: str
     sink_blocks: int
-    def __init__(self, sequence_id: _Optional[str] = ..., length: _Optional[int] = ..., sealed_blocks: _Optional[_Iterable[int]] = ..., sealed_block_refs: _Optional[_Iterable[int]] = ..., tail_blocks: _Optional[_Iterable[int]] = ..., tail_block_refs: _Optional[_Iterable[int]] = ..., pending: _Optional[_Iterable[int]] = ..., reserved: _Optional[int] = ..., known_token_ids: _Optional[int] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., owner_session: _Optional[str] = ..., pinned: _Optional[bool] = ..., persist: _Optional[bool] = ..., tier: _Optional[str] = ..., sink_blocks: _Optional[int] = ...) -> None: ...
+    window_freed_blocks: int
+    def __init__(self, sequence_id: _Optional[str] = ..., length: _Optional[int] = ..., sealed_blocks: _Optional[_Iterable[int]] = ..., sealed_block_refs: _Optional[_Iterable[int]] = ..., tail_blocks: _Optional[_Iterable[int]] = ..., tail_block_refs: _Optional[_Iterable[int]] = ..., pending: _Optional[_Iterable[int]] = ..., reserved: _Optional[int] = ..., known_token_ids: _Optional[int] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., owner_session: _Optional[str] = ..., pinned: _Optional[bool] = ..., persist: _Optional[bool] = ..., tier: _Optional[str] = ..., sink_blocks: _Optional[int] = ..., window_freed_blocks: _Optional[int] = ...) -> None: ...
 
 class ListSequencesRequest(_message.Message):
     __slots__ = ("cache",)

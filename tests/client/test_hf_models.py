@@ -114,9 +114,15 @@ def test_fp16_greedy_equals_transformers(daemon, name):
         with torch.no_grad():
             got = ad.generate(ids, **GEN)
     assert torch.equal(got, want), (got, want)
-    info = ad.client().get_cache(name).spec
-    assert tuple(info.layer_windows) == WINDOWS[name]
-    assert info.logit_softcap == (3.0 if name == "gemma2" else 0.0)
+    windows = [0] * model.config.num_hidden_layers
+    for g in ad.groups:        # one cache per window; together they hold every layer once
+        info = ad.client().get_cache(g.cache).spec
+        assert len(set(info.layer_windows)) <= 1 and info.geometry.num_layers == len(g.layers)
+        for layer, w in zip(g.layers, info.layer_windows):
+            windows[layer] = w
+        assert info.logit_softcap == (3.0 if name == "gemma2" else 0.0)
+    assert tuple(windows) == (WINDOWS[name] or (0,) * len(windows))
+    assert len(ad.groups) == len(set(windows))
     s = ad.stats()
     assert s.attend_calls == model.config.num_hidden_layers * (GEN["max_new_tokens"] - 1)
     ad.close()
@@ -157,7 +163,7 @@ def test_gemma3_pq_windowed_attention_equals_reference(daemon):
             # the tokens before this step, then this step's (the cache counts it from its
             # last layer's update on, which runs before that layer's attention)
             before = self.length - (layer == c.num_hidden_layers - 1)
-            kk, vv = self.adapter.client().retrieve(ad.cache_name, self.seq_ids[0], 0, before)
+            kk, vv = self.adapter.retrieve(self.adapter.client(), self.seq_ids[0], before)   # what the windows read
             kk = torch.cat([kk[layer], k[0, :, 0].half().unsqueeze(0)])
             vv = torch.cat([vv[layer], v[0, :, 0].half().unsqueeze(0)])
             seen.append((layer, q[0, :, 0].clone(), out[0][0, 0].clone(), kk, vv, scaling))
@@ -182,6 +188,75 @@ def test_gemma3_pq_windowed_attention_equals_reference(daemon):
             assert lo > 8            # past the 8 sink tokens: they are outside the window
 
 
+def test_gemma3_sliding_group_holds_fewer_blocks_than_one_table(daemon):
+    """Mid-request, a long prompt: the per-group caches hold less than one cache of every
+    layer (a global layer keeps every block there), with the same tokens out."""
+    model = build("gemma3")
+    ids = prompt(6 * WINDOW + 5)
+    held = {}
+    for split in (True, False):
+        ad = KVStoreAdapter(model, daemon, cache=f"g3{split}", codec="fp16", block_size=8, residual=8,
+                            layer_groups=split)
+        cache = ad.cache_for(ids)
+        with torch.no_grad():
+            out = model.generate(ids, past_key_values=cache, **GEN)
+        held[split] = (ad.stats(), out, [s.window_freed_blocks for _, s in ad.stats_by_group()])
+        cache.release()
+        ad.close()
+    (grouped, out_g, freed_g), (one, out_1, freed_1) = held[True], held[False]
+    assert torch.equal(out_g, out_1)
+    n = ids.shape[1] + GEN["max_new_tokens"] - 1                 # tokens the daemon holds at the end
+    assert grouped.tokens == one.tokens == n
+    assert one.used_bytes == -(-n // 8) * 8 * one.fp16_bytes_per_token          # every block of every layer
+    assert grouped.used_bytes < one.used_bytes * 0.6
+    assert freed_g[0] == 0 and freed_g[1] > 0 and freed_1 == [0]             # the sliding group frees
+
+
+def test_gemma3_prefix_hit_through_the_groups(daemon):
+    """The same prompt again: every group hits (the sliding group through blocks it
+    released but still caches), the prefix comes back from each group's window, and
+    the tokens are transformers' own."""
+    model = build("gemma3")
+    ids = prompt(6 * WINDOW + 5)
+    want = reference(model, ids)
+    ad = KVStoreAdapter(model, daemon, cache="g3hit", codec="fp16", block_size=8, residual=8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with torch.no_grad():
+            assert torch.equal(ad.generate(ids, **GEN), want)
+            before = [s.prefix_hit_tokens for _, s in ad.stats_by_group()]
+            assert torch.equal(ad.generate(ids, **GEN), want)
+    hits = [s.prefix_hit_tokens - b for (_, s), b in zip(ad.stats_by_group(), before)]
+    assert hits == [(ids.shape[1] - 1) // 8 * 8] * 2
+    ad.close()
+
+
+def test_gemma3_prefix_hit_is_the_shortest_of_the_groups(daemon):
+    """The sliding group's cached blocks of a prompt were evicted (another sequence
+    needed the slots), the global group's were not: the sequence gets the shorter hit
+    in both groups, and the tokens are still transformers' own."""
+    model = build("gemma3")
+    ids = prompt(6 * WINDOW + 5)
+    want = reference(model, ids)
+    ad = KVStoreAdapter(model, daemon, cache="g3evict", codec="fp16", block_size=8, residual=8, num_blocks=40)
+    with torch.no_grad():
+        assert torch.equal(ad.generate(ids, **GEN), want)
+        kv, (glob, slide) = ad.client(), ad.groups
+        k = torch.randn(len(slide.layers), 280, 1, 256).half()
+        kv.allocate(slide.cache, "filler", [])
+        kv.append(slide.cache, ["filler"], k, k, [280])     # 35 blocks at once of a pool of 40: cached ones go
+        kv.free(slide.cache, ["filler"])
+        cache = ad.cache_for(ids)
+        hit = cache.length
+        assert hit < (ids.shape[1] - 1) // 8 * 8                 # the sliding group lost its prefix
+        assert [kv.sequence_info(c, cache.seq_ids[0]).length for c in ad.groups.caches()] == [hit, hit]
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            assert torch.equal(model.generate(ids, past_key_values=cache, **GEN), want)
+        cache.release()
+    ad.close()
+
+
 def test_bf16_model_runs_in_bf16(daemon):
     """A bf16 model makes a bf16 cache; generate runs through the daemon."""
     model = build("gemma2").to(torch.bfloat16)
@@ -191,7 +266,7 @@ def test_bf16_model_runs_in_bf16(daemon):
         with torch.no_grad():
             out = ad.generate(prompt(), **GEN)
     assert out.shape[1] == PROMPT + GEN["max_new_tokens"]
-    assert ad.client().get_cache("bf16").spec.geometry.dtype == "bfloat16"
+    assert all(ad.client().get_cache(c).spec.geometry.dtype == "bfloat16" for c in ad.groups.caches())
 
 
 # --------------------------------------------------------------- refusals
