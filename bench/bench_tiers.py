@@ -69,8 +69,9 @@ def prefill_stack(layers, tokens, dev, hidden=4096, hq=32, hkv=8, d=128, ffn=143
     return timed(run, dev, reps=2)
 
 
-def start_redis(binary: str | None, directory: str):
-    """A redis-server on a free port (no persistence: a cache), or None with why."""
+def start_redis(binary: str | None, directory: str, io_threads: int = 1):
+    """A redis-server on a free port (no persistence: a cache) with io_threads
+    I/O threads (Redis >= 6), or None with why."""
     try:
         import redis
     except ImportError:
@@ -83,7 +84,8 @@ def start_redis(binary: str | None, directory: str):
         sk.bind(("127.0.0.1", 0))
         port = sk.getsockname()[1]
     proc = subprocess.Popen([binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-                             "--dir", directory, "--maxmemory", "8gb", "--maxmemory-policy", "allkeys-lru"],
+                             "--dir", directory, "--maxmemory", "8gb", "--maxmemory-policy", "allkeys-lru",
+                             *(["--io-threads", str(io_threads), "--io-threads-do-reads", "yes"] if io_threads > 1 else [])],
                             stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
     client = redis.Redis(port=port, socket_timeout=1)
     for _ in range(200):
