@@ -2,13 +2,16 @@
 in the same run.
 
   GPU -> host and host -> GPU GB/s of the tier moves vs a plain pinned copy of the same bytes
-  LMDB spill (Offload, synced) and restore (Prefetch) GB/s
+  LMDB spill (Offload, synced) and restore (Prefetch) GB/s; the spill vs a plain write +
+    fdatasync of the same bytes to a file beside the LMDB (the disk's synced sequential speed)
   Redis put and get GB/s through the store (a redis-server this script starts on a free port)
   restoring an 8K-token prefix (Allocate with its token ids) from host, from LMDB and from
   Redis (a second engine with empty local tiers: another host) vs recomputing its prefill
   with a Llama-3-8B-geometry layer stack (32 layers, 32 q / 8 kv heads, d 128, 4-bit PQ)
 
 python bench/bench_tiers.py [--tokens 8192] [--layers 32] [--device cuda] [--redis-server PATH]
+                            [--redis-io-threads N] [--dir DIR]
+(on a CPU: --device cpu --skip-prefill, where the prefill of the Llama-3-8B stack would take minutes)
 """
 from __future__ import annotations
 
@@ -69,8 +72,9 @@ def prefill_stack(layers, tokens, dev, hidden=4096, hq=32, hkv=8, d=128, ffn=143
     return timed(run, dev, reps=2)
 
 
-def start_redis(binary: str | None, directory: str):
-    """A redis-server on a free port (no persistence: a cache), or None with why."""
+def start_redis(binary: str | None, directory: str, io_threads: int = 1):
+    """A redis-server on a free port (no persistence: a cache) with io_threads
+    I/O threads (Redis >= 6), or None with why."""
     try:
         import redis
     except ImportError:
@@ -83,7 +87,8 @@ def start_redis(binary: str | None, directory: str):
         sk.bind(("127.0.0.1", 0))
         port = sk.getsockname()[1]
     proc = subprocess.Popen([binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-                             "--dir", directory, "--maxmemory", "8gb", "--maxmemory-policy", "allkeys-lru"],
+                             "--dir", directory, "--maxmemory", "8gb", "--maxmemory-policy", "allkeys-lru",
+                             *(["--io-threads", str(io_threads), "--io-threads-do-reads", "yes"] if io_threads > 1 else [])],
                             stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
     client = redis.Redis(port=port, socket_timeout=1)
     for _ in range(200):
@@ -96,6 +101,25 @@ def start_redis(binary: str | None, directory: str):
             time.sleep(0.05)
     proc.kill()
     return None, f"{binary} did not start"
+
+
+def disk_write(path: str, nbytes: int, reps: int) -> float:
+    """Best seconds to write nbytes to a new file at path and fdatasync it."""
+    data = memoryview(os.urandom(1 << 20) * max(1, nbytes >> 20))
+    best = float("inf")
+    for _ in range(reps):
+        t = time.perf_counter()
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            off = 0
+            while off < len(data):
+                off += os.write(fd, data[off:off + (64 << 20)])
+            os.fdatasync(fd)
+        finally:
+            os.close(fd)
+        best = min(best, time.perf_counter() - t)
+        os.unlink(path)
+    return best
 
 
 def wait_until(cond, what: str, timeout: float = 120.0) -> None:
@@ -113,12 +137,15 @@ def main() -> None:
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--redis-server", default=None, metavar="PATH",
                    help="redis-server binary (or a wrapper) for the Redis rows; default: redis-server on PATH")
+    p.add_argument("--redis-io-threads", type=int, default=4 if (os.cpu_count() or 1) >= 8 else 1,
+                   help="the redis-server's io-threads (docs/scale.md: what to configure)")
+    p.add_argument("--dir", default=None, help="where the LMDB (and the disk baseline's file) go; default: a temp dir")
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--skip-prefill", action="store_true")
     args = p.parse_args()
     dev, L, n = args.device, args.layers, args.tokens
-    tmp = tempfile.mkdtemp(prefix="kvbench-")
-    server, url = start_redis(args.redis_server, tmp)
+    tmp = tempfile.mkdtemp(prefix="kvbench-", dir=args.dir)
+    server, url = start_redis(args.redis_server, tmp, io_threads=args.redis_io_threads)
     try:
         run(args, dev, L, n, tmp, url if server is not None else None, None if server is not None else url)
     finally:
@@ -173,6 +200,7 @@ def run(args, dev: str, L: int, n: int, tmp: str, url: str | None, no_redis: str
         t_spill = min(t_spill, timed(lambda: e.offload("b", "t", ["s"]), dev, reps=1))
         t_restore = min(t_restore, timed(lambda: e.prefetch("b", "t", ["s"]), dev, reps=1))
         cache.changing(s)      # as a write would: the durable copy goes, the next Offload writes again
+    t_disk = disk_write(os.path.join(tmp, "disk-baseline"), moved, args.reps)
 
     # An 8K-token prefix with token ids: its sealed blocks get content hashes.
     prompt = list(range(1, n + 1))
@@ -238,12 +266,15 @@ def run(args, dev: str, L: int, n: int, tmp: str, url: str | None, no_redis: str
                                                              f"({gb / t_d2h_plain:.1f} GB/s)"),
         ("host->GPU page-in", f"{gb / t_up:.1f} GB/s", f"{t_h2d_plain / t_up:.2f}x of plain copy "
                                                         f"({gb / t_h2d_plain:.1f} GB/s)"),
-        ("LMDB spill (Offload, synced)", f"{gb / t_spill:.2f} GB/s", f"{t_spill * 1e3:.1f} ms"),
+        ("disk: write + fdatasync of the same bytes", f"{gb / t_disk:.2f} GB/s", f"{t_disk * 1e3:.1f} ms ({tmp})"),
+        ("LMDB spill (Offload, synced)", f"{gb / t_spill:.2f} GB/s", f"{t_spill * 1e3:.1f} ms, "
+                                                                    f"{t_disk / t_spill:.2f}x of the disk's speed"),
         ("LMDB restore (Prefetch, to the device)", f"{gb / t_restore:.2f} GB/s", f"{t_restore * 1e3:.1f} ms"),
         (f"prefix: {sealed} sealed blocks", f"{prefix_bytes / 2**20:.1f} MiB", ""),
     ]
     if url:
-        rows += [("Redis put (through the store, not persisted)", f"{pgb / t_rput:.2f} GB/s", f"{t_rput * 1e3:.1f} ms"),
+        rows += [("redis-server io-threads", str(args.redis_io_threads), "(--redis-io-threads)"),
+                 ("Redis put (through the store, not persisted)", f"{pgb / t_rput:.2f} GB/s", f"{t_rput * 1e3:.1f} ms"),
                  ("Redis get (prefix hit, to the device)", f"{pgb / t_hit['redis']:.2f} GB/s", "")]
     else:
         rows += [("Redis rows", "skipped", no_redis)]

@@ -5,6 +5,18 @@ decided by kvstore/tiers/disk.py, and so is what goes when the store is over its
 byte bound (the store only keeps the books). Batched writes go in one
 transaction, so a sequence's blocks and its manifest are on disk together or
 not at all.
+
+Writes go through LMDB's writable map (writemap): a value is copied once,
+into the file's pages, where without it LMDB copies it into a page it
+allocated and then write()s that page at the commit (the spill ran at about
+0.4 of the disk's synced write speed, now about 0.8: docs/scale.md). A
+durable batch (sync=True) flushes the map before its commit and again after
+it, so the pages a commit points at are on disk before the pointer is: a
+crash at any point leaves the previous commit or this one, never half of it.
+A writable map fills holes of a sparse file on first write, and a full disk
+would then kill the process (SIGBUS) instead of failing a write: the file is
+allocated up front (posix_fallocate) to the map size, at open and as it grows,
+and a disk that cannot take the growth fails that write (OSError), nothing else.
 """
 from __future__ import annotations
 
@@ -54,7 +66,8 @@ class LMDBStore:
         # sync=False: commits reach the OS, not the disk; durable writes ask for
         # sync explicitly (put_many(sync=True) calls env.sync()).
         self.env = lmdb.open(path, map_size=map_size, subdir=True, sync=sync, metasync=sync,
-                             max_dbs=0, lock=True, readahead=False)
+                             max_dbs=0, lock=True, readahead=False, writemap=True)
+        self._allocate(self.env.info()["map_size"])
         self.lock = threading.RLock()
         self._sizes: dict[bytes, int] = {}
         with self.env.begin(buffers=True) as txn:   # values stay in the map: only their length is read
@@ -62,6 +75,15 @@ class LMDBStore:
                 self._sizes[bytes(k)] = entry_bytes(k, v)
         self.used_bytes = sum(self._sizes.values())
         self.books = None     # what the owner of the key layout keeps over these entries (tiers.DiskTier)
+
+    def _allocate(self, size: int) -> None:
+        """Disk blocks for the whole map (module docstring: a full disk fails
+        here, not with a SIGBUS in a write through the map)."""
+        fd = os.open(os.path.join(self.path, "data.mdb"), os.O_RDWR)
+        try:
+            os.posix_fallocate(fd, 0, size)
+        finally:
+            os.close(fd)
 
     def _write(self, fn) -> None:
         with self.lock:
@@ -71,7 +93,13 @@ class LMDBStore:
                         fn(txn)
                     return
                 except self._lmdb.MapFullError:
-                    self.env.set_mapsize(self.env.info()["map_size"] * 2)
+                    size = self.env.info()["map_size"]
+                    self.env.set_mapsize(size * 2)
+                    try:
+                        self._allocate(size * 2)
+                    except OSError:
+                        self.env.set_mapsize(size)       # nothing was written past it
+                        raise
 
     @contextlib.contextmanager
     def reader(self, buffers: bool = False):
@@ -101,12 +129,15 @@ class LMDBStore:
         self.write_batch([], list(keys))
 
     def write_batch(self, puts: list[tuple[bytes, bytes]], deletes: list[bytes], sync: bool = False) -> None:
-        """Puts and deletes in one transaction (deletes first)."""
+        """Puts and deletes in one transaction (deletes first); with sync, on
+        disk when this returns (the module docstring says in which order)."""
         def fn(txn):
             for k in deletes:
                 txn.delete(k)
             for k, v in puts:
                 txn.put(k, v)
+            if sync:
+                self.env.sync(True)      # this transaction's pages, before the commit's meta page points at them
         with self.lock:
             self._write(fn)
             for k, n in _after(puts, deletes).items():     # committed: the books follow

@@ -8,13 +8,14 @@ import logging
 import threading
 from collections import OrderedDict
 
+import numpy as np
 import torch
 
 from kvstore.cuda.pinned import to_device
 
 from .interface import TieredCache
-from .redis_store import GET_BATCH_BYTES, HEADER_BYTES, Put, RedisStore, block_key, check_value
-from .staging import gather, run_all, spans
+from .redis_format import HEADER_BYTES, block_key, check
+from .redis_store import HIT, MISS, REFUSED, Put, RedisStore
 
 log = logging.getLogger("kvstore.redis")
 KNOWN_HASHES = 1 << 16                    # per cache: hashes known to be in Redis (not put again)
@@ -115,33 +116,40 @@ class RedisTier:
     # -------------------------------------------------------------- reads
     def get_prefix(self, hashes: list[bytes], device) -> torch.Tensor:
         """Payloads [n, block bytes] uint8 on device of the leading n blocks of
-        `hashes` that Redis holds and that check out: pipelines of up to
-        GET_BATCH_BYTES read in parallel, the values checked on the copy
-        threads, the payloads copied straight into pinned memory and on to
-        the device (staging.gather)."""
-        fp, width = self.c.fingerprint, self.c.main_io.block_bytes()
-        per = max(1, GET_BATCH_BYTES // (HEADER_BYTES + width))
-        chunks = [hashes[a:a + per] for a in range(0, len(hashes), per)]
-        replies = self.store.get_batches([[block_key(fp, h) for h in c] for c in chunks])
-        values = []
-        for chunk, got in zip(chunks, replies):
-            if got is None:
-                self._count(errors=1)
-                break
-            values += got
-            if any(v is None for v in got):
-                break
-
-        def check(a: int, b: int) -> list[bool]:
-            return [values[i] is not None and check_value(values[i], fp, hashes[i], width) for i in range(a, b)]
-        ok = [x for part in run_all(check, spans(len(values), HEADER_BYTES + width)) for x in part]
-        n = ok.index(False) if False in ok else len(ok)
-        if n < len(values):       # (n == len(values) < len(hashes): Redis failed, counted above)
-            self._miss(hashes[n], refused=values[n] is not None)
-        rows = gather(values[:n], width, device, offset=HEADER_BYTES)
-        if n:
-            self._remember(hashes[:n])
-        return rows
+        `hashes` that Redis holds and that check out. The values are received
+        straight into pinned memory (RedisStore.read_into), checked on the
+        threads that received them, and each chunk's host-to-device copy is
+        queued on the current stream as soon as the chunk is in."""
+        fp, width, n = self.c.fingerprint, self.c.main_io.block_bytes(), len(hashes)
+        device = torch.device(device)
+        out = torch.empty((n, width), dtype=torch.uint8, device=device)
+        cuda = device.type == "cuda"
+        host = torch.empty((n, width), dtype=torch.uint8, pin_memory=True) if cuda else out
+        heads, rows = np.empty((n, HEADER_BYTES), dtype=np.uint8), host.numpy()
+        chunks = self.store.read_into([block_key(fp, h) for h in hashes], heads, rows,
+                                      lambda i: check(heads[i], rows[i], fp, hashes[i]))
+        served, bad = 0, None
+        try:
+            for a, b, fut in chunks:
+                got = fut.result()
+                if got is None:
+                    self._count(errors=1)
+                    break
+                k = next((j for j, v in enumerate(got) if v != HIT), len(got))     # hits leading the chunk
+                if cuda and k:
+                    out[a:a + k].copy_(host[a:a + k], non_blocking=True)
+                served = a + k
+                if k < len(got):
+                    bad = got[k]
+                    break
+        finally:
+            for _, _, fut in chunks:       # every lane is done with heads and rows before they go
+                fut.exception()
+        if bad in (MISS, REFUSED):
+            self._miss(hashes[served], refused=bad == REFUSED)
+        if served:
+            self._remember(hashes[:served])
+        return out[:served]
 
     def served(self, n: int) -> None:
         """Count n prefix blocks from Redis that a sequence got (a lookup may

@@ -7,21 +7,18 @@ fingerprint (core/hashing.py), so one key means one content on every host with
 the same model, geometry and codebooks, and a prefix hit crosses the network
 as PQ codes (storage.pack: every layer's K codes, then V codes).
 
-Key layout:   kvstore:v1:<cache fingerprint hex>:<content hash hex>
-No hash tag ({...}): Redis Cluster hashes the whole key, so one cache's
-blocks spread over every slot. A lookup reads the prefix it misses in one
-pipeline of GETs, not an MGET, which a cluster refuses across slots
-(CROSSSLOT); a Cluster client must split such a pipeline by node (redis-py's
-RedisCluster pipeline does), one round trip per node owning keys of it.
+Keys and values: redis_format.py (kvstore:v2:<fingerprint>:<hash>, an 88-byte
+header with a checksum, then the payload). No hash tag ({...}): Redis Cluster
+hashes the whole key, so one cache's blocks spread over every slot. A lookup
+reads the prefix it misses in pipelines of GETs, not an MGET, which a cluster
+refuses across slots (CROSSSLOT); a Cluster client must split such a pipeline
+by node, one round trip per node owning keys of it.
 
-Value: an 88-byte header, then the payload:
-  b"KVRB", version u16, 0 u16, fingerprint [32], content hash [32],
-  payload length u64, blake2b-8 of all of the header before it and the payload.
-A value whose magic, version, fingerprint, hash, length or checksum is not
-what the lookup expects is refused: counted, treated as a miss, never served.
-The checksum catches corruption and mix-ups, not a forger: whoever may write
-to this Redis may write blocks, so give the daemons their own ACL user (and
-TLS across hosts).
+Reads take the bulk path of resp.py: GET_PARALLEL connections of its own,
+each a pipeline of GETs (GETEX with a TTL) of contiguous chunks of rows, one
+chunk sent ahead of the one being read, every value received straight into
+the caller's (pinned) rows and checked on the thread that received it. Puts
+and the breaker's PING go through redis-py.
 
 Eviction is Redis's own: run it with `maxmemory <bytes>` and
 `maxmemory-policy allkeys-lru` (these blocks are a cache: any of them may go).
@@ -37,59 +34,31 @@ again until Redis comes back from an outage (which may have emptied it).
 """
 from __future__ import annotations
 
-import hashlib
 import logging
-import struct
 import threading
 import time
 from collections import deque
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from urllib.parse import parse_qs, urlsplit
 
+import numpy as np
 import torch
 
 from kvstore.errors import InvalidArgument
 
+from . import resp
+from .redis_format import block_key, pack_value
+
 log = logging.getLogger("kvstore.redis")
 
-MAGIC, VERSION = b"KVRB", 1
-_HEAD = struct.Struct("<4sHH32s32sQ")     # magic, version, 0, fingerprint, hash, payload length
-HEADER_BYTES = _HEAD.size + 8             # + blake2b-8
-GET_BATCH_BYTES = 16 << 20                # one pipeline of a lookup reads at most this much...
-GET_PARALLEL = 4                          # ...and this many run at once, each on its own connection
-PUT_BATCH_BYTES = 16 << 20                # one pipeline of the writer sends at most this much
+GET_CHUNK_BYTES = 8 << 20         # a lookup's rows go in chunks of this much: one pipeline each...
+GET_PARALLEL = 8                  # ...over this many connections at once (Redis's io-threads need 2 per thread)
+PUT_BATCH_BYTES = 16 << 20        # one pipeline of the writer sends at most this much
 BACKOFF_START_S = 0.5
-# What a rediss:// URL may add (redis-py passes them to its TLS connection).
+HIT, MISS, REFUSED, SKIPPED = "hit", "miss", "refused", "skipped"     # a row's verdict (read_into)
+# What a rediss:// URL may add (redis-py and resp.tls_context pass them to the TLS connection).
 TLS_OPTIONS = ("ssl_ca_certs", "ssl_ca_path", "ssl_certfile", "ssl_keyfile", "ssl_cert_reqs", "ssl_check_hostname")
-
-
-def block_key(fp: bytes, h: bytes) -> bytes:
-    return b"kvstore:v1:" + fp.hex().encode() + b":" + h.hex().encode()
-
-
-def _checksum(head: bytes, payload) -> bytes:
-    d = hashlib.blake2b(head, digest_size=8)
-    d.update(payload)
-    return d.digest()
-
-
-def pack_value(fp: bytes, h: bytes, payload) -> bytes:
-    """payload: a bytes-like block payload -> the stored value."""
-    mv = memoryview(payload).cast("B")
-    head = _HEAD.pack(MAGIC, VERSION, 0, fp, h, mv.nbytes)
-    return b"".join((head, _checksum(head, mv), mv))
-
-
-def check_value(v, fp: bytes, h: bytes, length: int) -> bool:
-    """Whether v is exactly a value stored for (fp, h) with a payload of
-    length bytes (which are v[HEADER_BYTES:])."""
-    if not isinstance(v, bytes) or len(v) != HEADER_BYTES + length:
-        return False
-    head = v[:_HEAD.size]
-    if head != _HEAD.pack(MAGIC, VERSION, 0, fp, h, length):
-        return False
-    return _checksum(head, memoryview(v)[HEADER_BYTES:]) == v[_HEAD.size:HEADER_BYTES]
 
 
 @dataclass(frozen=True, slots=True)
@@ -123,6 +92,8 @@ class RedisConfig:
         if bad or u.fragment:
             raise InvalidArgument("redis", f"{self.redacted()}: unexpected {bad or u.fragment!r}: only a rediss:// "
                                   f"(TLS) URL takes options, {', '.join(TLS_OPTIONS)}; timeouts and TTL are flags")
+        if opts.get("ssl_cert_reqs", [""])[-1] not in ("", "none", "optional", "required"):
+            raise InvalidArgument("redis", f"{self.redacted()}: ssl_cert_reqs must be none, optional or required")
         if self.ttl_s < 0:
             raise InvalidArgument("redis-ttl", f"must be >= 0, got {self.ttl_s}")
         if not 0 < self.timeout_s <= 60:
@@ -175,10 +146,12 @@ class RedisStore:
         self._closed = False
         self._writer = threading.Thread(target=self._run, name="kvstore-redis-writer", daemon=True)
         self._writer.start()
-        # Lookups read their pipelines in parallel: one connection streams a
-        # reply at what one Python thread parses, well below the loopback's or
-        # a NIC's bandwidth (redis-py's parser releases the GIL in its reads).
+        # Lookups read over several connections at once: one connection goes at
+        # what one thread's receives and checksums do (both release the GIL),
+        # and a Redis with io-threads writes to that many sockets at once.
         self._readers = ThreadPoolExecutor(GET_PARALLEL, thread_name_prefix="kvstore-redis-read")
+        self._idle: list[resp.RespConnection] = []       # read connections (resp.py) not in use
+        self._closed_reads = False
         self.ping()
 
     # ---------------------------------------------------------- the breaker
@@ -219,35 +192,96 @@ class RedisStore:
         return True
 
     # ---------------------------------------------------------------- reads
-    def get_many(self, keys: list[bytes]) -> list | None:
-        """-> one entry per key (bytes, None for a missing key, or the
-        server's error for that key), or None when Redis is down or failed."""
+    def read_into(self, keys: list[bytes], heads: np.ndarray, rows: np.ndarray,
+                  verify) -> list[tuple[int, int, Future]]:
+        """GET keys[i] (GETEX with a TTL) into heads[i] ([n, HEADER_BYTES]
+        uint8) and rows[i] ([n, payload bytes] uint8, e.g. pinned), verify(i)
+        -> bool on the thread that received it. -> (a, b, future) per chunk
+        of rows [a, b), in order; a future gives the chunk's verdicts (HIT,
+        MISS, REFUSED, or SKIPPED: not asked, past a row that was not a hit)
+        or None where Redis failed. The rows of a chunk are written before its
+        future is done; every future is done when the last one is."""
+        n = len(keys)
+        per = max(1, GET_CHUNK_BYTES // max(1, heads.shape[1] + rows.shape[1]))
+        chunks = [(a, min(n, a + per), Future()) for a in range(0, n, per)]
         if not self.allow():
-            return None
-        pipe = self.client.pipeline(transaction=False)
-        for k in keys:
-            if self.cfg.ttl_s:
-                pipe.getex(k, ex=self.cfg.ttl_s)
-            else:
-                pipe.get(k)
-        try:
-            out = pipe.execute(raise_on_error=False)
-        except self._errors as e:
-            self._fail(e)
-            return None
-        self._ok()
-        return out
+            for _, _, f in chunks:
+                f.set_result(None)
+            return chunks
+        lanes = min(GET_PARALLEL, len(chunks))
+        stop = _Stop(n)
+        if lanes == 1:
+            self._lane(keys, heads, rows, verify, chunks, stop)
+            return chunks
+        for p in range(lanes):        # the caller waits on the chunks in order (and copies each on)
+            self._readers.submit(self._lane, keys, heads, rows, verify, chunks[p::lanes], stop)
+        return chunks
 
-    def get_batches(self, batches: list[list[bytes]]) -> list[list | None]:
-        """get_many of each batch, GET_PARALLEL at once; a batch after a
-        failed one is not asked (None)."""
-        if len(batches) <= 1:
-            return [self.get_many(b) for b in batches]
-        out = list(self._readers.map(self.get_many, batches))
-        for i, got in enumerate(out):
-            if got is None:
-                return out[:i] + [None] * (len(out) - i)
-        return out
+    def _gets(self, keys: list[bytes]) -> bytes:
+        if self.cfg.ttl_s:
+            ex = str(self.cfg.ttl_s).encode()
+            return b"".join(resp.command(b"GETEX", k, b"EX", ex) for k in keys)
+        return b"".join(resp.command(b"GET", k) for k in keys)
+
+    def _lane(self, keys, heads, rows, verify, chunks, stop: "_Stop") -> None:
+        """One connection reads its chunks in order, the next one's GETs sent
+        before the current one's replies are read (the server streams on)."""
+        sent = done = 0
+        conn = None
+        try:
+            conn = self._connection()
+            for a, b, fut in chunks:
+                while sent < len(chunks) and sent <= done + 1 and chunks[sent][0] < stop.at:
+                    conn.send(self._gets(keys[chunks[sent][0]:chunks[sent][1]]))
+                    sent += 1
+                if done >= sent:        # past a row that was not a hit: not asked
+                    fut.set_result([SKIPPED] * (b - a))
+                    done += 1
+                    continue
+                out = []
+                for i in range(a, b):
+                    r = conn.read_value(memoryview(heads[i]), memoryview(rows[i]))
+                    v = HIT if r == resp.HIT and verify(i) else MISS if r == resp.MISS else REFUSED
+                    if v != HIT:
+                        stop.lower(i)
+                    out.append(v)
+                fut.set_result(out)
+                done += 1
+        except self._errors as e:
+            if conn is not None:
+                conn.close()
+            self._drop_connections()         # the idle ones are likely as dead (a restart)
+            self._fail(e)
+            for _, _, fut in chunks[done:]:
+                fut.set_result(None)
+            return
+        except BaseException as e:           # a bug: the waiting lookup raises it, nothing hangs
+            if conn is not None:
+                conn.close()
+            for _, _, fut in chunks[done:]:
+                fut.set_exception(e)
+            return
+        self._give_back(conn)
+        self._ok()
+
+    def _connection(self) -> resp.RespConnection:
+        with self._lock:
+            if self._idle:
+                return self._idle.pop()
+        return resp.RespConnection(self.cfg.url, self.cfg.timeout_s)
+
+    def _give_back(self, conn: resp.RespConnection) -> None:
+        with self._lock:
+            if not self._closed_reads and len(self._idle) < GET_PARALLEL:
+                self._idle.append(conn)
+                return
+        conn.close()
+
+    def _drop_connections(self) -> None:
+        with self._lock:
+            idle, self._idle = self._idle, []
+        for c in idle:
+            c.close()
 
     # ---------------------------------------------------------------- puts
     def submit(self, put: Put) -> bool:
@@ -314,6 +348,9 @@ class RedisStore:
             self._cv.notify()
         self._writer.join(timeout)
         self._readers.shutdown(wait=True)
+        with self._lock:
+            self._closed_reads = True
+        self._drop_connections()
         self.client.close()
 
     def stats(self) -> dict:
@@ -322,3 +359,15 @@ class RedisStore:
         with self._lock:
             return dict(up=int(self.up), state="up" if self.up else "down", last_error=self.last_error,
                         queue_puts=queued[0], queue_bytes=queued[1], **self.counters)
+
+
+class _Stop:
+    """The first row of a lookup that was not a hit: lanes ask nothing past it."""
+
+    def __init__(self, n: int):
+        self.at = n
+        self._lock = threading.Lock()
+
+    def lower(self, i: int) -> None:
+        with self._lock:
+            self.at = min(self.at, i)

@@ -15,7 +15,8 @@ from kvstore.codec.codebooks import Codebooks
 from kvstore.engine.engine import Engine
 from kvstore.errors import InvalidArgument
 from kvstore.service.metrics import Metrics
-from kvstore.tiers.redis_store import HEADER_BYTES, RedisConfig, block_key, pack_value
+from kvstore.tiers.redis_format import HEADER_BYTES, KEY_PREFIX, block_key, pack_value
+from kvstore.tiers.redis_store import RedisConfig
 from tests.helpers import ROOT, config
 from tests.tiers.redis_server import redis_server  # noqa: F401 (fixture)
 
@@ -264,7 +265,7 @@ def test_two_daemons_share_prefix_blocks_through_redis(tmp_path, redis_server, c
         # A value that does not check out: refused, and B computes from there.
         r = redis_server.client()
         h = a.sequence_info("c", "a3").block_hashes[4]
-        (key,) = list(r.scan_iter(match=b"kvstore:v1:*:" + h.hex().encode()))
+        (key,) = list(r.scan_iter(match=KEY_PREFIX + b"*:" + h.hex().encode()))
         r.set(key, b"garbage")
         assert b.allocate("c", "b3", prompt(3)) == 4 * BS
         assert st(b).redis_refused == 1 and st(b).prefix_hit_blocks_redis == SEALED + 4
@@ -334,7 +335,7 @@ def test_ttl_is_set_by_puts_and_renewed_by_hits(redis_server):
     fill(a, "a", prompt(1), lookup=False)
     wait_for(lambda: rstats(a)["blocks_out"] == SEALED, what="puts")
     r = redis_server.client()
-    keys = sorted(r.scan_iter(match=b"kvstore:v1:*"))
+    keys = sorted(r.scan_iter(match=KEY_PREFIX + b"*"))
     assert len(keys) == SEALED and all(0 < r.ttl(k) <= 100 for k in keys)
     for k in keys:
         r.expire(k, 5)

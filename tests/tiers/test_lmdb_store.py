@@ -1,0 +1,66 @@
+"""The LMDB store's durable batches: a process killed at any point of a
+synced write_batch leaves the previous commit or the whole batch, never part
+of it; the file is allocated up front for its writable map."""
+import os
+import subprocess
+import sys
+
+import pytest
+
+from kvstore.tiers.lmdb_store import LMDBStore
+from tests.helpers import ROOT
+
+N, SIZE = 24, 300_000     # values past LMDB's page size: overflow pages, as block payloads are
+
+# Writes one committed batch ("old"), then a durable batch ("new") of N values
+# that replaces old/0 and deletes old/1, killing itself with SIGKILL at the
+# env.sync call number given (1: before the commit, 2: after it).
+CHILD = r"""
+import os, signal, sys
+from kvstore.tiers.lmdb_store import LMDBStore
+path, kill_at, n, size = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+s = LMDBStore(path, map_size=1 << 20)          # small: the batch grows the map on the way
+s.put_many([(b"old/%d" % i, bytes([i]) * 1000) for i in range(3)], sync=True)
+calls = [0]
+real = s.env.sync
+class Env:
+    def __getattr__(self, name):
+        return getattr(real.__self__, name)
+    def sync(self, force=False):
+        calls[0] += 1
+        if calls[0] == kill_at:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return real(force)
+env = s.env
+s.env = Env()
+s.write_batch([(b"new/%d" % i, bytes([i % 251]) * size) for i in range(n)] + [(b"old/0", b"x" * 5000)], [b"old/1"],
+              sync=True)
+print("returned")
+"""
+
+
+@pytest.mark.parametrize("kill_at, committed", [(1, False), (2, True), (3, True)])
+def test_a_spill_killed_mid_way_is_all_or_nothing(tmp_path, kill_at, committed):
+    path = str(tmp_path / "lmdb")
+    r = subprocess.run([sys.executable, "-c", CHILD, path, str(kill_at), str(N), str(SIZE)], cwd=ROOT,
+                       capture_output=True, text=True, timeout=120)
+    assert (r.returncode == -9) == (kill_at < 3), r.stderr
+    s = LMDBStore(path)
+    got = s.get_many([b"new/%d" % i for i in range(N)] + [b"old/0", b"old/1", b"old/2"])
+    if committed:
+        assert all(got[i] == bytes([i % 251]) * SIZE for i in range(N))
+        assert got[N:] == [b"x" * 5000, None, bytes([2]) * 1000]
+    else:
+        assert got[:N] == [None] * N, "a part of the batch is readable"
+        assert got[N:] == [bytes([i]) * 1000 for i in range(3)]
+    assert s.used_bytes == sum(len(k) + len(v) for k, v in s.scan(b""))
+    s.close()
+
+
+def test_the_file_is_allocated_for_the_whole_map(tmp_path):
+    s = LMDBStore(str(tmp_path / "lmdb"), map_size=1 << 20)
+    s.put_many([(b"k%d" % i, b"v" * 100_000) for i in range(40)], sync=True)     # grows the map twice over
+    st = os.stat(tmp_path / "lmdb" / "data.mdb")
+    assert s.stats()["map_size"] >= 4 << 20
+    assert st.st_blocks * 512 >= s.stats()["map_size"], "holes in the map: a full disk would SIGBUS a write"
+    s.close()
