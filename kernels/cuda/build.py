@@ -26,6 +26,8 @@ _cupy_failed = False
 _functions: dict = {}
 _streams: dict = {}
 _stream_kwarg = True      # cupy's Function takes stream=: no Device / stream contexts per launch
+# NVRTC's options besides -arch (scripts/nvrtc_check.py compiles with the same ones)
+OPTIONS = ("-std=c++17", "--use_fast_math")
 
 
 def source(name: str) -> str:
@@ -82,8 +84,7 @@ def function(src: str, name: str, device: torch.device):
         cp = cupy()
         with cp.cuda.Device(device.index or 0):
             major, minor = torch.cuda.get_device_capability(device)
-            mod = cp.RawModule(code=source(src), options=("-std=c++17", f"-arch=sm_{major}{minor}",
-                                                          "--use_fast_math"),
+            mod = cp.RawModule(code=source(src), options=OPTIONS + (f"-arch=sm_{major}{minor}",),
                                name_expressions=[name])
             fn = mod.get_function(name)
         _functions[key] = fn

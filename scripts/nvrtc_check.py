@@ -1,0 +1,158 @@
+"""Compile the CUDA C++ kernels of kernels/cuda/ with NVRTC, no GPU needed: every
+instantiation the plans can launch, with the options build.py gives NVRTC, for one
+architecture (default sm_90). A compile error fails the run and prints NVRTC's log.
+
+    pip download --no-deps nvidia-cuda-nvrtc && unzip -o nvidia_cuda_nvrtc-*.whl -d /tmp/nvrtc
+    python scripts/nvrtc_check.py --nvrtc /tmp/nvrtc/nvidia/cu13/lib/libnvrtc.so.13
+    python scripts/nvrtc_check.py --names 'pq_attn<128, 2, false, 12, 4, true, false, false>'
+
+Default: every pq_attn build (each GQA grouping and codebook staging) and pq_merge, for d 64 and 128 at 12 warps (--warps 8 12 16: the bench's
+sweep too). For another checkout's sources (--src-dir), name its instantiations with
+--names as that checkout spells them.
+
+--hashes FILE writes, per instantiation, the sha256 of its kernel's machine code (the
+.text section of the cubin): two sources that give an instantiation the same hash
+compile it to the same instructions (how a change that adds a template flag shows that
+the builds without it are untouched).
+"""
+from __future__ import annotations
+
+import argparse
+import ctypes
+import glob
+import hashlib
+import itertools
+import json
+import os
+import struct
+import sys
+import time
+
+from kvstore.kernels.cuda import attention, build
+from kvstore.kernels.cuda.images import group
+
+
+def find_nvrtc(path: str | None) -> str:
+    if path:
+        return path
+    pats = [os.path.join(p, "nvidia", "cu13", "lib", "libnvrtc.so.*") for p in sys.path if p]
+    pats += [os.path.join(p, "nvidia", "cuda_nvrtc", "lib", "libnvrtc.so.*") for p in sys.path if p]
+    for pat in pats:
+        hits = sorted(h for h in glob.glob(pat) if "builtins" not in h)
+        if hits:
+            return hits[0]
+    raise SystemExit("libnvrtc not found: pass --nvrtc PATH (pip download nvidia-cuda-nvrtc, unzip)")
+
+
+class NVRTC:
+    def __init__(self, path: str):
+        self.lib = ctypes.CDLL(path)
+        self.lib.nvrtcGetErrorString.restype = ctypes.c_char_p
+
+    def _ok(self, rc, what):
+        if rc:
+            raise RuntimeError(f"{what}: {self.lib.nvrtcGetErrorString(rc).decode()}")
+
+    def compile(self, src: str, names: list[str], options: list[str]) -> tuple[bool, str, bytes, dict]:
+        """-> (ok, log, cubin, {name: lowered name})."""
+        prog = ctypes.c_void_p()
+        self._ok(self.lib.nvrtcCreateProgram(ctypes.byref(prog), src.encode(), b"kernel.cu", 0, None, None),
+                 "nvrtcCreateProgram")
+        try:
+            for n in names:
+                self._ok(self.lib.nvrtcAddNameExpression(prog, n.encode()), f"nvrtcAddNameExpression({n})")
+            opts = (ctypes.c_char_p * len(options))(*[o.encode() for o in options])
+            rc = self.lib.nvrtcCompileProgram(prog, len(options), opts)
+            size = ctypes.c_size_t()
+            self.lib.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
+            buf = ctypes.create_string_buffer(size.value)
+            self.lib.nvrtcGetProgramLog(prog, buf)
+            log = buf.value.decode(errors="replace")
+            if rc:
+                return False, log, b"", {}
+            self.lib.nvrtcGetCUBINSize(prog, ctypes.byref(size))
+            cubin = ctypes.create_string_buffer(size.value)
+            self._ok(self.lib.nvrtcGetCUBIN(prog, cubin), "nvrtcGetCUBIN")
+            lowered = {}
+            for n in names:
+                p = ctypes.c_char_p()
+                self._ok(self.lib.nvrtcGetLoweredName(prog, n.encode(), ctypes.byref(p)), "nvrtcGetLoweredName")
+                lowered[n] = p.value.decode()
+            return True, log, cubin.raw, lowered
+        finally:
+            self.lib.nvrtcDestroyProgram(ctypes.byref(prog))
+
+
+def text_sections(elf: bytes) -> dict[str, bytes]:
+    """{symbol: bytes} of the .text.<symbol> sections of a 64-bit little-endian ELF."""
+    shoff, = struct.unpack_from("<Q", elf, 0x28)
+    shentsize, shnum, shstrndx = struct.unpack_from("<HHH", elf, 0x3A)
+    heads = [struct.unpack_from("<IIQQQQIIQQ", elf, shoff + i * shentsize) for i in range(shnum)]
+    strtab = heads[shstrndx]
+    names = elf[strtab[4]:strtab[4] + strtab[5]]
+    out = {}
+    for h in heads:
+        name = names[h[0]:names.index(b"\0", h[0])].decode()
+        if name.startswith(".text."):
+            out[name[len(".text."):]] = elf[h[4]:h[4] + h[5]]
+    return out
+
+
+def attention_names(warps, dims) -> list[str]:
+    """Every pq_attn instantiation CudaPQPlan can launch for these warp counts, and the
+    swizzled dsub 4 build (GP 0) that bench/bench_cuda_pq.py times beside it."""
+    names = []
+    for d, dsub, bf16, nw in itertools.product(dims, (2, 4), (False, True), warps):
+        gps = sorted({group(g, dsub) for g in range(1, 9)} | ({0} if dsub == 4 else set()))
+        for gp in gps:
+            for tma in ((False, True) if gp else (False,)):
+                names.append(attention._attn_name(d, dsub, bf16, nw, gp, tma))
+    return names
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--nvrtc", help="path of libnvrtc.so (default: a pip-installed nvidia-cuda-nvrtc)")
+    ap.add_argument("--arch", default="sm_90")
+    ap.add_argument("--warps", type=int, nargs="+", default=[12])
+    ap.add_argument("--dims", type=int, nargs="+", default=[64, 128])
+    ap.add_argument("--source", default="attention.cu", help="kernel source of kernels/cuda/ (with --names)")
+    ap.add_argument("--names", nargs="+", help="instantiations to compile (default: every pq_attn and pq_merge)")
+    ap.add_argument("--src-dir", help="compile the sources of this folder instead (another checkout)")
+    ap.add_argument("--batch", type=int, default=8, help="instantiations per NVRTC program")
+    ap.add_argument("--hashes", help="write {instantiation: sha256 of its machine code} to this JSON file")
+    args = ap.parse_args()
+
+    nv = NVRTC(find_nvrtc(args.nvrtc))
+    if args.src_dir:
+        build._DIR = os.path.abspath(args.src_dir)
+    options = list(build.OPTIONS) + [f"-arch={args.arch}"]
+    jobs = ([(args.source, args.names)] if args.names else
+            [("attention.cu", attention_names(args.warps, args.dims)),
+             ("merge.cu", [attention._merge_name(d, bf) for d in args.dims for bf in (False, True)])])
+    hashes, failed, total = {}, 0, 0
+    for src_name, names in jobs:
+        src = build.source(src_name)
+        for i in range(0, len(names), args.batch):
+            chunk = names[i:i + args.batch]
+            t0 = time.time()
+            ok, log, cubin, lowered = nv.compile(src, chunk, options)
+            total += len(chunk)
+            if not ok:
+                failed += len(chunk)
+                print(f"FAIL {src_name}: {chunk}\n{log}")
+                continue
+            texts = text_sections(cubin)
+            for n in chunk:
+                hashes[n] = hashlib.sha256(texts[lowered[n]]).hexdigest()
+            print(f"ok   {src_name} {len(chunk)} in {time.time() - t0:.1f} s: {chunk[0]} ... {chunk[-1]}"
+                  + (f"\n{log}" if log.strip() else ""), flush=True)
+    if args.hashes:
+        with open(args.hashes, "w") as f:
+            json.dump(hashes, f, indent=1, sort_keys=True)
+    print(f"{total - failed} of {total} instantiations compiled for {args.arch}")
+    sys.exit(1 if failed else 0)
+
+
+if __name__ == "__main__":
+    main()
