@@ -5,8 +5,8 @@ python bench/bench_cuda_pq.py [--quick] [--warps 8 12 16] [--bits 4 2] [--encode
                               [--shape B L]
 
 Same case and timing as bench/bench_attention.py (whose helpers it uses): Hq 32, Hkv 8, d 128,
-M 64 (4-bit, dsub 2) and/or M 32 (2-bit, dsub 4: --bits), bs 16, a 128-token fp16 tail; median over CUDA-graph replays with L2 flushed
-before each (--flush read: evicted by a read, the default; zero: triton's zero_(), which adds
+M 64 (4-bit, dsub 2) and/or M 32 (2-bit, dsub 4: --bits), bs 16, a 128-token fp16 tail;
+median over CUDA-graph replays with L2 flushed before each (--flush read: evicted by a read, the default; zero: triton's zero_(), which adds
 ~50 MB of write-back to every timed kernel). The same run measures the read bandwidth
 (x.sum() over 2 GiB) and the measurement floor (a 1-element add timed the same way), which
 every time below contains.
@@ -196,8 +196,8 @@ def main():
             t_sd, be = ba.time_sdpa(q, L)
             torch.cuda.empty_cache()
             rows.append((b, L, times, t_sd))
-            print(b, L, {k: {n: round(x, 1) for n, x in v.items() if n != "nbytes"} for k, v in times.items()},
-                  f"sdpa {t_sd:.1f}", flush=True)
+            got = {k: {n: round(x, 1) for n, x in v.items() if n != "nbytes"} for k, v in times.items()}
+            print(b, L, got, f"sdpa {t_sd:.1f}", flush=True)
     if shape_only:
         return 0
     print(f"\nread BW {rd:.0f} GB/s; us, median, CUDA graph, L2 flushed ({args.flush}); warps {tunables.NUM_WARPS}")
