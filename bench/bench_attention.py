@@ -78,17 +78,20 @@ def read_bandwidth():
     return nbytes / t_sum / 1e3, 2 * nbytes / t_cp / 1e3                       # GB/s
 
 
-def pq_case(b, L, bs):
+def pq_case(b, L, bs, dsub=2):
+    """B sequences of L tokens (the last TAIL fp16): random codes (M = D / dsub: dsub 2 is
+    4-bit PQ, dsub 4 2-bit), tables and codebooks; nbytes: what a decode step reads."""
+    m = D // dsub
     ns = (L - TAIL) // bs * bs
     nblk = ns // bs
-    kc = torch.randint(0, 256, (b * nblk, HKV, bs, M), dtype=torch.uint8, device=DEV)
-    vc = torch.randint(0, 256, (b * nblk, HKV, M, bs), dtype=torch.uint8, device=DEV)
+    kc = torch.randint(0, 256, (b * nblk, HKV, bs, m), dtype=torch.uint8, device=DEV)
+    vc = torch.randint(0, 256, (b * nblk, HKV, m, bs), dtype=torch.uint8, device=DEV)
     st = torch.randperm(b * nblk, device=DEV, dtype=torch.int32).view(b, nblk)
     nt = TAIL // TBS
     tk = torch.randn(b * nt, HKV, TBS, D, device=DEV, dtype=torch.float16)
     tv = torch.randn_like(tk)
     tt = torch.randperm(b * nt, device=DEV, dtype=torch.int32).view(b, nt)
-    kcb = torch.randn(HKV, M, 256, 2, device=DEV, dtype=torch.float16)
+    kcb = torch.randn(HKV, m, 256, dsub, device=DEV, dtype=torch.float16)
     vcb = torch.randn_like(kcb)
     nbytes = kc.numel() + vc.numel() + 2 * tk.numel() * 2 + 2 * kcb.numel() * 2
     return dict(k_codes=kc, v_codes=vc, k_codebook=kcb, v_codebook=vcb, sealed_tables=st,
@@ -145,8 +148,8 @@ def time_sdpa(q, L):
     return bench(fn), backend
 
 
-def check_pq(bs):
-    case, sl, tl_, _ = pq_case(2, 2000, bs)
+def check_pq(bs, dsub=2):
+    case, sl, tl_, _ = pq_case(2, 2000, bs, dsub)
     q = torch.randn(2, HQ, D, device=DEV, dtype=torch.float16)
     plan = kernels.plan_decode("pq", sl, tl_, num_qo_heads=HQ, num_kv_heads=HKV, head_dim=D,
                                block_size=bs, tail_block_size=TBS, device=DEV, dtype=q.dtype)
@@ -158,7 +161,7 @@ def check_pq(bs):
         c64["sealed_tables"], torch.tensor(sl), c64["tail_k"], c64["tail_v"],
         c64["tail_tables"], torch.tensor(tl_), D ** -0.5)
     err = ((out.double() - ro).norm() / ro.norm()).item()
-    print(f"check pq bs={bs}: rel err {err:.2e}, lse max err {(lse.double() - rl).abs().max():.2e}")
+    print(f"check pq bs={bs} dsub={dsub}: rel err {err:.2e}, lse max err {(lse.double() - rl).abs().max():.2e}")
     assert err < 3e-3
 
 

@@ -1,20 +1,23 @@
 """CUDA C++ PQ decode attention and PQ encode (kernels/cuda/) against SDPA flash, the
 Triton PQ kernel and the CUDA kernel's other builds, all measured in one run.
 
-python bench/bench_cuda_pq.py [--quick] [--warps 8 12 16] [--encode-only] [--no-encode] [--shape B L]
-                              [--window W [--softcap C] [--window-shape B L]]
+python bench/bench_cuda_pq.py [--quick] [--warps 8 12 16] [--bits 4 2] [--encode-only] [--no-encode]
+                              [--shape B L] [--window W [--softcap C] [--window-shape B L]]
 
 Same case and timing as bench/bench_attention.py (whose helpers it uses): Hq 32, Hkv 8, d 128,
-M 64 (4-bit), bs 16, a 128-token fp16 tail; median over CUDA-graph replays with L2 flushed
-before each (--flush read: evicted by a read, the default; zero: triton's zero_(), which adds
+M 64 (4-bit, dsub 2) and/or M 32 (2-bit, dsub 4: --bits), bs 16, a 128-token fp16 tail;
+median over CUDA-graph replays with L2 flushed before each (--flush read: evicted by a read, the default; zero: triton's zero_(), which adds
 ~50 MB of write-back to every timed kernel). The same run measures the read bandwidth
 (x.sum() over 2 GiB) and the measurement floor (a 1-element add timed the same way), which
 every time below contains.
 
 Columns: cuda = the kernel as the engine runs it (codebooks staged by bulk copies for items
 of up to tunables.TMA_MAX_ITEM_TOKENS tokens, through registers past that); tma = bulk copies
-at every item size; reg = register staging at every size (no codebook image); triton = the
-Triton PQ kernel; SDPA = torch SDPA flash over contiguous fp16 K/V.
+at every item size; reg = register staging at every size (no codebook image); swz (2-bit
+only) = the swizzled-table build the conflict-free one replaced (attention.cu GP 0, not
+planned); triton = the Triton PQ kernel; SDPA = torch SDPA flash over contiguous fp16 K/V,
+timed once per shape for both bit widths. GB/s and %BW count each bit width's own bytes
+(codes, tail, codebooks).
 
 With more than one --warps value the warps per block are swept first (B=8 and B=1, L=32K).
 --shape B L times that one shape with no correctness check, sweep or encode before it, so
@@ -44,12 +47,13 @@ from kvstore.kernels.plan import pq_window_starts  # noqa: E402
 from kvstore.kernels.triton import encode as triton_encode  # noqa: E402
 
 DEV = torch.device("cuda")
+DSUB = {4: 2, 2: 4}     # PQ bits per coordinate -> subspace width (8-bit codes)
 
 
 def kernel_info():
     for nw in (8, 12, 16):
         for dsub in (2, 4):
-            for gp, tma in (((4, False), (4, True)) if dsub == 2 else ((0, False),)):
+            for gp, tma in ((4, False), (4, True)) + (((0, False),) if dsub == 4 else ()):
                 fn = build.function("attention.cu",
                                     cuda_attention._attn_name(128, dsub, False, nw, gp, tma, False, False), DEV)
                 print(f"pq_attn<128,{dsub},f16,{nw},GP={gp},TMA={tma}>: regs {fn.num_regs}, "
@@ -135,6 +139,8 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--warps", type=int, nargs="+", default=[8, 12, 16])
+    ap.add_argument("--bits", type=int, nargs="+", choices=(4, 2), default=[4],
+                    help="PQ bit widths to time beside SDPA: 4 (M = d/2) and/or 2 (M = d/4)")
     ap.add_argument("--encode-only", action="store_true")
     ap.add_argument("--no-encode", action="store_true")
     ap.add_argument("--flush", choices=("read", "zero"), default="read",
@@ -162,7 +168,8 @@ def main():
         return 0
     kernel_info()
     if not args.shape:
-        ba.check_pq(16)
+        for bits in args.bits:
+            ba.check_pq(16, DSUB[bits])
     # warps sweep at B=8 and B=1, L=32K
     tunables.NUM_WARPS = args.warps[0]
     if len(args.warps) > 1:
@@ -191,33 +198,63 @@ def main():
         finally:
             tunables.TMA_MAX_ITEM_TOKENS = lim
 
+    def time_swz(q, case, sl, tl_):
+        """dsub 4 on the swizzled tables (GP 0), which the plans no longer choose."""
+        group = cuda_attention.group
+        cuda_attention.group = lambda g, dsub: 0 if dsub == 4 else group(g, dsub)
+        try:
+            return ba.time_pq(q, case, sl, tl_, 16, backend="cuda", image=False)
+        finally:
+            cuda_attention.group = group
+
     rows = []
     Bs, Ls = ((1, 8), (32768,)) if args.quick else ((1, 8, 32), (4096, 32768, 131072))
     if args.shape:
         Bs, Ls = (args.shape[0],), (args.shape[1],)
+    shape_only = bool(args.shape)
     for b in Bs:
         for L in Ls:
             q = torch.randn(b, ba.HQ, ba.D, device="cuda", dtype=torch.float16)
-            case, sl, tl_, nbytes = ba.pq_case(b, L, 16)
-            t_cu = time_cuda(q, case, sl, tl_)
-            t_rg = time_cuda(q, case, sl, tl_, reg=True)
-            t_tm = time_cuda(q, case, sl, tl_, tma_all=True)
-            t_tr = ba.time_pq(q, case, sl, tl_, 16, backend="triton")
-            del case
-            torch.cuda.empty_cache()
+            times = {}
+            for bits in args.bits:
+                case, sl, tl_, nbytes = ba.pq_case(b, L, 16, DSUB[bits])
+                t = dict(cuda=time_cuda(q, case, sl, tl_), nbytes=nbytes)
+                if not shape_only:
+                    t.update(reg=time_cuda(q, case, sl, tl_, reg=True),
+                             tma=time_cuda(q, case, sl, tl_, tma_all=True),
+                             triton=ba.time_pq(q, case, sl, tl_, 16, backend="triton"))
+                    if bits == 2:
+                        t["swz"] = time_swz(q, case, sl, tl_)
+                times[bits] = t
+                del case
+                torch.cuda.empty_cache()
             t_sd, be = ba.time_sdpa(q, L)
             torch.cuda.empty_cache()
-            rows.append((b, L, t_cu, t_tm, t_rg, t_tr, t_sd, nbytes / t_cu / 1e3))
-            print(rows[-1], flush=True)
+            rows.append((b, L, times, t_sd))
+            got = {k: {n: round(x, 1) for n, x in v.items() if n != "nbytes"} for k, v in times.items()}
+            print(b, L, got, f"sdpa {t_sd:.1f}", flush=True)
+    if shape_only:
+        return 0
     print(f"\nread BW {rd:.0f} GB/s; us, median, CUDA graph, L2 flushed ({args.flush}); warps {tunables.NUM_WARPS}")
     print(f"cuda: bulk copies up to {tunables.TMA_MAX_ITEM_TOKENS} tokens an item, else register staging; "
-          f"tma: bulk copies at every size; reg: register staging at every size")
-    print(f"{'B':>3} {'L':>7} {'cuda':>8} {'tma':>8} {'reg':>8} {'triton':>8} {'SDPA':>8} "
-          f"{'sdpa/cuda':>9} {'sdpa/tma':>8} {'sdpa/reg':>8} {'triton/cuda':>11} {'GB/s':>6} {'%BW':>5}")
-    for b, L, tc, tm, tg, tt, ts, bw in rows:
-        print(f"{b:>3} {L:>7} {tc:>8.1f} {tm:>8.1f} {tg:>8.1f} {tt:>8.1f} {ts:>8.1f} "
-              f"{ts / tc:>9.2f} {ts / tm:>8.2f} {ts / tg:>8.2f} {tt / tc:>11.2f} {bw:>6.0f} "
-              f"{100 * bw / rd:>4.0f}%")
+          f"tma: bulk copies at every size; reg: register staging at every size; swz: swizzled tables")
+    for bits in args.bits:
+        swz = bits == 2
+        print(f"\n{bits}-bit PQ (M = {ba.D // DSUB[bits]}, dsub {DSUB[bits]})")
+        print(f"{'B':>3} {'L':>7} {'cuda':>8} {'tma':>8} {'reg':>8} " + (f"{'swz':>8} " if swz else "")
+              + f"{'triton':>8} {'SDPA':>8} {'sdpa/cuda':>9} {'sdpa/tma':>8} {'sdpa/reg':>8} "
+              + (f"{'sdpa/swz':>8} " if swz else "") + f"{'triton/cuda':>11} {'GB/s':>6} {'%BW':>5}")
+        for b, L, times, ts in rows:
+            t = times[bits]
+            tc, tm, tg, tt = t["cuda"], t["tma"], t["reg"], t["triton"]
+            bw = t["nbytes"] / tc / 1e3
+            print(f"{b:>3} {L:>7} {tc:>8.1f} {tm:>8.1f} {tg:>8.1f} " + (f"{t['swz']:>8.1f} " if swz else "")
+                  + f"{tt:>8.1f} {ts:>8.1f} {ts / tc:>9.2f} {ts / tm:>8.2f} {ts / tg:>8.2f} "
+                  + (f"{ts / t['swz']:>8.2f} " if swz else "")
+                  + f"{tt / tc:>11.2f} {bw:>6.0f} {100 * bw / rd:>4.0f}%")
+    if len(args.bits) == 2:
+        print("\n2-bit / 4-bit time (cuda column): "
+              + ", ".join(f"B={b} L={L} {times[2]['cuda'] / times[4]['cuda']:.2f}" for b, L, times, _ in rows))
     if args.window:
         time_window(args.window, args.softcap, *args.window_shape)
 

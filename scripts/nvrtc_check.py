@@ -100,10 +100,11 @@ def text_sections(elf: bytes) -> dict[str, bytes]:
 
 
 def attention_names(warps, dims, features) -> list[str]:
-    """Every pq_attn instantiation CudaPQPlan can launch for these warp counts."""
+    """Every pq_attn instantiation CudaPQPlan can launch for these warp counts, and the
+    swizzled dsub 4 build (GP 0) that bench/bench_cuda_pq.py times beside it."""
     names = []
     for d, dsub, bf16, nw, (win, cap) in itertools.product(dims, (2, 4), (False, True), warps, features):
-        gps = sorted({group(g, dsub) for g in range(1, 9)})
+        gps = sorted({group(g, dsub) for g in range(1, 9)} | ({0} if dsub == 4 else set()))
         for gp in gps:
             for tma in ((False, True) if gp else (False,)):
                 names.append(attention._attn_name(d, dsub, bf16, nw, gp, tma, win, cap))

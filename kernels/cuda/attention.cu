@@ -12,13 +12,14 @@
 // (g, c) of a warp reads the K codes of one token as M/4 contiguous bytes and
 // the V codes of one subspace as 4 contiguous bytes.
 // Two families of shared-memory layouts, by GP (attention.py _group):
-// - GP = 2, 4, 8 (dsub 2, "CF"): gathers that never conflict, whatever the codes (the
+// - GP = 2, 4, 8 ("CF", dsub 2 and 4): gathers that never conflict, whatever the codes (the
 //   comments at the K and V gathers below); code tiles stream through a per-warp cp.async
 //   ring. On sm_90 (TMA) the codebooks arrive as bulk copies of a per-head image of exactly
 //   these shared-memory bytes (attention.py CodebookImage, built by the codebooks' owner);
-//   without an image they are staged through registers (RegStager).
-// - GP = 0 (dsub 4): K entry (m, code) at (m % MQ)*1024 + code*4 + m/MQ (lanes with
-//   c = m/MQ use banks = c mod 4 + 4*(code mod 8)); V entry at (m/8)*2048 + code*8 + m%8.
+//   without an image they are staged through registers (RegStager, RegStager4).
+// - GP = 0 (dsub 4 only, not planned: bench/bench_cuda_pq.py's swz column): K entry (m,
+//   code) at (m % MQ)*1024 + code*4 + m/MQ (lanes with c = m/MQ use banks = c mod 4 +
+//   4*(code mod 8)); V entry at (m/8)*2048 + code*8 + m%8.
 // Block sizes are powers of two (bs_shift = log2(bs)): a token's block and row are a shift
 // and a mask (a runtime division was ~30 of the tile loop's ~474 instructions).
 // Partials (o, base-2 lse) per item go to o_part / lse_part; pq_merge combines them.
@@ -39,11 +40,12 @@ __global__ void __launch_bounds__(NW * 32, 1) pq_attn(
     long long stk_t, long long stv_blk, long long stv_h, long long stv_t, const int* tt,
     long long tt_stride, float qk_scale, int hq, int g, int bs, int tbs, int bs_shift,
     const u8* img, float cap2) {
-  static_assert(GP == 0 || (DSUB == 2 && (GP == 2 || GP == 4 || GP == 8)), "GP: 0 or 2/4/8, dsub 2");
+  static_assert(GP == 0 || GP == 2 || GP == 4 || GP == 8, "GP: 0 or 2/4/8");
   static_assert(GP > 0 || DSUB == 4, "dsub 2 runs the conflict-free layouts (GP > 0)");
   static_assert(!TMA || GP > 0, "TMA: the CF layouts only");
   constexpr bool CF = GP > 0;
-  constexpr int VG = GP == 2 || GP == 4 ? GP : 0;     // conflict-free V gathers too
+  // conflict-free V gathers too (dsub 4: at every GP)
+  constexpr int VG = GP == 2 || GP == 4 || (DSUB == 4 && GP == 8) ? GP : 0;
   constexpr bool STAGE_REG = CF && !TMA;
   AttnArgs a;
   a.q = q; a.sq_b = sq_b; a.sq_h = sq_h; a.items = items; a.n_items = 0;
@@ -67,17 +69,21 @@ __global__ void __launch_bounds__(NW * 32, 1) pq_attn(
   // the head only; a block with no PQ tiles never uses them): its latency overlaps the
   // item's and the block table's
   constexpr int M_ = D / DSUB;
-  RegStager<M_, NW, VG> stg;
-  const u32* stg_k = reinterpret_cast<const u32*>(a.kcb) + (long long)h * M_ * 256;
-  const u32* stg_v = reinterpret_cast<const u32*>(a.vcb) + (long long)h * M_ * 256;
-  const int stg_rot = (int)((blockIdx.x * 544u) % (u32)RegStager<M_, NW, VG>::UT) & ~31;
+  typedef typename StagerOf<D, DSUB, NW, VG>::T Stg;
+  Stg stg;
+  const u32* stg_k = reinterpret_cast<const u32*>(a.kcb) + (long long)h * M_ * 256 * (DSUB / 2);
+  const u32* stg_v = reinterpret_cast<const u32*>(a.vcb) + (long long)h * M_ * 256 * (DSUB / 2);
+  const int stg_rot = (int)((blockIdx.x * 544u) % (u32)Stg::UT) & ~31;
   if constexpr (STAGE_REG) stg.load(stg_k, stg_v, tid, 0, stg_rot);
   // TMA: the head's codebook image in IMG_CHUNKS bulk copies (lanes of warp 0, each block
   // starting at its own chunk), at entry, before the item is known; every path below waits
   // for them before it leaves or reuses the shared memory. Their mbarrier sits 8 bytes
   // after the ring (attention.py _attn_smem); as a static __shared__ variable it moved the
   // dynamic shared memory by 16 bytes and the tile loop ran ~6 % slower.
-  const u32 bar = (u32)__cvta_generic_to_shared(smem) + cf_ring_offset<D>() + NW * cf_stages(NW) * 32 * M_;
+  const u32 bar = (u32)__cvta_generic_to_shared(smem) + cf_ring_offset<D, DSUB>() + NW * cf_stages(NW) * 32 * M_;
+  if constexpr (CF && DSUB == 4) {   // the rings and the mbarrier below T4_K (attention.cuh)
+    if (bar + 16 > T4_K) __trap();
+  }
   if constexpr (TMA) {
     if (warp == 0) {
       if (lane == 0) {
@@ -88,8 +94,8 @@ __global__ void __launch_bounds__(NW * 32, 1) pq_attn(
       if (lane < IMG_CHUNKS) {
         constexpr u32 CH = IMG_BYTES / IMG_CHUNKS;
         const u32 c = (lane + blockIdx.x) % IMG_CHUNKS;
-        bulk_g2s((u32)__cvta_generic_to_shared(smem) + c * CH, img + (long long)h * IMG_BYTES + c * CH,
-                 CH, bar);
+        const u32 img_dst = DSUB == 4 ? T4_K : (u32)__cvta_generic_to_shared(smem);
+        bulk_g2s(img_dst + c * CH, img + (long long)h * IMG_BYTES + c * CH, CH, bar);
       }
     }
   }
@@ -120,7 +126,7 @@ __global__ void __launch_bounds__(NW * 32, 1) pq_attn(
   if constexpr (STAGE_REG) {
     if (n_pq > 0) {
       stg.store(smem, tid, 0);
-      if constexpr (RegStager<M_, NW, VG>::NB > 1) stg.load(stg_k, stg_v, tid, RegStager<M_, NW, VG>::BATCH, stg_rot);
+      if constexpr (Stg::NB > 1) stg.load(stg_k, stg_v, tid, Stg::BATCH, stg_rot);
     }
   }
 
@@ -233,7 +239,29 @@ __global__ void __launch_bounds__(NW * 32, 1) pq_attn(
     constexpr int NR = CF ? 16 / GP : 1;
     u32 qk[KS][4];
     u32 ksel[2], klo[2];
-    if constexpr (CF) {
+    if constexpr (CF && DSUB == 4) {
+      // dsub 4: k-step j's B column gq holds subspace cq*MQ + (gq + j) % 4 + 4*(j/4), so
+      // row copy rho of A holds cq*MQ + (rho + j) % 4 + 4*(j/4): coordinates 0-1 of it for
+      // the k rows 2cq, 2cq+1 and 2-3 for 2cq+8, 2cq+9 (the entry's two words)
+      const int hd = gq % GP, r0 = gq / GP, r1 = (gq + 8) / GP;
+      const bool ok = hd < G;
+      const u16* qr = a.q + (long long)b * a.sq_b + (long long)(h * G + (ok ? hd : 0)) * a.sq_h;
+#pragma unroll
+      for (int j = 0; j < KS; ++j) {
+        const int base = cq * MQ + 4 * (j / 4);
+        const int s0 = base + ((r0 + j) & 3), s1 = base + ((r1 + j) & 3);
+        const int e[4] = {4 * s0, 4 * s1, 4 * s0 + 2, 4 * s1 + 2};
+#pragma unroll
+        for (int x = 0; x < 4; ++x) qk[j][x] = ok ? *reinterpret_cast<const u32*>(qr + e[x]) : 0u;
+      }
+      // ksel: bytes (gq + jj) % 4 of a code word; klo byte jj: 8*(4cq + (gq + jj) % 4)
+      ksel[0] = (gq & 3) | ((gq + 1) & 3) << 4 | ((gq + 2) & 3) << 8 | ((gq + 3) & 3) << 12;
+      klo[0] = 0u;
+#pragma unroll
+      for (int jj = 0; jj < 4; ++jj) klo[0] |= (8u * (4 * cq + ((gq + jj) & 3))) << (8 * jj);
+      ksel[1] = klo[1] = 0u;
+      asm volatile("" : "+r"(ksel[0]), "+r"(klo[0]));
+    } else if constexpr (CF) {
       const int hd = gq % GP, r0 = gq / GP, r1 = (gq + 8) / GP;
       const bool ok = hd < G;
       const u16* qr = a.q + (long long)b * a.sq_b + (long long)(h * G + (ok ? hd : 0)) * a.sq_h;
@@ -262,10 +290,27 @@ __global__ void __launch_bounds__(NW * 32, 1) pq_attn(
     // on k rows whose lane has (cq + j) & 3 == c, so it sums m-tile 4*hx + c.
     // vlo: address byte 32*((cq+j)&3) + 4*gq of slot j, four per register (< 0x80).
     u32 vlo = 0u;
-    if constexpr (VG > 0) {
+    if constexpr (VG > 0 && DSUB == 2) {
 #pragma unroll
       for (int j = 0; j < 4; ++j) vlo |= (32u * ((cq + j) & 3) + 4u * gq) << (8 * j);
       asm volatile("" : "+r"(vlo));
+    }
+    // dsub 4 (V side). Slot j of the NJ m-tile groups X (8 subspaces of 4 coordinates):
+    // lane (gq, cq) gathers subspace 8X + gq of X = (cq + j) % NJ for its 4 tokens, from
+    // the entry's slot 4*sg + gq % 4 in half gq / 4 of the code row, sg = (cq + j) % 4 at
+    // d = 128 and (cq & 2) + (cq + j) % 2 at d = 64 (copy cq / 2 of the table): 16
+    // distinct slots in each half-warp. The MMA's columns undo the rotation by cq as for
+    // dsub 2. vl[j]: address bytes 0, 2, 3 of slot j (T4_V + 128*(gq/4) + 8*slot).
+    constexpr int NJ = NX < 4 ? NX : 4;
+    u32 vl[NJ];
+    if constexpr (VG > 0 && DSUB == 4) {
+#pragma unroll
+      for (int j = 0; j < NJ; ++j) {
+        const int sg = (cq & (4 - NJ)) | ((cq + j) & (NJ - 1));
+        vl[j] = T4_V + 128u * (gq >> 2) + 8u * (4 * sg + (gq & 3));
+      }
+#pragma unroll
+      for (int j = 0; j < NJ; ++j) asm volatile("" : "+r"(vl[j]));
     }
     // two code buffers in turn (no register copies): tile ti uses one while the
     // other fills with tile ti + NW
@@ -277,8 +322,36 @@ __global__ void __launch_bounds__(NW * 32, 1) pq_attn(
       for (int t = 0; t < 2; ++t) s[t][0] = s[t][1] = s[t][2] = s[t][3] = 0.f;
       if constexpr (CF) {
         float s2[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+        if constexpr (DSUB == 4) {
+          // dsub 4: gather j of n-tile t fetches, in lane (gq, cq), the 8-byte entry of
+          // subspace cq*MQ + i, i = (gq + j) % 4 + 4*(j/4), from bank pair 4cq + (gq + j) % 4
+          // of half j/4 of the code row: 16 distinct pairs in each half-warp (gq/4 fixed),
+          // so 2 wavefronts a gather (the least for 256 bytes) whatever the codes. B column
+          // gq then holds each quad of subspaces rotated by gq mod 4; rot_quads undoes the
+          // bits of it at or above NR and the A row copies the rest, as for dsub 2.
 #pragma unroll
-        for (int hh = 0; hh < MQ / 8; ++hh) {
+          for (int t = 0; t < 2; ++t) {
+            uint2 f[MQ];
+#pragma unroll
+            for (int qd = 0; qd < MQ / 4; ++qd) {
+              const u32 rc = __byte_perm(kk[t].w[qd], 0u, ksel[0]);   // byte jj: subspace i
+#pragma unroll
+              for (int jj = 0; jj < 4; ++jj) {
+                const u32 sel = jj | (4 + jj) << 4 | (8 + jj) << 8 | (8 + jj) << 12;
+                const u32 ad = prmt(klo[0], rc, sel);     // code*256 + 8*(4cq + (gq+jj)%4)
+                f[4 * qd + jj] = qd ? lds64<T4_K + 128>(ad) : lds64<T4_K>(ad);   // half qd
+              }
+            }
+            rot_quads<NR, MQ>(f, gq);
+#pragma unroll
+            for (int j = 0; j < MQ; ++j) {
+              const u32* qq = qk[j];
+              mma16816<BF16>(j & 1 ? s2[t] : s[t], qq[0], qq[1], qq[2], qq[3], f[j].x, f[j].y);
+            }
+          }
+        }
+#pragma unroll
+        for (int hh = 0; hh < (DSUB == 2 ? MQ / 8 : 0); ++hh) {
 #pragma unroll
           for (int t = 0; t < 2; ++t) {
             const u32 c0 = kk[t].w[2 * hh], c1 = kk[t].w[(2 * hh + 1) % (MQ / 4)];
@@ -343,7 +416,37 @@ __global__ void __launch_bounds__(NW * 32, 1) pq_attn(
       } else {
         softmax_pv<D, DSUB, BF16, VG, VG == 0, CAP>(ws, s, alltrue, a.qk_scale, lane, pb0, pb1, a.cap);
       }
-      if constexpr (VG > 0) {
+      if constexpr (VG > 0 && DSUB == 4) {
+        constexpr int NT = VG / 2;
+        // P of head gq % VG in every lane: the B columns n = gq are (c, head) pairs
+        const int psrc = 4 * (gq % VG) + cq;
+        const u32 px0 = __shfl_sync(FULL, pb0, psrc), px1 = __shfl_sync(FULL, pb1, psrc);
+#pragma unroll
+        for (int j = 0; j < NJ; ++j) {
+          u32 bm0[NT], bm1[NT];
+#pragma unroll
+          for (int nt = 0; nt < NT; ++nt) {
+            const bool on = ((cq + j) & (NJ - 1)) == (8 * nt + gq) / VG;
+            bm0[nt] = on ? px0 : 0u;
+            bm1[nt] = on ? px1 : 0u;
+          }
+          const u32 cw = vv[j];     // tokens 4cq..4cq+3 of subspace 8*((cq + j) % NJ) + gq
+          uint2 e[4];
+#pragma unroll
+          for (int k = 0; k < 4; ++k)   // bytes: slot j's address byte 0, code k, 2, 0
+            e[k] = lds64<0>(prmt(vl[j], cw, 0x3200 | (4 + k) << 4));
+#pragma unroll
+          for (int p = 0; p < 2; ++p) {   // coordinates 2p, 2p+1: rows gq, gq + 8
+            const u32 w0 = p ? e[0].y : e[0].x, w1 = p ? e[1].y : e[1].x;
+            const u32 w2 = p ? e[2].y : e[2].x, w3 = p ? e[3].y : e[3].x;
+            const u32 a0 = __byte_perm(w0, w1, 0x5410), a1 = __byte_perm(w0, w1, 0x7632);
+            const u32 a2 = __byte_perm(w2, w3, 0x5410), a3 = __byte_perm(w2, w3, 0x7632);
+#pragma unroll
+            for (int nt = 0; nt < NT; ++nt)
+              mma16816<BF16>(ws.ov[p][nt], a0, a1, a2, a3, bm0[nt], bm1[nt]);
+          }
+        }
+      } else if constexpr (VG > 0) {
         constexpr int NT = VG / 2;
         // P of head gq % VG in every lane: the B columns n = gq are (c, head) pairs
         const int psrc = 4 * (gq % VG) + cq;
@@ -400,7 +503,7 @@ __global__ void __launch_bounds__(NW * 32, 1) pq_attn(
       // ring of STAGES tiles per warp after the codebooks: [K codes 16 x M][V codes M x 16]
       constexpr u32 TILE = 32 * M;
       constexpr int STAGES = cf_stages(NW);
-      unsigned char* ring = smem + cf_ring_offset<D>() + warp * STAGES * TILE;
+      unsigned char* ring = smem + cf_ring_offset<D, DSUB>() + warp * STAGES * TILE;
       // lane constants, kept in registers (opaque) rather than rebuilt every tile
       u32 kdst = 16 * lane, krd0 = sigma(0, gq) * M + cq * MQ, krd1 = sigma(1, gq) * M + cq * MQ;
       u32 vrd = 16 * M + gq * 16 + 4 * cq;
@@ -408,7 +511,7 @@ __global__ void __launch_bounds__(NW * 32, 1) pq_attn(
       asm volatile("" : "+r"(kdst), "+r"(krd0), "+r"(krd1), "+r"(vrd), "+l"(vsrc));
       u32 vr[4];
 #pragma unroll
-      for (int j = 0; j < 4; ++j) vr[j] = vrd + 128 * ((cq + j) & 3);
+      for (int j = 0; j < 4; ++j) vr[j] = vrd + 128 * ((cq + j) & (DSUB == 2 ? 3 : NJ - 1));
       if constexpr (VG > 0) asm volatile("" : "+r"(vr[0]), "+r"(vr[1]), "+r"(vr[2]), "+r"(vr[3]));
       auto issue = [&](int tile, long long blk, u32 stage_off) {
         if (tile < n_pq) {
@@ -418,9 +521,11 @@ __global__ void __launch_bounds__(NW * 32, 1) pq_attn(
           const u8* kb = kc_h + blk * a.skc_blk + off * M + kdst;   // 16 rows, contiguous
           const u8* vb = vc_h + blk * a.svc_blk + off + vsrc;       // M rows of 16 B, stride bs
 #pragma unroll
-          for (int c = 0; c < M / 32; ++c) {
-            cp_async16(dst + 512 * c, kb + 512 * c);
-            cp_async16(dst + 16 * M + 512 * c, vb + (long long)(32 * c) * a.bs);
+          for (int c = 0; c < (M + 31) / 32; ++c) {
+            if (M >= 32 || lane < M) {   // M = 16 (d 64, dsub 4): half the lanes
+              cp_async16(dst + 512 * c, kb + 512 * c);
+              cp_async16(dst + 16 * M + 512 * c, vb + (long long)(32 * c) * a.bs);
+            }
           }
         }
         cp_async_commit();      // empty groups too: the wait count stays uniform
@@ -432,9 +537,9 @@ __global__ void __launch_bounds__(NW * 32, 1) pq_attn(
       if constexpr (STAGE_REG) {
         if (n_pq > 0) {
 #pragma unroll
-          for (int nb = 1; nb < RegStager<M, NW, VG>::NB; ++nb) {
-            if (nb > 1) stg.load(stg_k, stg_v, tid, nb * RegStager<M, NW, VG>::BATCH, stg_rot);
-            stg.store(smem, tid, nb * RegStager<M, NW, VG>::BATCH);
+          for (int nb = 1; nb < Stg::NB; ++nb) {
+            if (nb > 1) stg.load(stg_k, stg_v, tid, nb * Stg::BATCH, stg_rot);
+            stg.store(smem, tid, nb * Stg::BATCH);
           }
         }
       }
@@ -466,12 +571,17 @@ __global__ void __launch_bounds__(NW * 32, 1) pq_attn(
           if constexpr (MQ == 16) {
             const uint4 x = *reinterpret_cast<const uint4*>(row);
             kk[t].w[0] = x.x; kk[t].w[1] = x.y; kk[t].w[2 % (MQ / 4)] = x.z; kk[t].w[3 % (MQ / 4)] = x.w;
+          } else if constexpr (MQ == 4) {
+            kk[t].w[0] = *reinterpret_cast<const u32*>(row);
           } else {
             const uint2 x = *reinterpret_cast<const uint2*>(row);
             kk[t].w[0] = x.x; kk[t].w[1 % (MQ / 4)] = x.y;
           }
         }
-        if constexpr (VG > 0) {     // slot order: vv[4*hx + j] is m-tile 4*hx + ((cq+j)&3)
+        if constexpr (VG > 0 && DSUB == 4) {    // vv[j]: group (cq + j) % NJ
+#pragma unroll
+          for (int j = 0; j < NJ; ++j) vv[j] = *reinterpret_cast<const u32*>(st + vr[j]);
+        } else if constexpr (VG > 0) {     // slot order: vv[4*hx + j] is m-tile 4*hx + ((cq+j)&3)
 #pragma unroll
           for (int hx = 0; hx < D / 64; ++hx)
 #pragma unroll
@@ -601,7 +711,24 @@ __global__ void __launch_bounds__(NW * 32, 1) pq_attn(
       *reinterpret_cast<float2*>(base + (2 * cq + 1) * SD + coord) = make_float2(c[1], c[3]);
     }
   }
-  if constexpr (VG > 0) {   // the PQ tiles' part: column n = 2cq + e of n-tile nt is (c, h)
+  if constexpr (VG > 0 && DSUB == 4) {   // ov[p]: coordinates 2p, 2p+1 of subspace 8c + gq
+    __syncwarp();
+#pragma unroll
+    for (int p = 0; p < 2; ++p)
+#pragma unroll
+      for (int nt = 0; nt < VG / 2; ++nt)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const int n = 8 * nt + 2 * cq + e, c = n / VG, hd = n % VG;
+          if (c < NX) {   // d 64, VG 2: columns of groups 2, 3 are empty
+            float2* pp = reinterpret_cast<float2*>(base + hd * SD + 4 * (8 * c + gq) + 2 * p);
+            float2 x = *pp;
+            x.x += ws.ov[p][nt][e];
+            x.y += ws.ov[p][nt][2 + e];
+            *pp = x;
+          }
+        }
+  } else if constexpr (VG > 0) {   // the PQ tiles' part: column n = 2cq + e of n-tile nt is (c, h)
     __syncwarp();
 #pragma unroll
     for (int hx = 0; hx < D / 64; ++hx)

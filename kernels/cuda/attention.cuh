@@ -5,10 +5,27 @@
 
 // CF shared memory: K table (64 KiB: 256-byte code rows), V table (64 KiB region), then
 // each warp's ring of code tiles (cf_stages x 32*M bytes: 4 deep up to 12 warps, else
-// 3, to fit 227 KiB at d = 128); attention.py _attn_smem mirrors this
+// 3, to fit 227 KiB at d = 128, dsub 2); attention.py _attn_smem mirrors this.
+// dsub 4: the rings first (at most 48 KiB), then the two tables at the shared-window
+// addresses T4_K and T4_V: a gather's address is then its PRMT result plus an immediate
+// (from `smem + x` the compiler adds the window base of smem in one more instruction).
+// That holds while the window base of smem (1 KiB: the system's reserved shared memory,
+// sm_80 to sm_90) leaves the rings below T4_K; the kernel checks it at entry.
 __host__ __device__ constexpr int cf_stages(int nw) { return nw <= 12 ? 4 : 3; }
-template <int D>
-__host__ __device__ constexpr int cf_ring_offset() { return 131072; }
+template <int D, int DSUB = 2>
+__host__ __device__ constexpr int cf_ring_offset() { return DSUB == 4 ? 0 : 131072; }
+constexpr u32 T4_K = 65536, T4_V = 131072;
+
+// 8-byte load / store at a shared-window address plus an immediate
+template <u32 OFF>
+__device__ __forceinline__ uint2 lds64(u32 addr) {
+  uint2 r;
+  asm("ld.shared.v2.b32 {%0, %1}, [%2+%3];" : "=r"(r.x), "=r"(r.y) : "r"(addr), "n"(OFF));
+  return r;
+}
+__device__ __forceinline__ void sts64(u32 addr, u32 x, u32 y) {
+  asm volatile("st.shared.v2.b32 [%0], {%1, %2};" :: "r"(addr), "r"(x), "r"(y) : "memory");
+}
 
 // token of column n of S n-tile t (and of P^T k-row)
 __device__ __forceinline__ int sigma(int t, int n) { return 4 * (n >> 1) + 2 * t + (n & 1); }
@@ -24,6 +41,21 @@ __device__ __forceinline__ void rot_hi(u32 (&r)[8], int gq) {
     for (int i = 0; i < 8; ++i) t[i] = on ? r[(i - v) & 7] : r[i];
 #pragma unroll
     for (int i = 0; i < 8; ++i) r[i] = t[i];
+  }
+}
+
+// dsub 4: r[i] <- r[4*(i/4) + (i - s) % 4] with s = gq mod 4 minus its bits below NR:
+// the rotation of each quad of K gathers above what the A row copies undo (selects)
+template <int NR, int N>
+__device__ __forceinline__ void rot_quads(uint2 (&r)[N], int gq) {
+#pragma unroll
+  for (int v = NR; v < 4; v *= 2) {
+    const bool on = gq & v;
+    uint2 t[N];
+#pragma unroll
+    for (int i = 0; i < N; ++i) t[i] = on ? r[(i & ~3) | ((i - v) & 3)] : r[i];
+#pragma unroll
+    for (int i = 0; i < N; ++i) r[i] = t[i];
   }
 }
 
@@ -92,16 +124,18 @@ struct AttnArgs {
 };
 
 // Everything per warp for one 16-token tile once its K/V entries are known.
-// VG > 0 (conflict-free V gathers, G <= VG in {2, 4}): the PQ tiles accumulate O^T in
-// ov, whose 8 * NT columns are (m-tile c of a group of four, head h) = (n / VG, n % VG);
-// o keeps the usual columns (= heads) for the fp16 tail tiles. Both share m_i, l_i.
+// VG > 0 (conflict-free V gathers, G <= VG in {2, 4}; dsub 4 also 8): the PQ tiles
+// accumulate O^T in ov, whose 8 * NT columns are (m-tile c of a group of four, head h) =
+// (n / VG, n % VG); ov[hx] is a group of four m-tiles (dsub 2) or the coordinate pair hx
+// of every subspace's four (dsub 4). o keeps the usual columns (= heads) for the fp16
+// tail tiles. Both share m_i, l_i.
 template <int D, int DSUB, bool BF16, int VG = 0>
 struct WarpState {
   static constexpr int M = D / DSUB;
   static constexpr int KS = D / 16;     // k-steps of S = Q K^T
   static constexpr int NMT = D / 16;    // m-tiles of O^T
   static constexpr int NT = VG ? VG / 2 : 1;
-  static constexpr int NHX = VG ? D / 64 : 1;
+  static constexpr int NHX = VG ? (DSUB == 2 ? D / 64 : 2) : 1;
   float o[NMT][4];
   float ov[NHX][NT][4];
   float m_i, l_i;
@@ -214,6 +248,57 @@ struct RegStager {
     }
   }
 };
+
+// dsub 4 (2-bit): two 64 KiB tables at T4_K and T4_V, 8-byte entries (one centroid, 4
+// fp16). K entry (code, m = c*MQ + i) at T4_K + code*256 + 128*(i/4) + 8*(4c + i%4); V
+// entry (code, m = 8X + r) at T4_V + code*256 + 128*(r/4) + 8*(4X + r%4), and at d = 64 (two
+// m-tile groups X) twice, at slots 4*(2k + X) + r%4 for copies k = 0, 1 (a lane of cq
+// reads copy cq/2: attention.cu's V gathers). Either way an entry's bank pair depends on
+// its subspace (and copy) only. A unit is 16 B of global = 2 codes of one subspace; lane
+// r of a half-warp takes slot r of a code row (16 distinct slots: every 8-byte store of a
+// half-warp is one wavefront) and the two halves of a warp the 32 B of one sector.
+template <int D, int NW>
+struct RegStager4 {
+  static constexpr int M = D / 4, MQ = M / 4, NX = M / 8, NT = NW * 32;
+  static constexpr int UK = M * 128, UV = 32 * 128;    // units of K, of V (its 32 slots a row)
+  static constexpr int UT = UK + UV;
+  static constexpr int IT = (UT + NT - 1) / NT;
+  static constexpr int NB = IT < 2 ? IT : 2;
+  static constexpr int BATCH = (IT + NB - 1) / NB;
+  uint4 v[BATCH];
+  u32 dst[BATCH];
+  __device__ __forceinline__ void load(const u32* gk, const u32* gv, int tid, int i0, int rot) {
+#pragma unroll
+    for (int j = 0; j < BATCH; ++j) {
+      const int u0 = tid + (i0 + j) * NT;
+      if (i0 + j < IT && u0 < UT) {
+        const int u = u0 + rot < UT ? u0 + rot : u0 + rot - UT;
+        const bool k = u < UK;
+        const int uu = k ? u : u - UK;
+        const int r = uu & 15, s = (uu >> 4) & 1, cg = (uu >> 5) & 63, mb = uu >> 11;
+        const int code0 = 4 * cg + 2 * s;
+        // slot r of half mb: K subspace (r/4)*MQ + 4mb + r%4, V 8*((r/4) mod NX) + 4mb + r%4
+        const int m = k ? (r >> 2) * MQ + 4 * mb + (r & 3) : 8 * ((r >> 2) & (NX - 1)) + 4 * mb + (r & 3);
+        dst[j] = (k ? T4_K : T4_V) + code0 * 256 + 128 * mb + 8 * r;
+        v[j] = __ldg(reinterpret_cast<const uint4*>((k ? gk : gv) + (m * 256 + code0) * 2));
+      }
+    }
+  }
+  __device__ __forceinline__ void store(unsigned char*, int tid, int i0) {
+#pragma unroll
+    for (int j = 0; j < BATCH; ++j) {
+      const int u = tid + (i0 + j) * NT;
+      if (i0 + j < IT && u < UT) {
+        sts64(dst[j], v[j].x, v[j].y);           // code0
+        sts64(dst[j] + 256, v[j].z, v[j].w);     // code0 + 1: the next row
+      }
+    }
+  }
+};
+
+// the register stager of a build: RegStager (dsub 2) or RegStager4
+template <int D, int DSUB, int NW, int VG> struct StagerOf { typedef RegStager<D / DSUB, NW, VG> T; };
+template <int D, int NW, int VG> struct StagerOf<D, 4, NW, VG> { typedef RegStager4<D, NW> T; };
 
 // CF codebook image: the first 128 KiB of the CF kernel's shared memory (K and V tables in
 // the layouts above) for one KV head, built once per codebook in global memory

@@ -17,7 +17,7 @@ from .. import tunables
 from ..plan import HALF, DecodePlan, capacity, ceil, check, check_batch, fit, pq_ranges
 from . import build
 from .build import NULL, f32, i32, i64, ptr
-from .images import IMG_WORDS, CodebookImage, group
+from .images import IMG_WORDS, CodebookImage, group, image_layout
 
 LOG2E = 1.4426950408889634      # the kernel's scores are base 2: scale and cap times log2(e)
 
@@ -46,12 +46,11 @@ def query_aligned(q: torch.Tensor) -> bool:
 
 def misaligned(q, k_codes, v_codes, tail_k, tail_v, dsub: int) -> str | None:
     """The first argument whose address or strides the kernels' vector loads cannot take,
-    or None: 16 B code rows (cp.async of K codes, and of V codes for dsub 2), 4 B V code
-    words (dsub 4), 4 B q pairs, 4 / 8 B fp16 pairs / quads of the tail (dsub 2 / 4)."""
+    or None: 16 B code rows (cp.async of K and V codes), 4 B q pairs, 4 / 8 B fp16 pairs /
+    quads of the tail (dsub 2 / 4)."""
     if k_codes.data_ptr() % 16 or k_codes.stride(0) % 16 or k_codes.stride(1) % 16:
         return "k_codes"
-    va = 16 if dsub == 2 else 4
-    if v_codes.data_ptr() % va or v_codes.stride(0) % va or v_codes.stride(1) % va:
+    if v_codes.data_ptr() % 16 or v_codes.stride(0) % 16 or v_codes.stride(1) % 16:
         return "v_codes"
     if not query_aligned(q):
         return "q"
@@ -71,12 +70,18 @@ def _merge_name(d, bf16):
     return f"pq_merge<{d}, {'true' if bf16 else 'false'}>"
 
 
-def _attn_smem(d: int, gp: int, nw: int, tma: bool = False) -> int:
-    """GP > 0: K and V tables, 64 KiB each (256-byte code rows), + per warp a ring of code
-    tiles (32 * M bytes each, M = d/2; 4 deep up to 12 warps, else 3: attention.cuh
-    cf_stages), + with TMA the bulk copies' mbarrier (16 B). Else the two tables, d KiB."""
+def _attn_smem(d: int, dsub: int, gp: int, nw: int, tma: bool = False) -> int:
+    """GP > 0, dsub 2: K and V tables, 64 KiB each (256-byte code rows), + per warp a ring
+    of code tiles (32 * M bytes each, M = d/2; 4 deep up to 12 warps, else 3: attention.cuh
+    cf_stages), + with TMA the bulk copies' mbarrier (16 B). GP > 0, dsub 4: everything up
+    to the end of the V table at shared-window address T4_V + 64 KiB = 192 KiB (the rings
+    and the mbarrier below T4_K). GP = 0: the two tables, d KiB."""
+    if not gp:
+        return 1024 * d
+    if dsub == 4:
+        return 196608
     stages = 4 if nw <= 12 else 3
-    return 131072 + nw * stages * 16 * d + 16 * tma if gp else 1024 * d
+    return 131072 + nw * stages * 16 * d + 16 * tma
 
 
 @dataclass(slots=True, kw_only=True)
@@ -112,7 +117,7 @@ class CudaPQPlan(DecodePlan):
             dev = self.items.device
             if kind == "attn":
                 fn = build.function("attention.cu", _attn_name(*key), dev)
-                fn.max_dynamic_shared_size_bytes = _attn_smem(key[0], key[4], key[3], key[5])
+                fn.max_dynamic_shared_size_bytes = _attn_smem(key[0], key[1], key[4], key[3], key[5])
             else:
                 fn = build.function("merge.cu", _merge_name(*key), dev)
             self._fns[(kind, key)] = fn
@@ -181,8 +186,8 @@ class CudaPQPlan(DecodePlan):
         stream = build.stream(dev)
         if n_items > 0:
             gp = group(hq // hkv, dsub)
-            # An image built for another V layout (another GQA group) is not this kernel's.
-            img = (image.words if image is not None and image.layout == (gp if gp < 8 else 0)
+            # An image built for another layout (another GQA group, dsub) is not this kernel's.
+            img = (image.words if image is not None and image.layout == image_layout(hq, hkv, dsub)
                    and self._use_tma(gp) else None)
             fn = self._fn("attn", d, dsub, bf16, self.num_warps, gp, img is not None, self.windowed,
                           self.softcap > 0)
@@ -198,7 +203,7 @@ class CudaPQPlan(DecodePlan):
                     i32(self.tail_block_size), i32(bs.bit_length() - 1),
                     ptr(img) if img is not None else NULL, f32(self.softcap * LOG2E))
             build.launch(fn, dev, (n_items, hkv), (32 * self.num_warps,), args,
-                         _attn_smem(d, gp, self.num_warps, img is not None), stream)
+                         _attn_smem(d, dsub, gp, self.num_warps, img is not None), stream)
         fn = self._fn("merge", d, bf16)
         build.launch(fn, dev, (b, hq), (d,),
                      (ptr(self.o_part), ptr(self.lse_part), ptr(self.item_ptr), ptr(out),

@@ -48,6 +48,8 @@ CASES = [(g, d, dsub, bs, dt) for g in (1, 3, 4, 8) for d in (64, 128) for dsub 
 CASES += [(4, 128, 2, 128, torch.float16), (4, 128, 2, 64, torch.float16),
           (1, 64, 2, 128, torch.bfloat16), (8, 64, 4, 128, torch.float16),
           (3, 128, 4, 64, torch.bfloat16), (8, 128, 2, 128, torch.float16)]
+# dsub 4: each GP with fewer query heads than its rows hold (padded heads, GP 8 at d 64)
+CASES += [(2, 128, 4, 16, torch.bfloat16), (6, 64, 4, 16, torch.float16), (5, 128, 4, 32, torch.float16)]
 
 
 @gpu
@@ -55,14 +57,14 @@ CASES += [(4, 128, 2, 128, torch.float16), (4, 128, 2, 64, torch.float16),
 def test_pq_decode_cuda(g, d, dsub, bs, dtype):
     hkv = 2
     lens = [1, 54, 97, 1000, 0, 33]
-    if g == 4 or (g == 8 and d == 128 and dsub == 2):
+    if g == 4 or (g == 8 and d == 128):
         lens.append(32768)
     c = make_case(lens, g * hkv, hkv, d, dsub, bs, 16, dtype, seed=g * 100 + d + dsub + bs)
     tol = 4e-3 if dtype == torch.float16 else 2.5e-2
     ro, rl = pq_ref(c, d ** -0.5)
     for ctas in (None, 4 * hkv):
-        # dsub 2: the codebooks as bulk copies of the image (sm_90) and staged through registers
-        for with_image in ((True, False) if dsub == 2 else (False,)):
+        # the codebooks as bulk copies of the image (sm_90) and staged through registers
+        for with_image in (True, False):
             plan, out, lse = run(c, d ** -0.5, target_ctas=ctas, with_image=with_image)
             assert isinstance(plan, cuda_attention.CudaPQPlan)
             check_attn(out, lse, ro, rl, tol)
@@ -76,7 +78,11 @@ def test_attn_variant_names():
         "pq_attn<64, 4, true, 8, 0, false, true, true>"
     assert cuda_attention._merge_name(64, True) == "pq_merge<64, true>"
     assert [images.group(g, 2) for g in (1, 2, 3, 4, 5, 8)] == [2, 2, 4, 4, 8, 8]
-    assert images.group(8, 4) == 0 and images.image_layout(32, 8, 2) == 4 and images.image_layout(32, 4, 2) == 0
+    assert [images.group(g, 4) for g in (1, 3, 8)] == [2, 4, 8]
+    assert images.image_layout(32, 8, 2) == 4 and images.image_layout(32, 4, 2) == 0
+    assert images.image_layout(32, 8, 4) == images.image_layout(8, 8, 4) == images.DSUB4
+    # dsub 4's tables end at shared-window address 192 KiB, whatever the ring
+    assert cuda_attention._attn_smem(128, 4, 4, 16, True) == cuda_attention._attn_smem(64, 4, 8, 8) == 196608
 
 
 def test_sources_inline_their_headers_once():
@@ -87,7 +93,8 @@ def test_sources_inline_their_headers_once():
         assert '#include "' not in src
         assert src.count("__device__ __forceinline__ void mma16816(") == 1
     src = build.source("attention.cu")
-    assert src.count("struct RegStager") == 1 and "pq_attn(" in src and "pq_merge(" not in src
+    assert src.count("struct RegStager {") == 1 and src.count("struct RegStager4 {") == 1
+    assert "pq_attn(" in src and "pq_merge(" not in src
 
 
 def test_wave_chunk_fills_the_last_wave():
@@ -127,10 +134,11 @@ def test_codebook_staging_follows_item_length():
 
 
 @gpu
-def test_pq_decode_cuda_long_items_stage_through_registers(monkeypatch):
+@pytest.mark.parametrize("dsub", [2, 4])
+def test_pq_decode_cuda_long_items_stage_through_registers(monkeypatch, dsub):
     # past TMA_MAX_ITEM_TOKENS (0 here: every plan) the register-staging build runs even
     # with an image given; both fill the same shared memory, so the results are bit-identical
-    c = make_case([3000, 54, 2900], 16, 4, 128, 2, 16, 16, torch.float16, seed=21)
+    c = make_case([3000, 54, 2900], 16, 4, 128, dsub, 16, 16, torch.float16, seed=21)
     ro, rl = pq_ref(c, 128 ** -0.5)
     img = image(c)
     res = []
@@ -182,12 +190,12 @@ def test_pq_decode_cuda_graph_and_reuse():
 
 
 @gpu
-@pytest.mark.parametrize("d", [64, 128])
-def test_pq_decode_cuda_graph_reads_codebooks_and_image_in_place(d):
+@pytest.mark.parametrize("d,dsub", [(64, 2), (128, 2), (64, 4), (128, 4)])
+def test_pq_decode_cuda_graph_reads_codebooks_and_image_in_place(d, dsub):
     # A graph captured with an image reads the image's memory at every replay: its owner
     # rebuilds it in place when the codebooks change (codebook_images(words=...)), and the
     # replay follows. Without an image the graph holds the register-staging build.
-    c = make_case([300, 4000, 17], 24, 8, d, 2, 16, 16, torch.float16, seed=8)
+    c = make_case([300, 4000, 17], 24, 8, d, dsub, 16, 16, torch.float16, seed=8)
     plan = plan_pq(c)
     plan.warm()
     img = image(c)
