@@ -185,7 +185,7 @@ def check_multi(t: int, dense_lens: list[int], starts: list[int] | None, name: s
     """A multi-token plan's lengths: every fp16 range holds its t new tokens, no window."""
     if t > 1 and starts is not None and any(starts):
         raise ValueError("sliding windows: a multi-token plan does not take start indices")
-    if any(n < t for n in dense_lens):
+    if t > 1 and any(n < t for n in dense_lens):
         raise ValueError(f"{name}: each sequence's fp16 range must hold its {t} new tokens")
 
 
@@ -218,7 +218,10 @@ def plan_pq(sl: list[int], tl_: list[int], ss: list[int] | None = None, ts: list
                    sealed_cols=max([n // block_size for n in sl] + [0]),
                    tail_cols=max([triton.cdiv(n, tail_block_size) for n in tl_] + [0]),
                    has_pq=True, tile_pq=tile_pq, tile_fp=tile_fp, softcap=softcap,
-                   num_warps=num_warps, num_stages=num_stages, maxnreg=maxnreg, chunk0=chunk)
+                   num_warps=num_warps, num_stages=num_stages, chunk0=chunk,
+                   # ptxas cannot fit a head_dim-256 multi-token tile in 128 registers
+                   # (C7602 asks for 158): the cap is for the one-token decode it was tuned on.
+                   maxnreg=maxnreg if query_tokens == 1 or head_dim <= 128 else None)
 
 
 def _paged_items(sl, chunk, st, t=1):

@@ -178,6 +178,18 @@ def test_multi_plan_refusals():
                                block_size=16, dtype=torch.float16, query_tokens=2, backend="cuda")
 
 
+def test_one_token_plans_still_take_empty_ranges():
+    """A decode step plans sequences with no fp16 tokens (an empty tail, a finished
+    row): only a multi-token plan needs its new tokens in the fp16 range."""
+    kw = dict(num_qo_heads=4, num_kv_heads=2, head_dim=64, block_size=16, device="cpu",
+              dtype=torch.float16, backend="triton", target_ctas=4)
+    pq = kernels.plan_decode("pq", [16, 32, 0], [5, 0, 0], tail_block_size=16, **kw)
+    paged = kernels.plan_decode("paged", [1, 54, 0], **kw)
+    assert pq.batch == paged.batch == 3
+    with pytest.raises(ValueError, match="seq_lens"):
+        kernels.plan_decode("paged", [1, 54, 0], query_tokens=2, **kw)
+
+
 def test_router_entry_points_use_the_reference_on_cpu():
     c = multi_case(3, [2], [6], 4, 2, 64, 2, 16, 16, torch.float32, "cpu")
     got = kernels.pq_multi_attention(**c, scale=0.2)
