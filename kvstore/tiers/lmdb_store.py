@@ -14,9 +14,13 @@ durable batch (sync=True) flushes the map before its commit and again after
 it, so the pages a commit points at are on disk before the pointer is: a
 crash at any point leaves the previous commit or this one, never half of it.
 A writable map fills holes of a sparse file on first write, and a full disk
-would then kill the process (SIGBUS) instead of failing a write: the file is
-allocated up front (posix_fallocate) to the map size, at open and as it grows,
-and a disk that cannot take the growth fails that write (OSError), nothing else.
+would then kill the process (SIGBUS) instead of failing a write: before each
+write transaction the file is allocated (posix_fallocate) past its last page
+by at least what the transaction can add (its bytes, a page per entry for
+rounding, and the B-tree pages it copies), in steps of ALLOC_STEP, so a disk
+that cannot take a batch fails that write (OSError), nothing else. The file
+holds what the store holds plus at most a step, not the whole map (a map
+doubles as it fills; allocating all of it would take up to twice the data).
 """
 from __future__ import annotations
 
@@ -24,6 +28,9 @@ import contextlib
 import os
 import threading
 from typing import Iterable, Iterator, Protocol
+
+ALLOC_STEP = 16 << 20       # bytes the file grows by at a time (module docstring)
+
 
 class ColdStore(Protocol):
     def put_many(self, items: Iterable[tuple[bytes, bytes]], sync: bool = ...) -> None: ...
@@ -67,7 +74,8 @@ class LMDBStore:
         # sync explicitly (put_many(sync=True) calls env.sync()).
         self.env = lmdb.open(path, map_size=map_size, subdir=True, sync=sync, metasync=sync,
                              max_dbs=0, lock=True, readahead=False, writemap=True)
-        self._allocate(self.env.info()["map_size"])
+        self._allocated = 0
+        self._reserve(0)
         self.lock = threading.RLock()
         self._sizes: dict[bytes, int] = {}
         with self.env.begin(buffers=True) as txn:   # values stay in the map: only their length is read
@@ -76,30 +84,35 @@ class LMDBStore:
         self.used_bytes = sum(self._sizes.values())
         self.books = None     # what the owner of the key layout keeps over these entries (tiers.DiskTier)
 
-    def _allocate(self, size: int) -> None:
-        """Disk blocks for the whole map (module docstring: a full disk fails
-        here, not with a SIGBUS in a write through the map)."""
+    def _reserve(self, nbytes: int) -> None:
+        """Disk blocks from the start of the file to past its last page by what a
+        transaction of `nbytes` can add, rounded up to ALLOC_STEP and within the
+        map (module docstring: a full disk fails here, not with a SIGBUS in a
+        write through the map)."""
+        info, st = self.env.info(), self.env.stat()
+        need = (info["last_pgno"] + 1) * st["psize"] + nbytes
+        need = min(-(-need // ALLOC_STEP) * ALLOC_STEP, info["map_size"])
+        if need <= self._allocated:
+            return
         fd = os.open(os.path.join(self.path, "data.mdb"), os.O_RDWR)
         try:
-            os.posix_fallocate(fd, 0, size)
+            os.posix_fallocate(fd, 0, need)
         finally:
             os.close(fd)
+        self._allocated = need
 
-    def _write(self, fn) -> None:
+    def _write(self, fn, nbytes: int) -> None:
+        """fn(txn) in a write transaction that adds at most nbytes to the file;
+        a full map doubles and fn runs again."""
         with self.lock:
             while True:
+                self._reserve(nbytes)
                 try:
                     with self.env.begin(write=True) as txn:
                         fn(txn)
                     return
                 except self._lmdb.MapFullError:
-                    size = self.env.info()["map_size"]
-                    self.env.set_mapsize(size * 2)
-                    try:
-                        self._allocate(size * 2)
-                    except OSError:
-                        self.env.set_mapsize(size)       # nothing was written past it
-                        raise
+                    self.env.set_mapsize(self.env.info()["map_size"] * 2)
 
     @contextlib.contextmanager
     def reader(self, buffers: bool = False):
@@ -138,8 +151,13 @@ class LMDBStore:
                 txn.put(k, v)
             if sync:
                 self.env.sync(True)      # this transaction's pages, before the commit's meta page points at them
+        # What the transaction can add to the file: every byte, a page per entry
+        # for rounding, and the leaf/branch pages each entry's path copies.
+        psize, depth = (self.env.stat()[k] for k in ("psize", "depth"))
+        n = len(puts) + len(deletes) + 1
+        nbytes = sum(entry_bytes(k, v) for k, v in puts) + n * (depth + 2) * psize
         with self.lock:
-            self._write(fn)
+            self._write(fn, nbytes)
             for k, n in _after(puts, deletes).items():     # committed: the books follow
                 self.used_bytes += n - self._sizes.get(k, 0)
                 if n:

@@ -160,9 +160,13 @@ class RedisStore:
         with self._lock:
             return self.up or time.monotonic() >= self._retry_at
 
-    def _ok(self) -> None:
+    def _ok(self, started: float | None = None) -> None:
+        """A call that began at `started` (monotonic) succeeded. One that began
+        before Redis was last seen failing says nothing of now: lanes of one read
+        finish at different times, and a lane that got its replies in before a
+        kill must not mark the store up again after another lane marked it down."""
         with self._lock:
-            if self.up:
+            if self.up or (started is not None and started <= self._down_since):
                 return
             self.up, self._backoff = True, BACKOFF_START_S
             self.epoch += 1          # what Redis holds may have changed (a restart without persistence)
@@ -209,7 +213,7 @@ class RedisStore:
                 f.set_result(None)
             return chunks
         lanes = min(GET_PARALLEL, len(chunks))
-        stop = _Stop(n)
+        stop = _Stop(n, time.monotonic())
         if lanes == 1:
             self._lane(keys, heads, rows, verify, chunks, stop)
             return chunks
@@ -262,7 +266,7 @@ class RedisStore:
                 fut.set_exception(e)
             return
         self._give_back(conn)
-        self._ok()
+        self._ok(stop.started)
 
     def _connection(self) -> resp.RespConnection:
         with self._lock:
@@ -362,10 +366,12 @@ class RedisStore:
 
 
 class _Stop:
-    """The first row of a lookup that was not a hit: lanes ask nothing past it."""
+    """The first row of a lookup that was not a hit: lanes ask nothing past it;
+    and when the lookup started (RedisStore._ok)."""
 
-    def __init__(self, n: int):
+    def __init__(self, n: int, started: float):
         self.at = n
+        self.started = started
         self._lock = threading.Lock()
 
     def lower(self, i: int) -> None:

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from kvstore.tiers.lmdb_store import LMDBStore
+from kvstore.tiers.lmdb_store import ALLOC_STEP, LMDBStore
 from tests.helpers import ROOT
 
 N, SIZE = 24, 300_000     # values past LMDB's page size: overflow pages, as block payloads are
@@ -57,10 +57,18 @@ def test_a_spill_killed_mid_way_is_all_or_nothing(tmp_path, kill_at, committed):
     s.close()
 
 
-def test_the_file_is_allocated_for_the_whole_map(tmp_path):
+def test_the_file_is_allocated_past_its_pages_not_for_the_whole_map(tmp_path):
     s = LMDBStore(str(tmp_path / "lmdb"), map_size=1 << 20)
     s.put_many([(b"k%d" % i, b"v" * 100_000) for i in range(40)], sync=True)     # grows the map twice over
-    st = os.stat(tmp_path / "lmdb" / "data.mdb")
+    path = tmp_path / "lmdb" / "data.mdb"
+    info, st = s.env.info(), s.env.stat()
     assert s.stats()["map_size"] >= 4 << 20
-    assert st.st_blocks * 512 >= s.stats()["map_size"], "holes in the map: a full disk would SIGBUS a write"
+    assert os.stat(path).st_blocks * 512 >= (info["last_pgno"] + 1) * st["psize"], \
+        "holes under the written pages: a full disk would SIGBUS a write"
     s.close()
+    # A new store with the default map (1 GiB) takes one allocation step of disk, not
+    # the map: many stores (one per daemon, per test) must not fill the disk.
+    fresh = LMDBStore(str(tmp_path / "fresh"))
+    assert fresh.stats()["map_size"] >= 1 << 30
+    assert os.stat(tmp_path / "fresh" / "data.mdb").st_blocks * 512 <= ALLOC_STEP + (1 << 20)
+    fresh.close()
