@@ -294,8 +294,10 @@ class KVStoreAdapter:
                 if self.transform is not None:
                     k = torch.stack([self.transform.inverse(k[l].float(), l, "k") for l in range(self.num_layers)])
                     v = torch.stack([self.transform.inverse(v[l].float(), l, "v") for l in range(self.num_layers)])
-                prefix = (k.transpose(1, 2).unsqueeze(1).to(self.model.dtype),
-                          v.transpose(1, 2).unsqueeze(1).to(self.model.dtype))   # [L, 1, Hkv, P, d]
+                # Retrieve answers in host memory; the model's forward wants its own device.
+                at = dict(device=self.model.device, dtype=self.model.dtype)
+                prefix = (k.transpose(1, 2).unsqueeze(1).to(**at),
+                          v.transpose(1, 2).unsqueeze(1).to(**at))   # [L, 1, Hkv, P, d]
                 return KVStoreCache(self, seq_ids, input_ids[:, :cached], prefix)
             return KVStoreCache(self, seq_ids, input_ids[:, :0], None, pads=pads)
         except FALLBACK_ERRORS as e:

@@ -75,3 +75,16 @@ def test_pq_codes_path_over_several_chunks_within_bound(daemon):
     assert seen[:5] == [9, 9, 9, 9, 3]
     err, gap = (codes - ret).norm().item(), (ret - exact).norm().item()
     assert err < gap
+
+
+@pytest.mark.gpu
+def test_a_model_on_the_gpu_continues_a_cached_prefix(daemon):
+    """Retrieve answers in host memory: the prefix must reach the model's device
+    (both paths run, and agree)."""
+    model = tiny_llama().cuda()
+    first = prompt(40).cuda()
+    second = torch.cat([first, prompt(20, 7).cuda()], dim=1)
+    want, _, _, s1 = generate(adapter(model, daemon, "fp16", "retrieve"), model, first, second)
+    got, _, _, s2 = generate(adapter(model, daemon, "fp16", "codes"), model, first, second)
+    assert s1.prefix_hit_tokens == s2.prefix_hit_tokens == 40
+    assert torch.equal(got, want)
