@@ -152,8 +152,8 @@ class KVStoreCache(Cache):
                 v = torch.stack([t.inverse(v[l].float(), l, "v") for l in range(self.num_layers)])
             ks.append(torch.nn.functional.pad(k.transpose(1, 2), (0, 0, pad, 0)))
             vs.append(torch.nn.functional.pad(v.transpose(1, 2), (0, 0, pad, 0)))
-        dt = self._step[0][0].dtype
-        return torch.stack(ks, dim=1).to(dt), torch.stack(vs, dim=1).to(dt)    # [L, B, Hkv, P, d]
+        at = dict(device=self._step[0][0].device, dtype=self._step[0][0].dtype)   # Retrieve answers in host memory
+        return torch.stack(ks, dim=1).to(**at), torch.stack(vs, dim=1).to(**at)    # [L, B, Hkv, P, d]
 
     def _append_all(self) -> None:
         """Send the step's new tokens of every layer, less left padding:
@@ -196,7 +196,7 @@ class KVStoreCache(Cache):
         q1 = q.transpose(1, 2).reshape(b * n, hq, d)
         if t is not None:
             k1, v1 = t.forward(k1.float(), layer, "k"), t.forward(v1.float(), layer, "v")
-            inv_k, hkv = t._inv["k"][layer], self.adapter.num_kv_heads
+            inv_k, hkv = t._inv["k"][layer].to(q1.device), self.adapter.num_kv_heads
             q1 = per_kv_head(q1.float(), hkv, lambda x: torch.einsum("bhgd,hde->bhge", x, inv_k))
         # The new tokens' ids go with the first layer's call of each group's cache: the
         # daemon hashes generated tokens as their blocks fill, for the next turn's prefix hit.
@@ -210,8 +210,9 @@ class KVStoreCache(Cache):
             self._fall_back(e, layer)
             full_k, full_v = super().update(k, v, layer)
             return None, full_k, full_v
+        out = out.to(q.device)          # a remote daemon answers in host memory
         if t is not None:
-            inv_v, hkv = t._inv["v"][layer], self.adapter.num_kv_heads
+            inv_v, hkv = t._inv["v"][layer].to(q.device), self.adapter.num_kv_heads
             out = per_kv_head(out.float(), hkv, lambda x: torch.einsum("bhgd,hed->bhge", x, inv_v))
         return out.to(q.dtype).view(b, n, hq, d), k, v
 
