@@ -17,13 +17,16 @@ cannot run is refused at construction, naming the feature):
     the model's own attention implementation (eager for Gemma-2's soft-cap);
     the last layer's update sends the new tokens of all layers in one Append
     with their token ids (so later prompts can hit them).
-  - after a prefix hit (prefix_path="codes", the default): the prompt's other
+  - after a prefix hit, prefix_path="codes": the prompt's other
     tokens but the last run through the model in chunks of up to 16, each
     layer's chunk one `AppendAttend` with query_tokens (appended, then attended
     causally by the daemon from the codes); generate() then starts from the last
-    prompt token. prefix_path="retrieve" (and any model with sliding-window
-    layers, which multi-token attention does not take): the cached prefix comes
-    back from `Retrieve`, dequantized, and the rest is a prefill as above.
+    prompt token. prefix_path="retrieve", the default (and any model with
+    sliding-window layers, which multi-token attention does not take): the
+    cached prefix comes back from `Retrieve`, dequantized, and the rest is a
+    prefill as above; it reached the first token of a 1K suffix after a 32K
+    prefix 4x sooner on an H100 (one prefill against 64 chunks x L calls:
+    docs/kernels.md, bench/bench_mtq.py).
   - decode (one token): `KVStoreCache.update` keeps nothing; the attention
     function "kvstore" sends (k, v, q) of the layer to `AppendAttend`.
   - the daemon is unreachable (any RPC error: UNAVAILABLE, or NOT_FOUND after
@@ -117,7 +120,7 @@ class KVStoreAdapter:
                  codebooks: bytes | str | None = None, transform=None, block_size: int = 16, residual: int = 128,
                  num_blocks: int = 4096, max_sequences: int = 64, model_id: str | None = None,
                  timeout: float = 30.0, sink_tokens: int | None = None, calibrate_tokens: int = 0,
-                 prefix_path: str = "codes", layer_groups: bool = True):
+                 prefix_path: str = "retrieve", layer_groups: bool = True):
         if prefix_path not in ("codes", "retrieve"):
             raise ValueError(f"prefix_path must be 'codes' or 'retrieve', got {prefix_path!r}")
         if codec == "pq" and codebooks is None and calibrate_tokens < 256:

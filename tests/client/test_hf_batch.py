@@ -141,7 +141,7 @@ def turns(model, ad, first_len=40, new_msg=10):
 
 def test_turn_two_hits_through_the_answer(daemon):
     model = tiny_llama()
-    ad = KVStoreAdapter(model, daemon, cache="t", codec="fp16", block_size=8, residual=8)
+    ad = KVStoreAdapter(model, daemon, cache="t", codec="fp16", block_size=8, residual=8, prefix_path="codes")
     second, answer = turns(model, ad)
     before = ad.stats().prefix_hit_tokens
     seen = []
