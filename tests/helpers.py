@@ -1,6 +1,7 @@
 """Small shared builders for tests (tiny geometries: the reference kernels run on CPU)."""
 import os
 
+import pytest
 import torch
 
 from kvstore.core.config import CacheConfig, CodecConfig, ModelGeometry
@@ -20,3 +21,13 @@ def config(codec="pq", name="c", block_size=8, residual=8, num_blocks=64, max_se
 def kv(layers, n, hkv, d, seed=0):
     g = torch.Generator().manual_seed(seed)
     return (torch.randn(layers, n, hkv, d, generator=g).half(), torch.randn(layers, n, hkv, d, generator=g).half())
+
+
+@pytest.fixture
+def one_thread():
+    """Tiny tensors: torch's intra-op threads only contend (20x slower on a busy 2-core box).
+    A module takes it with `pytestmark = pytest.mark.usefixtures("one_thread")`."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)

@@ -15,6 +15,9 @@ from kvstore.client.hf import KVStoreAdapter  # noqa: E402
 from kvstore.client.hf_cache import KVStoreCache  # noqa: E402
 from kvstore.codec.codebooks import Codebooks  # noqa: E402
 from kvstore.kernels import reference as ref  # noqa: E402
+from tests.helpers import one_thread  # noqa: E402,F401
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 WINDOW = 16
 PROMPT = 2 * WINDOW + 9          # past twice the window before the first decode step
@@ -92,14 +95,6 @@ def reference(model, ids):
     """transformers' generate on an untouched copy (its own attention implementation)."""
     with torch.no_grad():
         return copy.deepcopy(model).generate(ids, **GEN)
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 @pytest.mark.parametrize("name", list(MODELS))

@@ -28,7 +28,7 @@ from kvstore.errors import (AlreadyExists, FailedPrecondition, InvalidArgument, 
                             ResourceExhausted)
 from kvstore.core.hashing import chain_hashes
 from kvstore.kernels import reference as ref
-from tests.helpers import config
+from tests.helpers import config, one_thread  # noqa: F401
 
 H = [bytes([i]) * 32 for i in range(16)]     # distinct fake content hashes
 
@@ -718,14 +718,6 @@ class Fuzz:
         if self.sh:
             self.run("free", lambda: self.e.free("c", TENANT, sorted(self.sh)), lambda _: self.sh.clear())
 
-
-@pytest.fixture
-def one_thread():
-    """Tiny tensors: torch's intra-op threads only contend (20x slower on a busy 2-core box)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 @pytest.mark.parametrize("codec, sinks", [("fp16", 0), ("pq", 0), ("pq", 16)])

@@ -16,22 +16,15 @@ from kvstore.codec.codebooks import Codebooks
 from kvstore.engine.engine import Engine
 from kvstore.errors import InvalidArgument
 from kvstore.kernels import reference as ref
-from tests.helpers import config, kv
+from tests.helpers import config, kv, one_thread  # noqa: F401
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 T = "t"
 L, HQ, HKV, D, BS, R = 2, 4, 2, 16, 8, 8
 M = D // 2
 SCALE = 1 / math.sqrt(D)
 TOL = 1e-3        # fp32 kernels, fp16 output
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny tensors: torch's intra-op threads only contend on a busy box."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 def engine(sinks: int, codec: str = "pq", lmdb: str | None = None, host_bytes: int = 0, **kw) -> Engine:

@@ -14,7 +14,9 @@ from kvstore.errors import InvalidArgument
 from kvstore.kernels import reference as ref
 from kvstore.codec.codebooks import Codebooks
 from tests.engine.test_sinks import BS, D, HKV, HQ, L, M, R, SCALE, T, TOL, expected
-from tests.helpers import config, kv
+from tests.helpers import config, kv, one_thread  # noqa: F401
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 WINDOWS = (13, 0)          # layer 0 slides (a window that is no multiple of the block), layer 1 is global
 
@@ -36,14 +38,6 @@ def windowed(q, k, v, window: int, softcap: float) -> torch.Tensor:
     n = k.shape[0]
     keep = torch.arange(n) > (n - 1 - window) if window else torch.ones(n, dtype=torch.bool)
     return ref.attention_dense(q.double(), k[keep].double(), v[keep].double(), SCALE, softcap)[0]
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 # ------------------------------------------------------------------- config

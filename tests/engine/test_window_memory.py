@@ -13,17 +13,11 @@ from kvstore.engine.engine import Engine
 from kvstore.errors import FailedPrecondition
 from tests.engine.test_sinks import BS, D, HKV, HQ, L, M, R, T
 from tests.engine.test_window_attention import windowed
-from tests.helpers import config, kv
+from tests.helpers import config, kv, one_thread  # noqa: F401
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 WINDOWS = (13, 21)         # every layer slides: the cache's window is 21 (no multiple of the block)
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 def engine(codec: str, sinks: int = 0, windows=WINDOWS, keep: bool = False, lmdb: str | None = None,
