@@ -41,15 +41,9 @@ def dequantize_tokens(k_codes: torch.Tensor, v_codes: torch.Tensor, k_codebook: 
 def attend_one(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
                softcap: float = 0.0) -> torch.Tensor:
     """q [Hq, d]; k, v [Hkv, n, d] fp32 (n >= 1) -> out [Hq, d] fp32. softcap > 0: scores
-    s become softcap * tanh(s / softcap) (reference.attention_dense)."""
-    hq, d = q.shape
-    hkv = k.shape[0]
-    qg = (q.float() * scale).view(hkv, hq // hkv, d)
-    s = torch.bmm(qg, k.transpose(1, 2))                             # [Hkv, g, n]
-    if softcap:
-        s = softcap * torch.tanh(s / softcap)
-    p = torch.softmax(s, dim=-1)
-    return torch.bmm(p, v).view(hq, d)
+    s become softcap * tanh(s / softcap) (reference.attention_dense). One query token:
+    attend_causal with T = 1, whose mask then hides nothing."""
+    return attend_causal(q[None], k, v, scale, softcap)[0]
 
 
 def attend_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
