@@ -3,8 +3,10 @@ Triton PQ kernel and the CUDA kernel's other builds, all measured in one run.
 
 python bench/bench_cuda_pq.py [--quick] [--warps 8 12 16] [--bits 4 2] [--encode-only] [--no-encode]
                               [--shape B L] [--window W [--softcap C] [--window-shape B L]]
+                              [--heads HQ HKV D]
 
-Same case and timing as bench/bench_attention.py (whose helpers it uses): Hq 32, Hkv 8, d 128,
+Same case and timing as bench/bench_attention.py (whose helpers it uses): Hq 32, Hkv 8, d 128
+(--heads: another geometry, e.g. Gemma-style 4 1 256, which runs the cluster build),
 M 64 (4-bit, dsub 2) and/or M 32 (2-bit, dsub 4: --bits), bs 16, a 128-token fp16 tail;
 median over CUDA-graph replays with L2 flushed before each (--flush read: evicted by a read, the default; zero: triton's zero_(), which adds
 ~50 MB of write-back to every timed kernel). The same run measures the read bandwidth
@@ -51,12 +53,16 @@ DSUB = {4: 2, 2: 4}     # PQ bits per coordinate -> subspace width (8-bit codes)
 
 
 def kernel_info():
+    d = ba.D
+    one = cuda_attention.split(d) == 1       # d 256: the cluster build, registers only
     for nw in (8, 12, 16):
         for dsub in (2, 4):
             for gp, tma in ((4, False), (4, True)) + (((0, False),) if dsub == 4 else ()):
+                if not one and (tma or not gp):
+                    continue
                 fn = build.function("attention.cu",
-                                    cuda_attention._attn_name(128, dsub, False, nw, gp, tma, False, False), DEV)
-                print(f"pq_attn<128,{dsub},f16,{nw},GP={gp},TMA={tma}>: regs {fn.num_regs}, "
+                                    cuda_attention._attn_name(d, dsub, False, nw, gp, tma, False, False), DEV)
+                print(f"pq_attn<{d},{dsub},f16,{nw},GP={gp},TMA={tma}>: regs {fn.num_regs}, "
                       f"local {fn.local_size_bytes} B")
 
 
@@ -151,7 +157,11 @@ def main():
                     help="also time a sliding window of this many tokens (time_window)")
     ap.add_argument("--softcap", type=float, default=0.0, help="with --window: soft-cap the scores")
     ap.add_argument("--window-shape", type=int, nargs=2, metavar=("B", "L"), default=(8, 32768))
+    ap.add_argument("--heads", type=int, nargs=3, metavar=("HQ", "HKV", "D"), default=(32, 8, 128),
+                    help="query heads, KV heads, head_dim (Gemma-style: 4 1 256)")
     args = ap.parse_args()
+    ba.HQ, ba.HKV, ba.D = args.heads
+    ba.M = ba.D // 2
     if args.shape and len(args.warps) != 1:
         ap.error("--shape needs one --warps value")
     ba.FLUSH = args.flush
@@ -223,7 +233,7 @@ def main():
                     t.update(reg=time_cuda(q, case, sl, tl_, reg=True),
                              tma=time_cuda(q, case, sl, tl_, tma_all=True),
                              triton=ba.time_pq(q, case, sl, tl_, 16, backend="triton"))
-                    if bits == 2:
+                    if bits == 2 and cuda_attention.split(ba.D) == 1:
                         t["swz"] = time_swz(q, case, sl, tl_)
                 times[bits] = t
                 del case
@@ -235,11 +245,11 @@ def main():
             print(b, L, got, f"sdpa {t_sd:.1f}", flush=True)
     if shape_only:
         return 0
-    print(f"\nread BW {rd:.0f} GB/s; us, median, CUDA graph, L2 flushed ({args.flush}); warps {tunables.NUM_WARPS}")
+    print(f"\nHq {ba.HQ}, Hkv {ba.HKV}, d {ba.D}; read BW {rd:.0f} GB/s; us, median, CUDA graph, L2 flushed ({args.flush}); warps {tunables.NUM_WARPS}")
     print(f"cuda: bulk copies up to {tunables.TMA_MAX_ITEM_TOKENS} tokens an item, else register staging; "
           f"tma: bulk copies at every size; reg: register staging at every size; swz: swizzled tables")
     for bits in args.bits:
-        swz = bits == 2
+        swz = bits == 2 and cuda_attention.split(ba.D) == 1
         print(f"\n{bits}-bit PQ (M = {ba.D // DSUB[bits]}, dsub {DSUB[bits]})")
         print(f"{'B':>3} {'L':>7} {'cuda':>8} {'tma':>8} {'reg':>8} " + (f"{'swz':>8} " if swz else "")
               + f"{'triton':>8} {'SDPA':>8} {'sdpa/cuda':>9} {'sdpa/tma':>8} {'sdpa/reg':>8} "

@@ -7,7 +7,7 @@ architecture (default sm_90). A compile error fails the run and prints NVRTC's l
     python scripts/nvrtc_check.py --names 'pq_attn<128, 2, false, 12, 4, true, false, false>'
 
 Default: every pq_attn build (each GQA grouping and codebook staging, the window and
-soft-cap flags) and pq_merge, for d 64 and 128 at 12 warps (--warps 8 12 16: the bench's
+soft-cap flags; d 256: pq_attn_split) and pq_merge, for d 64, 128 and 256 at 12 warps (--warps 8 12 16: the bench's
 sweep too). For another checkout's sources (--src-dir), name its instantiations with
 --names as that checkout spells them.
 
@@ -104,9 +104,10 @@ def attention_names(warps, dims, features) -> list[str]:
     swizzled dsub 4 build (GP 0) that bench/bench_cuda_pq.py times beside it."""
     names = []
     for d, dsub, bf16, nw, (win, cap) in itertools.product(dims, (2, 4), (False, True), warps, features):
-        gps = sorted({group(g, dsub) for g in range(1, 9)} | ({0} if dsub == 4 else set()))
+        one = attention.split(d) == 1      # d 256: the split build, CF layouts and registers only
+        gps = sorted({group(g, dsub) for g in range(1, 9)} | ({0} if dsub == 4 and one else set()))
         for gp in gps:
-            for tma in ((False, True) if gp else (False,)):
+            for tma in ((False, True) if gp and one else (False,)):
                 names.append(attention._attn_name(d, dsub, bf16, nw, gp, tma, win, cap))
     return names
 
@@ -116,7 +117,7 @@ def main() -> None:
     ap.add_argument("--nvrtc", help="path of libnvrtc.so (default: a pip-installed nvidia-cuda-nvrtc)")
     ap.add_argument("--arch", default="sm_90")
     ap.add_argument("--warps", type=int, nargs="+", default=[12])
-    ap.add_argument("--dims", type=int, nargs="+", default=[64, 128])
+    ap.add_argument("--dims", type=int, nargs="+", default=[64, 128, 256])
     ap.add_argument("--features", choices=["all", "none"], default="all",
                     help="pq_attn's (window, softcap) flags: all four builds, or the plain one only")
     ap.add_argument("--source", default="attention.cu", help="kernel source of kernels/cuda/ (with --names)")

@@ -31,18 +31,29 @@
 // - CAP: logit soft-capping of every score (attention.cuh SoftCap), cap2 = softcap * log2(e).
 #include "attention.cuh"
 
-template <int D, int DSUB, bool BF16, int NW, int GP, bool TMA, bool WIN, bool CAP>
-__global__ void __launch_bounds__(NW * 32, 1) pq_attn(
-    const u16* q, long long sq_b, long long sq_h, const int* items, float* o_part,
-    float* lse_part, const u8* kc, const u8* vc, long long skc_blk, long long skc_h,
-    long long svc_blk, long long svc_h, const u16* kcb, const u16* vcb, const int* st,
-    long long st_stride, const u16* tk, const u16* tv, long long stk_blk, long long stk_h,
-    long long stk_t, long long stv_blk, long long stv_h, long long stv_t, const int* tt,
-    long long tt_stride, float qk_scale, int hq, int g, int bs, int tbs, int bs_shift,
-    const u8* img, float cap2) {
+#define PQ_ATTN_PARAMS                                                                        \
+    const u16 *q, long long sq_b, long long sq_h, const int *items, float *o_part,             \
+    float *lse_part, const u8 *kc, const u8 *vc, long long skc_blk, long long skc_h,           \
+    long long svc_blk, long long svc_h, const u16 *kcb, const u16 *vcb, const int *st,         \
+    long long st_stride, const u16 *tk, const u16 *tv, long long stk_blk, long long stk_h,     \
+    long long stk_t, long long stv_blk, long long stv_h, long long stv_t, const int *tt,       \
+    long long tt_stride, float qk_scale, int hq, int g, int bs, int tbs, int bs_shift,         \
+    const u8 *img, float cap2
+#define PQ_ATTN_ARGS                                                                          \
+    q, sq_b, sq_h, items, o_part, lse_part, kc, vc, skc_blk, skc_h, svc_blk, svc_h, kcb, vcb,  \
+    st, st_stride, tk, tv, stk_blk, stk_h, stk_t, stv_blk, stv_h, stv_t, tt, tt_stride,       \
+    qk_scale, hq, g, bs, tbs, bs_shift, img, cap2
+
+// DF: the head dim; SPLIT = 2: this CTA is half `half` of a cluster of two (attention.cuh),
+// and D below is its share of the coordinates
+template <int DF, int DSUB, bool BF16, int NW, int GP, bool TMA, bool WIN, bool CAP, int SPLIT>
+__device__ __forceinline__ void pq_attn_body(PQ_ATTN_PARAMS, int half) {
+  constexpr int D = DF / SPLIT;
   static_assert(GP == 0 || GP == 2 || GP == 4 || GP == 8, "GP: 0 or 2/4/8");
   static_assert(GP > 0 || DSUB == 4, "dsub 2 runs the conflict-free layouts (GP > 0)");
   static_assert(!TMA || GP > 0, "TMA: the CF layouts only");
+  static_assert(SPLIT == 1 || (SPLIT == 2 && GP > 0 && !TMA && D == 128),
+                "SPLIT: d 256 as two CTAs of 128, CF layouts, codebooks staged through registers");
   constexpr bool CF = GP > 0;
   // conflict-free V gathers too (dsub 4: at every GP)
   constexpr int VG = GP == 2 || GP == 4 || (DSUB == 4 && GP == 8) ? GP : 0;
@@ -55,6 +66,11 @@ __global__ void __launch_bounds__(NW * 32, 1) pq_attn(
   a.stk_t = stk_t; a.stv_blk = stv_blk; a.stv_h = stv_h; a.stv_t = stv_t; a.tt = tt;
   a.tt_stride = tt_stride; a.qk_scale = qk_scale; a.hq = hq; a.g = g; a.bs = bs; a.tbs = tbs;
   if constexpr (CAP) a.cap = SoftCap{cap2, 2.8853900817779268f / cap2};   // k2 = 2 log2(e) / cap2
+  if constexpr (SPLIT > 1) {   // this half's coordinates of q, the tail and o; its subspaces' codes
+    a.q += half * D; a.tk += half * D; a.tv += half * D; a.o_part += half * D;
+    a.kc += half * (D / DSUB);                     // K code rows keep their DF / DSUB bytes
+    a.vc += (long long)half * (D / DSUB) * bs;     // V codes: one row of bs bytes a subspace
+  }
   constexpr int M = D / DSUB, MQ = M / 4, KS = D / 16, NX = M / 8;
   typedef typename Ent<DSUB>::T E;
   extern __shared__ __align__(16) unsigned char smem[];
@@ -71,18 +87,39 @@ __global__ void __launch_bounds__(NW * 32, 1) pq_attn(
   constexpr int M_ = D / DSUB;
   typedef typename StagerOf<D, DSUB, NW, VG>::T Stg;
   Stg stg;
-  const u32* stg_k = reinterpret_cast<const u32*>(a.kcb) + (long long)h * M_ * 256 * (DSUB / 2);
-  const u32* stg_v = reinterpret_cast<const u32*>(a.vcb) + (long long)h * M_ * 256 * (DSUB / 2);
+  // SPLIT: [Hkv, 2 * M_, 256, DSUB] is [2 * Hkv, M_, 256, DSUB]: head h's half is head 2h + half
+  const long long hv = SPLIT > 1 ? (long long)h * SPLIT + half : h;
+  const u32* stg_k = reinterpret_cast<const u32*>(a.kcb) + hv * M_ * 256 * (DSUB / 2);
+  const u32* stg_v = reinterpret_cast<const u32*>(a.vcb) + hv * M_ * 256 * (DSUB / 2);
   const int stg_rot = (int)((blockIdx.x * 544u) % (u32)Stg::UT) & ~31;
-  if constexpr (STAGE_REG) stg.load(stg_k, stg_v, tid, 0, stg_rot);
+  // The dsub 4 tables sit at fixed shared-window addresses (T4_K, T4_V). In a cluster the
+  // window of CTA rank r starts at r << 24 (0x1000400 for rank 1): SPLIT builds add those
+  // bits (wb) to every such address, through the PRMTs that build them (no extra instruction).
+  const u32 wb = SPLIT > 1 ? (u32)__cvta_generic_to_shared(smem) & 0xff000000u : 0u;
+  if constexpr (STAGE_REG) stg.load(stg_k, stg_v, tid, 0, stg_rot, wb);
   // TMA: the head's codebook image in IMG_CHUNKS bulk copies (lanes of warp 0, each block
   // starting at its own chunk), at entry, before the item is known; every path below waits
   // for them before it leaves or reuses the shared memory. Their mbarrier sits 8 bytes
   // after the ring (attention.py _attn_smem); as a static __shared__ variable it moved the
   // dynamic shared memory by 16 bytes and the tile loop ran ~6 % slower.
-  const u32 bar = (u32)__cvta_generic_to_shared(smem) + cf_ring_offset<D, DSUB>() + NW * cf_stages(NW) * 32 * M_;
+  const u32 bar = (u32)__cvta_generic_to_shared(smem) + cf_ring_offset<D, DSUB>() + NW * cf_stages(NW, SPLIT) * 32 * M_;
   if constexpr (CF && DSUB == 4) {   // the rings and the mbarrier below T4_K (attention.cuh)
-    if (bar + 16 > T4_K) __trap();
+    if (bar + 16 > T4_K + wb) __trap();
+  }
+  // SPLIT: the score exchange's buffers and mbarriers after the ring's mbarrier (dsub 2)
+  // or after the V table (dsub 4: a cluster kernel's shared window starts higher, so
+  // nothing more fits below T4_K); the other CTA writes them only after the cluster
+  // barrier that follows their init
+  Xchg xc;
+  if constexpr (SPLIT > 1) {
+    const u32 xb = DSUB == 4 ? wb + T4_V + 65536u : bar + 16;
+    if constexpr (DSUB == 4) {     // attention.py _attn_smem asks for room past the V table
+      u32 dyn;
+      asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(dyn));
+      if ((u32)__cvta_generic_to_shared(smem) + dyn < xb + xchg_bytes(NW)) __trap();
+    }
+    xc.init(xb, xb + NW * 1024, warp, lane, (u32)half ^ 1u);
+    cluster_arrive();
   }
   if constexpr (TMA) {
     if (warp == 0) {
@@ -107,16 +144,17 @@ __global__ void __launch_bounds__(NW * 32, 1) pq_attn(
   const int n_tl = (t_hi - t_lo + 15) >> 4;
   if (n_pq == 0 && n_tl == 0) {   // padding item of a plan kept for update()
     if constexpr (TMA) if (warp == 0) mbar_wait(bar, 0);
+    if constexpr (SPLIT > 1) cluster_wait();   // (both CTAs of the cluster take this item)
     return;
   }
   const int G = a.g;
   // CF: the block ids of the ring prologue's tiles, in flight together (one at a time,
   // each of its copies waited a memory round trip on its table load)
-  int bpre[cf_stages(NW)];
+  int bpre[cf_stages(NW, SPLIT)];
   if constexpr (CF) {
     const int* st_b0 = a.st + (long long)b * a.st_stride;
 #pragma unroll
-    for (int k = 0; k < cf_stages(NW); ++k) {
+    for (int k = 0; k < cf_stages(NW, SPLIT); ++k) {
       const int tile = warp + k * NW, t0 = pq_lo + 16 * tile;
       bpre[k] = tile < n_pq ? st_b0[t0 >> bs_shift] : 0;
     }
@@ -126,7 +164,7 @@ __global__ void __launch_bounds__(NW * 32, 1) pq_attn(
   if constexpr (STAGE_REG) {
     if (n_pq > 0) {
       stg.store(smem, tid, 0);
-      if constexpr (Stg::NB > 1) stg.load(stg_k, stg_v, tid, Stg::BATCH, stg_rot);
+      if constexpr (Stg::NB > 1) stg.load(stg_k, stg_v, tid, Stg::BATCH, stg_rot, wb);
     }
   }
 
@@ -154,8 +192,9 @@ __global__ void __launch_bounds__(NW * 32, 1) pq_attn(
   // Those arrive by bulk copies (TMA) or from RegStager with the ring prologue below; here
   // only the GP = 0 tables (dsub 4) and GP 8's V table (X*2048 + code*8 + m%8 words).
   if (!TMA && n_pq > 0) {
-    const E* gk = reinterpret_cast<const E*>(a.kcb) + (long long)h * M * 256;
-    const E* gv = reinterpret_cast<const E*>(a.vcb) + (long long)h * M * 256;
+    const long long hh = SPLIT > 1 ? hv : h;    // (SPLIT 1: the expression of the plain builds)
+    const E* gk = reinterpret_cast<const E*>(a.kcb) + hh * M * 256;
+    const E* gv = reinterpret_cast<const E*>(a.vcb) + hh * M * 256;
     if constexpr (!CF) {
       // K: thread unit (r, code) -> 4 entries m = r + j*MQ -> smem r*1024 + code*4 + j
       for (int u = tid; u < MQ * 256; u += NW * 32) {
@@ -260,6 +299,12 @@ __global__ void __launch_bounds__(NW * 32, 1) pq_attn(
 #pragma unroll
       for (int jj = 0; jj < 4; ++jj) klo[0] |= (8u * (4 * cq + ((gq + jj) & 3))) << (8 * jj);
       ksel[1] = klo[1] = 0u;
+      if constexpr (SPLIT > 1) {   // klo[p]: bytes 8*(4cq + (gq + jj)%4) for jj = 2p, 2p + 1, then wb's byte twice
+        const u32 k0 = klo[0];
+        klo[0] = (k0 & 0xffffu) | (wb >> 8) | wb;
+        klo[1] = (k0 >> 16) | (wb >> 8) | wb;
+        asm volatile("" : "+r"(klo[1]));
+      }
       asm volatile("" : "+r"(ksel[0]), "+r"(klo[0]));
     } else if constexpr (CF) {
       const int hd = gq % GP, r0 = gq / GP, r1 = (gq + 8) / GP;
@@ -307,7 +352,7 @@ __global__ void __launch_bounds__(NW * 32, 1) pq_attn(
 #pragma unroll
       for (int j = 0; j < NJ; ++j) {
         const int sg = (cq & (4 - NJ)) | ((cq + j) & (NJ - 1));
-        vl[j] = T4_V + 128u * (gq >> 2) + 8u * (4 * sg + (gq & 3));
+        vl[j] = wb + T4_V + 128u * (gq >> 2) + 8u * (4 * sg + (gq & 3));
       }
 #pragma unroll
       for (int j = 0; j < NJ; ++j) asm volatile("" : "+r"(vl[j]));
@@ -337,8 +382,10 @@ __global__ void __launch_bounds__(NW * 32, 1) pq_attn(
               const u32 rc = __byte_perm(kk[t].w[qd], 0u, ksel[0]);   // byte jj: subspace i
 #pragma unroll
               for (int jj = 0; jj < 4; ++jj) {
-                const u32 sel = jj | (4 + jj) << 4 | (8 + jj) << 8 | (8 + jj) << 12;
-                const u32 ad = prmt(klo[0], rc, sel);     // code*256 + 8*(4cq + (gq+jj)%4)
+                // SPLIT: byte 3 from klo[jj/2]'s byte 2 (wb >> 24)
+                const u32 sel = SPLIT > 1 ? (jj & 1) | (4 + jj) << 4 | (8 + (jj & 1)) << 8 | 2 << 12
+                                          : jj | (4 + jj) << 4 | (8 + jj) << 8 | (8 + jj) << 12;
+                const u32 ad = prmt(klo[SPLIT > 1 ? jj >> 1 : 0], rc, sel);     // code*256 + 8*(4cq + (gq+jj)%4)
                 f[4 * qd + jj] = qd ? lds64<T4_K + 128>(ad) : lds64<T4_K>(ad);   // half qd
               }
             }
@@ -390,6 +437,7 @@ __global__ void __launch_bounds__(NW * 32, 1) pq_attn(
             s[t][e] = NR == 2 ? v : __shfl_sync(FULL, v, src);
           }
         }
+        if constexpr (SPLIT > 1) xc(s, lane);     // this half's partial scores -> whole
       } else {
 #pragma unroll
       for (int ks = 0; ks < KS; ++ks) {
@@ -502,10 +550,14 @@ __global__ void __launch_bounds__(NW * 32, 1) pq_attn(
     if constexpr (CF) {
       // ring of STAGES tiles per warp after the codebooks: [K codes 16 x M][V codes M x 16]
       constexpr u32 TILE = 32 * M;
-      constexpr int STAGES = cf_stages(NW);
+      constexpr int STAGES = cf_stages(NW, SPLIT);
       unsigned char* ring = smem + cf_ring_offset<D, DSUB>() + warp * STAGES * TILE;
       // lane constants, kept in registers (opaque) rather than rebuilt every tile
       u32 kdst = 16 * lane, krd0 = sigma(0, gq) * M + cq * MQ, krd1 = sigma(1, gq) * M + cq * MQ;
+      // SPLIT: byte 16*lane of the tile's 16 x M K codes sits in row 16*lane / M of the
+      // global rows of MF = DF / DSUB bytes
+      constexpr int MF = DF / DSUB;
+      u32 ksrc = (16 * lane / M) * MF + (16 * lane) % M;
       u32 vrd = 16 * M + gq * 16 + 4 * cq;
       long long vsrc = (long long)lane * a.bs;
       asm volatile("" : "+r"(kdst), "+r"(krd0), "+r"(krd1), "+r"(vrd), "+l"(vsrc));
@@ -518,6 +570,15 @@ __global__ void __launch_bounds__(NW * 32, 1) pq_attn(
           const int t0 = pq_lo + 16 * tile;
           const int off = t0 & (a.bs - 1);
           unsigned char* dst = ring + stage_off + kdst;
+          if constexpr (SPLIT > 1) {
+            const u8* vb = vc_h + blk * a.svc_blk + off + vsrc;
+            const u8* kb = kc_h + blk * a.skc_blk + (long long)off * MF + ksrc;
+#pragma unroll
+            for (int c = 0; c < M / 32; ++c) {
+              cp_async16(dst + 512 * c, kb + c * (512 / M) * MF);
+              cp_async16(dst + 16 * M + 512 * c, vb + (long long)(32 * c) * a.bs);
+            }
+          } else {
           const u8* kb = kc_h + blk * a.skc_blk + off * M + kdst;   // 16 rows, contiguous
           const u8* vb = vc_h + blk * a.svc_blk + off + vsrc;       // M rows of 16 B, stride bs
 #pragma unroll
@@ -526,6 +587,7 @@ __global__ void __launch_bounds__(NW * 32, 1) pq_attn(
               cp_async16(dst + 512 * c, kb + 512 * c);
               cp_async16(dst + 16 * M + 512 * c, vb + (long long)(32 * c) * a.bs);
             }
+          }
           }
         }
         cp_async_commit();      // empty groups too: the wait count stays uniform
@@ -538,7 +600,7 @@ __global__ void __launch_bounds__(NW * 32, 1) pq_attn(
         if (n_pq > 0) {
 #pragma unroll
           for (int nb = 1; nb < Stg::NB; ++nb) {
-            if (nb > 1) stg.load(stg_k, stg_v, tid, nb * Stg::BATCH, stg_rot);
+            if (nb > 1) stg.load(stg_k, stg_v, tid, nb * Stg::BATCH, stg_rot, wb);
             stg.store(smem, tid, nb * Stg::BATCH);
           }
         }
@@ -551,6 +613,7 @@ __global__ void __launch_bounds__(NW * 32, 1) pq_attn(
         cp_async_wait<STAGES - 1>();
         __syncthreads();
       }
+      if constexpr (SPLIT > 1) cluster_wait();   // the other CTA's exchange mbarriers are set
       u32 rd = 0, wr = (STAGES - 1) * TILE;      // stage offsets, advanced with wrap
       for (int k = 0; warp + k * NW < n_pq; ++k) {
         cp_async_wait<STAGES - 2>();
@@ -656,6 +719,7 @@ __global__ void __launch_bounds__(NW * 32, 1) pq_attn(
           mma16816<BF16>(s[t], qa0[ks], 0u, qa2[ks], 0u, b0, b1);
         }
       }
+      if constexpr (SPLIT > 1) xc(s, lane);
       u32 pb0, pb1;
       softmax_pv<D, DSUB, BF16, VG, true, CAP>(ws, s, valid, a.qk_scale, lane, pb0, pb1, a.cap);
       const u16* vrow[4];
@@ -687,6 +751,8 @@ __global__ void __launch_bounds__(NW * 32, 1) pq_attn(
   }
 
   // ---- combine the warps of the block through shared memory
+  // SPLIT: every exchange is done; neither CTA leaves while the other may still address it
+  if constexpr (SPLIT > 1) cluster_arrive();
   float l = ws.l_i;
   l += __shfl_xor_sync(FULL, l, 1);
   l += __shfl_xor_sync(FULL, l, 2);
@@ -759,7 +825,19 @@ __global__ void __launch_bounds__(NW * 32, 1) pq_attn(
       O += so[(w * 8 + hd) * SD + coord] * wt;
     }
     long long row = (long long)item * a.hq + h * G + hd;
-    a.o_part[row * D + coord] = O / L;
-    if (coord == 0) a.lse_part[row] = mm + log2f(L);
+    a.o_part[row * DF + coord] = O / L;
+    if (coord == 0 && (SPLIT == 1 || half == 0)) a.lse_part[row] = mm + log2f(L);
   }
+  if constexpr (SPLIT > 1) cluster_wait();
+}
+
+template <int D, int DSUB, bool BF16, int NW, int GP, bool TMA, bool WIN, bool CAP>
+__global__ void __launch_bounds__(NW * 32, 1) pq_attn(PQ_ATTN_PARAMS) {
+  pq_attn_body<D, DSUB, BF16, NW, GP, TMA, WIN, CAP, 1>(PQ_ATTN_ARGS, 0);
+}
+
+// head_dim 256 (sm_90): grid (items, Hkv, 2), each cluster the two halves of one block
+template <int D, int DSUB, bool BF16, int NW, int GP, bool WIN, bool CAP>
+__global__ void __cluster_dims__(1, 1, 2) __launch_bounds__(NW * 32, 1) pq_attn_split(PQ_ATTN_PARAMS) {
+  pq_attn_body<D, DSUB, BF16, NW, GP, false, WIN, CAP, 2>(PQ_ATTN_ARGS, (int)cluster_rank());
 }

@@ -12,6 +12,13 @@
 // That holds while the window base of smem (1 KiB: the system's reserved shared memory,
 // sm_80 to sm_90) leaves the rings below T4_K; the kernel checks it at entry.
 __host__ __device__ constexpr int cf_stages(int nw) { return nw <= 12 ? 4 : 3; }
+// SPLIT builds (head_dim 256 as two CTAs of 128, below) also hold the score exchange
+// (xchg_bytes): one ring stage fewer past 8 warps, two fewer past 12, to stay in 227 KiB.
+__host__ __device__ constexpr int cf_stages(int nw, int split) {
+  return split == 1 ? cf_stages(nw) : nw <= 8 ? 4 : nw <= 12 ? 3 : 2;
+}
+// per warp: two 512-byte slots (32 lanes x 4 partial scores) and their two mbarriers
+__host__ __device__ constexpr int xchg_bytes(int nw) { return nw * (1024 + 16); }
 template <int D, int DSUB = 2>
 __host__ __device__ constexpr int cf_ring_offset() { return DSUB == 4 ? 0 : 131072; }
 constexpr u32 T4_K = 65536, T4_V = 131072;
@@ -58,6 +65,72 @@ __device__ __forceinline__ void rot_quads(uint2 (&r)[N], int gq) {
     for (int i = 0; i < N; ++i) r[i] = t[i];
   }
 }
+
+// ---- head_dim 256 as a cluster of two CTAs (SPLIT = 2): CTA `half` of a (work item, KV
+// head) holds the codebooks of coordinates [128*half, 128*half + 128) (its 64 KiB K and V
+// tables, as a d = 128 head's) and computes each tile's scores over its half; a warp sends
+// its 4 partial scores per lane to the same warp of the other CTA (st.async into that
+// CTA's shared memory, completing on its mbarrier) and adds the ones it receives. Both
+// CTAs then hold the same scores (a + b == b + a in IEEE), so the same softmax, and each
+// accumulates its half of O. The whole d = 256 codebook pair (256 KiB) never has to fit
+// one SM's shared memory, and the codes are still read once.
+__device__ __forceinline__ u32 mapa(u32 addr, u32 rank) {
+  u32 r;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(r) : "r"(addr), "r"(rank));
+  return r;
+}
+__device__ __forceinline__ u32 cluster_rank() {
+  u32 r;
+  asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
+  return r;
+}
+__device__ __forceinline__ void cluster_arrive() {
+  asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory");
+}
+__device__ __forceinline__ void cluster_wait() {
+  asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory");
+}
+
+// One warp's side of the exchange. Exchange k uses slot k % 2 (buffer and mbarrier) at
+// parity (k / 2) % 2. A slot is written again (exchange k + 2) only after the other warp
+// received exchange k + 1, which this warp sends after it read exchange k: two slots never
+// race. The receiver's expect_tx may come before or after the sender's bytes (the
+// mbarrier's tx-count goes negative in between); the phase completes with both.
+struct Xchg {
+  u32 lbuf, lbar, rbuf, rbar;   // this lane's 16 B in slot 0 (local, remote); the slot-0 mbarriers
+  u32 k;
+  __device__ __forceinline__ void init(u32 xbuf, u32 xbar, int warp, int lane, u32 peer) {
+    lbuf = xbuf + warp * 1024 + lane * 16;
+    lbar = xbar + warp * 16;
+    rbuf = mapa(lbuf, peer);
+    rbar = mapa(lbar, peer);
+    k = 0;
+#if __CUDA_ARCH__ >= 900
+    if (lane == 0) {
+      asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" :: "r"(lbar) : "memory");
+      asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" :: "r"(lbar + 8) : "memory");
+      asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    }
+#endif
+  }
+  // s[t][0..1]: this lane's two scores of n-tile t, partial in, whole out
+  __device__ __forceinline__ void operator()(float (&s)[2][4], int lane) {
+#if __CUDA_ARCH__ >= 900
+    const u32 so = (k & 1) * 512, bo = (k & 1) * 8, par = (k >> 1) & 1;
+    if (lane == 0)
+      asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], 512;" :: "r"(lbar + bo) : "memory");
+    asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.v4.f32 [%0], {%1, %2, %3, %4}, [%5];"
+                 :: "r"(rbuf + so), "f"(s[0][0]), "f"(s[0][1]), "f"(s[1][0]), "f"(s[1][1]), "r"(rbar + bo)
+                 : "memory");
+    mbar_wait(lbar + bo, par);
+    float4 p;
+    asm volatile("ld.shared.v4.f32 {%0, %1, %2, %3}, [%4];"
+                 : "=f"(p.x), "=f"(p.y), "=f"(p.z), "=f"(p.w) : "r"(lbuf + so) : "memory");
+    s[0][0] += p.x; s[0][1] += p.y; s[1][0] += p.z; s[1][1] += p.w;
+    ++k;
+#endif
+  }
+};
 
 // one codebook entry: DSUB fp16 = 1 (dsub 2) or 2 (dsub 4) 32-bit words
 template <int DSUB> struct Ent;
@@ -218,7 +291,7 @@ struct RegStager {
   u32 dst[BATCH];
   // rot (a multiple of 32, < UT): where this block starts in the tables, so that the
   // blocks of one head do not all ask the same L2 lines at the same time
-  __device__ __forceinline__ void load(const u32* gk, const u32* gv, int tid, int i0, int rot) {
+  __device__ __forceinline__ void load(const u32* gk, const u32* gv, int tid, int i0, int rot, u32) {
 #pragma unroll
     for (int j = 0; j < BATCH; ++j) {
       const int u0 = tid + (i0 + j) * NT;
@@ -267,7 +340,8 @@ struct RegStager4 {
   static constexpr int BATCH = (IT + NB - 1) / NB;
   uint4 v[BATCH];
   u32 dst[BATCH];
-  __device__ __forceinline__ void load(const u32* gk, const u32* gv, int tid, int i0, int rot) {
+  // wb: the shared window's rank bits (attention.cu), added to the tables' fixed addresses
+  __device__ __forceinline__ void load(const u32* gk, const u32* gv, int tid, int i0, int rot, u32 wb) {
 #pragma unroll
     for (int j = 0; j < BATCH; ++j) {
       const int u0 = tid + (i0 + j) * NT;
@@ -279,7 +353,7 @@ struct RegStager4 {
         const int code0 = 4 * cg + 2 * s;
         // slot r of half mb: K subspace (r/4)*MQ + 4mb + r%4, V 8*((r/4) mod NX) + 4mb + r%4
         const int m = k ? (r >> 2) * MQ + 4 * mb + (r & 3) : 8 * ((r >> 2) & (NX - 1)) + 4 * mb + (r & 3);
-        dst[j] = (k ? T4_K : T4_V) + code0 * 256 + 128 * mb + 8 * r;
+        dst[j] = wb + (k ? T4_K : T4_V) + code0 * 256 + 128 * mb + 8 * r;
         v[j] = __ldg(reinterpret_cast<const uint4*>((k ? gk : gv) + (m * 256 + code0) * 2));
       }
     }

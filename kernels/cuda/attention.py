@@ -25,18 +25,26 @@ LOG2E = 1.4426950408889634      # the kernel's scores are base 2: scale and cap 
 def supports(*, num_qo_heads: int, num_kv_heads: int, head_dim: int, block_size: int, device,
              dtype: torch.dtype, kv_dtype: torch.dtype, codebook_dtype: torch.dtype) -> bool:
     """The kernels take this geometry and these dtypes on this device: sm_80+, head_dim
-    64 or 128, GQA groups of 1-8, power-of-two block sizes of 16 tokens or more, and q,
-    out, tail and codebooks all fp16 or all bf16."""
+    64 or 128 (256 on sm_90+: split(), a thread block cluster per block), GQA groups of
+    1-8, power-of-two block sizes of 16 tokens or more, and q, out, tail and codebooks all
+    fp16 or all bf16."""
     dev = torch.device(device)
     if dev.type != "cuda" or not build.available():
         return False
     if num_kv_heads <= 0 or num_qo_heads % num_kv_heads:
         return False
     g = num_qo_heads // num_kv_heads
-    return (head_dim in (64, 128) and 1 <= g <= 8 and block_size % 16 == 0
+    cap = build.capability(build.index(dev))
+    return (head_dim in (64, 128, 256) and 1 <= g <= 8 and block_size % 16 == 0
             and block_size & (block_size - 1) == 0 and dtype in HALF and kv_dtype == dtype
-            and codebook_dtype == dtype
-            and build.capability(build.index(dev)) >= (8, 0))
+            and codebook_dtype == dtype and cap >= ((9, 0) if head_dim == 256 else (8, 0)))
+
+
+def split(head_dim: int) -> int:
+    """CTAs per (work item, KV head): the K and V codebooks of a d = 256 head (256 KiB)
+    do not fit one SM's shared memory, so its two halves of 128 coordinates run as a
+    cluster of two CTAs that exchange partial scores (attention.cuh, SPLIT)."""
+    return 2 if head_dim == 256 else 1
 
 
 def query_aligned(q: torch.Tensor) -> bool:
@@ -63,6 +71,9 @@ def misaligned(q, k_codes, v_codes, tail_k, tail_v, dsub: int) -> str | None:
 
 def _attn_name(d, dsub, bf16, nw, gp, tma, win, cap):
     b = lambda x: "true" if x else "false"  # noqa: E731
+    if split(d) > 1:
+        assert not tma, "the split build stages its codebooks through registers"
+        return f"pq_attn_split<{d}, {dsub}, {b(bf16)}, {nw}, {gp}, {b(win)}, {b(cap)}>"
     return f"pq_attn<{d}, {dsub}, {b(bf16)}, {nw}, {gp}, {b(tma)}, {b(win)}, {b(cap)}>"
 
 
@@ -75,11 +86,17 @@ def _attn_smem(d: int, dsub: int, gp: int, nw: int, tma: bool = False) -> int:
     of code tiles (32 * M bytes each, M = d/2; 4 deep up to 12 warps, else 3: attention.cuh
     cf_stages), + with TMA the bulk copies' mbarrier (16 B). GP > 0, dsub 4: everything up
     to the end of the V table at shared-window address T4_V + 64 KiB = 192 KiB (the rings
-    and the mbarrier below T4_K). GP = 0: the two tables, d KiB."""
+    and the mbarrier below T4_K). GP = 0: the two tables, d KiB. d 256 (split): those of
+    d 128 per CTA, the ring one or two stages shorter past 8 / 12 warps, + the score
+    exchange (2 x 512 B and 2 mbarriers a warp; for dsub 4 past the V table: a cluster
+    kernel's shared window starts too high for it to fit below T4_K)."""
     if not gp:
         return 1024 * d
     if dsub == 4:
-        return 196608
+        return 196608 + (nw * (1024 + 16) if split(d) > 1 else 0)
+    if split(d) > 1:
+        stages = 4 if nw <= 8 else 3 if nw <= 12 else 2
+        return 131072 + nw * stages * 16 * (d // 2) + 16 + nw * (1024 + 16)
     stages = 4 if nw <= 12 else 3
     return 131072 + nw * stages * 16 * d + 16 * tma
 
@@ -134,8 +151,9 @@ class CudaPQPlan(DecodePlan):
         self._fn("merge", self.head_dim, bf16)
 
     def _tma(self, gp: int) -> bool:
-        """The bulk-copy build can run (warm() compiles it)."""
-        return gp > 0 and build.capability(build.index(self.items.device)) >= (9, 0)
+        """The bulk-copy build can run (warm() compiles it); not the split (d 256) build."""
+        return (gp > 0 and split(self.head_dim) == 1
+                and build.capability(build.index(self.items.device)) >= (9, 0))
 
     def _use_tma(self, gp: int) -> bool:
         """... and is the faster one for this plan's items (tunables.TMA_MAX_ITEM_TOKENS)."""
@@ -202,7 +220,7 @@ class CudaPQPlan(DecodePlan):
                     f32(scale * LOG2E), i32(hq), i32(hq // hkv), i32(bs),
                     i32(self.tail_block_size), i32(bs.bit_length() - 1),
                     ptr(img) if img is not None else NULL, f32(self.softcap * LOG2E))
-            build.launch(fn, dev, (n_items, hkv), (32 * self.num_warps,), args,
+            build.launch(fn, dev, (n_items, hkv, split(d)), (32 * self.num_warps,), args,
                          _attn_smem(d, dsub, gp, self.num_warps, img is not None), stream)
         fn = self._fn("merge", d, bf16)
         build.launch(fn, dev, (b, hq), (d,),
@@ -318,13 +336,14 @@ def plan_pq(sl: list[int], tl_: list[int], ss: list[int] | None = None, ts: list
     nw = num_warps or tunables.NUM_WARPS
     if target_ctas is None:
         target_ctas = build.num_sms(build.index(dev))
-    per_head = max(1, target_ctas // num_kv_heads)
+    heads = num_kv_heads * split(head_dim)       # CTAs per item
+    per_head = max(1, target_ctas // heads)
     eq = _tail_eq(nw)
     total = _window_tokens(sl, tl_, ss, ts, eq)
     chunk = max(16 * nw, ceil(ceil(max(total, 1), per_head), 16) * 16)
     items, ptr_ = _items(sl, tl_, chunk, eq, ss, ts)
-    if len(items) // 5 * num_kv_heads > target_ctas:
-        better = _wave_chunk(total, len(sl), num_kv_heads, target_ctas, 16 * nw)
+    if len(items) // 5 * heads > target_ctas:
+        better = _wave_chunk(total, len(sl), heads, target_ctas, 16 * nw)
         if better is not None:
             chunk = better
             items, ptr_ = _items(sl, tl_, chunk, eq, ss, ts)

@@ -50,14 +50,20 @@ CASES += [(4, 128, 2, 128, torch.float16), (4, 128, 2, 64, torch.float16),
           (3, 128, 4, 64, torch.bfloat16), (8, 128, 2, 128, torch.float16)]
 # dsub 4: each GP with fewer query heads than its rows hold (padded heads, GP 8 at d 64)
 CASES += [(2, 128, 4, 16, torch.bfloat16), (6, 64, 4, 16, torch.float16), (5, 128, 4, 32, torch.float16)]
+# d 256 (sm_90: two CTAs of a cluster exchange partial scores): every GP, both dsub and dtypes
+CASES += [(4, 256, 2, 16, torch.float16), (4, 256, 4, 16, torch.bfloat16), (1, 256, 2, 32, torch.bfloat16),
+          (8, 256, 4, 16, torch.float16), (3, 256, 2, 64, torch.float16), (6, 256, 4, 16, torch.float16),
+          (8, 256, 2, 16, torch.bfloat16), (2, 256, 4, 128, torch.float16)]
 
 
 @gpu
 @pytest.mark.parametrize("g,d,dsub,bs,dtype", CASES)
 def test_pq_decode_cuda(g, d, dsub, bs, dtype):
+    if d == 256 and torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("head_dim 256 runs as thread block clusters: sm_90+")
     hkv = 2
     lens = [1, 54, 97, 1000, 0, 33]
-    if g == 4 or (g == 8 and d == 128):
+    if g == 4 or (g == 8 and d >= 128):
         lens.append(32768)
     c = make_case(lens, g * hkv, hkv, d, dsub, bs, 16, dtype, seed=g * 100 + d + dsub + bs)
     tol = 4e-3 if dtype == torch.float16 else 2.5e-2
@@ -77,6 +83,14 @@ def test_attn_variant_names():
     assert cuda_attention._attn_name(64, 4, True, 8, 0, False, True, True) == \
         "pq_attn<64, 4, true, 8, 0, false, true, true>"
     assert cuda_attention._merge_name(64, True) == "pq_merge<64, true>"
+    # d 256: the cluster build, registers only; two CTAs of d 128's tables, a shorter ring
+    # past 8 warps and the score exchange, within the 227 KiB a block may have
+    assert cuda_attention._attn_name(256, 2, True, 12, 4, False, True, False) == \
+        "pq_attn_split<256, 2, true, 12, 4, true, false>"
+    assert [cuda_attention.split(d) for d in (64, 128, 256)] == [1, 1, 2]
+    for nw in (4, 8, 12, 16):
+        assert cuda_attention._attn_smem(256, 2, 4, nw) <= 227 * 1024
+    assert cuda_attention._attn_smem(256, 2, 4, 12) == 131072 + 12 * 3 * 2048 + 16 + 12 * 1040
     assert [images.group(g, 2) for g in (1, 2, 3, 4, 5, 8)] == [2, 2, 4, 4, 8, 8]
     assert [images.group(g, 4) for g in (1, 3, 8)] == [2, 4, 8]
     assert images.image_layout(32, 8, 2) == 4 and images.image_layout(32, 4, 2) == 0
@@ -154,14 +168,17 @@ def test_pq_decode_cuda_long_items_stage_through_registers(monkeypatch, dsub):
 
 
 @gpu
-def test_pq_decode_cuda_many_waves():
+@pytest.mark.parametrize("d", [128, 256])
+def test_pq_decode_cuda_many_waves(d):
     # more sequences x KV heads than SMs: the plan cuts them for full waves; still exact
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     lens = [1500 + 37 * i for i in range(sms // 8 + 3)]
-    c = make_case(lens, 32, 8, 128, 2, 16, 16, torch.float16, seed=5)
-    ro, rl = pq_ref(c, 128 ** -0.5)
-    plan, out, lse = run(c, 128 ** -0.5)
-    assert plan.items.shape[0] > len(lens)
+    c = make_case(lens, 32, 8, d, 2, 16, 16, torch.float16, seed=5)
+    ro, rl = pq_ref(c, d ** -0.5)
+    plan, out, lse = run(c, d ** -0.5)
+    assert plan.items.shape[0] * 8 * cuda_attention.split(d) > sms
+    if d == 128:
+        assert plan.items.shape[0] > len(lens)
     check_attn(out, lse, ro, rl, 4e-3)
 
 
@@ -190,7 +207,7 @@ def test_pq_decode_cuda_graph_and_reuse():
 
 
 @gpu
-@pytest.mark.parametrize("d,dsub", [(64, 2), (128, 2), (64, 4), (128, 4)])
+@pytest.mark.parametrize("d,dsub", [(64, 2), (128, 2), (64, 4), (128, 4), (256, 2), (256, 4)])
 def test_pq_decode_cuda_graph_reads_codebooks_and_image_in_place(d, dsub):
     # A graph captured with an image reads the image's memory at every replay: its owner
     # rebuilds it in place when the codebooks change (codebook_images(words=...)), and the
