@@ -4,15 +4,17 @@
   (a) in-process baseline: preallocated contiguous fp16 KV + torch SDPA (no torch.cat)
   (b) daemon, remote AppendAttend (one RPC per layer), PQ
   (c) daemon, mapped attend (one Reserve RPC per step), PQ, the step under a CUDA graph
+  (c2) (c) with 2-bit PQ (M = 32 subspaces of 4 coordinates; (c) is 4-bit, M = 64)
   (d) daemon, mapped attend, fp16 codec, likewise
   (ce), (de): (c) and (d) launched eagerly, layer by layer (no graph)
 
 Also: p50/p99 of one AppendAttend with a tiny payload, and the control-plane
 share of a mapped step: 1 - (time per step replaying the captured graph alone)
 / (time per step with Reserve + plan refill + replay), and the Reserve p50. The byte-limited ideal speedup of (c) over (a) is
-computed from the measured time to read the weights and the KV bytes.
+computed from the measured time to read the weights and the KV bytes (PQ: 1/4 of fp16's
+at 4-bit, 1/8 at 2-bit).
 
-python bench/bench_decode.py [--batch 8] [--context 32768] [--new 128] [--modes a,b,c,d]
+python bench/bench_decode.py [--batch 8] [--context 32768] [--new 128] [--modes a,b,c,c2,d]
 One layer's weights are reused by all 32 layers: each layer still reads them
 from HBM (436 MB >> L2), and the run needs 0.5 GB instead of 15 GB. Each mode
 runs in a fresh process; a mode that fails leaves its output in
@@ -166,7 +168,7 @@ def start_daemon(sock: str, port: int) -> subprocess.Popen:
     raise RuntimeError("daemon did not become SERVING: " + (p.communicate(timeout=10)[0] or "")[-3000:])
 
 
-def run_daemon(args, codec, plane):
+def run_daemon(args, codec, plane, bits=4):
     import shutil
     import signal
     import socket
@@ -177,7 +179,7 @@ def run_daemon(args, codec, plane):
         port = s.getsockname()[1]
     p = start_daemon(sock, port)
     try:
-        out = _run_daemon(args, codec, plane, f"unix://{sock}")
+        out = _run_daemon(args, codec, plane, f"unix://{sock}", bits)
         out["daemon_rpc_ms"] = daemon_rpc_ms(port)
         return out
     except BaseException:
@@ -196,20 +198,22 @@ def run_daemon(args, codec, plane):
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def _run_daemon(args, codec, plane, target):
+def _run_daemon(args, codec, plane, target, bits=4):
     from kvstore.client import KVStoreClient
     from kvstore.client.mapped import MappedCache
     if True:
         kv = KVStoreClient(target, shm_bytes=1 << 30)
         B, ctx = args.batch, args.context
         blocks = B * ((ctx + args.new) // 16 + 4)
+        msub = D // 2 if bits == 4 else D // 4       # 8-bit codes of 2 or 4 coordinates
         kv.create_cache("b", "llama-3-8b-geometry", num_layers=L, num_q_heads=HQ, num_kv_heads=HKV, head_dim=D,
-                        codec=codec, block_size=16, residual=128, num_blocks=blocks, max_sequences=B + 1)
+                        codec=codec, num_subvectors=msub if codec == "pq" else 0, block_size=16, residual=128,
+                        num_blocks=blocks, max_sequences=B + 1)
         if codec == "pq":
             g = torch.Generator().manual_seed(0)
             from kvstore.codec.codebooks import Codebooks
-            kv.set_codebooks("b", Codebooks(k=torch.randn(L, HKV, 64, 256, 2, generator=g),
-                                            v=torch.randn(L, HKV, 64, 256, 2, generator=g)).to_bytes())
+            kv.set_codebooks("b", Codebooks(k=torch.randn(L, HKV, msub, 256, D // msub, generator=g),
+                                            v=torch.randn(L, HKV, msub, 256, D // msub, generator=g)).to_bytes())
         ids = [f"s{i}" for i in range(B)]
         t0 = time.perf_counter()
         chunk = 2048
@@ -319,6 +323,7 @@ def main():
     if args.one:      # a single mode in a fresh process, so each starts with an empty GPU
         fn = {"a": run_baseline, "b": lambda a: run_daemon(a, "pq", "remote"),
               "c": lambda a: run_daemon(a, "pq", "graph"), "d": lambda a: run_daemon(a, "fp16", "graph"),
+              "c2": lambda a: run_daemon(a, "pq", "graph", bits=2),
               "ce": lambda a: run_daemon(a, "pq", "mapped"), "de": lambda a: run_daemon(a, "fp16", "mapped")}
         print("RESULT " + json.dumps(dict(fn[args.one](args), batch=args.batch)))
         return
@@ -343,6 +348,7 @@ def main():
           f"{args.new} new tokens, {torch.cuda.get_device_name()}; HBM read {bw / 1e12:.2f} TB/s")
     names = {"a": "(a) in-process fp16 + SDPA", "b": "(b) daemon remote AppendAttend, PQ",
              "c": "(c) daemon mapped, PQ, graph", "d": "(d) daemon mapped, fp16, graph",
+             "c2": "(c2) daemon mapped, PQ 2-bit, graph",
              "ce": "(c) daemon mapped, PQ, eager", "de": "(d) daemon mapped, fp16, eager"}
     for mode, r in res.items():
         ratio = f"{r['tok_s'] / res['a']['tok_s']:.2f}x (a)" if "a" in res else ""
@@ -371,7 +377,11 @@ def main():
         if "c" in res and res["c"]["batch"] == a["batch"]:
             got = res["c"]["tok_s"] / a["tok_s"]
             print(f"  (c) reaches {got:.2f}x = {got / ideal:.2f} of the ideal")
-        for m in ("c", "d"):
+        if "c2" in res and res["c2"]["batch"] == a["batch"]:
+            ideal2 = (a["weights_s"] + kv_fp16 / bw) / (a["weights_s"] + kv_fp16 / 8 / bw)
+            got = res["c2"]["tok_s"] / a["tok_s"]
+            print(f"  byte-limited ideal (c2)/(a) = {ideal2:.2f}x; (c2) reaches {got:.2f}x = {got / ideal2:.2f} of it")
+        for m in ("c", "c2", "d"):
             if m in res and res[m]["batch"] != a["batch"]:
                 print(f"  ({m}) at B={res[m]['batch']} vs (a) at B={a['batch']}: "
                       f"{res[m]['tok_s'] / a['tok_s']:.2f}x tokens/s")
