@@ -32,3 +32,14 @@ TAIL_TILES = float(os.environ.get("KVSTORE_CUDA_PQ_TAIL_TILES", "4"))
 # build's loop runs 2-5 % faster (B=8 128K 403 vs 417 us, B=32 32K 420 vs 431, B=32 128K
 # 1698 vs 1760; a tie at 16K). 0: registers always, and no codebook image is built.
 TMA_MAX_ITEM_TOKENS = int(os.environ.get("KVSTORE_CUDA_PQ_TMA_MAX_ITEM", "16384"))
+
+# KVSTORE_TRITON_MTQ_2BIT_TILE: PQ tokens per tile of the Triton multi-token kernel (T > 1
+# query tokens) on 2-bit codes (dsub 4), which also runs without the one-token plans'
+# 128-register cap: under it ptxas spills the 2-bit multi-token tile. H100, B=8 L=32K T=8,
+# Hq 32 Hkv 8 d 128, one sweep (tile / warps / stages / cap / programs): 2-bit tile 64
+# uncapped 770.9 us, tile 128 uncapped 861.7, tile 128 capped (the one-token default)
+# 1984.2, SDPA flash 1596.4; 4-bit's fastest stays the one-token default (574.9 us).
+# One of 16, 32, 64, 128 (it must divide the plans' 128-token chunks).
+MTQ_2BIT_TILE = int(os.environ.get("KVSTORE_TRITON_MTQ_2BIT_TILE", "64"))
+if MTQ_2BIT_TILE not in (16, 32, 64, 128):
+    raise ValueError(f"KVSTORE_TRITON_MTQ_2BIT_TILE must be 16, 32, 64 or 128, got {MTQ_2BIT_TILE}")

@@ -18,6 +18,7 @@ import triton
 
 from kvstore.cuda.pinned import to_device
 
+from .. import tunables
 from ..plan import DecodePlan, capacity, check_batch, fit, host_lens, pq_ranges, range_starts
 from .decode_kernels import _decode_kernel, _merge_kernel
 
@@ -111,6 +112,9 @@ class TritonDecodePlan(DecodePlan):
         gp = max(16, triton.next_power_of_2(g)) if t == 1 else \
             max(16, min(triton.next_power_of_2(t * g), max(MULTI_ROWS, triton.next_power_of_2(g))))
         sq_b, sq_t, sq_h = (q.stride(0), 0, q.stride(1)) if t == 1 else (q.stride(0), q.stride(1), q.stride(2))
+        tile, maxnreg = self.tile_pq, self.maxnreg
+        if t > 1 and dsub == 4 and self.has_pq:     # tunables.MTQ_2BIT_TILE says why
+            tile, maxnreg = min(tile, tunables.MTQ_2BIT_TILE), None
         if n_items > 0:
             _decode_kernel[(n_items, hkv, triton.cdiv(t * g, gp))](
                 q, sq_b, sq_t, sq_h, self.items, self.o_part, self.lse_part,
@@ -120,10 +124,10 @@ class TritonDecodePlan(DecodePlan):
                 tv.stride(0), tv.stride(1), tv.stride(2), tt, tt.stride(0),
                 scale * 1.4426950408889634, self.softcap * 1.4426950408889634, hq,
                 T=t, G=g, GP=gp, D=self.head_dim, M=m, DSUB=dsub,
-                BS=self.block_size, TBS=self.tail_block_size, TILE_PQ=self.tile_pq,
+                BS=self.block_size, TBS=self.tail_block_size, TILE_PQ=tile,
                 TILE_FP=self.tile_fp, HAS_PQ=self.has_pq, CB_BF16=cb_bf16, PREC=prec,
                 SOFTCAP=self.softcap > 0,
-                num_warps=self.num_warps, num_stages=self.num_stages, maxnreg=self.maxnreg)
+                num_warps=self.num_warps, num_stages=self.num_stages, maxnreg=maxnreg)
         # rows (token, head) of out / lse are contiguous over both (check_q_out): one index
         _merge_kernel[(self.batch, t * hq)](
             self.o_part, self.lse_part, self.item_ptr, out, out.stride(0), out.stride(-2),
