@@ -15,9 +15,8 @@ every time below contains.
 
 Columns: cuda = the kernel as the engine runs it (codebooks staged by bulk copies for items
 of up to tunables.TMA_MAX_ITEM_TOKENS tokens, through registers past that); tma = bulk copies
-at every item size; reg = register staging at every size (no codebook image); swz (2-bit
-only) = the swizzled-table build the conflict-free one replaced (attention.cu GP 0, not
-planned); triton = the Triton PQ kernel; SDPA = torch SDPA flash over contiguous fp16 K/V,
+at every item size; reg = register staging at every size (no codebook image);
+triton = the Triton PQ kernel; SDPA = torch SDPA flash over contiguous fp16 K/V,
 timed once per shape for both bit widths. GB/s and %BW count each bit width's own bytes
 (codes, tail, codebooks).
 
@@ -57,8 +56,8 @@ def kernel_info():
     one = cuda_attention.split(d) == 1       # d 256: the cluster build, registers only
     for nw in (8, 12, 16):
         for dsub in (2, 4):
-            for gp, tma in ((4, False), (4, True)) + (((0, False),) if dsub == 4 else ()):
-                if not one and (tma or not gp):
+            for gp, tma in ((4, False), (4, True)):
+                if not one and tma:
                     continue
                 fn = build.function("attention.cu",
                                     cuda_attention._attn_name(d, dsub, False, nw, gp, tma, False, False), DEV)
@@ -208,15 +207,6 @@ def main():
         finally:
             tunables.TMA_MAX_ITEM_TOKENS = lim
 
-    def time_swz(q, case, sl, tl_):
-        """dsub 4 on the swizzled tables (GP 0), which the plans no longer choose."""
-        group = cuda_attention.group
-        cuda_attention.group = lambda g, dsub: 0 if dsub == 4 else group(g, dsub)
-        try:
-            return ba.time_pq(q, case, sl, tl_, 16, backend="cuda", image=False)
-        finally:
-            cuda_attention.group = group
-
     rows = []
     Bs, Ls = ((1, 8), (32768,)) if args.quick else ((1, 8, 32), (4096, 32768, 131072))
     if args.shape:
@@ -233,8 +223,6 @@ def main():
                     t.update(reg=time_cuda(q, case, sl, tl_, reg=True),
                              tma=time_cuda(q, case, sl, tl_, tma_all=True),
                              triton=ba.time_pq(q, case, sl, tl_, 16, backend="triton"))
-                    if bits == 2 and cuda_attention.split(ba.D) == 1:
-                        t["swz"] = time_swz(q, case, sl, tl_)
                 times[bits] = t
                 del case
                 torch.cuda.empty_cache()
@@ -247,20 +235,18 @@ def main():
         return 0
     print(f"\nHq {ba.HQ}, Hkv {ba.HKV}, d {ba.D}; read BW {rd:.0f} GB/s; us, median, CUDA graph, L2 flushed ({args.flush}); warps {tunables.NUM_WARPS}")
     print(f"cuda: bulk copies up to {tunables.TMA_MAX_ITEM_TOKENS} tokens an item, else register staging; "
-          f"tma: bulk copies at every size; reg: register staging at every size; swz: swizzled tables")
+          f"tma: bulk copies at every size; reg: register staging at every size")
     for bits in args.bits:
-        swz = bits == 2 and cuda_attention.split(ba.D) == 1
         print(f"\n{bits}-bit PQ (M = {ba.D // DSUB[bits]}, dsub {DSUB[bits]})")
-        print(f"{'B':>3} {'L':>7} {'cuda':>8} {'tma':>8} {'reg':>8} " + (f"{'swz':>8} " if swz else "")
+        print(f"{'B':>3} {'L':>7} {'cuda':>8} {'tma':>8} {'reg':>8} "
               + f"{'triton':>8} {'SDPA':>8} {'sdpa/cuda':>9} {'sdpa/tma':>8} {'sdpa/reg':>8} "
-              + (f"{'sdpa/swz':>8} " if swz else "") + f"{'triton/cuda':>11} {'GB/s':>6} {'%BW':>5}")
+              + f"{'triton/cuda':>11} {'GB/s':>6} {'%BW':>5}")
         for b, L, times, ts in rows:
             t = times[bits]
             tc, tm, tg, tt = t["cuda"], t["tma"], t["reg"], t["triton"]
             bw = t["nbytes"] / tc / 1e3
-            print(f"{b:>3} {L:>7} {tc:>8.1f} {tm:>8.1f} {tg:>8.1f} " + (f"{t['swz']:>8.1f} " if swz else "")
+            print(f"{b:>3} {L:>7} {tc:>8.1f} {tm:>8.1f} {tg:>8.1f} "
                   + f"{tt:>8.1f} {ts:>8.1f} {ts / tc:>9.2f} {ts / tm:>8.2f} {ts / tg:>8.2f} "
-                  + (f"{ts / t['swz']:>8.2f} " if swz else "")
                   + f"{tt / tc:>11.2f} {bw:>6.0f} {100 * bw / rd:>4.0f}%")
     if len(args.bits) == 2:
         print("\n2-bit / 4-bit time (cuda column): "

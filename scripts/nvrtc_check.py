@@ -100,14 +100,12 @@ def text_sections(elf: bytes) -> dict[str, bytes]:
 
 
 def attention_names(warps, dims, features) -> list[str]:
-    """Every pq_attn instantiation CudaPQPlan can launch for these warp counts, and the
-    swizzled dsub 4 build (GP 0) that bench/bench_cuda_pq.py times beside it."""
+    """Every pq_attn instantiation CudaPQPlan can launch for these warp counts."""
     names = []
     for d, dsub, bf16, nw, (win, cap) in itertools.product(dims, (2, 4), (False, True), warps, features):
         one = attention.split(d) == 1      # d 256: the split build, CF layouts and registers only
-        gps = sorted({group(g, dsub) for g in range(1, 9)} | ({0} if dsub == 4 and one else set()))
-        for gp in gps:
-            for tma in ((False, True) if gp and one else (False,)):
+        for gp in sorted({group(g, dsub) for g in range(1, 9)}):
+            for tma in ((False, True) if one else (False,)):
                 names.append(attention._attn_name(d, dsub, bf16, nw, gp, tma, win, cap))
     return names
 

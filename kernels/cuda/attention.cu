@@ -11,15 +11,12 @@
 // Head-dim coordinates are permuted (free for a dot product) so that lane
 // (g, c) of a warp reads the K codes of one token as M/4 contiguous bytes and
 // the V codes of one subspace as 4 contiguous bytes.
-// Two families of shared-memory layouts, by GP (attention.py _group):
-// - GP = 2, 4, 8 ("CF", dsub 2 and 4): gathers that never conflict, whatever the codes (the
-//   comments at the K and V gathers below); code tiles stream through a per-warp cp.async
-//   ring. On sm_90 (TMA) the codebooks arrive as bulk copies of a per-head image of exactly
-//   these shared-memory bytes (attention.py CodebookImage, built by the codebooks' owner);
-//   without an image they are staged through registers (RegStager, RegStager4).
-// - GP = 0 (dsub 4 only, not planned: bench/bench_cuda_pq.py's swz column): K entry (m,
-//   code) at (m % MQ)*1024 + code*4 + m/MQ (lanes with c = m/MQ use banks = c mod 4 +
-//   4*(code mod 8)); V entry at (m/8)*2048 + code*8 + m%8.
+// Shared-memory layouts by GP = 2, 4, 8 (images.group; "CF", dsub 2 and 4): gathers that
+// never conflict, whatever the codes (the comments at the K and V gathers below); code
+// tiles stream through a per-warp cp.async ring. On sm_90 (TMA) the codebooks arrive as
+// bulk copies of a per-head image of exactly these shared-memory bytes (attention.py
+// CodebookImage, built by the codebooks' owner); without an image they are staged through
+// registers (RegStager, RegStager4).
 // Block sizes are powers of two (bs_shift = log2(bs)): a token's block and row are a shift
 // and a mask (a runtime division was ~30 of the tile loop's ~474 instructions).
 // Partials (o, base-2 lse) per item go to o_part / lse_part; pq_merge combines them.
@@ -49,15 +46,12 @@
 template <int DF, int DSUB, bool BF16, int NW, int GP, bool TMA, bool WIN, bool CAP, int SPLIT>
 __device__ __forceinline__ void pq_attn_body(PQ_ATTN_PARAMS, int half) {
   constexpr int D = DF / SPLIT;
-  static_assert(GP == 0 || GP == 2 || GP == 4 || GP == 8, "GP: 0 or 2/4/8");
-  static_assert(GP > 0 || DSUB == 4, "dsub 2 runs the conflict-free layouts (GP > 0)");
-  static_assert(!TMA || GP > 0, "TMA: the CF layouts only");
-  static_assert(SPLIT == 1 || (SPLIT == 2 && GP > 0 && !TMA && D == 128),
-                "SPLIT: d 256 as two CTAs of 128, CF layouts, codebooks staged through registers");
-  constexpr bool CF = GP > 0;
+  static_assert(GP == 2 || GP == 4 || GP == 8, "GP: 2, 4 or 8");
+  static_assert(SPLIT == 1 || (SPLIT == 2 && !TMA && D == 128),
+                "SPLIT: d 256 as two CTAs of 128, codebooks staged through registers");
   // conflict-free V gathers too (dsub 4: at every GP)
   constexpr int VG = GP == 2 || GP == 4 || (DSUB == 4 && GP == 8) ? GP : 0;
-  constexpr bool STAGE_REG = CF && !TMA;
+  constexpr bool STAGE_REG = !TMA;
   AttnArgs a;
   a.q = q; a.sq_b = sq_b; a.sq_h = sq_h; a.items = items; a.n_items = 0;
   a.o_part = o_part; a.lse_part = lse_part; a.kc = kc; a.vc = vc; a.skc_blk = skc_blk;
@@ -74,9 +68,8 @@ __device__ __forceinline__ void pq_attn_body(PQ_ATTN_PARAMS, int half) {
   constexpr int M = D / DSUB, MQ = M / 4, KS = D / 16, NX = M / 8;
   typedef typename Ent<DSUB>::T E;
   extern __shared__ __align__(16) unsigned char smem[];
-  E* sK = reinterpret_cast<E*>(smem);
-  // CF: K rows of 256 B per code (64 KiB, see the staging below), V after them
-  E* sV = CF ? reinterpret_cast<E*>(smem + 65536) : sK + M * 256;
+  // K rows of 256 B per code (64 KiB, see the staging below), V after them
+  E* sV = reinterpret_cast<E*>(smem + 65536);
 
   const int item = blockIdx.x, h = blockIdx.y;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -103,7 +96,7 @@ __device__ __forceinline__ void pq_attn_body(PQ_ATTN_PARAMS, int half) {
   // after the ring (attention.py _attn_smem); as a static __shared__ variable it moved the
   // dynamic shared memory by 16 bytes and the tile loop ran ~6 % slower.
   const u32 bar = (u32)__cvta_generic_to_shared(smem) + cf_ring_offset<D, DSUB>() + NW * cf_stages(NW, SPLIT) * 32 * M_;
-  if constexpr (CF && DSUB == 4) {   // the rings and the mbarrier below T4_K (attention.cuh)
+  if constexpr (DSUB == 4) {   // the rings and the mbarrier below T4_K (attention.cuh)
     if (bar + 16 > T4_K + wb) __trap();
   }
   // SPLIT: the score exchange's buffers and mbarriers after the ring's mbarrier (dsub 2)
@@ -148,10 +141,10 @@ __device__ __forceinline__ void pq_attn_body(PQ_ATTN_PARAMS, int half) {
     return;
   }
   const int G = a.g;
-  // CF: the block ids of the ring prologue's tiles, in flight together (one at a time,
-  // each of its copies waited a memory round trip on its table load)
+  // the block ids of the ring prologue's tiles, in flight together (one at a time, each of
+  // its copies waited a memory round trip on its table load)
   int bpre[cf_stages(NW, SPLIT)];
-  if constexpr (CF) {
+  {
     const int* st_b0 = a.st + (long long)b * a.st_stride;
 #pragma unroll
     for (int k = 0; k < cf_stages(NW, SPLIT); ++k) {
@@ -168,8 +161,8 @@ __device__ __forceinline__ void pq_attn_body(PQ_ATTN_PARAMS, int half) {
     }
   }
 
-  // ---- q fragments (permuted coordinates), rows >= G are zero. CF loads them only
-  // for the tail tiles (after the PQ tiles, which use the rotated quads below).
+  // ---- q fragments (permuted coordinates), rows >= G are zero: for the tail tiles
+  // (after the PQ tiles, which use the rotated quads below).
   u32 qa0[KS], qa2[KS];
   auto load_q = [&]() {
     const bool row_ok = gq < G;
@@ -183,30 +176,16 @@ __device__ __forceinline__ void pq_attn_body(PQ_ATTN_PARAMS, int half) {
       qa2[ks] = row_ok ? *reinterpret_cast<const u32*>(qr + e2) : 0u;
     }
   };
-  if constexpr (!CF) load_q();
 
-  // ---- stage the codebooks of head h. CF: K word (code, pos) at byte code*256 + 4*pos,
+  // ---- stage the codebooks of head h. K word (code, pos) at byte code*256 + 4*pos,
   // pos = 32*hh + 4*i + c holding subspace m = c*MQ + 8*hh + i, so the bank (pos mod 32)
   // does not depend on the code: 32 lanes that fetch 32 distinct (i, c) never collide,
   // whatever their codes; VG: V word (code, m) at byte 65536 + code*256 + 4*m, likewise.
   // Those arrive by bulk copies (TMA) or from RegStager with the ring prologue below; here
-  // only the GP = 0 tables (dsub 4) and GP 8's V table (X*2048 + code*8 + m%8 words).
+  // only GP 8's V table for dsub 2 (X*2048 + code*8 + m%8 words).
   if (!TMA && n_pq > 0) {
     const long long hh = SPLIT > 1 ? hv : h;    // (SPLIT 1: the expression of the plain builds)
-    const E* gk = reinterpret_cast<const E*>(a.kcb) + hh * M * 256;
     const E* gv = reinterpret_cast<const E*>(a.vcb) + hh * M * 256;
-    if constexpr (!CF) {
-      // K: thread unit (r, code) -> 4 entries m = r + j*MQ -> smem r*1024 + code*4 + j
-      for (int u = tid; u < MQ * 256; u += NW * 32) {
-        int r = u >> 8, code = u & 255;
-        E e[4];
-#pragma unroll
-        for (int j = 0; j < 4; ++j) e[j] = gk[(r + j * MQ) * 256 + code];
-        E* dst = sK + r * 1024 + code * 4;
-#pragma unroll
-        for (int j = 0; j < 4; ++j) dst[j] = e[j];
-      }
-    }
     if constexpr (VG == 0) {
       // V: unit (X, code) -> 8 entries m = 8X + j -> smem X*2048 + code*8 + j
       for (int u = tid; u < NX * 256; u += NW * 32) {
@@ -220,7 +199,6 @@ __device__ __forceinline__ void pq_attn_body(PQ_ATTN_PARAMS, int half) {
       }
     }
   }
-  if constexpr (!CF) __syncthreads();   // CF: after the ring prologue (PQ tiles below)
 
   WarpState<D, DSUB, BF16, VG> ws;
   auto zero_o = [&]() {
@@ -236,33 +214,18 @@ __device__ __forceinline__ void pq_attn_body(PQ_ATTN_PARAMS, int half) {
   ws.m_i = NEG_INF;
   ws.l_i = 0.f;
 
-  const E* sKl = sK + cq;     // lane's K bank offset (m / MQ == cq)
-  const E* sVl = sV + gq;     // lane's V subspace within an octet
   const u8* kc_h = a.kc + (long long)h * a.skc_h;
   const u8* vc_h = a.vc + (long long)h * a.svc_h;
   const int* st_b = a.st + (long long)b * a.st_stride;
   const bool alltrue[2][2] = {{true, true}, {true, true}};
 
-  // ---- PQ tiles, codes prefetched one tile ahead
+  // ---- PQ tiles, codes streamed through each warp's ring
   {
-    CodeVec<MQ> kn[2];
-    u32 vn[NX];
-    int ti = warp;
     // The block id of a tile is read two tiles ahead of its codes: a code load that
     // waits on the table load in the same step stalls the warp for a memory latency.
     auto blk_of = [&](int tile) -> long long {
       const int t0 = pq_lo + 16 * tile;
       return tile < n_pq ? st_b[t0 >> bs_shift] : 0;
-    };
-    auto fetch = [&](int tile, long long blk, CodeVec<MQ> (&kk)[2], u32 (&vv)[NX]) {
-      int t0 = pq_lo + 16 * tile;
-      int off = t0 & (a.bs - 1);
-      const u8* kb = kc_h + blk * a.skc_blk + cq * MQ;
-#pragma unroll
-      for (int t = 0; t < 2; ++t) load_codes<MQ>(kk[t], kb + (off + sigma(t, gq)) * M);
-      const u8* vb = vc_h + blk * a.svc_blk + off + 4 * cq + gq * a.bs;
-#pragma unroll
-      for (int X = 0; X < NX; ++X) vv[X] = __ldg(reinterpret_cast<const u32*>(vb + 8 * X * a.bs));
     };
     // CF (K side). Gather j of a half fetches, in lane (gq, cq), byte i = (gq + j) & 7
     // of the half (subspace cq*MQ + 8*hh + i): the 8 lanes of one cq fetch 8 distinct
@@ -275,10 +238,10 @@ __device__ __forceinline__ void pq_attn_body(PQ_ATTN_PARAMS, int half) {
     // ksel: PRMT selectors rotating a half's code bytes by gq; klo: the low byte
     // 16*i + 4*cq of gather j's address, four per register (< 0x80, so sign nibbles
     // in the address PRMT give zero bytes 2 and 3).
-    constexpr int NR = CF ? 16 / GP : 1;
+    constexpr int NR = 16 / GP;
     u32 qk[KS][4];
     u32 ksel[2], klo[2];
-    if constexpr (CF && DSUB == 4) {
+    if constexpr (DSUB == 4) {
       // dsub 4: k-step j's B column gq holds subspace cq*MQ + (gq + j) % 4 + 4*(j/4), so
       // row copy rho of A holds cq*MQ + (rho + j) % 4 + 4*(j/4): coordinates 0-1 of it for
       // the k rows 2cq, 2cq+1 and 2-3 for 2cq+8, 2cq+9 (the entry's two words)
@@ -306,7 +269,7 @@ __device__ __forceinline__ void pq_attn_body(PQ_ATTN_PARAMS, int half) {
         asm volatile("" : "+r"(klo[1]));
       }
       asm volatile("" : "+r"(ksel[0]), "+r"(klo[0]));
-    } else if constexpr (CF) {
+    } else {
       const int hd = gq % GP, r0 = gq / GP, r1 = (gq + 8) / GP;
       const bool ok = hd < G;
       const u16* qr = a.q + (long long)b * a.sq_b + (long long)(h * G + (ok ? hd : 0)) * a.sq_h;
@@ -357,15 +320,11 @@ __device__ __forceinline__ void pq_attn_body(PQ_ATTN_PARAMS, int half) {
 #pragma unroll
       for (int j = 0; j < NJ; ++j) asm volatile("" : "+r"(vl[j]));
     }
-    // two code buffers in turn (no register copies): tile ti uses one while the
-    // other fills with tile ti + NW
-    CodeVec<MQ> kn2[2];
-    u32 vn2[NX];
     auto tile = [&](CodeVec<MQ> (&kk)[2], u32 (&vv)[NX], int tix) {
       float s[2][4];
 #pragma unroll
       for (int t = 0; t < 2; ++t) s[t][0] = s[t][1] = s[t][2] = s[t][3] = 0.f;
-      if constexpr (CF) {
+      {
         float s2[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
         if constexpr (DSUB == 4) {
           // dsub 4: gather j of n-tile t fetches, in lane (gq, cq), the 8-byte entry of
@@ -438,17 +397,6 @@ __device__ __forceinline__ void pq_attn_body(PQ_ATTN_PARAMS, int half) {
           }
         }
         if constexpr (SPLIT > 1) xc(s, lane);     // this half's partial scores -> whole
-      } else {
-#pragma unroll
-      for (int ks = 0; ks < KS; ++ks) {
-#pragma unroll
-        for (int t = 0; t < 2; ++t) {
-          // GP = 0 is dsub 4: one entry holds both B registers of a k-step
-          E e = sKl[ks * 1024 + code_at<MQ>(kk[t], ks) * 4];
-          u32 b0 = ent_word<DSUB>(e, 0), b1 = ent_word<DSUB>(e, 1);
-          mma16816<BF16>(s[t], qa0[ks], 0u, qa2[ks], 0u, b0, b1);
-        }
-      }
       }
       u32 pb0, pb1;
       if constexpr (WIN) {
@@ -528,26 +476,17 @@ __device__ __forceinline__ void pq_attn_body(PQ_ATTN_PARAMS, int half) {
 #pragma unroll
       for (int X = 0; X < NX; ++X) {
         const u32 v4 = vv[X];
-        if constexpr (CF) {   // GP = 8: swizzled V table; code byte by PRMT, address by IMAD
+        {   // GP = 8, dsub 2: swizzled V table; code byte by PRMT, address by IMAD
           u32 w[4];
 #pragma unroll
           for (int k = 0; k < 4; ++k)
             w[k] = lds32(__byte_perm(v4, 0u, 0x4440 | k) * 32u + (vlane + X * 8192u));
           pv_mma<D, DSUB, BF16, VG>(ws, X, 0, w[0], w[1], w[2], w[3], pb0, pb1);
-        } else {
-          E e0 = sVl[X * 2048 + (v4 & 0xff) * 8];
-          E e1 = sVl[X * 2048 + ((v4 >> 8) & 0xff) * 8];
-          E e2 = sVl[X * 2048 + ((v4 >> 16) & 0xff) * 8];
-          E e3 = sVl[X * 2048 + (v4 >> 24) * 8];
-#pragma unroll
-          for (int p = 0; p < DSUB / 2; ++p)
-            pv_mma<D, DSUB, BF16, VG>(ws, X, p, ent_word<DSUB>(e0, p), ent_word<DSUB>(e1, p),
-                                      ent_word<DSUB>(e2, p), ent_word<DSUB>(e3, p), pb0, pb1);
         }
       }
       }
     };
-    if constexpr (CF) {
+    {
       // ring of STAGES tiles per warp after the codebooks: [K codes 16 x M][V codes M x 16]
       constexpr u32 TILE = 32 * M;
       constexpr int STAGES = cf_stages(NW, SPLIT);
@@ -658,26 +597,13 @@ __device__ __forceinline__ void pq_attn_body(PQ_ATTN_PARAMS, int half) {
         tile(kk, vv, warp + k * NW);
       }
       cp_async_wait<0>();
-    } else {
-    long long bA = blk_of(ti), bB = blk_of(ti + NW);
-    if (ti < n_pq) fetch(ti, bA, kn, vn);
-    bA = blk_of(ti + 2 * NW);
-    for (; ti < n_pq; ti += 2 * NW) {
-      if (ti + NW < n_pq) fetch(ti + NW, bB, kn2, vn2);
-      bB = blk_of(ti + 3 * NW);
-      tile(kn, vn, ti);
-      if (ti + NW >= n_pq) break;
-      if (ti + 2 * NW < n_pq) fetch(ti + 2 * NW, bA, kn, vn);
-      bA = blk_of(ti + 4 * NW);
-      tile(kn2, vn2, ti + NW);
-    }
     }
   }
 
   if constexpr (VG > 0) zero_o();   // o starts here: the PQ tiles used ov
   // ---- fp16/bf16 tail tiles (dense), same warp state
   if (n_tl > 0) {
-    if constexpr (CF) load_q();
+    load_q();
     const int* tt_b = a.tt + (long long)b * a.tt_stride;
     // tiles continue the round robin after the PQ tiles
     int first = warp - (n_pq % NW);

@@ -150,24 +150,6 @@ template <> struct CodeVec<4> { u32 w[1]; };
 template <> struct CodeVec<8> { u32 w[2]; };
 template <> struct CodeVec<16> { u32 w[4]; };
 
-template <int MQ>
-__device__ __forceinline__ void load_codes(CodeVec<MQ>& v, const u8* p) {
-  if (MQ == 16) {
-    uint4 x = __ldg(reinterpret_cast<const uint4*>(p));
-    v.w[0] = x.x; v.w[1] = x.y; v.w[2 % (MQ / 4)] = x.z; v.w[3 % (MQ / 4)] = x.w;
-  } else if (MQ == 8) {
-    uint2 x = __ldg(reinterpret_cast<const uint2*>(p));
-    v.w[0] = x.x; v.w[1 % (MQ / 4)] = x.y;
-  } else {
-    v.w[0] = __ldg(reinterpret_cast<const u32*>(p));
-  }
-}
-
-template <int MQ>
-__device__ __forceinline__ u32 code_at(const CodeVec<MQ>& v, int i) {
-  return (v.w[i >> 2] >> ((i & 3) * 8)) & 0xffu;
-}
-
 // Logit soft-capping in the kernel's base-2 units: a score x = s * scale * log2(e) becomes
 // cap2 * tanh(x / cap2), cap2 = softcap * log2(e) (softcap * tanh(s * scale / softcap),
 // scaled by log2(e) on both sides). tanh(t) = 1 - 2 / (e^2t + 1), e^2t = exp2(x * k2) with

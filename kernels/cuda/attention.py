@@ -86,12 +86,10 @@ def _attn_smem(d: int, dsub: int, gp: int, nw: int, tma: bool = False) -> int:
     of code tiles (32 * M bytes each, M = d/2; 4 deep up to 12 warps, else 3: attention.cuh
     cf_stages), + with TMA the bulk copies' mbarrier (16 B). GP > 0, dsub 4: everything up
     to the end of the V table at shared-window address T4_V + 64 KiB = 192 KiB (the rings
-    and the mbarrier below T4_K). GP = 0: the two tables, d KiB. d 256 (split): those of
+    and the mbarrier below T4_K). d 256 (split): those of
     d 128 per CTA, the ring one or two stages shorter past 8 / 12 warps, + the score
     exchange (2 x 512 B and 2 mbarriers a warp; for dsub 4 past the V table: a cluster
     kernel's shared window starts too high for it to fit below T4_K)."""
-    if not gp:
-        return 1024 * d
     if dsub == 4:
         return 196608 + (nw * (1024 + 16) if split(d) > 1 else 0)
     if split(d) > 1:
@@ -152,7 +150,7 @@ class CudaPQPlan(DecodePlan):
 
     def _tma(self, gp: int) -> bool:
         """The bulk-copy build can run (warm() compiles it); not the split (d 256) build."""
-        return (gp > 0 and split(self.head_dim) == 1
+        return (split(self.head_dim) == 1
                 and build.capability(build.index(self.items.device)) >= (9, 0))
 
     def _use_tma(self, gp: int) -> bool:

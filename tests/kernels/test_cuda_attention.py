@@ -80,8 +80,8 @@ def test_attn_variant_names():
     # CPU: the launcher's instantiation keys, as attention.cu declares pq_attn / pq_merge
     assert cuda_attention._attn_name(128, 2, False, 12, 4, True, False, False) == \
         "pq_attn<128, 2, false, 12, 4, true, false, false>"
-    assert cuda_attention._attn_name(64, 4, True, 8, 0, False, True, True) == \
-        "pq_attn<64, 4, true, 8, 0, false, true, true>"
+    assert cuda_attention._attn_name(64, 4, True, 8, 8, False, True, True) == \
+        "pq_attn<64, 4, true, 8, 8, false, true, true>"
     assert cuda_attention._merge_name(64, True) == "pq_merge<64, true>"
     # d 256: the cluster build, registers only; two CTAs of d 128's tables, a shorter ring
     # past 8 warps and the score exchange, within the 227 KiB a block may have

@@ -55,7 +55,8 @@ def test_cuda_where_the_kernels_take_it_triton_elsewhere(fake_gpu, monkeypatch):
     assert choose(codebook_dtype=torch.bfloat16) == kernels.TRITON           # codebooks of another dtype
     assert choose(kv_dtype=torch.float32) == kernels.TRITON                  # an fp32 tail
     assert choose(aligned=False) == kernels.TRITON                           # q at a 2-byte offset
-    assert choose(head_dim=256) == kernels.TRITON
+    assert choose(head_dim=256) == kernels.CUDA                                # a cluster of two CTAs (sm_90)
+    assert choose(head_dim=96) == kernels.TRITON
     assert choose(num_qo_heads=8 * 16) == kernels.TRITON                     # GQA group of 16
     assert choose(block_size=8) == choose(block_size=48) == kernels.TRITON   # < 16, not a power of two
     assert choose(block_size=128) == kernels.CUDA
@@ -69,6 +70,7 @@ def test_cuda_where_the_kernels_take_it_triton_elsewhere(fake_gpu, monkeypatch):
     assert choose() == kernels.TRITON
     monkeypatch.setattr(build, "capability", lambda idx: (8, 0))
     assert choose() == kernels.CUDA
+    assert choose(head_dim=256) == kernels.TRITON                              # clusters need sm_90
     assert kernels.encode_backend(FakeCodebook(2, 64, 256, 2)) == kernels.CUDA
     assert kernels.encode_backend(FakeCodebook(2, 32, 256, 4)) == kernels.CUDA
     assert kernels.encode_backend(FakeCodebook(2, 60, 256, 2)) == kernels.TRITON  # M not a multiple of 8
