@@ -75,41 +75,46 @@ class ReadPath:
         elif graphed is not None:
             pass        # replayed (or captured) into out
         else:
-            # The hot path holds a plan (docs/design.md, Read path): block tables and work items
-            # built on the host and copied in one go (pinned.staged), then the
-            # kernels, which take the engine's own pool tensors unchecked.
-            hq, d = q.shape[1], q.shape[2]
-            with staged(dev):
-                if self.is_pq:
-                    kc = self.main.k_codes[layer]
-                    sealed = block_table([s.sealed for s in seqs], dev)
-                    # Sinks then tail as one fp16 table: attention does not care about token order.
-                    tail = block_table([s.tail for s in seqs], dev)
-                    # Lengths stay host lists: the kernels plan on the host, and a
-                    # device tensor would cost a synchronisation to read back.
-                    plan = kernels.plan_decode("pq", *self.decode_lens(layer, seqs), num_qo_heads=hq, num_kv_heads=kc.shape[1], head_dim=d,
-                                               block_size=self.bs, tail_block_size=self.tail.k.shape[3], device=dev,
-                                               dtype=q.dtype, kv_dtype=self.tail.k.dtype,
-                                               codebook_dtype=self.main.k_cb.dtype, aligned=kernels.query_aligned(q),
-                                               softcap=self.cfg.logit_softcap)
-                else:
-                    table = block_table([s.sealed + s.tail for s in seqs], dev)
-                    plan = kernels.plan_decode("paged", *self.decode_lens(layer, seqs), num_qo_heads=hq,
-                                               num_kv_heads=self.main.k.shape[2], head_dim=d,
-                                               block_size=self.bs, device=dev, dtype=q.dtype,
-                                               softcap=self.cfg.logit_softcap)
-            if self.is_pq:
-                out, _ = plan.run_pq(q, kc, self.main.v_codes[layer], self.main.k_cb[layer], self.main.v_cb[layer],
-                                     sealed, self.tail.k[layer], self.tail.v[layer], tail, scale, out=out,
-                                     trusted=True, codebook_image=self.main.image(layer))
-            else:
-                out, _ = plan.run_paged(q, self.main.k[layer], self.main.v[layer], table, scale, out=out,
-                                        trusted=True)
+            out = self._run_kernels(layer, seqs, q, scale, out)
         now = time.monotonic()
         for s in seqs:
             s.last_use = now
         self.counters["attend_calls"] += 1
         return out
+
+    def _run_kernels(self, layer: int, seqs: list[Sequence], q: torch.Tensor, scale: float,
+                     out: torch.Tensor | None, query_tokens: int = 1) -> torch.Tensor:
+        """The GPU path of attend (q [B, Hq, d]) and attend_multi (q [B, T, Hq, d], out of
+        the same shape): the hot path holds a plan (docs/design.md, Read path): block
+        tables and work items built on the host and copied in one go (pinned.staged), then
+        the kernels, which take the engine's own pool tensors unchecked."""
+        dev, hq, d = q.device, q.shape[-2], q.shape[-1]
+        # Lengths stay host lists: the kernels plan on the host, and a device tensor would
+        # cost a synchronisation to read back.
+        lens = self.decode_lens(layer, seqs)
+        common = dict(num_qo_heads=hq, head_dim=d, block_size=self.bs, device=dev, dtype=q.dtype,
+                      softcap=self.cfg.logit_softcap, query_tokens=query_tokens)
+        with staged(dev):
+            if self.is_pq:
+                kc = self.main.k_codes[layer]
+                sealed = block_table([s.sealed for s in seqs], dev)
+                # Sinks then tail as one fp16 table: attention does not care about token order.
+                tail = block_table([s.tail for s in seqs], dev)
+                plan = kernels.plan_decode("pq", *lens, num_kv_heads=kc.shape[1],
+                                           tail_block_size=self.tail.k.shape[3], kv_dtype=self.tail.k.dtype,
+                                           codebook_dtype=self.main.k_cb.dtype, aligned=kernels.query_aligned(q),
+                                           **common)
+            else:
+                table = block_table([s.sealed + s.tail for s in seqs], dev)
+                plan = kernels.plan_decode("paged", *lens, num_kv_heads=self.main.k.shape[2], **common)
+        # trusted skips the argument checks, whose defaults (lse [B, Hq]) are one query's
+        trusted = query_tokens == 1
+        if self.is_pq:
+            return plan.run_pq(q, kc, self.main.v_codes[layer], self.main.k_cb[layer], self.main.v_cb[layer],
+                               sealed, self.tail.k[layer], self.tail.v[layer], tail, scale, out=out,
+                               trusted=trusted, codebook_image=self.main.image(layer))[0]
+        return plan.run_paged(q, self.main.k[layer], self.main.v[layer], table, scale, out=out,
+                              trusted=trusted)[0]
 
     def _attend_cpu(self, layer: int, seqs: list[Sequence], q: torch.Tensor, scale: float) -> torch.Tensor:
         """The CPU device: no block tables, no plan; see kernels/cpu_decode.py. K/V are
@@ -166,26 +171,7 @@ class ReadPath:
                                                       self.cfg.logit_softcap) for i, s in enumerate(seqs)])
             out = res.to(q.dtype) if out is None else out.copy_(res)
         else:
-            o4 = None if out is None else out.view(b, t, hq, d)
-            lens = self.decode_lens(layer, seqs)
-            common = dict(num_qo_heads=hq, head_dim=d, block_size=self.bs, device=dev, dtype=q.dtype,
-                          softcap=self.cfg.logit_softcap, query_tokens=t)
-            with staged(dev):
-                if self.is_pq:
-                    sealed = block_table([s.sealed for s in seqs], dev)
-                    tail = block_table([s.tail for s in seqs], dev)
-                    plan = kernels.plan_decode("pq", *lens, num_kv_heads=self.main.k_codes.shape[2],
-                                               tail_block_size=self.tail.k.shape[3], kv_dtype=self.tail.k.dtype,
-                                               codebook_dtype=self.main.k_cb.dtype, **common)
-                else:
-                    table = block_table([s.sealed + s.tail for s in seqs], dev)
-                    plan = kernels.plan_decode("paged", *lens, num_kv_heads=self.main.k.shape[2], **common)
-            if self.is_pq:
-                o4, _ = plan.run_pq(q, self.main.k_codes[layer], self.main.v_codes[layer], self.main.k_cb[layer],
-                                    self.main.v_cb[layer], sealed, self.tail.k[layer], self.tail.v[layer], tail,
-                                    scale, out=o4)
-            else:
-                o4, _ = plan.run_paged(q, self.main.k[layer], self.main.v[layer], table, scale, out=o4)
+            o4 = self._run_kernels(layer, seqs, q, scale, None if out is None else out.view(b, t, hq, d), t)
             out = o4.view(b * t, hq, d)
         now = time.monotonic()
         for s in seqs:
