@@ -254,41 +254,30 @@ __device__ __forceinline__ void pv_mma(WarpState<D, DSUB, BF16, VG>& ws, int X, 
   mma16816<BF16>(ws.o[X * (DSUB / 2) + p], a0, a1, a2, a3, pb0, pb1);
 }
 
-// CF tables staged through registers: global [M][256] words -> the CF layouts (K word
-// (code, m = c*MQ + 8hh + i) at code*256 + 4*(32hh + 4i + c); VG: V word (code, m) at
-// 65536 + code*256 + 4m). A unit is 16 B of global = 4 codes of one subspace; lanes (r, s)
-// of a warp read 16 subspaces x 32 contiguous bytes (whole sectors) and store each word to
-// a bank that depends on the subspace only (16 distinct: 2 wavefronts per store). The
-// units go in NB = 2 batches; a batch's loads are all in flight before its stores, and the
-// kernel issues batch 0 at entry, before anything that waits on memory. (4-byte cp.async
-// copies of the same words spent ~11 us issuing: each touched 8 half-used sectors.)
-template <int M, int NW, int VG>
-struct RegStager {
-  static constexpr int MQ = M / 4, NT = NW * 32, U = M * 64;   // units per table
-  static constexpr int UT = VG > 0 ? 2 * U : U;
+// CF tables staged through registers: global [M][256] words -> the CF layouts. The
+// batching both register stagers share: UT units of 16 B over NW warps, in NB = 2 batches
+// whose loads are all in flight before their stores (the kernel issues batch 0 at entry,
+// before anything that waits on memory). Map says where unit u comes from (global) and
+// goes (shared memory) in its layout. (4-byte cp.async copies of the same words spent
+// ~11 us issuing: each touched 8 half-used sectors.)
+template <class Map, int NW>
+struct RegBatches {
+  static constexpr int NT = NW * 32, UT = Map::UT;
   static constexpr int IT = (UT + NT - 1) / NT;
   static constexpr int NB = IT < 2 ? IT : 2;
   static constexpr int BATCH = (IT + NB - 1) / NB;
   uint4 v[BATCH];
   u32 dst[BATCH];
   // rot (a multiple of 32, < UT): where this block starts in the tables, so that the
-  // blocks of one head do not all ask the same L2 lines at the same time
-  __device__ __forceinline__ void load(const u32* gk, const u32* gv, int tid, int i0, int rot, u32) {
+  // blocks of one head do not all ask the same L2 lines at the same time. wb: the shared
+  // window's rank bits (attention.cu), added to fixed table addresses.
+  __device__ __forceinline__ void load(const u32* gk, const u32* gv, int tid, int i0, int rot, u32 wb) {
 #pragma unroll
     for (int j = 0; j < BATCH; ++j) {
       const int u0 = tid + (i0 + j) * NT;
       if (i0 + j < IT && u0 < UT) {
         const int u = u0 + rot < UT ? u0 + rot : u0 + rot - UT;
-        const int uu = u % U, s = uu & 1, r = (uu >> 1) & 15, cg = (uu >> 5) & 31, mb = uu >> 10;
-        const int code0 = 8 * cg + 4 * s;
-        if (u < U) {   // K
-          const int hh = mb % (MQ / 8), cpair = mb / (MQ / 8), i = r & 7, c = 2 * cpair + (r >> 3);
-          dst[j] = code0 * 256 + 4 * (32 * hh + 4 * i + c);
-          v[j] = __ldg(reinterpret_cast<const uint4*>(gk + (c * MQ + 8 * hh + i) * 256 + code0));
-        } else {       // V
-          dst[j] = 65536 + code0 * 256 + 4 * (16 * mb + r);
-          v[j] = __ldg(reinterpret_cast<const uint4*>(gv + (16 * mb + r) * 256 + code0));
-        }
+        Map::unit(u, gk, gv, wb, dst[j], v[j]);
       }
     }
   }
@@ -296,13 +285,37 @@ struct RegStager {
 #pragma unroll
     for (int j = 0; j < BATCH; ++j) {
       const int u = tid + (i0 + j) * NT;
-      if (i0 + j < IT && u < UT) {
-        u32* d = reinterpret_cast<u32*>(smem + dst[j]);
-        d[0] = v[j].x; d[64] = v[j].y; d[128] = v[j].z; d[192] = v[j].w;
-      }
+      if (i0 + j < IT && u < UT) Map::put(smem, dst[j], v[j]);
     }
   }
 };
+
+// dsub 2: K word (code, m = c*MQ + 8hh + i) at code*256 + 4*(32hh + 4i + c); VG: V word
+// (code, m) at 65536 + code*256 + 4m. A unit is 16 B of global = 4 codes of one subspace; lanes (r, s) of a warp read
+// 16 subspaces x 32 contiguous bytes (whole sectors) and store each word to a bank that
+// depends on the subspace only (16 distinct: 2 wavefronts per store).
+template <int M, int VG>
+struct CfMap {
+  static constexpr int MQ = M / 4, U = M * 64;   // units per table
+  static constexpr int UT = VG > 0 ? 2 * U : U;
+  static __device__ __forceinline__ void unit(int u, const u32* gk, const u32* gv, u32, u32& dst, uint4& v) {
+    const int uu = u % U, s = uu & 1, r = (uu >> 1) & 15, cg = (uu >> 5) & 31, mb = uu >> 10;
+    const int code0 = 8 * cg + 4 * s;
+    if (u < U) {   // K
+      const int hh = mb % (MQ / 8), cpair = mb / (MQ / 8), i = r & 7, c = 2 * cpair + (r >> 3);
+      dst = code0 * 256 + 4 * (32 * hh + 4 * i + c);
+      v = __ldg(reinterpret_cast<const uint4*>(gk + (c * MQ + 8 * hh + i) * 256 + code0));
+    } else {       // V
+      dst = 65536 + code0 * 256 + 4 * (16 * mb + r);
+      v = __ldg(reinterpret_cast<const uint4*>(gv + (16 * mb + r) * 256 + code0));
+    }
+  }
+  static __device__ __forceinline__ void put(unsigned char* smem, u32 dst, const uint4& v) {
+    u32* d = reinterpret_cast<u32*>(smem + dst);
+    d[0] = v.x; d[64] = v.y; d[128] = v.z; d[192] = v.w;
+  }
+};
+template <int M, int NW, int VG> using RegStager = RegBatches<CfMap<M, VG>, NW>;
 
 // dsub 4 (2-bit): two 64 KiB tables at T4_K and T4_V, 8-byte entries (one centroid, 4
 // fp16). K entry (code, m = c*MQ + i) at T4_K + code*256 + 128*(i/4) + 8*(4c + i%4); V
@@ -312,45 +325,27 @@ struct RegStager {
 // its subspace (and copy) only. A unit is 16 B of global = 2 codes of one subspace; lane
 // r of a half-warp takes slot r of a code row (16 distinct slots: every 8-byte store of a
 // half-warp is one wavefront) and the two halves of a warp the 32 B of one sector.
-template <int D, int NW>
-struct RegStager4 {
-  static constexpr int M = D / 4, MQ = M / 4, NX = M / 8, NT = NW * 32;
+template <int D>
+struct Cf4Map {
+  static constexpr int M = D / 4, MQ = M / 4, NX = M / 8;
   static constexpr int UK = M * 128, UV = 32 * 128;    // units of K, of V (its 32 slots a row)
   static constexpr int UT = UK + UV;
-  static constexpr int IT = (UT + NT - 1) / NT;
-  static constexpr int NB = IT < 2 ? IT : 2;
-  static constexpr int BATCH = (IT + NB - 1) / NB;
-  uint4 v[BATCH];
-  u32 dst[BATCH];
-  // wb: the shared window's rank bits (attention.cu), added to the tables' fixed addresses
-  __device__ __forceinline__ void load(const u32* gk, const u32* gv, int tid, int i0, int rot, u32 wb) {
-#pragma unroll
-    for (int j = 0; j < BATCH; ++j) {
-      const int u0 = tid + (i0 + j) * NT;
-      if (i0 + j < IT && u0 < UT) {
-        const int u = u0 + rot < UT ? u0 + rot : u0 + rot - UT;
-        const bool k = u < UK;
-        const int uu = k ? u : u - UK;
-        const int r = uu & 15, s = (uu >> 4) & 1, cg = (uu >> 5) & 63, mb = uu >> 11;
-        const int code0 = 4 * cg + 2 * s;
-        // slot r of half mb: K subspace (r/4)*MQ + 4mb + r%4, V 8*((r/4) mod NX) + 4mb + r%4
-        const int m = k ? (r >> 2) * MQ + 4 * mb + (r & 3) : 8 * ((r >> 2) & (NX - 1)) + 4 * mb + (r & 3);
-        dst[j] = wb + (k ? T4_K : T4_V) + code0 * 256 + 128 * mb + 8 * r;
-        v[j] = __ldg(reinterpret_cast<const uint4*>((k ? gk : gv) + (m * 256 + code0) * 2));
-      }
-    }
+  static __device__ __forceinline__ void unit(int u, const u32* gk, const u32* gv, u32 wb, u32& dst, uint4& v) {
+    const bool k = u < UK;
+    const int uu = k ? u : u - UK;
+    const int r = uu & 15, s = (uu >> 4) & 1, cg = (uu >> 5) & 63, mb = uu >> 11;
+    const int code0 = 4 * cg + 2 * s;
+    // slot r of half mb: K subspace (r/4)*MQ + 4mb + r%4, V 8*((r/4) mod NX) + 4mb + r%4
+    const int m = k ? (r >> 2) * MQ + 4 * mb + (r & 3) : 8 * ((r >> 2) & (NX - 1)) + 4 * mb + (r & 3);
+    dst = wb + (k ? T4_K : T4_V) + code0 * 256 + 128 * mb + 8 * r;
+    v = __ldg(reinterpret_cast<const uint4*>((k ? gk : gv) + (m * 256 + code0) * 2));
   }
-  __device__ __forceinline__ void store(unsigned char*, int tid, int i0) {
-#pragma unroll
-    for (int j = 0; j < BATCH; ++j) {
-      const int u = tid + (i0 + j) * NT;
-      if (i0 + j < IT && u < UT) {
-        sts64(dst[j], v[j].x, v[j].y);           // code0
-        sts64(dst[j] + 256, v[j].z, v[j].w);     // code0 + 1: the next row
-      }
-    }
+  static __device__ __forceinline__ void put(unsigned char*, u32 dst, const uint4& v) {
+    sts64(dst, v.x, v.y);           // code0
+    sts64(dst + 256, v.z, v.w);     // code0 + 1: the next row
   }
 };
+template <int D, int NW> using RegStager4 = RegBatches<Cf4Map<D>, NW>;
 
 // the register stager of a build: RegStager (dsub 2) or RegStager4
 template <int D, int DSUB, int NW, int VG> struct StagerOf { typedef RegStager<D / DSUB, NW, VG> T; };

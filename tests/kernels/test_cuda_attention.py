@@ -107,7 +107,7 @@ def test_sources_inline_their_headers_once():
         assert '#include "' not in src
         assert src.count("__device__ __forceinline__ void mma16816(") == 1
     src = build.source("attention.cu")
-    assert src.count("struct RegStager {") == 1 and src.count("struct RegStager4 {") == 1
+    assert src.count("struct RegBatches {") == 1 and src.count("struct Cf4Map {") == 1
     assert "pq_attn(" in src and "pq_merge(" not in src
 
 
