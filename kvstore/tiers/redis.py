@@ -118,7 +118,7 @@ class RedisTier:
         """Payloads [n, block bytes] uint8 on device of the leading n blocks of
         `hashes` that Redis holds and that check out. The values are received
         straight into pinned memory (RedisStore.read_into), checked on the
-        threads that received them, and each chunk's host-to-device copy is
+        store's checking threads, and each chunk's host-to-device copy is
         queued on the current stream as soon as the chunk is in."""
         fp, width, n = self.c.fingerprint, self.c.main_io.block_bytes(), len(hashes)
         device = torch.device(device)

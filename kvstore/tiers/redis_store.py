@@ -14,11 +14,13 @@ reads the prefix it misses in pipelines of GETs, not an MGET, which a cluster
 refuses across slots (CROSSSLOT); a Cluster client must split such a pipeline
 by node, one round trip per node owning keys of it.
 
-Reads take the bulk path of resp.py: GET_PARALLEL connections of its own,
-each a pipeline of GETs (GETEX with a TTL) of contiguous chunks of rows, one
-chunk sent ahead of the one being read, every value received straight into
-the caller's (pinned) rows and checked on the thread that received it. Puts
-and the breaker's PING go through redis-py.
+Reads take the bulk path of resp.py: RedisConfig.read_connections
+connections of its own, each a pipeline of GETs (GETEX with a TTL) of
+contiguous chunks of rows, one chunk sent ahead of the one being read, every
+value received straight into the caller's (pinned) rows. A chunk's values
+are checked on a small pool of checking threads while its connection
+receives the next chunk (docs/scale.md, What limits it). Puts and the
+breaker's PING go through redis-py.
 
 Eviction is Redis's own: run it with `maxmemory <bytes>` and
 `maxmemory-policy allkeys-lru` (these blocks are a cache: any of them may go).
@@ -35,6 +37,7 @@ again until Redis comes back from an outage (which may have emptied it).
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections import deque
@@ -52,8 +55,16 @@ from .redis_format import block_key, pack_value
 
 log = logging.getLogger("kvstore.redis")
 
-GET_CHUNK_BYTES = 8 << 20         # a lookup's rows go in chunks of this much: one pipeline each...
-GET_PARALLEL = 8                  # ...over this many connections at once (Redis's io-threads need 2 per thread)
+GET_CHUNK_BYTES = 8 << 20         # a lookup's rows go in chunks of this much: one pipeline each
+# One Redis 7 instance serves a lookup fastest over 1 connection: its main thread copies
+# every value into a reply buffer, and more connections only interleave that work
+# (docs/scale.md, What limits it: 3.4-4.1 GB/s with 1, 1.6-2.3 with 8 on the H100 host).
+READ_CONNECTIONS = 1
+# Checking runs at about 5 GB/s a core (redis_format.checksum): a few threads keep up
+# with what one host receives from several shards, and take the checks off the
+# connections' threads so that receiving never waits for them.
+CHECK_THREADS = max(2, min(8, (os.cpu_count() or 1) // 2))
+MAX_READ_CONNECTIONS = 64
 PUT_BATCH_BYTES = 16 << 20        # one pipeline of the writer sends at most this much
 BACKOFF_START_S = 0.5
 HIT, MISS, REFUSED, SKIPPED = "hit", "miss", "refused", "skipped"     # a row's verdict (read_into)
@@ -67,12 +78,14 @@ class RedisConfig:
     add TLS_OPTIONS); ttl_s: expiry of each block (0: none, maxmemory-policy
     alone evicts); timeout_s: connect and socket timeout; backoff_s: the
     longest a failed Redis is skipped; queue_bytes: puts waiting for the
-    writer before new ones are dropped."""
+    writer before new ones are dropped; read_connections: connections a
+    lookup reads over from one Redis (READ_CONNECTIONS)."""
     url: str
     ttl_s: int = 0
     timeout_s: float = 0.25
     backoff_s: float = 10.0
     queue_bytes: int = 64 << 20
+    read_connections: int = READ_CONNECTIONS
 
     def __post_init__(self) -> None:
         try:
@@ -102,6 +115,9 @@ class RedisConfig:
             raise InvalidArgument("redis-backoff", f"must be in (0, 3600] seconds, got {self.backoff_s}")
         if self.queue_bytes <= 0:
             raise InvalidArgument("queue_bytes", f"must be > 0, got {self.queue_bytes}")
+        if not 1 <= self.read_connections <= MAX_READ_CONNECTIONS:
+            raise InvalidArgument("redis-read-connections",
+                                  f"must be in [1, {MAX_READ_CONNECTIONS}], got {self.read_connections}")
 
     def redacted(self) -> str:
         """The URL without its password (for logs and errors)."""
@@ -146,10 +162,11 @@ class RedisStore:
         self._closed = False
         self._writer = threading.Thread(target=self._run, name="kvstore-redis-writer", daemon=True)
         self._writer.start()
-        # Lookups read over several connections at once: one connection goes at
-        # what one thread's receives and checksums do (both release the GIL),
-        # and a Redis with io-threads writes to that many sockets at once.
-        self._readers = ThreadPoolExecutor(GET_PARALLEL, thread_name_prefix="kvstore-redis-read")
+        # A lookup's connections each receive on a thread of their own (the caller
+        # meanwhile copies the chunks that are in on to the device); the values are
+        # checked on other threads, while their connection receives the next chunk.
+        self._readers = ThreadPoolExecutor(cfg.read_connections, thread_name_prefix="kvstore-redis-read")
+        self._checkers = ThreadPoolExecutor(CHECK_THREADS, thread_name_prefix="kvstore-redis-check")
         self._idle: list[resp.RespConnection] = []       # read connections (resp.py) not in use
         self._closed_reads = False
         self.ping()
@@ -200,11 +217,12 @@ class RedisStore:
                   verify) -> list[tuple[int, int, Future]]:
         """GET keys[i] (GETEX with a TTL) into heads[i] ([n, HEADER_BYTES]
         uint8) and rows[i] ([n, payload bytes] uint8, e.g. pinned), verify(i)
-        -> bool on the thread that received it. -> (a, b, future) per chunk
-        of rows [a, b), in order; a future gives the chunk's verdicts (HIT,
-        MISS, REFUSED, or SKIPPED: not asked, past a row that was not a hit)
-        or None where Redis failed. The rows of a chunk are written before its
-        future is done; every future is done when the last one is."""
+        -> bool on a checking thread. -> (a, b, future) per chunk of rows
+        [a, b), in order; a future gives the chunk's verdicts (HIT, MISS,
+        REFUSED, or SKIPPED: not asked or not checked, past a row that was
+        not a hit) or None where Redis failed. The rows of a chunk are
+        written and checked before its future is done; the caller waits on
+        every future before it lets heads and rows go."""
         n = len(keys)
         per = max(1, GET_CHUNK_BYTES // max(1, heads.shape[1] + rows.shape[1]))
         chunks = [(a, min(n, a + per), Future()) for a in range(0, n, per)]
@@ -212,11 +230,8 @@ class RedisStore:
             for _, _, f in chunks:
                 f.set_result(None)
             return chunks
-        lanes = min(GET_PARALLEL, len(chunks))
+        lanes = min(self.cfg.read_connections, len(chunks))
         stop = _Stop(n, time.monotonic())
-        if lanes == 1:
-            self._lane(keys, heads, rows, verify, chunks, stop)
-            return chunks
         for p in range(lanes):        # the caller waits on the chunks in order (and copies each on)
             self._readers.submit(self._lane, keys, heads, rows, verify, chunks[p::lanes], stop)
         return chunks
@@ -229,7 +244,8 @@ class RedisStore:
 
     def _lane(self, keys, heads, rows, verify, chunks, stop: "_Stop") -> None:
         """One connection reads its chunks in order, the next one's GETs sent
-        before the current one's replies are read (the server streams on)."""
+        before the current one's replies are read (the server streams on);
+        each chunk received goes to the checking threads."""
         sent = done = 0
         conn = None
         try:
@@ -242,14 +258,13 @@ class RedisStore:
                     fut.set_result([SKIPPED] * (b - a))
                     done += 1
                     continue
-                out = []
+                got = []
                 for i in range(a, b):
                     r = conn.read_value(memoryview(heads[i]), memoryview(rows[i]))
-                    v = HIT if r == resp.HIT and verify(i) else MISS if r == resp.MISS else REFUSED
-                    if v != HIT:
+                    if r != resp.HIT:
                         stop.lower(i)
-                    out.append(v)
-                fut.set_result(out)
+                    got.append(r)
+                self._checkers.submit(_check, a, got, verify, fut, stop)
                 done += 1
         except self._errors as e:
             if conn is not None:
@@ -276,7 +291,7 @@ class RedisStore:
 
     def _give_back(self, conn: resp.RespConnection) -> None:
         with self._lock:
-            if not self._closed_reads and len(self._idle) < GET_PARALLEL:
+            if not self._closed_reads and len(self._idle) < self.cfg.read_connections:
                 self._idle.append(conn)
                 return
         conn.close()
@@ -352,6 +367,7 @@ class RedisStore:
             self._cv.notify()
         self._writer.join(timeout)
         self._readers.shutdown(wait=True)
+        self._checkers.shutdown(wait=True)
         with self._lock:
             self._closed_reads = True
         self._drop_connections()
@@ -363,6 +379,27 @@ class RedisStore:
         with self._lock:
             return dict(up=int(self.up), state="up" if self.up else "down", last_error=self.last_error,
                         queue_puts=queued[0], queue_bytes=queued[1], **self.counters)
+
+
+def _check(a: int, got: list[int], verify, fut: Future, stop: "_Stop") -> None:
+    """A checking thread: the verdicts of rows a, a + 1, ... as received (got:
+    resp.HIT, MISS or OTHER) and checked (verify(i)) into fut. Rows past one
+    known not to be a hit are not checked (SKIPPED): the lookup stops before them."""
+    try:
+        out = []
+        for i, r in enumerate(got, a):
+            if i > stop.at:
+                v = SKIPPED
+            elif r == resp.HIT:
+                v = HIT if verify(i) else REFUSED
+            else:
+                v = MISS if r == resp.MISS else REFUSED
+            if v in (MISS, REFUSED):
+                stop.lower(i)
+            out.append(v)
+        fut.set_result(out)
+    except BaseException as e:           # a bug: the waiting lookup raises it, nothing hangs
+        fut.set_exception(e)
 
 
 class _Stop:
