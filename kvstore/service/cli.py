@@ -74,7 +74,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--redis-backoff", type=float, default=10.0, metavar="SECONDS",
                    help="longest pause before trying a failed Redis again (default: %(default)s)")
     p.add_argument("--redis-read-connections", type=int, default=READ_CONNECTIONS, metavar="N",
-                   help="connections a prefix lookup reads over from each Redis "
+                   help="connections a prefix lookup reads over from each Redis (each primary of a cluster) "
                         "(default: %(default)s: one Redis 7 streams values fastest over one, its main thread "
                         "being the bound; docs/scale.md)")
     p.add_argument("--max-message-mb", type=int, default=DEFAULT_MAX_MESSAGE_MB, metavar="MB",
