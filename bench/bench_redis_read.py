@@ -5,10 +5,13 @@ raw loopback socket measured in the same run.
                  received with recv_into into one buffer (what any client can reach)
   redis-py       a pipeline of GETs per connection, P connections in threads (the old path)
   resp, no check RedisStore.read_into (kvstore/tiers/resp.py) without the value checks
-  resp           RedisStore.read_into with the checks a lookup makes (header + checksum)
-each against a redis-server this script starts on a free port, once per --io-threads
-value (Redis 7: `io-threads N`; its threads only write when at least 2 N clients
-have replies pending, so P >= 2 N).
+  resp           RedisStore.read_into with the checks a lookup makes (header + checksum, on
+                 the store's checking threads while the connections receive on)
+each over P connections (--conns: RedisConfig.read_connections), against a redis-server
+this script starts on a free port, once per --io-threads value (Redis 7: `io-threads N`;
+its threads only write when at least 2 N clients have replies pending, so P >= 2 N).
+Beside each row: the CPU redis-server used while it ran (cores: its user + system time
+over the run's wall time, from /proc), which shows when its main thread is the bound.
 
 python bench/bench_redis_read.py [--redis-server PATH] [--mb 264] [--value-kb 512]
                                  [--conns 1 4 8] [--io-threads 1 4]
@@ -31,13 +34,26 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_tiers import start_redis  # noqa: E402
 
 
-def best_of(fn, reps: int) -> float:
-    best = float("inf")
+def best_of(fn, reps: int, pid: int | None = None) -> tuple[float, float]:
+    """-> (best seconds of fn, cores process pid used over all reps: its CPU
+    time over their wall time, /proc's ticks being 10 ms)."""
+    best, wall, c0 = float("inf"), 0.0, cpu_seconds(pid)
     for _ in range(reps):
         t = time.perf_counter()
         fn()
-        best = min(best, time.perf_counter() - t)
-    return best
+        dt = time.perf_counter() - t
+        best, wall = min(best, dt), wall + dt
+    return best, (cpu_seconds(pid) - c0) / wall
+
+
+def cpu_seconds(pid: int | None) -> float:
+    """User + system CPU seconds of process pid so far (0 where /proc has none)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rpartition(")")[2].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, TypeError):
+        return 0.0
 
 
 SENDER = r"""
@@ -86,7 +102,7 @@ def raw_socket(total: int, conns: int, reps: int) -> float:
                 t.start()
             for t in ts:
                 t.join()
-        return best_of(run, reps)
+        return best_of(run, reps)[0]
     finally:
         proc.kill()
         proc.wait()
@@ -97,13 +113,12 @@ def main() -> None:
     p.add_argument("--redis-server", default=None, metavar="PATH")
     p.add_argument("--mb", type=int, default=264, help="bytes read per run (an 8K 4-bit prefix: 264)")
     p.add_argument("--value-kb", type=int, default=512, help="payload per value (a 4-bit Llama-3-8B block: 512)")
-    p.add_argument("--conns", type=int, nargs="+", default=[1, 4, 8])
+    p.add_argument("--conns", type=int, nargs="+", default=[1, 2, 4, 8])
     p.add_argument("--io-threads", type=int, nargs="+", default=[1, 4] if (os.cpu_count() or 1) >= 8 else [1])
     p.add_argument("--reps", type=int, default=3)
     args = p.parse_args()
     import redis
 
-    from kvstore.tiers import redis_store
     from kvstore.tiers.redis_format import HEADER_BYTES, block_key, check, pack_value
     from kvstore.tiers.redis_store import HIT, RedisConfig, RedisStore
     width = args.value_kb << 10
@@ -144,21 +159,21 @@ def main() -> None:
                         t.start()
                     for t in ts:
                         t.join()
-                redis_store.GET_PARALLEL = c
-                store = RedisStore(RedisConfig(url, timeout_s=30))
+                store = RedisStore(RedisConfig(url, timeout_s=30, read_connections=c))
                 heads, out = np.empty((n, HEADER_BYTES), np.uint8), np.empty((n, width), np.uint8)
 
                 def ours(verify):
                     got = [v for _, _, f in store.read_into(keys, heads, out, verify) for v in f.result()]
                     assert got == [HIT] * n, got[:4]
-                t_py = best_of(redis_py, args.reps)
-                t_nc = best_of(lambda: ours(lambda i: True), args.reps)
-                t_ck = best_of(lambda: ours(lambda i: check(heads[i], out[i], fp, hashes[i])), args.reps)
+                t_py = best_of(redis_py, args.reps, server.pid)
+                t_nc = best_of(lambda: ours(lambda i: True), args.reps, server.pid)
+                t_ck = best_of(lambda: ours(lambda i: check(heads[i], out[i], fp, hashes[i])), args.reps, server.pid)
                 assert np.array_equal(out, payloads)
                 store.close()
-                for label, t in (("redis-py pipeline", t_py), ("resp, no check", t_nc), ("resp (lookup path)", t_ck)):
+                for label, (t, cores) in (("redis-py pipeline", t_py), ("resp, no check", t_nc),
+                                          ("resp (lookup path)", t_ck)):
                     print(f"    {label + ', %d conn' % c:<38} {total / t / 1e9:6.2f} GB/s  "
-                          f"{raw[c] / t:.2f}x of raw socket, {c} conn")
+                          f"{raw[c] / t:.2f}x of raw socket, {c} conn; redis-server {cores:.2f} cores")
         finally:
             server.kill()
             server.wait()

@@ -4,13 +4,14 @@ in the same run.
   GPU -> host and host -> GPU GB/s of the tier moves vs a plain pinned copy of the same bytes
   LMDB spill (Offload, synced) and restore (Prefetch) GB/s; the spill vs a plain write +
     fdatasync of the same bytes to a file beside the LMDB (the disk's synced sequential speed)
-  Redis put and get GB/s through the store (a redis-server this script starts on a free port)
+  Redis put and get GB/s through the store (a redis-server this script starts on a free port;
+  with --redis-shards N also an N-node Redis Cluster, kvstore/tools/local_redis.py)
   restoring an 8K-token prefix (Allocate with its token ids) from host, from LMDB and from
   Redis (a second engine with empty local tiers: another host) vs recomputing its prefill
   with a Llama-3-8B-geometry layer stack (32 layers, 32 q / 8 kv heads, d 128, 4-bit PQ)
 
 python bench/bench_tiers.py [--tokens 8192] [--layers 32] [--device cuda] [--redis-server PATH]
-                            [--redis-io-threads N] [--dir DIR]
+                            [--redis-io-threads N] [--redis-shards N] [--dir DIR]
 (on a CPU: --device cpu --skip-prefill, where the prefill of the Llama-3-8B stack would take minutes)
 """
 from __future__ import annotations
@@ -139,6 +140,8 @@ def main() -> None:
                    help="redis-server binary (or a wrapper) for the Redis rows; default: redis-server on PATH")
     p.add_argument("--redis-io-threads", type=int, default=4 if (os.cpu_count() or 1) >= 8 else 1,
                    help="the redis-server's io-threads (docs/scale.md: what to configure)")
+    p.add_argument("--redis-shards", type=int, default=0, metavar="N",
+                   help="also read the prefix from a local Redis Cluster of N primaries (0: none)")
     p.add_argument("--dir", default=None, help="where the LMDB (and the disk baseline's file) go; default: a temp dir")
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--skip-prefill", action="store_true")
@@ -146,16 +149,27 @@ def main() -> None:
     dev, L, n = args.device, args.layers, args.tokens
     tmp = tempfile.mkdtemp(prefix="kvbench-", dir=args.dir)
     server, url = start_redis(args.redis_server, tmp, io_threads=args.redis_io_threads)
+    cluster = None
     try:
-        run(args, dev, L, n, tmp, url if server is not None else None, None if server is not None else url)
+        if server is not None and args.redis_shards:
+            from kvstore.tools.local_redis import LocalCluster
+            os.makedirs(os.path.join(tmp, "cluster"))
+            cluster = LocalCluster(os.path.join(tmp, "cluster"), args.redis_shards, args.redis_server, maxmemory="8gb",
+                                   extra=(("--io-threads", str(args.redis_io_threads), "--io-threads-do-reads", "yes")
+                                          if args.redis_io_threads > 1 else ()))
+        run(args, dev, L, n, tmp, url if server is not None else None, None if server is not None else url,
+            cluster.url if cluster is not None else None)
     finally:
+        if cluster is not None:
+            cluster.stop()
         if server is not None:
             server.kill()
             server.wait()
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def run(args, dev: str, L: int, n: int, tmp: str, url: str | None, no_redis: str | None) -> None:
+def run(args, dev: str, L: int, n: int, tmp: str, url: str | None, no_redis: str | None,
+        cluster_url: str | None) -> None:
     from kvstore.tiers.redis_store import RedisConfig
     geom = ModelGeometry(L, 32, 8, 128)
     blocks = n // 16 + 64
@@ -165,6 +179,7 @@ def run(args, dev: str, L: int, n: int, tmp: str, url: str | None, no_redis: str
     # The put queue holds the whole prefix (the default 64 MiB would drop most of an
     # 8K-token prefix's 264 MB of 4-bit codes while the writer drains it).
     redis_cfg = RedisConfig(url, timeout_s=30, queue_bytes=1 << 30) if url else None
+    cluster_cfg = RedisConfig(cluster_url, timeout_s=30, queue_bytes=1 << 30) if cluster_url else None
     e = Engine(dev, lmdb_path=os.path.join(tmp, "lmdb"), redis=redis_cfg)
     g = torch.Generator().manual_seed(0)
     cb = Codebooks(k=torch.randn(L, 8, 64, 256, 2, generator=g), v=torch.randn(L, 8, 64, 256, 2, generator=g))
@@ -212,6 +227,16 @@ def run(args, dev: str, L: int, n: int, tmp: str, url: str | None, no_redis: str
                    "the prefix's puts to Redis")
         if cache.redis.stats()["dropped_puts"]:
             raise RuntimeError(f"{cache.redis.stats()['dropped_puts']} of the prefix's puts were dropped")
+    ec = None
+    if cluster_cfg:          # the same blocks into the cluster, through a store of its own
+        ec = Engine(dev, redis=cluster_cfg)
+        ctier = new_cache(ec, "b").redis
+        ids = cache.seq("t", "p").sealed
+        ctier.put([cache.main_pool.blocks[b].hash for b in ids], cache.main_io.pack(list(ids)))
+        wait_until(lambda: ctier.stats()["blocks_out"] + ctier.stats()["dropped_puts"] >= sealed,
+                   "the prefix's puts to the cluster")
+        if ctier.stats()["dropped_puts"]:
+            raise RuntimeError(f"{ctier.stats()['dropped_puts']} of the prefix's puts to the cluster were dropped")
     cache.tiering.to_host(cache.seq("t", "p"))       # host: its blocks findable there
     e.offload("b", "t", ["p"])                        # LMDB: its blocks under their hashes
     e.free("b", "t", ["p"])                           # the sequence goes, its blocks stay below
@@ -238,13 +263,16 @@ def run(args, dev: str, L: int, n: int, tmp: str, url: str | None, no_redis: str
         assert hits - before == sealed and got == sealed * 16, f"{want}: {hits} of {sealed} blocks from below"
         engine.free(name, "t", ["x"])
         return dt
-    t_hit = {"host": float("inf"), "disk": float("inf"), "redis": float("inf")}
+    t_hit = {"host": float("inf"), "disk": float("inf"), "redis": float("inf"), "cluster": float("inf")}
     e2 = Engine(dev, redis=redis_cfg) if url else None       # another host: nothing local
+    e3 = Engine(dev, redis=cluster_cfg) if cluster_cfg else None
     for r in range(args.reps):
         t_hit["host"] = min(t_hit["host"], prefix_hit(e, f"h{r}", "host"))
         t_hit["disk"] = min(t_hit["disk"], prefix_hit(e, f"d{r}", "disk"))
         if e2 is not None:
             t_hit["redis"] = min(t_hit["redis"], prefix_hit(e2, f"r{r}", "redis"))
+        if e3 is not None:
+            t_hit["cluster"] = min(t_hit["cluster"], prefix_hit(e3, f"c{r}", "redis"))
     t_rput = float("inf")
     if url:      # puts through the store: the prefix's blocks again, as a spill sends them
         payload = cache.main_io.pack(list(range(sealed)))
@@ -275,7 +303,11 @@ def run(args, dev: str, L: int, n: int, tmp: str, url: str | None, no_redis: str
     if url:
         rows += [("redis-server io-threads", str(args.redis_io_threads), "(--redis-io-threads)"),
                  ("Redis put (through the store, not persisted)", f"{pgb / t_rput:.2f} GB/s", f"{t_rput * 1e3:.1f} ms"),
-                 ("Redis get (prefix hit, to the device)", f"{pgb / t_hit['redis']:.2f} GB/s", "")]
+                 ("Redis get (prefix hit, to the device)", f"{pgb / t_hit['redis']:.2f} GB/s",
+                  f"{RedisConfig(url).read_connections} connection(s)")]
+        if e3 is not None:
+            rows.append((f"Redis Cluster get ({args.redis_shards} shards)", f"{pgb / t_hit['cluster']:.2f} GB/s",
+                         f"{RedisConfig(url).read_connections} connection(s) per shard"))
     else:
         rows += [("Redis rows", "skipped", no_redis)]
     for t, name in (("host", "host"), ("disk", "LMDB")):
@@ -287,7 +319,8 @@ def run(args, dev: str, L: int, n: int, tmp: str, url: str | None, no_redis: str
                          (f"restore {n} tokens from LMDB (Prefetch)", t_restore),
                          (f"{n}-token prefix hit from host", t_hit["host"]),
                          (f"{n}-token prefix hit from LMDB", t_hit["disk"]),
-                         (f"{n}-token prefix hit from Redis", t_hit["redis"])):
+                         (f"{n}-token prefix hit from Redis", t_hit["redis"]),
+                         (f"{n}-token prefix hit from a {args.redis_shards}-shard Redis Cluster", t_hit["cluster"])):
             if t < float("inf"):
                 rows.append((label, f"{t * 1e3:.1f} ms", f"{t_prefill / t:.1f}x faster than recompute"))
     print(f"\ntiers benchmark: device {dev} ({torch.cuda.get_device_name() if dev.startswith('cuda') else 'cpu'}),"
@@ -295,9 +328,9 @@ def run(args, dev: str, L: int, n: int, tmp: str, url: str | None, no_redis: str
     w = max(len(r[0]) for r in rows)
     for a, b, c in rows:
         print(f"  {a:<{w}}  {b:>12}  {c}")
-    e.close()
-    if e2 is not None:
-        e2.close()
+    for engine in (e, e2, e3, ec):
+        if engine is not None:
+            engine.close()
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ from kvstore.core.config import check_device
 from kvstore.core.sizes import parse_bytes
 from kvstore.errors import InvalidArgument
 from kvstore.protocol.channel import DEFAULT_MAX_MESSAGE_MB, default_socket
+from kvstore.tiers.redis_store import READ_CONNECTIONS
 
 from . import buildinfo, logs, settings
 from .auth import Authenticator
@@ -72,6 +73,10 @@ def parser() -> argparse.ArgumentParser:
                    help="connect and socket timeout of Redis calls (default: %(default)s)")
     p.add_argument("--redis-backoff", type=float, default=10.0, metavar="SECONDS",
                    help="longest pause before trying a failed Redis again (default: %(default)s)")
+    p.add_argument("--redis-read-connections", type=int, default=READ_CONNECTIONS, metavar="N",
+                   help="connections a prefix lookup reads over from each Redis (each primary of a cluster) "
+                        "(default: %(default)s: one Redis 7 streams values fastest over one, its main thread "
+                        "being the bound; docs/scale.md)")
     p.add_argument("--max-message-mb", type=int, default=DEFAULT_MAX_MESSAGE_MB, metavar="MB",
                    help="largest gRPC message either way, in MiB (default: %(default)s); larger calls are "
                         "RESOURCE_EXHAUSTED: send big tensors through a registered buffer")
@@ -120,7 +125,7 @@ def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> tuple[Au
         from kvstore.tiers.redis_store import RedisConfig
         try:
             args.redis_cfg = RedisConfig(args.redis, ttl_s=args.redis_ttl, timeout_s=args.redis_timeout,
-                                         backoff_s=args.redis_backoff)
+                                         backoff_s=args.redis_backoff, read_connections=args.redis_read_connections)
         except InvalidArgument as e:
             p.error(f"--{e}")
         try:

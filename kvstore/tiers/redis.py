@@ -118,7 +118,7 @@ class RedisTier:
         """Payloads [n, block bytes] uint8 on device of the leading n blocks of
         `hashes` that Redis holds and that check out. The values are received
         straight into pinned memory (RedisStore.read_into), checked on the
-        threads that received them, and each chunk's host-to-device copy is
+        store's checking threads, and each chunk's host-to-device copy is
         queued on the current stream as soon as the chunk is in."""
         fp, width, n = self.c.fingerprint, self.c.main_io.block_bytes(), len(hashes)
         device = torch.device(device)
@@ -132,15 +132,15 @@ class RedisTier:
         try:
             for a, b, fut in chunks:
                 got = fut.result()
-                if got is None:
-                    self._count(errors=1)
-                    break
+                got = [None] * (b - a) if got is None else got      # None: Redis failed for the row
                 k = next((j for j, v in enumerate(got) if v != HIT), len(got))     # hits leading the chunk
                 if cuda and k:
                     out[a:a + k].copy_(host[a:a + k], non_blocking=True)
                 served = a + k
                 if k < len(got):
                     bad = got[k]
+                    if bad is None:
+                        self._count(errors=1)
                     break
         finally:
             for _, _, fut in chunks:       # every lane is done with heads and rows before they go

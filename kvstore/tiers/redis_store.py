@@ -8,17 +8,18 @@ the same model, geometry and codebooks, and a prefix hit crosses the network
 as PQ codes (storage.pack: every layer's K codes, then V codes).
 
 Keys and values: redis_format.py (kvstore:v2:<fingerprint>:<hash>, an 88-byte
-header with a checksum, then the payload). No hash tag ({...}): Redis Cluster
-hashes the whole key, so one cache's blocks spread over every slot. A lookup
-reads the prefix it misses in pipelines of GETs, not an MGET, which a cluster
-refuses across slots (CROSSSLOT); a Cluster client must split such a pipeline
-by node, one round trip per node owning keys of it.
+header with a checksum, then the payload). The URL names one Redis or any
+node of a Redis Cluster (redis_nodes.py finds out which): no hash tag ({...}),
+so a cluster spreads one cache's blocks over every slot, and a lookup or a
+batch of puts is split by node, every node's share sent side by side.
 
-Reads take the bulk path of resp.py: GET_PARALLEL connections of its own,
-each a pipeline of GETs (GETEX with a TTL) of contiguous chunks of rows, one
-chunk sent ahead of the one being read, every value received straight into
-the caller's (pinned) rows and checked on the thread that received it. Puts
-and the breaker's PING go through redis-py.
+Reads take the bulk path of resp.py: RedisConfig.read_connections
+connections per node, each a pipeline of GETs (GETEX with a TTL) of its rows
+of contiguous chunks, one chunk sent ahead of the one being read, every value
+received straight into the caller's (pinned) rows, then checked on a small
+pool of checking threads while its connection receives the next chunk
+(docs/scale.md, What limits it). One Redis gets its puts and PING from
+redis-py, a cluster's nodes from resp.py.
 
 Eviction is Redis's own: run it with `maxmemory <bytes>` and
 `maxmemory-policy allkeys-lru` (these blocks are a cache: any of them may go).
@@ -26,7 +27,7 @@ Eviction is Redis's own: run it with `maxmemory <bytes>` and
 
 Redis down or slow never fails a request and delays one by at most one
 socket timeout (--redis-timeout): no client retries, and a circuit breaker
-skips a failed Redis for a back-off (0.5 s doubling up to --redis-backoff)
+per node skips a failed one for a back-off (0.5 s doubling up to --redis-backoff)
 before it tries again, logging one WARNING per outage and one INFO on
 recovery. Puts go through a bounded queue to one writer thread: a full queue
 drops and counts, never waits. A block this daemon put or read is not put
@@ -35,8 +36,8 @@ again until Redis comes back from an outage (which may have emptied it).
 from __future__ import annotations
 
 import logging
+import os
 import threading
-import time
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -49,14 +50,22 @@ from kvstore.errors import InvalidArgument
 
 from . import resp
 from .redis_format import block_key, pack_value
+from .redis_lookup import HIT, MISS, REFUSED, SKIPPED, Lookup, runs  # noqa: F401 (the verdicts, for callers)
+from .redis_nodes import Node, Topology
 
 log = logging.getLogger("kvstore.redis")
 
-GET_CHUNK_BYTES = 8 << 20         # a lookup's rows go in chunks of this much: one pipeline each...
-GET_PARALLEL = 8                  # ...over this many connections at once (Redis's io-threads need 2 per thread)
+GET_CHUNK_BYTES = 8 << 20         # a lookup's rows go in chunks of this much: one pipeline each
+# One Redis 7 instance serves a lookup fastest over 1 connection: its main thread copies
+# every value into a reply buffer, and more connections only interleave that work
+# (docs/scale.md, What limits it: 3.4-4.1 GB/s with 1, 1.6-2.3 with 8 on the H100 host).
+READ_CONNECTIONS = 1
+# Checking runs at about 5 GB/s a core (redis_format.checksum): a few threads keep up
+# with what one host receives from several shards, and take the checks off the
+# connections' threads so that receiving never waits for them.
+CHECK_THREADS = max(2, min(8, (os.cpu_count() or 1) // 2))
+MAX_READ_CONNECTIONS = 64
 PUT_BATCH_BYTES = 16 << 20        # one pipeline of the writer sends at most this much
-BACKOFF_START_S = 0.5
-HIT, MISS, REFUSED, SKIPPED = "hit", "miss", "refused", "skipped"     # a row's verdict (read_into)
 # What a rediss:// URL may add (redis-py and resp.tls_context pass them to the TLS connection).
 TLS_OPTIONS = ("ssl_ca_certs", "ssl_ca_path", "ssl_certfile", "ssl_keyfile", "ssl_cert_reqs", "ssl_check_hostname")
 
@@ -67,12 +76,14 @@ class RedisConfig:
     add TLS_OPTIONS); ttl_s: expiry of each block (0: none, maxmemory-policy
     alone evicts); timeout_s: connect and socket timeout; backoff_s: the
     longest a failed Redis is skipped; queue_bytes: puts waiting for the
-    writer before new ones are dropped."""
+    writer before new ones are dropped; read_connections: connections a
+    lookup reads over from one Redis (READ_CONNECTIONS)."""
     url: str
     ttl_s: int = 0
     timeout_s: float = 0.25
     backoff_s: float = 10.0
     queue_bytes: int = 64 << 20
+    read_connections: int = READ_CONNECTIONS
 
     def __post_init__(self) -> None:
         try:
@@ -102,6 +113,9 @@ class RedisConfig:
             raise InvalidArgument("redis-backoff", f"must be in (0, 3600] seconds, got {self.backoff_s}")
         if self.queue_bytes <= 0:
             raise InvalidArgument("queue_bytes", f"must be > 0, got {self.queue_bytes}")
+        if not 1 <= self.read_connections <= MAX_READ_CONNECTIONS:
+            raise InvalidArgument("redis-read-connections",
+                                  f"must be in [1, {MAX_READ_CONNECTIONS}], got {self.read_connections}")
 
     def redacted(self) -> str:
         """The URL without its password (for logs and errors)."""
@@ -124,8 +138,10 @@ class Put:
 
 
 class RedisStore:
-    """One Redis for the whole daemon: the client, the circuit breaker and the
-    put queue with its writer thread. Caches see it through RedisTier."""
+    """The shared tier for the whole daemon: its endpoints (redis_nodes.py: one
+    Redis, or a cluster's primaries, each with its circuit breaker), the
+    lookups' reads and the put queue with its writer thread. Caches see it
+    through RedisTier."""
 
     def __init__(self, cfg: RedisConfig):
         import redis
@@ -133,93 +149,106 @@ class RedisStore:
         from redis.retry import Retry
         self.cfg = cfg
         self._errors = (redis.RedisError, OSError)
-        # No client retries: the breaker decides when Redis is tried again.
+        # No client retries: the breaker decides when Redis is tried again. redis-py
+        # puts to one Redis and PINGs it; a cluster's nodes get both from resp.py.
         self.client = redis.Redis.from_url(cfg.url, socket_timeout=cfg.timeout_s,
                                            socket_connect_timeout=cfg.timeout_s, retry=Retry(NoBackoff(), 0))
+        self.topology = Topology(cfg.url, cfg.redacted(), cfg.timeout_s, cfg.backoff_s, cfg.read_connections,
+                                 self._fail)
         self._lock = threading.Lock()
-        self.up, self.last_error, self.epoch = True, "", 0
-        self.counters = dict(errors=0, outages=0)     # calls that failed; times it went down
-        self._backoff, self._retry_at, self._down_since = BACKOFF_START_S, 0.0, 0.0
+        self._last_error = ""             # the latest failure or refusal, of any node
         self._cv = threading.Condition()
         self._queue: deque[Put] = deque()
         self._queued_bytes = 0
         self._closed = False
         self._writer = threading.Thread(target=self._run, name="kvstore-redis-writer", daemon=True)
         self._writer.start()
-        # Lookups read over several connections at once: one connection goes at
-        # what one thread's receives and checksums do (both release the GIL),
-        # and a Redis with io-threads writes to that many sockets at once.
-        self._readers = ThreadPoolExecutor(GET_PARALLEL, thread_name_prefix="kvstore-redis-read")
-        self._idle: list[resp.RespConnection] = []       # read connections (resp.py) not in use
-        self._closed_reads = False
+        # A lookup's connections each receive on a thread of their own (the caller
+        # meanwhile copies the chunks that are in on to the device); the values are
+        # checked on other threads, while their connection receives the next chunk.
+        # Threads start as needed: read_connections per node a lookup touches.
+        self._readers = ThreadPoolExecutor(MAX_READ_CONNECTIONS, thread_name_prefix="kvstore-redis-read")
+        self._checkers = ThreadPoolExecutor(CHECK_THREADS, thread_name_prefix="kvstore-redis-check")
         self.ping()
 
-    # ---------------------------------------------------------- the breaker
+    # ---------------------------------------------------------- the breakers
+    @property
+    def up(self) -> bool:
+        return all(n.breaker.up for n in self.topology.nodes)
+
+    @property
+    def epoch(self) -> tuple:
+        """Changes when a node comes back or the map changes: what Redis holds may have changed."""
+        return self.topology.version, tuple(n.breaker.epoch for n in self.topology.nodes)
+
     def allow(self) -> bool:
-        """Whether to try Redis now: up, or down with its back-off over."""
-        with self._lock:
-            return self.up or time.monotonic() >= self._retry_at
+        """Whether to try Redis now: a node up, or down with its back-off over."""
+        return any(n.breaker.allow() for n in self.topology.nodes)
 
-    def _ok(self, started: float | None = None) -> None:
-        """A call that began at `started` (monotonic) succeeded. One that began
-        before Redis was last seen failing says nothing of now: lanes of one read
-        finish at different times, and a lane that got its replies in before a
-        kill must not mark the store up again after another lane marked it down."""
-        with self._lock:
-            if self.up or (started is not None and started <= self._down_since):
-                return
-            self.up, self._backoff = True, BACKOFF_START_S
-            self.epoch += 1          # what Redis holds may have changed (a restart without persistence)
-            log.info("redis tier %s is back after %.1f s", self.cfg.redacted(), time.monotonic() - self._down_since)
-
-    def _fail(self, e: BaseException) -> None:
-        with self._lock:
-            now = time.monotonic()
-            self.counters["errors"] += 1
-            self.last_error = f"{type(e).__name__}: {e}"
-            if self.up:
-                self.up, self._down_since = False, now
-                self.counters["outages"] += 1
-                log.warning("redis tier %s is down (%s); serving without it, trying again every %.1f-%.1f s",
-                            self.cfg.redacted(), self.last_error, BACKOFF_START_S, self.cfg.backoff_s)
-            else:
-                self._backoff = min(self._backoff * 2, self.cfg.backoff_s)
-            self._retry_at = now + min(self._backoff, self.cfg.backoff_s)
+    def _fail(self, node: Node, e: BaseException) -> None:
+        node.breaker.fail(e)
+        self._error(f"{node.breaker.name}: {node.breaker.last_error}" if self.topology.cluster
+                    else node.breaker.last_error)
+        if self.topology.cluster:        # a failover may have moved its slots
+            self.topology.mark_stale()
 
     def ping(self) -> bool:
-        try:
-            self.client.ping()
-        except self._errors as e:
-            self._fail(e)
+        if self.topology.refresh_if_stale() is False:      # no node answered (counted)
             return False
-        self._ok()
-        return True
+        if not self.topology.cluster:
+            try:
+                self.client.ping()
+            except self._errors as e:
+                self._fail(self.topology.seed, e)
+                return False
+            self.topology.seed.breaker.ok()
+            return True
+        ok = True
+        for node in self.topology.nodes:
+            try:
+                conn = node.connection()
+                conn.call(b"PING")
+            except OSError as e:
+                self._fail(node, e)
+                ok = False
+                continue
+            node.give_back(conn)
+            node.breaker.ok()
+        return ok
 
     # ---------------------------------------------------------------- reads
     def read_into(self, keys: list[bytes], heads: np.ndarray, rows: np.ndarray,
                   verify) -> list[tuple[int, int, Future]]:
         """GET keys[i] (GETEX with a TTL) into heads[i] ([n, HEADER_BYTES]
         uint8) and rows[i] ([n, payload bytes] uint8, e.g. pinned), verify(i)
-        -> bool on the thread that received it. -> (a, b, future) per chunk
-        of rows [a, b), in order; a future gives the chunk's verdicts (HIT,
-        MISS, REFUSED, or SKIPPED: not asked, past a row that was not a hit)
-        or None where Redis failed. The rows of a chunk are written before its
-        future is done; every future is done when the last one is."""
+        -> bool on a checking thread. -> (a, b, future) per chunk of rows
+        [a, b), in order; a future gives the chunk's verdicts (HIT, MISS,
+        REFUSED, SKIPPED: not asked or not checked, past a row that was not
+        a hit; or None: Redis failed for that row), or None where Redis
+        failed for every row of the chunk. The rows of a chunk are written
+        and checked before its future is done; the caller waits on every
+        future before it lets heads and rows go."""
         n = len(keys)
         per = max(1, GET_CHUNK_BYTES // max(1, heads.shape[1] + rows.shape[1]))
         chunks = [(a, min(n, a + per), Future()) for a in range(0, n, per)]
+        read = Lookup(chunks, verify)
         if not self.allow():
-            for _, _, f in chunks:
-                f.set_result(None)
-            return chunks
-        lanes = min(GET_PARALLEL, len(chunks))
-        stop = _Stop(n, time.monotonic())
-        if lanes == 1:
-            self._lane(keys, heads, rows, verify, chunks, stop)
-            return chunks
-        for p in range(lanes):        # the caller waits on the chunks in order (and copies each on)
-            self._readers.submit(self._lane, keys, heads, rows, verify, chunks[p::lanes], stop)
-        return chunks
+            for c, (a, b, _) in enumerate(chunks):
+                read.part(c, range(a, b), None)
+            return read.chunks
+        self.topology.refresh_if_stale()
+        lanes = []
+        for node, idx in self.topology.route(keys):
+            parts = [(i // per, idx[j:k]) for i, j, k in runs(idx, per)]      # its rows, chunk by chunk
+            if node is None or not node.breaker.allow():
+                for c, part in parts:
+                    read.part(c, part, None if node is not None else [MISS] * len(part))
+                continue
+            m = min(self.cfg.read_connections, len(parts))
+            lanes += [(node, parts[p::m]) for p in range(m)]
+        for node, parts in lanes:     # the caller waits on the chunks in order (and copies each on)
+            self._readers.submit(self._lane, node, keys, heads, rows, parts, read)
+        return read.chunks
 
     def _gets(self, keys: list[bytes]) -> bytes:
         if self.cfg.ttl_s:
@@ -227,65 +256,48 @@ class RedisStore:
             return b"".join(resp.command(b"GETEX", k, b"EX", ex) for k in keys)
         return b"".join(resp.command(b"GET", k) for k in keys)
 
-    def _lane(self, keys, heads, rows, verify, chunks, stop: "_Stop") -> None:
-        """One connection reads its chunks in order, the next one's GETs sent
-        before the current one's replies are read (the server streams on)."""
+    def _lane(self, node: Node, keys, heads, rows, parts, read: Lookup) -> None:
+        """One connection reads its parts (rows of one chunk each) in order, the
+        next one's GETs sent before the current one's replies are read (the
+        server streams on); each part received goes to the checking threads."""
         sent = done = 0
         conn = None
         try:
-            conn = self._connection()
-            for a, b, fut in chunks:
-                while sent < len(chunks) and sent <= done + 1 and chunks[sent][0] < stop.at:
-                    conn.send(self._gets(keys[chunks[sent][0]:chunks[sent][1]]))
+            conn = node.connection()
+            for c, idx in parts:
+                while sent < len(parts) and sent <= done + 1 and parts[sent][1][0] < read.at:
+                    conn.send(self._gets([keys[i] for i in parts[sent][1]]))
                     sent += 1
                 if done >= sent:        # past a row that was not a hit: not asked
-                    fut.set_result([SKIPPED] * (b - a))
+                    read.part(c, idx, [SKIPPED] * len(idx))
                     done += 1
                     continue
-                out = []
-                for i in range(a, b):
+                got = []
+                for i in idx:
                     r = conn.read_value(memoryview(heads[i]), memoryview(rows[i]))
-                    v = HIT if r == resp.HIT and verify(i) else MISS if r == resp.MISS else REFUSED
-                    if v != HIT:
-                        stop.lower(i)
-                    out.append(v)
-                fut.set_result(out)
+                    if r != resp.HIT:
+                        read.lower(i)
+                        if r == resp.REDIRECT:      # a cluster whose slots moved, or one that is down
+                            self.topology.mark_stale()
+                    got.append(r)
+                self._checkers.submit(read.check, c, idx, got)
                 done += 1
         except self._errors as e:
             if conn is not None:
                 conn.close()
-            self._drop_connections()         # the idle ones are likely as dead (a restart)
-            self._fail(e)
-            for _, _, fut in chunks[done:]:
-                fut.set_result(None)
+            node.drop_connections()          # the idle ones are likely as dead (a restart)
+            self._fail(node, e)
+            for c, idx in parts[done:]:
+                read.part(c, idx, None)
             return
         except BaseException as e:           # a bug: the waiting lookup raises it, nothing hangs
             if conn is not None:
                 conn.close()
-            for _, _, fut in chunks[done:]:
-                fut.set_exception(e)
+            for c, _ in parts[done:]:
+                read.fail(c, e)
             return
-        self._give_back(conn)
-        self._ok(stop.started)
-
-    def _connection(self) -> resp.RespConnection:
-        with self._lock:
-            if self._idle:
-                return self._idle.pop()
-        return resp.RespConnection(self.cfg.url, self.cfg.timeout_s)
-
-    def _give_back(self, conn: resp.RespConnection) -> None:
-        with self._lock:
-            if not self._closed_reads and len(self._idle) < GET_PARALLEL:
-                self._idle.append(conn)
-                return
-        conn.close()
-
-    def _drop_connections(self) -> None:
-        with self._lock:
-            idle, self._idle = self._idle, []
-        for c in idle:
-            c.close()
+        node.give_back(conn)
+        node.breaker.ok(read.started)
 
     # ---------------------------------------------------------------- puts
     def submit(self, put: Put) -> bool:
@@ -321,29 +333,62 @@ class RedisStore:
             for p in batch:
                 p.tier._count(dropped_puts=len(p.hashes))
             return
-        pipe = self.client.pipeline(transaction=False)
-        ex = self.cfg.ttl_s or None
+        items = []
         for p in batch:
             if p.event is not None:
                 p.event.synchronize()          # the copy into p.rows is done
-            rows = p.rows.numpy()
-            for h, row in zip(p.hashes, rows):
-                pipe.set(block_key(p.fp, h), pack_value(p.fp, h, row), ex=ex)
-        try:
-            res = iter(pipe.execute(raise_on_error=False))
-        except self._errors as e:
-            self._fail(e)
-            for p in batch:
-                p.tier._count(dropped_puts=len(p.hashes))
-            return
-        self._ok()
+            items += [(block_key(p.fp, h), pack_value(p.fp, h, row)) for h, row in zip(p.hashes, p.rows.numpy())]
+        self.topology.refresh_if_stale()
+        res = iter(self._put_cluster(items) if self.topology.cluster else self._put_one(items))
         for p in batch:
-            results = [next(res) for _ in p.hashes]
-            refused = [r for r in results if r is not True]
+            results = [next(res) for _ in p.hashes]      # True, what refused it, or None: not tried
+            refused = [r for r in results if r is not True and r is not None]
             if refused:      # e.g. OOM under maxmemory-policy noeviction: run Redis with allkeys-lru
-                with self._lock:
-                    self.last_error = f"put refused: {type(refused[0]).__name__}: {refused[0]}"
+                self._error("put refused: " + (refused[0] if isinstance(refused[0], str)
+                                               else f"{type(refused[0]).__name__}: {refused[0]}"))
             p.tier.written([h for h, r in zip(p.hashes, results) if r is True], p.rows.shape[1], len(refused))
+            p.tier._count(dropped_puts=results.count(None))
+
+    def _put_one(self, items: list[tuple[bytes, bytes]]) -> list:
+        """One Redis, through redis-py: per item True, or the error reply's exception; all None when it failed."""
+        pipe = self.client.pipeline(transaction=False)
+        for k, v in items:
+            pipe.set(k, v, ex=self.cfg.ttl_s or None)
+        try:
+            res = pipe.execute(raise_on_error=False)
+        except self._errors as e:
+            self._fail(self.topology.seed, e)
+            return [None] * len(items)
+        self.topology.seed.breaker.ok()
+        return res
+
+    def _put_cluster(self, items: list[tuple[bytes, bytes]]) -> list:
+        """A cluster: one pipeline per node, side by side. -> per item True, the error
+        reply (str), or None: not stored (its node down or failing, its slot moved)."""
+        results: list = [None] * len(items)
+        jobs = [self._readers.submit(self._put_node, node, items, idx, results)
+                for node, idx in self.topology.route([k for k, _ in items])
+                if node is not None and node.breaker.allow()]
+        for j in jobs:
+            j.result()
+        return results
+
+    def _put_node(self, node: Node, items, idx: list[int], results: list) -> None:
+        conn = None
+        try:
+            conn = node.connection()
+            for i, r in zip(idx, node.set_many(conn, [items[i] for i in idx], self.cfg.ttl_s)):
+                results[i] = r
+                if r is None:
+                    self.topology.mark_stale()      # not stored here; the next put goes where it should
+        except OSError as e:
+            if conn is not None:
+                conn.close()
+            node.drop_connections()
+            self._fail(node, e)
+            return
+        node.give_back(conn)
+        node.breaker.ok()
 
     def close(self, timeout: float = 2.0) -> None:
         """Stop the writer after the queued puts (at most timeout seconds)."""
@@ -352,28 +397,20 @@ class RedisStore:
             self._cv.notify()
         self._writer.join(timeout)
         self._readers.shutdown(wait=True)
-        with self._lock:
-            self._closed_reads = True
-        self._drop_connections()
+        self._checkers.shutdown(wait=True)
+        self.topology.close()
         self.client.close()
+
+    def _error(self, text: str) -> None:
+        with self._lock:
+            self._last_error = text
 
     def stats(self) -> dict:
         with self._cv:
             queued = (len(self._queue), self._queued_bytes)
+        nodes = self.topology.nodes
+        down = [n for n in nodes if not n.breaker.up]
         with self._lock:
-            return dict(up=int(self.up), state="up" if self.up else "down", last_error=self.last_error,
-                        queue_puts=queued[0], queue_bytes=queued[1], **self.counters)
-
-
-class _Stop:
-    """The first row of a lookup that was not a hit: lanes ask nothing past it;
-    and when the lookup started (RedisStore._ok)."""
-
-    def __init__(self, n: int, started: float):
-        self.at = n
-        self.started = started
-        self._lock = threading.Lock()
-
-    def lower(self, i: int) -> None:
-        with self._lock:
-            self.at = min(self.at, i)
+            return dict(up=int(not down), state="down" if down else "up", last_error=self._last_error,
+                        queue_puts=queued[0], queue_bytes=queued[1], nodes=len(nodes), nodes_down=len(down),
+                        errors=sum(n.breaker.errors for n in nodes), outages=sum(n.breaker.outages for n in nodes))

@@ -19,7 +19,10 @@ import socket
 import ssl
 from urllib.parse import parse_qs, unquote, urlsplit
 
-HIT, MISS, OTHER = 1, 2, 3       # read_value: the value, no such key, an error reply or another length
+# read_value: the value, no such key, an error reply or another length, or a cluster's
+# answer that the key is served elsewhere or not now (MOVED, ASK, TRYAGAIN, CLUSTERDOWN).
+HIT, MISS, OTHER, REDIRECT = 1, 2, 3, 4
+CLUSTER_ERRORS = (b"-MOVED ", b"-ASK ", b"-TRYAGAIN", b"-CLUSTERDOWN")
 BUFFER_BYTES = 64 << 10          # replies' lines, and whatever a receive reads past them
 MAX_LINE = 4096
 
@@ -94,8 +97,12 @@ class RespConnection:
         self.sock.sendall(data)
 
     def call(self, *args: bytes):
-        """A control command -> its reply (simple string, integer or bulk)."""
+        """A control command -> its reply (simple string, integer, bulk or an array of them)."""
         self.send(command(*args))
+        return self.reply(args[0].decode())
+
+    def reply(self, what: str = "reply", depth: int = 0):
+        """The next reply; an error reply raises ReplyError naming `what`."""
         line = self._line()
         kind, rest = line[:1], line[1:]
         if kind == b"+":
@@ -103,7 +110,7 @@ class RespConnection:
         if kind == b":":
             return int(rest)
         if kind == b"-":
-            raise ReplyError(f"{args[0].decode()}: {rest.decode(errors='replace')}")
+            raise ReplyError(f"{what}: {rest.decode(errors='replace')}")
         if kind == b"$":
             n = self._length(rest)
             if n < 0:
@@ -112,14 +119,17 @@ class RespConnection:
             self._into(memoryview(out))
             self._crlf()
             return bytes(out)
+        if kind == b"*" and depth < 8:
+            n = self._length(rest)
+            return None if n < 0 else [self.reply(what, depth + 1) for _ in range(n)]
         raise ProtocolError(f"unexpected reply {line[:32]!r}")
 
     # ------------------------------------------------------------ replies
     def read_value(self, head: memoryview, payload: memoryview) -> int:
         """The next reply, to a GET: HIT (a bulk string of exactly
         len(head) + len(payload) bytes, now in head and payload), MISS (nil),
-        OTHER (an error reply, e.g. WRONGTYPE or MOVED, or a bulk string of
-        another length: read and dropped)."""
+        OTHER (an error reply, e.g. WRONGTYPE, or a bulk string of another
+        length: read and dropped), REDIRECT (CLUSTER_ERRORS)."""
         line = self._line()
         kind = line[:1]
         if kind == b"$":
@@ -135,7 +145,7 @@ class RespConnection:
             self._crlf()
             return OTHER
         if kind == b"-":
-            return OTHER
+            return REDIRECT if line.startswith(CLUSTER_ERRORS) else OTHER
         raise ProtocolError(f"unexpected reply to GET {line[:32]!r}")
 
     def _fill(self) -> None:

@@ -84,3 +84,19 @@ def redis_server(tmp_path):
     if srv.proc.poll() is None:
         srv.resume()        # a paused server dies of SIGKILL too, but its socket answers nothing until then
     srv.kill()
+
+
+@pytest.fixture
+def redis_cluster(tmp_path):
+    """A 3-node Redis Cluster (kvstore/tools/local_redis.py) on free ports."""
+    from kvstore.tools.local_redis import LocalCluster
+    if shutil.which("redis-server") is None:
+        why = "redis-server is not installed (make test installs it: apt-get install redis-server)"
+        if os.environ.get("CI"):
+            pytest.fail(why + "; CI must run the Redis tier tests")
+        pytest.skip(why)
+    d = tmp_path / "cluster"
+    d.mkdir()
+    c = LocalCluster(str(d), nodes=3)
+    yield c
+    c.stop()

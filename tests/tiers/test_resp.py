@@ -12,6 +12,7 @@ import time
 import numpy as np
 import pytest
 
+from kvstore.errors import InvalidArgument
 from kvstore.tiers import redis_store, resp
 from kvstore.tiers.redis_format import HEADER_BYTES, block_key, check, checksum, header, pack_value
 from kvstore.tiers.redis_store import HIT, MISS, REFUSED, SKIPPED, RedisConfig, RedisStore
@@ -131,14 +132,13 @@ def read(store, n: int, keys=None):
 
 @pytest.fixture
 def small_chunks(monkeypatch):
-    """Chunks of 3 rows over 4 connections: a 40-block read crosses every lane several times."""
+    """Chunks of 3 rows: a 40-block read over 4 connections crosses every lane several times."""
     monkeypatch.setattr(redis_store, "GET_CHUNK_BYTES", 3 * (W + HEADER_BYTES))
-    monkeypatch.setattr(redis_store, "GET_PARALLEL", 4)
 
 
-def test_read_into_stops_at_a_missing_or_corrupt_value(redis_server, small_chunks, monkeypatch):
+def test_read_into_stops_at_a_missing_or_corrupt_value(redis_server, small_chunks):
     p = fill_redis(redis_server, 40)
-    store = RedisStore(RedisConfig(redis_server.url, timeout_s=5))
+    store = RedisStore(RedisConfig(redis_server.url, timeout_s=5, read_connections=4))
     got, rows = read(store, 40)
     assert got == [HIT] * 40 and np.array_equal(rows, p)
     r = redis_server.client()
@@ -149,12 +149,12 @@ def test_read_into_stops_at_a_missing_or_corrupt_value(redis_server, small_chunk
     # Lanes run on their own threads, so the others may have read past the miss
     # before it is found; one lane sends at most the next chunk ahead of the one
     # it reads, and nothing after a miss is found.
-    monkeypatch.setattr(redis_store, "GET_PARALLEL", 1)
-    got, _ = read(store, 40)
+    one = RedisStore(RedisConfig(redis_server.url, timeout_s=5, read_connections=1))
+    got, _ = read(one, 40)
     assert got[:20] == [HIT] * 20 and got[20] == MISS
     assert got[21:24] in ([HIT] * 3, [SKIPPED] * 3) and got[24:] == [SKIPPED] * 16, \
         "chunks past the miss are not asked"
-    monkeypatch.setattr(redis_store, "GET_PARALLEL", 4)
+    one.close()
     bad = bytearray(pack_value(FP, hashes(40)[20], p[20]))
     bad[-1] ^= 1
     r.set(block_key(FP, hashes(40)[20]), bytes(bad))
@@ -164,18 +164,44 @@ def test_read_into_stops_at_a_missing_or_corrupt_value(redis_server, small_chunk
     store.close()
 
 
-def test_a_server_killed_mid_batch_puts_the_store_down_and_it_reconnects(redis_server, small_chunks):
+@pytest.mark.parametrize("conns", [1, 3])
+def test_a_lookup_reads_over_its_connections_and_checks_on_other_threads(redis_server, small_chunks, conns):
     p = fill_redis(redis_server, 40)
-    store = RedisStore(RedisConfig(redis_server.url, timeout_s=2, backoff_s=0.5))
-    hs = hashes(40)
+    store = RedisStore(RedisConfig(redis_server.url, timeout_s=5, read_connections=conns))
+    hs, threads = hashes(40), set()
     heads, rows = np.zeros((40, HEADER_BYTES), np.uint8), np.zeros((40, W), np.uint8)
 
     def verify(i):
-        if i == 10:
-            redis_server.kill()           # mid-batch: other lanes are reading their chunks
+        threads.add(threading.current_thread().name)
         return check(heads[i], rows[i], FP, hs[i])
-    chunks = store.read_into([block_key(FP, h) for h in hs], heads, rows, verify)
+    got = [v for _, _, f in store.read_into([block_key(FP, h) for h in hs], heads, rows, verify) for v in f.result()]
+    assert got == [HIT] * 40 and np.array_equal(rows, p)
+    assert threads and all(t.startswith("kvstore-redis-check") for t in threads), threads
+    # The server saw the lookup's connections (kept for the next one) beside redis-py's.
+    names = [c for c in redis_server.client().client_list() if c["cmd"] in ("get", "getex")]
+    assert len(names) == conns
+    store.close()
+    with pytest.raises(InvalidArgument, match="redis-read-connections"):
+        RedisConfig(redis_server.url, read_connections=0)
+
+
+def test_a_server_killed_mid_batch_puts_the_store_down_and_it_reconnects(redis_server, small_chunks, monkeypatch):
+    p = fill_redis(redis_server, 40)
+    store = RedisStore(RedisConfig(redis_server.url, timeout_s=2, backoff_s=0.5, read_connections=4))
+    hs = hashes(40)
+    heads, rows = np.zeros((40, HEADER_BYTES), np.uint8), np.zeros((40, W), np.uint8)
+    real, calls = resp.RespConnection.read_value, []
+
+    def read_value(self, head, payload):
+        calls.append(1)
+        if len(calls) == 11:
+            redis_server.kill()           # mid-batch: the lanes are reading their chunks
+        return real(self, head, payload)
+    monkeypatch.setattr(resp.RespConnection, "read_value", read_value)
+    chunks = store.read_into([block_key(FP, h) for h in hs], heads, rows,
+                             lambda i: check(heads[i], rows[i], FP, hs[i]))
     results = [f.result() for _, _, f in chunks]
+    monkeypatch.setattr(resp.RespConnection, "read_value", real)
     assert None in results, "a lane saw the server go"
     assert store.stats()["state"] == "down" and store.stats()["outages"] == 1
     for (a, b, _), got in zip(chunks, results):      # whatever a lane reported as a hit is the value

@@ -1,0 +1,82 @@
+"""One lookup of the Redis tier (RedisStore.read_into): its rows go in chunks, each
+chunk's future done when every node's part of it is in and checked; rows are
+checked on the store's checking threads; and the first row that was not a hit
+stops the lookup there (nothing past it is asked or checked)."""
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import Future
+
+from . import resp
+
+HIT, MISS, REFUSED, SKIPPED = "hit", "miss", "refused", "skipped"     # a row's verdict
+
+
+def runs(idx: list[int], per: int):
+    """(chunk, start, end) of each run of idx (ascending) within one chunk of per rows."""
+    j = 0
+    while j < len(idx):
+        c = idx[j] // per
+        k = j
+        while k < len(idx) and idx[k] // per == c:
+            k += 1
+        yield idx[j], j, k
+        j = k
+
+
+class Lookup:
+    """One lookup: its chunks' futures, each done when every node's part of it
+    is in and checked; and `at`, the first row that was not a hit (lanes ask
+    nothing past it, checks check nothing past it)."""
+
+    def __init__(self, chunks: list[tuple[int, int, Future]], verify):
+        self.chunks, self.verify = chunks, verify
+        self.at = chunks[-1][1] if chunks else 0
+        self.started = time.monotonic()      # Breaker.ok: a lane's success says nothing of after this
+        self._lock = threading.Lock()
+        self._out = [[SKIPPED] * (b - a) for a, b, _ in chunks]
+        self._left = [b - a for a, b, _ in chunks]         # rows of each chunk not yet in
+
+    def lower(self, i: int) -> None:
+        with self._lock:
+            self.at = min(self.at, i)
+
+    def part(self, c: int, idx, verdicts: list | None) -> None:
+        """Rows idx (of chunk c) are in: verdicts, or None where Redis failed for them."""
+        a, _, fut = self.chunks[c]
+        with self._lock:
+            out = self._out[c]
+            for j, i in enumerate(idx):
+                out[i - a] = v = verdicts[j] if verdicts is not None else None
+                if v not in (HIT, SKIPPED):
+                    self.at = min(self.at, i)
+            self._left[c] -= len(idx)
+            if self._left[c] or fut.done():
+                return
+        fut.set_result(None if all(v is None for v in out) else out)
+
+    def fail(self, c: int, e: BaseException) -> None:
+        with self._lock:
+            if self.chunks[c][2].done():
+                return
+            self._left[c] = -1             # parts still to come change nothing
+        self.chunks[c][2].set_exception(e)
+
+    def check(self, c: int, idx: list[int], got: list[int]) -> None:
+        """A checking thread: the verdicts of rows idx as received (got: resp.HIT,
+        MISS, OTHER or REDIRECT) and checked (verify(i)). Rows past one known
+        not to be a hit are not checked (SKIPPED): the lookup stops before them."""
+        try:
+            out = []
+            for i, r in zip(idx, got):
+                if i > self.at:
+                    v = SKIPPED
+                elif r == resp.HIT:
+                    v = HIT if self.verify(i) else REFUSED
+                else:       # a key a cluster serves elsewhere or not now is a miss, not a bad value
+                    v = MISS if r in (resp.MISS, resp.REDIRECT) else REFUSED
+                out.append(v)
+            self.part(c, idx, out)
+        except BaseException as e:           # a bug: the waiting lookup raises it, nothing hangs
+            self.fail(c, e)
