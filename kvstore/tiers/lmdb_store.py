@@ -8,11 +8,23 @@ not at all.
 
 Writes go through LMDB's writable map (writemap): a value is copied once,
 into the file's pages, where without it LMDB copies it into a page it
-allocated and then write()s that page at the commit (the spill ran at about
-0.4 of the disk's synced write speed, now about 0.8: docs/scale.md). A
-durable batch (sync=True) flushes the map before its commit and again after
-it, so the pages a commit points at are on disk before the pointer is: a
-crash at any point leaves the previous commit or this one, never half of it.
+allocated and then write()s that page at the commit. A durable batch
+(sync=True) flushes the map before its commit and again after it, so the
+pages a commit points at are on disk before the pointer is: a crash at any
+point leaves the previous commit or this one, never half of it.
+
+What a synced spill costs beyond the disk's own write + fdatasync
+(docs/scale.md, bench/bench_lmdb_spill.py): the first write to each page of
+the map is a page fault that brings the page into the page cache, and the
+sync waited for the whole batch after the last value was put. So the map is
+opened with readahead (without it LMDB advises MADV_RANDOM and each fault
+brings in its one page: the puts took 3-4x longer), and a durable batch
+starts the disk writing every WRITEBACK_STEP bytes it puts
+(sync_file_range(SYNC_FILE_RANGE_WRITE) where libc has it: a hint that waits
+for nothing), so
+the sync before the commit waits for the tail only. The syncs that make the
+batch durable are unchanged.
+
 A writable map fills holes of a sparse file on first write, and a full disk
 would then kill the process (SIGBUS) instead of failing a write: before each
 write transaction the file is allocated (posix_fallocate) past its last page
