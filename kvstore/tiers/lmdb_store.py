@@ -8,11 +8,23 @@ not at all.
 
 Writes go through LMDB's writable map (writemap): a value is copied once,
 into the file's pages, where without it LMDB copies it into a page it
-allocated and then write()s that page at the commit (the spill ran at about
-0.4 of the disk's synced write speed, now about 0.8: docs/scale.md). A
-durable batch (sync=True) flushes the map before its commit and again after
-it, so the pages a commit points at are on disk before the pointer is: a
-crash at any point leaves the previous commit or this one, never half of it.
+allocated and then write()s that page at the commit. A durable batch
+(sync=True) flushes the map before its commit and again after it, so the
+pages a commit points at are on disk before the pointer is: a crash at any
+point leaves the previous commit or this one, never half of it.
+
+What a synced spill costs beyond the disk's own write + fdatasync
+(docs/scale.md, bench/bench_lmdb_spill.py): the first write to each page of
+the map is a page fault that brings the page into the page cache, and the
+sync waited for the whole batch after the last value was put. So the map is
+opened with readahead (without it LMDB advises MADV_RANDOM and each fault
+brings in its one page: the puts took 3-4x longer), and a durable batch
+starts the disk writing every WRITEBACK_STEP bytes it puts
+(sync_file_range(SYNC_FILE_RANGE_WRITE) where libc has it: a hint that waits
+for nothing), so
+the sync before the commit waits for the tail only. The syncs that make the
+batch durable are unchanged.
+
 A writable map fills holes of a sparse file on first write, and a full disk
 would then kill the process (SIGBUS) instead of failing a write: before each
 write transaction the file is allocated (posix_fallocate) past its last page
@@ -25,11 +37,34 @@ doubles as it fills; allocating all of it would take up to twice the data).
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
 import threading
 from typing import Iterable, Iterator, Protocol
 
 ALLOC_STEP = 16 << 20       # bytes the file grows by at a time (module docstring)
+WRITEBACK_STEP = 16 << 20   # a durable batch starts the disk writing after every this many bytes put
+
+
+def _sync_file_range():
+    """libc's sync_file_range (Linux), or None where there is none."""
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).sync_file_range
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+    return fn
+
+
+_SYNC_FILE_RANGE = _sync_file_range()
+_SYNC_FILE_RANGE_WRITE = 2
+
+
+def start_writeback(fd: int) -> None:
+    """Start writing the file's dirty pages to disk, without waiting for them
+    (a hint: the sync that makes them durable still follows)."""
+    if _SYNC_FILE_RANGE is not None:
+        _SYNC_FILE_RANGE(fd, 0, 0, _SYNC_FILE_RANGE_WRITE)
 
 
 class ColdStore(Protocol):
@@ -72,8 +107,11 @@ class LMDBStore:
         self.max_bytes = max_bytes
         # sync=False: commits reach the OS, not the disk; durable writes ask for
         # sync explicitly (put_many(sync=True) calls env.sync()).
+        # readahead: without it LMDB advises MADV_RANDOM on the map, and every first
+        # write to a page of the map faults that one page in alone (module docstring).
         self.env = lmdb.open(path, map_size=map_size, subdir=True, sync=sync, metasync=sync,
-                             max_dbs=0, lock=True, readahead=False, writemap=True)
+                             max_dbs=0, lock=True, readahead=True, writemap=True)
+        self._fd = os.open(os.path.join(path, "data.mdb"), os.O_RDWR)
         self._allocated = 0
         self._reserve(0)
         self.lock = threading.RLock()
@@ -94,11 +132,7 @@ class LMDBStore:
         need = min(-(-need // ALLOC_STEP) * ALLOC_STEP, info["map_size"])
         if need <= self._allocated:
             return
-        fd = os.open(os.path.join(self.path, "data.mdb"), os.O_RDWR)
-        try:
-            os.posix_fallocate(fd, 0, need)
-        finally:
-            os.close(fd)
+        os.posix_fallocate(self._fd, 0, need)
         self._allocated = need
 
     def _write(self, fn, nbytes: int) -> None:
@@ -147,8 +181,13 @@ class LMDBStore:
         def fn(txn):
             for k in deletes:
                 txn.delete(k)
+            unflushed = 0
             for k, v in puts:
                 txn.put(k, v)
+                unflushed += entry_bytes(k, v)
+                if sync and unflushed >= WRITEBACK_STEP:     # the disk writes while the next values are put
+                    start_writeback(self._fd)
+                    unflushed = 0
             if sync:
                 self.env.sync(True)      # this transaction's pages, before the commit's meta page points at them
         # What the transaction can add to the file: every byte, a page per entry
@@ -194,6 +233,9 @@ class LMDBStore:
 
     def close(self) -> None:
         self.env.close()
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
 
 
 def _after(puts: list[tuple[bytes, bytes]], deletes: Iterable[bytes]) -> dict[bytes, int]:

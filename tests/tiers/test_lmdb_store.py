@@ -14,13 +14,18 @@ N, SIZE = 24, 300_000     # values past LMDB's page size: overflow pages, as blo
 
 # Writes one committed batch ("old"), then a durable batch ("new") of N values
 # that replaces old/0 and deletes old/1, killing itself with SIGKILL at the
-# env.sync call number given (1: before the commit, 2: after it).
+# env.sync call number given (1: before the commit, 2: after it; 0: when the
+# batch first starts the disk writing its values, half of them put).
 CHILD = r"""
 import os, signal, sys
+from kvstore.tiers import lmdb_store
 from kvstore.tiers.lmdb_store import LMDBStore
 path, kill_at, n, size = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
 s = LMDBStore(path, map_size=1 << 20)          # small: the batch grows the map on the way
 s.put_many([(b"old/%d" % i, bytes([i]) * 1000) for i in range(3)], sync=True)
+lmdb_store.WRITEBACK_STEP = n * size // 2
+if kill_at == 0:
+    lmdb_store.start_writeback = lambda fd: os.kill(os.getpid(), signal.SIGKILL)
 calls = [0]
 real = s.env.sync
 class Env:
@@ -39,7 +44,7 @@ print("returned")
 """
 
 
-@pytest.mark.parametrize("kill_at, committed", [(1, False), (2, True), (3, True)])
+@pytest.mark.parametrize("kill_at, committed", [(0, False), (1, False), (2, True), (3, True)])
 def test_a_spill_killed_mid_way_is_all_or_nothing(tmp_path, kill_at, committed):
     path = str(tmp_path / "lmdb")
     r = subprocess.run([sys.executable, "-c", CHILD, path, str(kill_at), str(N), str(SIZE)], cwd=ROOT,
@@ -72,3 +77,46 @@ def test_the_file_is_allocated_past_its_pages_not_for_the_whole_map(tmp_path):
     assert fresh.stats()["map_size"] >= 1 << 30
     assert os.stat(tmp_path / "fresh" / "data.mdb").st_blocks * 512 <= ALLOC_STEP + (1 << 20)
     fresh.close()
+
+
+def test_a_synced_spill_survives_reopening(tmp_path, monkeypatch):
+    """A durable batch larger than the writeback step: every value reads back
+    after the store is closed and opened again, and the books match."""
+    import kvstore.tiers.lmdb_store as lmdb_store
+    started = []
+    real = lmdb_store.start_writeback
+    monkeypatch.setattr(lmdb_store, "WRITEBACK_STEP", 1 << 20)
+    monkeypatch.setattr(lmdb_store, "start_writeback", lambda fd: (started.append(fd), real(fd)))
+    path = str(tmp_path / "lmdb")
+    s = LMDBStore(path)         # room for the batch: a map that grows puts it again
+    items = [(b"v/%d" % i, bytes([i % 251]) * SIZE) for i in range(N)]
+    s.put_many(items, sync=True)
+    per_step = -(-(1 << 20) // (len(items[0][0]) + SIZE))      # values put between two starts
+    assert len(started) == N // per_step, "the disk was not started on the batch as it filled"
+    used = s.used_bytes
+    s.close()
+    s = LMDBStore(path)
+    assert s.get_many([k for k, _ in items]) == [v for _, v in items]
+    assert s.used_bytes == used == sum(len(k) + len(v) for k, v in items)
+    s.close()
+
+
+def test_a_batch_that_fails_mid_way_changes_nothing(tmp_path):
+    """A put LMDB refuses (a key over its limit) after values were put and the
+    disk was started on them: the previous commit stays, books included, and
+    the store takes the next batch."""
+    import lmdb
+    path = str(tmp_path / "lmdb")
+    s = LMDBStore(path)
+    s.put_many([(b"old", b"o" * SIZE)], sync=True)
+    before = (s.used_bytes, s.keys())
+    bad = [(b"new/%d" % i, bytes([i]) * SIZE) for i in range(N)] + [(b"k" * 1000, b"x")]
+    with pytest.raises(lmdb.BadValsizeError):
+        s.put_many(bad, sync=True)
+    assert (s.used_bytes, s.keys()) == before
+    assert s.get_many([b"new/0", b"old"]) == [None, b"o" * SIZE]
+    s.put_many([(b"new/0", b"n")], sync=True)
+    s.close()
+    s = LMDBStore(path)
+    assert s.get_many([b"new/0", b"new/1", b"old"]) == [b"n", None, b"o" * SIZE]
+    s.close()
