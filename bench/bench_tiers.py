@@ -21,14 +21,18 @@ import dataclasses
 import os
 import shutil
 import subprocess
+import sys
 import tempfile
 import time
 
 import torch
 
-from kvstore.codec.codebooks import Codebooks
-from kvstore.core.config import CacheConfig, CodecConfig, ModelGeometry
-from kvstore.engine.engine import Engine
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_lmdb_spill import disk_write as synced_write  # noqa: E402 (one timed write + fdatasync)
+
+from kvstore.codec.codebooks import Codebooks  # noqa: E402
+from kvstore.core.config import CacheConfig, CodecConfig, ModelGeometry  # noqa: E402
+from kvstore.engine.engine import Engine  # noqa: E402
 
 
 def sync(dev):
@@ -107,20 +111,7 @@ def start_redis(binary: str | None, directory: str, io_threads: int = 1):
 def disk_write(path: str, nbytes: int, reps: int) -> float:
     """Best seconds to write nbytes to a new file at path and fdatasync it."""
     data = memoryview(os.urandom(1 << 20) * max(1, nbytes >> 20))
-    best = float("inf")
-    for _ in range(reps):
-        t = time.perf_counter()
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        try:
-            off = 0
-            while off < len(data):
-                off += os.write(fd, data[off:off + (64 << 20)])
-            os.fdatasync(fd)
-        finally:
-            os.close(fd)
-        best = min(best, time.perf_counter() - t)
-        os.unlink(path)
-    return best
+    return min(synced_write(path, data) for _ in range(reps))
 
 
 def wait_until(cond, what: str, timeout: float = 120.0) -> None:
