@@ -144,6 +144,9 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--warps", type=int, nargs="+", default=[8, 12, 16])
+    ap.add_argument("--tiles-per-step", type=int, nargs="+", choices=(1, 2), default=[tunables.TILES_PER_STEP_2BIT],
+                    help="16-token tiles a warp takes per step of the 2-bit tile loop (swept with --warps; "
+                         "4-bit takes one)")
     ap.add_argument("--bits", type=int, nargs="+", choices=(4, 2), default=[4],
                     help="PQ bit widths to time beside SDPA: 4 (M = d/2) and/or 2 (M = d/4)")
     ap.add_argument("--encode-only", action="store_true")
@@ -161,8 +164,8 @@ def main():
     args = ap.parse_args()
     ba.HQ, ba.HKV, ba.D = args.heads
     ba.M = ba.D // 2
-    if args.shape and len(args.warps) != 1:
-        ap.error("--shape needs one --warps value")
+    if args.shape and (len(args.warps) != 1 or len(args.tiles_per_step) != 1):
+        ap.error("--shape needs one --warps and one --tiles-per-step value")
     ba.FLUSH = args.flush
     torch.manual_seed(0)
     props = torch.cuda.get_device_properties(0)
@@ -179,20 +182,27 @@ def main():
     if not args.shape:
         for bits in args.bits:
             ba.check_pq(16, DSUB[bits])
-    # warps sweep at B=8 and B=1, L=32K
+    # warps (and tiles per step) sweep at B=8 and B=1, L=32K, for each bit width
     tunables.NUM_WARPS = args.warps[0]
-    if len(args.warps) > 1:
+    tunables.TILES_PER_STEP_2BIT = args.tiles_per_step[0]
+    if len(args.warps) > 1 or len(args.tiles_per_step) > 1:
         best = {}
-        for b in (8, 1):
-            q = torch.randn(b, ba.HQ, ba.D, device="cuda", dtype=torch.float16)
-            case, sl, tl_, nbytes = ba.pq_case(b, 32768, 16)
-            for nw in args.warps:
-                tunables.NUM_WARPS = nw
-                t = ba.time_pq(q, case, sl, tl_, 16, backend="cuda")
-                print(f"sweep cuda B={b} L=32K warps={nw}: {t:.1f} us ({nbytes / t / 1e3:.0f} GB/s)")
-                best.setdefault(b, {})[nw] = t
-            del case
-        tunables.NUM_WARPS = min(args.warps, key=lambda nw: best[8][nw] + 4 * best[1][nw])
+        for bits in args.bits:
+            for b in (8, 1):
+                q = torch.randn(b, ba.HQ, ba.D, device="cuda", dtype=torch.float16)
+                case, sl, tl_, nbytes = ba.pq_case(b, 32768, 16, DSUB[bits])
+                for nw in args.warps:
+                    for tps in args.tiles_per_step:
+                        tunables.NUM_WARPS, tunables.TILES_PER_STEP_2BIT = nw, tps
+                        t = ba.time_pq(q, case, sl, tl_, 16, backend="cuda")
+                        print(f"sweep cuda {bits}-bit B={b} L=32K warps={nw} 2-bit tiles/step={tps}: {t:.1f} us "
+                              f"({nbytes / t / 1e3:.0f} GB/s)", flush=True)
+                        best[(bits, b, nw, tps)] = t
+                del case
+        conf = [(nw, tps) for nw in args.warps for tps in args.tiles_per_step]
+        tunables.NUM_WARPS, tunables.TILES_PER_STEP_2BIT = min(
+            conf, key=lambda c: sum(best[(bits, 8, *c)] + 4 * best[(bits, 1, *c)] for bits in args.bits))
+    print(f"2-bit tiles per step used below: {tunables.TILES_PER_STEP_2BIT}")
     print(f"warps used below: {tunables.NUM_WARPS}")
     if not args.no_encode and not args.shape:
         encode_info()

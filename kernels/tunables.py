@@ -18,6 +18,16 @@ CUDA = os.environ.get("KVSTORE_CUDA_PQ", "1") != "0"
 # 12 warps, 3 past): 12 was the fastest of 8 / 12 / 16 at B=1 and B=8 x 32K tokens.
 NUM_WARPS = int(os.environ.get("KVSTORE_CUDA_PQ_WARPS", "12"))
 
+# KVSTORE_CUDA_PQ_2BIT_TILES_PER_STEP: 16-token tiles a warp takes per step of the 2-bit
+# (dsub 4) tile loop, 1 or 2. Two give the scheduler two independent gather / MMA chains
+# and share one softmax rescale; 12 warps, L2 flushed: B=8 32K 96.6 -> 90.8 us, B=8 128K
+# 341.2 -> 313.9, B=32 32K 362.7 -> 334.2, B=32 128K 1340.9 -> 1243.3, B=1 32K 24.4 -> 25.1
+# (d 256, Hq 4 / Hkv 1: B=8 42.2 -> 41.2, B=1 25.3 -> 26.4). 4-bit runs one tile a step:
+# two measured slower there (B=8 32K 115.2 -> 118.4 us, B=1 27.2 -> 30.0).
+TILES_PER_STEP_2BIT = int(os.environ.get("KVSTORE_CUDA_PQ_2BIT_TILES_PER_STEP", "2"))
+if TILES_PER_STEP_2BIT not in (1, 2):
+    raise ValueError(f"KVSTORE_CUDA_PQ_2BIT_TILES_PER_STEP must be 1 or 2, got {TILES_PER_STEP_2BIT}")
+
 # KVSTORE_CUDA_PQ_TAIL_TILES: what a sequence's fp16 tail costs the block that runs it, in
 # PQ tiles per tail tile. The tail runs at the end of one block as one warp's serial chain
 # of loads and arithmetic, ~5 us against ~1.15 us a PQ tile of that warp; the partition

@@ -106,7 +106,8 @@ def attention_names(warps, dims, features) -> list[str]:
         one = attention.split(d) == 1      # d 256: the split build, CF layouts and registers only
         for gp in sorted({group(g, dsub) for g in range(1, 9)}):
             for tma in ((False, True) if one else (False,)):
-                names.append(attention._attn_name(d, dsub, bf16, nw, gp, tma, win, cap))
+                for step in ((1, 2) if dsub == 4 else (1,)):     # tunables.TILES_PER_STEP_2BIT
+                    names.append(attention._attn_name(d, dsub, bf16, nw, gp, tma, win, cap, step))
     return names
 
 
@@ -123,12 +124,14 @@ def main() -> None:
     ap.add_argument("--src-dir", help="compile the sources of this folder instead (another checkout)")
     ap.add_argument("--batch", type=int, default=8, help="instantiations per NVRTC program")
     ap.add_argument("--hashes", help="write {instantiation: sha256 of its machine code} to this JSON file")
+    ap.add_argument("--ptxas-verbose", action="store_true",
+                    help="print ptxas's registers, spills and stack per kernel (NVRTC's log)")
     args = ap.parse_args()
 
     nv = NVRTC(find_nvrtc(args.nvrtc))
     if args.src_dir:
         build._DIR = os.path.abspath(args.src_dir)
-    options = list(build.OPTIONS) + [f"-arch={args.arch}"]
+    options = list(build.OPTIONS) + [f"-arch={args.arch}"] + (["--ptxas-options=-v"] if args.ptxas_verbose else [])
     feats = [(False, False), (True, False), (False, True), (True, True)] if args.features == "all" else [(False, False)]
     jobs = ([(args.source, args.names)] if args.names else
             [("attention.cu", attention_names(args.warps, args.dims, feats)),

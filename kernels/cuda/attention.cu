@@ -43,10 +43,11 @@
 
 // DF: the head dim; SPLIT = 2: this CTA is half `half` of a cluster of two (attention.cuh),
 // and D below is its share of the coordinates
-template <int DF, int DSUB, bool BF16, int NW, int GP, bool TMA, bool WIN, bool CAP, int SPLIT>
+template <int DF, int DSUB, bool BF16, int NW, int GP, bool TMA, bool WIN, bool CAP, int SPLIT, int PAIR>
 __device__ __forceinline__ void pq_attn_body(PQ_ATTN_PARAMS, int half) {
   constexpr int D = DF / SPLIT;
   static_assert(GP == 2 || GP == 4 || GP == 8, "GP: 2, 4 or 8");
+  static_assert(PAIR == 1 || PAIR == 2, "PAIR: 16-token tiles a step of the tile loop");
   static_assert(SPLIT == 1 || (SPLIT == 2 && !TMA && D == 128),
                 "SPLIT: d 256 as two CTAs of 128, codebooks staged through registers");
   // conflict-free V gathers too (dsub 4: at every GP)
@@ -320,8 +321,8 @@ __device__ __forceinline__ void pq_attn_body(PQ_ATTN_PARAMS, int half) {
 #pragma unroll
       for (int j = 0; j < NJ; ++j) asm volatile("" : "+r"(vl[j]));
     }
-    auto tile = [&](CodeVec<MQ> (&kk)[2], u32 (&vv)[NX], int tix) {
-      float s[2][4];
+    // the scores of one 16-token tile (its K codes kk), whole in both CTAs of a SPLIT pair
+    auto scores = [&](CodeVec<MQ> (&kk)[2], float (&s)[2][4]) {
 #pragma unroll
       for (int t = 0; t < 2; ++t) s[t][0] = s[t][1] = s[t][2] = s[t][3] = 0.f;
       {
@@ -398,20 +399,18 @@ __device__ __forceinline__ void pq_attn_body(PQ_ATTN_PARAMS, int half) {
         }
         if constexpr (SPLIT > 1) xc(s, lane);     // this half's partial scores -> whole
       }
-      u32 pb0, pb1;
-      if constexpr (WIN) {
-        // score (gq, column 2cq + e) of n-tile t is token sigma(t, 2cq + e) of the tile:
-        // those before the window's first token (in the item's first tile only) are out
-        const int t0 = pq_lo + 16 * tix;
-        bool valid[2][2];
+    };
+    // WIN: score (gq, column 2cq + e) of n-tile t is token sigma(t, 2cq + e) of the tile:
+    // those before the window's first token (in the item's first tile only) are out
+    auto in_window = [&](int tix, bool (&valid)[2][2]) {
+      const int t0 = pq_lo + 16 * tix;
 #pragma unroll
-        for (int t = 0; t < 2; ++t)
+      for (int t = 0; t < 2; ++t)
 #pragma unroll
-          for (int e = 0; e < 2; ++e) valid[t][e] = t0 + sigma(t, 2 * cq + e) >= pq_from;
-        softmax_pv<D, DSUB, BF16, VG, VG == 0, CAP>(ws, s, valid, a.qk_scale, lane, pb0, pb1, a.cap);
-      } else {
-        softmax_pv<D, DSUB, BF16, VG, VG == 0, CAP>(ws, s, alltrue, a.qk_scale, lane, pb0, pb1, a.cap);
-      }
+        for (int e = 0; e < 2; ++e) valid[t][e] = t0 + sigma(t, 2 * cq + e) >= pq_from;
+    };
+    // O += P V of one tile (its V codes vv, P as the A-layout pairs pb0, pb1)
+    auto pv = [&](u32 (&vv)[NX], u32 pb0, u32 pb1) {
       if constexpr (VG > 0 && DSUB == 4) {
         constexpr int NT = VG / 2;
         // P of head gq % VG in every lane: the B columns n = gq are (c, head) pairs
@@ -486,6 +485,19 @@ __device__ __forceinline__ void pq_attn_body(PQ_ATTN_PARAMS, int half) {
       }
       }
     };
+    auto tile = [&](CodeVec<MQ> (&kk)[2], u32 (&vv)[NX], int tix) {
+      float s[2][4];
+      scores(kk, s);
+      u32 pb0, pb1;
+      if constexpr (WIN) {
+        bool valid[2][2];
+        in_window(tix, valid);
+        softmax_pv<D, DSUB, BF16, VG, VG == 0, CAP>(ws, s, valid, a.qk_scale, lane, pb0, pb1, a.cap);
+      } else {
+        softmax_pv<D, DSUB, BF16, VG, VG == 0, CAP>(ws, s, alltrue, a.qk_scale, lane, pb0, pb1, a.cap);
+      }
+      pv(vv, pb0, pb1);
+    };
     {
       // ring of STAGES tiles per warp after the codebooks: [K codes 16 x M][V codes M x 16]
       constexpr u32 TILE = 32 * M;
@@ -531,42 +543,8 @@ __device__ __forceinline__ void pq_attn_body(PQ_ATTN_PARAMS, int half) {
         }
         cp_async_commit();      // empty groups too: the wait count stays uniform
       };
-      // bpre: the block ids of the prologue's tiles, loaded at entry
-#pragma unroll
-      for (int k = 0; k < STAGES - 1; ++k) issue(warp + k * NW, bpre[k], k * TILE);
-      long long bn = bpre[STAGES - 1];
-      if constexpr (STAGE_REG) {
-        if (n_pq > 0) {
-#pragma unroll
-          for (int nb = 1; nb < Stg::NB; ++nb) {
-            if (nb > 1) stg.load(stg_k, stg_v, tid, nb * Stg::BATCH, stg_rot, wb);
-            stg.store(smem, tid, nb * Stg::BATCH);
-          }
-        }
-      }
-      // the codebook copies (the oldest group, when this item has PQ tiles) are done
-      if constexpr (TMA) {
-        __syncthreads();                        // the mbarrier's init is seen by every warp
-        if (n_pq > 0) mbar_wait(bar, 0);
-      } else {
-        cp_async_wait<STAGES - 1>();
-        __syncthreads();
-      }
-      if constexpr (SPLIT > 1) cluster_wait();   // the other CTA's exchange mbarriers are set
-      u32 rd = 0, wr = (STAGES - 1) * TILE;      // stage offsets, advanced with wrap
-      for (int k = 0; warp + k * NW < n_pq; ++k) {
-        cp_async_wait<STAGES - 2>();
-        __syncwarp();           // tile k landed for every lane; stage (k - 1) is free
-        {
-          const long long bc = bn;
-          bn = blk_of(warp + (k + STAGES) * NW);
-          issue(warp + (k + STAGES - 1) * NW, bc, wr);
-          wr = wr == (STAGES - 1) * TILE ? 0 : wr + TILE;
-        }
-        const unsigned char* st = ring + rd;
-        rd = rd == (STAGES - 1) * TILE ? 0 : rd + TILE;
-        CodeVec<MQ> kk[2];
-        u32 vv[NX];
+      // a tile's codes, from its ring stage st into registers
+      auto codes = [&](const unsigned char* st, CodeVec<MQ> (&kk)[2], u32 (&vv)[NX]) {
 #pragma unroll
         for (int t = 0; t < 2; ++t) {
           const unsigned char* row = st + (t ? krd1 : krd0);
@@ -594,7 +572,105 @@ __device__ __forceinline__ void pq_attn_body(PQ_ATTN_PARAMS, int half) {
           for (int X = 0; X < NX; ++X)
             vv[X] = *reinterpret_cast<const u32*>(st + vrd + 128 * X);
         }
+      };
+      // bpre: the block ids of the prologue's tiles, loaded at entry. PAIR: every stage
+      // filled (a step frees two stages after it read them)
+      constexpr int PRO = PAIR == 2 ? STAGES : STAGES - 1;
+#pragma unroll
+      for (int k = 0; k < PRO; ++k) issue(warp + k * NW, bpre[k], k * TILE);
+      long long bn = bpre[STAGES - 1];
+      long long bn2[2];
+      if constexpr (PAIR == 2) {
+        bn2[0] = blk_of(warp + STAGES * NW);
+        bn2[1] = blk_of(warp + (STAGES + 1) * NW);
+      }
+      if constexpr (STAGE_REG) {
+        if (n_pq > 0) {
+#pragma unroll
+          for (int nb = 1; nb < Stg::NB; ++nb) {
+            if (nb > 1) stg.load(stg_k, stg_v, tid, nb * Stg::BATCH, stg_rot, wb);
+            stg.store(smem, tid, nb * Stg::BATCH);
+          }
+        }
+      }
+      // the codebook copies (the oldest group, when this item has PQ tiles) are done
+      if constexpr (TMA) {
+        __syncthreads();                        // the mbarrier's init is seen by every warp
+        if (n_pq > 0) mbar_wait(bar, 0);
+      } else {
+        cp_async_wait<PRO>();
+        __syncthreads();
+      }
+      if constexpr (SPLIT > 1) cluster_wait();   // the other CTA's exchange mbarriers are set
+      if constexpr (PAIR == 1) {
+      u32 rd = 0, wr = (STAGES - 1) * TILE;      // stage offsets, advanced with wrap
+      for (int k = 0; warp + k * NW < n_pq; ++k) {
+        cp_async_wait<STAGES - 2>();
+        __syncwarp();           // tile k landed for every lane; stage (k - 1) is free
+        {
+          const long long bc = bn;
+          bn = blk_of(warp + (k + STAGES) * NW);
+          issue(warp + (k + STAGES - 1) * NW, bc, wr);
+          wr = wr == (STAGES - 1) * TILE ? 0 : wr + TILE;
+        }
+        const unsigned char* st = ring + rd;
+        rd = rd == (STAGES - 1) * TILE ? 0 : rd + TILE;
+        CodeVec<MQ> kk[2];
+        u32 vv[NX];
+        codes(st, kk, vv);
         tile(kk, vv, warp + k * NW);
+      }
+      } else {
+        // Two tiles a step: their gathers and MMAs are independent chains the scheduler
+        // interleaves (one tile's chain leaves the warp waiting on each gather), and they
+        // share one softmax max and one rescale of O. Tile k + 1 past the warp's last is
+        // computed on whatever its stage holds (codes are always table indices) and
+        // masked out. Stages: tile j in stage j % STAGES; a step reads two, then refills them.
+        u32 rd = 0;
+        for (int k = 0; warp + k * NW < n_pq; k += 2) {
+          cp_async_wait<STAGES - 2>();
+          __syncwarp();         // tiles k and k + 1 landed for every lane
+          const u32 rd1 = rd == (STAGES - 1) * TILE ? 0 : rd + TILE;
+          CodeVec<MQ> kk[2][2];
+          u32 vv[2][NX];
+          codes(ring + rd, kk[0], vv[0]);
+          codes(ring + rd1, kk[1], vv[1]);
+          __syncwarp();         // every lane read both stages: they take tiles k + STAGES, + 1
+          issue(warp + (k + STAGES) * NW, bn2[0], rd);
+          issue(warp + (k + STAGES + 1) * NW, bn2[1], rd1);
+          rd = rd1 == (STAGES - 1) * TILE ? 0 : rd1 + TILE;
+          bn2[0] = blk_of(warp + (k + STAGES + 2) * NW);
+          bn2[1] = blk_of(warp + (k + STAGES + 3) * NW);
+          const bool second = warp + (k + 1) * NW < n_pq;
+          float sa[2][4], sb[2][4];
+          scores(kk[0], sa);
+          scores(kk[1], sb);
+          float s[4][4];
+          bool valid[4][2];
+          bool va[2][2] = {{true, true}, {true, true}}, vb[2][2] = {{true, true}, {true, true}};
+          if constexpr (WIN) {
+            in_window(warp + k * NW, va);
+            in_window(warp + (k + 1) * NW, vb);
+          }
+#pragma unroll
+          for (int t = 0; t < 2; ++t)
+#pragma unroll
+            for (int r = 0; r < 4; ++r) {
+              s[t][r] = sa[t][r];
+              s[2 + t][r] = sb[t][r];
+            }
+#pragma unroll
+          for (int t = 0; t < 2; ++t)
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+              valid[t][e] = va[t][e];
+              valid[2 + t][e] = vb[t][e] && second;
+            }
+          u32 pb[4];
+          softmax_pvn<D, DSUB, BF16, VG, VG == 0, CAP, 4>(ws, s, valid, a.qk_scale, lane, pb, a.cap);
+          pv(vv[0], pb[0], pb[1]);
+          pv(vv[1], pb[2], pb[3]);
+        }
       }
       cp_async_wait<0>();
     }
@@ -757,13 +833,13 @@ __device__ __forceinline__ void pq_attn_body(PQ_ATTN_PARAMS, int half) {
   if constexpr (SPLIT > 1) cluster_wait();
 }
 
-template <int D, int DSUB, bool BF16, int NW, int GP, bool TMA, bool WIN, bool CAP>
+template <int D, int DSUB, bool BF16, int NW, int GP, bool TMA, bool WIN, bool CAP, int PAIR = 1>
 __global__ void __launch_bounds__(NW * 32, 1) pq_attn(PQ_ATTN_PARAMS) {
-  pq_attn_body<D, DSUB, BF16, NW, GP, TMA, WIN, CAP, 1>(PQ_ATTN_ARGS, 0);
+  pq_attn_body<D, DSUB, BF16, NW, GP, TMA, WIN, CAP, 1, PAIR>(PQ_ATTN_ARGS, 0);
 }
 
 // head_dim 256 (sm_90): grid (items, Hkv, 2), each cluster the two halves of one block
-template <int D, int DSUB, bool BF16, int NW, int GP, bool WIN, bool CAP>
+template <int D, int DSUB, bool BF16, int NW, int GP, bool WIN, bool CAP, int PAIR = 1>
 __global__ void __cluster_dims__(1, 1, 2) __launch_bounds__(NW * 32, 1) pq_attn_split(PQ_ATTN_PARAMS) {
-  pq_attn_body<D, DSUB, BF16, NW, GP, false, WIN, CAP, 2>(PQ_ATTN_ARGS, (int)cluster_rank());
+  pq_attn_body<D, DSUB, BF16, NW, GP, false, WIN, CAP, 2, PAIR>(PQ_ATTN_ARGS, (int)cluster_rank());
 }

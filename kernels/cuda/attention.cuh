@@ -198,27 +198,47 @@ struct WarpState {
 
 // RESCALE_O false: o is known to be zero (the PQ tiles of VG, before any tail tile), so
 // it need not stay live in registers through the PQ loop. CAP: soft-cap the scores (cap).
-template <int D, int DSUB, bool BF16, int VG, bool RESCALE_O = true, bool CAP = false>
-__device__ __forceinline__ void softmax_pv(WarpState<D, DSUB, BF16, VG>& ws, float (&s)[2][4],
-                                           const bool (&valid)[2][2], float qk_scale, int lane,
-                                           u32& pb0, u32& pb1, const SoftCap& cap) {
+// NN n-tiles of 8 tokens: 2 (one 16-token tile) or 4 (two tiles sharing one max and one
+// rescale of O); pb[t]: P of n-tile t in the A layout of P.V.
+template <int D, int DSUB, bool BF16, int VG, bool RESCALE_O, bool CAP, int NN>
+__device__ __forceinline__ void softmax_pvn(WarpState<D, DSUB, BF16, VG>& ws, float (&s)[NN][4],
+                                            const bool (&valid)[NN][2], float qk_scale, int lane,
+                                            u32 (&pb)[NN], const SoftCap& cap) {
   auto score = [&](float v) {
     const float x = v * qk_scale;
     if constexpr (CAP) return cap(x);
     else return x;
   };
-  float x00 = valid[0][0] ? score(s[0][0]) : NEG_INF;
-  float x01 = valid[0][1] ? score(s[0][1]) : NEG_INF;
-  float x10 = valid[1][0] ? score(s[1][0]) : NEG_INF;
-  float x11 = valid[1][1] ? score(s[1][1]) : NEG_INF;
-  float mx = fmaxf(fmaxf(x00, x01), fmaxf(x10, x11));
+  float x[NN][2], r[NN];
+#pragma unroll
+  for (int t = 0; t < NN; ++t) {
+    x[t][0] = valid[t][0] ? score(s[t][0]) : NEG_INF;
+    x[t][1] = valid[t][1] ? score(s[t][1]) : NEG_INF;
+  }
+#pragma unroll
+  for (int t = 0; t < NN; ++t) r[t] = fmaxf(x[t][0], x[t][1]);
+#pragma unroll
+  for (int w = 1; w < NN; w *= 2)      // a tree: n-tile pairs first
+#pragma unroll
+    for (int t = 0; t < NN; t += 2 * w) r[t] = fmaxf(r[t], r[t + w]);
+  float mx = r[0];
   mx = fmaxf(mx, __shfl_xor_sync(FULL, mx, 1));
   mx = fmaxf(mx, __shfl_xor_sync(FULL, mx, 2));
   float m_new = fmaxf(ws.m_i, mx);
   float alpha = exp2f(ws.m_i - m_new);
-  float p00 = exp2f(x00 - m_new), p01 = exp2f(x01 - m_new);
-  float p10 = exp2f(x10 - m_new), p11 = exp2f(x11 - m_new);
-  ws.l_i = ws.l_i * alpha + ((p00 + p01) + (p10 + p11));
+  float p[NN][2];
+#pragma unroll
+  for (int t = 0; t < NN; ++t) {
+    p[t][0] = exp2f(x[t][0] - m_new);
+    p[t][1] = exp2f(x[t][1] - m_new);
+  }
+#pragma unroll
+  for (int t = 0; t < NN; ++t) r[t] = p[t][0] + p[t][1];
+#pragma unroll
+  for (int w = 1; w < NN; w *= 2)
+#pragma unroll
+    for (int t = 0; t < NN; t += 2 * w) r[t] = r[t] + r[t + w];
+  ws.l_i = ws.l_i * alpha + r[0];
   if (__any_sync(FULL, m_new > ws.m_i)) {
     int c = lane & 3;
     float a0 = __shfl_sync(FULL, alpha, (2 * c) * 4);
@@ -242,8 +262,19 @@ __device__ __forceinline__ void softmax_pv(WarpState<D, DSUB, BF16, VG>& ws, flo
     }
   }
   ws.m_i = m_new;
-  pb0 = pack2<BF16>(p00, p01);
-  pb1 = pack2<BF16>(p10, p11);
+#pragma unroll
+  for (int t = 0; t < NN; ++t) pb[t] = pack2<BF16>(p[t][0], p[t][1]);
+}
+
+// one 16-token tile
+template <int D, int DSUB, bool BF16, int VG, bool RESCALE_O = true, bool CAP = false>
+__device__ __forceinline__ void softmax_pv(WarpState<D, DSUB, BF16, VG>& ws, float (&s)[2][4],
+                                           const bool (&valid)[2][2], float qk_scale, int lane,
+                                           u32& pb0, u32& pb1, const SoftCap& cap) {
+  u32 pb[2];
+  softmax_pvn<D, DSUB, BF16, VG, RESCALE_O, CAP, 2>(ws, s, valid, qk_scale, lane, pb, cap);
+  pb0 = pb[0];
+  pb1 = pb[1];
 }
 
 template <int D, int DSUB, bool BF16, int VG>

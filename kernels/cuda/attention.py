@@ -69,12 +69,13 @@ def misaligned(q, k_codes, v_codes, tail_k, tail_v, dsub: int) -> str | None:
     return None
 
 
-def _attn_name(d, dsub, bf16, nw, gp, tma, win, cap):
+def _attn_name(d, dsub, bf16, nw, gp, tma, win, cap, pair=1):
     b = lambda x: "true" if x else "false"  # noqa: E731
+    p = f", {pair}" if pair != 1 else ""
     if split(d) > 1:
         assert not tma, "the split build stages its codebooks through registers"
-        return f"pq_attn_split<{d}, {dsub}, {b(bf16)}, {nw}, {gp}, {b(win)}, {b(cap)}>"
-    return f"pq_attn<{d}, {dsub}, {b(bf16)}, {nw}, {gp}, {b(tma)}, {b(win)}, {b(cap)}>"
+        return f"pq_attn_split<{d}, {dsub}, {b(bf16)}, {nw}, {gp}, {b(win)}, {b(cap)}{p}>"
+    return f"pq_attn<{d}, {dsub}, {b(bf16)}, {nw}, {gp}, {b(tma)}, {b(win)}, {b(cap)}{p}>"
 
 
 def _merge_name(d, bf16):
@@ -111,6 +112,7 @@ class CudaPQPlan(DecodePlan):
     num_warps: int
     item_tokens: int = 0        # mean PQ tokens per item (picks the codebook staging)
     windowed: bool = False
+    tiles_per_step_2bit: int = 2     # the dsub-4 tile loop's step (tunables.TILES_PER_STEP_2BIT)
     _fns: dict = field(default_factory=dict)
 
     def rows(self, sealed_lens, tail_lens, *starts) -> tuple[list[int], list[int]]:
@@ -145,8 +147,12 @@ class CudaPQPlan(DecodePlan):
             gp = group(self.num_qo_heads // self.num_kv_heads, dsub)
             for tma in ((False, True) if self._tma(gp) else (False,)):
                 self._fn("attn", self.head_dim, dsub, bf16, self.num_warps, gp, tma, self.windowed,
-                         self.softcap > 0)
+                         self.softcap > 0, self._step(dsub))
         self._fn("merge", self.head_dim, bf16)
+
+    def _step(self, dsub: int) -> int:
+        """16-token tiles per step of the kernel's tile loop (attention.cu PAIR)."""
+        return self.tiles_per_step_2bit if dsub == 4 else 1
 
     def _tma(self, gp: int) -> bool:
         """The bulk-copy build can run (warm() compiles it); not the split (d 256) build."""
@@ -206,7 +212,7 @@ class CudaPQPlan(DecodePlan):
             img = (image.words if image is not None and image.layout == image_layout(hq, hkv, dsub)
                    and self._use_tma(gp) else None)
             fn = self._fn("attn", d, dsub, bf16, self.num_warps, gp, img is not None, self.windowed,
-                          self.softcap > 0)
+                          self.softcap > 0, self._step(dsub))
             args = (ptr(q), i64(q.stride(0)), i64(q.stride(1)), ptr(self.items), ptr(self.o_part),
                     ptr(self.lse_part), ptr(k_codes), ptr(v_codes), i64(k_codes.stride(0)),
                     i64(k_codes.stride(1)), i64(v_codes.stride(0)), i64(v_codes.stride(1)),
@@ -361,4 +367,4 @@ def plan_pq(sl: list[int], tl_: list[int], ss: list[int] | None = None, ts: list
         sealed_cols=max([x // block_size for x in sl] + [0]),
         tail_cols=max([ceil(x, tail_block_size) for x in tl_] + [0]),
         has_pq=True, chunk0=chunk, dtype=dtype, num_warps=nw, item_tokens=_item_tokens(sl, ss, ptr_),
-        windowed=windowed, softcap=softcap)
+        windowed=windowed, softcap=softcap, tiles_per_step_2bit=tunables.TILES_PER_STEP_2BIT)

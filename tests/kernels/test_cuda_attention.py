@@ -83,6 +83,11 @@ def test_attn_variant_names():
     assert cuda_attention._attn_name(64, 4, True, 8, 8, False, True, True) == \
         "pq_attn<64, 4, true, 8, 8, false, true, true>"
     assert cuda_attention._merge_name(64, True) == "pq_merge<64, true>"
+    # two tiles a step (attention.cu PAIR): a trailing template argument, the default one unnamed
+    assert cuda_attention._attn_name(128, 4, False, 12, 4, True, False, False, 2) == \
+        "pq_attn<128, 4, false, 12, 4, true, false, false, 2>"
+    assert cuda_attention._attn_name(256, 4, False, 12, 4, False, False, True, 2) == \
+        "pq_attn_split<256, 4, false, 12, 4, false, true, 2>"
     # d 256: the cluster build, registers only; two CTAs of d 128's tables, a shorter ring
     # past 8 warps and the score exchange, within the 227 KiB a block may have
     assert cuda_attention._attn_name(256, 2, True, 12, 4, False, True, False) == \
@@ -165,6 +170,23 @@ def test_pq_decode_cuda_long_items_stage_through_registers(monkeypatch, dsub):
         check_attn(out, lse, ro, rl, 4e-3)
         res.append((out, lse))
     assert torch.equal(res[0][0], res[1][0]) and torch.equal(res[0][1], res[1][1])
+
+
+@gpu
+@pytest.mark.parametrize("d,g", [(64, 8), (128, 4), (128, 3), (256, 4)])
+def test_pq_decode_cuda_2bit_either_step(monkeypatch, d, g):
+    # 2-bit tile loop at one and two tiles a step (tunables.TILES_PER_STEP_2BIT): lengths
+    # that leave warps an odd number of tiles (the second of a step masked out), both exact
+    if d == 256 and torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("head_dim 256 runs as thread block clusters: sm_90+")
+    c = make_case([16, 48, 1000, 4097, 31 * 16 + 5], 2 * g, 2, d, 4, 16, 16, torch.float16, seed=d + g)
+    ro, rl = pq_ref(c, d ** -0.5)
+    for step in (1, 2):
+        monkeypatch.setattr(tunables, "TILES_PER_STEP_2BIT", step)
+        for ctas in (None, 3):
+            plan, out, lse = run(c, d ** -0.5, target_ctas=ctas)
+            assert {key[1][-1] for key in plan._fns if key[0] == "attn"} == {step}
+            check_attn(out, lse, ro, rl, 4e-3)
 
 
 @gpu
