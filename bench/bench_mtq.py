@@ -5,8 +5,8 @@
     tokens, against SDPA flash over contiguous fp16 K/V [B, Hkv, L, d] (enable_gqa, mask
     causal over the last T: causal_lower_right) in the same run; median over CUDA-graph
     replays with L2 flushed before each (bench_attention.bench).
-(b) time to first token of a 1K-token suffix after a 32K-token cached prefix through the
-    HF adapter (codec pq, random codebooks: timing only), the multi-token path
+(b) time to first token of a 1K-token suffix (--suffix: one or more lengths, one daemon)
+    after a 32K-token cached prefix through the HF adapter (codec pq, random codebooks: timing only), the multi-token path
     (prefix_path="codes") against the Retrieve path, alternated in the same run, median
     of --reps. The model is a random Llama with Llama-3-8B's per-layer geometry
     (hidden 4096, Hq 32, Hkv 8, d 128) and --layers layers (default 8), fp16, with a
@@ -129,13 +129,13 @@ def ttft(args):
     if args.smoke:
         geo = dict(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
                    intermediate_size=128, vocab_size=128)
-        prefix, suffix, reps = 96, 40, 1
+        prefix, suffixes, reps = 96, [40], 1
     else:
         geo = dict(num_hidden_layers=args.layers, hidden_size=4096, num_attention_heads=32, num_key_value_heads=8,
                    intermediate_size=14336, vocab_size=32000)
-        prefix, suffix, reps = args.context, args.suffix, args.reps
+        prefix, suffixes, reps = args.context, args.suffix, args.reps
     torch.manual_seed(0)
-    cfg = LlamaConfig(**geo, max_position_embeddings=prefix + suffix + 64, attn_implementation="sdpa")
+    cfg = LlamaConfig(**geo, max_position_embeddings=prefix + max(suffixes) + 64, attn_implementation="sdpa")
     with torch.device(dev):
         model = LlamaForCausalLM(cfg).to(torch.float16 if dev == "cuda" else torch.float32).eval()
     hkv, d, nl = cfg.num_key_value_heads, cfg.hidden_size // cfg.num_attention_heads, cfg.num_hidden_layers
@@ -143,7 +143,7 @@ def ttft(args):
     cb = Codebooks(k=torch.randn(nl, hkv, d // 2, 256, 2, generator=g), v=torch.randn(nl, hkv, d // 2, 256, 2, generator=g))
     head = torch.randint(3, cfg.vocab_size, (1, prefix), generator=g)
 
-    def prompt():       # the cached prefix and a suffix never seen before: only the prefix hits
+    def prompt(suffix):     # the cached prefix and a suffix never seen before: only the prefix hits
         return torch.cat([head, torch.randint(3, cfg.vocab_size, (1, suffix), generator=g)], 1).to(dev)
     with tempfile.TemporaryDirectory() as tmp:
         sock = os.path.join(tmp, "kv.sock")
@@ -152,41 +152,46 @@ def ttft(args):
                                    "--device", dev, "--log-level", "WARNING"])
         try:
             wait_serving(f"unix://{sock}", server)
-            blocks = 2 * (prefix + suffix) // 16 + 512
+            blocks = 2 * (prefix + max(suffixes)) // 16 + 512
             kw = dict(cache="mtq", codec="pq", codebooks=cb.to_bytes(), transform="none", num_blocks=blocks,
                       max_sequences=4)
             ads = {p: KVStoreAdapter(model, f"unix://{sock}", prefix_path=p, **kw) for p in ("codes", "retrieve")}
             gen = dict(max_new_tokens=1, do_sample=False, pad_token_id=0)
+            med = {}
             with torch.no_grad():
                 ads["retrieve"].generate(head.to(dev), **gen)            # the cached prefix
-                times = {p: [] for p in ads}
-                for _ in range(reps + 1):                                 # the first round warms up
-                    for p, ad in ads.items():
-                        if dev == "cuda":
-                            torch.cuda.synchronize()
-                        ids = prompt()
-                        t0 = time.perf_counter()
-                        ad.generate(ids, **gen)
-                        if dev == "cuda":
-                            torch.cuda.synchronize()
-                        times[p].append(time.perf_counter() - t0)
+                for suffix in suffixes:
+                    times = {p: [] for p in ads}
+                    for _ in range(reps + 1):                             # the first round warms up
+                        for p, ad in ads.items():
+                            if dev == "cuda":
+                                torch.cuda.synchronize()
+                            ids = prompt(suffix)
+                            t0 = time.perf_counter()
+                            ad.generate(ids, **gen)
+                            if dev == "cuda":
+                                torch.cuda.synchronize()
+                            times[p].append(time.perf_counter() - t0)
+                    med[suffix] = {p: statistics.median(v[1:] if len(v) > 1 else v) for p, v in times.items()}
                 hit = ads["codes"].stats().prefix_hit_tokens
-                ads["codes"].generate(prompt(), **gen)
+                ads["codes"].generate(prompt(suffixes[0]), **gen)
                 hit = ads["codes"].stats().prefix_hit_tokens - hit      # one request's
             # a request that fell back in-process, or missed the prefix, times something else
             assert all(ad.fallbacks == 0 for ad in ads.values()), "the adapter fell back in-process"
-            assert hit >= prefix - 16, f"a request hit {hit} tokens of the {prefix}-token prefix"
+            # (the newest residual tokens of the prefix stay in fp16, unshared, until a longer
+            # request seals them)
+            assert hit >= prefix - 128 - 16, f"a request hit {hit} tokens of the {prefix}-token prefix"
             for ad in ads.values():
                 ad.close()
         finally:
             server.terminate()
             server.wait()
-    med = {p: statistics.median(v[1:] if len(v) > 1 else v) for p, v in times.items()}
-    print(f"TTFT, {suffix}-token suffix after a {prefix}-token cached prefix (a request hits {hit}), "
+    print(f"TTFT after a {prefix}-token cached prefix (a request hits {hit}), "
           f"random Llama {nl} layers x (hidden {cfg.hidden_size}, Hq {cfg.num_attention_heads}, Hkv {hkv}, d {d}), "
-          f"codec pq 4-bit, {dev}:")
-    print(f"  multi-token path {1e3 * med['codes']:.1f} ms, Retrieve path {1e3 * med['retrieve']:.1f} ms: "
-          f"{med['retrieve'] / med['codes']:.2f}x (median of {len(times['codes']) - 1 or 1})")
+          f"codec pq 4-bit, {dev}, median of {max(1, reps)}:")
+    for suffix, m in med.items():
+        print(f"  {suffix:>5}-token suffix: multi-token path {1e3 * m['codes']:.1f} ms, Retrieve path "
+              f"{1e3 * m['retrieve']:.1f} ms: {m['retrieve'] / m['codes']:.2f}x")
 
 
 def main():
@@ -196,7 +201,8 @@ def main():
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--context", type=int, default=32768)
     ap.add_argument("--tokens", type=int, default=8, help="query tokens per sequence (kernel)")
-    ap.add_argument("--suffix", type=int, default=1024, help="prompt tokens after the cached prefix (ttft)")
+    ap.add_argument("--suffix", type=int, nargs="+", default=[1024],
+                    help="prompt tokens after the cached prefix (ttft), one or more")
     ap.add_argument("--layers", type=int, default=8, help="layers of the random Llama (ttft)")
     ap.add_argument("--reps", type=int, default=5)
     args = ap.parse_args()

@@ -17,15 +17,17 @@ cannot run is refused at construction, naming the feature):
     the model's own attention implementation (eager for Gemma-2's soft-cap);
     the last layer's update sends the new tokens of all layers in one Append
     with their token ids (so later prompts can hit them).
-  - after a prefix hit, prefix_path="codes": the prompt's other
-    tokens but the last run through the model in chunks of up to 16, each
-    layer's chunk one `AppendAttend` with query_tokens (appended, then attended
-    causally by the daemon from the codes); generate() then starts from the last
-    prompt token. prefix_path="retrieve", the default (and any model with
-    sliding-window layers, which multi-token attention does not take): the
-    cached prefix comes back from `Retrieve`, dequantized, and the rest is a
-    prefill as above; it reached the first token of a 1K suffix after a 32K
-    prefix 4x sooner on an H100 (one prefill against 64 chunks x L calls:
+  - after a prefix hit, the multi-token path (prefix_path="codes", or "auto",
+    the default, when at most CODES_MAX_SUFFIX tokens follow the hit): the
+    prompt's other tokens but the last run through the model in chunks of up
+    to 16, each layer's chunk one `AppendAttend` with query_tokens (appended,
+    then attended causally by the daemon from the codes); generate() then starts
+    from the last prompt token. The Retrieve path (prefix_path="retrieve",
+    "auto" past CODES_MAX_SUFFIX tokens, and any model with sliding-window
+    layers, which multi-token attention does not take): the cached prefix comes
+    back from `Retrieve`, dequantized, and the rest is a prefill as above. After
+    a 32K prefix on an H100 the first is 3.7-8x sooner for 8-64 new tokens, the
+    second 4x sooner for 1K (one prefill against 64 chunks x L calls:
     docs/kernels.md, bench/bench_mtq.py).
   - decode (one token): `KVStoreCache.update` keeps nothing; the attention
     function "kvstore" sends (k, v, q) of the layer to `AppendAttend`.
@@ -62,6 +64,13 @@ from .hf_groups import LayerGroups, merge_stats
 
 ATTN = "kvstore"
 DEFAULT_PQ_SINKS = 32     # bench/ACCURACY.md: 32 sinks keep 4-bit PQ within 0.5 % at R = 128
+# prefix_path="auto": the rest of a prompt after a prefix hit takes the multi-token path
+# up to this many tokens, Retrieve + one prefill past it. H100, 32K cached prefix, 8 layers
+# of Llama-3-8B geometry (bench/bench_mtq.py --only ttft --suffix 8 16 32 64 256): the
+# codes path reached the first token 8.17x / 7.56x / 5.07x / 3.66x sooner at 8 / 16 / 32 /
+# 64 tokens, 0.97x at 256 and 0.25x at 1K (each chunk of 16 is a round trip a layer over
+# the whole prefix; Retrieve moves the prefix once).
+CODES_MAX_SUFFIX = 128
 _registered = False
 _inner: dict[int, str | None] = {}     # id(config) -> the attention implementation it had before
 
@@ -110,9 +119,10 @@ class KVStoreAdapter:
     daemon keeps in fp16; None: the file's, else 32 for pq (rounded up to a
     whole block), which keeps 4-bit PQ within 0.5 % perplexity of fp16 at
     R = 128 (docs/accuracy.md). prefix_path: how the rest of a prompt that hit a
-    cached prefix runs: "codes" (multi-token AppendAttend, nothing retrieved) or
+    cached prefix runs: "codes" (multi-token AppendAttend, nothing retrieved),
     "retrieve" (Retrieve the prefix, prefill in-process; models with sliding windows
-    always take it). layer_groups=False keeps one daemon cache for every layer of a
+    always take it) or "auto" (codes for up to CODES_MAX_SUFFIX tokens, else
+    retrieve). prefix_runs counts the requests that took each. layer_groups=False keeps one daemon cache for every layer of a
     model that mixes windows (hf_groups.py: correct, but every block stays), the
     baseline the per-group caches save against."""
 
@@ -120,9 +130,9 @@ class KVStoreAdapter:
                  codebooks: bytes | str | None = None, transform=None, block_size: int = 16, residual: int = 128,
                  num_blocks: int = 4096, max_sequences: int = 64, model_id: str | None = None,
                  timeout: float = 30.0, sink_tokens: int | None = None, calibrate_tokens: int = 0,
-                 prefix_path: str = "retrieve", layer_groups: bool = True):
-        if prefix_path not in ("codes", "retrieve"):
-            raise ValueError(f"prefix_path must be 'codes' or 'retrieve', got {prefix_path!r}")
+                 prefix_path: str = "auto", layer_groups: bool = True):
+        if prefix_path not in ("auto", "codes", "retrieve"):
+            raise ValueError(f"prefix_path must be 'auto', 'codes' or 'retrieve', got {prefix_path!r}")
         if codec == "pq" and codebooks is None and calibrate_tokens < 256:
             raise ValueError("codebooks: codec 'pq' needs codebooks (kvstore-calibrate output), or "
                              "calibrate_tokens >= 256 to let the daemon train them from the first tokens")
@@ -152,6 +162,8 @@ class KVStoreAdapter:
         # pq the residual + 1 newest tokens it keeps in fp16 until they are attended.
         self.chunk = None if prefix_path == "retrieve" or self.variant.windows else \
             min(16, residual + 1) if codec == "pq" else 16
+        self.prefix_path = prefix_path
+        self.prefix_runs = {"codes": 0, "retrieve": 0}     # requests after a prefix hit, by path
         self.calibrate_tokens = calibrate_tokens if codec == "pq" and cb is None else 0
         self._samples: list[tuple[torch.Tensor, torch.Tensor]] = []    # [L, n, Hkv, d] K/V for TrainCodebooks
         self.spec = dict(model_id=model_id or named or type(model).__name__,
@@ -289,10 +301,12 @@ class KVStoreAdapter:
                 cached = self._allocate(kv, sid, prompt)
                 if cached == 0:
                     continue
-                if self.chunk:
+                if self.chunk and (self.prefix_path == "codes" or t - cached <= CODES_MAX_SUFFIX):
+                    self.prefix_runs["codes"] += 1
                     cache = KVStoreCache(self, seq_ids, input_ids[:, :cached], None)
                     cache.run_chunks(input_ids[:, cached:-1])       # generate() runs the last token
                     return cache
+                self.prefix_runs["retrieve"] += 1
                 k, v = self.retrieve(kv, sid, cached)                     # [L, P, Hkv, d]
                 if self.transform is not None:
                     k = torch.stack([self.transform.inverse(k[l].float(), l, "k") for l in range(self.num_layers)])

@@ -12,6 +12,7 @@ import torch
 
 pytest.importorskip("transformers")
 
+from kvstore.client import hf  # noqa: E402
 from kvstore.client.hf import KVStoreAdapter  # noqa: E402
 from kvstore.codec.codebooks import Codebooks  # noqa: E402
 from tests.client.test_hf_adapter import GEN, prompt, tiny_llama  # noqa: E402
@@ -88,3 +89,34 @@ def test_a_model_on_the_gpu_continues_a_cached_prefix(daemon):
     got, _, _, s2 = generate(adapter(model, daemon, "fp16", "codes"), model, first, second)
     assert s1.prefix_hit_tokens == s2.prefix_hit_tokens == 40
     assert torch.equal(got, want)
+
+
+def test_auto_path_takes_codes_for_short_suffixes_and_retrieve_past_the_bound(daemon, monkeypatch):
+    # prefix_path="auto" (the default): up to CODES_MAX_SUFFIX tokens after the hit run as
+    # multi-token chunks, more as Retrieve + one in-process prefill; same tokens either way
+    monkeypatch.setattr(hf, "CODES_MAX_SUFFIX", 20)
+    model = tiny_llama()
+    first = prompt(40)
+    ad = KVStoreAdapter(model, daemon, codec="fp16", block_size=8, residual=8, cache="fp16-auto")
+    assert ad.prefix_path == "auto"
+    for suffix, path, seed in ((20, "codes", 7), (21, "retrieve", 8)):
+        second = torch.cat([first, prompt(suffix, seed)], dim=1)
+        seen = []
+        with torch.no_grad():
+            ad.generate(first, **GEN)                    # the prefix (a full hit from the second round)
+            runs = dict(ad.prefix_runs)
+            hook = model.model.register_forward_pre_hook(lambda m, a, k: seen.append(k["input_ids"].shape[1]),
+                                                         with_kwargs=True)
+            got = ad.generate(second, **GEN)
+            hook.remove()
+        assert {p: ad.prefix_runs[p] - runs[p] for p in runs} == \
+            {path: 1, "codes" if path == "retrieve" else "retrieve": 0}
+        # chunks of 16 then the last prompt token, or the whole suffix in one prefill
+        assert seen[:3] == ([16, 3, 1] if path == "codes" else [suffix, 1, 1])
+        want, _, _, _ = generate(adapter(model, daemon, "fp16", "retrieve"), model, first, second)
+        assert torch.equal(got, want)
+
+
+def test_prefix_path_is_checked(daemon):
+    with pytest.raises(ValueError, match="prefix_path"):
+        KVStoreAdapter(tiny_llama(), daemon, codec="fp16", prefix_path="fast")
