@@ -272,9 +272,7 @@ class LMDBStore:
 
     def _checked(self, txn, key: bytes):
         v, s = self.stored(txn, key)
-        if v is None:
-            return None
-        if checksum(v) != s:
+        if v is not None and checksum(v) != s:
             self.refuse(key)
             return None
         return v
@@ -339,7 +337,7 @@ class LMDBStore:
                     start_writeback(self._fd)
                     unflushed = 0
             for (k, v), s in zip(puts, sums()):
-                txn.put(k, _SUM.pack(_nbytes(v), s), db=self.sums)
+                txn.put(k, _SUM.pack(entry_bytes(b"", v), s), db=self.sums)
             if sync:
                 self.env.sync(True)      # this transaction's pages, before the commit's meta page points at them
         # What the transaction can add to the file: every byte, a page per entry
@@ -389,10 +387,6 @@ class LMDBStore:
         self._close_env()
 
 
-def _nbytes(v) -> int:
-    return v.nbytes if isinstance(v, memoryview) else len(v)
-
-
 def _check(value, record) -> bool:
     """Whether value is what SUMS_DB's record says was written."""
     if record is None or len(record) != _SUM.size:
@@ -406,7 +400,7 @@ def _sums(puts: list[tuple[bytes, bytes]]):
     function that waits for them (in order)."""
     chunks, a, nbytes = [], 0, 0
     for i, (_, v) in enumerate(puts):
-        nbytes += _nbytes(v)
+        nbytes += entry_bytes(b"", v)
         if nbytes >= SUM_CHUNK or i == len(puts) - 1:
             chunks.append((a, i + 1))
             a, nbytes = i + 1, 0
