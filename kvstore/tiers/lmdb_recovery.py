@@ -25,7 +25,8 @@ on disk (a durable batch, a clean close). At open:
   kept beside the store, renamed, for whoever wants to look at it.
 A file LMDB refuses to open (its meta pages garbled, not an LMDB file) is
 renamed aside the same way and the store starts empty, logged as an error.
-Nothing is deleted.
+An old file is replaced without a copy kept only when every entry it held
+passed into the fresh one.
 """
 from __future__ import annotations
 
@@ -104,20 +105,21 @@ def move_aside(path: str, why: str) -> str:
     return aside
 
 
-def copy_verified(env, sums_db, path: str, map_size: int, verify) -> tuple[int, list[bytes], str | None]:
+def copy_verified(env, sums_db, sums_name: bytes, path: str, map_size: int,
+                  verify) -> tuple[int, list[bytes], str | None]:
     """Every entry of env's main database that verify(key, value, stored
-    checksum) passes, with its checksum, into a fresh file SALVAGE in path,
+    checksum) passes, with its checksum record (sums_db, a database named
+    sums_name in the main one), into a fresh file SALVAGE in path,
     synced. Returns (entries kept, keys dropped, why the walk stopped early
     or None). LMDB errors met while walking a broken tree end the walk: what
     lies behind them is dropped."""
     import lmdb
-    from .lmdb_store import SUMS_DB
     dst_path = os.path.join(path, SALVAGE)
     for p in (dst_path, dst_path + "-lock"):
         if os.path.exists(p):
             os.unlink(p)              # a verification cut short by a crash starts over
     dst = lmdb.open(dst_path, map_size=map_size, subdir=False, sync=False, metasync=False, max_dbs=2, lock=True)
-    dst_sums = dst.open_db(SUMS_DB)
+    dst_sums = dst.open_db(sums_name)
     kept, dropped, stopped = 0, [], None
     try:
         with env.begin(buffers=True) as txn:
@@ -126,7 +128,7 @@ def copy_verified(env, sums_db, path: str, map_size: int, verify) -> tuple[int, 
             try:
                 for k, v in cur:
                     k = bytes(k)
-                    if k == SUMS_DB:
+                    if k == sums_name:
                         continue
                     s = txn.get(k, db=sums_db)
                     if s is None or not verify(k, v, s):

@@ -186,7 +186,7 @@ class LMDBStore:
         self.counters["verified_opens"] += 1
         map_size = self.env.info()["map_size"]
         kept, dropped, stopped = recovery.copy_verified(
-            self.env, self.sums, self.path, map_size, lambda k, v, s: _check(v, s))
+            self.env, self.sums, SUMS_DB, self.path, map_size, lambda k, v, s: _check(v, s))
         self._close_env()
         recovery.install_copy(self.path, kept, dropped, stopped)
         self.counters["dropped_entries"] += len(dropped)
