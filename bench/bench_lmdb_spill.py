@@ -5,6 +5,10 @@ file beside it, interleaved, medians over the rounds.
   fresh: the values grow the file (a first spill); reuse: they replace the
   previous spill's values (pages from LMDB's free list, as repeated spills do)
 
+and the read back of the spill into memory (staging.gather on the copy
+threads, from the page cache) with each value checked against its stored
+checksum, as the disk tier reads, against the same read unchecked.
+
 python bench/bench_lmdb_spill.py [--values 256] [--value-kib 512] [--rounds 5] [--dir DIR]
 (--dir on the disk to measure, not a tmpfs: the default is a temp dir under it)
 """
@@ -19,7 +23,8 @@ import time
 
 import numpy as np
 
-from kvstore.tiers.lmdb_store import LMDBStore
+from kvstore.tiers.lmdb_store import LMDBStore, checksum
+from kvstore.tiers.staging import gather
 
 
 def disk_write(path: str, data: memoryview) -> float:
@@ -44,6 +49,17 @@ def spill(store: LMDBStore, rows: np.ndarray, tag: bytes) -> float:
     return time.perf_counter() - t
 
 
+def read_back(store: LMDBStore, keys: list[bytes], width: int, checked: bool) -> float:
+    t = time.perf_counter()
+    with store.reader(buffers=True) as txn:
+        values, sums = zip(*(store.stored(txn, k) for k in keys))
+        bad = []
+        check = (lambda i, row: checksum(row) == sums[i] or bad.append(i)) if checked else None
+        gather(list(values), width, "cpu", check=check)
+    assert not bad, "a value failed its checksum"
+    return time.perf_counter() - t
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--values", type=int, default=256)
@@ -54,7 +70,7 @@ def main() -> None:
     rows = np.random.default_rng(0).integers(0, 256, (args.values, args.value_kib << 10), dtype=np.uint8)
     nbytes = rows.nbytes
     tmp = tempfile.mkdtemp(prefix="kvbench-lmdb-", dir=args.dir)
-    times = dict(disk=[], fresh=[], reuse=[])
+    times = dict(disk=[], fresh=[], reuse=[], read=[], checked=[])
     try:
         for r in range(args.rounds):
             times["disk"].append(disk_write(os.path.join(tmp, "disk-baseline"), memoryview(rows.reshape(-1))))
@@ -64,6 +80,10 @@ def main() -> None:
             store.delete_many([b"a/%08d" % i for i in range(args.values)])
             store.env.sync(True)
             times["reuse"].append(spill(store, rows, b"b"))
+            keys = [b"b/%08d" % i for i in range(args.values)]
+            for _ in range(2):      # interleaved: the second pass of each reads a warm page cache
+                times["read"].append(read_back(store, keys, rows.shape[1], False))
+                times["checked"].append(read_back(store, keys, rows.shape[1], True))
             store.close()
             shutil.rmtree(path)
     finally:
@@ -76,6 +96,9 @@ def main() -> None:
     for k in ("fresh", "reuse"):
         print(f"  LMDB spill, {k:5s} pages ({'put_many(sync=True)'})  {gb / med[k]:6.2f} GB/s  "
               f"{med[k] * 1e3:7.1f} ms  {med['disk'] / med[k]:.2f}x of the disk's speed")
+    print(f"  read back into memory, unchecked          {gb / med['read']:6.2f} GB/s  {med['read'] * 1e3:7.1f} ms")
+    print(f"  read back, every value checked            {gb / med['checked']:6.2f} GB/s  "
+          f"{med['checked'] * 1e3:7.1f} ms  {med['read'] / med['checked']:.2f}x of the unchecked read's speed")
 
 
 if __name__ == "__main__":

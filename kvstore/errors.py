@@ -58,3 +58,9 @@ class Unimplemented(KVStoreError):
 
 class Unavailable(KVStoreError):
     code = "UNAVAILABLE"
+
+
+class DataLoss(KVStoreError):
+    """Stored data is not what was written (a checksum failed, a part is
+    missing): refused, never served."""
+    code = "DATA_LOSS"

@@ -413,6 +413,6 @@ class Engine(CodebookOps):
         """Before the process exits: what LMDB holds is on disk, and queued
         Redis puts get a moment to reach Redis."""
         if self.cold_store is not None:
-            self.cold_store.env.sync(True)
+            self.cold_store.sync()      # a clean shutdown: nothing in flight, the store's marker goes
         if self.redis is not None:
             self.redis.close()

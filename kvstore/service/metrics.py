@@ -29,7 +29,8 @@ COUNTERS = {"prefix_query_tokens", "prefix_hit_tokens", "appended_tokens", "seal
             "attend_calls", "evictions", "page_ins", "page_outs", "offloads", "prefetches", "bytes_down",
             "bytes_up", "spilled_blocks", "prefix_hit_blocks", "prefix_hits", "evicted_bytes", "skipped_spills",
             "blocks_out", "bytes_out", "bytes_in", "misses", "refused", "dropped_puts", "errors",
-            "window_freed_blocks"}
+            "window_freed_blocks", "refused_values", "verified_opens", "dropped_entries", "moved_aside",
+            "dropped_sequences"}
 HIT_BLOCKS = ("prefix_hit_blocks", "prefix_hits")    # per-tier prefix hits, counted in blocks
 TIER_SUFFIXES = ("gpu", "host", "disk")
 # HELP text where the name alone says too little.

@@ -21,16 +21,19 @@ from __future__ import annotations
 
 import functools
 import json
+import logging
 import struct
 from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
 
-from kvstore.errors import ResourceExhausted
+from kvstore.errors import DataLoss, ResourceExhausted, quote
 
-from .lmdb_store import LMDBStore, entry_bytes
+from .lmdb_store import LMDBStore, checksum, entry_bytes
 from .staging import gather
+
+log = logging.getLogger("kvstore.lmdb")
 
 FP_BYTES = 32     # a cache fingerprint: sha256 (codebooks.fingerprint)
 
@@ -96,9 +99,15 @@ class DiskTier:
         self.pins: dict[bytes, int] = {}                         # block key -> manifests referencing it
         self.lru: OrderedDict[bytes, None] = OrderedDict()       # unreferenced block keys, oldest first
         self.lru_bytes = 0
-        self.counters = dict(evictions=0, evicted_bytes=0, skipped_spills=0)
-        for k, v in store.scan(b"M"):
-            for b in _refs(k[1:1 + FP_BYTES], json.loads(v)):
+        self.counters = dict(evictions=0, evicted_bytes=0, skipped_spills=0, dropped_sequences=0)
+        good = {k: json.loads(v) for k, v in store.scan(b"M")}     # checked: a refused manifest is not here
+        broken = [k for k in store.keys(b"M") if k not in good or not self._complete(k, good[k])]
+        if broken:
+            self._drop_sequences(broken)
+        for k in broken:
+            good.pop(k, None)
+        for k, m in good.items():
+            for b in _refs(k[1:1 + FP_BYTES], m):
                 self.pins[b] = self.pins.get(b, 0) + 1
         for k in store.keys(b"B"):
             if k not in self.pins:
@@ -112,6 +121,24 @@ class DiskTier:
         if store.books is None:
             store.books = cls(store)
         return store.books
+
+    def _complete(self, mk: bytes, m: dict) -> bool:
+        """Whether every block the manifest under mk names is stored."""
+        fp, seq = mk[1:1 + FP_BYTES], mk[1:]
+        return (all(self.store.contains(k) for k in _refs(fp, m))
+                and all(self.store.contains(b"S" + seq + struct.pack(">I", i)) for i in range(m["n_other"])))
+
+    def _drop_sequences(self, mks: list[bytes]) -> None:
+        """At open: sequences whose manifest was refused or names a block that
+        is not stored cannot be restored. Their manifests and own blocks go
+        (durably), logged and counted; their hashed blocks stay as cached
+        prefix blocks (each is checked when read)."""
+        own = [k for mk in mks for k in self.store.keys(b"S" + mk[1:])]
+        self.store.write_batch([], list(mks) + own, sync=True)
+        self.counters["dropped_sequences"] += len(mks)
+        log.warning("LMDB store %s: %d sequences dropped: their disk copy is not whole (a manifest or block was "
+                    "refused by its checksum or is missing): %s", self.store.path, len(mks),
+                    ", ".join(_describe(mk) for mk in mks[:8]) + (" ..." if len(mks) > 8 else ""))
 
     # ------------------------------------------------------------ books
     def _unreferenced(self, k: bytes) -> None:
@@ -174,6 +201,8 @@ class DiskTier:
             if im.others is not None:
                 if old is not None:     # its other blocks go, or are overwritten just below
                     deletes += [seq_block_key(fp, im.cache, im.tenant, im.seq_id, i) for i in range(old["n_other"])]
+                elif self.store.contains(mk):     # an old manifest that was refused: all its own blocks go
+                    deletes += self.store.keys(b"S" + mk[1:])
                 for h, payload in im.hashed:
                     k = block_key(fp, h)
                     if not self.store.contains(k) and k not in new:
@@ -216,10 +245,17 @@ class DiskTier:
                 if not ks:
                     out.append(None)
                     continue
-                values = [txn.get(k) for k in ks]
-                if any(v is None or len(v) != width for v in values):
-                    raise RuntimeError(f"sequence {seq_id!r} is incomplete on disk")
-                out.append(gather(values, width, device))
+                values, sums = zip(*(self.store.stored(txn, k) for k in ks))
+                bad = [i for i, v in enumerate(values) if v is None or len(v) != width]
+                if not bad:
+                    out.append(gather(values, width, device, check=_checker(sums, bad)))
+                if bad:
+                    for i in bad:
+                        if values[i] is not None and len(values[i]) == width:
+                            self.store.refuse(ks[i])
+                    raise DataLoss("sequence_ids", f"sequence {quote(seq_id)} (tenant {quote(tenant)}): {len(bad)} "
+                                   f"of its {len(ks)} blocks on disk are missing or failed their checksums; "
+                                   "nothing was served (free the sequence to drop its disk copy)")
         return out[0], out[1]
 
     @_under_store_lock
@@ -234,9 +270,10 @@ class DiskTier:
         return [json.loads(v) for _, v in self.store.scan(b"M" + fp + _part(cache))]
 
     def _manifest(self, mk: bytes) -> dict | None:
-        if not self.store.contains(mk):
-            return None
-        return json.loads(self.store.get_many([mk])[0])
+        """The manifest under mk; None if there is none or it was refused
+        (what it pinned then stays pinned: its references are unknown)."""
+        v = self.store.get_many([mk])[0] if self.store.contains(mk) else None
+        return None if v is None else json.loads(v)
 
     # ------------------------------------------------------ cached blocks
     @_under_store_lock
@@ -249,15 +286,22 @@ class DiskTier:
         that are on disk (n < len(hashes) where one is missing: evicted since it
         was looked up), in one read transaction; they become the most recent."""
         keys = [block_key(fp, h) for h in hashes]
-        values = []
+        values, sums, bad = [], [], []
         with self.store.reader(buffers=True) as txn:
             for k in keys:
-                v = txn.get(k)
+                v, s = self.store.stored(txn, k)
                 if v is None or len(v) != width:
                     break
                 values.append(v)
-            rows = gather(values, width, device)
-        for k in keys[:len(values)]:
+                sums.append(s)
+            rows = gather(values, width, device, check=_checker(sums, bad))
+        if bad:           # served up to the first refused block; the refused ones no sequence holds go
+            n = min(bad)
+            for i in bad:
+                self.store.refuse(keys[i])
+            self._forget([keys[i] for i in bad if keys[i] in self.lru])
+            rows = rows[:n]
+        for k in keys[:len(rows)]:
             if k in self.lru:
                 self.lru.move_to_end(k)
         return rows
@@ -291,9 +335,18 @@ class DiskTier:
             self._unreferenced(k)
         return sum(v.nbytes for _, v in puts)
 
+    def _forget(self, keys: list[bytes]) -> None:
+        """Delete unreferenced blocks that were refused when read."""
+        if keys:
+            sizes = [self.store.size(k) for k in keys]
+            self.store.write_batch([], keys)
+            for k, n in zip(keys, sizes):
+                del self.lru[k]
+                self.lru_bytes -= n
+
     # ------------------------------------------------------------- state
     def sync(self) -> None:
-        self.store.env.sync(True)
+        self.store.sync()
 
     @_under_store_lock
     def stats(self) -> dict:
@@ -311,6 +364,24 @@ class DiskTier:
         # Over the bound only with nothing left to evict (a store opened under a smaller bound).
         assert not self.store.max_bytes or self.store.used_bytes <= self.store.max_bytes or not self.lru, \
             "over the byte bound"
+
+
+def _checker(sums, bad: list[int]):
+    """gather's check: rows whose checksum is not the stored one go into bad."""
+    def check(i: int, row) -> None:
+        if checksum(row) != sums[i]:
+            bad.append(i)
+    return check
+
+
+def _describe(mk: bytes) -> str:
+    """A manifest key as the log names it: cache/tenant/sequence."""
+    parts, at = [], 1 + FP_BYTES
+    for _ in range(3):
+        (n,) = struct.unpack_from("<H", mk, at)
+        parts.append(mk[at + 2:at + 2 + n].decode(errors="replace"))
+        at += 2 + n
+    return "/".join(map(repr, parts))
 
 
 def _view(payload: torch.Tensor) -> memoryview:

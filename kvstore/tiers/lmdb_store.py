@@ -33,15 +33,35 @@ rounding, and the B-tree pages it copies), in steps of ALLOC_STEP, so a disk
 that cannot take a batch fails that write (OSError), nothing else. The file
 holds what the store holds plus at most a step, not the whole map (a map
 doubles as it fills; allocating all of it would take up to twice the data).
+
+Every value's length and checksum (redis_format.checksum) go into a second
+database (SUMS_DB) in the transaction that puts the value, computed on the
+copy threads while the values are put. Every read checks them: a value that
+does not match (a page torn by a system crash, bytes changed behind LMDB's
+back) is refused, counted (refused_values) and logged, and reads as absent;
+never served. A commit without sync is in the page cache only and LMDB with
+a writable map gives no guarantee for it across a system crash: what the
+store does about that at open is lmdb_recovery.py's.
 """
 from __future__ import annotations
 
 import contextlib
 import ctypes
+import logging
 import os
+import struct
 import threading
 from typing import Iterable, Iterator, Protocol
 
+from . import lmdb_recovery as recovery
+from .redis_format import checksum
+from .staging import workers
+
+log = logging.getLogger("kvstore.lmdb")
+
+SUMS_DB = b"kvstore.checksums"   # the database of checksums: a reserved key of the main database
+_SUM = struct.Struct("<QQ")        # a value's length and checksum, as SUMS_DB holds them
+SUM_CHUNK = 8 << 20                # bytes of values checksummed per task on the copy threads
 ALLOC_STEP = 16 << 20       # bytes the file grows by at a time (module docstring)
 WRITEBACK_STEP = 16 << 20   # a durable batch starts the disk writing after every this many bytes put
 
@@ -105,22 +125,98 @@ class LMDBStore:
         os.makedirs(path, mode=0o700, exist_ok=True)
         self.path = path
         self.max_bytes = max_bytes
+        self.durable_commits = sync
+        self.lock = threading.RLock()
+        self.counters = dict(refused_values=0, verified_opens=0, dropped_entries=0, moved_aside=0)
+        self._map_size = map_size
+        self._fd = -1
+        self._open()
+        was = recovery.marker(path)
+        self._marked = was is not None
+        self._nondurable = 0      # non-durable commits so far: a sync clears the marker only if none came since it began
+        if was is not None and was and was == recovery.boot_id():
+            # The process died, the kernel did not: the page cache holds the last commit.
+            log.warning("LMDB store %s: not closed cleanly (the process ended; the system did not restart): "
+                        "its last commit is intact in the page cache; synced", path)
+            self.sync()
+        elif was is not None:
+            self._verify_into_fresh_file()
+        try:
+            self._adopt_unsummed()
+            self._read_books()
+        except (lmdb.CorruptedError, lmdb.PageNotFoundError) as e:     # a broken tree, whatever the marker said
+            log.warning("LMDB store %s: %s while reading it: verifying every entry", path, e)
+            self._verify_into_fresh_file()
+            self._read_books()
+        self.books = None     # what the owner of the key layout keeps over these entries (tiers.DiskTier)
+
+    # ------------------------------------------------------------ opening
+    def _open(self) -> None:
+        """Open the environment; a file LMDB refuses to open is renamed aside
+        and the store starts empty (lmdb_recovery)."""
+        lmdb = self._lmdb
         # sync=False: commits reach the OS, not the disk; durable writes ask for
         # sync explicitly (put_many(sync=True) calls env.sync()).
         # readahead: without it LMDB advises MADV_RANDOM on the map, and every first
         # write to a page of the map faults that one page in alone (module docstring).
-        self.env = lmdb.open(path, map_size=map_size, subdir=True, sync=sync, metasync=sync,
-                             max_dbs=0, lock=True, readahead=True, writemap=True)
-        self._fd = os.open(os.path.join(path, "data.mdb"), os.O_RDWR)
+        kw = dict(map_size=self._map_size, subdir=True, sync=self.durable_commits, metasync=self.durable_commits,
+                  max_dbs=2, lock=True, readahead=True, writemap=True)
+        try:
+            self.env = lmdb.open(self.path, **kw)
+        except (lmdb.InvalidError, lmdb.CorruptedError, lmdb.PageNotFoundError) as e:
+            aside = recovery.move_aside(self.path, "corrupt")
+            self.counters["moved_aside"] += 1
+            log.error("LMDB store %s: LMDB cannot open it (%s); the file was moved to %s, untouched, and the store "
+                      "starts empty: everything it held is unavailable", self.path, e, aside)
+            self.env = lmdb.open(self.path, **kw)
+        self.sums = self.env.open_db(SUMS_DB)
+        self._fd = os.open(os.path.join(self.path, "data.mdb"), os.O_RDWR)
         self._allocated = 0
         self._reserve(0)
-        self.lock = threading.RLock()
+
+    def _close_env(self) -> None:
+        self.env.close()
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+    def _verify_into_fresh_file(self) -> None:
+        """Not trusted (lmdb_recovery): the entries that pass their checksums go
+        into a fresh file that replaces this one; the rest are dropped, loudly."""
+        self.counters["verified_opens"] += 1
+        map_size = self.env.info()["map_size"]
+        kept, dropped, stopped = recovery.copy_verified(
+            self.env, self.sums, SUMS_DB, self.path, map_size, lambda k, v, s: _check(v, s))
+        self._close_env()
+        recovery.install_copy(self.path, kept, dropped, stopped)
+        self.counters["dropped_entries"] += len(dropped)
+        self._map_size = map_size
+        self._open()
+        self.sync()      # the fresh file is on disk: the marker goes
+
+    def _adopt_unsummed(self) -> None:
+        """A store written before values carried checksums: sum what it holds,
+        trusted as it was read before (logged)."""
+        if self.env.stat()["entries"] <= 1:       # nothing but SUMS_DB's own record
+            return
+        with self.env.begin(buffers=True) as txn:
+            if txn.stat(self.sums)["entries"]:
+                return
+            missing = [(bytes(k), _SUM.pack(len(v), checksum(v))) for k, v in txn.cursor() if bytes(k) != SUMS_DB]
+        psize = self.env.stat()["psize"]
+        self._write(lambda txn: [txn.put(k, r, db=self.sums) for k, r in missing],
+                    sum(len(k) + psize for k, _ in missing) + 4 * psize)
+        self.sync()
+        log.warning("LMDB store %s: written without value checksums; %d values were summed as they are now",
+                    self.path, len(missing))
+
+    def _read_books(self) -> None:
         self._sizes: dict[bytes, int] = {}
         with self.env.begin(buffers=True) as txn:   # values stay in the map: only their length is read
             for k, v in txn.cursor():
-                self._sizes[bytes(k)] = entry_bytes(k, v)
+                if bytes(k) != SUMS_DB:
+                    self._sizes[bytes(k)] = entry_bytes(k, v)
         self.used_bytes = sum(self._sizes.values())
-        self.books = None     # what the owner of the key layout keeps over these entries (tiers.DiskTier)
 
     def _reserve(self, nbytes: int) -> None:
         """Disk blocks from the start of the file to past its last page by what a
@@ -148,11 +244,38 @@ class LMDBStore:
                 except self._lmdb.MapFullError:
                     self.env.set_mapsize(self.env.info()["map_size"] * 2)
 
+    # ------------------------------------------------------------ reading
     @contextlib.contextmanager
     def reader(self, buffers: bool = False):
         """A read transaction, held under self.lock (see the class docstring)."""
         with self.lock, self.env.begin(buffers=buffers) as txn:
             yield txn
+
+    def stored(self, txn, key: bytes) -> tuple[memoryview | bytes | None, int]:
+        """(value, its stored checksum) in txn, unchecked: the caller checks
+        the bytes it copies out with checksum() and reports a mismatch with
+        refuse(). (None, 0) if absent, or if its length is not the one stored."""
+        v, r = txn.get(key), txn.get(key, db=self.sums)
+        if v is None:
+            return None, 0
+        n, s = _SUM.unpack(r) if r is not None and len(r) == _SUM.size else (-1, 0)
+        if n != len(v):
+            self.refuse(key, "its length is not the one stored with it" if r is not None else "it has no checksum")
+            return None, 0
+        return v, s
+
+    def refuse(self, key: bytes, why: str = "its checksum does not match") -> None:
+        """A value read from the store is not what was written: counted and
+        logged; the caller treats it as absent."""
+        self.counters["refused_values"] += 1
+        log.warning("LMDB store %s: value of key %s refused: %s (served as a miss)", self.path, key[:48].hex(), why)
+
+    def _checked(self, txn, key: bytes):
+        v, s = self.stored(txn, key)
+        if v is not None and checksum(v) != s:
+            self.refuse(key)
+            return None
+        return v
 
     def size(self, key: bytes) -> int | None:
         """Bytes the entry counts, None if absent."""
@@ -162,59 +285,27 @@ class LMDBStore:
         """Bytes write_batch(puts, deletes) would add to used_bytes (< 0: frees)."""
         return sum(n - self._sizes.get(k, 0) for k, n in _after(puts, deletes).items())
 
-    def put_many(self, items: Iterable[tuple[bytes, bytes]], sync: bool = False) -> None:
-        self.write_batch(list(items), [], sync)
-
     def get_many(self, keys: list[bytes]) -> list[bytes | None]:
+        """Values, checked; None for one absent or refused."""
         with self.reader() as txn:
-            return [txn.get(k) for k in keys]
+            return [self._checked(txn, k) for k in keys]
 
     def contains(self, key: bytes) -> bool:
         return key in self._sizes
 
-    def delete_many(self, keys: Iterable[bytes]) -> None:
-        self.write_batch([], list(keys))
-
-    def write_batch(self, puts: list[tuple[bytes, bytes]], deletes: list[bytes], sync: bool = False) -> None:
-        """Puts and deletes in one transaction (deletes first); with sync, on
-        disk when this returns (the module docstring says in which order)."""
-        def fn(txn):
-            for k in deletes:
-                txn.delete(k)
-            unflushed = 0
-            for k, v in puts:
-                txn.put(k, v)
-                unflushed += entry_bytes(k, v)
-                if sync and unflushed >= WRITEBACK_STEP:     # the disk writes while the next values are put
-                    start_writeback(self._fd)
-                    unflushed = 0
-            if sync:
-                self.env.sync(True)      # this transaction's pages, before the commit's meta page points at them
-        # What the transaction can add to the file: every byte, a page per entry
-        # for rounding, and the leaf/branch pages each entry's path copies.
-        psize, depth = (self.env.stat()[k] for k in ("psize", "depth"))
-        n = len(puts) + len(deletes) + 1
-        nbytes = sum(entry_bytes(k, v) for k, v in puts) + n * (depth + 2) * psize
-        with self.lock:
-            self._write(fn, nbytes)
-            for k, n in _after(puts, deletes).items():     # committed: the books follow
-                self.used_bytes += n - self._sizes.get(k, 0)
-                if n:
-                    self._sizes[k] = n
-                else:
-                    self._sizes.pop(k, None)
-        if sync:
-            self.env.sync(True)
-
     def scan(self, prefix: bytes) -> Iterator[tuple[bytes, bytes]]:
+        """(key, value) under prefix, checked: a refused value is left out."""
         out = []          # read whole: a generator would hold the lock between its items
         with self.reader() as txn:
             cur = txn.cursor()
             if cur.set_range(prefix):
-                for k, v in cur:
+                for k in cur.iternext(values=False):
                     if not k.startswith(prefix):
                         break
-                    out.append((bytes(k), bytes(v)))
+                    if k != SUMS_DB:
+                        v = self._checked(txn, k)
+                        if v is not None:
+                            out.append((k, v))
         return iter(out)
 
     def keys(self, prefix: bytes = b"") -> list[bytes]:
@@ -222,20 +313,101 @@ class LMDBStore:
         with self.lock:
             return [k for k in self._sizes if k.startswith(prefix)]
 
+    # ------------------------------------------------------------ writing
+    def put_many(self, items: Iterable[tuple[bytes, bytes]], sync: bool = False) -> None:
+        self.write_batch(list(items), [], sync)
+
+    def delete_many(self, keys: Iterable[bytes]) -> None:
+        self.write_batch([], list(keys))
+
+    def write_batch(self, puts: list[tuple[bytes, bytes]], deletes: list[bytes], sync: bool = False) -> None:
+        """Puts and deletes in one transaction (deletes first); with sync, on
+        disk when this returns (the module docstring says in which order)."""
+        sums = _sums(puts)       # on the copy threads, while the values are put
+
+        def fn(txn):
+            for k in deletes:
+                txn.delete(k)
+                txn.delete(k, db=self.sums)
+            unflushed = 0
+            for k, v in puts:
+                txn.put(k, v)
+                unflushed += entry_bytes(k, v)
+                if sync and unflushed >= WRITEBACK_STEP:     # the disk writes while the next values are put
+                    start_writeback(self._fd)
+                    unflushed = 0
+            for (k, v), s in zip(puts, sums()):
+                txn.put(k, _SUM.pack(entry_bytes(b"", v), s), db=self.sums)
+            if sync:
+                self.env.sync(True)      # this transaction's pages, before the commit's meta page points at them
+        # What the transaction can add to the file: every byte, a page per entry
+        # for rounding, and the leaf/branch pages each entry's path copies (in both databases).
+        psize, depth = (self.env.stat()[k] for k in ("psize", "depth"))
+        n = len(puts) + len(deletes) + 1
+        nbytes = sum(entry_bytes(k, v) for k, v in puts) + 2 * n * (depth + 2) * psize
+        with self.lock:
+            durable = sync or self.durable_commits
+            if not durable and not self._marked:
+                recovery.mark(self.path)      # on disk before any page of this commit can be
+                self._marked = True
+            self._write(fn, nbytes)
+            if not durable:
+                self._nondurable += 1
+            for k, n in _after(puts, deletes).items():     # committed: the books follow
+                self.used_bytes += n - self._sizes.get(k, 0)
+                if n:
+                    self._sizes[k] = n
+                else:
+                    self._sizes.pop(k, None)
+        if sync:
+            self.sync()
+
+    def sync(self) -> None:
+        """Everything committed so far on disk; then no non-durable commit is
+        in flight, and the marker goes (unless one came in the meantime)."""
+        with self.lock:
+            seen = self._nondurable
+        self.env.sync(True)
+        with self.lock:
+            if self._marked and self._nondurable == seen:
+                recovery.clear(self.path)
+                self._marked = False
+
     def stats(self) -> dict:
         with self.lock:
             st = self.env.stat()
             info = self.env.info()
-        return dict(entries=st["entries"], map_size=info["map_size"],
-                    pages=st["branch_pages"] + st["leaf_pages"] + st["overflow_pages"],
-                    bytes=(st["branch_pages"] + st["leaf_pages"] + st["overflow_pages"]) * st["psize"],
-                    used_bytes=self.used_bytes, max_bytes=self.max_bytes)
+        pages = st["branch_pages"] + st["leaf_pages"] + st["overflow_pages"]
+        return dict(entries=len(self._sizes), map_size=info["map_size"], pages=pages, bytes=pages * st["psize"],
+                    used_bytes=self.used_bytes, max_bytes=self.max_bytes, **self.counters)
 
     def close(self) -> None:
-        self.env.close()
-        if self._fd >= 0:
-            os.close(self._fd)
-            self._fd = -1
+        """A clean close: synced, the marker gone."""
+        self.sync()
+        self._close_env()
+
+
+def _check(value, record) -> bool:
+    """Whether value is what SUMS_DB's record says was written."""
+    if record is None or len(record) != _SUM.size:
+        return False
+    n, s = _SUM.unpack(record)
+    return n == len(value) and checksum(value) == s
+
+
+def _sums(puts: list[tuple[bytes, bytes]]):
+    """Start the checksums of the values on the copy threads; returns a
+    function that waits for them (in order)."""
+    chunks, a, nbytes = [], 0, 0
+    for i, (_, v) in enumerate(puts):
+        nbytes += entry_bytes(b"", v)
+        if nbytes >= SUM_CHUNK or i == len(puts) - 1:
+            chunks.append((a, i + 1))
+            a, nbytes = i + 1, 0
+    if len(chunks) <= 1:
+        return lambda: [checksum(v) for _, v in puts]
+    futures = [workers().submit(lambda a, b: [checksum(v) for _, v in puts[a:b]], a, b) for a, b in chunks]
+    return lambda: [s for f in futures for s in f.result()]
 
 
 def _after(puts: list[tuple[bytes, bytes]], deletes: Iterable[bytes]) -> dict[bytes, int]:

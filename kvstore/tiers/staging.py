@@ -57,10 +57,12 @@ def spans(n: int, width: int) -> list[tuple[int, int]]:
     return [(a, min(n, a + per)) for a in range(0, n, per)]
 
 
-def gather(sources: list, width: int, device, offset: int = 0) -> torch.Tensor:
+def gather(sources: list, width: int, device, offset: int = 0, check=None) -> torch.Tensor:
     """Bytes [offset, offset + width) of each bytes-like source -> row i of a
     [len(sources), width] uint8 tensor on device (queued on the current
-    stream: a later kernel on it sees the rows)."""
+    stream: a later kernel on it sees the rows). check(i, row), if given,
+    runs on the copy threads on each host row once it is copied (row: a
+    numpy uint8 view): the bytes checked are the bytes served."""
     device = torch.device(device)
     n = len(sources)
     out = torch.empty((n, width), dtype=torch.uint8, device=device)
@@ -73,6 +75,8 @@ def gather(sources: list, width: int, device, offset: int = 0) -> torch.Tensor:
     def copy(a: int, b: int) -> None:
         for i in range(a, b):
             arr[i] = np.frombuffer(sources[i], dtype=np.uint8, count=width, offset=offset)
+            if check is not None:
+                check(i, arr[i])
     parts = spans(n, width)
     if not cuda or len(parts) == 1 or THREADS == 1:
         run_all(copy, parts)

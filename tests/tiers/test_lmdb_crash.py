@@ -1,0 +1,270 @@
+"""The LMDB store after what its pages can go through outside a clean close
+(kvstore/tiers/lmdb_recovery.py): a process killed after a non-durable spill,
+the same followed by a system crash (pages torn on disk), bytes changed behind
+LMDB's back, meta pages LMDB refuses. No wrong bytes are ever served; every
+event is counted and logged; what is intact is still served."""
+import logging
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from kvstore.tiers import lmdb_recovery
+from kvstore.tiers.lmdb_store import LMDBStore
+from tests.helpers import ROOT
+
+SIZE = 300_000      # past LMDB's page size: overflow pages, as block payloads are
+
+
+def value(tag: str, i: int, size: int = SIZE) -> bytes:
+    """Bytes no other value shares (so a test finds them in data.mdb)."""
+    seed = int.from_bytes(tag.encode(), "little") * 1000 + i
+    return np.random.default_rng(seed).integers(0, 256, size, dtype=np.uint8).tobytes()
+
+
+DURABLE = [(b"d/%d" % i, value("durable", i)) for i in range(4)]
+SPILLED = [(b"n/%d" % i, value("spilled", i)) for i in range(4)]
+
+# A daemon's store: a durable batch (Offload), a non-durable one (a pressure
+# spill), then the process is killed before any clean close.
+CHILD = r"""
+import os, signal, sys
+sys.path.insert(0, sys.argv[2])
+from kvstore.tiers.lmdb_store import LMDBStore
+from tests.tiers.test_lmdb_crash import DURABLE, SPILLED
+s = LMDBStore(sys.argv[1])
+s.put_many(DURABLE, sync=True)
+s.put_many(SPILLED)
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def killed_after_a_spill(path: str) -> None:
+    r = subprocess.run([sys.executable, "-c", CHILD, path, ROOT], cwd=ROOT, capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == -9, r.stderr
+
+
+def garble(path: str, v: bytes) -> None:
+    """Change bytes in the middle of every copy of v in data.mdb, behind LMDB's back."""
+    data_path = os.path.join(path, "data.mdb")
+    with open(data_path, "rb") as f:
+        data = f.read()
+    at = data.find(v)
+    assert at >= 0, "the value is not in the file"
+    with open(data_path, "r+b") as f:
+        while at >= 0:
+            f.seek(at + len(v) // 2)
+            f.write(bytes(b ^ 0xFF for b in v[len(v) // 2:len(v) // 2 + 64]))
+            at = data.find(v, at + 1)
+
+
+def asides(path: str) -> list[str]:
+    return sorted(n for n in os.listdir(path) if n.startswith("data.mdb."))
+
+
+def test_the_marker_is_up_exactly_while_non_durable_commits_are_unsynced(tmp_path):
+    path = str(tmp_path / "lmdb")
+    s = LMDBStore(path)
+    assert lmdb_recovery.marker(path) is None
+    s.put_many(DURABLE, sync=True)
+    assert lmdb_recovery.marker(path) is None, "a durable batch needs no marker"
+    s.put_many(SPILLED[:1])
+    assert lmdb_recovery.marker(path) == lmdb_recovery.boot_id()
+    s.delete_many([b"n/0"])
+    assert lmdb_recovery.marker(path) is not None
+    s.put_many(SPILLED[1:2], sync=True)      # syncs the whole map: the earlier commits too
+    assert lmdb_recovery.marker(path) is None
+    s.put_many(SPILLED[2:])
+    s.close()
+    assert lmdb_recovery.marker(path) is None, "a clean close leaves no marker"
+    s = LMDBStore(path)
+    assert s.counters["verified_opens"] == 0
+    assert s.get_many([k for k, _ in DURABLE + SPILLED]) == [v for _, v in DURABLE] + [None] + \
+        [v for _, v in SPILLED[1:]]
+    s.close()
+    durable = LMDBStore(str(tmp_path / "synced"), sync=True)     # --lmdb-sync: every commit is durable
+    durable.put_many(SPILLED)
+    assert lmdb_recovery.marker(durable.path) is None
+    durable.close()
+
+
+def test_a_process_killed_after_a_non_durable_spill_reopens_whole(tmp_path, caplog):
+    """The kernel kept its page cache: every commit is served, nothing is
+    verified or dropped, and the store is synced so the marker goes."""
+    path = str(tmp_path / "lmdb")
+    killed_after_a_spill(path)
+    assert lmdb_recovery.marker(path) == lmdb_recovery.boot_id(), "no marker left by the non-durable spill"
+    with caplog.at_level(logging.WARNING, "kvstore.lmdb"):
+        s = LMDBStore(path)
+    assert s.get_many([k for k, _ in DURABLE + SPILLED]) == [v for _, v in DURABLE + SPILLED]
+    assert (s.counters["verified_opens"], s.counters["dropped_entries"]) == (0, 0)
+    assert lmdb_recovery.marker(path) is None
+    assert "not closed cleanly" in caplog.text and path in caplog.text
+    s.close()
+
+
+@pytest.mark.parametrize("torn", [False, True])
+def test_a_system_crash_after_a_non_durable_spill_serves_only_what_verifies(tmp_path, monkeypatch, caplog, torn):
+    """Killed after a spill, then the system restarted (another boot id) with
+    one of the spilled values torn on disk: that value is dropped, counted and
+    logged, the old file kept aside; the durable values and the intact
+    spilled ones are served, now and after a clean restart."""
+    path = str(tmp_path / "lmdb")
+    killed_after_a_spill(path)
+    if torn:
+        garble(path, SPILLED[1][1])
+    monkeypatch.setattr(lmdb_recovery, "boot_id", lambda: "another-boot")
+    with caplog.at_level(logging.WARNING, "kvstore.lmdb"):
+        s = LMDBStore(path)
+    want = [v for _, v in DURABLE + SPILLED]
+    if torn:
+        want[len(DURABLE) + 1] = None
+    assert s.get_many([k for k, _ in DURABLE + SPILLED]) == want
+    assert s.counters["verified_opens"] == 1
+    assert s.counters["dropped_entries"] == int(torn)
+    assert s.keys() == sorted(k for (k, _), w in zip(DURABLE + SPILLED, want) if w is not None)
+    assert s.used_bytes == sum(len(k) + len(v) for k, v in s.scan(b""))
+    assert "system restarted" in caplog.text and path in caplog.text
+    assert len(asides(path)) == int(torn), "the old file is kept aside exactly when something was dropped"
+    assert lmdb_recovery.marker(path) is None
+    s.put_many([(b"after", b"a" * 1000)])
+    s.close()
+    s = LMDBStore(path)
+    assert s.counters["verified_opens"] == 0
+    assert s.get_many([k for k, _ in DURABLE + SPILLED] + [b"after"]) == want + [b"a" * 1000]
+    s.close()
+
+
+def test_bytes_changed_behind_lmdbs_back_are_refused_not_served(tmp_path, caplog):
+    """A clean store whose value bytes change on disk afterwards: reads refuse
+    that value (a miss, counted, logged), the others are served."""
+    path = str(tmp_path / "lmdb")
+    s = LMDBStore(path)
+    s.put_many(DURABLE, sync=True)
+    s.close()
+    garble(path, DURABLE[2][1])
+    s = LMDBStore(path)
+    with caplog.at_level(logging.WARNING, "kvstore.lmdb"):
+        got = s.get_many([k for k, _ in DURABLE])
+        scanned = dict(s.scan(b"d/"))
+    assert got == [DURABLE[0][1], DURABLE[1][1], None, DURABLE[3][1]]
+    assert scanned == {k: v for k, v in DURABLE if k != b"d/2"}
+    assert s.counters["refused_values"] == 2       # once per read
+    assert "refused" in caplog.text and b"d/2".hex() in caplog.text
+    s.close()
+
+
+@pytest.mark.parametrize("damage", ["meta0", "meta1", "truncated"])
+def test_a_store_lmdb_cannot_open_is_moved_aside_and_a_fresh_one_starts(tmp_path, caplog, damage):
+    path = str(tmp_path / "lmdb")
+    s = LMDBStore(path)
+    s.put_many(DURABLE, sync=True)
+    s.close()
+    data_path = os.path.join(path, "data.mdb")
+    with open(data_path, "r+b") as f:
+        if damage == "truncated":
+            f.truncate(100)
+        else:
+            f.seek(4096 if damage == "meta1" else 0)
+            f.write(b"\xa5" * 64)
+    with open(data_path, "rb") as f:
+        before = f.read()
+    with caplog.at_level(logging.ERROR, "kvstore.lmdb"):
+        s = LMDBStore(path)
+    assert s.keys() == [] and s.get_many([b"d/0"]) == [None]
+    assert s.counters["moved_aside"] == 1
+    (aside,) = asides(path)
+    with open(os.path.join(path, aside), "rb") as f:
+        assert f.read() == before, "the refused file was changed"
+    assert "cannot open" in caplog.text and aside in caplog.text
+    s.put_many(SPILLED[:1], sync=True)
+    s.close()
+    s = LMDBStore(path)
+    assert s.get_many([SPILLED[0][0]]) == [SPILLED[0][1]] and s.counters["moved_aside"] == 0
+    s.close()
+
+
+def test_a_store_written_before_checksums_is_summed_once(tmp_path):
+    """Values put without a checksum record (as stores were written before
+    they had one) are summed at open and then checked like any other."""
+    import lmdb
+    path = str(tmp_path / "lmdb")
+    env = lmdb.open(path, map_size=1 << 26)
+    with env.begin(write=True) as txn:
+        for k, v in DURABLE:
+            txn.put(k, v)
+    env.close()
+    s = LMDBStore(path)
+    assert s.get_many([k for k, _ in DURABLE]) == [v for _, v in DURABLE]
+    assert s.keys() == [k for k, _ in DURABLE] and s.stats()["entries"] == len(DURABLE)
+    s.close()
+    garble(path, DURABLE[0][1])
+    s = LMDBStore(path)
+    assert s.get_many([DURABLE[0][0]]) == [None] and s.counters["refused_values"] == 1
+    s.close()
+
+
+@pytest.mark.parametrize("restart", ["clean", "system crash"])
+def test_a_sequence_with_a_damaged_block_is_never_served(tmp_path, monkeypatch, caplog, restart):
+    """Two offloaded sequences, one block of one of them changed on disk. After
+    a clean restart its page-in is DATA_LOSS naming it, nothing served; after
+    a system crash (unclean marker, another boot) it is dropped at open,
+    counted and logged. The other sequence is served exactly either way."""
+    import torch
+
+    from kvstore.errors import DataLoss, NotFound
+    from kvstore.tiers.disk import block_key
+    from tests.tiers.test_tier_books import T, engine, kv_of, toks
+    e = engine(tmp_path, "fp16")
+    want = {}
+    for sid, first in (("s", 0), ("t", 5000)):
+        tokens = toks(first, 70)
+        k, v = kv_of(tokens)
+        e.allocate("c", T, sid, tokens)
+        e.append("c", T, [sid], k, v, [70], token_ids=[tokens])
+        want[sid] = e.retrieve("c", T, sid, 0, 70)
+        e.offload("c", T, [sid])
+    c = e.caches["c"]
+    key = block_key(c.fingerprint, bytes.fromhex(c.seqs[(T, "s")].manifest["sealed_hashes"][2]))
+    (damaged,) = e.cold_store.get_many([key])
+    e.cold_store.close()
+    path = str(tmp_path / "lmdb")
+    garble(path, damaged)
+    if restart == "system crash":
+        lmdb_recovery.mark(path)      # non-durable commits were in flight when the system went down
+        monkeypatch.setattr(lmdb_recovery, "boot_id", lambda: "another-boot")
+    with caplog.at_level(logging.WARNING, "kvstore.lmdb"):
+        e = engine(tmp_path, "fp16")
+        got = e.retrieve("c", T, "t", 0, 70)
+        assert torch.equal(got[0], want["t"][0]) and torch.equal(got[1], want["t"][1])
+        if restart == "clean":
+            with pytest.raises(DataLoss, match="'s'"):
+                e.retrieve("c", T, "s", 0, 70)
+            assert e.sequence_info("c", T, "s").tier == "disk", "a refused page-in changed the sequence"
+            assert e.cold_store.counters["refused_values"] >= 1
+            assert scraped(e)['kvstore_refused_values_total{cache="c",tier="disk"}'] >= 1
+        else:
+            with pytest.raises(NotFound):
+                e.sequence_info("c", T, "s")
+            assert e.cold_store.counters["dropped_entries"] == 1
+            assert e.cold_store.books.counters["dropped_sequences"] == 1
+            assert "'s'" in caplog.text
+            m = scraped(e)
+            assert m['kvstore_dropped_sequences_total{cache="c",tier="disk"}'] == 1
+            assert m['kvstore_verified_opens_total{cache="c",tier="disk"}'] == 1
+    e.check_invariants()
+    e.cold_store.close()
+
+
+def scraped(e) -> dict[str, float]:
+    """The daemon's Prometheus samples for engine e."""
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from kvstore.service.metrics import EngineCollector
+    from tests.service.test_ops_metrics_admin import samples
+    reg = CollectorRegistry()
+    reg.register(EngineCollector(e))
+    return samples(generate_latest(reg).decode())
