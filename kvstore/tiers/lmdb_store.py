@@ -34,7 +34,7 @@ that cannot take a batch fails that write (OSError), nothing else. The file
 holds what the store holds plus at most a step, not the whole map (a map
 doubles as it fills; allocating all of it would take up to twice the data).
 
-Every value's length and checksum (redis_format.checksum) go into a second
+Every value's length and checksum (checksum.py: XXH3-64) go into a second
 database (SUMS_DB) in the transaction that puts the value, computed on the
 copy threads while the values are put. Every read checks them: a value that
 does not match (a page torn by a system crash, bytes changed behind LMDB's
@@ -54,7 +54,7 @@ import threading
 from typing import Iterable, Iterator, Protocol
 
 from . import lmdb_recovery as recovery
-from .redis_format import checksum
+from .checksum import checksum
 from .staging import workers
 
 log = logging.getLogger("kvstore.lmdb")
