@@ -24,6 +24,7 @@ that they receive and send at the same time as on a host with cores to spare.
 
 python bench/bench_redis_lookup.py [--redis-server PATH] [--mb 256] [--value-kb 512]
                                    [--shards 0 4] [--read-connections 1 2] [--reps 5] [--split-cpus]
+                                   [--chunk-mb N]
 """
 from __future__ import annotations
 
@@ -186,10 +187,14 @@ def main() -> None:
     p.add_argument("--read-connections", type=int, nargs="+", default=[1], help="RedisConfig.read_connections")
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--timeout", type=float, default=5.0, help="RedisConfig.timeout_s")
+    p.add_argument("--chunk-mb", type=int, default=0, help="set redis_store.GET_CHUNK_BYTES (MiB; 0: as it is)")
     p.add_argument("--split-cpus", action="store_true", help="the servers on the first CPU, this process on the rest")
     args = p.parse_args()
     cpus = sorted(os.sched_getaffinity(0))
     args.server_cpu = cpus[0]
+    if args.chunk_mb:
+        from kvstore.tiers import redis_store
+        redis_store.GET_CHUNK_BYTES = args.chunk_mb << 20
     if args.split_cpus:
         if len(cpus) < 2:
             p.error(f"--split-cpus needs 2 CPUs or more, this process may use {len(cpus)}")

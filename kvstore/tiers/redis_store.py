@@ -53,7 +53,12 @@ from .redis_nodes import Node, Topology
 
 log = logging.getLogger("kvstore.redis")
 
-GET_CHUNK_BYTES = 8 << 20         # a lookup's rows go in chunks of this much: one pipeline each
+# A lookup's rows go in chunks of this much: one pipeline each, a connection's next one sent
+# while it receives the current one. Redis copies every reply of a pipeline into its
+# output buffers before the socket takes them, so its CPU per GB grows with the replies
+# waiting there: 4 MiB chunks cost it about 0.15-0.2 s/GB, 16 MiB about 0.3
+# (bench/bench_redis_lookup.py; docs/scale.md, What limits it).
+GET_CHUNK_BYTES = 4 << 20
 # One Redis 7 instance serves a lookup fastest over 1 connection: its main thread copies
 # every value into a reply buffer, and more connections only interleave that work
 # (docs/scale.md, What limits it: 3.4-4.1 GB/s with 1, 1.6-2.3 with 8 on the H100 host).
