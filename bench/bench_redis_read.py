@@ -5,8 +5,8 @@ raw loopback socket measured in the same run.
                  received with recv_into into one buffer (what any client can reach)
   redis-py       a pipeline of GETs per connection, P connections in threads (the old path)
   resp, no check RedisStore.read_into (kvstore/tiers/resp.py) without the value checks
-  resp           RedisStore.read_into with the checks a lookup makes (header + checksum, on
-                 the store's checking threads while the connections receive on)
+  resp           RedisStore.read_into with the checks a lookup makes (header + checksum, by
+                 the thread that received the value, right after it)
 each over P connections (--conns: RedisConfig.read_connections), against a redis-server
 this script starts on a free port, once per --io-threads value (Redis 7: `io-threads N`;
 its threads only write when at least 2 N clients have replies pending, so P >= 2 N).

@@ -117,8 +117,8 @@ class RedisTier:
     def get_prefix(self, hashes: list[bytes], device) -> torch.Tensor:
         """Payloads [n, block bytes] uint8 on device of the leading n blocks of
         `hashes` that Redis holds and that check out. The values are received
-        straight into pinned memory (RedisStore.read_into), checked on the
-        store's checking threads, and each chunk's host-to-device copy is
+        straight into pinned memory (RedisStore.read_into), checked by the
+        threads that received them, and each chunk's host-to-device copy is
         queued on the current stream as soon as the chunk is in."""
         fp, width, n = self.c.fingerprint, self.c.main_io.block_bytes(), len(hashes)
         device = torch.device(device)

@@ -1,7 +1,7 @@
 """One lookup of the Redis tier (RedisStore.read_into): its rows go in chunks, each
-chunk's future done when every node's part of it is in and checked; rows are
-checked on the store's checking threads; and the first row that was not a hit
-stops the lookup there (nothing past it is asked or checked)."""
+chunk's future done when every node's part of it is in and checked; each row is
+checked by the connection's thread that received it; and the first row that was
+not a hit stops the lookup there (nothing past it is asked or checked)."""
 from __future__ import annotations
 
 import threading
@@ -63,20 +63,12 @@ class Lookup:
             self._left[c] = -1             # parts still to come change nothing
         self.chunks[c][2].set_exception(e)
 
-    def check(self, c: int, idx: list[int], got: list[int]) -> None:
-        """A checking thread: the verdicts of rows idx as received (got: resp.HIT,
-        MISS, OTHER or REDIRECT) and checked (verify(i)). Rows past one known
-        not to be a hit are not checked (SKIPPED): the lookup stops before them."""
-        try:
-            out = []
-            for i, r in zip(idx, got):
-                if i > self.at:
-                    v = SKIPPED
-                elif r == resp.HIT:
-                    v = HIT if self.verify(i) else REFUSED
-                else:       # a key a cluster serves elsewhere or not now is a miss, not a bad value
-                    v = MISS if r in (resp.MISS, resp.REDIRECT) else REFUSED
-                out.append(v)
-            self.part(c, idx, out)
-        except BaseException as e:           # a bug: the waiting lookup raises it, nothing hangs
-            self.fail(c, e)
+    def verdict(self, i: int, r: int) -> str:
+        """Row i's verdict as received (r: resp.HIT, MISS, OTHER or REDIRECT) and
+        checked (verify(i)). A row past one known not to be a hit is not checked
+        (SKIPPED): the lookup stops before it."""
+        if i > self.at:
+            return SKIPPED
+        if r == resp.HIT:
+            return HIT if self.verify(i) else REFUSED
+        return MISS if r in (resp.MISS, resp.REDIRECT) else REFUSED    # a key served elsewhere or not now: a miss

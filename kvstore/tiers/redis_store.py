@@ -16,9 +16,8 @@ batch of puts is split by node, every node's share sent side by side.
 Reads take the bulk path of resp.py: RedisConfig.read_connections
 connections per node, each a pipeline of GETs (GETEX with a TTL) of its rows
 of contiguous chunks, one chunk sent ahead of the one being read, every value
-received straight into the caller's (pinned) rows, then checked on a small
-pool of checking threads while its connection receives the next chunk
-(docs/scale.md, What limits it). One Redis gets its puts and PING from
+received straight into the caller's (pinned) rows and checked by the thread
+that received it, right after it came in (docs/scale.md, What limits it). One Redis gets its puts and PING from
 redis-py, a cluster's nodes from resp.py.
 
 Eviction is Redis's own: run it with `maxmemory <bytes>` and
@@ -36,7 +35,6 @@ again until Redis comes back from an outage (which may have emptied it).
 from __future__ import annotations
 
 import logging
-import os
 import threading
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -55,15 +53,16 @@ from .redis_nodes import Node, Topology
 
 log = logging.getLogger("kvstore.redis")
 
-GET_CHUNK_BYTES = 8 << 20         # a lookup's rows go in chunks of this much: one pipeline each
+# A lookup's rows go in chunks of this much: one pipeline each, a connection's next one sent
+# while it receives the current one. Redis copies every reply of a pipeline into its
+# output buffers before the socket takes them, so its CPU per GB grows with the replies
+# waiting there: 4 MiB chunks cost it about 0.15-0.2 s/GB, 16 MiB about 0.3
+# (bench/bench_redis_lookup.py; docs/scale.md, What limits it).
+GET_CHUNK_BYTES = 4 << 20
 # One Redis 7 instance serves a lookup fastest over 1 connection: its main thread copies
 # every value into a reply buffer, and more connections only interleave that work
 # (docs/scale.md, What limits it: 3.4-4.1 GB/s with 1, 1.6-2.3 with 8 on the H100 host).
 READ_CONNECTIONS = 1
-# Checking runs at about 5 GB/s a core (redis_format.checksum): a few threads keep up
-# with what one host receives from several shards, and take the checks off the
-# connections' threads so that receiving never waits for them.
-CHECK_THREADS = max(2, min(8, (os.cpu_count() or 1) // 2))
 MAX_READ_CONNECTIONS = 64
 PUT_BATCH_BYTES = 16 << 20        # one pipeline of the writer sends at most this much
 # What a rediss:// URL may add (redis-py and resp.tls_context pass them to the TLS connection).
@@ -163,12 +162,13 @@ class RedisStore:
         self._closed = False
         self._writer = threading.Thread(target=self._run, name="kvstore-redis-writer", daemon=True)
         self._writer.start()
-        # A lookup's connections each receive on a thread of their own (the caller
-        # meanwhile copies the chunks that are in on to the device); the values are
-        # checked on other threads, while their connection receives the next chunk.
+        # A lookup's connections each receive and check on a thread of their own (the
+        # caller meanwhile copies the chunks that are in on to the device): a value is
+        # checked while its bytes are still in the receiving core's cache, the kernel
+        # queueing the next ones meanwhile, and a cluster's nodes are read and checked
+        # side by side with no hand-off between threads (docs/scale.md, What limits it).
         # Threads start as needed: read_connections per node a lookup touches.
         self._readers = ThreadPoolExecutor(MAX_READ_CONNECTIONS, thread_name_prefix="kvstore-redis-read")
-        self._checkers = ThreadPoolExecutor(CHECK_THREADS, thread_name_prefix="kvstore-redis-check")
         self.ping()
 
     # ---------------------------------------------------------- the breakers
@@ -221,7 +221,7 @@ class RedisStore:
                   verify) -> list[tuple[int, int, Future]]:
         """GET keys[i] (GETEX with a TTL) into heads[i] ([n, HEADER_BYTES]
         uint8) and rows[i] ([n, payload bytes] uint8, e.g. pinned), verify(i)
-        -> bool on a checking thread. -> (a, b, future) per chunk of rows
+        -> bool on the thread that received row i. -> (a, b, future) per chunk of rows
         [a, b), in order; a future gives the chunk's verdicts (HIT, MISS,
         REFUSED, SKIPPED: not asked or not checked, past a row that was not
         a hit; or None: Redis failed for that row), or None where Redis
@@ -259,7 +259,7 @@ class RedisStore:
     def _lane(self, node: Node, keys, heads, rows, parts, read: Lookup) -> None:
         """One connection reads its parts (rows of one chunk each) in order, the
         next one's GETs sent before the current one's replies are read (the
-        server streams on); each part received goes to the checking threads."""
+        server streams on), and checks each value as soon as it is in."""
         sent = done = 0
         conn = None
         try:
@@ -272,15 +272,15 @@ class RedisStore:
                     read.part(c, idx, [SKIPPED] * len(idx))
                     done += 1
                     continue
-                got = []
+                verdicts = []
                 for i in idx:
                     r = conn.read_value(memoryview(heads[i]), memoryview(rows[i]))
                     if r != resp.HIT:
                         read.lower(i)
                         if r == resp.REDIRECT:      # a cluster whose slots moved, or one that is down
                             self.topology.mark_stale()
-                    got.append(r)
-                self._checkers.submit(read.check, c, idx, got)
+                    verdicts.append(read.verdict(i, r))
+                read.part(c, idx, verdicts)
                 done += 1
         except self._errors as e:
             if conn is not None:
@@ -397,7 +397,6 @@ class RedisStore:
             self._cv.notify()
         self._writer.join(timeout)
         self._readers.shutdown(wait=True)
-        self._checkers.shutdown(wait=True)
         self.topology.close()
         self.client.close()
 

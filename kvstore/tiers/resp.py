@@ -8,6 +8,19 @@ with recv_into straight into the caller's buffers (the 88-byte header into
 one row, the payload into a row of the pinned staging buffer): only what an
 earlier receive read ahead into the connection's small buffer is copied.
 
+Over TCP the socket is a blocking one whose timeouts are the kernel's
+(SO_RCVTIMEO, SO_SNDTIMEO), so that the rest of a value is received by one
+recv_into with MSG_WAITALL: one system call and one release of the GIL per
+value, where a Python socket timeout makes every receive a poll() and a
+recv() of whatever has arrived, often 64 KiB on loopback (docs/scale.md,
+What limits it). A reply's line is read ahead at most LINE_READ bytes, so
+that little of the payload after it goes through the connection's buffer.
+The kernel's receive timeout bounds one call: a server that stops before a
+value is noticed after one timeout, one that stops mid-value after at most
+two (the call that was receiving it returns what came, the next one waits
+a timeout for more). TLS sockets take no MSG_WAITALL: they keep Python's
+timeout and receive what has arrived, call after call.
+
 The connection speaks what the daemon's --redis URL says: TCP or TLS
 (rediss://, with the URL's ssl_* options, as redis-py reads them), AUTH with
 the URL's user and password, SELECT of its database. Control commands and
@@ -17,6 +30,7 @@ from __future__ import annotations
 
 import socket
 import ssl
+import struct
 from urllib.parse import parse_qs, unquote, urlsplit
 
 # read_value: the value, no such key, an error reply or another length, or a cluster's
@@ -24,6 +38,7 @@ from urllib.parse import parse_qs, unquote, urlsplit
 HIT, MISS, OTHER, REDIRECT = 1, 2, 3, 4
 CLUSTER_ERRORS = (b"-MOVED ", b"-ASK ", b"-TRYAGAIN", b"-CLUSTERDOWN")
 BUFFER_BYTES = 64 << 10          # replies' lines, and whatever a receive reads past them
+LINE_READ = 1024                 # a GET's reply line is read ahead at most this much (the header is 88 bytes)
 MAX_LINE = 4096
 
 
@@ -74,8 +89,16 @@ class RespConnection:
         sock = socket.create_connection((u.hostname, u.port or 6379), timeout=timeout_s)
         try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            self.timeout_s = timeout_s
+            self.waitall = u.scheme != "rediss" and hasattr(socket, "MSG_WAITALL")
             if u.scheme == "rediss":
                 sock = tls_context(u.query).wrap_socket(sock, server_hostname=u.hostname)
+            elif self.waitall:        # blocking, the kernel's timeouts (module docstring)
+                sec = int(timeout_s)
+                tv = struct.pack("ll", sec, max(1 if sec == 0 else 0, round((timeout_s - sec) * 1e6)))
+                sock.settimeout(None)
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, tv)
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, tv)
             self.sock = sock
             self.buf = bytearray(BUFFER_BYTES)
             self.view = memoryview(self.buf)
@@ -94,7 +117,20 @@ class RespConnection:
         self.sock.close()
 
     def send(self, data: bytes) -> None:
-        self.sock.sendall(data)
+        try:
+            self.sock.sendall(data)
+        except BlockingIOError:      # a blocking socket's SO_SNDTIMEO ran out
+            raise TimeoutError(f"timed out: the server took nothing for {self.timeout_s} s") from None
+
+    def _recv(self, dst: memoryview, flags: int = 0) -> int:
+        """Receive into dst (at least one byte; all of it with MSG_WAITALL, unless the timeout ends it)."""
+        try:
+            got = self.sock.recv_into(dst, 0, flags)
+        except BlockingIOError:      # a blocking socket's SO_RCVTIMEO ran out with nothing received
+            raise TimeoutError(f"timed out: no reply for {self.timeout_s} s") from None
+        if not got:
+            raise ConnectionError("the server closed the connection")
+        return got
 
     def call(self, *args: bytes):
         """A control command -> its reply (simple string, integer, bulk or an array of them)."""
@@ -130,7 +166,7 @@ class RespConnection:
         len(head) + len(payload) bytes, now in head and payload), MISS (nil),
         OTHER (an error reply, e.g. WRONGTYPE, or a bulk string of another
         length: read and dropped), REDIRECT (CLUSTER_ERRORS)."""
-        line = self._line()
+        line = self._line(LINE_READ)
         kind = line[:1]
         if kind == b"$":
             n = self._length(line[1:])
@@ -139,29 +175,26 @@ class RespConnection:
             if n == len(head) + len(payload):
                 self._into(head)
                 self._into(payload)
-                self._crlf()
+                self._crlf(LINE_READ)
                 return HIT
             self._skip(n)
-            self._crlf()
+            self._crlf(LINE_READ)
             return OTHER
         if kind == b"-":
             return REDIRECT if line.startswith(CLUSTER_ERRORS) else OTHER
         raise ProtocolError(f"unexpected reply to GET {line[:32]!r}")
 
-    def _fill(self) -> None:
-        """Receive more into the buffer (moving what is unread to its start)."""
+    def _fill(self, most: int = BUFFER_BYTES) -> None:
+        """Receive more into the buffer, at most `most` bytes (moving what is unread to its start)."""
         if self.lo == self.hi:
             self.lo = self.hi = 0
         elif self.hi == len(self.buf):
             n = self.hi - self.lo
             self.buf[:n] = self.buf[self.lo:self.hi]
             self.lo, self.hi = 0, n
-        got = self.sock.recv_into(self.view[self.hi:])
-        if not got:
-            raise ConnectionError("the server closed the connection")
-        self.hi += got
+        self.hi += self._recv(self.view[self.hi:self.hi + most])
 
-    def _line(self) -> bytes:
+    def _line(self, most: int = BUFFER_BYTES) -> bytes:
         while True:
             i = self.buf.find(b"\r\n", self.lo, self.hi)
             if i >= 0:
@@ -170,7 +203,7 @@ class RespConnection:
                 return line
             if self.hi - self.lo >= MAX_LINE:
                 raise ProtocolError("a reply line longer than %d bytes" % MAX_LINE)
-            self._fill()
+            self._fill(most)
 
     @staticmethod
     def _length(text: bytes) -> int:
@@ -186,11 +219,9 @@ class RespConnection:
         k = min(n, self.hi - self.lo)
         dst[:k] = self.view[self.lo:self.lo + k]
         self.lo += k
+        flags = socket.MSG_WAITALL if self.waitall else 0
         while k < n:
-            got = self.sock.recv_into(dst[k:])
-            if not got:
-                raise ConnectionError("the server closed the connection")
-            k += got
+            k += self._recv(dst[k:], flags)
 
     def _skip(self, n: int) -> None:
         while n:
@@ -200,9 +231,9 @@ class RespConnection:
             self.lo += k
             n -= k
 
-    def _crlf(self) -> None:
+    def _crlf(self, most: int = BUFFER_BYTES) -> None:
         while self.hi - self.lo < 2:
-            self._fill()
+            self._fill(most)
         if self.buf[self.lo:self.lo + 2] != b"\r\n":
             raise ProtocolError("a bulk string not followed by CRLF")
         self.lo += 2

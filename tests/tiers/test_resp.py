@@ -90,6 +90,58 @@ def test_a_connection_closed_mid_value_raises_and_a_garbled_reply_is_refused():
         conn.read_value(memoryview(np.zeros(HEADER_BYTES, np.uint8)), memoryview(np.zeros(W, np.uint8)))
 
 
+class CountingSocket:
+    """A connection's socket, counting its receives."""
+
+    def __init__(self, sock):
+        self.sock, self.receives = sock, 0
+
+    def recv_into(self, *args):
+        self.receives += 1
+        return self.sock.recv_into(*args)
+
+    def __getattr__(self, name):
+        return getattr(self.sock, name)
+
+
+def test_a_value_arriving_in_many_pieces_is_received_in_one_call():
+    big = 1 << 20
+    v = pack_value(FP, hashes(1)[0], np.random.default_rng(1).integers(0, 256, big, dtype=np.uint8))
+    srv = ScriptedServer(bulk(v), 4096)                   # 257 pieces, 0.5 ms apart
+    conn = resp.RespConnection(f"redis://127.0.0.1:{srv.port}/0", timeout_s=5)
+    conn.sock = counting = CountingSocket(conn.sock)
+    conn.send(b"GET ...")
+    head, payload = np.zeros(HEADER_BYTES, np.uint8), np.zeros(big, np.uint8)
+    assert conn.read_value(memoryview(head), memoryview(payload)) == resp.HIT
+    assert check(head, payload, FP, hashes(1)[0])
+    # The reply's line (with what follows it, up to LINE_READ bytes), the rest of the
+    # value in one MSG_WAITALL receive, then its CRLF.
+    assert counting.receives <= 4, counting.receives
+    conn.close()
+
+
+@pytest.mark.parametrize("sent", ["nothing", "half a value"])
+def test_a_server_that_stops_answering_times_out(sent):
+    v = pack_value(FP, hashes(1)[0], payloads(1)[0])
+    srv = ScriptedServer(b"" if sent == "nothing" else bulk(v)[:len(v) // 2], 1000)    # then silent for 5 s
+    conn = resp.RespConnection(f"redis://127.0.0.1:{srv.port}/0", timeout_s=0.3)
+    conn.send(b"GET ...")
+    t0 = time.monotonic()
+    with pytest.raises(TimeoutError):
+        conn.read_value(memoryview(np.zeros(HEADER_BYTES, np.uint8)), memoryview(np.zeros(W, np.uint8)))
+    assert time.monotonic() - t0 < 2 * 0.3 + 1.0, "one timeout before the value, at most two within it"
+    conn.close()
+
+
+def test_a_server_that_takes_nothing_times_out_the_send():
+    srv = socket.create_server(("127.0.0.1", 0))           # accepts (the backlog), never reads
+    conn = resp.RespConnection(f"redis://127.0.0.1:{srv.getsockname()[1]}/0", timeout_s=0.3)
+    with pytest.raises(TimeoutError):
+        conn.send(bytes(256 << 20))                       # more than both sockets' buffers hold
+    conn.close()
+    srv.close()
+
+
 def test_checksum_catches_what_it_promises():
     p = payloads(1)[0]
     c = checksum(p)
@@ -165,18 +217,29 @@ def test_read_into_stops_at_a_missing_or_corrupt_value(redis_server, small_chunk
 
 
 @pytest.mark.parametrize("conns", [1, 3])
-def test_a_lookup_reads_over_its_connections_and_checks_on_other_threads(redis_server, small_chunks, conns):
+def test_a_lookup_reads_over_its_connections_each_checking_what_it_received(redis_server, small_chunks, conns,
+                                                                              monkeypatch):
     p = fill_redis(redis_server, 40)
     store = RedisStore(RedisConfig(redis_server.url, timeout_s=5, read_connections=conns))
-    hs, threads = hashes(40), set()
+    hs, received, checked = hashes(40), {}, {}
     heads, rows = np.zeros((40, HEADER_BYTES), np.uint8), np.zeros((40, W), np.uint8)
+    real, row_at = resp.RespConnection.read_value, {rows[i].ctypes.data: i for i in range(40)}
+    together = threading.Barrier(conns, timeout=10)     # no lane finishes before the others start
+
+    def read_value(self, head, payload):
+        if threading.current_thread().name not in received.values():
+            together.wait()
+        r = real(self, head, payload)
+        received[row_at[np.asarray(payload).ctypes.data]] = threading.current_thread().name
+        return r
+    monkeypatch.setattr(resp.RespConnection, "read_value", read_value)
 
     def verify(i):
-        threads.add(threading.current_thread().name)
+        checked[i] = threading.current_thread().name
         return check(heads[i], rows[i], FP, hs[i])
     got = [v for _, _, f in store.read_into([block_key(FP, h) for h in hs], heads, rows, verify) for v in f.result()]
     assert got == [HIT] * 40 and np.array_equal(rows, p)
-    assert threads and all(t.startswith("kvstore-redis-check") for t in threads), threads
+    assert checked == received and all(t.startswith("kvstore-redis-read") for t in checked.values())
     # The server saw the lookup's connections (kept for the next one) beside redis-py's.
     names = [c for c in redis_server.client().client_list() if c["cmd"] in ("get", "getex")]
     assert len(names) == conns
