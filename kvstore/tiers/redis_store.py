@@ -7,7 +7,7 @@ fingerprint (core/hashing.py), so one key means one content on every host with
 the same model, geometry and codebooks, and a prefix hit crosses the network
 as PQ codes (storage.pack: every layer's K codes, then V codes).
 
-Keys and values: redis_format.py (kvstore:v2:<fingerprint>:<hash>, an 88-byte
+Keys and values: redis_format.py (kvstore:v3:<fingerprint>:<hash>, an 88-byte
 header with a checksum, then the payload). The URL names one Redis or any
 node of a Redis Cluster (redis_nodes.py finds out which): no hash tag ({...}),
 so a cluster spreads one cache's blocks over every slot, and a lookup or a

@@ -77,11 +77,14 @@ def test_blocks_cross_engines_and_bad_values_are_refused(redis_server):
     payload = good[j][HEADER_BYTES:]
     flipped = bytearray(good[j])
     flipped[-1] ^= 1
+    older = bytearray(good[j])
+    older[4:6] = (2).to_bytes(2, "little")               # the format version before this one
     bad = {"garbage": b"not a block",
            "another fingerprint": pack_value(bytes(32), hashes[j], payload),
            "another block's value": good[j + 1],
            "short payload": pack_value(fp, hashes[j], payload[:-1]),
-           "bad checksum": bytes(flipped)}
+           "bad checksum": bytes(flipped),
+           "another format version": bytes(older)}
     for n, (what, value) in enumerate(bad.items(), 1):
         r.set(keys[j], value)
         res = b.allocate("c", T, f"b{n}", prompt(1))

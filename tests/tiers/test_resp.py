@@ -145,13 +145,14 @@ def test_a_server_that_takes_nothing_times_out_the_send():
 def test_checksum_catches_what_it_promises():
     p = payloads(1)[0]
     c = checksum(p)
-    for word in (0, 1, W // 4 - 1):                       # any change within one 32-bit word
-        for bit in (0, 7, 31):
+    assert c == checksum(p.copy()) == checksum(p.tobytes()), "a function of the bytes alone"
+    for pos in (0, 1, W // 2 + 3, W - 1):                 # one bit anywhere, at either end
+        for bit in (0, 7):
             q = p.copy()
-            q.view("<u4")[word] ^= np.uint32(1 << bit)
+            q[pos] ^= np.uint8(1 << bit)
             assert checksum(q) != c
     q = p.copy()
-    q.view("<u8")[[3, 9]] ^= np.uint64(1 << 63)            # bit 63 of two 64-bit words
+    q.view("<u8")[[3, 9]] ^= np.uint64(1 << 63)            # the same bit of two 64-bit words
     assert checksum(q) != c
     q = p.copy()
     q[[0, 4]] = q[[4, 0]]                                 # two words' bytes swapped
@@ -159,6 +160,7 @@ def test_checksum_catches_what_it_promises():
     odd = p[:W - 3]                                       # a length that is not a multiple of 4
     assert checksum(odd) == checksum(odd.copy()) and checksum(odd) != checksum(p[:W - 2])
     assert header(FP, hashes(1)[0], p)[-8:] == c.to_bytes(8, "little")
+    assert header(FP, hashes(1)[0], p)[4:6] == (3).to_bytes(2, "little")
 
 
 def fill_redis(srv, n: int, seed: int = 0) -> np.ndarray:
