@@ -31,9 +31,10 @@ print(json.dumps({"cached": cached, "sealed": list(info.sealed_blocks), "tail": 
 """
 
 
-def start_daemon(sock, hash_seed="0", extra=()):
+def start_daemon(sock, hash_seed="0", extra=(), run_in=()):
+    """run_in: a command prefix that runs the daemon elsewhere (another network namespace)."""
     env = dict(os.environ, PYTHONHASHSEED=hash_seed, PYTHONUNBUFFERED="1")
-    p = subprocess.Popen([sys.executable, os.path.join(ROOT, "server.py"), "--socket", sock, "--device", "cpu",
+    p = subprocess.Popen([*run_in, sys.executable, os.path.join(ROOT, "server.py"), "--socket", sock, "--device", "cpu",
                           *extra],
                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     target = f"unix://{sock}"

@@ -21,16 +21,27 @@ def free_port() -> int:
 
 
 class RedisServer:
-    def __init__(self, directory: str, appendonly: bool, extra: tuple = ()):
+    """run_in: a command prefix that runs the server elsewhere (another network
+    namespace, tests/tiers/netns.py), listening on the addresses in `bind`.
+    Wherever it runs, it also listens on a Unix socket in `directory`, through
+    which this process checks that it is up and talks to it (client())."""
+
+    def __init__(self, directory: str, appendonly: bool, extra: tuple = (), run_in: tuple = (),
+                 bind: tuple = ("127.0.0.1",), password: str | None = None):
         self.binary = shutil.which("redis-server")
         if self.binary is None:
             why = "redis-server is not installed (make test installs it: apt-get install redis-server)"
             if os.environ.get("CI"):
                 pytest.fail(why + "; CI must run the Redis tier tests")
             pytest.skip(why)
-        self.dir, self.port = directory, free_port()
+        # A namespace of its own has every port free.
+        self.dir, self.port, self.bind = directory, free_port() if not run_in else 6379, bind
+        self.sock, self.password = os.path.join(directory, "redis.sock"), password
+        if password:     # the default user's, and a user "kv" that may touch kvstore keys only
+            extra = ("--requirepass", password, "--user", "kv", "on", ">" + password, "~kvstore:*", "+@all", *extra)
         # fsync every write: a kill -9 then loses nothing of what was acknowledged.
-        self.args = [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
+        self.args = [*run_in, self.binary, "--port", str(self.port), "--bind", *bind, "--save", "",
+                     "--unixsocket", self.sock, "--unixsocketperm", "700",
                      "--appendonly", "yes" if appendonly else "no", "--appendfsync", "always",
                      "--dir", directory, "--maxmemory", "256mb", "--maxmemory-policy", "allkeys-lru", *extra]
         self.proc: subprocess.Popen | None = None
@@ -38,20 +49,26 @@ class RedisServer:
 
     @property
     def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
+        return self.url_at(self.bind[0])
+
+    def url_at(self, address: str) -> str:
+        """Its URL for a client that reaches it at `address`."""
+        return f"redis://{'kv:' + self.password + '@' if self.password else ''}{address}:{self.port}/0"
 
     def client(self):
         import redis
-        return redis.Redis(port=self.port, socket_timeout=5)
+        return redis.Redis(unix_socket_path=self.sock, password=self.password, socket_timeout=5)
 
     def start(self) -> None:
         self.proc = subprocess.Popen(self.args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline:
             try:
-                with socket.create_connection(("127.0.0.1", self.port), timeout=0.5) as s:
+                with socket.socket(socket.AF_UNIX) as s:
+                    s.settimeout(0.5)
+                    s.connect(self.sock)
                     s.sendall(b"PING\r\n")
-                    if s.recv(64).startswith(b"+PONG"):
+                    if s.recv(64).startswith((b"+PONG", b"-NOAUTH")):     # up (NOAUTH: with a password)
                         return
             except OSError:
                 pass
@@ -74,6 +91,12 @@ class RedisServer:
         self.proc.send_signal(signal.SIGCONT)
 
 
+def stop(srv: RedisServer) -> None:
+    if srv.proc.poll() is None:
+        srv.resume()        # a paused server dies of SIGKILL too, but its socket answers nothing until then
+    srv.kill()
+
+
 @pytest.fixture
 def redis_server(tmp_path):
     """A redis-server with AOF (data survives a restart) on a free port."""
@@ -81,9 +104,26 @@ def redis_server(tmp_path):
     d.mkdir()
     srv = RedisServer(str(d), appendonly=True)
     yield srv
-    if srv.proc.poll() is None:
-        srv.resume()        # a paused server dies of SIGKILL too, but its socket answers nothing until then
-    srv.kill()
+    stop(srv)
+
+
+@pytest.fixture(params=["processes", "namespaces"])
+def two_hosts(request, tmp_path):
+    """-> (a redis-server with AOF, {"a" | "b": (command prefix, Redis URL)}) for
+    two daemons: separate processes of this machine's namespace, or each on a
+    host of its own (tests/tiers/netns.py), Redis on a third."""
+    d = tmp_path / "redis"
+    d.mkdir()
+    if request.param == "processes":
+        srv = RedisServer(str(d), appendonly=True)
+        yield srv, {n: ((), srv.url) for n in "ab"}
+    else:
+        hosts = request.getfixturevalue("hosts")
+        # Reached from other hosts, Redis wants a password (its protected mode refuses them otherwise).
+        srv = RedisServer(str(d), appendonly=True, run_in=tuple(hosts.run_in("r")),
+                          bind=tuple(hosts.redis_address(n) for n in "ab"), password="kv-" + os.urandom(8).hex())
+        yield srv, {n: (tuple(hosts.run_in(n)), srv.url_at(hosts.redis_address(n))) for n in "ab"}
+    stop(srv)
 
 
 @pytest.fixture

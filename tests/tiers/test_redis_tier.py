@@ -18,7 +18,8 @@ from kvstore.service.metrics import Metrics
 from kvstore.tiers.redis_format import HEADER_BYTES, KEY_PREFIX, block_key, pack_value
 from kvstore.tiers.redis_store import RedisConfig
 from tests.helpers import ROOT, config
-from tests.tiers.redis_server import redis_server  # noqa: F401 (fixture)
+from tests.tiers.netns import hosts  # noqa: F401 (fixture)
+from tests.tiers.redis_server import redis_server, two_hosts  # noqa: F401 (fixtures)
 
 T = "default"
 L, HKV, D, BS = 2, 2, 16, 16
@@ -224,18 +225,21 @@ def test_daemon_refuses_a_bad_url_in_one_line(tmp_path):
 
 
 # ------------------------------------------------------- two daemons, two "hosts"
-def test_two_daemons_share_prefix_blocks_through_redis(tmp_path, redis_server, capsys):
-    """Separate processes, each with its own socket, host tier and LMDB: B gets
-    A's prefix blocks through Redis; Redis killed, both go on serving; Redis
-    restarted (AOF), hits resume with no action on the daemons."""
+def test_two_daemons_share_prefix_blocks_through_redis(tmp_path, two_hosts, capsys):
+    """Two daemons, each with its own socket, host tier and LMDB, as separate
+    processes or on hosts of their own (network namespaces): B gets A's prefix
+    blocks through Redis; Redis killed, both go on serving; Redis restarted
+    (AOF), hits resume with no action on the daemons."""
     from kvstore.tools import admin
     from kvstore.client import KVStoreClient
     from tests.service.test_daemon_process import start_daemon, stop_daemon
+    redis_server, daemon_hosts = two_hosts
     procs, kvs = [], []
     try:
         for name in ("a", "b"):
-            p, target = start_daemon(str(tmp_path / name / "kv.sock"), extra=[
-                "--lmdb", str(tmp_path / name / "lmdb"), "--redis", redis_server.url, "--redis-backoff", "0.5"])
+            run_in, url = daemon_hosts[name]
+            p, target = start_daemon(str(tmp_path / name / "kv.sock"), run_in=run_in, extra=[
+                "--lmdb", str(tmp_path / name / "lmdb"), "--redis", url, "--redis-backoff", "0.5"])
             procs.append(p)
             kv = KVStoreClient(target)
             kv.create_cache("c", "m", num_layers=L, num_q_heads=4, num_kv_heads=HKV, head_dim=D, block_size=BS,
