@@ -57,9 +57,9 @@ class Hosts:
         """The address at which host `name` reaches Redis."""
         return f"{NET}.{self.index[name]}.1"
 
-    def run_in(self, name: str) -> list[str]:
+    def run_in(self, name: str) -> tuple[str, ...]:
         """The command prefix that runs a program on host `name`."""
-        return ["ip", "netns", "exec", self.ns[name]]
+        return "ip", "netns", "exec", self.ns[name]
 
     def remove(self) -> None:
         """Every namespace made (their veth pairs go with them)."""

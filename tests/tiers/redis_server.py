@@ -120,9 +120,9 @@ def two_hosts(request, tmp_path):
     else:
         hosts = request.getfixturevalue("hosts")
         # Reached from other hosts, Redis wants a password (its protected mode refuses them otherwise).
-        srv = RedisServer(str(d), appendonly=True, run_in=tuple(hosts.run_in("r")),
+        srv = RedisServer(str(d), appendonly=True, run_in=hosts.run_in("r"),
                           bind=tuple(hosts.redis_address(n) for n in "ab"), password="kv-" + os.urandom(8).hex())
-        yield srv, {n: (tuple(hosts.run_in(n)), srv.url_at(hosts.redis_address(n))) for n in "ab"}
+        yield srv, {n: (hosts.run_in(n), srv.url_at(hosts.redis_address(n))) for n in "ab"}
     stop(srv)
 
 
