@@ -282,3 +282,21 @@ def paged_multi_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
         paged_decode_attention(q[:, i], k_cache, v_cache, block_tables, causal_tail_lens(seq_lens, t, i),
                                scale, softcap=softcap)
         for i in range(t))
+
+
+# ------------------------------------------------------------- checksums
+
+def check_xxh3_rows(rows: torch.Tensor) -> None:
+    if rows.dim() != 2 or rows.dtype != torch.uint8:
+        raise ValueError(f"rows must be [n, width] uint8, got {tuple(rows.shape)} {rows.dtype}")
+
+
+def xxh3_64_rows(rows: torch.Tensor) -> torch.Tensor:
+    """rows [n, width] uint8 -> int64 [n] on rows' device: XXH3-64 (seed 0) of
+    each row, the bits of the unsigned hash as a signed int64. The reference is
+    xxhash's own C code on the CPU (what the tiers store beside each value)."""
+    import xxhash            # with the tiers' extra (pyproject.toml): the kernels need it nowhere else
+    check_xxh3_rows(rows)
+    host = rows.cpu().numpy()
+    sums = [xxhash.xxh3_64_intdigest(host[i]) for i in range(host.shape[0])]
+    return torch.tensor([s - (1 << 64) if s >= 1 << 63 else s for s in sums], dtype=torch.int64, device=rows.device)

@@ -255,6 +255,18 @@ def write_slots(k, v, k_cache, v_cache, slots) -> None:
     return fn(k, v, k_cache, v_cache, slots)
 
 
+# --------------------------------------------------------------- checksums
+
+def xxh3_64_rows(rows: torch.Tensor) -> torch.Tensor:
+    """reference.xxh3_64_rows's contract: the Triton kernel for CUDA rows it takes
+    (triton/xxh3.py: takes), the reference elsewhere."""
+    if rows.is_cuda:
+        from .triton import xxh3
+        if xxh3.takes(rows):
+            return xxh3.xxh3_64_rows(rows)
+    return reference.xxh3_64_rows(rows)
+
+
 # ---------------------------------------------------------- codebook images
 
 def codebook_images(k_codebooks, v_codebooks, num_qo_heads: int, words=None):
@@ -276,4 +288,4 @@ __all__ = ["HEAD_DIMS", "REFERENCE", "CUDA", "TRITON", "DecodePlan", "decode_bac
            "pq_decode_attention", "paged_decode_attention", "pq_multi_attention", "paged_multi_attention",
            "encode_backend", "pq_encode_to_slots",
            "prepare_encode", "gather_pq_blocks", "write_slots", "codebook_images", "layer_images",
-           "tunables"]
+           "xxh3_64_rows", "tunables"]
