@@ -76,6 +76,7 @@ class Cache(WritePath, ReadPath, WindowedBlocks):
                             pin=cfg.device.startswith("cuda"))
         if cold_store is not None:
             disk = DiskTier.of(cold_store)
+            disk.prepare(self.main_device)
         self.tiering = Tiering(self, host, disk) if (host or disk) else None
         if self.tiering is not None and not self.is_pq:
             self.tiering.restore()

@@ -1,11 +1,11 @@
-"""Many host buffers (LMDB values read in place from its map, Redis replies)
-into one [n, width] uint8 tensor on a device, at memory speed.
+"""Many host buffers (LMDB values read in place from its map) into one
+[n, width] uint8 tensor on a device, at memory speed.
 
 One thread copying 512 KiB values one at a time runs at a fraction of what
 the memory and the PCIe link can do, and a restore that first fills a host
 buffer and only then starts its host-to-device copy pays both in full. Here
 a few threads copy chunks of rows (numpy's copy releases the GIL; so does
-hashlib for the checks of Redis values) into pinned memory, and each chunk's
+an optional check of each row, checksum.py's) into pinned memory, and each chunk's
 host-to-device copy is queued on the current stream as soon as the chunk is
 full, so reading the page cache overlaps the DMA. On a CPU device the
 threads copy straight into the result.
