@@ -5,11 +5,13 @@ file beside it, interleaved, medians over the rounds.
   fresh: the values grow the file (a first spill); reuse: they replace the
   previous spill's values (pages from LMDB's free list, as repeated spills do)
 
-and the read back of the spill into memory (staging.gather on the copy
-threads, from the page cache) with each value checked against its stored
-checksum, as the disk tier reads, against the same read unchecked.
+and the read back of the spill (staging.gather on the copy threads, from the
+page cache) with each value checked against its stored checksum, as the disk
+tier reads, against the same read unchecked. With --device cuda the read goes
+to the GPU, and is checked either on the copy threads or, as the disk tier
+does on a GPU, by the XXH3 kernel where the rows land (disk._gather_checked).
 
-python bench/bench_lmdb_spill.py [--values 256] [--value-kib 512] [--rounds 5] [--dir DIR]
+python bench/bench_lmdb_spill.py [--values 256] [--value-kib 512] [--rounds 5] [--dir DIR] [--device cuda]
 (--dir on the disk to measure, not a tmpfs: the default is a temp dir under it)
 """
 from __future__ import annotations
@@ -22,7 +24,9 @@ import tempfile
 import time
 
 import numpy as np
+import torch
 
+from kvstore.tiers.disk import _gather_checked
 from kvstore.tiers.lmdb_store import LMDBStore, checksum
 from kvstore.tiers.staging import gather
 
@@ -49,13 +53,22 @@ def spill(store: LMDBStore, rows: np.ndarray, tag: bytes) -> float:
     return time.perf_counter() - t
 
 
-def read_back(store: LMDBStore, keys: list[bytes], width: int, checked: bool) -> float:
+def read_back(store: LMDBStore, keys: list[bytes], width: int, check: str, device: str) -> float:
+    """check: "none", "threads" (each row on the copy threads) or "device" (the disk tier's path on a GPU)."""
+    cuda = device.startswith("cuda")
+    if cuda:
+        torch.cuda.synchronize()
     t = time.perf_counter()
     with store.reader(buffers=True) as txn:
         values, sums = zip(*(store.stored(txn, k) for k in keys))
         bad = []
-        check = (lambda i, row: checksum(row) == sums[i] or bad.append(i)) if checked else None
-        gather(list(values), width, "cpu", check=check)
+        if check == "device":
+            _, bad = _gather_checked(list(values), sums, width, device)
+        else:
+            fn = (lambda i, row: checksum(row) == sums[i] or bad.append(i)) if check == "threads" else None
+            gather(list(values), width, device, check=fn)
+        if cuda:
+            torch.cuda.synchronize()
     assert not bad, "a value failed its checksum"
     return time.perf_counter() - t
 
@@ -66,11 +79,13 @@ def main() -> None:
     p.add_argument("--value-kib", type=int, default=512, help="a 4-bit PQ block of 32 layers is 512 KiB")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--dir", default=None)
+    p.add_argument("--device", default="cpu", help="where the read back goes (cuda: also the check on the device)")
     args = p.parse_args()
+    checks = ["none", "threads"] + (["device"] if args.device.startswith("cuda") else [])
     rows = np.random.default_rng(0).integers(0, 256, (args.values, args.value_kib << 10), dtype=np.uint8)
     nbytes = rows.nbytes
     tmp = tempfile.mkdtemp(prefix="kvbench-lmdb-", dir=args.dir)
-    times = dict(disk=[], fresh=[], reuse=[], read=[], checked=[])
+    times = dict(disk=[], fresh=[], reuse=[], **{c: [] for c in checks})
     try:
         for r in range(args.rounds):
             times["disk"].append(disk_write(os.path.join(tmp, "disk-baseline"), memoryview(rows.reshape(-1))))
@@ -82,8 +97,8 @@ def main() -> None:
             times["reuse"].append(spill(store, rows, b"b"))
             keys = [b"b/%08d" % i for i in range(args.values)]
             for _ in range(2):      # interleaved: the second pass of each reads a warm page cache
-                times["read"].append(read_back(store, keys, rows.shape[1], False))
-                times["checked"].append(read_back(store, keys, rows.shape[1], True))
+                for c in checks:
+                    times[c].append(read_back(store, keys, rows.shape[1], c, args.device))
             store.close()
             shutil.rmtree(path)
     finally:
@@ -96,9 +111,13 @@ def main() -> None:
     for k in ("fresh", "reuse"):
         print(f"  LMDB spill, {k:5s} pages ({'put_many(sync=True)'})  {gb / med[k]:6.2f} GB/s  "
               f"{med[k] * 1e3:7.1f} ms  {med['disk'] / med[k]:.2f}x of the disk's speed")
-    print(f"  read back into memory, unchecked          {gb / med['read']:6.2f} GB/s  {med['read'] * 1e3:7.1f} ms")
-    print(f"  read back, every value checked            {gb / med['checked']:6.2f} GB/s  "
-          f"{med['checked'] * 1e3:7.1f} ms  {med['read'] / med['checked']:.2f}x of the unchecked read's speed")
+    where = "into memory" if args.device == "cpu" else f"to {args.device} ({torch.cuda.get_device_name()})"
+    print(f"  read back {where}:")
+    for c, how in (("none", "unchecked"), ("threads", "checked on the copy threads"),
+                   ("device", "checked on the device (the disk tier's way)")):
+        if c in med:
+            print(f"    {how:44s} {gb / med[c]:6.2f} GB/s  {med[c] * 1e3:7.1f} ms  "
+                  f"{med['none'] / med[c]:.2f}x of the unchecked read's speed")
 
 
 if __name__ == "__main__":
