@@ -5,9 +5,11 @@ it takes (takes()).
 
 What for: a restore from the disk tier checks every value it serves against
 the checksum stored with it. On the CPU that is a second pass over every byte
-on the copy threads (about a fifth of an 8K-token prefix hit from LMDB on the
-H100 host, bench/bench_tiers.py); here it is one read of rows that are on the
-device anyway, and the bytes checked are the bytes served.
+on the copy threads, sharing the host's memory bandwidth with the copies: the
+read back of an 8K-token prefix to the GPU ran at 0.72-0.77x of its unchecked
+speed that way, 0.98-1.03x checked here (bench/bench_lmdb_spill.py --device
+cuda, docs/scale.md). Here it is one read of rows that are on the device
+anyway, and the bytes checked are the bytes served.
 
 The algorithm (XXH3's long-input path, inputs over 240 bytes): eight 64-bit
 accumulators take every 64-byte stripe of the input; after each 1024-byte
