@@ -26,6 +26,7 @@ import time
 import numpy as np
 import torch
 
+from kvstore import kernels
 from kvstore.tiers.disk import _gather_checked
 from kvstore.tiers.lmdb_store import LMDBStore, checksum
 from kvstore.tiers.staging import gather
@@ -63,7 +64,7 @@ def read_back(store: LMDBStore, keys: list[bytes], width: int, check: str, devic
         values, sums = zip(*(store.stored(txn, k) for k in keys))
         bad = []
         if check == "device":
-            _, bad = _gather_checked(list(values), sums, width, device)
+            _, bad = _gather_checked(list(values), sums, width, device, kernels.xxh3_64_rows)
         else:
             fn = (lambda i, row: checksum(row) == sums[i] or bad.append(i)) if check == "threads" else None
             gather(list(values), width, device, check=fn)

@@ -11,6 +11,7 @@ from array import array
 
 import torch
 
+from kvstore import kernels
 from kvstore.codec.codebooks import Codebooks, fingerprint
 from kvstore.core.block_pool import BlockPool
 from kvstore.core.config import CacheConfig
@@ -76,7 +77,7 @@ class Cache(WritePath, ReadPath, WindowedBlocks):
                             pin=cfg.device.startswith("cuda"))
         if cold_store is not None:
             disk = DiskTier.of(cold_store)
-            disk.prepare(self.main_device)
+            disk.prepare(self.main_device, kernels.xxh3_64_rows)
         self.tiering = Tiering(self, host, disk) if (host or disk) else None
         if self.tiering is not None and not self.is_pq:
             self.tiering.restore()

@@ -28,7 +28,6 @@ from dataclasses import dataclass
 
 import torch
 
-from kvstore import kernels
 from kvstore.errors import DataLoss, ResourceExhausted, quote
 
 from .lmdb_store import LMDBStore, checksum, entry_bytes
@@ -101,6 +100,7 @@ class DiskTier:
         self.lru: OrderedDict[bytes, None] = OrderedDict()       # unreferenced block keys, oldest first
         self.lru_bytes = 0
         self.counters = dict(evictions=0, evicted_bytes=0, skipped_spills=0, dropped_sequences=0)
+        self.device_checksums = None        # prepare(): the row check of restores to a GPU
         good = {k: json.loads(v) for k, v in store.scan(b"M")}     # checked: a refused manifest is not here
         broken = [k for k in store.keys(b"M") if k not in good or not self._complete(k, good[k])]
         if broken:
@@ -117,13 +117,14 @@ class DiskTier:
             evict = self._victims(0, set())
             self._write([], [], list(self.lru) if evict is None else evict)
 
-    @staticmethod
-    def prepare(device) -> None:
-        """Build what a restore to this device runs now, not in the first
-        restore: on a GPU the kernel that checks the rows (without this the first
-        restore of a process took 0.9 s longer on the H100 host: Triton's JIT)."""
+    def prepare(self, device, checksums) -> None:
+        """A cache on `device` restores from here. On a GPU, rows are checked where
+        they land by checksums(rows [n, width] uint8) -> int64 [n] of XXH3-64s
+        (kernels.xxh3_64_rows, from the engine: tiers import no kernels), run once
+        now to build its kernel (else the first restore pays 0.9 s of JIT on an H100 host)."""
         if torch.device(device).type == "cuda":
-            kernels.xxh3_64_rows(torch.zeros((1, 256), dtype=torch.uint8, device=device))
+            self.device_checksums = checksums
+            checksums(torch.zeros((1, 256), dtype=torch.uint8, device=device))
 
     @classmethod
     def of(cls, store: LMDBStore) -> "DiskTier":
@@ -257,7 +258,7 @@ class DiskTier:
                 values, sums = zip(*(self.store.stored(txn, k) for k in ks))
                 bad = [i for i, v in enumerate(values) if v is None or len(v) != width]
                 if not bad:
-                    rows, bad = _gather_checked(values, sums, width, device)
+                    rows, bad = _gather_checked(values, sums, width, device, self.device_checksums)
                     out.append(rows)
                 if bad:
                     for i in bad:
@@ -304,7 +305,7 @@ class DiskTier:
                     break
                 values.append(v)
                 sums.append(s)
-            rows, bad = _gather_checked(values, sums, width, device)
+            rows, bad = _gather_checked(values, sums, width, device, self.device_checksums)
         if bad:           # served up to the first refused block; the refused ones no sequence holds go
             n = min(bad)
             for i in bad:
@@ -376,22 +377,23 @@ class DiskTier:
             "over the byte bound"
 
 
-def _gather_checked(values, sums, width: int, device) -> tuple[torch.Tensor, list[int]]:
+def _gather_checked(values, sums, width: int, device, device_checksums=None) -> tuple[torch.Tensor, list[int]]:
     """values (read in place from the map) -> (rows [n, width] uint8 on device,
     the indices of rows whose checksum is not the stored one). Either way the
-    bytes checked are the bytes served. On a GPU the rows are checked where
-    they land, by one kernel over all of them (kernels.xxh3_64_rows), instead
-    of on the copy threads, where the check was a second pass over every byte
-    on the host's memory bandwidth, shared with the copies and the DMA."""
+    bytes checked are the bytes served. On a GPU, given device_checksums
+    (DiskTier.prepare), the rows are checked where they land, by one kernel
+    over all of them, instead of on the copy threads, where the check was a
+    second pass over every byte on the host's memory bandwidth, shared with
+    the copies and the DMA (docs/scale.md, Checking restored rows on the GPU)."""
     device = torch.device(device)
     bad: list[int] = []
-    if device.type != "cuda":
+    if device.type != "cuda" or device_checksums is None:
         def check(i: int, row) -> None:
             if checksum(row) != sums[i]:
                 bad.append(i)
         return gather(values, width, device, check=check), bad
     rows = gather(values, width, device)
-    got = kernels.xxh3_64_rows(rows).tolist() if len(rows) else []
+    got = device_checksums(rows).tolist() if len(rows) else []
     return rows, [i for i, (s, want) in enumerate(zip(got, sums)) if s & _U64 != want]
 
 

@@ -26,6 +26,8 @@ def engine(tmp_path, device):
     g = torch.Generator().manual_seed(0)
     e.set_codebooks("c", Codebooks(k=torch.randn(L, HKV, M, 256, 2, generator=g),
                                    v=torch.randn(L, HKV, M, 256, 2, generator=g)))
+    # A GPU cache checks restored rows on the device (the XXH3 kernel), a CPU one on the copy threads.
+    assert (e.cold_store.books.device_checksums is not None) == (device == "cuda")
     return e
 
 
