@@ -39,7 +39,6 @@ XXH3_SECRET = bytes.fromhex(
     "eac5ac8334d3ebc3c581a0fffa1363eb170ddd51b7f0da49d316552629d4689e"
     "2b16be587d47a1fc8ff8b8d17ad031ce45cb3a8f95160428afd7fbcabb4b407e")
 ROW_MIN = 241           # shorter inputs take XXH3's short paths, which this kernel does not have
-_M32 = 0xFFFFFFFF
 
 
 def takes(rows: torch.Tensor) -> bool:
