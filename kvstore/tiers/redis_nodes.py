@@ -62,9 +62,12 @@ class Breaker:
         with self._lock:
             if self.up or (started is not None and started <= self._down_since):
                 return
-            self.up, self._backoff = True, BACKOFF_START_S
-            self.epoch += 1          # what it holds may have changed (a restart without persistence)
+            # Logged before `up` flips: stats() reads it without the lock, and
+            # whoever sees the tier up again finds the recovery in the log too.
             log.info("redis tier %s is back after %.1f s", self.name, time.monotonic() - self._down_since)
+            self.epoch += 1          # what it holds may have changed (a restart without persistence)
+            self._backoff = BACKOFF_START_S
+            self.up = True
 
     def fail(self, e: BaseException) -> None:
         with self._lock:
@@ -72,10 +75,11 @@ class Breaker:
             self.errors += 1
             self.last_error = f"{type(e).__name__}: {e}"
             if self.up:
-                self.up, self._down_since = False, now
+                self._down_since = now
                 self.outages += 1
                 log.warning("redis tier %s is down (%s); serving without it, trying again every %.1f-%.1f s",
                             self.name, self.last_error, BACKOFF_START_S, self.backoff_s)
+                self.up = False          # after the log, as in ok()
             else:
                 self._backoff = min(self._backoff * 2, self.backoff_s)
             self._retry_at = now + min(self._backoff, self.backoff_s)

@@ -261,7 +261,7 @@ class RedisStore:
         next one's GETs sent before the current one's replies are read (the
         server streams on), and checks each value as soon as it is in."""
         sent = done = 0
-        conn = None
+        conn, answered = None, False
         try:
             conn = node.connection()
             for c, idx in parts:
@@ -280,6 +280,9 @@ class RedisStore:
                         if r == resp.REDIRECT:      # a cluster whose slots moved, or one that is down
                             self.topology.mark_stale()
                     verdicts.append(read.verdict(i, r))
+                if not answered:     # up again before the caller, handed these rows, reads the stats
+                    node.breaker.ok(read.started)
+                    answered = True
                 read.part(c, idx, verdicts)
                 done += 1
         except self._errors as e:
