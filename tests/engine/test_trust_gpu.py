@@ -101,3 +101,46 @@ def test_sealed_blocks_cross_cuda_engines_through_redis_bit_identical(redis_serv
     assert got >= sealed * BS
     for x, y in zip(a.retrieve("c", T, "a", 0, got), b.retrieve("c", T, "b", 0, got)):
         assert torch.equal(x.cpu(), y.cpu())
+
+
+def test_a_payload_changed_in_redis_is_refused_by_the_device_check(redis_server):
+    """A GPU cache checks Redis payloads where they land (the XXH3 kernel); the
+    receiving threads check only the headers. A payload whose bytes changed
+    under an intact header ends the prefix before it, counted, never served."""
+    from kvstore.tiers.redis_format import HEADER_BYTES, block_key
+    from kvstore.tiers.redis_store import RedisConfig
+    url = redis_server.url
+    a = cuda_engine("pq", residual=8, redis=RedisConfig(url))
+    tokens = list(range(5000, 5000 + N))
+    k, v = kv(N, 4)
+    a.allocate("c", T, "a", tokens)
+    a.append("c", T, ["a"], k, v, [N], token_ids=[tokens])
+    hashes = list(a.sequence_info("c", T, "a").block_hashes)
+    sealed = len(a.sequence_info("c", T, "a").sealed_blocks)
+    assert sealed >= 3
+    deadline = time.monotonic() + 10
+    while a.stats()["c"]["redis"]["blocks_out"] < sealed:
+        assert time.monotonic() < deadline, "A's sealed blocks never reached Redis"
+        time.sleep(0.02)
+    fp = a.caches["c"].fingerprint
+    r = redis_server.client()
+    key = block_key(fp, hashes[1])
+    good = r.get(key)
+    bad = bytearray(good)
+    bad[HEADER_BYTES + (len(good) - HEADER_BYTES) // 2] ^= 0x5A     # the header (and its checksum) as stored
+    r.set(key, bytes(bad))
+
+    b = cuda_engine("pq", residual=8, redis=RedisConfig(url))
+    assert b.caches["c"].redis.device_checksums is not None
+    assert b.allocate("c", T, "b", tokens).cached_tokens == BS, "served up to the changed block, not past it"
+    s = b.stats()["c"]["redis"]
+    assert s["refused"] == 1 and s["prefix_hits"] == 1
+    b.free("c", T, ["b"])
+
+    r.set(key, good)
+    c = cuda_engine("pq", residual=8, redis=RedisConfig(url))
+    got = c.allocate("c", T, "c", tokens).cached_tokens
+    assert got >= sealed * BS
+    for x, y in zip(a.retrieve("c", T, "a", 0, got), c.retrieve("c", T, "c", 0, got)):
+        assert torch.equal(x.cpu(), y.cpu())
+    assert c.stats()["c"]["redis"]["refused"] == 0
