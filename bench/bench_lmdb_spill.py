@@ -9,7 +9,7 @@ and the read back of the spill (staging.gather on the copy threads, from the
 page cache) with each value checked against its stored checksum, as the disk
 tier reads, against the same read unchecked. With --device cuda the read goes
 to the GPU, and is checked either on the copy threads or, as the disk tier
-does on a GPU, by the XXH3 kernel where the rows land (disk._gather_checked).
+does on a GPU, by the XXH3 kernel where the rows land (staging.gather_checked).
 
 python bench/bench_lmdb_spill.py [--values 256] [--value-kib 512] [--rounds 5] [--dir DIR] [--device cuda]
 (--dir on the disk to measure, not a tmpfs: the default is a temp dir under it)
@@ -27,9 +27,8 @@ import numpy as np
 import torch
 
 from kvstore import kernels
-from kvstore.tiers.disk import _gather_checked
 from kvstore.tiers.lmdb_store import LMDBStore, checksum
-from kvstore.tiers.staging import gather
+from kvstore.tiers.staging import gather, gather_checked
 
 
 def disk_write(path: str, data: memoryview) -> float:
@@ -64,7 +63,8 @@ def read_back(store: LMDBStore, keys: list[bytes], width: int, check: str, devic
         values, sums = zip(*(store.stored(txn, k) for k in keys))
         bad = []
         if check == "device":
-            _, bad = _gather_checked(list(values), sums, width, device, kernels.xxh3_64_rows)
+            _, verdict = gather_checked(list(values), sums, width, device, kernels.xxh3_64_rows)
+            bad = verdict()
         else:
             fn = (lambda i, row: checksum(row) == sums[i] or bad.append(i)) if check == "threads" else None
             gather(list(values), width, device, check=fn)

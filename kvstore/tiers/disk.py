@@ -31,7 +31,7 @@ import torch
 from kvstore.errors import DataLoss, ResourceExhausted, quote
 
 from .lmdb_store import LMDBStore, checksum, entry_bytes
-from .staging import gather
+from .staging import gather_checked
 
 log = logging.getLogger("kvstore.lmdb")
 
@@ -242,14 +242,15 @@ class DiskTier:
                       tail_bytes: int, device) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """-> (sealed rows [n, main_bytes], tail rows [t, tail_bytes]) uint8 on
         device, read straight from LMDB's map (staging.gather: parallel copies
-        into pinned memory overlapping the host-to-device copies)."""
+        into pinned memory overlapping the host-to-device copies), each row
+        checked against its stored checksum (staging.gather_checked)."""
         other = iter(range(manifest["n_other"]))
+        own = seq_block_key(fp, cache, tenant, seq_id, 0)[:-4]        # + the index: one prefix for all
 
         def keys(hashes):
-            return [block_key(fp, bytes.fromhex(h)) if h else seq_block_key(fp, cache, tenant, seq_id, next(other))
-                    for h in hashes]
+            return [block_key(fp, bytes.fromhex(h)) if h else own + struct.pack(">I", next(other)) for h in hashes]
         sealed_keys, tail_keys = keys(manifest["sealed_hashes"]), keys(manifest["tail_hashes"])
-        out = []
+        out, checks = [], []
         with self.store.reader(buffers=True) as txn:
             for ks, width in ((sealed_keys, main_bytes), (tail_keys, tail_bytes)):
                 if not ks:
@@ -257,17 +258,24 @@ class DiskTier:
                     continue
                 values, sums = zip(*(self.store.stored(txn, k) for k in ks))
                 bad = [i for i, v in enumerate(values) if v is None or len(v) != width]
-                if not bad:
-                    rows, bad = _gather_checked(values, sums, width, device, self.device_checksums)
-                    out.append(rows)
                 if bad:
-                    for i in bad:
-                        if values[i] is not None and len(values[i]) == width:
-                            self.store.refuse(ks[i])
-                    raise DataLoss("sequence_ids", f"sequence {quote(seq_id)} (tenant {quote(tenant)}): {len(bad)} "
-                                   f"of its {len(ks)} blocks on disk are missing or failed their checksums; "
-                                   "nothing was served (free the sequence to drop its disk copy)")
+                    self._refuse_sequence(ks, values, width, bad, tenant, seq_id)
+                rows, verdict = gather_checked(values, sums, width, device, self.device_checksums)
+                out.append(rows)
+                checks.append((ks, values, width, verdict))      # a device check runs while the next part is read
+            for ks, values, width, verdict in checks:
+                bad = verdict()
+                if bad:
+                    self._refuse_sequence(ks, values, width, bad, tenant, seq_id)
         return out[0], out[1]
+
+    def _refuse_sequence(self, ks, values, width, bad, tenant, seq_id):
+        for i in bad:
+            if values[i] is not None and len(values[i]) == width:
+                self.store.refuse(ks[i])
+        raise DataLoss("sequence_ids", f"sequence {quote(seq_id)} (tenant {quote(tenant)}): {len(bad)} "
+                       f"of its {len(ks)} blocks on disk are missing or failed their checksums; "
+                       "nothing was served (free the sequence to drop its disk copy)")
 
     @_under_store_lock
     def delete_sequence(self, fp: bytes, cache: str, tenant: str, seq_id: str, manifest: dict,
@@ -305,7 +313,8 @@ class DiskTier:
                     break
                 values.append(v)
                 sums.append(s)
-            rows, bad = _gather_checked(values, sums, width, device, self.device_checksums)
+            rows, verdict = gather_checked(values, sums, width, device, self.device_checksums)
+        bad = verdict()
         if bad:           # served up to the first refused block; the refused ones no sequence holds go
             n = min(bad)
             for i in bad:
@@ -375,29 +384,6 @@ class DiskTier:
         # Over the bound only with nothing left to evict (a store opened under a smaller bound).
         assert not self.store.max_bytes or self.store.used_bytes <= self.store.max_bytes or not self.lru, \
             "over the byte bound"
-
-
-def _gather_checked(values, sums, width: int, device, device_checksums=None) -> tuple[torch.Tensor, list[int]]:
-    """values (read in place from the map) -> (rows [n, width] uint8 on device,
-    the indices of rows whose checksum is not the stored one). Either way the
-    bytes checked are the bytes served. On a GPU, given device_checksums
-    (DiskTier.prepare), the rows are checked where they land, by one kernel
-    over all of them, instead of on the copy threads, where the check was a
-    second pass over every byte on the host's memory bandwidth, shared with
-    the copies and the DMA (docs/scale.md, Checking restored rows on the GPU)."""
-    device = torch.device(device)
-    bad: list[int] = []
-    if device.type != "cuda" or device_checksums is None:
-        def check(i: int, row) -> None:
-            if checksum(row) != sums[i]:
-                bad.append(i)
-        return gather(values, width, device, check=check), bad
-    rows = gather(values, width, device)
-    got = device_checksums(rows).tolist() if len(rows) else []
-    return rows, [i for i, (s, want) in enumerate(zip(got, sums)) if s & _U64 != want]
-
-
-_U64 = (1 << 64) - 1
 
 
 def _describe(mk: bytes) -> str:

@@ -16,6 +16,7 @@ from kvstore.cuda.pinned import to_device
 from .interface import TieredCache
 from .redis_format import HEADER_BYTES, block_key, check, check_head, stored_sums
 from .redis_store import HIT, MISS, REFUSED, Put, RedisStore
+from . import staging
 
 log = logging.getLogger("kvstore.redis")
 _U64 = (1 << 64) - 1
@@ -134,12 +135,13 @@ class RedisTier:
         host-to-device copy is queued on the current stream as soon as the
         chunk is in. The threads that received a value check it: its header,
         and its payload's checksum too unless the payloads go to a GPU that
-        checks them (prepare), once all are on it."""
+        checks them (prepare), once all are on it (a lookup of at least
+        staging.DEVICE_CHECK_MIN_ROWS rows: the kernel's one program a row)."""
         fp, width, n = self.c.fingerprint, self.c.main_io.block_bytes(), len(hashes)
         device = torch.device(device)
         out = torch.empty((n, width), dtype=torch.uint8, device=device)
         cuda = device.type == "cuda"
-        on_device = cuda and self.device_checksums is not None
+        on_device = cuda and self.device_checksums is not None and n >= staging.DEVICE_CHECK_MIN_ROWS
         host = torch.empty((n, width), dtype=torch.uint8, pin_memory=True) if cuda else out
         heads, rows = np.empty((n, HEADER_BYTES), dtype=np.uint8), host.numpy()
         if on_device:

@@ -24,8 +24,15 @@ import torch
 
 from kvstore.cuda.pinned import to_device
 
+from .checksum import checksum
+
 CHUNK_BYTES = 8 << 20       # rows per copy task and per H2D copy: the first DMA starts after 8 MiB
 THREADS = max(1, min(8, os.cpu_count() or 1))
+# Fewer rows than this are checked on the host even on a GPU: the XXH3 kernel hashes
+# a row in one program, block after block (the format is serial), so a few long rows
+# leave the GPU idle (nine 2 MiB fp16 tail rows: 1.7 ms on an H100, where the copy
+# threads hash them in a fraction of their copy).
+DEVICE_CHECK_MIN_ROWS = 64
 
 _pool: ThreadPoolExecutor | None = None
 _pool_lock = threading.Lock()
@@ -91,6 +98,34 @@ def gather(sources: list, width: int, device, offset: int = 0, check=None) -> to
     finally:
         wait(futures)
     return out
+
+
+def gather_checked(sources: list, sums: list[int], width: int, device, device_checksums=None):
+    """gather() of values each checked against its stored checksum (XXH3-64):
+    -> (rows, verdict), verdict() -> the indices of rows that did not match.
+    The bytes checked are the bytes served. On a GPU, given device_checksums
+    (rows [n, width] uint8 -> int64 [n], kernels.xxh3_64_rows: tiers import no
+    kernels) and at least DEVICE_CHECK_MIN_ROWS rows, they are checked where
+    they land, by one kernel queued behind their copies, and verdict() waits
+    for it: the caller can read more meanwhile. Elsewhere the copy threads
+    check each row as they copy it; on the host that is a second pass over
+    every byte on a memory bandwidth the copies already use up
+    (docs/scale.md, Checking restored rows on the GPU)."""
+    device = torch.device(device)
+    if device.type == "cuda" and device_checksums is not None and len(sources) >= DEVICE_CHECK_MIN_ROWS:
+        rows = gather(sources, width, device)
+        got = device_checksums(rows)
+        return rows, lambda: [i for i, (s, want) in enumerate(zip(got.tolist(), sums)) if s & _U64 != want]
+    bad: list[int] = []
+
+    def check(i: int, row) -> None:
+        if checksum(row) != sums[i]:
+            bad.append(i)
+    rows = gather(sources, width, device, check=check)
+    return rows, lambda: sorted(bad)
+
+
+_U64 = (1 << 64) - 1
 
 
 def index(device, ids: list[int]) -> torch.Tensor:

@@ -10,15 +10,26 @@ import torch
 from kvstore.codec.codebooks import Codebooks
 from kvstore.engine.engine import Engine
 from kvstore.errors import DataLoss
+from kvstore.tiers import staging
 from kvstore.tiers.disk import block_key
 from tests.helpers import config
 
 T = "default"
 L, HKV, D, M = 2, 2, 64, 32    # a PQ block of 8 tokens: 2 x 2 x 2 x 8 x 32 = 2 KiB, the kernel's long path
-DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+# On a GPU, the rows of a read of at least staging.DEVICE_CHECK_MIN_ROWS are checked by
+# the kernel, fewer on the copy threads; "cuda" lowers the bound so these few rows take
+# the kernel, "cuda-threads" keeps it.
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu), pytest.param("cuda-threads", marks=pytest.mark.gpu)]
+
+
+@pytest.fixture(autouse=True)
+def _device_check_bound(request, monkeypatch):
+    if getattr(request.node, "callspec", None) and request.node.callspec.params.get("device") == "cuda":
+        monkeypatch.setattr(staging, "DEVICE_CHECK_MIN_ROWS", 1)
 
 
 def engine(tmp_path, device):
+    device = device.split("-")[0]
     if device == "cuda" and not torch.cuda.is_available():
         pytest.skip("no CUDA")
     e = Engine(device, lmdb_path=str(tmp_path / "lmdb"))

@@ -36,3 +36,31 @@ def test_gather_of_nothing_and_errors_wait_for_every_thread(monkeypatch):
     with pytest.raises(ValueError, match="first span"):
         staging.run_all(fn, staging.spans(8, 16))
     assert sorted(done) == list(range(1, 8)), "every other span ran to its end before the error surfaced"
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("n", [3, 70])
+def test_gather_checked_names_the_rows_that_changed(monkeypatch, device, n):
+    """Rows whose bytes are not those their checksums were taken of are named,
+    wherever they are checked: on the copy threads (a CPU, or fewer than
+    DEVICE_CHECK_MIN_ROWS rows) or by the device check (a GPU, enough rows)."""
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("no CUDA")
+    from kvstore import kernels
+    from kvstore.tiers.checksum import checksum
+    monkeypatch.setattr(staging, "CHUNK_BYTES", 4096)
+    rng = np.random.default_rng(n)
+    want = rng.integers(0, 256, size=(n, 1024), dtype=np.uint8)
+    sums = [checksum(r) for r in want]
+    sources = [bytearray(r.tobytes()) for r in want]
+    for i in (1, n - 1):
+        sources[i][500] ^= 0x10
+    calls = []
+
+    def device_check(rows):
+        calls.append(rows.shape[0])
+        return kernels.xxh3_64_rows(rows)
+    rows, verdict = staging.gather_checked(sources, sums, 1024, device, device_check)
+    assert verdict() == [1, n - 1]
+    assert calls == ([n] if device == "cuda" and n >= staging.DEVICE_CHECK_MIN_ROWS else [])
+    assert torch.equal(rows[0].cpu(), torch.from_numpy(want[0]))
