@@ -7,8 +7,7 @@ in the same run.
   Redis put and get GB/s through the store (a redis-server this script starts on a free port;
   with --redis-shards N also an N-node Redis Cluster, kvstore/tools/local_redis.py)
   restoring an 8K-token prefix (Allocate with its token ids) from host, from LMDB and from
-  Redis (a second engine with empty local tiers: another host; on a GPU, with the payloads
-  checked on the device as the tier does there, and on the receiving threads) vs recomputing its prefill
+  Redis (a second engine with empty local tiers: another host) vs recomputing its prefill
   with a Llama-3-8B-geometry layer stack (32 layers, 32 q / 8 kv heads, d 128, 4-bit PQ)
 
 python bench/bench_tiers.py [--tokens 8192] [--layers 32] [--device cuda] [--redis-server PATH]
@@ -233,20 +232,16 @@ def run(args, dev: str, L: int, n: int, tmp: str, url: str | None, no_redis: str
     e.offload("b", "t", ["p"])                        # LMDB: its blocks under their hashes
     e.free("b", "t", ["p"])                           # the sequence goes, its blocks stay below
 
-    def prefix_hit(engine, name, want, threads_check=False):
+    def prefix_hit(engine, name, want):
         """Allocate the prompt where only a tier below has it: host (cache "b"
         with its GPU pools forgetting their hashes), LMDB (a fresh cache of the
-        same fingerprint, no host tier) or Redis (a fresh cache of another engine;
-        threads_check: its payloads checked on the receiving threads, as on a
-        CPU, instead of on the GPU)."""
+        same fingerprint, no host tier) or Redis (a fresh cache of another engine)."""
         if want == "host":
             cache.main_pool.clear_hashes()
             cache.tail_pool.clear_hashes()
             name = "b"
         else:
-            c = new_cache(engine, name)
-            if threads_check:
-                c.redis.device_checksums = None
+            new_cache(engine, name)
         before = engine.stats(name)[name]
         before = before["redis"]["prefix_hits"] if want == "redis" else before["tiers"]["prefix_hits_" + want]
         sync(dev)
@@ -259,19 +254,16 @@ def run(args, dev: str, L: int, n: int, tmp: str, url: str | None, no_redis: str
         assert hits - before == sealed and got == sealed * 16, f"{want}: {hits} of {sealed} blocks from below"
         engine.free(name, "t", ["x"])
         return dt
-    t_hit = dict.fromkeys(("host", "disk", "redis", "cluster", "redis/threads", "cluster/threads"), float("inf"))
-    both = dev.startswith("cuda")      # a GPU checks Redis payloads on the device; also time the threads' check
+    t_hit = {"host": float("inf"), "disk": float("inf"), "redis": float("inf"), "cluster": float("inf")}
     e2 = Engine(dev, redis=redis_cfg) if url else None       # another host: nothing local
     e3 = Engine(dev, redis=cluster_cfg) if cluster_cfg else None
     for r in range(args.reps):
         t_hit["host"] = min(t_hit["host"], prefix_hit(e, f"h{r}", "host"))
         t_hit["disk"] = min(t_hit["disk"], prefix_hit(e, f"d{r}", "disk"))
-        for engine, key in ((e2, "redis"), (e3, "cluster")):
-            if engine is not None:
-                t_hit[key] = min(t_hit[key], prefix_hit(engine, f"{key}{r}", "redis"))
-                if both:
-                    t_hit[key + "/threads"] = min(t_hit[key + "/threads"],
-                                                  prefix_hit(engine, f"{key}{r}t", "redis", threads_check=True))
+        if e2 is not None:
+            t_hit["redis"] = min(t_hit["redis"], prefix_hit(e2, f"r{r}", "redis"))
+        if e3 is not None:
+            t_hit["cluster"] = min(t_hit["cluster"], prefix_hit(e3, f"c{r}", "redis"))
     t_rput = float("inf")
     if url:      # puts through the store: the prefix's blocks again, as a spill sends them
         payload = cache.main_io.pack(list(range(sealed)))
@@ -319,9 +311,7 @@ def run(args, dev: str, L: int, n: int, tmp: str, url: str | None, no_redis: str
                          (f"{n}-token prefix hit from host", t_hit["host"]),
                          (f"{n}-token prefix hit from LMDB", t_hit["disk"]),
                          (f"{n}-token prefix hit from Redis", t_hit["redis"]),
-                         ("  the same, payloads checked on the receiving threads", t_hit["redis/threads"]),
-                         (f"{n}-token prefix hit from a {args.redis_shards}-shard Redis Cluster", t_hit["cluster"]),
-                         ("  the same, payloads checked on the receiving threads", t_hit["cluster/threads"])):
+                         (f"{n}-token prefix hit from a {args.redis_shards}-shard Redis Cluster", t_hit["cluster"])):
             if t < float("inf"):
                 rows.append((label, f"{t * 1e3:.1f} ms", f"{t_prefill / t:.1f}x faster than recompute"))
     print(f"\ntiers benchmark: device {dev} ({torch.cuda.get_device_name() if dev.startswith('cuda') else 'cpu'}),"

@@ -83,8 +83,6 @@ class Cache(WritePath, ReadPath, WindowedBlocks):
             self.tiering.restore()
         # The shared Redis tier below both (tiers/redis.py): hashed main-pool blocks go up to it, prefix misses ask it.
         self.redis = RedisTier(redis_store, self) if redis_store is not None else None
-        if self.redis is not None:
-            self.redis.prepare(self.main_device, kernels.xxh3_64_rows)
 
     def resident(self, seqs: list[Sequence]) -> None:
         """Protect the request's sequences from eviction and page in any that

@@ -14,12 +14,10 @@ import torch
 from kvstore.cuda.pinned import to_device
 
 from .interface import TieredCache
-from .redis_format import HEADER_BYTES, block_key, check, check_head, stored_sums
+from .redis_format import HEADER_BYTES, block_key, check
 from .redis_store import HIT, MISS, REFUSED, Put, RedisStore
-from . import staging
 
 log = logging.getLogger("kvstore.redis")
-_U64 = (1 << 64) - 1
 KNOWN_HASHES = 1 << 16                    # per cache: hashes known to be in Redis (not put again)
 MAX_PENDING = 1 << 14                     # per cache: hashed blocks waiting for the next flush
 
@@ -40,19 +38,7 @@ class RedisTier:
         self._lock = threading.Lock()           # counters and _known: the writer thread updates them too
         self.counters = dict(blocks_out=0, bytes_out=0, prefix_hits=0, bytes_in=0, misses=0, refused=0,
                              dropped_puts=0, errors=0)
-        self.device_checksums = None        # prepare(): the payload check of lookups to a GPU
         cache.main_pool.on_hash = self.note
-
-    def prepare(self, device, checksums) -> None:
-        """Lookups go to `device`. On a GPU, payloads are checked where they land
-        by checksums(rows [n, width] uint8) -> int64 [n] of XXH3-64s
-        (kernels.xxh3_64_rows, from the engine: tiers import no kernels), and the
-        receiving threads check only the headers: hashing every payload on
-        them was a second pass over each byte on the host beside the receive
-        (docs/scale.md, Checking payloads on the GPU)."""
-        if torch.device(device).type == "cuda":
-            self.device_checksums = checksums
-            checksums(torch.zeros((1, 256), dtype=torch.uint8, device=device))      # builds its kernel now
 
     # --------------------------------------------------------------- puts
     def note(self, block_id: int, h: bytes) -> None:
@@ -131,24 +117,17 @@ class RedisTier:
     def get_prefix(self, hashes: list[bytes], device) -> torch.Tensor:
         """Payloads [n, block bytes] uint8 on device of the leading n blocks of
         `hashes` that Redis holds and that check out. The values are received
-        straight into pinned memory (RedisStore.read_into) and each chunk's
-        host-to-device copy is queued on the current stream as soon as the
-        chunk is in. The threads that received a value check it: its header,
-        and its payload's checksum too unless the payloads go to a GPU that
-        checks them (prepare), once all are on it (a lookup of at least
-        staging.DEVICE_CHECK_MIN_ROWS rows: the kernel's one program a row)."""
+        straight into pinned memory (RedisStore.read_into), checked by the
+        threads that received them, and each chunk's host-to-device copy is
+        queued on the current stream as soon as the chunk is in."""
         fp, width, n = self.c.fingerprint, self.c.main_io.block_bytes(), len(hashes)
         device = torch.device(device)
         out = torch.empty((n, width), dtype=torch.uint8, device=device)
         cuda = device.type == "cuda"
-        on_device = cuda and self.device_checksums is not None and n >= staging.DEVICE_CHECK_MIN_ROWS
         host = torch.empty((n, width), dtype=torch.uint8, pin_memory=True) if cuda else out
         heads, rows = np.empty((n, HEADER_BYTES), dtype=np.uint8), host.numpy()
-        if on_device:
-            verify = lambda i: check_head(heads[i], fp, hashes[i], width)      # noqa: E731
-        else:
-            verify = lambda i: check(heads[i], rows[i], fp, hashes[i])         # noqa: E731
-        chunks = self.store.read_into([block_key(fp, h) for h in hashes], heads, rows, verify)
+        chunks = self.store.read_into([block_key(fp, h) for h in hashes], heads, rows,
+                                      lambda i: check(heads[i], rows[i], fp, hashes[i]))
         served, bad = 0, None
         try:
             for a, b, fut in chunks:
@@ -166,12 +145,6 @@ class RedisTier:
         finally:
             for _, _, fut in chunks:       # every lane is done with heads and rows before they go
                 fut.exception()
-        if on_device and served:
-            got = self.device_checksums(out[:served]).tolist()
-            k = next((i for i, (s, want) in enumerate(zip(got, stored_sums(heads[:served]))) if s & _U64 != want),
-                     served)
-            if k < served:                 # the first payload that changed: the prefix ends before it
-                served, bad = k, REFUSED
         if bad in (MISS, REFUSED):
             self._miss(hashes[served], refused=bad == REFUSED)
         if served:

@@ -52,11 +52,6 @@ def check_head(head, fp: bytes, h: bytes, length: int) -> bool:
     return bytes(memoryview(head)[:_HEAD.size]) == _HEAD.pack(MAGIC, VERSION, 0, fp, h, length)
 
 
-def stored_sums(heads) -> list[int]:
-    """The payload checksums stored in heads ([n, HEADER_BYTES] uint8), as ints."""
-    return [int.from_bytes(bytes(memoryview(h)[_HEAD.size:HEADER_BYTES]), "little") for h in heads]
-
-
 def check(head, payload, fp: bytes, h: bytes) -> bool:
     """Whether head (HEADER_BYTES) and payload are exactly a value stored for (fp, h)."""
     mv = memoryview(payload).cast("B")
