@@ -30,7 +30,7 @@ import torch
 
 from kvstore.errors import DataLoss, ResourceExhausted, quote
 
-from .lmdb_store import LMDBStore, checksum, entry_bytes
+from .lmdb_store import LMDBStore, entry_bytes
 from .staging import gather_checked
 
 log = logging.getLogger("kvstore.lmdb")
