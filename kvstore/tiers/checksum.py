@@ -9,10 +9,11 @@ weights), each giving up the GIL and taking it back; while any other thread
 runs Python, every retake waits up to the interpreter's switch interval.
 Measured on 512 KiB rows (256 MiB, cache-cold, one thread): the weighted sum
 5.8 GB/s alone and 0.3 GB/s beside one pure-Python thread; XXH3-64 28.6 GB/s
-alone. A restore to a GPU checks its rows where they land, with the same hash
-computed by a kernel (kernels.xxh3_64_rows: bit for bit xxhash's); a restore
-to the CPU on the copy threads right after copying each row, and a Redis
-lookup on the thread that received it, while it is still in cache.
+alone. A restore of 64 rows or more to a GPU checks them where they land,
+with the same hash computed by a kernel (kernels.xxh3_64_rows: bit for bit
+xxhash's; staging.gather_checked); other restores on the copy threads right
+after copying each row, and a Redis lookup on the thread that received it,
+while it is still in cache.
 Errors it catches: any change is missed with probability about 2^-64.
 """
 from __future__ import annotations
