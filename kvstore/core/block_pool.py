@@ -102,16 +102,17 @@ class BlockPool:
     def lookup(self, h: bytes) -> int | None:
         return self._by_hash.get(h)
 
-    def set_hash(self, block_id: int, h: bytes) -> None:
+    def set_hash(self, block_id: int, h: bytes, announce: bool = True) -> None:
         """Mark a full, immutable block as findable by its content hash. If
-        another block already holds that hash, the index keeps the first."""
+        another block already holds that hash, the index keeps the first.
+        on_hash hears of a new hash unless announce is False."""
         blk = self.blocks[block_id]
         assert blk.ref_cnt > 0, f"hashing unreferenced block {block_id}"
         assert blk.hash is None or blk.hash == h, f"block {block_id} already has another hash"
         new = blk.hash is None
         blk.hash = h
         self._by_hash.setdefault(h, block_id)
-        if new and self.on_hash is not None:
+        if new and announce and self.on_hash is not None:
             self.on_hash(block_id, h)
 
     def clear_hashes(self) -> None:

@@ -325,7 +325,10 @@ class Cache(WritePath, ReadPath, WindowedBlocks):
         for i, (kind, b) in enumerate(hits):
             bid = new.get(i, b)
             if i in new:
-                self.main_pool.set_hash(bid, hashes[i])
+                # A block from this host's host or disk tier is not put to Redis again: it
+                # went up when it was first hashed here (or when it spilled), and a put of
+                # an 8K-token prefix is a 250 MB copy to the host on the request's stream.
+                self.main_pool.set_hash(bid, hashes[i], announce=kind != "below" or below_tiers[b] == "redis")
             if kind == "tail" or not self.is_pq:   # sinks and tail; fp16: relabelled as sealed just below
                 s.tail.append(bid)
             else:

@@ -305,8 +305,8 @@ class Tiering:
         sealed = [hits.get(i) for i in range(n_sealed)]
         for i, b in zip(todo, new):
             sealed[i] = b
-            if h0 + i < known:
-                c.main_pool.set_hash(b, s.hashes[h0 + i])
+            if h0 + i < known:      # not put to Redis again: it went up when it was first hashed
+                c.main_pool.set_hash(b, s.hashes[h0 + i], announce=False)
         for j, b in enumerate(new_tail):          # full sink and tail blocks are findable again
             i = c.tail_block_index(j, s.freed + n_sealed)
             if i < known:
@@ -350,20 +350,21 @@ class Tiering:
         return None
 
     def fetch_below(self, found: list[tuple[str, object]], device) -> torch.Tensor:
-        """Payloads [n, block bytes] uint8 on device of lookup_below's answers,
-        in order: host rows by DMA from the pinned pool, disk rows in one read
-        transaction; n < len(found) where a disk block went since its lookup
-        (another cache's spill evicted it). Host rows are copied on the current
-        stream: a later spill into their slots queues behind the copy."""
-        rows = torch.empty((len(found), self.c.main_io.block_bytes()), dtype=torch.uint8, device=device)
+        """Payloads [n, block bytes] uint8 on device of lookup_below's answers, in order:
+        host rows by DMA from the pinned pool, disk rows in one read transaction; n <
+        len(found) where a disk block went since its lookup (another cache's spill
+        evicted it). Host rows are copied on the current stream: a later spill into
+        their slots queues behind the copy."""
+        width = self.c.main_io.block_bytes()
         host = [i for i, (t, _) in enumerate(found) if t == "host"]
         disk = [i for i, (t, _) in enumerate(found) if t == "disk"]
-        n = len(found)
+        if not host:            # all from disk: its rows as they are, no copy into a second buffer
+            return self.disk.read_blocks(self.c.fingerprint, [h for _, h in found], width, device)
+        rows, n = torch.empty((len(found), width), dtype=torch.uint8, device=device), len(found)
         if disk:
-            got = self.disk.read_blocks(self.c.fingerprint, [found[i][1] for i in disk], rows.shape[1], device)
+            got = self.disk.read_blocks(self.c.fingerprint, [found[i][1] for i in disk], width, device)
             if len(got) < len(disk):
-                n = disk[len(got)]
-                disk = disk[:len(got)]
+                n, disk = disk[len(got)], disk[:len(got)]
             put_rows(rows, disk, got)
         host = [i for i in host if i < n]
         if host:
@@ -395,11 +396,10 @@ class Tiering:
     def stats(self) -> dict:
         out = dict(self.counters)
         if self.host is not None:
-            out["host_main"] = self.host.main_pool.stats()
-            out["host_tail"] = self.host.tail_pool.stats()
-            out["host_bytes"] = self.host.nbytes()
-        out["sequences_host"] = sum(1 for s in self.c.seqs.values() if s.tier == "host")
-        out["sequences_disk"] = sum(1 for s in self.c.seqs.values() if s.tier == "disk")
+            out.update(host_main=self.host.main_pool.stats(), host_tail=self.host.tail_pool.stats(),
+                       host_bytes=self.host.nbytes())
+        for tier in ("host", "disk"):
+            out["sequences_" + tier] = sum(1 for s in self.c.seqs.values() if s.tier == tier)
         if self.disk is not None:
             out["disk"] = self.disk.stats()
         return out

@@ -43,12 +43,12 @@ def prompt(i: int) -> list[int]:
     return [i * 100_000 + t for t in range(N)]
 
 
-def fill(e, sid, tokens, seed=1, lookup=True):
+def fill(e, sid, tokens, seed=1, lookup=True, cache="c"):
     """Allocate with the prompt (lookup: its cached prefix is used), append the rest with ids."""
     g = torch.Generator().manual_seed(seed)
     k, v = torch.randn(L, len(tokens), HKV, D, generator=g).half(), torch.randn(L, len(tokens), HKV, D, generator=g).half()
-    cached = e.allocate("c", T, sid, tokens if lookup else []).cached_tokens
-    e.append("c", T, [sid], k[:, cached:], v[:, cached:], [len(tokens) - cached], token_ids=[tokens[cached:]])
+    cached = e.allocate(cache, T, sid, tokens if lookup else []).cached_tokens
+    e.append(cache, T, [sid], k[:, cached:], v[:, cached:], [len(tokens) - cached], token_ids=[tokens[cached:]])
 
 
 def rstats(e) -> dict:
@@ -179,6 +179,23 @@ def test_blocks_missed_at_seal_go_up_when_they_spill(tmp_path, redis_server):
     wait_for(lambda: rstats(a)["blocks_out"] >= 3 * SEALED, what="A's puts")
     assert b.allocate("c", T, "b", prompt(1)).cached_tokens == SEALED * BS
     assert rstats(b)["prefix_hits"] == SEALED
+
+
+def test_blocks_back_from_this_hosts_disk_are_not_put_again(tmp_path, redis_server):
+    e = engine(redis_server.url, lmdb=str(tmp_path / "lmdb"))
+    fill(e, "a", prompt(1), lookup=False)
+    wait_for(lambda: rstats(e)["blocks_out"] == SEALED, what="the puts at seal")
+    e.offload("c", T, ["a"])
+    e.free("c", T, ["a"])
+    e.create_cache(config(name="d", block_size=BS))        # same fingerprint, its own pools and Redis view
+    e.set_codebooks("d", codebooks())
+    assert e.allocate("d", T, "b", prompt(1)).cached_tokens == SEALED * BS
+    assert e.stats()["d"]["tiers"]["prefix_hits_disk"] == SEALED
+    # Two fresh sealed blocks after the hit: the one writer puts in order, so once they
+    # are counted, a put of the restored blocks (queued before them) would be too.
+    fill(e, "m", [7_000_000 + t for t in range(48)], lookup=False, cache="d")
+    wait_for(lambda: e.stats()["d"]["redis"]["blocks_out"] >= 2, what="the marker's puts")
+    assert e.stats()["d"]["redis"]["blocks_out"] == 2 and e.stats()["d"]["redis"]["dropped_puts"] == 0
 
 
 def test_put_queue_is_bounded_and_every_block_accounted(redis_server):
