@@ -198,6 +198,22 @@ def test_blocks_back_from_this_hosts_disk_are_not_put_again(tmp_path, redis_serv
     assert e.stats()["d"]["redis"]["blocks_out"] == 2 and e.stats()["d"]["redis"]["dropped_puts"] == 0
 
 
+def test_a_sequence_paged_in_from_disk_after_a_restart_is_not_put_again(tmp_path, redis_server):
+    a = engine(redis_server.url, lmdb=str(tmp_path / "lmdb"))
+    fill(a, "a", prompt(1), lookup=False)
+    wait_for(lambda: rstats(a)["blocks_out"] == SEALED, what="the puts at seal")
+    a.offload("c", T, ["a"])
+    a.redis.close()
+    a.cold_store.close()                   # a restart: the new engine knows nothing of what Redis holds
+    b = engine(redis_server.url, lmdb=str(tmp_path / "lmdb"))
+    assert b.cache("c").seq(T, "a").tier == "disk"
+    b.prefetch("c", T, ["a"])
+    assert b.cache("c").seq(T, "a").tier == "gpu"
+    fill(b, "m", [7_000_000 + t for t in range(48)], lookup=False)     # two fresh blocks: put after any others
+    wait_for(lambda: rstats(b)["blocks_out"] >= 2, what="the marker's puts")
+    assert rstats(b)["blocks_out"] == 2 and rstats(b)["dropped_puts"] == 0
+
+
 def test_put_queue_is_bounded_and_every_block_accounted(redis_server):
     # A put waits up to 30 s for the paused server: appends that waited on the
     # writer would take that long, far past any CPU time they need (a bound with
