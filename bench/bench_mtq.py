@@ -1,6 +1,7 @@
 """Multi-token queries from PQ codes (T query tokens per sequence, causal among them).
 
-(a) kernel: the Triton multi-token plan over PQ codes (4-bit M = d/2 and 2-bit M = d/4),
+(a) kernel: the multi-token plans over PQ codes (4-bit M = d/2 and 2-bit M = d/4), the
+    CUDA C++ kernel (the router's choice) and Triton's,
     B=8, L=32K, T=8, Hq 32, Hkv 8, d 128, a 128-token fp16 tail holding the T new
     tokens, against SDPA flash over contiguous fp16 K/V [B, Hkv, L, d] (enable_gqa, mask
     causal over the last T: causal_lower_right) in the same run; median over CUDA-graph
@@ -89,11 +90,12 @@ def kernel(args):
         import bench_attention as ba
         t_sdpa = ba.bench(fn)
         print(f"B={b} L={L} T={t} Hq {hq} Hkv {hkv} d {d}; SDPA ({which}) {t_sdpa:.1f} us")
-    for bits, dsub in ((4, 2), (2, 4)):
+    backends = ("triton",) if args.smoke else ("cuda", "triton")
+    for (bits, dsub), backend in ((x, y) for x in ((4, 2), (2, 4)) for y in backends):
         c, sl, tl_ = pq_case(b, L, t, hq, hkv, d, dsub, bs, tail, dev)
         plan = kernels.plan_decode("pq", sl, tl_, num_qo_heads=hq, num_kv_heads=hkv, head_dim=d, block_size=bs,
                                    tail_block_size=bs, device=dev, dtype=q.dtype, query_tokens=t,
-                                   backend="triton")
+                                   backend=backend)
         out = torch.empty_like(q)
         lse = torch.empty(b, t, hq, device=dev)
         args_ = [c[n] for n in ("k_codes", "v_codes", "k_codebook", "v_codebook", "sealed_tables", "tail_k",
@@ -113,7 +115,7 @@ def kernel(args):
             continue
         import bench_attention as ba
         t_pq = ba.bench(run)
-        print(f"  PQ {bits}-bit multi-token: {t_pq:.1f} us = {t_sdpa / t_pq:.2f}x SDPA "
+        print(f"  PQ {bits}-bit multi-token, {backend}: {t_pq:.1f} us = {t_sdpa / t_pq:.2f}x SDPA "
               f"(rel err vs reference {err:.1e})")
 
 

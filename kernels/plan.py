@@ -17,8 +17,9 @@ A multi-token plan (query_tokens T in 2..16: speculative-decoding verify, a pref
 after a cached prefix) takes q [B, T, Hq, d] and returns out [B, T, Hq, d], lse [B, T, Hq]:
 the last T tokens of each sequence's fp16 range (the tail, or the paged sequence) are
 the T new tokens, already written, and query i sees everything before them and new
-tokens 0..i (reference.pq_multi_attention / paged_multi_attention). Triton only, no
-sliding windows.
+tokens 0..i (reference.pq_multi_attention / paged_multi_attention). PQ plans on the CUDA
+C++ kernel (cuda/attention.py query_groups) or Triton, paged plans on Triton; no sliding
+windows.
 
 A layer with a sliding window plans with start indices after the lengths: ("pq")
 (sealed_lens, tail_lens, sealed_starts, tail_starts), ("paged") (seq_lens, starts);
@@ -48,7 +49,8 @@ class DecodePlan:
 
     items [capacity, item_width] int32: the work items, in the backend's row format
     (item_width ints each: 4 for Triton, 5 for CUDA C++); rows past item_ptr[-1] are
-    empty. item_ptr [B + 1] int32: sequence b's items are item_ptr[b]:item_ptr[b + 1].
+    empty. item_ptr [B + 1] int32: sequence b's items are item_ptr[b]:item_ptr[b + 1]
+    (a CUDA multi-token plan: [B x query groups + 1], cuda/attention.py).
     o_part fp32 [capacity, Hq, d] and lse_part fp32 [capacity, Hq]: the partials the
     merge combines. A caller may point items and item_ptr at views of its own buffer of
     the same shapes (kvstore/decode_graphs.py packs them with the block tables)."""

@@ -18,8 +18,9 @@ first PQ tile masked, scores capped), so the choice of backend does not depend o
 (docs/kernels.md, Sliding windows).
 
 Multi-token queries (plan_decode(query_tokens=T), T in 2..16: T new tokens per sequence,
-causal among them, plan.py) run on the Triton kernels only: decode_backend never picks
-the CUDA C++ kernel, which reads one query token per sequence.
+causal among them, plan.py) take the same choice: the CUDA C++ kernel runs groups of a
+sequence's query tokens as its MMA rows (cuda/attention.py query_groups), Triton the
+rest.
 
 Entry points with reference.py's signatures (pq_decode_attention, paged_decode_attention,
 pq_multi_attention, paged_multi_attention, pq_encode_to_slots, gather_pq_blocks, write_slots) plan and run in one call: the engine's
@@ -60,15 +61,15 @@ def decode_backend(kind: str, *, device, num_qo_heads: int, num_kv_heads: int, h
     (query_aligned(q); pools the engine or a client allocates always do). backend:
     "auto", or "cuda" / "triton" to insist (the benches and tests); "cuda" where the
     CUDA kernels do not apply is a ValueError. Sliding windows and soft-capping do not
-    enter the choice: every backend takes both. query_tokens: > 1 for a
-    multi-token plan, which the CUDA C++ kernel does not take."""
+    enter the choice: every backend takes both. query_tokens: > 1 for a multi-token
+    plan (every backend takes it too: not part of the choice)."""
     if kind not in KINDS:
         raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
     if backend not in ("auto", CUDA, TRITON):
         raise ValueError(f"backend must be 'auto', 'cuda' or 'triton', got {backend!r}")
     if backend == TRITON:
         return TRITON
-    if kind == "pq" and aligned and query_tokens == 1 and cuda_attention.supports(
+    if kind == "pq" and aligned and cuda_attention.supports(
             num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
             block_size=block_size, device=device, dtype=dtype,
             kv_dtype=dtype if kv_dtype is None else kv_dtype,
@@ -76,7 +77,7 @@ def decode_backend(kind: str, *, device, num_qo_heads: int, num_kv_heads: int, h
         return CUDA
     if backend == CUDA:
         raise ValueError("backend='cuda': cupy is missing, or the CUDA kernels do not take this "
-                         "kind, shape, dtype, alignment or multi-token query")
+                         "kind, shape, dtype or alignment")
     return TRITON if torch.device(device).type == "cuda" else REFERENCE
 
 
@@ -133,7 +134,7 @@ def plan_decode(kind: str, *lens, num_qo_heads: int, num_kv_heads: int, head_dim
                block_size=block_size, device=device, target_ctas=target_ctas, spare_items=spare_items)
     if which == CUDA:
         return cuda_attention.plan_pq(sl, tl_, *lens[2:], tail_block_size=tail_block_size, dtype=dtype,
-                                      softcap=softcap, **geo)
+                                      softcap=softcap, query_tokens=query_tokens, **geo)
     if which == REFERENCE:
         raise ValueError(f"decode plans run on CUDA devices, not {torch.device(device)}: use "
                          "pq_decode_attention / paged_decode_attention (the reference) there")
@@ -182,18 +183,20 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, s
 
 def pq_multi_attention(q, k_codes, v_codes, k_codebook, v_codebook, sealed_tables, sealed_lens,
                        tail_k, tail_v, tail_tables, tail_lens, scale, softcap: float = 0.0):
-    """reference.pq_multi_attention's contract (q [B, T, Hq, d]): Triton on CUDA, the
-    reference elsewhere."""
+    """reference.pq_multi_attention's contract (q [B, T, Hq, d]), on whichever backend
+    applies."""
     if q.device.type != "cuda":
         return reference.pq_multi_attention(q, k_codes, v_codes, k_codebook, v_codebook, sealed_tables,
                                             sealed_lens, tail_k, tail_v, tail_tables, tail_lens, scale, softcap)
     cb_dt = q.dtype if q.dtype in HALF else torch.float16
     kcb, vcb = (c if c.dtype in HALF else c.to(cb_dt) for c in (k_codebook, v_codebook))
     kcb, vcb = kcb.contiguous(), vcb.to(kcb.dtype).contiguous()
+    dsub = kcb.shape[-1] if kcb.dim() == 4 else 2
     plan = plan_decode("pq", sealed_lens, tail_lens, num_qo_heads=q.shape[2], num_kv_heads=k_codes.shape[1],
                        head_dim=q.shape[3], block_size=k_codes.shape[2], tail_block_size=tail_k.shape[2],
                        device=q.device, dtype=q.dtype, kv_dtype=tail_k.dtype, codebook_dtype=kcb.dtype,
-                       softcap=softcap, query_tokens=q.shape[1])
+                       softcap=softcap, query_tokens=q.shape[1],
+                       aligned=cuda_attention.misaligned(q, k_codes, v_codes, tail_k, tail_v, dsub) is None)
     return plan.run_pq(q, k_codes, v_codes, kcb, vcb, sealed_tables.to(torch.int32), tail_k, tail_v,
                        tail_tables.to(torch.int32), scale)
 

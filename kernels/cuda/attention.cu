@@ -35,11 +35,11 @@
     long long st_stride, const u16 *tk, const u16 *tv, long long stk_blk, long long stk_h,     \
     long long stk_t, long long stv_blk, long long stv_h, long long stv_t, const int *tt,       \
     long long tt_stride, float qk_scale, int hq, int g, int bs, int tbs, int bs_shift,         \
-    const u8 *img, float cap2
+    const u8 *img, float cap2, long long sq_t, int q_ng, int q_cg, int q_tokens
 #define PQ_ATTN_ARGS                                                                          \
     q, sq_b, sq_h, items, o_part, lse_part, kc, vc, skc_blk, skc_h, svc_blk, svc_h, kcb, vcb,  \
     st, st_stride, tk, tv, stk_blk, stk_h, stk_t, stv_blk, stv_h, stv_t, tt, tt_stride,       \
-    qk_scale, hq, g, bs, tbs, bs_shift, img, cap2
+    qk_scale, hq, g, bs, tbs, bs_shift, img, cap2, sq_t, q_ng, q_cg, q_tokens
 
 // DF: the head dim; SPLIT = 2: this CTA is half `half` of a cluster of two (attention.cuh),
 // and D below is its share of the coordinates
@@ -60,6 +60,7 @@ __device__ __forceinline__ void pq_attn_body(PQ_ATTN_PARAMS, int half) {
   a.st_stride = st_stride; a.tk = tk; a.tv = tv; a.stk_blk = stk_blk; a.stk_h = stk_h;
   a.stk_t = stk_t; a.stv_blk = stv_blk; a.stv_h = stv_h; a.stv_t = stv_t; a.tt = tt;
   a.tt_stride = tt_stride; a.qk_scale = qk_scale; a.hq = hq; a.g = g; a.bs = bs; a.tbs = tbs;
+  a.sq_t = sq_t; a.q_ng = q_ng; a.q_cg = q_cg; a.q_tokens = q_tokens;
   if constexpr (CAP) a.cap = SoftCap{cap2, 2.8853900817779268f / cap2};   // k2 = 2 log2(e) / cap2
   if constexpr (SPLIT > 1) {   // this half's coordinates of q, the tail and o; its subspaces' codes
     a.q += half * D; a.tk += half * D; a.tv += half * D; a.o_part += half * D;
@@ -131,7 +132,10 @@ __device__ __forceinline__ void pq_attn_body(PQ_ATTN_PARAMS, int half) {
     }
   }
   const int* it = a.items + item * 5;
-  const int b = it[0], pq_from = it[1], pq_hi = it[2], t_lo = it[3], t_hi = it[4];
+  // Multi-token queries: item row bv is query group qj of sequence b (q_ng groups a
+  // sequence, one for decode); b picks the block tables, qj the group's query tokens.
+  const int bv = it[0], pq_from = it[1], pq_hi = it[2], t_lo = it[3], t_hi = it[4];
+  const int b = bv / a.q_ng, qj = bv - b * a.q_ng;
   // WIN: the item's first PQ token (pq_from) may sit inside a tile; its tiles start below it
   const int pq_lo = WIN ? pq_from & ~15 : pq_from;
   const int n_pq = (pq_hi - pq_lo) >> 4;
@@ -142,6 +146,16 @@ __device__ __forceinline__ void pq_attn_body(PQ_ATTN_PARAMS, int half) {
     return;
   }
   const int G = a.g;
+  // Row hd < G of the block's query rows is query token qj * QT + hd / q_cg of the
+  // sequence, head h * q_cg + hd % q_cg (decode: QT 1, q_cg G). A padding row (a token past
+  // the sequence's q_tokens) reads no q.
+  const int QT = G / a.q_cg;
+  auto q_row = [&](int hd, bool& ok) -> const u16* {
+    const int tl = hd / a.q_cg, tok = qj * QT + tl;
+    ok = ok && tok < a.q_tokens;
+    return a.q + (long long)b * a.sq_b + (long long)tok * a.sq_t +
+           (long long)(h * a.q_cg + hd - tl * a.q_cg) * a.sq_h;
+  };
   // the block ids of the ring prologue's tiles, in flight together (one at a time, each of
   // its copies waited a memory round trip on its table load)
   int bpre[cf_stages(NW, SPLIT)];
@@ -166,8 +180,8 @@ __device__ __forceinline__ void pq_attn_body(PQ_ATTN_PARAMS, int half) {
   // (after the PQ tiles, which use the rotated quads below).
   u32 qa0[KS], qa2[KS];
   auto load_q = [&]() {
-    const bool row_ok = gq < G;
-    const u16* qr = a.q + (long long)b * a.sq_b + (long long)(h * G + (row_ok ? gq : 0)) * a.sq_h;
+    bool row_ok = gq < G;
+    const u16* qr = q_row(row_ok ? gq : 0, row_ok);
 #pragma unroll
     for (int ks = 0; ks < KS; ++ks) {
       int e0, e2;
@@ -247,8 +261,8 @@ __device__ __forceinline__ void pq_attn_body(PQ_ATTN_PARAMS, int half) {
       // row copy rho of A holds cq*MQ + (rho + j) % 4 + 4*(j/4): coordinates 0-1 of it for
       // the k rows 2cq, 2cq+1 and 2-3 for 2cq+8, 2cq+9 (the entry's two words)
       const int hd = gq % GP, r0 = gq / GP, r1 = (gq + 8) / GP;
-      const bool ok = hd < G;
-      const u16* qr = a.q + (long long)b * a.sq_b + (long long)(h * G + (ok ? hd : 0)) * a.sq_h;
+      bool ok = hd < G;
+      const u16* qr = q_row(ok ? hd : 0, ok);
 #pragma unroll
       for (int j = 0; j < KS; ++j) {
         const int base = cq * MQ + 4 * (j / 4);
@@ -272,8 +286,8 @@ __device__ __forceinline__ void pq_attn_body(PQ_ATTN_PARAMS, int half) {
       asm volatile("" : "+r"(ksel[0]), "+r"(klo[0]));
     } else {
       const int hd = gq % GP, r0 = gq / GP, r1 = (gq + 8) / GP;
-      const bool ok = hd < G;
-      const u16* qr = a.q + (long long)b * a.sq_b + (long long)(h * G + (ok ? hd : 0)) * a.sq_h;
+      bool ok = hd < G;
+      const u16* qr = q_row(ok ? hd : 0, ok);
 #pragma unroll
       for (int ks = 0; ks < KS; ++ks) {
         const int base = cq * MQ + 8 * (ks / 4), kq = ks % 4;
@@ -687,6 +701,12 @@ __device__ __forceinline__ void pq_attn_body(PQ_ATTN_PARAMS, int half) {
     // tail blocks are powers of two in practice: shifts, not divisions (the tail tiles are
     // a single warp's serial chain at the end of the longest block: every instruction counts)
     const int tsh = (a.tbs & (a.tbs - 1)) == 0 ? __ffs(a.tbs) - 1 : -1;
+    // Multi-token queries are causal among themselves: the item holds its sequence's whole
+    // tail, through the group's last query token (attention.py), and query token tl of
+    // the group's nq sees nq - 1 - tl fewer of its newest tokens (row gq's scores; decode:
+    // all of them; padding rows, tl >= nq: all of them too)
+    const int nq = min(QT, a.q_tokens - qj * QT);
+    const int row_hi = min(t_hi, t_hi - (nq - 1 - gq / a.q_cg));
     for (int ti = first; ti < n_tl; ti += NW) {
       const int t0 = t_lo + 16 * ti;
       float s[2][4];
@@ -694,8 +714,8 @@ __device__ __forceinline__ void pq_attn_body(PQ_ATTN_PARAMS, int half) {
 #pragma unroll
       for (int t = 0; t < 2; ++t) {
         s[t][0] = s[t][1] = s[t][2] = s[t][3] = 0.f;
-        valid[t][0] = t0 + sigma(t, 2 * cq) < t_hi;
-        valid[t][1] = t0 + sigma(t, 2 * cq + 1) < t_hi;
+        valid[t][0] = t0 + sigma(t, 2 * cq) < row_hi;
+        valid[t][1] = t0 + sigma(t, 2 * cq + 1) < row_hi;
       }
 #pragma unroll
       for (int t = 0; t < 2; ++t) {
@@ -723,7 +743,8 @@ __device__ __forceinline__ void pq_attn_body(PQ_ATTN_PARAMS, int half) {
       }
       if constexpr (SPLIT > 1) xc(s, lane);
       u32 pb0, pb1;
-      softmax_pv<D, DSUB, BF16, VG, true, CAP>(ws, s, valid, a.qk_scale, lane, pb0, pb1, a.cap);
+      // SAFE: a causal row may have no token in a warp's first tail tile
+      softmax_pv<D, DSUB, BF16, VG, true, CAP, true>(ws, s, valid, a.qk_scale, lane, pb0, pb1, a.cap);
       const u16* vrow[4];
       bool vok[4];
 #pragma unroll

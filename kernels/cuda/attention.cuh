@@ -174,8 +174,10 @@ struct AttnArgs {
   const u16* tk; const u16* tv; long long stk_blk, stk_h, stk_t, stv_blk, stv_h, stv_t;
   const int* tt; long long tt_stride;
   float qk_scale;                          // scale * log2(e)
-  int hq, g, bs, tbs;
+  int hq, g, bs, tbs;                      // hq, g: query rows a sequence / a KV head (pq_attn_body)
   SoftCap cap;                             // read by the CAP builds only
+  long long sq_t;                          // q's stride between query tokens (0: decode)
+  int q_ng, q_cg, q_tokens;                // query groups a sequence, heads a KV head, tokens
 };
 
 // Everything per warp for one 16-token tile once its K/V entries are known.
@@ -200,7 +202,7 @@ struct WarpState {
 // it need not stay live in registers through the PQ loop. CAP: soft-cap the scores (cap).
 // NN n-tiles of 8 tokens: 2 (one 16-token tile) or 4 (two tiles sharing one max and one
 // rescale of O); pb[t]: P of n-tile t in the A layout of P.V.
-template <int D, int DSUB, bool BF16, int VG, bool RESCALE_O, bool CAP, int NN>
+template <int D, int DSUB, bool BF16, int VG, bool RESCALE_O, bool CAP, int NN, bool SAFE = false>
 __device__ __forceinline__ void softmax_pvn(WarpState<D, DSUB, BF16, VG>& ws, float (&s)[NN][4],
                                             const bool (&valid)[NN][2], float qk_scale, int lane,
                                             u32 (&pb)[NN], const SoftCap& cap) {
@@ -225,12 +227,14 @@ __device__ __forceinline__ void softmax_pvn(WarpState<D, DSUB, BF16, VG>& ws, fl
   mx = fmaxf(mx, __shfl_xor_sync(FULL, mx, 1));
   mx = fmaxf(mx, __shfl_xor_sync(FULL, mx, 2));
   float m_new = fmaxf(ws.m_i, mx);
-  float alpha = exp2f(ws.m_i - m_new);
+  // SAFE: a row with no valid score yet (m_new -inf) gets alpha 0 and p 0, not NaN
+  const float m_sub = SAFE && m_new == NEG_INF ? 0.f : m_new;
+  float alpha = exp2f(ws.m_i - m_sub);
   float p[NN][2];
 #pragma unroll
   for (int t = 0; t < NN; ++t) {
-    p[t][0] = exp2f(x[t][0] - m_new);
-    p[t][1] = exp2f(x[t][1] - m_new);
+    p[t][0] = exp2f(x[t][0] - m_sub);
+    p[t][1] = exp2f(x[t][1] - m_sub);
   }
 #pragma unroll
   for (int t = 0; t < NN; ++t) r[t] = p[t][0] + p[t][1];
@@ -267,12 +271,12 @@ __device__ __forceinline__ void softmax_pvn(WarpState<D, DSUB, BF16, VG>& ws, fl
 }
 
 // one 16-token tile
-template <int D, int DSUB, bool BF16, int VG, bool RESCALE_O = true, bool CAP = false>
+template <int D, int DSUB, bool BF16, int VG, bool RESCALE_O = true, bool CAP = false, bool SAFE = false>
 __device__ __forceinline__ void softmax_pv(WarpState<D, DSUB, BF16, VG>& ws, float (&s)[2][4],
                                            const bool (&valid)[2][2], float qk_scale, int lane,
                                            u32& pb0, u32& pb1, const SoftCap& cap) {
   u32 pb[2];
-  softmax_pvn<D, DSUB, BF16, VG, RESCALE_O, CAP, 2>(ws, s, valid, qk_scale, lane, pb, cap);
+  softmax_pvn<D, DSUB, BF16, VG, RESCALE_O, CAP, 2, SAFE>(ws, s, valid, qk_scale, lane, pb, cap);
   pb0 = pb[0];
   pb1 = pb[1];
 }

@@ -4,6 +4,13 @@ The plan type and its contract: kernels/plan.py. The router (kernels/router.py) 
 this plan where supports() holds, for callers whose tensors meet the kernels' alignment
 (aligned()); the kernels are loaded at plan time (warm) or first run, and launched on
 torch's current stream, so a run can be captured in a CUDA graph.
+
+Multi-token queries (query_tokens T > 1) run on the same kernel: a sequence's T query
+tokens are cut into groups of QT tokens (query_groups), and each group is one row of
+the grid, whose QT x G query rows fill the MMA's rows where decode's G query heads
+leave them empty (QT x G <= 8). Every group reads the same codes (from L2 for all but
+the first), and the group's item holds the sequence's whole tail through its last
+token, causal per row (attention.cu).
 """
 from __future__ import annotations
 
@@ -48,8 +55,9 @@ def split(head_dim: int) -> int:
 
 
 def query_aligned(q: torch.Tensor) -> bool:
-    """q's rows as the kernel loads them: 4-byte aligned, even strides."""
-    return q.data_ptr() % 4 == 0 and q.stride(0) % 2 == 0 and q.stride(1) % 2 == 0
+    """q's rows as the kernel loads them ([B, Hq, d] or [B, T, Hq, d]): 4-byte aligned,
+    even strides."""
+    return q.data_ptr() % 4 == 0 and all(s % 2 == 0 for s in q.stride()[:-1])
 
 
 def misaligned(q, k_codes, v_codes, tail_k, tail_v, dsub: int) -> str | None:
@@ -67,6 +75,15 @@ def misaligned(q, k_codes, v_codes, tail_k, tail_v, dsub: int) -> str | None:
         if t.data_ptr() % ew or any(s % (ew // 2) for s in t.stride()[:3]):
             return name
     return None
+
+
+def query_groups(t: int, g: int) -> tuple[int, int]:
+    """(QT, groups): a multi-token plan's T query tokens a sequence, G query heads a KV
+    head, cut into groups of QT tokens, QT x G <= 8 rows of the kernel's MMA (at least
+    one token), as few groups as that allows and their tokens spread evenly (T 5, G 2:
+    two groups of 3, the last one padded). Decode (T 1): (1, 1)."""
+    ng = ceil(t, max(1, 8 // g))
+    return ceil(t, ng), ng
 
 
 def _attn_name(d, dsub, bf16, nw, gp, tma, win, cap, pair=1):
@@ -106,7 +123,9 @@ class CudaPQPlan(DecodePlan):
     tail_lo, tail_hi), one thread block per (item, KV head); lse_part is base-2. dtype:
     that of q, out, the tail and the codebooks (fp16 or bf16, supports()). windowed: made
     with window starts, run by the kernel's WIN build (a PQ range may start inside a
-    tile); softcap > 0 by its CAP build."""
+    tile); softcap > 0 by its CAP build. A multi-token plan's item rows are (sequence,
+    query group) pairs, b * groups + j (query_groups), item_ptr has B * groups + 1
+    entries, and o_part / lse_part hold Hkv x QT x G rows an item."""
     item_width = 5
     dtype: torch.dtype
     num_warps: int
@@ -115,15 +134,23 @@ class CudaPQPlan(DecodePlan):
     tiles_per_step_2bit: int = 2     # the dsub-4 tile loop's step (tunables.TILES_PER_STEP_2BIT)
     _fns: dict = field(default_factory=dict)
 
+    @property
+    def groups(self) -> tuple[int, int]:
+        """(QT, groups a sequence): query_groups of this plan."""
+        return query_groups(self.query_tokens, self.num_qo_heads // self.num_kv_heads)
+
     def rows(self, sealed_lens, tail_lens, *starts) -> tuple[list[int], list[int]]:
         if starts and not self.windowed:
             # its kernel (captured in a graph, maybe) reads every PQ range from a tile's start
             raise ValueError("this plan was made without window starts; plan a windowed layer with them")
         sl, tl_, ss, ts = pq_ranges(sealed_lens, tail_lens, *starts, block_size=self.block_size)
         check_batch(self, sl)
+        check_new_tokens(self.query_tokens, tl_)
         eq = _tail_eq(self.num_warps)
-        items, ptr_ = fit(lambda c: _items(sl, tl_, c, eq, ss, ts), self.chunk0, self.items.shape[0], 5)
-        self.item_tokens = _item_tokens(sl, ss, ptr_)
+        vl, vt, vs, vts = _virtual(sl, tl_, ss, ts, self.query_tokens, self.num_qo_heads // self.num_kv_heads)
+        items, ptr_ = fit(lambda c: _items(vl, vt, c, eq, vs, vts, whole_tail=self.query_tokens > 1),
+                          self.chunk0, self.items.shape[0], 5)
+        self.item_tokens = _item_tokens(vl, vs, ptr_)
         self.sealed_cols = max([x // self.block_size for x in sl] + [0])
         self.tail_cols = max([ceil(x, self.tail_block_size) for x in tl_] + [0])
         return items, ptr_
@@ -144,7 +171,7 @@ class CudaPQPlan(DecodePlan):
         """Compile + load the kernels (outside any graph capture)."""
         bf16 = self.dtype == torch.bfloat16
         for dsub in dsubs:
-            gp = group(self.num_qo_heads // self.num_kv_heads, dsub)
+            gp = group(self.groups[0] * (self.num_qo_heads // self.num_kv_heads), dsub)
             for tma in ((False, True) if self._tma(gp) else (False,)):
                 self._fn("attn", self.head_dim, dsub, bf16, self.num_warps, gp, tma, self.windowed,
                          self.softcap > 0, self._step(dsub))
@@ -178,9 +205,10 @@ class CudaPQPlan(DecodePlan):
                 raise ValueError(f"{name} must be {dt}, the dtype this plan was made for; "
                                  f"got {getattr(t, 'dtype', type(t).__name__)}")
         if trusted:
-            b, hq = self.batch, self.num_qo_heads
+            rows = (self.batch, self.num_qo_heads) if self.query_tokens == 1 else \
+                (self.batch, self.query_tokens, self.num_qo_heads)
             out = torch.empty_like(q) if out is None else out
-            lse = torch.empty(b, hq, dtype=torch.float32, device=q.device) if lse is None else lse
+            lse = torch.empty(rows, dtype=torch.float32, device=q.device) if lse is None else lse
             dsub = k_codebook.shape[3]
         else:
             out, lse = self.check_q_out(q, out, lse)
@@ -200,20 +228,28 @@ class CudaPQPlan(DecodePlan):
 
     def _run(self, q, k_codes, v_codes, k_codebook, v_codebook, sealed_tables, tail_k, tail_v,
              tail_tables, scale, out, lse, dsub, image):
-        b, hq, d, hkv, bs = (self.batch, self.num_qo_heads, self.head_dim, self.num_kv_heads,
-                             self.block_size)
+        b, d, hkv, bs, t = (self.batch, self.head_dim, self.num_kv_heads, self.block_size,
+                            self.query_tokens)
+        cg = self.num_qo_heads // hkv
+        qt, ng = self.groups
+        g = qt * cg                   # query rows a KV head: QT tokens x G heads
+        hq = hkv * g
+        # strides of q, out and lse between sequences, query tokens and query heads
+        sq = (q.stride(0), 0, q.stride(1)) if t == 1 else (q.stride(0), q.stride(1), q.stride(2))
+        so = (out.stride(0), 0, out.stride(1)) if t == 1 else (out.stride(0), out.stride(1), out.stride(2))
+        sl = (lse.stride(0), 0) if t == 1 else (lse.stride(0), lse.stride(1))
         dev = self.items.device
         bf16 = self.dtype == torch.bfloat16
         n_items = self.items.shape[0]
         stream = build.stream(dev)
         if n_items > 0:
-            gp = group(hq // hkv, dsub)
+            gp = group(g, dsub)
             # An image built for another layout (another GQA group, dsub) is not this kernel's.
             img = (image.words if image is not None and image.layout == image_layout(hq, hkv, dsub)
                    and self._use_tma(gp) else None)
             fn = self._fn("attn", d, dsub, bf16, self.num_warps, gp, img is not None, self.windowed,
                           self.softcap > 0, self._step(dsub))
-            args = (ptr(q), i64(q.stride(0)), i64(q.stride(1)), ptr(self.items), ptr(self.o_part),
+            args = (ptr(q), i64(sq[0]), i64(sq[2]), ptr(self.items), ptr(self.o_part),
                     ptr(self.lse_part), ptr(k_codes), ptr(v_codes), i64(k_codes.stride(0)),
                     i64(k_codes.stride(1)), i64(v_codes.stride(0)), i64(v_codes.stride(1)),
                     ptr(k_codebook), ptr(v_codebook), ptr(sealed_tables),
@@ -221,16 +257,17 @@ class CudaPQPlan(DecodePlan):
                     i64(tail_k.stride(0)), i64(tail_k.stride(1)), i64(tail_k.stride(2)),
                     i64(tail_v.stride(0)), i64(tail_v.stride(1)), i64(tail_v.stride(2)),
                     ptr(tail_tables), i64(tail_tables.stride(0)),
-                    f32(scale * LOG2E), i32(hq), i32(hq // hkv), i32(bs),
+                    f32(scale * LOG2E), i32(hq), i32(g), i32(bs),
                     i32(self.tail_block_size), i32(bs.bit_length() - 1),
-                    ptr(img) if img is not None else NULL, f32(self.softcap * LOG2E))
+                    ptr(img) if img is not None else NULL, f32(self.softcap * LOG2E),
+                    i64(sq[1]), i32(ng), i32(cg), i32(t))
             build.launch(fn, dev, (n_items, hkv, split(d)), (32 * self.num_warps,), args,
                          _attn_smem(d, dsub, gp, self.num_warps, img is not None), stream)
         fn = self._fn("merge", d, bf16)
-        build.launch(fn, dev, (b, hq), (d,),
+        build.launch(fn, dev, (b * ng, hq), (d,),
                      (ptr(self.o_part), ptr(self.lse_part), ptr(self.item_ptr), ptr(out),
-                      i64(out.stride(0)), i64(out.stride(1)), ptr(lse), i64(lse.stride(0)),
-                      i32(hq)), stream_=stream)
+                      i64(so[0]), i64(so[2]), ptr(lse), i64(sl[0]), i32(hq), i64(so[1]), i64(sl[1]),
+                      i32(ng), i32(g), i32(cg), i32(t)), stream_=stream)
 
 
 # ---------------------------------------------------------------------- plan
@@ -255,12 +292,13 @@ def _window_tokens(sl, tl_, ss, ts, eq: int) -> int:
     return pq + sum((eq if eq else n - a) for n, a in zip(tl_, ts) if n > a)
 
 
-def _items(sl, tl_, chunk, tail_eq=0, ss=None, ts=None):
+def _items(sl, tl_, chunk, tail_eq=0, ss=None, ts=None, whole_tail=False):
     """[b, pq_lo, pq_hi, tail_lo, tail_hi] work items over each sequence's PQ tokens [ss,
     sl) and tail tokens [ts, tl_) (ss / ts: a window's starts, None: zeros). The PQ items
     tile the range from ss's tile (_tile_base) on, in whole tiles; the first one says ss
     itself (the kernel masks the tokens before it). Each sequence's tail (its first
-    `chunk` tokens) joins its last PQ item. tail_eq: what that tail costs in PQ tokens
+    `chunk` tokens; whole_tail: all of it, which a multi-token plan's causal rows need)
+    joins its last PQ item. tail_eq: what that tail costs in PQ tokens
     (tunables.TAIL_TILES): a sequence cut into k > 1 items gets k equal shares of PQ +
     tail_eq, the last one tail_eq fewer PQ tokens (none: the tail alone, a block with no
     codebooks to stage)."""
@@ -288,12 +326,13 @@ def _items(sl, tl_, chunk, tail_eq=0, ss=None, ts=None):
         if mine:
             mine[0][1] = s0                   # the first item starts at the window, mid-tile maybe
         t_lo = t0
+        t_chunk = max(ntl, 1) if whole_tail else chunk
         if ntl > 0 and mine:
-            take = min(ntl, chunk)
+            take = min(ntl, t_chunk)
             mine[-1][3:] = [t0, t0 + take]
             t_lo = t0 + take
-        for lo in range(t_lo, nt, chunk):
-            mine.append([b, 0, 0, lo, min(nt, lo + chunk)])
+        for lo in range(t_lo, nt, t_chunk):
+            mine.append([b, 0, 0, lo, min(nt, lo + t_chunk)])
         for it in mine:
             items += it
         ptr_.append(len(items) // 5)
@@ -323,19 +362,44 @@ def _wave_chunk(total: int, batch: int, hkv: int, num_sms: int, min_chunk: int,
     return max(min_chunk, ceil(ceil(int(mean), k), 16) * 16) if k > 1 else None
 
 
+def check_new_tokens(t: int, tail_lens: list[int]) -> None:
+    """A multi-token plan's tails hold their T new tokens."""
+    if t > 1 and any(n < t for n in tail_lens):
+        raise ValueError(f"tail_lens: each sequence's fp16 range must hold its {t} new tokens")
+
+
+def _virtual(sl, tl_, ss, ts, t: int, g: int):
+    """The lengths (and starts) of a plan's item rows: decode (t 1) its sequences; a
+    multi-token plan a row per (sequence, query group), whose tail ends at the group's
+    last query token (query_groups)."""
+    if t == 1:
+        return sl, tl_, ss, ts
+    qt, ng = query_groups(t, g)
+    rep_ = lambda xs: [x for x in xs for _ in range(ng)]     # noqa: E731
+    vt = [n - (t - min(t, qt * (j + 1))) for n in tl_ for j in range(ng)]
+    return rep_(sl), vt, rep_(ss), rep_(ts)
+
+
 def plan_pq(sl: list[int], tl_: list[int], ss: list[int] | None = None, ts: list[int] | None = None, *,
             num_qo_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
             tail_block_size: int, device, dtype: torch.dtype, target_ctas: int | None = None,
             num_warps: int | None = None, spare_items: int | None = None,
-            softcap: float = 0.0) -> CudaPQPlan:
+            softcap: float = 0.0, query_tokens: int = 1) -> CudaPQPlan:
     """sl / tl_: host lists of sealed (multiples of block_size) / tail lengths; ss / ts:
     a window's start in each (None: zeros, and a plan whose update() takes none; given,
     the kernel's WIN build). One block per (item, KV head) and one resident block per SM
     (the codebooks take most of its shared memory): items are cut so that about
     target_ctas (default: #SMs) blocks run. spare_items: room for update()
-    (router.plan_decode); softcap > 0: the CAP build."""
+    (router.plan_decode); softcap > 0: the CAP build. query_tokens T > 1: the last T
+    tail tokens of each sequence are its new tokens, attended causally (no window)."""
     windowed = ss is not None or ts is not None
+    if windowed and query_tokens > 1:
+        raise ValueError("sliding windows: a multi-token plan does not take start indices")
     sl, tl_, ss, ts = pq_ranges(sl, tl_, ss, ts, block_size=block_size)
+    check_new_tokens(query_tokens, tl_)
+    batch, tail_cols = len(sl), max([ceil(x, tail_block_size) for x in tl_] + [0])
+    sl, tl_, ss, ts = _virtual(sl, tl_, ss, ts, query_tokens, num_qo_heads // num_kv_heads)
+    whole = query_tokens > 1
     dev = torch.device(device)
     nw = num_warps or tunables.NUM_WARPS
     if target_ctas is None:
@@ -345,26 +409,28 @@ def plan_pq(sl: list[int], tl_: list[int], ss: list[int] | None = None, ts: list
     eq = _tail_eq(nw)
     total = _window_tokens(sl, tl_, ss, ts, eq)
     chunk = max(16 * nw, ceil(ceil(max(total, 1), per_head), 16) * 16)
-    items, ptr_ = _items(sl, tl_, chunk, eq, ss, ts)
+    items, ptr_ = _items(sl, tl_, chunk, eq, ss, ts, whole)
     if len(items) // 5 * heads > target_ctas:
         better = _wave_chunk(total, len(sl), heads, target_ctas, 16 * nw)
         if better is not None:
             chunk = better
-            items, ptr_ = _items(sl, tl_, chunk, eq, ss, ts)
+            items, ptr_ = _items(sl, tl_, chunk, eq, ss, ts, whole)
     n = len(items) // 5
     cap = capacity(n, len(sl), spare_items)
     if cap is not None:     # empty items past item_ptr[-1]: the kernel returns at once
         items += [0] * (5 * (cap - n))
         n = cap
-    hq, d = num_qo_heads, head_dim
+    d = head_dim
+    rows = num_kv_heads * query_groups(query_tokens, num_qo_heads // num_kv_heads)[0] * (
+        num_qo_heads // num_kv_heads)
     return CudaPQPlan(
         items=to_device(torch.tensor(items, dtype=torch.int32).reshape(n, 5), dev),
         item_ptr=to_device(torch.tensor(ptr_, dtype=torch.int32), dev),
-        o_part=torch.empty(max(n, 1), hq, d, dtype=torch.float32, device=dev),
-        lse_part=torch.empty(max(n, 1), hq, dtype=torch.float32, device=dev),
-        batch=len(sl), num_qo_heads=hq, num_kv_heads=num_kv_heads, head_dim=d,
+        o_part=torch.empty(max(n, 1), rows, d, dtype=torch.float32, device=dev),
+        lse_part=torch.empty(max(n, 1), rows, dtype=torch.float32, device=dev),
+        batch=batch, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, head_dim=d,
         block_size=block_size, tail_block_size=tail_block_size,
-        sealed_cols=max([x // block_size for x in sl] + [0]),
-        tail_cols=max([ceil(x, tail_block_size) for x in tl_] + [0]),
+        sealed_cols=max([x // block_size for x in sl] + [0]), tail_cols=tail_cols,
         has_pq=True, chunk0=chunk, dtype=dtype, num_warps=nw, item_tokens=_item_tokens(sl, ss, ptr_),
-        windowed=windowed, softcap=softcap, tiles_per_step_2bit=tunables.TILES_PER_STEP_2BIT)
+        windowed=windowed, softcap=softcap, tiles_per_step_2bit=tunables.TILES_PER_STEP_2BIT,
+        query_tokens=query_tokens)

@@ -1,12 +1,19 @@
 #include "common.cuh"
 
-// Log-sum-exp merge of the partials of one (sequence, query head); base-2 lse in.
+// Log-sum-exp merge of the partials of one (sequence, query row); base-2 lse in.
+// Rows as pq_attn numbers them: row bv = (b, query group j), head = (KV head, row hd of
+// gv); row hd is query token j * (gv / cg) + hd / cg, query head KV head * cg + hd % cg
+// (decode: ng 1, gv = cg = the GQA group, nt 1). Padding rows (token >= nt) write nothing.
 template <int D, bool BF16>
 __global__ void pq_merge(const float* __restrict__ o_part, const float* __restrict__ lse_part,
                          const int* __restrict__ item_ptr, u16* out, long long so_b,
-                         long long so_h, float* lse, long long sl_b, int hq) {
-  const int b = blockIdx.x, head = blockIdx.y, d = threadIdx.x;
-  const int lo = item_ptr[b], hi = item_ptr[b + 1];
+                         long long so_h, float* lse, long long sl_b, int hq, long long so_t,
+                         long long sl_t, int ng, int gv, int cg, int nt) {
+  const int bv = blockIdx.x, head = blockIdx.y, d = threadIdx.x;
+  const int b = bv / ng, kv = head / gv, hd = head - kv * gv, tl = hd / cg;
+  const int tok = (bv - b * ng) * (gv / cg) + tl, oh = kv * cg + hd - tl * cg;
+  if (tok >= nt) return;
+  const int lo = item_ptr[bv], hi = item_ptr[bv + 1];
   // One pass, NBT independent loads of lse and o per batch, rescaled online: a sequence's
   // items (split-K: 16 at B=1 32K on 132 SMs) are one memory round trip, where reading the
   // lse for the max first and then lse and o again took three or four (ncu, H100, B=1
@@ -37,7 +44,8 @@ __global__ void pq_merge(const float* __restrict__ o_part, const float* __restri
     mm = mx;
   }
   if (L > 0.f) O /= L;
-  out[(long long)b * so_b + (long long)head * so_h + d] = to16<BF16>(O);
+  out[(long long)b * so_b + (long long)tok * so_t + (long long)oh * so_h + d] = to16<BF16>(O);
   if (d == 0)
-    lse[(long long)b * sl_b + head] = L > 0.f ? (mm + log2f(L)) * 0.6931471805599453f : NEG_INF;
+    lse[(long long)b * sl_b + (long long)tok * sl_t + oh] =
+        L > 0.f ? (mm + log2f(L)) * 0.6931471805599453f : NEG_INF;
 }

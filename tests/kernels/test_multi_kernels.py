@@ -1,7 +1,8 @@
 """Multi-token queries (T new tokens per sequence, causal among them) from PQ codes and
 over fp16 paged blocks: the reference against a dense causal attention over the tokens,
-the Triton kernels (the interpreter on CPU, every shape and bf16 on GPU) against the
-reference, and the router's refusals.
+the Triton kernels (the interpreter on CPU, every shape and bf16 on GPU) and the CUDA C++
+kernel (GPU: every GQA grouping of query tokens, graph replay) against the reference,
+and the router's refusals.
 
 Triton's interpreter must be set up before triton is first imported: this module
 defers to test_triton_kernels.py's set-up by importing it first.
@@ -32,14 +33,14 @@ def multi_ref(c, scale, softcap=0.0):
     return ref.pq_multi_attention(**c64, scale=scale, softcap=softcap)
 
 
-def plan_multi(c, **kw):
+def plan_multi(c, backend="triton", **kw):
     q = c["q"]
     return kernels.plan_decode("pq", c["sealed_lens"], c["tail_lens"], num_qo_heads=q.shape[2],
                                num_kv_heads=c["k_codes"].shape[1], head_dim=q.shape[3],
                                block_size=c["k_codes"].shape[2], tail_block_size=c["tail_k"].shape[2],
                                device=q.device, dtype=q.dtype, kv_dtype=c["tail_k"].dtype,
                                codebook_dtype=c["k_codebook"].dtype, query_tokens=q.shape[1],
-                               backend="triton", **kw)
+                               backend=backend, **kw)
 
 
 def run_multi(c, scale, **kw):
@@ -170,10 +171,10 @@ def test_multi_plan_refusals():
         kernels.plan_decode("pq", [16], [20], [0], [4], query_tokens=2, **kw)
     with pytest.raises(ValueError, match="tail_lens"):
         kernels.plan_decode("pq", [16], [3], query_tokens=4, **kw)
-    # the CUDA C++ kernels read one query token: never picked, refused when insisted on
+    # no CUDA C++ kernel off the GPU, for one query token or several
     assert kernels.decode_backend("pq", device="cpu", num_qo_heads=4, num_kv_heads=2, head_dim=64,
                                   block_size=16, dtype=torch.float16, query_tokens=2) != kernels.CUDA
-    with pytest.raises(ValueError, match="multi-token"):
+    with pytest.raises(ValueError, match="backend='cuda'"):
         kernels.decode_backend("pq", device="cpu", num_qo_heads=4, num_kv_heads=2, head_dim=64,
                                block_size=16, dtype=torch.float16, query_tokens=2, backend="cuda")
 
@@ -205,9 +206,58 @@ def test_router_entry_points_use_the_reference_on_cpu():
 @pytest.mark.parametrize("t,hq,hkv", [(2, 32, 8), (8, 32, 8), (16, 32, 8), (5, 8, 1), (16, 4, 1)])
 def test_pq_multi_gpu(t, hq, hkv, d, dsub, dtype):
     c = multi_case(t, [40, 7, 0, 129], [t + 3, 130, 16 + t, t], hq, hkv, d, dsub, 16, 16, dtype, "cuda")
-    out, lse = run_multi(c, 1.0 / math.sqrt(d))
     ro, rl = multi_ref(c, 1.0 / math.sqrt(d))
-    check_attn(out, lse, ro, rl, 3e-2 if dtype == torch.bfloat16 else 1e-2)
+    for backend in ("cuda", "triton"):
+        out, lse = run_multi(c, 1.0 / math.sqrt(d), backend=backend)
+        check_attn(out, lse, ro, rl, 3e-2 if dtype == torch.bfloat16 else 1e-2)
+
+
+@gpu
+@pytest.mark.parametrize("dsub", [2, 4])
+@pytest.mark.parametrize("t,hq,hkv", [(2, 2, 2), (8, 1, 1), (5, 2, 1), (7, 4, 2), (3, 6, 2), (4, 10, 2),
+                                      (16, 8, 8)])
+def test_pq_multi_cuda_query_groups(t, hq, hkv, dsub):
+    """Every way the CUDA kernel groups query tokens into its rows (G 1-5, 8; groups
+    padded or not), with tails whose last tile holds fewer tokens than a group (a row that
+    sees nothing of a warp's first tail tile) and tails cut off mid-block, several items a
+    sequence (a small grid) and soft-capping."""
+    from kvstore.kernels.cuda import attention as ca
+    assert ca.query_groups(5, 2) == (3, 2) and ca.query_groups(16, 4) == (2, 8) and ca.query_groups(1, 4) == (1, 1)
+    tails = [t, t + 1, 17, 33, 16 + t, 130]
+    c = multi_case(t, [3, 40, 0, 1, 9, 129], tails, hq, hkv, 128, dsub, 16, 16, torch.float16, "cuda", seed=t)
+    refs = {cap: multi_ref(c, 0.1, softcap=cap) for cap in (0.0, 3.0)}
+    for kw in ({}, dict(target_ctas=3 * hkv), dict(softcap=3.0)):
+        plan = plan_multi(c, backend="cuda", **kw)
+        assert isinstance(plan, ca.CudaPQPlan)
+        out = torch.full_like(c["q"], POISON)
+        lse = torch.full(c["q"].shape[:3], POISON, device="cuda")
+        plan.run_pq(*[c[k] for k in RUN_ARGS], 0.1, out=out, lse=lse)
+        check_attn(out, lse, *refs[kw.get("softcap", 0.0)], 1e-2)
+
+
+@gpu
+def test_pq_multi_cuda_graph_replays_after_update():
+    """A multi-token plan captured in a CUDA graph replays the lengths update() gives it."""
+    t = 4
+    c = multi_case(t, [30, 5], [40, 9], 32, 8, 128, 2, 16, 16, torch.float16, "cuda", seed=3)
+    c2 = dict(c, sealed_lens=torch.tensor([30 * 16 - 64, 5 * 16]), tail_lens=torch.tensor([21, 4]))
+    plan = plan_multi(c, backend="cuda", spare_items=8)
+    out = torch.empty_like(c["q"])
+    lse = torch.empty(c["q"].shape[:3], device="cuda")
+    args = [c[k] for k in RUN_ARGS]
+    plan.run_pq(*args, 0.1, out=out, lse=lse)
+    g, s = torch.cuda.CUDAGraph(), torch.cuda.Stream()
+    with torch.cuda.stream(s):
+        with torch.cuda.graph(g, stream=s):
+            plan.run_pq(*args, 0.1, out=out, lse=lse)
+    torch.cuda.synchronize()
+    for case in (c2, c):
+        plan.update(case["sealed_lens"], case["tail_lens"])
+        out.fill_(float("nan"))
+        g.replay()
+        torch.cuda.synchronize()
+        ro, rl = multi_ref(case, 0.1)
+        check_attn(out, lse, ro, rl, 1e-2)
 
 
 @gpu
