@@ -55,8 +55,13 @@ def manifest_key(fp: bytes, cache: str, tenant: str, seq_id: str) -> bytes:
     return b"M" + _seq_key(fp, cache, tenant, seq_id)
 
 
+def _seq_block(seq: bytes, i: int) -> bytes:
+    """The key of block i of the sequence whose _seq_key is seq (its own blocks)."""
+    return b"S" + seq + struct.pack(">I", i)
+
+
 def seq_block_key(fp: bytes, cache: str, tenant: str, seq_id: str, i: int) -> bytes:
-    return b"S" + _seq_key(fp, cache, tenant, seq_id) + struct.pack(">I", i)
+    return _seq_block(_seq_key(fp, cache, tenant, seq_id), i)
 
 
 @dataclass(slots=True)
@@ -136,7 +141,7 @@ class DiskTier:
         """Whether every block the manifest under mk names is stored."""
         fp, seq = mk[1:1 + FP_BYTES], mk[1:]
         return (all(self.store.contains(k) for k in _refs(fp, m))
-                and all(self.store.contains(b"S" + seq + struct.pack(">I", i)) for i in range(m["n_other"])))
+                and all(self.store.contains(_seq_block(seq, i)) for i in range(m["n_other"])))
 
     def _drop_sequences(self, mks: list[bytes]) -> None:
         """At open: sequences whose manifest was refused or names a block that
@@ -245,10 +250,10 @@ class DiskTier:
         into pinned memory overlapping the host-to-device copies), each row
         checked against its stored checksum (staging.gather_checked)."""
         other = iter(range(manifest["n_other"]))
-        own = seq_block_key(fp, cache, tenant, seq_id, 0)[:-4]        # + the index: one prefix for all
+        seq = _seq_key(fp, cache, tenant, seq_id)
 
         def keys(hashes):
-            return [block_key(fp, bytes.fromhex(h)) if h else own + struct.pack(">I", next(other)) for h in hashes]
+            return [block_key(fp, bytes.fromhex(h)) if h else _seq_block(seq, next(other)) for h in hashes]
         sealed_keys, tail_keys = keys(manifest["sealed_hashes"]), keys(manifest["tail_hashes"])
         out, checks = [], []
         with self.store.reader(buffers=True) as txn:
