@@ -6,8 +6,8 @@ architecture (default sm_90). A compile error fails the run and prints NVRTC's l
     python scripts/nvrtc_check.py --nvrtc /tmp/nvrtc/nvidia/cu13/lib/libnvrtc.so.13
     python scripts/nvrtc_check.py --names 'pq_attn<128, 2, false, 12, 4, true, false, false>'
 
-Default: every pq_attn build (each GQA grouping and codebook staging, the window and
-soft-cap flags; d 256: pq_attn_split) and pq_merge, for d 64, 128 and 256 at 12 warps (--warps 8 12 16: the bench's
+Default: every pq_attn build (each GQA grouping and codebook staging, the window,
+soft-cap and multi-token flags; d 256: pq_attn_split) and pq_merge, for d 64, 128 and 256 at 12 warps (--warps 8 12 16: the bench's
 sweep too). For another checkout's sources (--src-dir), name its instantiations with
 --names as that checkout spells them.
 
@@ -100,14 +100,15 @@ def text_sections(elf: bytes) -> dict[str, bytes]:
 
 
 def attention_names(warps, dims, features) -> list[str]:
-    """Every pq_attn instantiation CudaPQPlan can launch for these warp counts."""
+    """Every pq_attn instantiation CudaPQPlan can launch for these warp counts (features:
+    (window, softcap, multi-token) flags; a multi-token plan has no window)."""
     names = []
-    for d, dsub, bf16, nw, (win, cap) in itertools.product(dims, (2, 4), (False, True), warps, features):
+    for d, dsub, bf16, nw, (win, cap, mq) in itertools.product(dims, (2, 4), (False, True), warps, features):
         one = attention.split(d) == 1      # d 256: the split build, CF layouts and registers only
         for gp in sorted({group(g, dsub) for g in range(1, 9)}):
             for tma in ((False, True) if one else (False,)):
                 for step in ((1, 2) if dsub == 4 else (1,)):     # tunables.TILES_PER_STEP_2BIT
-                    names.append(attention._attn_name(d, dsub, bf16, nw, gp, tma, win, cap, step))
+                    names.append(attention._attn_name(d, dsub, bf16, nw, gp, tma, win, cap, step, mq))
     return names
 
 
@@ -118,7 +119,7 @@ def main() -> None:
     ap.add_argument("--warps", type=int, nargs="+", default=[12])
     ap.add_argument("--dims", type=int, nargs="+", default=[64, 128, 256])
     ap.add_argument("--features", choices=["all", "none"], default="all",
-                    help="pq_attn's (window, softcap) flags: all four builds, or the plain one only")
+                    help="pq_attn's (window, softcap, multi-token) flags: every build, or the plain one only")
     ap.add_argument("--source", default="attention.cu", help="kernel source of kernels/cuda/ (with --names)")
     ap.add_argument("--names", nargs="+", help="instantiations to compile (default: every pq_attn and pq_merge)")
     ap.add_argument("--src-dir", help="compile the sources of this folder instead (another checkout)")
@@ -132,10 +133,13 @@ def main() -> None:
     if args.src_dir:
         build._DIR = os.path.abspath(args.src_dir)
     options = list(build.OPTIONS) + [f"-arch={args.arch}"] + (["--ptxas-options=-v"] if args.ptxas_verbose else [])
-    feats = [(False, False), (True, False), (False, True), (True, True)] if args.features == "all" else [(False, False)]
+    feats = ([(w, c, m) for w, c, m in itertools.product((False, True), repeat=3) if not (w and m)]
+             if args.features == "all" else [(False, False, False)])
+    mqs = (False, True) if args.features == "all" else (False,)
     jobs = ([(args.source, args.names)] if args.names else
             [("attention.cu", attention_names(args.warps, args.dims, feats)),
-             ("merge.cu", [attention._merge_name(d, bf) for d in args.dims for bf in (False, True)])])
+             ("merge.cu", [attention._merge_name(d, bf, mq) for d in args.dims for bf in (False, True)
+                           for mq in mqs])])
     hashes, failed, total = {}, 0, 0
     for src_name, names in jobs:
         src = build.source(src_name)

@@ -20,12 +20,15 @@
 // Block sizes are powers of two (bs_shift = log2(bs)): a token's block and row are a shift
 // and a mask (a runtime division was ~30 of the tile loop's ~474 instructions).
 // Partials (o, base-2 lse) per item go to o_part / lse_part; pq_merge combines them.
-// Two template flags, each a build of its own so that the plain build's code is untouched:
+// Three template flags, each a build of its own so that the plain build's code is untouched:
 // - WIN (sliding windows): an item's PQ range may start at any token (a window's first).
 //   Its tiles start at the 16-token tile below (the code ring reads whole, 16-byte aligned
 //   tiles) and the scores of the tokens before pq_lo are masked. The tail tiles address
 //   each token through the table and start anywhere in every build.
 // - CAP: logit soft-capping of every score (attention.cuh SoftCap), cap2 = softcap * log2(e).
+// - MTQ (multi-token queries): an item row is a (sequence, query group) pair and the G
+//   query rows of a block are QT tokens x q_cg heads (attention.py query_groups), causal
+//   per row in the tail. Without it q_ng, q_cg, sq_t and q_tokens are not read.
 #include "attention.cuh"
 
 #define PQ_ATTN_PARAMS                                                                        \
@@ -43,7 +46,8 @@
 
 // DF: the head dim; SPLIT = 2: this CTA is half `half` of a cluster of two (attention.cuh),
 // and D below is its share of the coordinates
-template <int DF, int DSUB, bool BF16, int NW, int GP, bool TMA, bool WIN, bool CAP, int SPLIT, int PAIR>
+template <int DF, int DSUB, bool BF16, int NW, int GP, bool TMA, bool WIN, bool CAP, int SPLIT, int PAIR,
+          bool MTQ>
 __device__ __forceinline__ void pq_attn_body(PQ_ATTN_PARAMS, int half) {
   constexpr int D = DF / SPLIT;
   static_assert(GP == 2 || GP == 4 || GP == 8, "GP: 2, 4 or 8");
@@ -60,7 +64,6 @@ __device__ __forceinline__ void pq_attn_body(PQ_ATTN_PARAMS, int half) {
   a.st_stride = st_stride; a.tk = tk; a.tv = tv; a.stk_blk = stk_blk; a.stk_h = stk_h;
   a.stk_t = stk_t; a.stv_blk = stv_blk; a.stv_h = stv_h; a.stv_t = stv_t; a.tt = tt;
   a.tt_stride = tt_stride; a.qk_scale = qk_scale; a.hq = hq; a.g = g; a.bs = bs; a.tbs = tbs;
-  a.sq_t = sq_t; a.q_ng = q_ng; a.q_cg = q_cg; a.q_tokens = q_tokens;
   if constexpr (CAP) a.cap = SoftCap{cap2, 2.8853900817779268f / cap2};   // k2 = 2 log2(e) / cap2
   if constexpr (SPLIT > 1) {   // this half's coordinates of q, the tail and o; its subspaces' codes
     a.q += half * D; a.tk += half * D; a.tv += half * D; a.o_part += half * D;
@@ -135,7 +138,7 @@ __device__ __forceinline__ void pq_attn_body(PQ_ATTN_PARAMS, int half) {
   // Multi-token queries: item row bv is query group qj of sequence b (q_ng groups a
   // sequence, one for decode); b picks the block tables, qj the group's query tokens.
   const int bv = it[0], pq_from = it[1], pq_hi = it[2], t_lo = it[3], t_hi = it[4];
-  const int b = bv / a.q_ng, qj = bv - b * a.q_ng;
+  const int b = MTQ ? bv / q_ng : bv, qj = MTQ ? bv - b * q_ng : 0;
   // WIN: the item's first PQ token (pq_from) may sit inside a tile; its tiles start below it
   const int pq_lo = WIN ? pq_from & ~15 : pq_from;
   const int n_pq = (pq_hi - pq_lo) >> 4;
@@ -147,15 +150,17 @@ __device__ __forceinline__ void pq_attn_body(PQ_ATTN_PARAMS, int half) {
   }
   const int G = a.g;
   // Row hd < G of the block's query rows is query token qj * QT + hd / q_cg of the
-  // sequence, head h * q_cg + hd % q_cg (decode: QT 1, q_cg G). A padding row (a token past
+  // sequence, head h * q_cg + hd % q_cg (without MTQ: QT 1, q_cg G). A padding row (a token past
   // the sequence's q_tokens) reads no q.
-  const int QT = G / a.q_cg;
-  auto q_row = [&](int hd, bool& ok) -> const u16* {
-    const int tl = hd / a.q_cg, tok = qj * QT + tl;
-    ok = ok && tok < a.q_tokens;
-    return a.q + (long long)b * a.sq_b + (long long)tok * a.sq_t +
-           (long long)(h * a.q_cg + hd - tl * a.q_cg) * a.sq_h;
+  const int QT = MTQ ? G / q_cg : 1;
+  // (the plain builds keep their own expressions at the call sites: reading q through
+  // these lambdas changed the d 256 builds' machine code, scripts/nvrtc_check.py --hashes)
+  auto q_row = [&](int hd) -> const u16* {
+    const int tl = hd / q_cg;
+    return a.q + (long long)b * a.sq_b + (long long)(qj * QT + tl) * sq_t +
+           (long long)(h * q_cg + hd - tl * q_cg) * a.sq_h;
   };
+  auto q_real = [&](int hd) -> bool { return qj * QT + hd / q_cg < q_tokens; };
   // the block ids of the ring prologue's tiles, in flight together (one at a time, each of
   // its copies waited a memory round trip on its table load)
   int bpre[cf_stages(NW, SPLIT)];
@@ -180,8 +185,9 @@ __device__ __forceinline__ void pq_attn_body(PQ_ATTN_PARAMS, int half) {
   // (after the PQ tiles, which use the rotated quads below).
   u32 qa0[KS], qa2[KS];
   auto load_q = [&]() {
-    bool row_ok = gq < G;
-    const u16* qr = q_row(row_ok ? gq : 0, row_ok);
+    const bool row_ok = MTQ ? gq < G && q_real(gq) : gq < G;
+    const u16* qr = MTQ ? q_row(row_ok ? gq : 0)
+                        : a.q + (long long)b * a.sq_b + (long long)(h * G + (row_ok ? gq : 0)) * a.sq_h;
 #pragma unroll
     for (int ks = 0; ks < KS; ++ks) {
       int e0, e2;
@@ -261,8 +267,9 @@ __device__ __forceinline__ void pq_attn_body(PQ_ATTN_PARAMS, int half) {
       // row copy rho of A holds cq*MQ + (rho + j) % 4 + 4*(j/4): coordinates 0-1 of it for
       // the k rows 2cq, 2cq+1 and 2-3 for 2cq+8, 2cq+9 (the entry's two words)
       const int hd = gq % GP, r0 = gq / GP, r1 = (gq + 8) / GP;
-      bool ok = hd < G;
-      const u16* qr = q_row(ok ? hd : 0, ok);
+      const bool ok = MTQ ? hd < G && q_real(hd) : hd < G;
+      const u16* qr = MTQ ? q_row(ok ? hd : 0)
+                          : a.q + (long long)b * a.sq_b + (long long)(h * G + (ok ? hd : 0)) * a.sq_h;
 #pragma unroll
       for (int j = 0; j < KS; ++j) {
         const int base = cq * MQ + 4 * (j / 4);
@@ -286,8 +293,9 @@ __device__ __forceinline__ void pq_attn_body(PQ_ATTN_PARAMS, int half) {
       asm volatile("" : "+r"(ksel[0]), "+r"(klo[0]));
     } else {
       const int hd = gq % GP, r0 = gq / GP, r1 = (gq + 8) / GP;
-      bool ok = hd < G;
-      const u16* qr = q_row(ok ? hd : 0, ok);
+      const bool ok = MTQ ? hd < G && q_real(hd) : hd < G;
+      const u16* qr = MTQ ? q_row(ok ? hd : 0)
+                          : a.q + (long long)b * a.sq_b + (long long)(h * G + (ok ? hd : 0)) * a.sq_h;
 #pragma unroll
       for (int ks = 0; ks < KS; ++ks) {
         const int base = cq * MQ + 8 * (ks / 4), kq = ks % 4;
@@ -705,8 +713,7 @@ __device__ __forceinline__ void pq_attn_body(PQ_ATTN_PARAMS, int half) {
     // tail, through the group's last query token (attention.py), and query token tl of
     // the group's nq sees nq - 1 - tl fewer of its newest tokens (row gq's scores; decode:
     // all of them; padding rows, tl >= nq: all of them too)
-    const int nq = min(QT, a.q_tokens - qj * QT);
-    const int row_hi = min(t_hi, t_hi - (nq - 1 - gq / a.q_cg));
+    const int row_hi = MTQ ? min(t_hi, t_hi - (min(QT, q_tokens - qj * QT) - 1 - gq / q_cg)) : t_hi;
     for (int ti = first; ti < n_tl; ti += NW) {
       const int t0 = t_lo + 16 * ti;
       float s[2][4];
@@ -743,8 +750,8 @@ __device__ __forceinline__ void pq_attn_body(PQ_ATTN_PARAMS, int half) {
       }
       if constexpr (SPLIT > 1) xc(s, lane);
       u32 pb0, pb1;
-      // SAFE: a causal row may have no token in a warp's first tail tile
-      softmax_pv<D, DSUB, BF16, VG, true, CAP, true>(ws, s, valid, a.qk_scale, lane, pb0, pb1, a.cap);
+      // SAFE (MTQ): a causal row may have no token in a warp's first tail tile
+      softmax_pv<D, DSUB, BF16, VG, true, CAP, MTQ>(ws, s, valid, a.qk_scale, lane, pb0, pb1, a.cap);
       const u16* vrow[4];
       bool vok[4];
 #pragma unroll
@@ -854,13 +861,13 @@ __device__ __forceinline__ void pq_attn_body(PQ_ATTN_PARAMS, int half) {
   if constexpr (SPLIT > 1) cluster_wait();
 }
 
-template <int D, int DSUB, bool BF16, int NW, int GP, bool TMA, bool WIN, bool CAP, int PAIR = 1>
+template <int D, int DSUB, bool BF16, int NW, int GP, bool TMA, bool WIN, bool CAP, int PAIR = 1, bool MTQ = false>
 __global__ void __launch_bounds__(NW * 32, 1) pq_attn(PQ_ATTN_PARAMS) {
-  pq_attn_body<D, DSUB, BF16, NW, GP, TMA, WIN, CAP, 1, PAIR>(PQ_ATTN_ARGS, 0);
+  pq_attn_body<D, DSUB, BF16, NW, GP, TMA, WIN, CAP, 1, PAIR, MTQ>(PQ_ATTN_ARGS, 0);
 }
 
 // head_dim 256 (sm_90): grid (items, Hkv, 2), each cluster the two halves of one block
-template <int D, int DSUB, bool BF16, int NW, int GP, bool WIN, bool CAP, int PAIR = 1>
+template <int D, int DSUB, bool BF16, int NW, int GP, bool WIN, bool CAP, int PAIR = 1, bool MTQ = false>
 __global__ void __cluster_dims__(1, 1, 2) __launch_bounds__(NW * 32, 1) pq_attn_split(PQ_ATTN_PARAMS) {
-  pq_attn_body<D, DSUB, BF16, NW, GP, false, WIN, CAP, 2, PAIR>(PQ_ATTN_ARGS, (int)cluster_rank());
+  pq_attn_body<D, DSUB, BF16, NW, GP, false, WIN, CAP, 2, PAIR, MTQ>(PQ_ATTN_ARGS, (int)cluster_rank());
 }

@@ -174,10 +174,8 @@ struct AttnArgs {
   const u16* tk; const u16* tv; long long stk_blk, stk_h, stk_t, stv_blk, stv_h, stv_t;
   const int* tt; long long tt_stride;
   float qk_scale;                          // scale * log2(e)
-  int hq, g, bs, tbs;                      // hq, g: query rows a sequence / a KV head (pq_attn_body)
+  int hq, g, bs, tbs;                      // hq, g: query rows an item / a KV head (pq_attn_body)
   SoftCap cap;                             // read by the CAP builds only
-  long long sq_t;                          // q's stride between query tokens (0: decode)
-  int q_ng, q_cg, q_tokens;                // query groups a sequence, heads a KV head, tokens
 };
 
 // Everything per warp for one 16-token tile once its K/V entries are known.

@@ -86,17 +86,17 @@ def query_groups(t: int, g: int) -> tuple[int, int]:
     return ceil(t, ng), ng
 
 
-def _attn_name(d, dsub, bf16, nw, gp, tma, win, cap, pair=1):
+def _attn_name(d, dsub, bf16, nw, gp, tma, win, cap, pair=1, mq=False):
     b = lambda x: "true" if x else "false"  # noqa: E731
-    p = f", {pair}" if pair != 1 else ""
+    p = f", {pair}, true" if mq else f", {pair}" if pair != 1 else ""
     if split(d) > 1:
         assert not tma, "the split build stages its codebooks through registers"
         return f"pq_attn_split<{d}, {dsub}, {b(bf16)}, {nw}, {gp}, {b(win)}, {b(cap)}{p}>"
     return f"pq_attn<{d}, {dsub}, {b(bf16)}, {nw}, {gp}, {b(tma)}, {b(win)}, {b(cap)}{p}>"
 
 
-def _merge_name(d, bf16):
-    return f"pq_merge<{d}, {'true' if bf16 else 'false'}>"
+def _merge_name(d, bf16, mq=False):
+    return f"pq_merge<{d}, {'true' if bf16 else 'false'}{', true' if mq else ''}>"
 
 
 def _attn_smem(d: int, dsub: int, gp: int, nw: int, tma: bool = False) -> int:
@@ -174,8 +174,8 @@ class CudaPQPlan(DecodePlan):
             gp = group(self.groups[0] * (self.num_qo_heads // self.num_kv_heads), dsub)
             for tma in ((False, True) if self._tma(gp) else (False,)):
                 self._fn("attn", self.head_dim, dsub, bf16, self.num_warps, gp, tma, self.windowed,
-                         self.softcap > 0, self._step(dsub))
-        self._fn("merge", self.head_dim, bf16)
+                         self.softcap > 0, self._step(dsub), self.query_tokens > 1)
+        self._fn("merge", self.head_dim, bf16, self.query_tokens > 1)
 
     def _step(self, dsub: int) -> int:
         """16-token tiles per step of the kernel's tile loop (attention.cu PAIR)."""
@@ -248,7 +248,7 @@ class CudaPQPlan(DecodePlan):
             img = (image.words if image is not None and image.layout == image_layout(hq, hkv, dsub)
                    and self._use_tma(gp) else None)
             fn = self._fn("attn", d, dsub, bf16, self.num_warps, gp, img is not None, self.windowed,
-                          self.softcap > 0, self._step(dsub))
+                          self.softcap > 0, self._step(dsub), t > 1)
             args = (ptr(q), i64(sq[0]), i64(sq[2]), ptr(self.items), ptr(self.o_part),
                     ptr(self.lse_part), ptr(k_codes), ptr(v_codes), i64(k_codes.stride(0)),
                     i64(k_codes.stride(1)), i64(v_codes.stride(0)), i64(v_codes.stride(1)),
@@ -263,7 +263,7 @@ class CudaPQPlan(DecodePlan):
                     i64(sq[1]), i32(ng), i32(cg), i32(t))
             build.launch(fn, dev, (n_items, hkv, split(d)), (32 * self.num_warps,), args,
                          _attn_smem(d, dsub, gp, self.num_warps, img is not None), stream)
-        fn = self._fn("merge", d, bf16)
+        fn = self._fn("merge", d, bf16, t > 1)
         build.launch(fn, dev, (b * ng, hq), (d,),
                      (ptr(self.o_part), ptr(self.lse_part), ptr(self.item_ptr), ptr(out),
                       i64(so[0]), i64(so[2]), ptr(lse), i64(sl[0]), i32(hq), i64(so[1]), i64(sl[1]),

@@ -3,16 +3,22 @@
 // Log-sum-exp merge of the partials of one (sequence, query row); base-2 lse in.
 // Rows as pq_attn numbers them: row bv = (b, query group j), head = (KV head, row hd of
 // gv); row hd is query token j * (gv / cg) + hd / cg, query head KV head * cg + hd % cg
-// (decode: ng 1, gv = cg = the GQA group, nt 1). Padding rows (token >= nt) write nothing.
-template <int D, bool BF16>
+// (MTQ, multi-token queries; without it row bv is sequence bv and head its query head, and
+// so_t, sl_t, ng, gv, cg and nt are not read). Padding rows (token >= nt) write nothing.
+template <int D, bool BF16, bool MTQ = false>
 __global__ void pq_merge(const float* __restrict__ o_part, const float* __restrict__ lse_part,
                          const int* __restrict__ item_ptr, u16* out, long long so_b,
                          long long so_h, float* lse, long long sl_b, int hq, long long so_t,
                          long long sl_t, int ng, int gv, int cg, int nt) {
   const int bv = blockIdx.x, head = blockIdx.y, d = threadIdx.x;
-  const int b = bv / ng, kv = head / gv, hd = head - kv * gv, tl = hd / cg;
-  const int tok = (bv - b * ng) * (gv / cg) + tl, oh = kv * cg + hd - tl * cg;
-  if (tok >= nt) return;
+  int b = bv, tok = 0, oh = head;
+  if constexpr (MTQ) {
+    const int kv = head / gv, hd = head - kv * gv, tl = hd / cg;
+    b = bv / ng;
+    tok = (bv - b * ng) * (gv / cg) + tl;
+    oh = kv * cg + hd - tl * cg;
+    if (tok >= nt) return;
+  }
   const int lo = item_ptr[bv], hi = item_ptr[bv + 1];
   // One pass, NBT independent loads of lse and o per batch, rescaled online: a sequence's
   // items (split-K: 16 at B=1 32K on 132 SMs) are one memory round trip, where reading the
