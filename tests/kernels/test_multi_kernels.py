@@ -275,3 +275,24 @@ def test_paged_multi_gpu(t, d, dtype):
     out, lse = kernels.paged_multi_attention(q, kc, vc, tab, sl, 0.08)
     ro, rl = ref.paged_multi_attention(q.cpu().double(), kc.cpu().double(), vc.cpu().double(), tab.cpu(), sl, 0.08)
     check_attn(out, lse, ro, rl, 3e-2 if dtype == torch.bfloat16 else 1e-2)
+
+
+@gpu
+@pytest.mark.parametrize("dsub", [2, 4])
+@pytest.mark.parametrize("hq,hkv", [(32, 8), (8, 1)])
+def test_pq_multi_cuda_with_codebook_image(hq, hkv, dsub):
+    """The engine passes its codebook image to multi-token plans too: where the image's
+    layout is the multi-token build's (dsub 4 always; dsub 2 when the query rows' group
+    has the decode group's layout, G = 8), short items stage the codebooks by bulk copies,
+    elsewhere through registers; both give the reference."""
+    t = 4
+    c = multi_case(t, [40, 7, 0, 3], [t + 3, 130, 16 + t, t], hq, hkv, 128, dsub, 16, 16, torch.float16, "cuda",
+                   seed=11)
+    words = kernels.codebook_images(c["k_codebook"][None], c["v_codebook"][None], hq)
+    img = None if words is None else kernels.layer_images(words, hq, dsub)[0]
+    ro, rl = multi_ref(c, 0.1)
+    plan = plan_multi(c, backend="cuda")
+    out = torch.full_like(c["q"], POISON)
+    lse = torch.full(c["q"].shape[:3], POISON, device="cuda")
+    plan.run_pq(*[c[k] for k in RUN_ARGS], 0.1, out=out, lse=lse, codebook_image=img)
+    check_attn(out, lse, ro, rl, 1e-2)
