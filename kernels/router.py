@@ -146,6 +146,17 @@ def plan_decode(kind: str, *lens, num_qo_heads: int, num_kv_heads: int, head_dim
                                     **triton_tuning)
 
 
+def _pq_operands(q, k_codes, v_codes, k_codebook, v_codebook, tail_k, tail_v):
+    """-> (k_codebook, v_codebook, aligned): the codebooks as the kernels read them (fp16/bf16,
+    contiguous; others in q's dtype, fp16 for an fp32 q) and whether q, the codes and the tail
+    meet the CUDA kernels' alignment."""
+    cb_dt = q.dtype if q.dtype in HALF else torch.float16
+    kcb, vcb = (c if c.dtype in HALF else c.to(cb_dt) for c in (k_codebook, v_codebook))
+    kcb, vcb = kcb.contiguous(), vcb.to(kcb.dtype).contiguous()
+    dsub = kcb.shape[-1] if kcb.dim() == 4 else 2
+    return kcb, vcb, cuda_attention.misaligned(q, k_codes, v_codes, tail_k, tail_v, dsub) is None
+
+
 def pq_decode_attention(q, k_codes, v_codes, k_codebook, v_codebook, sealed_tables, sealed_lens,
                         tail_k, tail_v, tail_tables, tail_lens, scale, sealed_starts=None, tail_starts=None,
                         softcap: float = 0.0):
@@ -155,17 +166,12 @@ def pq_decode_attention(q, k_codes, v_codes, k_codebook, v_codebook, sealed_tabl
                                              sealed_lens, tail_k, tail_v, tail_tables, tail_lens, scale,
                                              sealed_starts, tail_starts, softcap)
     starts = () if sealed_starts is None and tail_starts is None else (sealed_starts, tail_starts)
-    # The kernels read fp16/bf16 codebooks: others in q's dtype (fp16 for an fp32 q).
-    cb_dt = q.dtype if q.dtype in HALF else torch.float16
-    kcb, vcb = (c if c.dtype in HALF else c.to(cb_dt) for c in (k_codebook, v_codebook))
-    kcb, vcb = kcb.contiguous(), vcb.to(kcb.dtype).contiguous()
+    kcb, vcb, aligned = _pq_operands(q, k_codes, v_codes, k_codebook, v_codebook, tail_k, tail_v)
     sealed_tables, tail_tables = sealed_tables.to(torch.int32), tail_tables.to(torch.int32)
-    dsub = kcb.shape[-1] if kcb.dim() == 4 else 2
     plan = plan_decode("pq", sealed_lens, tail_lens, *starts, num_qo_heads=q.shape[1],
                        num_kv_heads=k_codes.shape[1], head_dim=q.shape[2], block_size=k_codes.shape[2],
                        tail_block_size=tail_k.shape[2], device=q.device, dtype=q.dtype, softcap=softcap,
-                       kv_dtype=tail_k.dtype, codebook_dtype=kcb.dtype,
-                       aligned=cuda_attention.misaligned(q, k_codes, v_codes, tail_k, tail_v, dsub) is None)
+                       kv_dtype=tail_k.dtype, codebook_dtype=kcb.dtype, aligned=aligned)
     return plan.run_pq(q, k_codes, v_codes, kcb, vcb, sealed_tables, tail_k, tail_v, tail_tables, scale)
 
 
@@ -188,15 +194,11 @@ def pq_multi_attention(q, k_codes, v_codes, k_codebook, v_codebook, sealed_table
     if q.device.type != "cuda":
         return reference.pq_multi_attention(q, k_codes, v_codes, k_codebook, v_codebook, sealed_tables,
                                             sealed_lens, tail_k, tail_v, tail_tables, tail_lens, scale, softcap)
-    cb_dt = q.dtype if q.dtype in HALF else torch.float16
-    kcb, vcb = (c if c.dtype in HALF else c.to(cb_dt) for c in (k_codebook, v_codebook))
-    kcb, vcb = kcb.contiguous(), vcb.to(kcb.dtype).contiguous()
-    dsub = kcb.shape[-1] if kcb.dim() == 4 else 2
+    kcb, vcb, aligned = _pq_operands(q, k_codes, v_codes, k_codebook, v_codebook, tail_k, tail_v)
     plan = plan_decode("pq", sealed_lens, tail_lens, num_qo_heads=q.shape[2], num_kv_heads=k_codes.shape[1],
                        head_dim=q.shape[3], block_size=k_codes.shape[2], tail_block_size=tail_k.shape[2],
                        device=q.device, dtype=q.dtype, kv_dtype=tail_k.dtype, codebook_dtype=kcb.dtype,
-                       softcap=softcap, query_tokens=q.shape[1],
-                       aligned=cuda_attention.misaligned(q, k_codes, v_codes, tail_k, tail_v, dsub) is None)
+                       softcap=softcap, query_tokens=q.shape[1], aligned=aligned)
     return plan.run_pq(q, k_codes, v_codes, kcb, vcb, sealed_tables.to(torch.int32), tail_k, tail_v,
                        tail_tables.to(torch.int32), scale)
 

@@ -86,6 +86,11 @@ def query_groups(t: int, g: int) -> tuple[int, int]:
     return ceil(t, ng), ng
 
 
+def query_rows(t: int, g: int) -> int:
+    """The kernel's query rows a KV head: QT tokens (query_groups) x G query heads."""
+    return query_groups(t, g)[0] * g
+
+
 def _attn_name(d, dsub, bf16, nw, gp, tma, win, cap, pair=1, mq=False):
     b = lambda x: "true" if x else "false"  # noqa: E731
     p = f", {pair}, true" if mq else f", {pair}" if pair != 1 else ""
@@ -171,7 +176,7 @@ class CudaPQPlan(DecodePlan):
         """Compile + load the kernels (outside any graph capture)."""
         bf16 = self.dtype == torch.bfloat16
         for dsub in dsubs:
-            gp = group(self.groups[0] * (self.num_qo_heads // self.num_kv_heads), dsub)
+            gp = group(query_rows(self.query_tokens, self.num_qo_heads // self.num_kv_heads), dsub)
             for tma in ((False, True) if self._tma(gp) else (False,)):
                 self._fn("attn", self.head_dim, dsub, bf16, self.num_warps, gp, tma, self.windowed,
                          self.softcap > 0, self._step(dsub), self.query_tokens > 1)
@@ -231,8 +236,8 @@ class CudaPQPlan(DecodePlan):
         b, d, hkv, bs, t = (self.batch, self.head_dim, self.num_kv_heads, self.block_size,
                             self.query_tokens)
         cg = self.num_qo_heads // hkv
-        qt, ng = self.groups
-        g = qt * cg                   # query rows a KV head: QT tokens x G heads
+        ng = self.groups[1]
+        g = query_rows(t, cg)
         hq = hkv * g
         # strides of q, out and lse between sequences, query tokens and query heads
         sq = (q.stride(0), 0, q.stride(1)) if t == 1 else (q.stride(0), q.stride(1), q.stride(2))
@@ -421,8 +426,7 @@ def plan_pq(sl: list[int], tl_: list[int], ss: list[int] | None = None, ts: list
         items += [0] * (5 * (cap - n))
         n = cap
     d = head_dim
-    rows = num_kv_heads * query_groups(query_tokens, num_qo_heads // num_kv_heads)[0] * (
-        num_qo_heads // num_kv_heads)
+    rows = num_kv_heads * query_rows(query_tokens, num_qo_heads // num_kv_heads)
     return CudaPQPlan(
         items=to_device(torch.tensor(items, dtype=torch.int32).reshape(n, 5), dev),
         item_ptr=to_device(torch.tensor(ptr_, dtype=torch.int32), dev),
