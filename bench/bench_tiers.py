@@ -131,6 +131,9 @@ def main() -> None:
                    help="redis-server binary (or a wrapper) for the Redis rows; default: redis-server on PATH")
     p.add_argument("--redis-io-threads", type=int, default=4 if (os.cpu_count() or 1) >= 8 else 1,
                    help="the redis-server's io-threads (docs/scale.md: what to configure)")
+    p.add_argument("--redis-read-connections", type=int, default=None, metavar="N",
+                   help="connections a lookup reads over from each Redis (default: the daemon's, "
+                        "RedisConfig.read_connections)")
     p.add_argument("--redis-shards", type=int, default=0, metavar="N",
                    help="also read the prefix from a local Redis Cluster of N primaries (0: none)")
     p.add_argument("--dir", default=None, help="where the LMDB (and the disk baseline's file) go; default: a temp dir")
@@ -169,8 +172,9 @@ def run(args, dev: str, L: int, n: int, tmp: str, url: str | None, no_redis: str
                       host_bytes=3 * blocks * (2 * L * 8 * 16 * 64 + 2 * L * 8 * 16 * 128 * 2) // 2)
     # The put queue holds the whole prefix (the default 64 MiB would drop most of an
     # 8K-token prefix's 264 MB of 4-bit codes while the writer drains it).
-    redis_cfg = RedisConfig(url, timeout_s=30, queue_bytes=1 << 30) if url else None
-    cluster_cfg = RedisConfig(cluster_url, timeout_s=30, queue_bytes=1 << 30) if cluster_url else None
+    conns = {} if args.redis_read_connections is None else {"read_connections": args.redis_read_connections}
+    redis_cfg = RedisConfig(url, timeout_s=30, queue_bytes=1 << 30, **conns) if url else None
+    cluster_cfg = RedisConfig(cluster_url, timeout_s=30, queue_bytes=1 << 30, **conns) if cluster_url else None
     e = Engine(dev, lmdb_path=os.path.join(tmp, "lmdb"), redis=redis_cfg)
     g = torch.Generator().manual_seed(0)
     cb = Codebooks(k=torch.randn(L, 8, 64, 256, 2, generator=g), v=torch.randn(L, 8, 64, 256, 2, generator=g))
@@ -295,10 +299,10 @@ def run(args, dev: str, L: int, n: int, tmp: str, url: str | None, no_redis: str
         rows += [("redis-server io-threads", str(args.redis_io_threads), "(--redis-io-threads)"),
                  ("Redis put (through the store, not persisted)", f"{pgb / t_rput:.2f} GB/s", f"{t_rput * 1e3:.1f} ms"),
                  ("Redis get (prefix hit, to the device)", f"{pgb / t_hit['redis']:.2f} GB/s",
-                  f"{RedisConfig(url).read_connections} connection(s)")]
+                  f"{redis_cfg.read_connections} connection(s)")]
         if e3 is not None:
             rows.append((f"Redis Cluster get ({args.redis_shards} shards)", f"{pgb / t_hit['cluster']:.2f} GB/s",
-                         f"{RedisConfig(url).read_connections} connection(s) per shard"))
+                         f"{redis_cfg.read_connections} connection(s) per shard"))
     else:
         rows += [("Redis rows", "skipped", no_redis)]
     for t, name in (("host", "host"), ("disk", "LMDB")):
