@@ -9,9 +9,10 @@ against a raw read of the same replies from the same servers in the same run.
                 from run to run (as a GPU lookup's pinned staging is), every chunk's
                 verdicts waited on: without the checks ("no check"), then with them
                 (header + checksum, by the thread that received the value)
-  get_prefix    RedisTier.get_prefix(hashes, device="cpu"): read_into with the checks into
-                a new result tensor (whose first touch costs page faults a GPU lookup's
-                cached pinned staging does not pay)
+  get_prefix    RedisTier.get_prefix(hashes, device): read_into with the checks into a new
+                result tensor; on --device cpu its first touch costs page faults, on
+                --device cuda it is the daemon's lookup: pinned staging from torch's host
+                cache, each chunk copied on to the device as it comes in
 each against one redis-server this script starts on a free port, and with --shards N
 against an N-node local Redis Cluster (kvstore/tools/local_redis.py), filled with values
 packed by redis_format (the payloads random bytes). Per row: GB/s of values (wall), the
@@ -24,7 +25,7 @@ that they receive and send at the same time as on a host with cores to spare.
 
 python bench/bench_redis_lookup.py [--redis-server PATH] [--mb 256] [--value-kb 512]
                                    [--shards 0 4] [--read-connections 1 2] [--reps 5] [--split-cpus]
-                                   [--chunk-mb N]
+                                   [--chunk-mb N] [--io-threads N] [--device cuda]
 """
 from __future__ import annotations
 
@@ -41,6 +42,7 @@ from types import SimpleNamespace
 from urllib.parse import urlsplit
 
 import numpy as np
+import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_redis_read import cpu_seconds  # noqa: E402
@@ -170,10 +172,12 @@ def bench(label: str, url: str, pids: list[int], args, fp: bytes, hashes: list[b
         out = []
 
         def lookup():
-            out[:] = [tier.get_prefix(hashes, "cpu")]
-        row(f"get_prefix, {conns} conn/node", *measure(lookup, args.reps, pids))
+            out[:] = [tier.get_prefix(hashes, args.device)]
+            if out[0].is_cuda:
+                torch.cuda.synchronize()
+        row(f"get_prefix to {args.device}, {conns} conn/node", *measure(lookup, args.reps, pids))
         assert out[0].shape == (len(values), width), (out[0].shape, tier.stats())
-        assert all(bytes(out[0][i].numpy()) == values[i][HEADER_BYTES:] for i in (0, len(values) // 2, -1))
+        assert all(bytes(out[0][i].cpu().numpy()) == values[i][HEADER_BYTES:] for i in (0, len(values) // 2, -1))
         assert tier.stats()["refused"] == 0 and tier.stats()["errors"] == 0, tier.stats()
         store.close()
 
@@ -189,6 +193,8 @@ def main() -> None:
     p.add_argument("--timeout", type=float, default=5.0, help="RedisConfig.timeout_s")
     p.add_argument("--chunk-mb", type=int, default=0, help="set redis_store.GET_CHUNK_BYTES (MiB; 0: as it is)")
     p.add_argument("--split-cpus", action="store_true", help="the servers on the first CPU, this process on the rest")
+    p.add_argument("--io-threads", type=int, default=1, help="the servers' io-threads (Redis/Valkey >= 6)")
+    p.add_argument("--device", default="cpu", help="where get_prefix puts the prefix (cuda: the daemon's lookup)")
     args = p.parse_args()
     cpus = sorted(os.sched_getaffinity(0))
     args.server_cpu = cpus[0]
@@ -210,7 +216,7 @@ def main() -> None:
         tmp = tempfile.mkdtemp(prefix="kvbench-lookup-")
         try:
             if shards == 0:
-                server, url = start_redis(args.redis_server, tmp)
+                server, url = start_redis(args.redis_server, tmp, io_threads=args.io_threads)
                 if server is None:
                     print(f"one redis-server: skipped ({url})")
                     continue
@@ -220,7 +226,8 @@ def main() -> None:
                     server.kill()
                     server.wait()
             else:
-                cluster = LocalCluster(tmp, shards, args.redis_server, maxmemory="8gb")
+                cluster = LocalCluster(tmp, shards, args.redis_server, maxmemory="8gb",
+                                       extra=(("--io-threads", str(args.io_threads)) if args.io_threads > 1 else ()))
                 try:
                     bench(f"a {shards}-node Redis Cluster", cluster.url, [q.pid for q in cluster.procs], args,
                           fp, hashes, values)
