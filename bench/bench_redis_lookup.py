@@ -25,7 +25,7 @@ that they receive and send at the same time as on a host with cores to spare.
 
 python bench/bench_redis_lookup.py [--redis-server PATH] [--mb 256] [--value-kb 512]
                                    [--shards 0 4] [--read-connections 1 2] [--reps 5] [--split-cpus]
-                                   [--chunk-mb N] [--io-threads N] [--device cuda]
+                                   [--chunk-mb N] [--io-threads N] [--server-option NAME VALUE] [--device cuda]
 """
 from __future__ import annotations
 
@@ -194,6 +194,8 @@ def main() -> None:
     p.add_argument("--chunk-mb", type=int, default=0, help="set redis_store.GET_CHUNK_BYTES (MiB; 0: as it is)")
     p.add_argument("--split-cpus", action="store_true", help="the servers on the first CPU, this process on the rest")
     p.add_argument("--io-threads", type=int, default=1, help="the servers' io-threads (Redis/Valkey >= 6)")
+    p.add_argument("--server-option", nargs=2, action="append", default=[], metavar=("NAME", "VALUE"),
+                   help="another server option, e.g. --server-option min-io-threads-avoid-copy-reply 2 (Valkey 9)")
     p.add_argument("--device", default="cpu", help="where get_prefix puts the prefix (cuda: the daemon's lookup)")
     args = p.parse_args()
     cpus = sorted(os.sched_getaffinity(0))
@@ -212,11 +214,12 @@ def main() -> None:
     rng = np.random.default_rng(0)
     fp, hashes = bytes(rng.integers(0, 256, 32, dtype=np.uint8)), [rng.bytes(32) for _ in range(n)]
     values = [pack_value(fp, h, rng.integers(0, 256, width, dtype=np.uint8)) for h in hashes]
+    options = tuple(x for name, value in args.server_option for x in ("--" + name, value))
     for shards in args.shards:
         tmp = tempfile.mkdtemp(prefix="kvbench-lookup-")
         try:
             if shards == 0:
-                server, url = start_redis(args.redis_server, tmp, io_threads=args.io_threads)
+                server, url = start_redis(args.redis_server, tmp, io_threads=args.io_threads, extra=options)
                 if server is None:
                     print(f"one redis-server: skipped ({url})")
                     continue
@@ -227,7 +230,8 @@ def main() -> None:
                     server.wait()
             else:
                 cluster = LocalCluster(tmp, shards, args.redis_server, maxmemory="8gb",
-                                       extra=(("--io-threads", str(args.io_threads)) if args.io_threads > 1 else ()))
+                                       extra=(("--io-threads", str(args.io_threads)) if args.io_threads > 1 else ())
+                                       + options)
                 try:
                     bench(f"a {shards}-node Redis Cluster", cluster.url, [q.pid for q in cluster.procs], args,
                           fp, hashes, values)

@@ -77,9 +77,9 @@ def prefill_stack(layers, tokens, dev, hidden=4096, hq=32, hkv=8, d=128, ffn=143
     return timed(run, dev, reps=2)
 
 
-def start_redis(binary: str | None, directory: str, io_threads: int = 1):
+def start_redis(binary: str | None, directory: str, io_threads: int = 1, extra: tuple = ()):
     """A redis-server on a free port (no persistence: a cache) with io_threads
-    I/O threads (Redis >= 6), or None with why."""
+    I/O threads (Redis >= 6) and the extra command-line options, or None with why."""
     try:
         import redis
     except ImportError:
@@ -93,7 +93,8 @@ def start_redis(binary: str | None, directory: str, io_threads: int = 1):
         port = sk.getsockname()[1]
     proc = subprocess.Popen([binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
                              "--dir", directory, "--maxmemory", "8gb", "--maxmemory-policy", "allkeys-lru",
-                             *(["--io-threads", str(io_threads), "--io-threads-do-reads", "yes"] if io_threads > 1 else [])],
+                             *(["--io-threads", str(io_threads), "--io-threads-do-reads", "yes"] if io_threads > 1 else []),
+                             *extra],
                             stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
     client = redis.Redis(port=port, socket_timeout=1)
     for _ in range(200):
@@ -131,6 +132,9 @@ def main() -> None:
                    help="redis-server binary (or a wrapper) for the Redis rows; default: redis-server on PATH")
     p.add_argument("--redis-io-threads", type=int, default=4 if (os.cpu_count() or 1) >= 8 else 1,
                    help="the redis-server's io-threads (docs/scale.md: what to configure)")
+    p.add_argument("--redis-option", nargs=2, action="append", default=[], metavar=("NAME", "VALUE"),
+                   help="another redis-server option, e.g. --redis-option min-io-threads-avoid-copy-reply 2 "
+                        "(Valkey 9; docs/scale.md)")
     p.add_argument("--redis-read-connections", type=int, default=None, metavar="N",
                    help="connections a lookup reads over from each Redis (default: the daemon's, "
                         "RedisConfig.read_connections)")
@@ -142,7 +146,8 @@ def main() -> None:
     args = p.parse_args()
     dev, L, n = args.device, args.layers, args.tokens
     tmp = tempfile.mkdtemp(prefix="kvbench-", dir=args.dir)
-    server, url = start_redis(args.redis_server, tmp, io_threads=args.redis_io_threads)
+    options = tuple(x for name, value in args.redis_option for x in ("--" + name, value))
+    server, url = start_redis(args.redis_server, tmp, io_threads=args.redis_io_threads, extra=options)
     cluster = None
     try:
         if server is not None and args.redis_shards:
@@ -150,7 +155,7 @@ def main() -> None:
             os.makedirs(os.path.join(tmp, "cluster"))
             cluster = LocalCluster(os.path.join(tmp, "cluster"), args.redis_shards, args.redis_server, maxmemory="8gb",
                                    extra=(("--io-threads", str(args.redis_io_threads), "--io-threads-do-reads", "yes")
-                                          if args.redis_io_threads > 1 else ()))
+                                          if args.redis_io_threads > 1 else ()) + options)
         run(args, dev, L, n, tmp, url if server is not None else None, None if server is not None else url,
             cluster.url if cluster is not None else None)
     finally:
@@ -296,7 +301,8 @@ def run(args, dev: str, L: int, n: int, tmp: str, url: str | None, no_redis: str
         (f"prefix: {sealed} sealed blocks", f"{prefix_bytes / 2**20:.1f} MiB", ""),
     ]
     if url:
-        rows += [("redis-server io-threads", str(args.redis_io_threads), "(--redis-io-threads)"),
+        rows += [("redis-server io-threads", str(args.redis_io_threads),
+                  " ".join(f"{n} {v}" for n, v in args.redis_option) or "(--redis-io-threads)"),
                  ("Redis put (through the store, not persisted)", f"{pgb / t_rput:.2f} GB/s", f"{t_rput * 1e3:.1f} ms"),
                  ("Redis get (prefix hit, to the device)", f"{pgb / t_hit['redis']:.2f} GB/s",
                   f"{redis_cfg.read_connections} connection(s)")]
