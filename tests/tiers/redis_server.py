@@ -3,7 +3,8 @@ files in a temp directory, started, killed and restarted on the same port.
 
 `make test` installs redis-server (apt) where it is missing. Without it the
 tests that need one skip, saying so, except under CI=true, where they fail:
-CI must run them."""
+CI must run them. KVSTORE_TEST_REDIS_SERVER names another server binary to run
+them against, e.g. a valkey-server (scripts/valkey_for_device.sh)."""
 import os
 import shutil
 import signal
@@ -12,6 +13,18 @@ import subprocess
 import time
 
 import pytest
+
+
+def server_binary() -> str:
+    """The server the tests run: KVSTORE_TEST_REDIS_SERVER, or redis-server on PATH
+    (skips, or fails under CI=true, where there is none)."""
+    binary = os.environ.get("KVSTORE_TEST_REDIS_SERVER") or shutil.which("redis-server")
+    if binary is None:
+        why = "redis-server is not installed (make test installs it: apt-get install redis-server)"
+        if os.environ.get("CI"):
+            pytest.fail(why + "; CI must run the Redis tier tests")
+        pytest.skip(why)
+    return binary
 
 
 def free_port() -> int:
@@ -28,12 +41,7 @@ class RedisServer:
 
     def __init__(self, directory: str, appendonly: bool, extra: tuple = (), run_in: tuple = (),
                  bind: tuple = ("127.0.0.1",), password: str | None = None):
-        self.binary = shutil.which("redis-server")
-        if self.binary is None:
-            why = "redis-server is not installed (make test installs it: apt-get install redis-server)"
-            if os.environ.get("CI"):
-                pytest.fail(why + "; CI must run the Redis tier tests")
-            pytest.skip(why)
+        self.binary = server_binary()
         # A namespace of its own has every port free.
         self.dir, self.port, self.bind = directory, free_port() if not run_in else 6379, bind
         self.sock, self.password = os.path.join(directory, "redis.sock"), password
@@ -130,13 +138,9 @@ def two_hosts(request, tmp_path):
 def redis_cluster(tmp_path):
     """A 3-node Redis Cluster (kvstore/tools/local_redis.py) on free ports."""
     from kvstore.tools.local_redis import LocalCluster
-    if shutil.which("redis-server") is None:
-        why = "redis-server is not installed (make test installs it: apt-get install redis-server)"
-        if os.environ.get("CI"):
-            pytest.fail(why + "; CI must run the Redis tier tests")
-        pytest.skip(why)
+    binary = server_binary()
     d = tmp_path / "cluster"
     d.mkdir()
-    c = LocalCluster(str(d), nodes=3)
+    c = LocalCluster(str(d), nodes=3, binary=binary)
     yield c
     c.stop()
