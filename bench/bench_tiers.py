@@ -137,7 +137,7 @@ def main() -> None:
                         "(Valkey 9; docs/scale.md)")
     p.add_argument("--redis-read-connections", type=int, default=None, metavar="N",
                    help="connections a lookup reads over from each Redis (default: the daemon's, "
-                        "RedisConfig.read_connections)")
+                        "by the server: RedisStore.read_lanes)")
     p.add_argument("--redis-shards", type=int, default=0, metavar="N",
                    help="also read the prefix from a local Redis Cluster of N primaries (0: none)")
     p.add_argument("--dir", default=None, help="where the LMDB (and the disk baseline's file) go; default: a temp dir")
@@ -305,10 +305,11 @@ def run(args, dev: str, L: int, n: int, tmp: str, url: str | None, no_redis: str
                   " ".join(f"{n} {v}" for n, v in args.redis_option) or "(--redis-io-threads)"),
                  ("Redis put (through the store, not persisted)", f"{pgb / t_rput:.2f} GB/s", f"{t_rput * 1e3:.1f} ms"),
                  ("Redis get (prefix hit, to the device)", f"{pgb / t_hit['redis']:.2f} GB/s",
-                  f"{redis_cfg.read_connections} connection(s)")]
+                  f"{cache.redis.store.read_lanes(cache.redis.store.topology.seed)} connection(s)")]
         if e3 is not None:
+            store = ctier.store
             rows.append((f"Redis Cluster get ({args.redis_shards} shards)", f"{pgb / t_hit['cluster']:.2f} GB/s",
-                         f"{redis_cfg.read_connections} connection(s) per shard"))
+                         f"{store.read_lanes(store.topology.nodes[0])} connection(s) per shard"))
     else:
         rows += [("Redis rows", "skipped", no_redis)]
     for t, name in (("host", "host"), ("disk", "LMDB")):

@@ -15,7 +15,6 @@ from kvstore.core.config import check_device
 from kvstore.core.sizes import parse_bytes
 from kvstore.errors import InvalidArgument
 from kvstore.protocol.channel import DEFAULT_MAX_MESSAGE_MB, default_socket
-from kvstore.tiers.redis_store import READ_CONNECTIONS
 
 from . import buildinfo, logs, settings
 from .auth import Authenticator
@@ -73,10 +72,10 @@ def parser() -> argparse.ArgumentParser:
                    help="connect and socket timeout of Redis calls (default: %(default)s)")
     p.add_argument("--redis-backoff", type=float, default=10.0, metavar="SECONDS",
                    help="longest pause before trying a failed Redis again (default: %(default)s)")
-    p.add_argument("--redis-read-connections", type=int, default=READ_CONNECTIONS, metavar="N",
+    p.add_argument("--redis-read-connections", type=int, default=0, metavar="N",
                    help="connections a prefix lookup reads over from each Redis (each primary of a cluster) "
-                        "(default: %(default)s: one Redis 7 streams values fastest over one, its main thread "
-                        "being the bound; docs/scale.md)")
+                        "(default: 0, by the server: 1 for Redis, whose main thread is the bound, 4 for Valkey, "
+                        "whose I/O threads serve several; docs/scale.md)")
     p.add_argument("--max-message-mb", type=int, default=DEFAULT_MAX_MESSAGE_MB, metavar="MB",
                    help="largest gRPC message either way, in MiB (default: %(default)s); larger calls are "
                         "RESOURCE_EXHAUSTED: send big tensors through a registered buffer")

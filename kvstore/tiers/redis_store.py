@@ -13,12 +13,12 @@ node of a Redis Cluster (redis_nodes.py finds out which): no hash tag ({...}),
 so a cluster spreads one cache's blocks over every slot, and a lookup or a
 batch of puts is split by node, every node's share sent side by side.
 
-Reads take the bulk path of resp.py: RedisConfig.read_connections
-connections per node, each a pipeline of GETs (GETEX with a TTL) of its rows
-of contiguous chunks, one chunk sent ahead of the one being read, every value
-received straight into the caller's (pinned) rows and checked by the thread
-that received it, right after it came in (docs/scale.md, What limits it). One Redis gets its puts and PING from
-redis-py, a cluster's nodes from resp.py.
+Reads take the bulk path of resp.py: read_lanes connections per node, each a
+pipeline of GETs (GETEX with a TTL) of its rows of contiguous chunks, one chunk
+sent ahead of the one being read, every value received straight into the
+caller's (pinned) rows and checked by the thread that received it, right after
+it came in (docs/scale.md, What limits it). One Redis gets its puts and PING
+from redis-py, a cluster's nodes from resp.py.
 
 Eviction is Redis's own: run it with `maxmemory <bytes>` and
 `maxmemory-policy allkeys-lru` (these blocks are a cache: any of them may go).
@@ -49,7 +49,7 @@ from kvstore.errors import InvalidArgument
 from . import resp
 from .redis_format import block_key, pack_value
 from .redis_lookup import HIT, MISS, REFUSED, SKIPPED, Lookup, runs  # noqa: F401 (the verdicts, for callers)
-from .redis_nodes import Node, Topology
+from .redis_nodes import VALKEY_LANES, Node, Topology
 
 log = logging.getLogger("kvstore.redis")
 
@@ -59,11 +59,7 @@ log = logging.getLogger("kvstore.redis")
 # waiting there: 4 MiB chunks cost it about 0.15-0.2 s/GB, 16 MiB about 0.3
 # (bench/bench_redis_lookup.py; docs/scale.md, What limits it).
 GET_CHUNK_BYTES = 4 << 20
-# One Redis 7 instance serves a lookup fastest over 1 connection: its main thread copies
-# every value into a reply buffer, and more connections only interleave that work
-# (docs/scale.md, What limits it: 3.4-4.1 GB/s with 1, 1.6-2.3 with 8 on the H100 host).
-READ_CONNECTIONS = 1
-MAX_READ_CONNECTIONS = 64
+MAX_READ_CONNECTIONS = 64        # RedisConfig.read_connections (0: by the server, Node.server_lanes)
 PUT_BATCH_BYTES = 16 << 20        # one pipeline of the writer sends at most this much
 # What a rediss:// URL may add (redis-py and resp.tls_context pass them to the TLS connection).
 TLS_OPTIONS = ("ssl_ca_certs", "ssl_ca_path", "ssl_certfile", "ssl_keyfile", "ssl_cert_reqs", "ssl_check_hostname")
@@ -76,13 +72,14 @@ class RedisConfig:
     alone evicts); timeout_s: connect and socket timeout; backoff_s: the
     longest a failed Redis is skipped; queue_bytes: puts waiting for the
     writer before new ones are dropped; read_connections: connections a
-    lookup reads over from one Redis (READ_CONNECTIONS)."""
+    lookup reads over from one Redis (0: as many as its server serves
+    fastest, read_lanes)."""
     url: str
     ttl_s: int = 0
     timeout_s: float = 0.25
     backoff_s: float = 10.0
     queue_bytes: int = 64 << 20
-    read_connections: int = READ_CONNECTIONS
+    read_connections: int = 0
 
     def __post_init__(self) -> None:
         try:
@@ -112,9 +109,9 @@ class RedisConfig:
             raise InvalidArgument("redis-backoff", f"must be in (0, 3600] seconds, got {self.backoff_s}")
         if self.queue_bytes <= 0:
             raise InvalidArgument("queue_bytes", f"must be > 0, got {self.queue_bytes}")
-        if not 1 <= self.read_connections <= MAX_READ_CONNECTIONS:
-            raise InvalidArgument("redis-read-connections",
-                                  f"must be in [1, {MAX_READ_CONNECTIONS}], got {self.read_connections}")
+        if not 0 <= self.read_connections <= MAX_READ_CONNECTIONS:
+            raise InvalidArgument("redis-read-connections", f"must be 0 (by the server) or in "
+                                  f"[1, {MAX_READ_CONNECTIONS}], got {self.read_connections}")
 
     def redacted(self) -> str:
         """The URL without its password (for logs and errors)."""
@@ -152,8 +149,8 @@ class RedisStore:
         # puts to one Redis and PINGs it; a cluster's nodes get both from resp.py.
         self.client = redis.Redis.from_url(cfg.url, socket_timeout=cfg.timeout_s,
                                            socket_connect_timeout=cfg.timeout_s, retry=Retry(NoBackoff(), 0))
-        self.topology = Topology(cfg.url, cfg.redacted(), cfg.timeout_s, cfg.backoff_s, cfg.read_connections,
-                                 self._fail)
+        self.topology = Topology(cfg.url, cfg.redacted(), cfg.timeout_s, cfg.backoff_s, cfg.read_connections or
+                                 VALKEY_LANES, self._fail)
         self._lock = threading.Lock()
         self._last_error = ""             # the latest failure or refusal, of any node
         self._cv = threading.Condition()
@@ -244,11 +241,16 @@ class RedisStore:
                 for c, part in parts:
                     read.part(c, part, None if node is not None else [MISS] * len(part))
                 continue
-            m = min(self.cfg.read_connections, len(parts))
+            m = min(self.read_lanes(node), len(parts))
             lanes += [(node, parts[p::m]) for p in range(m)]
         for node, parts in lanes:     # the caller waits on the chunks in order (and copies each on)
             self._readers.submit(self._lane, node, keys, heads, rows, parts, read)
         return read.chunks
+
+    def read_lanes(self, node: Node) -> int:
+        """Connections a lookup reads over from node: RedisConfig.read_connections, or
+        (0) as many as its server serves fastest (Node.server_lanes)."""
+        return self.cfg.read_connections or node.server_lanes()
 
     def _gets(self, keys: list[bytes]) -> bytes:
         if self.cfg.ttl_s:

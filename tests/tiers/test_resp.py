@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from kvstore.errors import InvalidArgument
-from kvstore.tiers import redis_store, resp
+from kvstore.tiers import redis_nodes, redis_store, resp
 from kvstore.tiers.redis_format import HEADER_BYTES, block_key, check, checksum, header, pack_value
 from kvstore.tiers.redis_store import HIT, MISS, REFUSED, SKIPPED, RedisConfig, RedisStore
 from tests.tiers.redis_server import free_port, redis_server  # noqa: F401 (fixture)
@@ -246,8 +246,35 @@ def test_a_lookup_reads_over_its_connections_each_checking_what_it_received(redi
     names = [c for c in redis_server.client().client_list() if c["cmd"] in ("get", "getex")]
     assert len(names) == conns
     store.close()
-    with pytest.raises(InvalidArgument, match="redis-read-connections"):
-        RedisConfig(redis_server.url, read_connections=0)
+    for bad in (-1, redis_store.MAX_READ_CONNECTIONS + 1):
+        with pytest.raises(InvalidArgument, match="redis-read-connections"):
+            RedisConfig(redis_server.url, read_connections=bad)
+
+
+def test_by_default_a_lookup_reads_over_as_many_connections_as_its_server_serves_fastest(redis_server,
+                                                                                       small_chunks):
+    p = fill_redis(redis_server, 40)
+    r = redis_server.client()
+    valkey = r.info("server").get("server_name") == "valkey"
+    want = redis_nodes.VALKEY_LANES if valkey else redis_nodes.REDIS_LANES
+
+    def lookup_connections(url):
+        store = RedisStore(RedisConfig(url, timeout_s=5))
+        r.client_kill_filter(_type="normal", skipme=True)
+        got, rows = read(store, 40)
+        assert got == [HIT] * 40 and np.array_equal(rows, p)
+        lanes = store.read_lanes(store.topology.seed)
+        used = len([c for c in r.client_list() if c["cmd"] in ("get", "getex")])
+        store.close()
+        return lanes, used
+    assert lookup_connections(redis_server.url) == (want, want)
+    # An ACL user that may not ask the server what it is: one connection, lookups served.
+    r.acl_setuser("noinfo", enabled=True, passwords=["+pw"], keys=["kvstore:*"], commands=["+@all", "-info"])
+    assert lookup_connections(f"redis://noinfo:pw@127.0.0.1:{redis_server.port}/0") == (1, 1)
+    # --redis-read-connections says how many, whatever the server.
+    store = RedisStore(RedisConfig(redis_server.url, timeout_s=5, read_connections=3))
+    assert store.read_lanes(store.topology.seed) == 3
+    store.close()
 
 
 def test_a_server_killed_mid_batch_puts_the_store_down_and_it_reconnects(redis_server, small_chunks, monkeypatch):
