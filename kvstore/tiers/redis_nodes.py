@@ -109,21 +109,17 @@ class Node:
         """Connections a lookup reads over from this node by its server (module
         docstring), asked once (INFO server): VALKEY_LANES for Valkey, REDIS_LANES
         for Redis and for a server that does not say (an ACL user refused INFO).
-        A node that does not answer gets REDIS_LANES this time (its lane then fails
-        as any would) and is asked again next time."""
+        Raises OSError where the node does not answer (asked again next time)."""
         if self._lanes is not None:
             return self._lanes
-        try:
-            conn = self.connection()
-        except OSError:
-            return REDIS_LANES
+        conn = self.connection()
         try:
             info = conn.call(b"INFO", b"server")
         except resp.ReplyError:
             info = b""
         except OSError:
             conn.close()
-            return REDIS_LANES
+            raise
         self.give_back(conn)
         fields = dict(line.split(":", 1) for line in info.decode(errors="replace").splitlines() if ":" in line)
         valkey = fields.get("server_name", "").strip() == "valkey"

@@ -39,14 +39,12 @@ import threading
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from urllib.parse import parse_qs, urlsplit
 
 import numpy as np
 import torch
 
-from kvstore.errors import InvalidArgument
-
 from . import resp
+from .redis_config import MAX_READ_CONNECTIONS, RedisConfig  # noqa: F401 (RedisConfig: for callers)
 from .redis_format import block_key, pack_value
 from .redis_lookup import HIT, MISS, REFUSED, SKIPPED, Lookup, runs  # noqa: F401 (the verdicts, for callers)
 from .redis_nodes import VALKEY_LANES, Node, Topology
@@ -59,69 +57,7 @@ log = logging.getLogger("kvstore.redis")
 # waiting there: 4 MiB chunks cost it about 0.15-0.2 s/GB, 16 MiB about 0.3
 # (bench/bench_redis_lookup.py; docs/scale.md, What limits it).
 GET_CHUNK_BYTES = 4 << 20
-MAX_READ_CONNECTIONS = 64        # RedisConfig.read_connections (0: by the server, Node.server_lanes)
 PUT_BATCH_BYTES = 16 << 20        # one pipeline of the writer sends at most this much
-# What a rediss:// URL may add (redis-py and resp.tls_context pass them to the TLS connection).
-TLS_OPTIONS = ("ssl_ca_certs", "ssl_ca_path", "ssl_certfile", "ssl_keyfile", "ssl_cert_reqs", "ssl_check_hostname")
-
-
-@dataclass(frozen=True, slots=True)
-class RedisConfig:
-    """url: redis://[user:password@]host:port/db (rediss:// for TLS, which may
-    add TLS_OPTIONS); ttl_s: expiry of each block (0: none, maxmemory-policy
-    alone evicts); timeout_s: connect and socket timeout; backoff_s: the
-    longest a failed Redis is skipped; queue_bytes: puts waiting for the
-    writer before new ones are dropped; read_connections: connections a
-    lookup reads over from one Redis (0: as many as its server serves
-    fastest, read_lanes)."""
-    url: str
-    ttl_s: int = 0
-    timeout_s: float = 0.25
-    backoff_s: float = 10.0
-    queue_bytes: int = 64 << 20
-    read_connections: int = 0
-
-    def __post_init__(self) -> None:
-        try:
-            u = urlsplit(self.url)
-            u.port                      # raises on a port that is not a number in range
-        except ValueError as e:
-            raise InvalidArgument("redis", f"{self.redacted()}: {e}") from None
-        db = u.path.strip("/")
-        if u.scheme not in ("redis", "rediss"):
-            raise InvalidArgument("redis", f"{self.redacted()}: scheme must be redis:// or rediss:// (TLS)")
-        if not u.hostname:
-            raise InvalidArgument("redis", f"{self.redacted()}: no host (redis://[user:password@]host:port/db)")
-        if db and not db.isdigit():
-            raise InvalidArgument("redis", f"{self.redacted()}: the path must be a database number, got {db!r}")
-        opts = parse_qs(u.query, keep_blank_values=True)
-        bad = sorted(set(opts) - set(TLS_OPTIONS)) if u.scheme == "rediss" else sorted(opts)
-        if bad or u.fragment:
-            raise InvalidArgument("redis", f"{self.redacted()}: unexpected {bad or u.fragment!r}: only a rediss:// "
-                                  f"(TLS) URL takes options, {', '.join(TLS_OPTIONS)}; timeouts and TTL are flags")
-        if opts.get("ssl_cert_reqs", [""])[-1] not in ("", "none", "optional", "required"):
-            raise InvalidArgument("redis", f"{self.redacted()}: ssl_cert_reqs must be none, optional or required")
-        if self.ttl_s < 0:
-            raise InvalidArgument("redis-ttl", f"must be >= 0, got {self.ttl_s}")
-        if not 0 < self.timeout_s <= 60:
-            raise InvalidArgument("redis-timeout", f"must be in (0, 60] seconds, got {self.timeout_s}")
-        if not 0 < self.backoff_s <= 3600:
-            raise InvalidArgument("redis-backoff", f"must be in (0, 3600] seconds, got {self.backoff_s}")
-        if self.queue_bytes <= 0:
-            raise InvalidArgument("queue_bytes", f"must be > 0, got {self.queue_bytes}")
-        if not 0 <= self.read_connections <= MAX_READ_CONNECTIONS:
-            raise InvalidArgument("redis-read-connections", f"must be 0 (by the server) or in "
-                                  f"[1, {MAX_READ_CONNECTIONS}], got {self.read_connections}")
-
-    def redacted(self) -> str:
-        """The URL without its password (for logs and errors)."""
-        try:
-            u = urlsplit(self.url)
-            if u.password is None:
-                return self.url
-            return u._replace(netloc=u.netloc.replace(":" + u.password + "@", ":***@", 1)).geturl()
-        except ValueError:
-            return "<unparsable URL>"
 
 
 @dataclass(slots=True)
@@ -237,11 +173,10 @@ class RedisStore:
         lanes = []
         for node, idx in self.topology.route(keys):
             parts = [(i // per, idx[j:k]) for i, j, k in runs(idx, per)]      # its rows, chunk by chunk
-            if node is None or not node.breaker.allow():
-                for c, part in parts:
-                    read.part(c, part, None if node is not None else [MISS] * len(part))
-                continue
-            m = min(self.read_lanes(node), len(parts))
+            # no lanes: slots no node serves (misses), a node down or that did not answer (failed)
+            m = min(self.read_lanes(node), len(parts)) if node is not None and node.breaker.allow() else 0
+            for c, part in parts if m == 0 else ():
+                read.part(c, part, None if node is not None else [MISS] * len(part))
             lanes += [(node, parts[p::m]) for p in range(m)]
         for node, parts in lanes:     # the caller waits on the chunks in order (and copies each on)
             self._readers.submit(self._lane, node, keys, heads, rows, parts, read)
@@ -249,8 +184,16 @@ class RedisStore:
 
     def read_lanes(self, node: Node) -> int:
         """Connections a lookup reads over from node: RedisConfig.read_connections, or
-        (0) as many as its server serves fastest (Node.server_lanes)."""
-        return self.cfg.read_connections or node.server_lanes()
+        (0) as many as its server serves fastest (Node.server_lanes); none (0, the node
+        failed) where it did not answer that: one timeout, as a lane's failure."""
+        if self.cfg.read_connections:
+            return self.cfg.read_connections
+        try:
+            return node.server_lanes()
+        except OSError as e:
+            node.drop_connections()
+            self._fail(node, e)
+            return 0
 
     def _gets(self, keys: list[bytes]) -> bytes:
         if self.cfg.ttl_s:

@@ -58,7 +58,7 @@ def _to_bool(v: str | None, default: bool) -> bool:
 
 
 def tls_context(query: str) -> ssl.SSLContext:
-    """The TLS context of a rediss:// URL's options (redis_store.TLS_OPTIONS), with
+    """The TLS context of a rediss:// URL's options (redis_config.TLS_OPTIONS), with
     redis-py's defaults: certificates required, host names checked."""
     q = {k: v[-1] for k, v in parse_qs(query, keep_blank_values=True).items()}
     reqs = {"none": ssl.CERT_NONE, "optional": ssl.CERT_OPTIONAL,

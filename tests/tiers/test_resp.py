@@ -271,6 +271,18 @@ def test_by_default_a_lookup_reads_over_as_many_connections_as_its_server_serves
     # An ACL user that may not ask the server what it is: one connection, lookups served.
     r.acl_setuser("noinfo", enabled=True, passwords=["+pw"], keys=["kvstore:*"], commands=["+@all", "-info"])
     assert lookup_connections(f"redis://noinfo:pw@127.0.0.1:{redis_server.port}/0") == (1, 1)
+    # A server that does not answer what it is fails the lookup after one timeout, as a lane would.
+    slow = RedisStore(RedisConfig(redis_server.url, timeout_s=0.3, backoff_s=5))
+    redis_server.pause()
+    try:
+        t0 = time.monotonic()
+        got, _ = read(slow, 40)
+        took = time.monotonic() - t0
+    finally:
+        redis_server.resume()
+    assert got == [None] * 40 and took < 0.3 + 0.25, took
+    assert slow.stats()["state"] == "down" and slow.stats()["errors"] == 1
+    slow.close()
     # --redis-read-connections says how many, whatever the server.
     store = RedisStore(RedisConfig(redis_server.url, timeout_s=5, read_connections=3))
     assert store.read_lanes(store.topology.seed) == 3
