@@ -9,7 +9,7 @@ SOCKET ?= /tmp/kvstore-$(shell id -u)/kvstore.sock
 ARGS ?=
 export PYTHONUNBUFFERED := 1
 
-.PHONY: install install-cuda redis proto serve demo demo-synthetic text test test-gpu clean
+.PHONY: install install-cuda redis proto serve demo demo-synthetic text test test-gpu test-valkey clean
 
 # Every step says what it does and pip shows its progress: the first install
 # downloads a few hundred MB and takes minutes.
@@ -84,6 +84,13 @@ demo-synthetic: install
 
 test: install redis
 	$(VPY) -m pytest -q -x --durations=10 tests
+
+# The Redis tier's tests against Valkey 9 (the other server it speaks; docs/scale.md,
+# Valkey 9), unpacked from Debian's packages into .dev/valkey on first use.
+test-valkey: install
+	@[ -x .dev/valkey/valkey-server ] || scripts/valkey_for_device.sh .dev/valkey
+	KVSTORE_TEST_REDIS_SERVER=$(CURDIR)/.dev/valkey/valkey-server $(VPY) -m pytest -q \
+		tests/tiers/test_resp.py tests/tiers/test_redis_tier.py tests/tiers/test_redis_cluster.py
 
 # The GPU suite in GPU_WORKERS processes sharing the GPU: most of its time is Triton and
 # NVRTC compiling on the CPU (H100 host, 16 cores: 378 s with 8 workers, 686 s run serially).
