@@ -7,10 +7,10 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # Under pytest-xdist (make test-gpu: GPU_WORKERS processes) each worker's torch would run
-# its CPU ops (the fp64 references) on a thread per core, every worker on every core. One
-# thread a worker: the multi-token GPU tests (tests/kernels/test_multi_kernels.py, 73,
-# 16 workers, H200 host of 16 cores) took 33.5 s, where the slowest of them had taken
-# 45-157 s each with the threads left as they were.
+# its CPU ops (the fp64 references) on a thread per core, every worker on every core. Each
+# worker gets its share of the cores instead: with one thread a worker the multi-token GPU
+# tests (tests/kernels/test_multi_kernels.py, 73, 16 workers, H200 host of 16 cores) took
+# 33.5 s, where the slowest of them had taken 45-157 s each with the threads left as they were.
 if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
 

@@ -173,10 +173,11 @@ class RedisStore:
         lanes = []
         for node, idx in self.topology.route(keys):
             parts = [(i // per, idx[j:k]) for i, j, k in runs(idx, per)]      # its rows, chunk by chunk
-            # no lanes: slots no node serves (misses), a node down or that did not answer (failed)
             m = min(self.read_lanes(node), len(parts)) if node is not None and node.breaker.allow() else 0
-            for c, part in parts if m == 0 else ():
-                read.part(c, part, None if node is not None else [MISS] * len(part))
+            if m == 0:      # slots no node serves (misses), or a node down or that did not answer (failed)
+                for c, part in parts:
+                    read.part(c, part, None if node is not None else [MISS] * len(part))
+                continue
             lanes += [(node, parts[p::m]) for p in range(m)]
         for node, parts in lanes:     # the caller waits on the chunks in order (and copies each on)
             self._readers.submit(self._lane, node, keys, heads, rows, parts, read)
