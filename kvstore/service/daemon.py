@@ -15,7 +15,6 @@ import os
 import signal
 import socket
 import sys
-import threading
 from concurrent import futures
 
 import grpc
@@ -33,6 +32,39 @@ from .leases import DEFAULT_TIMEOUT_S, LeaseManager
 from .servicer import DEFAULT_MAX_STREAMS, KVStoreServicer
 
 log = logging.getLogger("kvstore.daemon")
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+GRACE_S = 5.0           # calls in flight at a stop signal get this long to finish
+STOP_LIMIT_S = 15.0     # past this the daemon exits without the calls that are still running
+
+
+def _stop_pipe() -> int:
+    """Make SIGTERM/SIGINT write their number to a pipe -> its read end.
+
+    The Python handlers do nothing: a handler that stopped the server itself
+    would run again, nested inside the first, for the next signal (make and
+    systemd signal every process of a group, so a daemon under `make serve`
+    gets SIGTERM twice), and a nested Event.set or Lock acquire deadlocks on
+    the lock the interrupted frame holds. CPython writes to the wakeup fd in
+    whichever thread the kernel delivers the signal to, so the main thread,
+    blocked reading the pipe, wakes at once."""
+    r, w = os.pipe()
+    os.set_blocking(w, False)
+    signal.set_wakeup_fd(w, warn_on_full_buffer=False)
+    for s in STOP_SIGNALS:
+        signal.signal(s, lambda *_: None)
+    return r
+
+
+def _wait_for_stop(pipe: int) -> int:
+    """Block until a stop signal -> its number; later ones are ignored from here
+    through interpreter exit (an ignored disposition outlives the signal module)."""
+    while (signum := os.read(pipe, 1)[0]) not in STOP_SIGNALS:
+        pass
+    for s in STOP_SIGNALS:
+        signal.signal(s, signal.SIG_IGN)
+    return signum
+
 def create_server(engine: "Engine | None" = None, socket_path: str | None = None, port: int | None = None,
                   max_message_mb: int = DEFAULT_MAX_MESSAGE_MB, workers: int = 8,
                   host: str = "127.0.0.1", auth: Authenticator | None = None,
@@ -183,6 +215,7 @@ def main(argv: list[str] | None = None) -> None:
                             args.redis_cfg)
         except Exception as e:  # noqa: BLE001 - e.g. an LMDB directory we cannot open: one line, not a traceback
             raise sockets.SocketError(f"--lmdb {args.lmdb}: {e}" if args.lmdb else f"engine: {e}") from None
+        wake = _stop_pipe()     # before the server starts: from then on a signal stops it cleanly
         try:
             server, port, health_servicer = create_server(
                 engine, args.socket, args.port, args.max_message_mb, args.workers, args.host, auth=auth, tls=tls,
@@ -202,31 +235,26 @@ def main(argv: list[str] | None = None) -> None:
         where += f", metrics on http://{args.metrics_host}:{mport}/metrics"
     log.info("kvstore serving on %s (device %s)", where, args.device)
     print(f"kvstore: serving on {where}", flush=True)
-    done = threading.Event()
-
-    def stop(signum, _frame):
-        log.info("signal %s: stopping", signum)
-        health_servicer.enter_graceful_shutdown()
-        server.stop(grace=5).wait()     # removes our sockets, if they are still ours
-        done.set()
-
-    signal.signal(signal.SIGTERM, stop)
-    signal.signal(signal.SIGINT, stop)
-    # Wake up now and then: a signal delivered to another thread (CUDA and gRPC
-    # start many) only runs its Python handler once the main thread wakes.
-    while not done.wait(0.5):
-        pass
+    signum = _wait_for_stop(wake)
+    log.info("signal %s: stopping", signum)
+    health_servicer.enter_graceful_shutdown()
+    # Bounded: a handler that ignores cancellation must not keep the engine from
+    # closing below (LMDB synced, queued Redis puts sent) before a supervisor's SIGKILL.
+    stopped = server.stop(grace=GRACE_S).wait(STOP_LIMIT_S)    # removes our sockets, if they are still ours
+    if not stopped:
+        log.warning("calls still running %.0f s after the stop signal: exiting without them", STOP_LIMIT_S)
     if metrics is not None:
         metrics.stop()
     eng = getattr(server, "kvstore_engine", None)
     if eng is not None:
         eng.close()         # LMDB synced, queued Redis puts sent
     logging.shutdown()
-    if args.device.startswith("cuda"):
-        # Interpreter teardown of CUDA memory that workers still map through IPC
-        # can block; every request has finished and LMDB is synced, so leave now.
+    if not stopped or args.device.startswith("cuda"):
+        # Interpreter exit would join the handler threads still running; and its
+        # teardown of CUDA memory that workers still map through IPC can block.
+        # LMDB is synced by now, so leave (1: calls were cut off).
         sys.stdout.flush()
-        os._exit(0)
+        os._exit(0 if stopped else 1)
 
 
 if __name__ == "__main__":

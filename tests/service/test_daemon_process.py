@@ -145,3 +145,30 @@ def test_two_processes_share_prefix_and_restart_keeps_hashes(sock, codec, sinks,
         finally:
             stop_daemon(p)
     assert hashes_by_run[0] == hashes_by_run[1]               # same across restarts and hash seeds
+
+
+def test_stop_signals_in_a_burst_stop_it_once_and_cleanly(sock):
+    """make and systemd signal every process of a group, so a daemon under `make serve`
+    gets SIGTERM twice, and an operator's second Ctrl-C is common: however the signals
+    fall, it stops once, exits 0 with no traceback and leaves no socket behind."""
+    from kvstore.client import KVStoreClient
+    p, target = start_daemon(sock)
+    with KVStoreClient(target) as kv:
+        kv.create_cache("c", "m", num_layers=1, num_q_heads=1, num_kv_heads=1, head_dim=16, codec="fp16",
+                        num_blocks=4)
+    deadline = time.monotonic() + 30
+    sent = 0
+    while p.poll() is None and time.monotonic() < deadline:
+        p.send_signal(signal.SIGTERM if sent % 2 else signal.SIGINT)
+        sent += 1
+        time.sleep(0.0005)
+    try:
+        rc = p.wait(timeout=5)
+    except subprocess.TimeoutExpired:
+        p.kill()
+        raise AssertionError(f"daemon still running 30 s into a burst of {sent} stop signals")
+    out = p.stdout.read()
+    assert sent >= 2
+    assert rc == 0, out[-3000:]
+    assert "Traceback" not in out, out[-3000:]
+    assert not os.path.exists(sock)
