@@ -10,7 +10,8 @@
 
 How a step runs (any decoder-only model whose attention calls
 `past_key_values.update` then the registered attention function: Llama,
-Qwen2/3, SmolLM, Mistral, Phi-3, Gemma-2/3: sliding-window layers and logit
+Qwen2/3, SmolLM, Mistral, Phi-3, Gemma-2/3, GPT-2, GPTBigCode, GPT-NeoX, OPT
+and more: sliding-window layers and logit
 soft-capping go to the daemon with the cache spec, hf_variants.py; what it
 cannot run is refused at construction, naming the feature):
   - prefill (a forward of n > 1 tokens): attention in-process on exact K/V, by
@@ -59,7 +60,7 @@ import torch
 
 from . import hf_variants
 from .client import KVStoreClient
-from .hf_cache import FALLBACK_ERRORS, KVStoreCache, take_decode_target
+from .hf_cache import FALLBACK_ERRORS, KVStoreCache, not_attended, set_decode_target, take_decode_target
 from .hf_groups import LayerGroups, merge_stats
 
 ATTN = "kvstore"
@@ -92,7 +93,9 @@ def kvstore_attention(module, query, key, value, attention_mask, dropout=0.0, sc
     Decode steps of a KVStoreCache go to the daemon; everything else (prefill,
     fallback, plain caches) runs in-process by the model's own attention."""
     ctx = take_decode_target()
-    if ctx is not None and ctx[1] == module.layer_idx:
+    if ctx is not None and ctx[1] != module.layer_idx:     # e.g. K/V shared across layers
+        raise RuntimeError(not_attended(type(ctx[0].adapter.model).__name__, ctx[1], module.layer_idx))
+    if ctx is not None:
         ctx[0].adapter.variant.check_call(module.layer_idx, kwargs)
         out, key, value = ctx[0].decode_attention(module.layer_idx, query, key, value, scaling)
         if out is not None:
@@ -139,8 +142,7 @@ class KVStoreAdapter:
         c = model.config.get_text_config(decoder=True)
         self.variant = hf_variants.detect(model, c)       # ValueError naming what the daemon cannot run
         self.num_layers = c.num_hidden_layers
-        self.num_q_heads, self.num_kv_heads = c.num_attention_heads, c.num_key_value_heads
-        self.head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+        self.num_q_heads, self.num_kv_heads, self.head_dim = hf_variants.heads(c)
         named = getattr(c, "_name_or_path", "") or ""
         cb = None
         if codec == "pq" and codebooks is not None:
@@ -189,7 +191,8 @@ class KVStoreAdapter:
             if self._old_attn[k] != ATTN:
                 _inner[k] = self._old_attn[k]
             c._attn_implementation = ATTN
-        self._hook = model.register_forward_pre_hook(self._pre_forward, with_kwargs=True)
+        self._hooks = (model.register_forward_pre_hook(self._pre_forward, with_kwargs=True),
+                       model.register_forward_hook(self._post_forward))
 
     def _codebooks(self, codebooks, transform, model_id: str, explicit: bool):
         """-> (Codebooks, Transform or None) of a codebooks file, refused
@@ -266,7 +269,8 @@ class KVStoreAdapter:
 
     def close(self) -> None:
         """Detach from the model (its attention goes back to what it was) and the daemon."""
-        self._hook.remove()
+        for h in self._hooks:
+            h.remove()
         for k, c in self._configs.items():
             c._attn_implementation = self._old_attn[k]
             _inner.pop(k, None)
@@ -393,7 +397,14 @@ class KVStoreAdapter:
 
     @staticmethod
     def _pre_forward(module, args, kwargs):
+        set_decode_target(None)     # one an exception left in an earlier forward
         cache = kwargs.get("past_key_values")
         if isinstance(cache, KVStoreCache):
             ids = kwargs.get("input_ids", args[0] if args else None)
             cache.begin_forward(ids)
+
+    @staticmethod
+    def _post_forward(module, args, output):
+        left = take_decode_target()    # the last layer's step, which no later layer's update checks
+        if left is not None:
+            raise RuntimeError(not_attended(type(module).__name__, left[1]))

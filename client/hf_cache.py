@@ -20,8 +20,21 @@ _local = threading.local()     # (cache, layer) set by KVStoreCache.update for t
 
 def set_decode_target(cache: "KVStoreCache | None", layer: int = -1) -> None:
     """The decode step of `layer` goes to the daemon: the attention function
-    (hf.kvstore_attention) called next on this thread takes it."""
+    (hf.kvstore_attention) called next on this thread takes it. A step no attention
+    call took is refused here: that layer attended in-process over the new tokens
+    alone (update kept nothing), so its output is wrong, and generation must stop."""
+    left = getattr(_local, "ctx", None)
+    if cache is not None and left is not None:
+        _local.ctx = None
+        raise RuntimeError(not_attended(type(left[0].adapter.model).__name__, left[1]))
     _local.ctx = (cache, layer) if cache is not None else None
+
+
+def not_attended(model: str, layer: int, attended: int | None = None) -> str:
+    how = ("did not call the registered attention function" if attended is None else
+           f"was attended by the attention module of layer {attended}")
+    return (f"{model}: the decode step of layer {layer} {how}; attention that does not go through "
+            "transformers' AttentionInterface once per layer is not supported by the kvstore adapter")
 
 
 def take_decode_target() -> "tuple[KVStoreCache, int] | None":

@@ -46,11 +46,30 @@ def _refuse(feature: str) -> None:
                      "would compute something else)")
 
 
+def heads(c) -> tuple[int, int, int]:
+    """(query heads, KV heads, head_dim) of a decoder's text config, whichever names it
+    uses: num_key_value_heads (Llama and most), num_kv_heads (Falcon), multi_query
+    (GPTBigCode: one KV head), none of them (GPT-2, GPT-NeoX, OPT: one per query head).
+    head_dim is the config's own where it has one (Gemma's is not hidden / heads)."""
+    q = c.num_attention_heads
+    kv = getattr(c, "num_key_value_heads", None) or getattr(c, "num_kv_heads", None) \
+        or (1 if getattr(c, "multi_query", False) else q)
+    return q, kv, getattr(c, "head_dim", None) or c.hidden_size // q
+
+
 def detect(model, c) -> AttentionVariant:
     """The attention variant of `model` (c: its decoder's text config); ValueError naming
     the first feature the daemon cannot run."""
     if model.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         _refuse(f"model dtype {model.dtype}")
+    # The decode step reaches the daemon only through the registered attention function;
+    # a modeling file that never looks one up (GPT-J, Falcon, Bloom, MPT, CodeGen) attends
+    # in-process. The class flag _supports_attention_backend is no guide: StableLM and
+    # BioGPT look the function up without it. KVStoreCache refuses, at run time, a step
+    # of any other model that no attention call took.
+    layered = {sys.modules[type(m).__module__] for m in model.modules() if hasattr(m, "layer_idx")}
+    if not any(hasattr(mod, "ALL_ATTENTION_FUNCTIONS") for mod in layered):
+        _refuse(f"{type(model).__name__}: attention outside transformers' AttentionInterface")
     for m in model.modules():
         if isinstance(getattr(m, "sinks", None), torch.nn.Parameter):
             _refuse("learned attention-sink logits (the attention's `sinks` parameter, as gpt-oss)")

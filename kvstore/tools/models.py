@@ -94,13 +94,11 @@ def text_config(model):
 
 
 def geometry_of(model) -> ModelGeometry:
-    """Layers, query and KV heads, head_dim (the config's own where it has one:
-    Gemma's is not hidden / heads)."""
+    """Layers, query and KV heads, head_dim, as the adapter reads them."""
+    from kvstore.client.hf_variants import heads
     c = text_config(model)
-    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-    return ModelGeometry(num_layers=c.num_hidden_layers, num_q_heads=c.num_attention_heads,
-                         num_kv_heads=getattr(c, "num_key_value_heads", None) or c.num_attention_heads,
-                         head_dim=head_dim)
+    q, kv, d = heads(c)
+    return ModelGeometry(num_layers=c.num_hidden_layers, num_q_heads=q, num_kv_heads=kv, head_dim=d)
 
 
 def attention_modules(model) -> list:

@@ -61,11 +61,44 @@ def _phi3():
                                    sliding_window=WINDOW, pad_token_id=0, **SMALL)
 
 
+def _gpt2():       # no num_key_value_heads: one KV head a query head; fused c_attn
+    return transformers.GPT2Config(n_layer=2, n_head=4, n_embd=64, vocab_size=128, n_positions=512,
+                                   initializer_range=0.2)
+
+
+def _gpt_bigcode():    # multi_query: one KV head for all
+    return transformers.GPTBigCodeConfig(n_layer=2, n_head=4, n_embd=64, vocab_size=128, n_positions=512,
+                                         multi_query=True, initializer_range=0.2)
+
+
+def _gpt_neox():   # rotary on a quarter of each head
+    return transformers.GPTNeoXConfig(num_hidden_layers=2, num_attention_heads=4, rotary_pct=0.25, **SMALL)
+
+
+def _opt():        # learned positions
+    return transformers.OPTConfig(num_hidden_layers=2, num_attention_heads=4, hidden_size=64, ffn_dim=128,
+                                  vocab_size=128, word_embed_proj_dim=64, max_position_embeddings=512)
+
+
+def _granite():    # attention_multiplier: a scale other than 1/sqrt(head_dim)
+    return transformers.GraniteConfig(num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                      attention_multiplier=0.05, **SMALL)
+
+
+def _cohere2():    # 3 sliding layers to 1 global
+    return transformers.Cohere2Config(num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                                      sliding_window=WINDOW, **SMALL)
+
+
 MODELS = {"llama": (_llama, "LlamaForCausalLM"), "qwen2": (_qwen2, "Qwen2ForCausalLM"),
           "qwen3": (_qwen3, "Qwen3ForCausalLM"), "mistral": (_mistral, "MistralForCausalLM"),
           "gemma2": (_gemma2, "Gemma2ForCausalLM"), "gemma3": (_gemma3, "Gemma3ForCausalLM"),
-          "phi3": (_phi3, "Phi3ForCausalLM")}
-WINDOWS = {"llama": (), "qwen2": (0, WINDOW), "qwen3": (0, WINDOW), "mistral": (WINDOW,) * 2,
+          "phi3": (_phi3, "Phi3ForCausalLM"), "gpt2": (_gpt2, "GPT2LMHeadModel"),
+          "gpt_bigcode": (_gpt_bigcode, "GPTBigCodeForCausalLM"), "gpt_neox": (_gpt_neox, "GPTNeoXForCausalLM"),
+          "opt": (_opt, "OPTForCausalLM"), "granite": (_granite, "GraniteForCausalLM"),
+          "cohere2": (_cohere2, "Cohere2ForCausalLM")}
+WINDOWS = {"gpt2": (), "gpt_bigcode": (), "gpt_neox": (), "opt": (), "granite": (), "cohere2": (WINDOW,) * 3 + (0,),
+           "llama": (), "qwen2": (0, WINDOW), "qwen3": (0, WINDOW), "mistral": (WINDOW,) * 2,
            "gemma2": (WINDOW, 0), "gemma3": (WINDOW,) * 5 + (0,), "phi3": (WINDOW,) * 2}
 
 
@@ -282,3 +315,40 @@ def test_unsupported_attention_is_refused_naming_it(daemon, attr, value, feature
     setattr(model.config, attr, value)
     with pytest.raises(ValueError, match=feature):
         KVStoreAdapter(model, daemon, cache="refused", codec="fp16")
+
+
+def test_attention_outside_the_interface_is_refused(daemon):
+    """GPT-J's modeling file computes attention itself, never looking up the registered
+    function: the daemon would never see its decode steps."""
+    cfg = transformers.GPTJConfig(n_layer=2, n_head=4, n_embd=64, rotary_dim=8, vocab_size=128, n_positions=512)
+    with pytest.raises(ValueError, match="GPTJForCausalLM: attention outside transformers' AttentionInterface"):
+        KVStoreAdapter(transformers.GPTJForCausalLM(cfg), daemon, cache="gptj", codec="fp16")
+
+
+@pytest.mark.parametrize("how", ["in-process", "another layer"])
+def test_a_decode_step_no_attention_call_took_stops_generation(daemon, monkeypatch, how):
+    """A model that passes the check at construction but then attends a decode step
+    in-process (over the new token alone: the cache keeps nothing) or through another
+    layer's module stops with an error naming the layer, rather than generating on."""
+    from transformers.models.llama import modeling_llama
+    from kvstore.client.hf import kvstore_attention
+    model = build("llama")
+    ad = KVStoreAdapter(model, daemon, cache="astray", codec="fp16", block_size=8, residual=8)
+
+    class Astray:      # the lookup the modeling file makes, answered otherwise
+        @staticmethod
+        def get_interface(name, default):
+            if how == "in-process":
+                return default
+            return lambda module, *a, **k: kvstore_attention(
+                type("Shared", (), {"layer_idx": 0, "config": module.config})(), *a, **k)
+    with torch.no_grad():
+        ad.generate(prompt(), max_new_tokens=2, do_sample=False, pad_token_id=0)     # unpatched: runs
+        monkeypatch.setattr(modeling_llama, "ALL_ATTENTION_FUNCTIONS", Astray)
+        want = "decode step of layer 0 did not call" if how == "in-process" else \
+            "decode step of layer 1 was attended by the attention module of layer 0"
+        with pytest.raises(RuntimeError, match=want):
+            ad.generate(prompt(), **GEN)
+        monkeypatch.undo()
+        assert torch.equal(ad.generate(prompt(), **GEN), reference(model, prompt()))    # nothing left behind
+    ad.close()
