@@ -30,7 +30,7 @@ from kvstore.codec.transform import Transform
 from kvstore.core.config import ModelGeometry
 
 from .hooks import AttentionCall, attention_handler
-from .models import MODEL_HELP, attention_modules, geometry_of, load_model
+from .models import MODEL_HELP, geometry_of, load_model, output_weight
 from .text import CALIB_DIRS, TEXT_HELP, default_text, read_text, token_windows
 
 
@@ -48,7 +48,7 @@ def qaware_layer(model, layer: int, q_moments: torch.Tensor) -> tuple[torch.Tens
     g = geometry_of(model)
     groups, d = g.num_q_heads // g.num_kv_heads, g.head_dim
     ak = torch.stack([_sqrtm(q_moments[h]) for h in range(g.num_kv_heads)])
-    w = attention_modules(model)[layer].o_proj.weight.detach().cpu().double()   # [hidden, Hq * d]
+    w = output_weight(model, layer).detach().cpu().double()                     # [hidden, Hq * d]
     av = torch.stack([_sqrtm(sum(w[:, (h * groups + j) * d:(h * groups + j + 1) * d].T
                                  @ w[:, (h * groups + j) * d:(h * groups + j + 1) * d] for j in range(groups)))
                       for h in range(g.num_kv_heads)])

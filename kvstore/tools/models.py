@@ -101,12 +101,32 @@ def geometry_of(model) -> ModelGeometry:
     return ModelGeometry(num_layers=c.num_hidden_layers, num_q_heads=q, num_kv_heads=kv, head_dim=d)
 
 
+# The attention output projection's name: Llama and most / OPT, BioGPT / GPT-NeoX / GPT-2, GPTBigCode.
+OUT_PROJ = ("o_proj", "out_proj", "dense", "c_proj")
+
+
 def attention_modules(model) -> list:
     """The self-attention module of every layer, in layer order."""
-    mods = {m.layer_idx: m for m in model.modules() if hasattr(m, "layer_idx") and hasattr(m, "o_proj")}
+    mods = {}
+    for m in model.modules():
+        if hasattr(m, "layer_idx") and any(hasattr(m, a) for a in OUT_PROJ):
+            mods.setdefault(m.layer_idx, m)
     n = geometry_of(model).num_layers
     assert sorted(mods) == list(range(n)), f"found attention modules of layers {sorted(mods)}, config says {n}"
     return [mods[i] for i in range(n)]
+
+
+def output_weight(model, layer: int) -> torch.Tensor:
+    """The attention output projection of `layer` as [hidden, Hq * d] (a Linear's weight;
+    GPT-2's Conv1D keeps it transposed); ValueError where the model has none of that width."""
+    attn = attention_modules(model)[layer]
+    g = geometry_of(model)
+    proj = next(getattr(attn, a) for a in OUT_PROJ if hasattr(attn, a))
+    w = proj.weight.T if type(proj).__name__ == "Conv1D" else proj.weight
+    if w.dim() != 2 or w.shape[1] != g.num_q_heads * g.head_dim:
+        raise ValueError(f"{type(attn).__name__}: output projection of shape {tuple(w.shape)}, not "
+                         f"[hidden, {g.num_q_heads} x {g.head_dim}]: --transform qaware cannot read it")
+    return w
 
 
 def bos_id(tok) -> int | None:

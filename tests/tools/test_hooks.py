@@ -37,10 +37,19 @@ def tiny(kind: str):
         return T.GptOssForCausalLM(T.GptOssConfig(**dict(common, intermediate_size=64), head_dim=16,
                                                   sliding_window=WINDOW, num_local_experts=4,
                                                   num_experts_per_tok=2)).eval()
+    mha = dict(vocab_size=128, initializer_range=0.3)         # no num_key_value_heads: one KV head a query head
+    if kind == "gpt2":        # fused c_attn, Conv1D projections
+        return T.GPT2LMHeadModel(T.GPT2Config(n_layer=2, n_head=4, n_embd=64, n_positions=512, **mha)).eval()
+    if kind == "gpt_neox":    # rotary on a quarter of each head, output projection `dense`
+        return T.GPTNeoXForCausalLM(T.GPTNeoXConfig(num_hidden_layers=2, num_attention_heads=4, hidden_size=64,
+                                                    intermediate_size=128, rotary_pct=0.25, **mha)).eval()
+    if kind == "opt":         # output projection `out_proj`
+        return T.OPTForCausalLM(T.OPTConfig(num_hidden_layers=2, num_attention_heads=4, hidden_size=64, ffn_dim=128,
+                                            word_embed_proj_dim=64, **mha)).eval()
     raise AssertionError(kind)
 
 
-KINDS = ["llama", "mistral", "gemma2", "gemma3", "gptoss"]
+KINDS = ["llama", "mistral", "gemma2", "gemma3", "gptoss", "gpt2", "gpt_neox", "opt"]
 
 
 def token_windows(n=2, size=4 * WINDOW):
@@ -128,3 +137,21 @@ def test_the_hook_refuses_attention_it_cannot_wrap():
     with pytest.raises(ValueError, match="attn_implementation"):
         with hooks.attention_handler(model, hooks.exact_attention):
             pass
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_output_projection_as_the_model_applies_it(kind):
+    """--transform qaware weighs V by the output projection: read as [hidden, Hq * d]
+    whatever the layer calls it and however it stores it (GPT-2's Conv1D: transposed)."""
+    model = tiny(kind)
+    g = models.geometry_of(model)
+    for layer, attn in enumerate(models.attention_modules(model)):
+        w = models.output_weight(model, layer)
+        proj = next(getattr(attn, a) for a in models.OUT_PROJ if hasattr(attn, a))
+        x = torch.randn(3, g.num_q_heads * g.head_dim)
+        bias = proj.bias if getattr(proj, "bias", None) is not None else 0
+        with torch.no_grad():
+            assert torch.allclose(proj(x) - bias, x @ w.T, atol=1e-5)
+    eye = torch.eye(g.head_dim).expand(g.num_layers, g.num_kv_heads, g.head_dim, g.head_dim)
+    tr = C.qaware_transform(model, eye)
+    assert tr.v.shape == (g.num_layers, g.num_kv_heads, g.head_dim, g.head_dim) and torch.isfinite(tr.v).all()
