@@ -10,7 +10,7 @@ import threading
 
 import grpc
 import torch
-from transformers.cache_utils import Cache, CacheLayerMixin, DynamicCache
+from transformers.cache_utils import Cache, CacheLayerMixin, DynamicCache, DynamicLayer
 
 # What makes the adapter fall back in-process: RPC failures of any status and
 # the shared-memory arena failing (the daemon took its buffer with it).
@@ -109,9 +109,10 @@ class KVStoreCache(Cache):
             self._step[layer_idx] = (key_states, value_states)
             if self.length > 0 and (n == 1 or self._multi(n)):
                 set_decode_target(self, layer_idx)         # the attention call sends them to the daemon
-                out = (key_states, value_states)
-            else:
-                out = self._prefill_update(key_states, value_states, layer_idx)
+                # decode_attention ends the forward after the last layer's call, so that a
+                # fallback there still has the step's K/V and the length before it
+                return key_states, value_states
+            out = self._prefill_update(key_states, value_states, layer_idx)
         if layer_idx == self.num_layers - 1:
             self._end_forward(n)
         return out
@@ -148,7 +149,7 @@ class KVStoreCache(Cache):
             try:
                 self._append_all()
             except Exception as e:
-                self._fall_back(e, layer + 1)           # every layer's step K/V is at hand
+                self._fall_back(e, layer)               # the layers before this one get their step's K/V
                 return super().update(*self._step[layer], layer)
         return k, v
 
@@ -222,7 +223,11 @@ class KVStoreCache(Cache):
         except Exception as e:
             self._fall_back(e, layer)
             full_k, full_v = super().update(k, v, layer)
+            if layer == self.num_layers - 1:
+                self._end_forward(n)
             return None, full_k, full_v
+        if layer == self.num_layers - 1:
+            self._end_forward(n)
         out = out.to(q.device)          # a remote daemon answers in host memory
         if t is not None:
             inv_v, hkv = t._inv["v"][layer].to(q.device), self.adapter.num_kv_heads
@@ -236,7 +241,11 @@ class KVStoreCache(Cache):
         if not isinstance(err, FALLBACK_ERRORS):
             raise err
         self.adapter.broken(err)
-        dyn = DynamicCache(config=self.adapter.model.config)
+        # Full layers, sliding ones too: this forward's masks were built for the placeholder
+        # layers (every token), and a sliding layer's mask picks its window out of them;
+        # a DynamicSlidingWindowLayer would hand attention fewer keys than the mask has.
+        dyn = DynamicCache()
+        dyn.layers = [DynamicLayer() for _ in range(self.num_layers)]
         if self._prefix is not None:
             for l, layer in enumerate(dyn.layers):
                 layer.update(self._prefix[0][l], self._prefix[1][l])

@@ -188,8 +188,8 @@ def test_gemma3_pq_windowed_attention_equals_reference(daemon):
     def spy(self, layer, q, k, v, scaling):
         out = orig(self, layer, q, k, v, scaling)
         if out[0] is not None:
-            # the tokens before this step, then this step's (the cache counts it from its
-            # last layer's update on, which runs before that layer's attention)
+            # the tokens before this step, then this step's (the cache counts it once its
+            # last layer's call has returned)
             before = self.length - (layer == c.num_hidden_layers - 1)
             kk, vv = self.adapter.retrieve(self.adapter.client(), self.seq_ids[0], before)   # what the windows read
             kk = torch.cat([kk[layer], k[0, :, 0].half().unsqueeze(0)])
@@ -351,4 +351,46 @@ def test_a_decode_step_no_attention_call_took_stops_generation(daemon, monkeypat
             ad.generate(prompt(), **GEN)
         monkeypatch.undo()
         assert torch.equal(ad.generate(prompt(), **GEN), reference(model, prompt()))    # nothing left behind
+    ad.close()
+
+
+@pytest.mark.parametrize("where", ["prefill", "between steps", "mid-step"])
+@pytest.mark.parametrize("name", list(MODELS))
+def test_daemon_gone_mid_generation_goes_on_in_process(tmp_path, monkeypatch, name, where):
+    """The daemon stops during generate(): before the prompt's Append (the prefill's
+    last layer), before a decode step, or before a step's last layer: a warning, the
+    tokens so far are recomputed in-process (sliding layers too, whose masks were
+    built for every token), each layer gets this step's K/V once, and generation ends
+    with transformers' tokens."""
+    from kvstore.service.daemon import create_server
+    sock = str(tmp_path / "kv.sock")
+    server, _, _ = create_server(socket_path=sock)
+    model = build(name)
+    want = reference(model, prompt())
+    ad = KVStoreAdapter(model, f"unix://{sock}", cache=name, codec="fp16", block_size=8, residual=8, timeout=5)
+    last, calls = model.config.num_hidden_layers - 1, []
+    if where != "mid-step":
+        def stop_before_a_forward(module, args, kwargs):
+            calls.append(1)
+            if len(calls) == (1 if where == "prefill" else 6):
+                server.stop(0)
+        hook = model.register_forward_pre_hook(stop_before_a_forward, with_kwargs=True)
+    else:
+        orig = KVStoreCache.decode_attention
+
+        def stop_before_the_last_layer(self, layer, *a):
+            calls.append(layer)
+            if calls.count(last) == 5 and layer == last:
+                server.stop(0)
+            return orig(self, layer, *a)
+        monkeypatch.setattr(KVStoreCache, "decode_attention", stop_before_the_last_layer)
+    try:
+        with pytest.warns(RuntimeWarning, match="unreachable"), torch.no_grad():
+            got = ad.generate(prompt(), **GEN)
+    finally:
+        server.stop(0)
+        if where != "mid-step":
+            hook.remove()
+    assert torch.equal(got, want), (got, want)
+    assert ad.fallbacks == 1
     ad.close()
