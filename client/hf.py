@@ -44,7 +44,10 @@ sliding layers' cache frees the blocks that left their window; a model with one
 group keeps the one cache `cache`.
 Batches of B sequences: left-padded prompts (attention_mask) are stored
 without their padding, each row a sequence of its own tokens; prefix reuse
-is for B == 1 unpadded. Token ids go with every append, decode steps
+is for B == 1 unpadded. Beam search and num_return_sequences: generate()
+repeats the rows and reorders them every step; a row taken twice is forked in
+the daemon (its sealed blocks shared), a row no beam keeps is freed.
+Assisted / speculative generation (crop) and use_cache=False are refused. Token ids go with every append, decode steps
 included, so a later prompt that continues prompt + answer (the next turn
 of a chat) hits the cached blocks of both.
 """
@@ -352,6 +355,7 @@ class KVStoreAdapter:
     def generate(self, input_ids: torch.Tensor, **kwargs) -> torch.Tensor:
         """model.generate with a daemon cache, freed afterwards. A batch of
         prompts of different lengths: left-padded, with its attention_mask."""
+        hf_variants.check_generate(self.model, kwargs)
         cache = self.cache_for(input_ids, kwargs.get("attention_mask"))
         try:
             return self.model.generate(input_ids, past_key_values=cache, **kwargs)

@@ -101,8 +101,63 @@ class KVStoreCache(Cache):
     def begin_forward(self, input_ids: torch.Tensor | None) -> None:
         self._cur_ids = input_ids
 
+    # Beam search and expanded batches (num_beams, num_return_sequences): generate()
+    # repeats the prompt rows after the cache was made, then reorders them every step.
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        self._rows(beam_idx.tolist(), lambda: super(KVStoreCache, self).reorder_cache(beam_idx))
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        src = [i // repeats for i in range(len(self.pads) * repeats)]
+        self._rows(src, lambda: super(KVStoreCache, self).batch_repeat_interleave(repeats))
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self._rows(indices.tolist(), lambda: super(KVStoreCache, self).batch_select_indices(indices))
+
+    def crop(self, tokens_to_remove: int) -> None:
+        if self.local:
+            return super().crop(tokens_to_remove)
+        raise ValueError("crop: assisted / speculative generation (assistant_model, prompt_lookup_num_tokens) "
+                         "is not supported by the kvstore adapter: a daemon sequence cannot drop its last tokens")
+
+    def _rows(self, src: list[int], local_layers) -> None:
+        """Row i becomes what row src[i] was. In the daemon, a row taken more than once
+        is forked (its sealed blocks shared), a row no one takes is freed."""
+        pick = torch.tensor(src, dtype=torch.long)
+        self.pads = [self.pads[j] for j in src]
+        if self._ids is not None:
+            self._ids = self._ids[pick.to(self._ids.device)]
+        if self._prefix is not None:
+            self._prefix = tuple(x[:, pick.to(x.device)] for x in self._prefix)
+        if self.local:
+            local_layers()
+            return
+        ad, old, new, kept, forks = self.adapter, self.seq_ids, [], set(), []
+        for j in src:
+            if j in kept:
+                forks.append((old[j], f"{ad._prefix}-{next(ad._ids)}"))
+                new.append(forks[-1][1])
+            else:
+                kept.add(j)
+                new.append(old[j])
+        self.seq_ids = new
+        try:
+            kv = ad.client()
+            for cache in ad.groups.caches():
+                for sid, nid in forks:
+                    kv.fork(cache, sid, nid)
+                gone = [sid for i, sid in enumerate(old) if i not in kept]
+                if gone:
+                    kv.free(cache, gone)
+        except FALLBACK_ERRORS as e:
+            self._fall_back(e, 0)        # recomputes every row from its (reordered) ids
+
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         n = key_states.shape[-2]
+        if key_states.shape[0] != len(self.pads):
+            b = len(self.pads)
+            if layer_idx != 0 or key_states.shape[0] % b:
+                raise ValueError(f"kvstore: a batch of {key_states.shape[0]} rows for a cache of {b} sequences")
+            self.batch_repeat_interleave(key_states.shape[0] // b)     # generate() expanded the prompts
         if self.local:
             out = super().update(key_states, value_states, layer_idx, *args, **kwargs)
         else:
