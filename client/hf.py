@@ -63,7 +63,7 @@ import torch
 
 from . import hf_variants
 from .client import KVStoreClient
-from .hf_cache import FALLBACK_ERRORS, KVStoreCache, not_attended, set_decode_target, take_decode_target
+from .hf_cache import FALLBACK_ERRORS, KVStoreCache, check_all_taken, set_decode_target, take_decode_target
 from .hf_groups import LayerGroups, merge_stats
 
 ATTN = "kvstore"
@@ -95,12 +95,10 @@ def kvstore_attention(module, query, key, value, attention_mask, dropout=0.0, sc
     """query [B, Hq, n, d], key/value [B, Hkv, kv, d] -> ([B, n, Hq, d], None).
     Decode steps of a KVStoreCache go to the daemon; everything else (prefill,
     fallback, plain caches) runs in-process by the model's own attention."""
-    ctx = take_decode_target()
-    if ctx is not None and ctx[1] != module.layer_idx:     # e.g. K/V shared across layers
-        raise RuntimeError(not_attended(type(ctx[0].adapter.model).__name__, ctx[1], module.layer_idx))
-    if ctx is not None:
-        ctx[0].adapter.variant.check_call(module.layer_idx, kwargs)
-        out, key, value = ctx[0].decode_attention(module.layer_idx, query, key, value, scaling)
+    cache = take_decode_target(module.layer_idx, key, value)
+    if cache is not None:
+        cache.adapter.variant.check_call(module.layer_idx, kwargs)
+        out, key, value = cache.decode_attention(module.layer_idx, query, key, value, scaling)
         if out is not None:
             return out, None
     impl = _inner.get(id(module.config), "sdpa")
@@ -409,6 +407,4 @@ class KVStoreAdapter:
 
     @staticmethod
     def _post_forward(module, args, output):
-        left = take_decode_target()    # the last layer's step, which no later layer's update checks
-        if left is not None:
-            raise RuntimeError(not_attended(type(module).__name__, left[1]))
+        check_all_taken()

@@ -15,32 +15,56 @@ from transformers.cache_utils import Cache, CacheLayerMixin, DynamicCache, Dynam
 # What makes the adapter fall back in-process: RPC failures of any status and
 # the shared-memory arena failing (the daemon took its buffer with it).
 FALLBACK_ERRORS = (grpc.RpcError, OSError, MemoryError)
-_local = threading.local()     # (cache, layer) set by KVStoreCache.update for the attention call after it
+_local = threading.local()     # ctx: (cache, layer, K/V) set by KVStoreCache.update for the attention call after it
 
 
-def set_decode_target(cache: "KVStoreCache | None", layer: int = -1) -> None:
+def set_decode_target(cache: "KVStoreCache | None", layer: int = -1, kv: tuple | None = None) -> None:
     """The decode step of `layer` goes to the daemon: the attention function
-    (hf.kvstore_attention) called next on this thread takes it. A step no attention
-    call took is refused here: that layer attended in-process over the new tokens
-    alone (update kept nothing), so its output is wrong, and generation must stop."""
+    (hf.kvstore_attention) called next on this thread takes it, with the K/V `kv`
+    update returned. A step no attention call took is refused here: that layer
+    attended in-process over the new tokens alone (update kept nothing), so its
+    output is wrong, and generation must stop."""
     left = getattr(_local, "ctx", None)
     if cache is not None and left is not None:
         _local.ctx = None
-        raise RuntimeError(not_attended(type(left[0].adapter.model).__name__, left[1]))
-    _local.ctx = (cache, layer) if cache is not None else None
+        raise RuntimeError(_unsupported(left[0], left[1], "did not call the registered attention function"))
+    _local.ctx = (cache, layer, kv) if cache is not None else None
+    _local.taken = None
 
 
-def not_attended(model: str, layer: int, attended: int | None = None) -> str:
-    how = ("did not call the registered attention function" if attended is None else
-           f"was attended by the attention module of layer {attended}")
-    return (f"{model}: the decode step of layer {layer} {how}; attention that does not go through "
-            "transformers' AttentionInterface once per layer is not supported by the kvstore adapter")
-
-
-def take_decode_target() -> "tuple[KVStoreCache, int] | None":
-    """(cache, layer) set for this attention call, cleared: at most one call takes it."""
+def take_decode_target(layer: int, key: torch.Tensor, value: torch.Tensor) -> "KVStoreCache | None":
+    """The cache whose decode step of `layer` this attention call runs (at most one call
+    takes a step), or None: a prefill, a fallback, a plain cache. RuntimeError naming the
+    layer for a call the daemon would answer wrongly: another layer's step (K/V shared
+    across layers), K/V other than update returned (changed between the cache and the
+    attention, as differential attention does), or a second call for the step."""
     ctx, _local.ctx = getattr(_local, "ctx", None), None
-    return ctx
+    if ctx is None:
+        taken = getattr(_local, "taken", None)
+        if taken is not None and taken[1] == layer:
+            raise RuntimeError(_unsupported(taken[0], layer, "was attended twice"))
+        return None
+    cache, want, kv = ctx
+    _local.taken = (cache, want)
+    if want != layer:
+        raise RuntimeError(_unsupported(cache, want, f"was attended by the attention module of layer {layer}"))
+    if kv is not None and (key is not kv[0] or value is not kv[1]):
+        raise RuntimeError(_unsupported(cache, want, "was attended with other K/V than the cache returned"))
+    return cache
+
+
+def check_all_taken() -> None:
+    """RuntimeError naming a step no attention call took (a forward's last layer,
+    which no later layer's update checks); cleared."""
+    ctx, _local.ctx = getattr(_local, "ctx", None), None
+    if ctx is not None:
+        raise RuntimeError(_unsupported(ctx[0], ctx[1], "did not call the registered attention function"))
+
+
+def _unsupported(cache: "KVStoreCache", layer: int, how: str) -> str:
+    return (f"{type(cache.adapter.model).__name__}: the decode step of layer {layer} {how}; attention that "
+            "does not take the cache's K/V through transformers' AttentionInterface once per layer is not "
+            "supported by the kvstore adapter")
 
 
 class _DaemonLayer(CacheLayerMixin):
@@ -153,6 +177,12 @@ class KVStoreCache(Cache):
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         n = key_states.shape[-2]
+        _local.taken = None         # a layer's step begins: its attention may take it
+        ad = self.adapter
+        if key_states.shape[1] != ad.num_kv_heads or key_states.shape[-1] != ad.head_dim:
+            raise ValueError(f"layer {layer_idx}: the model's K/V have {key_states.shape[1]} heads of "
+                             f"{key_states.shape[-1]}, its config says {ad.num_kv_heads} of {ad.head_dim} "
+                             "(the kvstore cache's geometry)")
         if key_states.shape[0] != len(self.pads):
             b = len(self.pads)
             if layer_idx != 0 or key_states.shape[0] % b:
@@ -163,7 +193,7 @@ class KVStoreCache(Cache):
         else:
             self._step[layer_idx] = (key_states, value_states)
             if self.length > 0 and (n == 1 or self._multi(n)):
-                set_decode_target(self, layer_idx)         # the attention call sends them to the daemon
+                set_decode_target(self, layer_idx, (key_states, value_states))   # the attention call sends them
                 # decode_attention ends the forward after the last layer's call, so that a
                 # fallback there still has the step's K/V and the length before it
                 return key_states, value_states
@@ -261,6 +291,9 @@ class KVStoreCache(Cache):
         in-process K/V after a fallback."""
         t = self.adapter.transform
         b, hq, n, d = q.shape
+        if hq != self.adapter.num_q_heads:
+            raise ValueError(f"layer {layer}: the model's queries have {hq} heads, its config says "
+                             f"{self.adapter.num_q_heads} (the kvstore cache's geometry)")
         k1, v1 = k.transpose(1, 2).reshape(b * n, -1, d), v.transpose(1, 2).reshape(b * n, -1, d)   # [B*n, H, d]
         q1 = q.transpose(1, 2).reshape(b * n, hq, d)
         if t is not None:

@@ -9,6 +9,7 @@ every variant the model has is computed there as transformers computes it.
 """
 from __future__ import annotations
 
+import inspect
 import sys
 from dataclasses import dataclass
 
@@ -57,6 +58,20 @@ def heads(c) -> tuple[int, int, int]:
     return q, kv, getattr(c, "head_dim", None) or c.hidden_size // q
 
 
+def _attends_by_itself(model) -> str | None:
+    """The class of a module that updates the cache in its forward and then attends
+    without looking up the registered function; None where every one looks it up (or
+    no source can be read: KVStoreCache refuses such a step at run time)."""
+    for cls in {type(m) for m in model.modules() if hasattr(m, "layer_idx")}:
+        try:
+            src = inspect.getsource(cls.forward)
+        except (OSError, TypeError):
+            continue
+        if ".update(" in src and "past_key_value" in src and "ALL_ATTENTION_FUNCTIONS" not in src:
+            return cls.__name__
+    return None
+
+
 def detect(model, c) -> AttentionVariant:
     """The attention variant of `model` (c: its decoder's text config); ValueError naming
     the first feature the daemon cannot run."""
@@ -70,11 +85,20 @@ def detect(model, c) -> AttentionVariant:
     layered = {sys.modules[type(m).__module__] for m in model.modules() if hasattr(m, "layer_idx")}
     if not any(hasattr(mod, "ALL_ATTENTION_FUNCTIONS") for mod in layered):
         _refuse(f"{type(model).__name__}: attention outside transformers' AttentionInterface")
-    for m in model.modules():
+    own = _attends_by_itself(model)
+    if own is not None:      # GIT: its text attention does, though its vision tower looks the function up
+        _refuse(f"{own}: attention outside transformers' AttentionInterface")
+    for name, m in model.named_modules():
         if isinstance(getattr(m, "sinks", None), torch.nn.Parameter):
             _refuse("learned attention-sink logits (the attention's `sinks` parameter, as gpt-oss)")
+        if isinstance(getattr(m, "lambda_q1", None), torch.nn.Parameter):
+            _refuse("differential attention (two softmaxes over halves of V, as DiffLlama)")
         if hasattr(m, "layer_idx") and hasattr(m, "is_causal") and m.is_causal is False:
-            _refuse("non-causal (bidirectional) attention")
+            # BERT-like models not made decoders (is_decoder), and the encoder attention
+            # of an encoder-decoder's decoder layers (BART's encoder_attn)
+            _refuse(f"non-causal attention ({name}: bidirectional, or over another input)")
+    if getattr(c, "cross_attention_layers", None) or getattr(c, "add_cross_attention", False):
+        _refuse("cross-attention layers (cross_attention_layers, add_cross_attention: K/V of another input)")
     if getattr(c, "use_bidirectional_attention", False):
         _refuse("use_bidirectional_attention")
     if getattr(c, "attention_chunk_size", None):

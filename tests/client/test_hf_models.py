@@ -306,6 +306,7 @@ def test_learned_sink_logits_are_refused(daemon):
 
 
 @pytest.mark.parametrize("attr,value,feature", [
+    ("cross_attention_layers", [1], "cross-attention layers"),
     ("attention_chunk_size", 8, "chunked attention"),
     ("layer_types", ["full_attention", "linear_attention"], "layer_types"),
     ("use_bidirectional_attention", True, "use_bidirectional_attention"),
@@ -325,33 +326,52 @@ def test_attention_outside_the_interface_is_refused(daemon):
         KVStoreAdapter(transformers.GPTJForCausalLM(cfg), daemon, cache="gptj", codec="fp16")
 
 
-@pytest.mark.parametrize("how", ["in-process", "another layer"])
-def test_a_decode_step_no_attention_call_took_stops_generation(daemon, monkeypatch, how):
-    """A model that passes the check at construction but then attends a decode step
-    in-process (over the new token alone: the cache keeps nothing) or through another
-    layer's module stops with an error naming the layer, rather than generating on."""
+ASTRAY = {   # how a model's attention call goes astray -> what the error says
+    "in-process": "decode step of layer 0 did not call the registered attention function",
+    "another layer": "decode step of layer 1 was attended by the attention module of layer 0",
+    "other K/V": "decode step of layer 0 was attended with other K/V than the cache returned",
+    "twice": "decode step of layer 0 was attended twice",
+}
+
+
+@pytest.mark.parametrize("how", list(ASTRAY))
+def test_a_decode_step_attended_astray_stops_generation(daemon, monkeypatch, how):
+    """A model that passes the checks at construction but then attends a decode step
+    in-process (over the new token alone: the cache keeps nothing), through another
+    layer's module, with K/V it changed after the cache (as differential attention
+    does) or twice, stops with an error naming the layer, rather than generating on."""
     from transformers.models.llama import modeling_llama
     from kvstore.client.hf import kvstore_attention
     model = build("llama")
     ad = KVStoreAdapter(model, daemon, cache="astray", codec="fp16", block_size=8, residual=8)
 
+    def astray(module, q, k, v, *a, **kw):
+        if how == "another layer":
+            module = type("Shared", (), {"layer_idx": 0, "config": module.config})()
+        if how == "other K/V":
+            v = v.clone()
+        if how == "twice":
+            kvstore_attention(module, q, k, v, *a, **kw)
+        return kvstore_attention(module, q, k, v, *a, **kw)
+
     class Astray:      # the lookup the modeling file makes, answered otherwise
         @staticmethod
         def get_interface(name, default):
-            if how == "in-process":
-                return default
-            return lambda module, *a, **k: kvstore_attention(
-                type("Shared", (), {"layer_idx": 0, "config": module.config})(), *a, **k)
+            return default if how == "in-process" else astray
     with torch.no_grad():
         ad.generate(prompt(), max_new_tokens=2, do_sample=False, pad_token_id=0)     # unpatched: runs
         monkeypatch.setattr(modeling_llama, "ALL_ATTENTION_FUNCTIONS", Astray)
-        want = "decode step of layer 0 did not call" if how == "in-process" else \
-            "decode step of layer 1 was attended by the attention module of layer 0"
-        with pytest.raises(RuntimeError, match=want):
+        with pytest.raises(RuntimeError, match=ASTRAY[how]):
             ad.generate(prompt(), **GEN)
         monkeypatch.undo()
         assert torch.equal(ad.generate(prompt(), **GEN), reference(model, prompt()))    # nothing left behind
     ad.close()
+
+
+def test_differential_attention_is_refused(daemon):
+    cfg = transformers.DiffLlamaConfig(num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, **SMALL)
+    with pytest.raises(ValueError, match="differential attention"):
+        KVStoreAdapter(transformers.DiffLlamaForCausalLM(cfg), daemon, cache="diff", codec="fp16")
 
 
 @pytest.mark.parametrize("where", ["prefill", "between steps", "mid-step"])
@@ -394,3 +414,40 @@ def test_daemon_gone_mid_generation_goes_on_in_process(tmp_path, monkeypatch, na
     assert torch.equal(got, want), (got, want)
     assert ad.fallbacks == 1
     ad.close()
+
+
+def test_a_modeling_file_whose_text_attention_attends_by_itself_is_refused(daemon):
+    """GIT looks the registered function up for its vision tower only; its text
+    self-attention computes softmax(QK^T)V itself."""
+    cfg = transformers.GitConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                 num_attention_heads=4, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    cfg.vision_config.num_hidden_layers = 1
+    with pytest.raises(ValueError, match="GitSelfAttention: attention outside transformers' AttentionInterface"):
+        KVStoreAdapter(transformers.GitForCausalLM(cfg), daemon, cache="git", codec="fp16")
+
+
+def test_a_config_whose_heads_differ_from_the_model_is_refused_at_the_first_step(daemon):
+    """K/V of another shape than the config says never reach the daemon (which would
+    refuse them, and the adapter would fall back every request): the error names both."""
+    model = build("gpt_bigcode")
+    model.config.num_key_value_heads = 2       # the model's attention still makes one (multi_query)
+    ad = KVStoreAdapter(model, daemon, cache="heads", codec="fp16", block_size=8, residual=8)
+    with pytest.raises(ValueError, match="the model's K/V have 1 heads of 16, its config says 2 of 16"):
+        with torch.no_grad():
+            ad.generate(prompt(), **GEN)
+    assert ad.fallbacks == 0
+    model = build("llama")
+    model.config.num_attention_heads = 8       # queries: still 4 heads of 16
+    ad = KVStoreAdapter(model, daemon, cache="qheads", codec="fp16", block_size=8, residual=8)
+    with pytest.raises(ValueError, match="the model's queries have 4 heads, its config says 8"):
+        with torch.no_grad():
+            ad.generate(prompt(), **GEN)
+    assert ad.fallbacks == 0
+
+
+def test_non_causal_attention_is_refused_naming_the_module(daemon):
+    """BERT as a causal LM without is_decoder attends both ways."""
+    cfg = transformers.BertConfig(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                  intermediate_size=128)
+    with pytest.raises(ValueError, match=r"non-causal attention \(bert\.encoder\.layer\.0\."):
+        KVStoreAdapter(transformers.BertLMHeadModel(cfg), daemon, cache="bert", codec="fp16")

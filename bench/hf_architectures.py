@@ -1,0 +1,129 @@
+"""Every causal LM class transformers ships, through the HF adapter: a tiny random
+model from each architecture's default config (sizes shrunk), greedy generate() with
+the fp16 codec through an in-process daemon beside transformers' own generate() of
+the same prompt. Each architecture ends as one of
+
+    EQUAL     the daemon's tokens are transformers' own
+    REFUSED   the adapter refused it when built, naming the feature (hf_variants.py)
+    STOPPED   generation stopped with an error naming what the model does (hf_cache.py)
+    FALLBACK  the adapter gave up on the daemon and went on in-process (a warning)
+    DIFF      other tokens, silently: a bug
+    SKIP      no tiny model: the shrunk config does not build or transformers' own
+              generate fails (the stage and error are printed)
+
+and the script exits 1 if any is DIFF. CPU, about 5 minutes:
+
+    python bench/hf_architectures.py                  # all of them
+    python bench/hf_architectures.py llama gpt2 git   # by model_type
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import gc
+import signal
+import sys
+import tempfile
+import warnings
+
+import torch
+
+TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=512, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+            head_dim=16, sliding_window=16, initializer_range=0.2, n_layer=2, n_head=4, n_embd=64, d_model=64,
+            n_positions=512, num_layers=2, num_heads=4, moe_intermediate_size=32, n_routed_experts=4,
+            num_experts=4, num_local_experts=4, num_experts_per_tok=2, ffn_dim=128, word_embed_proj_dim=64)
+GEN = dict(max_new_tokens=12, min_new_tokens=12, do_sample=False, pad_token_id=0)
+
+
+class _Timeout(Exception):
+    pass
+
+
+def tiny_model(model_type: str):
+    import transformers
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    name = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type]
+    cls = getattr(transformers, name if isinstance(name, str) else name[0])
+    cfg = CONFIG_MAPPING[model_type]()
+    text = cfg.get_text_config(decoder=True)
+    for k, v in TINY.items():
+        if hasattr(text, k) and not isinstance(getattr(text, k), (dict, list)):
+            try:
+                setattr(text, k, v)
+            except Exception:  # noqa: BLE001 - a derived or per-layer attribute: the config keeps its own
+                pass
+    if getattr(text, "layer_types", None) is not None:
+        text.layer_types = text.layer_types[:text.num_hidden_layers] \
+            if len(text.layer_types) >= text.num_hidden_layers else None
+    torch.manual_seed(0)
+    return cls(cfg).eval()
+
+
+def run(model_type: str, target: str) -> tuple[str, str]:
+    from kvstore.client.hf import KVStoreAdapter
+    stage = "config"
+    try:
+        model = tiny_model(model_type)
+        stage = "reference"
+        ids = torch.randint(3, 128, (1, 41), generator=torch.Generator().manual_seed(1))
+        with torch.no_grad():
+            want = copy.deepcopy(model).generate(ids, **GEN)
+    except _Timeout:
+        raise
+    except Exception as e:  # noqa: BLE001 - any failure before the adapter is the tiny config's
+        return "SKIP", f"{stage}: {type(e).__name__}: {str(e)[:120]}"
+    try:
+        ad = KVStoreAdapter(model, target, cache=model_type.replace("_", "-"), codec="fp16", block_size=8,
+                            residual=8)
+    except ValueError as e:
+        return "REFUSED", str(e).split(": not supported")[0][:160]
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", RuntimeWarning)      # a fallback in-process is not a pass
+            with torch.no_grad():
+                got = ad.generate(ids, **GEN)
+    except (ValueError, RuntimeError) as e:
+        return "STOPPED", f"{type(e).__name__}: {str(e)[:160]}"
+    except RuntimeWarning as e:
+        return "FALLBACK", str(e)[:160]
+    finally:
+        ad.close()
+    return ("EQUAL", "") if torch.equal(got, want) else ("DIFF", f"{got[0, 41:].tolist()} != {want[0, 41:].tolist()}")
+
+
+def main() -> None:
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    from kvstore.service.daemon import create_server
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("model_types", nargs="*", help="transformers model_type names (default: every causal LM)")
+    p.add_argument("--timeout", type=float, default=60.0, help="seconds per architecture")
+    args = p.parse_args()
+    torch.set_num_threads(1)
+    warnings.filterwarnings("ignore", category=UserWarning)
+    sock = tempfile.mkdtemp(prefix="kvstore-archs-") + "/kv.sock"
+    server, _, _ = create_server(socket_path=sock)
+
+    def alarm(*_):
+        raise _Timeout()
+    signal.signal(signal.SIGALRM, alarm)
+    counts: dict[str, int] = {}
+    for mt in args.model_types or sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES):
+        signal.setitimer(signal.ITIMER_REAL, args.timeout)
+        try:
+            verdict, why = run(mt, f"unix://{sock}")
+        except _Timeout:
+            verdict, why = "SKIP", f"over {args.timeout:.0f} s"
+        finally:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            gc.collect()
+        counts[verdict] = counts.get(verdict, 0) + 1
+        print(f"{mt:32s} {verdict:8s} {why}", flush=True)
+    server.stop(0)
+    print(" ".join(f"{k} {v}" for k, v in sorted(counts.items())))
+    sys.exit(1 if counts.get("DIFF") else 0)
+
+
+if __name__ == "__main__":
+    main()
