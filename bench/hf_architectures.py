@@ -1,7 +1,7 @@
 """Every causal LM class transformers ships, through the HF adapter: a tiny random
 model from each architecture's default config (sizes shrunk), greedy generate() with
 the fp16 codec through an in-process daemon beside transformers' own generate() of
-the same prompt. Each architecture ends as one of
+the same prompt (its cache holding K/V rounded to float16, as the daemon does). Each architecture ends as one of
 
     EQUAL     the daemon's tokens are transformers' own
     REFUSED   the adapter refused it when built, naming the feature (hf_variants.py)
@@ -61,6 +61,21 @@ def tiny_model(model_type: str):
     return cls(cfg).eval()
 
 
+def rounding_cache(model):
+    """transformers' own cache, but holding K/V rounded to float16 as the daemon's fp16
+    codec stores them (the models here are float32): a router's top-k (MoE) can turn a
+    rounding difference into another token, which is not what this script looks for.
+    The prompt's own attention reads them exact, as the adapter's prefill does."""
+    from transformers import DynamicCache
+
+    class Rounding(DynamicCache):
+        def update(self, k, v, layer_idx, *args, **kwargs):
+            past = self.get_seq_length(layer_idx) if layer_idx < len(self.layers) else 0
+            out = super().update(k.half().to(k.dtype), v.half().to(v.dtype), layer_idx, *args, **kwargs)
+            return (k, v) if past == 0 else out
+    return Rounding(config=model.config)
+
+
 def run(model_type: str, target: str) -> tuple[str, str]:
     from kvstore.client.hf import KVStoreAdapter
     stage = "config"
@@ -69,7 +84,7 @@ def run(model_type: str, target: str) -> tuple[str, str]:
         stage = "reference"
         ids = torch.randint(3, 128, (1, 41), generator=torch.Generator().manual_seed(1))
         with torch.no_grad():
-            want = copy.deepcopy(model).generate(ids, **GEN)
+            want = copy.deepcopy(model).generate(ids, past_key_values=rounding_cache(model), **GEN)
     except _Timeout:
         raise
     except Exception as e:  # noqa: BLE001 - any failure before the adapter is the tiny config's

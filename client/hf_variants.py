@@ -26,20 +26,32 @@ class AttentionVariant:
     def window(self, layer: int) -> int:
         return self.windows[layer] if self.windows else 0
 
-    def check_call(self, layer: int, kwargs: dict) -> None:
+    def check_call(self, layer: int, kwargs: dict, mask, kv_len: int) -> None:
         """The attention call of `layer` asks for what the daemon's cache was made with:
         a model whose layers decide their window or cap otherwise than its config
-        says is refused before its decode step reaches the daemon."""
-        w = kwargs.get("sliding_window") or 0
+        says is refused before its decode step reaches the daemon. mask: the call's
+        (sdpa's: bool [B, 1, n, kv_len], True = attend, or None), kv_len: the tokens
+        it reads."""
+        w, want = kwargs.get("sliding_window") or 0, self.window(layer)
         cap = kwargs.get("softcap") or 0.0
-        if w != self.window(layer):
+        # A model may window through its mask alone (PhiMoE, Doge: the call carries no
+        # sliding_window): the mask must then hide every token before the window.
+        if w != want and not (w == 0 and (kv_len <= want or _masks_before(mask, kv_len - want))):
             raise ValueError(f"layer {layer}: the model attends with sliding_window={w}, the kvstore cache "
-                             f"was made with {self.window(layer)} (from its config)")
+                             f"was made with {want} (from its config)")
         if float(cap) != self.softcap:
             raise ValueError(f"layer {layer}: the model soft-caps attention logits at {cap}, the kvstore "
                              f"cache at {self.softcap}")
         if kwargs.get("s_aux") is not None:
             raise ValueError("learned attention-sink logits (s_aux): not supported by kvstore")
+
+
+def _masks_before(mask, first: int) -> bool:
+    """The mask hides every key position before `first` from every query."""
+    if not isinstance(mask, torch.Tensor) or mask.shape[-1] < first:
+        return False
+    head = mask[..., :first]
+    return not bool(head.any()) if head.dtype == torch.bool else bool((head <= torch.finfo(head.dtype).min).all())
 
 
 def _refuse(feature: str) -> None:

@@ -451,3 +451,22 @@ def test_non_causal_attention_is_refused_naming_the_module(daemon):
                                   intermediate_size=128)
     with pytest.raises(ValueError, match=r"non-causal attention \(bert\.encoder\.layer\.0\."):
         KVStoreAdapter(transformers.BertLMHeadModel(cfg), daemon, cache="bert", codec="fp16")
+
+
+def test_a_window_the_mask_alone_applies_is_taken():
+    """PhiMoE and Doge window through their mask and pass no sliding_window to the
+    attention call: the call is taken when its mask hides every token before the
+    window (or the window does not reach past the first token yet), refused otherwise."""
+    from kvstore.client.hf_variants import AttentionVariant
+    v = AttentionVariant(windows=(16,), softcap=0.0)
+    windowed = torch.ones(1, 1, 1, 20, dtype=torch.bool)
+    windowed[..., :4] = False
+    v.check_call(0, {}, windowed, 20)
+    v.check_call(0, {}, None, 16)                                 # the window holds every token yet
+    v.check_call(0, {"sliding_window": 16}, None, 20)
+    additive = torch.zeros(1, 1, 1, 20).masked_fill(~windowed, torch.finfo(torch.float32).min)
+    v.check_call(0, {}, additive, 20)
+    every = torch.ones(1, 1, 1, 20, dtype=torch.bool)
+    for kwargs, mask in [({}, None), ({}, every), ({"sliding_window": 8}, windowed)]:
+        with pytest.raises(ValueError, match="layer 0: the model attends with sliding_window="):
+            v.check_call(0, kwargs, mask, 20)
