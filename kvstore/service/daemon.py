@@ -65,6 +65,7 @@ def _wait_for_stop(pipe: int) -> int:
         signal.signal(s, signal.SIG_IGN)
     return signum
 
+
 def create_server(engine: "Engine | None" = None, socket_path: str | None = None, port: int | None = None,
                   max_message_mb: int = DEFAULT_MAX_MESSAGE_MB, workers: int = 8,
                   host: str = "127.0.0.1", auth: Authenticator | None = None,
