@@ -75,6 +75,8 @@ DEFAULT_PQ_SINKS = 32     # bench/ACCURACY.md: 32 sinks keep 4-bit PQ within 0.5
 # 64 tokens, 0.97x at 256 and 0.25x at 1K (each chunk of 16 is a round trip a layer over
 # the whole prefix; Retrieve moves the prefix once).
 CODES_MAX_SUFFIX = 128
+SPEC_REFUSED = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.ALREADY_EXISTS, grpc.StatusCode.RESOURCE_EXHAUSTED,
+                grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.FAILED_PRECONDITION)
 _registered = False
 _inner: dict[int, str | None] = {}     # id(config) -> the attention implementation it had before
 
@@ -239,9 +241,11 @@ class KVStoreAdapter:
         """The live client; a fresh channel (and cache check) after a failure."""
         if self._kv is None:
             kv = KVStoreClient(self.target, timeout=self.timeout)
+            cache = None
             try:
                 ready = True
                 for i, g in enumerate(self.groups):
+                    cache = g.cache
                     kv.create_cache(g.cache, exist_ok=True, **g.spec(self.spec))
                     if self.codec == "pq":
                         has = kv.get_cache(g.cache).has_codebooks
@@ -250,8 +254,13 @@ class KVStoreAdapter:
                         ready = ready and (has or self.codebooks is not None)
                 if self.codec == "pq":
                     self._ready = ready
-            except BaseException:
+            except BaseException as e:
                 kv.close()
+                # A cache the daemon refuses (its spec, a name taken by another spec, no room,
+                # the token) is refused on every request: an error, not a fallback.
+                if isinstance(e, grpc.RpcError) and e.code() in SPEC_REFUSED:
+                    raise ValueError(f"kvstore cache {cache!r}: the daemon refuses it: {e.code().name}: "
+                                     f"{e.details()}") from None
                 raise
             self._kv = kv
         return self._kv

@@ -470,3 +470,21 @@ def test_a_window_the_mask_alone_applies_is_taken():
     for kwargs, mask in [({}, None), ({}, every), ({"sliding_window": 8}, windowed)]:
         with pytest.raises(ValueError, match="layer 0: the model attends with sliding_window="):
             v.check_call(0, kwargs, mask, 20)
+
+
+def test_a_cache_the_daemon_refuses_is_an_error_not_a_fallback(daemon):
+    """A spec the daemon refuses (head_dim 18: not a multiple of 4), or a cache name another
+    spec holds, would be refused on every request: generate raises, naming the cache and
+    the daemon's field, instead of warning "unreachable" and running in-process each time."""
+    model = build("llama", head_dim=18)
+    ad = KVStoreAdapter(model, daemon, cache="odd", codec="fp16", block_size=8, residual=8)
+    with pytest.raises(ValueError, match="kvstore cache 'odd': the daemon refuses it: INVALID_ARGUMENT: "
+                                         "geometry.head_dim"), torch.no_grad():
+        ad.generate(prompt(), **GEN)
+    other = KVStoreAdapter(build("llama"), daemon, cache="taken", codec="fp16", block_size=8, residual=8)
+    other.client()
+    ad = KVStoreAdapter(build("llama"), daemon, cache="taken", codec="fp16", block_size=16, residual=8)
+    with pytest.raises(ValueError, match="kvstore cache 'taken': the daemon refuses it: ALREADY_EXISTS"), \
+            torch.no_grad():
+        ad.generate(prompt(), **GEN)
+    assert ad.fallbacks == 0
