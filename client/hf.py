@@ -63,7 +63,8 @@ import torch
 
 from . import hf_variants
 from .client import KVStoreClient
-from .hf_cache import FALLBACK_ERRORS, KVStoreCache, check_all_taken, set_decode_target, take_decode_target
+from .hf_cache import (FALLBACK_ERRORS, GONE, SPEC_REFUSED, KVStoreCache, check_all_taken, set_decode_target,
+                       take_decode_target)
 from .hf_groups import LayerGroups, merge_stats
 
 ATTN = "kvstore"
@@ -75,8 +76,6 @@ DEFAULT_PQ_SINKS = 32     # bench/ACCURACY.md: 32 sinks keep 4-bit PQ within 0.5
 # 64 tokens, 0.97x at 256 and 0.25x at 1K (each chunk of 16 is a round trip a layer over
 # the whole prefix; Retrieve moves the prefix once).
 CODES_MAX_SUFFIX = 128
-SPEC_REFUSED = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.ALREADY_EXISTS, grpc.StatusCode.RESOURCE_EXHAUSTED,
-                grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.FAILED_PRECONDITION)
 _registered = False
 _inner: dict[int, str | None] = {}     # id(config) -> the attention implementation it had before
 
@@ -256,8 +255,6 @@ class KVStoreAdapter:
                     self._ready = ready
             except BaseException as e:
                 kv.close()
-                # A cache the daemon refuses (its spec, a name taken by another spec, no room,
-                # the token) is refused on every request: an error, not a fallback.
                 if isinstance(e, grpc.RpcError) and e.code() in SPEC_REFUSED:
                     raise ValueError(f"kvstore cache {cache!r}: the daemon refuses it: {e.code().name}: "
                                      f"{e.details()}") from None
@@ -268,8 +265,11 @@ class KVStoreAdapter:
     def broken(self, err: BaseException) -> None:
         """Note a failed RPC: warn, drop the channel so the next request reconnects."""
         self.fallbacks += 1
-        code = err.code().name if isinstance(err, grpc.RpcError) else type(err).__name__
-        warnings.warn(f"kvstore daemon unreachable ({code}): continuing in-process", RuntimeWarning, stacklevel=3)
+        if isinstance(err, grpc.RpcError) and err.code() not in GONE:
+            what = f"kvstore daemon refused a call ({err.code().name}: {err.details()})"
+        else:
+            what = f"kvstore daemon unreachable ({err.code().name if isinstance(err, grpc.RpcError) else err!r})"
+        warnings.warn(f"{what}: continuing in-process", RuntimeWarning, stacklevel=3)
         if self._kv is not None:
             try:
                 self._kv.close()

@@ -15,6 +15,12 @@ from transformers.cache_utils import Cache, CacheLayerMixin, DynamicCache, Dynam
 # What makes the adapter fall back in-process: RPC failures of any status and
 # the shared-memory arena failing (the daemon took its buffer with it).
 FALLBACK_ERRORS = (grpc.RpcError, OSError, MemoryError)
+# The daemon gone, stopping, restarted (the sequence lost with it), or too slow to answer.
+GONE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.DEADLINE_EXCEEDED,
+        grpc.StatusCode.NOT_FOUND)
+# A cache the daemon refuses to create: refused on every request, so an error, not a fallback.
+SPEC_REFUSED = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.ALREADY_EXISTS, grpc.StatusCode.RESOURCE_EXHAUSTED,
+                grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.FAILED_PRECONDITION)
 _local = threading.local()     # ctx: (cache, layer, K/V) set by KVStoreCache.update for the attention call after it
 
 

@@ -488,3 +488,16 @@ def test_a_cache_the_daemon_refuses_is_an_error_not_a_fallback(daemon):
             torch.no_grad():
         ad.generate(prompt(), **GEN)
     assert ad.fallbacks == 0
+
+
+def test_a_call_the_daemon_refuses_mid_request_falls_back_saying_why(daemon):
+    """A pool too small for the prompt: the daemon refuses the sequence; the request goes
+    on in-process with transformers' tokens, and the warning quotes the daemon's refusal
+    rather than calling it unreachable."""
+    model = build("llama")
+    ad = KVStoreAdapter(model, daemon, cache="small", codec="fp16", block_size=8, residual=8, num_blocks=2)
+    said = r"kvstore daemon refused a call \(INVALID_ARGUMENT: prompt_token_ids: a sequence of 41"
+    with pytest.warns(RuntimeWarning, match=said), torch.no_grad():
+        got = ad.generate(prompt(), **GEN)
+    assert torch.equal(got, reference(model, prompt()))
+    assert ad.fallbacks == 1
