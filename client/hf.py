@@ -47,9 +47,10 @@ without their padding, each row a sequence of its own tokens; prefix reuse
 is for B == 1 unpadded. Beam search and num_return_sequences: generate()
 repeats the rows and reorders them every step; a row taken twice is forked in
 the daemon (its sealed blocks shared), a row no beam keeps is freed.
-Assisted / speculative generation (crop) and use_cache=False are refused. Token ids go with every append, decode steps
-included, so a later prompt that continues prompt + answer (the next turn
-of a chat) hits the cached blocks of both.
+Assisted / speculative generation (crop) and use_cache=False are refused.
+Token ids go with every append, decode steps included, so a later prompt
+that continues prompt + answer (the next turn of a chat) hits the cached
+blocks of both.
 """
 from __future__ import annotations
 

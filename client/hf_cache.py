@@ -54,7 +54,7 @@ def take_decode_target(layer: int, key: torch.Tensor, value: torch.Tensor) -> "K
     _local.taken = (cache, want)
     if want != layer:
         raise RuntimeError(_unsupported(cache, want, f"was attended by the attention module of layer {layer}"))
-    if kv is not None and (key is not kv[0] or value is not kv[1]):
+    if key is not kv[0] or value is not kv[1]:
         raise RuntimeError(_unsupported(cache, want, "was attended with other K/V than the cache returned"))
     return cache
 
@@ -62,7 +62,7 @@ def take_decode_target(layer: int, key: torch.Tensor, value: torch.Tensor) -> "K
 def check_all_taken() -> None:
     """RuntimeError naming a step no attention call took (a forward's last layer,
     which no later layer's update checks); cleared."""
-    ctx, _local.ctx = getattr(_local, "ctx", None), None
+    ctx, _local.ctx, _local.taken = getattr(_local, "ctx", None), None, None
     if ctx is not None:
         raise RuntimeError(_unsupported(ctx[0], ctx[1], "did not call the registered attention function"))
 
@@ -170,12 +170,12 @@ class KVStoreCache(Cache):
                 kept.add(j)
                 new.append(old[j])
         self.seq_ids = new
+        gone = [sid for i, sid in enumerate(old) if i not in kept]
         try:
             kv = ad.client()
             for cache in ad.groups.caches():
                 for sid, nid in forks:
                     kv.fork(cache, sid, nid)
-                gone = [sid for i, sid in enumerate(old) if i not in kept]
                 if gone:
                     kv.free(cache, gone)
         except FALLBACK_ERRORS as e:

@@ -71,9 +71,16 @@ def heads(c) -> tuple[int, int, int]:
 
 
 def _attends_by_itself(model) -> str | None:
-    """The class of a module that updates the cache in its forward and then attends
-    without looking up the registered function; None where every one looks it up (or
-    no source can be read: KVStoreCache refuses such a step at run time)."""
+    """What attends without looking up the registered function, so that the decode step
+    never reaches the daemon: the model, when no modeling file of its layers looks one
+    up (GPT-J, Falcon, Bloom, MPT, CodeGen), or the class of a module that updates the
+    cache in its forward and then attends by itself (GIT's text attention, though its
+    vision tower looks the function up). None where every one looks it up, or no source
+    can be read: KVStoreCache refuses such a step at run time. The class flag
+    _supports_attention_backend is no guide: StableLM and BioGPT look it up without it."""
+    layered = {sys.modules[type(m).__module__] for m in model.modules() if hasattr(m, "layer_idx")}
+    if not any(hasattr(mod, "ALL_ATTENTION_FUNCTIONS") for mod in layered):
+        return type(model).__name__
     for cls in {type(m) for m in model.modules() if hasattr(m, "layer_idx")}:
         try:
             src = inspect.getsource(cls.forward)
@@ -89,16 +96,8 @@ def detect(model, c) -> AttentionVariant:
     the first feature the daemon cannot run."""
     if model.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         _refuse(f"model dtype {model.dtype}")
-    # The decode step reaches the daemon only through the registered attention function;
-    # a modeling file that never looks one up (GPT-J, Falcon, Bloom, MPT, CodeGen) attends
-    # in-process. The class flag _supports_attention_backend is no guide: StableLM and
-    # BioGPT look the function up without it. KVStoreCache refuses, at run time, a step
-    # of any other model that no attention call took.
-    layered = {sys.modules[type(m).__module__] for m in model.modules() if hasattr(m, "layer_idx")}
-    if not any(hasattr(mod, "ALL_ATTENTION_FUNCTIONS") for mod in layered):
-        _refuse(f"{type(model).__name__}: attention outside transformers' AttentionInterface")
     own = _attends_by_itself(model)
-    if own is not None:      # GIT: its text attention does, though its vision tower looks the function up
+    if own is not None:
         _refuse(f"{own}: attention outside transformers' AttentionInterface")
     for name, m in model.named_modules():
         if isinstance(getattr(m, "sinks", None), torch.nn.Parameter):
