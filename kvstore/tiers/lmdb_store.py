@@ -12,13 +12,10 @@ allocated and then write()s that page at the commit. A durable batch
 (sync=True) is a commit like any other, made under the marker of commits not
 yet on disk (lmdb_recovery.py), then one sync of the map, which removes the
 marker: a system crash before that sync ends is recovered as after any
-unsynced commit (every value checked at the next open). The batch is not
-synced before its commit too: LMDB's commit clears a flag in the first page
-of every page run it wrote, and the kernel keeps file pages dirty by the
-folio (up to megabytes), so that commit dirtied about 80 % of the just-synced
-batch again (`/proc/meminfo` Dirty: 103 of 130 MiB after the commit of 256
-values of 512 KiB, Linux 6.18 on ext4), and a second sync wrote it twice
-(docs/scale.md has the spill both ways).
+unsynced commit. A sync before the commit too would write most of the batch
+twice: LMDB's commit clears a flag in the first page of each page run it
+wrote, and the kernel keeps file pages dirty by the folio (up to megabytes),
+so the commit makes ~80 % of the synced batch dirty again (docs/scale.md).
 
 What a synced spill costs beyond the disk's own write + fdatasync
 (docs/scale.md, bench/bench_lmdb_spill.py): the first write to each page of
