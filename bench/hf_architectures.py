@@ -40,6 +40,15 @@ class _Timeout(Exception):
     pass
 
 
+def _settable(config, name: str) -> bool:
+    """The config has `name` as a plain value (one it declares per layer, as Gemma 4's
+    head_dim, counts: its global value is set, its layers' overrides stay)."""
+    try:
+        return hasattr(config, name) and not isinstance(getattr(config, name), (dict, list))
+    except Exception as e:  # noqa: BLE001 - transformers' AmbiguousGlobalPerLayerAttributeError, by name
+        return type(e).__name__ == "AmbiguousGlobalPerLayerAttributeError"
+
+
 def tiny_model(model_type: str):
     import transformers
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
@@ -49,7 +58,7 @@ def tiny_model(model_type: str):
     cfg = CONFIG_MAPPING[model_type]()
     text = cfg.get_text_config(decoder=True)
     for k, v in TINY.items():
-        if hasattr(text, k) and not isinstance(getattr(text, k), (dict, list)):
+        if _settable(text, k):
             try:
                 setattr(text, k, v)
             except Exception:  # noqa: BLE001 - a derived or per-layer attribute: the config keeps its own

@@ -10,7 +10,7 @@
 
 How a step runs (any decoder-only model whose attention calls
 `past_key_values.update` then the registered attention function: Llama,
-Qwen2/3, SmolLM, Mistral, Phi-3, Gemma-2/3, GPT-2, GPTBigCode, GPT-NeoX, OPT
+Qwen2/3, SmolLM, Mistral, Phi-3, Gemma-2/3/4, GPT-2, GPTBigCode, GPT-NeoX, OPT
 and more: sliding-window layers and logit
 soft-capping go to the daemon with the cache spec, hf_variants.py; what it
 cannot run is refused at construction, naming the feature):

@@ -59,15 +59,31 @@ def _refuse(feature: str) -> None:
                      "would compute something else)")
 
 
+def setting(c, name: str, default=None):
+    """c.<name>, also where transformers declares it per layer (a config with
+    per_layer_config, as Gemma 4's head_dim): the value every layer has; refused,
+    naming it, where layers differ (one daemon cache has one geometry)."""
+    try:
+        return getattr(c, name, default)
+    except Exception as e:      # noqa: BLE001 - transformers' AmbiguousGlobalPerLayerAttributeError, by name
+        if type(e).__name__ != "AmbiguousGlobalPerLayerAttributeError":
+            raise
+    values = [getattr(layer, name, default) for layer in c.per_layer_config]
+    for i, v in enumerate(values):
+        if v != values[0]:
+            _refuse(f"{name} differing by layer ({values[0]} in layer 0, {v} in layer {i})")
+    return values[0]
+
+
 def heads(c) -> tuple[int, int, int]:
     """(query heads, KV heads, head_dim) of a decoder's text config, whichever names it
     uses: num_key_value_heads (Llama and most), num_kv_heads (Falcon), multi_query
     (GPTBigCode: one KV head), none of them (GPT-2, GPT-NeoX, OPT: one per query head).
     head_dim is the config's own where it has one (Gemma's is not hidden / heads)."""
-    q = c.num_attention_heads
-    kv = getattr(c, "num_key_value_heads", None) or getattr(c, "num_kv_heads", None) \
-        or (1 if getattr(c, "multi_query", False) else q)
-    return q, kv, getattr(c, "head_dim", None) or c.hidden_size // q
+    q = setting(c, "num_attention_heads")
+    kv = setting(c, "num_key_value_heads") or setting(c, "num_kv_heads") \
+        or (1 if setting(c, "multi_query", False) else q)
+    return q, kv, setting(c, "head_dim") or c.hidden_size // q
 
 
 def _attends_by_itself(model) -> str | None:
@@ -108,19 +124,21 @@ def detect(model, c) -> AttentionVariant:
             # BERT-like models not made decoders (is_decoder), and the encoder attention
             # of an encoder-decoder's decoder layers (BART's encoder_attn)
             _refuse(f"non-causal attention ({name}: bidirectional, or over another input)")
-    if getattr(c, "cross_attention_layers", None) or getattr(c, "add_cross_attention", False):
+    if setting(c, "cross_attention_layers", None) or setting(c, "add_cross_attention", False):
         _refuse("cross-attention layers (cross_attention_layers, add_cross_attention: K/V of another input)")
-    if getattr(c, "use_bidirectional_attention", False):
+    if setting(c, "use_bidirectional_attention", False):
         _refuse("use_bidirectional_attention")
-    if getattr(c, "attention_chunk_size", None):
+    if setting(c, "attention_chunk_size", None):
         _refuse("chunked attention (attention_chunk_size)")
-    if getattr(c, "alibi", False) or getattr(c, "position_embedding_type", None) == "alibi":
+    if setting(c, "alibi", False) or setting(c, "position_embedding_type", None) == "alibi":
         _refuse("ALiBi position biases")
-    if getattr(c, "kv_lora_rank", None) or getattr(c, "v_head_dim", None) not in (None, getattr(c, "head_dim", None)):
+    if setting(c, "kv_lora_rank") or setting(c, "v_head_dim") not in (None, heads(c)[2]):
         _refuse("latent / asymmetric K and V heads (kv_lora_rank, v_head_dim)")
+    if setting(c, "num_kv_shared_layers", None):
+        _refuse("layers attending with another layer's K/V (num_kv_shared_layers)")
     n = c.num_hidden_layers
-    sw = getattr(c, "sliding_window", None) or 0
-    types = getattr(c, "layer_types", None)
+    sw = setting(c, "sliding_window") or 0
+    types = setting(c, "layer_types", None)
     if types is not None:
         other = sorted(set(types) - set(LAYER_TYPES))
         if other:
@@ -133,7 +151,7 @@ def detect(model, c) -> AttentionVariant:
         windows = (sw,) * n if sw else ()
     if not any(windows):
         windows = ()
-    cap = getattr(c, "attn_logit_softcapping", None) or 0.0
+    cap = setting(c, "attn_logit_softcapping", None) or 0.0
     return AttentionVariant(windows=windows, softcap=float(cap))
 
 

@@ -90,16 +90,24 @@ def _cohere2():    # 3 sliding layers to 1 global
                                       sliding_window=WINDOW, **SMALL)
 
 
+def _gemma4(**kw):   # geometry declared per layer; global layers' head_dim made the sliding ones'
+    kw = dict(dict(num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                   global_head_dim=32, sliding_window=WINDOW, hidden_size_per_layer_input=16,
+                   vocab_size_per_layer_input=128, layer_types=["sliding_attention", "full_attention"] * 2,
+                   **SMALL), **kw)
+    return transformers.Gemma4TextConfig(**kw)
+
+
 MODELS = {"llama": (_llama, "LlamaForCausalLM"), "qwen2": (_qwen2, "Qwen2ForCausalLM"),
           "qwen3": (_qwen3, "Qwen3ForCausalLM"), "mistral": (_mistral, "MistralForCausalLM"),
           "gemma2": (_gemma2, "Gemma2ForCausalLM"), "gemma3": (_gemma3, "Gemma3ForCausalLM"),
           "phi3": (_phi3, "Phi3ForCausalLM"), "gpt2": (_gpt2, "GPT2LMHeadModel"),
           "gpt_bigcode": (_gpt_bigcode, "GPTBigCodeForCausalLM"), "gpt_neox": (_gpt_neox, "GPTNeoXForCausalLM"),
           "opt": (_opt, "OPTForCausalLM"), "granite": (_granite, "GraniteForCausalLM"),
-          "cohere2": (_cohere2, "Cohere2ForCausalLM")}
+          "cohere2": (_cohere2, "Cohere2ForCausalLM"), "gemma4": (_gemma4, "Gemma4ForCausalLM")}
 WINDOWS = {"gpt2": (), "gpt_bigcode": (), "gpt_neox": (), "opt": (), "granite": (), "cohere2": (WINDOW,) * 3 + (0,),
            "llama": (), "qwen2": (0, WINDOW), "qwen3": (0, WINDOW), "mistral": (WINDOW,) * 2,
-           "gemma2": (WINDOW, 0), "gemma3": (WINDOW,) * 5 + (0,), "phi3": (WINDOW,) * 2}
+           "gemma2": (WINDOW, 0), "gemma3": (WINDOW,) * 5 + (0,), "phi3": (WINDOW,) * 2, "gemma4": (WINDOW, 0) * 2}
 
 
 def build(name, seed=0, **overrides):
@@ -156,13 +164,13 @@ def test_fp16_greedy_equals_transformers(daemon, name):
     ad.close()
 
 
-@pytest.mark.parametrize("name", ["mistral", "gemma3"])
+@pytest.mark.parametrize("name", ["mistral", "gemma3", "gemma4"])
 def test_windows_change_the_answer(name):
     """The equality above is a check of the windows: without them transformers itself
     generates other tokens from the same weights and prompt."""
     model = build(name)
     flat = build(name, **({"sliding_window": None} if name == "mistral"
-                          else {"layer_types": ["full_attention"] * 6}))
+                          else {"layer_types": ["full_attention"] * model.config.num_hidden_layers}))
     flat.load_state_dict(model.state_dict())
     want = reference(model, prompt())
     assert len(set(want[0, PROMPT:].tolist())) > 2           # not a model that repeats one token
@@ -316,6 +324,21 @@ def test_unsupported_attention_is_refused_naming_it(daemon, attr, value, feature
     setattr(model.config, attr, value)
     with pytest.raises(ValueError, match=feature):
         KVStoreAdapter(model, daemon, cache="refused", codec="fp16")
+
+
+@pytest.mark.parametrize("kw,feature", [
+    ({"global_head_dim": 64}, r"head_dim differing by layer \(32 in layer 0, 64 in layer 1\)"),
+    ({"num_global_key_value_heads": 1, "attention_k_eq_v": True},
+     r"num_key_value_heads differing by layer \(2 in layer 0, 1 in layer 1\)"),
+    ({"num_kv_shared_layers": 2}, r"another layer's K/V \(num_kv_shared_layers\)"),
+])
+def test_a_geometry_varying_by_layer_or_shared_k_v_is_refused(daemon, kw, feature):
+    """Gemma 4 declares head_dim and KV heads per layer (its global layers' differ from
+    its sliding ones') and lets later layers attend with an earlier one's K/V: one
+    daemon cache has one geometry and takes every layer's own K/V."""
+    model = transformers.Gemma4ForCausalLM(_gemma4(**kw))
+    with pytest.raises(ValueError, match=feature):
+        KVStoreAdapter(model, daemon, cache="gemma4-refused", codec="fp16")
 
 
 def test_attention_outside_the_interface_is_refused(daemon):
