@@ -64,10 +64,14 @@ def tiny_model(model_type: str):
             except Exception:  # noqa: BLE001 - a derived or per-layer attribute: the config keeps its own
                 pass
     if getattr(text, "layer_types", None) is not None:
-        text.layer_types = text.layer_types[:text.num_hidden_layers] \
-            if len(text.layer_types) >= text.num_hidden_layers else None
+        try:
+            text.layer_types = text.layer_types[:text.num_hidden_layers] \
+                if len(text.layer_types) >= text.num_hidden_layers else None
+        except AttributeError:   # derived from other settings (Jamba, Mamba): it follows them
+            pass
     torch.manual_seed(0)
-    return cls(cfg).eval()
+    own = getattr(cls, "config_class", None)      # a text-only class of a multimodal model_type (Llama 4)
+    return cls(text if own is not None and not isinstance(cfg, own) and isinstance(text, own) else cfg).eval()
 
 
 def rounding_cache(model):
