@@ -10,8 +10,8 @@
 
 How a step runs (any decoder-only model whose attention calls
 `past_key_values.update` then the registered attention function: Llama,
-Qwen2/3, SmolLM, Mistral, Phi-3, Gemma-2/3/4, GPT-2, GPTBigCode, GPT-NeoX, OPT
-and more: sliding-window layers and logit
+Qwen2/3, SmolLM, Mistral, Phi-3, Gemma-2/3/4, Llama 4, GPT-2, GPTBigCode, GPT-NeoX,
+OPT and more: sliding-window and chunked layers and logit
 soft-capping go to the daemon with the cache spec, hf_variants.py; what it
 cannot run is refused at construction, naming the feature):
   - prefill (a forward of n > 1 tokens): attention in-process on exact K/V, by
@@ -37,9 +37,10 @@ cannot run is refused at construction, naming the feature):
     tokens so far into in-process DynamicLayers and generation goes on there.
     The adapter drops its channel; the next request reconnects (re-creating
     the cache and codebooks on a restarted daemon).
-Layers that attend through different windows (Gemma-2/3, Qwen2 with
-max_window_layers) go to one daemon cache per window (hf_groups.py: the global
-layers in `<cache>.global`, each window's in `<cache>.w<window>`), so that the
+Layers that attend through different windows or chunks (Gemma-2/3, Qwen2 with
+max_window_layers, Llama 4) go to one daemon cache per window (hf_groups.py: the
+global layers in `<cache>.global`, each window's in `<cache>.w<window>`, each
+chunk size's in `<cache>.c<chunk>`), so that the
 sliding layers' cache frees the blocks that left their window; a model with one
 group keeps the one cache `cache`.
 Batches of B sequences: left-padded prompts (attention_mask) are stored
@@ -158,14 +159,15 @@ class KVStoreAdapter:
         if sink_tokens is None:
             sink_tokens = math.ceil(DEFAULT_PQ_SINKS / block_size) * block_size if codec == "pq" else 0
         self.model, self.target, self.cache_name, self.codec = model, target, cache, codec
-        self.groups = LayerGroups(cache, self.variant.windows, self.num_layers, split=layer_groups)
+        self.groups = LayerGroups(cache, self.variant.windows, self.num_layers, split=layer_groups,
+                                  chunks=self.variant.chunks)
         # Each group's cache gets the codebooks of its layers (the file holds every layer's).
         self.codebooks = ([cb.to_bytes()] if len(self.groups) == 1 else
                           [cb.layers(g.layers).to_bytes() for g in self.groups]) if cb is not None else None
         self.transform, self.timeout = transform, timeout
         # Tokens one AppendAttend may bring a sequence: the daemon's bound (16), and on
         # pq the residual + 1 newest tokens it keeps in fp16 until they are attended.
-        self.chunk = None if prefix_path == "retrieve" or self.variant.windows else \
+        self.chunk = None if prefix_path == "retrieve" or self.variant.windows or self.variant.chunks else \
             min(16, residual + 1) if codec == "pq" else 16
         self.prefix_path = prefix_path
         self.prefix_runs = {"codes": 0, "retrieve": 0}     # requests after a prefix hit, by path
@@ -176,10 +178,7 @@ class KVStoreAdapter:
                          head_dim=self.head_dim, dtype="bfloat16" if model.dtype == torch.bfloat16 else "float16",
                          codec=codec, block_size=block_size, residual=residual, num_blocks=num_blocks,
                          max_sequences=max_sequences, sink_tokens=sink_tokens)
-        if self.variant.windows:
-            self.spec["layer_windows"] = list(self.variant.windows)
-        if self.variant.softcap:
-            self.spec["logit_softcap"] = self.variant.softcap
+        self.spec.update(self.variant.spec())
         if cb is not None:
             self.spec["num_subvectors"] = cb.k.shape[2]
         self._kv: KVStoreClient | None = None

@@ -111,8 +111,8 @@ class KVStoreCache(Cache):
         # daemon, whose sequence i holds positions [pads[i], length).
         self.pads = pads or [0] * seen_ids.shape[0]
         self.num_layers = adapter.num_layers
-        if local:
-            super().__init__(layers=DynamicCache(config=adapter.model.config).layers)
+        if local:   # full layers, sliding and chunked ones too: release() hands every token over
+            super().__init__(layers=[DynamicLayer() for _ in range(self.num_layers)])
         else:
             super().__init__(layers=[_DaemonLayer(self) for _ in range(self.num_layers)])
         self.length = seen_ids.shape[1]

@@ -4,10 +4,10 @@ as vLLM's hybrid allocator keeps them, by composition of daemon caches.
 The daemon gives every layer of a cache one block table (a block id addresses the same
 slot in every layer), so a cache frees the blocks that left the window only when every
 one of its layers slides (docs/design.md, Sliding windows). The adapter therefore makes
-one cache per window: the global layers in one, each window's sliding layers in one, and
-maps every model layer to (its group's cache, its index there). A model with one group
-(no sliding layer, or every layer with the same window) keeps one cache under the name
-it was given. A sequence lives in every group's cache under the same id and the same
+one cache per window: the global layers in one, each window's sliding layers in one,
+each chunk size's chunked layers (Llama 4) in one, and maps every model layer to (its
+group's cache, its index there). A model with one group (no sliding layer, or every
+layer with the same window) keeps one cache under the name it was given. A sequence lives in every group's cache under the same id and the same
 committed length; its prefix hit is the shortest of its groups'.
 """
 from __future__ import annotations
@@ -22,6 +22,7 @@ class LayerGroup:
     cache: str                   # the daemon cache that holds these layers
     layers: tuple[int, ...]      # model layer indices, in order: layer layers[i] is the cache's layer i
     windows: tuple[int, ...]     # their sliding windows, in that order; () when none slides
+    chunks: tuple[int, ...] = ()     # their attention chunks, in that order; () when none is chunked
 
     @property
     def window(self) -> int:
@@ -32,8 +33,11 @@ class LayerGroup:
         """CreateCache fields of this group's cache from the model's (base: every layer's)."""
         out = dict(base, num_layers=len(self.layers))
         out.pop("layer_windows", None)
+        out.pop("layer_chunks", None)
         if self.windows:
             out["layer_windows"] = list(self.windows)
+        if self.chunks:
+            out["layer_chunks"] = list(self.chunks)
         return out
 
     def first_needed(self, length: int) -> int:
@@ -43,19 +47,22 @@ class LayerGroup:
 
 
 class LayerGroups:
-    """The groups of a model's layers by window (windows: per layer, () when none slides).
-    split=False: one cache for every layer, whatever their windows (correct, but a cache
-    with a global layer keeps every block: the baseline the groups are measured against)."""
+    """The groups of a model's layers by window or chunk (windows, chunks: per layer, ()
+    when none slides / is chunked). split=False: one cache for every layer, whatever their
+    windows (correct, but a cache with a global layer keeps every block: the baseline the
+    groups are measured against)."""
 
-    def __init__(self, cache: str, windows: tuple[int, ...], num_layers: int, split: bool = True):
-        by: dict[int, list[int]] = {}
+    def __init__(self, cache: str, windows: tuple[int, ...], num_layers: int, split: bool = True,
+                 chunks: tuple[int, ...] = ()):
+        by: dict[tuple[int, int], list[int]] = {}
         for layer in range(num_layers):
-            by.setdefault(windows[layer] if windows else 0, []).append(layer)
+            by.setdefault((windows[layer] if windows else 0, chunks[layer] if chunks else 0), []).append(layer)
         if len(by) == 1 or not split:
-            self.groups = [LayerGroup(cache, tuple(range(num_layers)), tuple(windows))]
+            self.groups = [LayerGroup(cache, tuple(range(num_layers)), tuple(windows), tuple(chunks))]
         else:       # global first: it holds the model's every token
-            self.groups = [LayerGroup(f"{cache}.w{w}" if w else f"{cache}.global", tuple(layers),
-                                      (w,) * len(layers) if w else ()) for w, layers in sorted(by.items())]
+            self.groups = [LayerGroup(f"{cache}.w{w}" if w else f"{cache}.c{c}" if c else f"{cache}.global",
+                                      tuple(layers), (w,) * len(layers) if w else (), (c,) * len(layers) if c else ())
+                           for (w, c), layers in sorted(by.items())]
         self.where = [(0, 0)] * num_layers           # model layer -> (group index, layer in its cache)
         for gi, g in enumerate(self.groups):
             for i, layer in enumerate(g.layers):

@@ -15,16 +15,29 @@ from dataclasses import dataclass
 
 import torch
 
-LAYER_TYPES = ("full_attention", "sliding_attention")
+LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
 
 
 @dataclass(slots=True, frozen=True)
 class AttentionVariant:
     windows: tuple[int, ...]     # per layer; 0: global; () when no layer slides
     softcap: float               # attn_logit_softcapping; 0: none
+    chunks: tuple[int, ...] = ()     # per layer: attention_chunk_size (Llama 4); () when no layer is chunked
 
     def window(self, layer: int) -> int:
         return self.windows[layer] if self.windows else 0
+
+    def chunk(self, layer: int) -> int:
+        return self.chunks[layer] if self.chunks else 0
+
+    def spec(self) -> dict:
+        """The CreateCache fields that make the daemon attend as the model does."""
+        out = {"layer_windows": list(self.windows)} if self.windows else {}
+        if self.chunks:
+            out["layer_chunks"] = list(self.chunks)
+        if self.softcap:
+            out["logit_softcap"] = self.softcap
+        return out
 
     def check_call(self, layer: int, kwargs: dict, mask, kv_len: int) -> None:
         """The attention call of `layer` asks for what the daemon's cache was made with:
@@ -39,6 +52,10 @@ class AttentionVariant:
         if w != want and not (w == 0 and (kv_len <= want or _masks_before(mask, kv_len - want))):
             raise ValueError(f"layer {layer}: the model attends with sliding_window={w}, the kvstore cache "
                              f"was made with {want} (from its config)")
+        c = self.chunk(layer)      # chunks come by the mask alone (Llama 4): it must hide the earlier ones
+        if c and (w or (kv_len > c and not _masks_before(mask, (kv_len - 1) // c * c))):
+            raise ValueError(f"layer {layer}: the model does not attend in chunks of {c} tokens as its config "
+                             "says (attention_chunk_size), or not through its mask")
         if float(cap) != self.softcap:
             raise ValueError(f"layer {layer}: the model soft-caps attention logits at {cap}, the kvstore "
                              f"cache at {self.softcap}")
@@ -128,8 +145,6 @@ def detect(model, c) -> AttentionVariant:
         _refuse("cross-attention layers (cross_attention_layers, add_cross_attention: K/V of another input)")
     if setting(c, "use_bidirectional_attention", False):
         _refuse("use_bidirectional_attention")
-    if setting(c, "attention_chunk_size", None):
-        _refuse("chunked attention (attention_chunk_size)")
     if setting(c, "alibi", False) or setting(c, "position_embedding_type", None) == "alibi":
         _refuse("ALiBi position biases")
     if setting(c, "kv_lora_rank") or setting(c, "v_head_dim") not in (None, heads(c)[2]):
@@ -151,8 +166,14 @@ def detect(model, c) -> AttentionVariant:
         windows = (sw,) * n if sw else ()
     if not any(windows):
         windows = ()
+    # Llama 4: attention_chunk_size on the layers whose layer_types say chunked_attention
+    size = setting(c, "attention_chunk_size", None) or 0
+    chunks = tuple(size if t == "chunked_attention" else 0 for t in types or ())
+    if bool(size) != any(chunks):
+        _refuse(f"chunked attention (attention_chunk_size={size or None}) without chunked_attention layers"
+                if size else "chunked_attention layers without attention_chunk_size")
     cap = setting(c, "attn_logit_softcapping", None) or 0.0
-    return AttentionVariant(windows=windows, softcap=float(cap))
+    return AttentionVariant(windows=windows, softcap=float(cap), chunks=chunks if any(chunks) else ())
 
 
 def check_generate(model, kwargs: dict) -> None:

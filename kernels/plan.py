@@ -21,9 +21,9 @@ tokens 0..i (reference.pq_multi_attention / paged_multi_attention). PQ plans on 
 C++ kernel (cuda/attention.py query_groups) or Triton, paged plans on Triton; no sliding
 windows.
 
-A layer with a sliding window plans with start indices after the lengths: ("pq")
-(sealed_lens, tail_lens, sealed_starts, tail_starts), ("paged") (seq_lens, starts);
-window_starts / pq_window_starts turn a window into them. `softcap` (> 0: scores go
+A layer with a sliding window or chunked attention plans with start indices after the
+lengths: ("pq") (sealed_lens, tail_lens, sealed_starts, tail_starts), ("paged")
+(seq_lens, starts); window_start / pq_window_starts turn a window or chunk into them. `softcap` (> 0: scores go
 through softcap * tanh(s / softcap)) is a plan parameter.
 
 This module imports neither Triton nor CuPy: the router and both backends import it.
@@ -264,21 +264,26 @@ def range_starts(starts, lens: list[int], name: str) -> list[int]:
     return st
 
 
-def window_start(length: int, window: int) -> int:
+def window_start(length: int, window: int, chunk: int = 0) -> int:
     """The first position a decode query at position length - 1 reads under a sliding
-    window of `window` tokens (0: none). transformers' convention (masking_utils
-    sliding_window_overlay: kv_idx > q_idx - window): the last `window` positions,
-    the query's own included."""
+    window of `window` tokens (0: none) or in chunks of `chunk` tokens (0: none).
+    transformers' conventions (masking_utils): a window is the last `window` positions,
+    the query's own included (sliding_window_overlay: kv_idx > q_idx - window); a chunk
+    the positions of the query's own chunk up to it (chunked_overlay: kv_idx // chunk ==
+    q_idx // chunk, Llama 4's attention_chunk_size)."""
+    if chunk:
+        return (length - 1) // chunk * chunk if length else 0
     return max(0, length - window) if window else 0
 
 
-def pq_window_starts(length: int, window: int, sinks: int, sealed_tokens: int) -> tuple[int, int]:
+def pq_window_starts(length: int, window: int, sinks: int, sealed_tokens: int,
+                     chunk: int = 0) -> tuple[int, int]:
     """(sealed start, tail start) of a PQ sequence's window, in the kernels' coordinates
     (core/sequence.py's layout): the tail table holds positions [0, sinks) and then
     [sinks + sealed_tokens, length); the sealed blocks [sinks, sinks + sealed_tokens).
     A window is a suffix of positions, so it is a suffix of each range: sink tokens
-    outside it are not read (a windowed layer never sees them)."""
-    ws = window_start(length, window)
+    outside it are not read (a windowed layer never sees them). A chunk likewise."""
+    ws = window_start(length, window, chunk)
     if ws < sinks:
         return 0, ws
     if ws < sinks + sealed_tokens:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import warnings
 from dataclasses import dataclass
 
 import numpy as np
@@ -298,7 +299,11 @@ def train_codebooks(cfg: CacheConfig, k_samples: torch.Tensor, v_samples: torch.
     (device as train_pq's: None for faiss on the CPU, else the torch k-means there)."""
     if device is None:
         try:
-            import faiss  # noqa: F401
+            # SWIG warns as faiss loads; a process that turns warnings into errors
+            # (-W error, a test's filter) would have its module init crash, not raise.
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", DeprecationWarning)
+                import faiss  # noqa: F401
         except ImportError:
             raise FailedPrecondition("codebooks", "training needs faiss (pip install faiss-cpu)") from None
     g = cfg.geometry

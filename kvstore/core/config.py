@@ -106,6 +106,9 @@ class CacheConfig:
     # Sliding-window attention: () or one entry per layer; w > 0: a decode query at
     # position p reads positions (p - w, p] only (transformers' convention), 0: all.
     layer_windows: tuple[int, ...] = ()
+    # Chunked attention (Llama 4): () or one entry per layer; c > 0: a decode query at
+    # position p reads positions [p - p % c, p] only, 0: none. Not with a window.
+    layer_chunks: tuple[int, ...] = ()
     logit_softcap: float = 0.0   # > 0: scores s become c * tanh(s / c) (Gemma-2); 0: none
 
     def __post_init__(self) -> None:
@@ -138,13 +141,17 @@ class CacheConfig:
         if self.capacity_blocks() > 1 << 24:
             raise InvalidArgument("num_blocks", "more than 2^24 blocks")
         check_device("device", self.device)
-        w = self.layer_windows
-        if not isinstance(w, tuple) or (w and len(w) != self.geometry.num_layers):
-            raise InvalidArgument("layer_windows", f"must be empty or hold one window per layer "
-                                  f"({self.geometry.num_layers}), got {len(w) if isinstance(w, tuple) else quote(w)}")
-        for x in w:
-            if not isinstance(x, int) or not 0 <= x < 1 << 31:
-                raise InvalidArgument("layer_windows", f"windows must be integers in [0, 2^31), got {quote(x)}")
+        for name, what in (("layer_windows", "window"), ("layer_chunks", "chunk")):
+            w = getattr(self, name)
+            if not isinstance(w, tuple) or (w and len(w) != self.geometry.num_layers):
+                raise InvalidArgument(name, f"must be empty or hold one {what} per layer ({self.geometry.num_layers}), "
+                                      f"got {len(w) if isinstance(w, tuple) else quote(w)}")
+            for x in w:
+                if not isinstance(x, int) or not 0 <= x < 1 << 31:
+                    raise InvalidArgument(name, f"{what}s must be integers in [0, 2^31), got {quote(x)}")
+        both = [i for i in range(self.geometry.num_layers) if self.window(i) and self.chunk(i)]
+        if both:
+            raise InvalidArgument("layer_chunks", f"layer {both[0]} has both a window and a chunk: one or the other")
         c = self.logit_softcap
         if not isinstance(c, (int, float)) or not (0.0 <= c < math.inf):
             raise InvalidArgument("logit_softcap", f"must be a finite number >= 0, got {quote(c)}")
@@ -153,6 +160,10 @@ class CacheConfig:
     def window(self, layer: int) -> int:
         """The layer's sliding window in tokens; 0: it reads every token."""
         return self.layer_windows[layer] if self.layer_windows else 0
+
+    def chunk(self, layer: int) -> int:
+        """The layer's attention chunk in tokens; 0: none."""
+        return self.layer_chunks[layer] if self.layer_chunks else 0
 
     # --- derived sizes
     @property

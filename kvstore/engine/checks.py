@@ -90,9 +90,9 @@ def query_tokens(cfg: CacheConfig, layer: int, t: int) -> int:
     t = t or 1
     if not 1 <= t <= MAX_QUERY_TOKENS:
         raise InvalidArgument("query_tokens", f"must be in [1, {MAX_QUERY_TOKENS}], got {t}")
-    if t > 1 and cfg.window(layer):
-        raise InvalidArgument("query_tokens", f"layer {layer} has a sliding window: multi-token attention "
-                              "does not take windows (send one token per call)")
+    if t > 1 and (cfg.window(layer) or cfg.chunk(layer)):
+        raise InvalidArgument("query_tokens", f"layer {layer} has a sliding window or attention chunks: "
+                              "multi-token attention does not take them (send one token per call)")
     if t > 1 and cfg.codec.kind == "pq" and t > cfg.residual + 1:
         raise InvalidArgument("query_tokens", f"{t} tokens per sequence: a pq cache with residual "
                               f"{cfg.residual} keeps only the newest {cfg.residual + 1} in fp16")

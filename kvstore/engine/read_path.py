@@ -31,18 +31,19 @@ class ReadPath:
     def decode_lens(self, layer: int, seqs: list[Sequence]) -> tuple[list[int], ...]:
         """The kernels' lengths of a decode step at this layer (router.plan_decode's
         lens): pq (sealed tokens, tail tokens), fp16 (tokens,); a windowed layer adds
-        each range's first token in its window (kernels/plan.py)."""
-        window = self.cfg.window(layer)
+        each range's first token in its window or chunk (kernels/plan.py)."""
+        window, chunk = self.cfg.window(layer), self.cfg.chunk(layer)
         if self.is_pq:
             sealed = [len(s.sealed) * self.bs for s in seqs]
             lens = (sealed, [s.layer_length(layer) - n for s, n in zip(seqs, sealed)])
-            if window:
-                st = [pq_window_starts(s.layer_length(layer), window, self.sinks, n) for s, n in zip(seqs, sealed)]
+            if window or chunk:
+                st = [pq_window_starts(s.layer_length(layer), window, self.sinks, n, chunk)
+                      for s, n in zip(seqs, sealed)]
                 lens += ([a for a, _ in st], [b for _, b in st])
             return lens
         lens = ([s.layer_length(layer) for s in seqs],)
-        if window:
-            lens += ([window_start(n, window) for n in lens[0]],)
+        if window or chunk:
+            lens += ([window_start(n, window, chunk) for n in lens[0]],)
         return lens
 
     def attend(self, layer: int, seqs: list[Sequence], q: torch.Tensor, scale: float,
@@ -121,11 +122,11 @@ class ReadPath:
         gathered in position order (sinks, sealed, tail), so a window is a slice. Holes
         (window.py) lie before every window: left out, the positions after them shift."""
         outs = []
-        window = self.cfg.window(layer)
+        window, chunk = self.cfg.window(layer), self.cfg.chunk(layer)
         for i, s in enumerate(seqs):
             k, v = self._positional_cpu(layer, s)      # held tokens: holes left out
             gone = s.freed * self.bs
-            lo = window_start(s.layer_length(layer), window) - gone
+            lo = window_start(s.layer_length(layer), window, chunk) - gone
             assert lo >= (self.sinks if gone else 0), f"{s.seq_id}: layer {layer} reads a hole"
             outs.append(cpu_decode.attend_one(q[i], k[:, lo:], v[:, lo:], scale, self.cfg.logit_softcap))
         out = outs[0].unsqueeze(0) if len(outs) == 1 else torch.stack(outs)

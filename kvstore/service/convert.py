@@ -21,7 +21,8 @@ def spec_to_config(spec: pb.CacheSpec, device: str) -> CacheConfig:
         num_blocks=spec.num_blocks, pool_bytes=spec.pool_bytes,
         max_sequences=spec.max_sequences or 256, device=device, host_bytes=spec.host_bytes,
         low_watermark=spec.low_watermark, share_prefixes_across_tenants=spec.share_prefixes_across_tenants,
-        layer_windows=tuple(spec.layer_windows), logit_softcap=spec.logit_softcap)
+        layer_windows=tuple(spec.layer_windows), layer_chunks=tuple(spec.layer_chunks),
+        logit_softcap=spec.logit_softcap)
 
 
 def config_to_spec(cfg: CacheConfig) -> pb.CacheSpec:
@@ -35,7 +36,8 @@ def config_to_spec(cfg: CacheConfig) -> pb.CacheSpec:
         num_blocks=cfg.num_blocks, pool_bytes=cfg.pool_bytes,
         max_sequences=cfg.max_sequences, host_bytes=cfg.host_bytes, low_watermark=cfg.low_watermark,
         share_prefixes_across_tenants=cfg.share_prefixes_across_tenants,
-        layer_windows=list(cfg.layer_windows), logit_softcap=cfg.logit_softcap)
+        layer_windows=list(cfg.layer_windows), layer_chunks=list(cfg.layer_chunks),
+        logit_softcap=cfg.logit_softcap)
 
 
 def cache_info(i: CacheInfo) -> pb.CacheInfo:

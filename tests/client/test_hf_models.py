@@ -98,14 +98,23 @@ def _gemma4(**kw):   # geometry declared per layer; global layers' head_dim made
     return transformers.Gemma4TextConfig(**kw)
 
 
+def _llama4():     # chunked attention (the mask's alone) on 3 layers of 4, NoPE on the 4th, MoE
+    return transformers.Llama4TextConfig(num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                                         head_dim=16, attention_chunk_size=WINDOW, intermediate_size_mlp=128,
+                                         num_local_experts=2, pad_token_id=0, no_rope_layers=[1, 1, 1, 0],
+                                         layer_types=["chunked_attention"] * 3 + ["full_attention"], **SMALL)
+
+
 MODELS = {"llama": (_llama, "LlamaForCausalLM"), "qwen2": (_qwen2, "Qwen2ForCausalLM"),
           "qwen3": (_qwen3, "Qwen3ForCausalLM"), "mistral": (_mistral, "MistralForCausalLM"),
           "gemma2": (_gemma2, "Gemma2ForCausalLM"), "gemma3": (_gemma3, "Gemma3ForCausalLM"),
           "phi3": (_phi3, "Phi3ForCausalLM"), "gpt2": (_gpt2, "GPT2LMHeadModel"),
           "gpt_bigcode": (_gpt_bigcode, "GPTBigCodeForCausalLM"), "gpt_neox": (_gpt_neox, "GPTNeoXForCausalLM"),
           "opt": (_opt, "OPTForCausalLM"), "granite": (_granite, "GraniteForCausalLM"),
-          "cohere2": (_cohere2, "Cohere2ForCausalLM"), "gemma4": (_gemma4, "Gemma4ForCausalLM")}
-WINDOWS = {"gpt2": (), "gpt_bigcode": (), "gpt_neox": (), "opt": (), "granite": (), "cohere2": (WINDOW,) * 3 + (0,),
+          "cohere2": (_cohere2, "Cohere2ForCausalLM"), "gemma4": (_gemma4, "Gemma4ForCausalLM"),
+          "llama4": (_llama4, "Llama4ForCausalLM")}
+CHUNKS = {"llama4": (WINDOW,) * 3 + (0,)}
+WINDOWS = {"llama4": (), "gpt2": (), "gpt_bigcode": (), "gpt_neox": (), "opt": (), "granite": (), "cohere2": (WINDOW,) * 3 + (0,),
            "llama": (), "qwen2": (0, WINDOW), "qwen3": (0, WINDOW), "mistral": (WINDOW,) * 2,
            "gemma2": (WINDOW, 0), "gemma3": (WINDOW,) * 5 + (0,), "phi3": (WINDOW,) * 2, "gemma4": (WINDOW, 0) * 2}
 
@@ -144,27 +153,31 @@ def test_fp16_greedy_equals_transformers(daemon, name):
     ids = prompt()
     want = reference(model, ids)
     ad = KVStoreAdapter(model, daemon, cache=name, codec="fp16", block_size=8, residual=8)
-    assert ad.variant.windows == WINDOWS[name]
+    assert ad.variant.windows == WINDOWS[name] and ad.variant.chunks == CHUNKS.get(name, ())
     with warnings.catch_warnings():
         warnings.simplefilter("error")           # no fallback
         with torch.no_grad():
             got = ad.generate(ids, **GEN)
     assert torch.equal(got, want), (got, want)
-    windows = [0] * model.config.num_hidden_layers
-    for g in ad.groups:        # one cache per window; together they hold every layer once
+    windows, chunks = [0] * model.config.num_hidden_layers, [0] * model.config.num_hidden_layers
+    for g in ad.groups:        # one cache per window or chunk; together they hold every layer once
         info = ad.client().get_cache(g.cache).spec
-        assert len(set(info.layer_windows)) <= 1 and info.geometry.num_layers == len(g.layers)
+        assert len(set(info.layer_windows)) <= 1 and len(set(info.layer_chunks)) <= 1
+        assert info.geometry.num_layers == len(g.layers)
         for layer, w in zip(g.layers, info.layer_windows):
             windows[layer] = w
+        for layer, c in zip(g.layers, info.layer_chunks):
+            chunks[layer] = c
         assert info.logit_softcap == (3.0 if name == "gemma2" else 0.0)
     assert tuple(windows) == (WINDOWS[name] or (0,) * len(windows))
-    assert len(ad.groups) == len(set(windows))
+    assert tuple(chunks) == (CHUNKS.get(name) or (0,) * len(chunks))
+    assert len(ad.groups) == len(set(zip(windows, chunks)))
     s = ad.stats()
     assert s.attend_calls == model.config.num_hidden_layers * (GEN["max_new_tokens"] - 1)
     ad.close()
 
 
-@pytest.mark.parametrize("name", ["mistral", "gemma3", "gemma4"])
+@pytest.mark.parametrize("name", ["mistral", "gemma3", "gemma4", "llama4"])
 def test_windows_change_the_answer(name):
     """The equality above is a check of the windows: without them transformers itself
     generates other tokens from the same weights and prompt."""
@@ -305,6 +318,28 @@ def test_bf16_model_runs_in_bf16(daemon):
     assert all(ad.client().get_cache(c).spec.geometry.dtype == "bfloat16" for c in ad.groups.caches())
 
 
+@pytest.mark.parametrize("name", ["gemma3", "llama4"])
+def test_calibrating_in_process_hands_every_layer_s_tokens_over(daemon, name):
+    """pq without codebooks (calibrate_tokens): requests run in-process, as transformers
+    runs them, and hand their K/V over, sliding and chunked layers' every token too,
+    until the daemon has trained codebooks; then the requests go to the daemon."""
+    model = build(name)
+    ad = KVStoreAdapter(model, daemon, cache=f"cal-{name}", codec="pq", calibrate_tokens=256, block_size=8,
+                        residual=8, sink_tokens=8)
+    for seed in range(3):      # 3 x (100 + 20 - 1 - 8) >= 256 rows
+        ids = prompt(100, seed=seed)
+        want = reference(model, ids)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")          # no fallback (faiss loads in the daemon meanwhile)
+            with torch.no_grad():
+                assert torch.equal(ad.generate(ids, **GEN), want)
+    assert all(ad.client().get_cache(c).has_codebooks for c in ad.groups.caches())
+    with torch.no_grad():
+        ad.generate(prompt(100, seed=9), **GEN)
+    assert ad.stats().attend_calls == model.config.num_hidden_layers * (GEN["max_new_tokens"] - 1)
+    ad.close()
+
+
 # --------------------------------------------------------------- refusals
 def test_learned_sink_logits_are_refused(daemon):
     model = build("llama")
@@ -339,6 +374,19 @@ def test_a_geometry_varying_by_layer_or_shared_k_v_is_refused(daemon, kw, featur
     model = transformers.Gemma4ForCausalLM(_gemma4(**kw))
     with pytest.raises(ValueError, match=feature):
         KVStoreAdapter(model, daemon, cache="gemma4-refused", codec="fp16")
+
+
+def test_chunks_the_model_does_not_apply_stop_generation(daemon):
+    """The daemon's chunked layers must be the model's: a model whose masks stop
+    chunking (its layer_types changed after the adapter read them) is stopped at its
+    first decode step, naming the layer."""
+    model = build("llama4")
+    ad = KVStoreAdapter(model, daemon, cache="chunks-astray", codec="fp16", block_size=8, residual=8)
+    model.config.layer_types = ["full_attention"] * 4
+    with pytest.raises(ValueError, match="layer 0: the model does not attend in chunks of 16 tokens"):
+        with torch.no_grad():
+            ad.generate(prompt(), **GEN)
+    ad.close()
 
 
 def test_attention_outside_the_interface_is_refused(daemon):

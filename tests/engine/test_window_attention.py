@@ -21,10 +21,10 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 WINDOWS = (13, 0)          # layer 0 slides (a window that is no multiple of the block), layer 1 is global
 
 
-def engine(sinks: int, codec: str = "pq", windows=WINDOWS, softcap: float = 0.0) -> Engine:
+def engine(sinks: int, codec: str = "pq", windows=WINDOWS, softcap: float = 0.0, chunks=()) -> Engine:
     e = Engine()
     cfg = config(codec, block_size=BS, residual=R, sink_tokens=sinks)
-    e.create_cache(dataclasses.replace(cfg, layer_windows=windows, logit_softcap=softcap))
+    e.create_cache(dataclasses.replace(cfg, layer_windows=windows, logit_softcap=softcap, layer_chunks=chunks))
     if codec == "pq":
         g = torch.Generator().manual_seed(0)
         e.set_codebooks("c", Codebooks(k=torch.randn(L, HKV, M, 256, D // M, generator=g),
@@ -32,11 +32,14 @@ def engine(sinks: int, codec: str = "pq", windows=WINDOWS, softcap: float = 0.0)
     return e
 
 
-def windowed(q, k, v, window: int, softcap: float) -> torch.Tensor:
+def windowed(q, k, v, window: int, softcap: float, chunk: int = 0) -> torch.Tensor:
     """q [Hq, d], k/v [n, Hkv, d]: the decode query at position n - 1 with transformers'
-    mask (kv_idx > q_idx - window), soft-capped scores -> fp64 [Hq, d]."""
+    mask (kv_idx > q_idx - window; chunks: kv_idx // chunk == q_idx // chunk),
+    soft-capped scores -> fp64 [Hq, d]."""
     n = k.shape[0]
     keep = torch.arange(n) > (n - 1 - window) if window else torch.ones(n, dtype=torch.bool)
+    if chunk:
+        keep = torch.arange(n) // chunk == (n - 1) // chunk
     return ref.attention_dense(q.double(), k[keep].double(), v[keep].double(), SCALE, softcap)[0]
 
 
@@ -53,6 +56,17 @@ def test_config_refuses_bad_windows_and_softcap(windows, softcap, field):
     with pytest.raises(InvalidArgument) as err:
         dataclasses.replace(config("fp16"), layer_windows=windows, logit_softcap=softcap)
     assert err.value.field == field
+
+
+@pytest.mark.parametrize("windows,chunks,message", [
+    ((), (8,), "one chunk per layer"),
+    ((), (8, -1), "integers"),
+    ((13, 0), (8, 0), "layer 0 has both a window and a chunk"),
+])
+def test_config_refuses_bad_chunks(windows, chunks, message):
+    with pytest.raises(InvalidArgument, match=message) as err:
+        dataclasses.replace(config("fp16"), layer_windows=windows, layer_chunks=chunks)
+    assert err.value.field == "layer_chunks"
 
 
 def test_gpu_cache_with_unsupported_head_dim_is_refused_at_creation():
@@ -104,6 +118,45 @@ def test_windowed_attention_matches_positional_reference(codec, sinks, softcap):
     e.check_invariants()
 
 
+CHUNKS = (0, 12)            # layer 0 global, layer 1 in chunks of 12 (no multiple of the block)
+
+
+@pytest.mark.parametrize("codec,sinks", [("fp16", 0), ("pq", 0), ("pq", 16)])
+def test_chunked_attention_matches_positional_reference(codec, sinks):
+    """Llama 4's chunked layers: the decode query reads its own chunk so far. Lengths
+    just before, at and just past chunk edges, past the sinks and the first seal; every
+    layer after a prefill, then AppendAttend steps across a chunk edge."""
+    e = engine(sinks, codec, windows=(), chunks=CHUNKS)
+    lens = [1, 11, 12, 13, 24, sinks + 5, sinks + R + BS + 1, sinks + 95]
+    steps = 3
+    data = {}
+    for i, n in enumerate(lens):
+        sid = f"s{i}"
+        k, v = kv(L, n + steps, HKV, D, seed=40 + i)
+        e.allocate("c", T, sid, [])
+        e.append("c", T, [sid], k[:, :n], v[:, :n], [n])
+        data[sid] = (k, v)
+    q = (torch.randn(len(lens), HQ, D, generator=torch.Generator().manual_seed(7)) * 3).half()
+
+    def check(out, layer, upto):
+        for b, (sid, (k, v)) in enumerate(data.items()):
+            n = lens[b] + upto
+            ek, ev = expected(e, sid, k[:, :n], v[:, :n]) if codec == "pq" else (k[:, :n], v[:, :n])
+            want = windowed(q[b], ek[layer], ev[layer], 0, 0.0, CHUNKS[layer])
+            assert torch.allclose(out[b].double(), want, rtol=TOL, atol=TOL), (sid, n, layer)
+    for layer in range(L):
+        check(e.attend("c", T, layer, list(data), q), layer, 0)
+    for t in range(steps):
+        for layer in range(L):
+            k1 = torch.stack([k[layer, lens[b] + t] for b, (k, _) in enumerate(data.values())])
+            v1 = torch.stack([v[layer, lens[b] + t] for b, (_, v) in enumerate(data.values())])
+            check(e.append_attend("c", T, layer, list(data), k1, v1, q), layer, t + 1)
+    with pytest.raises(InvalidArgument, match="chunks"):
+        e.append_attend("c", T, 1, ["s0"], torch.zeros(1, 2, HKV, D).half(), torch.zeros(1, 2, HKV, D).half(),
+                        torch.zeros(1, 2, HQ, D).half(), query_tokens=2)
+    e.check_invariants()
+
+
 def test_window_leaves_out_what_global_attention_reads():
     """Same tokens, a windowed and a global cache: the outputs differ past the window
     (the test above could not tell a window that is never applied otherwise)."""
@@ -117,3 +170,52 @@ def test_window_leaves_out_what_global_attention_reads():
         outs.append(e.attend("c", T, 0, ["a"], q))
     assert (outs[0].float() - outs[1].float()).abs().max() > 1e-2
     assert math.isfinite(outs[0].float().sum().item())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("codec,sinks", [("fp16", 0), ("pq", 16)])
+@pytest.mark.parametrize("graphs", [True, False])
+def test_gpu_chunked_attention_equals_the_cpu_engine(codec, sinks, graphs):
+    """On CUDA (the kernels' windowed plans, started at each chunk; decode graphs that
+    replay with the start moving to the next chunk): decode steps across chunk edges
+    equal the CPU engine's over the same tokens (head_dim 64: the CUDA build for pq)."""
+    d, hq, hkv, chunks = 64, 4, 2, (0, 40)
+
+    def make(device):
+        e = Engine(device)
+        cfg = dataclasses.replace(config(codec, block_size=16, residual=16, sink_tokens=sinks, num_blocks=128,
+                                         num_q_heads=hq, num_kv_heads=hkv, head_dim=d),
+                                  layer_chunks=chunks, device=device)
+        e.create_cache(cfg)
+        if codec == "pq":
+            g = torch.Generator().manual_seed(0)
+            e.set_codebooks("c", Codebooks(k=torch.randn(L, hkv, d // 2, 256, 2, generator=g),
+                                           v=torch.randn(L, hkv, d // 2, 256, 2, generator=g)))
+        e.cache("c").graphs.enabled = graphs
+        return e
+    engines = [make("cuda"), make("cpu")]
+    n0, n1, steps = 100, 58, 30         # "a" crosses 120, "b" crosses 80
+    k, v = kv(L, n0 + steps, hkv, d, seed=13)
+    q = torch.randn(2, hq, d, generator=torch.Generator().manual_seed(14)).half()
+    for e in engines:
+        dev = e.cache("c").cfg.device
+        for sid in ("a", "b"):
+            e.allocate("c", T, sid, [])
+        e.append("c", T, ["a", "b"], torch.cat([k[:, :n0], k[:, :n1]], 1).to(dev),
+                 torch.cat([v[:, :n0], v[:, :n1]], 1).to(dev), [n0, n1])
+    for t in range(steps):
+        for layer in range(L):
+            new_k = torch.stack([k[layer, n0 + t], k[layer, n1 + t]])
+            new_v = torch.stack([v[layer, n0 + t], v[layer, n1 + t]])
+            outs = []
+            for e in engines:
+                dev = e.cache("c").cfg.device
+                out = torch.empty(2, hq, d, dtype=torch.float16, device=dev)
+                outs.append(e.append_attend("c", T, layer, ["a", "b"], new_k.to(dev), new_v.to(dev), q.to(dev),
+                                            out=out).float().cpu())
+            assert torch.isfinite(outs[0]).all()
+            # the CPU engine computes in fp32; the CUDA build rounds P and the codebooks to fp16
+            err = ((outs[0] - outs[1]).norm() / outs[1].norm()).item()
+            assert err < (1e-2 if codec == "pq" else 2e-3), (t, layer, err)
+    for e in engines:
+        e.check_invariants()
