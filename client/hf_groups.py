@@ -1,5 +1,5 @@
-"""Layer groups: a block table per group of layers that attend through the same window,
-as vLLM's hybrid allocator keeps them, by composition of daemon caches.
+"""Layer groups: a block table per group of layers that attend through the same window or
+chunk, as vLLM's hybrid allocator keeps them, by composition of daemon caches.
 
 The daemon gives every layer of a cache one block table (a block id addresses the same
 slot in every layer), so a cache frees the blocks that left the window only when every
@@ -7,8 +7,9 @@ one of its layers slides (docs/design.md, Sliding windows). The adapter therefor
 one cache per window: the global layers in one, each window's sliding layers in one,
 each chunk size's chunked layers (Llama 4) in one, and maps every model layer to (its
 group's cache, its index there). A model with one group (no sliding layer, or every
-layer with the same window) keeps one cache under the name it was given. A sequence lives in every group's cache under the same id and the same
-committed length; its prefix hit is the shortest of its groups'.
+layer with the same window) keeps one cache under the name it was given. A sequence
+lives in every group's cache under the same id and the same committed length; its prefix
+hit is the shortest of its groups'.
 """
 from __future__ import annotations
 

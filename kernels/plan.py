@@ -23,8 +23,8 @@ windows.
 
 A layer with a sliding window or chunked attention plans with start indices after the
 lengths: ("pq") (sealed_lens, tail_lens, sealed_starts, tail_starts), ("paged")
-(seq_lens, starts); window_start / pq_window_starts turn a window or chunk into them. `softcap` (> 0: scores go
-through softcap * tanh(s / softcap)) is a plan parameter.
+(seq_lens, starts); window_start / pq_window_starts turn a window or chunk into them.
+`softcap` (> 0: scores go through softcap * tanh(s / softcap)) is a plan parameter.
 
 This module imports neither Triton nor CuPy: the router and both backends import it.
 """
