@@ -180,12 +180,12 @@ def check_generate(model, kwargs: dict) -> None:
     """ValueError naming a generate() setting (its kwargs, else the generation config)
     the daemon's sequences cannot serve."""
     gc = kwargs.get("generation_config") or model.generation_config
-    setting = lambda name, default=None: kwargs.get(name, getattr(gc, name, default))   # noqa: E731
-    if not setting("use_cache", True):
+    asked = lambda name, default=None: kwargs.get(name, getattr(gc, name, default))   # noqa: E731
+    if not asked("use_cache", True):
         raise ValueError("use_cache=False: generation without a KV cache has nothing for kvstore to hold; "
                          "call model.generate directly")
     for name in ("assistant_model", "prompt_lookup_num_tokens", "assistant_early_exit"):
-        if setting(name):
+        if asked(name):
             raise ValueError(f"{name}: assisted / speculative generation is not supported by the kvstore "
                              "adapter (a daemon sequence cannot drop the draft tokens it rejects)")
 

@@ -194,28 +194,38 @@ def test_gpu_chunked_attention_equals_the_cpu_engine(codec, sinks, graphs):
         e.cache("c").graphs.enabled = graphs
         return e
     engines = [make("cuda"), make("cpu")]
-    n0, n1, steps = 100, 58, 30         # "a" crosses 120, "b" crosses 80
-    k, v = kv(L, n0 + steps, hkv, d, seed=13)
+    lens, steps = (100, 58), 30         # "a" crosses 120, "b" crosses 80
+    k, v = kv(L, max(lens) + steps, hkv, d, seed=13)
     q = torch.randn(2, hq, d, generator=torch.Generator().manual_seed(14)).half()
+    for t, layer, outs in lockstep(engines, k, v, lens, steps, q):
+        assert torch.isfinite(outs[0]).all()
+        # the CPU engine computes in fp32; the CUDA build rounds P and the codebooks to fp16
+        err = ((outs[0] - outs[1]).norm() / outs[1].norm()).item()
+        assert err < (1e-2 if codec == "pq" else 2e-3), (t, layer, err)
+    for e in engines:
+        e.check_invariants()
+
+
+def lockstep(engines, k, v, lens, steps, q):
+    """Sequences "a" and "b" of lens[0] and lens[1] tokens of k, v [L, n, Hkv, d] in every
+    engine's cache "c", then `steps` decode steps: AppendAttend of each layer with each
+    sequence's next token, q [2, Hq, d], into an output buffer on the engine's device.
+    Yields (step, layer, the engines' outputs as fp32 on the CPU)."""
+    sids = ["a", "b"]
     for e in engines:
         dev = e.cache("c").cfg.device
-        for sid in ("a", "b"):
+        for sid in sids:
             e.allocate("c", T, sid, [])
-        e.append("c", T, ["a", "b"], torch.cat([k[:, :n0], k[:, :n1]], 1).to(dev),
-                 torch.cat([v[:, :n0], v[:, :n1]], 1).to(dev), [n0, n1])
+        e.append("c", T, sids, torch.cat([k[:, :n] for n in lens], 1).to(dev),
+                 torch.cat([v[:, :n] for n in lens], 1).to(dev), list(lens))
     for t in range(steps):
         for layer in range(L):
-            new_k = torch.stack([k[layer, n0 + t], k[layer, n1 + t]])
-            new_v = torch.stack([v[layer, n0 + t], v[layer, n1 + t]])
+            new_k = torch.stack([k[layer, n + t] for n in lens])
+            new_v = torch.stack([v[layer, n + t] for n in lens])
             outs = []
             for e in engines:
                 dev = e.cache("c").cfg.device
-                out = torch.empty(2, hq, d, dtype=torch.float16, device=dev)
-                outs.append(e.append_attend("c", T, layer, ["a", "b"], new_k.to(dev), new_v.to(dev), q.to(dev),
+                out = torch.empty(q.shape, dtype=torch.float16, device=dev)
+                outs.append(e.append_attend("c", T, layer, sids, new_k.to(dev), new_v.to(dev), q.to(dev),
                                             out=out).float().cpu())
-            assert torch.isfinite(outs[0]).all()
-            # the CPU engine computes in fp32; the CUDA build rounds P and the codebooks to fp16
-            err = ((outs[0] - outs[1]).norm() / outs[1].norm()).item()
-            assert err < (1e-2 if codec == "pq" else 2e-3), (t, layer, err)
-    for e in engines:
-        e.check_invariants()
+            yield t, layer, outs

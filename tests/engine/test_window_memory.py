@@ -12,7 +12,7 @@ from kvstore.codec.codebooks import Codebooks
 from kvstore.engine.engine import Engine
 from kvstore.errors import FailedPrecondition
 from tests.engine.test_sinks import BS, D, HKV, HQ, L, M, R, T
-from tests.engine.test_window_attention import windowed
+from tests.engine.test_window_attention import lockstep, windowed
 from tests.helpers import config, kv, one_thread  # noqa: F401
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -240,31 +240,16 @@ def test_gpu_holes_are_never_read(codec, sinks, graphs):
             c.main.k_codes[:, c.null_block] = 255
         return e
     engines = [make("cuda", False), make("cuda", True), make("cpu", False)]
-    n0, steps = 100, 40
-    k, v = kv(L, n0 + steps, hkv, d, seed=11)
+    lens, steps = (100, 60), 40
+    k, v = kv(L, max(lens) + steps, hkv, d, seed=11)
     q = torch.randn(2, hq, d, generator=torch.Generator().manual_seed(12)).half()
-    for e in engines:
-        for sid in ("a", "b"):
-            e.allocate("c", T, sid, [])
-        dev = e.cache("c").cfg.device
-        e.append("c", T, ["a", "b"], torch.cat([k[:, :n0], k[:, :60]], 1).to(dev),
-                 torch.cat([v[:, :n0], v[:, :60]], 1).to(dev), [n0, 60])
-    for t in range(steps):
-        for layer in range(L):
-            new_k = torch.stack([k[layer, n0 + t], k[layer, 60 + t]])
-            new_v = torch.stack([v[layer, n0 + t], v[layer, 60 + t]])
-            outs = []
-            for e in engines:
-                dev = e.cache("c").cfg.device
-                out = torch.empty(2, hq, d, dtype=torch.float16, device=dev)
-                outs.append(e.append_attend("c", T, layer, ["a", "b"], new_k.to(dev), new_v.to(dev), q.to(dev),
-                                            out=out).float().cpu())
-            assert torch.isfinite(outs[0]).all()
-            assert torch.allclose(outs[0], outs[1], atol=2e-3, rtol=2e-3), (t, layer)
-            # the CPU engine computes in fp32; the CUDA build rounds P and the codebooks to fp16:
-            # with these random (peaky) codebooks its error reaches 4e-3 of the output
-            err = ((outs[0] - outs[2]).norm() / outs[2].norm()).item()
-            assert err < 1e-2, (t, layer, err)
+    for t, layer, outs in lockstep(engines, k, v, lens, steps, q):
+        assert torch.isfinite(outs[0]).all()
+        assert torch.allclose(outs[0], outs[1], atol=2e-3, rtol=2e-3), (t, layer)
+        # the CPU engine computes in fp32; the CUDA build rounds P and the codebooks to fp16:
+        # with these random (peaky) codebooks its error reaches 4e-3 of the output
+        err = ((outs[0] - outs[2]).norm() / outs[2].norm()).item()
+        assert err < 1e-2, (t, layer, err)
     assert engines[0].cache("c").seq(T, "a").freed > 0
     for e in engines:
         e.check_invariants()
