@@ -103,6 +103,8 @@ __device__ __forceinline__ void pq_attn_body(PQ_ATTN_PARAMS, int half) {
   const u32 bar = (u32)__cvta_generic_to_shared(smem) + cf_ring_offset<D, DSUB>() + NW * cf_stages(NW, SPLIT) * 32 * M_;
   if constexpr (DSUB == 4) {   // the rings and the mbarrier below T4_K (attention.cuh)
     if (bar + 16 > T4_K + wb) __trap();
+  } else if constexpr (SPLIT == 1) {   // the tables at T2_K (attention.cuh)
+    if ((u32)__cvta_generic_to_shared(smem) != T2_K) __trap();
   }
   // SPLIT: the score exchange's buffers and mbarriers after the ring's mbarrier (dsub 2)
   // or after the V table (dsub 4: a cluster kernel's shared window starts higher, so
@@ -244,9 +246,12 @@ __device__ __forceinline__ void pq_attn_body(PQ_ATTN_PARAMS, int half) {
   {
     // The block id of a tile is read two tiles ahead of its codes: a code load that
     // waits on the table load in the same step stalls the warp for a memory latency.
+    // (st_b kept in registers: rebuilt from the arguments it cost ~15 instructions a tile)
+    const int* st_w = st_b;
+    asm volatile("" : "+l"(st_w));
     auto blk_of = [&](int tile) -> long long {
       const int t0 = pq_lo + 16 * tile;
-      return tile < n_pq ? st_b[t0 >> bs_shift] : 0;
+      return tile < n_pq ? __ldg(st_w + (t0 >> bs_shift)) : 0;
     };
     // CF (K side). Gather j of a half fetches, in lane (gq, cq), byte i = (gq + j) & 7
     // of the half (subspace cq*MQ + 8*hh + i): the 8 lanes of one cq fetch 8 distinct
@@ -390,7 +395,8 @@ __device__ __forceinline__ void pq_attn_body(PQ_ATTN_PARAMS, int half) {
             for (int j = 0; j < 8; ++j) {
               const u32 sel = (j & 3) | (4 + (j & 3)) << 4 | (8 + (j & 3)) << 8 | (8 + (j & 3)) << 12;
               const u32 ad = prmt(klo[j >> 2], rc[j >> 2], sel);     // code*256 + 16i + 4cq
-              f[j] = *reinterpret_cast<const u32*>(smem + ad + 128 * hh);
+              if constexpr (SPLIT == 1) f[j] = hh ? lds32<T2_K + 128>(ad) : lds32<T2_K>(ad);
+              else f[j] = *reinterpret_cast<const u32*>(smem + ad + 128 * hh);
             }
             rot_hi<NR>(f, gq);
             // two accumulator chains per n-tile (even / odd kq), summed below
@@ -484,7 +490,9 @@ __device__ __forceinline__ void pq_attn_body(PQ_ATTN_PARAMS, int half) {
 #pragma unroll
             for (int k = 0; k < 4; ++k) {
               const u32 sel = j | (4 + k) << 4 | (8 + j) << 8 | (8 + j) << 12;
-              w[k] = *reinterpret_cast<const u32*>(smem + prmt(vlo, cw, sel) + 65536 + 128 * hx);
+              const u32 ad = prmt(vlo, cw, sel);
+              if constexpr (SPLIT == 1) w[k] = hx ? lds32<T2_V + 128>(ad) : lds32<T2_V>(ad);
+              else w[k] = *reinterpret_cast<const u32*>(smem + ad + 65536 + 128 * hx);
             }
             const u32 a0 = __byte_perm(w[0], w[1], 0x5410), a1 = __byte_perm(w[0], w[1], 0x7632);
             const u32 a2 = __byte_perm(w[2], w[3], 0x5410), a3 = __byte_perm(w[2], w[3], 0x7632);
@@ -534,6 +542,15 @@ __device__ __forceinline__ void pq_attn_body(PQ_ATTN_PARAMS, int half) {
       u32 vrd = 16 * M + gq * 16 + 4 * cq;
       long long vsrc = (long long)lane * a.bs;
       asm volatile("" : "+r"(kdst), "+r"(krd0), "+r"(krd1), "+r"(vrd), "+l"(vsrc));
+      // one CTA: a tile's copies are base + block * stride + its offset in the block, the
+      // bases (lane and head included) and the ring's window address kept in registers
+      // (64-bit products and rebuilt bases cost ~30 instructions a tile). Block strides
+      // are below 2^32 bytes (attention.py misaligned() sends others to Triton).
+      const u8* kb0 = kc_h + kdst;
+      const u8* vb0 = vc_h + vsrc;
+      u32 ring_w = (u32)__cvta_generic_to_shared(ring) + kdst;
+      const u32 kstr = (u32)a.skc_blk, vstr = (u32)a.svc_blk;
+      if constexpr (SPLIT == 1) asm volatile("" : "+l"(kb0), "+l"(vb0), "+r"(ring_w));
       u32 vr[4];
 #pragma unroll
       for (int j = 0; j < 4; ++j) vr[j] = vrd + 128 * ((cq + j) & (DSUB == 2 ? 3 : NJ - 1));
@@ -552,13 +569,14 @@ __device__ __forceinline__ void pq_attn_body(PQ_ATTN_PARAMS, int half) {
               cp_async16(dst + 16 * M + 512 * c, vb + (long long)(32 * c) * a.bs);
             }
           } else {
-          const u8* kb = kc_h + blk * a.skc_blk + off * M + kdst;   // 16 rows, contiguous
-          const u8* vb = vc_h + blk * a.svc_blk + off + vsrc;       // M rows of 16 B, stride bs
+          const u32 ub = (u32)blk, w = ring_w + stage_off;
+          const u8* kb = (kb0 + off * M) + (unsigned long long)ub * kstr;   // 16 rows, contiguous
+          const u8* vb = (vb0 + off) + (unsigned long long)ub * vstr;       // M rows of 16 B, stride bs
 #pragma unroll
           for (int c = 0; c < (M + 31) / 32; ++c) {
             if (M >= 32 || lane < M) {   // M = 16 (d 64, dsub 4): half the lanes
-              cp_async16(dst + 512 * c, kb + 512 * c);
-              cp_async16(dst + 16 * M + 512 * c, vb + (long long)(32 * c) * a.bs);
+              cp_async16(w + 512 * c, kb + 512 * c);
+              cp_async16(w + 16 * M + 512 * c, vb + (long long)(32 * c) * a.bs);
             }
           }
           }

@@ -22,12 +22,24 @@ __host__ __device__ constexpr int xchg_bytes(int nw) { return nw * (1024 + 16); 
 template <int D, int DSUB = 2>
 __host__ __device__ constexpr int cf_ring_offset() { return DSUB == 4 ? 0 : 131072; }
 constexpr u32 T4_K = 65536, T4_V = 131072;
+// dsub 2 (4-bit, one CTA): the tables sit at the start of dynamic shared memory, whose
+// shared-window address is the 1 KiB reserved per block (sm_80 to sm_90; the router asks
+// the device, build.reserved_smem, and the kernel checks at entry). A gather is then one
+// PRMT and one `LDS [reg + imm]`: from `smem + x` the compiler added the window base in
+// one more instruction a gather.
+constexpr u32 T2_K = 1024, T2_V = T2_K + 65536;
 
 // 8-byte load / store at a shared-window address plus an immediate
 template <u32 OFF>
 __device__ __forceinline__ uint2 lds64(u32 addr) {
   uint2 r;
   asm("ld.shared.v2.b32 {%0, %1}, [%2+%3];" : "=r"(r.x), "=r"(r.y) : "r"(addr), "n"(OFF));
+  return r;
+}
+template <u32 OFF>
+__device__ __forceinline__ u32 lds32(u32 addr) {
+  u32 r;
+  asm("ld.shared.b32 %0, [%1+%2];" : "=r"(r) : "r"(addr), "n"(OFF));
   return r;
 }
 __device__ __forceinline__ void sts64(u32 addr, u32 x, u32 y) {

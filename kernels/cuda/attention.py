@@ -27,6 +27,7 @@ from .build import NULL, f32, i32, i64, ptr
 from .images import IMG_WORDS, CodebookImage, group, image_layout
 
 LOG2E = 1.4426950408889634      # the kernel's scores are base 2: scale and cap times log2(e)
+RESERVED_SMEM = 1024            # the shared-window base the kernels' table addresses assume
 
 
 def supports(*, num_qo_heads: int, num_kv_heads: int, head_dim: int, block_size: int, device,
@@ -34,7 +35,8 @@ def supports(*, num_qo_heads: int, num_kv_heads: int, head_dim: int, block_size:
     """The kernels take this geometry and these dtypes on this device: sm_80+, head_dim
     64 or 128 (256 on sm_90+: split(), a thread block cluster per block), GQA groups of
     1-8, power-of-two block sizes of 16 tokens or more, and q, out, tail and codebooks all
-    fp16 or all bf16."""
+    fp16 or all bf16. The kernels address their codebook tables at fixed shared-window
+    addresses (attention.cuh T2_K, T4_K), which hold where the driver reserves 1 KiB a block."""
     dev = torch.device(device)
     if dev.type != "cuda" or not build.available():
         return False
@@ -42,6 +44,8 @@ def supports(*, num_qo_heads: int, num_kv_heads: int, head_dim: int, block_size:
         return False
     g = num_qo_heads // num_kv_heads
     cap = build.capability(build.index(dev))
+    if build.reserved_smem(build.index(dev)) != RESERVED_SMEM:
+        return False
     return (head_dim in (64, 128, 256) and 1 <= g <= 8 and block_size % 16 == 0
             and block_size & (block_size - 1) == 0 and dtype in HALF and kv_dtype == dtype
             and codebook_dtype == dtype and cap >= ((9, 0) if head_dim == 256 else (8, 0)))
@@ -61,13 +65,13 @@ def query_aligned(q: torch.Tensor) -> bool:
 
 
 def misaligned(q, k_codes, v_codes, tail_k, tail_v, dsub: int) -> str | None:
-    """The first argument whose address or strides the kernels' vector loads cannot take,
-    or None: 16 B code rows (cp.async of K and V codes), 4 B q pairs, 4 / 8 B fp16 pairs /
+    """The first argument whose address or strides the kernels' loads cannot take, or
+    None: 16 B code rows (cp.async of K and V codes), code blocks less than 4 GiB apart (a
+    block id times the block stride is a 32-bit product), 4 B q pairs, 4 / 8 B fp16 pairs /
     quads of the tail (dsub 2 / 4)."""
-    if k_codes.data_ptr() % 16 or k_codes.stride(0) % 16 or k_codes.stride(1) % 16:
-        return "k_codes"
-    if v_codes.data_ptr() % 16 or v_codes.stride(0) % 16 or v_codes.stride(1) % 16:
-        return "v_codes"
+    for name, c in (("k_codes", k_codes), ("v_codes", v_codes)):
+        if c.data_ptr() % 16 or c.stride(0) % 16 or c.stride(1) % 16 or not 0 <= c.stride(0) < 1 << 32:
+            return name
     if not query_aligned(q):
         return "q"
     ew = 2 * dsub
@@ -225,8 +229,9 @@ class CudaPQPlan(DecodePlan):
                       (torch.int32,), q.device, contiguous=True)
         bad = misaligned(q, k_codes, v_codes, tail_k, tail_v, dsub)
         if bad is not None:
-            raise ValueError(f"{bad}: address or strides not aligned for the CUDA kernels' vector "
-                             "loads; plan with aligned=False (the Triton kernels) for such tensors")
+            raise ValueError(f"{bad}: address or strides not taken by the CUDA kernels' loads (aligned "
+                             "vectors, block stride under 4 GiB); plan with aligned=False (the Triton "
+                             "kernels) for such tensors")
         self._run(q, k_codes, v_codes, k_codebook, v_codebook, sealed_tables, tail_k, tail_v,
                   tail_tables, scale, out, lse, dsub, codebook_image)
         return out, lse

@@ -71,6 +71,13 @@ def capability(idx: int) -> tuple[int, int]:
 
 
 @functools.lru_cache(maxsize=None)
+def reserved_smem(idx: int) -> int:
+    """Bytes of shared memory the driver reserves at the start of each block's window
+    (cudaDevAttrReservedSharedMemoryPerBlock: 1 KiB on sm_80 to sm_90)."""
+    return int(cupy().cuda.runtime.deviceGetAttribute(111, idx))
+
+
+@functools.lru_cache(maxsize=None)
 def num_sms(idx: int) -> int:
     return torch.cuda.get_device_properties(idx).multi_processor_count
 

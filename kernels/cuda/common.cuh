@@ -65,6 +65,9 @@ __device__ __forceinline__ void cp_async16(unsigned char* dst, const u8* src) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16;"
                :: "r"((u32)__cvta_generic_to_shared(dst)), "l"(src));
 }
+__device__ __forceinline__ void cp_async16(u32 dst, const u8* src) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" :: "r"(dst), "l"(src));
+}
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;"); }
 template <int N>
 __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;" :: "n"(N)); }
