@@ -23,7 +23,9 @@ NUM_WARPS = int(os.environ.get("KVSTORE_CUDA_PQ_WARPS", "12"))
 # and share one softmax rescale; 12 warps, L2 flushed: B=8 32K 96.6 -> 90.8 us, B=8 128K
 # 341.2 -> 313.9, B=32 32K 362.7 -> 334.2, B=32 128K 1340.9 -> 1243.3, B=1 32K 24.4 -> 25.1
 # (d 256, Hq 4 / Hkv 1: B=8 42.2 -> 41.2, B=1 25.3 -> 26.4). 4-bit runs one tile a step:
-# two measured slower there (B=8 32K 115.2 -> 118.4 us, B=1 27.2 -> 30.0).
+# two measured slower there (B=8 32K 115.2 -> 118.4 us, B=1 27.2 -> 30.0); on the leaner
+# loop of fixed table addresses (H200) two gain B=8 0.8 % (105.9 -> 105.1) and lose B=1
+# 4 % (24.9 -> 26.0).
 TILES_PER_STEP_2BIT = int(os.environ.get("KVSTORE_CUDA_PQ_2BIT_TILES_PER_STEP", "2"))
 if TILES_PER_STEP_2BIT not in (1, 2):
     raise ValueError(f"KVSTORE_CUDA_PQ_2BIT_TILES_PER_STEP must be 1 or 2, got {TILES_PER_STEP_2BIT}")

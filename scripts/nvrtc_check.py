@@ -11,6 +11,11 @@ soft-cap and multi-token flags; d 256: pq_attn_split) and pq_merge, for d 64, 12
 sweep too). For another checkout's sources (--src-dir), name its instantiations with
 --names as that checkout spells them.
 
+--loop-stats prints, per instantiation, the instructions of its PQ tile loop (the
+innermost loop with HMMAs and cp.async copies, from `nvdisasm -c` of the cubin; --nvdisasm
+PATH, default: on PATH or Triton's copy), its registers and spills, and its most frequent
+opcodes: docs/kernels.md's instruction counts.
+
 --hashes FILE writes, per instantiation, the sha256 of its kernel's machine code (the
 .text section of the cubin): two sources that give an instantiation the same hash
 compile it to the same instructions (how a change that adds a template flag shows that
@@ -19,14 +24,19 @@ the builds without it are untouched).
 from __future__ import annotations
 
 import argparse
+import collections
 import ctypes
 import glob
 import hashlib
 import itertools
 import json
 import os
+import re
+import shutil
 import struct
+import subprocess
 import sys
+import tempfile
 import time
 
 from kvstore.kernels.cuda import attention, build
@@ -112,6 +122,66 @@ def attention_names(warps, dims, features) -> list[str]:
     return names
 
 
+def find_nvdisasm(path: str | None) -> str:
+    if path:
+        return path
+    hit = shutil.which("nvdisasm")
+    if hit:
+        return hit
+    for p in sys.path:
+        cand = os.path.join(p, "triton", "backends", "nvidia", "bin", "nvdisasm")
+        if p and os.path.isfile(cand):
+            return cand
+    raise SystemExit("nvdisasm not found: pass --nvdisasm PATH")
+
+
+def tile_loop(sass: str) -> list[str]:
+    """The instructions of the innermost backward-branch loop of `sass` (one kernel's
+    nvdisasm -c text) that holds HMMAs and cp.async copies (LDGSTS)."""
+    ins, label_at, pending = [], {}, []
+    for line in sass.splitlines():
+        m = re.match(r"\s*\.?(L_x_\d+):", line)
+        if m:
+            pending.append(m.group(1))
+            continue
+        m = re.match(r"\s*/\*([0-9a-f]{4,})\*/\s+(.*?);", line)
+        if m:
+            addr = int(m.group(1), 16)
+            for lab in pending:
+                label_at[lab] = addr
+            pending = []
+            ins.append((addr, m.group(2).strip()))
+    loops = []
+    for addr, text in ins:
+        m = re.search(r"BRA.*?(L_x_\d+)", text)
+        if m and label_at.get(m.group(1), addr) < addr:
+            body = [t for a, t in ins if label_at[m.group(1)] <= a <= addr]
+            if any("HMMA" in t for t in body) and any("LDGSTS" in t for t in body):
+                loops.append(body)
+    return min(loops, key=len) if loops else []
+
+
+def loop_stats(nvdisasm: str, cubin: bytes, names: list[str], lowered: dict, log: str) -> None:
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        text = subprocess.run([nvdisasm, "-c", f.name], capture_output=True, text=True, check=True).stdout
+    # one kernel's code: from its section header to the next one
+    parts = re.split(r"^//-+ \.text\.(\S+) -+$", text, flags=re.M)
+    sass_of = dict(zip(parts[1::2], parts[2::2]))
+    for n in names:
+        body = tile_loop(sass_of.get(lowered[n], ""))
+        ops = collections.Counter((t.split()[1] if t.startswith("@") else t.split()[0]).split(".")[0]
+                                  for t in body)
+        # ptxas -v reports each kernel after its "Compiling entry function '<name>'" line
+        at = log.find(f"'{lowered[n]}'")
+        regs = re.search(r"Used (\d+) registers", log[at:]) if at >= 0 else None
+        spill = re.search(r"(\d+) bytes spill stores", log[at:]) if at >= 0 else None
+        print(f"{n}: registers {regs.group(1) if regs else '?'}, spill stores "
+              f"{spill.group(1) if spill else '?'} B; tile loop {len(body)} instructions: "
+              + ", ".join(f"{k} {v}" for k, v in ops.most_common(12)))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--nvrtc", help="path of libnvrtc.so (default: a pip-installed nvidia-cuda-nvrtc)")
@@ -127,12 +197,16 @@ def main() -> None:
     ap.add_argument("--hashes", help="write {instantiation: sha256 of its machine code} to this JSON file")
     ap.add_argument("--ptxas-verbose", action="store_true",
                     help="print ptxas's registers, spills and stack per kernel (NVRTC's log)")
+    ap.add_argument("--loop-stats", action="store_true", help="print each build's tile-loop instructions")
+    ap.add_argument("--nvdisasm", help="path of nvdisasm (with --loop-stats)")
     args = ap.parse_args()
 
     nv = NVRTC(find_nvrtc(args.nvrtc))
     if args.src_dir:
         build._DIR = os.path.abspath(args.src_dir)
-    options = list(build.OPTIONS) + [f"-arch={args.arch}"] + (["--ptxas-options=-v"] if args.ptxas_verbose else [])
+    verbose = args.ptxas_verbose or args.loop_stats
+    options = list(build.OPTIONS) + [f"-arch={args.arch}"] + (["--ptxas-options=-v"] if verbose else [])
+    nvdisasm = find_nvdisasm(args.nvdisasm) if args.loop_stats else None
     feats = ([(w, c, m) for w, c, m in itertools.product((False, True), repeat=3) if not (w and m)]
              if args.features == "all" else [(False, False, False)])
     mqs = (False, True) if args.features == "all" else (False,)
@@ -155,6 +229,9 @@ def main() -> None:
             texts = text_sections(cubin)
             for n in chunk:
                 hashes[n] = hashlib.sha256(texts[lowered[n]]).hexdigest()
+            if nvdisasm and src_name == "attention.cu":
+                loop_stats(nvdisasm, cubin, chunk, lowered, log)
+                continue
             print(f"ok   {src_name} {len(chunk)} in {time.time() - t0:.1f} s: {chunk[0]} ... {chunk[-1]}"
                   + (f"\n{log}" if log.strip() else ""), flush=True)
     if args.hashes:
