@@ -15,7 +15,10 @@ CUDA = os.environ.get("KVSTORE_CUDA_PQ", "1") != "0"
 
 # KVSTORE_CUDA_PQ_WARPS: warps per attention thread block. More warps keep more gathers in
 # flight but shrink each warp's share of shared memory (the code-tile ring is 4 deep up to
-# 12 warps, 3 past): 12 was the fastest of 8 / 12 / 16 at B=1 and B=8 x 32K tokens.
+# 12 warps, 3 past): 12 was the fastest of 8 / 12 / 16 at B=1 and B=8 x 32K tokens. On the
+# loop of fixed table addresses the 16-warp bulk-copy builds fit 128 registers (4-bit: no
+# spill) and still gain nothing (H200, B=8 32K 4-bit 104.4 -> 104.2 us, 2-bit 85.1 -> 86.0;
+# B=1 25.4 -> 26.3 and 23.6 -> 24.5): the loop is bound by its pipes, not by latency alone.
 NUM_WARPS = int(os.environ.get("KVSTORE_CUDA_PQ_WARPS", "12"))
 
 # KVSTORE_CUDA_PQ_2BIT_TILES_PER_STEP: 16-token tiles a warp takes per step of the 2-bit
