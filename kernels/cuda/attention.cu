@@ -542,15 +542,17 @@ __device__ __forceinline__ void pq_attn_body(PQ_ATTN_PARAMS, int half) {
       u32 vrd = 16 * M + gq * 16 + 4 * cq;
       long long vsrc = (long long)lane * a.bs;
       asm volatile("" : "+r"(kdst), "+r"(krd0), "+r"(krd1), "+r"(vrd), "+l"(vsrc));
-      // one CTA: a tile's copies are base + block * stride + its offset in the block, the
-      // bases (lane and head included) and the ring's window address kept in registers
-      // (64-bit products and rebuilt bases cost ~30 instructions a tile). Block strides
-      // are below 2^32 bytes (attention.py misaligned() sends others to Triton).
-      const u8* kb0 = kc_h + kdst;
+      // A tile's copies are base + block * stride + its offset in the block, the bases
+      // (lane and head included) and the ring's window address kept in registers (64-bit
+      // products and rebuilt bases cost ~30 instructions a tile). Block strides are below
+      // 2^32 bytes (attention.py misaligned() sends others to Triton). The d 256 builds of
+      // 5-8 query heads a KV head leave the compiler free to rebuild them: held, they
+      // spilled up to 56 bytes more at the 168-register cap.
+      const u8* kb0 = kc_h + (SPLIT > 1 ? ksrc : kdst);
       const u8* vb0 = vc_h + vsrc;
       u32 ring_w = (u32)__cvta_generic_to_shared(ring) + kdst;
       const u32 kstr = (u32)a.skc_blk, vstr = (u32)a.svc_blk;
-      if constexpr (SPLIT == 1) asm volatile("" : "+l"(kb0), "+l"(vb0), "+r"(ring_w));
+      if constexpr (!(SPLIT > 1 && GP == 8)) asm volatile("" : "+l"(kb0), "+l"(vb0), "+r"(ring_w));
       u32 vr[4];
 #pragma unroll
       for (int j = 0; j < 4; ++j) vr[j] = vrd + 128 * ((cq + j) & (DSUB == 2 ? 3 : NJ - 1));
@@ -559,17 +561,16 @@ __device__ __forceinline__ void pq_attn_body(PQ_ATTN_PARAMS, int half) {
         if (tile < n_pq) {
           const int t0 = pq_lo + 16 * tile;
           const int off = t0 & (a.bs - 1);
-          unsigned char* dst = ring + stage_off + kdst;
+          const u32 ub = (u32)blk, w = ring_w + stage_off;
           if constexpr (SPLIT > 1) {
-            const u8* vb = vc_h + blk * a.svc_blk + off + vsrc;
-            const u8* kb = kc_h + blk * a.skc_blk + (long long)off * MF + ksrc;
+            const u8* kb = (kb0 + off * MF) + (unsigned long long)ub * kstr;
+            const u8* vb = (vb0 + off) + (unsigned long long)ub * vstr;
 #pragma unroll
             for (int c = 0; c < M / 32; ++c) {
-              cp_async16(dst + 512 * c, kb + c * (512 / M) * MF);
-              cp_async16(dst + 16 * M + 512 * c, vb + (long long)(32 * c) * a.bs);
+              cp_async16(w + 512 * c, kb + c * (512 / M) * MF);
+              cp_async16(w + 16 * M + 512 * c, vb + (long long)(32 * c) * a.bs);
             }
           } else {
-          const u32 ub = (u32)blk, w = ring_w + stage_off;
           const u8* kb = (kb0 + off * M) + (unsigned long long)ub * kstr;   // 16 rows, contiguous
           const u8* vb = (vb0 + off) + (unsigned long long)ub * vstr;       // M rows of 16 B, stride bs
 #pragma unroll
