@@ -246,12 +246,14 @@ __device__ __forceinline__ void pq_attn_body(PQ_ATTN_PARAMS, int half) {
   {
     // The block id of a tile is read two tiles ahead of its codes: a code load that
     // waits on the table load in the same step stalls the warp for a memory latency.
-    // (st_b kept in registers: rebuilt from the arguments it cost ~15 instructions a tile)
+    // (st_b kept in registers: rebuilt from the arguments it cost ~15 instructions a tile.
+    // A plain load: through the read-only path, ld.global.nc, the multi-token 4-bit kernel
+    // ran 7 % slower, bench_mtq.py 420 -> 457 us on an H200, and decode no faster)
     const int* st_w = st_b;
     asm volatile("" : "+l"(st_w));
     auto blk_of = [&](int tile) -> long long {
       const int t0 = pq_lo + 16 * tile;
-      return tile < n_pq ? __ldg(st_w + (t0 >> bs_shift)) : 0;
+      return tile < n_pq ? st_w[t0 >> bs_shift] : 0;
     };
     // CF (K side). Gather j of a half fetches, in lane (gq, cq), byte i = (gq + j) & 7
     // of the half (subspace cq*MQ + 8*hh + i): the 8 lanes of one cq fetch 8 distinct
