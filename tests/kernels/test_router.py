@@ -27,6 +27,7 @@ def fake_gpu(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(build, "cupy", lambda: object())
     monkeypatch.setattr(build, "capability", lambda idx: (9, 0))
+    monkeypatch.setattr(build, "reserved_smem", lambda idx: 1024)
     monkeypatch.setattr(tunables, "CUDA", True)
 
 
@@ -66,6 +67,9 @@ def test_cuda_where_the_kernels_take_it_triton_elsewhere(fake_gpu, monkeypatch):
         choose(dtype=torch.float32, backend="cuda")
     with pytest.raises(ValueError, match="kind"):
         choose("dense")
+    monkeypatch.setattr(build, "reserved_smem", lambda idx: 2048)          # tables at other addresses
+    assert choose() == choose(head_dim=256) == kernels.TRITON
+    monkeypatch.setattr(build, "reserved_smem", lambda idx: 1024)
     monkeypatch.setattr(build, "capability", lambda idx: (7, 5))             # below sm_80
     assert choose() == kernels.TRITON
     monkeypatch.setattr(build, "capability", lambda idx: (8, 0))
@@ -136,6 +140,32 @@ def test_query_alignment():
     assert kernels.query_aligned(q[:-1].view(3, 4, 64))
     assert not kernels.query_aligned(q[1:].view(3, 4, 64))                  # 2-byte offset
     assert not kernels.query_aligned(torch.zeros(3, 5, 65, dtype=torch.float16)[:, :4, :64])   # odd stride
+
+
+class Strided:
+    """A tensor's address and strides, for tensors too large to allocate here."""
+
+    def __init__(self, ptr, *strides):
+        self.ptr, self.strides = ptr, strides
+
+    def data_ptr(self):
+        return self.ptr
+
+    def stride(self, i=None):
+        return self.strides if i is None else self.strides[i]
+
+
+def test_code_pools_the_cuda_kernels_take():
+    """Code blocks 16-byte aligned and less than 4 GiB apart (the kernel multiplies a block
+    id by the block stride in 32 bits); anything else names the tensor, for Triton."""
+    q = torch.zeros(2, 4, 64, dtype=torch.float16)
+    tail = torch.zeros(3, 2, 16, 64, dtype=torch.float16)
+    ok = Strided(1 << 20, 2 * 16 * 32, 16 * 32, 32, 1)
+    assert cuda_attention.misaligned(q, ok, ok, tail, tail, 2) is None
+    assert cuda_attention.misaligned(q, Strided(1 << 20, (1 << 32) - 16, 512, 32, 1), ok, tail, tail, 2) is None
+    assert cuda_attention.misaligned(q, Strided(1 << 20, 1 << 32, 512, 32, 1), ok, tail, tail, 2) == "k_codes"
+    assert cuda_attention.misaligned(q, ok, Strided(1 << 20, 1 << 33, 512, 16, 1), tail, tail, 2) == "v_codes"
+    assert cuda_attention.misaligned(q, ok, Strided(8, 1024, 512, 16, 1), tail, tail, 2) == "v_codes"
 
 
 def test_importing_the_kernels_imports_no_gpu_library():
