@@ -42,13 +42,12 @@ def supports(*, num_qo_heads: int, num_kv_heads: int, head_dim: int, block_size:
         return False
     if num_kv_heads <= 0 or num_qo_heads % num_kv_heads:
         return False
-    g = num_qo_heads // num_kv_heads
-    cap = build.capability(build.index(dev))
-    if build.reserved_smem(build.index(dev)) != RESERVED_SMEM:
-        return False
+    g, idx = num_qo_heads // num_kv_heads, build.index(dev)
+    cap = build.capability(idx)
     return (head_dim in (64, 128, 256) and 1 <= g <= 8 and block_size % 16 == 0
             and block_size & (block_size - 1) == 0 and dtype in HALF and kv_dtype == dtype
-            and codebook_dtype == dtype and cap >= ((9, 0) if head_dim == 256 else (8, 0)))
+            and codebook_dtype == dtype and cap >= ((9, 0) if head_dim == 256 else (8, 0))
+            and build.reserved_smem(idx) == RESERVED_SMEM)
 
 
 def split(head_dim: int) -> int:

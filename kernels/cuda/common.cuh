@@ -59,12 +59,8 @@ __device__ __forceinline__ u32 prmt(u32 a, u32 b, u32 sel) {
   return r;
 }
 
-// cp.async (16 B, L2 only): the CF kernel streams each warp's code tiles into a
-// shared-memory ring a few tiles ahead, so no register waits on HBM
-__device__ __forceinline__ void cp_async16(unsigned char* dst, const u8* src) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;"
-               :: "r"((u32)__cvta_generic_to_shared(dst)), "l"(src));
-}
+// cp.async (16 B, L2 only) to the shared-window address dst: the CF kernel streams each
+// warp's code tiles into a shared-memory ring a few tiles ahead, so no register waits on HBM
 __device__ __forceinline__ void cp_async16(u32 dst, const u8* src) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" :: "r"(dst), "l"(src));
 }
