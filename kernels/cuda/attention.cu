@@ -536,7 +536,8 @@ __device__ __forceinline__ void pq_attn_body(PQ_ATTN_PARAMS, int half) {
       constexpr int STAGES = cf_stages(NW, SPLIT);
       unsigned char* ring = smem + cf_ring_offset<D, DSUB>() + warp * STAGES * TILE;
       // lane constants, kept in registers (opaque) rather than rebuilt every tile
-      u32 kdst = 16 * lane, krd0 = sigma(0, gq) * M + cq * MQ, krd1 = sigma(1, gq) * M + cq * MQ;
+      // (stage bytes at rsw<M> positions: attention.cuh)
+      u32 kdst = 16 * lane, krd0 = rsw<M>(sigma(0, gq) * M + cq * MQ), krd1 = rsw<M>(sigma(1, gq) * M + cq * MQ);
       // SPLIT: byte 16*lane of the tile's 16 x M K codes sits in row 16*lane / M of the
       // global rows of MF = DF / DSUB bytes
       constexpr int MF = DF / DSUB;
@@ -552,13 +553,14 @@ __device__ __forceinline__ void pq_attn_body(PQ_ATTN_PARAMS, int half) {
       // spilled up to 56 bytes more at the 168-register cap.
       const u8* kb0 = kc_h + (SPLIT > 1 ? ksrc : kdst);
       const u8* vb0 = vc_h + vsrc;
-      u32 ring_w = (u32)__cvta_generic_to_shared(ring) + kdst;
+      u32 ring_w = (u32)__cvta_generic_to_shared(ring) + rsw<M>(kdst);   // K at kdst, V at 16 M + kdst
       const u32 kstr = (u32)a.skc_blk, vstr = (u32)a.svc_blk;
       if constexpr (!(SPLIT > 1 && GP == 8)) asm volatile("" : "+l"(kb0), "+l"(vb0), "+r"(ring_w));
       u32 vr[4];
 #pragma unroll
-      for (int j = 0; j < 4; ++j) vr[j] = vrd + 128 * ((cq + j) & (DSUB == 2 ? 3 : NJ - 1));
+      for (int j = 0; j < 4; ++j) vr[j] = rsw<M>(vrd + 128 * ((cq + j) & (DSUB == 2 ? 3 : NJ - 1)));
       if constexpr (VG > 0) asm volatile("" : "+r"(vr[0]), "+r"(vr[1]), "+r"(vr[2]), "+r"(vr[3]));
+      const u32 vrd1 = rsw<M>(vrd + 128) - 128;    // VG 0: the rows gq + 8X of odd X
       auto issue = [&](int tile, long long blk, u32 stage_off) {
         if (tile < n_pq) {
           const int t0 = pq_lo + 16 * tile;
@@ -613,7 +615,7 @@ __device__ __forceinline__ void pq_attn_body(PQ_ATTN_PARAMS, int half) {
         } else {
 #pragma unroll
           for (int X = 0; X < NX; ++X)
-            vv[X] = *reinterpret_cast<const u32*>(st + vrd + 128 * X);
+            vv[X] = *reinterpret_cast<const u32*>(st + (X & 1 ? vrd1 : vrd) + 128 * X);
         }
       };
       // bpre: the block ids of the prologue's tiles, loaded at entry. PAIR: every stage

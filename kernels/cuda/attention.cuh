@@ -48,6 +48,16 @@ __device__ __forceinline__ void sts64(u32 addr, u32 x, u32 y) {
 
 // token of column n of S n-tile t (and of P^T k-row)
 __device__ __forceinline__ int sigma(int t, int n) { return 4 * (n >> 1) + 2 * t + (n & 1); }
+// Byte x of a code-ring stage (K rows of M bytes, then V rows of 16) sits at rsw<M>(x).
+// Lane (gq, cq) reads K row sigma(t, gq) at byte cq * M / 4: at M = 32 rows 0 and 4 of a
+// half-warp's 8-byte reads share banks, at M = 16 rows 0 and 8 of the warp's 4-byte
+// reads, a two-way conflict on every read (ncu: 4 wavefronts for 2). Flipping bit 6
+// (M = 32) or bit 5 (M = 16) by bit 7 separates them, moves whole 16-byte copies, and
+// keeps the V reads (row gq + 8X, 4 bytes at 4cq) on 32 distinct banks.
+template <int M>
+__host__ __device__ constexpr u32 rsw(u32 x) {
+  return M == 32 ? x ^ ((x >> 1) & 64u) : M == 16 ? x ^ ((x >> 2) & 32u) : x;
+}
 
 // r[i] <- r[(i - s) & 7] with s = gq minus its bits below NR: select stages, registers only
 template <int NR>
