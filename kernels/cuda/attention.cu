@@ -244,6 +244,17 @@ __device__ __forceinline__ void pq_attn_body(PQ_ATTN_PARAMS, int half) {
 
   // ---- PQ tiles, codes streamed through each warp's ring
   {
+    // HOLD: this block's lane and warp indices come from a register the compiler cannot
+    // see through, so it keeps the loop's lane constants in registers instead of rebuilding
+    // them from an S2R of the thread index every step (12 instructions of a 2-bit step,
+    // and the S2R's latency ahead of the score shuffles). Per build, whichever ran faster
+    // (bench_cuda_pq.py --quick, H200, B=8 32K): held, 2-bit d 128 at G <= 4 ran 3-5 %
+    // faster, 4-bit at G 2 and at d 64 3-5 %; 4-bit d 128 at G 4-8 and 2-bit d 64 ran 1-2 %
+    // slower held, and the 2-bit G 8 builds reach the register cap.
+    constexpr bool HOLD = DSUB == 4 ? D >= 128 && GP <= 4 : GP == 2 || D == 64;
+    int lane_r = lane, warp_r = warp;
+    if constexpr (HOLD) asm volatile("" : "+r"(lane_r), "+r"(warp_r));
+    const int lane = lane_r, gq = lane_r >> 2, cq = lane_r & 3, warp = warp_r;
     // The block id of a tile is read two tiles ahead of its codes: a code load that
     // waits on the table load in the same step stalls the warp for a memory latency.
     // (st_b kept in registers: rebuilt from the arguments it cost ~15 instructions a tile.
