@@ -248,9 +248,9 @@ __device__ __forceinline__ void pq_attn_body(PQ_ATTN_PARAMS, int half) {
     // see through, so it keeps the loop's lane constants in registers instead of rebuilding
     // them from an S2R of the thread index every step (12 instructions of a 2-bit step,
     // and the S2R's latency ahead of the score shuffles). Per build, whichever ran faster
-    // (bench_cuda_pq.py --quick, H200, B=8 32K): held, 2-bit d 128 at G <= 4 ran 3-5 %
-    // faster, 4-bit at G 2 and at d 64 3-5 %; 4-bit d 128 at G 4-8 and 2-bit d 64 ran 1-2 %
-    // slower held, and the 2-bit G 8 builds reach the register cap.
+    // (bench_cuda_pq.py --quick, H200, B=8 32K): held, 2-bit d 128 at G <= 4 ran 2-5 %
+    // faster, 4-bit at G 2 and at d 64 3-5 %; 4-bit d 128 at G 4-8 and 2-bit d 64 ran
+    // 0.7-2 % slower held, and the 2-bit G 8 builds reach the register cap.
     constexpr bool HOLD = DSUB == 4 ? D >= 128 && GP <= 4 : GP == 2 || D == 64;
     int lane_r = lane, warp_r = warp;
     if constexpr (HOLD) asm volatile("" : "+r"(lane_r), "+r"(warp_r));
@@ -564,7 +564,9 @@ __device__ __forceinline__ void pq_attn_body(PQ_ATTN_PARAMS, int half) {
       // spilled up to 56 bytes more at the 168-register cap.
       const u8* kb0 = kc_h + (SPLIT > 1 ? ksrc : kdst);
       const u8* vb0 = vc_h + vsrc;
-      u32 ring_w = (u32)__cvta_generic_to_shared(ring) + rsw<M>(kdst);   // K at kdst, V at 16 M + kdst
+      // this lane's copies of a stage: K bytes rsw<M>(kdst) + 512 c, V bytes 16 M after them
+      // (16 M and 512 c do not touch bits 5-7, which rsw<M> reads and flips)
+      u32 ring_w = (u32)__cvta_generic_to_shared(ring) + rsw<M>(kdst);
       const u32 kstr = (u32)a.skc_blk, vstr = (u32)a.svc_blk;
       if constexpr (!(SPLIT > 1 && GP == 8)) asm volatile("" : "+l"(kb0), "+l"(vb0), "+r"(ring_w));
       u32 vr[4];
