@@ -522,7 +522,7 @@ __device__ __forceinline__ void pq_attn_body(PQ_ATTN_PARAMS, int half) {
           u32 w[4];
 #pragma unroll
           for (int k = 0; k < 4; ++k)
-            w[k] = lds32(__byte_perm(v4, 0u, 0x4440 | k) * 32u + (vlane + X * 8192u));
+            w[k] = lds32<0>(__byte_perm(v4, 0u, 0x4440 | k) * 32u + (vlane + X * 8192u));
           pv_mma<D, DSUB, BF16, VG>(ws, X, 0, w[0], w[1], w[2], w[3], pb0, pb1);
         }
       }

@@ -68,14 +68,6 @@ __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commi
 template <int N>
 __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;" :: "n"(N)); }
 
-// a 32-bit shared-window load: with a generic pointer the compiler spends a second
-// IMAD per V gather on the window base
-__device__ __forceinline__ u32 lds32(u32 addr) {
-  u32 r;
-  asm volatile("ld.shared.b32 %0, [%1];" : "=r"(r) : "r"(addr));
-  return r;
-}
-
 // Bulk copies (sm_90): global -> shared on the copy engine, completion counted in bytes on
 // an mbarrier. Below sm_90 the kernels that use them (TMA) are never launched.
 __device__ __forceinline__ void mbar_init(u32 bar, u32 count) {

@@ -4,11 +4,14 @@ codebook image and RegStager4 fill them, each lane's addresses as the kernel bui
 fragment layouts, down to the scores and the output the kernel writes. What a GPU run
 cannot show by its results alone is checked here: that every gather is conflict-free.
 """
+import re
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
 
-from kvstore.kernels.cuda import images
+from kvstore.kernels.cuda import attention, images
 
 T4_K, T4_V = 65536, 131072           # attention.cuh: the tables' shared-window addresses
 
@@ -227,3 +230,19 @@ def test_dsub4_slots_take_every_slot_once():
         assert sorted(k.tolist()) == list(range(0, 8 * m, 8))
         v = torch.cat(vs)
         assert sorted(v.tolist()) == list(range(0, 256, 8))
+
+
+def test_python_shared_memory_plan_matches_attention_cuh():
+    """attention.py sizes the launch and checks the device's reserved shared memory with
+    constants that attention.cuh fixes: a change to one side alone fails here, not as a
+    trap at a kernel's entry on the GPU."""
+    src = (Path(images.__file__).parent / "attention.cuh").read_text()
+    t2k = int(re.search(r"constexpr u32 T2_K = (\d+),", src)[1])
+    t4 = tuple(int(x) for x in re.search(r"constexpr u32 T4_K = (\d+), T4_V = (\d+);", src).groups())
+    xchg = re.search(r"xchg_bytes\(int nw\) \{ return nw \* \((\d+) \+ (\d+)\); \}", src)
+    assert attention.RESERVED_SMEM == t2k
+    assert t4 == (T4_K, T4_V)
+    per_warp = int(xchg[1]) + int(xchg[2])
+    for nw in (8, 12, 16):
+        assert attention._attn_smem(128, 4, 4, nw) == T4_V + 65536         # up to the V table's end
+        assert attention._attn_smem(256, 4, 4, nw) == T4_V + 65536 + nw * per_warp
