@@ -114,9 +114,8 @@ def attention_names(warps, dims, features) -> list[str]:
     (window, softcap, multi-token) flags; a multi-token plan has no window)."""
     names = []
     for d, dsub, bf16, nw, (win, cap, mq) in itertools.product(dims, (2, 4), (False, True), warps, features):
-        one = attention.split(d) == 1      # d 256: the split build, CF layouts and registers only
-        for gp in sorted({group(g, dsub) for g in range(1, 9)}):
-            for tma in ((False, True) if one else (False,)):
+        for gp in sorted({group(g, dsub) for g in range(1, 9)}):     # d 256: the split build
+            for tma in (False, True):
                 for step in ((1, 2) if dsub == 4 else (1,)):     # tunables.TILES_PER_STEP_2BIT
                     names.append(attention._attn_name(d, dsub, bf16, nw, gp, tma, win, cap, step, mq))
     return names

@@ -52,8 +52,7 @@ __device__ __forceinline__ void pq_attn_body(PQ_ATTN_PARAMS, int half) {
   constexpr int D = DF / SPLIT;
   static_assert(GP == 2 || GP == 4 || GP == 8, "GP: 2, 4 or 8");
   static_assert(PAIR == 1 || PAIR == 2, "PAIR: 16-token tiles a step of the tile loop");
-  static_assert(SPLIT == 1 || (SPLIT == 2 && !TMA && D == 128),
-                "SPLIT: d 256 as two CTAs of 128, codebooks staged through registers");
+  static_assert(SPLIT == 1 || (SPLIT == 2 && D == 128), "SPLIT: d 256 as two CTAs of 128");
   // conflict-free V gathers too (dsub 4: at every GP)
   constexpr int VG = GP == 2 || GP == 4 || (DSUB == 4 && GP == 8) ? GP : 0;
   constexpr bool STAGE_REG = !TMA;
@@ -131,8 +130,10 @@ __device__ __forceinline__ void pq_attn_body(PQ_ATTN_PARAMS, int half) {
       if (lane < IMG_CHUNKS) {
         constexpr u32 CH = IMG_BYTES / IMG_CHUNKS;
         const u32 c = (lane + blockIdx.x) % IMG_CHUNKS;
-        const u32 img_dst = DSUB == 4 ? T4_K : (u32)__cvta_generic_to_shared(smem);
-        bulk_g2s(img_dst + c * CH, img + (long long)h * IMG_BYTES + c * CH, CH, bar);
+        // SPLIT: this CTA's half of the head's image (as head hv of d 128), at its window
+        const u32 img_dst = DSUB == 4 ? T4_K + wb : (u32)__cvta_generic_to_shared(smem);
+        const u8* src = SPLIT > 1 ? img + hv * IMG_BYTES : img + (long long)h * IMG_BYTES;
+        bulk_g2s(img_dst + c * CH, src + c * CH, CH, bar);
       }
     }
   }
@@ -903,7 +904,8 @@ __global__ void __launch_bounds__(NW * 32, 1) pq_attn(PQ_ATTN_PARAMS) {
 }
 
 // head_dim 256 (sm_90): grid (items, Hkv, 2), each cluster the two halves of one block
-template <int D, int DSUB, bool BF16, int NW, int GP, bool WIN, bool CAP, int PAIR = 1, bool MTQ = false>
+template <int D, int DSUB, bool BF16, int NW, int GP, bool WIN, bool CAP, int PAIR = 1, bool MTQ = false,
+          bool TMA = false>
 __global__ void __cluster_dims__(1, 1, 2) __launch_bounds__(NW * 32, 1) pq_attn_split(PQ_ATTN_PARAMS) {
-  pq_attn_body<D, DSUB, BF16, NW, GP, false, WIN, CAP, 2, PAIR, MTQ>(PQ_ATTN_ARGS, (int)cluster_rank());
+  pq_attn_body<D, DSUB, BF16, NW, GP, TMA, WIN, CAP, 2, PAIR, MTQ>(PQ_ATTN_ARGS, (int)cluster_rank());
 }

@@ -98,7 +98,8 @@ def _attn_name(d, dsub, bf16, nw, gp, tma, win, cap, pair=1, mq=False):
     b = lambda x: "true" if x else "false"  # noqa: E731
     p = f", {pair}, true" if mq else f", {pair}" if pair != 1 else ""
     if split(d) > 1:
-        assert not tma, "the split build stages its codebooks through registers"
+        if tma:
+            p = f", {pair}, {b(mq)}, true"
         return f"pq_attn_split<{d}, {dsub}, {b(bf16)}, {nw}, {gp}, {b(win)}, {b(cap)}{p}>"
     return f"pq_attn<{d}, {dsub}, {b(bf16)}, {nw}, {gp}, {b(tma)}, {b(win)}, {b(cap)}{p}>"
 
@@ -190,9 +191,8 @@ class CudaPQPlan(DecodePlan):
         return self.tiles_per_step_2bit if dsub == 4 else 1
 
     def _tma(self, gp: int) -> bool:
-        """The bulk-copy build can run (warm() compiles it); not the split (d 256) build."""
-        return (split(self.head_dim) == 1
-                and build.capability(build.index(self.items.device)) >= (9, 0))
+        """The bulk-copy build can run (warm() compiles it)."""
+        return build.capability(build.index(self.items.device)) >= (9, 0)
 
     def _use_tma(self, gp: int) -> bool:
         """... and is the faster one for this plan's items (tunables.TMA_MAX_ITEM_TOKENS)."""
@@ -224,7 +224,8 @@ class CudaPQPlan(DecodePlan):
             self.check_pool(tail_k, tail_v, tail_tables, ("tail_k", "tail_v", "tail_tables"),
                             self.tail_cols, same_strides=False)
             if codebook_image is not None:
-                check(codebook_image.words, "codebook_image.words", (self.num_kv_heads, IMG_WORDS),
+                check(codebook_image.words, "codebook_image.words",
+                      (self.num_kv_heads, IMG_WORDS * split(self.head_dim)),
                       (torch.int32,), q.device, contiguous=True)
         bad = misaligned(q, k_codes, v_codes, tail_k, tail_v, dsub)
         if bad is not None:

@@ -17,7 +17,7 @@ import torch
 from .. import tunables
 from . import build
 
-IMG_WORDS = 32768     # attention.cuh IMG_BYTES / 4: one KV head's image
+IMG_WORDS = 32768     # attention.cuh IMG_BYTES / 4: one KV head's image (d 256: two, one a CTA)
 DSUB4 = 16            # image layout of the dsub 4 tables (one for every GQA group)
 
 
@@ -82,8 +82,13 @@ def _image_index(m: int, vg: int) -> tuple[torch.Tensor, torch.Tensor]:
 def build_codebook_image(k_codebook: torch.Tensor, v_codebook: torch.Tensor, layout: int) -> torch.Tensor:
     """k/v_codebook [Hkv, M, 256, dsub] fp16/bf16 -> int32 [Hkv, IMG_WORDS]: per KV head, the
     bytes of the CF kernel's two codebook tables in shared memory (dsub 2: its first 128
-    KiB; dsub 4: from T4_K on), in `layout` (image_layout); unused words are 0."""
-    hkv, m = k_codebook.shape[:2]
+    KiB; dsub 4: from T4_K on), in `layout` (image_layout); unused words are 0. d 256:
+    [Hkv, 2 x IMG_WORDS], the images of the head's two halves of 128 coordinates, each as a
+    d 128 head's (the two CTAs of the split build, attention.cu SPLIT)."""
+    hkv, m, _, dsub = k_codebook.shape
+    if m * dsub == 256:
+        halves = [cb.reshape(2 * hkv, m // 2, 256, dsub) for cb in (k_codebook, v_codebook)]
+        return build_codebook_image(*halves, layout).reshape(hkv, 2 * IMG_WORDS)
     dev = k_codebook.device
     if layout == DSUB4:
         ik, ivs = _image_index4(m)
@@ -108,6 +113,7 @@ class CodebookImage:
 def codebook_images(k_codebooks: torch.Tensor, v_codebooks: torch.Tensor, num_qo_heads: int,
                     words: torch.Tensor | None = None) -> torch.Tensor | None:
     """k/v_codebooks [L, Hkv, M, 256, dsub] fp16/bf16 on a GPU -> int32 [L, Hkv, IMG_WORDS]
+    (d 256: [L, Hkv, 2 x IMG_WORDS])
     of every layer's image, written into `words` when given (same address: graphs
     captured with it read the new codebooks), or None when no kernel here would read it
     (no Hopper GPU, bulk copies off (tunables.TMA_MAX_ITEM_TOKENS = 0), a head_dim the
@@ -118,7 +124,7 @@ def codebook_images(k_codebooks: torch.Tensor, v_codebooks: torch.Tensor, num_qo
     if build.capability(build.index(k_codebooks.device)) < (9, 0):
         return None
     nl, hkv, m, _, dsub = k_codebooks.shape
-    if dsub not in (2, 4) or m * dsub not in (64, 128):
+    if dsub not in (2, 4) or m * dsub not in (64, 128, 256):
         return None
     layout = image_layout(num_qo_heads, hkv, dsub)
     imgs = torch.stack([build_codebook_image(k_codebooks[i], v_codebooks[i], layout) for i in range(nl)])

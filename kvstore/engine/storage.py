@@ -101,7 +101,7 @@ class PQStore:
         self.v_cb: torch.Tensor | None = None
         # Per layer, the codebooks as the bulk-copy attention kernel stages them
         # (kernels/cuda/images.py CodebookImage); None where no kernel here reads one.
-        self.cb_words: torch.Tensor | None = None       # int32 [L, Hkv, IMG_WORDS]
+        self.cb_words: torch.Tensor | None = None       # int32 [L, Hkv, IMG_WORDS] (d 256: 2 x)
         self.cb_images: list | None = None
 
     def set_codebooks(self, cb: Codebooks) -> None:

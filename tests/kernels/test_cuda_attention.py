@@ -88,10 +88,13 @@ def test_attn_variant_names():
         "pq_attn<128, 4, false, 12, 4, true, false, false, 2>"
     assert cuda_attention._attn_name(256, 4, False, 12, 4, False, False, True, 2) == \
         "pq_attn_split<256, 4, false, 12, 4, false, true, 2>"
-    # d 256: the cluster build, registers only; two CTAs of d 128's tables, a shorter ring
-    # past 8 warps and the score exchange, within the 227 KiB a block may have
+    # d 256: the cluster build; two CTAs of d 128's tables, a shorter ring past 8 warps
+    # and the score exchange, within the 227 KiB a block may have. Its bulk-copy build
+    # names every trailing argument
     assert cuda_attention._attn_name(256, 2, True, 12, 4, False, True, False) == \
         "pq_attn_split<256, 2, true, 12, 4, true, false>"
+    assert cuda_attention._attn_name(256, 2, True, 12, 4, True, True, False) == \
+        "pq_attn_split<256, 2, true, 12, 4, true, false, 1, false, true>"
     assert [cuda_attention.split(d) for d in (64, 128, 256)] == [1, 1, 2]
     for nw in (4, 8, 12, 16):
         assert cuda_attention._attn_smem(256, 2, 4, nw) <= 227 * 1024
@@ -239,7 +242,7 @@ def test_pq_decode_cuda_graph_reads_codebooks_and_image_in_place(d, dsub):
     plan = plan_pq(c)
     plan.warm()
     img = image(c)
-    assert img is None or img.words.shape == (8, images.IMG_WORDS)
+    assert img is None or img.words.shape == (8, images.IMG_WORDS * cuda_attention.split(d))
     args = [c[k] for k in RUN_ARGS]
     for with_image in (True, False):
         out = torch.full_like(c["q"], float("nan"))
@@ -283,6 +286,23 @@ def test_codebook_image_layout(m, vg):
                 assert torch.equal(img[h, kb:kb + 4], kcb[h, sub, code].view(torch.uint8))
                 assert torch.equal(img[h, vb:vb + 4], vcb[h, sub, code].view(torch.uint8))
 
+
+@pytest.mark.parametrize("dsub,layout", [(2, 4), (2, 0), (4, images.DSUB4)])
+def test_codebook_image_of_a_d256_head_is_its_halves_images(dsub, layout):
+    # CPU: the split build's CTA `half` of KV head h bulk-copies words [half x IMG_WORDS,
+    # + IMG_WORDS) of head h's image: the image of coordinates [128 half, + 128) as a
+    # d 128 head's (subspaces [half x M/2, + M/2) of the codebook)
+    m = 256 // dsub
+    gen = torch.Generator().manual_seed(dsub + layout)
+    kcb = torch.randn(3, m, 256, dsub, generator=gen).half()
+    vcb = torch.randn(3, m, 256, dsub, generator=gen).half()
+    img = images.build_codebook_image(kcb, vcb, layout)
+    assert img.shape == (3, 2 * images.IMG_WORDS)
+    for h in range(3):
+        for half in range(2):
+            sub = slice(half * m // 2, (half + 1) * m // 2)
+            want = images.build_codebook_image(kcb[h:h + 1, sub], vcb[h:h + 1, sub], layout)[0]
+            assert torch.equal(img[h, half * images.IMG_WORDS:(half + 1) * images.IMG_WORDS], want)
 
 @gpu
 def test_what_the_cuda_kernels_do_not_take_is_planned_on_triton():
