@@ -206,6 +206,40 @@ def test_gpu_chunked_attention_equals_the_cpu_engine(codec, sinks, graphs):
         e.check_invariants()
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("dsub", [2, 4])
+@pytest.mark.parametrize("graphs", [True, False])
+def test_gpu_head_dim_256_pq_equals_the_cpu_engine(dsub, graphs):
+    """head_dim 256, Gemma's, through the engine on CUDA: the kernels' cluster builds, which
+    on sm_90 take each layer's codebooks from the engine's image by bulk copies (a d 256
+    head's image is its two halves'), a sliding layer and a global one, with and without
+    decode graphs: decode steps equal the CPU engine's over the same tokens."""
+    d, hq, hkv, m = 256, 4, 1, 256 // dsub
+
+    def make(device):
+        e = Engine(device)
+        cfg = dataclasses.replace(config("pq", block_size=16, residual=16, num_blocks=128, m=m,
+                                         num_q_heads=hq, num_kv_heads=hkv, head_dim=d),
+                                  layer_windows=(40, 0), device=device)
+        e.create_cache(cfg)
+        g = torch.Generator().manual_seed(dsub)
+        e.set_codebooks("c", Codebooks(k=torch.randn(L, hkv, m, 256, dsub, generator=g),
+                                       v=torch.randn(L, hkv, m, 256, dsub, generator=g)))
+        e.cache("c").graphs.enabled = graphs
+        return e
+    engines = [make("cuda"), make("cpu")]
+    if engines[0].cache("c").main.cb_words is not None:       # sm_90: the image the kernels copy
+        assert engines[0].cache("c").main.cb_words.shape[1:] == (hkv, 2 * 32768)
+    lens, steps = (100, 58), 12
+    k, v = kv(L, max(lens) + steps, hkv, d, seed=5)
+    q = torch.randn(2, hq, d, generator=torch.Generator().manual_seed(6)).half()
+    for t, layer, outs in lockstep(engines, k, v, lens, steps, q):
+        assert torch.isfinite(outs[0]).all()
+        err = ((outs[0] - outs[1]).norm() / outs[1].norm()).item()
+        assert err < 1e-2, (t, layer, err)
+    for e in engines:
+        e.check_invariants()
+
 def lockstep(engines, k, v, lens, steps, q):
     """Sequences "a" and "b" of lens[0] and lens[1] tokens of k, v [L, n, Hkv, d] in every
     engine's cache "c", then `steps` decode steps: AppendAttend of each layer with each
