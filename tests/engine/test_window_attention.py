@@ -12,6 +12,7 @@ import torch
 from kvstore.engine.engine import Engine
 from kvstore.errors import InvalidArgument
 from kvstore.kernels import reference as ref
+from kvstore.kernels.cuda import attention as cuda_attention
 from kvstore.codec.codebooks import Codebooks
 from tests.engine.test_sinks import BS, D, HKV, HQ, L, M, R, SCALE, T, TOL, expected
 from tests.helpers import config, kv, one_thread  # noqa: F401
@@ -209,11 +210,13 @@ def test_gpu_chunked_attention_equals_the_cpu_engine(codec, sinks, graphs):
 @pytest.mark.gpu
 @pytest.mark.parametrize("dsub", [2, 4])
 @pytest.mark.parametrize("graphs", [True, False])
-def test_gpu_head_dim_256_pq_equals_the_cpu_engine(dsub, graphs):
+def test_gpu_head_dim_256_pq_equals_the_triton_kernels_and_the_cpu_engine(dsub, graphs, monkeypatch):
     """head_dim 256, Gemma's, through the engine on CUDA: the kernels' cluster builds, which
     on sm_90 take each layer's codebooks from the engine's image by bulk copies (a d 256
     head's image is its two halves'), a sliding layer and a global one, with and without
-    decode graphs: decode steps equal the CPU engine's over the same tokens."""
+    decode graphs. Against the same engine on the Triton kernels (the same codes: only the
+    attention differs) and against the CPU engine, whose fp32 encoder picks another of two
+    near-equal centroids here and there (0.3-2.8 % apart on these tokens, measured)."""
     d, hq, hkv, m = 256, 4, 1, 256 // dsub
 
     def make(device):
@@ -227,18 +230,24 @@ def test_gpu_head_dim_256_pq_equals_the_cpu_engine(dsub, graphs):
                                        v=torch.randn(L, hkv, m, 256, dsub, generator=g)))
         e.cache("c").graphs.enabled = graphs
         return e
-    engines = [make("cuda"), make("cpu")]
-    if engines[0].cache("c").main.cb_words is not None:       # sm_90: the image the kernels copy
-        assert engines[0].cache("c").main.cb_words.shape[1:] == (hkv, 2 * 32768)
+
+    def rel(a, b):
+        return ((a - b).norm() / b.norm()).item()
     lens, steps = (100, 58), 12
     k, v = kv(L, max(lens) + steps, hkv, d, seed=5)
     q = torch.randn(2, hq, d, generator=torch.Generator().manual_seed(6)).half()
-    for t, layer, outs in lockstep(engines, k, v, lens, steps, q):
-        assert torch.isfinite(outs[0]).all()
-        err = ((outs[0] - outs[1]).norm() / outs[1].norm()).item()
-        assert err < 1e-2, (t, layer, err)
-    for e in engines:
-        e.check_invariants()
+    gpu = make("cuda")
+    if gpu.cache("c").main.cb_words is not None:       # sm_90: the image the kernels copy
+        assert gpu.cache("c").main.cb_words.shape[1:] == (hkv, 2 * 32768)
+    first = [(outs[0], outs[1]) for _, _, outs in lockstep([gpu, make("cpu")], k, v, lens, steps, q)]
+    monkeypatch.setattr(cuda_attention, "supports", lambda **kw: False)     # the router's Triton
+    triton = [outs[0] for _, _, outs in lockstep([make("cuda")], k, v, lens, steps, q)]
+    assert len(first) == len(triton) == steps * L
+    for i, ((cu, cpu), tr) in enumerate(zip(first, triton)):
+        assert torch.isfinite(cu).all()
+        assert rel(cu, tr) < 1e-2, (i, rel(cu, tr))
+        assert rel(cu, cpu) < 8e-2, (i, rel(cu, cpu))
+    gpu.check_invariants()
 
 def lockstep(engines, k, v, lens, steps, q):
     """Sequences "a" and "b" of lens[0] and lens[1] tokens of k, v [L, n, Hkv, d] in every
