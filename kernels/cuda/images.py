@@ -113,12 +113,11 @@ class CodebookImage:
 def codebook_images(k_codebooks: torch.Tensor, v_codebooks: torch.Tensor, num_qo_heads: int,
                     words: torch.Tensor | None = None) -> torch.Tensor | None:
     """k/v_codebooks [L, Hkv, M, 256, dsub] fp16/bf16 on a GPU -> int32 [L, Hkv, IMG_WORDS]
-    (d 256: [L, Hkv, 2 x IMG_WORDS])
-    of every layer's image, written into `words` when given (same address: graphs
-    captured with it read the new codebooks), or None when no kernel here would read it
-    (no Hopper GPU, bulk copies off (tunables.TMA_MAX_ITEM_TOKENS = 0), a head_dim the
-    CUDA kernels do not take). The router calls it only where the CUDA kernels are
-    available."""
+    (d 256: [L, Hkv, 2 x IMG_WORDS]): every layer's image, written into `words` when given
+    (same address: graphs captured with it read the new codebooks), or None when no kernel
+    here would read it (no Hopper GPU, bulk copies off (tunables.TMA_MAX_ITEM_TOKENS = 0), a
+    head_dim the CUDA kernels do not take). The router calls it only where the CUDA kernels
+    are available."""
     if tunables.TMA_MAX_ITEM_TOKENS <= 0:
         return None
     if build.capability(build.index(k_codebooks.device)) < (9, 0):
