@@ -130,7 +130,8 @@ __device__ __forceinline__ void pq_attn_body(PQ_ATTN_PARAMS, int half) {
       if (lane < IMG_CHUNKS) {
         constexpr u32 CH = IMG_BYTES / IMG_CHUNKS;
         const u32 c = (lane + blockIdx.x) % IMG_CHUNKS;
-        // SPLIT: this CTA's half of the head's image (as head hv of d 128), at its window
+        // SPLIT: this CTA's half of the head's image (as head hv of d 128), at its window.
+        // (SPLIT 1 keeps its own expression: through hv, the plain builds' code changed)
         const u32 img_dst = DSUB == 4 ? T4_K + wb : (u32)__cvta_generic_to_shared(smem);
         const u8* src = SPLIT > 1 ? img + hv * IMG_BYTES : img + (long long)h * IMG_BYTES;
         bulk_g2s(img_dst + c * CH, src + c * CH, CH, bar);

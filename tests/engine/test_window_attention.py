@@ -12,7 +12,7 @@ import torch
 from kvstore.engine.engine import Engine
 from kvstore.errors import InvalidArgument
 from kvstore.kernels import reference as ref
-from kvstore.kernels.cuda import attention as cuda_attention
+from kvstore.kernels.cuda import attention as cuda_attention, images
 from kvstore.codec.codebooks import Codebooks
 from tests.engine.test_sinks import BS, D, HKV, HQ, L, M, R, SCALE, T, TOL, expected
 from tests.helpers import config, kv, one_thread  # noqa: F401
@@ -238,7 +238,7 @@ def test_gpu_head_dim_256_pq_equals_the_triton_kernels_and_the_cpu_engine(dsub, 
     q = torch.randn(2, hq, d, generator=torch.Generator().manual_seed(6)).half()
     gpu = make("cuda")
     if gpu.cache("c").main.cb_words is not None:       # sm_90: the image the kernels copy
-        assert gpu.cache("c").main.cb_words.shape[1:] == (hkv, 2 * 32768)
+        assert gpu.cache("c").main.cb_words.shape[1:] == (hkv, 2 * images.IMG_WORDS)
     first = [(outs[0], outs[1]) for _, _, outs in lockstep([gpu, make("cpu")], k, v, lens, steps, q)]
     monkeypatch.setattr(cuda_attention, "supports", lambda **kw: False)     # the router's Triton
     triton = [outs[0] for _, _, outs in lockstep([make("cuda")], k, v, lens, steps, q)]
@@ -248,6 +248,7 @@ def test_gpu_head_dim_256_pq_equals_the_triton_kernels_and_the_cpu_engine(dsub, 
         assert rel(cu, tr) < 1e-2, (i, rel(cu, tr))
         assert rel(cu, cpu) < 8e-2, (i, rel(cu, cpu))
     gpu.check_invariants()
+
 
 def lockstep(engines, k, v, lens, steps, q):
     """Sequences "a" and "b" of lens[0] and lens[1] tokens of k, v [L, n, Hkv, d] in every

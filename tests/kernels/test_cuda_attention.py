@@ -304,6 +304,7 @@ def test_codebook_image_of_a_d256_head_is_its_halves_images(dsub, layout):
             want = images.build_codebook_image(kcb[h:h + 1, sub], vcb[h:h + 1, sub], layout)[0]
             assert torch.equal(img[h, half * images.IMG_WORDS:(half + 1) * images.IMG_WORDS], want)
 
+
 @gpu
 def test_what_the_cuda_kernels_do_not_take_is_planned_on_triton():
     # fp32 q, codebooks of another dtype, a misaligned q: the router plans Triton up
