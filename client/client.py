@@ -131,13 +131,14 @@ class KVStoreClient(Connection):
         result goes there (read in place if it is the step_buffers() out).
         token_ids: the new tokens' ids [B], optional (one layer's call is
         enough): they are hashed as their blocks fill, for later prefix hits.
-        A call with them goes by gRPC (the doorbell does not carry ids).
         query_tokens T > 1 (at most 16): T new tokens per sequence, k, v
         [B * T, Hkv, d], q and out [B * T, Hq, d], token_ids B * T; query i of a
-        sequence attends causally (its earlier tokens and new tokens 0..i). By gRPC."""
-        if self._use_bell and not token_ids and query_tokens <= 1:
+        sequence attends causally (its earlier tokens and new tokens 0..i). Either
+        goes by the doorbell as a one-token call does (gRPC without one)."""
+        if self._use_bell:
             with self._lock:
-                res = self._append_attend_bell(cache, layer, seq_ids, k, v, q, scale, out)
+                res = self._append_attend_bell(cache, layer, seq_ids, k, v, q, scale, out, query_tokens,
+                                               () if token_ids is None else token_ids)
             if res is not None:
                 return res
         res = self._call(self._append_attend, lambda m, o: pb.AppendAttendRequest(

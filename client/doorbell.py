@@ -8,12 +8,14 @@ a registered buffer.
 
 Errors are those of the unary call (grpc.RpcError with its code and
 details). BellDown: the connection is gone before the request left, so the
-daemon did nothing; the caller sends it over gRPC instead. One caller at a
+daemon did nothing; Unfit: no descriptor can carry the request. Either way the
+caller sends it over gRPC instead. One caller at a
 time (the client's lock).
 """
 from __future__ import annotations
 
 import socket
+import struct
 
 import grpc
 
@@ -26,6 +28,11 @@ _STATUS = {c.value[0]: c for c in grpc.StatusCode}
 
 class BellDown(Exception):
     """The doorbell could not take the request; nothing reached the daemon."""
+
+
+class Unfit(BellDown):
+    """A request no descriptor can carry (too large, ids outside int64); nothing was
+    sent and the connection stays."""
 
 
 class Doorbell:
@@ -48,24 +55,37 @@ class Doorbell:
             raise BellDown(f"doorbell {path} refused the connection: {message}")
 
     def append_attend(self, buffer_id: str, cache: str, layer: int, seq_ids, dtype: int,
-                      offsets: tuple[int, int, int, int], shapes: tuple, scale: float) -> int:
-        """offsets: of k, v, q, out in the buffer; shapes: the 9 dims of k, v, q.
+                      offsets: tuple[int, int, int, int], shapes: tuple, scale: float,
+                      query_tokens: int = 1, token_ids=()) -> int:
+        """offsets: of k, v, q, out in the buffer; shapes: the 9 dims of k, v, q;
+        query_tokens and token_ids as in KVStoreClient.append_attend.
         -> the output's dtype (pb.DType)."""
-        key = (buffer_id, cache, layer, tuple(seq_ids), dtype, offsets, shapes, scale)
+        if not 1 <= query_tokens <= 0xFFFF:
+            raise Unfit("query_tokens outside a descriptor's range")
+        op2 = query_tokens > 1 or len(token_ids) > 0
+        key = (buffer_id, cache, layer, tuple(seq_ids), dtype, offsets, shapes, scale, query_tokens, op2)
         hit = self._packets.get(key)
         if hit is None:
             if len(self._packets) >= 1024:
                 self._packets.clear()
             ids = [s.encode() for s in seq_ids]
             if len(ids) > 0xFFFF or any(len(i) > 0xFFFF for i in ids):
-                raise BellDown("sequence ids too long for a descriptor")
-            pkt = bell.pack_request(0, dtype, layer, scale, offsets, shapes, buffer_id.encode(), cache.encode(), ids)
-            if len(pkt) > bell.MAX_PACKET:
-                raise BellDown("descriptor larger than a doorbell packet")
-            hit = self._packets[key] = (pkt[4:], len(pkt))
+                raise Unfit("sequence ids too long for a descriptor")
+            pkt = bell.pack_request(0, dtype, layer, scale, offsets, shapes, buffer_id.encode(), cache.encode(), ids,
+                                    query_tokens, [0] if op2 else [])
+            # op 2: kept without its placeholder id and TOKENS, which each call appends
+            hit = self._packets[key] = pkt[4:-8 - bell.TOKENS.size] if op2 else pkt[4:]
+        body = hit
+        if op2:
+            try:
+                body += struct.pack(f"<{len(token_ids)}q", *token_ids) + bell.TOKENS.pack(query_tokens, len(token_ids))
+            except struct.error as e:      # ids outside int64: the gRPC call names them
+                raise Unfit(f"token ids: {e}") from None
+        if len(body) + 4 > bell.MAX_PACKET:
+            raise Unfit("descriptor larger than a doorbell packet")
         self._call = call = (self._call + 1) & 0xFFFFFFFF
         try:
-            self._sock.sendall(call.to_bytes(4, "little") + hit[0])
+            self._sock.sendall(call.to_bytes(4, "little") + body)
         except OSError as e:
             raise BellDown(str(e)) from None
         try:

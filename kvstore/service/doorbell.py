@@ -175,13 +175,16 @@ class Doorbell:
                     _send(conn, bell.pack_reply(call, _CODES["UNAUTHENTICATED"], 0,
                                                 "doorbell_token: revoked (the session's lease lapsed)"))
                     return
-                key = bytes(mv[4:min(n, bell.MAX_PACKET)])
+                key, ids = _key(mv, n)
                 entry = requests.get(key)
                 if entry is None:
                     entry = [_decode(mv, n), None, -1]
                     if len(requests) >= MAX_REQUESTS:
                         requests.clear()
                     requests[key] = entry
+                elif ids is not None:        # the same call but for its new tokens' ids
+                    del entry[0].token_ids[:]
+                    entry[0].token_ids.extend(ids)
                 gen = registry.generation
                 dtype, resolved = self.handlers.doorbell_append_attend(
                     entry[0], tenant, session, view, entry[1] if entry[2] == gen else None)
@@ -205,6 +208,27 @@ class Doorbell:
                 self.observe("AppendAttendDoorbell", name, ns / 1e9)
 
 
+def _tokens(mv: memoryview, n: int) -> tuple[int, int, int] | None:
+    """An op 2 packet's (query tokens, number of ids, where the ids start), from the
+    TOKENS at its end; None for op 1 or a packet too short to hold them."""
+    if n < bell.REQUEST.size + bell.TOKENS.size or n > bell.MAX_PACKET or \
+            int.from_bytes(mv[4:6], "little") != bell.OP_APPEND_ATTEND_TOKENS:
+        return None
+    t, n_ids = bell.TOKENS.unpack_from(mv, n - bell.TOKENS.size)
+    at = n - bell.TOKENS.size - 8 * n_ids
+    return (t, n_ids, at) if at >= bell.REQUEST.size else None
+
+
+def _key(mv: memoryview, n: int) -> tuple[bytes, tuple | None]:
+    """-> (the packet less its call id and token ids: what its decoded request and
+    resolved buffers are kept under, its token ids or None)."""
+    tok = _tokens(mv, n)
+    if tok is None:
+        return bytes(mv[4:min(n, bell.MAX_PACKET)]), None
+    _, n_ids, at = tok
+    return bytes(mv[4:at]) + bytes(mv[n - bell.TOKENS.size:n]), struct.unpack_from(f"<{n_ids}q", mv, at)
+
+
 def _decode(mv: memoryview, n: int) -> pb.AppendAttendRequest:
     """A request packet -> the AppendAttendRequest it stands for; InvalidArgument
     naming the part that is wrong."""
@@ -214,12 +238,21 @@ def _decode(mv: memoryview, n: int) -> pb.AppendAttendRequest:
         raise InvalidArgument("descriptor", f"{n} bytes, shorter than the {bell.REQUEST.size}-byte header")
     (_, op, dtype, layer, scale, k_off, v_off, q_off, out_off, *dims, n_buf, n_cache,
      n_seqs) = bell.REQUEST.unpack_from(mv)
-    if op != bell.OP_APPEND_ATTEND:
-        raise Unimplemented("op", f"{op}: the doorbell serves AppendAttend (op {bell.OP_APPEND_ATTEND}) only")
+    if op not in (bell.OP_APPEND_ATTEND, bell.OP_APPEND_ATTEND_TOKENS):
+        raise Unimplemented("op", f"{op}: the doorbell serves AppendAttend (ops {bell.OP_APPEND_ATTEND} and "
+                            f"{bell.OP_APPEND_ATTEND_TOKENS}) only")
+    t, ids, end = 0, (), n       # op 1: query_tokens unset (one), as by gRPC
+    if op == bell.OP_APPEND_ATTEND_TOKENS:
+        tok = _tokens(mv, n)
+        if tok is None:
+            raise InvalidArgument("descriptor", f"{n} bytes do not hold the token ids and query tokens "
+                                  "that end an op 2 packet")
+        t, n_ids, end = tok
+        ids = struct.unpack_from(f"<{n_ids}q", mv, end)
     o = bell.REQUEST.size
-    lens = struct.unpack_from(f"<{n_seqs}H", mv, o) if o + 2 * n_seqs <= n else None
+    lens = struct.unpack_from(f"<{n_seqs}H", mv, o) if o + 2 * n_seqs <= end else None
     o += 2 * n_seqs
-    if lens is None or o + n_buf + n_cache + sum(lens) != n:
+    if lens is None or o + n_buf + n_cache + sum(lens) != end:
         raise InvalidArgument("descriptor", f"{n} bytes do not hold the buffer id, cache and {n_seqs} "
                               "sequence ids its header announces")
     parts = []
@@ -235,7 +268,7 @@ def _decode(mv: memoryview, n: int) -> pb.AppendAttendRequest:
         return pb.Tensor(shape=shape, dtype=dtype, ref=pb.BufferRef(buffer_id=bid, offset=off))
     return pb.AppendAttendRequest(cache=cache, layer=layer, sequence_ids=seq_ids, scale=scale,
                                   k=tensor(k_off, dims[0:3]), v=tensor(v_off, dims[3:6]), q=tensor(q_off, dims[6:9]),
-                                  out=pb.OutputRef(buffer_id=bid, offset=out_off))
+                                  out=pb.OutputRef(buffer_id=bid, offset=out_off), token_ids=ids, query_tokens=t)
 
 
 def _digest(token: bytes) -> bytes:

@@ -74,6 +74,74 @@ def test_doorbell_matches_grpc(served, codec):
     assert server.kvstore_engine.caches["c"].counters["attend_calls"] == 80
 
 
+def _chunks(kv: KVStoreClient, name: str, sid: str, n: int, t: int) -> tuple[torch.Tensor, list[int]]:
+    """n calls of t new tokens a layer, with their ids on layer 0's call -> (outputs, ids)."""
+    gen = torch.Generator().manual_seed(5)
+    kv.allocate(name, sid, [])
+    outs, ids = [], []
+    for i in range(n):
+        chunk = [100 + t * i + j for j in range(t)]
+        ids += chunk
+        for layer in range(2):
+            k = torch.randn(t, 2, 16, generator=gen).half()
+            q = torch.randn(t, 4, 16, generator=gen).half()
+            outs.append(kv.append_attend(name, layer, [sid], k, -k, q, token_ids=chunk if layer == 0 else None,
+                                         query_tokens=t))
+    return torch.stack(outs), ids
+
+
+@pytest.mark.parametrize("codec", ["pq", "fp16"])
+def test_multi_token_calls_and_token_ids_take_the_doorbell(served, codec):
+    """query_tokens > 1 and token ids by the doorbell (op 2) give gRPC's outputs,
+    and the ids seal into the same prefix hashes: a later prompt hits alike."""
+    sock, server = served
+    with KVStoreClient(f"unix://{sock}", heartbeat=False, doorbell=False) as a, \
+            KVStoreClient(f"unix://{sock}", heartbeat=False) as b:
+        _cache(a, "c", codec)
+        calls = server.kvstore_doorbell.counters["calls"]
+        want, ids = _chunks(a, "c", "s1", 10, 4)
+        assert server.kvstore_doorbell.counters["calls"] == calls
+        got, _ = _chunks(b, "c", "s2", 10, 4)
+        assert server.kvstore_doorbell.counters["calls"] == calls + 20 and b._bell_tokens
+        assert torch.equal(want, got)
+        hits = [kv.allocate("c", f"h{i}", ids + [7]) for i, kv in enumerate((a, b))]
+        assert hits[0] == hits[1] >= 16, hits
+        # one token with ids is op 2 as well
+        k, q = torch.zeros(1, 2, 16).half(), torch.ones(1, 4, 16).half()
+        b.append_attend("c", 0, ["s2"], k, k, q, token_ids=[9])
+        b.append_attend("c", 1, ["s2"], k, k, q)
+        assert server.kvstore_doorbell.counters["calls"] == calls + 22
+        assert b.sequence_info("c", "s2").length == 41
+
+
+def test_client_sends_by_grpc_to_a_doorbell_without_op_2(served, monkeypatch):
+    """A daemon whose doorbell serves op 1 only refuses op 2 (UNIMPLEMENTED naming op,
+    nothing done): the client sends those calls by gRPC from then on, one-token calls
+    still by the doorbell."""
+    from kvstore.errors import Unimplemented
+    from kvstore.service import doorbell as daemon_bell
+    decode = daemon_bell._decode
+
+    def op1_only(mv, n):
+        if int.from_bytes(mv[4:6], "little") != bell.OP_APPEND_ATTEND:
+            raise Unimplemented("op", "2: the doorbell serves AppendAttend (op 1) only")
+        return decode(mv, n)
+    monkeypatch.setattr(daemon_bell, "_decode", op1_only)
+    sock, server = served
+    with KVStoreClient(f"unix://{sock}", heartbeat=False, doorbell=False) as a, \
+            KVStoreClient(f"unix://{sock}", heartbeat=False) as b:
+        _cache(a, "c", "pq")
+        want, _ = _chunks(a, "c", "s1", 3, 4)
+        calls = server.kvstore_doorbell.counters["calls"]
+        got, _ = _chunks(b, "c", "s2", 3, 4)
+        assert torch.equal(want, got) and not b._bell_tokens
+        assert server.kvstore_doorbell.counters["calls"] == calls + 1     # the refused one
+        b.append_attend("c", 0, ["s2"], torch.zeros(1, 2, 16).half(), torch.zeros(1, 2, 16).half(),
+                        torch.ones(1, 4, 16).half())
+        assert server.kvstore_doorbell.counters["calls"] == calls + 2
+        assert b.sequence_info("c", "s2").length == 12
+
+
 def test_client_errors_are_the_unary_ones(served):
     sock, _ = served
     with KVStoreClient(f"unix://{sock}", heartbeat=False, stream=False, doorbell=False) as a, \
@@ -120,10 +188,11 @@ def _reply(s: socket.socket) -> tuple[int, str]:
     return code, data[bell.REPLY.size:bell.REPLY.size + n].decode()
 
 
-def _desc(bid: str, layer=0, seqs=("s",), dtype=pb.FLOAT16, offs=(0, 64, 128, 256), shapes=None, cache="c", call=1):
-    shapes = shapes or (1, 2, 16, 1, 2, 16, 1, 4, 16)
+def _desc(bid: str, layer=0, seqs=("s",), dtype=pb.FLOAT16, offs=(0, 64, 128, 256), shapes=None, cache="c", call=1,
+          t=1, ids=()):
+    shapes = shapes or (t, 2, 16, t, 2, 16, t, 4, 16)
     return bell.pack_request(call, dtype, layer, 0.0, offs, shapes, bid.encode(), cache.encode(),
-                             [x.encode() for x in seqs])
+                             [x.encode() for x in seqs], t, ids)
 
 
 def test_bad_descriptors_name_the_field_and_change_nothing(served):
@@ -155,6 +224,13 @@ def test_bad_descriptors_name_the_field_and_change_nothing(served):
         (good[:-1] + b"t", nf, "sequence_id"),
         (good[:-1] + b"\x80", inv, "sequence_ids: is not UTF-8"),
         (b"x" * (bell.MAX_PACKET + 10), inv, "descriptor:"),
+        # op 2: query tokens and token ids at the packet's end
+        (_desc(bid, t=17, offs=(0, 1024, 2048, 4096)), inv, "query_tokens"),
+        (_desc(bid, t=2, ids=(5, 6, 7), offs=(0, 128, 256, 512)), inv, "token_ids"),
+        (_desc(bid, t=2, offs=(0, 128, 256, 512))[:-1], inv, "descriptor:"),
+        (_desc(bid, t=2, ids=(5, 6), offs=(0, 128, 256, 512))[:-7], inv, "descriptor:"),
+        (good[:4] + (2).to_bytes(2, "little") + good[6:], inv, "descriptor:"),
+        (_desc(bid, ids=(5,))[:-bell.TOKENS.size] + bell.TOKENS.pack(1, 1 << 20), inv, "descriptor:"),
     ]
     for data, code, field in cases:
         s.sendall(data)
