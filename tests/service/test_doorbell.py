@@ -244,6 +244,40 @@ def test_bad_descriptors_name_the_field_and_change_nothing(served):
     kv.close()
 
 
+def test_op_2_packet_built_from_the_proto_comment(served):
+    """An op 2 request packed by hand as RegisterBufferReply's comment in the proto
+    spells it (not by protocol/bell.py), as a client in another language would: its T
+    tokens are attended on layer 0 and committed once layer 1 has them too."""
+    import struct
+    sock, _ = served
+    kv, bid, path, token = _registered(sock)
+    arena = kv._arena_for(1 << 16)
+    t = 8
+    k, q = torch.randn(t, 2, 16).half(), torch.randn(t, 4, 16).half()
+    offs = (0, 1024, 2048, 4096)
+    for x, off in zip((k, -k, q), offs):
+        arena.view[off:off + x.numel() * 2].view(torch.float16).copy_(x.reshape(-1))
+    seqs, cache, b = [b"s"], b"c", bid.encode()
+    ids = list(range(500, 500 + t))
+    pkt = struct.pack("<IHHifQQQQ9IHHH", 3, 2, pb.FLOAT16, 0, 0.0, *offs, t, 2, 16, t, 2, 16, t, 4, 16,
+                      len(b), len(cache), len(seqs))
+    pkt += struct.pack(f"<{len(seqs)}H", *map(len, seqs)) + b + cache + b"".join(seqs)
+    pkt += struct.pack(f"<{len(ids)}q", *ids) + struct.pack("<HI", t, len(ids))
+    before = kv.sequence_info("c", "s").length
+    s = _connect(path, token)
+    assert _reply(s)[0] == 0
+    s.sendall(pkt)
+    assert _reply(s) == (0, "")
+    out = arena.view[offs[3]:offs[3] + q.numel() * 2].view(torch.float16).view(t, 4, 16)
+    assert torch.isfinite(out).all() and out.abs().sum() > 0
+    assert kv.sequence_info("c", "s").length == before      # layer 1 has not appended them yet
+    s.sendall(pkt[:8] + (1).to_bytes(4, "little") + pkt[12:])    # layer 1, the same ids
+    assert _reply(s) == (0, "")
+    assert kv.sequence_info("c", "s").length == before + t
+    s.close()
+    kv.close()
+
+
 def test_hello_needs_the_token(served):
     sock, _ = served
     kv, bid, path, token = _registered(sock)
