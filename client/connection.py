@@ -89,7 +89,6 @@ class Connection:
         self._stream_retry_at = 0.0
         self._use_bell = local if doorbell is None else doorbell
         self._bell: Doorbell | None = None
-        self._bell_tokens = True     # the doorbell takes query_tokens and token ids (op 2)
         self._bell_addr: tuple[str, bytes] | None = None     # from RegisterBufferReply
         self._bell_retry_at = 0.0
         self._host_wait = host_wait
@@ -277,11 +276,8 @@ class Connection:
     def _append_attend_bell(self, cache, layer, seq_ids, k, v, q, scale, out, query_tokens: int = 1,
                             token_ids=()) -> torch.Tensor | None:
         """append_attend by the doorbell (under the lock) -> out, or None: send
-        it by gRPC (no doorbell, inputs it cannot name, it went down before
-        taking the request, or a daemon whose doorbell predates token ids)."""
-        tokens = query_tokens > 1 or len(token_ids) > 0
-        if tokens and not self._bell_tokens:
-            return None
+        it by gRPC (no doorbell, inputs it cannot name, a request it cannot carry,
+        or it went down before taking the request)."""
         if not (k.dim() == v.dim() == q.dim() == 3 and k.dtype == v.dtype == q.dtype
                 and k.device == v.device == q.device) or q.dtype not in wire.TO_PROTO:
             return None
@@ -310,12 +306,6 @@ class Connection:
         except BellDown:
             bell.close()
             return None
-        except grpc.RpcError as e:
-            # a daemon that serves op 1 only refuses op 2 by name, having done nothing
-            if tokens and e.code() == grpc.StatusCode.UNIMPLEMENTED and e.details().startswith("op:"):
-                self._bell_tokens = False
-                return None
-            raise
         finally:
             if cuda:
                 self._wait_done(arena, stream)    # also after an error: the daemon may have queued work

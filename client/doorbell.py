@@ -8,8 +8,8 @@ a registered buffer.
 
 Errors are those of the unary call (grpc.RpcError with its code and
 details). BellDown: the connection is gone before the request left, so the
-daemon did nothing; Unfit: no descriptor can carry the request. Either way the
-caller sends it over gRPC instead. One caller at a
+daemon did nothing; Unfit: this doorbell cannot carry the request. Either way
+the caller sends it over gRPC instead. One caller at a
 time (the client's lock).
 """
 from __future__ import annotations
@@ -31,14 +31,15 @@ class BellDown(Exception):
 
 
 class Unfit(BellDown):
-    """A request no descriptor can carry (too large, ids outside int64); nothing was
-    sent and the connection stays."""
+    """A request this doorbell cannot carry (too large, ids outside int64, op 2 to a
+    daemon that serves op 1 only); the daemon did nothing and the connection stays."""
 
 
 class Doorbell:
     def __init__(self, path: str, token: bytes, timeout: float):
         self.timeout = timeout
         self.last_handler_us = 0       # the daemon's time in the last call, for breakdowns
+        self.takes_tokens = True       # op 2 (query_tokens, token ids); False once the daemon refused it
         self._call = 0
         self._packets: dict[tuple, tuple[bytes, int]] = {}
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
@@ -62,23 +63,23 @@ class Doorbell:
         -> the output's dtype (pb.DType)."""
         if not 1 <= query_tokens <= 0xFFFF:
             raise Unfit("query_tokens outside a descriptor's range")
-        op2 = query_tokens > 1 or len(token_ids) > 0
-        key = (buffer_id, cache, layer, tuple(seq_ids), dtype, offsets, shapes, scale, query_tokens, op2)
-        hit = self._packets.get(key)
-        if hit is None:
+        op2 = bell.is_op2(query_tokens, token_ids)
+        if op2 and not self.takes_tokens:
+            raise Unfit("the daemon's doorbell serves op 1 only")
+        key = (buffer_id, cache, layer, tuple(seq_ids), dtype, offsets, shapes, scale, op2)
+        body = self._packets.get(key)
+        if body is None:
             if len(self._packets) >= 1024:
                 self._packets.clear()
             ids = [s.encode() for s in seq_ids]
             if len(ids) > 0xFFFF or any(len(i) > 0xFFFF for i in ids):
                 raise Unfit("sequence ids too long for a descriptor")
-            pkt = bell.pack_request(0, dtype, layer, scale, offsets, shapes, buffer_id.encode(), cache.encode(), ids,
-                                    query_tokens, [0] if op2 else [])
-            # op 2: kept without its placeholder id and TOKENS, which each call appends
-            hit = self._packets[key] = pkt[4:-8 - bell.TOKENS.size] if op2 else pkt[4:]
-        body = hit
+            op = bell.OP_APPEND_ATTEND_TOKENS if op2 else bell.OP_APPEND_ATTEND
+            body = self._packets[key] = bell.pack_head(0, op, dtype, layer, scale, offsets, shapes,
+                                                       buffer_id.encode(), cache.encode(), ids)[4:]
         if op2:
             try:
-                body += struct.pack(f"<{len(token_ids)}q", *token_ids) + bell.TOKENS.pack(query_tokens, len(token_ids))
+                body += bell.pack_tokens(query_tokens, token_ids)
             except struct.error as e:      # ids outside int64: the gRPC call names them
                 raise Unfit(f"token ids: {e}") from None
         if len(body) + 4 > bell.MAX_PACKET:
@@ -100,6 +101,10 @@ class Doorbell:
             self.close()        # the daemon went away after taking the request: it may have run
             raise rpc_error(grpc.StatusCode.UNAVAILABLE, "doorbell: the daemon closed the connection during the call")
         code, dtype, self.last_handler_us, message = self._reply(data, call)
+        if op2 and code == grpc.StatusCode.UNIMPLEMENTED.value[0] and message.startswith("op:"):
+            # a daemon whose doorbell predates op 2 refuses it by name, having done nothing
+            self.takes_tokens = False
+            raise Unfit("the daemon's doorbell serves op 1 only")
         if code:
             raise rpc_error(_STATUS.get(code, grpc.StatusCode.UNKNOWN), message)
         return dtype

@@ -40,17 +40,32 @@ MAX_PACKET = 1 << 16            # a request of 8 sequences with 256-character id
 MAX_MESSAGE = 4000              # bytes of an error message kept in a reply
 
 
+def is_op2(query_tokens: int, token_ids) -> bool:
+    """Whether a call needs op 2: more than one query token, or token ids."""
+    return query_tokens != 1 or len(token_ids) > 0
+
+
+def pack_head(call: int, op: int, dtype: int, layer: int, scale: float, offsets: tuple[int, int, int, int],
+              shapes: tuple, buffer_id: bytes, cache: bytes, seq_ids: list[bytes]) -> bytes:
+    """A request up to its sequence ids (all of op 1); shapes: the 9 dims of k, v, q."""
+    return b"".join((REQUEST.pack(call, op, dtype, layer, scale, *offsets, *shapes, len(buffer_id), len(cache),
+                                  len(seq_ids)),
+                     struct.pack(f"<{len(seq_ids)}H", *map(len, seq_ids)), buffer_id, cache, *seq_ids))
+
+
+def pack_tokens(query_tokens: int, token_ids) -> bytes:
+    """Op 2's end, after pack_head: the token ids, then TOKENS."""
+    return struct.pack(f"<{len(token_ids)}q", *token_ids) + TOKENS.pack(query_tokens, len(token_ids))
+
+
 def pack_request(call: int, dtype: int, layer: int, scale: float, offsets: tuple[int, int, int, int],
                  shapes: tuple, buffer_id: bytes, cache: bytes, seq_ids: list[bytes],
                  query_tokens: int = 1, token_ids=()) -> bytes:
-    """shapes: the 9 dims of k, v, q. One query token and no ids: op 1, else op 2."""
-    op = OP_APPEND_ATTEND if query_tokens == 1 and not len(token_ids) else OP_APPEND_ATTEND_TOKENS
-    parts = [REQUEST.pack(call, op, dtype, layer, scale, *offsets, *shapes, len(buffer_id), len(cache),
-                          len(seq_ids)),
-             struct.pack(f"<{len(seq_ids)}H", *map(len, seq_ids)), buffer_id, cache, *seq_ids]
-    if op == OP_APPEND_ATTEND_TOKENS:
-        parts += [struct.pack(f"<{len(token_ids)}q", *token_ids), TOKENS.pack(query_tokens, len(token_ids))]
-    return b"".join(parts)
+    """A whole request: op 1, or op 2 where is_op2."""
+    if not is_op2(query_tokens, token_ids):
+        return pack_head(call, OP_APPEND_ATTEND, dtype, layer, scale, offsets, shapes, buffer_id, cache, seq_ids)
+    return pack_head(call, OP_APPEND_ATTEND_TOKENS, dtype, layer, scale, offsets, shapes, buffer_id, cache,
+                     seq_ids) + pack_tokens(query_tokens, token_ids)
 
 
 def pack_reply(call: int, code: int, handler_us: int, message: str = "", dtype: int = 0) -> bytes:

@@ -182,7 +182,7 @@ class Doorbell:
                     if len(requests) >= MAX_REQUESTS:
                         requests.clear()
                     requests[key] = entry
-                elif ids is not None:        # the same call but for its new tokens' ids
+                if ids is not None:          # op 2: this call's token ids (not part of the key)
                     del entry[0].token_ids[:]
                     entry[0].token_ids.extend(ids)
                 gen = registry.generation
@@ -230,8 +230,8 @@ def _key(mv: memoryview, n: int) -> tuple[bytes, tuple | None]:
 
 
 def _decode(mv: memoryview, n: int) -> pb.AppendAttendRequest:
-    """A request packet -> the AppendAttendRequest it stands for; InvalidArgument
-    naming the part that is wrong."""
+    """A request packet -> the AppendAttendRequest it stands for, less op 2's token
+    ids; InvalidArgument naming the part that is wrong."""
     if n > bell.MAX_PACKET:
         raise InvalidArgument("descriptor", f"{n} bytes, at most {bell.MAX_PACKET}")
     if n < bell.REQUEST.size:
@@ -241,14 +241,13 @@ def _decode(mv: memoryview, n: int) -> pb.AppendAttendRequest:
     if op not in (bell.OP_APPEND_ATTEND, bell.OP_APPEND_ATTEND_TOKENS):
         raise Unimplemented("op", f"{op}: the doorbell serves AppendAttend (ops {bell.OP_APPEND_ATTEND} and "
                             f"{bell.OP_APPEND_ATTEND_TOKENS}) only")
-    t, ids, end = 0, (), n       # op 1: query_tokens unset (one), as by gRPC
-    if op == bell.OP_APPEND_ATTEND_TOKENS:
+    t, end = 0, n       # op 1: query_tokens unset (one), as by gRPC
+    if op == bell.OP_APPEND_ATTEND_TOKENS:     # (its token ids: _key's, set per call)
         tok = _tokens(mv, n)
         if tok is None:
             raise InvalidArgument("descriptor", f"{n} bytes do not hold the token ids and query tokens "
                                   "that end an op 2 packet")
-        t, n_ids, end = tok
-        ids = struct.unpack_from(f"<{n_ids}q", mv, end)
+        t, _, end = tok
     o = bell.REQUEST.size
     lens = struct.unpack_from(f"<{n_seqs}H", mv, o) if o + 2 * n_seqs <= end else None
     o += 2 * n_seqs
@@ -268,7 +267,7 @@ def _decode(mv: memoryview, n: int) -> pb.AppendAttendRequest:
         return pb.Tensor(shape=shape, dtype=dtype, ref=pb.BufferRef(buffer_id=bid, offset=off))
     return pb.AppendAttendRequest(cache=cache, layer=layer, sequence_ids=seq_ids, scale=scale,
                                   k=tensor(k_off, dims[0:3]), v=tensor(v_off, dims[3:6]), q=tensor(q_off, dims[6:9]),
-                                  out=pb.OutputRef(buffer_id=bid, offset=out_off), token_ids=ids, query_tokens=t)
+                                  out=pb.OutputRef(buffer_id=bid, offset=out_off), query_tokens=t)
 
 
 def _digest(token: bytes) -> bytes:

@@ -102,7 +102,7 @@ def test_multi_token_calls_and_token_ids_take_the_doorbell(served, codec):
         want, ids = _chunks(a, "c", "s1", 10, 4)
         assert server.kvstore_doorbell.counters["calls"] == calls
         got, _ = _chunks(b, "c", "s2", 10, 4)
-        assert server.kvstore_doorbell.counters["calls"] == calls + 20 and b._bell_tokens
+        assert server.kvstore_doorbell.counters["calls"] == calls + 20 and b._bell.takes_tokens
         assert torch.equal(want, got)
         hits = [kv.allocate("c", f"h{i}", ids + [7]) for i, kv in enumerate((a, b))]
         assert hits[0] == hits[1] >= 16, hits
@@ -116,8 +116,8 @@ def test_multi_token_calls_and_token_ids_take_the_doorbell(served, codec):
 
 def test_client_sends_by_grpc_to_a_doorbell_without_op_2(served, monkeypatch):
     """A daemon whose doorbell serves op 1 only refuses op 2 (UNIMPLEMENTED naming op,
-    nothing done): the client sends those calls by gRPC from then on, one-token calls
-    still by the doorbell."""
+    nothing done): the client sends those calls by gRPC for as long as that connection
+    lasts, one-token calls still by the doorbell."""
     from kvstore.errors import Unimplemented
     from kvstore.service import doorbell as daemon_bell
     decode = daemon_bell._decode
@@ -134,7 +134,7 @@ def test_client_sends_by_grpc_to_a_doorbell_without_op_2(served, monkeypatch):
         want, _ = _chunks(a, "c", "s1", 3, 4)
         calls = server.kvstore_doorbell.counters["calls"]
         got, _ = _chunks(b, "c", "s2", 3, 4)
-        assert torch.equal(want, got) and not b._bell_tokens
+        assert torch.equal(want, got) and not b._bell.takes_tokens
         assert server.kvstore_doorbell.counters["calls"] == calls + 1     # the refused one
         b.append_attend("c", 0, ["s2"], torch.zeros(1, 2, 16).half(), torch.zeros(1, 2, 16).half(),
                         torch.ones(1, 4, 16).half())
