@@ -131,7 +131,7 @@ class KVStoreClient(Connection):
         result goes there (read in place if it is the step_buffers() out).
         token_ids: the new tokens' ids [B], optional (one layer's call is
         enough): they are hashed as their blocks fill, for later prefix hits.
-        query_tokens T > 1 (at most 16): T new tokens per sequence, k, v
+        query_tokens T > 1 (at most 128): T new tokens per sequence, k, v
         [B * T, Hkv, d], q and out [B * T, Hq, d], token_ids B * T; query i of a
         sequence attends causally (its earlier tokens and new tokens 0..i). Either
         goes by the doorbell as a one-token call does (gRPC without one)."""

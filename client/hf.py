@@ -78,6 +78,7 @@ DEFAULT_PQ_SINKS = 32     # bench/ACCURACY.md: 32 sinks keep 4-bit PQ within 0.5
 # 64 tokens, 0.97x at 256 and 0.25x at 1K (each chunk of 16 is a round trip a layer over
 # the whole prefix; Retrieve moves the prefix once).
 CODES_MAX_SUFFIX = 128
+MAX_QUERY_TOKENS = 128      # the daemon's bound on an AppendAttend's query_tokens (kvstore.proto)
 _registered = False
 _inner: dict[int, str | None] = {}     # id(config) -> the attention implementation it had before
 
@@ -165,10 +166,10 @@ class KVStoreAdapter:
         self.codebooks = ([cb.to_bytes()] if len(self.groups) == 1 else
                           [cb.layers(g.layers).to_bytes() for g in self.groups]) if cb is not None else None
         self.transform, self.timeout = transform, timeout
-        # Tokens one AppendAttend may bring a sequence: the daemon's bound (16), and on
-        # pq the residual + 1 newest tokens it keeps in fp16 until they are attended.
+        # Tokens one AppendAttend may bring a sequence: the daemon's bound, and on pq the
+        # residual + 1 newest tokens it keeps in fp16 until they are attended.
         self.chunk = None if prefix_path == "retrieve" or self.variant.windows or self.variant.chunks else \
-            min(16, residual + 1) if codec == "pq" else 16
+            min(MAX_QUERY_TOKENS, residual + 1) if codec == "pq" else MAX_QUERY_TOKENS
         self.prefix_path = prefix_path
         self.prefix_runs = {"codes": 0, "retrieve": 0}     # requests after a prefix hit, by path
         self.calibrate_tokens = calibrate_tokens if codec == "pq" and cb is None else 0

@@ -17,7 +17,7 @@ every backend: the CUDA C++ plan runs them on builds of its kernel of their own 
 first PQ tile masked, scores capped), so the choice of backend does not depend on them
 (docs/kernels.md, Sliding windows).
 
-Multi-token queries (plan_decode(query_tokens=T), T in 2..16: T new tokens per sequence,
+Multi-token queries (plan_decode(query_tokens=T), T in 2..128: T new tokens per sequence,
 causal among them, plan.py) take the same choice: the CUDA C++ kernel runs groups of a
 sequence's query tokens as its MMA rows (cuda/attention.py query_groups), Triton the
 rest.
@@ -95,7 +95,7 @@ def plan_decode(kind: str, *lens, num_qo_heads: int, num_kv_heads: int, head_dim
     index of each range after them (plan.pq_window_starts / window_start): ("pq")
     (sealed_lens, tail_lens, sealed_starts, tail_starts), ("paged") (seq_lens, starts);
     its plan's update() takes the same four / two. softcap: > 0 caps every score s to
-    softcap * tanh(s / softcap). query_tokens T in 2..16: a multi-token plan (plan.py),
+    softcap * tanh(s / softcap). query_tokens T in 2..128: a multi-token plan (plan.py),
     whose last T tokens of each sequence's fp16 range (tail_lens / seq_lens count them)
     are its new tokens; no start indices. Choice of backend: decode_backend. spare_items
     (None: a one-step plan) keeps room for that many more work items (at least B) and

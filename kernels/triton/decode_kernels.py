@@ -181,8 +181,10 @@ def _decode_kernel(
         kw_ptr, vw_ptr, st_ptr, st_stride,      # codebook words, sealed tables
         k_ptr, v_ptr, sk_blk, sk_h, sk_t, sv_blk, sv_h, sv_t,  # fp16 pool (kinds 1, 2)
         tt_ptr, tt_stride,                      # its block tables
-        qk_scale, cap2, Hq,                     # cap2: softcap * log2(e) (used if SOFTCAP)
-        T: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, M: tl.constexpr,
+        qk_scale, cap2, Hq, T,                  # cap2: softcap * log2(e) (used if SOFTCAP)
+        # T is a runtime value (MULTI: T > 1) so that every chunk length of a prefill
+        # runs on one compiled kernel
+        MULTI: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, M: tl.constexpr,
         DSUB: tl.constexpr, BS: tl.constexpr, TBS: tl.constexpr,
         TILE_PQ: tl.constexpr, TILE_FP: tl.constexpr, HAS_PQ: tl.constexpr,
         CB_BF16: tl.constexpr, PREC: tl.constexpr, SOFTCAP: tl.constexpr):
@@ -211,11 +213,11 @@ def _decode_kernel(
         else:
             _dense_item(q_rows, rows, gmask, item, b, h, lo, hi, lim, m_i, l_i, op_ptr, lp_ptr,
                         k_ptr, v_ptr, sk_blk, sk_h, sk_t, sv_blk, sv_h, sv_t, tt_ptr,
-                        tt_stride, qk_scale, cap2, T * Hq, GP, D, TBS, TILE_FP, PREC, SOFTCAP, T > 1)
+                        tt_stride, qk_scale, cap2, T * Hq, GP, D, TBS, TILE_FP, PREC, SOFTCAP, MULTI)
     else:
         _dense_item(q_rows, rows, gmask, item, b, h, lo, hi, lim, m_i, l_i, op_ptr, lp_ptr,
                     k_ptr, v_ptr, sk_blk, sk_h, sk_t, sv_blk, sv_h, sv_t, tt_ptr,
-                    tt_stride, qk_scale, cap2, T * Hq, GP, D, TBS, TILE_FP, PREC, SOFTCAP, T > 1)
+                    tt_stride, qk_scale, cap2, T * Hq, GP, D, TBS, TILE_FP, PREC, SOFTCAP, MULTI)
 
 
 @triton.jit

@@ -11,6 +11,7 @@ import torch
 from kvstore.core.config import CacheConfig
 from kvstore.core.sequence import Sequence
 from kvstore.errors import FailedPrecondition, InvalidArgument, quote
+from kvstore.kernels.plan import MAX_QUERY_TOKENS
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -79,13 +80,12 @@ def query(cfg: CacheConfig, n_seqs: int, q: torch.Tensor, scale: float) -> tuple
     return q, scale or 1.0 / math.sqrt(g.head_dim)
 
 
-MAX_QUERY_TOKENS = 16      # kernels/plan.py's bound: new tokens a multi-token AppendAttend brings a sequence
 
 
 def query_tokens(cfg: CacheConfig, layer: int, t: int) -> int:
-    """An AppendAttend's tokens per sequence (0: one) -> T, checked: in [1, 16]; with
-    T > 1 the layer has no sliding window (each query would need its own), and a pq
-    cache keeps all T new tokens in fp16 until they are attended (T <= residual + 1:
+    """An AppendAttend's tokens per sequence (0: one) -> T, checked: in [1, 128]
+    (kernels/plan.py MAX_QUERY_TOKENS); with T > 1 the layer has no sliding window
+    (each query would need its own), and a pq cache keeps all T new tokens in fp16 until they are attended (T <= residual + 1:
     the tail keeps at least R + 1 tokens once its sealed blocks are taken)."""
     t = t or 1
     if not 1 <= t <= MAX_QUERY_TOKENS:

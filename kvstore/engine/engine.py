@@ -244,7 +244,7 @@ class Engine(CodebookOps):
         sequence), q [B, Hq, d] -> out [B, Hq, d] (`out` as in attend).
         token_ids: optional, the new tokens' ids [B] (a list or a protobuf
         repeated field), so that generated tokens are hashed as they seal.
-        query_tokens T in 2..16: k, v [B * T, Hkv, d], q [B * T, Hq, d], token_ids
+        query_tokens T in 2..128: k, v [B * T, Hkv, d], q [B * T, Hq, d], token_ids
         B * T, sequence b's in rows b*T.., attended causally (read_path.attend_multi)."""
         with self._locked(name) as cache:
             checks.check_layer(cache.cfg, layer)

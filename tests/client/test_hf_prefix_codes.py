@@ -1,5 +1,5 @@
 """After a prefix hit, the adapter's default path runs the rest of the prompt through
-multi-token AppendAttend calls (chunks of up to 16 tokens, attended from the codes)
+multi-token AppendAttend calls (chunks of up to 128 tokens, attended from the codes)
 instead of Retrieve + in-process prefill: on a tiny random Llama, greedy generate equals
 the Retrieve path's (fp16; pq where no suffix token is sealed before it is attended: its
 first tokens, and the first step's logits to 1e-2),
@@ -42,7 +42,7 @@ def generate(ad, model, first, second):
     return out.sequences, out.scores[0], seen, ad.stats()
 
 
-@pytest.mark.parametrize("codec,suffix", [("fp16", 30), ("pq", 9)])
+@pytest.mark.parametrize("codec,suffix", [("fp16", 30), ("fp16", 150), ("pq", 9)])
 def test_codes_path_equals_retrieve_path(daemon, codec, suffix):
     model = tiny_llama()
     first = prompt(40)
@@ -54,7 +54,7 @@ def test_codes_path_equals_retrieve_path(daemon, codec, suffix):
     else:   # fp16 rounding of the chunk's own K/V (in-process: fp32) flips a near-tie after ~18 tokens
         assert torch.equal(got[:, :second.shape[1] + 8], want[:, :second.shape[1] + 8])
     assert s.prefix_hit_tokens == 40
-    chunk = 16 if codec == "fp16" else 9              # pq: at most residual + 1 tokens a call
+    chunk = hf.MAX_QUERY_TOKENS if codec == "fp16" else 9     # pq: at most residual + 1 tokens a call
     rest = suffix - 1                                 # generate() runs the prompt's last token
     sizes = [min(chunk, rest - i) for i in range(0, rest, chunk)]
     assert seen[:len(sizes) + 1] == sizes + [1]       # the chunks, then generate from one token
@@ -111,8 +111,8 @@ def test_auto_path_takes_codes_for_short_suffixes_and_retrieve_past_the_bound(da
             hook.remove()
         assert {p: ad.prefix_runs[p] - runs[p] for p in runs} == \
             {path: 1, "codes" if path == "retrieve" else "retrieve": 0}
-        # chunks of 16 then the last prompt token, or the whole suffix in one prefill
-        assert seen[:3] == ([16, 3, 1] if path == "codes" else [suffix, 1, 1])
+        # one chunk then the last prompt token, or the whole suffix in one prefill
+        assert seen[:3] == ([suffix - 1, 1, 1] if path == "codes" else [suffix, 1, 1])
         want, _, _, _ = generate(adapter(model, daemon, "fp16", "retrieve"), model, first, second)
         assert torch.equal(got, want)
 

@@ -12,16 +12,17 @@ from kvstore.codec.codebooks import Codebooks
 from kvstore.engine.engine import Engine
 from kvstore.errors import InvalidArgument
 from kvstore.kernels import reference as ref
+from kvstore.kernels.plan import MAX_QUERY_TOKENS
 from tests.helpers import config, kv
 
 T_ = "t"
 L, HQ, HKV, BS, R = 2, 4, 2, 8, 8
 
 
-def engine(codec: str, sinks: int = 0, device: str = "cpu", d: int = 16, windows=()) -> Engine:
+def engine(codec: str, sinks: int = 0, device: str = "cpu", d: int = 16, windows=(), residual: int = R) -> Engine:
     import dataclasses
     e = Engine(device=device)
-    cfg = config(codec, block_size=BS, residual=R, sink_tokens=sinks, head_dim=d)
+    cfg = config(codec, block_size=BS, residual=residual, sink_tokens=sinks, head_dim=d, num_blocks=128)
     e.create_cache(dataclasses.replace(cfg, layer_windows=windows))
     if codec == "pq":
         g = torch.Generator().manual_seed(0)
@@ -49,8 +50,8 @@ def causal(q, k, v, scale):
                                             v[:n - t + 1 + i].double(), scale)[0] for i in range(t)])
 
 
-def run_case(codec, sinks, t, device="cpu", d=16, prompts=(40, 21)):
-    e = engine(codec, sinks, device, d)
+def run_case(codec, sinks, t, device="cpu", d=16, prompts=(40, 21), residual=R):
+    e = engine(codec, sinks, device, d, residual=residual)
     scale = 1 / math.sqrt(d)
     ks, vs = [], []
     for j, n in enumerate(prompts):
@@ -87,6 +88,21 @@ def test_multi_attend_is_causal_over_codes_and_tail(codec, sinks, t):
     run_case(codec, sinks, t)
 
 
+@pytest.mark.parametrize("codec", ["pq", "fp16"])
+def test_a_chunk_of_the_most_query_tokens(codec):
+    # T = 128, a prefill chunk: with residual 127 every new token stays in fp16 until it is
+    # attended, and the sealing after the call takes many blocks of the older tokens at once
+    t = MAX_QUERY_TOKENS
+    e = run_case(codec, 8, t, prompts=(300, 21), residual=t - 1)
+    s = e.cache("c").seq(T_, "s0")
+    if codec == "pq":
+        assert len(s.sealed) * BS >= 300 + t - 8 - (t - 1) - BS
+    k, v = kv(1, t + 1, HKV, 16, seed=1)
+    with pytest.raises(InvalidArgument, match="query_tokens"):
+        e.append_attend("c", T_, 0, ["s0"], k[0], v[0], torch.randn(t + 1, HQ, 16).half(), query_tokens=t + 1)
+    assert e.length("c", T_, "s0") == 300 + t
+
+
 def test_token_ids_are_recorded_per_sequence():
     e = engine("fp16")
     for j in range(2):
@@ -106,7 +122,7 @@ def _state(e):
 
 
 @pytest.mark.parametrize("kw,field", [
-    (dict(query_tokens=17), "query_tokens"),
+    (dict(query_tokens=MAX_QUERY_TOKENS + 1), "query_tokens"),
     (dict(query_tokens=R + 2), "query_tokens"),           # pq: some new tokens would be sealed first
     (dict(query_tokens=3, rows=5), "q"),                  # q / k rows not B x T
     (dict(query_tokens=3, krows=5), "k"),
@@ -146,3 +162,10 @@ def test_windowed_layer_refused_by_name():
 @pytest.mark.parametrize("t", [2, 9])
 def test_multi_attend_gpu(codec, sinks, t):
     run_case(codec, sinks, t, device="cuda", d=64, prompts=(200, 37))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("codec", ["pq", "fp16"])
+def test_a_chunk_of_the_most_query_tokens_gpu(codec):
+    run_case(codec, 8, MAX_QUERY_TOKENS, device="cuda", d=64, prompts=(300, 21), residual=MAX_QUERY_TOKENS - 1)

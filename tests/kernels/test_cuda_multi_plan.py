@@ -8,6 +8,7 @@ import torch
 from test_multi_kernels import multi_case, multi_ref
 
 from kvstore.kernels import reference as ref
+from kvstore.kernels.plan import MAX_QUERY_TOKENS
 from kvstore.kernels.cuda import attention as cuda_attention
 
 
@@ -65,9 +66,11 @@ def _read_items(plan, c, scale):
     return out, lse
 
 
-@pytest.mark.parametrize("t,hq,hkv", [(2, 4, 1), (5, 4, 2), (7, 4, 2), (8, 2, 2), (3, 6, 2), (16, 8, 1)])
+@pytest.mark.parametrize("t,hq,hkv", [(2, 4, 1), (5, 4, 2), (7, 4, 2), (8, 2, 2), (3, 6, 2), (16, 8, 1),
+                                     (50, 8, 1), (MAX_QUERY_TOKENS, 4, 2)])
 def test_multi_token_items_give_the_reference(t, hq, hkv):
-    c = multi_case(t, [3, 0, 9, 2], [t, 17, t + 5, 40], hq, hkv, 64, 2, 16, 16, torch.float32, "cpu", seed=t)
+    c = multi_case(t, [3, 0, 9, 2], [t, max(t, 17), t + 5, max(t, 40)], hq, hkv, 64, 2, 16, 16, torch.float32,
+                   "cpu", seed=t)
     ro, rl = multi_ref(c, 0.2)
     for kw in ({}, dict(target_ctas=2 * hkv), dict(target_ctas=64 * hkv)):
         plan = _plan_cpu(c, **kw)
@@ -75,7 +78,7 @@ def test_multi_token_items_give_the_reference(t, hq, hkv):
         assert torch.allclose(out, ro.double(), atol=1e-9) and torch.allclose(lse, rl.double(), atol=1e-9)
     # update() re-partitions other lengths into the same buffers
     plan = _plan_cpu(c, spare_items=8)
-    c2 = dict(c, sealed_lens=torch.tensor([16, 0, 0, 32]), tail_lens=torch.tensor([t + 1, t, 33, t]))
+    c2 = dict(c, sealed_lens=torch.tensor([16, 0, 0, 32]), tail_lens=torch.tensor([t + 1, t, max(t, 33), t]))
     plan.update(c2["sealed_lens"], c2["tail_lens"])
     out, lse = _read_items(plan, c2, 0.2)
     ro, rl = multi_ref(c2, 0.2)

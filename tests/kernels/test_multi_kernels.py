@@ -18,6 +18,7 @@ from kernel_cases import tables as make_tables
 
 from kvstore import kernels
 from kvstore.kernels import reference as ref
+from kvstore.kernels.plan import MAX_QUERY_TOKENS
 
 
 def multi_case(t, sealed_blocks, tails, hq, hkv, d, dsub, bs, tbs, dtype, device, seed=0):
@@ -96,6 +97,8 @@ def test_paged_reference_matches_pq_reference_without_sealed_blocks():
     (2, 4, 2, 64, 2, [2, 1], [5, 17], torch.float16),
     (5, 4, 1, 64, 4, [1, 0], [5, 9], torch.float32),
     (16, 2, 1, 64, 2, [2], [20], torch.float16),
+    (40, 4, 2, 64, 2, [1, 0], [41, 57], torch.float16),      # past one block of 64 query rows
+    (MAX_QUERY_TOKENS, 2, 1, 64, 4, [1], [MAX_QUERY_TOKENS + 3], torch.float32),
     (5, 8, 2, 128, 2, [1, 2], [6, 33], torch.float16),
     (2, 2, 1, 128, 4, [1], [2], torch.float16),
     (5, 2, 1, 256, 2, [1], [7], torch.float32),
@@ -164,7 +167,7 @@ def test_multi_plan_refusals():
     kw = dict(num_qo_heads=4, num_kv_heads=2, head_dim=64, block_size=16, tail_block_size=16, device="cpu",
               dtype=torch.float16, backend="triton")
     with pytest.raises(ValueError, match="query_tokens"):
-        kernels.plan_decode("pq", [16], [20], query_tokens=17, **kw)
+        kernels.plan_decode("pq", [16], [140], query_tokens=MAX_QUERY_TOKENS + 1, **kw)
     with pytest.raises(ValueError, match="query_tokens"):
         kernels.plan_decode("pq", [16], [20], query_tokens=0, **kw)
     with pytest.raises(ValueError, match="sliding windows"):
@@ -203,7 +206,8 @@ def test_router_entry_points_use_the_reference_on_cpu():
 @gpu
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("d,dsub", [(64, 2), (128, 2), (128, 4), (256, 2), (256, 4)])
-@pytest.mark.parametrize("t,hq,hkv", [(2, 32, 8), (8, 32, 8), (16, 32, 8), (5, 8, 1), (16, 4, 1)])
+@pytest.mark.parametrize("t,hq,hkv", [(2, 32, 8), (8, 32, 8), (16, 32, 8), (5, 8, 1), (16, 4, 1),
+                                     (MAX_QUERY_TOKENS, 32, 8)])
 def test_pq_multi_gpu(t, hq, hkv, d, dsub, dtype):
     c = multi_case(t, [40, 7, 0, 129], [t + 3, 130, 16 + t, t], hq, hkv, d, dsub, 16, 16, dtype, "cuda")
     ro, rl = multi_ref(c, 1.0 / math.sqrt(d))
@@ -262,10 +266,10 @@ def test_pq_multi_cuda_graph_replays_after_update():
 
 @gpu
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("t,d", [(2, 128), (8, 128), (16, 64), (5, 256)])
+@pytest.mark.parametrize("t,d", [(2, 128), (8, 128), (16, 64), (5, 256), (MAX_QUERY_TOKENS, 128)])
 def test_paged_multi_gpu(t, d, dtype):
     gen = torch.Generator().manual_seed(5)
-    lens, bs, hq, hkv = [t, 700, 4100, 33], 16, 32, 8
+    lens, bs, hq, hkv = [t, 700, 4100, max(t, 33)], 16, 32, 8
     nb = sum(math.ceil(n / bs) for n in lens) + 1
     q = torch.randn(len(lens), t, hq, d, generator=gen).to(dtype).cuda()
     kc = torch.randn(nb, hkv, bs, d, generator=gen).to(dtype).cuda()

@@ -534,7 +534,7 @@ CASES = [
          INVALID, "k"),
     case("AppendAttend", "q-inf", lambda lv: append_attend(q=poisoned(rnd(1, HQ, D), -math.inf)), INVALID, "q"),
     case("AppendAttend", "scale-negative", lambda lv: append_attend(scale=-0.5), INVALID, "scale"),
-    case("AppendAttend", "query-tokens-17", lambda lv: append_attend(query_tokens=17), INVALID, "query_tokens"),
+    case("AppendAttend", "query-tokens-129", lambda lv: append_attend(query_tokens=129), INVALID, "query_tokens"),
     case("AppendAttend", "query-tokens-past-residual", lambda lv: append_attend("pq", query_tokens=R + 2),
          INVALID, "query_tokens"),
     case("AppendAttend", "query-tokens-q-rows", lambda lv: append_attend("pq", query_tokens=3, q=t(rnd(1, HQ, D))),
