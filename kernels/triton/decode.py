@@ -92,8 +92,7 @@ class TritonDecodePlan(DecodePlan):
             raise ValueError("plan was made for PQ decode; use run_pq")
         if trusted:
             out = torch.empty_like(q) if out is None else out
-            lse = torch.empty(self.batch, self.num_qo_heads, dtype=torch.float32, device=q.device) \
-                if lse is None else lse
+            lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device) if lse is None else lse
         else:
             out, lse = self.check_q_out(q, out, lse)
             self.check_pool(k_cache, v_cache, block_tables, ("k_cache", "v_cache", "block_tables"),

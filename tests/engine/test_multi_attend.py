@@ -169,3 +169,41 @@ def test_multi_attend_gpu(codec, sinks, t):
 @pytest.mark.parametrize("codec", ["pq", "fp16"])
 def test_a_chunk_of_the_most_query_tokens_gpu(codec):
     run_case(codec, 8, MAX_QUERY_TOKENS, device="cuda", d=64, prompts=(300, 21), residual=MAX_QUERY_TOKENS - 1)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("codec", ["pq", "fp16"])
+@pytest.mark.parametrize("t", [1, 4])
+def test_a_steps_layers_share_one_plan_and_nothing_stale(codec, t, monkeypatch):
+    """The layers of a step reuse its first layer's plan and block tables; a call for
+    another sequence of the same length plans again. Against an engine that plans every
+    call, outputs are bit-equal (a stale plan would read the other sequence's blocks)."""
+    from kvstore import kernels
+    engines = [engine(codec, 8, "cuda", 64) for _ in range(2)]      # reusing, planning every call
+    for e in engines:
+        for j in range(2):
+            e.allocate("c", T_, f"s{j}", [])
+            e.append("c", T_, [f"s{j}"], *kv(L, 70, HKV, 64, seed=j), [70])
+    plans = []
+    real = kernels.plan_decode
+    monkeypatch.setattr(kernels, "plan_decode", lambda *a, **kw: plans.append(1) or real(*a, **kw))
+
+    def run(e, order):
+        outs = []
+        for layer, sid in order:
+            if e is engines[1]:
+                e.cache("c")._kept_plan = None
+            k, v = kv(1, t, HKV, 64, seed=layer)
+            q = torch.randn(t, HQ, 64, generator=torch.Generator().manual_seed(layer)).half().cuda()
+            outs.append(e.append_attend("c", T_, layer, [sid], k[0].cuda(), v[0].cuda(), q, query_tokens=t))
+        return outs
+    steps = [(layer, sid) for sid in ("s0", "s1") for layer in range(L)]     # one sequence's step, then the other's
+    interleaved = [(layer, sid) for layer in range(L) for sid in ("s0", "s1")]
+    for order, want_plans in ((steps, 2), (interleaved, 2 * L), (steps, 2)):
+        n = len(plans)
+        got = run(engines[0], order)
+        assert len(plans) - n == want_plans
+        for a, b in zip(got, run(engines[1], order)):
+            assert torch.equal(a, b)
+    assert e.length("c", T_, "s0") == 70 + 3 * t
