@@ -19,17 +19,14 @@ cannot run is refused at construction, naming the feature):
     the last layer's update sends the new tokens of all layers in one Append
     with their token ids (so later prompts can hit them).
   - after a prefix hit, the multi-token path (prefix_path="codes", or "auto",
-    the default, when at most CODES_MAX_SUFFIX tokens follow the hit): the
-    prompt's other tokens but the last run through the model in chunks of up
-    to 16, each layer's chunk one `AppendAttend` with query_tokens (appended,
-    then attended causally by the daemon from the codes); generate() then starts
-    from the last prompt token. The Retrieve path (prefix_path="retrieve",
-    "auto" past CODES_MAX_SUFFIX tokens, and any model with sliding-window
-    layers, which multi-token attention does not take): the cached prefix comes
-    back from `Retrieve`, dequantized, and the rest is a prefill as above. After
-    a 32K prefix on an H100 the first is 3.7-8x sooner for 8-64 new tokens, the
-    second 4x sooner for 1K (one prefill against 64 chunks x L calls:
-    docs/kernels.md, bench/bench_mtq.py).
+    the default, when at most codes_suffix_limit(hit) tokens follow the hit):
+    the prompt's other tokens but the last run through the model in chunks of
+    up to 128 (pq: residual + 1), each layer's chunk one `AppendAttend` with
+    query_tokens (appended, then attended causally by the daemon from the
+    codes); generate() then starts from the last prompt token. The Retrieve
+    path (prefix_path="retrieve", "auto" past that bound, and any model with
+    sliding-window layers): the cached prefix comes back from `Retrieve`,
+    dequantized, and the rest is a prefill as above (times: docs/kernels.md).
   - decode (one token): `KVStoreCache.update` keeps nothing; the attention
     function "kvstore" sends (k, v, q) of the layer to `AppendAttend`.
   - the daemon is unreachable (any RPC error: UNAVAILABLE, or NOT_FOUND after
@@ -71,16 +68,17 @@ from .hf_groups import LayerGroups, merge_stats
 
 ATTN = "kvstore"
 DEFAULT_PQ_SINKS = 32     # bench/ACCURACY.md: 32 sinks keep 4-bit PQ within 0.5 % at R = 128
-# prefix_path="auto": the rest of a prompt after a prefix hit takes the multi-token path
-# up to this many tokens, Retrieve + one prefill past it. H100, 32K cached prefix, 8 layers
-# of Llama-3-8B geometry (bench/bench_mtq.py --only ttft --suffix 8 16 32 64 256): the
-# codes path reached the first token 8.17x / 7.56x / 5.07x / 3.66x sooner at 8 / 16 / 32 /
-# 64 tokens, 0.97x at 256 and 0.25x at 1K (each chunk of 16 is a round trip a layer over
-# the whole prefix; Retrieve moves the prefix once).
-CODES_MAX_SUFFIX = 128
 MAX_QUERY_TOKENS = 128      # the daemon's bound on an AppendAttend's query_tokens (kvstore.proto)
 _registered = False
 _inner: dict[int, str | None] = {}     # id(config) -> the attention implementation it had before
+# prefix_path="auto": after a hit of P tokens, up to codes_suffix_limit(P) more take the
+# multi-token path, more Retrieve. The two tie at P / 13 to P / 8 up to a 32K hit; past it the
+# kernel's share grows with P, hence the cap (H200: docs/kernels.md, Time to first token).
+CODES_MIN_SUFFIX, CODES_MAX_SUFFIX, CODES_PREFIX_RATIO = 128, 2048, 16
+
+
+def codes_suffix_limit(cached: int) -> int:
+    return min(CODES_MAX_SUFFIX, max(CODES_MIN_SUFFIX, cached // CODES_PREFIX_RATIO))
 
 
 def register() -> None:
@@ -129,10 +127,11 @@ class KVStoreAdapter:
     R = 128 (docs/accuracy.md). prefix_path: how the rest of a prompt that hit a
     cached prefix runs: "codes" (multi-token AppendAttend, nothing retrieved),
     "retrieve" (Retrieve the prefix, prefill in-process; models with sliding windows
-    always take it) or "auto" (codes for up to CODES_MAX_SUFFIX tokens, else
-    retrieve). prefix_runs counts the requests that took each. layer_groups=False keeps one daemon cache for every layer of a
-    model that mixes windows (hf_groups.py: correct, but every block stays), the
-    baseline the per-group caches save against."""
+    always take it) or "auto" (codes for up to codes_suffix_limit(hit) tokens: a
+    sixteenth of the hit, 128 to 2048; else retrieve). prefix_runs counts the
+    requests that took each. layer_groups=False keeps one daemon cache for every
+    layer of a model that mixes windows (hf_groups.py: correct, but every block
+    stays), the baseline the per-group caches save against."""
 
     def __init__(self, model, target: str | None = None, cache: str = "hf", codec: str = "fp16",
                  codebooks: bytes | str | None = None, transform=None, block_size: int = 16, residual: int = 128,
@@ -316,7 +315,7 @@ class KVStoreAdapter:
                 cached = self._allocate(kv, sid, prompt)
                 if cached == 0:
                     continue
-                if self.chunk and (self.prefix_path == "codes" or t - cached <= CODES_MAX_SUFFIX):
+                if self.chunk and (self.prefix_path == "codes" or t - cached <= codes_suffix_limit(cached)):
                     self.prefix_runs["codes"] += 1
                     cache = KVStoreCache(self, seq_ids, input_ids[:, :cached], None)
                     cache.run_chunks(input_ids[:, cached:-1])       # generate() runs the last token
