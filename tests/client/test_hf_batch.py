@@ -161,8 +161,8 @@ def test_turn_two_hits_through_the_answer(daemon):
     cached = (40 + answer - 1) // 8 * 8
     assert cached > 40                                     # past the prompt, into the answer
     assert ad.stats().prefix_hit_tokens - before == cached
-    # the rest only ran: in chunks of up to 16 through AppendAttend, then generate's last token
-    assert sum(seen) == second.shape[1] - cached and max(seen) <= 16 and seen[-1] == 1
+    # the rest only ran: in chunks of up to ad.chunk (128) through AppendAttend, then generate's last token
+    assert sum(seen) == second.shape[1] - cached and max(seen) <= ad.chunk == 128 and seen[-1] == 1
 
 
 def test_without_decode_ids_turn_two_hits_the_prompt_only(daemon):
