@@ -42,8 +42,8 @@ HALF = (torch.float16, torch.bfloat16)
 HEAD_DIMS = (64, 128, 256)      # what every GPU decode plan takes (Triton; CUDA C++ 64 and 128)
 # Query tokens a sequence of a multi-token plan may bring: a prefill chunk as long as a
 # pq cache's default residual (128; the engine also bounds T by residual + 1). Each call
-# costs ~2 ms of host work besides its kernel, so a 1K-token prompt suffix in chunks of
-# 128 makes 8x fewer calls than in chunks of 16 (docs/kernels.md, Multi-token queries).
+# carries host work besides its kernel, so a 1K-token prompt suffix in chunks of 128 makes
+# 8x fewer calls than in chunks of 16 (docs/kernels.md, Time to first token).
 MAX_QUERY_TOKENS = 128
 
 

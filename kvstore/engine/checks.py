@@ -80,13 +80,12 @@ def query(cfg: CacheConfig, n_seqs: int, q: torch.Tensor, scale: float) -> tuple
     return q, scale or 1.0 / math.sqrt(g.head_dim)
 
 
-
-
 def query_tokens(cfg: CacheConfig, layer: int, t: int) -> int:
     """An AppendAttend's tokens per sequence (0: one) -> T, checked: in [1, 128]
     (kernels/plan.py MAX_QUERY_TOKENS); with T > 1 the layer has no sliding window
-    (each query would need its own), and a pq cache keeps all T new tokens in fp16 until they are attended (T <= residual + 1:
-    the tail keeps at least R + 1 tokens once its sealed blocks are taken)."""
+    (each query would need its own), and a pq cache keeps all T new tokens in fp16
+    until they are attended (T <= residual + 1: the tail keeps at least R + 1 tokens
+    once its sealed blocks are taken)."""
     t = t or 1
     if not 1 <= t <= MAX_QUERY_TOKENS:
         raise InvalidArgument("query_tokens", f"must be in [1, {MAX_QUERY_TOKENS}], got {t}")
