@@ -1,7 +1,8 @@
 """Multi-token queries from PQ codes (T query tokens per sequence, causal among them).
 
 (a) kernel: the multi-token plans over PQ codes (4-bit M = d/2 and 2-bit M = d/4), the
-    CUDA C++ kernel (the router's choice) and Triton's,
+    CUDA C++ kernel and Triton's (the router's choice from tunables.MTQ_TRITON_ROWS query
+    rows a KV head: --tokens 64 and more),
     B=8, L=32K, T=8, Hq 32, Hkv 8, d 128, a 128-token fp16 tail holding the T new
     tokens, against SDPA flash over contiguous fp16 K/V [B, Hkv, L, d] (enable_gqa, mask
     causal over the last T: causal_lower_right) in the same run; median over CUDA-graph
@@ -91,6 +92,10 @@ def kernel(args):
         t_sdpa = ba.bench(fn)
         print(f"B={b} L={L} T={t} Hq {hq} Hkv {hkv} d {d}; SDPA ({which}) {t_sdpa:.1f} us")
     backends = ("triton",) if args.smoke else ("cuda", "triton")
+    if not args.smoke:
+        print("  the router's choice: " + kernels.decode_backend(
+            "pq", device=dev, num_qo_heads=hq, num_kv_heads=hkv, head_dim=d, block_size=bs, dtype=q.dtype,
+            query_tokens=t) + " (tunables.MTQ_TRITON_ROWS: Triton from that many query rows a KV head)")
     for (bits, dsub), backend in ((x, y) for x in ((4, 2), (2, 4)) for y in backends):
         c, sl, tl_ = pq_case(b, L, t, hq, hkv, d, dsub, bs, tail, dev)
         plan = kernels.plan_decode("pq", sl, tl_, num_qo_heads=hq, num_kv_heads=hkv, head_dim=d, block_size=bs,

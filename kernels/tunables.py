@@ -62,3 +62,23 @@ TMA_MAX_ITEM_TOKENS = int(os.environ.get("KVSTORE_CUDA_PQ_TMA_MAX_ITEM", "16384"
 MTQ_2BIT_TILE = int(os.environ.get("KVSTORE_TRITON_MTQ_2BIT_TILE", "64"))
 if MTQ_2BIT_TILE not in (16, 32, 64, 128):
     raise ValueError(f"KVSTORE_TRITON_MTQ_2BIT_TILE must be 16, 32, 64 or 128, got {MTQ_2BIT_TILE}")
+
+# KVSTORE_MTQ_TRITON_ROWS: multi-token PQ plans with at least this many query rows per KV
+# head (T query tokens x G query heads) run on Triton's wide tiles (MTQ_WIDE below) even
+# where the CUDA C++ kernel takes the geometry (kernels/router.py); 0: never. The CUDA
+# kernel decodes every tile of codes once per group of at most 8 rows, so its time grows
+# with T x G; a wide Triton program decodes each tile for 128 rows. H200, L=32K, Hq 32
+# Hkv 8 d 128, one sweep (CUDA / Triton wide, us): B=1 T=32 (128 rows) 4-bit 215 / 237,
+# 2-bit 198 / 201; T=64 (256) 420 / 358, 388 / 291; T=128 (512) 822 / 639, 763 / 508;
+# B=8 T=32 4-bit 1649 / 1454, 2-bit 1521 / 1108; B=8 T=128 6472 / 4046, 6023 / 3079.
+MTQ_TRITON_ROWS = int(os.environ.get("KVSTORE_MTQ_TRITON_ROWS", "256"))
+
+# Triton multi-token PQ programs with more than 64 query rows (head_dim <= 128): blocks
+# of MTQ_WIDE_ROWS rows, (tile, warps) by bits per element, and a partition that aims at
+# MTQ_WIDE_PROGRAMS programs per SM. Fastest of rows 64 / 128, (tile, warps) (32, 8) /
+# (64, 4) / (64, 8) and 1 / 2 / 4 programs per SM in the sweep above at B=1 T=64 and 128;
+# at B=1 T=128, rows 64 with the one-token partition (8 programs per SM) took 1841 us
+# (4-bit) against 639 us.
+MTQ_WIDE_ROWS = 128
+MTQ_WIDE = {4: (32, 8), 2: (64, 4)}     # bits -> (PQ tokens a tile, warps)
+MTQ_WIDE_PROGRAMS = 2

@@ -24,6 +24,7 @@ from .decode_kernels import _decode_kernel, _merge_kernel
 
 _PQ, _DENSE, _CAUSAL = 0, 1, 2
 MULTI_ROWS = 64     # query rows (tokens x heads of one KV head) a multi-token program takes at most
+# (a PQ plan with more rows than that takes tunables.MTQ_WIDE_ROWS: wide_rows)
 
 
 @functools.lru_cache(maxsize=None)
@@ -40,14 +41,16 @@ def _num_sms(device: torch.device) -> int:
 @dataclass(slots=True, kw_only=True)
 class TritonDecodePlan(DecodePlan):
     """A DecodePlan for decode_kernels.py: items [capacity, 4] (b, kind, lo, hi); the
-    merge reads at most max_items items a sequence; the rest are the kernels' tuning."""
+    merge reads at most max_items items a sequence; the rest are the kernels' tuning
+    (tile_pq / num_warps None: the defaults for the codes' bit width, set at launch)."""
     item_width = 4
     max_items: int
-    tile_pq: int
+    tile_pq: int | None
     tile_fp: int
-    num_warps: int
+    num_warps: int | None
     num_stages: int
     maxnreg: int | None = None   # register cap: more resident programs to hide gather latency
+    row_block: int = MULTI_ROWS  # query rows a multi-token program takes at most (wide_rows)
 
     def rows(self, *lens) -> tuple[list[int], list[int]]:
         cap = self.items.shape[0]
@@ -107,12 +110,16 @@ class TritonDecodePlan(DecodePlan):
         g = hq // hkv
         n_items = self.items.shape[0]
         prec = "ieee" if dense_dtype == torch.float32 else "tf32"
-        # T x G rows a KV head; a multi-token plan cuts them into blocks of MULTI_ROWS
+        # T x G rows a KV head; a multi-token plan cuts them into blocks of self.row_block
         gp = max(16, triton.next_power_of_2(g)) if t == 1 else \
-            max(16, min(triton.next_power_of_2(t * g), max(MULTI_ROWS, triton.next_power_of_2(g))))
+            max(16, min(triton.next_power_of_2(t * g), max(self.row_block, triton.next_power_of_2(g))))
         sq_b, sq_t, sq_h = (q.stride(0), 0, q.stride(1)) if t == 1 else (q.stride(0), q.stride(1), q.stride(2))
-        tile, maxnreg = self.tile_pq, self.maxnreg
-        if t > 1 and dsub == 4 and self.has_pq:     # tunables.MTQ_2BIT_TILE says why
+        tile, warps, maxnreg = self.tile_pq or 128, self.num_warps or 4, self.maxnreg
+        if self.row_block > MULTI_ROWS:             # tunables.MTQ_WIDE
+            wt, ww = tunables.MTQ_WIDE[8 // dsub]
+            tile, warps = self.tile_pq or wt, self.num_warps or ww
+            maxnreg = None if dsub == 4 else maxnreg
+        elif t > 1 and dsub == 4 and self.has_pq:   # tunables.MTQ_2BIT_TILE says why
             tile, maxnreg = min(tile, tunables.MTQ_2BIT_TILE), None
         if n_items > 0:
             _decode_kernel[(n_items, hkv, triton.cdiv(t * g, gp))](
@@ -126,7 +133,7 @@ class TritonDecodePlan(DecodePlan):
                 BS=self.block_size, TBS=self.tail_block_size, TILE_PQ=tile,
                 TILE_FP=self.tile_fp, HAS_PQ=self.has_pq, CB_BF16=cb_bf16, PREC=prec,
                 SOFTCAP=self.softcap > 0,
-                num_warps=self.num_warps, num_stages=self.num_stages, maxnreg=maxnreg)
+                num_warps=warps, num_stages=self.num_stages, maxnreg=maxnreg)
         # rows (token, head) of out / lse are contiguous over both (check_q_out): one index
         _merge_kernel[(self.batch, t * hq)](
             self.o_part, self.lse_part, self.item_ptr, out, out.stride(0), out.stride(-2),
@@ -138,6 +145,16 @@ class TritonDecodePlan(DecodePlan):
 def paged_ranges(seq_lens, starts=None):
     sl = host_lens(seq_lens, "seq_lens")
     return sl, range_starts(starts, sl, "starts")
+
+
+def wide_rows(query_tokens: int, num_qo_heads: int, num_kv_heads: int, head_dim: int) -> int:
+    """Query rows a program of a multi-token PQ plan takes at most: MTQ_WIDE_ROWS where the
+    T x G rows of a KV head are more than MULTI_ROWS (each program decodes its codes once
+    for them all) and head_dim <= 128 (a wider tile of d 256 was not measured), else
+    MULTI_ROWS."""
+    rows = query_tokens * (num_qo_heads // num_kv_heads)
+    return tunables.MTQ_WIDE_ROWS if query_tokens > 1 and rows > MULTI_ROWS and head_dim <= 128 \
+        else MULTI_ROWS
 
 
 def _chunk(total: int, n_fixed: int, hkv: int, tile: int, target_ctas: int) -> int:
@@ -195,8 +212,8 @@ def check_multi(t: int, dense_lens: list[int], starts: list[int] | None, name: s
 def plan_pq(sl: list[int], tl_: list[int], ss: list[int] | None = None, ts: list[int] | None = None, *,
             num_qo_heads: int, num_kv_heads: int,
             head_dim: int, block_size: int, tail_block_size: int, device,
-            target_ctas: int | None = None, tile_pq: int = 128, tile_fp: int = 32,
-            num_warps: int = 4, num_stages: int = 1, maxnreg: int | None = 128,
+            target_ctas: int | None = None, tile_pq: int | None = None, tile_fp: int = 32,
+            num_warps: int | None = None, num_stages: int = 1, maxnreg: int | None = 128,
             spare_items: int | None = None, softcap: float = 0.0, query_tokens: int = 1) -> TritonDecodePlan:
     """sl / tl_: checked host lists of sealed (multiples of block_size) / tail lengths;
     ss / ts: the window's start in each (None: zeros). query_tokens T > 1: the last T
@@ -204,15 +221,22 @@ def plan_pq(sl: list[int], tl_: list[int], ss: list[int] | None = None, ts: list
     spare_items (None: a one-step plan): room for that many more work items (at least
     B) and a fixed merge width, for update().
 
-    Defaults are the fastest of a sweep of these parameters on an H100 (docs/kernels.md):
-    the code -> centroid gathers are latency-bound, so many small-register programs
-    (~8 per SM at 128 registers) with 128-token tiles keep the most loads in flight."""
+    Defaults (tile_pq / num_warps None: 128 / 4) are the fastest of a sweep of these
+    parameters on an H100 (docs/kernels.md): the code -> centroid gathers are
+    latency-bound, so many small-register programs (~8 per SM at 128 registers) with
+    128-token tiles keep the most loads in flight. A multi-token plan of wide row blocks
+    (wide_rows) takes tunables.MTQ_WIDE's tiles and warps and about MTQ_WIDE_PROGRAMS
+    programs per SM."""
+    rows = wide_rows(query_tokens, num_qo_heads, num_kv_heads, head_dim)
     if target_ctas is None:
         target_ctas = 8 * _num_sms(torch.device(device))
+        if rows > MULTI_ROWS:    # programs = items x Hkv x row blocks
+            blocks = triton.cdiv(query_tokens * (num_qo_heads // num_kv_heads), rows)
+            target_ctas = max(num_kv_heads, tunables.MTQ_WIDE_PROGRAMS * _num_sms(torch.device(device)) // blocks)
     sl, tl_, ss, ts = pq_ranges(sl, tl_, ss, ts, block_size=block_size)
     check_multi(query_tokens, tl_, ss + ts, "tail_lens")
-    chunk = _chunk(sum(sl) - sum(ss), sum(1 for n, a in zip(tl_, ts) if n > a), num_kv_heads, tile_pq,
-                   target_ctas)
+    chunk = _chunk(sum(sl) - sum(ss), sum(1 for n, a in zip(tl_, ts) if n > a), num_kv_heads,
+                   tile_pq or 128, target_ctas)
     items, ptr = _pq_items(sl, tl_, chunk, ss, ts, query_tokens)
     return _finish(items, ptr, len(sl), num_qo_heads, head_dim, device,
                    cap=capacity(len(items) // 4, len(sl), spare_items), query_tokens=query_tokens,
@@ -221,7 +245,7 @@ def plan_pq(sl: list[int], tl_: list[int], ss: list[int] | None = None, ts: list
                    sealed_cols=max([n // block_size for n in sl] + [0]),
                    tail_cols=max([triton.cdiv(n, tail_block_size) for n in tl_] + [0]),
                    has_pq=True, tile_pq=tile_pq, tile_fp=tile_fp, softcap=softcap,
-                   num_warps=num_warps, num_stages=num_stages, chunk0=chunk,
+                   num_warps=num_warps, num_stages=num_stages, chunk0=chunk, row_block=rows,
                    # ptxas cannot fit a head_dim-256 multi-token tile in 128 registers
                    # (C7602 asks for 158): the cap is for the one-token decode it was tuned on.
                    maxnreg=maxnreg if query_tokens == 1 or head_dim <= 128 else None)

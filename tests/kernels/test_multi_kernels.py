@@ -97,7 +97,9 @@ def test_paged_reference_matches_pq_reference_without_sealed_blocks():
     (2, 4, 2, 64, 2, [2, 1], [5, 17], torch.float16),
     (5, 4, 1, 64, 4, [1, 0], [5, 9], torch.float32),
     (16, 2, 1, 64, 2, [2], [20], torch.float16),
-    (40, 4, 2, 64, 2, [1, 0], [41, 57], torch.float16),      # past one block of 64 query rows
+    (40, 4, 2, 64, 2, [1, 0], [41, 57], torch.float16),      # past 64 query rows: one wide block
+    (50, 3, 1, 64, 2, [2], [53], torch.float16),             # G 3: 150 rows, two wide blocks
+    (40, 4, 1, 128, 4, [1], [45], torch.float32),            # 2-bit wide blocks at d 128
     (MAX_QUERY_TOKENS, 2, 1, 64, 4, [1], [MAX_QUERY_TOKENS + 3], torch.float32),
     (5, 8, 2, 128, 2, [1, 2], [6, 33], torch.float16),
     (2, 2, 1, 128, 4, [1], [2], torch.float16),
@@ -109,6 +111,24 @@ def test_pq_multi_interpreter(t, hq, hkv, d, dsub, sealed, tails, dtype):
     out, lse = run_multi(c, 1.0 / math.sqrt(d))
     ro, rl = multi_ref(c, 1.0 / math.sqrt(d))
     check_attn(out, lse, ro, rl, 2e-2 if dtype == torch.float16 else 2e-3)
+
+
+@cpu_only
+def test_wide_row_blocks_and_their_partition():
+    """Past 64 query rows a KV head (d <= 128), a multi-token PQ plan's programs take 128
+    rows and the partition counts its row blocks: fewer, longer items than the one-token
+    partition, whose programs would each decode the same codes for fewer rows."""
+    from kvstore.kernels import tunables
+    from kvstore.kernels.triton.decode import MULTI_ROWS, wide_rows
+    assert wide_rows(16, 4, 1, 128) == MULTI_ROWS                        # 64 rows: one plain block
+    assert wide_rows(17, 4, 1, 128) == wide_rows(128, 32, 8, 64) == tunables.MTQ_WIDE_ROWS
+    assert wide_rows(128, 32, 8, 256) == wide_rows(1, 128, 1, 128) == MULTI_ROWS
+    kw = dict(num_qo_heads=8, num_kv_heads=2, head_dim=64, block_size=16, tail_block_size=16, device="cpu",
+              dtype=torch.float16, backend="triton")
+    wide = kernels.plan_decode("pq", [4096], [40], query_tokens=40, **kw)
+    narrow = kernels.plan_decode("pq", [4096], [40], query_tokens=8, **kw)
+    assert (wide.row_block, narrow.row_block) == (tunables.MTQ_WIDE_ROWS, MULTI_ROWS)
+    assert wide.items.shape[0] < narrow.items.shape[0]
 
 
 @cpu_only
@@ -207,13 +227,30 @@ def test_router_entry_points_use_the_reference_on_cpu():
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("d,dsub", [(64, 2), (128, 2), (128, 4), (256, 2), (256, 4)])
 @pytest.mark.parametrize("t,hq,hkv", [(2, 32, 8), (8, 32, 8), (16, 32, 8), (5, 8, 1), (16, 4, 1),
-                                     (MAX_QUERY_TOKENS, 32, 8)])
+                                     (100, 9, 3), (MAX_QUERY_TOKENS, 32, 8)])
 def test_pq_multi_gpu(t, hq, hkv, d, dsub, dtype):
     c = multi_case(t, [40, 7, 0, 129], [t + 3, 130, 16 + t, t], hq, hkv, d, dsub, 16, 16, dtype, "cuda")
     ro, rl = multi_ref(c, 1.0 / math.sqrt(d))
     for backend in ("cuda", "triton"):
         out, lse = run_multi(c, 1.0 / math.sqrt(d), backend=backend)
         check_attn(out, lse, ro, rl, 3e-2 if dtype == torch.bfloat16 else 1e-2)
+
+
+@gpu
+def test_router_gives_many_query_rows_to_wide_triton_blocks():
+    """On the GPU the router's own choice: 16 tokens x G 4 stay on the CUDA kernel, 128
+    take Triton's wide blocks (tunables.MTQ_TRITON_ROWS), and both match the reference."""
+    from kvstore.kernels import tunables
+    from kvstore.kernels.cuda import attention as ca
+    from kvstore.kernels.triton.decode import TritonDecodePlan
+    for t, kind in ((16, ca.CudaPQPlan), (MAX_QUERY_TOKENS, TritonDecodePlan)):
+        c = multi_case(t, [40, 129], [t + 3, 130], 32, 8, 128, 2, 16, 16, torch.float16, "cuda", seed=t)
+        plan = plan_multi(c, backend="auto")
+        assert isinstance(plan, kind)
+        if kind is TritonDecodePlan:
+            assert plan.row_block == tunables.MTQ_WIDE_ROWS
+        out, lse = plan.run_pq(*[c[k] for k in RUN_ARGS], 0.1)
+        check_attn(out, lse, *multi_ref(c, 0.1), 1e-2)
 
 
 @gpu

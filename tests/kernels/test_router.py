@@ -95,6 +95,22 @@ class FakeCodebook:
         return len(self.shape)
 
 
+def test_many_query_rows_go_to_triton(fake_gpu, monkeypatch):
+    """A multi-token PQ plan whose T x G query rows per KV head reach MTQ_TRITON_ROWS runs
+    on Triton's wide row blocks, where the CUDA kernel would decode the codes once for
+    every 8 of them; fewer rows, d 256, an insisted backend and the knob at 0 keep CUDA."""
+    monkeypatch.setattr(tunables, "MTQ_TRITON_ROWS", 256)
+    assert choose(query_tokens=64) == choose(query_tokens=128) == kernels.TRITON        # 4 x 64 = 256 rows
+    assert choose(query_tokens=86, num_qo_heads=24) == kernels.TRITON                     # G 3: 258 rows
+    assert choose(query_tokens=63) == choose(query_tokens=16) == choose() == kernels.CUDA
+    assert choose(query_tokens=128, head_dim=256) == kernels.CUDA
+    assert choose(query_tokens=128, backend="cuda") == kernels.CUDA
+    assert choose("paged", query_tokens=128) == kernels.TRITON
+    assert choose(query_tokens=128, device="cpu") == kernels.REFERENCE
+    monkeypatch.setattr(tunables, "MTQ_TRITON_ROWS", 0)
+    assert choose(query_tokens=128) == kernels.CUDA
+
+
 def test_plans_follow_the_one_choice(fake_gpu, monkeypatch):
     """plan_decode and the one-shot entry point build what decode_backend says, from
     the dtypes and alignment they are given."""
