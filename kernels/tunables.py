@@ -72,6 +72,8 @@ if MTQ_2BIT_TILE not in (16, 32, 64, 128):
 # 2-bit 198 / 201; T=64 (256) 420 / 358, 388 / 291; T=128 (512) 822 / 639, 763 / 508;
 # B=8 T=32 4-bit 1649 / 1454, 2-bit 1521 / 1108; B=8 T=128 6472 / 4046, 6023 / 3079.
 MTQ_TRITON_ROWS = int(os.environ.get("KVSTORE_MTQ_TRITON_ROWS", "256"))
+if MTQ_TRITON_ROWS < 0:
+    raise ValueError(f"KVSTORE_MTQ_TRITON_ROWS must be >= 0 (0: never), got {MTQ_TRITON_ROWS}")
 
 # Triton multi-token PQ programs with more than 64 query rows (head_dim <= 128): blocks
 # of MTQ_WIDE_ROWS rows, (tile, warps) by bits per element, and a partition that aims at

@@ -5,6 +5,7 @@ CPU only: the GPU is stood in for by monkeypatching what the choice reads (cupy'
 availability, the device's compute capability). Nothing here imports Triton, so the
 interpreter tests (test_triton_kernels.py) still get TRITON_INTERPRET before it.
 """
+import os
 import subprocess
 import sys
 
@@ -189,3 +190,11 @@ def test_importing_the_kernels_imports_no_gpu_library():
             "print(sorted({m.split('.')[0] for m in sys.modules} & {'triton', 'cupy'}))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_a_bad_knob_is_refused_at_import_naming_it():
+    code = "import kvstore.kernels"
+    for env, value in (("KVSTORE_MTQ_TRITON_ROWS", "-1"), ("KVSTORE_TRITON_MTQ_2BIT_TILE", "48")):
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                             env={**os.environ, env: value})
+        assert out.returncode != 0 and env in out.stderr
