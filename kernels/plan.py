@@ -37,6 +37,8 @@ import torch
 
 from kvstore.cuda.pinned import copy_into
 
+from . import tunables
+
 FLOAT = (torch.float16, torch.bfloat16, torch.float32)
 HALF = (torch.float16, torch.bfloat16)
 HEAD_DIMS = (64, 128, 256)      # what every GPU decode plan takes (Triton; CUDA C++ 64 and 128)
@@ -45,6 +47,10 @@ HEAD_DIMS = (64, 128, 256)      # what every GPU decode plan takes (Triton; CUDA
 # carries host work besides its kernel, so a 1K-token prompt suffix in chunks of 128 makes
 # 8x fewer calls than in chunks of 16 (docs/kernels.md, Time to first token).
 MAX_QUERY_TOKENS = 128
+# Query rows (T tokens x G query heads of one KV head) a Triton multi-token program takes at
+# most; a PQ plan with more rows takes wider blocks (wide_rows), and the router sends a PQ
+# plan to Triton for its many rows only where they are wide (kernels/router.py).
+MULTI_ROWS = 64
 
 
 @dataclass(slots=True, kw_only=True)
@@ -137,6 +143,14 @@ class DecodePlan:
             raise ValueError("out / lse must be contiguous over their (T, Hq) dims")
         return out, lse
 
+    @staticmethod
+    def unchecked_out(q, out, lse):
+        """(out, lse) for a trusted run: allocated when None (out like q, lse fp32 over q's
+        rows), not checked."""
+        out = torch.empty_like(q) if out is None else out
+        lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device) if lse is None else lse
+        return out, lse
+
     def check_codes(self, q, k_codes, v_codes, k_codebook, v_codebook, sealed_tables) -> tuple[int, int]:
         """The PQ arguments' checks -> (M, dsub)."""
         hkv, d, bs = self.num_kv_heads, self.head_dim, self.block_size
@@ -167,6 +181,23 @@ class DecodePlan:
         if same_strides and k.stride() != v.stride():
             raise ValueError(f"{names[0]} and {names[1]} must have the same strides")
         check_table(tables, names[2], self.batch, cols, k.device)
+
+
+# ------------------------------------------------------------ multi-token rows
+
+def query_rows(query_tokens: int, num_qo_heads: int, num_kv_heads: int) -> int:
+    """T x G: the query rows of one KV head (heads not yet validated count one KV head)."""
+    return query_tokens * (num_qo_heads // max(num_kv_heads, 1))
+
+
+def wide_rows(query_tokens: int, num_qo_heads: int, num_kv_heads: int, head_dim: int) -> int:
+    """Query rows a Triton program of a multi-token PQ plan takes at most:
+    tunables.MTQ_WIDE_ROWS where a KV head's T x G rows are more than MULTI_ROWS (each
+    program decodes its codes once for them all) and head_dim <= 128 (a wider tile of d
+    256 was not measured), else MULTI_ROWS."""
+    wide = query_tokens > 1 and head_dim <= 128 and \
+        query_rows(query_tokens, num_qo_heads, num_kv_heads) > MULTI_ROWS
+    return tunables.MTQ_WIDE_ROWS if wide else MULTI_ROWS
 
 
 # -------------------------------------------------------------------- checks

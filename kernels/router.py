@@ -21,8 +21,8 @@ Multi-token queries (plan_decode(query_tokens=T), T in 2..128: T new tokens per 
 causal among them, plan.py) take the same choice, but for the number of query rows: the
 CUDA C++ kernel runs groups of at most 8 of a KV head's T x G query rows as its MMA rows
 (cuda/attention.py query_groups), decoding the codes once a group; from
-tunables.MTQ_TRITON_ROWS rows on, Triton's blocks of 128 rows (triton/decode.py
-wide_rows) take the plan.
+tunables.MTQ_TRITON_ROWS rows on, Triton's blocks of 128 rows (plan.py wide_rows) take
+the plan.
 
 Entry points with reference.py's signatures (pq_decode_attention, paged_decode_attention,
 pq_multi_attention, paged_multi_attention, pq_encode_to_slots, gather_pq_blocks, write_slots) plan and run in one call: the engine's
@@ -40,7 +40,8 @@ from .cuda import attention as cuda_attention
 from .cuda import build as cuda_build
 from .cuda import encode as cuda_encode
 from .cuda import images as cuda_images
-from .plan import HALF, HEAD_DIMS, MAX_QUERY_TOKENS, DecodePlan, host_lens, pq_lens, validate_heads
+from .plan import (HALF, HEAD_DIMS, MAX_QUERY_TOKENS, MULTI_ROWS, DecodePlan, host_lens, pq_lens, query_rows,
+                   validate_heads, wide_rows)
 
 REFERENCE, CUDA, TRITON = "reference", "cuda", "triton"
 KINDS = ("pq", "paged")
@@ -65,16 +66,16 @@ def decode_backend(kind: str, *, device, num_qo_heads: int, num_kv_heads: int, h
     CUDA kernels do not apply is a ValueError. Sliding windows and soft-capping do not
     enter the choice: every backend takes both. query_tokens: > 1 for a multi-token
     plan, which every backend takes; a PQ plan whose T x G query rows per KV head reach
-    tunables.MTQ_TRITON_ROWS (head_dim <= 128) goes to Triton's wide row blocks."""
+    tunables.MTQ_TRITON_ROWS and make wide row blocks (plan.wide_rows) goes to Triton."""
     if kind not in KINDS:
         raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
     if backend not in ("auto", CUDA, TRITON):
         raise ValueError(f"backend must be 'auto', 'cuda' or 'triton', got {backend!r}")
     if backend == TRITON:
         return TRITON
-    rows = query_tokens * (num_qo_heads // max(num_kv_heads, 1))
-    if (backend == "auto" and kind == "pq" and query_tokens > 1 and tunables.MTQ_TRITON_ROWS
-            and rows >= tunables.MTQ_TRITON_ROWS and head_dim <= 128
+    if (backend == "auto" and kind == "pq" and tunables.MTQ_TRITON_ROWS
+            and wide_rows(query_tokens, num_qo_heads, num_kv_heads, head_dim) > MULTI_ROWS
+            and query_rows(query_tokens, num_qo_heads, num_kv_heads) >= tunables.MTQ_TRITON_ROWS
             and torch.device(device).type == "cuda"):
         return TRITON        # many query rows a KV head: tunables.MTQ_TRITON_ROWS says why
     if kind == "pq" and aligned and cuda_attention.supports(

@@ -65,9 +65,11 @@ if MTQ_2BIT_TILE not in (16, 32, 64, 128):
 
 # KVSTORE_MTQ_TRITON_ROWS: multi-token PQ plans with at least this many query rows per KV
 # head (T query tokens x G query heads) run on Triton's wide tiles (MTQ_WIDE below) even
-# where the CUDA C++ kernel takes the geometry (kernels/router.py); 0: never. The CUDA
-# kernel decodes every tile of codes once per group of at most 8 rows, so its time grows
-# with T x G; a wide Triton program decodes each tile for 128 rows. H200, L=32K, Hq 32
+# where the CUDA C++ kernel takes the geometry (kernels/router.py); 0: never. Only plans
+# of wide blocks go (more than plan.MULTI_ROWS = 64 rows, head_dim <= 128: plan.wide_rows),
+# so a value below 65 acts as 65. The CUDA kernel decodes every tile of codes once per
+# group of at most 8 rows, so its time grows with T x G; a wide Triton program decodes
+# each tile for 128 rows. H200, L=32K, Hq 32
 # Hkv 8 d 128, one sweep (CUDA / Triton wide, us): B=1 T=32 (128 rows) 4-bit 215 / 237,
 # 2-bit 198 / 201; T=64 (256) 420 / 358, 388 / 291; T=128 (512) 822 / 639, 763 / 508;
 # B=8 T=32 4-bit 1649 / 1454, 2-bit 1521 / 1108; B=8 T=128 6472 / 4046, 6023 / 3079.

@@ -213,10 +213,7 @@ class CudaPQPlan(DecodePlan):
                 raise ValueError(f"{name} must be {dt}, the dtype this plan was made for; "
                                  f"got {getattr(t, 'dtype', type(t).__name__)}")
         if trusted:
-            rows = (self.batch, self.num_qo_heads) if self.query_tokens == 1 else \
-                (self.batch, self.query_tokens, self.num_qo_heads)
-            out = torch.empty_like(q) if out is None else out
-            lse = torch.empty(rows, dtype=torch.float32, device=q.device) if lse is None else lse
+            out, lse = self.unchecked_out(q, out, lse)
             dsub = k_codebook.shape[3]
         else:
             out, lse = self.check_q_out(q, out, lse)

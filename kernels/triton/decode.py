@@ -19,12 +19,15 @@ import triton
 from kvstore.cuda.pinned import to_device
 
 from .. import tunables
-from ..plan import DecodePlan, capacity, check_batch, fit, host_lens, pq_ranges, range_starts
+from ..plan import (MULTI_ROWS, DecodePlan, capacity, check_batch, fit, host_lens, pq_ranges, query_rows,
+                    range_starts, wide_rows)
 from .decode_kernels import _decode_kernel, _merge_kernel
 
 _PQ, _DENSE, _CAUSAL = 0, 1, 2
-MULTI_ROWS = 64     # query rows (tokens x heads of one KV head) a multi-token program takes at most
-# (a PQ plan with more rows than that takes tunables.MTQ_WIDE_ROWS: wide_rows)
+# A PQ plan's tile and warps where its caller leaves them None: plan_pq says why. Wide
+# multi-token blocks take tunables.MTQ_WIDE's instead (set at launch: they depend on the
+# codes' bit width).
+PQ_TILE, PQ_WARPS = 128, 4
 
 
 @functools.lru_cache(maxsize=None)
@@ -74,13 +77,16 @@ class TritonDecodePlan(DecodePlan):
     def run_pq(self, q, k_codes, v_codes, k_codebook, v_codebook, sealed_tables,
                tail_k, tail_v, tail_tables, scale: float, out=None, lse=None,
                trusted: bool = False, codebook_image=None):
-        """DecodePlan.run_pq. This plan always checks its arguments (trusted is the CUDA
-        plan's saving) and reads no codebook image."""
+        """DecodePlan.run_pq; trusted skips the checks. Reads no codebook image."""
         if not self.has_pq:
             raise ValueError("plan was made for paged decode; use run_paged")
-        out, lse = self.check_q_out(q, out, lse)
-        m, dsub = self.check_codes(q, k_codes, v_codes, k_codebook, v_codebook, sealed_tables)
-        self.check_pool(tail_k, tail_v, tail_tables, ("tail_k", "tail_v", "tail_tables"), self.tail_cols)
+        if trusted:
+            out, lse = self.unchecked_out(q, out, lse)
+            m, dsub = k_codebook.shape[1], k_codebook.shape[3]
+        else:
+            out, lse = self.check_q_out(q, out, lse)
+            m, dsub = self.check_codes(q, k_codes, v_codes, k_codebook, v_codebook, sealed_tables)
+            self.check_pool(tail_k, tail_v, tail_tables, ("tail_k", "tail_v", "tail_tables"), self.tail_cols)
         word = torch.int32 if dsub == 2 else torch.int64
         kw, vw = k_codebook.view(word), v_codebook.view(word)      # no copy
         self._launch(q, out, lse, scale, k_codes, v_codes, kw, vw, sealed_tables,
@@ -94,8 +100,7 @@ class TritonDecodePlan(DecodePlan):
         if self.has_pq:
             raise ValueError("plan was made for PQ decode; use run_pq")
         if trusted:
-            out = torch.empty_like(q) if out is None else out
-            lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device) if lse is None else lse
+            out, lse = self.unchecked_out(q, out, lse)
         else:
             out, lse = self.check_q_out(q, out, lse)
             self.check_pool(k_cache, v_cache, block_tables, ("k_cache", "v_cache", "block_tables"),
@@ -114,7 +119,7 @@ class TritonDecodePlan(DecodePlan):
         gp = max(16, triton.next_power_of_2(g)) if t == 1 else \
             max(16, min(triton.next_power_of_2(t * g), max(self.row_block, triton.next_power_of_2(g))))
         sq_b, sq_t, sq_h = (q.stride(0), 0, q.stride(1)) if t == 1 else (q.stride(0), q.stride(1), q.stride(2))
-        tile, warps, maxnreg = self.tile_pq or 128, self.num_warps or 4, self.maxnreg
+        tile, warps, maxnreg = self.tile_pq or PQ_TILE, self.num_warps or PQ_WARPS, self.maxnreg
         if self.row_block > MULTI_ROWS:             # tunables.MTQ_WIDE
             wt, ww = tunables.MTQ_WIDE[8 // dsub]
             tile, warps = self.tile_pq or wt, self.num_warps or ww
@@ -145,16 +150,6 @@ class TritonDecodePlan(DecodePlan):
 def paged_ranges(seq_lens, starts=None):
     sl = host_lens(seq_lens, "seq_lens")
     return sl, range_starts(starts, sl, "starts")
-
-
-def wide_rows(query_tokens: int, num_qo_heads: int, num_kv_heads: int, head_dim: int) -> int:
-    """Query rows a program of a multi-token PQ plan takes at most: MTQ_WIDE_ROWS where the
-    T x G rows of a KV head are more than MULTI_ROWS (each program decodes its codes once
-    for them all) and head_dim <= 128 (a wider tile of d 256 was not measured), else
-    MULTI_ROWS."""
-    rows = query_tokens * (num_qo_heads // num_kv_heads)
-    return tunables.MTQ_WIDE_ROWS if query_tokens > 1 and rows > MULTI_ROWS and head_dim <= 128 \
-        else MULTI_ROWS
 
 
 def _chunk(total: int, n_fixed: int, hkv: int, tile: int, target_ctas: int) -> int:
@@ -221,7 +216,7 @@ def plan_pq(sl: list[int], tl_: list[int], ss: list[int] | None = None, ts: list
     spare_items (None: a one-step plan): room for that many more work items (at least
     B) and a fixed merge width, for update().
 
-    Defaults (tile_pq / num_warps None: 128 / 4) are the fastest of a sweep of these
+    Defaults (tile_pq / num_warps None: PQ_TILE / PQ_WARPS, 128 / 4) are the fastest of a sweep of these
     parameters on an H100 (docs/kernels.md): the code -> centroid gathers are
     latency-bound, so many small-register programs (~8 per SM at 128 registers) with
     128-token tiles keep the most loads in flight. A multi-token plan of wide row blocks
@@ -231,12 +226,12 @@ def plan_pq(sl: list[int], tl_: list[int], ss: list[int] | None = None, ts: list
     if target_ctas is None:
         target_ctas = 8 * _num_sms(torch.device(device))
         if rows > MULTI_ROWS:    # programs = items x Hkv x row blocks
-            blocks = triton.cdiv(query_tokens * (num_qo_heads // num_kv_heads), rows)
+            blocks = triton.cdiv(query_rows(query_tokens, num_qo_heads, num_kv_heads), rows)
             target_ctas = max(num_kv_heads, tunables.MTQ_WIDE_PROGRAMS * _num_sms(torch.device(device)) // blocks)
     sl, tl_, ss, ts = pq_ranges(sl, tl_, ss, ts, block_size=block_size)
     check_multi(query_tokens, tl_, ss + ts, "tail_lens")
     chunk = _chunk(sum(sl) - sum(ss), sum(1 for n, a in zip(tl_, ts) if n > a), num_kv_heads,
-                   tile_pq or 128, target_ctas)
+                   tile_pq or PQ_TILE, target_ctas)
     items, ptr = _pq_items(sl, tl_, chunk, ss, ts, query_tokens)
     return _finish(items, ptr, len(sl), num_qo_heads, head_dim, device,
                    cap=capacity(len(items) // 4, len(sl), spare_items), query_tokens=query_tokens,

@@ -119,7 +119,7 @@ def test_wide_row_blocks_and_their_partition():
     rows and the partition counts its row blocks: fewer, longer items than the one-token
     partition, whose programs would each decode the same codes for fewer rows."""
     from kvstore.kernels import tunables
-    from kvstore.kernels.triton.decode import MULTI_ROWS, wide_rows
+    from kvstore.kernels.plan import MULTI_ROWS, wide_rows
     assert wide_rows(16, 4, 1, 128) == MULTI_ROWS                        # 64 rows: one plain block
     assert wide_rows(17, 4, 1, 128) == wide_rows(128, 32, 8, 64) == tunables.MTQ_WIDE_ROWS
     assert wide_rows(128, 32, 8, 256) == wide_rows(1, 128, 1, 128) == MULTI_ROWS
@@ -129,6 +129,26 @@ def test_wide_row_blocks_and_their_partition():
     narrow = kernels.plan_decode("pq", [4096], [40], query_tokens=8, **kw)
     assert (wide.row_block, narrow.row_block) == (tunables.MTQ_WIDE_ROWS, MULTI_ROWS)
     assert wide.items.shape[0] < narrow.items.shape[0]
+
+
+@cpu_only
+@pytest.mark.parametrize("t", [1, 40])
+def test_trusted_run_skips_only_the_checks(t):
+    # the engine's trusted call: the same numbers, out / lse allocated in the same shapes
+    c = multi_case(max(t, 2), [2, 1], [t + 3, t + 9], 8, 2, 64, 2, 16, 16, torch.float16, "cpu", seed=7)
+    if t == 1:
+        c["q"] = c["q"][:, 0].contiguous()
+        plan = kernels.plan_decode("pq", c["sealed_lens"], c["tail_lens"], num_qo_heads=8, num_kv_heads=2,
+                                   head_dim=64, block_size=16, tail_block_size=16, device="cpu",
+                                   dtype=torch.float16, backend="triton")
+    else:
+        plan = plan_multi(c)
+    args = [c[k] for k in RUN_ARGS] + [0.125]
+    checked, trusted = plan.run_pq(*args), plan.run_pq(*args, trusted=True)
+    for a, b in zip(checked, trusted):
+        assert a.shape == b.shape and a.dtype == b.dtype and torch.equal(a, b)
+    with pytest.raises(ValueError, match="sealed_tables"):       # the checks the trusted call skips
+        plan.run_pq(*args[:5], c["sealed_tables"][:1], *args[6:])
 
 
 @cpu_only

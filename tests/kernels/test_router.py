@@ -110,6 +110,10 @@ def test_many_query_rows_go_to_triton(fake_gpu, monkeypatch):
     assert choose(query_tokens=128, device="cpu") == kernels.REFERENCE
     monkeypatch.setattr(tunables, "MTQ_TRITON_ROWS", 0)
     assert choose(query_tokens=128) == kernels.CUDA
+    # below 65 rows no plan has wide blocks: a small knob never sends one to narrow ones
+    monkeypatch.setattr(tunables, "MTQ_TRITON_ROWS", 16)
+    assert choose(query_tokens=16) == choose(query_tokens=4) == kernels.CUDA             # 64, 16 rows
+    assert choose(query_tokens=17) == kernels.TRITON                                      # 68 rows
 
 
 def test_plans_follow_the_one_choice(fake_gpu, monkeypatch):
