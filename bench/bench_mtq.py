@@ -14,8 +14,15 @@
     (hidden 4096, Hq 32, Hkv 8, d 128) and --layers layers (default 8), fp16, with a
     daemon of its own (server.py, a socket in a temporary directory) on the same GPU.
 
-    python bench/bench_mtq.py                 # both, on a CUDA GPU
-    python bench/bench_mtq.py --only kernel   # (a); --only ttft: (b)
+(c) engine: the engine's AppendAttend of --tokens query tokens (default here 128, a
+    prefill chunk) after an --context-token prefix, B=1, in process (Engine, --layers
+    layers, Llama-3-8B's per-layer geometry, token ids at layer 0 as the adapter sends
+    them): ms a call, GPU included, with the router's choice against the CUDA plan
+    (tunables.MTQ_TRITON_ROWS = 0), alternated in the same run, median of --reps rounds
+    of one chunk through every layer.
+
+    python bench/bench_mtq.py                 # all three, on a CUDA GPU
+    python bench/bench_mtq.py --only kernel   # (a); --only ttft: (b); --only engine: (c)
     TRITON_INTERPRET=1 python bench/bench_mtq.py --smoke    # tiny shapes on a CPU: checks it runs
 """
 from __future__ import annotations
@@ -81,7 +88,7 @@ def sdpa_fn(q, k, v):
 def kernel(args):
     dev = "cpu" if args.smoke else "cuda"
     b, L, t, hq, hkv, d, bs, tail = (2, 160, 5, 4, 2, 64, 16, 32) if args.smoke else \
-        (args.batch, args.context, args.tokens, 32, 8, 128, 16, 128)
+        (args.batch, args.context, args.tokens or 8, 32, 8, 128, 16, 128)
     scale = d ** -0.5
     gen = torch.Generator(device=dev).manual_seed(1)
     q = torch.randn(b, t, hq, d, device=dev, generator=gen).half()
@@ -201,16 +208,79 @@ def ttft(args):
               f"{1e3 * m['retrieve']:.1f} ms: {m['retrieve'] / m['codes']:.2f}x")
 
 
+def engine(args):
+    import dataclasses
+
+    from kvstore.codec.codebooks import Codebooks
+    from kvstore.core.config import CacheConfig, CodecConfig, ModelGeometry
+    from kvstore.engine.engine import Engine
+    from kvstore.kernels import tunables
+    dev = "cpu" if args.smoke else "cuda"
+    nl, hq, hkv, d, bs = (2, 4, 2, 64, 16) if args.smoke else (args.layers, 32, 8, 128, 16)
+    prefix, t, reps = (320, 4, 1) if args.smoke else (args.context, args.tokens or 128, args.reps)
+    rounds = 2 * (reps + 1)
+    cfg = CacheConfig(name="c", model_id="llama-3-8b-geometry", geometry=ModelGeometry(nl, hq, hkv, d),
+                      codec=CodecConfig("pq"), block_size=bs, residual=128, sink_tokens=32,
+                      num_blocks=(prefix + rounds * t) // bs + 64, max_sequences=2, device=dev)
+    e = Engine(device=dev)
+    e.create_cache(cfg)
+    g = torch.Generator().manual_seed(0)
+    e.set_codebooks("c", Codebooks(k=torch.randn(nl, hkv, d // 2, 256, 2, generator=g),
+                                   v=torch.randn(nl, hkv, d // 2, 256, 2, generator=g)))
+    e.allocate("c", "t", "s", [])
+    pos = 0
+    for lo in range(0, prefix, 4096):
+        n = min(4096, prefix - lo)
+        k = torch.randn(nl, n, hkv, d, device=dev, dtype=torch.float16)
+        e.append("c", "t", ["s"], k, torch.randn_like(k), [n], token_ids=[list(range(pos, pos + n))])
+        pos += n
+    kn = torch.randn(t, hkv, d, device=dev, dtype=torch.float16)
+    q = torch.randn(t, hq, d, device=dev, dtype=torch.float16)
+    out = torch.empty_like(q)
+
+    def chunk():        # one prompt chunk through every layer; -> seconds, GPU included
+        nonlocal pos
+        ids = list(range(pos, pos + t))
+        pos += t
+        if dev == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for layer in range(nl):
+            e.append_attend("c", "t", layer, ["s"], kn, kn, q, query_tokens=t, out=out,
+                            token_ids=ids if layer == 0 else None)
+        if dev == "cuda":
+            torch.cuda.synchronize()
+        return time.perf_counter() - t0
+    rows, chosen = tunables.MTQ_TRITON_ROWS, kernels.decode_backend(
+        "pq", device=dev, num_qo_heads=hq, num_kv_heads=hkv, head_dim=d, block_size=bs,
+        dtype=torch.float16, query_tokens=t)
+    times = {"router": [], "cuda": []}
+    try:
+        for i in range(rounds):          # the first of each is a warm-up
+            which = ("router", "cuda")[i % 2]
+            tunables.MTQ_TRITON_ROWS = rows if which == "router" else 0
+            times[which].append(chunk())
+    finally:
+        tunables.MTQ_TRITON_ROWS = rows
+    if args.smoke:
+        print(f"smoke engine: {nl} layers x T={t} after {prefix} tokens ran ({e.cache('c').seq('t', 's').length} held)")
+        return
+    a, b = (statistics.median(times[w][1:]) / nl for w in ("router", "cuda"))
+    print(f"AppendAttend of T={t} after {prefix} tokens, B=1, {nl} layers (Hq {hq} Hkv {hkv} d {d}, pq 4-bit), "
+          f"median of {reps}: the router's choice ({chosen}) {1e3 * a:.3f} ms a call, the CUDA plan "
+          f"{1e3 * b:.3f} ms: {b / a:.2f}x")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--only", choices=("kernel", "ttft"))
+    ap.add_argument("--only", choices=("kernel", "ttft", "engine"))
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU (set TRITON_INTERPRET=1)")
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--context", type=int, default=32768)
-    ap.add_argument("--tokens", type=int, default=8, help="query tokens per sequence (kernel)")
+    ap.add_argument("--tokens", type=int, help="query tokens per sequence (kernel: default 8; engine: 128)")
     ap.add_argument("--suffix", type=int, nargs="+", default=[1024],
                     help="prompt tokens after the cached prefix (ttft), one or more")
-    ap.add_argument("--layers", type=int, default=8, help="layers of the random Llama (ttft)")
+    ap.add_argument("--layers", type=int, default=8, help="layers of the random Llama (ttft) and of the engine (engine)")
     ap.add_argument("--reps", type=int, default=5)
     args = ap.parse_args()
     if args.smoke and os.environ.get("TRITON_INTERPRET") != "1":
@@ -223,6 +293,8 @@ def main():
         kernel(args)
     if args.only in (None, "ttft"):
         ttft(args)
+    if args.only in (None, "engine"):
+        engine(args)
 
 
 if __name__ == "__main__":
