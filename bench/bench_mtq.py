@@ -15,11 +15,12 @@
     daemon of its own (server.py, a socket in a temporary directory) on the same GPU.
 
 (c) engine: the engine's AppendAttend of --tokens query tokens (default here 128, a
-    prefill chunk) after an --context-token prefix, B=1, in process (Engine, --layers
-    layers, Llama-3-8B's per-layer geometry, token ids at layer 0 as the adapter sends
-    them): ms a call, GPU included, with the router's choice against the CUDA plan
-    (tunables.MTQ_TRITON_ROWS = 0), interleaved in the same run, median of --reps rounds
-    each of one chunk through every layer.
+    prefill chunk) after an --context-token prefix, B=1, --layers layers of Llama-3-8B's
+    per-layer geometry, token ids at layer 0 as the adapter sends them; median of --reps
+    rounds of one chunk through every layer, GPU included. In process (Engine): ms a call
+    with the router's choice against the CUDA plan (tunables.MTQ_TRITON_ROWS = 0),
+    interleaved in the same run. Then through a daemon of its own (the client's
+    doorbell): a call's round trip, and the first, middle and last layers' apart.
 
     python bench/bench_mtq.py                 # all three, on a CUDA GPU
     python bench/bench_mtq.py --only kernel   # (a); --only ttft: (b); --only engine: (c)
@@ -28,6 +29,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import os
 import statistics
@@ -131,14 +133,30 @@ def kernel(args):
               f"(rel err vs reference {err:.1e})")
 
 
+@contextlib.contextmanager
+def daemon(dev):
+    """A daemon of its own (server.py, a socket in a temporary directory) -> its target."""
+    import subprocess
+
+    from kvstore.tools.demo import wait_serving
+    with tempfile.TemporaryDirectory() as tmp:
+        target = "unix://" + os.path.join(tmp, "kv.sock")
+        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        server = subprocess.Popen([sys.executable, os.path.join(root, "server.py"), "--socket", target[7:],
+                                   "--device", dev, "--log-level", "WARNING"])
+        try:
+            wait_serving(target, server)
+            yield target
+        finally:
+            server.terminate()
+            server.wait()
+
+
 def ttft(args):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from kvstore.client.hf import KVStoreAdapter
     from kvstore.codec.codebooks import Codebooks
-    import subprocess
-
-    from kvstore.tools.demo import wait_serving
     dev = "cpu" if args.smoke else "cuda"
     if args.smoke:
         geo = dict(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
@@ -159,47 +177,38 @@ def ttft(args):
 
     def prompt(suffix):     # the cached prefix and a suffix never seen before: only the prefix hits
         return torch.cat([head, torch.randint(3, cfg.vocab_size, (1, suffix), generator=g)], 1).to(dev)
-    with tempfile.TemporaryDirectory() as tmp:
-        sock = os.path.join(tmp, "kv.sock")
-        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-        server = subprocess.Popen([sys.executable, os.path.join(root, "server.py"), "--socket", sock,
-                                   "--device", dev, "--log-level", "WARNING"])
-        try:
-            wait_serving(f"unix://{sock}", server)
-            blocks = 2 * (prefix + max(suffixes)) // 16 + 512
-            kw = dict(cache="mtq", codec="pq", codebooks=cb.to_bytes(), transform="none", num_blocks=blocks,
-                      max_sequences=4)
-            ads = {p: KVStoreAdapter(model, f"unix://{sock}", prefix_path=p, **kw) for p in ("codes", "retrieve")}
-            gen = dict(max_new_tokens=1, do_sample=False, pad_token_id=0)
-            med = {}
-            with torch.no_grad():
-                ads["retrieve"].generate(head.to(dev), **gen)            # the cached prefix
-                for suffix in suffixes:
-                    times = {p: [] for p in ads}
-                    for _ in range(reps + 1):                             # the first round warms up
-                        for p, ad in ads.items():
-                            if dev == "cuda":
-                                torch.cuda.synchronize()
-                            ids = prompt(suffix)
-                            t0 = time.perf_counter()
-                            ad.generate(ids, **gen)
-                            if dev == "cuda":
-                                torch.cuda.synchronize()
-                            times[p].append(time.perf_counter() - t0)
-                    med[suffix] = {p: statistics.median(v[1:] if len(v) > 1 else v) for p, v in times.items()}
-                hit = ads["codes"].stats().prefix_hit_tokens
-                ads["codes"].generate(prompt(suffixes[0]), **gen)
-                hit = ads["codes"].stats().prefix_hit_tokens - hit      # one request's
-            # a request that fell back in-process, or missed the prefix, times something else
-            assert all(ad.fallbacks == 0 for ad in ads.values()), "the adapter fell back in-process"
-            # (the newest residual tokens of the prefix stay in fp16, unshared, until a longer
-            # request seals them)
-            assert hit >= prefix - 128 - 16, f"a request hit {hit} tokens of the {prefix}-token prefix"
-            for ad in ads.values():
-                ad.close()
-        finally:
-            server.terminate()
-            server.wait()
+    with daemon(dev) as target:
+        blocks = 2 * (prefix + max(suffixes)) // 16 + 512
+        kw = dict(cache="mtq", codec="pq", codebooks=cb.to_bytes(), transform="none", num_blocks=blocks,
+                  max_sequences=4)
+        ads = {p: KVStoreAdapter(model, target, prefix_path=p, **kw) for p in ("codes", "retrieve")}
+        gen = dict(max_new_tokens=1, do_sample=False, pad_token_id=0)
+        med = {}
+        with torch.no_grad():
+            ads["retrieve"].generate(head.to(dev), **gen)            # the cached prefix
+            for suffix in suffixes:
+                times = {p: [] for p in ads}
+                for _ in range(reps + 1):                             # the first round warms up
+                    for p, ad in ads.items():
+                        if dev == "cuda":
+                            torch.cuda.synchronize()
+                        ids = prompt(suffix)
+                        t0 = time.perf_counter()
+                        ad.generate(ids, **gen)
+                        if dev == "cuda":
+                            torch.cuda.synchronize()
+                        times[p].append(time.perf_counter() - t0)
+                med[suffix] = {p: statistics.median(v[1:] if len(v) > 1 else v) for p, v in times.items()}
+            hit = ads["codes"].stats().prefix_hit_tokens
+            ads["codes"].generate(prompt(suffixes[0]), **gen)
+            hit = ads["codes"].stats().prefix_hit_tokens - hit      # one request's
+        # a request that fell back in-process, or missed the prefix, times something else
+        assert all(ad.fallbacks == 0 for ad in ads.values()), "the adapter fell back in-process"
+        # (the newest residual tokens of the prefix stay in fp16, unshared, until a longer
+        # request seals them)
+        assert hit >= prefix - 128 - 16, f"a request hit {hit} tokens of the {prefix}-token prefix"
+        for ad in ads.values():
+            ad.close()
     print(f"TTFT after a {prefix}-token cached prefix (a request hits {hit}), "
           f"random Llama {nl} layers x (hidden {cfg.hidden_size}, Hq {cfg.num_attention_heads}, Hkv {hkv}, d {d}), "
           f"codec pq 4-bit, {dev}, median of {max(1, reps)}:")
@@ -209,8 +218,8 @@ def ttft(args):
 
 
 def engine(args):
-    import dataclasses
 
+    from kvstore.client import KVStoreClient
     from kvstore.codec.codebooks import Codebooks
     from kvstore.core.config import CacheConfig, CodecConfig, ModelGeometry
     from kvstore.engine.engine import Engine
@@ -219,38 +228,48 @@ def engine(args):
     nl, hq, hkv, d, bs = (2, 4, 2, 64, 16) if args.smoke else (args.layers, 32, 8, 128, 16)
     prefix, t, reps = (320, 4, 1) if args.smoke else (args.context, args.tokens or 128, args.reps)
     rounds = 2 * (reps + 2)
-    cfg = CacheConfig(name="c", model_id="llama-3-8b-geometry", geometry=ModelGeometry(nl, hq, hkv, d),
-                      codec=CodecConfig("pq"), block_size=bs, residual=128, sink_tokens=32,
-                      num_blocks=(prefix + rounds * t) // bs + 64, max_sequences=2, device=dev)
-    e = Engine(device=dev)
-    e.create_cache(cfg)
+    blocks = (prefix + rounds * t) // bs + 64
     g = torch.Generator().manual_seed(0)
-    e.set_codebooks("c", Codebooks(k=torch.randn(nl, hkv, d // 2, 256, 2, generator=g),
-                                   v=torch.randn(nl, hkv, d // 2, 256, 2, generator=g)))
-    e.allocate("c", "t", "s", [])
-    pos = 0
-    for lo in range(0, prefix, 4096):
-        n = min(4096, prefix - lo)
-        k = torch.randn(nl, n, hkv, d, device=dev, dtype=torch.float16)
-        e.append("c", "t", ["s"], k, torch.randn_like(k), [n], token_ids=[list(range(pos, pos + n))])
-        pos += n
+    cb = Codebooks(k=torch.randn(nl, hkv, d // 2, 256, 2, generator=g), v=torch.randn(nl, hkv, d // 2, 256, 2, generator=g))
     kn = torch.randn(t, hkv, d, device=dev, dtype=torch.float16)
     q = torch.randn(t, hq, d, device=dev, dtype=torch.float16)
     out = torch.empty_like(q)
 
-    def chunk():        # one prompt chunk through every layer; -> seconds, GPU included
-        nonlocal pos
-        ids = list(range(pos, pos + t))
-        pos += t
+    def sync():
         if dev == "cuda":
             torch.cuda.synchronize()
-        t0 = time.perf_counter()
+
+    def fill(append):       # the prefix, 4K tokens a call, with ids (hashed as the adapter's are)
+        for lo in range(0, prefix, 4096):
+            n = min(4096, prefix - lo)
+            k = torch.randn(nl, n, hkv, d, device=dev, dtype=torch.float16)
+            append(k, [list(range(lo, lo + n))])
+        return prefix
+
+    def chunk(call, pos):   # one prompt chunk through every layer -> [seconds a call], GPU included at the end
+        ids, took = list(range(pos, pos + t)), []
+        sync()
         for layer in range(nl):
-            e.append_attend("c", "t", layer, ["s"], kn, kn, q, query_tokens=t, out=out,
-                            token_ids=ids if layer == 0 else None)
-        if dev == "cuda":
-            torch.cuda.synchronize()
-        return time.perf_counter() - t0
+            t0 = time.perf_counter()
+            call(layer, ids if layer == 0 else None)
+            took.append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        sync()
+        took[-1] += time.perf_counter() - t0
+        return took
+
+    # in process: the router's choice against the CUDA plan
+    cfg = CacheConfig(name="c", model_id="llama-3-8b-geometry", geometry=ModelGeometry(nl, hq, hkv, d),
+                      codec=CodecConfig("pq"), block_size=bs, residual=128, sink_tokens=32,
+                      num_blocks=blocks, max_sequences=2, device=dev)
+    e = Engine(device=dev)
+    e.create_cache(cfg)
+    e.set_codebooks("c", cb)
+    e.allocate("c", "t", "s", [])
+    pos = fill(lambda k, ids: e.append("c", "t", ["s"], k, k, [k.shape[1]], token_ids=ids))
+
+    def local(layer, ids):
+        e.append_attend("c", "t", layer, ["s"], kn, kn, q, query_tokens=t, out=out, token_ids=ids)
     rows, chosen = tunables.MTQ_TRITON_ROWS, kernels.decode_backend(
         "pq", device=dev, num_qo_heads=hq, num_kv_heads=hkv, head_dim=d, block_size=bs,
         dtype=torch.float16, query_tokens=t)
@@ -262,18 +281,42 @@ def engine(args):
     try:
         for i, which in enumerate(order):
             tunables.MTQ_TRITON_ROWS = rows if which == "router" else 0
-            took = chunk()
+            took = sum(chunk(local, pos))
+            pos += t
             if i >= 4:
                 times[which].append(took)
     finally:
         tunables.MTQ_TRITON_ROWS = rows
+    del e
+
+    # the same chunks through a daemon (the doorbell): each call's round trip by its layer
+    with daemon(dev) as target, KVStoreClient(target) as c:
+        c.create_cache("c", "llama-3-8b-geometry", num_layers=nl, num_q_heads=hq, num_kv_heads=hkv, head_dim=d,
+                       block_size=bs, residual=128, sink_tokens=32, num_blocks=blocks, max_sequences=2)
+        c.set_codebooks("c", cb.to_bytes())
+        c.allocate("c", "s", [])
+        pos = fill(lambda k, ids: c.append("c", ["s"], k, k, token_ids=ids))
+
+        def remote(layer, ids):
+            c.append_attend("c", layer, ["s"], kn, kn, q, out=out, query_tokens=t, token_ids=ids)
+        calls = []
+        for i in range(reps + 2):
+            took = chunk(remote, pos)
+            pos += t
+            if i >= 2:
+                calls.append(took)
     if args.smoke:
-        print(f"smoke engine: {nl} layers x T={t} after {prefix} tokens ran ({e.cache('c').seq('t', 's').length} held)")
+        print(f"smoke engine: {nl} layers x T={t} after {prefix} tokens, in process and through a daemon")
         return
     a, b = (statistics.median(times[w]) / nl for w in ("router", "cuda"))
     print(f"AppendAttend of T={t} after {prefix} tokens, B=1, {nl} layers (Hq {hq} Hkv {hkv} d {d}, pq 4-bit), "
-          f"median of {reps}: the router's choice ({chosen}) {1e3 * a:.3f} ms a call, the CUDA plan "
-          f"{1e3 * b:.3f} ms: {b / a:.2f}x")
+          f"median of {reps}:")
+    print(f"  in process: the router's choice ({chosen}) {1e3 * a:.3f} ms a call, the CUDA plan {1e3 * b:.3f} ms: "
+          f"{b / a:.2f}x")
+    med = [statistics.median(x[j] for x in calls) for j in range(nl)]
+    print(f"  through the daemon (router's choice): {1e3 * statistics.median(map(sum, calls)) / nl:.3f} ms a call; "
+          f"the first layer {1e3 * med[0]:.3f} ms, the middle ones {1e3 * statistics.median(med[1:-1]):.3f}, the "
+          f"last {1e3 * med[-1]:.3f} (its commit seals and encodes the chunk's blocks; GPU included)")
 
 
 def main():
