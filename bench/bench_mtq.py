@@ -20,7 +20,8 @@
     rounds of one chunk through every layer, GPU included. In process (Engine): ms a call
     with the router's choice against the CUDA plan (tunables.MTQ_TRITON_ROWS = 0),
     interleaved in the same run. Then through a daemon of its own (the client's
-    doorbell): a call's round trip, and the first, middle and last layers' apart.
+    doorbell): ms a call with the GPU, and the round trips of the first, middle and last
+    layers apart.
 
     python bench/bench_mtq.py                 # all three, on a CUDA GPU
     python bench/bench_mtq.py --only kernel   # (a); --only ttft: (b); --only engine: (c)
@@ -225,7 +226,9 @@ def engine(args):
     from kvstore.engine.engine import Engine
     from kvstore.kernels import tunables
     dev = "cpu" if args.smoke else "cuda"
-    nl, hq, hkv, d, bs = (2, 4, 2, 64, 16) if args.smoke else (args.layers, 32, 8, 128, 16)
+    nl, hq, hkv, d, bs = (3, 4, 2, 64, 16) if args.smoke else (args.layers, 32, 8, 128, 16)
+    if nl < 3:
+        sys.exit("--layers: the engine bench times a first, a middle and a last layer: give 3 or more")
     prefix, t, reps = (320, 4, 1) if args.smoke else (args.context, args.tokens or 128, args.reps)
     rounds = 2 * (reps + 2)
     blocks = (prefix + rounds * t) // bs + 64
@@ -246,7 +249,7 @@ def engine(args):
             append(k, [list(range(lo, lo + n))])
         return prefix
 
-    def chunk(call, pos):   # one prompt chunk through every layer -> [seconds a call], GPU included at the end
+    def chunk(call, pos):   # one prompt chunk through every layer -> [seconds a call] + [the wait for the GPU after]
         ids, took = list(range(pos, pos + t)), []
         sync()
         for layer in range(nl):
@@ -255,8 +258,7 @@ def engine(args):
             took.append(time.perf_counter() - t0)
         t0 = time.perf_counter()
         sync()
-        took[-1] += time.perf_counter() - t0
-        return took
+        return took + [time.perf_counter() - t0]
 
     # in process: the router's choice against the CUDA plan
     cfg = CacheConfig(name="c", model_id="llama-3-8b-geometry", geometry=ModelGeometry(nl, hq, hkv, d),
@@ -306,17 +308,17 @@ def engine(args):
             if i >= 2:
                 calls.append(took)
     if args.smoke:
-        print(f"smoke engine: {nl} layers x T={t} after {prefix} tokens, in process and through a daemon")
-        return
+        print("smoke engine (CPU times, not the GPU's):")
     a, b = (statistics.median(times[w]) / nl for w in ("router", "cuda"))
     print(f"AppendAttend of T={t} after {prefix} tokens, B=1, {nl} layers (Hq {hq} Hkv {hkv} d {d}, pq 4-bit), "
           f"median of {reps}:")
     print(f"  in process: the router's choice ({chosen}) {1e3 * a:.3f} ms a call, the CUDA plan {1e3 * b:.3f} ms: "
           f"{b / a:.2f}x")
-    med = [statistics.median(x[j] for x in calls) for j in range(nl)]
-    print(f"  through the daemon (router's choice): {1e3 * statistics.median(map(sum, calls)) / nl:.3f} ms a call; "
-          f"the first layer {1e3 * med[0]:.3f} ms, the middle ones {1e3 * statistics.median(med[1:-1]):.3f}, the "
-          f"last {1e3 * med[-1]:.3f} (its commit seals and encodes the chunk's blocks; GPU included)")
+    med = [statistics.median(x[j] for x in calls) for j in range(nl + 1)]
+    print(f"  through the daemon (router's choice): {1e3 * statistics.median(map(sum, calls)) / nl:.3f} ms a call "
+          f"with the GPU; round trips: the first layer {1e3 * med[0]:.3f} ms (it plans), the middle ones "
+          f"{1e3 * statistics.median(med[1:nl - 1]):.3f}, the last {1e3 * med[nl - 1]:.3f} (its commit seals and "
+          f"encodes the chunk's blocks); the GPU's work left after the last {1e3 * med[nl]:.3f} ms")
 
 
 def main():
