@@ -6,6 +6,12 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
+# Without CUDA the Triton kernels' tests run in Triton's interpreter, which triton reads
+# from the environment when it is first imported: set here, before any test module, as
+# several import the kernels (tests/kernels/test_triton_kernels.py: the interpreter tests).
+if not torch.cuda.is_available() and "triton" not in sys.modules:
+    os.environ["TRITON_INTERPRET"] = "1"
+
 # Under pytest-xdist (make test-gpu: GPU_WORKERS processes) each worker's torch would run
 # its CPU ops (the fp64 references) on a thread per core, every worker on every core. Each
 # worker gets its share of the cores instead: with one thread a worker the multi-token GPU

@@ -30,6 +30,12 @@ cpu_only = pytest.mark.skipif(HAS_CUDA or not INTERPRET,
                               reason="interpreter tests: CPU with TRITON_INTERPRET=1")
 
 
+def test_the_interpreter_tests_run_without_cuda():
+    # every cpu_only test below skips when triton was imported before TRITON_INTERPRET was
+    # set (tests/conftest.py sets it first): a CPU run must not skip them all unseen
+    assert HAS_CUDA or INTERPRET, "triton was imported without TRITON_INTERPRET: the interpreter tests would skip"
+
+
 def gpu(f):
     return pytest.mark.gpu(pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")(f))
 
