@@ -252,6 +252,17 @@ def check_encode_args(x, slots, k_codes, v_codes, hkv: int, m: int, dsub: int, d
     return v_codes, v_codes.shape[3], v_codes.stride(3), v_codes.stride(2)
 
 
+def check_encode_layers(x, layers: int, k_codes, v_codes) -> None:
+    """An encode of every layer at once: x [L, N, Hkv, d] and the one code tensor given
+    [L, nb, ...], L the codebooks' layers (the per-layer checks follow: check_encode_args)."""
+    codes, name = (k_codes, "k_codes") if k_codes is not None else (v_codes, "v_codes")
+    if x.dim() != 4 or x.shape[0] != layers:
+        raise ValueError(f"x must be [{layers}, N, Hkv, d] for codebooks of {layers} layers, got {tuple(x.shape)}")
+    if codes is None or codes.dim() != 5 or codes.shape[0] != layers:
+        raise ValueError(f"{name} must be [{layers}, nb, ...] for codebooks of {layers} layers, got "
+                         f"{None if codes is None else tuple(codes.shape)}")
+
+
 def validate_heads(hq: int, hkv: int, d: int) -> None:
     if hkv <= 0 or hq % hkv:
         raise ValueError(f"num_qo_heads ({hq}) must be a multiple of num_kv_heads ({hkv})")

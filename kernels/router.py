@@ -40,8 +40,8 @@ from .cuda import attention as cuda_attention
 from .cuda import build as cuda_build
 from .cuda import encode as cuda_encode
 from .cuda import images as cuda_images
-from .plan import (HALF, HEAD_DIMS, MAX_QUERY_TOKENS, MULTI_ROWS, DecodePlan, host_lens, pq_lens, query_rows,
-                   validate_heads, wide_rows)
+from .plan import (HALF, HEAD_DIMS, MAX_QUERY_TOKENS, MULTI_ROWS, DecodePlan, check_encode_layers, host_lens,
+                   pq_lens, query_rows, validate_heads, wide_rows)
 
 REFERENCE, CUDA, TRITON = "reference", "cuda", "triton"
 KINDS = ("pq", "paged")
@@ -226,14 +226,18 @@ def paged_multi_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, so
 # ------------------------------------------------------------------ encode
 
 def encode_backend(codebook: torch.Tensor) -> str:
-    """REFERENCE, CUDA or TRITON for PQ encoding with this codebook [Hkv, M, 256, dsub]."""
+    """REFERENCE, CUDA or TRITON for PQ encoding with this codebook [Hkv, M, 256, dsub] (or
+    every layer's, [L, Hkv, M, 256, dsub])."""
     if not codebook.is_cuda:
         return REFERENCE
     return CUDA if cuda_encode.supported(codebook) else TRITON
 
 
 def pq_encode_to_slots(x, codebook, slots, k_codes=None, v_codes=None) -> None:
-    """reference.pq_encode_to_slots's contract, on whichever backend applies."""
+    """reference.pq_encode_to_slots's contract, on whichever backend applies. Every layer
+    at once: codebook [L, Hkv, M, 256, dsub], x [L, N, Hkv, d], the codes [L, nb, ...],
+    the same slots in each layer: one launch of the CUDA kernels, one call a layer on the
+    others."""
     which = encode_backend(codebook)
     if which == CUDA:
         fn = cuda_encode.pq_encode_to_slots
@@ -241,7 +245,13 @@ def pq_encode_to_slots(x, codebook, slots, k_codes=None, v_codes=None) -> None:
         from .triton.encode import pq_encode_to_slots as fn
     else:
         fn = reference.pq_encode_to_slots
-    fn(x, codebook, slots, k_codes=k_codes, v_codes=v_codes)
+    if which == CUDA or codebook.dim() != 5:
+        fn(x, codebook, slots, k_codes=k_codes, v_codes=v_codes)
+        return
+    check_encode_layers(x, codebook.shape[0], k_codes, v_codes)
+    for i in range(codebook.shape[0]):
+        fn(x[i], codebook[i], slots, k_codes=None if k_codes is None else k_codes[i],
+           v_codes=None if v_codes is None else v_codes[i])
 
 
 def prepare_encode(codebook: torch.Tensor) -> None:

@@ -1,7 +1,7 @@
 #include "common.cuh"
 
 // ------------------------------------------------------------------ PQ encode
-// grid (ceil(N / (32*T)), Hkv, M / MG), block MG warps: warp w <-> subspace
+// grid (ceil(N / (32*T)), L * Hkv, M / MG), block MG warps: warp w <-> subspace
 // m0 + w, lane <-> T tokens (lane, lane + 32, ...). Centroid data of the
 // block's subspaces in shared memory as float4 (-2c0, -2c1, ||c||^2, 0) for
 // dsub 2 or 2 x float4 (-2c0..-2c3), (||c||^2, 0, 0, 0) for dsub 4; every lane
@@ -12,10 +12,13 @@ template <int DSUB, int T, int MG, bool XBF16, bool XF32, bool S64>
 __global__ void __launch_bounds__(MG * 32) pq_encode(
     const void* __restrict__ xv, long long sx_n, long long sx_h, const float4* __restrict__ cpre,
     const void* __restrict__ slots, u8* codes, long long so_blk, long long so_h,
-    long long so_off, long long so_m, int N, int M, int bs) {
+    long long so_off, long long so_m, int N, int M, int bs, int hkv, long long sx_l, long long so_l) {
   constexpr int F4 = DSUB == 2 ? 1 : 2;
   __shared__ float4 sc[MG * 256 * F4];
+  // h: (layer, KV head) of a launch over every layer (cpre stacked [L * Hkv, M, ...])
   const int h = blockIdx.y, m0 = blockIdx.z * MG;
+  const long long x_h = (long long)(h / hkv) * sx_l + (long long)(h % hkv) * sx_h;
+  const long long o_h = (long long)(h / hkv) * so_l + (long long)(h % hkv) * so_h;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const float4* src = cpre + ((long long)h * M + m0) * 256 * F4;
   for (int i = threadIdx.x; i < MG * 256 * F4; i += MG * 32) sc[i] = src[i];
@@ -31,7 +34,7 @@ __global__ void __launch_bounds__(MG * 32) pq_encode(
     for (int j = 0; j < DSUB; ++j) {
       float v = 0.f;
       if (n < N) {
-        long long o = (long long)n * sx_n + (long long)h * sx_h + m * DSUB + j;
+        long long o = (long long)n * sx_n + x_h + m * DSUB + j;
         if (XF32) v = reinterpret_cast<const float*>(xv)[o];
         else v = from16<XBF16>(reinterpret_cast<const u16*>(xv)[o]);
       }
@@ -69,14 +72,14 @@ __global__ void __launch_bounds__(MG * 32) pq_encode(
       long long slot = S64 ? reinterpret_cast<const long long*>(slots)[n]
                            : (long long)reinterpret_cast<const int*>(slots)[n];
       long long blk = slot / bs, off = slot % bs;
-      codes[blk * so_blk + (long long)h * so_h + off * so_off + (long long)m * so_m] =
+      codes[blk * so_blk + o_h + off * so_off + (long long)m * so_m] =
           (u8)(__float_as_int(best[t]) & 255);
     }
   }
 }
 
 // ------------------------------------------------- PQ encode through cell tables (dsub 2)
-// Tables and why they are exact: kernels/pq_cells.py. grid (M / 16, token chunks, Hkv),
+// Tables and why they are exact: kernels/pq_cells.py. grid (M / 16, token chunks, L * Hkv),
 // 256 threads; thread -> token (tid / 4) of each 64-token step and subspaces
 // m0 + 4 (tid % 4) + 0..3, i.e. one 16 B (fp16/bf16) or 32 B (fp32) load per thread,
 // the four threads of a token reading 64 contiguous bytes. In shared memory: the
@@ -159,11 +162,12 @@ __device__ __forceinline__ CellRec<CMAX> load_rec(const u8* p) {
 template <int G, int CMAX, bool XBF16, bool XF32, bool S64>
 __global__ void __launch_bounds__(256) pq_encode_cells(
     const void* __restrict__ xv, long long sx_n, long long sx_h,
-    const float2* __restrict__ cents,   // [Hkv, M, 256] (c0, c1) fp32
-    const float* __restrict__ bps,      // [Hkv, M, 2, G + 1]
-    const u8* __restrict__ recs,        // [Hkv, M, G * G, CMAX + 1]
+    const float2* __restrict__ cents,   // [L * Hkv, M, 256] (c0, c1) fp32
+    const float* __restrict__ bps,      // [L * Hkv, M, 2, G + 1]
+    const u8* __restrict__ recs,        // [L * Hkv, M, G * G, CMAX + 1]
     const void* __restrict__ slots, u8* codes, long long so_blk, long long so_h,
-    long long so_off, long long so_m, int N, int M, int bs, int tok_per_block, int vec_store) {
+    long long so_off, long long so_m, int N, int M, int bs, int tok_per_block, int vec_store,
+    int hkv, long long sx_l, long long so_l) {
   constexpr int MG = 16, NB = G + 1, NW = (CMAX + 1) / 4, REC = CMAX + 1;
   static_assert((G & (G - 1)) == 0 && (CMAX == 7 || CMAX == 15), "G power of 2, CMAX 7 or 15");
   __shared__ float2 sc[MG * 256];
@@ -179,7 +183,8 @@ __global__ void __launch_bounds__(256) pq_encode_cells(
   __syncthreads();
   const int n_lo = blockIdx.y * tok_per_block;
   const int n_hi = min(N, n_lo + tok_per_block);
-  const long long xoff = (long long)h * sx_h + 2 * (m0 + 4 * q);
+  // h: (layer, KV head) of a launch over every layer (tables stacked [L * Hkv, M, ...])
+  const long long xoff = (long long)(h / hkv) * sx_l + (long long)(h % hkv) * sx_h + 2 * (m0 + 4 * q);
   const u8* rec_q = recs + ((long long)h * M + m0 + 4 * q) * (G * G) * REC;
 
   float xn[8];
@@ -264,7 +269,8 @@ __global__ void __launch_bounds__(256) pq_encode_cells(
       const long long slot = S64 ? reinterpret_cast<const long long*>(slots)[n]
                                  : (long long)reinterpret_cast<const int*>(slots)[n];
       const long long blk = slot / bs, off = slot % bs;
-      u8* dst = codes + blk * so_blk + (long long)h * so_h + off * so_off + (long long)(m0 + 4 * q) * so_m;
+      u8* dst = codes + blk * so_blk + (long long)(h / hkv) * so_l + (long long)(h % hkv) * so_h +
+                off * so_off + (long long)(m0 + 4 * q) * so_m;
       if (vec_store) {
         *reinterpret_cast<u32*>(dst) = code4;
       } else {

@@ -117,9 +117,8 @@ class PQStore:
             self.v_cb.copy_(v)
         else:
             self.k_cb, self.v_cb = k, v
-        for layer in range(self.k_cb.shape[0]):     # encoder tables now, not at the first seal
-            kernels.prepare_encode(self.k_cb[layer])
-            kernels.prepare_encode(self.v_cb[layer])
+        kernels.prepare_encode(self.k_cb)       # encoder tables now, not at the first seal
+        kernels.prepare_encode(self.v_cb)
         self.cb_words = kernels.codebook_images(self.k_cb, self.v_cb, self.num_qo_heads, self.cb_words)
         self.cb_images = (None if self.cb_words is None
                           else kernels.layer_images(self.cb_words, self.num_qo_heads, self.k_cb.shape[-1]))
@@ -134,9 +133,9 @@ class PQStore:
         n = block_ids.numel() * self.bs
         slots = (block_ids.view(-1, 1) * self.bs + torch.arange(self.bs, device=block_ids.device)).view(-1)
         slots = slots.to(torch.int32)
-        for layer in range(k.shape[0]):
-            kernels.pq_encode_to_slots(k[layer, :n].contiguous(), self.k_cb[layer], slots, k_codes=self.k_codes[layer])
-            kernels.pq_encode_to_slots(v[layer, :n].contiguous(), self.v_cb[layer], slots, v_codes=self.v_codes[layer])
+        # every layer in one call: on the GPU one launch each for K and V (kernels/cuda/encode.py)
+        kernels.pq_encode_to_slots(k[:, :n], self.k_cb, slots, k_codes=self.k_codes)
+        kernels.pq_encode_to_slots(v[:, :n], self.v_cb, slots, v_codes=self.v_codes)
 
     def read_blocks(self, layers: slice, block_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Dequantized -> k, v [nl, n_blocks * bs, Hkv, d] in the cache dtype."""

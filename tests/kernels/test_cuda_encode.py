@@ -119,3 +119,51 @@ def test_pq_encode_cells_cuda_fallback_misaligned():
     want = torch.full((25, 2, 16, 64), 7, dtype=torch.uint8)
     ref.pq_encode_to_slots(x, cb, slots, k_codes=want)
     assert (got.cpu() != want).float().mean().item() < 0.01
+
+
+def _layers_case(layers, hkv, d, dsub, n, nb, bs, dtype, seed):
+    """x as the engine passes it, a [L, :n] view of a longer buffer; per-layer codebooks
+    of the compute dtype (as storage keeps them)."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(layers, n + 5, hkv, d, generator=gen).to(dtype)[:, :n]
+    cb = torch.randn(layers, hkv, d // dsub, 256, dsub, generator=gen)
+    cb = cb.half() if dtype == torch.float16 else cb
+    slots = torch.randperm(nb * bs, generator=gen)[:n].int()
+    return x, cb, slots
+
+
+@gpu
+@pytest.mark.parametrize("d,dsub,dtype", [(128, 2, torch.float16),       # cell kernel
+                                          (64, 2, torch.bfloat16),        # cell kernel, bf16 x
+                                          (128, 4, torch.float16),        # brute force (2-bit)
+                                          (64, 2, torch.float32)])        # cell kernel, fp32 x
+def test_every_layer_in_one_launch_gives_each_layers_codes(d, dsub, dtype):
+    # a seal's encode: [L, n] tokens, the same slots in every layer, one launch for K (and
+    # one for V): each layer's codes equal that layer's own encode, bit for bit
+    layers, hkv, n, nb, bs = 3, 2, 300, 24, 16
+    x, cb, slots = _layers_case(layers, hkv, d, dsub, n, nb, bs, dtype, seed=d + dsub)
+    m = d // dsub
+    plan = cuda_encode.encode_plan(cb.cuda(), refresh=True)
+    assert plan.layers == layers and (plan.cells is not None) == (dsub == 2)
+    for kind, shape in (("k_codes", (layers, nb, hkv, bs, m)), ("v_codes", (layers, nb, hkv, m, bs))):
+        got = torch.full(shape, 7, dtype=torch.uint8, device="cuda")
+        kernels.pq_encode_to_slots(x.cuda(), cb.cuda(), slots.cuda(), **{kind: got})
+        for i in range(layers):
+            one = torch.full(shape[1:], 7, dtype=torch.uint8, device="cuda")
+            cuda_encode.plan_pq_encode(cb[i].cuda()).run(x[i].cuda(), slots.cuda(), **{kind: one})
+            assert torch.equal(got[i], one), (kind, i)
+            if dsub == 2:       # the cell kernel is exact: the reference's codes too
+                want = torch.full(shape[1:], 7, dtype=torch.uint8)
+                ref.pq_encode_to_slots(x[i], cb[i], slots, **{kind: want})
+                assert torch.equal(got[i].cpu(), want), (kind, i)
+
+
+@gpu
+def test_every_layer_refuses_codes_of_another_layer_count():
+    x, cb, slots = _layers_case(3, 2, 64, 2, 40, 4, 16, torch.float16, seed=1)
+    codes = torch.zeros(2, 4, 2, 16, 32, dtype=torch.uint8, device="cuda")
+    with pytest.raises(ValueError, match="k_codes must be \\[3, nb"):
+        kernels.pq_encode_to_slots(x.cuda(), cb.cuda(), slots.cuda(), k_codes=codes)
+    with pytest.raises(ValueError, match="x must be \\[3, N"):
+        kernels.pq_encode_to_slots(x[0].cuda(), cb.cuda(), slots.cuda(), k_codes=codes)
+    assert not codes.any()

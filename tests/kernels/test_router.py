@@ -49,6 +49,26 @@ def test_cpu_device_is_reference_for_every_op():
     assert kernels.codebook_images(c["k_codebook"][None], c["v_codebook"][None], 4) is None
 
 
+def test_every_layer_encode_off_the_gpu_is_each_layers_reference():
+    # the engine's seal encodes [L, n] tokens in one call: here one reference call a layer
+    gen = torch.Generator().manual_seed(4)
+    layers, hkv, d, n, bs, nb = 3, 2, 64, 40, 16, 4
+    x = torch.randn(layers, n + 3, hkv, d, generator=gen)[:, :n]
+    cb = torch.randn(layers, hkv, d // 2, 256, 2, generator=gen)
+    slots = torch.randperm(nb * bs, generator=gen)[:n]
+    assert kernels.encode_backend(cb) == kernels.REFERENCE
+    got = torch.full((layers, nb, hkv, d // 2, bs), 7, dtype=torch.uint8)
+    kernels.pq_encode_to_slots(x, cb, slots, v_codes=got)
+    for i in range(layers):
+        want = torch.full((nb, hkv, d // 2, bs), 7, dtype=torch.uint8)
+        ref.pq_encode_to_slots(x[i], cb[i], slots, v_codes=want)
+        assert torch.equal(got[i], want)
+    with pytest.raises(ValueError, match="v_codes must be \\[3, nb"):
+        kernels.pq_encode_to_slots(x, cb, slots, v_codes=got[:2])
+    with pytest.raises(ValueError, match="x must be \\[3, N"):
+        kernels.pq_encode_to_slots(x[:2], cb, slots, v_codes=got)
+
+
 def test_cuda_where_the_kernels_take_it_triton_elsewhere(fake_gpu, monkeypatch):
     assert choose() == kernels.CUDA
     assert choose(dtype=torch.bfloat16) == kernels.CUDA
