@@ -11,7 +11,8 @@ M 64 (4-bit, dsub 2) and/or M 32 (2-bit, dsub 4: --bits), bs 16, a 128-token fp1
 median over CUDA-graph replays with L2 flushed before each (--flush read: evicted by a read, the default; zero: triton's zero_(), which adds
 ~50 MB of write-back to every timed kernel). The same run measures the read bandwidth
 (x.sum() over 2 GiB) and the measurement floor (a 1-element add timed the same way), which
-every time below contains.
+every time below contains. The encode part also times a seal's encode of every layer in one
+call against one call a layer (time_seal).
 
 Columns: cuda = the kernel as the engine runs it (codebooks staged by bulk copies for items
 of up to tunables.TMA_MAX_ITEM_TOKENS tokens, through registers past that); tma = bulk copies
@@ -116,6 +117,55 @@ def time_encode(rd: float | None = None):
     return res
 
 
+def time_seal(layers: int = 32, blocks: int = 8):
+    """A seal's encode as the engine runs it: `blocks` 16-token blocks of every layer
+    (Llama-3-8B geometry, 4-bit), K and V, one call of kernels.pq_encode_to_slots with every
+    layer's codebooks (one launch each) against one call a layer; host time (the calls
+    returning) and with the GPU, median of alternated rounds; the codes must be equal."""
+    from kvstore import kernels
+    hkv, d, bs, nb = 8, 128, 16, 4096
+    g = torch.Generator(device="cuda").manual_seed(0)
+    kcb, vcb = (torch.randn(layers, hkv, d // 2, 256, 2, device="cuda", generator=g).half() for _ in range(2))
+    codes = {"one call": [torch.zeros(layers, nb, hkv, bs, d // 2, dtype=torch.uint8, device="cuda"),
+                          torch.zeros(layers, nb, hkv, d // 2, bs, dtype=torch.uint8, device="cuda")]}
+    codes["a call a layer"] = [torch.zeros_like(c) for c in codes["one call"]]
+    k = torch.randn(layers, blocks * bs, hkv, d, device="cuda", generator=g).half()
+    v = torch.randn_like(k)
+    slots = (torch.arange(100, 100 + blocks, device="cuda").view(-1, 1) * bs
+             + torch.arange(bs, device="cuda")).view(-1).int()
+    kernels.prepare_encode(kcb)
+    kernels.prepare_encode(vcb)
+    for i in range(layers):
+        kernels.prepare_encode(kcb[i])
+        kernels.prepare_encode(vcb[i])
+
+    def one(kc, vc):
+        kernels.pq_encode_to_slots(k, kcb, slots, k_codes=kc)
+        kernels.pq_encode_to_slots(v, vcb, slots, v_codes=vc)
+
+    def per_layer(kc, vc):
+        for i in range(layers):
+            kernels.pq_encode_to_slots(k[i], kcb[i], slots, k_codes=kc[i])
+            kernels.pq_encode_to_slots(v[i], vcb[i], slots, v_codes=vc[i])
+    fns = {"one call": one, "a call a layer": per_layer}
+    times = {w: [] for w in fns}
+    for r in range(44):
+        for w in (("one call", "a call a layer"), ("a call a layer", "one call"))[r % 2]:
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            fns[w](*codes[w])
+            host = time.perf_counter() - t0
+            torch.cuda.synchronize()
+            if r >= 4:
+                times[w].append((host, time.perf_counter() - t0))
+    same = all(torch.equal(a, b) for a, b in zip(codes["one call"], codes["a call a layer"]))
+    print(f"\nseal encode, {blocks} blocks x {layers} layers, K and V (Hkv {hkv}, d {d}, 4-bit): "
+          f"codes equal: {same}")
+    for w, ts in times.items():
+        print(f"  {w:<15} host {1e3 * sorted(t[0] for t in ts)[len(ts) // 2]:.3f} ms, "
+              f"with the GPU {1e3 * sorted(t[1] for t in ts)[len(ts) // 2]:.3f} ms")
+
+
 def time_window(window: int, softcap: float, b: int, L: int):
     """The window of the `window` newest of L tokens (pq_case's layout: no sinks, a 128-token
     tail): the CUDA kernel's window build and Triton over it, the plain CUDA build over a
@@ -177,6 +227,8 @@ def main():
     if args.encode_only:
         encode_info()
         time_encode(rd)
+        time_seal(8)
+        time_seal(32)
         return 0
     kernel_info()
     if not args.shape:
@@ -207,6 +259,7 @@ def main():
     if not args.no_encode and not args.shape:
         encode_info()
         time_encode(rd)
+        time_seal(32)
 
     def time_cuda(q, case, sl, tl_, reg=False, tma_all=False):
         lim = tunables.TMA_MAX_ITEM_TOKENS
