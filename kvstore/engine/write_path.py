@@ -35,7 +35,7 @@ class WritePath:
 
     def defer_encodes(self) -> None:
         """Until flush_encodes(), collect seals so a batch encodes in one launch
-        per layer and K/V, not one per sequence (the block data is already
+        for K and one for V, not one per sequence (the block data is already
         copied out of the tail, so nothing reads it in between)."""
         self._deferred = []
 
