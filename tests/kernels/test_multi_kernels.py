@@ -4,15 +4,14 @@ the Triton kernels (the interpreter on CPU, every shape and bf16 on GPU) and the
 kernel (GPU: every GQA grouping of query tokens, graph replay) against the reference,
 and the router's refusals.
 
-Triton's interpreter must be set up before triton is first imported: this module
-defers to test_triton_kernels.py's set-up by importing it first.
+Without CUDA the Triton kernels run in the interpreter, which tests/conftest.py sets up.
 """
 import math
 
 import pytest
 import torch
 
-from test_triton_kernels import HAS_CUDA, INTERPRET, cpu_only, gpu  # noqa: F401  (sets TRITON_INTERPRET)
+from test_triton_kernels import HAS_CUDA, INTERPRET, cpu_only, gpu  # noqa: F401
 from kernel_cases import POISON, RUN_ARGS, check_attn, make_pq_case, rel
 from kernel_cases import tables as make_tables
 

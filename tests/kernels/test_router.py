@@ -2,8 +2,7 @@
 GPU, CUDA C++ where its kernels take the shape, dtypes and alignment, Triton for the rest.
 
 CPU only: the GPU is stood in for by monkeypatching what the choice reads (cupy's
-availability, the device's compute capability). Nothing here imports Triton, so the
-interpreter tests (test_triton_kernels.py) still get TRITON_INTERPRET before it.
+availability, the device's compute capability).
 """
 import os
 import subprocess

@@ -1,19 +1,15 @@
 """Triton kernels vs kernels/reference.py.
 
-Without CUDA the kernels run in Triton's interpreter (tiny fp16/fp32 shapes);
-TRITON_INTERPRET must be set before triton is first imported, which is why it
-is set here at import time (no other test module imports triton). GPU tests
-(`-m gpu`) cover the full parameter grid including bf16.
+Without CUDA the kernels run in Triton's interpreter (tiny fp16/fp32 shapes):
+tests/conftest.py sets TRITON_INTERPRET before any test module imports triton. GPU
+tests (`-m gpu`) cover the full parameter grid including bf16.
 """
 import os
-import sys
 
 import pytest
 import torch
 
 HAS_CUDA = torch.cuda.is_available()
-if not HAS_CUDA and "triton" not in sys.modules:
-    os.environ["TRITON_INTERPRET"] = "1"
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 triton = pytest.importorskip("triton")
 

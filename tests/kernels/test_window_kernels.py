@@ -5,15 +5,14 @@ where it takes the geometry, Triton; Triton also under the interpreter on CPU) a
 the reference, eagerly and under CUDA-graph replay after update(). The CUDA C++ plan's
 windowed work items on the CPU: test_cuda_window_plan.py.
 
-Triton's interpreter must be set up before triton is first imported: this module
-defers to test_triton_kernels.py's set-up by importing it first.
+Without CUDA the Triton kernels run in the interpreter, which tests/conftest.py sets up.
 """
 import math
 
 import pytest
 import torch
 
-from test_triton_kernels import HAS_CUDA, INTERPRET, cpu_only, gpu  # noqa: F401  (sets TRITON_INTERPRET)
+from test_triton_kernels import HAS_CUDA, INTERPRET, cpu_only, gpu  # noqa: F401
 from kernel_cases import POISON, RUN_ARGS, check_attn, make_pq_case, pq_ref, pq_steps, window_starts
 from kernel_cases import tables as make_tables
 

@@ -5,7 +5,7 @@ and a changed byte anywhere changes the hash."""
 import numpy as np
 import pytest
 import torch
-from test_triton_kernels import HAS_CUDA, INTERPRET, cpu_only, gpu  # noqa: F401  (sets TRITON_INTERPRET)
+from test_triton_kernels import HAS_CUDA, INTERPRET, cpu_only, gpu  # noqa: F401
 
 from kvstore import kernels
 from kvstore.kernels import reference as ref
