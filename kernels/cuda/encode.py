@@ -70,7 +70,7 @@ class CudaPQEncodePlan:
         xf = "true" if x.dtype == torch.float32 else "false"
         s64 = "true" if slots.dtype == torch.int64 else "false"
         layered = (i32(hkv), i64(sx_l), i64(so_l))
-        if self.cells is not None and cells_aligned(x) and sx_l % (8 if x.element_size() == 2 else 4) == 0:
+        if self.cells is not None and cells_aligned(x, sx_l):
             c = self.cells
             tpb = c["tokens_per_block"] or _tokens_per_block(n, m // 16 * heads, self.num_sms)
             vec = int(so_m == 1 and codes.data_ptr() % 4 == 0 and codes.stride(0) % 4 == 0
@@ -92,10 +92,11 @@ class CudaPQEncodePlan:
                       i64(so_m), i32(n), i32(m), i32(bs), *layered))
 
 
-def cells_aligned(x: torch.Tensor) -> bool:
-    """The cell kernel loads 8 x values per thread as 16 B (fp16/bf16) or 2 x 16 B (fp32)."""
+def cells_aligned(x: torch.Tensor, layer_stride: int = 0) -> bool:
+    """The cell kernel loads 8 x values per thread as 16 B (fp16/bf16) or 2 x 16 B (fp32):
+    every row it reads, in every layer (layer_stride, elements), starts on 16 B."""
     v = 8 if x.element_size() == 2 else 4
-    return x.data_ptr() % 16 == 0 and x.stride(0) % v == 0 and x.stride(1) % v == 0
+    return x.data_ptr() % 16 == 0 and all(s % v == 0 for s in (x.stride(0), x.stride(1), layer_stride))
 
 
 def _tokens_per_block(n: int, groups: int, num_sms: int) -> int:
@@ -137,15 +138,16 @@ def _every_layer(codebooks: torch.Tensor, **kw) -> CudaPQEncodePlan:
     at a time (the cell tables' temporaries stay one layer's) into tensors that stack the
     layers' heads, [L x Hkv, ...] layer-major, as the kernels index them."""
     layers, hkv = codebooks.shape[:2]
-    out = None
+
+    def stacked(t):
+        return torch.empty((layers * t.shape[0],) + tuple(t.shape[1:]), dtype=t.dtype, device=t.device)
+
+    one = plan_pq_encode(codebooks[0], **kw)
+    cells = None if one.cells is None else {
+        k: (stacked(v) if isinstance(v, torch.Tensor) else v) for k, v in one.cells.items()}
+    out = dataclasses.replace(one, cpre=stacked(one.cpre), cells=cells, layers=layers)
     for i in range(layers):
-        one = plan_pq_encode(codebooks[i], **kw)
-        if out is None:
-            def stacked(t):
-                return torch.empty((layers * t.shape[0],) + tuple(t.shape[1:]), dtype=t.dtype, device=t.device)
-            cells = None if one.cells is None else {
-                k: (stacked(v) if isinstance(v, torch.Tensor) else v) for k, v in one.cells.items()}
-            out = dataclasses.replace(one, cpre=stacked(one.cpre), cells=cells, layers=layers)
+        one = one if i == 0 else plan_pq_encode(codebooks[i], **kw)
         rows = slice(i * hkv, (i + 1) * hkv)
         out.cpre[rows] = one.cpre
         for k, v in (one.cells or {}).items():

@@ -159,6 +159,25 @@ def test_every_layer_in_one_launch_gives_each_layers_codes(d, dsub, dtype):
 
 
 @gpu
+def test_every_layer_with_misaligned_layer_rows_takes_the_brute_force_kernel():
+    # layer 0's rows are 16 B aligned but the layer stride is odd: the cell kernel's 16 B
+    # loads would fault from layer 1 on, so the plan runs its brute-force kernel instead
+    layers, n, hkv, d, nb, bs = 3, 200, 2, 128, 16, 16
+    gen = torch.Generator().manual_seed(5)
+    full = torch.randn(layers, n * hkv * d + 1, generator=gen).half()
+    xg = full.cuda()[:, :n * hkv * d].view(layers, n, hkv, d)
+    cb = torch.randn(layers, hkv, d // 2, 256, 2, generator=gen).half()
+    slots = torch.randperm(nb * bs, generator=gen)[:n].int()
+    assert cuda_encode.cells_aligned(xg[0]) and not cuda_encode.cells_aligned(xg[0], xg.stride(0))
+    got = torch.full((layers, nb, hkv, bs, d // 2), 7, dtype=torch.uint8, device="cuda")
+    cuda_encode.encode_plan(cb.cuda(), refresh=True).run(xg, slots.cuda(), k_codes=got)
+    for i in range(layers):
+        want = torch.full((nb, hkv, bs, d // 2), 7, dtype=torch.uint8)
+        ref.pq_encode_to_slots(xg[i].cpu(), cb[i], slots, k_codes=want)
+        assert (got[i].cpu() != want).float().mean().item() < 0.01, i
+
+
+@gpu
 def test_every_layer_refuses_codes_of_another_layer_count():
     x, cb, slots = _layers_case(3, 2, 64, 2, 40, 4, 16, torch.float16, seed=1)
     codes = torch.zeros(2, 4, 2, 16, 32, dtype=torch.uint8, device="cuda")
