@@ -12,7 +12,8 @@ Also: p50/p99 of one AppendAttend with a tiny payload, and the control-plane
 share of a mapped step: 1 - (time per step replaying the captured graph alone)
 / (time per step with Reserve + plan refill + replay), and the Reserve p50. The byte-limited ideal speedup of (c) over (a) is
 computed from the measured time to read the weights and the KV bytes (PQ: 1/4 of fp16's
-at 4-bit, 1/8 at 2-bit).
+at 4-bit, 1/8 at 2-bit); so is each mode's own byte limit, which its step is also printed
+against.
 
 python bench/bench_decode.py [--batch 8] [--context 32768] [--new 128] [--modes a,b,c,c2,d]
 One layer's weights are reused by all 32 layers: each layer still reads them
