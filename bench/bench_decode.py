@@ -79,12 +79,17 @@ class Model:
         return time_steps(g.replay, 20)
 
 
-def time_steps(fn, n):
+def time_steps(fn, n, each=None):
+    """Mean seconds a call of fn over n calls, the GPU's work included; `each`, a list:
+    gets every call's host time (no sync: it shows when the host fell behind the GPU)."""
     fn()
     torch.cuda.synchronize()
     t = time.perf_counter()
     for _ in range(n):
+        t1 = time.perf_counter()
         fn()
+        if each is not None:
+            each.append(time.perf_counter() - t1)
     torch.cuda.synchronize()
     return (time.perf_counter() - t) / n
 
@@ -271,8 +276,11 @@ def _run_daemon(args, codec, plane, target, bits=4):
                 t = time.perf_counter()
                 graph.replay()
                 launch.append(time.perf_counter() - t)
-        t = time_steps(step, args.new - 2)
-        out = dict(step_s=t, tok_s=B / t, fill_s=fill_s)
+        each = []
+        t = time_steps(step, args.new - 2, each)
+        each.sort()
+        out = dict(step_s=t, tok_s=B / t, fill_s=fill_s,
+                   each_ms=[round(each[int(p * (len(each) - 1))] * 1e3, 2) for p in (0.5, 0.9, 1.0)])
         if ctrl:
             out["reserve_s"] = sorted(ctrl)[len(ctrl) // 2]
         if plane == "graph":     # the same graph without Reserve/refill: GPU time of a step
@@ -358,7 +366,8 @@ def main():
             extra += (f", control plane {100 * max(0.0, 1 - r['replay_s'] / r['step_s']):.1f}% of a step "
                       f"(graph alone {r['replay_s'] * 1e3:.2f} ms; host p50: step() {r['reserve_s'] * 1e3:.2f} ms "
                       f"of which Reserve RPC {r['rpc_s'] * 1e3:.2f} ms, graph launch {r['launch_s'] * 1e3:.2f} ms; "
-                      f"refills + replay without the RPC {r['refill_replay_s'] * 1e3:.2f} ms)")
+                      f"refills + replay without the RPC {r['refill_replay_s'] * 1e3:.2f} ms; "
+                      f"a step's host time p50 / p90 / max {' / '.join(map(str, r['each_ms']))} ms)")
         elif "reserve_s" in r:
             extra += f", Reserve p50 {r['reserve_s'] * 1e3:.2f} ms = {100 * r['reserve_s'] / r['step_s']:.1f}% of a step"
         print(f"  {names[mode]:<38} B={r['batch']:<3} {r['tok_s']:8.1f} tok/s  {r['step_s'] * 1e3:7.2f} ms/step  {ratio}{extra}")
