@@ -394,32 +394,29 @@ def main():
     if "a" in res:
         a = res["a"]
         kv_fp16 = a["kv_bytes"]
-        ideal = (a["weights_s"] + kv_fp16 / bw) / (a["weights_s"] + kv_fp16 / 4 / bw)
-        a_floor = a["weights_s"] + kv_fp16 / bw
+        shrink = {"c": 4, "c2": 8, "d": 1}          # KV bytes of fp16's over the mode's
+
+        def floor(m):      # a step of m at the read bandwidth: the weights, then its KV bytes
+            return a["weights_s"] + kv_fp16 / shrink.get(m, 1) / bw
+        same = [m for m in ("c", "c2") if m in res and res[m]["batch"] == a["batch"]]
         print(f"  weights read {a['weights_s'] * 1e3:.2f} ms/step; fp16 KV {kv_fp16 / 1e9:.1f} GB, PQ 1/4 of it; "
-              f"byte-limited ideal (c)/(a) = {ideal:.2f}x; (a) runs at {a_floor / a['step_s']:.2f} of its own "
-              f"byte limit ({a_floor * 1e3:.2f} ms)")
+              f"byte-limited ideal (c)/(a) = {floor('a') / floor('c'):.2f}x; (a) runs at "
+              f"{floor('a') / a['step_s']:.2f} of its own byte limit ({floor('a') * 1e3:.2f} ms)")
         print(f"  (a) under a CUDA graph (replayed at one position): {a['graph_s'] * 1e3:.2f} ms/step, "
-              f"{a_floor / a['graph_s']:.2f} of its byte limit; the modes against it:")
-        for m, frac in (("c", 4), ("c2", 8)):
-            if m in res and res[m]["batch"] == a["batch"]:
-                ideal_m = (a["weights_s"] + kv_fp16 / bw) / (a["weights_s"] + kv_fp16 / frac / bw)
-                got = a["graph_s"] / res[m]["step_s"]
-                print(f"    ({m}) {got:.2f}x = {got / ideal_m:.2f} of its ideal {ideal_m:.2f}x")
-        if "c" in res and res["c"]["batch"] == a["batch"]:
-            got = res["c"]["tok_s"] / a["tok_s"]
-            print(f"  (c) reaches {got:.2f}x = {got / ideal:.2f} of the ideal")
-        if "c2" in res and res["c2"]["batch"] == a["batch"]:
-            ideal2 = (a["weights_s"] + kv_fp16 / bw) / (a["weights_s"] + kv_fp16 / 8 / bw)
-            got = res["c2"]["tok_s"] / a["tok_s"]
-            print(f"  byte-limited ideal (c2)/(a) = {ideal2:.2f}x; (c2) reaches {got:.2f}x = {got / ideal2:.2f} of it")
+              f"{floor('a') / a['graph_s']:.2f} of its byte limit; the modes against it:")
+        for m in same:
+            got, ideal = a["graph_s"] / res[m]["step_s"], floor("a") / floor(m)
+            print(f"    ({m}) {got:.2f}x = {got / ideal:.2f} of its ideal {ideal:.2f}x")
+        for m in same:
+            got, ideal = res[m]["tok_s"] / a["tok_s"], floor("a") / floor(m)
+            print(f"  byte-limited ideal ({m})/(a) = {ideal:.2f}x; ({m}) reaches {got:.2f}x = {got / ideal:.2f} of it")
         # (a)'s eager step moves with the host (0.68-0.90 of its byte limit in one device
-        # session), and the ratios above with it; a mode's step against its own byte limit
+        # call), and the ratios over it with it; a mode's step against its own byte limit
         # does not depend on (a)
-        for m, frac in (("c", 4), ("c2", 8), ("d", 1)):
+        for m in ("c", "c2", "d"):
             if m in res and res[m]["batch"] == a["batch"]:
-                floor = a["weights_s"] + kv_fp16 / frac / bw
-                print(f"  ({m}) runs at {floor / res[m]['step_s']:.2f} of its own byte limit ({floor * 1e3:.2f} ms)")
+                print(f"  ({m}) runs at {floor(m) / res[m]['step_s']:.2f} of its own byte limit "
+                      f"({floor(m) * 1e3:.2f} ms)")
         for m in ("c", "c2", "d"):
             if m in res and res[m]["batch"] != a["batch"]:
                 print(f"  ({m}) at B={res[m]['batch']} vs (a) at B={a['batch']}: "
