@@ -323,3 +323,25 @@ def test_mapped_attend_plan_with_sinks_first_in_tail_blocks():
             assert torch.allclose(out[0].double(), dense(q[0], ek[layer], ev[layer]), rtol=TOL, atol=TOL), step
     assert len(e.sequence_info("c", T, "a").sealed_blocks) == sealed_blocks(n0 + steps - 1, S) > 0
     e.check_invariants()
+
+
+@pytest.mark.parametrize("codec", ["pq", "fp16"])
+def test_reserve_hands_out_the_same_slots_for_a_few_tokens_and_for_many(codec):
+    """Reserve computes a few tokens' slots in Python and many with index tensors
+    (write_path.SMALL_SLOTS): twin sequences (sinks, sealed blocks, a part-filled tail)
+    get the same (tail block index, offset) for the tokens both reserve."""
+    from kvstore.engine.write_path import SMALL_SLOTS
+    S, n0, few, many = 16, 16 + R + 3 * BS + 5, 3, SMALL_SLOTS + 11
+    e = engine(S, codec, num_blocks=256, max_sequences=16)
+    for sid in ("few", "many"):
+        fill(e, sid, n0, seed=4)
+    got = {}
+    for sid, n in (("few", few), ("many", many)):
+        r = e.reserve("c", T, sid, n)
+        assert len(r.slot_mapping) == n and r.length == n0 + n
+        got[sid] = [(r.tail_blocks.index(x // BS), x % BS) for x in r.slot_mapping]
+    assert got["few"] == got["many"][:few]
+    # the many tokens fill their blocks in order, from the offset the few start at
+    first = got["many"][0]
+    assert got["many"] == [(first[0] + (first[1] + i) // BS, (first[1] + i) % BS) for i in range(many)]
+    e.check_invariants()
