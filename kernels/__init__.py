@@ -17,10 +17,11 @@ from .plan import DecodePlan
 from .router import (CUDA, HEAD_DIMS, REFERENCE, TRITON, codebook_images, decode_backend,
                      encode_backend, gather_pq_blocks, layer_images, paged_decode_attention,
                      paged_multi_attention, plan_decode, pq_decode_attention, pq_encode_to_slots,
-                     pq_multi_attention, prepare_encode, query_aligned, write_slots, xxh3_64_rows)
+                     pq_multi_attention, prepare_encode, query_aligned, release_encode, write_slots,
+                     xxh3_64_rows)
 
 __all__ = ["reference", "tunables", "DecodePlan", "CUDA", "REFERENCE", "TRITON", "codebook_images",
            "decode_backend", "encode_backend", "gather_pq_blocks", "layer_images", "paged_decode_attention",
            "paged_multi_attention", "plan_decode", "pq_decode_attention", "pq_multi_attention",
-           "pq_encode_to_slots", "prepare_encode", "query_aligned",
+           "pq_encode_to_slots", "prepare_encode", "query_aligned", "release_encode",
            "write_slots"]

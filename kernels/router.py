@@ -261,6 +261,12 @@ def prepare_encode(codebook: torch.Tensor) -> None:
         cuda_encode.encode_plan(codebook, refresh=True)
 
 
+def release_encode(codebook: torch.Tensor) -> None:
+    """Drop what prepare_encode cached for this codebook: call it when its owner drops it."""
+    if encode_backend(codebook) == CUDA:
+        cuda_encode.release_plan(codebook)
+
+
 # ------------------------------------------------------- blocks and slots
 
 def gather_pq_blocks(k_codes, v_codes, k_codebook, v_codebook, block_ids):
@@ -311,5 +317,5 @@ def layer_images(words, num_qo_heads: int, dsub: int) -> list:
 __all__ = ["HEAD_DIMS", "REFERENCE", "CUDA", "TRITON", "DecodePlan", "decode_backend", "plan_decode", "query_aligned",
            "pq_decode_attention", "paged_decode_attention", "pq_multi_attention", "paged_multi_attention",
            "encode_backend", "pq_encode_to_slots",
-           "prepare_encode", "gather_pq_blocks", "write_slots", "codebook_images", "layer_images",
+           "prepare_encode", "release_encode", "gather_pq_blocks", "write_slots", "codebook_images", "layer_images",
            "xxh3_64_rows", "tunables"]

@@ -156,22 +156,34 @@ def _every_layer(codebooks: torch.Tensor, **kw) -> CudaPQEncodePlan:
     return out
 
 
-_encode_plans: dict = {}
+_encode_plans: dict = {}        # (address, shape, dtype) -> (the tensor's version, plan)
+
+
+def _plan_key(codebook: torch.Tensor) -> tuple:
+    return codebook.data_ptr(), tuple(codebook.shape), codebook.dtype
 
 
 def encode_plan(codebook: torch.Tensor, refresh: bool = False) -> CudaPQEncodePlan:
     """The plan of a codebook (precomputed -2c and ||c||^2, and for dsub 2 the cell
     tables, a few hundred ms per layer on an H100), cached per codebook tensor: a
     cache's codebooks are set once and read on every seal, so SetCodebooks builds
-    them (router.prepare_encode) rather than the first seal. refresh: rebuild even if
-    cached (new codebooks may sit where freed ones were, with the same key)."""
-    key = (codebook.data_ptr(), codebook._version, tuple(codebook.shape), codebook.dtype)
-    plan = _encode_plans.get(key)
-    if plan is None or refresh:
-        if len(_encode_plans) > 4096:
+    them (router.prepare_encode) rather than the first seal. One plan an address: a
+    codebook written in place since (its version) gets its plan rebuilt over the old
+    one, not beside it (~0.24 GB of tables a codebook of an 8B model). refresh: rebuild
+    even so (new codebooks may sit where freed ones were, at the same version)."""
+    key = _plan_key(codebook)
+    hit = _encode_plans.get(key)
+    if hit is None or refresh or hit[0] != codebook._version:
+        if hit is None and len(_encode_plans) >= 4096:
             _encode_plans.clear()
-        plan = _encode_plans[key] = plan_pq_encode(codebook)
-    return plan
+        hit = _encode_plans[key] = (codebook._version, plan_pq_encode(codebook))
+    return hit[1]
+
+
+def release_plan(codebook: torch.Tensor) -> None:
+    """Forget this codebook tensor's plan (its owner is dropping it): the tables are
+    GPU memory that would otherwise outlive the codebooks."""
+    _encode_plans.pop(_plan_key(codebook), None)
 
 
 def pq_encode_to_slots(x, codebook, slots, k_codes=None, v_codes=None) -> None:

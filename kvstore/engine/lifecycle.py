@@ -104,4 +104,6 @@ def drop(cache, mappers: int, force: bool, live) -> DeleteResult:
         pools += [tiering.host.main_pool, tiering.host.tail_pool]
     r.cached_blocks = sum(p.stats().cached for p in pools)
     cache.graphs.clear()         # captured over the pool's addresses
+    if cache.is_pq:
+        cache.main.release()     # the encoder's tables of its codebooks
     return r

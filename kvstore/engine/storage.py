@@ -116,12 +116,20 @@ class PQStore:
             self.k_cb.copy_(k)
             self.v_cb.copy_(v)
         else:
+            self.release()
             self.k_cb, self.v_cb = k, v
         kernels.prepare_encode(self.k_cb)       # encoder tables now, not at the first seal
         kernels.prepare_encode(self.v_cb)
         self.cb_words = kernels.codebook_images(self.k_cb, self.v_cb, self.num_qo_heads, self.cb_words)
         self.cb_images = (None if self.cb_words is None
                           else kernels.layer_images(self.cb_words, self.num_qo_heads, self.k_cb.shape[-1]))
+
+    def release(self) -> None:
+        """What the kernels cached for these codebooks (the CUDA encoder's tables, GPU
+        memory of their own) goes with them: call it before dropping them."""
+        for cb in (self.k_cb, self.v_cb):
+            if cb is not None:
+                kernels.release_encode(cb)
 
     def image(self, layer: int):
         """This layer's codebook image for the attention kernels, or None."""
