@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from kvstore.client import KVStoreClient
+from kvstore.codec.codebooks import Codebooks
 from kvstore.engine.engine import Engine
 from kvstore.errors import FailedPrecondition, NotFound
 from kvstore.service.auth import Authenticator
@@ -169,18 +170,24 @@ def test_host_tier_sequences_are_counted(tmp_path):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_gpu_memory_goes_back_to_the_driver():
+@pytest.mark.parametrize("codec", ["fp16", "pq"])
+def test_gpu_memory_goes_back_to_the_driver(codec):
+    # pq: the encoder's tables of the cache's codebooks (GPU tensors of their own) go too
     e = Engine("cuda")
     gc.collect()
     torch.cuda.synchronize()
     torch.cuda.empty_cache()      # what earlier tests of this process left cached would serve the pool
     base = torch.cuda.memory_reserved()
-    cfg = replace(config(codec="fp16", head_dim=64), device="cuda")      # a head_dim the GPU kernels take
+    cfg = replace(config(codec=codec, head_dim=64), device="cuda")      # a head_dim the GPU kernels take
     # A pool that fits in what the allocator holds unused (segments of earlier tests of
     # this process that a live tensor keeps from empty_cache) would take no new memory,
     # and reserved would not move: the pool is made twice that size, at least 4096 blocks.
     slack = base - torch.cuda.memory_allocated()
     e.create_cache(replace(cfg, num_blocks=max(4096, 2 * slack // cfg.bytes_per_block() + 1)))
+    if codec == "pq":
+        g = torch.Generator().manual_seed(0)
+        shape = (cfg.geometry.num_layers, cfg.geometry.num_kv_heads, cfg.m, 256, 64 // cfg.m)
+        e.set_codebooks("c", Codebooks(k=torch.randn(shape, generator=g), v=torch.randn(shape, generator=g)))
     assert torch.cuda.memory_reserved() > base
     e.delete_cache("c")
     gc.collect()
