@@ -185,6 +185,7 @@ __global__ void __launch_bounds__(256) pq_encode_cells(
   const int n_hi = min(N, n_lo + tok_per_block);
   // h: (layer, KV head) of a launch over every layer (tables stacked [L * Hkv, M, ...])
   const long long xoff = (long long)(h / hkv) * sx_l + (long long)(h % hkv) * sx_h + 2 * (m0 + 4 * q);
+  const long long o_h = (long long)(h / hkv) * so_l + (long long)(h % hkv) * so_h + (long long)(m0 + 4 * q) * so_m;
   const u8* rec_q = recs + ((long long)h * M + m0 + 4 * q) * (G * G) * REC;
 
   float xn[8];
@@ -269,8 +270,7 @@ __global__ void __launch_bounds__(256) pq_encode_cells(
       const long long slot = S64 ? reinterpret_cast<const long long*>(slots)[n]
                                  : (long long)reinterpret_cast<const int*>(slots)[n];
       const long long blk = slot / bs, off = slot % bs;
-      u8* dst = codes + blk * so_blk + (long long)(h / hkv) * so_l + (long long)(h % hkv) * so_h +
-                off * so_off + (long long)(m0 + 4 * q) * so_m;
+      u8* dst = codes + blk * so_blk + o_h + off * so_off;
       if (vec_store) {
         *reinterpret_cast<u32*>(dst) = code4;
       } else {
