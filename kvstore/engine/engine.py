@@ -376,15 +376,18 @@ class Engine(CodebookOps):
         with self._locked(name) as c:        # the ref counts match the block ids
             return results.sequence_info(c, c.seq(tenant, seq_id))
 
-    def owned_sequences(self, tenant: str, owner: str) -> dict[str, list[tuple[str, bool]]]:
+    def owned_sequences(self, tenant: str, owner: str, wait: bool = True) -> dict[str, list[tuple[str, bool]]]:
         """Lease hook: cache -> [(seq_id, persist)] of the unpinned sequences a
-        session owns (each cache read under its own lock, one at a time)."""
+        session owns (each cache under its lock in turn). wait=False (a Heartbeat's count)
+        takes no lock: every client beats, and a beat queued behind a long request (a
+        SetCodebooks builds tables for seconds) holds a server thread; list() copies a
+        cache's dict in one step under the GIL."""
         out: dict[str, list[tuple[str, bool]]] = {}
         if not owner:
             return out
         for c in self._all():
-            with c.lock:
-                ids = [(s.seq_id, s.persist) for s in c.seqs.values()
+            with c.lock if wait else contextlib.nullcontext():
+                ids = [(s.seq_id, s.persist) for s in list(c.seqs.values())
                        if s.tenant == tenant and s.owner == owner and not s.pinned]
             if ids:
                 out[c.cfg.name] = ids
@@ -395,8 +398,7 @@ class Engine(CodebookOps):
             return [results.sequence_info(c, s) for (t, _), s in sorted(c.seqs.items()) if t == tenant]
 
     def stats(self, name: str | None = None) -> dict[str, dict]:
-        """Stats of one cache (name) or all, each read under its own lock in
-        turn: a request in one cache delays only that cache's entry."""
+        """Stats of one cache (name) or all, each under its lock in turn (a busy cache delays its entry only)."""
         caches = [self.cache(name)] if name is not None else self._all()
         out = {}
         for c in caches:

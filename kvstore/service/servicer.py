@@ -353,6 +353,6 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
         if not session:
             raise InvalidArgument(SESSION_KEY, "missing: a Heartbeat renews the lease of the session it names")
         tenant = self._tenant(context)
-        held = sum(len(v) for v in self.engine.owned_sequences(tenant, session).values())
+        held = sum(len(v) for v in self.engine.owned_sequences(tenant, session, wait=False).values())
         return pb.HeartbeatReply(session_id=session, tenant=tenant, sequences=held,
                                  lease_timeout_s=self.leases.timeout_s if self.leases is not None else 0.0)

@@ -1,5 +1,6 @@
 """Each cache has its own lock: a long request in one cache stalls no call on
-another, nor a Stats of it; the lease reaper waits for the busy cache only.
+another, nor a Stats of it, nor any session's Heartbeat; the lease reaper waits
+for the busy cache only.
 Requests are held inside a cache by a hook (an Event in a patched method),
 never by timing; the waits below are only there so that a regression fails
 instead of hanging."""
@@ -241,3 +242,27 @@ def test_the_shared_disk_tier_changes_its_books_for_one_cache_at_a_time(tmp_path
         assert e.sequence_info(name, TENANT, "s").tier == "disk"
         k, v = e.retrieve(name, TENANT, "s", 0, 16)
         assert torch.equal(k, data[name][0]) and torch.equal(v, data[name][1])
+
+
+def test_a_heartbeat_counts_the_sessions_sequences_while_a_cache_is_busy(live, monkeypatch):
+    """Every client heartbeats: a beat that queued behind a long request in one cache
+    would hold a server thread for as long. It counts without waiting, and counts right."""
+    (kv_a, kv_b, _), engine = live
+    kv_b.allocate("b", "t", [5, 6])
+    kv_b.allocate("a", "u", [5, 6], pinned=True)       # pinned: outlives the lease, not counted
+    held = Held(engine.cache("a").retrieve)
+    monkeypatch.setattr(engine.cache("a"), "retrieve", held)
+    k, v = kv(L, 16, HKV, D)
+    kv_a.append("a", ["s"], k, v)
+    busy, busy_out = in_thread(lambda: kv_a.retrieve("a", "s", 0, 16))
+    try:
+        assert held.entered.wait(WAIT)
+        th, out = in_thread(lambda: (kv_a.heartbeat().sequences, kv_b.heartbeat().sequences))
+        th.join(WAIT)
+        assert not th.is_alive(), "a Heartbeat waited for cache a's request"
+        assert out.get("result") == (2, 1), out
+        assert busy.is_alive()
+    finally:
+        held.release.set()
+    busy.join(WAIT)
+    assert "error" not in busy_out
