@@ -7,9 +7,10 @@ hands back are the small dataclasses of results.py. It knows nothing of gRPC.
 
 Locks: a request holds the lock of the one cache it names (Cache.lock), so a
 long request in one cache never stalls another. Engine.lock guards only the
-dict of caches and what spans caches (create_cache's pool budget); it is the
-innermost lock: taken briefly, possibly while holding caches' locks (the lease
-reaper, delete_cache), never held while waiting for a cache's lock. Work that
+dict of caches; it is the innermost lock: taken briefly, possibly while holding
+caches' locks (the lease reaper, delete_cache), never held while waiting for a
+cache's lock, nor while a new cache allocates its pools (create_cache holds
+its own lock then, for the pool budget). Work that
 must see every cache at rest (the lease reaper) takes them all with
 locked_caches(). A request finds its cache and locks it in _locked(), which
 also checks that the cache was not deleted while the request waited for it.
@@ -24,7 +25,7 @@ import torch
 from kvstore import kernels
 from kvstore.core.config import CacheConfig
 from kvstore.core.sequence import Sequence
-from kvstore.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted, quote
+from kvstore.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound, quote
 from kvstore.tiers.redis_store import RedisConfig, RedisStore
 
 from . import checks, lifecycle, results
@@ -43,6 +44,7 @@ class Engine(CodebookOps):
         self.device = device
         self.caches: dict[str, Cache] = {}
         self.lock = threading.RLock()      # the dict of caches (see the module docstring)
+        self._creating = threading.Lock()  # one create_cache at a time: its budget holds till its cache is in
         self.cold_store = None
         if lmdb_path:
             from kvstore.tiers.lmdb_store import LMDBStore
@@ -53,27 +55,24 @@ class Engine(CodebookOps):
     # --------------------------------------------------------------- caches
     def create_cache(self, cfg: CacheConfig, exist_ok: bool = False, max_pool_bytes: int = 0) -> CacheInfo:
         """exist_ok: an existing cache of the same configuration is no error;
-        max_pool_bytes: memory all caches' pools may take together (0: no
-        bound), refused before anything is allocated: a pool past the
-        machine's memory would get the daemon OOM-killed."""
+        max_pool_bytes: memory all caches' pools may take together (lifecycle.check_budget).
+        The pools are allocated outside Engine.lock (seconds for a large one), which every
+        Heartbeat, Stats and lease sweep takes."""
         d = cfg.geometry.head_dim
         if torch.device(cfg.device).type == "cuda" and d not in kernels.HEAD_DIMS:
             # Refused here, not at the first attend: the GPU decode plans take only these.
             raise InvalidArgument("geometry.head_dim", f"head_dim {d}: the GPU decode kernels take head_dim "
                                   f"{', '.join(map(str, kernels.HEAD_DIMS))} (a CPU cache takes any)")
-        with self.lock:
+        with self._creating:
             old = self.caches.get(cfg.name)
             if old is not None:
                 if not (exist_ok and old.cfg == cfg):
                     raise AlreadyExists("name", lifecycle.exists_message(old.cfg, cfg, exist_ok))
             else:
-                if max_pool_bytes:
-                    held = sum(results.pool_memory(c.cfg) for c in self.caches.values())
-                    need = results.pool_memory(cfg)
-                    if held + need > max_pool_bytes:
-                        raise ResourceExhausted("spec.num_blocks", f"the cache needs {need} bytes; "
-                                                f"{max_pool_bytes - held} of the daemon's --max-pool-bytes are left")
-                self.caches[cfg.name] = Cache(cfg, self.cold_store, self.redis)
+                lifecycle.check_budget([c.cfg for c in self._all()], cfg, max_pool_bytes)
+                cache = Cache(cfg, self.cold_store, self.redis)
+                with self.lock:
+                    self.caches[cfg.name] = cache
         return self.cache_info(cfg.name)
 
     def config(self, name: str) -> CacheConfig:

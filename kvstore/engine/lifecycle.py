@@ -1,13 +1,13 @@
-"""A cache's life beyond its requests: what CreateCache says when the name is
-taken, and what DeleteCache drops (Engine.create_cache, Engine.delete_cache
-hold the locks; these run under them)."""
+"""A cache's life beyond its requests: what CreateCache refuses (a name taken,
+a pool past the daemon's budget) and what DeleteCache drops (Engine.create_cache,
+Engine.delete_cache hold the locks; these run under them)."""
 from __future__ import annotations
 
 import dataclasses
 import threading
 
 from kvstore.core.config import CacheConfig
-from kvstore.errors import FailedPrecondition, quote
+from kvstore.errors import FailedPrecondition, ResourceExhausted, quote
 
 from . import results
 from .results import DeleteResult
@@ -39,6 +39,17 @@ def exists_message(old: CacheConfig, new: CacheConfig, exist_ok: bool) -> str:
     if not diff:
         return f"cache {quote(old.name)} exists with this configuration (exist_ok returns it)"
     return f"cache {quote(old.name)} exists with another configuration: " + ", ".join(diff)
+
+
+def check_budget(held: list[CacheConfig], cfg: CacheConfig, max_pool_bytes: int) -> None:
+    """Refuse a cache whose pools, with those of the caches held, pass max_pool_bytes
+    (0: no bound), before anything is allocated: a pool past the machine's memory
+    would get the daemon OOM-killed."""
+    if max_pool_bytes:
+        used, need = sum(results.pool_memory(c) for c in held), results.pool_memory(cfg)
+        if used + need > max_pool_bytes:
+            raise ResourceExhausted("spec.num_blocks", f"the cache needs {need} bytes; "
+                                    f"{max_pool_bytes - used} of the daemon's --max-pool-bytes are left")
 
 
 class Mappers:

@@ -1,6 +1,6 @@
 """Each cache has its own lock: a long request in one cache stalls no call on
-another, nor a Stats of it, nor any session's Heartbeat; the lease reaper waits
-for the busy cache only.
+another, nor a Stats of it, nor any session's Heartbeat, and neither does a
+cache allocating its pools; the lease reaper waits for the busy cache only.
 Requests are held inside a cache by a hook (an Event in a patched method),
 never by timing; the waits below are only there so that a regression fails
 instead of hanging."""
@@ -14,6 +14,7 @@ import torch
 
 from kvstore.client import KVStoreClient
 import kvstore.engine.cache
+import kvstore.engine.engine
 from kvstore.engine.engine import Engine
 from kvstore.service.daemon import create_server
 from kvstore.service.leases import LeaseManager
@@ -266,3 +267,27 @@ def test_a_heartbeat_counts_the_sessions_sequences_while_a_cache_is_busy(live, m
         held.release.set()
     busy.join(WAIT)
     assert "error" not in busy_out
+
+
+def test_heartbeats_and_stats_go_on_while_a_new_cache_allocates_its_pools(live, monkeypatch):
+    """A large pool takes seconds to allocate; the lock that keeps the pool budget is not
+    the one that every Heartbeat, Stats and lease sweep takes."""
+    (kv_a, kv_b, kv_c), engine = live
+    held = Held(kvstore.engine.engine.Cache)
+    monkeypatch.setattr(kvstore.engine.engine, "Cache", held)
+    busy, busy_out = in_thread(lambda: kv_c.create_cache("c", "m", num_layers=L, num_q_heads=HQ,
+                                                         num_kv_heads=HKV, head_dim=D, codec="fp16",
+                                                         block_size=8, residual=8, num_blocks=64))
+    try:
+        assert held.entered.wait(WAIT)
+        th, out = in_thread(lambda: (kv_a.heartbeat().sequences, sorted(c.cache for c in kv_b.stats().caches),
+                                     kv_b.allocate("b", "t", [1, 2])))
+        th.join(WAIT)
+        assert not th.is_alive(), "a Heartbeat or Stats waited for a cache being created"
+        assert out.get("result", (None,))[:2] == (2, ["a", "b"]), out
+        assert busy.is_alive()
+    finally:
+        held.release.set()
+    busy.join(WAIT)
+    assert "error" not in busy_out, busy_out
+    assert sorted(c.cache for c in kv_b.stats().caches) == ["a", "b", "c"]
