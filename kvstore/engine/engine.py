@@ -10,10 +10,10 @@ long request in one cache never stalls another. Engine.lock guards only the
 dict of caches; it is the innermost lock: taken briefly, possibly while holding
 caches' locks (the lease reaper, delete_cache), never held while waiting for a
 cache's lock, nor while a new cache allocates its pools (create_cache holds
-its own lock then, for the pool budget). Work that
-must see every cache at rest (the lease reaper) takes them all with
-locked_caches(). A request finds its cache and locks it in _locked(), which
-also checks that the cache was not deleted while the request waited for it.
+its own lock then, for the pool budget). Work that must see every cache at
+rest (the lease reaper) takes them all with locked_caches(). A request finds
+its cache and locks it in _locked(), which also checks that the cache was not
+deleted while the request waited for it.
 """
 from __future__ import annotations
 
