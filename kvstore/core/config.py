@@ -139,7 +139,9 @@ class CacheConfig:
         if self.capacity_blocks() < 1:
             raise InvalidArgument("pool_bytes", f"{self.pool_bytes} bytes hold no block of {self.bytes_per_block()} bytes")
         if self.capacity_blocks() > 1 << 24:
-            raise InvalidArgument("num_blocks", "more than 2^24 blocks")
+            field = "pool_bytes" if self.pool_bytes else "num_blocks"
+            raise InvalidArgument(field, f"{self.capacity_blocks()} blocks of {self.bytes_per_block()} bytes: "
+                                  "a pool holds at most 2^24 blocks")
         check_device("device", self.device)
         for name, what in (("layer_windows", "window"), ("layer_chunks", "chunk")):
             w = getattr(self, name)

@@ -70,6 +70,29 @@ def check_layer(cfg: CacheConfig, layer: int) -> None:
         raise InvalidArgument("layer", f"{layer} outside [0, {cfg.geometry.num_layers})")
 
 
+def layer_range(cfg: CacheConfig, layer_start: int, layer_end: int) -> int:
+    """A Retrieve's layers [layer_start, layer_end) (0: to the last) -> layer_end."""
+    nl = cfg.geometry.num_layers
+    end = layer_end or nl
+    if end > nl:
+        raise InvalidArgument("layer_end", f"{end} is past the cache's {nl} layers")
+    if not layer_start < end:
+        raise InvalidArgument("layer_start", f"{layer_start} is not below layer_end {end}: no layer to read")
+    return end
+
+
+def token_range(seq_id: str, start: int, end: int, length: int) -> None:
+    """A Retrieve's tokens [start, end) of a sequence of `length` committed tokens
+    (end already resolved from 0): at least one token, all committed."""
+    if length == 0:
+        raise InvalidArgument("sequence_id", f"sequence {quote(seq_id)} has no committed tokens to retrieve")
+    if end > length:
+        raise InvalidArgument("end", f"{end} is past the {length} committed tokens")
+    if not start < end:
+        raise InvalidArgument("start", f"{start} is not below end {end}: an empty range (Retrieve reads "
+                              "at least one token)")
+
+
 def query(cfg: CacheConfig, n_seqs: int, q: torch.Tensor, scale: float) -> tuple[torch.Tensor, float]:
     """Checks shared by the attend paths -> (q on the cache device, scale)."""
     g = cfg.geometry

@@ -322,14 +322,10 @@ class Engine(CodebookOps):
         """fp16 K, V [layers, end - start, Hkv, d] of committed tokens [start,
         end); end 0: the sequence's length; layer_end 0: every layer."""
         with self._locked(name) as cache:
-            nl = cache.cfg.geometry.num_layers
-            layer_end = layer_end or nl
-            if not 0 <= layer_start < layer_end <= nl:
-                raise InvalidArgument("layer_end", f"layers [{layer_start}, {layer_end}) outside [0, {nl})")
+            layer_end = checks.layer_range(cache.cfg, layer_start, layer_end)
             s = cache.seq(tenant, seq_id)
-            end = end or s.length          # 0: to the end (an empty range is never valid)
-            if not 0 <= start < end <= s.length:
-                raise InvalidArgument("end", f"range [{start}, {end}) outside the {s.length} committed tokens")
+            end = end or s.length          # 0: to the end
+            checks.token_range(seq_id, start, end, s.length)
             cache.check_held(s, start, end)          # before paging in: a refused call moves nothing
             cache.resident([s])
             return cache.retrieve(s, start, end, slice(layer_start, layer_end))

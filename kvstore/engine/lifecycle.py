@@ -48,8 +48,12 @@ def check_budget(held: list[CacheConfig], cfg: CacheConfig, max_pool_bytes: int)
     if max_pool_bytes:
         used, need = sum(results.pool_memory(c) for c in held), results.pool_memory(cfg)
         if used + need > max_pool_bytes:
-            raise ResourceExhausted("spec.num_blocks", f"the cache needs {need} bytes; "
-                                    f"{max_pool_bytes - used} of the daemon's --max-pool-bytes are left")
+            # named: the field of the largest part (the main pool's size, or the host tier)
+            main = need - cfg.host_bytes
+            field = "host_bytes" if cfg.host_bytes > main else "pool_bytes" if cfg.pool_bytes else "num_blocks"
+            raise ResourceExhausted(field, f"the cache needs {need} bytes ({main} for its GPU pools, "
+                                    f"{cfg.host_bytes} for its host tier); {max(0, max_pool_bytes - used)} of "
+                                    "the daemon's --max-pool-bytes are left")
 
 
 class Mappers:

@@ -200,7 +200,7 @@ class ReadPath:
     def retrieve(self, s: Sequence, start: int, end: int, layers: slice) -> tuple[torch.Tensor, torch.Tensor]:
         """-> k, v [nl, end - start, Hkv, d] of committed tokens in position
         order: sinks exact, sealed ones dequantized, tail ones exact."""
-        if not 0 <= start < end <= s.length:
+        if not 0 <= start < end <= s.length:      # the engine's checks named the field already
             raise InvalidArgument("end", f"range [{start}, {end}) outside the {s.length} committed tokens")
         self.check_held(s, start, end)
         s0 = self.sinks if s.sealed else 0       # sealed tokens are [s0, s1)

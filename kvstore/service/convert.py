@@ -3,10 +3,12 @@ built from what the engine hands back (results.py, stats). The servicer and
 the daemon build no message from engine data anywhere else."""
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 from kvstore.core.config import CacheConfig, CodecConfig, ModelGeometry
 from kvstore.engine.results import CacheInfo, DeleteResult, ReserveResult, SequenceInfo
+from kvstore.errors import KVStoreError
 from kvstore.v1 import kvstore_pb2 as pb
 
 
@@ -23,6 +25,19 @@ def spec_to_config(spec: pb.CacheSpec, device: str) -> CacheConfig:
         low_watermark=spec.low_watermark, share_prefixes_across_tenants=spec.share_prefixes_across_tenants,
         layer_windows=tuple(spec.layer_windows), layer_chunks=tuple(spec.layer_chunks),
         logit_softcap=spec.logit_softcap)
+
+
+@contextlib.contextmanager
+def spec_fields_named():
+    """CreateCache's errors name CacheSpec's fields from the request's root
+    (spec.geometry.head_dim, spec.codec, spec.pool_bytes), not the config's
+    dataclass paths (codec.kind) that the engine raises."""
+    try:
+        yield
+    except KVStoreError as e:
+        head, _, rest = e.field.partition(".")
+        path = ({"kind": "codec"}.get(rest, rest) if head == "codec" else e.field)
+        raise type(e)(f"spec.{path}", e.message) from None
 
 
 def config_to_spec(cfg: CacheConfig) -> pb.CacheSpec:

@@ -99,11 +99,14 @@ class Handlers:
         """A Retrieve's end (0: the sequence's length now; the sequence only
         grows, so the range stays valid) and its output ranges, checked to fit
         before anything is read or paged in. -> (end, k_out, v_out)."""
-        g = self.engine.config(request.cache).geometry
-        end = request.end or self.engine.length(request.cache, tenant, request.sequence_id)
-        nl = (request.layer_end or g.num_layers) - request.layer_start
+        cfg = self.engine.config(request.cache)
+        g = cfg.geometry
+        nl = checks.layer_range(cfg, request.layer_start, request.layer_end) - request.layer_start
+        length = self.engine.length(request.cache, tenant, request.sequence_id)
+        end = request.end or length
+        checks.token_range(request.sequence_id, request.start, end, length)
         itemsize = TORCH_DTYPES[g.dtype].itemsize
-        nbytes = max(0, nl) * max(0, end - request.start) * g.num_kv_heads * g.head_dim * itemsize
+        nbytes = nl * (end - request.start) * g.num_kv_heads * g.head_dim * itemsize
         k_out = request.k_out if request.HasField("k_out") else None
         v_out = request.v_out if request.HasField("v_out") else None
         wire.check_output(buffers, k_out, nbytes, itemsize, "k_out")

@@ -132,9 +132,10 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
     # ---------------------------------------------------------------- caches
     @_rpc
     def CreateCache(self, request, context):
-        cfg = convert.spec_to_config(request.spec, self.engine.device)
-        return convert.cache_info(self.engine.create_cache(cfg, exist_ok=request.exist_ok,
-                                                           max_pool_bytes=self.max_pool_bytes))
+        with convert.spec_fields_named():
+            cfg = convert.spec_to_config(request.spec, self.engine.device)
+            info = self.engine.create_cache(cfg, exist_ok=request.exist_ok, max_pool_bytes=self.max_pool_bytes)
+        return convert.cache_info(info)
 
     @_rpc
     def DeleteCache(self, request, context):

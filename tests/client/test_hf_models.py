@@ -550,7 +550,7 @@ def test_a_cache_the_daemon_refuses_is_an_error_not_a_fallback(daemon):
     model = build("llama", head_dim=18)
     ad = KVStoreAdapter(model, daemon, cache="odd", codec="fp16", block_size=8, residual=8)
     with pytest.raises(ValueError, match="kvstore cache 'odd': the daemon refuses it: INVALID_ARGUMENT: "
-                                         "geometry.head_dim"), torch.no_grad():
+                                         "spec.geometry.head_dim"), torch.no_grad():
         ad.generate(prompt(), **GEN)
     other = KVStoreAdapter(build("llama"), daemon, cache="taken", codec="fp16", block_size=8, residual=8)
     other.client()

@@ -39,11 +39,11 @@ def _spec(name="c", model_id="m", dtype="float16", codec="fp16") -> pb.CacheSpec
 
 
 REQUESTS = [
-    ("CreateCache", lambda: pb.CreateCacheRequest(spec=_spec(name=BIG)), "INVALID_ARGUMENT", "name"),
-    ("CreateCache", lambda: pb.CreateCacheRequest(spec=_spec(model_id=BIG)), "INVALID_ARGUMENT", "model_id"),
+    ("CreateCache", lambda: pb.CreateCacheRequest(spec=_spec(name=BIG)), "INVALID_ARGUMENT", "spec.name"),
+    ("CreateCache", lambda: pb.CreateCacheRequest(spec=_spec(model_id=BIG)), "INVALID_ARGUMENT", "spec.model_id"),
     ("CreateCache", lambda: pb.CreateCacheRequest(spec=_spec(name="c2", dtype=BIG)), "INVALID_ARGUMENT",
-     "geometry.dtype"),
-    ("CreateCache", lambda: pb.CreateCacheRequest(spec=_spec(name="c2", codec=BIG)), "INVALID_ARGUMENT", "codec.kind"),
+     "spec.geometry.dtype"),
+    ("CreateCache", lambda: pb.CreateCacheRequest(spec=_spec(name="c2", codec=BIG)), "INVALID_ARGUMENT", "spec.codec"),
     ("GetCache", lambda: pb.GetCacheRequest(cache=BIG), "NOT_FOUND", "cache"),
     ("Allocate", lambda: pb.AllocateRequest(cache="c", sequence_id=BIG), "INVALID_ARGUMENT", "sequence_id"),
     ("Fork", lambda: pb.ForkRequest(cache="c", sequence_id=BIG, new_sequence_id="x"), "NOT_FOUND", "sequence_id"),

@@ -157,6 +157,13 @@ def test_pool_budget_refuses_a_cache_past_it(tmp_path):
             kv.create_cache("huge", "m", num_blocks=1 << 20, **spec)
         assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
         assert e.value.details().startswith("spec.num_blocks")
+        with pytest.raises(grpc.RpcError) as e:     # named: the part of the spec that does not fit
+            kv.create_cache("huge", "m", pool_bytes=1 << 30, **spec)
+        assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and e.value.details().startswith("spec.pool_bytes")
+        with pytest.raises(grpc.RpcError) as e:
+            kv.create_cache("huge", "m", num_blocks=16, host_bytes=1 << 30, **spec)
+        assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and e.value.details().startswith("spec.host_bytes")
+        assert "for its host tier" in e.value.details()
         kv.create_cache("small", "m", num_blocks=16, exist_ok=True, **spec)   # an existing cache costs nothing
     finally:
         server.stop(0)

@@ -59,7 +59,7 @@ def test_retrieve_to_the_end(client):
     assert torch.equal(k3, k[1:])
     with pytest.raises(grpc.RpcError) as e:
         client.retrieve("c", "a", 21)                         # nothing after the end
-    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and e.value.details().startswith("end")
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and e.value.details().startswith("start")
 
 
 def test_allocate_reports_this_requests_hit(client):
