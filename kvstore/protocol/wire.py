@@ -18,6 +18,10 @@ MAX_DIMS = 8
 MAX_DIM = 1 << 31
 
 
+# what a caller that cannot name a registered buffer (buffers None) is told: one over TCP
+NO_REFS = "buffer references are only for callers on the Unix socket; over TCP tensors go inline"
+
+
 def _nbytes(shape, dtype: torch.dtype) -> int:
     return dtype.itemsize * math.prod(shape)
 
@@ -44,7 +48,7 @@ def from_proto(t: pb.Tensor, buffers, field: str) -> torch.Tensor:
         return torch.frombuffer(bytearray(t.inline), dtype=dtype).reshape(shape)
     if which == "ref":
         if buffers is None:
-            raise InvalidArgument(field, "buffer references are not accepted here")
+            raise InvalidArgument(field, NO_REFS)
         ref = t.ref
         bid, off = ref.buffer_id, ref.offset
         size = buffers.get(bid).numel()
@@ -90,7 +94,7 @@ def check_output(buffers, out: pb.OutputRef | None, nbytes: int, align: int, fie
     if out is None or not out.buffer_id:
         return
     if buffers is None:
-        raise InvalidArgument(field, "buffer references are not accepted here")
+        raise InvalidArgument(field, NO_REFS)
     buf = buffers.get(out.buffer_id)
     if out.offset % align or out.offset + nbytes > buf.numel():
         raise InvalidArgument(field, f"output needs bytes [{out.offset}, {out.offset + nbytes}) "

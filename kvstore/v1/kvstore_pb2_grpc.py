@@ -232,17 +232,20 @@ class KVStoreServicer:
     def Append(self, request, context):
         """Append K and V of new tokens to sequences (all layers, or one layer).
         Tokens appended one layer at a time commit when every layer has them.
-        RESOURCE_EXHAUSTED: no room (nothing is written); a batch is checked
-        whole before any sequence changes.
+        RESOURCE_EXHAUSTED: no room now (nothing is written); a batch is checked
+        whole before any sequence changes. INVALID_ARGUMENT naming counts: a
+        sequence that would pass what the cache's pools can ever hold.
+        FAILED_PRECONDITION naming sequence_ids: an all-layers append to a
+        sequence with tokens appended to some layers only.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def Attend(self, request, context):
-        """Attention of one layer for a batch of sequences over their committed
-        tokens. FAILED_PRECONDITION: a sequence has tokens committed in other
-        layers but not this one.
+        """Attention of one layer for a batch of sequences over their tokens at that
+        layer (see Attention above). INVALID_ARGUMENT naming sequence_ids: a
+        sequence with no token at this layer.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -269,8 +272,10 @@ class KVStoreServicer:
 
     def Retrieve(self, request, context):
         """K and V of a range of committed tokens, sealed ones dequantized (so a
-        prefill can continue a cached prefix). INVALID_ARGUMENT: a range outside
-        the committed tokens or the layers.
+        prefill can continue a cached prefix). At least one token and one layer:
+        INVALID_ARGUMENT naming start, end, layer_start or layer_end for a range
+        that is empty or reaches past the committed tokens or the layers, and
+        naming sequence_id for a sequence with no committed tokens.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
