@@ -124,7 +124,14 @@ class Codebooks:
         if fmt == LEGACY_FORMAT:
             if set(tensors) != {"k", "v"}:
                 raise InvalidArgument("codebooks", f"expected tensors 'k' and 'v', got {sorted(tensors)}")
-            return Codebooks(k=tensors["k"].float(), v=tensors["v"].float())
+            cb = Codebooks(k=tensors["k"].float(), v=tensors["v"].float())
+            # a sha256 the file carries is checked (of the tensors as stored, or as fp32): a
+            # damaged file must not be taken for good just because it is of the old format
+            said = meta.get("sha256")
+            if said is not None and said not in (cb.sha256(), Codebooks(k=tensors["k"], v=tensors["v"]).sha256()):
+                raise InvalidArgument("codebooks.sha256", f"{quote(said)} does not match the tensors "
+                                      f"({cb.sha256()}): the file is damaged")
+            return cb
         if fmt != FORMAT:
             raise InvalidArgument("codebooks.format", f"{quote(fmt)} is not {FORMAT} or {LEGACY_FORMAT}")
         has_t = meta.get("transform") == "included"

@@ -98,6 +98,26 @@ def test_damaged_or_contradicting_files_are_refused():
     assert e.value.field == "codebooks.format"
 
 
+def test_an_old_format_file_is_checked_against_the_sha256_it_carries():
+    """A file of the old format (no description) that carries a sha256 is refused when its
+    tensors no longer match it; one that carries none is taken, as old files were written."""
+    from safetensors.torch import save
+    cb = books()
+    data = bytearray(cb.to_bytes())
+    assert meta(bytes(data))["format"] == LEGACY_FORMAT
+    data[-1] ^= 0xFF
+    with pytest.raises(InvalidArgument) as e:
+        Codebooks.from_bytes(bytes(data))
+    assert e.value.field == "codebooks.sha256"
+    with pytest.raises(InvalidArgument) as e:
+        Codebooks.from_bytes(save({"k": cb.k, "v": cb.v}, metadata={"sha256": "0" * 64}))
+    assert e.value.field == "codebooks.sha256"
+    assert Codebooks.from_bytes(save({"k": cb.k, "v": cb.v})).sha256() == cb.sha256()
+    half = {"k": cb.k.half(), "v": cb.v.half()}       # fp16 tensors, hashed as they were stored
+    sha = Codebooks(**half).sha256()
+    assert torch.equal(Codebooks.from_bytes(save(half, metadata={"sha256": sha})).k, cb.k.half().float())
+
+
 def test_old_files_load_with_the_transform_beside_them(tmp_path):
     cb = books()
     path = str(tmp_path / "old.safetensors")
