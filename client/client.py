@@ -147,11 +147,15 @@ class KVStoreClient(Connection):
             {"k": k, "v": v, "q": q}, [q.numel() * 2], lambda r, a: self._tensor(r.out, a))
         return res if out is None else out.copy_(res)
 
-    def step_buffers(self, cache: str, batch: int, device: torch.device | str = "cuda") -> StepBuffers:
+    def step_buffers(self, cache: str, batch: int, device: torch.device | str | None = None) -> StepBuffers:
         """k, v, q and out of a decode step of `batch` sequences as views of this
         client's registered buffer (plain tensors when it has none, e.g. a
         remote daemon): see StepBuffers. Views stay valid; a later arena (one
-        grown for a larger call) only makes them cross by copy again."""
+        grown for a larger call) only makes them cross by copy again. device:
+        where the tensors live; None: the current CUDA device if this process
+        has one, else the CPU."""
+        if device is None:
+            device = "cuda" if torch.cuda.is_available() else "cpu"
         g = self.get_cache(cache).spec.geometry
         dtype = wire.TO_TORCH[pb.DType.Value(g.dtype.upper())] if g.dtype else torch.float16
         shapes = ((batch, g.num_kv_heads, g.head_dim),) * 2 + ((batch, g.num_q_heads, g.head_dim),) * 2

@@ -214,6 +214,10 @@ class Connection:
         """Build a request with `inputs` placed in the arena (or inline) and
         output ranges reserved, call, and run read(reply, arena) before the
         arena can be reused by another call."""
+        for k, t in inputs.items():
+            if t.dtype not in wire.TO_PROTO:
+                raise TypeError(f"{k}: a {t.dtype} tensor cannot be sent; K, V and Q go as float16, bfloat16 "
+                                "or float32 (the daemon converts them to the cache's dtype)")
         with self._lock:
             need = sum(t.numel() * t.element_size() + 64 for t in inputs.values()) + sum(b + 64 for b in out_bytes)
             cuda = [t for t in inputs.values() if t.is_cuda]

@@ -357,7 +357,8 @@ def test_step_buffers_cross_in_place(served):
         b.allocate("c", "s2", [])
         pre = torch.randn(2, 12, 2, 16, generator=gen).half()
         b.append("c", ["s2"], pre, pre)
-        io = b.step_buffers("c", 1, "cpu")
+        io = b.step_buffers("c", 1, "cpu" if torch.cuda.is_available() else None)   # None: the CPU here
+        assert io.k.device.type == "cpu"
         arena = b._arena
         assert all(arena.offset_of(t) is not None for t in (io.k, io.v, io.q, io.out))
         outs = []
@@ -370,6 +371,10 @@ def test_step_buffers_cross_in_place(served):
             assert got is io.out
             outs.append(got.clone())
         assert torch.equal(torch.stack(outs), want)
+        with pytest.raises(TypeError, match="k: a torch.float64 tensor cannot be sent"):
+            b.append_attend("c", 0, ["s2"], k.double(), k, io.q)
+        info = b.sequence_info("c", "s2")                    # nothing was sent: 3 steps of 2 layers
+        assert info.length == 12 + 3 and list(info.pending) == [0, 0]
 
 
 def test_unregistered_buffer_is_not_served_from_the_descriptor_cache(served):
