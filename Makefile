@@ -4,7 +4,8 @@ SHELL := /bin/bash
 PY ?= python3
 VENV := .venv
 VPY := $(VENV)/bin/python
-SOCKET ?= /tmp/kvstore-$(shell id -u)/kvstore.sock
+# where the daemon and clients meet: $KVSTORE_SOCKET when set, as server.py and the client read it
+SOCKET ?= $(or $(KVSTORE_SOCKET),/tmp/kvstore-$(shell id -u)/kvstore.sock)
 # extra daemon flags for `make serve`, e.g. ARGS="--device cpu --metrics-port 9400"
 ARGS ?=
 export PYTHONUNBUFFERED := 1
