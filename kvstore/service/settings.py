@@ -47,8 +47,10 @@ def _convert(action: argparse.Action, value, where: str):
             low = value.strip().lower()
             if low in _TRUE + _FALSE:
                 value = low in _TRUE
+        elif type(value) is int and value in (0, 1):     # as "1" / "0" from the environment
+            value = bool(value)
         if not isinstance(value, bool):
-            raise ValueError(f"{where}: expected true or false, got {value!r}")
+            raise ValueError(f"{where}: expected a switch value: true/1/yes/on or false/0/no/off, got {value!r}")
         return value if isinstance(action, argparse._StoreTrueAction) else not value
     if isinstance(value, bool) or not isinstance(value, (str, int, float)):
         raise ValueError(f"{where}: expected a value for {action.option_strings[-1]}, got {value!r}")

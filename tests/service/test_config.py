@@ -39,6 +39,12 @@ def test_flags_over_environment_over_file_over_defaults(tmp_path):
     assert (a.workers, a.max_pool_bytes) == (7, 40 * 2**30)
 
 
+def test_a_switch_in_the_file_takes_what_the_environment_takes(tmp_path):
+    for value, want in (("true", True), ("1", True), ('"yes"', True), ('"on"', True),
+                        ("false", False), ("0", False), ('"no"', False), ('"off"', False)):
+        assert parse([], config=f"lmdb-sync = {value}\n", tmp_path=tmp_path).lmdb_sync is want, value
+
+
 def test_config_path_from_the_environment(tmp_path):
     path = tmp_path / "k.toml"
     path.write_text("lease-timeout = 4.5\n")
@@ -54,7 +60,8 @@ def run_server(*args: str, env: dict | None = None) -> subprocess.CompletedProce
     ('sockett = "/tmp/x.sock"\n', "unknown key 'sockett'"),
     ("[server]\nport = 1\n", "unknown key 'server'"),
     ('port = "eighty"\n', "port: invalid int value: 'eighty'"),
-    ("no-doorbell = 1\n", "no-doorbell: expected true or false, got 1"),
+    ("no-doorbell = 2\n", "no-doorbell: expected a switch value: true/1/yes/on or false/0/no/off, got 2"),
+    ('lmdb-sync = "maybe"\n', "lmdb-sync: expected a switch value: true/1/yes/on or false/0/no/off, got 'maybe'"),
     ('log-format = "xml"\n', "log-format: 'xml' is not one of text, json"),
     ('max-pool-bytes = "lots"\n', "max-pool-bytes: not a byte size: 'lots'"),
     ("port = \n", "not TOML"),
