@@ -67,7 +67,7 @@ from .hf_cache import (FALLBACK_ERRORS, GONE, SPEC_REFUSED, KVStoreCache, check_
 from .hf_groups import LayerGroups, merge_stats
 
 ATTN = "kvstore"
-DEFAULT_PQ_SINKS = 32     # bench/ACCURACY.md: 32 sinks keep 4-bit PQ within 0.5 % at R = 128
+DEFAULT_PQ_SINKS = 32     # docs/accuracy.md: 32 sinks keep 4-bit PQ within 0.16 % of fp16 at R = 128
 MAX_QUERY_TOKENS = 128      # the daemon's bound on an AppendAttend's query_tokens (kvstore.proto)
 _registered = False
 _inner: dict[int, str | None] = {}     # id(config) -> the attention implementation it had before

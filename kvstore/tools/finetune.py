@@ -3,9 +3,8 @@ distribution (`kvstore-calibrate --finetune-steps N`, or this module's CLI).
 
 k-means places a centroid where the rows that chose it are, each row weighted
 alike. What perplexity feels is different, and every proxy of it we tried
-(attention-weighted metrics, one layer's output error: bench/ACCURACY.md rows
-21-23) lowered the proxy and raised perplexity. So the loss here is the
-measured thing itself: KL(p_exact || p_quantized) of the next-token
+(attention-weighted metrics, one layer's output error) lowered the proxy and
+raised perplexity. So the loss here is the measured thing itself: KL(p_exact || p_quantized) of the next-token
 distribution over calibration windows, with every layer's K/V quantized the
 way MILLION's protocol does (every key, the query's own included), which also
 covers the product's protocol (its older keys read the same codes).
