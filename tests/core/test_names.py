@@ -56,10 +56,10 @@ def test_every_rpc_that_names_something_new_follows_the_rule(daemon):
     stub = kv.stub
     for bad in ("caché٣", "a/b", "x" * 129):
         code, details = _code(stub.CreateCache, pb.CreateCacheRequest(spec=_spec(name=bad)))
-        assert code == grpc.StatusCode.INVALID_ARGUMENT and details.startswith("name: "), details
+        assert code == grpc.StatusCode.INVALID_ARGUMENT and details.startswith("spec.name: "), details
     for bad in ("m\x00", "m\x1b[2J", "x" * 257):
         code, details = _code(stub.CreateCache, pb.CreateCacheRequest(spec=_spec(name="c2", model_id=bad)))
-        assert code == grpc.StatusCode.INVALID_ARGUMENT and details.startswith("model_id: "), details
+        assert code == grpc.StatusCode.INVALID_ARGUMENT and details.startswith("spec.model_id: "), details
     stub.CreateCache(pb.CreateCacheRequest(spec=_spec(model_id="org/model-v1.5")), timeout=10)
     stub.Allocate(pb.AllocateRequest(cache="c", sequence_id="s"), timeout=10)
     for bad in ("séq", "x" * 129, "a b"):
