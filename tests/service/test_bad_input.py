@@ -578,6 +578,8 @@ CASES = [
     case("Retrieve", "to-the-end-of-an-empty-sequence", lambda lv: retrieve(seq="e", end=0), INVALID,
          "sequence_id"),
     case("Retrieve", "to-the-end-start-past-length", lambda lv: retrieve(start=5, end=0), INVALID, "start"),
+    case("Retrieve", "bad-range-named-before-bad-output", lambda lv: retrieve(
+        start=4, end=2, k_out=pb.OutputRef(buffer_id=lv.buf, offset=SHM_BYTES + 64)), INVALID, "start"),
     case("Retrieve", "layer-end-out-of-range", lambda lv: retrieve(layer_end=L + 1), INVALID, "layer_end"),
     case("Retrieve", "layer-start-out-of-range", lambda lv: retrieve("pq", layer_start=L), INVALID, "layer_start"),
     case("Retrieve", "layer-range-empty", lambda lv: retrieve(layer_start=1, layer_end=1), INVALID, "layer_start"),
