@@ -12,9 +12,12 @@ from kvstore.errors import FailedPrecondition, ResourceExhausted, quote
 from . import results
 from .results import DeleteResult
 
-# CacheConfig's nested fields under the CacheSpec names a client sets.
-_SPEC_NAMES = {"geometry": "geometry.", "codec": ""}
-_CODEC_NAMES = {"kind": "codec", "num_subvectors": "num_subvectors", "num_centroids": "num_centroids"}
+def spec_name(path: str) -> str:
+    """A CacheConfig field's path (codec.kind, geometry.head_dim, block_size) as the
+    CacheSpec field a client sets (codec, geometry.head_dim, block_size): the codec's
+    fields sit at the spec's top level, `kind` as `codec`."""
+    head, _, rest = path.partition(".")
+    return ("codec" if rest == "kind" else rest) if head == "codec" else path
 
 
 def spec_fields(cfg: CacheConfig) -> dict[str, object]:
@@ -22,10 +25,8 @@ def spec_fields(cfg: CacheConfig) -> dict[str, object]:
     out: dict[str, object] = {}
     for f in dataclasses.fields(cfg):
         v = getattr(cfg, f.name)
-        if f.name == "geometry":
-            out.update({f"geometry.{g.name}": getattr(v, g.name) for g in dataclasses.fields(v)})
-        elif f.name == "codec":
-            out.update({_CODEC_NAMES[c.name]: getattr(v, c.name) for c in dataclasses.fields(v)})
+        if f.name in ("geometry", "codec"):
+            out.update({spec_name(f"{f.name}.{g.name}"): getattr(v, g.name) for g in dataclasses.fields(v)})
         else:
             out[f.name] = v
     return out

@@ -7,6 +7,7 @@ import contextlib
 import dataclasses
 
 from kvstore.core.config import CacheConfig, CodecConfig, ModelGeometry
+from kvstore.engine import lifecycle
 from kvstore.engine.results import CacheInfo, DeleteResult, ReserveResult, SequenceInfo
 from kvstore.errors import KVStoreError
 from kvstore.v1 import kvstore_pb2 as pb
@@ -35,9 +36,7 @@ def spec_fields_named():
     try:
         yield
     except KVStoreError as e:
-        head, _, rest = e.field.partition(".")
-        path = ({"kind": "codec"}.get(rest, rest) if head == "codec" else e.field)
-        raise type(e)(f"spec.{path}", e.message) from None
+        raise type(e)(f"spec.{lifecycle.spec_name(e.field)}", e.message) from None
 
 
 def config_to_spec(cfg: CacheConfig) -> pb.CacheSpec:
