@@ -55,11 +55,12 @@ class MappedCache:
         uuid = cuda_ipc.device_uuid(self.device.index or 0)
         reply = kv.stub.MapPool(pb.MapPoolRequest(cache=cache, device_uuid=uuid), timeout=kv.timeout)
         self.spec = reply.spec
-        if any(reply.spec.layer_windows) or any(reply.spec.layer_chunks) or reply.spec.logit_softcap:
-            # One kernel plan serves every layer of a step here; per-layer windows, chunks
-            # and soft-capping run in the daemon (append_attend), not in a mapped worker.
+        if (any(reply.spec.layer_windows) or any(reply.spec.layer_chunks) or reply.spec.logit_softcap
+                or len(reply.spec.sink_logits)):
+            # One kernel plan serves every layer of a step here; per-layer windows, chunks,
+            # soft-capping and sink logits run in the daemon (append_attend), not in a mapped worker.
             raise ValueError(f"cache {cache!r}: mapped attend does not take sliding-window or chunked "
-                             "layers or logit soft-capping; use append_attend")
+                             "layers, logit soft-capping or sink logits; use append_attend")
         g = reply.spec.geometry
         self.hq, self.hkv, self.d = g.num_q_heads, g.num_kv_heads, g.head_dim
         self.scale = 1.0 / math.sqrt(self.d)

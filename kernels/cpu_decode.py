@@ -39,18 +39,19 @@ def dequantize_tokens(k_codes: torch.Tensor, v_codes: torch.Tensor, k_codebook: 
 
 
 def attend_one(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
-               softcap: float = 0.0) -> torch.Tensor:
+               softcap: float = 0.0, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """q [Hq, d]; k, v [Hkv, n, d] fp32 (n >= 1) -> out [Hq, d] fp32. softcap > 0: scores
     s become softcap * tanh(s / softcap) (reference.attention_dense). One query token:
     attend_causal with T = 1, whose mask then hides nothing."""
-    return attend_causal(q[None], k, v, scale, softcap)[0]
+    return attend_causal(q[None], k, v, scale, softcap, sinks)[0]
 
 
 def attend_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
-                  softcap: float = 0.0) -> torch.Tensor:
+                  softcap: float = 0.0, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """q [T, Hq, d] (the sequence's T newest tokens); k, v [Hkv, n, d] fp32 (n >= T, the
     T new tokens last) -> out [T, Hq, d] fp32: query i sees tokens [0, n - T + i]
-    (reference.pq_multi_attention)."""
+    (reference.pq_multi_attention). sinks [Hq] fp32: learned sink logits, one more
+    score a head with a zero value (-inf: none), as gpt-oss's eager attention."""
     t, hq, d = q.shape
     hkv, n = k.shape[0], k.shape[1]
     g = hq // hkv
@@ -59,6 +60,11 @@ def attend_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: floa
     if softcap:
         s = softcap * torch.tanh(s / softcap)
     seen = torch.arange(n)[None, :] <= (n - t + torch.arange(t))[:, None]    # [T, n]
-    p = torch.softmax(s.masked_fill(~seen[None, :, None, :], float("-inf")), dim=-1)
+    s = s.masked_fill(~seen[None, :, None, :], float("-inf"))
+    if sinks is not None:
+        z = sinks.float().view(hkv, 1, g, 1).expand(hkv, t, g, 1)
+        p = torch.softmax(torch.cat([s, z], dim=-1), dim=-1)[..., :n].contiguous()
+    else:
+        p = torch.softmax(s, dim=-1)
     out = torch.bmm(p.view(hkv, t * g, n), v)                                 # [Hkv, T * g, d]
     return out.view(hkv, t, g, d).transpose(0, 1).reshape(t, hq, d)

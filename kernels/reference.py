@@ -137,6 +137,17 @@ def merge_attention(o1: torch.Tensor, lse1: torch.Tensor,
     return o1 * w1 + o2 * w2, lse
 
 
+def fold_sink_logits(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
+    """Attention with learned sink logits (gpt-oss) from attention without them, in
+    place: one more key a head with score z and a zero value turns out into
+    out * Z / (Z + e^z) = out * sigmoid(lse - z), Z = e^lse. out [..., Hq, d], lse
+    [..., Hq] fp32 (natural log), sinks [Hq] fp32, -inf where a head has none. Rows
+    with no keys (lse -inf) stay 0. Elementwise torch: every backend's result takes it,
+    and a CUDA graph captures it after the kernels."""
+    w = torch.sigmoid(lse - sinks).nan_to_num_(nan=1.0)      # -inf - -inf: no keys and no sink
+    return out.copy_(out.float() * w.unsqueeze(-1))
+
+
 def _start(starts, b: int) -> int:
     return 0 if starts is None else int(starts[b])
 

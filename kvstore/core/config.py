@@ -110,6 +110,9 @@ class CacheConfig:
     # position p reads positions [p - p % c, p] only, 0: none. Not with a window.
     layer_chunks: tuple[int, ...] = ()
     logit_softcap: float = 0.0   # > 0: scores s become c * tanh(s / c) (Gemma-2); 0: none
+    # Learned attention-sink logits (gpt-oss): () or num_layers * num_q_heads, layer-major;
+    # each is one more score with a zero value in its head's softmax; -inf: none.
+    sink_logits: tuple[float, ...] = ()
 
     def __post_init__(self) -> None:
         self._validate()
@@ -157,6 +160,14 @@ class CacheConfig:
         c = self.logit_softcap
         if not isinstance(c, (int, float)) or not (0.0 <= c < math.inf):
             raise InvalidArgument("logit_softcap", f"must be a finite number >= 0, got {quote(c)}")
+        z, want = self.sink_logits, self.geometry.num_layers * self.geometry.num_q_heads
+        if not isinstance(z, tuple) or (z and len(z) != want):
+            raise InvalidArgument("sink_logits", f"must be empty or hold num_layers * num_q_heads = {want} "
+                                  f"values (layer-major), got {len(z) if isinstance(z, tuple) else quote(z)}")
+        for i, x in enumerate(z):
+            if not isinstance(x, (int, float)) or math.isnan(x) or x == math.inf:
+                raise InvalidArgument("sink_logits", f"entry {i} must be a finite number or -inf (no sink), "
+                                      f"got {quote(x)}")
 
     # --- attention
     def window(self, layer: int) -> int:
@@ -166,6 +177,11 @@ class CacheConfig:
     def chunk(self, layer: int) -> int:
         """The layer's attention chunk in tokens; 0: none."""
         return self.layer_chunks[layer] if self.layer_chunks else 0
+
+    def layer_sinks(self, layer: int) -> tuple[float, ...]:
+        """The layer's sink logit per query head; () when the cache has none."""
+        h = self.geometry.num_q_heads
+        return self.sink_logits[layer * h:(layer + 1) * h]
 
     # --- derived sizes
     @property

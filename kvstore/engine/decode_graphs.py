@@ -307,6 +307,7 @@ class DecodeGraphs:
         rows = self._rows_of(g, lens)
         assert rows is not None, "a plan made for these lengths has room for their items"
         self._copy_meta(g, *rows, sealed, tail, b, new)
+        sinks = cache.layer_sink_logits(layer)
 
         def run():
             if new is not None:     # the new tokens first: the attention reads them
@@ -320,6 +321,8 @@ class DecodeGraphs:
             else:
                 plan.run_paged(q, cache.main.k[layer], cache.main.v[layer], tt, scale, out=out, lse=lse,
                                trusted=True)
+            if sinks is not None:
+                kernels.fold_sink_logits(out, lse, sinks)
         run()           # this call's result, and every kernel compiled and loaded before capture
         side = self._streams.get(dev.index)
         if side is None:

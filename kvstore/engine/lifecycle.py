@@ -36,7 +36,8 @@ def exists_message(old: CacheConfig, new: CacheConfig, exist_ok: bool) -> str:
     """Why a CreateCache of an existing name is refused: each field whose value
     differs, with both values."""
     a, b = spec_fields(old), spec_fields(new)
-    diff = [f"{k} {a[k]!r} (existing) vs {b[k]!r} (requested)" for k in a if a[k] != b[k]]
+    # quoted: a per-layer or per-head field (sink_logits) can be thousands of values long
+    diff = [f"{k} {quote(a[k])} (existing) vs {quote(b[k])} (requested)" for k in a if a[k] != b[k]]
     if not diff:
         return f"cache {quote(old.name)} exists with this configuration (exist_ok returns it)"
     return f"cache {quote(old.name)} exists with another configuration: " + ", ".join(diff)

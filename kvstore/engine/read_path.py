@@ -22,6 +22,7 @@ class ReadPath:
     """Mixed into Cache; builds block tables and calls the kernels."""
 
     _kept_plan: tuple | None = None     # (key, tables as lists, plan, device tables): _step_plan
+    _sink_rows: torch.Tensor | None = None     # [L, Hq] fp32 on the pools' device: layer_sink_logits
 
     # ------------------------------------------------------------- reading
     @staticmethod
@@ -30,6 +31,18 @@ class ReadPath:
         for s in seqs:
             if s.layer_length(layer) == 0:
                 raise InvalidArgument("sequence_ids", f"sequence {quote(s.seq_id)} has no tokens at layer {layer}")
+
+    def layer_sink_logits(self, layer: int) -> torch.Tensor | None:
+        """The layer's learned sink logits [Hq] fp32 on the pools' device (-inf: a head
+        without one), or None: the cache has none. Built once: a decode graph reads
+        them at a fixed address."""
+        if not self.cfg.sink_logits:
+            return None
+        if self._sink_rows is None:
+            g = self.cfg.geometry
+            self._sink_rows = torch.tensor(self.cfg.sink_logits, dtype=torch.float32).view(
+                g.num_layers, g.num_q_heads).to(self.main_device)
+        return self._sink_rows[layer]
 
     def decode_lens(self, layer: int, seqs: list[Sequence]) -> tuple[list[int], ...]:
         """The kernels' lengths of a decode step at this layer (router.plan_decode's
@@ -94,11 +107,14 @@ class ReadPath:
         the kernels, which take the engine's own pool tensors unchecked."""
         plan, tables = self._step_plan(layer, seqs, q, query_tokens)
         if self.is_pq:
-            return plan.run_pq(q, self.main.k_codes[layer], self.main.v_codes[layer], self.main.k_cb[layer],
-                               self.main.v_cb[layer], tables[0], self.tail.k[layer], self.tail.v[layer], tables[1],
-                               scale, out=out, trusted=True, codebook_image=self.main.image(layer))[0]
-        return plan.run_paged(q, self.main.k[layer], self.main.v[layer], tables[0], scale, out=out,
-                              trusted=True)[0]
+            out, lse = plan.run_pq(q, self.main.k_codes[layer], self.main.v_codes[layer], self.main.k_cb[layer],
+                                   self.main.v_cb[layer], tables[0], self.tail.k[layer], self.tail.v[layer],
+                                   tables[1], scale, out=out, trusted=True, codebook_image=self.main.image(layer))
+        else:
+            out, lse = plan.run_paged(q, self.main.k[layer], self.main.v[layer], tables[0], scale, out=out,
+                                      trusted=True)
+        sinks = self.layer_sink_logits(layer)
+        return out if sinks is None else kernels.fold_sink_logits(out, lse, sinks)
 
     def _step_plan(self, layer: int, seqs: list[Sequence], q: torch.Tensor, query_tokens: int) -> tuple:
         """-> (plan, device block tables) for this call. Every layer of a step has the same
@@ -145,7 +161,8 @@ class ReadPath:
             gone = s.freed * self.bs
             lo = window_start(s.layer_length(layer), window, chunk) - gone
             assert lo >= (self.sinks if gone else 0), f"{s.seq_id}: layer {layer} reads a hole"
-            outs.append(cpu_decode.attend_one(q[i], k[:, lo:], v[:, lo:], scale, self.cfg.logit_softcap))
+            outs.append(cpu_decode.attend_one(q[i], k[:, lo:], v[:, lo:], scale, self.cfg.logit_softcap,
+                                              self.layer_sink_logits(layer)))
         out = outs[0].unsqueeze(0) if len(outs) == 1 else torch.stack(outs)
         return out.to(q.dtype)
 
@@ -186,7 +203,8 @@ class ReadPath:
         dev = q.device
         if dev.type == "cpu":
             res = torch.cat([cpu_decode.attend_causal(q[i], *self._positional_cpu(layer, s), scale,
-                                                      self.cfg.logit_softcap) for i, s in enumerate(seqs)])
+                                                      self.cfg.logit_softcap, self.layer_sink_logits(layer))
+                             for i, s in enumerate(seqs)])
             out = res.to(q.dtype) if out is None else out.copy_(res)
         else:
             o4 = self._run_kernels(layer, seqs, q, scale, None if out is None else out.view(b, t, hq, d), t)

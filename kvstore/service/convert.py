@@ -25,7 +25,7 @@ def spec_to_config(spec: pb.CacheSpec, device: str) -> CacheConfig:
         max_sequences=spec.max_sequences or 256, device=device, host_bytes=spec.host_bytes,
         low_watermark=spec.low_watermark, share_prefixes_across_tenants=spec.share_prefixes_across_tenants,
         layer_windows=tuple(spec.layer_windows), layer_chunks=tuple(spec.layer_chunks),
-        logit_softcap=spec.logit_softcap)
+        logit_softcap=spec.logit_softcap, sink_logits=tuple(spec.sink_logits))
 
 
 @contextlib.contextmanager
@@ -51,7 +51,7 @@ def config_to_spec(cfg: CacheConfig) -> pb.CacheSpec:
         max_sequences=cfg.max_sequences, host_bytes=cfg.host_bytes, low_watermark=cfg.low_watermark,
         share_prefixes_across_tenants=cfg.share_prefixes_across_tenants,
         layer_windows=list(cfg.layer_windows), layer_chunks=list(cfg.layer_chunks),
-        logit_softcap=cfg.logit_softcap)
+        logit_softcap=cfg.logit_softcap, sink_logits=list(cfg.sink_logits))
 
 
 def cache_info(i: CacheInfo) -> pb.CacheInfo:

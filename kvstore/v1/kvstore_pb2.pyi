@@ -76,7 +76,7 @@ class Geometry(_message.Message):
     def __init__(self, num_layers: _Optional[int] = ..., num_q_heads: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., dtype: _Optional[str] = ...) -> None: ...
 
 class CacheSpec(_message.Message):
-    __slots__ = ("name", "model_id", "geometry", "codec", "num_subvectors", "block_size", "residual", "num_blocks", "pool_bytes", "max_sequences", "share_prefixes_across_tenants", "host_bytes", "low_watermark", "sink_tokens", "layer_windows", "logit_softcap", "layer_chunks")
+    __slots__ = ("name", "model_id", "geometry", "codec", "num_subvectors", "block_size", "residual", "num_blocks", "pool_bytes", "max_sequences", "share_prefixes_across_tenants", "host_bytes", "low_watermark", "sink_tokens", "layer_windows", "logit_softcap", "layer_chunks", "sink_logits")
     NAME_FIELD_NUMBER: _ClassVar[int]
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     GEOMETRY_FIELD_NUMBER: _ClassVar[int]
@@ -94,6 +94,7 @@ class CacheSpec(_message.Message):
     LAYER_WINDOWS_FIELD_NUMBER: _ClassVar[int]
     LOGIT_SOFTCAP_FIELD_NUMBER: _ClassVar[int]
     LAYER_CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    SINK_LOGITS_FIELD_NUMBER: _ClassVar[int]
     name: str
     model_id: str
     geometry: Geometry
@@ -111,7 +112,8 @@ class CacheSpec(_message.Message):
     layer_windows: _containers.RepeatedScalarFieldContainer[int]
     logit_softcap: float
     layer_chunks: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, name: _Optional[str] = ..., model_id: _Optional[str] = ..., geometry: _Optional[_Union[Geometry, _Mapping]] = ..., codec: _Optional[str] = ..., num_subvectors: _Optional[int] = ..., block_size: _Optional[int] = ..., residual: _Optional[int] = ..., num_blocks: _Optional[int] = ..., pool_bytes: _Optional[int] = ..., max_sequences: _Optional[int] = ..., share_prefixes_across_tenants: _Optional[bool] = ..., host_bytes: _Optional[int] = ..., low_watermark: _Optional[float] = ..., sink_tokens: _Optional[int] = ..., layer_windows: _Optional[_Iterable[int]] = ..., logit_softcap: _Optional[float] = ..., layer_chunks: _Optional[_Iterable[int]] = ...) -> None: ...
+    sink_logits: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, name: _Optional[str] = ..., model_id: _Optional[str] = ..., geometry: _Optional[_Union[Geometry, _Mapping]] = ..., codec: _Optional[str] = ..., num_subvectors: _Optional[int] = ..., block_size: _Optional[int] = ..., residual: _Optional[int] = ..., num_blocks: _Optional[int] = ..., pool_bytes: _Optional[int] = ..., max_sequences: _Optional[int] = ..., share_prefixes_across_tenants: _Optional[bool] = ..., host_bytes: _Optional[int] = ..., low_watermark: _Optional[float] = ..., sink_tokens: _Optional[int] = ..., layer_windows: _Optional[_Iterable[int]] = ..., logit_softcap: _Optional[float] = ..., layer_chunks: _Optional[_Iterable[int]] = ..., sink_logits: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class CreateCacheRequest(_message.Message):
     __slots__ = ("spec", "exist_ok")

@@ -162,6 +162,22 @@ def test_mapped_graph_replays_follow_growing_lengths_head_dim_128(daemon, codec)
         assert r["err"] < 2e-3, r
 
 
+@pytest.mark.parametrize("field,value", [("layer_windows", [16, 0]), ("logit_softcap", 30.0),
+                                         ("sink_logits", [0.5] * 16)])
+def test_mapped_attend_refuses_a_cache_whose_attention_it_does_not_apply(daemon, field, value):
+    """One kernel plan serves every layer of a mapped step: a cache with windows,
+    soft-capping or sink logits is refused by MappedCache, naming them, before anything
+    is mapped; append_attend serves it."""
+    from kvstore.client import KVStoreClient
+    from kvstore.client.mapped import MappedCache
+    kv = KVStoreClient(daemon)
+    kv.create_cache(f"m-{field}", "m", num_layers=2, num_q_heads=8, num_kv_heads=2, head_dim=64, codec="fp16",
+                    block_size=16, residual=32, num_blocks=64, **{field: value})
+    with pytest.raises(ValueError, match="mapped attend does not take sliding-window or chunked layers, logit "
+                                         "soft-capping or sink logits; use append_attend"):
+        MappedCache(kv, f"m-{field}")
+
+
 def test_killed_worker_leaves_no_blocks_after_lease(daemon):
     kv = _create(daemon, "pq")
     before = kv.stats("pq").caches[0]

@@ -82,6 +82,12 @@ def spec(name: str, codec: str = "pq", num_blocks: int = 64, max_sequences: int 
                         residual=residual, num_blocks=num_blocks, max_sequences=max_sequences, sink_tokens=sink_tokens)
 
 
+def with_fields(s: pb.CacheSpec, **fields) -> pb.CacheSpec:
+    for name, value in fields.items():
+        getattr(s, name).extend(value)
+    return s
+
+
 def codebooks(k=None, v=None) -> bytes:
     k = rnd(L, HKV, M, 256, D // M, dtype=torch.float32) if k is None else k
     v = rnd(L, HKV, M, 256, D // M, dtype=torch.float32) if v is None else v
@@ -303,6 +309,12 @@ CASES = [
     case("CreateCache", "exists-other-sinks", lambda lv: pb.CreateCacheRequest(
         spec=spec("sinkpq", "pq", num_blocks=1, max_sequences=2, residual=0, sink_tokens=8), exist_ok=True),
          EXISTS, "spec.name"),
+    case("CreateCache", "sink-logits-count", lambda lv: pb.CreateCacheRequest(
+        spec=with_fields(spec("n17", "fp16"), sink_logits=[0.5] * (L * HQ - 1))), INVALID, "spec.sink_logits"),
+    case("CreateCache", "sink-logits-nan", lambda lv: pb.CreateCacheRequest(
+        spec=with_fields(spec("n18", "fp16"), sink_logits=[float("nan")] * (L * HQ))), INVALID, "spec.sink_logits"),
+    case("CreateCache", "exists-other-sink-logits", lambda lv: pb.CreateCacheRequest(
+        spec=with_fields(spec("f16", "fp16"), sink_logits=[0.5] * (L * HQ)), exist_ok=True), EXISTS, "spec.name"),
     # ------------------------------------------------------------------- GetCache
     case("GetCache", "unknown-cache", lambda lv: pb.GetCacheRequest(cache="nope"), NOT_FOUND, "cache"),
     case("GetCache", "empty-name", lambda lv: pb.GetCacheRequest(), NOT_FOUND, "cache"),
