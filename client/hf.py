@@ -99,7 +99,8 @@ def kvstore_attention(module, query, key, value, attention_mask, dropout=0.0, sc
     fallback, plain caches) runs in-process by the model's own attention."""
     cache = take_decode_target(module.layer_idx, key, value)
     if cache is not None:
-        cache.adapter.variant.check_call(module.layer_idx, kwargs, attention_mask, cache.length + query.shape[2])
+        cache.adapter.variant.check_call(module.layer_idx, kwargs, attention_mask, cache.length + query.shape[2],
+                                         module)
         out, key, value = cache.decode_attention(module.layer_idx, query, key, value, scaling)
         if out is not None:
             return out, None

@@ -39,6 +39,10 @@ class LayerGroup:
             out["layer_windows"] = list(self.windows)
         if self.chunks:
             out["layer_chunks"] = list(self.chunks)
+        sinks = out.pop("sink_logits", None)
+        if sinks:       # per layer and query head, layer-major: this group's layers' rows
+            h = base["num_q_heads"]
+            out["sink_logits"] = [x for layer in self.layers for x in sinks[layer * h:(layer + 1) * h]]
         return out
 
     def first_needed(self, length: int) -> int:

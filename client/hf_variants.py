@@ -3,7 +3,8 @@ the adapter cannot run (refused when it is built, naming the feature).
 
 The daemon runs decode attention with GQA, a per-call scale (the model's own
 `scaling`: query_pre_attn_scalar and head_dim not hidden / heads come in that
-way), a sliding window per layer and logit soft-capping, in fp16 or bf16. The
+way), a sliding window per layer, logit soft-capping and learned sink logits
+(gpt-oss's `sinks`, taken from the model when the adapter is built), in fp16 or bf16. The
 in-process attention (prefill, fallback) is the model's own implementation, so
 every variant the model has is computed there as transformers computes it.
 """
@@ -23,6 +24,9 @@ class AttentionVariant:
     windows: tuple[int, ...]     # per layer; 0: global; () when no layer slides
     softcap: float               # attn_logit_softcapping; 0: none
     chunks: tuple[int, ...] = ()     # per layer: attention_chunk_size (Llama 4); () when no layer is chunked
+    # learned attention-sink logits (gpt-oss `sinks`), per layer and query head, layer-major;
+    # -inf for a layer without; () when no layer has them
+    sinks: tuple[float, ...] = ()
 
     def window(self, layer: int) -> int:
         return self.windows[layer] if self.windows else 0
@@ -37,14 +41,16 @@ class AttentionVariant:
             out["layer_chunks"] = list(self.chunks)
         if self.softcap:
             out["logit_softcap"] = self.softcap
+        if self.sinks:
+            out["sink_logits"] = list(self.sinks)
         return out
 
-    def check_call(self, layer: int, kwargs: dict, mask, kv_len: int) -> None:
+    def check_call(self, layer: int, kwargs: dict, mask, kv_len: int, module=None) -> None:
         """The attention call of `layer` asks for what the daemon's cache was made with:
         a model whose layers decide their window or cap otherwise than its config
         says is refused before its decode step reaches the daemon. mask: the call's
         (sdpa's: bool [B, 1, n, kv_len], True = attend, or None), kv_len: the tokens
-        it reads."""
+        it reads, module: the attention module making the call."""
         w, want = kwargs.get("sliding_window") or 0, self.window(layer)
         cap = kwargs.get("softcap") or 0.0
         # A model may window through its mask alone (PhiMoE, Doge: the call carries no
@@ -59,8 +65,37 @@ class AttentionVariant:
         if float(cap) != self.softcap:
             raise ValueError(f"layer {layer}: the model soft-caps attention logits at {cap}, the kvstore "
                              f"cache at {self.softcap}")
-        if kwargs.get("s_aux") is not None:
-            raise ValueError("learned attention-sink logits (s_aux): not supported by kvstore")
+        aux = kwargs.get("s_aux")
+        if aux is not None and not (self.sinks and aux is sink_parameter(module)):
+            # the daemon's cache holds the values of the attention's `sinks` when the adapter
+            # was built: other logits in the call would be attended with those
+            raise ValueError(f"layer {layer}: the model attends with learned sink logits (s_aux) other than "
+                             "its attention's `sinks` parameter, which the kvstore cache was made with")
+
+
+def sink_parameter(module):
+    """The attention module's learned sink logits (gpt-oss `sinks`, [Hq]), or None."""
+    p = getattr(module, "sinks", None)
+    return p if isinstance(p, torch.nn.Parameter) else None
+
+
+def _sink_logits(model, c) -> tuple[float, ...]:
+    """Every layer's sink logits, layer-major ([L * Hq]; -inf for a layer whose attention
+    has none, as MiMo's global layers), or () when no layer has them."""
+    hq, n = heads(c)[0], c.num_hidden_layers
+    rows: dict[int, list[float]] = {}
+    for name, m in model.named_modules():
+        p = sink_parameter(m)
+        if p is None:
+            continue
+        layer = getattr(m, "layer_idx", None)
+        if not isinstance(layer, int) or not 0 <= layer < n or p.numel() != hq or layer in rows:
+            _refuse(f"learned attention-sink logits outside one attention module a layer of {hq} query heads "
+                    f"({name}.sinks: {tuple(p.shape)})")
+        rows[layer] = p.detach().float().cpu().tolist()
+    if not rows:
+        return ()
+    return tuple(x for layer in range(n) for x in rows.get(layer, [float("-inf")] * hq))
 
 
 def _masks_before(mask, first: int) -> bool:
@@ -133,8 +168,6 @@ def detect(model, c) -> AttentionVariant:
     if own is not None:
         _refuse(f"{own}: attention outside transformers' AttentionInterface")
     for name, m in model.named_modules():
-        if isinstance(getattr(m, "sinks", None), torch.nn.Parameter):
-            _refuse("learned attention-sink logits (the attention's `sinks` parameter, as gpt-oss)")
         if isinstance(getattr(m, "lambda_q1", None), torch.nn.Parameter):
             _refuse("differential attention (two softmaxes over halves of V, as DiffLlama)")
         if hasattr(m, "layer_idx") and hasattr(m, "is_causal") and m.is_causal is False:
@@ -173,7 +206,8 @@ def detect(model, c) -> AttentionVariant:
         _refuse(f"chunked attention (attention_chunk_size={size or None}) without chunked_attention layers"
                 if size else "chunked_attention layers without attention_chunk_size")
     cap = setting(c, "attn_logit_softcapping", None) or 0.0
-    return AttentionVariant(windows=windows, softcap=float(cap), chunks=chunks if any(chunks) else ())
+    return AttentionVariant(windows=windows, softcap=float(cap), chunks=chunks if any(chunks) else (),
+                            sinks=_sink_logits(model, c))
 
 
 def check_generate(model, kwargs: dict) -> None:

@@ -105,6 +105,12 @@ def _llama4():     # chunked attention (the mask's alone) on 3 layers of 4, NoPE
                                          layer_types=["chunked_attention"] * 3 + ["full_attention"], **SMALL)
 
 
+def _gpt_oss():     # learned sink logits, alternating windows; MoE taking every expert (no routing to flip)
+    return transformers.GptOssConfig(num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                     sliding_window=WINDOW, layer_types=["sliding_attention", "full_attention"],
+                                     num_local_experts=2, num_experts_per_tok=2, pad_token_id=0, **SMALL)
+
+
 MODELS = {"llama": (_llama, "LlamaForCausalLM"), "qwen2": (_qwen2, "Qwen2ForCausalLM"),
           "qwen3": (_qwen3, "Qwen3ForCausalLM"), "mistral": (_mistral, "MistralForCausalLM"),
           "gemma2": (_gemma2, "Gemma2ForCausalLM"), "gemma3": (_gemma3, "Gemma3ForCausalLM"),
@@ -112,11 +118,12 @@ MODELS = {"llama": (_llama, "LlamaForCausalLM"), "qwen2": (_qwen2, "Qwen2ForCaus
           "gpt_bigcode": (_gpt_bigcode, "GPTBigCodeForCausalLM"), "gpt_neox": (_gpt_neox, "GPTNeoXForCausalLM"),
           "opt": (_opt, "OPTForCausalLM"), "granite": (_granite, "GraniteForCausalLM"),
           "cohere2": (_cohere2, "Cohere2ForCausalLM"), "gemma4": (_gemma4, "Gemma4ForCausalLM"),
-          "llama4": (_llama4, "Llama4ForCausalLM")}
+          "llama4": (_llama4, "Llama4ForCausalLM"), "gpt_oss": (_gpt_oss, "GptOssForCausalLM")}
 CHUNKS = {"llama4": (WINDOW,) * 3 + (0,)}
 WINDOWS = {"llama4": (), "gpt2": (), "gpt_bigcode": (), "gpt_neox": (), "opt": (), "granite": (), "cohere2": (WINDOW,) * 3 + (0,),
            "llama": (), "qwen2": (0, WINDOW), "qwen3": (0, WINDOW), "mistral": (WINDOW,) * 2,
-           "gemma2": (WINDOW, 0), "gemma3": (WINDOW,) * 5 + (0,), "phi3": (WINDOW,) * 2, "gemma4": (WINDOW, 0) * 2}
+           "gemma2": (WINDOW, 0), "gemma3": (WINDOW,) * 5 + (0,), "phi3": (WINDOW,) * 2, "gemma4": (WINDOW, 0) * 2,
+           "gpt_oss": (WINDOW, 0)}
 
 
 def build(name, seed=0, **overrides):
@@ -134,6 +141,10 @@ def build(name, seed=0, **overrides):
     if gemma:
         with torch.no_grad():
             model.model.embed_tokens.weight.mul_(0.05)
+    if name == "gpt_oss":      # sink logits large enough to move the answer (initialised near 0)
+        with torch.no_grad():
+            for i, layer in enumerate(model.model.layers):
+                layer.self_attn.sinks.copy_(torch.tensor([2.5, -1.0, 0.5, 4.0]) + i)
     return model
 
 
@@ -169,6 +180,8 @@ def test_fp16_greedy_equals_transformers(daemon, name):
         for layer, c in zip(g.layers, info.layer_chunks):
             chunks[layer] = c
         assert info.logit_softcap == (3.0 if name == "gemma2" else 0.0)
+        want_sinks = [x for layer in g.layers for x in ad.variant.sinks[4 * layer:4 * layer + 4]]
+        assert list(info.sink_logits) == pytest.approx(want_sinks) and bool(want_sinks) == (name == "gpt_oss")
     assert tuple(windows) == (WINDOWS[name] or (0,) * len(windows))
     assert tuple(chunks) == (CHUNKS.get(name) or (0,) * len(chunks))
     assert len(ad.groups) == len(set(zip(windows, chunks)))
@@ -340,11 +353,29 @@ def test_calibrating_in_process_hands_every_layer_s_tokens_over(daemon, name):
     ad.close()
 
 
+def test_sink_logits_change_the_answer(daemon):
+    """The equality above is a check of the daemon's sink logits: the same model through
+    a daemon cache whose logits say "no sink" (-inf) generates other tokens."""
+    model = build("gpt_oss")
+    ids = prompt()
+    want = reference(model, ids)
+    ad = KVStoreAdapter(model, daemon, cache="nosinks", codec="fp16", block_size=8, residual=8)
+    assert ad.variant.sinks[:4] == (2.5, -1.0, 0.5, 4.0) and ad.variant.sinks[4:] == (3.5, 0.0, 1.5, 5.0)
+    ad.spec["sink_logits"] = [float("-inf")] * len(ad.variant.sinks)
+    with torch.no_grad():
+        got = ad.generate(ids, **GEN)
+    assert got.shape == want.shape and not torch.equal(got, want)
+    ad.close()
+
+
 # --------------------------------------------------------------- refusals
-def test_learned_sink_logits_are_refused(daemon):
+def test_sink_logits_the_daemon_cannot_hold_are_refused(daemon):
+    """Sink logits must be one per query head of one attention module a layer: others
+    (here 3 for 4 heads) are refused when the adapter is built, naming them."""
     model = build("llama")
-    model.model.layers[0].self_attn.sinks = torch.nn.Parameter(torch.zeros(4))
-    with pytest.raises(ValueError, match="learned attention-sink logits"):
+    model.model.layers[0].self_attn.sinks = torch.nn.Parameter(torch.zeros(3))
+    with pytest.raises(ValueError, match="learned attention-sink logits outside one attention module.*"
+                                         "model.layers.0.self_attn.sinks: \\(3,\\)"):
         KVStoreAdapter(model, daemon, cache="sinks", codec="fp16")
 
 
@@ -436,6 +467,30 @@ def test_a_decode_step_attended_astray_stops_generation(daemon, monkeypatch, how
             ad.generate(prompt(), **GEN)
         monkeypatch.undo()
         assert torch.equal(ad.generate(prompt(), **GEN), reference(model, prompt()))    # nothing left behind
+    ad.close()
+
+
+@pytest.mark.parametrize("name", ["gpt_oss", "llama"])
+def test_a_decode_step_with_other_sink_logits_stops_generation(daemon, monkeypatch, name):
+    """The daemon's cache holds the sink logits the model had when the adapter was built:
+    a decode call passing others (s_aux that is not the attention's `sinks` parameter),
+    or any to a model built without them, stops with an error naming the layer."""
+    import importlib
+    from kvstore.client.hf import kvstore_attention
+    model = build(name)
+    ad = KVStoreAdapter(model, daemon, cache=f"aux-{name}", codec="fp16", block_size=8, residual=8)
+    modeling = importlib.import_module(type(model).__module__)
+
+    class Other:
+        @staticmethod
+        def get_interface(_name, _default):
+            def call(module, q, k, v, *a, **kw):
+                kw["s_aux"] = torch.zeros(q.shape[1]) if kw.get("s_aux") is None else kw["s_aux"] * 2
+                return kvstore_attention(module, q, k, v, *a, **kw)
+            return call
+    monkeypatch.setattr(modeling, "ALL_ATTENTION_FUNCTIONS", Other)
+    with torch.no_grad(), pytest.raises(ValueError, match="layer 0: the model attends with learned sink logits"):
+        ad.generate(prompt(), **GEN)
     ad.close()
 
 
