@@ -35,7 +35,7 @@ def engine(codec: str, sinks=SINKS, windows=WINDOWS, sink_tokens: int = 0, devic
     return e
 
 
-def with_sinks(q, k, v, sinks, window: int = 0, causal_rows: int = 1) -> torch.Tensor:
+def with_sinks(q, k, v, sinks, window: int = 0, scale: float = SCALE) -> torch.Tensor:
     """q [T, Hq, d] (the T newest positions), k/v [n, Hkv, d], sinks [Hq]: gpt-oss's eager
     attention (scores, the mask, the sink as one more column, softmax, the column
     dropped) -> fp64 [T, Hq, d]."""
@@ -43,7 +43,7 @@ def with_sinks(q, k, v, sinks, window: int = 0, causal_rows: int = 1) -> torch.T
     g = q.shape[1] // k.shape[1]
     kk = k.double().repeat_interleave(g, dim=1)              # [n, Hq, d]
     vv = v.double().repeat_interleave(g, dim=1)
-    s = torch.einsum("thd,nhd->thn", q.double(), kk) * SCALE
+    s = torch.einsum("thd,nhd->thn", q.double(), kk) * scale
     pos = torch.arange(n - t, n)[:, None]                    # each query's position
     j = torch.arange(n)[None, :]
     keep = (j <= pos) & ((j > pos - window) if window else True)
@@ -178,35 +178,45 @@ def test_gpu_sink_logits_match_the_eager_reference(codec, sink_tokens, graphs):
             e.append("c", T, [sid], k[:, :lens[i]].cuda(), v[:, :lens[i]].cuda(), [lens[i]])
         return e
 
-    def check(e, outs, windows, upto, t=1):
-        for b, sid in enumerate(("a", "b")):
-            ek, ev = e.retrieve("c", T, sid, 0, 0)
-            for layer, (qq, out) in enumerate(outs):
-                want = with_sinks(qq[b * t:(b + 1) * t].cpu(), ek[layer].cpu(), ev[layer].cpu(),
-                                  SINKS[layer * hq:(layer + 1) * hq], windows[layer] if windows else 0)
+    def check(before, after, outs, windows, upto, t=1):
+        """before / after: each sequence's K/V (Retrieve) before and after the step, outs:
+        per layer (q, out, the step's new k, v). The step's tokens commit, and a block may
+        seal, when the last layer appends them, before it attends: the layers before it
+        read the earlier tokens as they were, and the new ones exact."""
+        for b in range(2):
+            for layer, (qq, out, nk, nv) in enumerate(outs):
+                if layer == L - 1:
+                    ek1, ev1 = (x[layer].cpu() for x in after[b])
+                else:
+                    ek1 = torch.cat([before[b][0][layer].cpu(), nk[b * t:(b + 1) * t].cpu()])
+                    ev1 = torch.cat([before[b][1][layer].cpu(), nv[b * t:(b + 1) * t].cpu()])
+                want = with_sinks(qq[b * t:(b + 1) * t].cpu(), ek1, ev1,
+                                  SINKS[layer * hq:(layer + 1) * hq], windows[layer] if windows else 0, d ** -0.5)
                 got = out[b * t:(b + 1) * t].double().cpu()
                 err = ((got - want).norm() / want.norm()).item()
-                assert err < 1e-2, (sid, layer, upto, err)
+                assert err < 1e-2, (b, layer, upto, err)
     e = make((40, 0))
     q = torch.empty(2, hq, d, dtype=torch.float16, device="cuda")       # fixed addresses: graphs replay
     out = torch.empty(2, hq, d, dtype=torch.float16, device="cuda")
+    def held(e):
+        return [e.retrieve("c", T, sid, 0, 0) for sid in ("a", "b")]
     for t in range(steps):
-        outs = []
+        outs, before = [], held(e)
         for layer in range(L):
             q.copy_(torch.randn(2, hq, d, generator=gen).half())
             new_k = torch.stack([k[layer, n + t] for n in lens]).cuda()
             new_v = torch.stack([v[layer, n + t] for n in lens]).cuda()
             e.append_attend("c", T, layer, ["a", "b"], new_k, new_v, q, out=out)
-            outs.append((q.clone(), out.clone()))
-        check(e, outs, (40, 0), t)
+            outs.append((q.clone(), out.clone(), new_k, new_v))
+        check(before, held(e), outs, (40, 0), t)
     assert (e.cache("c").graphs.hits > 0) == graphs
     e2 = make(())
-    outs = []
+    outs, before = [], held(e2)
     for layer in range(L):
         q3 = torch.randn(2 * 3, hq, d, generator=gen).half().cuda()
         k3 = torch.cat([k[layer, n:n + 3] for n in lens]).cuda()
         v3 = torch.cat([v[layer, n:n + 3] for n in lens]).cuda()
-        outs.append((q3, e2.append_attend("c", T, layer, ["a", "b"], k3, v3, q3, query_tokens=3)))
-    check(e2, outs, (), "multi", t=3)
+        outs.append((q3, e2.append_attend("c", T, layer, ["a", "b"], k3, v3, q3, query_tokens=3), k3, v3))
+    check(before, held(e2), outs, (), "multi", t=3)
     for x in (e, e2):
         x.check_invariants()
