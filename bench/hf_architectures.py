@@ -145,12 +145,13 @@ def main() -> None:
     for mt in args.model_types or sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES):
         signal.setitimer(signal.ITIMER_REAL, args.timeout)
         try:
-            verdict, why = run(mt, f"unix://{sock}")
-        except _Timeout:
+            try:
+                verdict, why = run(mt, f"unix://{sock}")
+            finally:
+                signal.setitimer(signal.ITIMER_REAL, 0)
+        except _Timeout:        # also when it fires after run() returned, before the timer is off
             verdict, why = "SKIP", f"over {args.timeout:.0f} s"
-        finally:
-            signal.setitimer(signal.ITIMER_REAL, 0)
-            gc.collect()
+        gc.collect()
         counts[verdict] = counts.get(verdict, 0) + 1
         print(f"{mt:32s} {verdict:8s} {why}", flush=True)
     server.stop(0)
