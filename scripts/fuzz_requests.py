@@ -156,6 +156,10 @@ class Gen:
                                 geometry=pb.Geometry(num_layers=L, num_q_heads=HQ, num_kv_heads=HKV, head_dim=D),
                                 codec=r.choice(["pq", "fp16"]), block_size=BS, num_blocks=r.randint(1, 32),
                                 max_sequences=r.randint(1, 8))
+            if r.random() < 0.2:    # learned sink logits: the right count or one off, odd values among them
+                n = max(0, L * HQ + r.choice([0, 0, -1, 1]))
+                spec.sink_logits.extend(r.choice([0.5, -2.0, 1e30, float("-inf"), float("inf"), float("nan")])
+                                        for _ in range(n))
             return pb.CreateCacheRequest(spec=spec, exist_ok=r.random() < 0.5)
         if method in ("GetCache", "GetCodebooks"):
             return getattr(pb, f"{method}Request")(cache=cache)
