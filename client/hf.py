@@ -10,9 +10,9 @@
 
 How a step runs (any decoder-only model whose attention calls
 `past_key_values.update` then the registered attention function: Llama,
-Qwen2/3, SmolLM, Mistral, Phi-3, Gemma-2/3/4, Llama 4, GPT-2, GPTBigCode, GPT-NeoX,
-OPT and more: sliding-window and chunked layers and logit
-soft-capping go to the daemon with the cache spec, hf_variants.py; what it
+Qwen2/3, SmolLM, Mistral, Phi-3, Gemma-2/3/4, Llama 4, gpt-oss, GPT-2, GPTBigCode, GPT-NeoX,
+OPT and more: sliding-window and chunked layers, logit soft-capping and
+learned sink logits go to the daemon with the cache spec, hf_variants.py; what it
 cannot run is refused at construction, naming the feature):
   - prefill (a forward of n > 1 tokens): attention in-process on exact K/V, by
     the model's own attention implementation (eager for Gemma-2's soft-cap);
