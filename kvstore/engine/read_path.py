@@ -33,15 +33,14 @@ class ReadPath:
                 raise InvalidArgument("sequence_ids", f"sequence {quote(s.seq_id)} has no tokens at layer {layer}")
 
     def layer_sink_logits(self, layer: int) -> torch.Tensor | None:
-        """The layer's learned sink logits [Hq] fp32 on the pools' device (-inf: a head
-        without one), or None: the cache has none. Built once: a decode graph reads
-        them at a fixed address."""
+        """The layer's learned sink logits [Hq] fp32 on the pools' device (float32's lowest
+        for a head without one: reference.sink_table), or None: the cache has none. Built
+        once: a decode graph reads them at a fixed address."""
         if not self.cfg.sink_logits:
             return None
         if self._sink_rows is None:
-            g = self.cfg.geometry
-            self._sink_rows = torch.tensor(self.cfg.sink_logits, dtype=torch.float32).view(
-                g.num_layers, g.num_q_heads).to(self.main_device)
+            self._sink_rows = kernels.reference.sink_table(self.cfg.sink_logits, self.cfg.geometry.num_layers,
+                                                           self.main_device)
         return self._sink_rows[layer]
 
     def decode_lens(self, layer: int, seqs: list[Sequence]) -> tuple[list[int], ...]:

@@ -145,11 +145,13 @@ def test_attention_with_sink_logits_matches_the_eager_reference(codec, sink_toke
 
 def test_fold_sink_logits_handles_rows_without_keys():
     """A row with no keys (lse -inf) stays 0 with or without a sink; a head without a sink
-    (-inf) keeps its output."""
+    (-inf, as sink_table hands it over) keeps its output."""
     out = torch.ones(2, 2, 4, dtype=torch.float16)
     out[0] = 0                                       # what the kernels write for a row without keys
     lse = torch.tensor([[float("-inf"), float("-inf")], [0.0, 0.0]])
-    ref.fold_sink_logits(out, lse, torch.tensor([float("-inf"), 0.0]))
+    sinks = ref.sink_table([float("-inf"), 0.0], 1)
+    assert torch.isfinite(sinks).all() and sinks.shape == (1, 2)
+    ref.fold_sink_logits(out, lse, sinks[0])
     assert torch.isfinite(out).all() and out[0].eq(0).all()
     assert out[1, 0].eq(1).all() and torch.allclose(out[1, 1].float(), torch.full((4,), 0.5))
 
