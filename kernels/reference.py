@@ -145,7 +145,7 @@ def fold_sink_logits(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) 
     float32's lowest (sink_table), which leaves its output as it is, and a row with no
     keys (lse -inf) at 0, where -inf would make it NaN. Three elementwise launches (the
     product in fp32, rounded once into out's dtype) that a CUDA graph captures after
-    the kernels: as six, they cost a gpt-oss decode step ~5 % (bench_sink_logits.py)."""
+    the kernels (their cost: docs/kernels.md, bench/bench_sink_logits.py)."""
     return out.mul_(torch.sigmoid(lse - sinks).unsqueeze(-1))
 
 
