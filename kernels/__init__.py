@@ -14,7 +14,7 @@ Importing this package imports neither Triton nor CuPy: the router does, on firs
 """
 from . import reference, tunables
 from .plan import DecodePlan
-from .reference import fold_sink_logits
+from .reference import fold_sink_logits, sink_table
 from .router import (CUDA, HEAD_DIMS, REFERENCE, TRITON, codebook_images, decode_backend,
                      encode_backend, gather_pq_blocks, layer_images, paged_decode_attention,
                      paged_multi_attention, plan_decode, pq_decode_attention, pq_encode_to_slots,
@@ -25,4 +25,4 @@ __all__ = ["reference", "tunables", "DecodePlan", "CUDA", "REFERENCE", "TRITON",
            "decode_backend", "encode_backend", "fold_sink_logits", "gather_pq_blocks", "layer_images", "paged_decode_attention",
            "paged_multi_attention", "plan_decode", "pq_decode_attention", "pq_multi_attention",
            "pq_encode_to_slots", "prepare_encode", "query_aligned", "release_encode",
-           "write_slots"]
+           "sink_table", "write_slots"]

@@ -178,11 +178,6 @@ class CacheConfig:
         """The layer's attention chunk in tokens; 0: none."""
         return self.layer_chunks[layer] if self.layer_chunks else 0
 
-    def layer_sinks(self, layer: int) -> tuple[float, ...]:
-        """The layer's sink logit per query head; () when the cache has none."""
-        h = self.geometry.num_q_heads
-        return self.sink_logits[layer * h:(layer + 1) * h]
-
     # --- derived sizes
     @property
     def m(self) -> int:

@@ -34,13 +34,13 @@ class ReadPath:
 
     def layer_sink_logits(self, layer: int) -> torch.Tensor | None:
         """The layer's learned sink logits [Hq] fp32 on the pools' device (float32's lowest
-        for a head without one: reference.sink_table), or None: the cache has none. Built
+        for a head without one: kernels.sink_table), or None: the cache has none. Built
         once: a decode graph reads them at a fixed address."""
         if not self.cfg.sink_logits:
             return None
         if self._sink_rows is None:
-            self._sink_rows = kernels.reference.sink_table(self.cfg.sink_logits, self.cfg.geometry.num_layers,
-                                                           self.main_device)
+            self._sink_rows = kernels.sink_table(self.cfg.sink_logits, self.cfg.geometry.num_layers,
+                                                 self.main_device)
         return self._sink_rows[layer]
 
     def decode_lens(self, layer: int, seqs: list[Sequence]) -> tuple[list[int], ...]:
@@ -155,13 +155,13 @@ class ReadPath:
         (window.py) lie before every window: left out, the positions after them shift."""
         outs = []
         window, chunk = self.cfg.window(layer), self.cfg.chunk(layer)
+        sinks = self.layer_sink_logits(layer)
         for i, s in enumerate(seqs):
             k, v = self._positional_cpu(layer, s)      # held tokens: holes left out
             gone = s.freed * self.bs
             lo = window_start(s.layer_length(layer), window, chunk) - gone
             assert lo >= (self.sinks if gone else 0), f"{s.seq_id}: layer {layer} reads a hole"
-            outs.append(cpu_decode.attend_one(q[i], k[:, lo:], v[:, lo:], scale, self.cfg.logit_softcap,
-                                              self.layer_sink_logits(layer)))
+            outs.append(cpu_decode.attend_one(q[i], k[:, lo:], v[:, lo:], scale, self.cfg.logit_softcap, sinks))
         out = outs[0].unsqueeze(0) if len(outs) == 1 else torch.stack(outs)
         return out.to(q.dtype)
 
@@ -201,8 +201,9 @@ class ReadPath:
         b, t, hq, d = q.shape
         dev = q.device
         if dev.type == "cpu":
+            sinks = self.layer_sink_logits(layer)
             res = torch.cat([cpu_decode.attend_causal(q[i], *self._positional_cpu(layer, s), scale,
-                                                      self.cfg.logit_softcap, self.layer_sink_logits(layer))
+                                                      self.cfg.logit_softcap, sinks)
                              for i, s in enumerate(seqs)])
             out = res.to(q.dtype) if out is None else out.copy_(res)
         else:

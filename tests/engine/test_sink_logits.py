@@ -69,9 +69,15 @@ def test_config_refuses_bad_sink_logits(sinks, message):
 
 
 def test_config_takes_minus_infinity_for_a_head_without_a_sink():
+    """-inf (no sink for that head) is taken, and the engine's table holds each
+    layer's row with float32's lowest in its place (a row of no keys stays 0)."""
     cfg = dataclasses.replace(config("fp16"), sink_logits=SINKS)
-    assert cfg.layer_sinks(0) == SINKS[:HQ] and cfg.layer_sinks(1) == SINKS[HQ:]
-    assert config("fp16").layer_sinks(1) == ()
+    rows = ref.sink_table(cfg.sink_logits, cfg.geometry.num_layers)
+    want = torch.tensor(SINKS, dtype=torch.float32).view(2, HQ)
+    none = torch.isinf(want)
+    assert none.any(), "SINKS must hold a head without a sink"
+    assert torch.equal(rows[~none], want[~none])
+    assert (rows[none] == torch.finfo(torch.float32).min).all()
 
 
 def test_a_spec_differing_in_thousands_of_sink_logits_is_named_briefly():
