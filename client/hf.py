@@ -11,7 +11,7 @@
 How a step runs (any decoder-only model whose attention calls
 `past_key_values.update` then the registered attention function: Llama,
 Qwen2/3, SmolLM, Mistral, Phi-3, Gemma-2/3/4, Llama 4, gpt-oss, GPT-2, GPTBigCode, GPT-NeoX,
-OPT and more: sliding-window and chunked layers, logit soft-capping and
+OPT, hybrid models and more: sliding-window and chunked layers, logit soft-capping and
 learned sink logits go to the daemon with the cache spec, hf_variants.py; what it
 cannot run is refused at construction, naming the feature):
   - prefill (a forward of n > 1 tokens): attention in-process on exact K/V, by
@@ -34,6 +34,11 @@ cannot run is refused at construction, naming the feature):
     tokens so far into in-process DynamicLayers and generation goes on there.
     The adapter drops its channel; the next request reconnects (re-creating
     the cache and codebooks on a restarted daemon).
+Hybrid models (Qwen3.5, Jamba, Bamba, Granite 4, Nemotron-H, Falcon-H1): the daemon's
+cache holds the layers that keep K/V, numbered among themselves (variant.kv_index);
+linear-attention, Mamba and convolution layers keep their state in transformers' own
+cache layers in-process, and such a model takes no prefix hit (the state at a
+prefix's end is not in the daemon).
 Layers that attend through different windows or chunks (Gemma-2/3, Qwen2 with
 max_window_layers, Llama 4) go to one daemon cache per window (hf_groups.py: the
 global layers in `<cache>.global`, each window's in `<cache>.w<window>`, each
@@ -146,7 +151,12 @@ class KVStoreAdapter:
                              "calibrate_tokens >= 256 to let the daemon train them from the first tokens")
         c = model.config.get_text_config(decoder=True)
         self.variant = hf_variants.detect(model, c)       # ValueError naming what the daemon cannot run
-        self.num_layers = c.num_hidden_layers
+        # The daemon's cache holds the layers that keep K/V (all but a hybrid model's linear
+        # attention, Mamba or convolution layers, whose state stays in-process): "layer" on
+        # the adapter's side of the daemon is an index among those.
+        self.model_layers = c.num_hidden_layers
+        self.kv_layers = tuple(j for j in range(self.model_layers) if self.variant.kv_index(j) >= 0)
+        self.num_layers = len(self.kv_layers)
         self.num_q_heads, self.num_kv_heads, self.head_dim = hf_variants.heads(c)
         named = getattr(c, "_name_or_path", "") or ""
         cb = None
@@ -167,8 +177,10 @@ class KVStoreAdapter:
                           [cb.layers(g.layers).to_bytes() for g in self.groups]) if cb is not None else None
         self.transform, self.timeout = transform, timeout
         # Tokens one AppendAttend may bring a sequence: the daemon's bound, and on pq the
-        # residual + 1 newest tokens it keeps in fp16 until they are attended.
-        self.chunk = None if prefix_path == "retrieve" or self.variant.windows or self.variant.chunks else \
+        # residual + 1 newest tokens it keeps in fp16 until they are attended. A model with
+        # in-process state takes no prefix hit, the one use of the multi-token path.
+        self.chunk = None if prefix_path == "retrieve" or self.variant.windows or self.variant.chunks \
+            or self.variant.has_state else \
             min(MAX_QUERY_TOKENS, residual + 1) if codec == "pq" else MAX_QUERY_TOKENS
         self.prefix_path = prefix_path
         self.prefix_runs = {"codes": 0, "retrieve": 0}     # requests after a prefix hit, by path
@@ -312,7 +324,10 @@ class KVStoreAdapter:
             if not self._ready:           # calibrating: in-process until TrainCodebooks (release())
                 return KVStoreCache(self, [], input_ids[:, :0], None, local=True, pads=pads)
             for i, sid in enumerate(seq_ids):
-                prompt = input_ids[i].tolist() if b == 1 and not pads[0] else []
+                # A hit stands in for running the prompt's first tokens; a model whose layers
+                # keep a recurrent state must run them all (the state at a prefix's end is
+                # not stored), so it asks for none.
+                prompt = input_ids[i].tolist() if b == 1 and not pads[0] and not self.variant.has_state else []
                 cached = self._allocate(kv, sid, prompt)
                 if cached == 0:
                     continue

@@ -10,7 +10,9 @@ import threading
 
 import grpc
 import torch
-from transformers.cache_utils import Cache, CacheLayerMixin, DynamicCache, DynamicLayer
+from transformers.cache_utils import (DYNAMIC_LAYER_TYPE_MAPPING, Cache, CacheLayerMixin, DummyLayer, DynamicCache,
+                                     DynamicLayer, LinearAttentionAndFullAttentionLayer,
+                                     LinearAttentionCacheLayerMixin, LinearAttentionLayer, get_layer_types_and_kwargs)
 
 # What makes the adapter fall back in-process: RPC failures of any status and
 # the shared-memory arena failing (the daemon took its buffer with it).
@@ -98,10 +100,30 @@ class _DaemonLayer(CacheLayerMixin):
         return -1
 
 
+class _DaemonStateLayer(LinearAttentionLayer, _DaemonLayer):
+    """A layer that runs attention and a recurrent mixer side by side (layer type
+    "hybrid", Falcon-H1): its K/V in the daemon, its conv / recurrent state here."""
+
+    def __init__(self, owner: "KVStoreCache", number_of_states: int = 1, **kwargs):
+        _DaemonLayer.__init__(self, owner)
+        LinearAttentionLayer.__init__(self, number_of_states=number_of_states)
+
+
+def _linear_fields() -> tuple[str, ...]:
+    """The attributes in which transformers' linear-attention layers keep their state."""
+    return tuple(vars(LinearAttentionLayer()))
+
+
 class KVStoreCache(Cache):
     """One request's cache: B daemon sequences (seq_ids), `length` committed
     tokens. After a fallback (`local`), `layers` are ordinary DynamicLayers and
-    the base Cache does everything."""
+    the base Cache does everything.
+
+    A hybrid model's layers that keep a recurrent or convolution state (linear
+    attention, Mamba, short convolutions) keep it here, in transformers' own cache
+    layers, at their model index; the daemon's cache holds the layers with K/V
+    (adapter.variant.kv_index maps one to the other), and `_step`, `_prefix` and
+    the [L, ...] tensors sent to the daemon count those layers only."""
 
     def __init__(self, adapter, seq_ids: list[str], seen_ids: torch.Tensor,
                  prefix: tuple[torch.Tensor, torch.Tensor] | None, local: bool = False,
@@ -110,16 +132,38 @@ class KVStoreCache(Cache):
         # Row i's first pads[i] positions are left padding: never sent to the
         # daemon, whose sequence i holds positions [pads[i], length).
         self.pads = pads or [0] * seen_ids.shape[0]
-        self.num_layers = adapter.num_layers
-        if local:   # full layers, sliding and chunked ones too: release() hands every token over
-            super().__init__(layers=[DynamicLayer() for _ in range(self.num_layers)])
-        else:
-            super().__init__(layers=[_DaemonLayer(self) for _ in range(self.num_layers)])
+        self.num_layers = adapter.num_layers        # the daemon's: the layers that keep K/V
+        super().__init__(layers=self._new_layers(local))
         self.length = seen_ids.shape[1]
         self._ids = seen_ids                          # [B, length] token ids so far (for a recompute)
         self._cur_ids: torch.Tensor | None = None     # this forward's ids (forward pre-hook)
         self._prefix = prefix                         # [L, B, Hkv, P, d] x2: K/V of tokens [0, length), or None
         self._step: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * self.num_layers
+
+    def _new_layers(self, local: bool) -> list:
+        """A fresh cache layer for every model layer: K/V in the daemon (_DaemonLayer), or
+        in-process (local: DynamicLayer, full for sliding and chunked layers too:
+        release() hands every token over, and a fallback's masks were built for every
+        token); a recurrent state in transformers' own layer class; DummyLayer for a
+        layer that keeps nothing."""
+        v = self.adapter.variant
+        if not v.kv_of and not v.stateful:
+            return [DynamicLayer() if local else _DaemonLayer(self) for _ in range(self.adapter.model_layers)]
+        types, kwargs = get_layer_types_and_kwargs(self.adapter.model.config.get_text_config(decoder=True))
+        out = []
+        for j, (t, kw) in enumerate(zip(types, kwargs)):
+            kv, state = v.kv_index(j) >= 0, bool(v.stateful) and v.stateful[j]
+            if kv and state:
+                n = kw.get("number_of_states", 1)
+                out.append(LinearAttentionAndFullAttentionLayer(number_of_states=n) if local
+                           else _DaemonStateLayer(self, number_of_states=n))
+            elif kv:
+                out.append(DynamicLayer() if local else _DaemonLayer(self))
+            elif state:
+                out.append(DYNAMIC_LAYER_TYPE_MAPPING[t](**kw))
+            else:
+                out.append(DummyLayer())
+        return out
 
     # ------------------------------------------------------- Cache interface
     def get_seq_length(self, layer_idx: int = 0) -> int:
@@ -153,6 +197,7 @@ class KVStoreCache(Cache):
         """Row i becomes what row src[i] was. In the daemon, a row taken more than once
         is forked (its sealed blocks shared), a row no one takes is freed."""
         pick = torch.tensor(src, dtype=torch.long)
+        old = len(self.pads)
         self.pads = [self.pads[j] for j in src]
         if self._ids is not None:
             self._ids = self._ids[pick.to(self._ids.device)]
@@ -161,6 +206,7 @@ class KVStoreCache(Cache):
         if self.local:
             local_layers()
             return
+        self._pick_states(pick, old)
         ad, old, new, kept, forks = self.adapter, self.seq_ids, [], set(), []
         for j in src:
             if j in kept:
@@ -181,30 +227,46 @@ class KVStoreCache(Cache):
         except FALLBACK_ERRORS as e:
             self._fall_back(e, 0)        # recomputes every row from its (reordered) ids
 
+    def _pick_states(self, pick: torch.Tensor, rows: int) -> None:
+        """The in-process states' row i becomes row pick[i] (their reorder_cache; the
+        layers lack batch_select_indices). A state that has not `rows` rows is left: a
+        layer before the first K/V layer ran generate()'s expanded rows already."""
+        for layer in self.layers:
+            if not isinstance(layer, LinearAttentionCacheLayerMixin):
+                continue
+            for states in (layer.conv_states, layer.recurrent_states):
+                for i, x in states.items():
+                    if x is not None and x.shape[0] == rows:
+                        states[i] = x.index_select(0, pick.to(x.device))
+
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         n = key_states.shape[-2]
         _local.taken = None         # a layer's step begins: its attention may take it
         ad = self.adapter
+        at = ad.variant.kv_index(layer_idx)      # the daemon's layer
+        if at < 0:
+            raise ValueError(f"layer {layer_idx}: the model stores K/V in a layer whose layer_types entry keeps "
+                             "none (the kvstore cache holds only its attention layers)")
         if key_states.shape[1] != ad.num_kv_heads or key_states.shape[-1] != ad.head_dim:
             raise ValueError(f"layer {layer_idx}: the model's K/V have {key_states.shape[1]} heads of "
                              f"{key_states.shape[-1]}, its config says {ad.num_kv_heads} of {ad.head_dim} "
                              "(the kvstore cache's geometry)")
         if key_states.shape[0] != len(self.pads):
             b = len(self.pads)
-            if layer_idx != 0 or key_states.shape[0] % b:
+            if at != 0 or key_states.shape[0] % b:
                 raise ValueError(f"kvstore: a batch of {key_states.shape[0]} rows for a cache of {b} sequences")
             self.batch_repeat_interleave(key_states.shape[0] // b)     # generate() expanded the prompts
         if self.local:
             out = super().update(key_states, value_states, layer_idx, *args, **kwargs)
         else:
-            self._step[layer_idx] = (key_states, value_states)
+            self._step[at] = (key_states, value_states)
             if self.length > 0 and (n == 1 or self._multi(n)):
                 set_decode_target(self, layer_idx, (key_states, value_states))   # the attention call sends them
                 # decode_attention ends the forward after the last layer's call, so that a
                 # fallback there still has the step's K/V and the length before it
                 return key_states, value_states
-            out = self._prefill_update(key_states, value_states, layer_idx)
-        if layer_idx == self.num_layers - 1:
+            out = self._prefill_update(key_states, value_states, at, layer_idx)
+        if at == self.num_layers - 1:
             self._end_forward(n)
         return out
 
@@ -224,24 +286,25 @@ class KVStoreCache(Cache):
             base(input_ids=part.to(dev), past_key_values=self, use_cache=True)
 
     # -------------------------------------------------------------- prefill
-    def _prefill_update(self, k: torch.Tensor, v: torch.Tensor, layer: int):
+    def _prefill_update(self, k: torch.Tensor, v: torch.Tensor, at: int, layer: int):
         """A forward of n tokens: exact attention in-process over the prefix
-        (retrieved) and the new tokens; at the last layer, one Append."""
-        if layer == 0 and self._prefix is None and self.length > 0:
+        (retrieved) and the new tokens; at the last layer, one Append. at: the
+        daemon's layer, layer: the model's."""
+        if at == 0 and self._prefix is None and self.length > 0:
             try:                                       # a continuation chunk: fetch what came before
                 self._prefix = self._retrieve_all()
             except Exception as e:
                 self._fall_back(e, 0)
                 return super().update(k, v, layer)
         if self._prefix is not None:
-            k = torch.cat([self._prefix[0][layer], k], dim=-2)
-            v = torch.cat([self._prefix[1][layer], v], dim=-2)
-        if layer == self.num_layers - 1:
+            k = torch.cat([self._prefix[0][at], k], dim=-2)
+            v = torch.cat([self._prefix[1][at], v], dim=-2)
+        if at == self.num_layers - 1:
             try:
                 self._append_all()
             except Exception as e:
-                self._fall_back(e, layer)               # the layers before this one get their step's K/V
-                return super().update(*self._step[layer], layer)
+                self._fall_back(e, at)               # the layers before this one get their step's K/V
+                return super().update(*self._step[at], layer)
         return k, v
 
     def _retrieve_all(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -297,6 +360,7 @@ class KVStoreCache(Cache):
         in-process K/V after a fallback."""
         t = self.adapter.transform
         b, hq, n, d = q.shape
+        model_layer, layer = layer, self.adapter.variant.kv_index(layer)     # the daemon's from here on
         if hq != self.adapter.num_q_heads:
             raise ValueError(f"layer {layer}: the model's queries have {hq} heads, its config says "
                              f"{self.adapter.num_q_heads} (the kvstore cache's geometry)")
@@ -316,7 +380,7 @@ class KVStoreCache(Cache):
                                                       scale=scaling or 0.0, token_ids=ids, query_tokens=n)
         except Exception as e:
             self._fall_back(e, layer)
-            full_k, full_v = super().update(k, v, layer)
+            full_k, full_v = super().update(k, v, model_layer)
             if layer == self.num_layers - 1:
                 self._end_forward(n)
             return None, full_k, full_v
@@ -331,7 +395,9 @@ class KVStoreCache(Cache):
     # ------------------------------------------------------------- fallback
     def _fall_back(self, err: BaseException, done_layers: int) -> None:
         """Switch to in-process layers: recompute the tokens before this forward
-        with the model, then add this forward's tokens of layers < done_layers."""
+        with the model, then add this forward's tokens of the daemon's layers <
+        done_layers. In-process states stay as they are: they hold the tokens
+        before this forward, and this forward's in the layers it has run."""
         if not isinstance(err, FALLBACK_ERRORS):
             raise err
         self.adapter.broken(err)
@@ -339,10 +405,11 @@ class KVStoreCache(Cache):
         # layers (every token), and a sliding layer's mask picks its window out of them;
         # a DynamicSlidingWindowLayer would hand attention fewer keys than the mask has.
         dyn = DynamicCache()
-        dyn.layers = [DynamicLayer() for _ in range(self.num_layers)]
+        dyn.layers = self._new_layers(local=True)
+        kv_layers = self.adapter.kv_layers
         if self._prefix is not None:
-            for l, layer in enumerate(dyn.layers):
-                layer.update(self._prefix[0][l], self._prefix[1][l])
+            for i, j in enumerate(kv_layers):
+                dyn.layers[j].update(self._prefix[0][i], self._prefix[1][i])
         elif self.length > 0:
             if self._ids is None or self._ids.shape[1] != self.length:
                 raise RuntimeError("kvstore: cannot recompute the cache in-process: token ids unknown") from err
@@ -351,8 +418,15 @@ class KVStoreCache(Cache):
             mask = (torch.arange(self.length)[None, :] >= torch.tensor(self.pads)[:, None]).long()   # [B, length]
             base(input_ids=self._ids.to(dev), attention_mask=mask.to(dev), past_key_values=dyn, use_cache=True,
                  position_ids=(mask.cumsum(-1) - 1).clamp(min=0).to(dev))   # as generate() numbers padded rows
-        for l in range(done_layers):
-            dyn.layers[l].update(*self._step[l])
+        for i in range(done_layers):
+            dyn.layers[kv_layers[i]].update(*self._step[i])
+        fields = _linear_fields()
+        for j, ours in enumerate(self.layers):
+            if isinstance(ours, _DaemonStateLayer):       # dyn's K/V, our state
+                dyn.layers[j].__dict__.update({f: getattr(ours, f) for f in fields
+                                               if f not in ("device", "dtype") or getattr(ours, f) is not None})
+            elif isinstance(ours, LinearAttentionCacheLayerMixin):
+                dyn.layers[j] = ours
         self.layers, self.local = dyn.layers, True
         self.seq_ids = []
 
@@ -370,10 +444,11 @@ class KVStoreCache(Cache):
         """Free the daemon sequences (best effort). An in-process request of an
         adapter still calibrating hands its K/V (past padding and sinks) over."""
         ad = self.adapter
-        if self.local and not ad._ready and ad.calibrate_tokens and self.layers and self.layers[0].keys is not None:
+        kv = [self.layers[j] for j in ad.kv_layers] if self.layers else []
+        if self.local and not ad._ready and ad.calibrate_tokens and kv and kv[0].keys is not None:
             sinks = ad.spec["sink_tokens"]
-            k = torch.stack([layer.keys for layer in self.layers])             # [L, B, Hkv, T, d]
-            v = torch.stack([layer.values for layer in self.layers])
+            k = torch.stack([layer.keys for layer in kv])             # [L, B, Hkv, T, d]
+            v = torch.stack([layer.values for layer in kv])
             for i, pad in enumerate(self.pads):
                 rows = (k[:, i, :, pad + sinks:].transpose(1, 2), v[:, i, :, pad + sinks:].transpose(1, 2))
                 if rows[0].shape[1]:

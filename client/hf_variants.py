@@ -16,23 +16,48 @@ from dataclasses import dataclass
 
 import torch
 
-LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
+# What each of transformers' layer_types keeps while generating: K/V (in the daemon),
+# a recurrent or convolution state (linear attention, Mamba, short convolutions: kept
+# in-process by transformers' own cache layer, a few KiB a sequence whatever its
+# length), both (a layer running attention and a Mamba mixer side by side), or nothing.
+LAYER_KINDS = {"full_attention": "kv", "sliding_attention": "kv", "chunked_attention": "kv",
+               "hybrid": "kv+state", "hybrid_sliding": "kv+state",
+               "linear_attention": "state", "conv": "state", "mlp": "none", "moe": "none"}
+SLIDING = ("sliding_attention", "hybrid_sliding")
 
 
 @dataclass(slots=True, frozen=True)
 class AttentionVariant:
+    """Per layer below means per layer of the daemon's cache: the model's layers that
+    keep K/V, in order (kv_of maps a model layer to its index there)."""
     windows: tuple[int, ...]     # per layer; 0: global; () when no layer slides
     softcap: float               # attn_logit_softcapping; 0: none
     chunks: tuple[int, ...] = ()     # per layer: attention_chunk_size (Llama 4); () when no layer is chunked
     # learned attention-sink logits (gpt-oss `sinks`), per layer and query head, layer-major;
     # -inf for a layer without; () when no layer has them
     sinks: tuple[float, ...] = ()
+    # per model layer: its index among the layers that keep K/V, -1 for one that keeps none
+    # (linear attention, Mamba, convolution, MLP-only); () when every layer keeps K/V
+    kv_of: tuple[int, ...] = ()
+    # per model layer: its layer type keeps a recurrent / convolution state in-process;
+    # () when none does
+    stateful: tuple[bool, ...] = ()
 
     def window(self, layer: int) -> int:
         return self.windows[layer] if self.windows else 0
 
     def chunk(self, layer: int) -> int:
         return self.chunks[layer] if self.chunks else 0
+
+    def kv_index(self, model_layer: int) -> int:
+        """The daemon cache's layer of a model layer (-1: the layer keeps no K/V)."""
+        return self.kv_of[model_layer] if self.kv_of else model_layer
+
+    @property
+    def has_state(self) -> bool:
+        """Some layer keeps a state the daemon does not hold: a cached prefix cannot
+        stand in for running its tokens (the state at its end is not kept)."""
+        return any(self.stateful)
 
     def spec(self) -> dict:
         """The CreateCache fields that make the daemon attend as the model does."""
@@ -48,17 +73,22 @@ class AttentionVariant:
     def check_call(self, layer: int, kwargs: dict, mask, kv_len: int, module=None) -> None:
         """The attention call of `layer` asks for what the daemon's cache was made with:
         a model whose layers decide their window or cap otherwise than its config
-        says is refused before its decode step reaches the daemon. mask: the call's
-        (sdpa's: bool [B, 1, n, kv_len], True = attend, or None), kv_len: the tokens
-        it reads, module: the attention module making the call."""
-        w, want = kwargs.get("sliding_window") or 0, self.window(layer)
+        says is refused before its decode step reaches the daemon. layer: the model's
+        (the attention module's layer_idx), mask: the call's (sdpa's: bool [B, 1, n,
+        kv_len], True = attend, or None), kv_len: the tokens it reads, module: the
+        attention module making the call."""
+        at = self.kv_index(layer)
+        if at < 0:
+            raise ValueError(f"layer {layer}: the model attends with K/V in a layer whose layer_types entry "
+                             "keeps none (the kvstore cache holds only its attention layers)")
+        w, want = kwargs.get("sliding_window") or 0, self.window(at)
         cap = kwargs.get("softcap") or 0.0
         # A model may window through its mask alone (PhiMoE, Doge: the call carries no
         # sliding_window): the mask must then hide every token before the window.
         if w != want and not (w == 0 and (kv_len <= want or _masks_before(mask, kv_len - want))):
             raise ValueError(f"layer {layer}: the model attends with sliding_window={w}, the kvstore cache "
                              f"was made with {want} (from its config)")
-        c = self.chunk(layer)      # chunks come by the mask alone (Llama 4): it must hide the earlier ones
+        c = self.chunk(at)      # chunks come by the mask alone (Llama 4): it must hide the earlier ones
         if c and (w or (kv_len > c and not _masks_before(mask, (kv_len - 1) // c * c))):
             raise ValueError(f"layer {layer}: the model does not attend in chunks of {c} tokens as its config "
                              "says (attention_chunk_size), or not through its mask")
@@ -79,23 +109,24 @@ def sink_parameter(module):
     return p if isinstance(p, torch.nn.Parameter) else None
 
 
-def _sink_logits(model, c) -> tuple[float, ...]:
-    """Every layer's sink logits, layer-major ([L * Hq]; -inf for a layer whose attention
-    has none, as MiMo's global layers), or () when no layer has them."""
-    hq, n = heads(c)[0], c.num_hidden_layers
+def _sink_logits(model, c, kv_layers: list[int]) -> tuple[float, ...]:
+    """The sink logits of every layer that keeps K/V (kv_layers: model layers), layer-major
+    ([L * Hq]; -inf for a layer whose attention has none, as MiMo's global layers), or ()
+    when no layer has them."""
+    hq = heads(c)[0]
     rows: dict[int, list[float]] = {}
     for name, m in model.named_modules():
         p = sink_parameter(m)
         if p is None:
             continue
         layer = getattr(m, "layer_idx", None)
-        if not isinstance(layer, int) or not 0 <= layer < n or p.numel() != hq or layer in rows:
+        if layer not in kv_layers or p.numel() != hq or layer in rows:
             _refuse(f"learned attention-sink logits outside one attention module a layer of {hq} query heads "
                     f"({name}.sinks: {tuple(p.shape)})")
         rows[layer] = p.detach().float().cpu().tolist()
     if not rows:
         return ()
-    return tuple(x for layer in range(n) for x in rows.get(layer, [float("-inf")] * hq))
+    return tuple(x for layer in kv_layers for x in rows.get(layer, [float("-inf")] * hq))
 
 
 def _masks_before(mask, first: int) -> bool:
@@ -184,16 +215,24 @@ def detect(model, c) -> AttentionVariant:
         _refuse("latent / asymmetric K and V heads (kv_lora_rank, v_head_dim)")
     if setting(c, "num_kv_shared_layers", None):
         _refuse("layers attending with another layer's K/V (num_kv_shared_layers)")
+    own = _own_cache_class(model)
+    if own is not None:
+        _refuse(f"a cache class of the model's own ({own}: state kept outside transformers' cache layers)")
     n = c.num_hidden_layers
     sw = setting(c, "sliding_window") or 0
     types = setting(c, "layer_types", None)
     if types is not None:
-        other = sorted(set(types) - set(LAYER_TYPES))
+        other = sorted(set(types) - set(LAYER_KINDS))
         if other:
             _refuse(f"layer_types {other}")
         if len(types) != n:
             _refuse(f"layer_types of {len(types)} layers for num_hidden_layers={n}")
-        windows = tuple(sw if t == "sliding_attention" else 0 for t in types)
+    kinds = [LAYER_KINDS[t] for t in types] if types is not None else ["kv"] * n
+    kv_layers = [i for i, k in enumerate(kinds) if k.startswith("kv")]
+    if not kv_layers:
+        _refuse(f"no attention layer (layer_types {sorted(set(types))}): nothing for the daemon to hold")
+    if types is not None:
+        windows = tuple(sw if types[i] in SLIDING else 0 for i in kv_layers)
     else:
         # Mistral and Phi-3: no layer_types; every layer slides when sliding_window is set
         windows = (sw,) * n if sw else ()
@@ -201,13 +240,28 @@ def detect(model, c) -> AttentionVariant:
         windows = ()
     # Llama 4: attention_chunk_size on the layers whose layer_types say chunked_attention
     size = setting(c, "attention_chunk_size", None) or 0
-    chunks = tuple(size if t == "chunked_attention" else 0 for t in types or ())
+    chunks = tuple(size if types[i] == "chunked_attention" else 0 for i in kv_layers) if types else ()
     if bool(size) != any(chunks):
         _refuse(f"chunked attention (attention_chunk_size={size or None}) without chunked_attention layers"
                 if size else "chunked_attention layers without attention_chunk_size")
     cap = setting(c, "attn_logit_softcapping", None) or 0.0
+    kv_of = tuple(kv_layers.index(i) if i in kv_layers else -1 for i in range(n))
+    stateful = tuple(k.endswith("state") for k in kinds)
     return AttentionVariant(windows=windows, softcap=float(cap), chunks=chunks if any(chunks) else (),
-                            sinks=_sink_logits(model, c))
+                            sinks=_sink_logits(model, c, kv_layers),
+                            kv_of=kv_of if len(kv_layers) < n else (),
+                            stateful=stateful if any(stateful) else ())
+
+
+def _own_cache_class(model) -> str | None:
+    """A Cache subclass the model's modeling file defines (MiniMax keeps its linear
+    attention's state in one, and refuses any other cache), or None."""
+    from transformers.cache_utils import Cache
+    for mod in {sys.modules[type(m).__module__] for m in model.modules()}:
+        for name, obj in vars(mod).items():
+            if inspect.isclass(obj) and issubclass(obj, Cache) and obj.__module__ == mod.__name__:
+                return name
+    return None
 
 
 def check_generate(model, kwargs: dict) -> None:

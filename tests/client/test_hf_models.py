@@ -382,7 +382,7 @@ def test_sink_logits_the_daemon_cannot_hold_are_refused(daemon):
 @pytest.mark.parametrize("attr,value,feature", [
     ("cross_attention_layers", [1], "cross-attention layers"),
     ("attention_chunk_size", 8, "chunked attention"),
-    ("layer_types", ["full_attention", "linear_attention"], "layer_types"),
+    ("layer_types", ["full_attention", "indexed_attention"], r"layer_types \['indexed_attention'\]"),
     ("use_bidirectional_attention", True, "use_bidirectional_attention"),
 ])
 def test_unsupported_attention_is_refused_naming_it(daemon, attr, value, feature):
@@ -508,13 +508,24 @@ def test_daemon_gone_mid_generation_goes_on_in_process(tmp_path, monkeypatch, na
     tokens so far are recomputed in-process (sliding layers too, whose masks were
     built for every token), each layer gets this step's K/V once, and generation ends
     with transformers' tokens."""
+    model = build(name)
+    want = reference(model, prompt())
+    got, ad = generate_with_the_daemon_stopping(tmp_path, monkeypatch, model, name, where,
+                                                model.config.num_hidden_layers - 1, prompt(), GEN)
+    assert torch.equal(got, want), (got, want)
+    assert ad.fallbacks == 1
+    ad.close()
+
+
+def generate_with_the_daemon_stopping(tmp_path, monkeypatch, model, name, where, last, ids, gen):
+    """generate() through a daemon of its own that stops before the prompt's Append
+    (where "prefill"), before the 6th forward ("between steps") or before the 5th
+    decode step of model layer `last` ("mid-step") -> (tokens, the adapter)."""
     from kvstore.service.daemon import create_server
     sock = str(tmp_path / "kv.sock")
     server, _, _ = create_server(socket_path=sock)
-    model = build(name)
-    want = reference(model, prompt())
     ad = KVStoreAdapter(model, f"unix://{sock}", cache=name, codec="fp16", block_size=8, residual=8, timeout=5)
-    last, calls = model.config.num_hidden_layers - 1, []
+    calls = []
     if where != "mid-step":
         def stop_before_a_forward(module, args, kwargs):
             calls.append(1)
@@ -532,14 +543,12 @@ def test_daemon_gone_mid_generation_goes_on_in_process(tmp_path, monkeypatch, na
         monkeypatch.setattr(KVStoreCache, "decode_attention", stop_before_the_last_layer)
     try:
         with pytest.warns(RuntimeWarning, match="unreachable"), torch.no_grad():
-            got = ad.generate(prompt(), **GEN)
+            got = ad.generate(ids, **gen)
     finally:
         server.stop(0)
         if where != "mid-step":
             hook.remove()
-    assert torch.equal(got, want), (got, want)
-    assert ad.fallbacks == 1
-    ad.close()
+    return got, ad
 
 
 def test_a_modeling_file_whose_text_attention_attends_by_itself_is_refused(daemon):

@@ -1,0 +1,244 @@
+"""Hybrid models through the transformers adapter: layers of linear attention (Gated
+DeltaNet), Mamba or MLP alone between the attention layers, or a Mamba mixer beside
+attention in one layer. The daemon's cache holds the attention layers' K/V; the other
+layers' recurrent and convolution states stay in transformers' own cache layers,
+in-process. Tiny random models (no download), fp16 codec: greedy and beam-search
+generate() equal transformers' own, the daemon going away at any point included."""
+import copy
+import warnings
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from kvstore.client.hf import KVStoreAdapter  # noqa: E402
+from tests.client.test_hf_models import generate_with_the_daemon_stopping  # noqa: E402
+from tests.helpers import one_thread  # noqa: E402,F401
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+GEN = dict(max_new_tokens=16, min_new_tokens=16, do_sample=False, pad_token_id=0)
+SMALL = dict(vocab_size=128, hidden_size=64, intermediate_size=128, max_position_embeddings=512,
+             initializer_range=0.2, pad_token_id=0)
+HEADS = dict(num_attention_heads=4, num_key_value_heads=2)
+
+
+def _qwen3_5():     # Gated DeltaNet layers around one full-attention layer: the last keeps no K/V
+    return transformers.Qwen3_5TextConfig(
+        num_hidden_layers=3, head_dim=16, layer_types=["linear_attention", "full_attention", "linear_attention"],
+        linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
+        **HEADS, **SMALL)
+
+
+def _bamba():       # Mamba-2, attention, Mamba-2
+    return transformers.BambaConfig(num_hidden_layers=3, attn_layer_indices=[1], mamba_n_heads=4, mamba_d_head=32,
+                                    mamba_d_state=16, mamba_chunk_size=16, **HEADS, **SMALL)
+
+
+def _falcon_h1():   # every layer runs attention and a Mamba-2 mixer side by side
+    return transformers.FalconH1Config(num_hidden_layers=2, head_dim=16, mamba_n_heads=4, mamba_d_head=16,
+                                       mamba_d_state=16, mamba_d_ssm=64, mamba_chunk_size=16, **HEADS, **SMALL)
+
+
+def _nemotron_h():  # Mamba-2, MLP, attention, MLP: layers without attention or state too
+    return transformers.NemotronHConfig(
+        num_hidden_layers=4, head_dim=16, layer_types=["linear_attention", "mlp", "full_attention", "mlp"],
+        mamba_num_heads=4, mamba_head_dim=16, ssm_state_size=16, n_groups=1, chunk_size=16, **HEADS, **SMALL)
+
+
+MODELS = {"qwen3_5": (_qwen3_5, "Qwen3_5ForCausalLM", (1,)), "bamba": (_bamba, "BambaForCausalLM", (1,)),
+          "falcon_h1": (_falcon_h1, "FalconH1ForCausalLM", (0, 1)),
+          "nemotron_h": (_nemotron_h, "NemotronHForCausalLM", (2,))}      # -> the layers with K/V
+
+
+def build(name, seed=0):
+    make, cls, _ = MODELS[name]
+    torch.manual_seed(seed)
+    return getattr(transformers, cls)(make()).eval()
+
+
+def prompt(n=41, seed=1, rows=1):
+    return torch.randint(3, 128, (rows, n), generator=torch.Generator().manual_seed(seed))
+
+
+def reference(model, ids, **kw):
+    with torch.no_grad():
+        return copy.deepcopy(model).generate(ids, **{**GEN, **kw})
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_fp16_greedy_equals_transformers(daemon, name):
+    """The daemon's cache holds the attention layers only, and every decode step of each
+    goes to it; the output is transformers' token for token."""
+    model = build(name)
+    ids = prompt()
+    want = reference(model, ids)
+    ad = KVStoreAdapter(model, daemon, cache=f"hy-{name}", codec="fp16", block_size=8, residual=8)
+    kv_layers = MODELS[name][2]
+    assert ad.kv_layers == kv_layers and ad.num_layers == len(kv_layers)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")           # no fallback
+        with torch.no_grad():
+            got = ad.generate(ids, **GEN)
+    assert torch.equal(got, want), (got, want)
+    spec = ad.client().get_cache(f"hy-{name}").spec
+    assert spec.geometry.num_layers == len(kv_layers)
+    s = ad.stats()
+    assert s.attend_calls == len(kv_layers) * (GEN["max_new_tokens"] - 1)
+    assert s.sequences == 0         # freed after generate()
+    ad.close()
+
+
+def test_the_state_layers_change_the_answer():
+    """The equality above checks the in-process states: with the Gated DeltaNet layers'
+    state dropped at every step, transformers itself generates other tokens."""
+    model = build("qwen3_5")
+    ids = prompt()
+    want = reference(model, ids)
+    cache = transformers.DynamicCache(config=model.config)
+    with torch.no_grad():
+        out = model(ids, past_key_values=cache, use_cache=True)
+        toks = [int(out.logits[0, -1].argmax())]
+        for _ in range(GEN["max_new_tokens"] - 1):
+            for layer in (0, 2):
+                cache.layers[layer].reset()
+            out = model(torch.tensor([[toks[-1]]]), past_key_values=cache, use_cache=True)
+            toks.append(int(out.logits[0, -1].argmax()))
+    assert toks != want[0, ids.shape[1]:].tolist()
+
+
+def test_a_prompt_seen_before_runs_in_full(daemon):
+    """A cached prefix holds the attention layers' K/V but not the recurrent state at its
+    end: a hybrid model takes no prefix hit, runs every prompt token again, and gets
+    transformers' tokens the second time too."""
+    model = build("qwen3_5")
+    ids = prompt()
+    want = reference(model, ids)
+    ad = KVStoreAdapter(model, daemon, cache="hy-again", codec="fp16", block_size=8, residual=8)
+    assert ad.chunk is None         # the multi-token prefix path is for prefix hits
+    with torch.no_grad():
+        first = ad.generate(ids, **GEN)
+        cache = ad.cache_for(ids)
+        assert cache.length == 0 and cache._prefix is None
+        cache.release()
+        second = ad.generate(ids, **GEN)
+    assert torch.equal(first, want) and torch.equal(second, want)
+    assert ad.prefix_runs == {"codes": 0, "retrieve": 0}
+    assert ad.stats().prefix_hit_tokens == 0
+    ad.close()
+
+
+@pytest.mark.parametrize("name", ["qwen3_5", "falcon_h1"])
+def test_beam_search_reorders_the_states_with_the_rows(daemon, name):
+    """generate() repeats the prompt for 3 beams and reorders the rows every step: the
+    daemon forks and frees its sequences, the in-process states follow the same rows."""
+    model = build(name)
+    ids = prompt()
+    kw = dict(num_beams=3, num_return_sequences=2, early_stopping=False)
+    want = reference(model, ids, **kw)
+    ad = KVStoreAdapter(model, daemon, cache=f"hy-beam-{name}", codec="fp16", block_size=8, residual=8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with torch.no_grad():
+            got = ad.generate(ids, **GEN, **kw)
+    assert torch.equal(got, want), (got, want)
+    assert ad.stats().sequences == 0
+    ad.close()
+
+
+def test_a_left_padded_batch_equals_transformers(daemon):
+    model = build("bamba")
+    ids = prompt(rows=2)
+    mask = torch.ones_like(ids)
+    mask[1, :7] = 0
+    ids[1, :7] = 0
+    want = reference(model, ids, attention_mask=mask)
+    ad = KVStoreAdapter(model, daemon, cache="hy-batch", codec="fp16", block_size=8, residual=8)
+    with torch.no_grad():
+        got = ad.generate(ids, attention_mask=mask, **GEN)
+    assert torch.equal(got, want), (got, want)
+    ad.close()
+
+
+@pytest.mark.parametrize("where", ["prefill", "between steps", "mid-step"])
+@pytest.mark.parametrize("name", ["qwen3_5", "falcon_h1", "nemotron_h"])
+def test_daemon_gone_mid_generation_goes_on_in_process(tmp_path, monkeypatch, name, where):
+    """The daemon stops before the prompt's Append, before a decode step, or before a
+    step's last attention layer: the attention layers' tokens so far are recomputed
+    in-process, while the state layers keep what they hold (this step's tokens in the
+    layers already run), and generation ends with transformers' tokens."""
+    model = build(name)
+    want = reference(model, prompt())
+    got, ad = generate_with_the_daemon_stopping(tmp_path, monkeypatch, model, name, where, MODELS[name][2][-1],
+                                                prompt(), GEN)
+    assert torch.equal(got, want), (got, want)
+    assert ad.fallbacks == 1
+    ad.close()
+
+
+def test_calibrating_in_process_hands_the_attention_layers_over(daemon):
+    """pq without codebooks: the in-process requests hand the attention layers' K/V
+    over (one layer's, as the daemon's cache holds), then the daemon stores."""
+    model = build("qwen3_5")
+    ad = KVStoreAdapter(model, daemon, cache="hy-cal", codec="pq", calibrate_tokens=256, block_size=8,
+                        residual=8, sink_tokens=8)
+    for seed in range(3):      # 3 x (100 + 16 - 1 - 8) >= 256 rows
+        ids = prompt(100, seed=seed)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            with torch.no_grad():
+                assert torch.equal(ad.generate(ids, **GEN), reference(model, ids))
+    info = ad.client().get_cache("hy-cal")
+    assert info.has_codebooks and info.spec.geometry.num_layers == 1
+    with torch.no_grad():
+        ad.generate(prompt(100, seed=9), **GEN)
+    assert ad.stats().attend_calls == GEN["max_new_tokens"] - 1
+    ad.close()
+
+
+def test_a_model_without_attention_layers_is_refused(daemon):
+    cfg = _qwen3_5()
+    cfg.layer_types = ["linear_attention"] * 3
+    with pytest.raises(ValueError, match=r"no attention layer \(layer_types \['linear_attention'\]\)"):
+        KVStoreAdapter(transformers.Qwen3_5ForCausalLM(cfg), daemon, cache="hy-none", codec="fp16")
+
+
+def test_k_v_from_a_layer_its_config_says_keeps_none_stop_generation(daemon):
+    """A config whose layer_types call an attention layer a linear one: its K/V would
+    have no layer in the daemon's cache; the prompt's forward stops, naming the layer."""
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(num_hidden_layers=2, **HEADS, **SMALL)).eval()
+    model.config.layer_types = ["full_attention", "linear_attention"]
+    ad = KVStoreAdapter(model, daemon, cache="hy-astray", codec="fp16", block_size=8, residual=8)
+    assert ad.kv_layers == (0,)
+    with pytest.raises(ValueError, match="layer 1: the model stores K/V in a layer whose layer_types entry keeps none"):
+        with torch.no_grad():
+            ad.generate(prompt(), **GEN)
+    ad.close()
+
+
+def test_a_model_with_a_cache_class_of_its_own_is_refused(daemon):
+    """MiniMax keeps its linear attention's state in its own Cache subclass and refuses
+    any other cache: refused when the adapter is built, naming the class."""
+    cfg = transformers.MiniMaxConfig(num_hidden_layers=2, head_dim=16, num_local_experts=2, num_experts_per_tok=1,
+                                     layer_types=["linear_attention", "full_attention"], **HEADS, **SMALL)
+    with pytest.raises(ValueError, match="MiniMaxCache"):
+        KVStoreAdapter(transformers.MiniMaxForCausalLM(cfg), daemon, cache="hy-own", codec="fp16")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["qwen3_5", "falcon_h1"])
+def test_a_hybrid_model_on_the_gpu_equals_transformers(daemon, name):
+    """The model and its in-process states on the GPU, the attention layers' K/V in the
+    daemon's CUDA pools: transformers' tokens, every decode step through the daemon."""
+    model = build(name).cuda()
+    ids = prompt().cuda()
+    want = reference(model, ids)
+    ad = KVStoreAdapter(model, daemon, cache=f"hy-gpu-{name}", codec="fp16", block_size=16, residual=16)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with torch.no_grad():
+            got = ad.generate(ids, **GEN)
+    assert torch.equal(got, want), (got, want)
+    assert ad.stats().attend_calls == len(MODELS[name][2]) * (GEN["max_new_tokens"] - 1)
+    ad.close()
