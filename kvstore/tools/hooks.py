@@ -26,7 +26,8 @@ WRAPPABLE = ("sdpa", "eager")
 
 @dataclass(slots=True)
 class AttentionCall:
-    """One attention call of the model: query [B, Hq, n, d], key/value [B, Hkv, n, d]."""
+    """One attention call of the model: query [B, Hq, n, d], key/value [B, Hkv, n, d].
+    layer: its index among the model's layers that keep K/V (models.kv_layers)."""
     layer: int
     query: torch.Tensor
     key: torch.Tensor
@@ -76,7 +77,7 @@ def _attention(module, query, key, value, attention_mask, **kwargs):
         mask = _extend_mask(attention_mask, n, k.shape[2], allow, query.device)
         return fn(module, query, k, v, mask, **kwargs)[0]
 
-    return _ACTIVE["handler"](AttentionCall(module.layer_idx, query, key, value, run)), None
+    return _ACTIVE["handler"](AttentionCall(_ACTIVE["kv_of"][module.layer_idx], query, key, value, run)), None
 
 
 def _mask(*args, **kwargs):
@@ -106,7 +107,9 @@ def attention_handler(model, handler):
     AttentionMaskInterface.register(_IMPL, _mask)
     configs = _configs(model)
     old = [c._attn_implementation for c in configs]
-    _ACTIVE.update(handler=handler, impl=impl)
+    from .models import kv_layers
+    # calls are numbered as the daemon's cache numbers layers: among those that keep K/V
+    _ACTIVE.update(handler=handler, impl=impl, kv_of={j: i for i, j in enumerate(kv_layers(model))})
     for c in configs:
         c._attn_implementation = _IMPL
     try:

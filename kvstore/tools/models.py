@@ -93,12 +93,23 @@ def text_config(model):
     return model.config.get_text_config(decoder=True)
 
 
-def geometry_of(model) -> ModelGeometry:
-    """Layers, query and KV heads, head_dim, as the adapter reads them."""
-    from kvstore.client.hf_variants import heads
+def kv_layers(model) -> list[int]:
+    """The model's layers that keep K/V, in order: every layer but a hybrid model's
+    linear-attention, Mamba, convolution and MLP-only ones (hf_variants.LAYER_KINDS). The
+    tools' layer i, like the daemon cache's, is kv_layers(model)[i]."""
+    from kvstore.client.hf_variants import LAYER_KINDS
     c = text_config(model)
-    q, kv, d = heads(c)
-    return ModelGeometry(num_layers=c.num_hidden_layers, num_q_heads=q, num_kv_heads=kv, head_dim=d)
+    types = getattr(c, "layer_types", None)
+    if types is None:
+        return list(range(c.num_hidden_layers))
+    return [i for i, t in enumerate(types) if LAYER_KINDS.get(t, "kv").startswith("kv")]
+
+
+def geometry_of(model) -> ModelGeometry:
+    """Layers (those that keep K/V), query and KV heads, head_dim, as the adapter reads them."""
+    from kvstore.client.hf_variants import heads
+    q, kv, d = heads(text_config(model))
+    return ModelGeometry(num_layers=len(kv_layers(model)), num_q_heads=q, num_kv_heads=kv, head_dim=d)
 
 
 # The attention output projection's name: Llama and most / OPT, BioGPT / GPT-NeoX / GPT-2, GPTBigCode.
@@ -106,14 +117,15 @@ OUT_PROJ = ("o_proj", "out_proj", "dense", "c_proj")
 
 
 def attention_modules(model) -> list:
-    """The self-attention module of every layer, in layer order."""
+    """The self-attention module of every layer that keeps K/V, in layer order (a
+    Mamba or linear-attention mixer, which has a conv1d, is not one)."""
     mods = {}
     for m in model.modules():
-        if hasattr(m, "layer_idx") and any(hasattr(m, a) for a in OUT_PROJ):
+        if hasattr(m, "layer_idx") and any(hasattr(m, a) for a in OUT_PROJ) and not hasattr(m, "conv1d"):
             mods.setdefault(m.layer_idx, m)
-    n = geometry_of(model).num_layers
-    assert sorted(mods) == list(range(n)), f"found attention modules of layers {sorted(mods)}, config says {n}"
-    return [mods[i] for i in range(n)]
+    want = kv_layers(model)
+    assert sorted(mods) == want, f"found attention modules of layers {sorted(mods)}, config says {want}"
+    return [mods[i] for i in want]
 
 
 def output_weight(model, layer: int) -> torch.Tensor:

@@ -46,10 +46,18 @@ def tiny(kind: str):
     if kind == "opt":         # output projection `out_proj`
         return T.OPTForCausalLM(T.OPTConfig(num_hidden_layers=2, num_attention_heads=4, hidden_size=64, ffn_dim=128,
                                             word_embed_proj_dim=64, **mha)).eval()
+    if kind == "qwen3_5":     # Gated DeltaNet layers around one attention layer
+        return T.Qwen3_5ForCausalLM(T.Qwen3_5TextConfig(
+            **dict(common, num_hidden_layers=3), head_dim=16,
+            layer_types=["linear_attention", "full_attention", "linear_attention"], linear_num_key_heads=2,
+            linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16)).eval()
+    if kind == "falcon_h1":   # attention and a Mamba-2 mixer (its own out_proj) side by side in each layer
+        return T.FalconH1ForCausalLM(T.FalconH1Config(**common, head_dim=16, mamba_n_heads=4, mamba_d_head=16,
+                                                      mamba_d_state=16, mamba_d_ssm=64, mamba_chunk_size=16)).eval()
     raise AssertionError(kind)
 
 
-KINDS = ["llama", "mistral", "gemma2", "gemma3", "gptoss", "gpt2", "gpt_neox", "opt"]
+KINDS = ["llama", "mistral", "gemma2", "gemma3", "gptoss", "gpt2", "gpt_neox", "opt", "qwen3_5", "falcon_h1"]
 
 
 def token_windows(n=2, size=4 * WINDOW):
@@ -129,6 +137,25 @@ def test_geometry_from_the_config():
     g = models.geometry_of(tiny("gemma3"))
     assert (g.num_layers, g.num_q_heads, g.num_kv_heads, g.head_dim) == (6, 2, 1, 256)   # 256 != 64 / 2
     assert models.geometry_of(tiny("gemma2")).head_dim == 32
+
+
+def test_a_hybrid_model_s_tools_count_its_attention_layers_only():
+    """The tools number layers as the daemon's cache does: among those that keep K/V.
+    The sampler fills one layer of the Qwen3.5-like model (its attention layer, model
+    layer 1); the q-aware transform reads each Falcon-H1 layer's attention output
+    projection, not its Mamba mixer's."""
+    qwen = tiny("qwen3_5")
+    assert models.kv_layers(qwen) == [1] and models.geometry_of(qwen).num_layers == 1
+    assert [m.layer_idx for m in models.attention_modules(qwen)] == [1]
+    sampler = C.Sampler(models.geometry_of(qwen), per_window=8, sink_rows=4)
+    with torch.no_grad(), hooks.attention_handler(qwen, sampler):
+        qwen(input_ids=torch.tensor([token_windows(1)[0]]))
+    k, v = sampler.samples()
+    assert k.shape == v.shape == (1, 12, 2, 16)
+    falcon = tiny("falcon_h1")
+    mods = models.attention_modules(falcon)
+    assert [m.layer_idx for m in mods] == [0, 1] and all(hasattr(m, "o_proj") for m in mods)
+    assert models.output_weight(falcon, 1).shape == (64, 4 * 16)
 
 
 def test_the_hook_refuses_attention_it_cannot_wrap():
