@@ -33,6 +33,11 @@ TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_la
             head_dim=16, sliding_window=16, initializer_range=0.2, n_layer=2, n_head=4, n_embd=64, d_model=64,
             n_positions=512, num_layers=2, num_heads=4, moe_intermediate_size=32, n_routed_experts=4,
             num_experts=4, num_local_experts=4, num_experts_per_tok=2, ffn_dim=128, word_embed_proj_dim=64)
+# Hybrid models whose default config has no attention layer: one Mamba layer, then one
+# attention layer; Mamba heads that fit the shrunk hidden size.
+_MAMBA = dict(mamba_n_heads=4, mamba_d_head=32, mamba_d_state=16)
+HYBRID = {"bamba": dict(attn_layer_indices=[1], **_MAMBA),
+          "granitemoehybrid": dict(layer_types=["linear_attention", "full_attention"], **_MAMBA)}
 GEN = dict(max_new_tokens=12, min_new_tokens=12, do_sample=False, pad_token_id=0)
 
 
@@ -51,27 +56,43 @@ def _settable(config, name: str) -> bool:
 
 def tiny_model(model_type: str):
     import transformers
+    from kvstore.client.hf_variants import LAYER_KINDS
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
     name = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type]
     cls = getattr(transformers, name if isinstance(name, str) else name[0])
     cfg = CONFIG_MAPPING[model_type]()
     text = cfg.get_text_config(decoder=True)
+    default_types = list(getattr(text, "layer_types", None) or [])
     for k, v in TINY.items():
         if _settable(text, k):
             try:
                 setattr(text, k, v)
             except Exception:  # noqa: BLE001 - a derived or per-layer attribute: the config keeps its own
                 pass
-    if getattr(text, "layer_types", None) is not None:
-        try:
-            text.layer_types = text.layer_types[:text.num_hidden_layers] \
-                if len(text.layer_types) >= text.num_hidden_layers else None
-        except AttributeError:   # derived from other settings (Jamba, Mamba): it follows them
-            pass
+    # A hybrid model's first attention layer may come after its first two (Qwen3.5: every
+    # fourth layer): keep layers up to it, so that the tiny model has K/V for the daemon
+    # (a layer type the adapter does not know counts: its refusal names it).
+    first = next((i for i, t in enumerate(default_types) if LAYER_KINDS.get(t, "kv").startswith("kv")), 0)
+    if 2 <= first < 8:
+        text.num_hidden_layers = first + 1
+    _cut_layer_types(text, default_types)
+    for k, v in HYBRID.get(model_type, {}).items():     # no attention layer by default
+        setattr(text, k, v)
     torch.manual_seed(0)
     own = getattr(cls, "config_class", None)      # a text-only class of a multimodal model_type (Llama 4)
     return cls(text if own is not None and not isinstance(cfg, own) and isinstance(text, own) else cfg).eval()
+
+
+def _cut_layer_types(text, default_types: list[str]) -> None:
+    """The config's layer_types for its num_hidden_layers: the default's first ones."""
+    if getattr(text, "layer_types", None) is None:
+        return
+    try:
+        types = text.layer_types if len(text.layer_types) == text.num_hidden_layers else default_types
+        text.layer_types = types[:text.num_hidden_layers] if len(types) >= text.num_hidden_layers else None
+    except AttributeError:   # derived from other settings (Jamba, Mamba): it follows them
+        pass
 
 
 def rounding_cache(model):
