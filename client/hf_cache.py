@@ -103,6 +103,7 @@ class _DaemonLayer(CacheLayerMixin):
 class _DaemonStateLayer(LinearAttentionLayer, _DaemonLayer):
     """A layer that runs attention and a recurrent mixer side by side (layer type
     "hybrid", Falcon-H1): its K/V in the daemon, its conv / recurrent state here."""
+    is_compileable = False      # the linear layers' True would let generate() compile the RPCs
 
     def __init__(self, owner: "KVStoreCache", number_of_states: int = 1, **kwargs):
         _DaemonLayer.__init__(self, owner)
@@ -166,6 +167,12 @@ class KVStoreCache(Cache):
         return out
 
     # ------------------------------------------------------- Cache interface
+    @property
+    def is_compileable(self) -> bool:
+        """Never: generate() compiles (CUDA graphs on a GPU) the forward of a cache whose
+        every layer says it can be, and a daemon decode step is an RPC, as is a fallback."""
+        return False
+
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return super().get_seq_length(layer_idx) if self.local else self.length
 

@@ -13,6 +13,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from kvstore.client.hf import KVStoreAdapter  # noqa: E402
+from kvstore.client.hf_cache import KVStoreCache  # noqa: E402
 from tests.client.test_hf_models import generate_with_the_daemon_stopping  # noqa: E402
 from tests.helpers import one_thread  # noqa: E402,F401
 
@@ -87,6 +88,22 @@ def test_fp16_greedy_equals_transformers(daemon, name):
     s = ad.stats()
     assert s.attend_calls == len(kv_layers) * (GEN["max_new_tokens"] - 1)
     assert s.sequences == 0         # freed after generate()
+    ad.close()
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_generate_never_compiles_a_daemon_cache(daemon, name):
+    """transformers' own linear-attention layers say they can be compiled; a cache of
+    them only (Falcon-H1's) would have generate() compile the forward, RPCs and all, into
+    CUDA graphs on a GPU. The cache says no, before and after a fallback."""
+    model = build(name)
+    ad = KVStoreAdapter(model, daemon, cache=f"hy-compile-{name}", codec="fp16", block_size=8, residual=8)
+    cache = ad.cache_for(prompt())
+    assert not cache.is_compileable
+    assert all(not layer.is_compileable for j, layer in enumerate(cache.layers) if j in ad.kv_layers)
+    cache.release()
+    local = KVStoreCache(ad, [], prompt()[:, :0], None, local=True)
+    assert not local.is_compileable
     ad.close()
 
 
