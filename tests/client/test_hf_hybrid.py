@@ -259,3 +259,33 @@ def test_a_hybrid_model_on_the_gpu_equals_transformers(daemon, name):
     assert torch.equal(got, want), (got, want)
     assert ad.stats().attend_calls == len(MODELS[name][2]) * (GEN["max_new_tokens"] - 1)
     ad.close()
+
+
+def test_codebooks_calibrated_by_the_tools_fit_the_daemon_s_layers(daemon, tmp_path):
+    """kvstore-calibrate's steps on Falcon-H1 (attention and a Mamba mixer in every
+    layer): the sampler and the q-aware transform number the attention layers as the
+    daemon's cache does, and the pq codec then runs every decode step in the daemon
+    with those codebooks."""
+    pytest.importorskip("faiss")
+    from kvstore.tools import calibrate as C
+    from kvstore.tools import hooks, models
+    model = build("falcon_h1")
+    sampler = C.Sampler(models.geometry_of(model), per_window=96, sink_rows=4)
+    with torch.no_grad(), hooks.attention_handler(model, sampler):
+        for s in range(3):
+            model(input_ids=prompt(128, seed=s))
+    tr = C.qaware_transform(model, sampler.qq)
+    cb, tr = C.train(model, sampler, 8, tr, niter=2)
+    assert cb.k.shape == (2, 2, 8, 256, 2)
+    path = str(tmp_path / "cb.safetensors")
+    cb.save(path)
+    ad = KVStoreAdapter(model, daemon, cache="hy-pq", codec="pq", codebooks=path, transform=tr, block_size=8,
+                        residual=8, sink_tokens=8)
+    ids = prompt()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        with torch.no_grad():
+            got = ad.generate(ids, **GEN)
+    assert got.shape == (1, ids.shape[1] + GEN["max_new_tokens"])
+    assert ad.stats().attend_calls == 2 * (GEN["max_new_tokens"] - 1)
+    ad.close()
