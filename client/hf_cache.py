@@ -185,14 +185,14 @@ class KVStoreCache(Cache):
     # Beam search and expanded batches (num_beams, num_return_sequences): generate()
     # repeats the prompt rows after the cache was made, then reorders them every step.
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        self._rows(beam_idx.tolist(), lambda: super(KVStoreCache, self).reorder_cache(beam_idx))
+        self._rows(beam_idx.tolist())
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         src = [i // repeats for i in range(len(self.pads) * repeats)]
-        self._rows(src, lambda: super(KVStoreCache, self).batch_repeat_interleave(repeats))
+        self._rows(src)
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
-        self._rows(indices.tolist(), lambda: super(KVStoreCache, self).batch_select_indices(indices))
+        self._rows(indices.tolist())
 
     def crop(self, tokens_to_remove: int) -> None:
         if self.local:
@@ -200,9 +200,11 @@ class KVStoreCache(Cache):
         raise ValueError("crop: assisted / speculative generation (assistant_model, prompt_lookup_num_tokens) "
                          "is not supported by the kvstore adapter: a daemon sequence cannot drop its last tokens")
 
-    def _rows(self, src: list[int], local_layers) -> None:
+    def _rows(self, src: list[int]) -> None:
         """Row i becomes what row src[i] was. In the daemon, a row taken more than once
-        is forked (its sealed blocks shared), a row no one takes is freed."""
+        is forked (its sealed blocks shared), a row no one takes is freed. In-process
+        K/V and states are picked by row: transformers' linear-attention layers reorder
+        but neither repeat nor select rows, which generate() asks of them too."""
         pick = torch.tensor(src, dtype=torch.long)
         old = len(self.pads)
         self.pads = [self.pads[j] for j in src]
@@ -210,10 +212,12 @@ class KVStoreCache(Cache):
             self._ids = self._ids[pick.to(self._ids.device)]
         if self._prefix is not None:
             self._prefix = tuple(x[:, pick.to(x.device)] for x in self._prefix)
-        if self.local:
-            local_layers()
-            return
         self._pick_states(pick, old)
+        if self.local:
+            for layer in self.layers:
+                if isinstance(layer, DynamicLayer):
+                    DynamicLayer.reorder_cache(layer, pick)       # its K/V; a hybrid layer's state above
+            return
         ad, old, new, kept, forks = self.adapter, self.seq_ids, [], set(), []
         for j in src:
             if j in kept:

@@ -289,3 +289,20 @@ def test_codebooks_calibrated_by_the_tools_fit_the_daemon_s_layers(daemon, tmp_p
     assert got.shape == (1, ids.shape[1] + GEN["max_new_tokens"])
     assert ad.stats().attend_calls == 2 * (GEN["max_new_tokens"] - 1)
     ad.close()
+
+
+@pytest.mark.parametrize("name", ["qwen3_5", "falcon_h1"])
+def test_beam_search_in_process_when_the_daemon_is_gone(tmp_path, name):
+    """No daemon at all: the request runs in-process from the start, and generate()'s
+    repeated and reordered rows reach the linear-attention layers too, which have no
+    batch_repeat_interleave of their own."""
+    model = build(name)
+    ids = prompt()
+    kw = dict(num_beams=3, num_return_sequences=2, early_stopping=False)
+    want = reference(model, ids, **kw)
+    ad = KVStoreAdapter(model, f"unix://{tmp_path}/none.sock", cache=f"hy-gone-{name}", codec="fp16",
+                        block_size=8, residual=8, timeout=2)
+    with pytest.warns(RuntimeWarning, match="unreachable"), torch.no_grad():
+        got = ad.generate(ids, **GEN, **kw)
+    assert torch.equal(got, want), (got, want)
+    ad.close()
