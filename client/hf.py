@@ -67,8 +67,9 @@ import torch
 
 from . import hf_variants
 from .client import KVStoreClient
-from .hf_cache import (FALLBACK_ERRORS, GONE, SPEC_REFUSED, KVStoreCache, check_all_taken, set_decode_target,
-                       take_decode_target)
+from .hf_cache import FALLBACK_ERRORS, GONE, SPEC_REFUSED, KVStoreCache
+from .hf_codebooks import bad_transform, fitting_codebooks
+from .hf_step import check_all_taken, set_decode_target, take_decode_target
 from .hf_groups import LayerGroups, merge_stats
 
 ATTN = "kvstore"
@@ -161,12 +162,13 @@ class KVStoreAdapter:
         named = getattr(c, "_name_or_path", "") or ""
         cb = None
         if codec == "pq" and codebooks is not None:
-            cb, transform = self._codebooks(codebooks, transform, model_id or named, explicit=model_id is not None)
+            cb, transform = fitting_codebooks(codebooks, transform, model_id or named, model_id is not None,
+                                              (self.num_layers, self.num_q_heads, self.num_kv_heads, self.head_dim))
             model_id = model_id or (cb.info.model_id if cb.info is not None else None)
             if sink_tokens is None and cb.info is not None and cb.info.sink_tokens:
                 sink_tokens = cb.info.sink_tokens
         elif isinstance(transform, str):
-            transform = None if transform == "none" else self._bad_transform(transform)
+            transform = None if transform == "none" else bad_transform(transform)
         if sink_tokens is None:
             sink_tokens = math.ceil(DEFAULT_PQ_SINKS / block_size) * block_size if codec == "pq" else 0
         self.model, self.target, self.cache_name, self.codec = model, target, cache, codec
@@ -208,45 +210,6 @@ class KVStoreAdapter:
             c._attn_implementation = ATTN
         self._hooks = (model.register_forward_pre_hook(self._pre_forward, with_kwargs=True),
                        model.register_forward_hook(self._post_forward))
-
-    def _codebooks(self, codebooks, transform, model_id: str, explicit: bool):
-        """-> (Codebooks, Transform or None) of a codebooks file, refused
-        (ValueError naming the field) unless it fits this model."""
-        from kvstore.codec.codebooks import CONVERT, Codebooks
-        from kvstore.codec.transform import load_codebooks, transform_of
-        if isinstance(codebooks, str):
-            cb, beside = load_codebooks(codebooks)
-        else:
-            cb, beside = Codebooks.from_bytes(codebooks), None
-        info = cb.info
-        # A model loaded from a local folder or file is named by its path, which
-        # says nothing of which model it is: its id is checked only when the
-        # caller gives one (model_id=). Geometry is checked always.
-        local = not explicit and (not model_id or os.path.exists(model_id))
-        cb.check_fits(info.model_id if local and info is not None else model_id,
-                      self.num_layers, self.num_q_heads, self.num_kv_heads, self.head_dim)
-        if info is not None:
-            says = "none" if cb.transform_k is None else "included"
-            if transform is not None and not (isinstance(transform, str) and transform == says == "none"):
-                raise ValueError(f"transform: the codebooks file says its own (transform {says}); "
-                                 "leave transform unset")
-            return cb, transform_of(cb)
-        if cb.k.shape[0] != self.num_layers or cb.k.shape[1] != self.num_kv_heads \
-                or cb.k.shape[2] * cb.k.shape[4] != self.head_dim:
-            raise ValueError(f"codebooks: shape {tuple(cb.k.shape)} does not fit the model's "
-                             f"[{self.num_layers}, {self.num_kv_heads}, M, 256, {self.head_dim} / M]")
-        if transform is None:
-            transform = beside
-        if transform is None:
-            raise ValueError("transform: a codebooks file of the old format does not say whether it was "
-                             "calibrated after a transform (without it the output is fluent nonsense); pass "
-                             f"transform= (a Transform, or 'none'), or convert the file: {CONVERT}")
-        return cb, None if transform == "none" else (transform if not isinstance(transform, str)
-                                                     else self._bad_transform(transform))
-
-    @staticmethod
-    def _bad_transform(value: str):
-        raise ValueError(f"transform: {value!r} is not a Transform or 'none'")
 
     # ----------------------------------------------------------- connection
     def client(self) -> KVStoreClient:

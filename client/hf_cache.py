@@ -6,13 +6,12 @@ per layer and [L, n, Hkv, d] for all layers.
 """
 from __future__ import annotations
 
-import threading
-
 import grpc
 import torch
-from transformers.cache_utils import (DYNAMIC_LAYER_TYPE_MAPPING, Cache, CacheLayerMixin, DummyLayer, DynamicCache,
-                                     DynamicLayer, LinearAttentionAndFullAttentionLayer,
-                                     LinearAttentionCacheLayerMixin, LinearAttentionLayer, get_layer_types_and_kwargs)
+from transformers.cache_utils import Cache, DynamicCache, DynamicLayer, LinearAttentionCacheLayerMixin
+
+from .hf_layers import DaemonStateLayer, linear_fields, new_layers
+from .hf_step import begin_layer, set_decode_target
 
 # What makes the adapter fall back in-process: RPC failures of any status and
 # the shared-memory arena failing (the daemon took its buffer with it).
@@ -23,96 +22,6 @@ GONE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.
 # A cache the daemon refuses to create: refused on every request, so an error, not a fallback.
 SPEC_REFUSED = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.ALREADY_EXISTS, grpc.StatusCode.RESOURCE_EXHAUSTED,
                 grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.FAILED_PRECONDITION)
-_local = threading.local()     # ctx: (cache, layer, K/V) set by KVStoreCache.update for the attention call after it
-
-
-def set_decode_target(cache: "KVStoreCache | None", layer: int = -1, kv: tuple | None = None) -> None:
-    """The decode step of `layer` goes to the daemon: the attention function
-    (hf.kvstore_attention) called next on this thread takes it, with the K/V `kv`
-    update returned. A step no attention call took is refused here: that layer
-    attended in-process over the new tokens alone (update kept nothing), so its
-    output is wrong, and generation must stop."""
-    left = getattr(_local, "ctx", None)
-    if cache is not None and left is not None:
-        _local.ctx = None
-        raise RuntimeError(_unsupported(left[0], left[1], "did not call the registered attention function"))
-    _local.ctx = (cache, layer, kv) if cache is not None else None
-    _local.taken = None
-
-
-def take_decode_target(layer: int, key: torch.Tensor, value: torch.Tensor) -> "KVStoreCache | None":
-    """The cache whose decode step of `layer` this attention call runs (at most one call
-    takes a step), or None: a prefill, a fallback, a plain cache. RuntimeError naming the
-    layer for a call the daemon would answer wrongly: another layer's step (K/V shared
-    across layers), K/V other than update returned (changed between the cache and the
-    attention, as differential attention does), or a second call for the step."""
-    ctx, _local.ctx = getattr(_local, "ctx", None), None
-    if ctx is None:
-        taken = getattr(_local, "taken", None)
-        if taken is not None and taken[1] == layer:
-            raise RuntimeError(_unsupported(taken[0], layer, "was attended twice"))
-        return None
-    cache, want, kv = ctx
-    _local.taken = (cache, want)
-    if want != layer:
-        raise RuntimeError(_unsupported(cache, want, f"was attended by the attention module of layer {layer}"))
-    if key is not kv[0] or value is not kv[1]:
-        raise RuntimeError(_unsupported(cache, want, "was attended with other K/V than the cache returned"))
-    return cache
-
-
-def check_all_taken() -> None:
-    """RuntimeError naming a step no attention call took (a forward's last layer,
-    which no later layer's update checks); cleared."""
-    ctx, _local.ctx, _local.taken = getattr(_local, "ctx", None), None, None
-    if ctx is not None:
-        raise RuntimeError(_unsupported(ctx[0], ctx[1], "did not call the registered attention function"))
-
-
-def _unsupported(cache: "KVStoreCache", layer: int, how: str) -> str:
-    return (f"{type(cache.adapter.model).__name__}: the decode step of layer {layer} {how}; attention that "
-            "does not take the cache's K/V through transformers' AttentionInterface once per layer is not "
-            "supported by the kvstore adapter")
-
-
-class _DaemonLayer(CacheLayerMixin):
-    """Placeholder layer: sizes come from the owning KVStoreCache."""
-    is_sliding = False
-
-    def __init__(self, owner: "KVStoreCache"):
-        super().__init__()
-        self.owner = owner
-        self.is_initialized = True
-
-    def lazy_initialization(self, key_states, value_states) -> None:
-        pass
-
-    def update(self, key_states, value_states, *args, **kwargs):
-        raise AssertionError("KVStoreCache.update handles daemon layers")
-
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.owner.length + query_length, 0
-
-    def get_seq_length(self) -> int:
-        return self.owner.length
-
-    def get_max_length(self) -> int:
-        return -1
-
-
-class _DaemonStateLayer(LinearAttentionLayer, _DaemonLayer):
-    """A layer that runs attention and a recurrent mixer side by side (layer type
-    "hybrid", Falcon-H1): its K/V in the daemon, its conv / recurrent state here."""
-    is_compileable = False      # the linear layers' True would let generate() compile the RPCs
-
-    def __init__(self, owner: "KVStoreCache", number_of_states: int = 1, **kwargs):
-        _DaemonLayer.__init__(self, owner)
-        LinearAttentionLayer.__init__(self, number_of_states=number_of_states)
-
-
-def _linear_fields() -> tuple[str, ...]:
-    """The attributes in which transformers' linear-attention layers keep their state."""
-    return tuple(vars(LinearAttentionLayer()))
 
 
 class KVStoreCache(Cache):
@@ -134,37 +43,12 @@ class KVStoreCache(Cache):
         # daemon, whose sequence i holds positions [pads[i], length).
         self.pads = pads or [0] * seen_ids.shape[0]
         self.num_layers = adapter.num_layers        # the daemon's: the layers that keep K/V
-        super().__init__(layers=self._new_layers(local))
+        super().__init__(layers=new_layers(self, local))
         self.length = seen_ids.shape[1]
         self._ids = seen_ids                          # [B, length] token ids so far (for a recompute)
         self._cur_ids: torch.Tensor | None = None     # this forward's ids (forward pre-hook)
         self._prefix = prefix                         # [L, B, Hkv, P, d] x2: K/V of tokens [0, length), or None
         self._step: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * self.num_layers
-
-    def _new_layers(self, local: bool) -> list:
-        """A fresh cache layer for every model layer: K/V in the daemon (_DaemonLayer), or
-        in-process (local: DynamicLayer, full for sliding and chunked layers too:
-        release() hands every token over, and a fallback's masks were built for every
-        token); a recurrent state in transformers' own layer class; DummyLayer for a
-        layer that keeps nothing."""
-        v = self.adapter.variant
-        if not v.kv_of and not v.stateful:
-            return [DynamicLayer() if local else _DaemonLayer(self) for _ in range(self.adapter.model_layers)]
-        types, kwargs = get_layer_types_and_kwargs(self.adapter.model.config.get_text_config(decoder=True))
-        out = []
-        for j, (t, kw) in enumerate(zip(types, kwargs)):
-            kv, state = v.kv_index(j) >= 0, bool(v.stateful) and v.stateful[j]
-            if kv and state:
-                n = kw.get("number_of_states", 1)
-                out.append(LinearAttentionAndFullAttentionLayer(number_of_states=n) if local
-                           else _DaemonStateLayer(self, number_of_states=n))
-            elif kv:
-                out.append(DynamicLayer() if local else _DaemonLayer(self))
-            elif state:
-                out.append(DYNAMIC_LAYER_TYPE_MAPPING[t](**kw))
-            else:
-                out.append(DummyLayer())
-        return out
 
     # ------------------------------------------------------- Cache interface
     @property
@@ -252,7 +136,7 @@ class KVStoreCache(Cache):
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         n = key_states.shape[-2]
-        _local.taken = None         # a layer's step begins: its attention may take it
+        begin_layer()         # a layer's step begins: its attention may take it
         ad = self.adapter
         at = ad.variant.kv_index(layer_idx)      # the daemon's layer
         if at < 0:
@@ -416,7 +300,7 @@ class KVStoreCache(Cache):
         # layers (every token), and a sliding layer's mask picks its window out of them;
         # a DynamicSlidingWindowLayer would hand attention fewer keys than the mask has.
         dyn = DynamicCache()
-        dyn.layers = self._new_layers(local=True)
+        dyn.layers = new_layers(self, local=True)
         kv_layers = self.adapter.kv_layers
         if self._prefix is not None:
             for i, j in enumerate(kv_layers):
@@ -431,9 +315,9 @@ class KVStoreCache(Cache):
                  position_ids=(mask.cumsum(-1) - 1).clamp(min=0).to(dev))   # as generate() numbers padded rows
         for i in range(done_layers):
             dyn.layers[kv_layers[i]].update(*self._step[i])
-        fields = _linear_fields()
+        fields = linear_fields()
         for j, ours in enumerate(self.layers):
-            if isinstance(ours, _DaemonStateLayer):       # dyn's K/V, our state
+            if isinstance(ours, DaemonStateLayer):       # dyn's K/V, our state
                 dyn.layers[j].__dict__.update({f: getattr(ours, f) for f in fields
                                                if f not in ("device", "dtype") or getattr(ours, f) is not None})
             elif isinstance(ours, LinearAttentionCacheLayerMixin):
