@@ -33,11 +33,19 @@ TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_la
             head_dim=16, sliding_window=16, initializer_range=0.2, n_layer=2, n_head=4, n_embd=64, d_model=64,
             n_positions=512, num_layers=2, num_heads=4, moe_intermediate_size=32, n_routed_experts=4,
             num_experts=4, num_local_experts=4, num_experts_per_tok=2, ffn_dim=128, word_embed_proj_dim=64)
-# Hybrid models whose default config has no attention layer: one Mamba layer, then one
-# attention layer; Mamba heads that fit the shrunk hidden size.
+# What a default config needs besides TINY to build a tiny model: hybrid models whose
+# default has no attention layer get one Mamba layer, then one attention layer, and Mamba
+# heads that fit the shrunk hidden size; others lack a setting their modeling file reads
+# (a dotted name sets a sub-config's).
 _MAMBA = dict(mamba_n_heads=4, mamba_d_head=32, mamba_d_state=16)
-HYBRID = {"bamba": dict(attn_layer_indices=[1], **_MAMBA),
-          "granitemoehybrid": dict(layer_types=["linear_attention", "full_attention"], **_MAMBA)}
+CONFIG_FIXES = {"bamba": dict(attn_layer_indices=[1], **_MAMBA),
+                "granitemoehybrid": dict(layer_types=["linear_attention", "full_attention"], **_MAMBA),
+                "lfm2_moe": dict(layer_types=["conv", "full_attention"]),
+                "dots1": dict(n_shared_experts=1),
+                "dbrx": {"attn_config.rope_theta": 10000.0, "attn_config.clip_qkv": 8.0, "attn_config.kv_n_heads": 2,
+                         "ffn_config.hidden_size": 64, "ffn_config.ffn_hidden_size": 128},
+                "zamba2": dict(attention_hidden_size=128, attention_head_dim=32, n_mamba_heads=4, mamba_headdim=32,
+                               mamba_d_state=16)}
 GEN = dict(max_new_tokens=12, min_new_tokens=12, do_sample=False, pad_token_id=0)
 
 
@@ -77,8 +85,12 @@ def tiny_model(model_type: str):
     if 2 <= first < 8:
         text.num_hidden_layers = first + 1
     _cut_layer_types(text, default_types)
-    for k, v in HYBRID.get(model_type, {}).items():     # no attention layer by default
-        setattr(text, k, v)
+    for k, v in CONFIG_FIXES.get(model_type, {}).items():
+        *path, name = k.split(".")
+        obj = text
+        for p in path:
+            obj = getattr(obj, p)
+        setattr(obj, name, v)
     torch.manual_seed(0)
     own = getattr(cls, "config_class", None)      # a text-only class of a multimodal model_type (Llama 4)
     return cls(text if own is not None and not isinstance(cfg, own) and isinstance(text, own) else cfg).eval()
