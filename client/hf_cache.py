@@ -257,7 +257,7 @@ class KVStoreCache(Cache):
         b, hq, n, d = q.shape
         model_layer, layer = layer, self.adapter.variant.kv_index(layer)     # the daemon's from here on
         if hq != self.adapter.num_q_heads:
-            raise ValueError(f"layer {layer}: the model's queries have {hq} heads, its config says "
+            raise ValueError(f"layer {model_layer}: the model's queries have {hq} heads, its config says "
                              f"{self.adapter.num_q_heads} (the kvstore cache's geometry)")
         k1, v1 = k.transpose(1, 2).reshape(b * n, -1, d), v.transpose(1, 2).reshape(b * n, -1, d)   # [B*n, H, d]
         q1 = q.transpose(1, 2).reshape(b * n, hq, d)
