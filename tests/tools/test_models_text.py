@@ -128,6 +128,37 @@ def test_target_registers_the_models_own_id(daemon):
     assert C.cache_name("/models/Llama 3 8B/") == "llama-3-8b"
 
 
+def test_calibrate_command_line_on_a_hybrid_model_feeds_the_adapter(tmp_path, daemon):
+    """kvstore-calibrate on a Qwen3.5-like folder (Gated DeltaNet, attention, Gated
+    DeltaNet): codebooks and the daemon cache for its one attention layer, which the
+    adapter then takes for pq decode in the daemon."""
+    pytest.importorskip("faiss")
+    import warnings
+
+    from kvstore.client.hf import KVStoreAdapter
+    from kvstore.codec.codebooks import Codebooks
+    from tests.client.test_hf_hybrid import GEN, build, prompt
+    folder = tmp_path / "tiny-qwen"
+    build("qwen3_5").save_pretrained(folder)
+    word_tokenizer(True).save_pretrained(folder)
+    (tmp_path / "a.txt").write_text(" ".join(f"w{(i * 7) % 120}" for i in range(600)))
+    C.main(["--model", str(folder), "--text", str(tmp_path / "a.txt"), "--window", "64", "--windows", "4",
+            "--per-window", "80", "--bits", "4", "--niter", "2", "--out", str(tmp_path / "cb{bits}.safetensors"),
+            "--target", daemon, "--device", "cpu", "--threads", str(torch.get_num_threads())])
+    assert Codebooks.load(str(tmp_path / "cb4.safetensors")).k.shape[0] == 1
+    with KVStoreClient(daemon) as kv:
+        assert kv.get_cache("tiny-qwen-pq4").spec.geometry.num_layers == 1
+    model = models.load_model(str(folder), torch.float32).model
+    ad = KVStoreAdapter(model, daemon, cache="hybrid-pq", codec="pq", block_size=16, residual=128,
+                        codebooks=str(tmp_path / "cb4.safetensors"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)       # no fallback
+        with torch.no_grad():
+            ad.generate(prompt(300), **GEN)
+    assert ad.stats().attend_calls == GEN["max_new_tokens"] - 1 and ad.stats().sealed_blocks > 0
+    ad.close()
+
+
 def test_calibrate_and_eval_command_lines_on_a_local_model(tmp_path, daemon, capsys):
     """kvstore-calibrate then kvstore-eval, --model a folder, --text a glob: codebooks
     loaded into the daemon under the model's own id, perplexity rows printed."""
