@@ -18,8 +18,9 @@ import torch
 
 # What each of transformers' layer_types keeps while generating: K/V (in the daemon),
 # a recurrent or convolution state (linear attention, Mamba, short convolutions: kept
-# in-process by transformers' own cache layer, a few KiB a sequence whatever its
-# length), both (a layer running attention and a Mamba mixer side by side), or nothing.
+# in-process by transformers' own cache layer; its size a sequence is fixed, whatever
+# the length: heads x head_dim x state size a layer), both (a layer running attention and
+# a Mamba mixer side by side), or nothing.
 LAYER_KINDS = {"full_attention": "kv", "sliding_attention": "kv", "chunked_attention": "kv",
                "hybrid": "kv+state", "hybrid_sliding": "kv+state",
                "linear_attention": "state", "conv": "state", "mlp": "none", "moe": "none"}
