@@ -64,7 +64,7 @@ def _settable(config, name: str) -> bool:
 
 def tiny_model(model_type: str):
     import transformers
-    from kvstore.client.hf_variants import LAYER_KINDS
+    from kvstore.client.hf_variants import kv_layer_indices
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
     name = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type]
@@ -81,7 +81,7 @@ def tiny_model(model_type: str):
     # A hybrid model's first attention layer may come after its first two (Qwen3.5: every
     # fourth layer): keep layers up to it, so that the tiny model has K/V for the daemon
     # (a layer type the adapter does not know counts: its refusal names it).
-    first = next((i for i, t in enumerate(default_types) if LAYER_KINDS.get(t, "kv").startswith("kv")), 0)
+    first = (kv_layer_indices(default_types, len(default_types)) or [0])[0]
     if 2 <= first < 8:
         text.num_hidden_layers = first + 1
     _cut_layer_types(text, default_types)

@@ -27,6 +27,14 @@ LAYER_KINDS = {"full_attention": "kv", "sliding_attention": "kv", "chunked_atten
 SLIDING = ("sliding_attention", "hybrid_sliding")
 
 
+def kv_layer_indices(types, n: int) -> list[int]:
+    """The layers that keep K/V, of n layers of these layer_types (None: every layer);
+    a type LAYER_KINDS does not know counts as one (detect refuses it by name)."""
+    if types is None:
+        return list(range(n))
+    return [i for i, t in enumerate(types) if LAYER_KINDS.get(t, "kv").startswith("kv")]
+
+
 @dataclass(slots=True, frozen=True)
 class AttentionVariant:
     """Per layer below means per layer of the daemon's cache: the model's layers that
@@ -228,8 +236,7 @@ def detect(model, c) -> AttentionVariant:
             _refuse(f"layer_types {other}")
         if len(types) != n:
             _refuse(f"layer_types of {len(types)} layers for num_hidden_layers={n}")
-    kinds = [LAYER_KINDS[t] for t in types] if types is not None else ["kv"] * n
-    kv_layers = [i for i, k in enumerate(kinds) if k.startswith("kv")]
+    kv_layers = kv_layer_indices(types, n)
     if not kv_layers:
         _refuse(f"no attention layer (layer_types {sorted(set(types))}): nothing for the daemon to hold")
     if types is not None:
@@ -247,7 +254,7 @@ def detect(model, c) -> AttentionVariant:
                 if size else "chunked_attention layers without attention_chunk_size")
     cap = setting(c, "attn_logit_softcapping", None) or 0.0
     kv_of = tuple(kv_layers.index(i) if i in kv_layers else -1 for i in range(n))
-    stateful = tuple(k.endswith("state") for k in kinds)
+    stateful = tuple(LAYER_KINDS[t].endswith("state") for t in types or ())
     return AttentionVariant(windows=windows, softcap=float(cap), chunks=chunks if any(chunks) else (),
                             sinks=_sink_logits(model, c, kv_layers),
                             kv_of=kv_of if len(kv_layers) < n else (),

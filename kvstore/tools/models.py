@@ -95,14 +95,11 @@ def text_config(model):
 
 def kv_layers(model) -> list[int]:
     """The model's layers that keep K/V, in order: every layer but a hybrid model's
-    linear-attention, Mamba, convolution and MLP-only ones (hf_variants.LAYER_KINDS). The
+    linear-attention, Mamba, convolution and MLP-only ones (hf_variants.kv_layer_indices). The
     tools' layer i, like the daemon cache's, is kv_layers(model)[i]."""
-    from kvstore.client.hf_variants import LAYER_KINDS
+    from kvstore.client.hf_variants import kv_layer_indices
     c = text_config(model)
-    types = getattr(c, "layer_types", None)
-    if types is None:
-        return list(range(c.num_hidden_layers))
-    return [i for i, t in enumerate(types) if LAYER_KINDS.get(t, "kv").startswith("kv")]
+    return kv_layer_indices(getattr(c, "layer_types", None), c.num_hidden_layers)
 
 
 def geometry_of(model) -> ModelGeometry:
