@@ -1,17 +1,20 @@
 """Every causal LM class transformers ships, through the HF adapter: a tiny random
 model from each architecture's default config (sizes shrunk), greedy generate() with
 the fp16 codec through an in-process daemon beside transformers' own generate() of
-the same prompt (its cache holding K/V rounded to float16, as the daemon does). Each architecture ends as one of
+the same prompt (its cache holding K/V rounded to float16, as the daemon does), then
+the same prompt again through the adapter, which hits the daemon's cached prefix (a
+hybrid model's states from the adapter's snapshots, hf_states.py). Each architecture
+ends as one of
 
-    EQUAL     the daemon's tokens are transformers' own
+    EQUAL     the daemon's tokens are transformers' own, both times
     REFUSED   the adapter refused it when built, naming the feature (hf_variants.py)
     STOPPED   generation stopped with an error naming what the model does (hf_cache.py)
     FALLBACK  the adapter gave up on the daemon and went on in-process (a warning)
-    DIFF      other tokens, silently: a bug
+    DIFF      other tokens, silently: a bug (DIFF-HIT: on the second run only)
     SKIP      no tiny model: the shrunk config does not build or transformers' own
               generate fails (the stage and error are printed)
 
-and the script exits 1 if any is DIFF. CPU, about 5 minutes:
+and the script exits 1 if any is DIFF or DIFF-HIT. CPU, about 8 minutes:
 
     python bench/hf_architectures.py                  # all of them
     python bench/hf_architectures.py llama gpt2 git   # by model_type
@@ -150,13 +153,18 @@ def run(model_type: str, target: str) -> tuple[str, str]:
                 warnings.simplefilter("error", RuntimeWarning)      # a fallback in-process is not a pass
                 with torch.no_grad():
                     got = ad.generate(ids, **GEN)
+                    again = ad.generate(ids, **GEN)
         except (ValueError, RuntimeError) as e:
             return "STOPPED", f"{type(e).__name__}: {str(e)[:160]}"
         except RuntimeWarning as e:
             return "FALLBACK", str(e)[:160]
     finally:
         ad.close()
-    return ("EQUAL", "") if torch.equal(got, want) else ("DIFF", f"{got[0, 41:].tolist()} != {want[0, 41:].tolist()}")
+    if not torch.equal(got, want):
+        return "DIFF", f"{got[0, 41:].tolist()} != {want[0, 41:].tolist()}"
+    if not torch.equal(again, want):
+        return "DIFF-HIT", f"{again[0, 41:].tolist()} != {want[0, 41:].tolist()}"
+    return "EQUAL", ""
 
 
 def main() -> None:
@@ -189,7 +197,7 @@ def main() -> None:
         print(f"{mt:32s} {verdict:8s} {why}", flush=True)
     server.stop(0)
     print(" ".join(f"{k} {v}" for k, v in sorted(counts.items())))
-    sys.exit(1 if counts.get("DIFF") else 0)
+    sys.exit(1 if counts.get("DIFF") or counts.get("DIFF-HIT") else 0)
 
 
 if __name__ == "__main__":

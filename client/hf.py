@@ -37,8 +37,9 @@ cannot run is refused at construction, naming the feature):
 Hybrid models (Qwen3.5, Jamba, Bamba, Granite 4, Nemotron-H, Falcon-H1): the daemon's
 cache holds the layers that keep K/V, numbered among themselves (variant.kv_index);
 linear-attention, Mamba and convolution layers keep their state in transformers' own
-cache layers in-process, and such a model takes no prefix hit (the state at a
-prefix's end is not in the daemon).
+cache layers in-process. The daemon holds a cached prefix's K/V but not those states,
+so the adapter keeps them, at prompt block boundaries, in host memory (hf_states.py):
+a prompt hits where both reach.
 Layers that attend through different windows or chunks (Gemma-2/3, Qwen2 with
 max_window_layers, Llama 4) go to one daemon cache per window (hf_groups.py: the
 global layers in `<cache>.global`, each window's in `<cache>.w<window>`, each
@@ -71,6 +72,7 @@ from .hf_cache import FALLBACK_ERRORS, GONE, SPEC_REFUSED, KVStoreCache
 from .hf_codebooks import bad_transform, fitting_codebooks
 from .hf_step import check_all_taken, set_decode_target, take_decode_target
 from .hf_groups import LayerGroups, merge_stats
+from .hf_states import StateSnapshots, continues_states, stateful_cache
 
 ATTN = "kvstore"
 DEFAULT_PQ_SINKS = 32     # docs/accuracy.md: 32 sinks keep 4-bit PQ within 0.16 % of fp16 at R = 128
@@ -136,7 +138,9 @@ class KVStoreAdapter:
     "retrieve" (Retrieve the prefix, prefill in-process; models with sliding windows
     always take it) or "auto" (codes for up to codes_suffix_limit(hit) tokens: a
     sixteenth of the hit, 128 to 2048; else retrieve). prefix_runs counts the
-    requests that took each. layer_groups=False keeps one daemon cache for every
+    requests that took each. state_cache_bytes: host memory for a hybrid model's
+    recurrent states at prompt block boundaries, which let its prompts hit a cached
+    prefix (hf_states.py; 0: every prompt runs in full). layer_groups=False keeps one daemon cache for every
     layer of a model that mixes windows (hf_groups.py: correct, but every block
     stays), the baseline the per-group caches save against."""
 
@@ -144,7 +148,7 @@ class KVStoreAdapter:
                  codebooks: bytes | str | None = None, transform=None, block_size: int = 16, residual: int = 128,
                  num_blocks: int = 4096, max_sequences: int = 64, model_id: str | None = None,
                  timeout: float = 30.0, sink_tokens: int | None = None, calibrate_tokens: int = 0,
-                 prefix_path: str = "auto", layer_groups: bool = True):
+                 prefix_path: str = "auto", layer_groups: bool = True, state_cache_bytes: int = 1 << 30):
         if prefix_path not in ("auto", "codes", "retrieve"):
             raise ValueError(f"prefix_path must be 'auto', 'codes' or 'retrieve', got {prefix_path!r}")
         if codec == "pq" and codebooks is None and calibrate_tokens < 256:
@@ -180,11 +184,15 @@ class KVStoreAdapter:
         self.transform, self.timeout = transform, timeout
         # Tokens one AppendAttend may bring a sequence: the daemon's bound, and on pq the
         # residual + 1 newest tokens it keeps in fp16 until they are attended. A model with
-        # in-process state takes no prefix hit, the one use of the multi-token path.
+        # in-process state runs a prompt past a hit to its block boundaries (hf_states.py),
+        # through the Retrieve path.
         self.chunk = None if prefix_path == "retrieve" or self.variant.windows or self.variant.chunks \
             or self.variant.has_state else \
             min(MAX_QUERY_TOKENS, residual + 1) if codec == "pq" else MAX_QUERY_TOKENS
         self.prefix_path = prefix_path
+        self.states = StateSnapshots(block_size, state_cache_bytes) if self.variant.has_state else None
+        # why a hybrid model's prompts take no prefix hit (None: they do; "": not known yet)
+        self.states_off = None if self.states is None else "" if state_cache_bytes else "state_cache_bytes is 0"
         self.prefix_runs = {"codes": 0, "retrieve": 0}     # requests after a prefix hit, by path
         self.calibrate_tokens = calibrate_tokens if codec == "pq" and cb is None else 0
         self._samples: list[tuple[torch.Tensor, torch.Tensor]] = []    # [L, n, Hkv, d] K/V for TrainCodebooks
@@ -286,10 +294,11 @@ class KVStoreAdapter:
             kv = self.client()
             if not self._ready:           # calibrating: in-process until TrainCodebooks (release())
                 return KVStoreCache(self, [], input_ids[:, :0], None, local=True, pads=pads)
+            if self.states is not None and b == 1 and not pads[0] and self._state_hits():
+                return stateful_cache(self, kv, seq_ids, input_ids)
             for i, sid in enumerate(seq_ids):
                 # A hit stands in for running the prompt's first tokens; a model whose layers
-                # keep a recurrent state must run them all (the state at a prefix's end is
-                # not stored), so it asks for none.
+                # keep a recurrent state can only take one with the state there (above).
                 prompt = input_ids[i].tolist() if b == 1 and not pads[0] and not self.variant.has_state else []
                 cached = self._allocate(kv, sid, prompt)
                 if cached == 0:
@@ -313,6 +322,13 @@ class KVStoreAdapter:
         except FALLBACK_ERRORS as e:
             self.broken(e)
             return KVStoreCache(self, [], input_ids[:, :0], None, local=True, pads=pads)
+
+    def _state_hits(self) -> bool:
+        """A hybrid model's prompt may take a prefix hit: snapshots are kept and the model
+        continues its states in a multi-token forward (checked once, with the model)."""
+        if self.states_off == "":
+            self.states_off = continues_states(self.model)
+        return self.states_off is None
 
     def _allocate(self, kv: KVStoreClient, sid: str, prompt: list[int]) -> int:
         """Allocate sid in every group's cache -> its prefix hit: the shortest of the

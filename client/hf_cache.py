@@ -65,6 +65,11 @@ class KVStoreCache(Cache):
 
     def begin_forward(self, input_ids: torch.Tensor | None) -> None:
         self._cur_ids = input_ids
+        b = len(self.pads)
+        if input_ids is not None and input_ids.shape[0] != b and input_ids.shape[0] % b == 0:
+            # generate() expanded the prompts: a hybrid model's first layers may be state
+            # layers, whose states must have the new rows before they run
+            self.batch_repeat_interleave(input_ids.shape[0] // b)
 
     # Beam search and expanded batches (num_beams, num_return_sequences): generate()
     # repeats the prompt rows after the cache was made, then reorders them every step.
@@ -170,13 +175,14 @@ class KVStoreCache(Cache):
         multi-token AppendAttend a layer (adapter.chunk: None for the Retrieve path)."""
         return bool(self.adapter.chunk) and n <= self.adapter.chunk and max(self.pads) <= self.length
 
-    def run_chunks(self, ids: torch.Tensor) -> None:
+    def run_chunks(self, ids: torch.Tensor, chunk: int | None = None) -> None:
         """Run the tokens ids [B, n] after this cache's through the model (no logits) in
-        forwards of up to adapter.chunk tokens: each layer's chunk is one AppendAttend
-        with query_tokens, attended by the daemon from the codes."""
+        forwards of up to chunk tokens (adapter.chunk: each layer's chunk is one
+        AppendAttend with query_tokens, attended by the daemon from the codes)."""
         base, dev = self.adapter.model.base_model, self.adapter.model.device
-        for lo in range(0, ids.shape[1], self.adapter.chunk):
-            part = ids[:, lo:lo + self.adapter.chunk]
+        chunk = chunk or self.adapter.chunk
+        for lo in range(0, ids.shape[1], chunk):
+            part = ids[:, lo:lo + chunk]
             self.begin_forward(part)
             base(input_ids=part.to(dev), past_key_values=self, use_cache=True)
 

@@ -64,8 +64,8 @@ class AttentionVariant:
 
     @property
     def has_state(self) -> bool:
-        """Some layer keeps a state the daemon does not hold: a cached prefix cannot
-        stand in for running its tokens (the state at its end is not kept)."""
+        """Some layer keeps a state the daemon does not hold: a cached prefix stands in
+        for running its tokens only with that state at its end (hf_states.py)."""
         return any(self.stateful)
 
     def spec(self) -> dict:

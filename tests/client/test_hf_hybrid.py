@@ -86,7 +86,9 @@ def test_fp16_greedy_equals_transformers(daemon, name):
     spec = ad.client().get_cache(f"hy-{name}").spec
     assert spec.geometry.num_layers == len(kv_layers)
     s = ad.stats()
-    assert s.attend_calls == len(kv_layers) * (GEN["max_new_tokens"] - 1)
+    # every step, and the prompt's last token: the prompt runs to its last block boundary
+    # first, so that its states there are kept (hf_states.py)
+    assert s.attend_calls == len(kv_layers) * GEN["max_new_tokens"]
     assert s.sequences == 0         # freed after generate()
     ad.close()
 
@@ -125,24 +127,119 @@ def test_the_state_layers_change_the_answer():
     assert toks != want[0, ids.shape[1]:].tolist()
 
 
-def test_a_prompt_seen_before_runs_in_full(daemon):
-    """A cached prefix holds the attention layers' K/V but not the recurrent state at its
-    end: a hybrid model takes no prefix hit, runs every prompt token again, and gets
-    transformers' tokens the second time too."""
+def _generate(ad, ids, **kw):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)      # no fallback
+        with torch.no_grad():
+            return ad.generate(ids, **GEN, **kw)
+
+
+@pytest.mark.parametrize("name", ["qwen3_5", "bamba", "falcon_h1", "nemotron_h"])
+def test_a_prompt_seen_before_hits_with_its_states(daemon, name):
+    """The first run keeps the states at the prompt's last block boundary (40 of 41
+    tokens); the same prompt again hits there, from the daemon's K/V and those states,
+    runs one token, and gets transformers' tokens."""
+    model = build(name)
+    ids = prompt()
+    want = reference(model, ids)
+    ad = KVStoreAdapter(model, daemon, cache=f"hy-again-{name}", codec="fp16", block_size=8, residual=8)
+    assert ad.chunk is None         # a hybrid model's rest of the prompt takes the Retrieve path
+    first = _generate(ad, ids)
+    assert ad.states_off is None and len(ad.states) == 1 and ad.states.hits == 0
+    cache = ad.cache_for(ids)
+    assert cache.length == 40 and ad.states.hits == 1
+    cache.release()
+    second = _generate(ad, ids)
+    assert torch.equal(first, want) and torch.equal(second, want), (first, second, want)
+    assert ad.states.hits == 2 and ad.prefix_runs == {"codes": 0, "retrieve": 2}
+    assert ad.stats().prefix_hit_tokens == 80
+    ad.close()
+
+
+def test_a_shared_prefix_hits_from_the_third_prompt(daemon):
+    """Three prompts share their first 24 tokens. The second finds the daemon's K/V of
+    them but no states there: it runs in full, stopping at 24 to keep them; the third
+    hits at 24. Every answer is transformers'."""
+    model = build("qwen3_5")
+    head = prompt(24, seed=5)
+    prompts = [torch.cat([head, prompt(17, seed=s)], dim=1) for s in (6, 7, 8)]
+    ad = KVStoreAdapter(model, daemon, cache="hy-shared", codec="fp16", block_size=8, residual=8)
+    hit_tokens = []
+    for ids in prompts:
+        before = ad.stats().prefix_hit_tokens
+        assert torch.equal(_generate(ad, ids), reference(model, ids))
+        hit_tokens.append(ad.stats().prefix_hit_tokens - before)
+    # the daemon's hits: the second prompt's K/V hit at 24 is asked for, then given back
+    assert hit_tokens == [0, 24, 24] and ad.states.hits == 1
+    # every boundary a prompt stopped at: 40 for each prompt, and 24
+    assert len(ad.states) == 4
+    ad.close()
+
+
+def test_another_process_s_prefix_is_run_for_its_states(daemon):
+    """A second adapter (another worker) finds the first's K/V in the daemon but has no
+    states: it runs the whole prompt once, then hits."""
+    model = build("falcon_h1")
+    ids = prompt()
+    want = reference(model, ids)
+    one = KVStoreAdapter(model, daemon, cache="hy-two", codec="fp16", block_size=8, residual=8)
+    assert torch.equal(_generate(one, ids), want)
+    one.close()
+    two = KVStoreAdapter(model, daemon, cache="hy-two", codec="fp16", block_size=8, residual=8)
+    assert torch.equal(_generate(two, ids), want)
+    assert two.states.hits == 0 and len(two.states) == 1
+    assert torch.equal(_generate(two, ids), want)
+    assert two.states.hits == 1
+    two.close()
+
+
+def test_no_state_budget_no_hit(daemon):
     model = build("qwen3_5")
     ids = prompt()
     want = reference(model, ids)
-    ad = KVStoreAdapter(model, daemon, cache="hy-again", codec="fp16", block_size=8, residual=8)
-    assert ad.chunk is None         # the multi-token prefix path is for prefix hits
-    with torch.no_grad():
-        first = ad.generate(ids, **GEN)
-        cache = ad.cache_for(ids)
-        assert cache.length == 0 and cache._prefix is None
-        cache.release()
-        second = ad.generate(ids, **GEN)
-    assert torch.equal(first, want) and torch.equal(second, want)
-    assert ad.prefix_runs == {"codes": 0, "retrieve": 0}
+    ad = KVStoreAdapter(model, daemon, cache="hy-nostates", codec="fp16", block_size=8, residual=8,
+                        state_cache_bytes=0)
+    assert ad.states_off == "state_cache_bytes is 0"
+    for _ in range(2):
+        assert torch.equal(_generate(ad, ids), want)
+    assert len(ad.states) == 0 and ad.prefix_runs == {"codes": 0, "retrieve": 0}
     assert ad.stats().prefix_hit_tokens == 0
+    with pytest.raises(ValueError, match="state_cache_bytes"):
+        KVStoreAdapter(model, daemon, cache="hy-nostates", codec="fp16", block_size=8, state_cache_bytes=-1)
+    ad.close()
+
+
+def test_the_budget_drops_the_least_recently_used_states():
+    from kvstore.client.hf_states import StateSnapshots
+    one = {0: {"conv_states": {0: torch.zeros(4, dtype=torch.float32)}, "recurrent_states": {0: None}}}
+    store = StateSnapshots(block_size=2, max_bytes=40)
+    keys = store.keys([1, 2, 3, 4, 5, 6, 7])
+    assert len(keys) == 3 and keys != store.keys([9, 2, 3, 4, 5, 6])[:3]
+    assert keys[:2] == store.keys([1, 2, 3, 4])       # chained: a prefix's keys are its own
+    for k in keys:
+        store.put(k, one)               # 16 bytes each: the third drops the first
+    assert len(store) == 2 and store.bytes == 32 and store.evicted == 1
+    assert store.longest(keys, 6)[0] == 6 and store.longest(keys, 5)[0] == 4
+    assert store.longest(keys, 3) == (0, None)        # the first block's states went
+    store.put(keys[0], one)             # drops keys[2]: keys[1] was used since
+    assert store.longest(keys, 6)[0] == 4 and store.longest(keys, 3)[0] == 2 and store.evicted == 2
+
+
+def test_a_model_that_restarts_its_states_in_a_prompt_takes_no_hit(daemon):
+    """transformers' Jamba runs a multi-token forward's Mamba scan from a zero state,
+    whatever its cache holds: a state snapshot would be ignored, so the adapter finds
+    that out and runs every prompt in full."""
+    torch.manual_seed(0)
+    model = transformers.JambaForCausalLM(transformers.JambaConfig(
+        num_hidden_layers=2, attn_layer_period=2, attn_layer_offset=1, expert_layer_period=4,
+        mamba_d_state=8, mamba_dt_rank=8, use_mamba_kernels=False, **HEADS, **SMALL)).eval()
+    ids = prompt()
+    want = reference(model, ids)
+    ad = KVStoreAdapter(model, daemon, cache="hy-jamba", codec="fp16", block_size=8, residual=8)
+    for _ in range(2):
+        assert torch.equal(_generate(ad, ids), want)
+    assert ad.states_off.startswith("layer 0 (linear_attention) starts a multi-token forward from zero recurrent")
+    assert len(ad.states) == 0 and ad.stats().prefix_hit_tokens == 0
     ad.close()
 
 
@@ -247,17 +344,17 @@ def test_a_model_with_a_cache_class_of_its_own_is_refused(daemon):
 @pytest.mark.parametrize("name", ["qwen3_5", "falcon_h1"])
 def test_a_hybrid_model_on_the_gpu_equals_transformers(daemon, name):
     """The model and its in-process states on the GPU, the attention layers' K/V in the
-    daemon's CUDA pools: transformers' tokens, every decode step through the daemon."""
+    daemon's CUDA pools: transformers' tokens, every decode step through the daemon; the
+    same prompt again hits at its last block boundary (32 of 41 tokens), the states
+    there restored from host memory to the GPU."""
     model = build(name).cuda()
     ids = prompt().cuda()
     want = reference(model, ids)
     ad = KVStoreAdapter(model, daemon, cache=f"hy-gpu-{name}", codec="fp16", block_size=16, residual=16)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", RuntimeWarning)
-        with torch.no_grad():
-            got = ad.generate(ids, **GEN)
-    assert torch.equal(got, want), (got, want)
-    assert ad.stats().attend_calls == len(MODELS[name][2]) * (GEN["max_new_tokens"] - 1)
+    for _ in range(2):
+        assert torch.equal(_generate(ad, ids), want)
+    assert ad.states.hits == 1 and ad.stats().prefix_hit_tokens == 32
+    assert ad.stats().attend_calls == 2 * len(MODELS[name][2]) * (GEN["max_new_tokens"] - 1)
     ad.close()
 
 
@@ -287,7 +384,7 @@ def test_codebooks_calibrated_by_the_tools_fit_the_daemon_s_layers(daemon, tmp_p
         with torch.no_grad():
             got = ad.generate(ids, **GEN)
     assert got.shape == (1, ids.shape[1] + GEN["max_new_tokens"])
-    assert ad.stats().attend_calls == 2 * (GEN["max_new_tokens"] - 1)
+    assert ad.stats().attend_calls == 2 * GEN["max_new_tokens"]
     ad.close()
 
 
