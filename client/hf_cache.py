@@ -49,6 +49,10 @@ class KVStoreCache(Cache):
         self._cur_ids: torch.Tensor | None = None     # this forward's ids (forward pre-hook)
         self._prefix = prefix                         # [L, B, Hkv, P, d] x2: K/V of tokens [0, length), or None
         self._step: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * self.num_layers
+        # keep_kv: a prefill's K/V (prefix included) stay as the next forward's prefix, so
+        # that a prompt run in parts (hf_states.py) retrieves nothing it has just computed
+        self.keep_kv = False
+        self._kept: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * self.num_layers
 
     # ------------------------------------------------------- Cache interface
     @property
@@ -200,6 +204,8 @@ class KVStoreCache(Cache):
         if self._prefix is not None:
             k = torch.cat([self._prefix[0][at], k], dim=-2)
             v = torch.cat([self._prefix[1][at], v], dim=-2)
+        if self.keep_kv:
+            self._kept[at] = (k, v)
         if at == self.num_layers - 1:
             try:
                 self._append_all()
@@ -336,7 +342,10 @@ class KVStoreCache(Cache):
             self._ids = torch.cat([self._ids, self._cur_ids.to(self._ids.device)], dim=1) \
                 if self._cur_ids is not None and self._cur_ids.shape[-1] == n else None
         self._cur_ids = None
-        self._prefix = None
+        kept = self._kept
+        self._prefix = None if not self.keep_kv or any(x is None for x in kept) or self.local else \
+            (torch.stack([k for k, _ in kept]), torch.stack([v for _, v in kept]))
+        self._kept = [None] * self.num_layers
         self._step = [None] * self.num_layers
         if not self.local:
             self.length += n

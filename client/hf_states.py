@@ -188,10 +188,12 @@ def stateful_cache(ad, kv, seq_ids: list[str], input_ids: torch.Tensor) -> KVSto
         store.hits += 1
         ad.prefix_runs["retrieve"] += 1
     last = (len(ids) - 1) // bs * bs
+    cache.keep_kv = True        # each part's K/V are the next part's prefix, generate()'s too
     for stop in sorted({reach, last}):
         if stop <= cache.length or cache.local:
             continue
         cache.run_chunks(input_ids[:, cache.length:stop], chunk=stop - cache.length)
         if not cache.local:
             store.put(keys[stop // bs - 1], take(cache))
+    cache.keep_kv = False
     return cache
