@@ -40,11 +40,12 @@ def model_of(args) -> torch.nn.Module:
     config = transformers.Qwen3_5TextConfig(
         vocab_size=32000, hidden_size=args.hidden, intermediate_size=3 * args.hidden, num_hidden_layers=args.layers,
         num_attention_heads=heads, num_key_value_heads=max(1, heads // 4), head_dim=128,
-        linear_num_key_heads=heads, linear_num_value_heads=2 * heads, linear_key_head_dim=128,
+        linear_num_key_heads=max(1, heads // 2), linear_num_value_heads=heads, linear_key_head_dim=128,
         linear_value_head_dim=128, max_position_embeddings=65536)
     torch.manual_seed(0)
     dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
-    return transformers.Qwen3_5ForCausalLM(config).to(args.device, dtype).eval()
+    with torch.device(args.device):         # a large model's weights made where they run
+        return transformers.Qwen3_5ForCausalLM._from_config(config, dtype=dtype).eval()
 
 
 def ttft(ad: KVStoreAdapter, ids: torch.Tensor) -> tuple[float, int]:
@@ -69,6 +70,8 @@ def main() -> None:
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--prefix-path", default="auto", choices=("auto", "codes", "retrieve"),
+                   help="the adapter's prefix_path for the rows with snapshots")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     model = model_of(args)
@@ -78,12 +81,13 @@ def main() -> None:
         return torch.randint(3, 32000, (1, n), generator=gen).to(args.device)
 
     rows: dict[str, list[tuple[float, int]]] = {k: [] for k in ("cold", "first", "second", "third", "again")}
-    blocks = (args.rounds + 1) * 4 * (args.prefix + args.question) // 16 + 64
+    # room for every round's prompts (a prefix and three questions): no eviction is timed
+    blocks = (args.rounds + 1) * (args.prefix + 3 * args.question) // 16 + 64
     with spawn_daemon(None, ("--device", args.device, "--log-level", "WARNING"), quiet=True) as target:
         def adapter(cache, **kw):
             return KVStoreAdapter(model, target, cache=cache, codec="fp16", num_blocks=blocks, max_sequences=4, **kw)
         cold = adapter("cold", state_cache_bytes=0)
-        warm = adapter("warm")      # its first request checks the model once (continues_states)
+        warm = adapter("warm", prefix_path=args.prefix_path)     # its first request checks the model once
         for r in range(-1, args.rounds):            # round -1 warms up every path
             head = tokens(args.prefix)              # a fresh prefix: nothing of earlier rounds hits
             first, second, third = (torch.cat([head, tokens(args.question)], dim=1) for _ in range(3))
@@ -101,8 +105,11 @@ def main() -> None:
         linear = "flash-linear-attention"
     except ImportError:
         linear = "transformers' PyTorch reference"
-    print(f"Qwen3.5-style, hidden {args.hidden}, {args.layers} layers, {model.dtype}, {name}, linear layers by "
-          f"{linear}; prefix {args.prefix} + question {args.question} tokens; median of {args.rounds} rounds")
+    params = sum(p.numel() for p in model.parameters())
+    print(f"Qwen3.5-style, hidden {args.hidden}, {args.layers} layers ({params / 1e6:,.0f} M parameters), {model.dtype}, "
+          f"{name}, linear layers by "
+          f"{linear}; prefix {args.prefix} + question {args.question} tokens; prefix_path {args.prefix_path}; "
+          f"median of {args.rounds} rounds")
     print(f"{'row':<8} {'TTFT ms':>9} {'hit tokens':>11} {'vs cold':>8}")
     for k, res in rows.items():
         t = statistics.median(x for x, _ in res)

@@ -183,11 +183,8 @@ class KVStoreAdapter:
                           [cb.layers(g.layers).to_bytes() for g in self.groups]) if cb is not None else None
         self.transform, self.timeout = transform, timeout
         # Tokens one AppendAttend may bring a sequence: the daemon's bound, and on pq the
-        # residual + 1 newest tokens it keeps in fp16 until they are attended. A model with
-        # in-process state runs a prompt past a hit to its block boundaries (hf_states.py),
-        # through the Retrieve path.
-        self.chunk = None if prefix_path == "retrieve" or self.variant.windows or self.variant.chunks \
-            or self.variant.has_state else \
+        # residual + 1 newest tokens it keeps in fp16 until they are attended.
+        self.chunk = None if prefix_path == "retrieve" or self.variant.windows or self.variant.chunks else \
             min(MAX_QUERY_TOKENS, residual + 1) if codec == "pq" else MAX_QUERY_TOKENS
         self.prefix_path = prefix_path
         self.states = StateSnapshots(block_size, state_cache_bytes) if self.variant.has_state else None
@@ -303,7 +300,7 @@ class KVStoreAdapter:
                 cached = self._allocate(kv, sid, prompt)
                 if cached == 0:
                     continue
-                if self.chunk and (self.prefix_path == "codes" or t - cached <= codes_suffix_limit(cached)):
+                if self.takes_codes(cached, t - cached):
                     self.prefix_runs["codes"] += 1
                     cache = KVStoreCache(self, seq_ids, input_ids[:, :cached], None)
                     cache.run_chunks(input_ids[:, cached:-1])       # generate() runs the last token
@@ -322,6 +319,10 @@ class KVStoreAdapter:
         except FALLBACK_ERRORS as e:
             self.broken(e)
             return KVStoreCache(self, [], input_ids[:, :0], None, local=True, pads=pads)
+
+    def takes_codes(self, cached: int, rest: int) -> bool:
+        """The rest of a prompt that hit `cached` tokens runs by the multi-token path."""
+        return bool(self.chunk) and (self.prefix_path == "codes" or rest <= codes_suffix_limit(cached))
 
     def _state_hits(self) -> bool:
         """A hybrid model's prompt may take a prefix hit: snapshots are kept and the model

@@ -176,8 +176,10 @@ class KVStoreCache(Cache):
 
     def _multi(self, n: int) -> bool:
         """A forward of n > 1 tokens after earlier ones goes to the daemon as one
-        multi-token AppendAttend a layer (adapter.chunk: None for the Retrieve path)."""
-        return bool(self.adapter.chunk) and n <= self.adapter.chunk and max(self.pads) <= self.length
+        multi-token AppendAttend a layer (adapter.chunk: None for the Retrieve path), but
+        for K/V already in hand (_prefix): those are attended in-process."""
+        return bool(self.adapter.chunk) and n <= self.adapter.chunk and max(self.pads) <= self.length \
+            and self._prefix is None
 
     def run_chunks(self, ids: torch.Tensor, chunk: int | None = None) -> None:
         """Run the tokens ids [B, n] after this cache's through the model (no logits) in

@@ -100,6 +100,16 @@ def snapshot_bytes(snap: dict) -> int:
     return sum(x.numel() * x.element_size() for fields in snap.values() for x in _tensors(fields))
 
 
+def _to_host(x: torch.Tensor) -> torch.Tensor:
+    """A host copy of x. From a GPU: into pinned memory, asynchronously; the copy is
+    ordered on the stream before the next forward's kernels update x, and a restore
+    copies back on that stream, so nothing waits for it."""
+    if x.device.type != "cuda":
+        return x.detach().clone()
+    out = torch.empty(x.shape, dtype=x.dtype, pin_memory=True)
+    return out.copy_(x.detach(), non_blocking=True)
+
+
 def take(cache) -> dict:
     """Row 0's state layers (a cache of one sequence) as host copies."""
     names = linear_fields()
@@ -109,7 +119,7 @@ def take(cache) -> dict:
             continue
         fields = {f: copy.copy(getattr(layer, f)) for f in names}
         for f in STATE_KINDS:
-            fields[f] = {i: None if x is None else x.detach().to("cpu", copy=True) for i, x in fields[f].items()}
+            fields[f] = {i: None if x is None else _to_host(x) for i, x in fields[f].items()}
         out[j] = fields
     return out
 
@@ -120,7 +130,7 @@ def restore(cache, snap: dict) -> None:
         layer = cache.layers[j]
         for f, value in fields.items():
             if f in STATE_KINDS:
-                value = {i: None if x is None else x.to(fields["device"] or "cpu", copy=True)
+                value = {i: None if x is None else x.to(fields["device"] or "cpu", copy=True, non_blocking=True)
                          for i, x in value.items()}
             else:
                 value = copy.copy(value)
@@ -183,16 +193,23 @@ def stateful_cache(ad, kv, seq_ids: list[str], input_ids: torch.Tensor) -> KVSto
         hit = ad._allocate(kv, sid, ids[:held + 1] if held else [])
         held, snap = store.longest(keys, hit)
     cache = KVStoreCache(ad, seq_ids, input_ids[:, :hit], None)
+    # After a hit the rest runs by the multi-token path (the daemon attends the prefix from
+    # its pools) only when it fits one such forward (prefix_path "auto"): a forward of a
+    # hybrid model has a large fixed cost (~200 ms at 64 layers on an H200,
+    # docs/design.md), and its few attention layers make a Retrieve cheap. Otherwise
+    # Retrieve once; each part's K/V computed in-process stay as the next part's prefix.
+    rest = len(ids) - hit
+    codes = bool(hit) and ad.takes_codes(hit, rest) and (ad.prefix_path == "codes" or rest <= ad.chunk)
     if hit:
         restore(cache, snap)
         store.hits += 1
-        ad.prefix_runs["retrieve"] += 1
+        ad.prefix_runs["codes" if codes else "retrieve"] += 1
+    cache.keep_kv = not codes
     last = (len(ids) - 1) // bs * bs
-    cache.keep_kv = True        # each part's K/V are the next part's prefix, generate()'s too
     for stop in sorted({reach, last}):
         if stop <= cache.length or cache.local:
             continue
-        cache.run_chunks(input_ids[:, cache.length:stop], chunk=stop - cache.length)
+        cache.run_chunks(input_ids[:, cache.length:stop], chunk=None if codes else stop - cache.length)
         if not cache.local:
             store.put(keys[stop // bs - 1], take(cache))
     cache.keep_kv = False

@@ -143,7 +143,6 @@ def test_a_prompt_seen_before_hits_with_its_states(daemon, name):
     ids = prompt()
     want = reference(model, ids)
     ad = KVStoreAdapter(model, daemon, cache=f"hy-again-{name}", codec="fp16", block_size=8, residual=8)
-    assert ad.chunk is None         # a hybrid model's rest of the prompt takes the Retrieve path
     first = _generate(ad, ids)
     assert ad.states_off is None and len(ad.states) == 1 and ad.states.hits == 0
     cache = ad.cache_for(ids)
@@ -151,19 +150,26 @@ def test_a_prompt_seen_before_hits_with_its_states(daemon, name):
     cache.release()
     second = _generate(ad, ids)
     assert torch.equal(first, want) and torch.equal(second, want), (first, second, want)
-    assert ad.states.hits == 2 and ad.prefix_runs == {"codes": 0, "retrieve": 2}
+    assert ad.states.hits == 2 and ad.prefix_runs == {"codes": 2, "retrieve": 0}
     assert ad.stats().prefix_hit_tokens == 80
     ad.close()
 
 
-def test_a_shared_prefix_hits_from_the_third_prompt(daemon):
+@pytest.mark.parametrize("path", ["auto", "retrieve"])
+def test_a_shared_prefix_hits_from_the_third_prompt(daemon, path):
     """Three prompts share their first 24 tokens. The second finds the daemon's K/V of
     them but no states there: it runs in full, stopping at 24 to keep them; the third
-    hits at 24. Every answer is transformers'."""
+    hits at 24, and runs its 16 tokens to its last boundary as any model's prompt after a
+    hit (auto: by the multi-token path, nothing retrieved; else over the retrieved
+    prefix). Every answer is transformers'."""
     model = build("qwen3_5")
     head = prompt(24, seed=5)
     prompts = [torch.cat([head, prompt(17, seed=s)], dim=1) for s in (6, 7, 8)]
-    ad = KVStoreAdapter(model, daemon, cache="hy-shared", codec="fp16", block_size=8, residual=8)
+    ad = KVStoreAdapter(model, daemon, cache=f"hy-shared-{path}", codec="fp16", block_size=8, residual=8,
+                        prefix_path=path)
+    kv = ad.client()
+    plain, retrieved = kv.retrieve, []
+    kv.retrieve = lambda *a, **k: retrieved.append(a[2:]) or plain(*a, **k)
     hit_tokens = []
     for ids in prompts:
         before = ad.stats().prefix_hit_tokens
@@ -171,6 +177,10 @@ def test_a_shared_prefix_hits_from_the_third_prompt(daemon):
         hit_tokens.append(ad.stats().prefix_hit_tokens - before)
     # the daemon's hits: the second prompt's K/V hit at 24 is asked for, then given back
     assert hit_tokens == [0, 24, 24] and ad.states.hits == 1
+    if path == "auto":
+        assert ad.prefix_runs == {"codes": 1, "retrieve": 0} and retrieved == []
+    else:       # the prefix once (from 0 to 24); the prompt's own parts stay in-process
+        assert ad.prefix_runs == {"codes": 0, "retrieve": 1} and retrieved == [(0, 24)]
     # every boundary a prompt stopped at: 40 for each prompt, and 24
     assert len(ad.states) == 4
     ad.close()
