@@ -151,6 +151,8 @@ class KVStoreAdapter:
                  prefix_path: str = "auto", layer_groups: bool = True, state_cache_bytes: int = 1 << 30):
         if prefix_path not in ("auto", "codes", "retrieve"):
             raise ValueError(f"prefix_path must be 'auto', 'codes' or 'retrieve', got {prefix_path!r}")
+        if state_cache_bytes < 0:
+            raise ValueError(f"state_cache_bytes must be >= 0, got {state_cache_bytes}")
         if codec == "pq" and codebooks is None and calibrate_tokens < 256:
             raise ValueError("codebooks: codec 'pq' needs codebooks (kvstore-calibrate output), or "
                              "calibrate_tokens >= 256 to let the daemon train them from the first tokens")

@@ -236,8 +236,11 @@ def test_no_state_budget_no_hit(daemon):
         assert torch.equal(_generate(ad, ids), want)
     assert len(ad.states) == 0 and ad.prefix_runs == {"codes": 0, "retrieve": 0}
     assert ad.stats().prefix_hit_tokens == 0
-    with pytest.raises(ValueError, match="state_cache_bytes"):
+    with pytest.raises(ValueError, match="state_cache_bytes must be >= 0"):
         KVStoreAdapter(model, daemon, cache="hy-nostates", codec="fp16", block_size=8, state_cache_bytes=-1)
+    with pytest.raises(ValueError, match="state_cache_bytes must be >= 0"):     # any model
+        KVStoreAdapter(transformers.LlamaForCausalLM(transformers.LlamaConfig(num_hidden_layers=1, **HEADS, **SMALL)),
+                       daemon, cache="hy-llama", codec="fp16", state_cache_bytes=-1)
     ad.close()
 
 
