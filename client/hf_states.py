@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import copy
 import hashlib
+import threading
 from collections import OrderedDict
 
 import numpy as np
@@ -47,6 +48,7 @@ class StateSnapshots:
             raise ValueError(f"state_cache_bytes must be >= 0, got {max_bytes}")
         self.block_size, self.max_bytes = block_size, max_bytes
         self._snaps: OrderedDict[bytes, tuple[dict, int]] = OrderedDict()
+        self._lock = threading.Lock()       # requests of one adapter may run on several threads
         self.bytes = 0
         self.hits = self.stored = self.evicted = 0
 
@@ -66,27 +68,29 @@ class StateSnapshots:
     def longest(self, keys: list[bytes], limit: int) -> tuple[int, dict | None]:
         """(tokens, snapshot) of the longest boundary <= limit tokens with a snapshot
         held; (0, None) when none."""
-        for i in range(min(limit // self.block_size, len(keys)) - 1, -1, -1):
-            got = self._snaps.get(keys[i])
-            if got is not None:
-                self._snaps.move_to_end(keys[i])
-                return (i + 1) * self.block_size, got[0]
+        with self._lock:
+            for i in range(min(limit // self.block_size, len(keys)) - 1, -1, -1):
+                got = self._snaps.get(keys[i])
+                if got is not None:
+                    self._snaps.move_to_end(keys[i])
+                    return (i + 1) * self.block_size, got[0]
         return 0, None
 
     def put(self, key: bytes, snap: dict) -> None:
         n = snapshot_bytes(snap)
         if n > self.max_bytes:
             return
-        old = self._snaps.pop(key, None)
-        if old is not None:
-            self.bytes -= old[1]
-        while self._snaps and self.bytes + n > self.max_bytes:
-            _, (_, m) = self._snaps.popitem(last=False)
-            self.bytes -= m
-            self.evicted += 1
-        self._snaps[key] = (snap, n)
-        self.bytes += n
-        self.stored += 1
+        with self._lock:
+            old = self._snaps.pop(key, None)
+            if old is not None:
+                self.bytes -= old[1]
+            while self._snaps and self.bytes + n > self.max_bytes:
+                _, (_, m) = self._snaps.popitem(last=False)
+                self.bytes -= m
+                self.evicted += 1
+            self._snaps[key] = (snap, n)
+            self.bytes += n
+            self.stored += 1
 
 
 def _tensors(fields: dict):

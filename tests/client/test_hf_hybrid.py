@@ -244,6 +244,20 @@ def test_no_state_budget_no_hit(daemon):
     ad.close()
 
 
+def test_a_model_the_check_cannot_run_takes_no_hit(daemon, monkeypatch):
+    """The check of continues_states runs the model with transformers' own cache; when
+    that fails, the adapter takes no hit, says why, and the request runs as before."""
+    from kvstore.client import hf_states
+    model = build("qwen3_5")
+    ids = prompt()
+    want = reference(model, ids)
+    monkeypatch.setattr(hf_states, "DynamicCache", None)       # the check's cache cannot be made
+    ad = KVStoreAdapter(model, daemon, cache="hy-nocheck", codec="fp16", block_size=8, residual=8)
+    assert torch.equal(_generate(ad, ids), want)
+    assert ad.states_off.startswith("the check failed: TypeError") and len(ad.states) == 0
+    ad.close()
+
+
 def test_the_budget_drops_the_least_recently_used_states():
     from kvstore.client.hf_states import StateSnapshots
     one = {0: {"conv_states": {0: torch.zeros(4, dtype=torch.float32)}, "recurrent_states": {0: None}}}
