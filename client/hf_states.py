@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import copy
 import hashlib
+import logging
 import threading
 from collections import OrderedDict
 
@@ -36,6 +37,7 @@ from transformers.cache_utils import DynamicCache, LinearAttentionCacheLayerMixi
 from .hf_cache import KVStoreCache
 from .hf_layers import linear_fields
 
+log = logging.getLogger("kvstore.hf")
 STATE_KINDS = ("conv_states", "recurrent_states")
 
 
@@ -214,7 +216,13 @@ def stateful_cache(ad, kv, seq_ids: list[str], input_ids: torch.Tensor) -> KVSto
         if stop <= cache.length or cache.local:
             continue
         cache.run_chunks(input_ids[:, cache.length:stop], chunk=None if codes else stop - cache.length)
-        if not cache.local:
-            store.put(keys[stop // bs - 1], take(cache))
+        if not cache.local and ad.states_off is None:
+            try:
+                snap = take(cache)
+            except RuntimeError as e:   # pinned host memory refused (a locked-memory limit, say)
+                ad.states_off = f"keeping the states failed: {e}"       # the request goes on without
+                log.warning("kvstore: %s; prompts of this model take no prefix hit from now on", ad.states_off)
+                continue
+            store.put(keys[stop // bs - 1], snap)
     cache.keep_kv = False
     return cache

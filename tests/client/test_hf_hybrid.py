@@ -258,6 +258,25 @@ def test_a_model_the_check_cannot_run_takes_no_hit(daemon, monkeypatch):
     ad.close()
 
 
+def test_states_that_cannot_be_kept_stop_the_hits_not_the_request(daemon, monkeypatch):
+    """Host memory for a snapshot refused (pinned memory past a locked-memory limit): the
+    request runs on, and the adapter keeps no states from then on, saying why."""
+    from kvstore.client import hf_states
+
+    def refused(x):
+        raise RuntimeError("cudaHostAlloc: out of memory")
+    model = build("qwen3_5")
+    ids = prompt()
+    want = reference(model, ids)
+    monkeypatch.setattr(hf_states, "_to_host", refused)
+    ad = KVStoreAdapter(model, daemon, cache="hy-nopin", codec="fp16", block_size=8, residual=8)
+    for _ in range(2):
+        assert torch.equal(_generate(ad, ids), want)
+    assert ad.states_off == "keeping the states failed: cudaHostAlloc: out of memory"
+    assert len(ad.states) == 0 and ad.stats().prefix_hit_tokens == 0
+    ad.close()
+
+
 def test_the_budget_drops_the_least_recently_used_states():
     from kvstore.client.hf_states import StateSnapshots
     one = {0: {"conv_states": {0: torch.zeros(4, dtype=torch.float32)}, "recurrent_states": {0: None}}}
