@@ -3,8 +3,8 @@
 The daemon holds a cached prefix's K/V, which is all an attention layer needs to skip
 those tokens. A linear-attention, Mamba or convolution layer needs the state it had
 reached at the prefix's end instead, and that is not in the daemon. The adapter keeps
-those states in host memory, one snapshot a block boundary, keyed by the tokens up to
-that boundary (chained per block, as the daemon's prefix hashes are). A byte budget
+those states in host memory, as snapshots at some of a prompt's block boundaries (below),
+each keyed by the tokens up to its boundary (chained per block, as the daemon's prefix hashes are). A byte budget
 bounds them, and the least recently used go first. A hit is then the longest prefix
 for which the daemon has the K/V and the adapter has the states (vLLM's hybrid prefix
 caching, which keeps Mamba states at block boundaries in its block pool, does the same).
@@ -12,8 +12,9 @@ caching, which keeps Mamba states at block boundaries in its block pool, does th
 A prompt's prefill stops where a later prompt may want to start:
 - at the end of the daemon's hit, when that hit reaches past the states held (another
   process, or an evicted snapshot): the next prompt sharing that prefix hits;
-- at the prompt's last block boundary: the same prompt again, or the next turn of a
-  chat, hits.
+- at the prompt's last block boundary: the same prompt again hits there, and so does the
+  next turn of a chat (up to this prompt: the answer's tokens run again, as no state is
+  kept while decoding).
 So it runs in at most three forwards, and each boundary's states are copied to host
 memory as they are.
 
