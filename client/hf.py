@@ -140,8 +140,8 @@ class KVStoreAdapter:
     sixteenth of the hit, 128 to 2048; else retrieve). prefix_runs counts the
     requests that took each. state_cache_bytes: host memory for a hybrid model's
     recurrent states at prompt block boundaries, which let its prompts hit a cached
-    prefix (hf_states.py; 0: every prompt runs in full). layer_groups=False keeps one daemon cache for every
-    layer of a model that mixes windows (hf_groups.py: correct, but every block
+    prefix (hf_states.py; 0: every prompt runs in full). layer_groups=False keeps one
+    daemon cache for every layer of a model that mixes windows (hf_groups.py: correct, but every block
     stays), the baseline the per-group caches save against."""
 
     def __init__(self, model, target: str | None = None, cache: str = "hf", codec: str = "fp16",
@@ -323,8 +323,11 @@ class KVStoreAdapter:
             return KVStoreCache(self, [], input_ids[:, :0], None, local=True, pads=pads)
 
     def takes_codes(self, cached: int, rest: int) -> bool:
-        """The rest of a prompt that hit `cached` tokens runs by the multi-token path."""
-        return bool(self.chunk) and (self.prefix_path == "codes" or rest <= codes_suffix_limit(cached))
+        """The rest of a prompt that hit `cached` tokens runs by the multi-token path. A hybrid
+        model's ("auto") only when it fits one forward: its forwards have a large fixed cost
+        (docs/design.md, Prefix sharing) and its few attention layers make Retrieve cheap."""
+        limit = self.chunk if self.variant.has_state else codes_suffix_limit(cached)
+        return bool(self.chunk) and (self.prefix_path == "codes" or rest <= limit)
 
     def _state_hits(self) -> bool:
         """A hybrid model's prompt may take a prefix hit: snapshots are kept and the model

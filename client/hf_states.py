@@ -47,8 +47,6 @@ class StateSnapshots:
     key (the tokens up to a boundary, chained per block) -> {model layer: its fields}."""
 
     def __init__(self, block_size: int, max_bytes: int):
-        if max_bytes < 0:
-            raise ValueError(f"state_cache_bytes must be >= 0, got {max_bytes}")
         self.block_size, self.max_bytes = block_size, max_bytes
         self._snaps: OrderedDict[bytes, tuple[dict, int]] = OrderedDict()
         self._lock = threading.Lock()       # requests of one adapter may run on several threads
@@ -200,13 +198,9 @@ def stateful_cache(ad, kv, seq_ids: list[str], input_ids: torch.Tensor) -> KVSto
         hit = ad._allocate(kv, sid, ids[:held + 1] if held else [])
         held, snap = store.longest(keys, hit)
     cache = KVStoreCache(ad, seq_ids, input_ids[:, :hit], None)
-    # After a hit the rest runs by the multi-token path (the daemon attends the prefix from
-    # its pools) only when it fits one such forward (prefix_path "auto"): a forward of a
-    # hybrid model has a large fixed cost (~200 ms at 64 layers on an H200,
-    # docs/design.md), and its few attention layers make a Retrieve cheap. Otherwise
-    # Retrieve once; each part's K/V computed in-process stay as the next part's prefix.
-    rest = len(ids) - hit
-    codes = bool(hit) and ad.takes_codes(hit, rest) and (ad.prefix_path == "codes" or rest <= ad.chunk)
+    # After a hit the rest runs by the multi-token path (adapter.takes_codes), or retrieves
+    # the prefix once; each part's K/V computed in-process stay as the next part's prefix.
+    codes = bool(hit) and ad.takes_codes(hit, len(ids) - hit)
     if hit:
         restore(cache, snap)
         store.hits += 1
