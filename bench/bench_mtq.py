@@ -9,8 +9,8 @@
     replays with L2 flushed before each (bench_attention.bench).
 (b) time to first token of a 1K-token suffix (--suffix: one or more lengths, one daemon)
     after a 32K-token cached prefix through the HF adapter (codec pq, random codebooks: timing only), the multi-token path
-    (prefix_path="codes") against the Retrieve path, alternated in the same run, median
-    of --reps. The model is a random Llama with Llama-3-8B's per-layer geometry
+    (prefix_path="codes") against the Retrieve path and against no cache (model.generate
+    running the whole prompt), alternated in the same run, median of --reps. The model is a random Llama with Llama-3-8B's per-layer geometry
     (hidden 4096, Hq 32, Hkv 8, d 128) and --layers layers (default 8), fp16, with a
     daemon of its own (server.py, a socket in a temporary directory) on the same GPU.
 
@@ -188,14 +188,14 @@ def ttft(args):
         with torch.no_grad():
             ads["retrieve"].generate(head.to(dev), **gen)            # the cached prefix
             for suffix in suffixes:
-                times = {p: [] for p in ads}
+                times = {p: [] for p in (*ads, "none")}
                 for _ in range(reps + 1):                             # the first round warms up
-                    for p, ad in ads.items():
+                    for p in times:
                         if dev == "cuda":
                             torch.cuda.synchronize()
                         ids = prompt(suffix)
                         t0 = time.perf_counter()
-                        ad.generate(ids, **gen)
+                        (ads[p].generate if p in ads else model.generate)(ids, **gen)   # none: the whole prompt
                         if dev == "cuda":
                             torch.cuda.synchronize()
                         times[p].append(time.perf_counter() - t0)
@@ -215,7 +215,8 @@ def ttft(args):
           f"codec pq 4-bit, {dev}, median of {max(1, reps)}:")
     for suffix, m in med.items():
         print(f"  {suffix:>5}-token suffix: multi-token path {1e3 * m['codes']:.1f} ms, Retrieve path "
-              f"{1e3 * m['retrieve']:.1f} ms: {m['retrieve'] / m['codes']:.2f}x")
+              f"{1e3 * m['retrieve']:.1f} ms: {m['retrieve'] / m['codes']:.2f}x; no cache (the whole prompt "
+              f"in-process) {1e3 * m['none']:.1f} ms")
 
 
 def engine(args):

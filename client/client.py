@@ -32,6 +32,20 @@ from kvstore.v1 import kvstore_pb2 as pb
 from .arena import StepBuffers
 from .connection import Connection
 
+# The most bytes (K and V) one Retrieve call brings; a larger range comes in several calls
+# of whole layers, so the buffer it crosses in stays this size.
+RETRIEVE_CALL_BYTES = 256 << 20
+
+
+def _normal(device) -> torch.device | None:
+    """A device as a buffer is keyed by: CUDA with its index."""
+    if device is None:
+        return None
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
+
 
 @dataclass(slots=True)
 class Reservation:
@@ -159,9 +173,7 @@ class KVStoreClient(Connection):
         g = self.get_cache(cache).spec.geometry
         dtype = wire.TO_TORCH[pb.DType.Value(g.dtype.upper())] if g.dtype else torch.float16
         shapes = ((batch, g.num_kv_heads, g.head_dim),) * 2 + ((batch, g.num_q_heads, g.head_dim),) * 2
-        device = torch.device(device)
-        if device.type == "cuda" and device.index is None:
-            device = torch.device("cuda", torch.cuda.current_device())
+        device = _normal(device)
         nbytes = [math.prod(s) * dtype.itemsize for s in shapes]
         with self._lock:
             need = sum(n + 64 for n in nbytes)
@@ -172,19 +184,41 @@ class KVStoreClient(Connection):
                                  for n, s in zip(nbytes, shapes)))
 
     def retrieve(self, cache: str, seq_id: str, start: int = 0, end: int = 0, layer_start: int = 0,
-                 layer_end: int = 0, out_bytes: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-        """K, V [layers, end - start, Hkv, d] (sealed tokens dequantized);
-        end 0: to the sequence's end."""
-        if not out_bytes:
-            if not end:      # the output range is sized here: the length, now
-                end = self.sequence_info(cache, seq_id).length
-            info = self.get_cache(cache).spec.geometry
-            nl = (layer_end or info.num_layers) - layer_start
-            out_bytes = max(0, nl * (end - start) * info.num_kv_heads * info.head_dim * 2)
+                 layer_end: int = 0, out_bytes: int = 0,
+                 device: torch.device | str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """K, V [layers, end - start, Hkv, d] (sealed tokens dequantized) on `device`
+        (default: host memory); end 0: to the sequence's end. For a CUDA device and a
+        local daemon the daemon copies them into this client's CUDA buffer, and they
+        never cross host memory. A range larger than RETRIEVE_CALL_BYTES comes in calls
+        of whole layers, so the buffer it crosses stays that size."""
+        device = _normal(device)
+        info = self.get_cache(cache).spec.geometry if not out_bytes or device is not None else None
+        if info is None:     # the caller sized the output range: one call, as it asked
+            return self._retrieve(cache, seq_id, start, end, layer_start, layer_end, out_bytes, None, None)
+        end = end or self.sequence_info(cache, seq_id).length     # sized here: the length, now
+        layer_end = layer_end or info.num_layers
+        dtype = wire.TO_TORCH[pb.DType.Value(info.dtype.upper())] if info.dtype else torch.float16
+        layer_bytes = max(0, end - start) * info.num_kv_heads * info.head_dim * dtype.itemsize
+        step = max(1, RETRIEVE_CALL_BYTES // max(1, 2 * layer_bytes))
+        if layer_end - layer_start <= step:       # one call (and the daemon's checks name a bad range)
+            return self._retrieve(cache, seq_id, start, end, layer_start, layer_end,
+                                  (layer_end - layer_start) * layer_bytes, device, None)
+        shape = (layer_end - layer_start, end - start, info.num_kv_heads, info.head_dim)
+        k = torch.empty(shape, dtype=dtype, device=device or "cpu")
+        v = torch.empty_like(k)
+        for a in range(layer_start, layer_end, step):
+            b = min(a + step, layer_end)
+            self._retrieve(cache, seq_id, start, end, a, b, (b - a) * layer_bytes, device,
+                           (k[a - layer_start:b - layer_start], v[a - layer_start:b - layer_start]))
+        return k, v
+
+    def _retrieve(self, cache, seq_id, start, end, layer_start, layer_end, out_bytes, device, into):
+        """One Retrieve call -> (k, v) on device (None: where the reply lies), or copied into `into`."""
+        def read(r, arena):
+            return tuple(self._tensor(t, arena, device, dst) for t, dst in zip((r.k, r.v), into or (None, None)))
         return self._call(self._raw.Retrieve, lambda m, o: pb.RetrieveRequest(
             cache=cache, sequence_id=seq_id, start=start, end=end, layer_start=layer_start, layer_end=layer_end,
-            k_out=o[0], v_out=o[1]), {}, [out_bytes, out_bytes],
-            lambda r, a: (self._tensor(r.k, a), self._tensor(r.v, a)))
+            k_out=o[0], v_out=o[1]), {}, [out_bytes, out_bytes], read, device)
 
     def fork(self, cache: str, seq_id: str, new_seq_id: str) -> None:
         self.stub.Fork(pb.ForkRequest(cache=cache, sequence_id=seq_id, new_sequence_id=new_seq_id),

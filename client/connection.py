@@ -210,18 +210,21 @@ class Connection:
             self._bell_retry_at = time.monotonic() + STREAM_RETRY_S
         return self._bell
 
-    def _call(self, method, request_fn, inputs: dict[str, torch.Tensor], out_bytes: list[int], read=None):
+    def _call(self, method, request_fn, inputs: dict[str, torch.Tensor], out_bytes: list[int], read=None,
+              device: torch.device | None = None):
         """Build a request with `inputs` placed in the arena (or inline) and
         output ranges reserved, call, and run read(reply, arena) before the
-        arena can be reused by another call."""
+        arena can be reused by another call. The CUDA arena of the inputs'
+        device, or of `device` (where the outputs are wanted) when none is on one."""
         for k, t in inputs.items():
             if t.dtype not in wire.TO_PROTO:
                 raise TypeError(f"{k}: a {t.dtype} tensor cannot be sent; K, V and Q go as float16, bfloat16 "
                                 "or float32 (the daemon converts them to the cache's dtype)")
         with self._lock:
             need = sum(t.numel() * t.element_size() + 64 for t in inputs.values()) + sum(b + 64 for b in out_bytes)
-            cuda = [t for t in inputs.values() if t.is_cuda]
-            arena = self._cuda_arena_for(need, cuda[0].device) if cuda else None
+            cuda = [t.device for t in inputs.values() if t.is_cuda] or \
+                ([device] if device is not None and device.type == "cuda" else [])
+            arena = self._cuda_arena_for(need, cuda[0]) if cuda else None
             if arena is not None:
                 return self._call_cuda(arena, method, request_fn, inputs, out_bytes, read)
             arena = self._arena_for(need)
@@ -272,10 +275,18 @@ class Connection:
         """The daemon's time in the last doorbell call, µs (0 before one)."""
         return self._bell.last_handler_us if self._bell is not None else 0
 
-    def _tensor(self, t: pb.Tensor, arena: ShmArena | None) -> torch.Tensor:
-        if t.WhichOneof("data") == "ref":
-            return arena.typed(t.ref.offset, tuple(t.shape), wire.TO_TORCH[t.dtype])[0].clone()
-        return wire.from_proto(t, None, "reply")
+    def _tensor(self, t: pb.Tensor, arena, device: torch.device | None = None,
+                into: torch.Tensor | None = None) -> torch.Tensor:
+        """A reply's tensor, out of the arena (the next call reuses it): on `device`
+        (default: where it lies), or copied into `into`."""
+        ref = t.WhichOneof("data") == "ref"
+        x = arena.typed(t.ref.offset, tuple(t.shape), wire.TO_TORCH[t.dtype])[0] if ref \
+            else wire.from_proto(t, None, "reply")
+        if into is not None:
+            return into.copy_(x)
+        if device is not None and x.device != device:
+            return x.to(device)
+        return x.clone() if ref else x
 
     def _append_attend_bell(self, cache, layer, seq_ids, k, v, q, scale, out, query_tokens: int = 1,
                             token_ids=()) -> torch.Tensor | None:

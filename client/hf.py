@@ -19,14 +19,14 @@ cannot run is refused at construction, naming the feature):
     the last layer's update sends the new tokens of all layers in one Append
     with their token ids (so later prompts can hit them).
   - after a prefix hit, the multi-token path (prefix_path="codes", or "auto",
-    the default, when at most codes_suffix_limit(hit) tokens follow the hit):
+    the default, when codes_suffix_limit(hit) tokens or fewer follow the hit):
     the prompt's other tokens but the last run through the model in chunks of
     up to 128 (pq: residual + 1), each layer's chunk one `AppendAttend` with
     query_tokens (appended, then attended causally by the daemon from the
     codes); generate() then starts from the last prompt token. The Retrieve
     path (prefix_path="retrieve", "auto" past that bound, and any model with
-    sliding-window layers): the cached prefix comes back from `Retrieve`,
-    dequantized, and the rest is a prefill as above (times: docs/kernels.md).
+    sliding-window layers): the cached prefix comes back from `Retrieve` onto the
+    model's device, dequantized; the rest is a prefill as above (docs/kernels.md).
   - decode (one token): `KVStoreCache.update` keeps nothing; the attention
     function "kvstore" sends (k, v, q) of the layer to `AppendAttend`.
   - the daemon is unreachable (any RPC error: UNAVAILABLE, or NOT_FOUND after
@@ -79,14 +79,14 @@ DEFAULT_PQ_SINKS = 32     # docs/accuracy.md: 32 sinks keep 4-bit PQ within 0.16
 MAX_QUERY_TOKENS = 128      # the daemon's bound on an AppendAttend's query_tokens (kvstore.proto)
 _registered = False
 _inner: dict[int, str | None] = {}     # id(config) -> the attention implementation it had before
-# prefix_path="auto": after a hit of P tokens, up to codes_suffix_limit(P) more take the
-# multi-token path, more Retrieve. The two tie at P / 13 to P / 8 up to a 32K hit; past it the
-# kernel's share grows with P, hence the cap (H200: docs/kernels.md, Time to first token).
-CODES_MIN_SUFFIX, CODES_MAX_SUFFIX, CODES_PREFIX_RATIO = 128, 2048, 16
+# prefix_path="auto": after a hit of CODES_MIN_HIT tokens or more, up to CODES_MAX_SUFFIX more take
+# the multi-token path, else Retrieve: it was the faster at 8K and 16K for any rest of 16-256 tokens,
+# the multi-token path by 9-16 % at 32K up to 128 (H200: docs/kernels.md, Time to first token).
+CODES_MIN_HIT, CODES_MAX_SUFFIX = 24576, 128
 
 
 def codes_suffix_limit(cached: int) -> int:
-    return min(CODES_MAX_SUFFIX, max(CODES_MIN_SUFFIX, cached // CODES_PREFIX_RATIO))
+    return CODES_MAX_SUFFIX if cached >= CODES_MIN_HIT else 1     # 1: the last token decodes, nothing to retrieve
 
 
 def register() -> None:
@@ -136,8 +136,8 @@ class KVStoreAdapter:
     R = 128 (docs/accuracy.md). prefix_path: how the rest of a prompt that hit a
     cached prefix runs: "codes" (multi-token AppendAttend, nothing retrieved),
     "retrieve" (Retrieve the prefix, prefill in-process; models with sliding windows
-    always take it) or "auto" (codes for up to codes_suffix_limit(hit) tokens: a
-    sixteenth of the hit, 128 to 2048; else retrieve). prefix_runs counts the
+    always take it) or "auto" (codes for up to codes_suffix_limit(hit) tokens: 128
+    after a hit of 24K or more, else retrieve). prefix_runs counts the
     requests that took each. state_cache_bytes: host memory for a hybrid model's
     recurrent states at prompt block boundaries, which let its prompts hit a cached
     prefix (hf_states.py; 0: every prompt runs in full). layer_groups=False keeps one
@@ -312,7 +312,7 @@ class KVStoreAdapter:
                 if self.transform is not None:
                     k = torch.stack([self.transform.inverse(k[l].float(), l, "k") for l in range(self.num_layers)])
                     v = torch.stack([self.transform.inverse(v[l].float(), l, "v") for l in range(self.num_layers)])
-                # Retrieve answers in host memory; the model's forward wants its own device.
+                # on the model's device already; the model's dtype may not be the cache's
                 at = dict(device=self.model.device, dtype=self.model.dtype)
                 prefix = (k.transpose(1, 2).unsqueeze(1).to(**at),
                           v.transpose(1, 2).unsqueeze(1).to(**at))   # [L, 1, Hkv, P, d]
@@ -324,9 +324,9 @@ class KVStoreAdapter:
 
     def takes_codes(self, cached: int, rest: int) -> bool:
         """The rest of a prompt that hit `cached` tokens runs by the multi-token path. A hybrid
-        model's ("auto") only when it fits one forward: its forwards have a large fixed cost
-        (docs/design.md, Prefix sharing) and its few attention layers make Retrieve cheap."""
-        limit = self.chunk if self.variant.has_state else codes_suffix_limit(cached)
+        model's ("auto") only when it fits one forward too: its forwards have a large fixed
+        cost (docs/design.md, Prefix sharing)."""
+        limit = min(codes_suffix_limit(cached), (self.chunk or 0) if self.variant.has_state else CODES_MAX_SUFFIX)
         return bool(self.chunk) and (self.prefix_path == "codes" or rest <= limit)
 
     def _state_hits(self) -> bool:
@@ -349,13 +349,13 @@ class KVStoreAdapter:
         return hits[0]
 
     def retrieve(self, kv: KVStoreClient, sid: str, length: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """K, V [L, length, Hkv, d] of sid's first `length` tokens as the daemon stores
-        them: each group's from the first position its window still reads (what the
-        daemon keeps), zeros before it (positions the windows mask out)."""
+        """K, V [L, length, Hkv, d] of sid's first `length` tokens, on the model's device,
+        as the daemon stores them: each group's from the first position its window still
+        reads (what the daemon keeps), zeros before it (positions the windows mask out)."""
         ks, vs = [], []
         for g in self.groups:
             lo = g.first_needed(length)
-            k, v = kv.retrieve(g.cache, sid, lo, length)
+            k, v = kv.retrieve(g.cache, sid, lo, length, device=self.model.device)
             ks.append(torch.nn.functional.pad(k, (0, 0, 0, 0, lo, 0)))
             vs.append(torch.nn.functional.pad(v, (0, 0, 0, 0, lo, 0)))
         return self.groups.merge(ks), self.groups.merge(vs)

@@ -229,7 +229,7 @@ class KVStoreCache(Cache):
                 v = torch.stack([t.inverse(v[l].float(), l, "v") for l in range(self.num_layers)])
             ks.append(torch.nn.functional.pad(k.transpose(1, 2), (0, 0, pad, 0)))
             vs.append(torch.nn.functional.pad(v.transpose(1, 2), (0, 0, pad, 0)))
-        at = dict(device=self._step[0][0].device, dtype=self._step[0][0].dtype)   # Retrieve answers in host memory
+        at = dict(device=self._step[0][0].device, dtype=self._step[0][0].dtype)   # the step's dtype may not be the cache's
         return torch.stack(ks, dim=1).to(**at), torch.stack(vs, dim=1).to(**at)    # [L, B, Hkv, P, d]
 
     def _append_all(self) -> None:

@@ -178,6 +178,30 @@ def test_mapped_attend_refuses_a_cache_whose_attention_it_does_not_apply(daemon,
         MappedCache(kv, f"m-{field}")
 
 
+@pytest.mark.parametrize("codec", ["fp16", "pq"])
+def test_retrieve_onto_the_gpu_equals_the_host_copy_and_crosses_no_host_memory(daemon, codec, monkeypatch):
+    """Retrieve with a CUDA device: the daemon copies into the client's CUDA buffer, no
+    shared-memory buffer is made, and the K/V are those a host Retrieve reads, in one call
+    or (past RETRIEVE_CALL_BYTES) in calls of whole layers."""
+    from kvstore.client import client as client_mod
+    kv = _create(daemon, codec, name=f"r-{codec}")
+    g = torch.Generator(device="cuda").manual_seed(0)
+    k, v = (torch.randn(2, 300, 2, 64, device="cuda", generator=g).half() for _ in range(2))
+    kv.allocate(f"r-{codec}", "a", list(range(300)))
+    kv.append(f"r-{codec}", ["a"], k, v, token_ids=[list(range(300))])
+    dk, dv = kv.retrieve(f"r-{codec}", "a", 5, device="cuda")
+    assert dk.device.type == dv.device.type == "cuda" and kv._arena is None
+    monkeypatch.setattr(client_mod, "RETRIEVE_CALL_BYTES", 1)         # one layer a call
+    ck, cv = kv.retrieve(f"r-{codec}", "a", 5, device="cuda")
+    hk, hv = kv.retrieve(f"r-{codec}", "a", 5)
+    assert hk.device.type == "cpu"
+    for got in (dk, dv, ck, cv):
+        assert got.shape == (2, 295, 2, 64)
+    assert torch.equal(dk.cpu(), hk) and torch.equal(dv.cpu(), hv) and torch.equal(ck, dk) and torch.equal(cv, dv)
+    if codec == "fp16":
+        assert torch.equal(dk, k[:, 5:]) and torch.equal(dv, v[:, 5:])
+
+
 def test_killed_worker_leaves_no_blocks_after_lease(daemon):
     kv = _create(daemon, "pq")
     before = kv.stats("pq").caches[0]

@@ -150,6 +150,7 @@ def test_a_prompt_seen_before_hits_with_its_states(daemon, name):
     cache.release()
     second = _generate(ad, ids)
     assert torch.equal(first, want) and torch.equal(second, want), (first, second, want)
+    # one token after the hit: it decodes, nothing retrieved (KVStoreAdapter.takes_codes)
     assert ad.states.hits == 2 and ad.prefix_runs == {"codes": 2, "retrieve": 0}
     assert ad.stats().prefix_hit_tokens == 80
     ad.close()
@@ -177,13 +178,13 @@ def test_a_hit_s_first_logits_are_the_whole_prompt_s(daemon, name, path):
     ad.close()
 
 
-@pytest.mark.parametrize("path", ["auto", "retrieve"])
+@pytest.mark.parametrize("path", ["codes", "retrieve"])
 def test_a_shared_prefix_hits_from_the_third_prompt(daemon, path):
     """Three prompts share their first 24 tokens. The second finds the daemon's K/V of
     them but no states there: it runs in full, stopping at 24 to keep them; the third
     hits at 24, and runs its 16 tokens to its last boundary as any model's prompt after a
-    hit (auto: by the multi-token path, nothing retrieved; else over the retrieved
-    prefix). Every answer is transformers'."""
+    hit (by the multi-token path, nothing retrieved; or over the retrieved prefix).
+    Every answer is transformers'."""
     model = build("qwen3_5")
     head = prompt(24, seed=5)
     prompts = [torch.cat([head, prompt(17, seed=s)], dim=1) for s in (6, 7, 8)]
@@ -199,7 +200,7 @@ def test_a_shared_prefix_hits_from_the_third_prompt(daemon, path):
         hit_tokens.append(ad.stats().prefix_hit_tokens - before)
     # the daemon's hits: the second prompt's K/V hit at 24 is asked for, then given back
     assert hit_tokens == [0, 24, 24] and ad.states.hits == 1
-    if path == "auto":
+    if path == "codes":
         assert ad.prefix_runs == {"codes": 1, "retrieve": 0} and retrieved == []
     else:       # the prefix once (from 0 to 24); the prompt's own parts stay in-process
         assert ad.prefix_runs == {"codes": 0, "retrieve": 1} and retrieved == [(0, 24)]

@@ -94,10 +94,11 @@ def test_a_model_on_the_gpu_continues_a_cached_prefix(daemon):
 def test_auto_path_takes_codes_for_short_suffixes_and_retrieve_past_the_bound(daemon, monkeypatch):
     # prefix_path="auto" (the default): up to codes_suffix_limit(hit) tokens after the hit
     # run as multi-token chunks, more as Retrieve + one in-process prefill; same tokens
-    # either way. Here the limit is the hit's part: 40 cached tokens / 2
-    assert [hf.codes_suffix_limit(p) for p in (40, 4096, 16384, 32768, 1 << 17)] == [128, 256, 1024, 2048, 2048]
-    monkeypatch.setattr(hf, "CODES_MIN_SUFFIX", 4)
-    monkeypatch.setattr(hf, "CODES_PREFIX_RATIO", 2)
+    # either way. A hit shorter than CODES_MIN_HIT retrieves unless only the last token
+    # follows it. Here a 40-token hit is long enough, and the limit 20 tokens.
+    assert [hf.codes_suffix_limit(p) for p in (40, 16384, 24575, 24576, 1 << 17)] == [1, 1, 1, 128, 128]
+    monkeypatch.setattr(hf, "CODES_MIN_HIT", 40)
+    monkeypatch.setattr(hf, "CODES_MAX_SUFFIX", 20)
     model = tiny_llama()
     first = prompt(40)
     ad = KVStoreAdapter(model, daemon, codec="fp16", block_size=8, residual=8, cache="fp16-auto")

@@ -1,5 +1,6 @@
 """What an operator and a client read back: CreateCache of a taken name says
-which fields differ, Retrieve reads to the end with end 0, an idle client's
+which fields differ, Retrieve reads to the end with end 0 (a large range in
+calls of whole layers), an idle client's
 lease lapse is DEBUG (one that freed sequences stays INFO), the build-info
 metric, and Stats' reserved vs used bytes per pool."""
 import logging
@@ -10,6 +11,7 @@ import pytest
 import torch
 
 from kvstore.client import KVStoreClient
+from kvstore.client import client as client_mod
 from kvstore.engine.engine import Engine
 from kvstore.errors import AlreadyExists
 from kvstore.service import buildinfo
@@ -60,6 +62,29 @@ def test_retrieve_to_the_end(client):
     with pytest.raises(grpc.RpcError) as e:
         client.retrieve("c", "a", 21)                         # nothing after the end
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and e.value.details().startswith("start")
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_a_retrieve_past_one_call_s_bytes_comes_in_calls_of_whole_layers(client, monkeypatch, dtype):
+    client.create_cache("c", "m", num_layers=5, num_q_heads=HQ, num_kv_heads=HKV, head_dim=D, codec="fp16",
+                        block_size=8, residual=8, num_blocks=128, dtype=dtype)
+    client.allocate("c", "a", list(range(21)))
+    k, v = (x.to(getattr(torch, dtype)) for x in kv(5, 21, HKV, D))
+    client.append("c", ["a"], k, v, token_ids=[list(range(21))])
+    calls = []
+    real = client._raw.Retrieve
+    monkeypatch.setattr(client._raw, "Retrieve", lambda r, **kw: calls.append((r.layer_start, r.layer_end)) or
+                        real(r, **kw))
+    monkeypatch.setattr(client_mod, "RETRIEVE_CALL_BYTES", 2 * 2 * 21 * HKV * D * 2)    # K, V of two layers of 21 tokens
+    k2, v2 = client.retrieve("c", "a", 5, layer_start=0)
+    assert calls == [(0, 2), (2, 4), (4, 5)]
+    assert k2.dtype == k.dtype and torch.equal(k2, k[:, 5:]) and torch.equal(v2, v[:, 5:])
+    calls.clear()
+    k3, v3 = client.retrieve("c", "a", 0, 0, layer_start=1, layer_end=3)
+    assert calls == [(1, 3)] and torch.equal(k3, k[1:3]) and torch.equal(v3, v[1:3])
+    with pytest.raises(grpc.RpcError) as e:
+        client.retrieve("c", "a", 3, 21, layer_start=4, layer_end=9)       # refused whole, by the daemon
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "layer_end" in e.value.details()
 
 
 def test_allocate_reports_this_requests_hit(client):
