@@ -52,7 +52,11 @@ class KVStoreCache(Cache):
         # keep_kv: a prefill's K/V (prefix included) stay as the next forward's prefix, so
         # that a prompt run in parts (hf_states.py) retrieves nothing it has just computed
         self.keep_kv = False
+        # multi: a forward of several tokens after earlier ones may take the daemon's
+        # multi-token path; False where the rest after a hit retrieves (KVStoreAdapter.takes_codes)
+        self.multi = True
         self._kept: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * self.num_layers
+        self.boundaries = None        # a hybrid model's states at decode block boundaries (hf_states.py)
 
     # ------------------------------------------------------- Cache interface
     @property
@@ -68,6 +72,8 @@ class KVStoreCache(Cache):
         return super().get_mask_sizes(query_length, layer_idx) if self.local else (self.length + query_length, 0)
 
     def begin_forward(self, input_ids: torch.Tensor | None) -> None:
+        if self.boundaries is not None:
+            self.boundaries.before_forward(self)
         self._cur_ids = input_ids
         b = len(self.pads)
         if input_ids is not None and input_ids.shape[0] != b and input_ids.shape[0] % b == 0:
@@ -178,7 +184,7 @@ class KVStoreCache(Cache):
         """A forward of n > 1 tokens after earlier ones goes to the daemon as one
         multi-token AppendAttend a layer (adapter.chunk: None for the Retrieve path), but
         for K/V already in hand (_prefix): those are attended in-process."""
-        return bool(self.adapter.chunk) and n <= self.adapter.chunk and max(self.pads) <= self.length \
+        return self.multi and bool(self.adapter.chunk) and n <= self.adapter.chunk and max(self.pads) <= self.length \
             and self._prefix is None
 
     def run_chunks(self, ids: torch.Tensor, chunk: int | None = None) -> None:
@@ -189,8 +195,11 @@ class KVStoreCache(Cache):
         chunk = chunk or self.adapter.chunk
         for lo in range(0, ids.shape[1], chunk):
             part = ids[:, lo:lo + chunk]
+            # positions as generate() numbers them: some models (Bamba) count from 0 without
+            # them, whatever the cache holds
+            pos = torch.arange(self.length, self.length + part.shape[1])[None] - torch.tensor(self.pads)[:, None]
             self.begin_forward(part)
-            base(input_ids=part.to(dev), past_key_values=self, use_cache=True)
+            base(input_ids=part.to(dev), past_key_values=self, use_cache=True, position_ids=pos.clamp(min=0).to(dev))
 
     # -------------------------------------------------------------- prefill
     def _prefill_update(self, k: torch.Tensor, v: torch.Tensor, at: int, layer: int):
@@ -365,6 +374,8 @@ class KVStoreCache(Cache):
                 rows = (k[:, i, :, pad + sinks:].transpose(1, 2), v[:, i, :, pad + sinks:].transpose(1, 2))
                 if rows[0].shape[1]:
                     ad.calibration_sample(self._to_daemon(rows[0], "k"), self._to_daemon(rows[1], "v"))
+        if self.boundaries is not None:
+            self.boundaries.release(self)
         if self.seq_ids and not self.local:
             try:
                 for cache in self.adapter.groups.caches():

@@ -12,11 +12,12 @@ caching, which keeps Mamba states at block boundaries in its block pool, does th
 A prompt's prefill stops where a later prompt may want to start:
 - at the end of the daemon's hit, when that hit reaches past the states held (another
   process, or an evicted snapshot): the next prompt sharing that prefix hits;
-- at the prompt's last block boundary: the same prompt again hits there, and so does the
-  next turn of a chat (up to this prompt: the answer's tokens run again, as no state is
-  kept while decoding).
+- at the prompt's last block boundary: the same prompt again hits there.
 So it runs in at most three forwards, and each boundary's states are copied to host
-memory as they are.
+memory as they are. While it decodes, the states at the last block boundary its answer
+crossed are copied on the device, and go to host memory when the request ends
+(DecodeBoundaries): the next turn of a chat, which sends the prompt and the answer back,
+hits through the answer.
 
 The snapshots are per adapter (per process): other processes share the K/V, and each
 computes a prefix's states once. A model whose multi-token forward does not start
@@ -115,8 +116,9 @@ def _to_host(x: torch.Tensor) -> torch.Tensor:
     return out.copy_(x.detach(), non_blocking=True)
 
 
-def take(cache) -> dict:
-    """Row 0's state layers (a cache of one sequence) as host copies."""
+def take(cache, copy_to=None) -> dict:
+    """Row 0's state layers (a cache of one sequence) as copies (default: on the host)."""
+    copy_to = copy_to or _to_host
     names = linear_fields()
     out = {}
     for j, layer in enumerate(cache.layers):
@@ -124,9 +126,57 @@ def take(cache) -> dict:
             continue
         fields = {f: copy.copy(getattr(layer, f)) for f in names}
         for f in STATE_KINDS:
-            fields[f] = {i: None if x is None else _to_host(x) for i, x in fields[f].items()}
+            fields[f] = {i: None if x is None else copy_to(x) for i, x in fields[f].items()}
         out[j] = fields
     return out
+
+
+def to_host(snap: dict) -> dict:
+    return {j: {f: {i: None if x is None else _to_host(x) for i, x in v.items()} if f in STATE_KINDS else v
+                for f, v in fields.items()} for j, fields in snap.items()}
+
+
+class DecodeBoundaries:
+    """The states at the last block boundary a request's decode steps crossed, for the
+    next turn of a chat, which sends this prompt and the answer back: the daemon holds
+    the answer's K/V (the decode steps send their token ids), and this snapshot lets the
+    next prompt hit through the answer rather than at this prompt's end. Copied on the
+    device before each forward that starts at a boundary (the states then hold exactly the
+    tokens before it) and when the request ends, into one buffer; handed to the host store
+    then."""
+
+    def __init__(self, start: int):
+        self.start = start          # the prompt's boundaries are kept already (stateful_cache)
+        self.at, self.snap = 0, None
+
+    def before_forward(self, cache) -> None:
+        bs = cache.adapter.states.block_size
+        n = cache.length
+        if n <= self.start or n % bs or n == self.at or len(cache.pads) != 1 or cache.pads[0] or cache.local \
+                or cache._ids is None or cache._ids.shape[1] != n:
+            return
+        if self.snap is None:
+            self.snap = take(cache, copy_to=lambda x: x.detach().clone())
+        else:
+            for j, fields in take(cache, copy_to=lambda x: x).items():      # the same shapes: copied in place
+                for f in STATE_KINDS:
+                    for i, x in fields[f].items():
+                        if x is not None:
+                            self.snap[j][f][i].copy_(x)
+        self.at = n
+
+    def release(self, cache) -> None:
+        self.before_forward(cache)      # a request ending on a boundary: the states there
+        ad = cache.adapter
+        if not self.at or cache.local or ad.states_off is not None or cache._ids is None:
+            return
+        keys = ad.states.keys(cache._ids[0, :self.at].tolist())
+        try:
+            ad.states.put(keys[-1], to_host(self.snap))
+        except RuntimeError as e:       # pinned host memory refused
+            ad.states_off = f"keeping the states failed: {e}"
+            log.warning("kvstore: %s; prompts of this model take no prefix hit from now on", ad.states_off)
+        self.snap = None
 
 
 def restore(cache, snap: dict) -> None:
@@ -205,7 +255,7 @@ def stateful_cache(ad, kv, seq_ids: list[str], input_ids: torch.Tensor) -> KVSto
         restore(cache, snap)
         store.hits += 1
         ad.prefix_runs["codes" if codes else "retrieve"] += 1
-    cache.keep_kv = not codes
+    cache.keep_kv, cache.multi = not codes, codes or not hit
     last = (len(ids) - 1) // bs * bs
     for stop in sorted({reach, last}):
         if stop <= cache.length or cache.local:
@@ -220,4 +270,5 @@ def stateful_cache(ad, kv, seq_ids: list[str], input_ids: torch.Tensor) -> KVSto
                 continue
             store.put(keys[stop // bs - 1], snap)
     cache.keep_kv = False
+    cache.boundaries = DecodeBoundaries(cache.length)
     return cache

@@ -144,7 +144,8 @@ def test_a_prompt_seen_before_hits_with_its_states(daemon, name):
     want = reference(model, ids)
     ad = KVStoreAdapter(model, daemon, cache=f"hy-again-{name}", codec="fp16", block_size=8, residual=8)
     first = _generate(ad, ids)
-    assert ad.states_off is None and len(ad.states) == 1 and ad.states.hits == 0
+    # the prompt's last boundary (40) and the answer's (56: 41 + 15 tokens fed)
+    assert ad.states_off is None and len(ad.states) == 2 and ad.states.hits == 0
     cache = ad.cache_for(ids)
     assert cache.length == 40 and ad.states.hits == 1
     cache.release()
@@ -156,21 +157,44 @@ def test_a_prompt_seen_before_hits_with_its_states(daemon, name):
     ad.close()
 
 
+@pytest.mark.parametrize("name", ["qwen3_5", "bamba", "falcon_h1", "nemotron_h"])
+def test_a_chat_s_next_turn_hits_through_the_answer(daemon, name):
+    """Turn 1: a 33-token prompt and a 16-token answer; the decode steps cross the block
+    boundary at 40 and end on the one at 48, whose states are kept when the request ends.
+    Turn 2 sends the prompt, the answer and 10 more tokens: it hits at 48, through the
+    answer (at the prompt's own boundary, 32, without those states), and gets
+    transformers' tokens."""
+    model = build(name)
+    ad = KVStoreAdapter(model, daemon, cache=f"hy-chat-{name}", codec="fp16", block_size=8, residual=8)
+    first = _generate(ad, prompt(33))
+    assert len(ad.states) == 2              # the prompt's boundary (32) and the answer's (48)
+    second = torch.cat([first, prompt(10, seed=9)], dim=1)
+    before = ad.stats().prefix_hit_tokens
+    got = _generate(ad, second)
+    assert ad.stats().prefix_hit_tokens - before == 48 and ad.states.hits == 1
+    assert torch.equal(got, reference(model, second))
+    ad.close()
+
+
+@pytest.mark.parametrize("n", [41, 51])
 @pytest.mark.parametrize("path", ["codes", "retrieve"])
 @pytest.mark.parametrize("name", ["qwen3_5", "bamba", "falcon_h1", "nemotron_h"])
-def test_a_hit_s_first_logits_are_the_whole_prompt_s(daemon, name, path):
-    """A hit at 32 of 41 tokens (blocks of 16) runs the 9 tokens after it through the
-    daemon's multi-token path or over the retrieved prefix, from the restored states:
-    the first step's logits are transformers' for the whole prompt to what the fp16
-    K/V allow (as for any model: tests/client/test_hf_prefix_codes.py). Tokens may part
-    at a near-tie later (Falcon-H1 here by the multi-token path), as they do there."""
+def test_a_hit_s_first_logits_are_the_whole_prompt_s(daemon, name, path, n):
+    """The first 33 tokens of a prompt keep the states at 32 (blocks of 16); the whole
+    prompt of n tokens then hits there and runs the rest through the daemon's
+    multi-token path or over the retrieved prefix, from the restored states: 9 tokens
+    as one forward, or 19 as forwards of 16 (to the boundary at 48) and 3, each at its
+    own positions (Bamba's model counts from 0 unless told). The first step's logits are
+    transformers' for the whole prompt to what the fp16 K/V allow (as for any model:
+    tests/client/test_hf_prefix_codes.py). Tokens may part at a near-tie later (Falcon-H1
+    by the multi-token path), as they do there."""
     model = build(name)
-    ids = prompt()
+    ids = prompt(n)
     with torch.no_grad():
         want = model(ids).logits[0, -1]
-    ad = KVStoreAdapter(model, daemon, cache=f"hy-logits-{name}-{path}", codec="fp16", block_size=16,
+    ad = KVStoreAdapter(model, daemon, cache=f"hy-logits-{name}-{path}-{n}", codec="fp16", block_size=16,
                         residual=16, prefix_path=path)
-    _generate(ad, ids)
+    _generate(ad, ids[:, :33])
     with torch.no_grad():
         out = ad.generate(ids, **GEN, output_logits=True, return_dict_in_generate=True)
     assert ad.states.hits == 1 and ad.prefix_runs[path] == 1
@@ -204,8 +228,8 @@ def test_a_shared_prefix_hits_from_the_third_prompt(daemon, path):
         assert ad.prefix_runs == {"codes": 1, "retrieve": 0} and retrieved == []
     else:       # the prefix once (from 0 to 24); the prompt's own parts stay in-process
         assert ad.prefix_runs == {"codes": 0, "retrieve": 1} and retrieved == [(0, 24)]
-    # every boundary a prompt stopped at: 40 for each prompt, and 24
-    assert len(ad.states) == 4
+    # every boundary a prompt stopped at: 40 for each prompt, and 24; each answer's, 56
+    assert len(ad.states) == 7
     ad.close()
 
 
@@ -220,7 +244,7 @@ def test_another_process_s_prefix_is_run_for_its_states(daemon):
     one.close()
     two = KVStoreAdapter(model, daemon, cache="hy-two", codec="fp16", block_size=8, residual=8)
     assert torch.equal(_generate(two, ids), want)
-    assert two.states.hits == 0 and len(two.states) == 1
+    assert two.states.hits == 0 and len(two.states) == 2        # the prompt's boundary and the answer's
     assert torch.equal(_generate(two, ids), want)
     assert two.states.hits == 1
     two.close()
