@@ -2,7 +2,7 @@
 adapter's state snapshots (client/hf_states.py) against every prompt run in full, in one
 run.
 
-    python bench/bench_hybrid_prefix.py [--device cuda] [--prefix 3072] [--question 512] [--rounds 3]
+    python bench/bench_hybrid_prefix.py [--device cuda] [--prefix 3072] [--question 512] [--answer 64] [--rounds 3]
 
 A randomly initialised Qwen3.5-style model (Gated DeltaNet layers, a full-attention
 layer every fourth; sizes by --hidden / --layers) generates through a daemon it starts
@@ -18,7 +18,12 @@ round by round, each adapter with a cache of its own:
   third        a third question: hits at the prefix's end (states restored, K/V
                retrieved, only the question run)
   again        the first prompt again: hits at its last block boundary
-Printed: the median TTFT of each row, its hit tokens, and its ratio to cold. The linear
+  next cold    a chat's next turn (the first prompt, its answer of --answer tokens,
+               another question) with state_cache_bytes=0: run in full
+  next         the same next turn with snapshots on: hits through the answer (the
+               states at the last block boundary the answer reached)
+Printed: the median TTFT of each row, its hit tokens, and its ratio to cold (next:
+to next cold). The linear
 layers run flash-linear-attention's kernels when it is installed (transformers' choice),
 else transformers' PyTorch reference, whose prefill is slower: the ratios depend on it.
 """
@@ -69,6 +74,7 @@ def main() -> None:
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--answer", type=int, default=64, help="tokens of the first prompt's answer (next rows)")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--prefix-path", default="auto", choices=("auto", "codes", "retrieve"),
                    help="the adapter's prefix_path for the rows with snapshots")
@@ -80,9 +86,10 @@ def main() -> None:
     def tokens(n):
         return torch.randint(3, 32000, (1, n), generator=gen).to(args.device)
 
-    rows: dict[str, list[tuple[float, int]]] = {k: [] for k in ("cold", "first", "second", "third", "again")}
-    # room for every round's prompts (a prefix and three questions): no eviction is timed
-    blocks = (args.rounds + 1) * (args.prefix + 3 * args.question) // 16 + 64
+    rows: dict[str, list[tuple[float, int]]] = {k: [] for k in ("cold", "first", "second", "third", "again",
+                                                                "next cold", "next")}
+    # room for every round's prompts (a prefix, four questions, an answer): no eviction is timed
+    blocks = (args.rounds + 1) * (args.prefix + 4 * args.question + args.answer) // 16 + 64
     with spawn_daemon(None, ("--device", args.device, "--log-level", "WARNING"), quiet=True) as target:
         def adapter(cache, **kw):
             return KVStoreAdapter(model, target, cache=cache, codec="fp16", num_blocks=blocks, max_sequences=4, **kw)
@@ -93,12 +100,18 @@ def main() -> None:
             first, second, third = (torch.cat([head, tokens(args.question)], dim=1) for _ in range(3))
             got = {"cold": ttft(cold, third), "first": ttft(warm, first), "second": ttft(warm, second),
                    "third": ttft(warm, third), "again": ttft(warm, first)}
+            with torch.no_grad():       # the first turn's answer (untimed), then the next turn
+                answer = warm.generate(first, max_new_tokens=args.answer, min_new_tokens=args.answer,
+                                       do_sample=False, pad_token_id=0)
+            turn = torch.cat([answer, tokens(args.question)], dim=1)
+            got["next cold"], got["next"] = ttft(cold, turn), ttft(warm, turn)
             if r >= 0:
                 for k, v in got.items():
                     rows[k].append(v)
         cold.close()
         warm.close()
-    base = statistics.median(t for t, _ in rows["cold"])
+    base = {k: statistics.median(t for t, _ in rows["next cold" if k.startswith("next") else "cold"])
+            for k in rows}
     name = torch.cuda.get_device_name() if args.device == "cuda" else "CPU"
     try:
         import fla  # noqa: F401
@@ -110,10 +123,10 @@ def main() -> None:
           f"{name}, linear layers by "
           f"{linear}; prefix {args.prefix} + question {args.question} tokens; prefix_path {args.prefix_path}; "
           f"median of {args.rounds} rounds")
-    print(f"{'row':<8} {'TTFT ms':>9} {'hit tokens':>11} {'vs cold':>8}")
+    print(f"{'row':<9} {'TTFT ms':>9} {'hit tokens':>11} {'vs cold':>8}")
     for k, res in rows.items():
         t = statistics.median(x for x, _ in res)
-        print(f"{k:<8} {t * 1e3:>9.1f} {statistics.median(h for _, h in res):>11.0f} {t / base:>7.2f}x")
+        print(f"{k:<9} {t * 1e3:>9.1f} {statistics.median(h for _, h in res):>11.0f} {t / base[k]:>7.2f}x")
 
 
 if __name__ == "__main__":
