@@ -22,7 +22,8 @@ hits through the answer.
 The snapshots are per adapter (per process): other processes share the K/V, and each
 computes a prefix's states once. A model whose multi-token forward does not start
 from the states in its cache (transformers' Jamba runs a prompt's Mamba scan from
-zero) takes no hit: `continues_states` finds that out with the model once.
+zero), or that keeps them outside the cache (RecurrentGemma, in its modules), takes no
+hit: `continues_states` finds that out with the model once.
 """
 from __future__ import annotations
 
@@ -217,6 +218,9 @@ def _continues_states(model) -> str | None:
             if isinstance(layer, LinearAttentionCacheLayerMixin):
                 first.setdefault(types[j], j)
         for t, j in first.items():
+            if all(x is None for kind in STATE_KINDS for x in getattr(cache.layers[j], kind).values()):
+                return (f"layer {j} ({t}) keeps its state outside the cache (in the model's modules), where "
+                        "no snapshot can restore it")
             for kind in STATE_KINDS:
                 states = getattr(cache.layers[j], kind)
                 if all(x is None for x in states.values()):

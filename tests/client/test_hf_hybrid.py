@@ -302,6 +302,28 @@ def test_states_that_cannot_be_kept_stop_the_hits_not_the_request(daemon, monkey
     ad.close()
 
 
+def test_a_model_keeping_its_states_in_its_modules_takes_no_hit(daemon):
+    """RecurrentGemma keeps its recurrent and convolution states in its modules, not in
+    the cache: no snapshot can restore them, and a hit would go on from the state the
+    last request left there (first logits 0.09 off transformers' for the tiny model). Its
+    prompts run in full, the check says why, and greedy and beam search give
+    transformers' tokens (beams: the prompt runs with generate()'s repeated rows)."""
+    config = transformers.RecurrentGemmaConfig(
+        num_hidden_layers=3, block_types=["recurrent", "recurrent", "attention"], head_dim=16, lru_width=64,
+        attention_window_size=64, **{k: v for k, v in SMALL.items() if k != "initializer_range"}, **HEADS)
+    torch.manual_seed(0)
+    model = transformers.RecurrentGemmaForCausalLM(config).eval()
+    ids, other = prompt(), prompt(60, seed=2)
+    ad = KVStoreAdapter(model, daemon, cache="hy-rg", codec="fp16", block_size=8, residual=8)
+    for x in (ids, other, ids):
+        assert torch.equal(_generate(ad, x), reference(model, x))
+    assert ad.states_off.startswith("layer 0 (linear_attention) keeps its state outside the cache")
+    assert len(ad.states) == 0 and ad.stats().prefix_hit_tokens == 0
+    beams = dict(num_beams=3, num_return_sequences=2)
+    assert torch.equal(_generate(ad, ids, **beams), reference(model, ids, **beams))
+    ad.close()
+
+
 def test_the_budget_drops_the_least_recently_used_states():
     from kvstore.client.hf_states import StateSnapshots
     one = {0: {"conv_states": {0: torch.zeros(4, dtype=torch.float32)}, "recurrent_states": {0: None}}}
