@@ -34,8 +34,10 @@ print(json.dumps({"cached": cached, "sealed": list(info.sealed_blocks), "tail": 
 def start_daemon(sock, hash_seed="0", extra=(), run_in=()):
     """run_in: a command prefix that runs the daemon elsewhere (another network namespace)."""
     env = dict(os.environ, PYTHONHASHSEED=hash_seed, PYTHONUNBUFFERED="1")
-    p = subprocess.Popen([*run_in, sys.executable, os.path.join(ROOT, "server.py"), "--socket", sock, "--device", "cpu",
-                          *extra],
+    # -X faulthandler: a start that times out is sent SIGABRT below, which prints every
+    # thread's Python stack, so the failure says where the daemon was
+    p = subprocess.Popen([*run_in, sys.executable, "-X", "faulthandler", os.path.join(ROOT, "server.py"), "--socket",
+                          sock, "--device", "cpu", *extra],
                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     target = f"unix://{sock}"
     from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -49,8 +51,12 @@ def start_daemon(sock, hash_seed="0", extra=(), run_in=()):
                     return p, target
         except grpc.RpcError:
             time.sleep(0.2)
-    p.kill()
-    raise RuntimeError("daemon did not become SERVING: " + p.stdout.read())
+    p.send_signal(signal.SIGABRT)
+    try:
+        p.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        p.kill()
+    raise RuntimeError("daemon did not become SERVING in 60 s; its output and stacks: " + p.stdout.read())
 
 
 def stop_daemon(p):
