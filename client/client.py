@@ -37,6 +37,11 @@ from .connection import Connection
 RETRIEVE_CALL_BYTES = 256 << 20
 
 
+def _dtype(g: pb.Geometry) -> torch.dtype:
+    """The cache's K/V dtype from its geometry."""
+    return wire.TO_TORCH[pb.DType.Value(g.dtype.upper())] if g.dtype else torch.float16
+
+
 def _normal(device) -> torch.device | None:
     """A device as a buffer is keyed by: CUDA with its index."""
     if device is None:
@@ -171,7 +176,7 @@ class KVStoreClient(Connection):
         if device is None:
             device = "cuda" if torch.cuda.is_available() else "cpu"
         g = self.get_cache(cache).spec.geometry
-        dtype = wire.TO_TORCH[pb.DType.Value(g.dtype.upper())] if g.dtype else torch.float16
+        dtype = _dtype(g)
         shapes = ((batch, g.num_kv_heads, g.head_dim),) * 2 + ((batch, g.num_q_heads, g.head_dim),) * 2
         device = _normal(device)
         nbytes = [math.prod(s) * dtype.itemsize for s in shapes]
@@ -192,12 +197,12 @@ class KVStoreClient(Connection):
         never cross host memory. A range larger than RETRIEVE_CALL_BYTES comes in calls
         of whole layers, so the buffer it crosses stays that size."""
         device = _normal(device)
-        info = self.get_cache(cache).spec.geometry if not out_bytes or device is not None else None
-        if info is None:     # the caller sized the output range: one call, as it asked
+        if out_bytes and device is None:     # the caller sized the output range: one call, as it asked
             return self._retrieve(cache, seq_id, start, end, layer_start, layer_end, out_bytes, None, None)
+        info = self.get_cache(cache).spec.geometry
         end = end or self.sequence_info(cache, seq_id).length     # sized here: the length, now
         layer_end = layer_end or info.num_layers
-        dtype = wire.TO_TORCH[pb.DType.Value(info.dtype.upper())] if info.dtype else torch.float16
+        dtype = _dtype(info)
         layer_bytes = max(0, end - start) * info.num_kv_heads * info.head_dim * dtype.itemsize
         step = max(1, RETRIEVE_CALL_BYTES // max(1, 2 * layer_bytes))
         if layer_end - layer_start <= step:       # one call (and the daemon's checks name a bad range)

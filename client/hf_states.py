@@ -117,24 +117,31 @@ def _to_host(x: torch.Tensor) -> torch.Tensor:
     return out.copy_(x.detach(), non_blocking=True)
 
 
+def _map_states(snap: dict, fn) -> dict:
+    """The snapshot with fn applied to each of its state tensors; other fields as they are."""
+    return {j: {f: {i: None if x is None else fn(x) for i, x in v.items()} if f in STATE_KINDS else v
+                for f, v in fields.items()} for j, fields in snap.items()}
+
+
 def take(cache, copy_to=None) -> dict:
     """Row 0's state layers (a cache of one sequence) as copies (default: on the host)."""
-    copy_to = copy_to or _to_host
     names = linear_fields()
-    out = {}
-    for j, layer in enumerate(cache.layers):
-        if not isinstance(layer, LinearAttentionCacheLayerMixin):
-            continue
-        fields = {f: copy.copy(getattr(layer, f)) for f in names}
-        for f in STATE_KINDS:
-            fields[f] = {i: None if x is None else copy_to(x) for i, x in fields[f].items()}
-        out[j] = fields
-    return out
+    fields = {j: {f: copy.copy(getattr(layer, f)) for f in names} for j, layer in enumerate(cache.layers)
+              if isinstance(layer, LinearAttentionCacheLayerMixin)}
+    return _map_states(fields, copy_to or _to_host)
 
 
-def to_host(snap: dict) -> dict:
-    return {j: {f: {i: None if x is None else _to_host(x) for i, x in v.items()} if f in STATE_KINDS else v
-                for f, v in fields.items()} for j, fields in snap.items()}
+def _keep(ad, key: bytes, snapshot) -> None:
+    """Put snapshot() (host copies) in the adapter's store. Pinned host memory refused (a
+    locked-memory limit, say): the adapter keeps no states from then on, saying why, and
+    the request goes on without."""
+    try:
+        snap = snapshot()
+    except RuntimeError as e:
+        ad.states_off = f"keeping the states failed: {e}"
+        log.warning("kvstore: %s; prompts of this model take no prefix hit from now on", ad.states_off)
+        return
+    ad.states.put(key, snap)
 
 
 class DecodeBoundaries:
@@ -171,13 +178,8 @@ class DecodeBoundaries:
         ad = cache.adapter
         if not self.at or cache.local or ad.states_off is not None or cache._ids is None:
             return
-        keys = ad.states.keys(cache._ids[0, :self.at].tolist())
-        try:
-            ad.states.put(keys[-1], to_host(self.snap))
-        except RuntimeError as e:       # pinned host memory refused
-            ad.states_off = f"keeping the states failed: {e}"
-            log.warning("kvstore: %s; prompts of this model take no prefix hit from now on", ad.states_off)
-        self.snap = None
+        snap, self.snap = self.snap, None
+        _keep(ad, ad.states.keys(cache._ids[0, :self.at].tolist())[-1], lambda: _map_states(snap, _to_host))
 
 
 def restore(cache, snap: dict) -> None:
@@ -266,13 +268,7 @@ def stateful_cache(ad, kv, seq_ids: list[str], input_ids: torch.Tensor) -> KVSto
             continue
         cache.run_chunks(input_ids[:, cache.length:stop], chunk=None if codes else stop - cache.length)
         if not cache.local and ad.states_off is None:
-            try:
-                snap = take(cache)
-            except RuntimeError as e:   # pinned host memory refused (a locked-memory limit, say)
-                ad.states_off = f"keeping the states failed: {e}"       # the request goes on without
-                log.warning("kvstore: %s; prompts of this model take no prefix hit from now on", ad.states_off)
-                continue
-            store.put(keys[stop // bs - 1], snap)
+            _keep(ad, keys[stop // bs - 1], lambda: take(cache))
     cache.keep_kv = False
     cache.boundaries = DecodeBoundaries(cache.length)
     return cache
