@@ -46,54 +46,120 @@ STATE_KINDS = ("conv_states", "recurrent_states")
 
 class StateSnapshots:
     """The states of a model's state layers at prompt block boundaries, in host memory:
-    key (the tokens up to a boundary, chained per block) -> {model layer: its fields}."""
+    key (the tokens up to a boundary, chained per block) -> {model layer: its fields}.
+
+    The first snapshot takes the whole budget at once, pinned where the states are on a
+    GPU, and cuts it into slots of that snapshot's size (every snapshot of a model has
+    the same shapes, B = 1). Keeping a snapshot is then an asynchronous copy into a free
+    slot, or into the least recently used one's: no request pins memory, which costs
+    ~0.9 ms per MiB on an H200 host, 17 ms for each snapshot of a 1.4 B Qwen3.5-style
+    model (docs/design.md, Prefix sharing)."""
 
     def __init__(self, block_size: int, max_bytes: int):
         self.block_size, self.max_bytes = block_size, max_bytes
-        self._snaps: OrderedDict[bytes, tuple[dict, int]] = OrderedDict()
+        self._snaps: OrderedDict[bytes, tuple[dict, int]] = OrderedDict()      # key -> (snapshot, slot)
         self._lock = threading.Lock()       # requests of one adapter may run on several threads
-        self.bytes = 0
+        self._memory: torch.Tensor | None = None      # uint8 [slots * slot_bytes]
+        self.slot_bytes = 0
+        self._free: list[int] = []
+        self._written: dict[int, list] = {}           # slot -> CUDA events after the copies into it
         self.hits = self.stored = self.evicted = 0
 
     def __len__(self) -> int:
         return len(self._snaps)
 
-    def keys(self, tokens: list[int]) -> list[bytes]:
-        """keys[i]: the key of tokens[:(i + 1) * block_size], for every full block."""
-        out, h = [], b""
-        bs = self.block_size
+    @property
+    def bytes(self) -> int:
+        return len(self._snaps) * self.slot_bytes
+
+    def keys(self, tokens: list[int], known: list[bytes] = ()) -> list[bytes]:
+        """keys[i]: the key of tokens[:(i + 1) * block_size], for every full block; `known`:
+        the keys of a prefix of tokens already, which the chain goes on from."""
+        out, bs = list(known), self.block_size
+        h = out[-1] if out else b""
         arr = np.asarray(tokens, dtype=np.int64)
-        for i in range(len(tokens) // bs):
+        for i in range(len(out), len(tokens) // bs):
             h = hashlib.blake2b(h + arr[i * bs:(i + 1) * bs].tobytes(), digest_size=16).digest()
             out.append(h)
         return out
 
-    def longest(self, keys: list[bytes], limit: int) -> tuple[int, dict | None]:
-        """(tokens, snapshot) of the longest boundary <= limit tokens with a snapshot
-        held; (0, None) when none."""
+    def longest(self, keys: list[bytes], limit: int) -> int:
+        """The tokens of the longest boundary <= limit with a snapshot held; 0 when none."""
         with self._lock:
             for i in range(min(limit // self.block_size, len(keys)) - 1, -1, -1):
-                got = self._snaps.get(keys[i])
-                if got is not None:
-                    self._snaps.move_to_end(keys[i])
-                    return (i + 1) * self.block_size, got[0]
-        return 0, None
+                if keys[i] in self._snaps:
+                    return (i + 1) * self.block_size
+        return 0
 
-    def put(self, key: bytes, snap: dict) -> None:
-        n = snapshot_bytes(snap)
-        if n > self.max_bytes:
-            return
+    def holds(self, key: bytes) -> bool:
+        """The store has key's states (now its most recently used)."""
         with self._lock:
-            old = self._snaps.pop(key, None)
-            if old is not None:
-                self.bytes -= old[1]
-            while self._snaps and self.bytes + n > self.max_bytes:
-                _, (_, m) = self._snaps.popitem(last=False)
-                self.bytes -= m
+            if key in self._snaps:
+                self._snaps.move_to_end(key)
+                return True
+        return False
+
+    def copy_out(self, key: bytes) -> dict | None:
+        """key's snapshot with its states copied to the devices they came from (their slot
+        is free to be written again once this returns); None when not held (gone since)."""
+        with self._lock:
+            got = self._snaps.get(key)
+            if got is None:
+                return None
+            self._snaps.move_to_end(key)
+            snap, slot = got
+            for ev in self._written.get(slot, ()):          # written from another stream, say
+                ev.synchronize()
+            out = _map_states(snap, None, lambda x, fields: x.to(fields["device"] or "cpu", copy=True,
+                                                                  non_blocking=True))
+            _synchronize(out)
+            return out
+
+    def put(self, key: bytes, states: dict) -> None:
+        """Copy states ({model layer: fields}, on any device) into a slot under key. The
+        copy is queued on the states' streams, before any later kernel there updates them."""
+        size = _slot_size(states)
+        with self._lock:
+            if key in self._snaps:
+                self._snaps.move_to_end(key)
+                return
+            if self._memory is None:
+                slots = self.max_bytes // size if size else 0
+                if not slots:
+                    return
+                pinned = any(x.is_cuda for fields in states.values() for x in _tensors(fields))
+                self._memory = _host_bytes(slots * size, pinned)
+                self.slot_bytes, self._free = size, list(range(slots - 1, -1, -1))
+            if size > self.slot_bytes:
+                log.warning("kvstore: a snapshot of %d bytes does not fit the %d-byte slots; not kept",
+                            size, self.slot_bytes)
+                return
+            if not self._free:
+                _, (_, slot) = self._snaps.popitem(last=False)
+                self._free.append(slot)
                 self.evicted += 1
-            self._snaps[key] = (snap, n)
-            self.bytes += n
+            slot = self._free.pop()
+            for ev in self._written.pop(slot, ()):        # a copy into it may still be queued
+                ev.synchronize()
+            at = slot * self.slot_bytes
+
+            def into(x, fields):
+                nonlocal at
+                n = x.numel() * x.element_size()
+                view = self._memory[at:at + n].view(x.dtype).view(x.shape)
+                at += _aligned(n)
+                return view.copy_(x.detach(), non_blocking=True)
+            snap = _map_states(states, None, into)
+            self._written[slot] = [torch.cuda.current_stream(d).record_event() for d in _cuda_devices(states)]
+            self._snaps[key] = (snap, slot)
             self.stored += 1
+
+
+ALIGN = 16      # a slot's tensors start at multiples of this: views of any dtype
+
+
+def _host_bytes(n: int, pinned: bool) -> torch.Tensor:
+    return torch.empty(n, dtype=torch.uint8, pin_memory=pinned)
 
 
 def _tensors(fields: dict):
@@ -103,45 +169,52 @@ def _tensors(fields: dict):
                 yield x
 
 
-def snapshot_bytes(snap: dict) -> int:
-    return sum(x.numel() * x.element_size() for fields in snap.values() for x in _tensors(fields))
+def _aligned(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
 
 
-def _to_host(x: torch.Tensor) -> torch.Tensor:
-    """A host copy of x. From a GPU: into pinned memory, asynchronously; the copy is
-    ordered on the stream before the next forward's kernels update x, and a restore
-    copies back on that stream, so nothing waits for it."""
-    if x.device.type != "cuda":
-        return x.detach().clone()
-    out = torch.empty(x.shape, dtype=x.dtype, pin_memory=True)
-    return out.copy_(x.detach(), non_blocking=True)
+def _slot_size(states: dict) -> int:
+    return sum(_aligned(x.numel() * x.element_size()) for fields in states.values() for x in _tensors(fields))
 
 
-def _map_states(snap: dict, fn) -> dict:
-    """The snapshot with fn applied to each of its state tensors; other fields as they are."""
-    return {j: {f: {i: None if x is None else fn(x) for i, x in v.items()} if f in STATE_KINDS else v
+def _cuda_devices(states: dict) -> set:
+    return {x.device for fields in states.values() for x in _tensors(fields) if x.is_cuda}
+
+
+def _synchronize(states: dict) -> None:
+    for d in _cuda_devices(states):
+        torch.cuda.current_stream(d).synchronize()
+
+
+def _map_states(snap: dict, fn, fn_fields=None) -> dict:
+    """The snapshot with fn(x) (or fn_fields(x, the layer's fields)) applied to each of its
+    state tensors; other fields as they are."""
+    def one(x, fields):
+        return fn(x) if fn_fields is None else fn_fields(x, fields)
+    return {j: {f: {i: None if x is None else one(x, fields) for i, x in v.items()} if f in STATE_KINDS else v
                 for f, v in fields.items()} for j, fields in snap.items()}
 
 
 def take(cache, copy_to=None) -> dict:
-    """Row 0's state layers (a cache of one sequence) as copies (default: on the host)."""
+    """Row 0's state layers (a cache of one sequence): the live tensors, or copy_to's copies."""
     names = linear_fields()
     fields = {j: {f: copy.copy(getattr(layer, f)) for f in names} for j, layer in enumerate(cache.layers)
               if isinstance(layer, LinearAttentionCacheLayerMixin)}
-    return _map_states(fields, copy_to or _to_host)
+    return fields if copy_to is None else _map_states(fields, copy_to)
 
 
-def _keep(ad, key: bytes, snapshot) -> None:
-    """Put snapshot() (host copies) in the adapter's store. Pinned host memory refused (a
+def _keep(ad, key: bytes, states) -> None:
+    """Put states() in the adapter's store under key; nothing when it holds key already
+    (the same tokens: the same states). Host memory refused (pinned memory past a
     locked-memory limit, say): the adapter keeps no states from then on, saying why, and
     the request goes on without."""
+    if ad.states.holds(key):
+        return
     try:
-        snap = snapshot()
+        ad.states.put(key, states())
     except RuntimeError as e:
         ad.states_off = f"keeping the states failed: {e}"
         log.warning("kvstore: %s; prompts of this model take no prefix hit from now on", ad.states_off)
-        return
-    ad.states.put(key, snap)
 
 
 class DecodeBoundaries:
@@ -150,11 +223,11 @@ class DecodeBoundaries:
     the answer's K/V (the decode steps send their token ids), and this snapshot lets the
     next prompt hit through the answer rather than at this prompt's end. Copied on the
     device before each forward that starts at a boundary (the states then hold exactly the
-    tokens before it) and when the request ends, into one buffer; handed to the host store
-    then."""
+    tokens before it) and when the request ends, into one buffer; put in the store then."""
 
-    def __init__(self, start: int):
+    def __init__(self, start: int, keys: list[bytes]):
         self.start = start          # the prompt's boundaries are kept already (stateful_cache)
+        self.keys = keys            # the prompt's block keys, which the answer's go on from
         self.at, self.snap = 0, None
 
     def before_forward(self, cache) -> None:
@@ -166,7 +239,7 @@ class DecodeBoundaries:
         if self.snap is None:
             self.snap = take(cache, copy_to=lambda x: x.detach().clone())
         else:
-            for j, fields in take(cache, copy_to=lambda x: x).items():      # the same shapes: copied in place
+            for j, fields in take(cache).items():      # the same shapes: copied in place
                 for f in STATE_KINDS:
                     for i, x in fields[f].items():
                         if x is not None:
@@ -179,20 +252,17 @@ class DecodeBoundaries:
         if not self.at or cache.local or ad.states_off is not None or cache._ids is None:
             return
         snap, self.snap = self.snap, None
-        _keep(ad, ad.states.keys(cache._ids[0, :self.at].tolist())[-1], lambda: _map_states(snap, _to_host))
+        keys = ad.states.keys(cache._ids[0, :self.at].tolist(), self.keys[:self.at // ad.states.block_size])
+        _keep(ad, keys[-1], lambda: snap)
 
 
 def restore(cache, snap: dict) -> None:
-    """Put a snapshot's states into a fresh cache's state layers, on their devices."""
+    """Put a snapshot's states (StateSnapshots.copy_out's, on their devices) into a fresh
+    cache's state layers."""
     for j, fields in snap.items():
         layer = cache.layers[j]
         for f, value in fields.items():
-            if f in STATE_KINDS:
-                value = {i: None if x is None else x.to(fields["device"] or "cpu", copy=True, non_blocking=True)
-                         for i, x in value.items()}
-            else:
-                value = copy.copy(value)
-            setattr(layer, f, value)
+            setattr(layer, f, dict(value) if f in STATE_KINDS else copy.copy(value))
 
 
 def continues_states(model) -> str | None:
@@ -247,12 +317,14 @@ def stateful_cache(ad, kv, seq_ids: list[str], input_ids: torch.Tensor) -> KVSto
     bs = store.block_size
     keys = store.keys(ids)
     reach = hit = ad._allocate(kv, sid, ids)
-    held, snap = store.longest(keys, hit)
-    while hit > held:       # the daemon's K/V reach past the states held: hit where they end
+    snap = None
+    while hit:      # the daemon's K/V reach past the states held: hit where they end
+        held = store.longest(keys, hit)
+        if held == hit and (snap := store.copy_out(keys[hit // bs - 1])) is not None:
+            break
         for c in ad.groups.caches():
             kv.free(c, [sid])
         hit = ad._allocate(kv, sid, ids[:held + 1] if held else [])
-        held, snap = store.longest(keys, hit)
     cache = KVStoreCache(ad, seq_ids, input_ids[:, :hit], None)
     # After a hit the rest runs by the multi-token path (adapter.takes_codes), or retrieves
     # the prefix once; each part's K/V computed in-process stay as the next part's prefix.
@@ -270,5 +342,5 @@ def stateful_cache(ad, kv, seq_ids: list[str], input_ids: torch.Tensor) -> KVSto
         if not cache.local and ad.states_off is None:
             _keep(ad, keys[stop // bs - 1], lambda: take(cache))
     cache.keep_kv = False
-    cache.boundaries = DecodeBoundaries(cache.length)
+    cache.boundaries = DecodeBoundaries(cache.length, keys)
     return cache

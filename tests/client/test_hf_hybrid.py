@@ -288,12 +288,12 @@ def test_states_that_cannot_be_kept_stop_the_hits_not_the_request(daemon, monkey
     request runs on, and the adapter keeps no states from then on, saying why."""
     from kvstore.client import hf_states
 
-    def refused(x):
+    def refused(n, pinned):
         raise RuntimeError("cudaHostAlloc: out of memory")
     model = build("qwen3_5")
     ids = prompt()
     want = reference(model, ids)
-    monkeypatch.setattr(hf_states, "_to_host", refused)
+    monkeypatch.setattr(hf_states, "_host_bytes", refused)
     ad = KVStoreAdapter(model, daemon, cache="hy-nopin", codec="fp16", block_size=8, residual=8)
     for _ in range(2):
         assert torch.equal(_generate(ad, ids), want)
@@ -325,19 +325,39 @@ def test_a_model_keeping_its_states_in_its_modules_takes_no_hit(daemon):
 
 
 def test_the_budget_drops_the_least_recently_used_states():
+    """The store's budget holds two 16-byte snapshots: a third takes the least recently
+    used one's slot, and what comes out of every slot is what went in."""
     from kvstore.client.hf_states import StateSnapshots
-    one = {0: {"conv_states": {0: torch.zeros(4, dtype=torch.float32)}, "recurrent_states": {0: None}}}
+
+    def states(x):
+        return {0: {"conv_states": {0: torch.full((4,), float(x))}, "recurrent_states": {0: None}, "device": None}}
+
+    def value(key):
+        got = store.copy_out(key)
+        return None if got is None else got[0]["conv_states"][0].tolist()
     store = StateSnapshots(block_size=2, max_bytes=40)
     keys = store.keys([1, 2, 3, 4, 5, 6, 7])
     assert len(keys) == 3 and keys != store.keys([9, 2, 3, 4, 5, 6])[:3]
     assert keys[:2] == store.keys([1, 2, 3, 4])       # chained: a prefix's keys are its own
-    for k in keys:
-        store.put(k, one)               # 16 bytes each: the third drops the first
+    assert store.keys([1, 2, 3, 4, 5, 6, 7], keys[:1]) == keys      # and go on from a prefix's
+    for i, k in enumerate(keys):
+        store.put(k, states(i))             # the third drops the first
     assert len(store) == 2 and store.bytes == 32 and store.evicted == 1
-    assert store.longest(keys, 6)[0] == 6 and store.longest(keys, 5)[0] == 4
-    assert store.longest(keys, 3) == (0, None)        # the first block's states went
-    store.put(keys[0], one)             # drops keys[2]: keys[1] was used since
-    assert store.longest(keys, 6)[0] == 4 and store.longest(keys, 3)[0] == 2 and store.evicted == 2
+    assert store.longest(keys, 6) == 6 and store.longest(keys, 5) == 4
+    assert store.longest(keys, 3) == 0 and value(keys[0]) is None     # the first block's states went
+    assert value(keys[1]) == [1.0] * 4      # used: keys[2] is now the least recently used
+    store.put(keys[0], states(7))
+    assert store.longest(keys, 6) == 4 and store.longest(keys, 3) == 2 and store.evicted == 2
+    assert value(keys[0]) == [7.0] * 4 and value(keys[1]) == [1.0] * 4 and value(keys[2]) is None
+    store.put(keys[0], states(8))           # held: the same tokens' states are not copied again
+    assert value(keys[0]) == [7.0] * 4 and store.stored == 4
+
+
+def test_a_snapshot_larger_than_the_budget_is_not_kept():
+    from kvstore.client.hf_states import StateSnapshots
+    store = StateSnapshots(block_size=2, max_bytes=8)
+    store.put(b"k", {0: {"conv_states": {0: torch.zeros(4)}, "recurrent_states": {}, "device": None}})
+    assert len(store) == 0 and store.stored == 0 and store.longest([b"k"], 2) == 0
 
 
 def test_a_model_that_restarts_its_states_in_a_prompt_takes_no_hit(daemon):
