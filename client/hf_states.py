@@ -110,8 +110,7 @@ class StateSnapshots:
             snap, slot = got
             for ev in self._written.get(slot, ()):          # written from another stream, say
                 ev.synchronize()
-            out = _map_states(snap, None, lambda x, fields: x.to(fields["device"] or "cpu", copy=True,
-                                                                  non_blocking=True))
+            out = _map_states(snap, lambda x, fields: x.to(fields["device"] or "cpu", copy=True, non_blocking=True))
             _synchronize(out)
             return out
 
@@ -126,7 +125,8 @@ class StateSnapshots:
             if self._memory is None:
                 slots = self.max_bytes // size if size else 0
                 if not slots:
-                    return
+                    raise ValueError(f"state_cache_bytes={self.max_bytes} holds no snapshot of this model's "
+                                     f"states ({size} bytes)")
                 pinned = any(x.is_cuda for fields in states.values() for x in _tensors(fields))
                 self._memory = _host_bytes(slots * size, pinned)
                 self.slot_bytes, self._free = size, list(range(slots - 1, -1, -1))
@@ -149,7 +149,7 @@ class StateSnapshots:
                 view = self._memory[at:at + n].view(x.dtype).view(x.shape)
                 at += _aligned(n)
                 return view.copy_(x.detach(), non_blocking=True)
-            snap = _map_states(states, None, into)
+            snap = _map_states(states, into)
             self._written[slot] = [torch.cuda.current_stream(d).record_event() for d in _cuda_devices(states)]
             self._snaps[key] = (snap, slot)
             self.stored += 1
@@ -186,12 +186,10 @@ def _synchronize(states: dict) -> None:
         torch.cuda.current_stream(d).synchronize()
 
 
-def _map_states(snap: dict, fn, fn_fields=None) -> dict:
-    """The snapshot with fn(x) (or fn_fields(x, the layer's fields)) applied to each of its
-    state tensors; other fields as they are."""
-    def one(x, fields):
-        return fn(x) if fn_fields is None else fn_fields(x, fields)
-    return {j: {f: {i: None if x is None else one(x, fields) for i, x in v.items()} if f in STATE_KINDS else v
+def _map_states(snap: dict, fn) -> dict:
+    """The snapshot with fn(x, the layer's fields) applied to each of its state tensors;
+    other fields as they are."""
+    return {j: {f: {i: None if x is None else fn(x, fields) for i, x in v.items()} if f in STATE_KINDS else v
                 for f, v in fields.items()} for j, fields in snap.items()}
 
 
@@ -200,19 +198,19 @@ def take(cache, copy_to=None) -> dict:
     names = linear_fields()
     fields = {j: {f: copy.copy(getattr(layer, f)) for f in names} for j, layer in enumerate(cache.layers)
               if isinstance(layer, LinearAttentionCacheLayerMixin)}
-    return fields if copy_to is None else _map_states(fields, copy_to)
+    return fields if copy_to is None else _map_states(fields, lambda x, _: copy_to(x))
 
 
 def _keep(ad, key: bytes, states) -> None:
     """Put states() in the adapter's store under key; nothing when it holds key already
     (the same tokens: the same states). Host memory refused (pinned memory past a
-    locked-memory limit, say): the adapter keeps no states from then on, saying why, and
-    the request goes on without."""
+    locked-memory limit, say) or a budget too small for one snapshot: the adapter keeps no
+    states from then on, saying why, and the request goes on without."""
     if ad.states.holds(key):
         return
     try:
         ad.states.put(key, states())
-    except RuntimeError as e:
+    except (RuntimeError, ValueError) as e:
         ad.states_off = f"keeping the states failed: {e}"
         log.warning("kvstore: %s; prompts of this model take no prefix hit from now on", ad.states_off)
 

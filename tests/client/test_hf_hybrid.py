@@ -5,6 +5,7 @@ layers' recurrent and convolution states stay in transformers' own cache layers,
 in-process. Tiny random models (no download), fp16 codec: greedy and beam-search
 generate() equal transformers' own, the daemon going away at any point included."""
 import copy
+import re
 import warnings
 
 import pytest
@@ -353,11 +354,20 @@ def test_the_budget_drops_the_least_recently_used_states():
     assert value(keys[0]) == [7.0] * 4 and store.stored == 4
 
 
-def test_a_snapshot_larger_than_the_budget_is_not_kept():
-    from kvstore.client.hf_states import StateSnapshots
-    store = StateSnapshots(block_size=2, max_bytes=8)
-    store.put(b"k", {0: {"conv_states": {0: torch.zeros(4)}, "recurrent_states": {}, "device": None}})
-    assert len(store) == 0 and store.stored == 0 and store.longest([b"k"], 2) == 0
+def test_a_budget_smaller_than_one_snapshot_says_so(daemon):
+    """state_cache_bytes below one snapshot of the model's states: the requests give
+    transformers' tokens, none hits, and states_off names the setting and the size."""
+    model = build("qwen3_5")
+    ids = prompt()
+    want = reference(model, ids)
+    ad = KVStoreAdapter(model, daemon, cache="hy-tiny-budget", codec="fp16", block_size=8, residual=8,
+                        state_cache_bytes=64)
+    for _ in range(2):
+        assert torch.equal(_generate(ad, ids), want)
+    assert re.fullmatch(r"keeping the states failed: state_cache_bytes=64 holds no snapshot of this model's "
+                        r"states \(\d+ bytes\)", ad.states_off), ad.states_off
+    assert len(ad.states) == 0 and ad.stats().prefix_hit_tokens == 0
+    ad.close()
 
 
 def test_a_model_that_restarts_its_states_in_a_prompt_takes_no_hit(daemon):
