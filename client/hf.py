@@ -308,14 +308,9 @@ class KVStoreAdapter:
                     cache.run_chunks(input_ids[:, cached:-1])       # generate() runs the last token
                     return cache
                 self.prefix_runs["retrieve"] += 1
-                k, v = self.retrieve(kv, sid, cached)                     # [L, P, Hkv, d]
-                if self.transform is not None:
-                    k = torch.stack([self.transform.inverse(k[l].float(), l, "k") for l in range(self.num_layers)])
-                    v = torch.stack([self.transform.inverse(v[l].float(), l, "v") for l in range(self.num_layers)])
-                # on the model's device already; the model's dtype may not be the cache's
-                at = dict(device=self.model.device, dtype=self.model.dtype)
-                prefix = (k.transpose(1, 2).unsqueeze(1).to(**at),
-                          v.transpose(1, 2).unsqueeze(1).to(**at))   # [L, 1, Hkv, P, d]
+                # [L, P, Hkv, d] -> [L, 1, Hkv, P, d]; the model's dtype may not be the cache's
+                prefix = tuple(x.transpose(1, 2).unsqueeze(1).to(self.model.dtype)
+                               for x in self.retrieve(kv, sid, cached))
                 return KVStoreCache(self, seq_ids, input_ids[:, :cached], prefix)
             return KVStoreCache(self, seq_ids, input_ids[:, :0], None, pads=pads)
         except FALLBACK_ERRORS as e:
@@ -350,15 +345,20 @@ class KVStoreAdapter:
 
     def retrieve(self, kv: KVStoreClient, sid: str, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K, V [L, length, Hkv, d] of sid's first `length` tokens, on the model's device,
-        as the daemon stores them: each group's from the first position its window still
-        reads (what the daemon keeps), zeros before it (positions the windows mask out)."""
+        as the model computed them (the client's transform undone): each group's from the
+        first position its window still reads (what the daemon keeps), zeros before it
+        (positions the windows mask out)."""
         ks, vs = [], []
         for g in self.groups:
             lo = g.first_needed(length)
             k, v = kv.retrieve(g.cache, sid, lo, length, device=self.model.device)
             ks.append(torch.nn.functional.pad(k, (0, 0, 0, 0, lo, 0)))
             vs.append(torch.nn.functional.pad(v, (0, 0, 0, 0, lo, 0)))
-        return self.groups.merge(ks), self.groups.merge(vs)
+        k, v, t = self.groups.merge(ks), self.groups.merge(vs), self.transform
+        if t is None:
+            return k, v
+        return tuple(torch.stack([t.inverse(x[l].float(), l, n) for l in range(self.num_layers)])
+                     for x, n in ((k, "k"), (v, "v")))
 
     def generate(self, input_ids: torch.Tensor, **kwargs) -> torch.Tensor:
         """model.generate with a daemon cache, freed afterwards. A batch of

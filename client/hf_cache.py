@@ -229,13 +229,10 @@ class KVStoreCache(Cache):
         """K/V [L, B, Hkv, length, d] of the tokens so far; zeros where a row is
         padded, or where a sliding layer's window no longer reaches (the attention
         mask hides those positions; the daemon freed them: KVStoreAdapter.retrieve)."""
-        kv, t = self.adapter.client(), self.adapter.transform
+        kv = self.adapter.client()
         ks, vs = [], []
         for sid, pad in zip(self.seq_ids, self.pads):
             k, v = self.adapter.retrieve(kv, sid, self.length - pad)       # [L, P, Hkv, d]
-            if t is not None:
-                k = torch.stack([t.inverse(k[l].float(), l, "k") for l in range(self.num_layers)])
-                v = torch.stack([t.inverse(v[l].float(), l, "v") for l in range(self.num_layers)])
             ks.append(torch.nn.functional.pad(k.transpose(1, 2), (0, 0, pad, 0)))
             vs.append(torch.nn.functional.pad(v.transpose(1, 2), (0, 0, pad, 0)))
         at = dict(device=self._step[0][0].device, dtype=self._step[0][0].dtype)   # the step's dtype may not be the cache's

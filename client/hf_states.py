@@ -127,7 +127,7 @@ class StateSnapshots:
                 if not slots:
                     raise ValueError(f"state_cache_bytes={self.max_bytes} holds no snapshot of this model's "
                                      f"states ({size} bytes)")
-                pinned = any(x.is_cuda for fields in states.values() for x in _tensors(fields))
+                pinned = bool(_cuda_devices(states))
                 self._memory = _host_bytes(slots * size, pinned)
                 self.slot_bytes, self._free = size, list(range(slots - 1, -1, -1))
             if size > self.slot_bytes:
