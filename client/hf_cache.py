@@ -195,11 +195,15 @@ class KVStoreCache(Cache):
         chunk = chunk or self.adapter.chunk
         for lo in range(0, ids.shape[1], chunk):
             part = ids[:, lo:lo + chunk]
-            # positions as generate() numbers them: some models (Bamba) count from 0 without
-            # them, whatever the cache holds
-            pos = torch.arange(self.length, self.length + part.shape[1])[None] - torch.tensor(self.pads)[:, None]
+            # positions given: some models (Bamba) count from 0 without them, whatever the cache holds
+            pos = self.positions(self.length, self.length + part.shape[1])
             self.begin_forward(part)
-            base(input_ids=part.to(dev), past_key_values=self, use_cache=True, position_ids=pos.clamp(min=0).to(dev))
+            base(input_ids=part.to(dev), past_key_values=self, use_cache=True, position_ids=pos.to(dev))
+
+    def positions(self, lo: int, hi: int) -> torch.Tensor:
+        """position_ids [B, hi - lo] of positions [lo, hi): from 0 at a row's first real
+        token, as generate() numbers left-padded rows; 0 on the padding, which masks hide."""
+        return (torch.arange(lo, hi)[None] - torch.tensor(self.pads)[:, None]).clamp(min=0)
 
     # -------------------------------------------------------------- prefill
     def _prefill_update(self, k: torch.Tensor, v: torch.Tensor, at: int, layer: int):
@@ -332,7 +336,7 @@ class KVStoreCache(Cache):
             base, dev = self.adapter.model.base_model, self.adapter.model.device
             mask = (torch.arange(self.length)[None, :] >= torch.tensor(self.pads)[:, None]).long()   # [B, length]
             base(input_ids=self._ids.to(dev), attention_mask=mask.to(dev), past_key_values=dyn, use_cache=True,
-                 position_ids=(mask.cumsum(-1) - 1).clamp(min=0).to(dev))   # as generate() numbers padded rows
+                 position_ids=self.positions(0, self.length).to(dev))
         for i in range(done_layers):
             dyn.layers[kv_layers[i]].update(*self._step[i])
         fields = linear_fields()
