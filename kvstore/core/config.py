@@ -118,6 +118,9 @@ class CacheConfig:
         self._validate()
         if self.host_bytes < 0:
             raise InvalidArgument("host_bytes", "must be >= 0")
+        if 0 < self.host_bytes < self.host_pair_bytes():
+            raise InvalidArgument("host_bytes", f"{self.host_bytes} holds no host block: the host tier keeps "
+                                  f"a main and a tail block together, {self.host_pair_bytes()} bytes")
         if not 0.0 <= self.low_watermark < 1.0:
             raise InvalidArgument("low_watermark", f"must be in [0, 1), got {self.low_watermark}")
 
@@ -211,3 +214,11 @@ class CacheConfig:
 
     def tail_capacity_blocks(self) -> int:
         return self.max_sequences * self.tail_blocks_per_sequence()
+
+    def host_pair_bytes(self) -> int:
+        """A main block's payload and an fp16 tail block's: the host tier's unit."""
+        return self.bytes_per_block() + self.block_size * self.fp16_bytes_per_token()
+
+    def host_tier_bytes(self) -> int:
+        """What the host tier takes of host_bytes: whole (main, tail) block pairs."""
+        return self.host_bytes // self.host_pair_bytes() * self.host_pair_bytes()

@@ -7,8 +7,10 @@ def stats(c) -> dict:
     main = c.main_pool.stats()
     tail = c.tail_pool.stats() if c.is_pq else None
     tokens = sum(s.length for s in c.seqs.values())
-    # Tokens in sealed blocks the sequences hold (a hole holds none: engine/window.py).
-    sealed_tokens = sum(len(s.held_sealed()) * c.bs for s in c.seqs.values())
+    # Tokens in sealed blocks the sequences hold, in every tier (a hole holds none: engine/window.py).
+    sealed_tokens = sum(s.sealed_count() * c.bs for s in c.seqs.values())
+    # The GPU pools' bytes over the tokens they hold: host and disk tokens take none of them.
+    gpu_tokens = sum(s.length for s in c.seqs.values() if s.tier == "gpu")
     k = c.counters
     used_bytes = main.used * c.cfg.bytes_per_block()
     if c.is_pq:
@@ -20,7 +22,7 @@ def stats(c) -> dict:
         bytes_per_token=c.cfg.bytes_per_token(), fp16_bytes_per_token=c.cfg.fp16_bytes_per_token(),
         compression_ratio=c.cfg.fp16_bytes_per_token() / c.cfg.bytes_per_token(),
         used_bytes=used_bytes,
-        effective_bytes_per_token=(used_bytes / tokens) if tokens else 0.0,
+        effective_bytes_per_token=(used_bytes / gpu_tokens) if gpu_tokens else 0.0,
         prefix_hit_rate=(k["prefix_hit_tokens"] / k["prefix_query_tokens"]) if k["prefix_query_tokens"] else 0.0,
         tiers=c.tiering.stats() if c.tiering is not None else None,
         redis=c.redis.stats() if c.redis is not None else None,

@@ -51,10 +51,11 @@ def check_budget(held: list[CacheConfig], cfg: CacheConfig, max_pool_bytes: int)
         used, need = sum(results.pool_memory(c) for c in held), results.pool_memory(cfg)
         if used + need > max_pool_bytes:
             # named: the field of the largest part (the main pool's size, or the host tier)
-            main = need - cfg.host_bytes
-            field = "host_bytes" if cfg.host_bytes > main else "pool_bytes" if cfg.pool_bytes else "num_blocks"
+            host = cfg.host_tier_bytes()
+            main = need - host
+            field = "host_bytes" if host > main else "pool_bytes" if cfg.pool_bytes else "num_blocks"
             raise ResourceExhausted(field, f"the cache needs {need} bytes ({main} for its GPU pools, "
-                                    f"{cfg.host_bytes} for its host tier); {max(0, max_pool_bytes - used)} of "
+                                    f"{host} for its host tier); {max(0, max_pool_bytes - used)} of "
                                     "the daemon's --max-pool-bytes are left")
 
 
@@ -111,15 +112,15 @@ def drop(cache, mappers: int, force: bool, live) -> DeleteResult:
                      disk_sequences=sum(1 for s in seqs if s.manifest is not None),
                      main_blocks=main_blocks, tail_blocks=tail_blocks, host_blocks=host_blocks,
                      cached_blocks=0, reserved_bytes=results.pool_memory(cache.cfg))
+    # before the frees, which turn the blocks sequences held (counted above) into cached ones
+    pools = [cache.main_pool] + ([cache.tail_pool] if cache.is_pq else [])
+    if cache.tiering is not None and cache.tiering.host is not None:
+        pools += [cache.tiering.host.main_pool, cache.tiering.host.tail_pool]
+    r.cached_blocks = sum(p.stats().cached for p in pools)
     for s in seqs:
         cache.free(s)
     if cache.tiering is not None and cache.tiering.disk is not None and r.disk_sequences:
         cache.tiering.disk.sync()    # a restart must not bring the deleted sequences back
-    pools = [cache.main_pool] + ([cache.tail_pool] if cache.is_pq else [])
-    tiering = cache.tiering
-    if tiering is not None and tiering.host is not None:
-        pools += [tiering.host.main_pool, tiering.host.tail_pool]
-    r.cached_blocks = sum(p.stats().cached for p in pools)
     cache.graphs.clear()         # captured over the pool's addresses
     if cache.is_pq:
         cache.main.release()     # the encoder's tables of its codebooks

@@ -82,7 +82,7 @@ def sequence_info(c, s: Sequence) -> SequenceInfo:
     return SequenceInfo(s.seq_id, s.length, list(s.sealed), list(s.tail), list(s.pending), s.reserved,
                         len(s.token_ids), list(s.hashes), s.owner, s.pinned, s.persist, s.tier,
                         min(len(s.tail), c.sink_blocks),
-                        [0] * s.freed + [main.blocks[b].ref_cnt for b in s.held_sealed()],
+                        [0] * min(s.freed, len(s.sealed)) + [main.blocks[b].ref_cnt for b in s.held_sealed()],
                         [tail.blocks[b].ref_cnt for b in s.tail], s.freed)
 
 
@@ -119,7 +119,7 @@ def memory(c) -> dict[str, int]:
 
 def pool_memory(cfg: CacheConfig) -> int:
     """Memory a cache's pools take: main, fp16 tail (PQ) and host tier."""
-    n = cfg.capacity_blocks() * cfg.bytes_per_block() + cfg.host_bytes
+    n = cfg.capacity_blocks() * cfg.bytes_per_block() + cfg.host_tier_bytes()
     if cfg.codec.kind == "pq":
         n += cfg.tail_capacity_blocks() * cfg.block_size * cfg.fp16_bytes_per_token()
     return n

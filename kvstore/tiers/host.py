@@ -17,7 +17,8 @@ class HostTier:
         # Split the budget so that both pools can hold the same number of blocks:
         # a sequence needs about one tail block for every ~8 sealed ones, but a
         # pool that can hold every block of an offloaded sequence never refuses.
-        n = max(1, host_bytes // per)
+        # (CacheConfig.host_tier_bytes: the same whole pairs, at least one.)
+        n = host_bytes // per
         self.main_pool = BlockPool(n)
         self.tail_pool = BlockPool(n)
         self.main = torch.empty((n, main_block_bytes), dtype=torch.uint8, pin_memory=pin)

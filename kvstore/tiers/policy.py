@@ -266,7 +266,7 @@ class Tiering:
         if s.tier == "gpu":
             return
         held = s.held_sealed()                    # the rows below: holes were never moved
-        n_sealed = len(held) if s.tier == "host" else len(s.manifest["sealed_hashes"])
+        n_sealed = s.sealed_count()
         n_tail = len(s.tail) if s.tier == "host" else s.manifest["n_tail"]
         h0 = c.sink_blocks + s.freed              # block index of row 0
         # Read first: a copy that cannot be read fails before anything changes.
@@ -309,8 +309,8 @@ class Tiering:
                 c.main_pool.set_hash(b, s.hashes[h0 + i], announce=False)
         for j, b in enumerate(new_tail):          # full sink and tail blocks are findable again
             i = c.tail_block_index(j, s.freed + n_sealed)
-            if i < known:
-                c.tail_pool.set_hash(b, s.hashes[i])
+            if i < known:                         # and went up to Redis (fp16: the main pool) when first hashed
+                c.tail_pool.set_hash(b, s.hashes[i], announce=False)
         below = s.tier
         self._release(s)
         s.sealed, s.tail, s.tier = [c.null_block] * s.freed + sealed, new_tail, "gpu"

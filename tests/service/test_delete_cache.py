@@ -58,7 +58,12 @@ def test_live_sessions_refuse_it_until_force_and_the_reply_counts_what_went(live
     client.allocate("c", "held", list(range(20)))
     client.append("c", ["held"], k, k, token_ids=[list(range(20))])
     client.allocate("c", "pinned", list(range(100, 108)), pinned=True)
+    g = torch.randn(L, 16, HKV, D).half()
+    client.allocate("c", "gone", list(range(200, 216)))
+    client.append("c", ["gone"], g, g, token_ids=[list(range(200, 216))])
+    client.free("c", ["gone"])                            # its two full, hashed blocks stay findable
     before = client.stats("c").caches[0]
+    assert (before.main.used, before.main.cached) == (3, 2)
     with pytest.raises(grpc.RpcError) as e:
         client.delete_cache("c")
     assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
@@ -67,7 +72,7 @@ def test_live_sessions_refuse_it_until_force_and_the_reply_counts_what_went(live
     r = client.delete_cache("c", force=True)
     assert (r.sequences, r.leased_sequences, r.pinned_sequences, r.disk_sequences) == (2, 2, 1, 0)
     assert r.main_blocks == before.main.used == 3         # 20 tokens (3 blocks) + 0 for the empty pinned one
-    assert r.cached_blocks == 2                           # its two full, hashed blocks were findable
+    assert r.cached_blocks == 2                           # the freed sequence's; the held ones are not counted again
     assert r.reserved_bytes == before.reserved_bytes > 0
     with pytest.raises(grpc.RpcError) as e:
         client.stats("c")

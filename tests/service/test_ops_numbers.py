@@ -139,7 +139,9 @@ def test_reserved_and_used_bytes_per_pool():
     assert s["tail_reserved_bytes"] == cfg.tail_capacity_blocks() * fp16_block == 4 * 4 * fp16_block
     assert s["tail_used_bytes"] == s["tail"].used * fp16_block == 2 * fp16_block
     assert s["main_reserved_bytes"] == 64 * cfg.bytes_per_block() and s["main_used_bytes"] == 3 * cfg.bytes_per_block()
-    assert s["reserved_bytes"] == s["main_reserved_bytes"] + s["tail_reserved_bytes"] + (1 << 16)
+    host = cfg.host_tier_bytes()                                 # whole block pairs of the 1 << 16 asked
+    assert host == s["tiers"]["host_bytes"] and (1 << 16) - cfg.host_pair_bytes() < host <= 1 << 16
+    assert s["reserved_bytes"] == s["main_reserved_bytes"] + s["tail_reserved_bytes"] + host
     assert s["used_bytes"] == s["main_used_bytes"] + s["tail_used_bytes"]
     c = e.cache("c")
     assert c.tiering.to_host(c.seqs[("t", "a")])              # the sequence moves down whole

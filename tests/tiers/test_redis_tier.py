@@ -32,10 +32,11 @@ def codebooks() -> Codebooks:
     return Codebooks(k=torch.randn(L, HKV, 8, 256, 2, generator=g), v=torch.randn(L, HKV, 8, 256, 2, generator=g))
 
 
-def engine(url, lmdb=None, num_blocks=64, **kw) -> Engine:
+def engine(url, lmdb=None, num_blocks=64, codec="pq", **kw) -> Engine:
     e = Engine(lmdb_path=lmdb, redis=RedisConfig(url, **kw))
-    e.create_cache(config(block_size=BS, num_blocks=num_blocks))
-    e.set_codebooks("c", codebooks())
+    e.create_cache(config(block_size=BS, num_blocks=num_blocks, codec=codec))
+    if codec == "pq":
+        e.set_codebooks("c", codebooks())
     return e
 
 
@@ -198,20 +199,23 @@ def test_blocks_back_from_this_hosts_disk_are_not_put_again(tmp_path, redis_serv
     assert e.stats()["d"]["redis"]["blocks_out"] == 2 and e.stats()["d"]["redis"]["dropped_puts"] == 0
 
 
-def test_a_sequence_paged_in_from_disk_after_a_restart_is_not_put_again(tmp_path, redis_server):
-    a = engine(redis_server.url, lmdb=str(tmp_path / "lmdb"))
+@pytest.mark.parametrize("codec", ["pq", "fp16"])
+def test_a_sequence_paged_in_from_disk_after_a_restart_is_not_put_again(tmp_path, redis_server, codec):
+    # pq puts its sealed blocks; fp16 every full block, the tail's too (its one pool)
+    puts, marker = (SEALED, 2) if codec == "pq" else (N // BS, 3)
+    a = engine(redis_server.url, lmdb=str(tmp_path / "lmdb"), codec=codec)
     fill(a, "a", prompt(1), lookup=False)
-    wait_for(lambda: rstats(a)["blocks_out"] == SEALED, what="the puts at seal")
+    wait_for(lambda: rstats(a)["blocks_out"] == puts, what="the puts at seal")
     a.offload("c", T, ["a"])
     a.redis.close()
     a.cold_store.close()                   # a restart: the new engine knows nothing of what Redis holds
-    b = engine(redis_server.url, lmdb=str(tmp_path / "lmdb"))
+    b = engine(redis_server.url, lmdb=str(tmp_path / "lmdb"), codec=codec)
     assert b.cache("c").seq(T, "a").tier == "disk"
     b.prefetch("c", T, ["a"])
     assert b.cache("c").seq(T, "a").tier == "gpu"
-    fill(b, "m", [7_000_000 + t for t in range(48)], lookup=False)     # two fresh blocks: put after any others
-    wait_for(lambda: rstats(b)["blocks_out"] >= 2, what="the marker's puts")
-    assert rstats(b)["blocks_out"] == 2 and rstats(b)["dropped_puts"] == 0
+    fill(b, "m", [7_000_000 + t for t in range(48)], lookup=False)     # fresh blocks: put after any others
+    wait_for(lambda: rstats(b)["blocks_out"] >= marker, what="the marker's puts")
+    assert rstats(b)["blocks_out"] == marker and rstats(b)["dropped_puts"] == 0
 
 
 def test_put_queue_is_bounded_and_every_block_accounted(redis_server):

@@ -9,7 +9,7 @@ import torch
 
 from kvstore.codec.codebooks import Codebooks
 from kvstore.engine.engine import Engine
-from kvstore.errors import ResourceExhausted
+from kvstore.errors import InvalidArgument, ResourceExhausted
 from tests.helpers import config
 
 T = "default"
@@ -17,12 +17,13 @@ L, HKV, D = 2, 2, 16
 PQ_BLOCK, FP16_BLOCK = 512, 2048       # bytes of one block of 8 tokens (geometry above, M = 8)
 
 
-def engine(tmp_path, codec="pq", num_blocks=64, host_blocks=0, lmdb=True, lmdb_max_bytes=0, **kw):
-    """host_blocks: host pools of that many blocks each (main and fp16 tail)."""
+def engine(tmp_path, codec="pq", num_blocks=64, host_blocks=0, lmdb=True, lmdb_max_bytes=0, windows=(), **kw):
+    """host_blocks: host pools of that many blocks each (main and fp16 tail); windows: layer_windows."""
     e = Engine(lmdb_path=str(tmp_path / "lmdb") if lmdb else None, lmdb_max_bytes=lmdb_max_bytes)
     cfg = config(codec=codec, num_blocks=num_blocks, **kw)
     per = (PQ_BLOCK if codec == "pq" else FP16_BLOCK) * cfg.block_size // 8 + FP16_BLOCK * cfg.block_size // 8
-    cfg = type(cfg)(**{**{f: getattr(cfg, f) for f in cfg.__slots__}, "host_bytes": host_blocks * per})
+    cfg = type(cfg)(**{**{f: getattr(cfg, f) for f in cfg.__slots__}, "host_bytes": host_blocks * per,
+                         "layer_windows": windows})
     e.create_cache(cfg)
     if codec == "pq":
         g = torch.Generator().manual_seed(0)
@@ -497,3 +498,57 @@ def test_two_caches_of_one_fingerprint_keep_their_own_sequences_on_disk(tmp_path
             e2.set_codebooks(name, e.caches["c"].codebooks)
         got = e2.retrieve(name, T, "s", 0, 70)
         assert torch.equal(got[0], want[name][0]) and torch.equal(got[1], want[name][1]), name
+
+
+# ---------------------------------------------------------- what Stats and SequenceInfo say of lower tiers
+
+@pytest.mark.parametrize("tier", ["host", "disk"])
+def test_sealed_tokens_count_every_tier_and_bytes_per_token_the_gpu_s(tmp_path, tier):
+    e = engine(tmp_path, host_blocks=8, max_sequences=4)
+    put(e, "a", toks(0, 48))                          # 4 sealed blocks, 16 tokens in the fp16 tail
+    before = e.stats()["c"]
+    assert (before["tokens"], before["sealed_tokens"]) == (48, 32)
+    if tier == "host":
+        e.cache("c").tiering.to_host(e.cache("c").seq(T, "a"))
+    else:
+        e.offload("c", T, ["a"])
+    assert e.sequence_info("c", T, "a").tier == tier
+    s = e.stats()["c"]
+    assert (s["tokens"], s["sealed_tokens"]) == (48, 32)
+    assert s["used_bytes"] == 0 and s["effective_bytes_per_token"] == 0.0      # nothing of it on the GPU
+    put(e, "b", toks(1000, 48))
+    s = e.stats()["c"]
+    assert (s["tokens"], s["sealed_tokens"]) == (96, 64)
+    assert s["effective_bytes_per_token"] == s["used_bytes"] / 48 == before["effective_bytes_per_token"]
+
+
+def test_a_windowed_sequence_on_disk_lists_refs_as_its_blocks(tmp_path):
+    e = engine(tmp_path, windows=(48, 48), max_sequences=4)
+    put(e, "a", toks(0, 80))
+    gpu = e.sequence_info("c", T, "a")
+    assert gpu.window_freed_blocks > 0 and len(gpu.sealed_block_refs) == len(gpu.sealed_blocks)
+    e.offload("c", T, ["a"])
+    info = e.sequence_info("c", T, "a")
+    assert info.tier == "disk" and info.sealed_blocks == info.sealed_block_refs == []
+    assert info.window_freed_blocks == gpu.window_freed_blocks
+    e.prefetch("c", T, ["a"])
+    back = e.sequence_info("c", T, "a")
+    assert (back.tier, back.length, back.sealed_block_refs, back.window_freed_blocks) == \
+        ("gpu", 80, gpu.sealed_block_refs, gpu.window_freed_blocks)
+    assert len(back.sealed_blocks) == len(gpu.sealed_blocks)
+
+
+def test_the_host_tier_takes_whole_pairs_of_host_bytes_and_says_so(tmp_path):
+    cfg = config(max_sequences=4)
+    pair = PQ_BLOCK + FP16_BLOCK
+    assert cfg.host_pair_bytes() == pair
+    e = engine(tmp_path, host_blocks=0, max_sequences=4)
+    e.create_cache(type(cfg)(**{**{f: getattr(cfg, f) for f in cfg.__slots__}, "name": "h",
+                                "host_bytes": 4 * pair + pair - 1}))
+    s = e.stats()["h"]
+    assert s["tiers"]["host_bytes"] == 4 * pair                   # Stats host_tier_bytes: what it holds
+    assert s["reserved_bytes"] == s["main_reserved_bytes"] + s["tail_reserved_bytes"] + 4 * pair
+    assert e.delete_cache("h").reserved_bytes == s["reserved_bytes"]
+    with pytest.raises(InvalidArgument) as err:
+        type(cfg)(**{**{f: getattr(cfg, f) for f in cfg.__slots__}, "host_bytes": pair - 1})
+    assert err.value.field == "host_bytes" and f"{pair} bytes" in str(err.value)
