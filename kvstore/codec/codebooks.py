@@ -18,6 +18,7 @@ from kvstore.errors import FailedPrecondition, InvalidArgument, quote
 
 FORMAT = "kvstore.pq.v2"        # tensors and a description (FileInfo) in the metadata
 LEGACY_FORMAT = "kvstore.pq.v1"  # tensors "k", "v" only
+FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)   # what a file's tensors may be (read as fp32)
 # The shell command a refusal of an old file names (kvstore/tools/codebooks.py).
 CONVERT = "python -m kvstore.tools.codebooks convert OLD.safetensors --model-id ID [--transform T] --out NEW"
 
@@ -50,7 +51,8 @@ class FileInfo:
                             **{f: int(geo.get(f, 0)) for f in ("num_layers", "num_q_heads", "num_kv_heads",
                                                                "head_dim")})
         except (KeyError, ValueError, TypeError, AttributeError) as e:
-            raise InvalidArgument("codebooks", f"malformed {FORMAT} metadata ({type(e).__name__}: {e})") from None
+            raise InvalidArgument("codebooks", f"malformed {FORMAT} metadata ({type(e).__name__}: "
+                                  f"{quote(str(e))})") from None
 
 
 @dataclass(slots=True)
@@ -119,7 +121,11 @@ class Codebooks:
             tensors = load(data)
             meta = _metadata(data)
         except Exception as e:  # malformed user bytes: safetensors raises several types
-            raise InvalidArgument("codebooks", f"not a safetensors file: {e}") from None
+            raise InvalidArgument("codebooks", f"not a safetensors file: {quote(str(e))}") from None
+        for name, t in tensors.items():
+            if t.dtype not in FLOAT_DTYPES:
+                raise InvalidArgument(f"codebooks.{name}", f"dtype {str(t.dtype).removeprefix('torch.')}: "
+                                      "must be float32, float16 or bfloat16")
         fmt = meta.get("format", LEGACY_FORMAT)
         if fmt == LEGACY_FORMAT:
             if set(tensors) != {"k", "v"}:

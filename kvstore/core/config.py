@@ -20,6 +20,7 @@ F32_MAX = 3.4028234663852886e38
 # inf in fp32): its limit is 2^32, which still leaves scales up to ~9e15 at
 # head_dim 512 and is far past what K and Q of a trained model hold.
 QK_LIMITS = {"float16": 65504.0, "bfloat16": 2.0 ** 32}
+MAX_COUNT = 1 << 16            # layers, query heads, KV heads
 _DEVICE = re.compile(r"cpu|cuda(:[0-9]{1,3})?", re.ASCII)
 
 
@@ -43,6 +44,11 @@ class ModelGeometry:
             v = getattr(self, name)
             if not isinstance(v, int) or v <= 0:
                 raise InvalidArgument(f"geometry.{name}", f"must be a positive integer, got {quote(v)}")
+        # Per-layer and per-head state is built from these before any pool is sized: a bound far
+        # past any model keeps one request from spending minutes on a count it cannot hold.
+        for name in ("num_layers", "num_q_heads", "num_kv_heads"):
+            if getattr(self, name) > MAX_COUNT:
+                raise InvalidArgument(f"geometry.{name}", f"must be at most {MAX_COUNT}, got {getattr(self, name)}")
         if self.num_q_heads % self.num_kv_heads:
             raise InvalidArgument("geometry.num_q_heads",
                                   f"{self.num_q_heads} is not a multiple of num_kv_heads={self.num_kv_heads}")
@@ -157,7 +163,7 @@ class CacheConfig:
             for x in w:
                 if not isinstance(x, int) or not 0 <= x < 1 << 31:
                     raise InvalidArgument(name, f"{what}s must be integers in [0, 2^31), got {quote(x)}")
-        both = [i for i in range(self.geometry.num_layers) if self.window(i) and self.chunk(i)]
+        both = [i for i, (w, c) in enumerate(zip(self.layer_windows, self.layer_chunks)) if w and c]
         if both:
             raise InvalidArgument("layer_chunks", f"layer {both[0]} has both a window and a chunk: one or the other")
         c = self.logit_softcap

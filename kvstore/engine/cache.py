@@ -139,10 +139,11 @@ class Cache(WritePath, ReadPath, WindowedBlocks):
                                      "(SetCodebooks or TrainCodebooks first)")
 
     # ------------------------------------------------------------- helpers
-    def seq(self, tenant: str, seq_id: str) -> Sequence:
+    def seq(self, tenant: str, seq_id: str, field: str = "sequence_id") -> Sequence:
+        """field: the request's name for the id (sequence_ids where a request names several)."""
         s = self.seqs.get((tenant, seq_id))
         if s is None:
-            raise NotFound("sequence_id", f"no sequence {quote(seq_id)} in cache {quote(self.cfg.name)}")
+            raise NotFound(field, f"no sequence {quote(seq_id)} in cache {quote(self.cfg.name)}")
         return s
 
     def sealed_count(self, length: int) -> int:

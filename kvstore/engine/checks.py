@@ -62,7 +62,7 @@ def sequences(cache, tenant: str, seq_ids: list[str], unique: bool) -> list[Sequ
         raise InvalidArgument("sequence_ids", "empty batch")
     if unique and len(set(seq_ids)) != len(seq_ids):
         raise InvalidArgument("sequence_ids", "a sequence appears twice in one batch")
-    return [cache.seq(tenant, i) for i in seq_ids]
+    return [cache.seq(tenant, i, "sequence_ids") for i in seq_ids]
 
 
 def check_layer(cfg: CacheConfig, layer: int) -> None:

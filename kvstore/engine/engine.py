@@ -149,6 +149,9 @@ class Engine(CodebookOps):
         with self._locked(name) as cache:          # the cheap refusals first, in Cache.allocate's order
             cache._require_ready()
             cache._check_new_sequence(tenant, seq_id)
+            if persist and (cache.tiering is None or cache.tiering.disk is None):
+                raise FailedPrecondition("persist", "the daemon has no disk tier (--lmdb) to offload to when the "
+                                         "lease lapses; pin the sequence instead, or run the daemon with --lmdb")
         # Checking, copying and hashing a long prompt takes a while (~0.3 s for
         # 4M tokens): outside the lock. allocate() checks it all again.
         ids = cache.prompt_ids(prompt)

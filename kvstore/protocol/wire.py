@@ -8,7 +8,7 @@ import math
 
 import torch
 
-from kvstore.errors import InvalidArgument
+from kvstore.errors import InvalidArgument, NotFound
 from kvstore.v1 import kvstore_pb2 as pb
 
 TO_TORCH = {pb.FLOAT16: torch.float16, pb.BFLOAT16: torch.bfloat16, pb.FLOAT32: torch.float32,
@@ -51,7 +51,7 @@ def from_proto(t: pb.Tensor, buffers, field: str) -> torch.Tensor:
             raise InvalidArgument(field, NO_REFS)
         ref = t.ref
         bid, off = ref.buffer_id, ref.offset
-        size = buffers.get(bid).numel()
+        size = _buffer(buffers, bid, f"{field}.ref.buffer_id").numel()
         if off % dtype.itemsize:
             raise InvalidArgument(field, f"offset {off} is not aligned to {dtype}")
         if off + nbytes > size:
@@ -89,13 +89,21 @@ def place(x: torch.Tensor, buffers, out: pb.OutputRef | None, field: str = "out"
         dst.copy_(x)
 
 
+def _buffer(buffers, buffer_id: str, field: str) -> torch.Tensor:
+    """The registered buffer a reference names; NotFound naming the reference's field."""
+    try:
+        return buffers.get(buffer_id)
+    except NotFound as e:
+        raise NotFound(field, e.message) from None
+
+
 def check_output(buffers, out: pb.OutputRef | None, nbytes: int, align: int, field: str) -> None:
     """Refuse a bad output range before any state changes."""
     if out is None or not out.buffer_id:
         return
     if buffers is None:
         raise InvalidArgument(field, NO_REFS)
-    buf = buffers.get(out.buffer_id)
+    buf = _buffer(buffers, out.buffer_id, f"{field}.buffer_id")
     if out.offset % align or out.offset + nbytes > buf.numel():
         raise InvalidArgument(field, f"output needs bytes [{out.offset}, {out.offset + nbytes}) "
                               f"of a {buf.numel()}-byte buffer, aligned to {align}")

@@ -55,7 +55,9 @@ class Doorbell:
         self._ident: tuple[int, int] | None = None   # (device, inode) of the socket file we bound
         self.counters = dict(connections=0, calls=0, errors=0)
         # observe(method, code name, seconds): the daemon's metrics, which count
-        # doorbell calls as method AppendAttendDoorbell (the interceptor never sees them)
+        # doorbell calls as method AppendAttendDoorbell (the interceptor never sees them).
+        # Called once the reply is sent, off the caller's latency: a scrape may miss a
+        # call whose reply left microseconds before it.
         self.observe = None
 
     # -------------------------------------------------------------- tokens

@@ -55,7 +55,7 @@ class LeaseManager:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self.counters = dict(expired=0, freed_sequences=0, offload_requests=0, released_buffers=0)
+        self.counters = dict(expired=0, freed_sequences=0, offload_requests=0, offload_failed=0, released_buffers=0)
 
     def touch(self, tenant: str, session: str) -> None:
         if session:
@@ -128,7 +128,8 @@ class LeaseManager:
         try:
             offload(cache, tenant, [seq_id])
             return True
-        except KVStoreError as e:   # e.g. no disk tier (--lmdb): freeing beats leaking
+        except KVStoreError as e:   # e.g. the disk bound: nobody is left to tell, and freeing beats leaking
+            self.counters["offload_failed"] += 1
             log.warning("sequence %s/%s asked to persist, offload failed (%s): freeing it", cache, seq_id, e)
             return False
 

@@ -88,7 +88,7 @@ class EngineCollector:
             ls = self.leases.stats()
             f.add("sessions", {}, ls["sessions"], False, "client sessions holding a lease")
             f.add("lease_timeout_seconds", {}, ls["timeout_s"], False)
-            for k in ("expired", "freed_sequences", "offload_requests", "released_buffers"):
+            for k in ("expired", "freed_sequences", "offload_requests", "offload_failed", "released_buffers"):
                 f.add(f"lease_{k}", {}, ls[k], True, f"leases lapsed: {k.replace('_', ' ')}")
         if self.buffers is not None:
             f.add("registered_buffers", {}, len(self.buffers), False, "shared-memory buffers clients registered")

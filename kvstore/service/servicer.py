@@ -40,7 +40,8 @@ def status_message(message: str) -> str:
     raw = message.encode("utf-8", "replace")
     if len(raw) <= MAX_STATUS_BYTES:
         return message
-    return f"{raw[:MAX_STATUS_BYTES].decode('utf-8', 'ignore')}... ({len(raw)} bytes)"
+    tail = f"... ({len(raw)} bytes)"
+    return raw[:MAX_STATUS_BYTES - len(tail)].decode("utf-8", "ignore") + tail
 
 
 def _rpc(fn):

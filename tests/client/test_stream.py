@@ -126,7 +126,7 @@ def test_batched_stream_equals_unary(daemon):
 NAN = torch.full((1, HKV, D), math.nan).half()
 BAD = {
     "layer": (dict(layer=L), C.INVALID_ARGUMENT, "layer"),
-    "sequence": (dict(seqs=["nope"]), C.NOT_FOUND, "sequence_id"),
+    "sequence": (dict(seqs=["nope"]), C.NOT_FOUND, "sequence_ids"),
     "cache": (dict(cache="nope"), C.NOT_FOUND, "cache"),
     "k-nan": (dict(k=NAN), C.INVALID_ARGUMENT, "k"),
     "q-heads": (dict(q=torch.zeros(1, HKV, D).half()), C.INVALID_ARGUMENT, "q"),
@@ -313,7 +313,7 @@ def test_stream_over_tcp_needs_a_token_and_keeps_tenants_apart(tmp_path):
         layer, k, v, q = steps(1, seed=0)[0]
         a.append_attend("fp16", layer, ["s"], k, v, q)
         assert a._stream.opened == 1
-        for token, code, field in ((None, C.UNAUTHENTICATED, "authorization"), (TOKEN_B, C.NOT_FOUND, "sequence_id")):
+        for token, code, field in ((None, C.UNAUTHENTICATED, "authorization"), (TOKEN_B, C.NOT_FOUND, "sequence_ids")):
             errs = []
             for stream in (True, False):
                 kv = client(tcp, token=token or "", stream=stream)

@@ -98,6 +98,25 @@ def test_damaged_or_contradicting_files_are_refused():
     assert e.value.field == "codebooks.format"
 
 
+@pytest.mark.parametrize("fmt", ["v1", "v2"])
+def test_tensors_that_are_not_floats_are_refused_by_name(fmt):
+    from safetensors.torch import save
+    cb = books().describe(model_id="test-model")
+    m = meta(cb.to_bytes()) if fmt == "v2" else {}
+    with pytest.raises(InvalidArgument) as e:
+        Codebooks.from_bytes(save({"k": cb.k.to(torch.int32), "v": cb.v}, metadata=m))
+    assert e.value.field == "codebooks.k" and "int32" in e.value.message
+    for dt in (torch.float16, torch.bfloat16):        # read as fp32
+        assert Codebooks.from_bytes(save({"k": cb.k.to(dt), "v": cb.v.to(dt)})).k.dtype == torch.float32
+
+
+def test_a_long_value_in_a_broken_header_is_quoted_short():
+    header = json.dumps({"k": {"dtype": "F" * 5000, "shape": [1], "data_offsets": [0, 4]}}).encode()
+    with pytest.raises(InvalidArgument) as e:
+        Codebooks.from_bytes(len(header).to_bytes(8, "little") + header + bytes(4))
+    assert e.value.field == "codebooks" and len(str(e.value)) < 200 and "F" * 65 not in str(e.value)
+
+
 def test_an_old_format_file_is_checked_against_the_sha256_it_carries():
     """A file of the old format (no description) that carries a sha256 is refused when its
     tensors no longer match it; one that carries none is taken, as old files were written."""

@@ -204,7 +204,7 @@ def test_released_buffer_serves_no_stale_view(live):
         before = kv.sequence_info("c", "s")
         with pytest.raises(grpc.RpcError) as e:
             stub.AppendAttend(request(bid, 1), metadata=md)
-        assert e.value.code() == grpc.StatusCode.NOT_FOUND and e.value.details().startswith("buffer_id")
+        assert e.value.code() == grpc.StatusCode.NOT_FOUND and e.value.details().startswith("out.buffer_id: ")
         assert kv.sequence_info("c", "s") == before
         # Same shared memory, new registration, new numbers: the answer is for the new numbers.
         q2 = -q
@@ -241,7 +241,7 @@ def test_cached_view_is_not_served_to_another_tenant(tmp_path):
         b.append_attend("c", 0, ["b"], k1, k1, q)
         with pytest.raises(grpc.RpcError) as e:
             b.stub.Attend(req)
-        assert e.value.code() == grpc.StatusCode.NOT_FOUND and e.value.details().startswith("buffer_id")
+        assert e.value.code() == grpc.StatusCode.NOT_FOUND and e.value.details().startswith("q.ref.buffer_id: ")
         a.close()
         b.close()
     finally:

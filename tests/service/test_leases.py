@@ -12,6 +12,7 @@ import torch
 
 from kvstore.client import KVStoreClient
 from kvstore.engine.engine import Engine
+from kvstore.errors import FailedPrecondition
 from kvstore.service.daemon import create_server
 from kvstore.service.leases import LeaseManager
 from kvstore.service.metrics import Metrics
@@ -30,8 +31,8 @@ class Clock:
         return self.t
 
 
-def engine_with(tmp_path=None):
-    e = Engine(lmdb_path=str(tmp_path / "lmdb") if tmp_path is not None else None)
+def engine_with(tmp_path=None, lmdb_max_bytes=0):
+    e = Engine(lmdb_path=str(tmp_path / "lmdb") if tmp_path is not None else None, lmdb_max_bytes=lmdb_max_bytes)
     e.create_cache(config(codec="fp16", num_blocks=64))
     return e
 
@@ -78,22 +79,32 @@ def test_sessions_are_per_tenant():
     assert e.list_sequences("c", "alice") == []
 
 
-def test_persisted_sequences_are_freed_without_a_disk_tier_and_offloaded_with_one(tmp_path):
-    for disk in (None, tmp_path):
-        e, clock = engine_with(disk), Clock()
-        leases = LeaseManager(e, timeout_s=1, clock=clock)
-        fill(e, "keep", "s", persist=True)
-        fill(e, "drop", "s")
-        leases.touch("default", "s")
-        clock.t += 2
-        leases.reap()
-        left = {s.seq_id: s for s in e.list_sequences("c", "default")}
-        assert leases.counters["offload_requests"] == 1
-        if disk is None:
-            assert left == {}
-        else:
-            assert list(left) == ["keep"] and e.cache("c").seqs[("default", "keep")].tier == "disk"
-        e.check_invariants()
+def test_persist_is_refused_without_a_disk_tier():
+    e = engine_with()
+    with pytest.raises(FailedPrecondition) as err:
+        e.allocate("c", "default", "keep", list(range(20)), owner="s", persist=True)
+    assert err.value.field == "persist" and "--lmdb" in err.value.message
+    assert e.list_sequences("c", "default") == []
+
+
+@pytest.mark.parametrize("room", ["enough", "none"])
+def test_persisted_sequences_are_offloaded_or_freed_and_counted(tmp_path, room):
+    # "none": a disk bound smaller than the sequence, so the offload at the lapse is refused
+    e, clock = engine_with(tmp_path, lmdb_max_bytes=0 if room == "enough" else 1024), Clock()
+    leases = LeaseManager(e, timeout_s=1, clock=clock)
+    fill(e, "keep", "s", persist=True)
+    fill(e, "drop", "s")
+    leases.touch("default", "s")
+    clock.t += 2
+    leases.reap()
+    left = {s.seq_id: s for s in e.list_sequences("c", "default")}
+    assert leases.counters["offload_requests"] == 1
+    if room == "enough":
+        assert list(left) == ["keep"] and e.cache("c").seqs[("default", "keep")].tier == "disk"
+        assert leases.counters["offload_failed"] == 0
+    else:
+        assert left == {} and leases.counters["offload_failed"] == 1
+    e.check_invariants()
 
 
 @pytest.fixture
