@@ -114,7 +114,8 @@ _POOLS = ("main", "tail")
 
 def merge_stats(stats: list):
     """The CacheStats of the group caches -> one for the model: bytes and blocks summed,
-    effective bytes per token over the model's tokens."""
+    effective bytes per token too (each group's is its layers' bytes over the tokens its
+    GPU pools hold; a token takes them in every group)."""
     if len(stats) == 1:
         return stats[0]
     out = type(stats[0])()
@@ -126,6 +127,6 @@ def merge_stats(stats: list):
             for f in ("capacity", "used", "cached", "free", "evictions"):
                 setattr(getattr(out, p), f, getattr(getattr(out, p), f) + getattr(getattr(s, p), f))
     out.compression_ratio = out.fp16_bytes_per_token / out.bytes_per_token if out.bytes_per_token else 0.0
-    out.effective_bytes_per_token = out.used_bytes / out.tokens if out.tokens else 0.0
+    out.effective_bytes_per_token = sum(s.effective_bytes_per_token for s in stats)
     out.cache = "+".join(s.cache for s in stats)
     return out

@@ -134,8 +134,8 @@ def _bytes_per_token(c) -> str:
     if not c.tokens:
         return f"{nominal}; effective: no tokens yet"
     ratio = c.fp16_bytes_per_token / c.effective_bytes_per_token if c.effective_bytes_per_token else 0.0
-    return (f"{nominal}; effective {c.effective_bytes_per_token:,.0f} B/token now (x{ratio:.2f}: used bytes / "
-            f"{c.tokens} tokens, {c.sealed_tokens} of them sealed)")
+    return (f"{nominal}; effective {c.effective_bytes_per_token:,.0f} B/token now (x{ratio:.2f}: GPU used bytes / "
+            f"the GPU's tokens; {c.tokens} tokens in all tiers, {c.sealed_tokens} of them sealed)")
 
 
 def _indent(s: str) -> str:

@@ -636,3 +636,19 @@ def test_a_call_the_daemon_refuses_mid_request_falls_back_saying_why(daemon):
         got = ad.generate(prompt(), **GEN)
     assert torch.equal(got, reference(model, prompt()))
     assert ad.fallbacks == 1
+
+
+def test_merged_stats_add_each_groups_bytes_per_token():
+    """A model whose layers sit in several caches (a global and a sliding group): a token
+    takes every group's bytes, over the tokens on the GPU (each group's own figure)."""
+    from kvstore.client.hf_groups import merge_stats
+    from kvstore.v1 import kvstore_pb2 as pb
+
+    def group(name, used, per_token):
+        return pb.CacheStats(cache=name, tokens=100, used_bytes=used, effective_bytes_per_token=per_token,
+                             bytes_per_token=64)
+    s = merge_stats([group("g", 8000, 80.0), group("w", 1200, 12.0)])       # every token on the GPU
+    assert (s.cache, s.tokens, s.used_bytes, s.bytes_per_token) == ("g+w", 100, 9200, 128)
+    assert s.effective_bytes_per_token == 92.0 == s.used_bytes / s.tokens
+    s = merge_stats([group("g", 4000, 80.0), group("w", 600, 12.0)])        # half of them on the host
+    assert s.effective_bytes_per_token == 92.0 and s.used_bytes / s.tokens == 46.0
