@@ -88,7 +88,9 @@ class Tiering:
         if self.c.redis is not None:      # ---- Redis tier: the ones it may not have yet (redis.py)
             self.c.redis.put([h for h, _ in items], torch.stack([p for _, p in items]))
         if self.disk is not None:
-            self._moved("bytes_down", "disk", self.disk.put_blocks(self.c.fingerprint, items))
+            n = self.disk.put_blocks(self.c.fingerprint, items)
+            self._moved("bytes_down", "disk", n)
+            self.counters["spilled_blocks"] += n // self.host.main.shape[1]
 
     def _below_has(self, h: bytes) -> bool:
         if self.host is not None and self.host.main_pool.lookup(h) is not None:

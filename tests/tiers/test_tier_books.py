@@ -552,3 +552,22 @@ def test_the_host_tier_takes_whole_pairs_of_host_bytes_and_says_so(tmp_path):
     with pytest.raises(InvalidArgument) as err:
         type(cfg)(**{**{f: getattr(cfg, f) for f in cfg.__slots__}, "host_bytes": pair - 1})
     assert err.value.field == "host_bytes" and f"{pair} bytes" in str(err.value)
+
+
+def test_host_blocks_spilled_to_disk_are_counted(tmp_path):
+    e = engine(tmp_path, num_blocks=32, host_blocks=4, residual=0, max_sequences=4)
+    c = e.cache("c")
+    put(e, "a", toks(0, 24))
+    c.tiering.to_host(c.seq(T, "a"))
+    e.free("c", T, ["a"])                                 # its hashed blocks stay findable on the host
+    cached = e.stats()["c"]["tiers"]["host_main"].cached
+    assert cached > 0 and disk(e)["entries"] == 0
+    before = dict(e.stats()["c"]["tiers"])
+    for i, sid in enumerate(("b", "d")):                  # their moves reuse the host's cached slots
+        put(e, sid, toks(1000 * (i + 1), 24))
+        c.tiering.to_host(c.seq(T, sid))
+    after = e.stats()["c"]["tiers"]
+    spilled = after["spilled_blocks"] - before["spilled_blocks"]
+    assert spilled == cached == disk(e)["entries"]
+    assert after["bytes_down_disk"] - before["bytes_down_disk"] == spilled * PQ_BLOCK
+    assert put(e, "again", toks(0, 24)) == 16             # the spilled prefix still hits, from the disk
