@@ -5,6 +5,7 @@ is local, inline bytes otherwise; append_attend by the doorbell
 (doorbell.py), else over one long-lived stream (stream.py), else unary."""
 from __future__ import annotations
 
+import logging
 import os
 import threading
 import time
@@ -23,6 +24,7 @@ from .arena import CudaArena, ShmArena, place
 from .doorbell import BellDown, Doorbell, Unfit
 from .stream import CallStream, StreamRefused
 
+log = logging.getLogger("kvstore.client")
 STREAM_RETRY_S = 30.0      # after the daemon turned a stream away, call unary this long before trying again
 
 
@@ -143,6 +145,28 @@ class Connection:
             self._arena.close()
             self._arena = None
 
+    def _lapsed(self, e: grpc.RpcError) -> bool:
+        """The daemon dropped this client's buffers (and doorbell token): the session's
+        lease lapsed while the process was stopped or starved. It said so before it read
+        anything of the call, so the call can go again once they are registered anew."""
+        code, details = e.code(), e.details() or ""
+        if code == grpc.StatusCode.UNAUTHENTICATED:
+            return details.startswith("doorbell_token:")
+        ids = [a.buffer_id for a in (self._arena, self._cuda_arena) if a is not None and a.buffer_id]
+        return code == grpc.StatusCode.NOT_FOUND and any(f"no buffer '{i}'" in details for i in ids)
+
+    def _forget_registrations(self) -> None:
+        """After a lapse: what the daemon no longer holds is not unregistered, only dropped."""
+        log.warning("kvstore: the daemon dropped this client's buffers (its session's lease lapsed: "
+                    "the process was stopped or starved past the lease timeout); registering them again")
+        for a in (self._arena, self._cuda_arena):
+            if a is not None:
+                a.close()
+        self._arena = self._cuda_arena = None
+        if self._bell is not None:
+            self._bell.close()
+        self._bell = self._bell_addr = None
+
     def _arena_for(self, nbytes: int) -> ShmArena | None:
         """A registered arena of at least nbytes, or None to send inline."""
         if self.transport != "shm":
@@ -215,11 +239,22 @@ class Connection:
         """Build a request with `inputs` placed in the arena (or inline) and
         output ranges reserved, call, and run read(reply, arena) before the
         arena can be reused by another call. The CUDA arena of the inputs'
-        device, or of `device` (where the outputs are wanted) when none is on one."""
+        device, or of `device` (where the outputs are wanted) when none is on one.
+        Once more, in new buffers, if the daemon dropped this client's (_lapsed)."""
         for k, t in inputs.items():
             if t.dtype not in wire.TO_PROTO:
                 raise TypeError(f"{k}: a {t.dtype} tensor cannot be sent; K, V and Q go as float16, bfloat16 "
                                 "or float32 (the daemon converts them to the cache's dtype)")
+        try:
+            return self._call_once(method, request_fn, inputs, out_bytes, read, device)
+        except grpc.RpcError as e:
+            with self._lock:
+                if not self._lapsed(e):
+                    raise
+                self._forget_registrations()
+        return self._call_once(method, request_fn, inputs, out_bytes, read, device)
+
+    def _call_once(self, method, request_fn, inputs, out_bytes, read, device):
         with self._lock:
             need = sum(t.numel() * t.element_size() + 64 for t in inputs.values()) + sum(b + 64 for b in out_bytes)
             cuda = [t.device for t in inputs.values() if t.is_cuda] or \
@@ -320,6 +355,11 @@ class Connection:
             return None
         except BellDown:
             bell.close()
+            return None
+        except grpc.RpcError as e:
+            if not self._lapsed(e):
+                raise
+            self._forget_registrations()        # the call goes by gRPC, which registers anew
             return None
         finally:
             if cuda:

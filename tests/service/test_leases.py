@@ -145,6 +145,51 @@ def test_heartbeat_keeps_a_session_and_silence_frees_it(live):
     quiet.close()
 
 
+def test_a_sequence_made_by_a_call_that_outlived_its_lease_is_still_reaped(tmp_path):
+    # The call waits past the lease (as behind a long call holding the cache's lock) and the
+    # reaper lapses its silent session meanwhile; the sequence it then makes must not outlive it.
+    sock = str(tmp_path / "kv.sock")
+    server, _, _ = create_server(socket_path=sock, lease_timeout=0.5)
+    engine, allocate = server.kvstore_engine, server.kvstore_engine.allocate
+
+    def slow_allocate(*a, **kw):
+        time.sleep(1.5)
+        return allocate(*a, **kw)
+    engine.allocate = slow_allocate
+    with KVStoreClient(f"unix://{sock}", heartbeat=False) as kv:
+        kv.create_cache("c", "m", num_layers=L, num_q_heads=4, num_kv_heads=HKV, head_dim=D, codec="fp16",
+                        block_size=8, num_blocks=64)
+        kv.allocate("c", "late", list(range(20)))
+        assert [s.seq_id for s in engine.list_sequences("c", "default")] == ["late"]
+        deadline = time.monotonic() + 10
+        while engine.list_sequences("c", "default") and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert engine.list_sequences("c", "default") == []
+    server.stop(0)
+
+
+@pytest.mark.parametrize("doorbell", [False, True])
+def test_a_client_whose_lease_lapsed_registers_its_buffers_again(live, doorbell, caplog):
+    target, _ = live
+    kv = KVStoreClient(target, heartbeat=False, doorbell=doorbell)      # a process that was stopped
+    k = torch.randn(L, 20, HKV, D).half()
+    kv.allocate("c", "a", list(range(20)))
+    kv.append("c", ["a"], k, k)
+    first = kv._arena.buffer_id
+    time.sleep(2.5)                      # lapsed: its sequence and its buffer (and doorbell token) are gone
+    with pytest.raises(grpc.RpcError) as e:
+        kv.sequence_info("c", "a")
+    assert e.value.code() == grpc.StatusCode.NOT_FOUND
+    kv.allocate("c", "b", list(range(20)))
+    kv.append("c", ["b"], k, k)
+    one = torch.randn(1, HKV, D).half()
+    q = torch.randn(1, 4, D).half()
+    out = kv.append_attend("c", 0, ["b"], one, one, q)
+    assert kv._arena.buffer_id != first and "registering them again" in caplog.text
+    assert torch.equal(out, kv.attend("c", 0, ["b"], q))
+    kv.close()
+
+
 def test_heartbeat_needs_a_valid_session(live):
     target, _ = live
     with grpc.insecure_channel(target) as ch:
