@@ -75,9 +75,8 @@ class Tiering:
                 self._moved("bytes_down", "host", payload.numel())
                 return
         if self.disk is not None:
-            payload = to_host(payload)
-            n = self.disk.put_blocks(self.c.fingerprint, [(h, p) for (_, h), p in zip(todo, payload)])
-            self._moved("bytes_down", "disk", n)
+            items = [(h, p) for (_, h), p in zip(todo, to_host(payload))]
+            self._moved("bytes_down", "disk", n := self.disk.put_blocks(self.c.fingerprint, items))
             self.counters["spilled_blocks"] += n // payload.shape[1]
 
     def _spill_host_cached(self, evicted: list[tuple[int, bytes]]) -> None:
@@ -88,8 +87,7 @@ class Tiering:
         if self.c.redis is not None:      # ---- Redis tier: the ones it may not have yet (redis.py)
             self.c.redis.put([h for h, _ in items], torch.stack([p for _, p in items]))
         if self.disk is not None:
-            n = self.disk.put_blocks(self.c.fingerprint, items)
-            self._moved("bytes_down", "disk", n)
+            self._moved("bytes_down", "disk", n := self.disk.put_blocks(self.c.fingerprint, items))
             self.counters["spilled_blocks"] += n // self.host.main.shape[1]
 
     def _below_has(self, h: bytes) -> bool:

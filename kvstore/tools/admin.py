@@ -63,6 +63,18 @@ def _client(args):
                          timeout=args.timeout)
 
 
+def _cli_words(details: str) -> str:
+    """The daemon names request fields; this command's flags for them."""
+    return details.replace("pass force=true", "pass --force")
+
+
+def _hint(e: grpc.RpcError, kv) -> str:
+    if e.code() != grpc.StatusCode.UNAVAILABLE:
+        return ""
+    return (f"\n  no daemon answers at {kv.target}: start one (kvstore-server, or make serve), "
+            "or name its socket with --socket (--target for TCP)")
+
+
 def _caches(kv, cache: str) -> list[str]:
     return [cache] if cache else [c.cache for c in kv.stats().caches]
 
@@ -288,7 +300,7 @@ def _main(argv: list[str] | None) -> None:
     try:
         out = cmd(kv, args)
     except grpc.RpcError as e:
-        raise SystemExit(f"kvstore-admin: {e.code().name}: {e.details()}")
+        raise SystemExit(f"kvstore-admin: {e.code().name}: {_cli_words(e.details())}{_hint(e, kv)}")
     except KeyboardInterrupt:
         out = None
     finally:

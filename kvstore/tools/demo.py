@@ -163,9 +163,10 @@ def main(argv: list[str] | None = None) -> None:
             print(f"   memory: {s.used_bytes / 2**20:.2f} MiB used for {s.tokens} tokens = "
                   f"{s.effective_bytes_per_token:,.0f} B/token effective (shared prefix blocks counted once; "
                   f"fp16 K/V {s.fp16_bytes_per_token:,} B/token, a sealed block {s.bytes_per_token:,} B/token)")
+            # fp16 seals by relabelling tail blocks: nothing is encoded (Stats.sealed_blocks counts encodes)
+            encoded = f"; blocks encoded {s.sealed_blocks} (dedup {s.dedup_blocks})" if codec == "pq" else ""
             print(f"   main pool: used {s.main.used} cached {s.main.cached} free {s.main.free} "
-                  f"of {s.main.capacity}; sequences {s.sequences}; tokens {s.tokens}; "
-                  f"sealed blocks {s.sealed_blocks} (dedup {s.dedup_blocks})")
+                  f"of {s.main.capacity}; sequences {s.sequences}; tokens {s.tokens}{encoded}")
     sys.exit(0 if ok else 1)
 
 

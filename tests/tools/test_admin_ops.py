@@ -80,9 +80,18 @@ def test_a_closed_pipe_ends_it_quietly(live):
 
 def test_delete_cache_says_what_went(live, capsys):
     sock, kv = live
-    with pytest.raises(SystemExit, match="FAILED_PRECONDITION: force: cache 'pq': 1 of its 1 sequences"):
+    with pytest.raises(SystemExit, match="FAILED_PRECONDITION: force: cache 'pq': 1 of its 1 sequences") as e:
         admin.main(["--socket", sock, "delete-cache", "pq"])
+    assert "or pass --force to drop them too" in str(e.value)
     out = run(capsys, "--socket", sock, "delete-cache", "pq", "--force")
     assert out.startswith("deleted cache pq: 1 sequences (1 held by live leases, 0 pinned, 0 with a disk copy")
     assert "blocks dropped: 3 main, 2 tail, 0 host, 0 cached prefix" in out      # 24 sealed + 16 tail tokens, all held
     assert run(capsys, "--socket", sock, "stats").strip() == "no caches"
+
+
+def test_no_daemon_says_how_to_start_one(tmp_path):
+    sock = str(tmp_path / "none.sock")
+    with pytest.raises(SystemExit) as e:
+        admin.main(["--socket", sock, "--timeout", "2", "stats"])
+    assert str(e.value).startswith("kvstore-admin: UNAVAILABLE: ")
+    assert f"no daemon answers at unix://{sock}: start one (kvstore-server, or make serve)" in str(e.value)
