@@ -76,7 +76,7 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
         self.auth = auth or Authenticator()
         self.leases = leases
         self.buffer_table = TenantBuffers(buffers)
-        # Debug builds (fuzz, soak) check pool invariants after every call.
+        # Debug builds (fuzz, soak) check pool invariants after every call that can change them.
         self.handlers = Handlers(engine, self.buffer_table, leases,
                                  debug_invariants=os.environ.get("KVSTORE_DEBUG_INVARIANTS") == "1")
         self._call = threading.local()
