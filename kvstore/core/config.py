@@ -225,6 +225,10 @@ class CacheConfig:
         """A main block's payload and an fp16 tail block's: the host tier's unit."""
         return self.bytes_per_block() + self.block_size * self.fp16_bytes_per_token()
 
+    def host_blocks(self) -> int:
+        """Blocks in each of the host tier's two pools: the whole (main, tail) pairs host_bytes holds."""
+        return self.host_bytes // self.host_pair_bytes()
+
     def host_tier_bytes(self) -> int:
-        """What the host tier takes of host_bytes: whole (main, tail) block pairs."""
-        return self.host_bytes // self.host_pair_bytes() * self.host_pair_bytes()
+        """What the host tier takes of host_bytes."""
+        return self.host_blocks() * self.host_pair_bytes()

@@ -102,7 +102,7 @@ class Sequence:
         """The sealed blocks the sequence holds references on (holes left out)."""
         return self.sealed[self.freed:]
 
-    def sealed_count(self) -> int:
+    def held_sealed_count(self) -> int:
         """Sealed blocks the sequence holds, holes left out, in whichever tier it lives:
         a disk sequence holds no ids, its manifest lists them."""
         return len(self.manifest["sealed_hashes"]) if self.tier == "disk" else len(self.sealed) - self.freed

@@ -8,7 +8,7 @@ def stats(c) -> dict:
     tail = c.tail_pool.stats() if c.is_pq else None
     tokens = sum(s.length for s in c.seqs.values())
     # Tokens in sealed blocks the sequences hold, in every tier (a hole holds none: engine/window.py).
-    sealed_tokens = sum(s.sealed_count() * c.bs for s in c.seqs.values())
+    sealed_tokens = sum(s.held_sealed_count() * c.bs for s in c.seqs.values())
     # The GPU pools' bytes over the tokens they hold: host and disk tokens take none of them.
     gpu_tokens = sum(s.length for s in c.seqs.values() if s.tier == "gpu")
     k = c.counters

@@ -73,7 +73,7 @@ class Cache(WritePath, ReadPath, WindowedBlocks):
         self.graphs = DecodeGraphs()      # CUDA graphs of small decode steps (decode_graphs.py)
         host = disk = None
         if cfg.host_bytes:
-            host = HostTier(self.main.block_bytes(), self.tail.block_bytes(), cfg.host_bytes,
+            host = HostTier(self.main.block_bytes(), self.tail.block_bytes(), cfg.host_blocks(),
                             pin=cfg.device.startswith("cuda"))
         if cold_store is not None:
             disk = DiskTier.of(cold_store)

@@ -82,7 +82,7 @@ def sequence_info(c, s: Sequence) -> SequenceInfo:
     return SequenceInfo(s.seq_id, s.length, list(s.sealed), list(s.tail), list(s.pending), s.reserved,
                         len(s.token_ids), list(s.hashes), s.owner, s.pinned, s.persist, s.tier,
                         min(len(s.tail), c.sink_blocks),
-                        [0] * min(s.freed, len(s.sealed)) + [main.blocks[b].ref_cnt for b in s.held_sealed()],
+                        [0 if i < s.freed else main.blocks[b].ref_cnt for i, b in enumerate(s.sealed)],
                         [tail.blocks[b].ref_cnt for b in s.tail], s.freed)
 
 

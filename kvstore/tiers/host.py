@@ -12,13 +12,10 @@ class HostTier:
     """Pinned host copies of blocks: a main pool (codec payloads, findable by
     hash) and an fp16 tail pool. Metadata in BlockPools, bytes in two tensors."""
 
-    def __init__(self, main_block_bytes: int, tail_block_bytes: int, host_bytes: int, pin: bool):
-        per = main_block_bytes + tail_block_bytes
-        # Split the budget so that both pools can hold the same number of blocks:
-        # a sequence needs about one tail block for every ~8 sealed ones, but a
-        # pool that can hold every block of an offloaded sequence never refuses.
-        # (CacheConfig.host_tier_bytes: the same whole pairs, at least one.)
-        n = host_bytes // per
+    def __init__(self, main_block_bytes: int, tail_block_bytes: int, n: int, pin: bool):
+        # n blocks in each pool (CacheConfig.host_blocks). Both hold the same number:
+        # a sequence needs about one tail block for every ~8 sealed ones, but a pool
+        # that can hold every block of an offloaded sequence never refuses.
         self.main_pool = BlockPool(n)
         self.tail_pool = BlockPool(n)
         self.main = torch.empty((n, main_block_bytes), dtype=torch.uint8, pin_memory=pin)

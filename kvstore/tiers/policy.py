@@ -266,7 +266,7 @@ class Tiering:
         if s.tier == "gpu":
             return
         held = s.held_sealed()                    # the rows below: holes were never moved
-        n_sealed = s.sealed_count()
+        n_sealed = s.held_sealed_count()
         n_tail = len(s.tail) if s.tier == "host" else s.manifest["n_tail"]
         h0 = c.sink_blocks + s.freed              # block index of row 0
         # Read first: a copy that cannot be read fails before anything changes.
