@@ -13,7 +13,7 @@ Prints ops/s, errors, blocks leaked and RSS start/end.
 
     python scripts/soak.py --tiers --minutes 10
 
---tiers: tier pressure (scripts/soak_tiers.py): both codecs on GPU pools so
+--tiers: tier pressure (scripts/soak_tiers.py): both codecs (pq also with sinks) on GPU pools so
 small that sequences keep moving to a host tier and a bounded LMDB, Offload
 and Prefetch among the ops, every Retrieve and Attend checked against what
 was written; at the end nothing is held in any tier (host pools and the
@@ -178,17 +178,22 @@ def run(minutes: float, clients: int = 8, lease_timeout: float = 3.0, seed: int 
     failures: list[str] = []
     codebooks = os.path.join(tmp, "codebooks.safetensors")
     try:
-        for name, codec in zip(CACHES, ("pq", "fp16")):
-            spec = (soak_tiers.cache_kwargs(codec) if tiers else dict(
-                num_layers=L, num_q_heads=HQ, num_kv_heads=HKV, head_dim=D, codec=codec, block_size=BS, residual=R,
-                num_blocks=768, max_sequences=96))
-            kv.create_cache(name, "soak-model", **spec)
+        if tiers:
+            for name in soak_tiers.CACHES:
+                kv.create_cache(name, "soak-model", **soak_tiers.cache_kwargs(name))
+        else:
+            for name, codec in zip(CACHES, ("pq", "fp16")):
+                kv.create_cache(name, "soak-model", num_layers=L, num_q_heads=HQ, num_kv_heads=HKV, head_dim=D,
+                                codec=codec, block_size=BS, residual=R, num_blocks=768, max_sequences=96)
         g = torch.Generator().manual_seed(seed)
         if tiers:    # the clients compute the codes of what they wrote: they need the codebooks
             Codebooks(k=torch.randn(L, HKV, D // 2, 256, 2, generator=g),
                       v=torch.randn(L, HKV, D // 2, 256, 2, generator=g)).save(codebooks)
             with open(codebooks, "rb") as f:
-                kv.set_codebooks("soak-pq", f.read())
+                data = f.read()
+            for name, (codec, _, _) in soak_tiers.CACHES.items():
+                if codec == "pq":
+                    kv.set_codebooks(name, data)
         else:
             kv.train_codebooks("soak-pq", torch.randn(L, 512, HKV, D, generator=g),
                                torch.randn(L, 512, HKV, D, generator=g), niter=4)

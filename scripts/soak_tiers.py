@@ -10,7 +10,9 @@ would have written, whichever client wrote it. Checks:
 - Retrieve, codec pq: every token bit-identical either to the K/V written
   (fp16 sinks and tail) or to its PQ codes dequantized (sealed), computed here
   with the reference encoder and the codebooks the soak set (the CPU daemon
-  runs the same reference code); the sealed tokens come first.
+  runs the same reference code); the sink tokens exact, then the sealed
+  tokens first. One pq cache keeps sink tokens, with a tail pool small enough
+  that its cached sink blocks are evicted and served from below.
 - Attend: bit-identical before and after the sequence's round trip through
   the disk (Offload, then the page-in of the next Attend), and within 2e-3 of
   an fp64 attention over the K/V just retrieved and checked (attention is
@@ -28,7 +30,8 @@ import time
 import numpy as np
 
 L, HQ, HKV, D, BS, R = 2, 4, 2, 16, 8, 16
-CACHES = ("soak-pq", "soak-f16")
+# name -> (codec, sink tokens, max_sequences: the tail pool's size for pq)
+CACHES = {"soak-pq": ("pq", 0, 96), "soak-f16": ("fp16", 0, 96), "soak-pq-sinks": ("pq", 16, 12)}
 NUM_BLOCKS = 48                    # GPU main pool of each cache: about 5 of the 48 live sequences
 HOST_BLOCKS = 64                   # host pools (main and tail), blocks each
 LMDB_MAX_BYTES = 1 << 19           # the disk bound: Offload and pressure moves past it are refused
@@ -36,11 +39,13 @@ MAX_LIVE, MAX_LEN = 6, 200
 PREFIXES = [list(range(1000 * i, 1000 * i + 48)) for i in range(4)]
 
 
-def cache_kwargs(codec: str) -> dict:
+def cache_kwargs(name: str) -> dict:
+    codec, sinks, max_sequences = CACHES[name]
     main = 2 * L * HKV * BS * (D // 2 if codec == "pq" else 2 * D)     # bytes of one block
     fp16 = 2 * L * HKV * BS * 2 * D
     return dict(num_layers=L, num_q_heads=HQ, num_kv_heads=HKV, head_dim=D, codec=codec, block_size=BS,
-                residual=R, num_blocks=NUM_BLOCKS, max_sequences=96, host_bytes=HOST_BLOCKS * (main + fp16))
+                residual=R, num_blocks=NUM_BLOCKS, max_sequences=max_sequences, sink_tokens=sinks,
+                host_bytes=HOST_BLOCKS * (main + fp16))
 
 
 class Shadow:
@@ -81,13 +86,18 @@ def dequantized(k, v, codebooks):
     return out
 
 
-def check_read(got, want, dq) -> str | None:
-    """got, want (and dq for pq): K, V [L, n, Hkv, d] -> None, or what is wrong."""
+def check_read(got, want, dq, sinks: int = 0) -> str | None:
+    """got, want (and dq for pq): K, V [L, n, Hkv, d] -> None, or what is wrong.
+    sinks: how many of the tokens read are sink tokens (exact)."""
     import torch
     exact = torch.stack([(g == w).flatten(start_dim=2).all(-1).all(0) for g, w in zip(got, want)]).all(0)
     if dq is None:
         return None if bool(exact.all()) else f"tokens {exact.logical_not().nonzero().flatten()[:8].tolist()} differ"
+    if not bool(exact[:sinks].all()):
+        return f"sink tokens {exact[:sinks].logical_not().nonzero().flatten()[:8].tolist()} differ"
+    exact[:sinks] = False          # the order rule below is for the tokens after them
     sealed = torch.stack([(g == w).flatten(start_dim=2).all(-1).all(0) for g, w in zip(got, dq)]).all(0)
+    sealed[:sinks] = True
     if not bool((exact | sealed).all()):
         bad = (exact | sealed).logical_not().nonzero().flatten()[:8].tolist()
         return f"tokens {bad} are neither what was written nor its codes"
@@ -118,10 +128,10 @@ def worker(target: str, idx: int, seconds: float, seed: int, crash_after: float,
         layers = (0, L) if layer is None else (layer, layer + 1)
         k, v = kv.retrieve(cache, sid, start, end, *layers, out_bytes=(layers[1] - layers[0]) * (end - start) * HKV * D * 2)
         want = tuple(t[layers[0]:layers[1]] for t in live[sid][1].kv(start, end))
-        dq = None
-        if cache == "soak-pq":
+        dq, sinks = None, max(0, min(end, CACHES[cache][1]) - start)
+        if CACHES[cache][0] == "pq":
             dq = dequantized(*want, Codebooks(codebooks.k[layers[0]:layers[1]], codebooks.v[layers[0]:layers[1]]))
-        bad = check_read((k, v), want, dq)
+        bad = check_read((k, v), want, dq, sinks)
         if bad:
             errors[f"mismatch: {cache} {sid} [{start}, {end}): {bad}"] += 1
         return k, v
@@ -139,7 +149,7 @@ def worker(target: str, idx: int, seconds: float, seed: int, crash_after: float,
         touched = {new} | ({sid} if op in ("decode", "append") else set())   # what a refusal leaves unlike its shadow
         try:
             if op == "allocate":
-                cache = rng.choice(CACHES)
+                cache = rng.choice(sorted(CACHES))
                 prompt = rng.choice(PREFIXES) + [rng.randrange(50_000) for _ in range(rng.randint(1, 40))]
                 shadow = Shadow(prompt)
                 cached = kv.allocate(cache, new, prompt)

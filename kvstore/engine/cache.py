@@ -24,7 +24,7 @@ from kvstore.tiers.host import HostTier
 from kvstore.tiers.policy import Tiering
 from kvstore.tiers.redis import RedisTier
 
-from . import books
+from . import books, prefix
 from .block_io import BlockIO
 from .decode_graphs import DecodeGraphs
 from .read_path import ReadPath
@@ -50,6 +50,7 @@ class Cache(WritePath, ReadPath, WindowedBlocks):
             self.main: PQStore | Fp16Store = PQStore(cfg, self.main_pool.capacity)
             self.tail_pool = BlockPool(cfg.tail_capacity_blocks())
             self.tail = Fp16Store(cfg, self.tail_pool.capacity)
+            self.tail_pool.on_evict = self._tail_evicted
         else:
             # The fp16 codec needs no separate tail: sealing just relabels blocks.
             self.main = Fp16Store(cfg, self.main_pool.capacity)
@@ -66,6 +67,7 @@ class Cache(WritePath, ReadPath, WindowedBlocks):
         self.codebooks: Codebooks | None = None
         self.fingerprint = fingerprint(cfg, None)
         self.seqs: dict[tuple[str, str], Sequence] = {}
+        self.sink_ids: set[int] = set()           # tail-pool blocks holding a sink block's hash (hash_fp16)
         self.counters = dict(prefix_query_tokens=0, prefix_hit_tokens=0, appended_tokens=0,
                              sealed_blocks=0, dedup_blocks=0, attend_calls=0)
         self.init_window()                # every layer slides: blocks that left the window go (window.py)
@@ -128,9 +130,11 @@ class Cache(WritePath, ReadPath, WindowedBlocks):
         # Blocks hashed under the old fingerprint must never be found again.
         self.main_pool.clear_hashes()
         self.tail_pool.clear_hashes()
+        self.sink_ids.clear()
         if self.tiering is not None:
             if self.tiering.host is not None:
                 self.tiering.host.main_pool.clear_hashes()
+                self.tiering.host.tail_pool.clear_hashes()
             self.tiering.restore()
 
     def _require_ready(self) -> None:
@@ -222,9 +226,14 @@ class Cache(WritePath, ReadPath, WindowedBlocks):
         """Make committed full blocks findable by prefix lookups."""
         full = s.length // self.bs
         while s.hashed_upto < min(full, len(s.hashes)):
-            pool, bid = self.block_at(s, s.hashed_upto)
-            if not self.sink_blocks <= s.hashed_upto < self.sink_blocks + s.freed:    # a hole holds nothing
-                pool.set_hash(bid, s.hashes[s.hashed_upto])
+            i = s.hashed_upto
+            pool, bid = self.block_at(s, i)
+            if self.sink_blocks <= i < self.sink_blocks + s.freed:    # a hole holds nothing
+                pass
+            elif self.is_pq and pool is self.tail_pool:
+                self.hash_fp16(bid, i, s.hashes[i])
+            else:
+                pool.set_hash(bid, s.hashes[i])
             s.hashed_upto += 1
 
     # ------------------------------------------------------------- allocate
@@ -245,92 +254,51 @@ class Cache(WritePath, ReadPath, WindowedBlocks):
         if hashed is None or hashed[0] != self.fingerprint:
             hashed = self.prompt_hashes(tenant, prompt)
         hashes = hashed[1]
-        n_sealed = self.sealed_count(len(prompt))
-        # ("main" | "tail", block id), ("encode", tail block id), ("below", payload)
-        hits: list[tuple[str, object]] = []
-        for i, h in enumerate(hashes):
-            sealed_range = self.sink_blocks <= i < self.sink_blocks + n_sealed
-            if self.is_pq and sealed_range:
-                bid = self.main_pool.lookup(h)
-                if bid is not None:
-                    hits.append(("main", bid))
-                    continue
-                tb = self.tail_pool.lookup(h)    # another sequence still holds it in fp16
-                if tb is not None:
-                    hits.append(("encode", tb))
-                    continue
-            else:
-                bid = self.tail_pool.lookup(h)
-                if bid is not None:
-                    hits.append(("tail", bid))
-                    continue
-            found = self.tiering.lookup_below(h) if self.tiering is not None and (sealed_range or not self.is_pq) else None
-            if found is None:
-                break
-            hits.append(("below", found))     # (tier, where): read below, all at once
-        # Rows of the hits from below, one batched read per tier, on the device:
-        # ("below", j) is row j of payloads' concatenation, from tier below_tiers[j].
-        payloads, below_tiers = [], []
-        at = [i for i, (kind, _) in enumerate(hits) if kind == "below"]
-        if at:
-            rows = self.tiering.fetch_below([hits[i][1] for i in at], self.main_device)
-            below_tiers += [hits[i][1][0] for i in at[:len(rows)]]
-            for j, i in enumerate(at[:len(rows)]):
-                hits[i] = ("below", j)
-            if len(rows) < len(at):           # a disk block went since its lookup: the prefix ends there
-                hits = hits[:at[len(rows)]]
-            payloads.append(rows)
-        # ---- Redis tier: the rest of the prefix (sealed blocks; any full block for fp16) in one batch
-        first, end = len(hits), (self.sink_blocks + n_sealed if self.is_pq else len(hashes))
-        if self.redis is not None and self.sink_blocks <= first < end:
-            end = min(end, first + self.main_pool.num_allocatable())
-            rows = self.redis.get_prefix(hashes[first:end], self.main_device)
-            hits += [("below", len(below_tiers) + j) for j in range(len(rows))]
-            below_tiers += ["redis"] * len(rows)
-            payloads.append(rows)
-        # ----
+        p = prefix.search(self, hashes, self.sealed_count(len(prompt)))
+        hits = p.hits
         if hits and len(hits) * self.bs == len(prompt):
             hits.pop()     # the caller must compute at least one token to get logits
         # Hold every hit first, so that making room for the fresh blocks can
         # neither move nor reuse them (an "encode" source only until encoded).
         self.main_pool.ref([b for kind, b in hits if kind == "main"])
         self.tail_pool.ref([b for kind, b in hits if kind in ("tail", "encode")])
-        fresh = [i for i, (kind, _) in enumerate(hits) if kind in ("encode", "below")]
-        if len(fresh) > self.main_pool.num_allocatable() and self.tiering is not None:
-            self.tiering.make_room(len(fresh), 0, set())
-        if len(fresh) > self.main_pool.num_allocatable():
-            # Serve a shorter prefix: up to the first fresh block there is no room for.
-            cut = fresh[self.main_pool.num_allocatable()]
+        fresh = [i for i, (kind, _) in enumerate(hits) if kind in ("encode", "below")]      # new main blocks
+        fresh_tail = [i for i, (kind, _) in enumerate(hits) if kind == "sink"]              # new tail blocks
+        if self.tiering is not None and (len(fresh) > self.main_pool.num_allocatable()
+                                         or len(fresh_tail) > self.tail_pool.num_allocatable()):
+            self.tiering.make_room(len(fresh), len(fresh_tail), set())
+        cut = self._room_cut(hits)
+        if cut < len(hits):      # serve a shorter prefix: up to the first fresh block there is no room for
             self.main_pool.release([b for kind, b in hits[cut:] if kind == "main"])
             self.tail_pool.release([b for kind, b in hits[cut:] if kind in ("tail", "encode")])
-            hits, fresh = hits[:cut], [i for i in fresh if i < cut]
+            hits, fresh, fresh_tail = hits[:cut], [i for i in fresh if i < cut], [i for i in fresh_tail if i < cut]
         s = Sequence(seq_id, tenant, self.cfg.geometry.num_layers, token_ids=prompt, hashes=hashes)
         new = dict(zip(fresh, self.main_pool.allocate(len(fresh))))
+        new_tail = dict(zip(fresh_tail, self.tail_pool.allocate(len(fresh_tail))))
         enc = [i for i in fresh if hits[i][0] == "encode"]
         if enc:
             k, v = self.tail.read_blocks(slice(None), ids_to(self.tail.k.device, [hits[i][1] for i in enc]))
             self.main.encode_blocks(ids_to(k.device, [new[i] for i in enc]), k, v)
             self.tail_pool.release([hits[i][1] for i in enc])
-        below = [i for i in fresh if hits[i][0] == "below"]
-        if below:
-            payload = payloads[0] if len(payloads) == 1 else torch.cat(payloads)
-            rows = [hits[i][1] for i in below]
-            if rows != list(range(len(payload))):
-                payload = payload[ids_to(payload.device, rows)]
-            self.main.unpack(ids_to(self.main_device, [new[i] for i in below]), payload)
-            tiers = [below_tiers[j] for j in rows]
-            if self.tiering is not None:
-                self.tiering.served([t for t in tiers if t != "redis"])
-            if self.redis is not None:
-                self.redis.served(tiers.count("redis"))
+        tiers = [p.tiers[j] for j in self._unpack_rows(hits, "below", new, p.rows, self.main_io)]
+        sink_tiers = [p.sink_tiers[j] for j in self._unpack_rows(hits, "sink", new_tail, p.sink_rows, self.tail_io)]
+        if self.tiering is not None:
+            self.tiering.served([t for t in tiers + sink_tiers if t != "redis"])
+        if self.redis is not None:
+            self.redis.served(tiers.count("redis"), sink_tiers.count("redis"))
         for i, (kind, b) in enumerate(hits):
-            bid = new.get(i, b)
+            # A block from this host's host or disk tier is not put to Redis again: it
+            # went up when it was first hashed here (or when it spilled), and a put of
+            # an 8K-token prefix is a 250 MB copy to the host on the request's stream.
             if i in new:
-                # A block from this host's host or disk tier is not put to Redis again: it
-                # went up when it was first hashed here (or when it spilled), and a put of
-                # an 8K-token prefix is a 250 MB copy to the host on the request's stream.
-                self.main_pool.set_hash(bid, hashes[i], announce=kind != "below" or below_tiers[b] == "redis")
-            if kind == "tail" or not self.is_pq:   # sinks and tail; fp16: relabelled as sealed just below
+                bid = new[i]
+                self.main_pool.set_hash(bid, hashes[i], announce=kind != "below" or p.tiers[b] == "redis")
+            elif i in new_tail:
+                bid = new_tail[i]
+                self.hash_fp16(bid, i, hashes[i], announce=p.sink_tiers[b] == "redis")
+            else:
+                bid = b
+            if kind in ("tail", "sink") or not self.is_pq:   # sinks and tail; fp16: relabelled as sealed just below
                 s.tail.append(bid)
             else:
                 s.sealed.append(bid)
@@ -344,6 +312,48 @@ class Cache(WritePath, ReadPath, WindowedBlocks):
         self.counters["prefix_hit_tokens"] += s.length
         self.publish()
         return AllocateResult(cached_tokens=s.length, hit_blocks=len(hits))
+
+    def _room_cut(self, hits: list[tuple[str, object]]) -> int:
+        """How many of the hits fit the room the pools have for their fresh blocks."""
+        main, tail = self.main_pool.num_allocatable(), self.tail_pool.num_allocatable()
+        for i, (kind, _) in enumerate(hits):
+            main -= kind in ("encode", "below")
+            tail -= kind == "sink"
+            if main < 0 or tail < 0:
+                return i
+        return len(hits)
+
+    def _unpack_rows(self, hits, kind: str, new: dict[int, int], parts: list, io) -> list[int]:
+        """Write the rows read from below that hits of `kind` name into their new
+        blocks (io's pool) -> the rows used."""
+        at = [i for i in new if hits[i][0] == kind]
+        if not at:
+            return []
+        payload = prefix.cat(parts)
+        rows = [hits[i][1] for i in at]
+        if rows != list(range(len(payload))):
+            payload = payload[ids_to(payload.device, rows)]
+        io.unpack([new[i] for i in at], payload)
+        return rows
+
+    def hash_fp16(self, bid: int, i: int, h: bytes, announce: bool = True) -> None:
+        """Tail-pool block bid, block i of its sequence, is full: findable by h.
+        A pq cache's sink block (i < sink_blocks) is also kept below the GPU
+        under h when evicted (tiers/below.py) and goes up to Redis (unless
+        announce is False); its other fp16 blocks are found here only (their
+        sealed form goes below)."""
+        self.tail_pool.set_hash(bid, h, announce=announce)   # fp16 codec: the main pool (Redis is its on_hash)
+        if self.is_pq and i < self.sink_blocks:
+            self.sink_ids.add(bid)
+            if announce and self.redis is not None:
+                self.redis.note(bid, h, sink=True)
+
+    def _tail_evicted(self, evicted: list[tuple[int, bytes]]) -> None:
+        """The tail pool is about to reuse cached blocks: the sink ones go below."""
+        sinks = [(b, h) for b, h in evicted if b in self.sink_ids]
+        self.sink_ids.difference_update(b for b, _ in sinks)
+        if sinks and self.tiering is not None:
+            self.tiering.spill_sinks(sinks)
 
     # ------------------------------------------------------- fork and free
     def fork(self, src: Sequence, tenant: str, dst_id: str) -> None:

@@ -5,7 +5,7 @@ nobody is writing to (no pending or reserved tokens, not in the request at
 hand) move down whole: to the pinned host pool, or to LMDB when the host is
 full or absent. Cached (freed, hashed) GPU blocks are copied to the host
 before their slot is reused, and host cached blocks to LMDB, so prefix hits
-survive eviction. Any access pages a sequence back in; Offload writes it to
+survive eviction (below.py). Any access pages a sequence back in; Offload writes it to
 LMDB and returns once the transaction is durable, and that copy stays until
 the sequence is freed or changed. Holes (engine/window.py) stay holes: never moved.
 
@@ -18,15 +18,14 @@ from __future__ import annotations
 import time
 from array import array
 
-import torch
-
 from kvstore.core.sequence import Sequence
 from kvstore.errors import FailedPrecondition, ResourceExhausted
 
+from .below import CachedBelow
 from .disk import DiskTier, SeqImage, block_key
 from .host import HostTier
 from .interface import TieredCache
-from .staging import index, put_rows, to_host
+from .staging import index, to_host
 
 # Manifest fields a restart needs, written to disk but not kept in memory,
 # where the sequence holds them already (token ids as array('i')).
@@ -38,7 +37,7 @@ def _written(s: Sequence, manifest: dict) -> dict:
     return dict(manifest, token_ids=s.token_ids.tolist(), hashes=[h.hex() for h in s.hashes])
 
 
-class Tiering:
+class Tiering(CachedBelow):
     def __init__(self, cache: TieredCache, host: HostTier | None, disk: DiskTier | None):
         self.c = cache
         self.host = host
@@ -46,54 +45,12 @@ class Tiering:
         self.counters = dict(offloads_host=0, offloads_disk=0, page_ins_host=0, page_ins_disk=0,
                              bytes_down=0, bytes_up=0, spilled_blocks=0, prefix_hits_host=0, prefix_hits_disk=0,
                              bytes_down_host=0, bytes_down_disk=0, bytes_up_host=0, bytes_up_disk=0)
-        cache.main_pool.on_evict = self._spill_gpu_cached
-        if host is not None:
-            host.main_pool.on_evict = self._spill_host_cached
+        self._hooks()
 
     def _moved(self, way: str, tier: str, n: int) -> None:
         """n bytes moved down to / up from tier: the total and the tier's share."""
         self.counters[way] += n
         self.counters[f"{way}_{tier}"] += n
-
-    # ------------------------------------------------------------ spilling
-    def _spill_gpu_cached(self, evicted: list[tuple[int, bytes]]) -> None:
-        """GPU cached blocks are about to be reused: keep their payload below."""
-        todo = [(b, h) for b, h in evicted if not self._below_has(h)]
-        if not todo:
-            return
-        payload = self.c.main_io.pack([b for b, _ in todo])
-        if self.c.redis is not None:      # ---- Redis tier: the ones it may not have yet (redis.py)
-            self.c.redis.put([h for _, h in todo], payload)
-        if self.host is not None:
-            ids = self.host.main_pool.allocate(len(todo))
-            if ids is not None:
-                self.host.put(self.host.main, ids, payload)
-                for i, (_, h) in zip(ids, todo):
-                    self.host.main_pool.set_hash(i, h)
-                self.host.main_pool.release(ids)           # cached on the host, findable
-                self.counters["spilled_blocks"] += len(todo)
-                self._moved("bytes_down", "host", payload.numel())
-                return
-        if self.disk is not None:
-            items = [(h, p) for (_, h), p in zip(todo, to_host(payload))]
-            self._moved("bytes_down", "disk", n := self.disk.put_blocks(self.c.fingerprint, items))
-            self.counters["spilled_blocks"] += n // payload.shape[1]
-
-    def _spill_host_cached(self, evicted: list[tuple[int, bytes]]) -> None:
-        if self.disk is None and self.c.redis is None:
-            return
-        self.host.settle()
-        items = [(h, self.host.main[b].clone()) for b, h in evicted]
-        if self.c.redis is not None:      # ---- Redis tier: the ones it may not have yet (redis.py)
-            self.c.redis.put([h for h, _ in items], torch.stack([p for _, p in items]))
-        if self.disk is not None:
-            self._moved("bytes_down", "disk", n := self.disk.put_blocks(self.c.fingerprint, items))
-            self.counters["spilled_blocks"] += n // self.host.main.shape[1]
-
-    def _below_has(self, h: bytes) -> bool:
-        if self.host is not None and self.host.main_pool.lookup(h) is not None:
-            return True
-        return self.disk is not None and self.disk.has_block(self.c.fingerprint, h)
 
     # --------------------------------------------------------------- room
     def _gpu_fits(self, main: int, tail: int) -> bool:
@@ -180,6 +137,8 @@ class Tiering:
                 hi = self._sealed_hash(s, i)
                 if hi is not None:
                     h.main_pool.set_hash(hb, hi)
+            for j in range(min(c.sink_blocks, len(s.tail), s.hashed_upto)):    # sinks stay findable there
+                h.tail_pool.set_hash(tail_ids[j], s.hashes[j])
             done = True
         finally:
             if not done:
@@ -232,15 +191,15 @@ class Tiering:
             sealed = self.host.main[held] if held else None
             tail = self.host.tail[s.tail] if s.tail else None
         # Blocks with a content hash go under that hash (deduplicated, found by
-        # prefix lookups after a restart); fp16 tail blocks only where they share
-        # the sealed blocks' format (codec fp16).
+        # prefix lookups after a restart): sealed blocks, and of the fp16 tail
+        # blocks the sink blocks (below.py) and, codec fp16, every one.
         hashed, others, block_hashes = [], [], []
         known = min(s.hashed_upto, len(s.hashes))
         rows = [sealed[i] for i in range(len(held))] + [tail[j] for j in range(len(s.tail))]
         index = ([c.sink_blocks + s.freed + i for i in range(len(held))]     # block index of each row
                  + [c.tail_block_index(j, len(s.sealed)) for j in range(len(s.tail))])
         for r, (i, payload) in enumerate(zip(index, rows)):
-            if i < known and (r < len(held) or not c.is_pq):
+            if i < known and (r < len(held) or not c.is_pq or i < c.sink_blocks):
                 hashed.append((s.hashes[i], payload))
                 block_hashes.append(s.hashes[i].hex())
             else:
@@ -309,8 +268,8 @@ class Tiering:
                 c.main_pool.set_hash(b, s.hashes[h0 + i], announce=False)
         for j, b in enumerate(new_tail):          # full sink and tail blocks are findable again
             i = c.tail_block_index(j, s.freed + n_sealed)
-            if i < known:                         # and went up to Redis (fp16: the main pool) when first hashed
-                c.tail_pool.set_hash(b, s.hashes[i], announce=False)
+            if i < known:                         # and went up to Redis when first hashed
+                c.hash_fp16(b, i, s.hashes[i], announce=False)
         below = s.tier
         self._release(s)
         s.sealed, s.tail, s.tier = [c.null_block] * s.freed + sealed, new_tail, "gpu"
@@ -336,45 +295,6 @@ class Tiering:
             s.manifest = None
         if s.tier == "host":
             self._release(s)
-
-    # ---------------------------------------------------------- prefix hits
-    def lookup_below(self, h: bytes) -> tuple[str, object] | None:
-        """Where below the GPU a sealed block with hash h is: ("host", host
-        block id) or ("disk", h); fetch_below reads a run of them at once."""
-        if self.host is not None:
-            b = self.host.main_pool.lookup(h)
-            if b is not None:
-                return "host", b
-        if self.disk is not None and self.disk.has_block(self.c.fingerprint, h):
-            return "disk", h
-        return None
-
-    def fetch_below(self, found: list[tuple[str, object]], device) -> torch.Tensor:
-        """Payloads [n, block bytes] uint8 on device of lookup_below's answers, in order:
-        host rows by DMA from the pinned pool, disk rows in one read transaction; n <
-        len(found) where a disk block went since its lookup (another cache's spill
-        evicted it). Host rows are copied on the current stream: a later spill into
-        their slots queues behind the copy."""
-        width = self.c.main_io.block_bytes()
-        host = [i for i, (t, _) in enumerate(found) if t == "host"]
-        disk = [i for i, (t, _) in enumerate(found) if t == "disk"]
-        if not host:            # all from disk: its rows as they are, no copy into a second buffer
-            return self.disk.read_blocks(self.c.fingerprint, [h for _, h in found], width, device)
-        rows, n = torch.empty((len(found), width), dtype=torch.uint8, device=device), len(found)
-        if disk:
-            got = self.disk.read_blocks(self.c.fingerprint, [found[i][1] for i in disk], width, device)
-            if len(got) < len(disk):
-                n, disk = disk[len(got)], disk[:len(got)]
-            put_rows(rows, disk, got)
-        host = [i for i in host if i < n]
-        if host:
-            put_rows(rows, host, self.host.get(self.host.main, [found[i][1] for i in host], device))
-        return rows[:n]
-
-    def served(self, tiers: list[str]) -> None:
-        """Count prefix blocks from below that a sequence got."""
-        for t in tiers:
-            self.counters["prefix_hits_" + t] += 1
 
     def restore(self) -> int:
         """Register the sequences a previous daemon left on disk for this fingerprint."""

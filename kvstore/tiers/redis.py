@@ -1,7 +1,9 @@
 """A cache's view of the shared Redis tier (docs/design.md, Tiers; the store, its key
 and value format and its failure handling: redis_store.py): main-pool
-blocks that got a content hash go up to it once encoded, and the part of a
-prefix that no tier of this host has is asked of it, in one batch."""
+blocks that got a content hash go up to it once encoded, and so do a pq
+cache's sink blocks (fp16, the tail pool's payloads: below.py) once full;
+the part of a prefix that no tier of this host has is asked of it, in one
+batch per kind."""
 from __future__ import annotations
 
 import logging
@@ -25,14 +27,15 @@ MAX_PENDING = 1 << 14                     # per cache: hashed blocks waiting for
 class RedisTier:
     """A cache's view of the shared RedisStore, with its own counters.
 
-    note() is the main pool's on_hash hook: a block that got a content hash
-    waits in `pending` until flush() (called once the write that hashed it
-    has encoded it) packs the lot and queues one put. get_prefix() serves
-    Cache.allocate the blocks of a prefix that no tier of this host has."""
+    note() is the main pool's on_hash hook (Cache.hash_fp16 calls it for sink
+    blocks): a block that got a content hash waits in `pending` until flush()
+    (called once the write that hashed it has encoded it) packs the lot and
+    queues one put per kind. get_prefix() serves Cache.allocate the blocks of
+    a prefix that no tier of this host has."""
 
     def __init__(self, store: RedisStore, cache: TieredCache):
         self.store, self.c = store, cache
-        self.pending: list[tuple[int, bytes]] = []
+        self.pending: list[tuple[int, bytes, bool]] = []      # (block id, hash, a sink block of the tail pool)
         self._known: OrderedDict[bytes, None] = OrderedDict()     # LRU; _epoch: the store's when filled
         self._epoch = store.epoch
         self._lock = threading.Lock()           # counters and _known: the writer thread updates them too
@@ -41,29 +44,32 @@ class RedisTier:
         cache.main_pool.on_hash = self.note
 
     # --------------------------------------------------------------- puts
-    def note(self, block_id: int, h: bytes) -> None:
+    def note(self, block_id: int, h: bytes, sink: bool = False) -> None:
+        """block_id of the main pool (of the tail pool: sink) got hash h."""
         if self._is_known(h):
             return
         if len(self.pending) >= MAX_PENDING:
             self._count(dropped_puts=1)
             return
-        self.pending.append((block_id, h))
+        self.pending.append((block_id, h, sink))
 
     def flush(self) -> None:
         """Queue the noted blocks that still hold their hash (an evicted one
         was overwritten: skipped; its spill puts it if it is still missing)."""
         todo, self.pending = self.pending, []
-        pool, seen, keep = self.c.main_pool, set(), []
-        for b, h in todo:
-            if pool.blocks[b].hash == h and h not in seen:
-                seen.add(h)
-                keep.append((b, h))
-        if not keep:
-            return
-        if not self.store.allow():
-            self._count(dropped_puts=len(keep))
-            return
-        self.put([h for _, h in keep], self.c.main_io.pack([b for b, _ in keep]))
+        for sink in (False, True):
+            pool, io = (self.c.tail_pool, self.c.tail_io) if sink else (self.c.main_pool, self.c.main_io)
+            seen, keep = set(), []
+            for b, h, kind in todo:
+                if kind == sink and pool.blocks[b].hash == h and h not in seen:
+                    seen.add(h)
+                    keep.append((b, h))
+            if not keep:
+                continue
+            if not self.store.allow():
+                self._count(dropped_puts=len(keep))
+                continue
+            self.put([h for _, h in keep], io.pack([b for b, _ in keep]))
 
     def put(self, hashes: list[bytes], payload: torch.Tensor) -> None:
         """Queue blocks (payload [n, block bytes] uint8, any device) not known
@@ -114,13 +120,14 @@ class RedisTier:
                 self._known.popitem(last=False)
 
     # -------------------------------------------------------------- reads
-    def get_prefix(self, hashes: list[bytes], device) -> torch.Tensor:
+    def get_prefix(self, hashes: list[bytes], device, sink: bool = False) -> torch.Tensor:
         """Payloads [n, block bytes] uint8 on device of the leading n blocks of
-        `hashes` that Redis holds and that check out. The values are received
+        `hashes` (sealed blocks; sink: sink blocks) that Redis holds and that
+        check out (a value of the other kind's length is refused). The values are received
         straight into pinned memory (RedisStore.read_into), checked by the
         threads that received them, and each chunk's host-to-device copy is
         queued on the current stream as soon as the chunk is in."""
-        fp, width, n = self.c.fingerprint, self.c.main_io.block_bytes(), len(hashes)
+        fp, width, n = self.c.fingerprint, self._width(sink), len(hashes)
         device = torch.device(device)
         out = torch.empty((n, width), dtype=torch.uint8, device=device)
         cuda = device.type == "cuda"
@@ -151,11 +158,14 @@ class RedisTier:
             self._remember(hashes[:served])
         return out[:served]
 
-    def served(self, n: int) -> None:
-        """Count n prefix blocks from Redis that a sequence got (a lookup may
-        return more than there is room to serve)."""
-        if n:
-            self._count(prefix_hits=n, bytes_in=n * self.c.main_io.block_bytes())
+    def served(self, n: int, sinks: int = 0) -> None:
+        """Count n sealed and `sinks` sink prefix blocks from Redis that a sequence
+        got (a lookup may return more than there is room to serve)."""
+        if n or sinks:
+            self._count(prefix_hits=n + sinks, bytes_in=n * self._width(False) + sinks * self._width(True))
+
+    def _width(self, sink: bool) -> int:
+        return (self.c.tail_io if sink else self.c.main_io).block_bytes()
 
     def _miss(self, h: bytes, refused: bool) -> None:
         self._count(**{"refused" if refused else "misses": 1})

@@ -286,6 +286,79 @@ def test_offload_page_in_is_bit_exact_with_sinks(tmp_path, via):
     e.check_invariants()
 
 
+# ------------------------------------------- sink blocks below the GPU
+def _churn_until_sinks_leave(e: Engine, hashes: list[bytes], host: bool = False) -> None:
+    """Fill and free other prompts until the GPU tail pool (and the host's: host)
+    holds none of the given sink hashes."""
+    c = e.cache("c")
+    pools = [c.tail_pool] + ([c.tiering.host.tail_pool] if host else [])
+    for i in range(60):
+        if all(pool.lookup(h) is None for pool in pools for h in hashes):
+            return
+        fill(e, f"x{i}", 61, seed=50 + i, prompt=[10_000 * (i + 1) + t for t in range(61)])
+        e.free("c", T, [f"x{i}"])
+    raise AssertionError("the sink blocks never left the GPU tail pool")
+
+
+@pytest.mark.parametrize("below", ["host", "disk", "host-then-disk"])
+def test_sink_blocks_spill_below_and_serve_prefix_hits(tmp_path, below):
+    """A freed prompt's sink blocks, evicted from the GPU tail pool, are kept
+    below it under their hash like its sealed blocks: the same prompt then
+    hits its whole prefix, sinks bit-exact."""
+    S = 16
+    pair = config(block_size=BS, residual=R, sink_tokens=S).host_pair_bytes()
+    host = {"host": 64 * pair, "disk": 0, "host-then-disk": 2 * pair}[below]
+    e = engine(S, lmdb=str(tmp_path / "lmdb") if below != "host" else None, host_bytes=host, max_sequences=4)
+    prompt = list(range(100, 161))                         # 7 full blocks: 2 sinks, 4 sealed, 1 tail
+    k, v = fill(e, "a", len(prompt), seed=4, prompt=prompt)
+    want = e.retrieve("c", T, "a", 0, len(prompt))
+    sink_hashes = e.sequence_info("c", T, "a").block_hashes[:S // BS]
+    e.free("c", T, ["a"])
+    _churn_until_sinks_leave(e, sink_hashes, host=below == "host-then-disk")
+    e.check_invariants()
+    st = e.stats()["c"]["tiers"]
+    before = st["prefix_hits_host"] + st["prefix_hits_disk"]
+    hit = e.allocate("c", T, "b", prompt).cached_tokens
+    assert hit == 6 * BS                                   # sinks and sealed blocks: all but the tail block
+    st = e.stats()["c"]["tiers"]
+    assert st["prefix_hits_host"] + st["prefix_hits_disk"] - before >= S // BS
+    if below == "host-then-disk":
+        assert st["prefix_hits_disk"] >= S // BS           # they went on from the host to disk
+    e.append("c", T, ["b"], k[:, hit:], v[:, hit:], [len(prompt) - hit], token_ids=[prompt[hit:]])
+    got = e.retrieve("c", T, "b", 0, len(prompt))
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    assert torch.equal(got[0][:, :S], k[:, :S]) and torch.equal(got[1][:, :S], v[:, :S])
+    e.check_invariants()
+
+
+def test_sink_prefix_hits_survive_a_restart(tmp_path):
+    """Offloaded to LMDB, a pq sequence with sinks gives prefix hits to a new
+    prompt after a restart, whether it is still listed or was freed."""
+    S = 16
+    lmdb = str(tmp_path / "lmdb")
+    e = engine(S, lmdb=lmdb)
+    prompt = list(range(300, 361))
+    k, v = fill(e, "a", len(prompt), seed=5, prompt=prompt)
+    want = e.retrieve("c", T, "a", 0, len(prompt))
+    e.offload("c", T, ["a"])
+    e.cold_store.close()
+    e = engine(S, lmdb=lmdb)
+    assert e.sequence_info("c", T, "a").tier == "disk"
+    for step in ("a listed", "a freed"):
+        hit = e.allocate("c", T, "b", prompt).cached_tokens
+        assert hit == 6 * BS, step                          # sinks and sealed blocks, from disk
+        assert e.stats()["c"]["tiers"]["prefix_hits_disk"] == 6, step
+        e.append("c", T, ["b"], k[:, hit:], v[:, hit:], [len(prompt) - hit], token_ids=[prompt[hit:]])
+        got = e.retrieve("c", T, "b", 0, len(prompt))
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), step
+        e.free("c", T, ["b", "a"] if step == "a listed" else ["b"])    # a's blocks stay on disk, unpinned
+        e.check_invariants()
+        e.cold_store.close()
+        e = engine(S, lmdb=lmdb)
+    assert e.allocate("c", T, "d", prompt).cached_tokens == 6 * BS
+    e.check_invariants()
+
+
 # ----------------------------------------------------------- mapped attend
 def test_mapped_attend_plan_with_sinks_first_in_tail_blocks():
     """The plan MappedCache.step builds from a Reserve reply: a PQ part

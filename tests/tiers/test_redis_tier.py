@@ -32,9 +32,9 @@ def codebooks() -> Codebooks:
     return Codebooks(k=torch.randn(L, HKV, 8, 256, 2, generator=g), v=torch.randn(L, HKV, 8, 256, 2, generator=g))
 
 
-def engine(url, lmdb=None, num_blocks=64, codec="pq", **kw) -> Engine:
+def engine(url, lmdb=None, num_blocks=64, codec="pq", sink_tokens=0, **kw) -> Engine:
     e = Engine(lmdb_path=lmdb, redis=RedisConfig(url, **kw))
-    e.create_cache(config(block_size=BS, num_blocks=num_blocks, codec=codec))
+    e.create_cache(config(block_size=BS, num_blocks=num_blocks, codec=codec, sink_tokens=sink_tokens))
     if codec == "pq":
         e.set_codebooks("c", codebooks())
     return e
@@ -106,6 +106,35 @@ def test_blocks_cross_engines_and_bad_values_are_refused(redis_server):
         assert torch.equal(x, y)                          # the same codes, bit for bit
     s = rstats(b)
     assert s["prefix_hits"] == SEALED and s["bytes_in"] == SEALED * a.cache("c").main.block_bytes()
+    time.sleep(0.2)
+    assert rstats(b)["blocks_out"] == 0, "blocks that came from Redis are not put back"
+    b.check_invariants()
+
+
+def test_sink_blocks_cross_engines_with_the_sealed_ones(redis_server):
+    """A pq cache with sink tokens: its fp16 sink blocks go up beside the PQ
+    blocks, and another engine's prompt hits both, bit-identical. A value of
+    the other kind's length under a sink key is refused."""
+    sinks, sealed = 2, 9                  # S = 32: blocks 0-1 sinks, 9 sealed (residual 8), 1 tail
+    a, b = engine(redis_server.url, sink_tokens=sinks * BS), engine(redis_server.url, sink_tokens=sinks * BS)
+    fill(a, "a", prompt(1))
+    main_w, tail_w = a.cache("c").main.block_bytes(), a.cache("c").tail.block_bytes()
+    wait_for(lambda: rstats(a)["blocks_out"] == sinks + sealed, what="A's puts")
+    assert rstats(a)["bytes_out"] == sinks * tail_w + sealed * main_w
+    hashes = list(a.sequence_info("c", T, "a").block_hashes)
+    r, fp = redis_server.client(), a.cache("c").fingerprint
+    good = r.get(block_key(fp, hashes[1]))
+    assert len(good) == HEADER_BYTES + tail_w
+    r.set(block_key(fp, hashes[1]), pack_value(fp, hashes[1], bytes(main_w)))   # right key, a sealed block's length
+    assert b.allocate("c", T, "b0", prompt(1)).cached_tokens == BS             # the first sink only
+    assert rstats(b)["refused"] == 1
+    r.set(block_key(fp, hashes[1]), good)
+    n = (sinks + sealed) * BS
+    assert b.allocate("c", T, "b", prompt(1)).cached_tokens == n
+    for x, y in zip(a.retrieve("c", T, "a", 0, n), b.retrieve("c", T, "b", 0, n)):
+        assert torch.equal(x, y)
+    s = rstats(b)      # b0's first sink block, then b's second (its first is b0's, on b's GPU) and the sealed ones
+    assert s["prefix_hits"] == sinks + sealed and s["bytes_in"] == sinks * tail_w + sealed * main_w
     time.sleep(0.2)
     assert rstats(b)["blocks_out"] == 0, "blocks that came from Redis are not put back"
     b.check_invariants()

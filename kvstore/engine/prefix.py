@@ -1,0 +1,95 @@
+"""Allocate's prefix search (docs/design.md, Prefix sharing): how many leading
+blocks of a prompt some tier holds, and where each one is.
+
+A prompt's blocks fall in ranges, each searched until its first miss, and a
+range is searched only if the one before it hit whole:
+  sinks   (pq) blocks [0, S/bs): fp16, in the tail pool, else below the GPU
+          as sink blocks (tiers/below.py), else in Redis
+  sealed  (pq) the blocks the prompt's length seals: PQ codes in the main
+          pool, else another sequence's fp16 copy (encoded), else below, else Redis
+  tail    (pq) the rest: fp16 blocks in the tail pool only
+  every   (fp16 codec) every full block: the one pool, else below, else Redis
+A hit is (kind, x):
+  ("main", id)    a main-pool block, shared
+  ("tail", id)    a tail-pool block (every block of the fp16 codec), shared
+  ("encode", id)  a tail-pool block whose content seals here: encoded into a new main block
+  ("below", j)    row j of `rows`, read from host, disk or Redis: into a new main block
+  ("sink", j)     row j of `sink_rows`, a sink block read from below: into a new tail block
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class Prefix:
+    hits: list[tuple[str, object]] = field(default_factory=list)
+    rows: list[torch.Tensor] = field(default_factory=list)        # parts of the main-width rows, in order
+    tiers: list[str] = field(default_factory=list)                # the tier each row came from
+    sink_rows: list[torch.Tensor] = field(default_factory=list)
+    sink_tiers: list[str] = field(default_factory=list)
+
+
+def search(c, hashes: list[bytes], n_sealed: int) -> Prefix:
+    """The hits of a prompt's chained block hashes; n_sealed: the blocks its length seals."""
+    p = Prefix()
+    if not c.is_pq:
+        _range(c, p, hashes, 0, len(hashes), "every")
+        return p
+    sb, n = c.sink_blocks, len(hashes)
+    for lo, hi, kind in ((0, min(sb, n), "sinks"), (sb, min(sb + n_sealed, n), "sealed"), (sb + n_sealed, n, "tail")):
+        if lo < hi and not _range(c, p, hashes, lo, hi, kind):
+            break
+    return p
+
+
+def _range(c, p: Prefix, hashes: list[bytes], lo: int, hi: int, kind: str) -> bool:
+    """Append the hits of blocks [lo, hi) (len(p.hits) == lo) up to the first
+    miss; whether all hit."""
+    sink = kind == "sinks"
+    rows, tiers = (p.sink_rows, p.sink_tiers) if sink else (p.rows, p.tiers)
+    below = "sink" if sink else "below"
+    found = []
+    for i in range(lo, hi):
+        h = hashes[i]
+        if kind == "sealed":
+            bid = c.main_pool.lookup(h)
+            if bid is not None:
+                p.hits.append(("main", bid))
+                continue
+            tb = c.tail_pool.lookup(h)      # another sequence still holds it in fp16
+            if tb is not None:
+                p.hits.append(("encode", tb))
+                continue
+        else:
+            bid = c.tail_pool.lookup(h)
+            if bid is not None:
+                p.hits.append(("tail", bid))
+                continue
+        where = c.tiering.lookup_below(h, sink) if c.tiering is not None and kind != "tail" else None
+        if where is None:
+            break
+        p.hits.append((below, len(tiers) + len(found)))
+        found.append(where)
+    device = c.tail_io.device if sink else c.main_device
+    if found:              # one batched read per tier
+        got = c.tiering.fetch_below(found, device, sink)
+        if len(got) < len(found):           # a disk block went since its lookup: the prefix ends there
+            del p.hits[p.hits.index((below, len(tiers) + len(got))):]
+        rows.append(got)
+        tiers += [t for t, _ in found[:len(got)]]
+    # ---- Redis tier: the rest of the range, in one batch
+    first = len(p.hits)
+    if c.redis is not None and kind != "tail" and lo <= first < hi:
+        pool = c.tail_pool if sink else c.main_pool
+        got = c.redis.get_prefix(hashes[first:min(hi, first + pool.num_allocatable())], device, sink)
+        p.hits += [(below, len(tiers) + j) for j in range(len(got))]
+        tiers += ["redis"] * len(got)
+        rows.append(got)
+    return len(p.hits) == hi
+
+
+def cat(rows: list[torch.Tensor]) -> torch.Tensor | None:
+    return None if not rows else rows[0] if len(rows) == 1 else torch.cat(rows)
