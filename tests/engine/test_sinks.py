@@ -27,10 +27,13 @@ SCALE = 1 / math.sqrt(D)
 TOL = 1e-3        # fp32 kernels, fp16 output
 
 
-def engine(sinks: int, codec: str = "pq", lmdb: str | None = None, host_bytes: int = 0, **kw) -> Engine:
-    e = Engine(lmdb_path=lmdb)
+def engine(sinks: int, codec: str = "pq", lmdb: str | None = None, host_bytes: int = 0, device: str = "cpu",
+           **kw) -> Engine:
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("no CUDA")
+    e = Engine(device, lmdb_path=lmdb)
     cfg = config(codec, block_size=BS, residual=R, sink_tokens=sinks, **kw)
-    e.create_cache(dataclasses.replace(cfg, host_bytes=host_bytes))
+    e.create_cache(dataclasses.replace(cfg, host_bytes=host_bytes, device=device))
     if codec == "pq":
         g = torch.Generator().manual_seed(0)
         e.set_codebooks("c", Codebooks(k=torch.randn(L, HKV, M, 256, D // M, generator=g),
@@ -39,7 +42,7 @@ def engine(sinks: int, codec: str = "pq", lmdb: str | None = None, host_bytes: i
 
 
 def fill(e: Engine, sid: str, n: int, seed: int, prompt: list[int] | None = None):
-    k, v = kv(L, n, HKV, D, seed=seed)
+    k, v = (t.to(e.device) for t in kv(L, n, HKV, D, seed=seed))
     e.allocate("c", T, sid, prompt or [])
     e.append("c", T, [sid], k, v, [n], token_ids=[prompt] if prompt else None)
     return k, v
@@ -300,15 +303,20 @@ def _churn_until_sinks_leave(e: Engine, hashes: list[bytes], host: bool = False)
     raise AssertionError("the sink blocks never left the GPU tail pool")
 
 
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("below", ["host", "disk", "host-then-disk"])
-def test_sink_blocks_spill_below_and_serve_prefix_hits(tmp_path, below):
+def test_sink_blocks_spill_below_and_serve_prefix_hits(tmp_path, below, device):
     """A freed prompt's sink blocks, evicted from the GPU tail pool, are kept
     below it under their hash like its sealed blocks: the same prompt then
     hits its whole prefix, sinks bit-exact."""
     S = 16
     pair = config(block_size=BS, residual=R, sink_tokens=S).host_pair_bytes()
     host = {"host": 64 * pair, "disk": 0, "host-then-disk": 2 * pair}[below]
-    e = engine(S, lmdb=str(tmp_path / "lmdb") if below != "host" else None, host_bytes=host, max_sequences=4)
+    e = engine(S, lmdb=str(tmp_path / "lmdb") if below != "host" else None, host_bytes=host, max_sequences=4,
+               device=device)
     prompt = list(range(100, 161))                         # 7 full blocks: 2 sinks, 4 sealed, 1 tail
     k, v = fill(e, "a", len(prompt), seed=4, prompt=prompt)
     want = e.retrieve("c", T, "a", 0, len(prompt))
@@ -331,18 +339,19 @@ def test_sink_blocks_spill_below_and_serve_prefix_hits(tmp_path, below):
     e.check_invariants()
 
 
-def test_sink_prefix_hits_survive_a_restart(tmp_path):
+@pytest.mark.parametrize("device", DEVICES)
+def test_sink_prefix_hits_survive_a_restart(tmp_path, device):
     """Offloaded to LMDB, a pq sequence with sinks gives prefix hits to a new
     prompt after a restart, whether it is still listed or was freed."""
     S = 16
     lmdb = str(tmp_path / "lmdb")
-    e = engine(S, lmdb=lmdb)
+    e = engine(S, lmdb=lmdb, device=device)
     prompt = list(range(300, 361))
     k, v = fill(e, "a", len(prompt), seed=5, prompt=prompt)
     want = e.retrieve("c", T, "a", 0, len(prompt))
     e.offload("c", T, ["a"])
     e.cold_store.close()
-    e = engine(S, lmdb=lmdb)
+    e = engine(S, lmdb=lmdb, device=device)
     assert e.sequence_info("c", T, "a").tier == "disk"
     for step in ("a listed", "a freed"):
         hit = e.allocate("c", T, "b", prompt).cached_tokens
@@ -354,7 +363,7 @@ def test_sink_prefix_hits_survive_a_restart(tmp_path):
         e.free("c", T, ["b", "a"] if step == "a listed" else ["b"])    # a's blocks stay on disk, unpinned
         e.check_invariants()
         e.cold_store.close()
-        e = engine(S, lmdb=lmdb)
+        e = engine(S, lmdb=lmdb, device=device)
     assert e.allocate("c", T, "d", prompt).cached_tokens == 6 * BS
     e.check_invariants()
 
