@@ -17,6 +17,7 @@ deleted while the request waited for it.
 """
 from __future__ import annotations
 
+import gc
 import contextlib
 import threading
 
@@ -108,7 +109,10 @@ class Engine(CodebookOps):
                 del self.caches[name]
         if cache.main_device.type == "cuda":
             del cache
-            # Give the pool back to the driver: the model workers sharing the GPU may use it now.
+            # The pools' eviction hooks and the tiers refer back to the cache: its
+            # tensors go when the cycle collector runs, so it runs now. Then the
+            # pool goes back to the driver: the model workers sharing the GPU may use it.
+            gc.collect()
             torch.cuda.empty_cache()
         return r
 

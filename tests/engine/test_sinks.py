@@ -29,20 +29,22 @@ TOL = 1e-3        # fp32 kernels, fp16 output
 
 def engine(sinks: int, codec: str = "pq", lmdb: str | None = None, host_bytes: int = 0, device: str = "cpu",
            **kw) -> Engine:
+    """device cuda: head_dim 64 (one the GPU kernels take), else D."""
     if device == "cuda" and not torch.cuda.is_available():
         pytest.skip("no CUDA")
+    d = 64 if device == "cuda" else D
     e = Engine(device, lmdb_path=lmdb)
-    cfg = config(codec, block_size=BS, residual=R, sink_tokens=sinks, **kw)
+    cfg = config(codec, block_size=BS, residual=R, sink_tokens=sinks, head_dim=d, **kw)
     e.create_cache(dataclasses.replace(cfg, host_bytes=host_bytes, device=device))
     if codec == "pq":
         g = torch.Generator().manual_seed(0)
-        e.set_codebooks("c", Codebooks(k=torch.randn(L, HKV, M, 256, D // M, generator=g),
-                                       v=torch.randn(L, HKV, M, 256, D // M, generator=g)))
+        e.set_codebooks("c", Codebooks(k=torch.randn(L, HKV, d // 2, 256, 2, generator=g),
+                                       v=torch.randn(L, HKV, d // 2, 256, 2, generator=g)))
     return e
 
 
 def fill(e: Engine, sid: str, n: int, seed: int, prompt: list[int] | None = None):
-    k, v = (t.to(e.device) for t in kv(L, n, HKV, D, seed=seed))
+    k, v = (t.to(e.device) for t in kv(L, n, HKV, e.cache("c").cfg.geometry.head_dim, seed=seed))
     e.allocate("c", T, sid, prompt or [])
     e.append("c", T, [sid], k, v, [n], token_ids=[prompt] if prompt else None)
     return k, v
@@ -313,7 +315,8 @@ def test_sink_blocks_spill_below_and_serve_prefix_hits(tmp_path, below, device):
     below it under their hash like its sealed blocks: the same prompt then
     hits its whole prefix, sinks bit-exact."""
     S = 16
-    pair = config(block_size=BS, residual=R, sink_tokens=S).host_pair_bytes()
+    e = engine(S, device=device)
+    pair = e.cache("c").cfg.host_pair_bytes()
     host = {"host": 64 * pair, "disk": 0, "host-then-disk": 2 * pair}[below]
     e = engine(S, lmdb=str(tmp_path / "lmdb") if below != "host" else None, host_bytes=host, max_sequences=4,
                device=device)

@@ -175,15 +175,18 @@ def test_host_tier_sequences_are_counted(tmp_path):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("codec", ["fp16", "pq"])
+@pytest.mark.parametrize("codec", ["fp16", "pq", "pq-host"])
 def test_gpu_memory_goes_back_to_the_driver(codec):
-    # pq: the encoder's tables of the cache's codebooks (GPU tensors of their own) go too
+    # pq: the encoder's tables of the cache's codebooks (GPU tensors of their own) go too;
+    # pq-host: a host tier, whose hooks on the cache's pools refer back to the cache
+    codec, host = codec.split("-")[0], codec.endswith("-host")
     e = Engine("cuda")
     gc.collect()
     torch.cuda.synchronize()
     torch.cuda.empty_cache()      # what earlier tests of this process left cached would serve the pool
     base = torch.cuda.memory_reserved()
-    cfg = replace(config(codec=codec, head_dim=64), device="cuda")      # a head_dim the GPU kernels take
+    cfg = replace(config(codec=codec, head_dim=64), device="cuda",     # a head_dim the GPU kernels take
+                  host_bytes=1 << 20 if host else 0)
     # A pool that fits in what the allocator holds unused (segments of earlier tests of
     # this process that a live tensor keeps from empty_cache) would take no new memory,
     # and reserved would not move: the pool is made twice that size, at least 4096 blocks.
