@@ -328,7 +328,13 @@ class WritePath:
     def reserve_touches_gpu(self, s: Sequence, n: int) -> bool:
         """Whether reserve(s, n) may run GPU work: sealing (PQ encodes read the
         tail), or allocating blocks (an evicted block is copied out before the
-        client may write it), or paging in. Most decode steps do none."""
+        client may write it), or paging in, or completing a block the client
+        wrote that goes up to Redis (a sink block; codec fp16, any block: the
+        put packs it). Most decode steps do none."""
+        if self.redis is not None and s.reserved:
+            written = min(s.length + s.reserved, self.sinks if self.is_pq else s.length + s.reserved)
+            if min(written // self.bs, len(s.hashes)) > s.hashed_upto:
+                return True
         return (s.tier != "gpu" or self.tail_blocks_for(s, n) > 0
                 or (self.is_pq and self.seals_at_reserve(s) > 0))
 

@@ -2,6 +2,7 @@
 blocks cross daemons bit-identical, values that do not check out are refused,
 Redis down or slow never fails or holds up a request, hits resume after its
 restart, the put queue is bounded."""
+import contextlib
 import logging
 import os
 import subprocess
@@ -138,6 +139,30 @@ def test_sink_blocks_cross_engines_with_the_sealed_ones(redis_server):
     time.sleep(0.2)
     assert rstats(b)["blocks_out"] == 0, "blocks that came from Redis are not put back"
     b.check_invariants()
+
+
+@pytest.mark.parametrize("codec", ["pq", "fp16"])
+def test_a_reserve_completing_a_client_written_block_puts_it_in_the_clients_cuda_order(redis_server, codec):
+    """A mapped client writes reserved slots on its own stream; the commit at its
+    next Reserve may complete a block that goes up to Redis (a pq sink block;
+    codec fp16, any block). Its put packs the block, so that Reserve runs in the
+    client's CUDA order (gpu_scope), not a later call of anyone's."""
+    e = engine(redis_server.url, codec=codec, sink_tokens=2 * BS if codec == "pq" else 0)
+    c = e.cache("c")
+    ids = prompt(3)[:2 * BS + 8]                  # two full blocks (the sinks, for pq) and half a third
+    e.allocate("c", T, "a", ids)
+    e.reserve("c", T, "a", len(ids))              # the client writes these slots, then reserves the next one
+    entered = []
+
+    def scope():
+        entered.append(True)
+        return contextlib.nullcontext()
+    assert c.reserve_touches_gpu(c.seq(T, "a"), 1)
+    e.reserve_batch("c", T, ["a"], 1, gpu_scope=scope)
+    assert entered and not c.redis.pending, "packed in the client's order, at once"
+    wait_for(lambda: rstats(e)["blocks_out"] == 2, what="the two blocks' puts")
+    e.reserve_batch("c", T, ["a"], 1, gpu_scope=scope)       # a step that completes nothing: no GPU work
+    assert len(entered) == 1
 
 
 def test_down_or_slow_redis_never_holds_up_a_request(redis_server, caplog):
