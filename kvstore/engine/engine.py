@@ -109,9 +109,7 @@ class Engine(CodebookOps):
                 del self.caches[name]
         if cache.main_device.type == "cuda":
             del cache
-            # The pools' eviction hooks and the tiers refer back to the cache: its
-            # tensors go when the cycle collector runs, so it runs now. Then the
-            # pool goes back to the driver: the model workers sharing the GPU may use it.
+            # Its pools' hooks and tiers refer back to it: collected, its pools go to the GPU's other users.
             gc.collect()
             torch.cuda.empty_cache()
         return r
