@@ -12,7 +12,7 @@ would have written, whichever client wrote it. Checks:
   with the reference encoder and the codebooks the soak set (the CPU daemon
   runs the same reference code); the sink tokens exact, then the sealed
   tokens first. One pq cache keeps sink tokens, with a tail pool small enough
-  that its cached sink blocks are evicted and served from below.
+  that its cached fp16 blocks are evicted and served from below.
 - Attend: bit-identical before and after the sequence's round trip through
   the disk (Offload, then the page-in of the next Attend), and within 2e-3 of
   an fp64 attention over the K/V just retrieved and checked (attention is

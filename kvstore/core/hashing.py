@@ -43,3 +43,10 @@ def chain_hashes(token_ids: Sequence[int], block_size: int, fingerprint: bytes,
         parent = h.digest()
         out.append(parent)
     return out
+
+
+def fp16_key(h: bytes) -> bytes:
+    """The key below the GPU of block h's fp16 form (a pq cache's tail-pool block).
+    Its sealed form is stored under h itself: a block of one prompt's fp16 tail
+    seals in a longer prompt, so the two forms of one block need two keys."""
+    return hashlib.sha256(b"kvstore.fp16\0" + h).digest()

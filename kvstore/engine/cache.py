@@ -67,7 +67,6 @@ class Cache(WritePath, ReadPath, WindowedBlocks):
         self.codebooks: Codebooks | None = None
         self.fingerprint = fingerprint(cfg, None)
         self.seqs: dict[tuple[str, str], Sequence] = {}
-        self.sink_ids: set[int] = set()           # tail-pool blocks holding a sink block's hash (hash_fp16)
         self.counters = dict(prefix_query_tokens=0, prefix_hit_tokens=0, appended_tokens=0,
                              sealed_blocks=0, dedup_blocks=0, attend_calls=0)
         self.init_window()                # every layer slides: blocks that left the window go (window.py)
@@ -130,7 +129,6 @@ class Cache(WritePath, ReadPath, WindowedBlocks):
         # Blocks hashed under the old fingerprint must never be found again.
         self.main_pool.clear_hashes()
         self.tail_pool.clear_hashes()
-        self.sink_ids.clear()
         if self.tiering is not None:
             if self.tiering.host is not None:
                 self.tiering.host.main_pool.clear_hashes()
@@ -263,7 +261,7 @@ class Cache(WritePath, ReadPath, WindowedBlocks):
         self.main_pool.ref([b for kind, b in hits if kind == "main"])
         self.tail_pool.ref([b for kind, b in hits if kind in ("tail", "encode")])
         fresh = [i for i, (kind, _) in enumerate(hits) if kind in ("encode", "below")]      # new main blocks
-        fresh_tail = [i for i, (kind, _) in enumerate(hits) if kind == "sink"]              # new tail blocks
+        fresh_tail = [i for i, (kind, _) in enumerate(hits) if kind == "fp16"]              # new tail blocks
         if self.tiering is not None and (len(fresh) > self.main_pool.num_allocatable()
                                          or len(fresh_tail) > self.tail_pool.num_allocatable()):
             self.tiering.make_room(len(fresh), len(fresh_tail), set())
@@ -281,11 +279,11 @@ class Cache(WritePath, ReadPath, WindowedBlocks):
             self.main.encode_blocks(ids_to(k.device, [new[i] for i in enc]), k, v)
             self.tail_pool.release([hits[i][1] for i in enc])
         tiers = [p.tiers[j] for j in self._unpack_rows(hits, "below", new, p.rows, self.main_io)]
-        sink_tiers = [p.sink_tiers[j] for j in self._unpack_rows(hits, "sink", new_tail, p.sink_rows, self.tail_io)]
+        fp16_tiers = [p.fp16_tiers[j] for j in self._unpack_rows(hits, "fp16", new_tail, p.fp16_rows, self.tail_io)]
         if self.tiering is not None:
-            self.tiering.served([t for t in tiers + sink_tiers if t != "redis"])
+            self.tiering.served([t for t in tiers + fp16_tiers if t != "redis"])
         if self.redis is not None:
-            self.redis.served(tiers.count("redis"), sink_tiers.count("redis"))
+            self.redis.served(tiers.count("redis"), fp16_tiers.count("redis"))
         for i, (kind, b) in enumerate(hits):
             # A block from this host's host or disk tier is not put to Redis again: it
             # went up when it was first hashed here (or when it spilled), and a put of
@@ -295,10 +293,10 @@ class Cache(WritePath, ReadPath, WindowedBlocks):
                 self.main_pool.set_hash(bid, hashes[i], announce=kind != "below" or p.tiers[b] == "redis")
             elif i in new_tail:
                 bid = new_tail[i]
-                self.hash_fp16(bid, i, hashes[i], announce=p.sink_tiers[b] == "redis")
+                self.hash_fp16(bid, i, hashes[i], announce=p.fp16_tiers[b] == "redis")
             else:
                 bid = b
-            if kind in ("tail", "sink") or not self.is_pq:   # sinks and tail; fp16: relabelled as sealed just below
+            if kind in ("tail", "fp16") or not self.is_pq:   # sinks and tail; fp16: relabelled as sealed just below
                 s.tail.append(bid)
             else:
                 s.sealed.append(bid)
@@ -318,7 +316,7 @@ class Cache(WritePath, ReadPath, WindowedBlocks):
         main, tail = self.main_pool.num_allocatable(), self.tail_pool.num_allocatable()
         for i, (kind, _) in enumerate(hits):
             main -= kind in ("encode", "below")
-            tail -= kind == "sink"
+            tail -= kind == "fp16"
             if main < 0 or tail < 0:
                 return i
         return len(hits)
@@ -338,22 +336,18 @@ class Cache(WritePath, ReadPath, WindowedBlocks):
 
     def hash_fp16(self, bid: int, i: int, h: bytes, announce: bool = True) -> None:
         """Tail-pool block bid, block i of its sequence, is full: findable by h.
-        A pq cache's sink block (i < sink_blocks) is also kept below the GPU
-        under h when evicted (tiers/below.py) and goes up to Redis (unless
-        announce is False); its other fp16 blocks are found here only (their
-        sealed form goes below)."""
+        A pq cache's fp16 blocks go below the GPU when evicted (tiers/below.py);
+        its sink blocks (i < sink_blocks) also go up to Redis now (unless
+        announce is False): its other fp16 blocks seal as the sequence grows,
+        and their PQ codes go up then, a quarter to an eighth of the bytes."""
         self.tail_pool.set_hash(bid, h, announce=announce)   # fp16 codec: the main pool (Redis is its on_hash)
-        if self.is_pq and i < self.sink_blocks:
-            self.sink_ids.add(bid)
-            if announce and self.redis is not None:
-                self.redis.note(bid, h, sink=True)
+        if self.is_pq and i < self.sink_blocks and announce and self.redis is not None:
+            self.redis.note(bid, h, fp16=True)
 
     def _tail_evicted(self, evicted: list[tuple[int, bytes]]) -> None:
-        """The tail pool is about to reuse cached blocks: the sink ones go below."""
-        sinks = [(b, h) for b, h in evicted if b in self.sink_ids]
-        self.sink_ids.difference_update(b for b, _ in sinks)
-        if sinks and self.tiering is not None:
-            self.tiering.spill_sinks(sinks)
+        """The tail pool is about to reuse cached blocks: their fp16 form goes below."""
+        if self.tiering is not None:
+            self.tiering.spill_fp16(evicted)
 
     # ------------------------------------------------------- fork and free
     def fork(self, src: Sequence, tenant: str, dst_id: str) -> None:

@@ -3,18 +3,18 @@ blocks of a prompt some tier holds, and where each one is.
 
 A prompt's blocks fall in ranges, each searched until its first miss, and a
 range is searched only if the one before it hit whole:
-  sinks   (pq) blocks [0, S/bs): fp16, in the tail pool, else below the GPU
-          as sink blocks (tiers/below.py), else in Redis
+  sinks   (pq) blocks [0, S/bs): fp16, in the tail pool, else their fp16 form
+          below the GPU (tiers/below.py), else in Redis
   sealed  (pq) the blocks the prompt's length seals: PQ codes in the main
           pool, else another sequence's fp16 copy (encoded), else below, else Redis
-  tail    (pq) the rest: fp16 blocks in the tail pool only
+  tail    (pq) the rest: as the sinks
   every   (fp16 codec) every full block: the one pool, else below, else Redis
 A hit is (kind, x):
   ("main", id)    a main-pool block, shared
   ("tail", id)    a tail-pool block (every block of the fp16 codec), shared
   ("encode", id)  a tail-pool block whose content seals here: encoded into a new main block
   ("below", j)    row j of `rows`, read from host, disk or Redis: into a new main block
-  ("sink", j)     row j of `sink_rows`, a sink block read from below: into a new tail block
+  ("fp16", j)     row j of `fp16_rows`, an fp16 block read from below: into a new tail block
 """
 from __future__ import annotations
 
@@ -28,8 +28,8 @@ class Prefix:
     hits: list[tuple[str, object]] = field(default_factory=list)
     rows: list[torch.Tensor] = field(default_factory=list)        # parts of the main-width rows, in order
     tiers: list[str] = field(default_factory=list)                # the tier each row came from
-    sink_rows: list[torch.Tensor] = field(default_factory=list)
-    sink_tiers: list[str] = field(default_factory=list)
+    fp16_rows: list[torch.Tensor] = field(default_factory=list)
+    fp16_tiers: list[str] = field(default_factory=list)
 
 
 def search(c, hashes: list[bytes], n_sealed: int) -> Prefix:
@@ -48,9 +48,9 @@ def search(c, hashes: list[bytes], n_sealed: int) -> Prefix:
 def _range(c, p: Prefix, hashes: list[bytes], lo: int, hi: int, kind: str) -> bool:
     """Append the hits of blocks [lo, hi) (len(p.hits) == lo) up to the first
     miss; whether all hit."""
-    sink = kind == "sinks"
-    rows, tiers = (p.sink_rows, p.sink_tiers) if sink else (p.rows, p.tiers)
-    below = "sink" if sink else "below"
+    fp16 = kind in ("sinks", "tail")
+    rows, tiers = (p.fp16_rows, p.fp16_tiers) if fp16 else (p.rows, p.tiers)
+    below = "fp16" if fp16 else "below"
     found = []
     for i in range(lo, hi):
         h = hashes[i]
@@ -68,23 +68,23 @@ def _range(c, p: Prefix, hashes: list[bytes], lo: int, hi: int, kind: str) -> bo
             if bid is not None:
                 p.hits.append(("tail", bid))
                 continue
-        where = c.tiering.lookup_below(h, sink) if c.tiering is not None and kind != "tail" else None
+        where = c.tiering.lookup_below(h, fp16) if c.tiering is not None else None
         if where is None:
             break
         p.hits.append((below, len(tiers) + len(found)))
         found.append(where)
-    device = c.tail_io.device if sink else c.main_device
+    device = c.tail_io.device if fp16 else c.main_device
     if found:              # one batched read per tier
-        got = c.tiering.fetch_below(found, device, sink)
+        got = c.tiering.fetch_below(found, device, fp16)
         if len(got) < len(found):           # a disk block went since its lookup: the prefix ends there
             del p.hits[p.hits.index((below, len(tiers) + len(got))):]
         rows.append(got)
         tiers += [t for t, _ in found[:len(got)]]
     # ---- Redis tier: the rest of the range, in one batch
     first = len(p.hits)
-    if c.redis is not None and kind != "tail" and lo <= first < hi:
-        pool = c.tail_pool if sink else c.main_pool
-        got = c.redis.get_prefix(hashes[first:min(hi, first + pool.num_allocatable())], device, sink)
+    if c.redis is not None and lo <= first < hi:
+        pool = c.tail_pool if fp16 else c.main_pool
+        got = c.redis.get_prefix(hashes[first:min(hi, first + pool.num_allocatable())], device, fp16)
         p.hits += [(below, len(tiers) + j) for j in range(len(got))]
         tiers += ["redis"] * len(got)
         rows.append(got)

@@ -3,74 +3,81 @@ content hash are copied down before their slot is reused (GPU -> host ->
 disk, and to Redis what it may not have yet), and a prompt's prefix blocks
 are found there and read back.
 
-Two kinds of block live there, each under its content hash: sealed blocks
-(the main pool's payloads: PQ codes, or fp16 blocks of the fp16 codec) and a
-pq cache's sink blocks (its first sink_tokens in fp16, the tail pool's
-payloads). A hash names a block index of its chain and the fingerprint fixes
-the sink count, so one key never means both; the widths differ, so each kind
-is spilled, looked up and read with its own pools. Other fp16 tail blocks
-are not kept below: their sealed form is."""
+Two kinds of block live there: sealed blocks (the main pool's payloads: PQ
+codes, or fp16 blocks of the fp16 codec), stored under their chained hash h,
+and a pq cache's fp16 blocks (its tail pool's payloads: sink blocks and the
+newest tokens' blocks), stored under fp16_key(h): a block in one prompt's
+fp16 tail is sealed in a longer prompt's, so its two forms need two keys.
+The widths differ too, so each kind is spilled, looked up and read with its
+own pools."""
 from __future__ import annotations
 
 import torch
+
+from kvstore.core.hashing import fp16_key
 
 from .staging import put_rows, to_host
 
 
 class CachedBelow:
     """The spill and prefix-read half of Tiering (policy.py), which sets c, host,
-    disk, counters and _moved."""
+    disk, counters and _moved. fp16: the kind (above); the pools below hold keys."""
 
     def _hooks(self) -> None:
-        self.c.main_pool.on_evict = lambda evicted: self._spill_gpu(evicted, sink=False)
+        self.c.main_pool.on_evict = lambda evicted: self._spill_gpu(evicted, fp16=False)
         if self.host is not None:
-            self.host.main_pool.on_evict = lambda evicted: self._spill_host(evicted, sink=False)
-            self.host.tail_pool.on_evict = lambda evicted: self._spill_host(evicted, sink=True)
+            self.host.main_pool.on_evict = lambda evicted: self._spill_host(evicted, fp16=False)
+            self.host.tail_pool.on_evict = lambda evicted: self._spill_host(evicted, fp16=True)
 
-    def _kind(self, sink: bool):
-        """(GPU payloads, host pool, host rows) of sealed or sink blocks."""
+    def _kind(self, fp16: bool):
+        """(GPU payloads, host pool, host rows) of sealed or fp16 blocks."""
         c, h = self.c, self.host
-        if sink:
+        if fp16:
             return c.tail_io, h and h.tail_pool, h and h.tail
         return c.main_io, h and h.main_pool, h and h.main
 
-    # ------------------------------------------------------------ spilling
-    def spill_sinks(self, evicted: list[tuple[int, bytes]]) -> None:
-        """Cached GPU sink blocks (Cache.hash_fp16) are about to be reused."""
-        self._spill_gpu(evicted, sink=True)
+    @staticmethod
+    def key(h: bytes, fp16: bool) -> bytes:
+        """What a block of chained hash h is stored under below the GPU."""
+        return fp16_key(h) if fp16 else h
 
-    def _spill_gpu(self, evicted: list[tuple[int, bytes]], sink: bool) -> None:
+    # ------------------------------------------------------------ spilling
+    def spill_fp16(self, evicted: list[tuple[int, bytes]]) -> None:
+        """Cached GPU tail-pool blocks of a pq cache are about to be reused."""
+        self._spill_gpu(evicted, fp16=True)
+
+    def _spill_gpu(self, evicted: list[tuple[int, bytes]], fp16: bool) -> None:
         """GPU cached blocks are about to be reused: keep their payload below."""
-        todo = [(b, h) for b, h in evicted if not self._below_has(h, sink)]
+        todo = [(b, self.key(h, fp16)) for b, h in evicted]
+        todo = [(b, k) for b, k in todo if not self._below_has(k, fp16)]
         if not todo:
             return
-        io, pool, rows = self._kind(sink)
+        io, pool, rows = self._kind(fp16)
         payload = io.pack([b for b, _ in todo])
         if self.c.redis is not None:      # ---- Redis tier: the ones it may not have yet (redis.py)
-            self.c.redis.put([h for _, h in todo], payload)
+            self.c.redis.put([k for _, k in todo], payload)
         if pool is not None:
             ids = pool.allocate(len(todo))
             if ids is not None:
                 self.host.put(rows, ids, payload)
-                for i, (_, h) in zip(ids, todo):
-                    pool.set_hash(i, h)
+                for i, (_, k) in zip(ids, todo):
+                    pool.set_hash(i, k)
                 pool.release(ids)           # cached on the host, findable
                 self.counters["spilled_blocks"] += len(todo)
                 self._moved("bytes_down", "host", payload.numel())
                 return
         if self.disk is not None:
-            self._spill_disk([(h, p) for (_, h), p in zip(todo, to_host(payload))], payload.shape[1])
+            self._spill_disk([(k, p) for (_, k), p in zip(todo, to_host(payload))], payload.shape[1])
 
-    def _spill_host(self, evicted: list[tuple[int, bytes]], sink: bool) -> None:
-        """Host cached blocks are about to be reused (on the host, only sink
-        blocks of the tail pool carry a hash): down to disk, and to Redis."""
+    def _spill_host(self, evicted: list[tuple[int, bytes]], fp16: bool) -> None:
+        """Host cached blocks (hashed by their keys) are about to be reused: down to disk, and to Redis."""
         if self.disk is None and self.c.redis is None:
             return
-        rows = self._kind(sink)[2]
+        rows = self._kind(fp16)[2]
         self.host.settle()
-        items = [(h, rows[b].clone()) for b, h in evicted]
+        items = [(k, rows[b].clone()) for b, k in evicted]
         if self.c.redis is not None:      # ---- Redis tier: the ones it may not have yet (redis.py)
-            self.c.redis.put([h for h, _ in items], torch.stack([p for _, p in items]))
+            self.c.redis.put([k for k, _ in items], torch.stack([p for _, p in items]))
         if self.disk is not None:
             self._spill_disk(items, rows.shape[1])
 
@@ -78,32 +85,32 @@ class CachedBelow:
         self._moved("bytes_down", "disk", n := self.disk.put_blocks(self.c.fingerprint, items))
         self.counters["spilled_blocks"] += n // width
 
-    def _below_has(self, h: bytes, sink: bool) -> bool:
-        pool = self._kind(sink)[1]
-        if pool is not None and pool.lookup(h) is not None:
+    def _below_has(self, k: bytes, fp16: bool) -> bool:
+        pool = self._kind(fp16)[1]
+        if pool is not None and pool.lookup(k) is not None:
             return True
-        return self.disk is not None and self.disk.has_block(self.c.fingerprint, h)
+        return self.disk is not None and self.disk.has_block(self.c.fingerprint, k)
 
     # ---------------------------------------------------------- prefix hits
-    def lookup_below(self, h: bytes, sink: bool = False) -> tuple[str, object] | None:
-        """Where below the GPU a sealed (or sink) block with hash h is: ("host",
-        host block id) or ("disk", h); fetch_below reads a run of them at once."""
-        pool = self._kind(sink)[1]
+    def lookup_below(self, h: bytes, fp16: bool = False) -> tuple[str, object] | None:
+        """Where below the GPU the sealed (or fp16) form of block h is: ("host",
+        host block id) or ("disk", its key); fetch_below reads a run of them at once."""
+        k, pool = self.key(h, fp16), self._kind(fp16)[1]
         if pool is not None:
-            b = pool.lookup(h)
+            b = pool.lookup(k)
             if b is not None:
                 return "host", b
-        if self.disk is not None and self.disk.has_block(self.c.fingerprint, h):
-            return "disk", h
+        if self.disk is not None and self.disk.has_block(self.c.fingerprint, k):
+            return "disk", k
         return None
 
-    def fetch_below(self, found: list[tuple[str, object]], device, sink: bool = False) -> torch.Tensor:
+    def fetch_below(self, found: list[tuple[str, object]], device, fp16: bool = False) -> torch.Tensor:
         """Payloads [n, block bytes] uint8 on device of lookup_below's answers, in order:
         host rows by DMA from the pinned pool, disk rows in one read transaction; n <
         len(found) where a disk block went since its lookup (another cache's spill
         evicted it). Host rows are copied on the current stream: a later spill into
         their slots queues behind the copy."""
-        io, _, pool_rows = self._kind(sink)
+        io, _, pool_rows = self._kind(fp16)
         width = io.block_bytes()
         host = [i for i, (t, _) in enumerate(found) if t == "host"]
         disk = [i for i, (t, _) in enumerate(found) if t == "disk"]

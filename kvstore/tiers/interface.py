@@ -41,5 +41,5 @@ class TieredCache(Protocol):
         """Block index (in position order) of tail[j] when n_sealed blocks are sealed."""
 
     def hash_fp16(self, bid: int, i: int, h: bytes, announce: bool = True) -> None:
-        """Tail-pool block bid, block i of its sequence, is findable by h (a sink
-        block also below the GPU when evicted: below.py)."""
+        """Tail-pool block bid, block i of its sequence, is findable by h (and,
+        pq, kept below the GPU when evicted: below.py)."""

@@ -137,8 +137,11 @@ class Tiering(CachedBelow):
                 hi = self._sealed_hash(s, i)
                 if hi is not None:
                     h.main_pool.set_hash(hb, hi)
-            for j in range(min(c.sink_blocks, len(s.tail), s.hashed_upto)):    # sinks stay findable there
-                h.tail_pool.set_hash(tail_ids[j], s.hashes[j])
+            known = min(s.hashed_upto, len(s.hashes))
+            for j, hb in enumerate(tail_ids if c.is_pq else []):     # full fp16 blocks stay findable there
+                i = c.tail_block_index(j, len(s.sealed))
+                if i < known:
+                    h.tail_pool.set_hash(hb, self.key(s.hashes[i], fp16=True))
             done = True
         finally:
             if not done:
@@ -190,18 +193,19 @@ class Tiering(CachedBelow):
             self.host.settle()
             sealed = self.host.main[held] if held else None
             tail = self.host.tail[s.tail] if s.tail else None
-        # Blocks with a content hash go under that hash (deduplicated, found by
-        # prefix lookups after a restart): sealed blocks, and of the fp16 tail
-        # blocks the sink blocks (below.py) and, codec fp16, every one.
+        # Blocks with a content hash go under their key (deduplicated, found by
+        # prefix lookups after a restart): sealed blocks and, codec fp16, every
+        # block under the hash; a pq cache's fp16 blocks under fp16_key (below.py).
         hashed, others, block_hashes = [], [], []
         known = min(s.hashed_upto, len(s.hashes))
         rows = [sealed[i] for i in range(len(held))] + [tail[j] for j in range(len(s.tail))]
         index = ([c.sink_blocks + s.freed + i for i in range(len(held))]     # block index of each row
                  + [c.tail_block_index(j, len(s.sealed)) for j in range(len(s.tail))])
         for r, (i, payload) in enumerate(zip(index, rows)):
-            if i < known and (r < len(held) or not c.is_pq or i < c.sink_blocks):
-                hashed.append((s.hashes[i], payload))
-                block_hashes.append(s.hashes[i].hex())
+            if i < known:
+                k = self.key(s.hashes[i], fp16=c.is_pq and r >= len(held))
+                hashed.append((k, payload))
+                block_hashes.append(k.hex())
             else:
                 others.append(payload)
                 block_hashes.append("")

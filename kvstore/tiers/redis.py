@@ -1,9 +1,9 @@
 """A cache's view of the shared Redis tier (docs/design.md, Tiers; the store, its key
 and value format and its failure handling: redis_store.py): main-pool
 blocks that got a content hash go up to it once encoded, and so do a pq
-cache's sink blocks (fp16, the tail pool's payloads: below.py) once full;
-the part of a prefix that no tier of this host has is asked of it, in one
-batch per kind."""
+cache's sink blocks (fp16, under fp16_key: below.py) once full; its other
+fp16 blocks go up when they spill. The part of a prefix that no tier of this
+host has is asked of it, in one batch per kind."""
 from __future__ import annotations
 
 import logging
@@ -13,6 +13,7 @@ from collections import OrderedDict
 import numpy as np
 import torch
 
+from kvstore.core.hashing import fp16_key
 from kvstore.cuda.pinned import to_device
 
 from .interface import TieredCache
@@ -35,7 +36,7 @@ class RedisTier:
 
     def __init__(self, store: RedisStore, cache: TieredCache):
         self.store, self.c = store, cache
-        self.pending: list[tuple[int, bytes, bool]] = []      # (block id, hash, a sink block of the tail pool)
+        self.pending: list[tuple[int, bytes, bool]] = []      # (block id, hash, a tail-pool block)
         self._known: OrderedDict[bytes, None] = OrderedDict()     # LRU; _epoch: the store's when filled
         self._epoch = store.epoch
         self._lock = threading.Lock()           # counters and _known: the writer thread updates them too
@@ -44,24 +45,24 @@ class RedisTier:
         cache.main_pool.on_hash = self.note
 
     # --------------------------------------------------------------- puts
-    def note(self, block_id: int, h: bytes, sink: bool = False) -> None:
-        """block_id of the main pool (of the tail pool: sink) got hash h."""
-        if self._is_known(h):
+    def note(self, block_id: int, h: bytes, fp16: bool = False) -> None:
+        """block_id of the main pool (of the tail pool: fp16) got hash h."""
+        if self._is_known(fp16_key(h) if fp16 else h):
             return
         if len(self.pending) >= MAX_PENDING:
             self._count(dropped_puts=1)
             return
-        self.pending.append((block_id, h, sink))
+        self.pending.append((block_id, h, fp16))
 
     def flush(self) -> None:
         """Queue the noted blocks that still hold their hash (an evicted one
         was overwritten: skipped; its spill puts it if it is still missing)."""
         todo, self.pending = self.pending, []
-        for sink in (False, True):
-            pool, io = (self.c.tail_pool, self.c.tail_io) if sink else (self.c.main_pool, self.c.main_io)
+        for fp16 in (False, True):
+            pool, io = (self.c.tail_pool, self.c.tail_io) if fp16 else (self.c.main_pool, self.c.main_io)
             seen, keep = set(), []
             for b, h, kind in todo:
-                if kind == sink and pool.blocks[b].hash == h and h not in seen:
+                if kind == fp16 and pool.blocks[b].hash == h and h not in seen:
                     seen.add(h)
                     keep.append((b, h))
             if not keep:
@@ -69,11 +70,12 @@ class RedisTier:
             if not self.store.allow():
                 self._count(dropped_puts=len(keep))
                 continue
-            self.put([h for _, h in keep], io.pack([b for b, _ in keep]))
+            self.put([fp16_key(h) if fp16 else h for _, h in keep], io.pack([b for b, _ in keep]))
 
     def put(self, hashes: list[bytes], payload: torch.Tensor) -> None:
         """Queue blocks (payload [n, block bytes] uint8, any device) not known
-        to be in Redis; also the spill paths' hook (policy.py)."""
+        to be in Redis, under the keys `hashes` (below.py: an fp16 block's is
+        fp16_key); also the spill paths' hook (below.py)."""
         idx = [i for i, h in enumerate(hashes) if not self._is_known(h)]
         if not idx:
             return
@@ -120,14 +122,16 @@ class RedisTier:
                 self._known.popitem(last=False)
 
     # -------------------------------------------------------------- reads
-    def get_prefix(self, hashes: list[bytes], device, sink: bool = False) -> torch.Tensor:
+    def get_prefix(self, hashes: list[bytes], device, fp16: bool = False) -> torch.Tensor:
         """Payloads [n, block bytes] uint8 on device of the leading n blocks of
-        `hashes` (sealed blocks; sink: sink blocks) that Redis holds and that
-        check out (a value of the other kind's length is refused). The values are received
+        `hashes` (chained hashes: their sealed forms, or their fp16 forms) that
+        Redis holds and that check out. The values are received
         straight into pinned memory (RedisStore.read_into), checked by the
         threads that received them, and each chunk's host-to-device copy is
         queued on the current stream as soon as the chunk is in."""
-        fp, width, n = self.c.fingerprint, self._width(sink), len(hashes)
+        fp, width, n = self.c.fingerprint, self._width(fp16), len(hashes)
+        if fp16:
+            hashes = [fp16_key(h) for h in hashes]
         device = torch.device(device)
         out = torch.empty((n, width), dtype=torch.uint8, device=device)
         cuda = device.type == "cuda"
@@ -158,14 +162,14 @@ class RedisTier:
             self._remember(hashes[:served])
         return out[:served]
 
-    def served(self, n: int, sinks: int = 0) -> None:
-        """Count n sealed and `sinks` sink prefix blocks from Redis that a sequence
+    def served(self, n: int, fp16: int = 0) -> None:
+        """Count n sealed and `fp16` fp16 prefix blocks from Redis that a sequence
         got (a lookup may return more than there is room to serve)."""
-        if n or sinks:
-            self._count(prefix_hits=n + sinks, bytes_in=n * self._width(False) + sinks * self._width(True))
+        if n or fp16:
+            self._count(prefix_hits=n + fp16, bytes_in=n * self._width(False) + fp16 * self._width(True))
 
-    def _width(self, sink: bool) -> int:
-        return (self.c.tail_io if sink else self.c.main_io).block_bytes()
+    def _width(self, fp16: bool) -> int:
+        return (self.c.tail_io if fp16 else self.c.main_io).block_bytes()
 
     def _miss(self, h: bytes, refused: bool) -> None:
         self._count(**{"refused" if refused else "misses": 1})

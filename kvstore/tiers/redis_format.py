@@ -1,6 +1,7 @@
 """What the Redis tier stores: its keys and values (docs/scale.md).
 
 Key:   kvstore:v3:<cache fingerprint hex>:<content hash hex>
+       (a pq cache's fp16 block: hashing.fp16_key of its block hash)
 No hash tag ({...}): Redis Cluster hashes the whole key, so one cache's
 blocks spread over every slot.
 

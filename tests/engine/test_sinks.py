@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from kvstore.codec.codebooks import Codebooks
+from kvstore.core.hashing import fp16_key
 from kvstore.engine.engine import Engine
 from kvstore.errors import InvalidArgument
 from kvstore.kernels import reference as ref
@@ -291,18 +292,18 @@ def test_offload_page_in_is_bit_exact_with_sinks(tmp_path, via):
     e.check_invariants()
 
 
-# ------------------------------------------- sink blocks below the GPU
-def _churn_until_sinks_leave(e: Engine, hashes: list[bytes], host: bool = False) -> None:
+# -------------------------------------------- fp16 blocks below the GPU
+def _churn_until_fp16_blocks_leave(e: Engine, hashes: list[bytes], host: bool = False) -> None:
     """Fill and free other prompts until the GPU tail pool (and the host's: host)
-    holds none of the given sink hashes."""
+    holds none of the given fp16 blocks."""
     c = e.cache("c")
-    pools = [c.tail_pool] + ([c.tiering.host.tail_pool] if host else [])
+    held = [(c.tail_pool, h) for h in hashes] + ([(c.tiering.host.tail_pool, fp16_key(h)) for h in hashes] if host else [])
     for i in range(60):
-        if all(pool.lookup(h) is None for pool in pools for h in hashes):
+        if all(pool.lookup(h) is None for pool, h in held):
             return
         fill(e, f"x{i}", 61, seed=50 + i, prompt=[10_000 * (i + 1) + t for t in range(61)])
         e.free("c", T, [f"x{i}"])
-    raise AssertionError("the sink blocks never left the GPU tail pool")
+    raise AssertionError("the fp16 blocks never left the tail pools")
 
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
@@ -310,42 +311,43 @@ DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("below", ["host", "disk", "host-then-disk"])
-def test_sink_blocks_spill_below_and_serve_prefix_hits(tmp_path, below, device):
-    """A freed prompt's sink blocks, evicted from the GPU tail pool, are kept
-    below it under their hash like its sealed blocks: the same prompt then
-    hits its whole prefix, sinks bit-exact."""
+def test_fp16_blocks_spill_below_and_serve_prefix_hits(tmp_path, below, device):
+    """A freed prompt's fp16 blocks (sinks, and the full tail block), evicted
+    from the GPU tail pool, are kept below it like its sealed blocks: the same
+    prompt then hits every full block, the fp16 ones bit-exact."""
     S = 16
     e = engine(S, device=device)
     pair = e.cache("c").cfg.host_pair_bytes()
-    host = {"host": 64 * pair, "disk": 0, "host-then-disk": 2 * pair}[below]
+    host = {"host": 64 * pair, "disk": 0, "host-then-disk": 4 * pair}[below]
     e = engine(S, lmdb=str(tmp_path / "lmdb") if below != "host" else None, host_bytes=host, max_sequences=4,
                device=device)
     prompt = list(range(100, 161))                         # 7 full blocks: 2 sinks, 4 sealed, 1 tail
     k, v = fill(e, "a", len(prompt), seed=4, prompt=prompt)
     want = e.retrieve("c", T, "a", 0, len(prompt))
-    sink_hashes = e.sequence_info("c", T, "a").block_hashes[:S // BS]
+    hashes = e.sequence_info("c", T, "a").block_hashes
     e.free("c", T, ["a"])
-    _churn_until_sinks_leave(e, sink_hashes, host=below == "host-then-disk")
+    _churn_until_fp16_blocks_leave(e, hashes[:S // BS] + hashes[6:7], host=below == "host-then-disk")
     e.check_invariants()
     st = e.stats()["c"]["tiers"]
     before = st["prefix_hits_host"] + st["prefix_hits_disk"]
     hit = e.allocate("c", T, "b", prompt).cached_tokens
-    assert hit == 6 * BS                                   # sinks and sealed blocks: all but the tail block
+    assert hit == 7 * BS                                   # every full block: sinks, sealed and the tail one
     st = e.stats()["c"]["tiers"]
-    assert st["prefix_hits_host"] + st["prefix_hits_disk"] - before >= S // BS
+    assert st["prefix_hits_host"] + st["prefix_hits_disk"] - before >= S // BS + 1
     if below == "host-then-disk":
-        assert st["prefix_hits_disk"] >= S // BS           # they went on from the host to disk
+        assert st["prefix_hits_disk"] >= S // BS + 1       # they went on from the host to disk
     e.append("c", T, ["b"], k[:, hit:], v[:, hit:], [len(prompt) - hit], token_ids=[prompt[hit:]])
     got = e.retrieve("c", T, "b", 0, len(prompt))
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
     assert torch.equal(got[0][:, :S], k[:, :S]) and torch.equal(got[1][:, :S], v[:, :S])
+    assert torch.equal(got[0][:, 6 * BS:], k[:, 6 * BS:]) and torch.equal(got[1][:, 6 * BS:], v[:, 6 * BS:])
     e.check_invariants()
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_sink_prefix_hits_survive_a_restart(tmp_path, device):
-    """Offloaded to LMDB, a pq sequence with sinks gives prefix hits to a new
-    prompt after a restart, whether it is still listed or was freed."""
+def test_prefix_hits_with_sinks_survive_a_restart(tmp_path, device):
+    """Offloaded to LMDB, a pq sequence with sinks gives a new prompt every full
+    block after a restart, whether it is still listed or was freed."""
     S = 16
     lmdb = str(tmp_path / "lmdb")
     e = engine(S, lmdb=lmdb, device=device)
@@ -358,8 +360,8 @@ def test_sink_prefix_hits_survive_a_restart(tmp_path, device):
     assert e.sequence_info("c", T, "a").tier == "disk"
     for step in ("a listed", "a freed"):
         hit = e.allocate("c", T, "b", prompt).cached_tokens
-        assert hit == 6 * BS, step                          # sinks and sealed blocks, from disk
-        assert e.stats()["c"]["tiers"]["prefix_hits_disk"] == 6, step
+        assert hit == 7 * BS, step                          # sinks, sealed blocks and the full tail one, from disk
+        assert e.stats()["c"]["tiers"]["prefix_hits_disk"] == 7, step
         e.append("c", T, ["b"], k[:, hit:], v[:, hit:], [len(prompt) - hit], token_ids=[prompt[hit:]])
         got = e.retrieve("c", T, "b", 0, len(prompt))
         assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), step
@@ -367,7 +369,7 @@ def test_sink_prefix_hits_survive_a_restart(tmp_path, device):
         e.check_invariants()
         e.cold_store.close()
         e = engine(S, lmdb=lmdb, device=device)
-    assert e.allocate("c", T, "d", prompt).cached_tokens == 6 * BS
+    assert e.allocate("c", T, "d", prompt).cached_tokens == 7 * BS
     e.check_invariants()
 
 

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from kvstore.codec.codebooks import Codebooks
+from kvstore.core.hashing import fp16_key
 from kvstore.engine.engine import Engine
 from kvstore.errors import InvalidArgument
 from kvstore.service.metrics import Metrics
@@ -33,9 +34,10 @@ def codebooks() -> Codebooks:
     return Codebooks(k=torch.randn(L, HKV, 8, 256, 2, generator=g), v=torch.randn(L, HKV, 8, 256, 2, generator=g))
 
 
-def engine(url, lmdb=None, num_blocks=64, codec="pq", sink_tokens=0, **kw) -> Engine:
+def engine(url, lmdb=None, num_blocks=64, codec="pq", sink_tokens=0, max_sequences=16, **kw) -> Engine:
     e = Engine(lmdb_path=lmdb, redis=RedisConfig(url, **kw))
-    e.create_cache(config(block_size=BS, num_blocks=num_blocks, codec=codec, sink_tokens=sink_tokens))
+    e.create_cache(config(block_size=BS, num_blocks=num_blocks, codec=codec, sink_tokens=sink_tokens,
+                          max_sequences=max_sequences))
     if codec == "pq":
         e.set_codebooks("c", codebooks())
     return e
@@ -114,8 +116,8 @@ def test_blocks_cross_engines_and_bad_values_are_refused(redis_server):
 
 def test_sink_blocks_cross_engines_with_the_sealed_ones(redis_server):
     """A pq cache with sink tokens: its fp16 sink blocks go up beside the PQ
-    blocks, and another engine's prompt hits both, bit-identical. A value of
-    the other kind's length under a sink key is refused."""
+    blocks (under fp16_key), and another engine's prompt hits both,
+    bit-identical. A value of the other kind's length under a sink key is refused."""
     sinks, sealed = 2, 9                  # S = 32: blocks 0-1 sinks, 9 sealed (residual 8), 1 tail
     a, b = engine(redis_server.url, sink_tokens=sinks * BS), engine(redis_server.url, sink_tokens=sinks * BS)
     fill(a, "a", prompt(1))
@@ -124,12 +126,14 @@ def test_sink_blocks_cross_engines_with_the_sealed_ones(redis_server):
     assert rstats(a)["bytes_out"] == sinks * tail_w + sealed * main_w
     hashes = list(a.sequence_info("c", T, "a").block_hashes)
     r, fp = redis_server.client(), a.cache("c").fingerprint
-    good = r.get(block_key(fp, hashes[1]))
+    key = fp16_key(hashes[1])
+    assert r.get(block_key(fp, hashes[1])) is None                              # its fp16 form, not under its hash
+    good = r.get(block_key(fp, key))
     assert len(good) == HEADER_BYTES + tail_w
-    r.set(block_key(fp, hashes[1]), pack_value(fp, hashes[1], bytes(main_w)))   # right key, a sealed block's length
+    r.set(block_key(fp, key), pack_value(fp, key, bytes(main_w)))              # right key, a sealed block's length
     assert b.allocate("c", T, "b0", prompt(1)).cached_tokens == BS             # the first sink only
     assert rstats(b)["refused"] == 1
-    r.set(block_key(fp, hashes[1]), good)
+    r.set(block_key(fp, key), good)
     n = (sinks + sealed) * BS
     assert b.allocate("c", T, "b", prompt(1)).cached_tokens == n
     for x, y in zip(a.retrieve("c", T, "a", 0, n), b.retrieve("c", T, "b", 0, n)):
@@ -138,6 +142,31 @@ def test_sink_blocks_cross_engines_with_the_sealed_ones(redis_server):
     assert s["prefix_hits"] == sinks + sealed and s["bytes_in"] == sinks * tail_w + sealed * main_w
     time.sleep(0.2)
     assert rstats(b)["blocks_out"] == 0, "blocks that came from Redis are not put back"
+    b.check_invariants()
+
+
+def test_fp16_tail_blocks_go_up_when_they_spill(tmp_path, redis_server):
+    """A pq prompt's full fp16 tail block is not put when it fills (its PQ codes
+    go up once it seals), but when the tail pool evicts it: then another engine
+    hits every full block of the prompt."""
+    a = engine(redis_server.url, lmdb=str(tmp_path / "lmdb"), sink_tokens=2 * BS, max_sequences=2)
+    fill(a, "a", prompt(1))
+    n = N // BS * BS                                  # 12 full blocks: 2 sinks, 9 sealed, 1 tail
+    want = a.retrieve("c", T, "a", 0, n)
+    tail_hash = a.sequence_info("c", T, "a").block_hashes[n // BS - 1]
+    a.free("c", T, ["a"])
+    for i in range(30):                               # other prompts until the tail pool evicts it
+        if a.cache("c").tail_pool.lookup(tail_hash) is None:
+            break
+        fill(a, f"x{i}", prompt(10 + i), lookup=False)
+        a.free("c", T, [f"x{i}"])
+    assert a.cache("c").tail_pool.lookup(tail_hash) is None
+    r, fp = redis_server.client(), a.cache("c").fingerprint
+    wait_for(lambda: r.get(block_key(fp, fp16_key(tail_hash))) is not None, what="the spilled block's put")
+    b = engine(redis_server.url, sink_tokens=2 * BS)
+    assert b.allocate("c", T, "b", prompt(1)).cached_tokens == n
+    for x, y in zip(want, b.retrieve("c", T, "b", 0, n)):
+        assert torch.equal(x, y)
     b.check_invariants()
 
 
@@ -244,8 +273,8 @@ def test_blocks_back_from_this_hosts_disk_are_not_put_again(tmp_path, redis_serv
     e.free("c", T, ["a"])
     e.create_cache(config(name="d", block_size=BS))        # same fingerprint, its own pools and Redis view
     e.set_codebooks("d", codebooks())
-    assert e.allocate("d", T, "b", prompt(1)).cached_tokens == SEALED * BS
-    assert e.stats()["d"]["tiers"]["prefix_hits_disk"] == SEALED
+    assert e.allocate("d", T, "b", prompt(1)).cached_tokens == N // BS * BS     # the sealed and the full tail block
+    assert e.stats()["d"]["tiers"]["prefix_hits_disk"] == N // BS
     # Two fresh sealed blocks after the hit: the one writer puts in order, so once they
     # are counted, a put of the restored blocks (queued before them) would be too.
     fill(e, "m", [7_000_000 + t for t in range(48)], lookup=False, cache="d")
