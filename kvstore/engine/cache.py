@@ -260,7 +260,7 @@ class Cache(WritePath, ReadPath, WindowedBlocks):
         # neither move nor reuse them (an "encode" source only until encoded).
         self.main_pool.ref([b for kind, b in hits if kind == "main"])
         self.tail_pool.ref([b for kind, b in hits if kind in ("tail", "encode")])
-        fresh = [i for i, (kind, _) in enumerate(hits) if kind in ("encode", "below")]      # new main blocks
+        fresh = [i for i, (kind, _) in enumerate(hits) if kind in ("encode", "below", "encode16")]    # new main blocks
         fresh_tail = [i for i, (kind, _) in enumerate(hits) if kind == "fp16"]              # new tail blocks
         if self.tiering is not None and (len(fresh) > self.main_pool.num_allocatable()
                                          or len(fresh_tail) > self.tail_pool.num_allocatable()):
@@ -278,8 +278,14 @@ class Cache(WritePath, ReadPath, WindowedBlocks):
             k, v = self.tail.read_blocks(slice(None), ids_to(self.tail.k.device, [hits[i][1] for i in enc]))
             self.main.encode_blocks(ids_to(k.device, [new[i] for i in enc]), k, v)
             self.tail_pool.release([hits[i][1] for i in enc])
+        enc = [i for i in fresh if hits[i][0] == "encode16"]
+        if enc:              # fp16 forms from below of blocks that seal here
+            rows = prefix.cat(p.fp16_rows)
+            k, v = self.tail.payload_kv(rows[ids_to(rows.device, [hits[i][1] for i in enc])])
+            self.main.encode_blocks(ids_to(k.device, [new[i] for i in enc]), k, v)
         tiers = [p.tiers[j] for j in self._unpack_rows(hits, "below", new, p.rows, self.main_io)]
         fp16_tiers = [p.fp16_tiers[j] for j in self._unpack_rows(hits, "fp16", new_tail, p.fp16_rows, self.tail_io)]
+        fp16_tiers += [p.fp16_tiers[hits[i][1]] for i in enc]
         if self.tiering is not None:
             self.tiering.served([t for t in tiers + fp16_tiers if t != "redis"])
         if self.redis is not None:
@@ -315,7 +321,7 @@ class Cache(WritePath, ReadPath, WindowedBlocks):
         """How many of the hits fit the room the pools have for their fresh blocks."""
         main, tail = self.main_pool.num_allocatable(), self.tail_pool.num_allocatable()
         for i, (kind, _) in enumerate(hits):
-            main -= kind in ("encode", "below")
+            main -= kind in ("encode", "below", "encode16")
             tail -= kind == "fp16"
             if main < 0 or tail < 0:
                 return i

@@ -6,7 +6,8 @@ range is searched only if the one before it hit whole:
   sinks   (pq) blocks [0, S/bs): fp16, in the tail pool, else their fp16 form
           below the GPU (tiers/below.py), else in Redis
   sealed  (pq) the blocks the prompt's length seals: PQ codes in the main
-          pool, else another sequence's fp16 copy (encoded), else below, else Redis
+          pool, else another sequence's fp16 copy (encoded), else below (PQ
+          codes, else its fp16 form, encoded), else Redis
   tail    (pq) the rest: as the sinks
   every   (fp16 codec) every full block: the one pool, else below, else Redis
 A hit is (kind, x):
@@ -15,6 +16,7 @@ A hit is (kind, x):
   ("encode", id)  a tail-pool block whose content seals here: encoded into a new main block
   ("below", j)    row j of `rows`, read from host, disk or Redis: into a new main block
   ("fp16", j)     row j of `fp16_rows`, an fp16 block read from below: into a new tail block
+  ("encode16", j) row j of `fp16_rows`, whose content seals here: encoded into a new main block
 """
 from __future__ import annotations
 
@@ -49,9 +51,7 @@ def _range(c, p: Prefix, hashes: list[bytes], lo: int, hi: int, kind: str) -> bo
     """Append the hits of blocks [lo, hi) (len(p.hits) == lo) up to the first
     miss; whether all hit."""
     fp16 = kind in ("sinks", "tail")
-    rows, tiers = (p.fp16_rows, p.fp16_tiers) if fp16 else (p.rows, p.tiers)
-    below = "fp16" if fp16 else "below"
-    found = []
+    found = {False: [], True: []}           # lookups below the GPU to read, by form (fp16 or not)
     for i in range(lo, hi):
         h = hashes[i]
         if kind == "sealed":
@@ -68,27 +68,48 @@ def _range(c, p: Prefix, hashes: list[bytes], lo: int, hi: int, kind: str) -> bo
             if bid is not None:
                 p.hits.append(("tail", bid))
                 continue
-        where = c.tiering.lookup_below(h, fp16) if c.tiering is not None else None
+        form, where = fp16, c.tiering.lookup_below(h, fp16) if c.tiering is not None else None
+        if where is None and kind == "sealed" and c.tiering is not None:
+            form, where = True, c.tiering.lookup_below(h, True)    # its fp16 form: encoded here
         if where is None:
             break
-        p.hits.append((below, len(tiers) + len(found)))
-        found.append(where)
-    device = c.tail_io.device if fp16 else c.main_device
-    if found:              # one batched read per tier
-        got = c.tiering.fetch_below(found, device, fp16)
-        if len(got) < len(found):           # a disk block went since its lookup: the prefix ends there
-            del p.hits[p.hits.index((below, len(tiers) + len(got))):]
-        rows.append(got)
-        tiers += [t for t, _ in found[:len(got)]]
+        tag = "encode16" if form and not fp16 else "fp16" if form else "below"
+        p.hits.append((tag, len(_tiers(p, form)) + len(found[form])))
+        found[form].append(where)
+    for form in (False, True):              # one batched read per tier and form
+        if found[form]:
+            rows, tiers = _rows(p, form), _tiers(p, form)
+            got = c.tiering.fetch_below(found[form], _device(c, form), form)
+            if len(got) < len(found[form]):     # a disk block went since its lookup: the prefix ends there
+                gone = len(tiers) + len(got)
+                del p.hits[next((j for j in range(lo, len(p.hits)) if p.hits[j][0] in _TAGS[form]
+                                 and p.hits[j][1] == gone), len(p.hits)):]
+            rows.append(got)
+            tiers += [t for t, _ in found[form][:len(got)]]
     # ---- Redis tier: the rest of the range, in one batch
     first = len(p.hits)
     if c.redis is not None and lo <= first < hi:
         pool = c.tail_pool if fp16 else c.main_pool
-        got = c.redis.get_prefix(hashes[first:min(hi, first + pool.num_allocatable())], device, fp16)
-        p.hits += [(below, len(tiers) + j) for j in range(len(got))]
-        tiers += ["redis"] * len(got)
-        rows.append(got)
+        got = c.redis.get_prefix(hashes[first:min(hi, first + pool.num_allocatable())], _device(c, fp16), fp16)
+        p.hits += [("fp16" if fp16 else "below", len(_tiers(p, fp16)) + j) for j in range(len(got))]
+        _tiers(p, fp16).extend(["redis"] * len(got))
+        _rows(p, fp16).append(got)
     return len(p.hits) == hi
+
+
+_TAGS = {False: ("below",), True: ("fp16", "encode16")}       # the hits that name rows of each form
+
+
+def _rows(p: Prefix, fp16: bool) -> list[torch.Tensor]:
+    return p.fp16_rows if fp16 else p.rows
+
+
+def _tiers(p: Prefix, fp16: bool) -> list[str]:
+    return p.fp16_tiers if fp16 else p.tiers
+
+
+def _device(c, fp16: bool):
+    return c.tail_io.device if fp16 else c.main_device
 
 
 def cat(rows: list[torch.Tensor]) -> torch.Tensor | None:

@@ -61,6 +61,17 @@ class Fp16Store:
         return (k.permute(0, 1, 3, 2, 4).reshape(nl, n * bs, h, d),
                 v.permute(0, 1, 3, 2, 4).reshape(nl, n * bs, h, d))
 
+    def payload_kv(self, payload: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Payload rows [n, block_bytes()] (pack's) -> k, v [L, n * bs, Hkv, d], as
+        read_blocks gives them, without writing a block."""
+        n, half = payload.shape[0], payload.shape[1] // 2
+        out = []
+        for part in (payload[:, :half], payload[:, half:]):
+            x = part.contiguous().view(self.k.dtype).view(n, *self.k.shape[:1], *self.k.shape[2:])
+            out.append(x.permute(1, 0, 3, 2, 4).reshape(self.k.shape[0], n * self.bs, *self.k.shape[2:3],
+                                                         self.k.shape[4]).to(self.k.device))
+        return out[0], out[1]
+
     def zero_blocks(self, block_ids: torch.Tensor) -> None:
         """Clear blocks in every layer: one fill per tensor."""
         self.k.index_fill_(1, block_ids, 0)

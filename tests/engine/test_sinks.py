@@ -373,6 +373,33 @@ def test_prefix_hits_with_sinks_survive_a_restart(tmp_path, device):
     e.check_invariants()
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_longer_prompt_seals_fp16_blocks_from_below(tmp_path, device):
+    """After a restart, a sequence's fp16 tail blocks on disk serve a longer
+    prompt (a chat's next turn): where it seals them they are encoded from
+    their fp16 form, as from a copy on the GPU, and it holds what a sequence
+    given all its K/V afresh holds, bit for bit."""
+    S = 16
+    lmdb = str(tmp_path / "lmdb")
+    e = engine(S, lmdb=lmdb, device=device)
+    prompt = list(range(500, 561))                         # 7 full blocks: 2 sinks, 4 sealed, 1 fp16 tail
+    k, v = fill(e, "a", len(prompt), seed=6, prompt=prompt)
+    e.offload("c", T, ["a"])
+    e.cold_store.close()
+    e = engine(S, lmdb=lmdb, device=device)
+    longer = prompt + list(range(900, 940))                # 101 tokens: blocks 2-10 sealed, block 6 among them
+    k2, v2 = (torch.cat([x, y.to(x.device)], 1) for x, y in zip((k, v), kv(L, 40, HKV, k.shape[-1], seed=7)))
+    hit = e.allocate("c", T, "b", longer).cached_tokens
+    assert hit == 7 * BS and e.stats()["c"]["tiers"]["prefix_hits_disk"] == 7
+    e.append("c", T, ["b"], k2[:, hit:], v2[:, hit:], [len(longer) - hit], token_ids=[longer[hit:]])
+    e.allocate("c", T, "fresh", [])
+    e.append("c", T, ["fresh"], k2, v2, [len(longer)])
+    got, want = e.retrieve("c", T, "b", 0, len(longer)), e.retrieve("c", T, "fresh", 0, len(longer))
+    assert len(e.sequence_info("c", T, "b").sealed_blocks) == sealed_blocks(len(longer), S) == 9
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    e.check_invariants()
+
+
 # ----------------------------------------------------------- mapped attend
 def test_mapped_attend_plan_with_sinks_first_in_tail_blocks():
     """The plan MappedCache.step builds from a Reserve reply: a PQ part
