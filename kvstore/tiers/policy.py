@@ -272,7 +272,7 @@ class Tiering(CachedBelow):
                 c.main_pool.set_hash(b, s.hashes[h0 + i], announce=False)
         for j, b in enumerate(new_tail):          # full sink and tail blocks are findable again
             i = c.tail_block_index(j, s.freed + n_sealed)
-            if i < known:                         # and went up to Redis when first hashed
+            if i < known:                         # not put to Redis again: below.py puts what spills
                 c.hash_fp16(b, i, s.hashes[i], announce=False)
         below = s.tier
         self._release(s)
