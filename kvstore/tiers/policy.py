@@ -158,6 +158,22 @@ class Tiering(CachedBelow):
         if self.disk is None:
             raise FailedPrecondition("sequence_ids", "no disk tier configured (start the daemon with --lmdb PATH)")
         self._to_disk(seqs, durable=True)
+        self._fp16_forms_to_disk(seqs)
+
+    def _fp16_forms_to_disk(self, seqs: list[Sequence]) -> None:
+        """The fp16 forms the GPU tail pool still holds of the sequences' blocks go
+        to disk too (as spills, below.py): those of blocks sealed since their prompt
+        are in no image, and without them the prompt's tail range misses after a
+        restart (a generated token seals what was the prompt's fp16 tail)."""
+        c, found = self.c, {}
+        for s in seqs if c.is_pq else []:
+            for h in s.hashes[c.sink_blocks:min(s.hashed_upto, len(s.hashes))]:
+                tb = c.tail_pool.lookup(h)
+                if tb is not None and not self.disk.has_block(c.fingerprint, self.key(h, fp16=True)):
+                    found[h] = tb
+        if found:
+            rows = to_host(c.tail_io.pack(list(found.values())))
+            self._spill_disk([(self.key(h, fp16=True), r) for h, r in zip(found, rows)], rows.shape[1])
 
     def _to_disk(self, seqs: list[Sequence], durable: bool) -> None:
         """Write the sequences to LMDB in one transaction, then let go of their blocks.

@@ -374,6 +374,30 @@ def test_prefix_hits_with_sinks_survive_a_restart(tmp_path, device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+def test_a_prompt_hits_whole_after_a_restart_though_generation_sealed_its_tail(tmp_path, device):
+    """Tokens generated after a prompt seal what was its fp16 tail; the GPU tail
+    pool still holds those blocks' fp16 forms, and Offload writes them to disk
+    too: after a restart the same prompt hits every full block, exact."""
+    S = 16
+    lmdb = str(tmp_path / "lmdb")
+    e = engine(S, lmdb=lmdb, device=device)
+    prompt = list(range(700, 761))                         # 7 full blocks: block 6 the fp16 tail
+    k, v = fill(e, "a", len(prompt), seed=8, prompt=prompt)
+    want = e.retrieve("c", T, "a", 0, 7 * BS)
+    for t in range(16):                                    # generated tokens: block 6 seals
+        x, y = (z.to(e.device) for z in kv(L, 1, HKV, k.shape[-1], seed=20 + t))
+        e.append("c", T, ["a"], x, y, [1], token_ids=[[9000 + t]])
+    assert len(e.sequence_info("c", T, "a").sealed_blocks) == 6
+    e.offload("c", T, ["a"])
+    e.cold_store.close()
+    e = engine(S, lmdb=lmdb, device=device)
+    assert e.allocate("c", T, "b", prompt).cached_tokens == 7 * BS
+    got = e.retrieve("c", T, "b", 0, 7 * BS)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    e.check_invariants()
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_a_longer_prompt_seals_fp16_blocks_from_below(tmp_path, device):
     """After a restart, a sequence's fp16 tail blocks on disk serve a longer
     prompt (a chat's next turn): where it seals them they are encoded from
