@@ -17,8 +17,8 @@ deleted while the request waited for it.
 """
 from __future__ import annotations
 
-import gc
 import contextlib
+import gc
 import threading
 
 import torch

@@ -64,13 +64,12 @@ class Fp16Store:
     def payload_kv(self, payload: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Payload rows [n, block_bytes()] (pack's) -> k, v [L, n * bs, Hkv, d], as
         read_blocks gives them, without writing a block."""
+        layers, _, heads, bs, d = self.k.shape
         n, half = payload.shape[0], payload.shape[1] // 2
-        out = []
-        for part in (payload[:, :half], payload[:, half:]):
-            x = part.contiguous().view(self.k.dtype).view(n, *self.k.shape[:1], *self.k.shape[2:])
-            out.append(x.permute(1, 0, 3, 2, 4).reshape(self.k.shape[0], n * self.bs, *self.k.shape[2:3],
-                                                         self.k.shape[4]).to(self.k.device))
-        return out[0], out[1]
+        k, v = (part.contiguous().view(self.k.dtype).view(n, layers, heads, bs, d)
+                .permute(1, 0, 3, 2, 4).reshape(layers, n * bs, heads, d).to(self.k.device)
+                for part in (payload[:, :half], payload[:, half:]))
+        return k, v
 
     def zero_blocks(self, block_ids: torch.Tensor) -> None:
         """Clear blocks in every layer: one fill per tensor."""

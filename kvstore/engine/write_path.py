@@ -332,7 +332,9 @@ class WritePath:
         wrote that goes up to Redis (a sink block; codec fp16, any block: the
         put packs it). Most decode steps do none."""
         if self.redis is not None and s.reserved:
-            written = min(s.length + s.reserved, self.sinks if self.is_pq else s.length + s.reserved)
+            written = s.length + s.reserved
+            if self.is_pq:
+                written = min(written, self.sinks)       # the client's blocks that go up: the sinks
             if min(written // self.bs, len(s.hashes)) > s.hashed_upto:
                 return True
         return (s.tier != "gpu" or self.tail_blocks_for(s, n) > 0
