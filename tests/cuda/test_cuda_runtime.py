@@ -31,6 +31,7 @@ def test_current_stream_follows_the_current_stream():
     # the cached object works as torch's own: work ordered on it runs on that stream
     x = torch.zeros(4, device=dev)
     ev = torch.cuda.Event()
+    side.wait_stream(first)              # the zero fill (on the first stream) before the side stream's add
     with torch.cuda.stream(side):
         x.add_(1)
         ev.record(cuda_rt.current_stream(dev))
