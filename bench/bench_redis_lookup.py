@@ -172,7 +172,7 @@ def bench(label: str, url: str, pids: list[int], args, fp: bytes, hashes: list[b
         out = []
 
         def lookup():
-            out[:] = [tier.get_prefix(hashes, args.device)]
+            out[:] = [tier.get_prefix(hashes, args.device)[0]]
             if out[0].is_cuda:
                 torch.cuda.synchronize()
         row(f"get_prefix to {args.device}, {conns} conn/node", *measure(lookup, args.reps, pids))

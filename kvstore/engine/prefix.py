@@ -7,7 +7,7 @@ range is searched only if the one before it hit whole:
           below the GPU (tiers/below.py), else in Redis
   sealed  (pq) the blocks the prompt's length seals: PQ codes in the main
           pool, else another sequence's fp16 copy (encoded), else below (PQ
-          codes, else its fp16 form, encoded), else Redis
+          codes, else its fp16 form, encoded), else Redis (the same two forms)
   tail    (pq) the rest: as the sinks
   every   (fp16 codec) every full block: the one pool, else below, else Redis
 A hit is (kind, x):
@@ -86,15 +86,37 @@ def _range(c, p: Prefix, hashes: list[bytes], lo: int, hi: int, kind: str) -> bo
                                  and p.hits[j][1] == gone), len(p.hits)):]
             rows.append(got)
             tiers += [t for t, _ in found[form][:len(got)]]
-    # ---- Redis tier: the rest of the range, in one batch
-    first = len(p.hits)
-    if c.redis is not None and lo <= first < hi:
-        pool = c.tail_pool if fp16 else c.main_pool
-        got = c.redis.get_prefix(hashes[first:min(hi, first + pool.num_allocatable())], _device(c, fp16), fp16)
-        p.hits += [("fp16" if fp16 else "below", len(_tiers(p, fp16)) + j) for j in range(len(got))]
-        _tiers(p, fp16).extend(["redis"] * len(got))
-        _rows(p, fp16).append(got)
+    if c.redis is not None:
+        _from_redis(c, p, hashes, hi, kind)
     return len(p.hits) == hi
+
+
+def _from_redis(c, p: Prefix, hashes: list[bytes], hi: int, kind: str) -> None:
+    """Append what Redis holds of blocks [len(p.hits), hi), one batch per form.
+    In the sealed range a block whose PQ form Redis lacks is asked again in its
+    fp16 form (encoded here): a block that spilled from another host's fp16
+    tail before it sealed anywhere (a chat's next turn on another host) went up
+    in that form only. The forms alternate while each finds the next block."""
+    fp16, sealed = kind in ("sinks", "tail"), kind == "sealed"
+    first = len(p.hits)
+    end = min(hi, first + (c.tail_pool if fp16 else c.main_pool).num_allocatable())
+    form, ends = fp16, {}                # how the reads of each form asked at `first` ended there
+    while first < end and len(ends) < (2 if sealed else 1) and "error" not in ends.values():
+        got, ended = c.redis.get_prefix(hashes[first:end], _device(c, form), form, count_miss=False)
+        if len(got):
+            ends = {}
+            tag = "encode16" if form and sealed else "fp16" if form else "below"
+            p.hits += [(tag, len(_tiers(p, form)) + j) for j in range(len(got))]
+            _tiers(p, form).extend(["redis"] * len(got))
+            _rows(p, form).append(got)
+            first += len(got)
+        if ended is None:
+            break
+        ends[form] = ended
+        if sealed:
+            form = not form
+    if ends and all(e == "miss" for e in ends.values()):
+        c.redis.missed()                 # one a block, however many forms were asked
 
 
 _TAGS = {False: ("below",), True: ("fp16", "encode16")}       # the hits that name rows of each form

@@ -122,13 +122,18 @@ class RedisTier:
                 self._known.popitem(last=False)
 
     # -------------------------------------------------------------- reads
-    def get_prefix(self, hashes: list[bytes], device, fp16: bool = False) -> torch.Tensor:
+    def get_prefix(self, hashes: list[bytes], device, fp16: bool = False, count_miss: bool = True
+                   ) -> tuple[torch.Tensor, str | None]:
         """Payloads [n, block bytes] uint8 on device of the leading n blocks of
         `hashes` (chained hashes: their sealed forms, or their fp16 forms) that
         Redis holds and that check out. The values are received
         straight into pinned memory (RedisStore.read_into), checked by the
         threads that received them, and each chunk's host-to-device copy is
-        queued on the current stream as soon as the chunk is in."""
+        queued on the current stream as soon as the chunk is in.
+        -> (payloads, why they end before `hashes` do: "miss", "refused",
+        "error"; None where they do not). A refused value is counted here, a
+        miss only with count_miss (prefix.py asks a sealed block in two forms
+        and counts one miss: missed())."""
         fp, width, n = self.c.fingerprint, self._width(fp16), len(hashes)
         if fp16:
             hashes = [fp16_key(h) for h in hashes]
@@ -156,11 +161,16 @@ class RedisTier:
         finally:
             for _, _, fut in chunks:       # every lane is done with heads and rows before they go
                 fut.exception()
-        if bad in (MISS, REFUSED):
-            self._miss(hashes[served], refused=bad == REFUSED)
+        ended = None if served == n else "error" if bad is None else "refused" if bad == REFUSED else "miss"
+        if ended == "refused" or (ended == "miss" and count_miss):
+            self._miss(hashes[served], refused=ended == "refused")
         if served:
             self._remember(hashes[:served])
-        return out[:served]
+        return out[:served], ended
+
+    def missed(self) -> None:
+        """Count a prefix's block that Redis held in no form asked."""
+        self._count(misses=1)
 
     def served(self, n: int, fp16: int = 0) -> None:
         """Count n sealed and `fp16` fp16 prefix blocks from Redis that a sequence

@@ -170,6 +170,47 @@ def test_fp16_tail_blocks_go_up_when_they_spill(tmp_path, redis_server):
     b.check_invariants()
 
 
+def test_a_longer_prompt_on_another_engine_seals_an_fp16_block_from_redis(tmp_path, redis_server):
+    """A prompt's fp16 tail block that went up to Redis when it spilled, before it
+    sealed anywhere, serves a longer prompt on another engine (a chat's next turn
+    on another host): that prompt seals it, so its fp16 form is read and encoded
+    there, and the sequence holds what one given all its K/V afresh holds."""
+    a = engine(redis_server.url, lmdb=str(tmp_path / "lmdb"), sink_tokens=2 * BS, max_sequences=2)
+    fill(a, "a", prompt(1))
+    n = N // BS * BS                                  # 12 full blocks: 2 sinks, 9 sealed, 1 tail
+    tail_hash = a.sequence_info("c", T, "a").block_hashes[n // BS - 1]
+    a.free("c", T, ["a"])
+    for i in range(30):
+        if a.cache("c").tail_pool.lookup(tail_hash) is None:
+            break
+        fill(a, f"x{i}", prompt(10 + i), lookup=False)
+        a.free("c", T, [f"x{i}"])
+    r, fp = redis_server.client(), a.cache("c").fingerprint
+    wait_for(lambda: r.get(block_key(fp, fp16_key(tail_hash))) is not None, what="the spilled block's put")
+    assert r.get(block_key(fp, tail_hash)) is None, "no PQ form of it anywhere"
+
+    b = engine(redis_server.url, sink_tokens=2 * BS)
+    longer = prompt(1) + [7_000_000 + t for t in range(3 * BS)]
+    g = torch.Generator().manual_seed(1)              # fill()'s K/V of prompt(1), then the new tokens'
+    k, v = torch.randn(L, N, HKV, D, generator=g).half(), torch.randn(L, N, HKV, D, generator=g).half()
+    g = torch.Generator().manual_seed(2)
+    more = torch.randn(2, L, 3 * BS, HKV, D, generator=g).half()
+    k, v = torch.cat([k, more[0]], 1), torch.cat([v, more[1]], 1)
+    hit = b.allocate("c", T, "b", longer).cached_tokens
+    assert hit == n and len(b.sequence_info("c", T, "b").sealed_blocks) == n // BS - 2
+    c = b.cache("c")
+    s = rstats(b)
+    assert s["prefix_hits"] == n // BS and s["misses"] == 1, s       # the block after: one miss, two forms asked
+    assert s["bytes_in"] == 3 * c.tail_io.block_bytes() + 9 * c.main_io.block_bytes()
+    b.append("c", T, ["b"], k[:, hit:], v[:, hit:], [len(longer) - hit], token_ids=[longer[hit:]])
+    b.allocate("c", T, "fresh", [])
+    b.append("c", T, ["fresh"], k, v, [len(longer)])
+    got, want = b.retrieve("c", T, "b", 0, len(longer)), b.retrieve("c", T, "fresh", 0, len(longer))
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    wait_for(lambda: r.get(block_key(fp, tail_hash)) is not None, what="its PQ form's put, once encoded")
+    b.check_invariants()
+
+
 @pytest.mark.parametrize("codec", ["pq", "fp16"])
 def test_a_reserve_completing_a_client_written_block_puts_it_in_the_clients_cuda_order(redis_server, codec):
     """A mapped client writes reserved slots on its own stream; the commit at its
