@@ -3,6 +3,7 @@ blocks cross daemons bit-identical, values that do not check out are refused,
 Redis down or slow never fails or holds up a request, hits resume after its
 restart, the put queue is bounded."""
 import contextlib
+import dataclasses
 import logging
 import os
 import subprocess
@@ -29,17 +30,19 @@ N = 200                  # prompt tokens: 12 full blocks, the first 11 sealed (r
 SEALED = 11
 
 
-def codebooks() -> Codebooks:
+def codebooks(d: int = D) -> Codebooks:
     g = torch.Generator().manual_seed(0)
-    return Codebooks(k=torch.randn(L, HKV, 8, 256, 2, generator=g), v=torch.randn(L, HKV, 8, 256, 2, generator=g))
+    return Codebooks(k=torch.randn(L, HKV, d // 2, 256, 2, generator=g), v=torch.randn(L, HKV, d // 2, 256, 2, generator=g))
 
 
-def engine(url, lmdb=None, num_blocks=64, codec="pq", sink_tokens=0, max_sequences=16, **kw) -> Engine:
-    e = Engine(lmdb_path=lmdb, redis=RedisConfig(url, **kw))
-    e.create_cache(config(block_size=BS, num_blocks=num_blocks, codec=codec, sink_tokens=sink_tokens,
-                          max_sequences=max_sequences))
+def engine(url, lmdb=None, num_blocks=64, codec="pq", sink_tokens=0, max_sequences=16, device="cpu", **kw) -> Engine:
+    """device cuda: head_dim 64 (one the GPU kernels take), else D."""
+    d = 64 if device == "cuda" else D
+    e = Engine(device, lmdb_path=lmdb, redis=RedisConfig(url, **kw))
+    e.create_cache(dataclasses.replace(config(block_size=BS, num_blocks=num_blocks, codec=codec, sink_tokens=sink_tokens,
+                                              max_sequences=max_sequences, head_dim=d), device=device))
     if codec == "pq":
-        e.set_codebooks("c", codebooks())
+        e.set_codebooks("c", codebooks(d))
     return e
 
 
@@ -49,8 +52,8 @@ def prompt(i: int) -> list[int]:
 
 def fill(e, sid, tokens, seed=1, lookup=True, cache="c"):
     """Allocate with the prompt (lookup: its cached prefix is used), append the rest with ids."""
-    g = torch.Generator().manual_seed(seed)
-    k, v = torch.randn(L, len(tokens), HKV, D, generator=g).half(), torch.randn(L, len(tokens), HKV, D, generator=g).half()
+    g, d = torch.Generator().manual_seed(seed), e.cache(cache).cfg.geometry.head_dim
+    k, v = (torch.randn(L, len(tokens), HKV, d, generator=g).half().to(e.device) for _ in range(2))
     cached = e.allocate(cache, T, sid, tokens if lookup else []).cached_tokens
     e.append(cache, T, [sid], k[:, cached:], v[:, cached:], [len(tokens) - cached], token_ids=[tokens[cached:]])
 
@@ -170,12 +173,13 @@ def test_fp16_tail_blocks_go_up_when_they_spill(tmp_path, redis_server):
     b.check_invariants()
 
 
-def test_a_longer_prompt_on_another_engine_seals_an_fp16_block_from_redis(tmp_path, redis_server):
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_a_longer_prompt_on_another_engine_seals_an_fp16_block_from_redis(tmp_path, redis_server, device):
     """A prompt's fp16 tail block that went up to Redis when it spilled, before it
     sealed anywhere, serves a longer prompt on another engine (a chat's next turn
     on another host): that prompt seals it, so its fp16 form is read and encoded
     there, and the sequence holds what one given all its K/V afresh holds."""
-    a = engine(redis_server.url, lmdb=str(tmp_path / "lmdb"), sink_tokens=2 * BS, max_sequences=2)
+    a = engine(redis_server.url, lmdb=str(tmp_path / "lmdb"), sink_tokens=2 * BS, max_sequences=2, device=device)
     fill(a, "a", prompt(1))
     n = N // BS * BS                                  # 12 full blocks: 2 sinks, 9 sealed, 1 tail
     tail_hash = a.sequence_info("c", T, "a").block_hashes[n // BS - 1]
@@ -189,13 +193,14 @@ def test_a_longer_prompt_on_another_engine_seals_an_fp16_block_from_redis(tmp_pa
     wait_for(lambda: r.get(block_key(fp, fp16_key(tail_hash))) is not None, what="the spilled block's put")
     assert r.get(block_key(fp, tail_hash)) is None, "no PQ form of it anywhere"
 
-    b = engine(redis_server.url, sink_tokens=2 * BS)
+    b = engine(redis_server.url, sink_tokens=2 * BS, device=device)
     longer = prompt(1) + [7_000_000 + t for t in range(3 * BS)]
+    d = b.cache("c").cfg.geometry.head_dim
     g = torch.Generator().manual_seed(1)              # fill()'s K/V of prompt(1), then the new tokens'
-    k, v = torch.randn(L, N, HKV, D, generator=g).half(), torch.randn(L, N, HKV, D, generator=g).half()
+    k, v = torch.randn(L, N, HKV, d, generator=g).half(), torch.randn(L, N, HKV, d, generator=g).half()
     g = torch.Generator().manual_seed(2)
-    more = torch.randn(2, L, 3 * BS, HKV, D, generator=g).half()
-    k, v = torch.cat([k, more[0]], 1), torch.cat([v, more[1]], 1)
+    more = torch.randn(2, L, 3 * BS, HKV, d, generator=g).half()
+    k, v = (torch.cat([x, y], 1).to(device) for x, y in zip((k, v), more))
     hit = b.allocate("c", T, "b", longer).cached_tokens
     assert hit == n and len(b.sequence_info("c", T, "b").sealed_blocks) == n // BS - 2
     c = b.cache("c")
