@@ -56,17 +56,19 @@ class CachedBelow:
         payload = io.pack([b for b, _ in todo])
         if self.c.redis is not None:      # ---- Redis tier: the ones it may not have yet (redis.py)
             self.c.redis.put([k for _, k in todo], payload)
-        if pool is not None:
-            ids = pool.allocate(len(todo))
-            if ids is not None:
-                self.host.put(rows, ids, payload)
-                for i, (_, k) in zip(ids, todo):
-                    pool.set_hash(i, k)
-                pool.release(ids)           # cached on the host, findable
-                self.counters["spilled_blocks"] += len(todo)
-                self._moved("bytes_down", "host", payload.numel())
-                return
-        if self.disk is not None:
+        # As many as the host pool has room for go there, the newest (evicted
+        # comes least recently used first); the rest to disk.
+        n = min(len(todo), pool.num_allocatable()) if pool is not None else 0
+        if n:
+            ids = pool.allocate(n)
+            self.host.put(rows, ids, payload[len(todo) - n:])
+            for i, (_, k) in zip(ids, todo[len(todo) - n:]):
+                pool.set_hash(i, k)
+            pool.release(ids)               # cached on the host, findable
+            self.counters["spilled_blocks"] += n
+            self._moved("bytes_down", "host", payload[len(todo) - n:].numel())
+            todo, payload = todo[:len(todo) - n], payload[:len(todo) - n]
+        if todo and self.disk is not None:
             self._spill_disk([(k, p) for (_, k), p in zip(todo, to_host(payload))], payload.shape[1])
 
     def _spill_host(self, evicted: list[tuple[int, bytes]], fp16: bool) -> None:

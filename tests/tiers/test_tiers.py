@@ -144,6 +144,33 @@ def test_prefix_blocks_spill_and_hit_from_lower_tiers(tmp_path):
     assert st["prefix_hits_host"] + st["prefix_hits_disk"] >= 1
 
 
+def test_a_spill_larger_than_the_host_tiers_room_fills_it_and_the_rest_goes_to_disk(tmp_path):
+    """One allocate evicts more cached GPU blocks than the host tier has room for:
+    the newest fill the host tier and the older ones go to disk (none is dropped,
+    and the host tier is not skipped), and the prompt hits them from both."""
+    e = make_engine(tmp_path, "pq", num_blocks=8, host_bytes=4 * 2048, residual=0, max_sequences=4)
+    c = e.cache("c")
+    room = c.tiering.host.main_pool.num_allocatable()
+    prompt = list(range(64))
+    k, v = fill(e, "a", 64, 1, prompt)
+    want = snapshot(e, "a")
+    e.free("c", T, ["a"])
+    fill(e, "x", 64, 10)                              # its one allocate evicts every cached block of "a"
+    e.free("c", T, ["x"])
+    st = e.stats()["c"]["tiers"]
+    spilled = st["spilled_blocks"]
+    assert spilled > room == 3
+    assert st["host_main"].cached == room and st["disk"]["entries"] == spilled - room
+    assert st["bytes_down_host"] == room * c.main_io.block_bytes()
+    assert e.allocate("c", T, "b", prompt).cached_tokens == 56
+    st = e.stats()["c"]["tiers"]
+    assert (st["prefix_hits_host"], st["prefix_hits_disk"]) == (room, spilled - room)
+    e.append("c", T, ["b"], k[:, 56:], v[:, 56:], [8], token_ids=[prompt[56:]])
+    got = snapshot(e, "b")
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    e.check_invariants()
+
+
 # ------------------------------------------------------------ restarts, crashes
 
 WRITER = r"""
