@@ -38,6 +38,9 @@ class PermissionDenied(KVStoreError):
     code = "PERMISSION_DENIED"
 
 
+MIN_TOKEN = 16
+
+
 def _digest(token: str) -> bytes:
     # Look tokens up by digest so the dict probe's timing says nothing about
     # how much of a guessed token was right.
@@ -65,8 +68,11 @@ def load_token_file(path: str) -> tuple[dict[str, str], str | None | bool]:
                 continue
             if not is_name(tenant):
                 raise ValueError(f"{path}:{n}: tenant {quote(tenant)} must be {NAME_RULE}")
-            if len(tok) < 16:
-                raise ValueError(f"{path}:{n}: token shorter than 16 characters")
+            if len(tok) < MIN_TOKEN:
+                raise ValueError(f"{path}:{n}: token shorter than {MIN_TOKEN} characters")
+            if tokens.get(tok, tenant) != tenant:       # the later line would take the earlier tenant's data
+                raise ValueError(f"{path}:{n}: this token is tenant {quote(tokens[tok])}'s on an earlier line; "
+                                 "one token names one tenant")
             tokens[tok] = tenant
     return tokens, unix
 
@@ -85,13 +91,25 @@ class Authenticator:
 
     @classmethod
     def from_args(cls, token: str | None, token_file: str | None) -> "Authenticator":
+        """ValueError naming the flag (and the file's line) of a token that cannot be used."""
         tokens: dict[str, str] = {}
         unix: str | None = DEFAULT_TENANT
         if token_file:
-            tokens, u = load_token_file(token_file)
+            try:
+                tokens, u = load_token_file(token_file)
+            except (OSError, ValueError) as e:
+                raise ValueError(f"--token-file: {e}") from e
             if u is not False:
                 unix = u
-        if token:
+        if token:          # (an empty environment variable: unset)
+            # A caller sends the token as `Bearer <token>`, stripped: one with spaces never matches.
+            if token != token.strip() or any(ch.isspace() for ch in token):
+                raise ValueError("--auth-token: a token has no whitespace")
+            if len(token) < MIN_TOKEN:
+                raise ValueError(f"--auth-token: token shorter than {MIN_TOKEN} characters")
+            if tokens.get(token, DEFAULT_TENANT) != DEFAULT_TENANT:   # it would become the admin tenant's
+                raise ValueError(f"--auth-token: the same token is tenant {quote(tokens[token])}'s in --token-file; "
+                                 f"one token names one tenant ({quote(DEFAULT_TENANT)} for --auth-token)")
             tokens[token] = DEFAULT_TENANT
         return cls(tokens, unix)
 

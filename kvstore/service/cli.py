@@ -155,8 +155,8 @@ def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> tuple[Au
         p.error("--tls-cert needs --port")
     try:
         auth = Authenticator.from_args(args.auth_token, args.token_file)
-    except (OSError, ValueError) as e:
-        p.error(f"--token-file: {e}")
+    except ValueError as e:
+        p.error(str(e))
     if args.port is not None and not auth.has_tokens:
         p.error("--port needs --auth-token or --token-file: TCP callers must authenticate")
     tls = None

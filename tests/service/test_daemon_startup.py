@@ -74,6 +74,8 @@ BAD_ARGS = [
     (["--workers", "0"], "--workers must be in"),
     (["--lease-timeout", "0"], "--lease-timeout must be > 0"),
     (["--token-file", "/nonexistent/tokens"], "--token-file"),
+    (["--port", "0", "--auth-token", "short"], "--auth-token: token shorter than 16 characters"),
+    (["--port", "0", "--auth-token", " " + TOKEN], "--auth-token: a token has no whitespace"),
     (["--tls-cert", "/nonexistent/cert.pem"], "--tls-cert and --tls-key go together"),
     (["--tls-cert", "/nonexistent/c.pem", "--tls-key", "/nonexistent/k.pem", "--port", "0", "--auth-token", TOKEN],
      "/nonexistent/c.pem"),
