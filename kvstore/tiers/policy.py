@@ -15,6 +15,7 @@ allocates what it checked, and on any failure gives back all it took.
 """
 from __future__ import annotations
 
+import logging
 import time
 from array import array
 
@@ -26,6 +27,8 @@ from .disk import DiskTier, SeqImage, block_key
 from .host import HostTier
 from .interface import TieredCache
 from .staging import index, to_host
+
+log = logging.getLogger("kvstore.tiers")
 
 # Manifest fields a restart needs, written to disk but not kept in memory,
 # where the sequence holds them already (token ids as array('i')).
@@ -227,7 +230,8 @@ class Tiering(CachedBelow):
                 block_hashes.append("")
         manifest = dict(seq_id=s.seq_id, tenant=s.tenant, length=s.length, hashed_upto=s.hashed_upto,
                         sealed_hashes=block_hashes[:len(held)], tail_hashes=block_hashes[len(held):],
-                        n_tail=len(s.tail), n_other=len(others), durable=durable, freed=s.freed)
+                        n_tail=len(s.tail), n_other=len(others), durable=durable, freed=s.freed,
+                        layout=layout(c.cfg))
         return SeqImage(c.cfg.name, s.tenant, s.seq_id, _written(s, manifest), hashed, others)
 
     def _release(self, s: Sequence) -> None:
@@ -320,10 +324,16 @@ class Tiering(CachedBelow):
         """Register the sequences a previous daemon left on disk for this fingerprint."""
         if self.disk is None:
             return 0
-        n = 0
+        n, mine, other = 0, layout(self.c.cfg), {}
         for m in self.disk.manifests(self.c.fingerprint, self.c.cfg.name):
             key = (m["tenant"], m["seq_id"])
             if key in self.c.seqs:
+                continue
+            theirs = m.get("layout", mine)      # (a copy written before the field: as this cache's)
+            if theirs != mine:                  # left on disk, untouched, for a cache of its spec
+                for f in mine:
+                    if theirs.get(f) != mine[f]:
+                        other.setdefault(f, (theirs.get(f), mine[f], []))[2].append(m["seq_id"])
                 continue
             s = Sequence(m["seq_id"], m["tenant"], self.c.cfg.geometry.num_layers, length=m["length"],
                          token_ids=array("i", m.pop("token_ids")), hashes=[bytes.fromhex(h) for h in m.pop("hashes")],
@@ -331,6 +341,11 @@ class Tiering(CachedBelow):
             s.tier, s.manifest = "disk", m
             self.c.seqs[key] = s
             n += 1
+        for f, (theirs, ours, ids) in other.items():
+            log.warning("cache %r: %d sequences on disk (%s) were written by a cache with %s=%r, this one has %r: "
+                        "not listed here (they stay on disk for a cache created with their spec)",
+                        self.c.cfg.name, len(ids), ", ".join(map(repr, ids[:3])) + (" ..." if len(ids) > 3 else ""),
+                        f, theirs, ours)
         return n
 
     def stats(self) -> dict:
@@ -354,6 +369,15 @@ class Tiering(CachedBelow):
                 for h in s.manifest["sealed_hashes"] + s.manifest["tail_hashes"]:
                     assert not h or self.disk.pins.get(block_key(self.c.fingerprint, bytes.fromhex(h))), \
                         f"{s.seq_id}: a block of its disk copy is not pinned"
+
+
+def layout(cfg) -> dict:
+    """The spec fields, beyond the fingerprint's, that a sequence's disk copy
+    depends on: how its blocks lie (residual; windows and chunks free blocks),
+    and whose its hashes are (the tenant seeds them unless shared). Restore
+    adopts a copy only into a cache that has the same."""
+    return dict(residual=cfg.residual, share_prefixes_across_tenants=cfg.share_prefixes_across_tenants,
+                layer_windows=list(cfg.layer_windows), layer_chunks=list(cfg.layer_chunks))
 
 
 def _lru(seqs) -> Sequence | None:

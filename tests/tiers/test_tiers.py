@@ -1,4 +1,5 @@
 """Host and LMDB tiers: bit-exact round trips, pressure, restarts, crashes (CPU, real LMDB)."""
+import logging
 import math
 import random
 import signal
@@ -18,10 +19,11 @@ T = "default"
 HKV, D, L = 2, 16, 2
 
 
-def make_engine(tmp_path, codec="pq", num_blocks=64, host_bytes=0, lmdb=True, **kw):
+def make_engine(tmp_path, codec="pq", num_blocks=64, host_bytes=0, lmdb=True, share=False, **kw):
     e = Engine(lmdb_path=str(tmp_path / "lmdb") if lmdb else None)
     cfg = config(codec=codec, num_blocks=num_blocks, **kw)
-    cfg = type(cfg)(**{**{f: getattr(cfg, f) for f in cfg.__slots__}, "host_bytes": host_bytes})
+    cfg = type(cfg)(**{**{f: getattr(cfg, f) for f in cfg.__slots__}, "host_bytes": host_bytes,
+                       "share_prefixes_across_tenants": share})
     e.create_cache(cfg)
     if codec == "pq":
         g = torch.Generator().manual_seed(0)
@@ -232,6 +234,32 @@ def test_restart_resumes_offloaded_sequences_and_prefix_hits_from_disk(tmp_path)
         kv.close()
     finally:
         stop_daemon(p)
+
+
+@pytest.mark.parametrize("spec", [{"residual": 16}, {"share": True}])
+def test_restart_lists_a_disk_sequence_only_in_a_cache_of_its_spec(tmp_path, caplog, spec):
+    """A restarted daemon's cache of the same name and fingerprint but another
+    residual (its blocks would lie otherwise) or prefix sharing (its hashes are
+    its tenant's; a shared cache would open them to every tenant) does not take
+    the offloaded sequences: they stay on disk, named in a warning, and a cache
+    created with their spec lists them again, bit for bit."""
+    e = make_engine(tmp_path, "pq", residual=8)
+    fill(e, "a", 61, 1, list(range(61)))
+    want = snapshot(e, "a")
+    e.offload("c", T, ["a"])
+    e.cold_store.close()
+    caplog.set_level(logging.WARNING, logger="kvstore.tiers")
+    e = make_engine(tmp_path, "pq", **{"residual": 8, **spec})
+    assert e.list_sequences("c", T) == []
+    field = "share_prefixes_across_tenants" if "share" in spec else "residual"
+    assert f"1 sequences on disk ('a') were written by a cache with {field}=" in caplog.text
+    e.check_invariants()
+    e.cold_store.close()
+    e = make_engine(tmp_path, "pq", residual=8)
+    assert [(s.seq_id, s.tier) for s in e.list_sequences("c", T)] == [("a", "disk")]
+    got = snapshot(e, "a")
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    e.check_invariants()
 
 
 def test_prefix_hit_from_disk_after_restart(tmp_path):
