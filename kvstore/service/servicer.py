@@ -165,7 +165,9 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
     @_rpc
     def SetCodebooks(self, request, context):
         self.engine.config(request.cache)
-        return pb.CodebooksReply(sha256=self.engine.set_codebooks(request.cache, Codebooks.from_bytes(request.safetensors)))
+        cb = Codebooks.from_bytes(request.safetensors)
+        return pb.CodebooksReply(sha256=self.engine.set_codebooks(request.cache, cb, self._may_replace("SetCodebooks",
+                                                                                                       context)))
 
     @_rpc
     def GetCodebooks(self, request, context):
@@ -179,7 +181,20 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
         v = self._t(request.v_samples, "v_samples")
         if request.niter > MAX_NITER:   # unbounded, one call could hold a worker thread for hours
             raise InvalidArgument("niter", f"must be <= {MAX_NITER}, got {request.niter}")
-        return pb.CodebooksReply(sha256=self.engine.train_codebooks(request.cache, k, v, niter=request.niter or 20))
+        return pb.CodebooksReply(sha256=self.engine.train_codebooks(request.cache, k, v, niter=request.niter or 20,
+                                                                    may_replace=self._may_replace("TrainCodebooks",
+                                                                                                  context)))
+
+    def _may_replace(self, rpc: str, context):
+        """Codebooks a cache has change it for every tenant (its blocks' hashes, every
+        sequence's next codes): replacing them is the default tenant's, as DeleteCache."""
+        tenant = self._tenant(context)
+
+        def check(name: str) -> None:
+            if tenant != DEFAULT_TENANT:
+                raise PermissionDenied(rpc, f"cache {quote(name)} has codebooks, and caches are shared by every "
+                                            f"tenant: only tenant {DEFAULT_TENANT!r} may replace them, not {quote(tenant)}")
+        return check
 
     # ------------------------------------------------------------- sequences
     @_rpc

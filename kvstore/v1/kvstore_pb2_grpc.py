@@ -178,9 +178,12 @@ class KVStoreServicer:
         raise NotImplementedError('Method not implemented!')
 
     def SetCodebooks(self, request, context):
-        """Set the PQ codebooks of a cache (codec pq). FAILED_PRECONDITION for an
-        fp16 cache, or while the cache holds sequences; INVALID_ARGUMENT for a
-        shape or values that do not fit (see SetCodebooksRequest).
+        """Set the PQ codebooks of a cache (codec pq). The codebooks it has already
+        (the same sha256): OK, nothing changes. FAILED_PRECONDITION for an fp16
+        cache, or while the cache holds sequences; PERMISSION_DENIED replacing
+        codebooks a cache has, for a tenant other than "default" (caches are
+        shared); INVALID_ARGUMENT for a shape or values that do not fit (see
+        SetCodebooksRequest).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -189,6 +189,38 @@ def test_prefix_blocks_are_not_shared_across_tenants_by_default(live):
     assert bob.allocate("c", "b", prompt) == 0          # another tenant does not
 
 
+def test_only_the_default_tenant_replaces_a_caches_codebooks(live):
+    """Codebooks a cache has change it for every tenant: another tenant may set the
+    first ones and set the same again (nothing changes: prefix hits stay), not
+    replace them, by SetCodebooks or TrainCodebooks (refused before training)."""
+    from kvstore.codec.codebooks import Codebooks
+    sock, port = live
+    admin, alice, bob = KVStoreClient(f"unix://{sock}", heartbeat=False), tcp(port, ALICE), tcp(port, BOB)
+    admin.create_cache("q", "m", num_layers=L, num_q_heads=HQ, num_kv_heads=HKV, head_dim=D, codec="pq",
+                       block_size=8, num_blocks=64)
+
+    def books(seed):
+        g = torch.Generator().manual_seed(seed)
+        return Codebooks(k=torch.randn(L, HKV, D // 2, 256, 2, generator=g),
+                         v=torch.randn(L, HKV, D // 2, 256, 2, generator=g)).to_bytes()
+    first = alice.set_codebooks("q", books(0))
+    prompt = list(range(40))
+    alice.allocate("q", "a", prompt)
+    k = torch.randn(L, 40, HKV, D).half()
+    alice.append("q", ["a"], k, k, token_ids=[prompt])
+    alice.free("q", ["a"])
+    assert bob.set_codebooks("q", books(0)) == first               # the same again: nothing changes
+    assert alice.allocate("q", "a2", prompt) > 0
+    alice.free("q", ["a2"])
+    for call in (lambda: bob.set_codebooks("q", books(1)),
+                 lambda: bob.train_codebooks("q", torch.randn(L, 256, HKV, D).half(), torch.randn(L, 256, HKV, D).half())):
+        code, details = code_of(call)
+        assert code == grpc.StatusCode.PERMISSION_DENIED and "only tenant 'default' may replace them, not 'bob'" in details
+    assert admin.get_cache("q").codebooks_sha256 == first
+    assert admin.set_codebooks("q", books(1)) != first                 # the default tenant may
+    admin.close()
+
+
 # ---------------------------------------------------------------------- IPC
 def test_ipc_only_for_local_callers(live):
     _, port = live
