@@ -69,7 +69,7 @@ import torch
 from . import hf_variants
 from .client import KVStoreClient
 from .hf_cache import FALLBACK_ERRORS, GONE, SPEC_REFUSED, KVStoreCache
-from .hf_codebooks import bad_transform, fitting_codebooks
+from .hf_codebooks import bad_transform, fitting_codebooks, reconcile
 from .hf_step import check_all_taken, set_decode_target, take_decode_target
 from .hf_groups import LayerGroups, merge_stats
 from .hf_states import StateSnapshots, continues_states, stateful_cache
@@ -225,17 +225,11 @@ class KVStoreAdapter:
             kv = KVStoreClient(self.target, timeout=self.timeout)
             cache = None
             try:
-                ready = True
-                for i, g in enumerate(self.groups):
+                for g in self.groups:
                     cache = g.cache
                     kv.create_cache(g.cache, exist_ok=True, **g.spec(self.spec))
-                    if self.codec == "pq":
-                        has = kv.get_cache(g.cache).has_codebooks
-                        if not has and self.codebooks is not None:
-                            kv.set_codebooks(g.cache, self.codebooks[i])
-                        ready = ready and (has or self.codebooks is not None)
                 if self.codec == "pq":
-                    self._ready = ready
+                    self._ready, self.transform = reconcile(kv, self.groups, self.codebooks, self.transform)
             except BaseException as e:
                 kv.close()
                 if isinstance(e, grpc.RpcError) and e.code() in SPEC_REFUSED:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 
+import torch
+
 
 def fitting_codebooks(codebooks, transform, model_id: str, explicit: bool, geometry: tuple[int, int, int, int]):
     """-> (Codebooks, Transform or None) of a codebooks file (bytes or a path),
@@ -44,3 +46,60 @@ def fitting_codebooks(codebooks, transform, model_id: str, explicit: bool, geome
 
 def bad_transform(value: str):
     raise ValueError(f"transform: {value!r} is not a Transform or 'none'")
+
+
+def reconcile(kv, groups, files, transform):
+    """Each group's cache against the adapter's codebooks -> (whether every cache has
+    codebooks, the transform to store K/V through).
+
+    files: the adapter's codebooks file per group, or None (it uses the caches').
+    A cache holding other codebooks than its file gets the file (SetCodebooks: the
+    daemon replaces them on an empty cache, for tenant default); one that keeps
+    them is a ValueError naming both, not a cache encoding with codebooks the
+    adapter did not ask for. Without files, the caches' codebooks say whether
+    they were calibrated after a transform, and the adapter takes theirs: K/V
+    stored without the transform they expect would decode to nonsense."""
+    import grpc
+
+    from kvstore.codec.codebooks import Codebooks
+    from kvstore.codec.transform import Transform
+    ready, found = True, {}
+    for i, g in enumerate(groups):
+        info = kv.get_cache(g.cache)
+        if files is not None:
+            mine = Codebooks.from_bytes(files[i]).sha256()
+            if info.codebooks_sha256 == mine:
+                continue
+            try:
+                kv.set_codebooks(g.cache, files[i])
+            except grpc.RpcError as e:
+                if e.code() not in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.PERMISSION_DENIED):
+                    raise
+                raise ValueError(f"codebooks: kvstore cache {g.cache!r} holds other codebooks (sha256 "
+                                 f"{info.codebooks_sha256[:16]}) than the file given (sha256 {mine[:16]}) and "
+                                 f"keeps them: {e.details()}") from None
+        elif not info.has_codebooks:
+            ready = False
+        else:
+            cb = Codebooks.from_bytes(kv.get_codebooks(g.cache))
+            if cb.info is not None:         # a file of the old format says nothing of a transform
+                found[i] = cb
+    if not found:
+        return ready, transform
+    with_t = [i for i, cb in found.items() if cb.transform_k is not None]
+    if not with_t:
+        if transform is not None:
+            raise ValueError(f"transform: kvstore cache {groups[next(iter(found))].cache!r} holds codebooks "
+                             "calibrated without a transform; leave transform unset")
+        return ready, None
+    if len(with_t) < len(groups):
+        raise ValueError("transform: the codebooks of caches " + ", ".join(repr(g.cache) for g in groups)
+                         + " disagree on a transform, or some have none yet; pass the codebooks file")
+    n = 1 + max(layer for g in groups for layer in g.layers)
+    k = found[0].transform_k.new_zeros((n, *found[0].transform_k.shape[1:]))
+    v = k.clone()
+    for i, g in enumerate(groups):
+        k[list(g.layers)], v[list(g.layers)] = found[i].transform_k, found[i].transform_v
+    if transform is not None and not (torch.equal(transform.k, k) and torch.equal(transform.v, v)):
+        raise ValueError("transform: not the one the cache's codebooks were calibrated after; leave it unset")
+    return ready, Transform(k=k, v=v)

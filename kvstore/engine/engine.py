@@ -59,7 +59,7 @@ class Engine(CodebookOps):
         max_pool_bytes: memory all caches' pools may take together (lifecycle.check_budget).
         The pools are allocated outside Engine.lock (seconds for a large one), which every
         Heartbeat, Stats and lease sweep takes."""
-        d = cfg.geometry.head_dim
+        cfg, d = lifecycle.filled(cfg), cfg.geometry.head_dim
         if torch.device(cfg.device).type == "cuda" and d not in kernels.HEAD_DIMS:
             # Refused here, not at the first attend: the GPU decode plans take only these.
             raise InvalidArgument("geometry.head_dim", f"head_dim {d}: the GPU decode kernels take head_dim "

@@ -32,6 +32,16 @@ def spec_fields(cfg: CacheConfig) -> dict[str, object]:
     return out
 
 
+def filled(cfg: CacheConfig) -> CacheConfig:
+    """cfg with its codec's default made explicit (num_subvectors 0: head_dim / 2 for
+    pq; unused by fp16), so that a CreateCache naming the default and one leaving it
+    unset ask for the same cache (exist_ok), and GetCache shows the M it runs."""
+    m = cfg.m if cfg.codec.kind == "pq" else 0
+    if cfg.codec.num_subvectors == m:
+        return cfg
+    return dataclasses.replace(cfg, codec=dataclasses.replace(cfg.codec, num_subvectors=m))
+
+
 def exists_message(old: CacheConfig, new: CacheConfig, exist_ok: bool) -> str:
     """Why a CreateCache of an existing name is refused: each field whose value
     differs, with both values."""

@@ -91,3 +91,48 @@ def test_adapter_takes_the_files_model_id_and_sinks(daemon, tmp_path):
     assert ad.transform is not None and torch.equal(ad.transform.k, cb.transform_k)
     assert ad.spec["model_id"] == "org/model" and ad.spec["sink_tokens"] == 48
     assert ad.client().get_cache("c").codebooks_sha256 == cb.sha256()
+
+
+def test_adapter_puts_its_file_on_a_cache_holding_other_codebooks_or_says_why_not(daemon):
+    """A cache holds codebooks other than the adapter's file: the adapter sets its
+    file (the daemon replaces them on an empty cache) or, where the daemon keeps
+    them (the cache holds a sequence), refuses, naming both, rather than store
+    through codebooks it was not given."""
+    first = books(transform=True).describe()
+    assert adapter(daemon, first.to_bytes()).client().get_cache("c").codebooks_sha256 == first.sha256()
+    other = Codebooks(k=first.k * 2, v=first.v, transform_k=first.transform_k, transform_v=first.transform_v).describe()
+    kv = KVStoreClient(daemon)
+    kv.allocate("c", "held", [])
+    with pytest.raises(ValueError, match=rf"^codebooks: kvstore cache 'c' holds other codebooks \(sha256 "
+                                         rf"{first.sha256()[:16]}\) than the file given \(sha256 {other.sha256()[:16]}\)"):
+        adapter(daemon, other.to_bytes()).client()
+    kv.free("c", ["held"])
+    assert adapter(daemon, other.to_bytes()).client().get_cache("c").codebooks_sha256 == other.sha256()
+    kv.close()
+
+
+def test_adapter_without_a_file_takes_the_transform_of_the_caches_codebooks(daemon):
+    """Codebooks calibrated after a transform expect K/V through it: an adapter
+    given no file (it calibrates, or uses what the cache has) takes the cache's
+    transform, and generates what an adapter given the file generates."""
+    from test_hf_adapter import GEN, prompt
+    g = torch.Generator().manual_seed(3)
+    cb = books()
+    a = torch.eye(16) + 0.3 * torch.randn(2, 2, 16, 16, generator=g)
+    cb.transform_k, cb.transform_v = a, a.transpose(-1, -2).contiguous()
+    with_file = adapter(daemon, cb.describe().to_bytes())
+    with torch.no_grad():
+        want = with_file.generate(prompt(40), **GEN)
+    without = adapter(daemon, None, calibrate_tokens=256)
+    without.client()
+    assert without.transform is not None and torch.equal(without.transform.k, a)
+    with torch.no_grad():
+        assert torch.equal(without.generate(prompt(40), **GEN), want)
+    with pytest.raises(ValueError, match="^transform: not the one the cache's codebooks were calibrated after"):
+        adapter(daemon, None, calibrate_tokens=256, transform=_eye()).client()
+
+
+def _eye():
+    from kvstore.codec.transform import Transform
+    e = torch.eye(16).expand(2, 2, 16, 16).contiguous()
+    return Transform(k=e, v=e.clone())

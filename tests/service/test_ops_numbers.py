@@ -49,6 +49,19 @@ def test_exists_with_another_configuration_names_each_difference():
         e.create_cache(config(codec="fp16"))
 
 
+def test_a_pq_cache_named_with_its_default_m_or_without_is_the_same_cache():
+    """num_subvectors 0 means head_dim / 2: a CreateCache naming that M (an adapter
+    given a codebooks file) and one leaving it unset (an adapter that uses the
+    cache's codebooks) ask for one cache; another M is another cache."""
+    e = Engine()
+    e.create_cache(config(codec="pq", m=0))
+    assert e.cache_info("c").cfg.codec.num_subvectors == D // 2
+    e.create_cache(config(codec="pq", m=D // 2), exist_ok=True)
+    e.create_cache(config(codec="pq", m=0), exist_ok=True)
+    with pytest.raises(AlreadyExists, match=f"num_subvectors {D // 2} \\(existing\\) vs {D // 4} \\(requested\\)"):
+        e.create_cache(config(codec="pq", m=D // 4), exist_ok=True)
+
+
 def test_retrieve_to_the_end(client):
     client.create_cache("c", "m", num_layers=L, num_q_heads=HQ, num_kv_heads=HKV, head_dim=D, codec="fp16",
                         block_size=8, residual=8, num_blocks=64)
