@@ -84,6 +84,8 @@ class Cache(WritePath, ReadPath, WindowedBlocks):
             self.tiering.restore()
         # The shared Redis tier below both (tiers/redis.py): hashed main-pool blocks go up to it, prefix misses ask it.
         self.redis = RedisTier(redis_store, self) if redis_store is not None else None
+        if self.redis is not None and self.tiering is None:     # else its spills put them (tiers/below.py)
+            self.main_pool.on_evict = lambda evicted: self.redis.spill(evicted, fp16=False)
 
     def resident(self, seqs: list[Sequence]) -> None:
         """Protect the request's sequences from eviction and page in any that
@@ -351,9 +353,11 @@ class Cache(WritePath, ReadPath, WindowedBlocks):
             self.redis.note(bid, h, fp16=True)
 
     def _tail_evicted(self, evicted: list[tuple[int, bytes]]) -> None:
-        """The tail pool is about to reuse cached blocks: their fp16 form goes below."""
+        """The tail pool is about to reuse cached blocks: their fp16 form goes below (to Redis alone without tiers)."""
         if self.tiering is not None:
             self.tiering.spill_fp16(evicted)
+        elif self.redis is not None:
+            self.redis.spill(evicted, fp16=True)
 
     # ------------------------------------------------------- fork and free
     def fork(self, src: Sequence, tenant: str, dst_id: str) -> None:

@@ -94,6 +94,17 @@ class RedisTier:
         if not self.store.submit(Put(self, self.c.fingerprint, hashes, payload, event)):
             self._count(dropped_puts=len(hashes))
 
+    def spill(self, evicted: list[tuple[int, bytes]], fp16: bool) -> None:
+        """GPU cached blocks (block id, hash) of the main pool (of a pq cache's
+        tail pool: fp16) are about to be reused, and no host or disk tier keeps
+        them (below.py puts them where one does): the ones Redis may not have go
+        up, as they would when they spill."""
+        keys = [(b, fp16_key(h) if fp16 else h) for b, h in evicted]
+        keys = [(b, k) for b, k in keys if not self._is_known(k)]
+        if keys:
+            io = self.c.tail_io if fp16 else self.c.main_io
+            self.put([k for _, k in keys], io.pack([b for b, _ in keys]))
+
     def written(self, hashes: list[bytes], block_bytes: int, failed: int) -> None:
         """Writer thread: hashes were stored, `failed` more refused by the server."""
         self._count(blocks_out=len(hashes), bytes_out=len(hashes) * block_bytes, dropped_puts=failed, errors=failed)

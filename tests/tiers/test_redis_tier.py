@@ -148,11 +148,13 @@ def test_sink_blocks_cross_engines_with_the_sealed_ones(redis_server):
     b.check_invariants()
 
 
-def test_fp16_tail_blocks_go_up_when_they_spill(tmp_path, redis_server):
+@pytest.mark.parametrize("below", ["lmdb", "none"])
+def test_fp16_tail_blocks_go_up_when_they_spill(tmp_path, redis_server, below):
     """A pq prompt's full fp16 tail block is not put when it fills (its PQ codes
-    go up once it seals), but when the tail pool evicts it: then another engine
-    hits every full block of the prompt."""
-    a = engine(redis_server.url, lmdb=str(tmp_path / "lmdb"), sink_tokens=2 * BS, max_sequences=2)
+    go up once it seals), but when the tail pool evicts it (with or without a
+    tier below the GPU): then another engine hits every full block of the prompt."""
+    a = engine(redis_server.url, lmdb=str(tmp_path / "lmdb") if below == "lmdb" else None, sink_tokens=2 * BS,
+               max_sequences=2)
     fill(a, "a", prompt(1))
     n = N // BS * BS                                  # 12 full blocks: 2 sinks, 9 sealed, 1 tail
     want = a.retrieve("c", T, "a", 0, n)
@@ -292,8 +294,10 @@ def test_down_or_slow_redis_never_holds_up_a_request(redis_server, caplog):
     redis_server.resume()
 
 
-def test_blocks_missed_at_seal_go_up_when_they_spill(tmp_path, redis_server):
-    a = engine(redis_server.url, lmdb=str(tmp_path / "lmdb"), num_blocks=24, backoff_s=0.5)
+@pytest.mark.parametrize("below", ["lmdb", "none"])
+def test_blocks_missed_at_seal_go_up_when_they_spill(tmp_path, redis_server, below):
+    a = engine(redis_server.url, lmdb=str(tmp_path / "lmdb") if below == "lmdb" else None, num_blocks=24,
+               backoff_s=0.5)
     redis_server.kill()
     fill(a, "a", prompt(1), lookup=False)       # sealed while Redis is down: not put
     wait_for(lambda: rstats(a)["dropped_puts"] == SEALED, what="the writer to give up")
@@ -304,7 +308,8 @@ def test_blocks_missed_at_seal_go_up_when_they_spill(tmp_path, redis_server):
     for i in range(3):                          # pressure: the cached blocks spill to LMDB, and to Redis
         fill(a, f"x{i}", prompt(10 + i), lookup=False)
         a.free("c", T, [f"x{i}"])
-    assert a.stats()["c"]["tiers"]["spilled_blocks"] >= SEALED
+    if below == "lmdb":
+        assert a.stats()["c"]["tiers"]["spilled_blocks"] >= SEALED
     b = engine(redis_server.url)
     wait_for(lambda: rstats(a)["blocks_out"] >= 3 * SEALED, what="A's puts")
     assert b.allocate("c", T, "b", prompt(1)).cached_tokens == SEALED * BS
