@@ -131,8 +131,11 @@ class Node:
 
     def connection(self) -> resp.RespConnection:
         with self._lock:
-            if self._idle:
-                return self._idle.pop()
+            while self._idle:
+                conn = self._idle.pop()
+                if not conn.closed_while_idle():
+                    return conn
+                conn.close()
         return resp.RespConnection(self.url, self.timeout_s)
 
     def give_back(self, conn: resp.RespConnection) -> None:

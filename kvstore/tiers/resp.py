@@ -28,6 +28,7 @@ writes stay with redis-py (redis_store.py).
 """
 from __future__ import annotations
 
+import select
 import socket
 import ssl
 import struct
@@ -115,6 +116,19 @@ class RespConnection:
 
     def close(self) -> None:
         self.sock.close()
+
+    def closed_while_idle(self) -> bool:
+        """Whether an idle connection (no reply pending) can be read from: the
+        server closed it (it restarted) or sent what nobody asked for. Either
+        way it is no use; asked before it is reused, so that a restarted Redis
+        is not taken for one that is down."""
+        if self.lo < self.hi:
+            return True
+        try:
+            readable, _, _ = select.select([self.sock], [], [], 0)
+        except (OSError, ValueError):
+            return True
+        return bool(readable)
 
     def send(self, data: bytes) -> None:
         try:

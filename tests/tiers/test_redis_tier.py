@@ -522,6 +522,30 @@ def test_ttl_is_set_by_puts_and_renewed_by_hits(redis_server):
     assert all(r.ttl(k) > 5 for k in keys)            # GETEX renewed them
 
 
+def test_a_restarted_redis_is_read_at_once_not_taken_for_down(tmp_path):
+    """Redis restarts (AOF: it comes back with its blocks) while an engine's read
+    connections sit idle: the next lookup reads on fresh connections, hits, and
+    counts no error, rather than fail on a dead one and skip Redis (and drop the
+    puts) for a back-off."""
+    from tests.tiers.redis_server import RedisServer
+    srv = RedisServer(str(tmp_path), appendonly=True)
+    try:
+        a = engine(srv.url, backoff_s=5.0)
+        fill(a, "a", prompt(1), lookup=False)
+        wait_for(lambda: rstats(a)["blocks_out"] == SEALED, what="puts")
+        b = engine(srv.url, backoff_s=5.0)
+        assert b.allocate("c", T, "warm", prompt(3)).cached_tokens == 0     # a lookup: read connections, idle now
+        srv.kill()
+        srv.start()
+        assert b.allocate("c", T, "b", prompt(1)).cached_tokens == SEALED * BS     # from the restarted Redis
+        fill(b, "new", prompt(2))
+        s = rstats(b)
+        assert (s["state"], s["errors"], s["dropped_puts"]) == ("up", 0, 0), s
+        wait_for(lambda: rstats(b)["blocks_out"] == SEALED, what="B's puts after the restart")
+    finally:
+        srv.kill()
+
+
 def test_blocks_go_up_again_after_redis_came_back_empty(tmp_path):
     from tests.tiers.redis_server import RedisServer
     srv = RedisServer(str(tmp_path), appendonly=False)          # a restart loses everything
