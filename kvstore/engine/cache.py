@@ -87,13 +87,13 @@ class Cache(WritePath, ReadPath, WindowedBlocks):
         if self.redis is not None and self.tiering is None:     # else its spills put them (tiers/below.py)
             self.main_pool.on_evict = lambda evicted: self.redis.spill(evicted, fp16=False)
 
-    def resident(self, seqs: list[Sequence]) -> None:
+    def resident(self, seqs: list[Sequence], field: str = "sequence_ids") -> None:
         """Protect the request's sequences from eviction and page in any that
-        live in a lower tier."""
+        live in a lower tier (field: the request's name for them, in errors)."""
         self.protect = {id(s) for s in seqs}
         for s in seqs:
             if s.tier != "gpu":
-                self.tiering.page_in(s, self.protect)
+                self.tiering.page_in(s, self.protect, field)
 
     def changing(self, s: Sequence) -> None:
         """s's committed tokens are about to change: a disk copy of what it
@@ -195,7 +195,7 @@ class Cache(WritePath, ReadPath, WindowedBlocks):
         if len(self.seqs) >= self.cfg.max_sequences:
             raise ResourceExhausted(field, f"cache holds max_sequences={self.cfg.max_sequences}")
 
-    def _alloc_tail(self, n: int) -> list[int]:
+    def _alloc_tail(self, n: int, field: str = "tail") -> list[int]:
         """n fp16 blocks (the tail pool; the main pool for codec fp16), zeroed.
 
         NOTE: their slots are written token by token, and a Reserve commits
@@ -207,7 +207,7 @@ class Cache(WritePath, ReadPath, WindowedBlocks):
         straight from the pools."""
         ids = self.tail_pool.allocate(n) if n > 0 else []
         if ids is None:
-            raise ResourceExhausted("tail", f"need {n} fp16 tail blocks, {self.tail_pool.num_allocatable()} free")
+            raise ResourceExhausted(field, f"need {n} fp16 tail blocks, {self.tail_pool.num_allocatable()} free")
         if ids:
             self.tail.zero_blocks(ids_to(self.tail.k.device, ids))
         return ids
@@ -369,7 +369,7 @@ class Cache(WritePath, ReadPath, WindowedBlocks):
         shared_tail = src.tail[:-1] if partial else list(src.tail)
         if partial:
             self.check_room(0, 1, 0, "tail")
-        new = self._alloc_tail(1) if partial else []
+        new = self._alloc_tail(1, "new_sequence_id") if partial else []     # its copy of the partial block
         self.main_pool.ref(src.held_sealed())
         self.tail_pool.ref(shared_tail)
         if partial:

@@ -275,7 +275,7 @@ class Engine(CodebookOps):
             raise InvalidArgument("num_tokens", f"must be in [0, 2^20], got {n}")
         with self._locked(name) as cache:
             s = cache.seq(tenant, seq_id)
-            cache.resident([s])
+            cache.resident([s], "sequence_id")
             r = cache.reserve(s, n, known)
             cache.publish()
             return r
@@ -332,14 +332,14 @@ class Engine(CodebookOps):
             end = end or s.length          # 0: to the end
             checks.token_range(seq_id, start, end, s.length)
             cache.check_held(s, start, end)          # before paging in: a refused call moves nothing
-            cache.resident([s])
+            cache.resident([s], "sequence_id")
             return cache.retrieve(s, start, end, slice(layer_start, layer_end))
 
     def fork(self, name: str, tenant: str, src_id: str, dst_id: str, owner: str = "") -> None:
         with self._locked(name) as cache:
             src = cache.seq(tenant, src_id)
             cache._check_new_sequence(tenant, dst_id, "new_sequence_id")
-            cache.resident([src])
+            cache.resident([src], "sequence_id")
             cache.fork(src, tenant, dst_id)
             cache.seqs[(tenant, dst_id)].owner = owner
 
@@ -398,8 +398,8 @@ class Engine(CodebookOps):
             return [results.sequence_info(c, s) for (t, _), s in sorted(c.seqs.items()) if t == tenant]
 
     def stats(self, name: str | None = None) -> dict[str, dict]:
-        """Stats of one cache (name) or all, each under its lock in turn (a busy cache delays its entry only)."""
-        caches = [self.cache(name)] if name is not None else self._all()
+        """Stats of one cache (name) or all, by name, each under its lock in turn (a busy cache delays its entry only)."""
+        caches = [self.cache(name)] if name is not None else sorted(self._all(), key=lambda c: c.cfg.name)
         out = {}
         for c in caches:
             with c.lock:

@@ -282,6 +282,10 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
     def AppendAttendStream(self, requests, context):
         """AppendAttend, one reply per request in order, on one long-lived
         stream. A rejected request ends the stream with AppendAttend's status."""
+        try:
+            session_of(context)         # checked at the start, as a call's is, not at the first message
+        except KVStoreError as e:
+            context.abort(getattr(grpc.StatusCode, e.code), status_message(str(e)))
         if not self._stream_slots.acquire(blocking=False):
             context.set_trailing_metadata(((STREAM_KEY, "refused"),))
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,

@@ -242,7 +242,7 @@ class Tiering(CachedBelow):
             self.host.tail_pool.release(s.tail[::-1])
             self.host.main_pool.release(s.held_sealed()[::-1])
 
-    def page_in(self, s: Sequence, protect: set) -> None:
+    def page_in(self, s: Sequence, protect: set, field: str = "sequence_ids") -> None:
         """Bring a host or disk sequence back to the GPU pools. A durable disk
         copy stays (Offload's promise); a pressure copy goes."""
         c = self.c
@@ -269,7 +269,7 @@ class Tiering(CachedBelow):
         done = False
         try:
             if not self.make_room(len(todo), n_tail, protect | {id(s)}):
-                raise ResourceExhausted("sequence_ids", f"no GPU room to page in sequence {s.seq_id!r}")
+                raise ResourceExhausted(field, f"no GPU room to page in sequence {s.seq_id!r}")
             new = c.main_pool.allocate(len(todo))
             new_tail = c.tail_pool.allocate(n_tail)
             assert new is not None and new_tail is not None, "GPU room was made"

@@ -206,6 +206,19 @@ def test_malformed_bytes_on_the_stream(daemon):
         ch.close()
 
 
+def test_a_bad_session_id_ends_the_stream_before_any_message(daemon):
+    """x-kvstore-session is checked when the stream opens, as a call's is: an
+    empty stream with a bad one is INVALID_ARGUMENT naming it, not OK."""
+    ch = grpc.insecure_channel(daemon)
+    try:
+        with pytest.raises(grpc.RpcError) as info:
+            list(pb_grpc.KVStoreStub(ch).AppendAttendStream(iter([]), timeout=30,
+                                                            metadata=(("x-kvstore-session", "bad id"),)))
+        assert info.value.code() == C.INVALID_ARGUMENT and info.value.details().startswith("x-kvstore-session")
+    finally:
+        ch.close()
+
+
 # ------------------------------------------------------------------- order
 def test_pipelined_requests_get_one_reply_each_in_order(daemon):
     """Many requests written ahead of the replies (raw stub): one reply per

@@ -12,6 +12,7 @@ import torch
 
 from kvstore.codec.codebooks import Codebooks
 from kvstore.engine.engine import Engine
+from kvstore.errors import ResourceExhausted
 from kvstore.kernels import reference as ref
 from tests.helpers import config
 
@@ -170,6 +171,27 @@ def test_a_spill_larger_than_the_host_tiers_room_fills_it_and_the_rest_goes_to_d
     e.append("c", T, ["b"], k[:, 56:], v[:, 56:], [8], token_ids=[prompt[56:]])
     got = snapshot(e, "b")
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    e.check_invariants()
+
+
+def test_no_room_to_page_in_names_the_requests_own_field(tmp_path):
+    """A host-tier sequence with no GPU room to page it into (the other one is mid
+    step, so it cannot move down): RESOURCE_EXHAUSTED names the field of the
+    request that asked (Retrieve and Fork take sequence_id, Prefetch sequence_ids)
+    and nothing moves."""
+    e = make_engine(tmp_path, "pq", num_blocks=4, host_bytes=20 * 2048, residual=0, max_sequences=3, lmdb=False)
+    for sid, seed in (("a", 1), ("b", 2)):
+        fill(e, sid, 28, seed)
+    assert e.sequence_info("c", T, "a").tier == "host"
+    g = torch.Generator().manual_seed(3)
+    e.append_attend("c", T, 0, ["b"], torch.randn(1, HKV, D, generator=g).half(), torch.randn(1, HKV, D, generator=g).half(),
+                    torch.randn(1, 4, D, generator=g).half())      # b mid-step: layer 0 of a token appended
+    for call, field in ((lambda: e.retrieve("c", T, "a", 0, 0), "sequence_id"),
+                        (lambda: e.fork("c", T, "a", "a2"), "sequence_id"),
+                        (lambda: e.prefetch("c", T, ["a"]), "sequence_ids")):
+        with pytest.raises(ResourceExhausted, match=f"^{field}: no GPU room to page in sequence 'a'"):
+            call()
+        assert e.sequence_info("c", T, "a").tier == "host" and [s.seq_id for s in e.list_sequences("c", T)] == ["a", "b"]
     e.check_invariants()
 
 
