@@ -216,8 +216,13 @@ class KVStoreServicer:
 
     def Allocate(self, request, context):
         """Start a sequence, taking every cached full block of its prompt (prefix
-        hits). FAILED_PRECONDITION: a pq cache without codebooks. ALREADY_EXISTS:
-        the id is taken (per tenant). RESOURCE_EXHAUSTED: max_sequences reached.
+        hits; at most the prompt's length minus one token, which the caller
+        computes for its logits). In a pq cache each hit block takes the form this
+        prompt's length gives it: one it seals is PQ-coded (encoded here from an
+        fp16 copy where the block was still in another sequence's fp16 tail), one
+        in its sinks or fp16 tail stays fp16. FAILED_PRECONDITION: a pq cache
+        without codebooks. ALREADY_EXISTS: the id is taken (per tenant).
+        RESOURCE_EXHAUSTED: max_sequences reached.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -235,7 +240,13 @@ class KVStoreServicer:
     def Append(self, request, context):
         """Append K and V of new tokens to sequences (all layers, or one layer).
         Tokens appended one layer at a time commit when every layer has them.
-        RESOURCE_EXHAUSTED: no room now (nothing is written); a batch is checked
+        A pq sequence keeps its sink tokens and its newest tokens in fp16 (R:
+        residual): a full block is sealed (PQ-coded) once more than R tokens
+        follow it, so R + 1 to R + block_size stay fp16 past the sinks. The fp16 codec seals the same way, by
+        relabelling. Short of room, a cache with a host or disk tier first moves
+        least recently used sequences that no call is writing down a tier (they
+        page back in on their next use). RESOURCE_EXHAUSTED: no room even so
+        (nothing is written); a batch is checked
         whole before any sequence changes. INVALID_ARGUMENT naming counts: a
         sequence that would pass what the cache's pools can ever hold.
         FAILED_PRECONDITION naming sequence_ids: an all-layers append to a
@@ -247,8 +258,9 @@ class KVStoreServicer:
 
     def Attend(self, request, context):
         """Attention of one layer for a batch of sequences over their tokens at that
-        layer (see Attention above). INVALID_ARGUMENT naming sequence_ids: a
-        sequence with no token at this layer.
+        layer (see Attention above): the query is at the position of the
+        sequence's last token there (windows and chunks count from it).
+        INVALID_ARGUMENT naming sequence_ids: a sequence with no token at this layer.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
