@@ -48,6 +48,7 @@ CONFIG_FIXES = {"bamba": dict(attn_layer_indices=[1], **_MAMBA),
                 "granitemoehybrid": dict(layer_types=["linear_attention", "full_attention"], **_MAMBA),
                 "lfm2_moe": dict(layer_types=["conv", "full_attention"]),
                 "dots1": dict(n_shared_experts=1),
+                "gpt_bigcode": dict(num_key_value_heads=1),      # multi_query (the default): one KV head
                 "dbrx": {"attn_config.rope_theta": 10000.0, "attn_config.clip_qkv": 8.0, "attn_config.kv_n_heads": 2,
                          "ffn_config.hidden_size": 64, "ffn_config.ffn_hidden_size": 128},
                 "zamba2": dict(attention_hidden_size=128, attention_head_dim=32, n_mamba_heads=4, mamba_headdim=32,
