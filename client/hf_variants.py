@@ -79,13 +79,13 @@ class AttentionVariant:
             out["sink_logits"] = list(self.sinks)
         return out
 
-    def check_call(self, layer: int, kwargs: dict, mask, kv_len: int, module=None) -> None:
+    def check_call(self, layer: int, kwargs: dict, mask, kv_len: int, module=None, pads=None) -> None:
         """The attention call of `layer` asks for what the daemon's cache was made with:
         a model whose layers decide their window or cap otherwise than its config
         says is refused before its decode step reaches the daemon. layer: the model's
         (the attention module's layer_idx), mask: the call's (sdpa's: bool [B, 1, n,
         kv_len], True = attend, or None), kv_len: the tokens it reads, module: the
-        attention module making the call."""
+        attention module making the call, pads: each row's left padding."""
         at = self.kv_index(layer)
         if at < 0:
             raise ValueError(f"layer {layer}: the model attends with K/V in a layer whose layer_types entry "
@@ -98,7 +98,7 @@ class AttentionVariant:
             raise ValueError(f"layer {layer}: the model attends with sliding_window={w}, the kvstore cache "
                              f"was made with {want} (from its config)")
         c = self.chunk(at)      # chunks come by the mask alone (Llama 4): it must hide the earlier ones
-        if c and (w or (kv_len > c and not _masks_before(mask, (kv_len - 1) // c * c))):
+        if c and (w or not _hides_earlier_chunks(mask, kv_len, c, pads or [0])):
             raise ValueError(f"layer {layer}: the model does not attend in chunks of {c} tokens as its config "
                              "says (attention_chunk_size), or not through its mask")
         if float(cap) != self.softcap:
@@ -136,6 +136,17 @@ def _sink_logits(model, c, kv_layers: list[int]) -> tuple[float, ...]:
     if not rows:
         return ()
     return tuple(x for layer in kv_layers for x in rows.get(layer, [float("-inf")] * hq))
+
+
+def _hides_earlier_chunks(mask, kv_len: int, c: int, pads: list[int]) -> bool:
+    """The mask hides from each row's query the keys before its chunk: chunks of c
+    count from the row's first token, after its left padding (as transformers')."""
+    for r, p in enumerate(pads):
+        first = p + (kv_len - 1 - p) // c * c
+        if first > p and not _masks_before(mask if len(pads) == 1 or not isinstance(mask, torch.Tensor)
+                                           or mask.shape[0] == 1 else mask[r:r + 1], first):
+            return False
+    return True
 
 
 def _masks_before(mask, first: int) -> bool:

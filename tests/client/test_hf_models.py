@@ -190,6 +190,28 @@ def test_fp16_greedy_equals_transformers(daemon, name):
     ad.close()
 
 
+@pytest.mark.parametrize("name", ["llama4", "mistral"])
+def test_a_left_padded_batch_equals_transformers(daemon, name):
+    """Rows of different lengths, left-padded: each row's windows and chunks count
+    from its first token, as transformers' do (the daemon's sequences hold no
+    padding), so every row's tokens equal transformers' own."""
+    model = build(name)
+    lens = (PROMPT, PROMPT - 3, PROMPT - 15)
+    ids = torch.zeros(len(lens), PROMPT, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for r, n in enumerate(lens):
+        ids[r, PROMPT - n:], mask[r, PROMPT - n:] = prompt(n, seed=r + 1)[0], 1
+    with torch.no_grad():
+        want = copy.deepcopy(model).generate(ids, attention_mask=mask, **GEN)
+    ad = KVStoreAdapter(model, daemon, cache=f"{name}-batch", codec="fp16", block_size=8, residual=8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")           # no fallback
+        with torch.no_grad():
+            got = ad.generate(ids, attention_mask=mask, **GEN)
+    assert torch.equal(got, want), (got, want)
+    ad.close()
+
+
 @pytest.mark.parametrize("name", ["mistral", "gemma3", "gemma4", "llama4"])
 def test_windows_change_the_answer(name):
     """The equality above is a check of the windows: without them transformers itself
