@@ -69,7 +69,7 @@ import torch
 from . import hf_variants
 from .client import KVStoreClient
 from .hf_cache import FALLBACK_ERRORS, GONE, SPEC_REFUSED, KVStoreCache
-from .hf_codebooks import bad_transform, fitting_codebooks, reconcile
+from .hf_codebooks import CacheBooks, bad_transform, fitting_codebooks
 from .hf_step import check_all_taken, set_decode_target, take_decode_target
 from .hf_groups import LayerGroups, merge_stats
 from .hf_states import StateSnapshots, continues_states, stateful_cache
@@ -181,8 +181,9 @@ class KVStoreAdapter:
         self.groups = LayerGroups(cache, self.variant.windows, self.num_layers, split=layer_groups,
                                   chunks=self.variant.chunks)
         # Each group's cache gets the codebooks of its layers (the file holds every layer's).
-        self.codebooks = ([cb.to_bytes()] if len(self.groups) == 1 else
-                          [cb.layers(g.layers).to_bytes() for g in self.groups]) if cb is not None else None
+        self.books = CacheBooks(([cb.to_bytes()] if len(self.groups) == 1 else
+                                 [cb.layers(g.layers).to_bytes() for g in self.groups]) if cb is not None else None,
+                                transform)
         self.transform, self.timeout = transform, timeout
         # Tokens one AppendAttend may bring a sequence: the daemon's bound, and on pq the
         # residual + 1 newest tokens it keeps in fp16 until they are attended.
@@ -229,7 +230,7 @@ class KVStoreAdapter:
                     cache = g.cache
                     kv.create_cache(g.cache, exist_ok=True, **g.spec(self.spec))
                 if self.codec == "pq":
-                    self._ready, self.transform = reconcile(kv, self.groups, self.codebooks, self.transform)
+                    self._ready, self.transform = self.books.reconcile(kv, self.groups)
             except BaseException as e:
                 kv.close()
                 if isinstance(e, grpc.RpcError) and e.code() in SPEC_REFUSED:
@@ -285,6 +286,8 @@ class KVStoreAdapter:
         seq_ids = [f"{self._prefix}-{next(self._ids)}" for _ in range(b)]
         try:
             kv = self.client()
+            if self.codec == "pq" and self.books.changed(kv, self.groups):     # replaced since: again
+                self._ready, self.transform = self.books.reconcile(kv, self.groups)
             if not self._ready:           # calibrating: in-process until TrainCodebooks (release())
                 return KVStoreCache(self, [], input_ids[:, :0], None, local=True, pads=pads)
             if self.states is not None and b == 1 and not pads[0] and self._state_hits():

@@ -48,58 +48,80 @@ def bad_transform(value: str):
     raise ValueError(f"transform: {value!r} is not a Transform or 'none'")
 
 
-def reconcile(kv, groups, files, transform):
-    """Each group's cache against the adapter's codebooks -> (whether every cache has
-    codebooks, the transform to store K/V through).
+class CacheBooks:
+    """The adapter's codebooks against its caches' (one a layer group).
 
     files: the adapter's codebooks file per group, or None (it uses the caches').
-    A cache holding other codebooks than its file gets the file (SetCodebooks: the
-    daemon replaces them on an empty cache, for tenant default); one that keeps
-    them is a ValueError naming both, not a cache encoding with codebooks the
-    adapter did not ask for. Without files, the caches' codebooks say whether
-    they were calibrated after a transform, and the adapter takes theirs: K/V
-    stored without the transform they expect would decode to nonsense."""
-    import grpc
+    A cache without codebooks gets its file. One holding others is a ValueError
+    naming both: the adapter never replaces a cache's codebooks, which another
+    worker may be storing through (the daemon refuses while a sequence is live,
+    not between requests). Without files, the caches' codebooks say whether they
+    were calibrated after a transform, and the adapter takes theirs: K/V stored
+    without the transform they expect would decode to nonsense. changed() tells
+    a cache whose codebooks were replaced since (SetCodebooks between requests):
+    the adapter reconciles again before its next request."""
 
-    from kvstore.codec.codebooks import Codebooks
-    from kvstore.codec.transform import Transform
-    ready, found = True, {}
-    for i, g in enumerate(groups):
-        info = kv.get_cache(g.cache)
-        if files is not None:
-            mine = Codebooks.from_bytes(files[i]).sha256()
-            if info.codebooks_sha256 == mine:
-                continue
-            try:
-                kv.set_codebooks(g.cache, files[i])
-            except grpc.RpcError as e:
-                if e.code() not in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.PERMISSION_DENIED):
-                    raise
-                raise ValueError(f"codebooks: kvstore cache {g.cache!r} holds other codebooks (sha256 "
-                                 f"{info.codebooks_sha256[:16]}) than the file given (sha256 {mine[:16]}) and "
-                                 f"keeps them: {e.details()}") from None
-        elif not info.has_codebooks:
-            ready = False
-        else:
-            cb = Codebooks.from_bytes(kv.get_codebooks(g.cache))
-            if cb.info is not None:         # a file of the old format says nothing of a transform
-                found[i] = cb
-    if not found:
-        return ready, transform
-    with_t = [i for i, cb in found.items() if cb.transform_k is not None]
-    if not with_t:
-        if transform is not None:
-            raise ValueError(f"transform: kvstore cache {groups[next(iter(found))].cache!r} holds codebooks "
-                             "calibrated without a transform; leave transform unset")
-        return ready, None
-    if len(with_t) < len(groups):
-        raise ValueError("transform: the codebooks of caches " + ", ".join(repr(g.cache) for g in groups)
-                         + " disagree on a transform, or some have none yet; pass the codebooks file")
-    n = 1 + max(layer for g in groups for layer in g.layers)
-    k = found[0].transform_k.new_zeros((n, *found[0].transform_k.shape[1:]))
-    v = k.clone()
-    for i, g in enumerate(groups):
-        k[list(g.layers)], v[list(g.layers)] = found[i].transform_k, found[i].transform_v
-    if transform is not None and not (torch.equal(transform.k, k) and torch.equal(transform.v, v)):
-        raise ValueError("transform: not the one the cache's codebooks were calibrated after; leave it unset")
-    return ready, Transform(k=k, v=v)
+    def __init__(self, files: list[bytes] | None, transform):
+        from kvstore.codec.codebooks import Codebooks
+        self.files, self.given = files, transform
+        self.mine = None if files is None else [Codebooks.from_bytes(f).sha256() for f in files]
+        self.seen: list[str] | None = None      # the caches' sha256 as last reconciled
+
+    def changed(self, kv, groups) -> bool:
+        return [kv.get_cache(g.cache).codebooks_sha256 for g in groups] != self.seen
+
+    def reconcile(self, kv, groups):
+        """-> (whether every cache has codebooks, the transform to store K/V through)."""
+        import grpc
+
+        from kvstore.codec.codebooks import Codebooks
+        ready, found, seen = True, {}, []
+        for i, g in enumerate(groups):
+            info = kv.get_cache(g.cache)
+            theirs = info.codebooks_sha256
+            if self.files is not None and theirs != self.mine[i]:
+                part = f" for the layers of that cache (one of {len(groups)})" if len(groups) > 1 else ""
+                if theirs:
+                    raise ValueError(f"codebooks: kvstore cache {g.cache!r} holds other codebooks (sha256 "
+                                     f"{theirs[:16]}) than the file given has{part} (sha256 {self.mine[i][:16]}); "
+                                     "use another cache name, or delete that cache (kvstore-admin delete-cache) "
+                                     "once no worker uses it")
+                try:
+                    theirs = kv.set_codebooks(g.cache, self.files[i])
+                except grpc.RpcError as e:          # another worker set other ones first
+                    if e.code() != grpc.StatusCode.PERMISSION_DENIED:
+                        raise
+                    raise ValueError(f"codebooks: kvstore cache {g.cache!r}: {e.details()}") from None
+            elif self.files is None and not theirs:
+                ready = False
+            elif self.files is None:
+                cb = Codebooks.from_bytes(kv.get_codebooks(g.cache))
+                theirs = cb.sha256()
+                if cb.info is not None:         # a file of the old format says nothing of a transform
+                    found[i] = cb
+            seen.append(theirs)
+        self.seen = seen
+        return ready, self.given if self.files is not None else self._transform(found, groups)
+
+    def _transform(self, found: dict, groups):
+        transform = self.given
+        if not found:
+            return transform
+        from kvstore.codec.transform import Transform
+        with_t = [i for i, cb in found.items() if cb.transform_k is not None]
+        if not with_t:
+            if transform is not None:
+                raise ValueError(f"transform: kvstore cache {groups[next(iter(found))].cache!r} holds codebooks "
+                                 "calibrated without a transform; leave transform unset")
+            return None
+        if len(with_t) < len(groups):
+            raise ValueError("transform: the codebooks of caches " + ", ".join(repr(g.cache) for g in groups)
+                             + " disagree on a transform, or some have none yet; pass the codebooks file")
+        n = 1 + max(layer for g in groups for layer in g.layers)
+        k = found[0].transform_k.new_zeros((n, *found[0].transform_k.shape[1:]))
+        v = k.clone()
+        for i, g in enumerate(groups):
+            k[list(g.layers)], v[list(g.layers)] = found[i].transform_k, found[i].transform_v
+        if transform is not None and not (torch.equal(transform.k, k) and torch.equal(transform.v, v)):
+            raise ValueError("transform: not the one the cache's codebooks were calibrated after; leave it unset")
+        return Transform(k=k, v=v)

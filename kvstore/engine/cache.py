@@ -65,6 +65,7 @@ class Cache(WritePath, ReadPath, WindowedBlocks):
         self.max_tokens = self.main_pool.capacity * self.bs + (
             self.sinks + cfg.residual + self.bs if self.is_pq else 0)
         self.codebooks: Codebooks | None = None
+        self.codebooks_sha = ""           # theirs, hashed once: GetCache asks it on every adapter request
         self.fingerprint = fingerprint(cfg, None)
         self.seqs: dict[tuple[str, str], Sequence] = {}
         self.counters = dict(prefix_query_tokens=0, prefix_hit_tokens=0, appended_tokens=0,
@@ -126,7 +127,7 @@ class Cache(WritePath, ReadPath, WindowedBlocks):
                                      "codebooks can change only on an empty cache")
         self.main.set_codebooks(cb)
         self.graphs.clear()                # captured with the old codebooks' addresses
-        self.codebooks = cb
+        self.codebooks, self.codebooks_sha = cb, cb.sha256()
         self.fingerprint = fingerprint(self.cfg, cb)
         # Blocks hashed under the old fingerprint must never be found again.
         self.main_pool.clear_hashes()

@@ -20,7 +20,7 @@ class CodebookOps:
         sha = cb.sha256()
         with self._locked(name) as cache:
             if cache.codebooks is not None:
-                if cache.codebooks.sha256() == sha:
+                if cache.codebooks_sha == sha:
                     return sha
                 if may_replace is not None:
                     may_replace(name)

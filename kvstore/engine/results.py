@@ -71,7 +71,7 @@ class PoolMap:
 
 
 def cache_info(c) -> CacheInfo:
-    return CacheInfo(c.cfg, c.codebooks.sha256() if c.codebooks is not None else "", c.fingerprint,
+    return CacheInfo(c.cfg, c.codebooks_sha, c.fingerprint,
                      c.main_pool.capacity, c.tail_pool.capacity if c.is_pq else 0)
 
 

@@ -93,21 +93,35 @@ def test_adapter_takes_the_files_model_id_and_sinks(daemon, tmp_path):
     assert ad.client().get_cache("c").codebooks_sha256 == cb.sha256()
 
 
-def test_adapter_puts_its_file_on_a_cache_holding_other_codebooks_or_says_why_not(daemon):
-    """A cache holds codebooks other than the adapter's file: the adapter sets its
-    file (the daemon replaces them on an empty cache) or, where the daemon keeps
-    them (the cache holds a sequence), refuses, naming both, rather than store
-    through codebooks it was not given."""
+def test_adapter_never_replaces_a_caches_codebooks_and_notices_when_they_are(daemon):
+    """A cache holding codebooks other than the adapter's file is refused, naming
+    both, empty or not: another worker may be storing through them. An adapter
+    whose cache's codebooks were replaced between its requests (SetCodebooks on
+    the idle cache) takes them again before the next one: with a file it refuses,
+    without one it takes their transform; it never stores through codebooks it
+    did not check."""
+    from test_hf_adapter import GEN, prompt
     first = books(transform=True).describe()
-    assert adapter(daemon, first.to_bytes()).client().get_cache("c").codebooks_sha256 == first.sha256()
-    other = Codebooks(k=first.k * 2, v=first.v, transform_k=first.transform_k, transform_v=first.transform_v).describe()
-    kv = KVStoreClient(daemon)
-    kv.allocate("c", "held", [])
+    other = Codebooks(k=first.k * 2, v=first.v, transform_k=first.transform_k * 1.5,
+                      transform_v=first.transform_v).describe()
+    a = adapter(daemon, first.to_bytes())
+    assert a.client().get_cache("c").codebooks_sha256 == first.sha256()
     with pytest.raises(ValueError, match=rf"^codebooks: kvstore cache 'c' holds other codebooks \(sha256 "
-                                         rf"{first.sha256()[:16]}\) than the file given \(sha256 {other.sha256()[:16]}\)"):
+                                         rf"{first.sha256()[:16]}\) than the file given has \(sha256 "
+                                         rf"{other.sha256()[:16]}\)"):
         adapter(daemon, other.to_bytes()).client()
-    kv.free("c", ["held"])
-    assert adapter(daemon, other.to_bytes()).client().get_cache("c").codebooks_sha256 == other.sha256()
+    reader = adapter(daemon, None, calibrate_tokens=256)          # takes the cache's, and their transform
+    with torch.no_grad():
+        reader.generate(prompt(40), **GEN)
+    assert torch.equal(reader.transform.k, first.transform_k)
+    kv = KVStoreClient(daemon)
+    kv.set_codebooks("c", other.to_bytes())                       # the default tenant, on the idle cache
+    with pytest.raises(ValueError, match="^codebooks: kvstore cache 'c' holds other codebooks"):
+        with torch.no_grad():
+            a.generate(prompt(40), **GEN)
+    with torch.no_grad():
+        reader.generate(prompt(40), **GEN)
+    assert torch.equal(reader.transform.k, other.transform_k)
     kv.close()
 
 
