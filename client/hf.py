@@ -13,7 +13,9 @@ How a step runs (any decoder-only model whose attention calls
 Qwen2/3, SmolLM, Mistral, Phi-3, Gemma-2/3/4, Llama 4, gpt-oss, GPT-2, GPTBigCode, GPT-NeoX,
 OPT, hybrid models and more: sliding-window and chunked layers, logit soft-capping and
 learned sink logits go to the daemon with the cache spec, hf_variants.py; what it
-cannot run is refused at construction, naming the feature):
+cannot run is refused at construction, naming the feature, or where only the model's
+forward shows it (a window, chunk or head count other than its config's) at the first
+decode step, before the daemon attends):
   - prefill (a forward of n > 1 tokens): attention in-process on exact K/V, by
     the model's own attention implementation (eager for Gemma-2's soft-cap);
     the last layer's update sends the new tokens of all layers in one Append

@@ -291,6 +291,9 @@ def check_generate(model, kwargs: dict) -> None:
     if not asked("use_cache", True):
         raise ValueError("use_cache=False: generation without a KV cache has nothing for kvstore to hold; "
                          "call model.generate directly")
+    if asked("output_attentions", False):
+        raise ValueError("output_attentions: the daemon's decode steps return no attention weights; "
+                         "call model.generate directly")
     for name in ("assistant_model", "prompt_lookup_num_tokens", "assistant_early_exit"):
         if asked(name):
             raise ValueError(f"{name}: assisted / speculative generation is not supported by the kvstore "

@@ -58,7 +58,7 @@ def _numbers(desc, d: dict) -> dict:
 def _client(args):
     from kvstore.client import KVStoreClient   # imports torch: keep `--help` fast
     from kvstore.protocol.channel import default_socket
-    target = args.target or f"unix://{args.socket or default_socket()}"
+    target = args.target or f"unix://{os.path.abspath(args.socket or default_socket())}"    # gRPC takes no relative path
     return KVStoreClient(target, transport="inline", heartbeat=False, token=args.token, tls_ca=args.tls_ca,
                          timeout=args.timeout)
 

@@ -119,6 +119,7 @@ def test_daemon_gone_during_beam_search_goes_on_in_process(tmp_path):
     (dict(use_cache=False), "use_cache=False"),
     (dict(prompt_lookup_num_tokens=3), "prompt_lookup_num_tokens: assisted / speculative generation"),
     (dict(assistant_model="the draft model"), "assistant_model: assisted / speculative generation"),
+    (dict(output_attentions=True, return_dict_in_generate=True), "output_attentions: the daemon's decode steps"),
 ])
 def test_what_the_daemon_cannot_do_is_refused_before_anything_runs(daemon, kw, named):
     model = build("llama")

@@ -207,3 +207,6 @@ def test_admin_console_script(live):
     r = subprocess.run(cmd + ["--socket", sock, "stats"], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     assert "cache pq: 2 sequences" in r.stdout
+    r = subprocess.run(cmd + ["--socket", os.path.basename(sock), "health"], capture_output=True, text=True,
+                       timeout=120, cwd=os.path.dirname(sock))          # a path relative to where it runs
+    assert r.returncode == 0 and r.stdout.strip() == "SERVING", r.stderr
