@@ -122,13 +122,14 @@ class RespConnection:
         server closed it (it restarted) or sent what nobody asked for. Either
         way it is no use; asked before it is reused, so that a restarted Redis
         is not taken for one that is down."""
-        if self.lo < self.hi:
+        if self.lo < self.hi or getattr(self.sock, "pending", lambda: 0)():
             return True
+        poll = select.poll()                # not select(): a daemon may hold descriptors past 1024
+        poll.register(self.sock, select.POLLIN | select.POLLERR | select.POLLHUP)
         try:
-            readable, _, _ = select.select([self.sock], [], [], 0)
-        except (OSError, ValueError):
+            return bool(poll.poll(0))
+        except OSError:
             return True
-        return bool(readable)
 
     def send(self, data: bytes) -> None:
         try:
