@@ -71,7 +71,7 @@ def load_token_file(path: str) -> tuple[dict[str, str], str | None | bool]:
             if len(tok) < MIN_TOKEN:
                 raise ValueError(f"{path}:{n}: token shorter than {MIN_TOKEN} characters")
             if tokens.get(tok, tenant) != tenant:       # the later line would take the earlier tenant's data
-                raise ValueError(f"{path}:{n}: this token is tenant {quote(tokens[tok])}'s on an earlier line; "
+                raise ValueError(f"{path}:{n}: an earlier line gives this token to tenant {quote(tokens[tok])}; "
                                  "one token names one tenant")
             tokens[tok] = tenant
     return tokens, unix
@@ -108,7 +108,7 @@ class Authenticator:
             if len(token) < MIN_TOKEN:
                 raise ValueError(f"--auth-token: token shorter than {MIN_TOKEN} characters")
             if tokens.get(token, DEFAULT_TENANT) != DEFAULT_TENANT:   # it would become the admin tenant's
-                raise ValueError(f"--auth-token: the same token is tenant {quote(tokens[token])}'s in --token-file; "
+                raise ValueError(f"--auth-token: --token-file gives the same token to tenant {quote(tokens[token])}; "
                                  f"one token names one tenant ({quote(DEFAULT_TENANT)} for --auth-token)")
             tokens[token] = DEFAULT_TENANT
         return cls(tokens, unix)

@@ -107,7 +107,7 @@ def test_token_file(tmp_path):
     f.write_text(f"{ALICE} alice\n{ALICE} alice\n")              # the same line twice: harmless
     assert load_token_file(str(f))[0] == {ALICE: "alice"}
     f.write_text(f"{ALICE} alice\n{ALICE} bob\n")
-    with pytest.raises(ValueError, match=r":2: this token is tenant 'alice'.s on an earlier line"):
+    with pytest.raises(ValueError, match=r":2: an earlier line gives this token to tenant 'alice'"):
         load_token_file(str(f))
 
 
@@ -116,7 +116,7 @@ def test_auth_token_cannot_take_a_token_files_token(tmp_path):
     file gives another tenant is refused, not silently made the admin's."""
     f = tmp_path / "tokens"
     f.write_text(f"{ALICE} alice\n{BOB} default\n")
-    with pytest.raises(ValueError, match=r"--auth-token: the same token is tenant 'alice'.s in --token-file"):
+    with pytest.raises(ValueError, match=r"--auth-token: --token-file gives the same token to tenant 'alice'"):
         Authenticator.from_args(ALICE, str(f))
     assert Authenticator.from_args(BOB, str(f)).has_tokens      # the file says default too: no conflict
     with pytest.raises(ValueError, match=r"^--token-file: .*tokens:1"):
