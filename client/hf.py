@@ -183,9 +183,8 @@ class KVStoreAdapter:
         self.groups = LayerGroups(cache, self.variant.windows, self.num_layers, split=layer_groups,
                                   chunks=self.variant.chunks)
         # Each group's cache gets the codebooks of its layers (the file holds every layer's).
-        self.books = CacheBooks(([cb.to_bytes()] if len(self.groups) == 1 else
-                                 [cb.layers(g.layers).to_bytes() for g in self.groups]) if cb is not None else None,
-                                transform)
+        self.books = CacheBooks(([cb] if len(self.groups) == 1 else [cb.layers(g.layers) for g in self.groups])
+                                if cb is not None else None, transform)
         self.transform, self.timeout = transform, timeout
         # Tokens one AppendAttend may bring a sequence: the daemon's bound, and on pq the
         # residual + 1 newest tokens it keeps in fp16 until they are attended.

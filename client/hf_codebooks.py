@@ -51,7 +51,7 @@ def bad_transform(value: str):
 class CacheBooks:
     """The adapter's codebooks against its caches' (one a layer group).
 
-    files: the adapter's codebooks file per group, or None (it uses the caches').
+    files: the adapter's codebooks per group (Codebooks), or None (it uses the caches').
     A cache without codebooks gets its file. One holding others is a ValueError
     naming both: the adapter never replaces a cache's codebooks, which another
     worker may be storing through (the daemon refuses while a sequence is live,
@@ -61,10 +61,9 @@ class CacheBooks:
     a cache whose codebooks were replaced since (SetCodebooks between requests):
     the adapter reconciles again before its next request."""
 
-    def __init__(self, files: list[bytes] | None, transform):
-        from kvstore.codec.codebooks import Codebooks
+    def __init__(self, files: list | None, transform):
         self.files, self.given = files, transform
-        self.mine = None if files is None else [Codebooks.from_bytes(f).sha256() for f in files]
+        self.mine = None if files is None else [f.sha256() for f in files]
         self.seen: list[str] | None = None      # the caches' sha256 as last reconciled
 
     def changed(self, kv, groups) -> bool:
@@ -87,7 +86,7 @@ class CacheBooks:
                                      "use another cache name, or delete that cache (kvstore-admin delete-cache) "
                                      "once no worker uses it")
                 try:
-                    theirs = kv.set_codebooks(g.cache, self.files[i])
+                    theirs = kv.set_codebooks(g.cache, self.files[i].to_bytes())
                 except grpc.RpcError as e:          # another worker set other ones first
                     if e.code() != grpc.StatusCode.PERMISSION_DENIED:
                         raise
@@ -96,7 +95,6 @@ class CacheBooks:
                 ready = False
             elif self.files is None:
                 cb = Codebooks.from_bytes(kv.get_codebooks(g.cache))
-                theirs = cb.sha256()
                 if cb.info is not None:         # a file of the old format says nothing of a transform
                     found[i] = cb
             seen.append(theirs)

@@ -50,3 +50,8 @@ def fp16_key(h: bytes) -> bytes:
     Its sealed form is stored under h itself: a block of one prompt's fp16 tail
     seals in a longer prompt, so the two forms of one block need two keys."""
     return hashlib.sha256(b"kvstore.fp16\0" + h).digest()
+
+
+def form_key(h: bytes, fp16: bool) -> bytes:
+    """What block h is stored under below the GPU in that form."""
+    return fp16_key(h) if fp16 else h

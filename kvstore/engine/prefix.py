@@ -73,8 +73,7 @@ def _range(c, p: Prefix, hashes: list[bytes], lo: int, hi: int, kind: str) -> bo
             form, where = True, c.tiering.lookup_below(h, True)    # its fp16 form: encoded here
         if where is None:
             break
-        tag = "encode16" if form and not fp16 else "fp16" if form else "below"
-        p.hits.append((tag, len(_tiers(p, form)) + len(found[form])))
+        p.hits.append((_tag(form, fp16), len(_tiers(p, form)) + len(found[form])))
         found[form].append(where)
     for form in (False, True):              # one batched read per tier and form
         if found[form]:
@@ -102,11 +101,10 @@ def _from_redis(c, p: Prefix, hashes: list[bytes], hi: int, kind: str) -> None:
     end = min(hi, first + (c.tail_pool if fp16 else c.main_pool).num_allocatable())
     form, ends = fp16, {}                # how the reads of each form asked at `first` ended there
     while first < end and len(ends) < (2 if sealed else 1) and "error" not in ends.values():
-        got, ended = c.redis.get_prefix(hashes[first:end], _device(c, form), form, count_miss=False)
+        got, ended = c.redis.get_prefix(hashes[first:end], _device(c, form), form)
         if len(got):
             ends = {}
-            tag = "encode16" if form and sealed else "fp16" if form else "below"
-            p.hits += [(tag, len(_tiers(p, form)) + j) for j in range(len(got))]
+            p.hits += [(_tag(form, fp16), len(_tiers(p, form)) + j) for j in range(len(got))]
             _tiers(p, form).extend(["redis"] * len(got))
             _rows(p, form).append(got)
             first += len(got)
@@ -120,6 +118,12 @@ def _from_redis(c, p: Prefix, hashes: list[bytes], hi: int, kind: str) -> None:
 
 
 _TAGS = {False: ("below",), True: ("fp16", "encode16")}       # the hits that name rows of each form
+
+
+def _tag(form: bool, fp16_range: bool) -> str:
+    """The hit of a row read from below in its fp16 form (form) or sealed form, in a
+    range of fp16 blocks (sinks, tail) or not: an fp16 row where a block seals is encoded."""
+    return ("fp16" if fp16_range else "encode16") if form else "below"
 
 
 def _rows(p: Prefix, fp16: bool) -> list[torch.Tensor]:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from kvstore.core.hashing import fp16_key
+from kvstore.core.hashing import form_key
 
 from .staging import put_rows, to_host
 
@@ -36,11 +36,6 @@ class CachedBelow:
             return c.tail_io, h and h.tail_pool, h and h.tail
         return c.main_io, h and h.main_pool, h and h.main
 
-    @staticmethod
-    def key(h: bytes, fp16: bool) -> bytes:
-        """What a block of chained hash h is stored under below the GPU."""
-        return fp16_key(h) if fp16 else h
-
     # ------------------------------------------------------------ spilling
     def spill_fp16(self, evicted: list[tuple[int, bytes]]) -> None:
         """Cached GPU tail-pool blocks of a pq cache are about to be reused."""
@@ -48,7 +43,7 @@ class CachedBelow:
 
     def _spill_gpu(self, evicted: list[tuple[int, bytes]], fp16: bool) -> None:
         """GPU cached blocks are about to be reused: keep their payload below."""
-        todo = [(b, self.key(h, fp16)) for b, h in evicted]
+        todo = [(b, form_key(h, fp16)) for b, h in evicted]
         todo = [(b, k) for b, k in todo if not self._below_has(k, fp16)]
         if not todo:
             return
@@ -60,14 +55,14 @@ class CachedBelow:
         # comes least recently used first); the rest to disk.
         n = min(len(todo), pool.num_allocatable()) if pool is not None else 0
         if n:
-            ids = pool.allocate(n)
-            self.host.put(rows, ids, payload[len(todo) - n:])
-            for i, (_, k) in zip(ids, todo[len(todo) - n:]):
+            ids, cut = pool.allocate(n), len(todo) - n
+            self.host.put(rows, ids, payload[cut:])
+            for i, (_, k) in zip(ids, todo[cut:]):
                 pool.set_hash(i, k)
             pool.release(ids)               # cached on the host, findable
             self.counters["spilled_blocks"] += n
-            self._moved("bytes_down", "host", payload[len(todo) - n:].numel())
-            todo, payload = todo[:len(todo) - n], payload[:len(todo) - n]
+            self._moved("bytes_down", "host", payload[cut:].numel())
+            todo, payload = todo[:cut], payload[:cut]
         if todo and self.disk is not None:
             self._spill_disk([(k, p) for (_, k), p in zip(todo, to_host(payload))], payload.shape[1])
 
@@ -97,7 +92,7 @@ class CachedBelow:
     def lookup_below(self, h: bytes, fp16: bool = False) -> tuple[str, object] | None:
         """Where below the GPU the sealed (or fp16) form of block h is: ("host",
         host block id) or ("disk", its key); fetch_below reads a run of them at once."""
-        k, pool = self.key(h, fp16), self._kind(fp16)[1]
+        k, pool = form_key(h, fp16), self._kind(fp16)[1]
         if pool is not None:
             b = pool.lookup(k)
             if b is not None:

@@ -19,6 +19,7 @@ import logging
 import time
 from array import array
 
+from kvstore.core.hashing import fp16_key, form_key
 from kvstore.core.sequence import Sequence
 from kvstore.errors import FailedPrecondition, ResourceExhausted
 
@@ -144,7 +145,7 @@ class Tiering(CachedBelow):
             for j, hb in enumerate(tail_ids if c.is_pq else []):     # full fp16 blocks stay findable there
                 i = c.tail_block_index(j, len(s.sealed))
                 if i < known:
-                    h.tail_pool.set_hash(hb, self.key(s.hashes[i], fp16=True))
+                    h.tail_pool.set_hash(hb, fp16_key(s.hashes[i]))
             done = True
         finally:
             if not done:
@@ -172,11 +173,11 @@ class Tiering(CachedBelow):
         for s in seqs if c.is_pq else []:
             for h in s.hashes[c.sink_blocks:min(s.hashed_upto, len(s.hashes))]:
                 tb = c.tail_pool.lookup(h)
-                if tb is not None and not self.disk.has_block(c.fingerprint, self.key(h, fp16=True)):
+                if tb is not None and not self.disk.has_block(c.fingerprint, fp16_key(h)):
                     found[h] = tb
         if found:
             rows = to_host(c.tail_io.pack(list(found.values())))
-            self._spill_disk([(self.key(h, fp16=True), r) for h, r in zip(found, rows)], rows.shape[1])
+            self._spill_disk([(fp16_key(h), r) for h, r in zip(found, rows)], rows.shape[1])
 
     def _to_disk(self, seqs: list[Sequence], durable: bool) -> None:
         """Write the sequences to LMDB in one transaction, then let go of their blocks.
@@ -222,7 +223,7 @@ class Tiering(CachedBelow):
                  + [c.tail_block_index(j, len(s.sealed)) for j in range(len(s.tail))])
         for r, (i, payload) in enumerate(zip(index, rows)):
             if i < known:
-                k = self.key(s.hashes[i], fp16=c.is_pq and r >= len(held))
+                k = form_key(s.hashes[i], c.is_pq and r >= len(held))
                 hashed.append((k, payload))
                 block_hashes.append(k.hex())
             else:

@@ -13,7 +13,7 @@ from collections import OrderedDict
 import numpy as np
 import torch
 
-from kvstore.core.hashing import fp16_key
+from kvstore.core.hashing import form_key
 from kvstore.cuda.pinned import to_device
 
 from .interface import TieredCache
@@ -47,7 +47,7 @@ class RedisTier:
     # --------------------------------------------------------------- puts
     def note(self, block_id: int, h: bytes, fp16: bool = False) -> None:
         """block_id of the main pool (of the tail pool: fp16) got hash h."""
-        if self._is_known(fp16_key(h) if fp16 else h):
+        if self._is_known(form_key(h, fp16)):
             return
         if len(self.pending) >= MAX_PENDING:
             self._count(dropped_puts=1)
@@ -70,7 +70,7 @@ class RedisTier:
             if not self.store.allow():
                 self._count(dropped_puts=len(keep))
                 continue
-            self.put([fp16_key(h) if fp16 else h for _, h in keep], io.pack([b for b, _ in keep]))
+            self.put([form_key(h, fp16) for _, h in keep], io.pack([b for b, _ in keep]))
 
     def put(self, hashes: list[bytes], payload: torch.Tensor) -> None:
         """Queue blocks (payload [n, block bytes] uint8, any device) not known
@@ -99,7 +99,7 @@ class RedisTier:
         tail pool: fp16) are about to be reused, and no host or disk tier keeps
         them (below.py puts them where one does): the ones Redis may not have go
         up, as they would when they spill."""
-        keys = [(b, fp16_key(h) if fp16 else h) for b, h in evicted]
+        keys = [(b, form_key(h, fp16)) for b, h in evicted]
         keys = [(b, k) for b, k in keys if not self._is_known(k)]
         if keys:
             io = self.c.tail_io if fp16 else self.c.main_io
@@ -133,8 +133,7 @@ class RedisTier:
                 self._known.popitem(last=False)
 
     # -------------------------------------------------------------- reads
-    def get_prefix(self, hashes: list[bytes], device, fp16: bool = False, count_miss: bool = True
-                   ) -> tuple[torch.Tensor, str | None]:
+    def get_prefix(self, hashes: list[bytes], device, fp16: bool = False) -> tuple[torch.Tensor, str | None]:
         """Payloads [n, block bytes] uint8 on device of the leading n blocks of
         `hashes` (chained hashes: their sealed forms, or their fp16 forms) that
         Redis holds and that check out. The values are received
@@ -142,12 +141,11 @@ class RedisTier:
         threads that received them, and each chunk's host-to-device copy is
         queued on the current stream as soon as the chunk is in.
         -> (payloads, why they end before `hashes` do: "miss", "refused",
-        "error"; None where they do not). A refused value is counted here, a
-        miss only with count_miss (prefix.py asks a sealed block in two forms
-        and counts one miss: missed())."""
+        "error"; None where they do not). A refused value is counted here; a
+        miss by the caller (missed(): prefix.py asks a sealed block in two
+        forms and counts one miss)."""
         fp, width, n = self.c.fingerprint, self._width(fp16), len(hashes)
-        if fp16:
-            hashes = [fp16_key(h) for h in hashes]
+        hashes = [form_key(h, fp16) for h in hashes]
         device = torch.device(device)
         out = torch.empty((n, width), dtype=torch.uint8, device=device)
         cuda = device.type == "cuda"
@@ -173,8 +171,8 @@ class RedisTier:
             for _, _, fut in chunks:       # every lane is done with heads and rows before they go
                 fut.exception()
         ended = None if served == n else "error" if bad is None else "refused" if bad == REFUSED else "miss"
-        if ended == "refused" or (ended == "miss" and count_miss):
-            self._miss(hashes[served], refused=ended == "refused")
+        if ended == "refused":
+            self._refused(hashes[served])
         if served:
             self._remember(hashes[:served])
         return out[:served], ended
@@ -192,12 +190,12 @@ class RedisTier:
     def _width(self, fp16: bool) -> int:
         return (self.c.tail_io if fp16 else self.c.main_io).block_bytes()
 
-    def _miss(self, h: bytes, refused: bool) -> None:
-        self._count(**{"refused" if refused else "misses": 1})
-        if refused:     # the first one loudly: something else writes under our keys
-            log.log(logging.WARNING if self.counters["refused"] == 1 else logging.DEBUG,
-                    "cache %r: refused the Redis value stored for block %s: not this cache's block (counted in "
-                    "redis_refused; served as a miss)", self.c.cfg.name, h.hex()[:16])
+    def _refused(self, h: bytes) -> None:
+        self._count(refused=1)
+        # the first one loudly: something else writes under our keys
+        log.log(logging.WARNING if self.counters["refused"] == 1 else logging.DEBUG,
+                "cache %r: refused the Redis value stored for block %s: not this cache's block (counted in "
+                "redis_refused; served as a miss)", self.c.cfg.name, h.hex()[:16])
 
     def _count(self, **kw) -> None:
         with self._lock:
