@@ -21,6 +21,7 @@ daemon frees this process's unpinned sequences only after it is gone.
 """
 from __future__ import annotations
 
+import grpc
 import math
 from dataclasses import dataclass
 
@@ -88,6 +89,15 @@ class KVStoreClient(Connection):
 
     def get_cache(self, name: str) -> pb.CacheInfo:
         return self.stub.GetCache(pb.GetCacheRequest(cache=name), timeout=self.timeout)
+
+    def cache_model_id(self, name: str) -> str | None:
+        """The model_id cache `name` was made with; None if there is no such cache."""
+        try:
+            return self.get_cache(name).spec.model_id
+        except grpc.RpcError as e:
+            if e.code() != grpc.StatusCode.NOT_FOUND:
+                raise
+            return None
 
     def set_codebooks(self, name: str, safetensors_bytes: bytes) -> str:
         return self.stub.SetCodebooks(pb.SetCodebooksRequest(cache=name, safetensors=safetensors_bytes),

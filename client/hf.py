@@ -132,7 +132,9 @@ class KVStoreAdapter:
     file kvstore-calibrate wrote beside it). calibrate_tokens (pq, no
     codebooks): requests run in-process until the cache has seen that many
     tokens (past the sinks), whose K/V then go to TrainCodebooks; the daemon
-    is used from then on. sink_tokens: the first tokens of every sequence the
+    is used from then on. model_id: the cache's label; None: the file's, else the
+    model's hub id, else (a model loaded from a local path) the existing cache's.
+    sink_tokens: the first tokens of every sequence the
     daemon keeps in fp16; None: the file's, else 32 for pq (rounded up to a
     whole block), which keeps 4-bit PQ within 0.5 % perplexity of fp16 at
     R = 128 (docs/accuracy.md). prefix_path: how the rest of a prompt that hit a
@@ -184,7 +186,7 @@ class KVStoreAdapter:
                                   chunks=self.variant.chunks)
         # Each group's cache gets the codebooks of its layers (the file holds every layer's).
         self.books = CacheBooks(([cb] if len(self.groups) == 1 else [cb.layers(g.layers) for g in self.groups])
-                                if cb is not None else None, transform)
+                                if cb is not None else None, transform, cb.sha256() if cb is not None else "")
         self.transform, self.timeout = transform, timeout
         # Tokens one AppendAttend may bring a sequence: the daemon's bound, and on pq the
         # residual + 1 newest tokens it keeps in fp16 until they are attended.
@@ -197,6 +199,10 @@ class KVStoreAdapter:
         self.prefix_runs = {"codes": 0, "retrieve": 0}     # requests after a prefix hit, by path
         self.calibrate_tokens = calibrate_tokens if codec == "pq" and cb is None else 0
         self._samples: list[tuple[torch.Tensor, torch.Tensor]] = []    # [L, n, Hkv, d] K/V for TrainCodebooks
+        # A model loaded from a local path is named by it, which says nothing of which model
+        # it is: a cache another worker made knowing its id is taken as this model's (its
+        # geometry is still checked, by the daemon).
+        self._id_unknown = model_id is None and (not named or os.path.exists(named))
         self.spec = dict(model_id=model_id or named or type(model).__name__,
                          num_layers=self.num_layers, num_q_heads=self.num_q_heads, num_kv_heads=self.num_kv_heads,
                          head_dim=self.head_dim, dtype="bfloat16" if model.dtype == torch.bfloat16 else "float16",
@@ -229,7 +235,10 @@ class KVStoreAdapter:
             try:
                 for g in self.groups:
                     cache = g.cache
-                    kv.create_cache(g.cache, exist_ok=True, **g.spec(self.spec))
+                    spec = g.spec(self.spec)
+                    if self._id_unknown:
+                        spec["model_id"] = kv.cache_model_id(g.cache) or spec["model_id"]
+                    kv.create_cache(g.cache, exist_ok=True, **spec)
                 if self.codec == "pq":
                     self._ready, self.transform = self.books.reconcile(kv, self.groups)
             except BaseException as e:
@@ -297,7 +306,7 @@ class KVStoreAdapter:
                 # A hit stands in for running the prompt's first tokens; a model whose layers
                 # keep a recurrent state can only take one with the state there (above).
                 prompt = input_ids[i].tolist() if b == 1 and not pads[0] and not self.variant.has_state else []
-                cached = self._allocate(kv, sid, prompt)
+                cached = self.groups.allocate(kv, sid, prompt)
                 if cached == 0:
                     continue
                 if self.takes_codes(cached, t - cached):
@@ -328,18 +337,6 @@ class KVStoreAdapter:
         if self.states_off == "":
             self.states_off = continues_states(self.model)
         return self.states_off is None
-
-    def _allocate(self, kv: KVStoreClient, sid: str, prompt: list[int]) -> int:
-        """Allocate sid in every group's cache -> its prefix hit: the shortest of the
-        groups' (a group that hit more allocates again with the prompt cut there)."""
-        hits = [kv.allocate(c, sid, prompt) for c in self.groups.caches()]
-        while len(set(hits)) > 1:
-            m = min(hits)
-            for i, c in enumerate(self.groups.caches()):
-                if hits[i] > m:       # a block past m may have gone since: the loop takes the new minimum
-                    kv.free(c, [sid])
-                    hits[i] = kv.allocate(c, sid, prompt[:m + 1] if m else [])
-        return hits[0]
 
     def retrieve(self, kv: KVStoreClient, sid: str, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K, V [L, length, Hkv, d] of sid's first `length` tokens, on the model's device,
@@ -410,6 +407,7 @@ class KVStoreAdapter:
         set_decode_target(None)     # one an exception left in an earlier forward
         cache = kwargs.get("past_key_values")
         if isinstance(cache, KVStoreCache):
+            hf_variants.check_forward(module, kwargs)
             ids = kwargs.get("input_ids", args[0] if args else None)
             cache.begin_forward(ids)
 

@@ -61,8 +61,9 @@ class CacheBooks:
     a cache whose codebooks were replaced since (SetCodebooks between requests):
     the adapter reconciles again before its next request."""
 
-    def __init__(self, files: list | None, transform):
+    def __init__(self, files: list | None, transform, whole: str = ""):
         self.files, self.given = files, transform
+        self.whole = whole          # the file's own sha256 (kvstore-calibrate prints it) when files are its slices
         self.mine = None if files is None else [f.sha256() for f in files]
         self.seen: list[str] | None = None      # the caches' sha256 as last reconciled
 
@@ -79,10 +80,12 @@ class CacheBooks:
             info = kv.get_cache(g.cache)
             theirs = info.codebooks_sha256
             if self.files is not None and theirs != self.mine[i]:
-                part = f" for the layers of that cache (one of {len(groups)})" if len(groups) > 1 else ""
+                mine = f"(sha256 {self.mine[i][:16]})" if len(groups) == 1 else \
+                    f"for the layers of that cache, one of {len(groups)} (sha256 {self.mine[i][:16]} of those " \
+                    f"layers; the whole file's is {self.whole[:16]})"
                 if theirs:
                     raise ValueError(f"codebooks: kvstore cache {g.cache!r} holds other codebooks (sha256 "
-                                     f"{theirs[:16]}) than the file given has{part} (sha256 {self.mine[i][:16]}); "
+                                     f"{theirs[:16]}) than the file given has {mine}; "
                                      "use another cache name, or delete that cache (kvstore-admin delete-cache) "
                                      "once no worker uses it")
                 try:

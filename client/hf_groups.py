@@ -82,6 +82,18 @@ class LayerGroups:
     def caches(self) -> list[str]:
         return [g.cache for g in self.groups]
 
+    def allocate(self, kv, sid: str, prompt: list[int]) -> int:
+        """Allocate sid in every group's cache -> its prefix hit: the shortest of the
+        groups' (a group that hit more allocates again with the prompt cut there)."""
+        hits = [kv.allocate(c, sid, prompt) for c in self.caches()]
+        while len(set(hits)) > 1:
+            m = min(hits)
+            for i, c in enumerate(self.caches()):
+                if hits[i] > m:       # a block past m may have gone since: the loop takes the new minimum
+                    kv.free(c, [sid])
+                    hits[i] = kv.allocate(c, sid, prompt[:m + 1] if m else [])
+        return hits[0]
+
     def at(self, layer: int) -> tuple[LayerGroup, int]:
         """(the group of model layer `layer`, its index in the group's cache)."""
         gi, i = self.where[layer]

@@ -314,7 +314,7 @@ def stateful_cache(ad, kv, seq_ids: list[str], input_ids: torch.Tensor) -> KVSto
     ids = input_ids[0].tolist()
     bs = store.block_size
     keys = store.keys(ids)
-    reach = hit = ad._allocate(kv, sid, ids)
+    reach = hit = ad.groups.allocate(kv, sid, ids)
     snap = None
     while hit:      # the daemon's K/V reach past the states held: hit where they end
         held = store.longest(keys, hit)
@@ -322,7 +322,7 @@ def stateful_cache(ad, kv, seq_ids: list[str], input_ids: torch.Tensor) -> KVSto
             break
         for c in ad.groups.caches():
             kv.free(c, [sid])
-        hit = ad._allocate(kv, sid, ids[:held + 1] if held else [])
+        hit = ad.groups.allocate(kv, sid, ids[:held + 1] if held else [])
     cache = KVStoreCache(ad, seq_ids, input_ids[:, :hit], None)
     # After a hit the rest runs by the multi-token path (adapter.takes_codes), or retrieves
     # the prefix once; each part's K/V computed in-process stay as the next part's prefix.

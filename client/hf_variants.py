@@ -283,21 +283,35 @@ def _own_cache_class(model) -> str | None:
     return None
 
 
+USE_CACHE_REFUSED = ("use_cache=False: generation without a KV cache has nothing for kvstore to hold; "
+                     "call model.generate directly")
+ATTENTIONS_REFUSED = ("output_attentions: the daemon's decode steps return no attention weights; "
+                      "call model.generate directly")
+
+
 def check_generate(model, kwargs: dict) -> None:
     """ValueError naming a generate() setting (its kwargs, else the generation config)
     the daemon's sequences cannot serve."""
     gc = kwargs.get("generation_config") or model.generation_config
     asked = lambda name, default=None: kwargs.get(name, getattr(gc, name, default))   # noqa: E731
     if not asked("use_cache", True):
-        raise ValueError("use_cache=False: generation without a KV cache has nothing for kvstore to hold; "
-                         "call model.generate directly")
+        raise ValueError(USE_CACHE_REFUSED)
     if asked("output_attentions", False):
-        raise ValueError("output_attentions: the daemon's decode steps return no attention weights; "
-                         "call model.generate directly")
+        raise ValueError(ATTENTIONS_REFUSED)
     for name in ("assistant_model", "prompt_lookup_num_tokens", "assistant_early_exit"):
         if asked(name):
             raise ValueError(f"{name}: assisted / speculative generation is not supported by the kvstore "
                              "adapter (a daemon sequence cannot drop the draft tokens it rejects)")
+
+
+def check_forward(model, kwargs: dict) -> None:
+    """check_generate's refusals for a forward given the adapter's cache by hand
+    (model.generate or model() with cache_for's cache): its kwargs, else the model's config."""
+    asked = lambda name: getattr(model.config, name, None) if kwargs.get(name) is None else kwargs[name]  # noqa: E731
+    if asked("use_cache") is False:
+        raise ValueError(USE_CACHE_REFUSED)
+    if asked("output_attentions"):
+        raise ValueError(ATTENTIONS_REFUSED)
 
 
 def inner_attention(module, impl: str):

@@ -150,3 +150,54 @@ def _eye():
     from kvstore.codec.transform import Transform
     e = torch.eye(16).expand(2, 2, 16, 16).contiguous()
     return Transform(k=e, v=e.clone())
+
+
+def test_adapter_of_a_model_named_by_its_path_takes_the_caches_model_id(daemon, tmp_path):
+    """A model loaded from a local folder is named by the folder, which says nothing of
+    which model it is: an adapter given no file uses the cache a worker that knew the
+    model's id made (the file's model_id), and generates what that worker generates. A
+    model_id given, or a hub id, is still checked against the cache's."""
+    from kvstore.client.hf import KVStoreAdapter
+    from test_hf_adapter import GEN, prompt, tiny_llama
+    with_file = adapter(daemon, books(transform=True).describe(model_id="org/model").to_bytes())
+    with torch.no_grad():
+        want = with_file.generate(prompt(40), **GEN)
+    local = tiny_llama()
+    local.config._name_or_path = str(tmp_path)
+    without = KVStoreAdapter(local, daemon, cache="c", codec="pq", block_size=8, residual=8, calibrate_tokens=256)
+    with torch.no_grad():
+        assert torch.equal(without.generate(prompt(40), **GEN), want)
+    assert without.client().get_cache("c").spec.model_id == "org/model" and without.fallbacks == 0
+    for named in (dict(model_id="org/another"), {}):
+        other = tiny_llama()
+        other.config._name_or_path = "org/another"
+        with pytest.raises(ValueError, match="model_id"):
+            KVStoreAdapter(other, daemon, cache="c", codec="pq", block_size=8, residual=8, calibrate_tokens=256,
+                           **named).client()
+
+
+def test_a_cache_of_one_layer_group_holding_other_codebooks_names_the_whole_files_hash(daemon):
+    """A model with several layer groups gives each group's cache its slice of the file:
+    the refusal names the slice's hash and the whole file's, which kvstore-calibrate
+    printed."""
+    from kvstore.client.hf import KVStoreAdapter
+    from test_hf_models import build
+    model = build("gemma2")
+    c = model.config
+    m = c.head_dim // 2
+
+    def file(seed):
+        g = torch.Generator().manual_seed(seed)
+        return Codebooks(k=torch.randn(c.num_hidden_layers, c.num_key_value_heads, m, 256, 2, generator=g),
+                         v=torch.randn(c.num_hidden_layers, c.num_key_value_heads, m, 256, 2, generator=g)).describe()
+    first, other = file(0), file(1)
+    make = lambda cb: KVStoreAdapter(model, daemon, cache="groups", codec="pq", codebooks=cb.to_bytes(),  # noqa: E731
+                                     transform="none", block_size=8, residual=8)
+    a = make(first)
+    a.client()
+    assert len(a.groups) == 2
+    slice_sha = other.layers(a.groups.groups[0].layers).sha256()
+    with pytest.raises(ValueError, match=rf"one of 2 \(sha256 {slice_sha[:16]} of those layers; the whole "
+                                         rf"file's is {other.sha256()[:16]}\)"):
+        make(other).client()
+    a.close()

@@ -144,3 +144,23 @@ def test_a_cache_given_to_generate_refuses_to_drop_tokens(daemon):
     finally:
         cache.release()
     assert live_sequences(ad) == 0
+
+
+@pytest.mark.parametrize("kw,named", [
+    (dict(use_cache=False), "use_cache=False"),
+    (dict(output_attentions=True, return_dict_in_generate=True), "output_attentions: the daemon's decode steps"),
+])
+def test_a_cache_given_to_generate_refuses_what_the_daemon_cannot_serve(daemon, kw, named):
+    """The manual path (cache_for, then model.generate with that cache) refuses what
+    the adapter's generate() refuses, at the first forward, and appends nothing."""
+    model = build("llama")
+    ad = KVStoreAdapter(model, daemon, cache="manual-refused", codec="fp16", block_size=8, residual=8)
+    ids = prompt()
+    cache = ad.cache_for(ids)
+    try:
+        with pytest.raises(ValueError, match=named), torch.no_grad():
+            model.generate(ids, past_key_values=cache, max_new_tokens=4, pad_token_id=0, **kw)
+    finally:
+        cache.release()
+    s = ad.stats()
+    assert s.sequences == 0 and s.appended_tokens == 0
