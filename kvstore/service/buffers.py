@@ -12,7 +12,7 @@ import threading
 import torch
 
 from kvstore.core.names import check_name
-from kvstore.errors import InvalidArgument, NotFound, quote
+from kvstore.errors import FailedPrecondition, InvalidArgument, NotFound, quote
 
 MAX_VIEWS = 4096          # cached typed views of registered buffers (see BufferRegistry.view)
 
@@ -67,7 +67,7 @@ class BufferRegistry:
         if size <= 0:
             raise InvalidArgument("size", "must be > 0")
         if not torch.cuda.is_available():
-            raise InvalidArgument("kind", "the daemon has no CUDA device; register SHM buffers instead")
+            raise FailedPrecondition("kind", "CUDA_IPC: the daemon has no CUDA device; register SHM buffers instead")
         dev = cuda_ipc.device_by_uuid(device_uuid)
         alloc = cuda_ipc.ImportedAllocation(handle, offset + size, dev)
         view = alloc.bytes[offset:offset + size]
