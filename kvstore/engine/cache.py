@@ -384,6 +384,11 @@ class Cache(WritePath, ReadPath, WindowedBlocks):
         if self.tiering is not None:
             self.tiering.free(s)          # its disk copy first, then host blocks
         if s.tier == "gpu":
+            if self.is_pq and self.redis is not None:
+                # A chat's next turn may come to another host: the freed prompt + answer's
+                # full fp16 blocks (not sealed yet) go up now, not when they are evicted.
+                self.redis.spill([(b, h) for b in s.tail if (h := self.tail_pool.blocks[b].hash) is not None],
+                                 fp16=True)
             # Release back to front: the newest blocks are the least likely to
             # be shared prefixes, so they should be evicted first.
             self.tail_pool.release(s.tail[::-1])

@@ -2,7 +2,7 @@
 and value format and its failure handling: redis_store.py): main-pool
 blocks that got a content hash go up to it once encoded, and so do a pq
 cache's sink blocks (fp16, under fp16_key: below.py) once full; its other
-fp16 blocks go up when they spill. The part of a prefix that no tier of this
+fp16 blocks go up when their sequence is freed, or when they spill. The part of a prefix that no tier of this
 host has is asked of it, in one batch per kind."""
 from __future__ import annotations
 
@@ -38,6 +38,8 @@ class RedisTier:
         self.store, self.c = store, cache
         self.pending: list[tuple[int, bytes, bool]] = []      # (block id, hash, a tail-pool block)
         self._known: OrderedDict[bytes, None] = OrderedDict()     # LRU; _epoch: the store's when filled
+        # queued or being written: a block freed, then evicted before its put landed, is not put twice
+        self._flight: set[bytes] = set()
         self._epoch = store.epoch
         self._lock = threading.Lock()           # counters and _known: the writer thread updates them too
         self.counters = dict(blocks_out=0, bytes_out=0, prefix_hits=0, bytes_in=0, misses=0, refused=0,
@@ -91,14 +93,17 @@ class RedisTier:
             event = torch.cuda.Event()
             event.record(torch.cuda.current_stream(payload.device))
             payload = host
+        with self._lock:
+            self._flight.update(hashes)
         if not self.store.submit(Put(self, self.c.fingerprint, hashes, payload, event)):
+            self.landed(hashes)
             self._count(dropped_puts=len(hashes))
 
     def spill(self, evicted: list[tuple[int, bytes]], fp16: bool) -> None:
-        """GPU cached blocks (block id, hash) of the main pool (of a pq cache's
-        tail pool: fp16) are about to be reused, and no host or disk tier keeps
-        them (below.py puts them where one does): the ones Redis may not have go
-        up, as they would when they spill."""
+        """GPU blocks (block id, hash) of the main pool (of a pq cache's tail
+        pool: fp16) that a freed sequence held, or cached ones about to be reused
+        that no host or disk tier keeps (below.py puts them where one does): the
+        ones Redis may not have go up."""
         keys = [(b, form_key(h, fp16)) for b, h in evicted]
         keys = [(b, k) for b, k in keys if not self._is_known(k)]
         if keys:
@@ -110,6 +115,11 @@ class RedisTier:
         self._count(blocks_out=len(hashes), bytes_out=len(hashes) * block_bytes, dropped_puts=failed, errors=failed)
         self._remember(hashes)
 
+    def landed(self, hashes: list[bytes]) -> None:
+        """Writer thread: a put of hashes is done with, stored or not."""
+        with self._lock:
+            self._flight.difference_update(hashes)
+
     def _known_now(self) -> OrderedDict:
         """The hashes known to be in Redis since it last came back (under self._lock)."""
         if self._epoch != self.store.epoch:
@@ -118,10 +128,11 @@ class RedisTier:
         return self._known
 
     def _is_known(self, h: bytes) -> bool:
+        """h is in Redis, or on its way."""
         with self._lock:
             if h in self._known_now():
                 self._known.move_to_end(h)
-            return h in self._known
+            return h in self._known or h in self._flight
 
     def _remember(self, hashes: list[bytes]) -> None:
         with self._lock:

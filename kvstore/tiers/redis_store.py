@@ -281,6 +281,7 @@ class RedisStore:
         if not self.allow():
             for p in batch:
                 p.tier._count(dropped_puts=len(p.hashes))
+                p.tier.landed(p.hashes)
             return
         items = []
         for p in batch:
@@ -297,6 +298,7 @@ class RedisStore:
                                                else f"{type(refused[0]).__name__}: {refused[0]}"))
             p.tier.written([h for h, r in zip(p.hashes, results) if r is True], p.rows.shape[1], len(refused))
             p.tier._count(dropped_puts=results.count(None))
+            p.tier.landed(p.hashes)
 
     def _put_one(self, items: list[tuple[bytes, bytes]]) -> list:
         """One Redis, through redis-py: per item True, or the error reply's exception; all None when it failed."""

@@ -149,30 +149,37 @@ def test_sink_blocks_cross_engines_with_the_sealed_ones(redis_server):
 
 
 @pytest.mark.parametrize("below", ["lmdb", "none"])
-def test_fp16_tail_blocks_go_up_when_they_spill(tmp_path, redis_server, below):
-    """A pq prompt's full fp16 tail block is not put when it fills (its PQ codes
-    go up once it seals), but when the tail pool evicts it (with or without a
-    tier below the GPU): then another engine hits every full block of the prompt."""
+def test_fp16_tail_blocks_go_up_when_their_sequence_is_freed(tmp_path, redis_server, below):
+    """A pq prompt's full fp16 tail block is not put when it fills (a live sequence
+    seals it as it grows, and its PQ codes go up then) but when its sequence is freed,
+    with or without a tier below the GPU and before anything is evicted: then another
+    engine (a chat's next turn on another host) hits every full block of the prompt."""
     a = engine(redis_server.url, lmdb=str(tmp_path / "lmdb") if below == "lmdb" else None, sink_tokens=2 * BS,
                max_sequences=2)
     fill(a, "a", prompt(1))
     n = N // BS * BS                                  # 12 full blocks: 2 sinks, 9 sealed, 1 tail
     want = a.retrieve("c", T, "a", 0, n)
     tail_hash = a.sequence_info("c", T, "a").block_hashes[n // BS - 1]
-    a.free("c", T, ["a"])
-    for i in range(30):                               # other prompts until the tail pool evicts it
-        if a.cache("c").tail_pool.lookup(tail_hash) is None:
-            break
-        fill(a, f"x{i}", prompt(10 + i), lookup=False)
-        a.free("c", T, [f"x{i}"])
-    assert a.cache("c").tail_pool.lookup(tail_hash) is None
     r, fp = redis_server.client(), a.cache("c").fingerprint
-    wait_for(lambda: r.get(block_key(fp, fp16_key(tail_hash))) is not None, what="the spilled block's put")
+    wait_for(lambda: rstats(a)["blocks_out"] == 11, what="the sinks' and the sealed blocks' puts")
+    assert r.get(block_key(fp, fp16_key(tail_hash))) is None
+    a.free("c", T, ["a"])
+    wait_for(lambda: rstats(a)["blocks_out"] == 12, what="the freed tail block's put")
+    assert a.cache("c").tail_pool.lookup(tail_hash) is not None, "still cached here: nothing was evicted"
+    assert rstats(a)["bytes_out"] == 3 * a.cache("c").tail_io.block_bytes() + 9 * a.cache("c").main_io.block_bytes()
     b = engine(redis_server.url, sink_tokens=2 * BS)
     assert b.allocate("c", T, "b", prompt(1)).cached_tokens == n
     for x, y in zip(want, b.retrieve("c", T, "b", 0, n)):
         assert torch.equal(x, y)
     b.check_invariants()
+    for i in range(30):                               # evicted later: not put again
+        if a.cache("c").tail_pool.lookup(tail_hash) is None:
+            break
+        fill(a, f"x{i}", prompt(10 + i), lookup=False)
+        a.free("c", T, [f"x{i}"])
+    assert a.cache("c").tail_pool.lookup(tail_hash) is None
+    time.sleep(0.2)
+    assert rstats(a)["blocks_out"] == 12 * (i + 1)    # each prompt's 12 blocks, once
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
@@ -554,6 +561,7 @@ def test_blocks_go_up_again_after_redis_came_back_empty(tmp_path):
         fill(a, "a", prompt(1), lookup=False)
         wait_for(lambda: rstats(a)["blocks_out"] == SEALED, what="puts")
         a.free("c", T, ["a"])
+        wait_for(lambda: rstats(a)["blocks_out"] == SEALED + 1, what="the freed tail block's put")
         srv.kill()
         assert a.allocate("c", T, "probe", prompt(2)).cached_tokens == 0    # sees the outage
         a.free("c", T, ["probe"])
@@ -564,7 +572,9 @@ def test_blocks_go_up_again_after_redis_came_back_empty(tmp_path):
             fill(a, f"x{i}", prompt(10 + i), lookup=False)
             a.free("c", T, [f"x{i}"])
         assert a.stats()["c"]["tiers"]["spilled_blocks"] >= SEALED
-        wait_for(lambda: rstats(a)["blocks_out"] == 5 * SEALED, what="A's puts")
+        # A's sealed blocks again (its tail block stays cached on the GPU), and each x's
+        # sealed blocks and, once freed, its tail block
+        wait_for(lambda: rstats(a)["blocks_out"] == (SEALED + 1) + SEALED + 3 * (SEALED + 1), what="A's puts")
         b = engine(srv.url)
         assert b.allocate("c", T, "b", prompt(1)).cached_tokens == SEALED * BS
     finally:
