@@ -63,6 +63,11 @@ class Breaker:
         with self._lock:
             return self.up or time.monotonic() >= self._retry_at
 
+    def retry_in(self) -> float:
+        """Seconds until a down endpoint may be tried again (<= 0: now)."""
+        with self._lock:
+            return self._retry_at - time.monotonic()
+
     def ok(self, started: float | None = None) -> None:
         """A call that began at `started` (monotonic) succeeded. One that began
         before the endpoint was last seen failing says nothing of now: lanes of one
@@ -77,6 +82,14 @@ class Breaker:
             self.epoch += 1          # what it holds may have changed (a restart without persistence)
             self._backoff = BACKOFF_START_S
             self.up = True
+
+    def restarted(self) -> None:
+        """The server answers under another run_id: it restarted, and what it held may
+        be gone (without persistence), though no call failed."""
+        with self._lock:
+            log.info("redis tier %s restarted since it was last reached: blocks known to be there "
+                     "go up again", self.name)
+            self.epoch += 1
 
     def fail(self, e: BaseException) -> None:
         with self._lock:
@@ -104,29 +117,22 @@ class Node:
         self._idle: list[resp.RespConnection] = []
         self._closed = False
         self._lanes: int | None = None
+        self._run_id = ""                   # the server's, as its last new connection said
 
     def server_lanes(self) -> int:
         """Connections a lookup reads over from this node by its server (module
-        docstring), asked once (INFO server): VALKEY_LANES for Valkey, REDIS_LANES
-        for Redis and for a server that does not say (an ACL user refused INFO).
-        Raises OSError where the node does not answer (asked again next time)."""
-        if self._lanes is not None:
-            return self._lanes
-        conn = self.connection()
-        try:
-            info = conn.call(b"INFO", b"server")
-        except resp.ReplyError:
-            info = b""
-        except OSError:
-            conn.close()
-            raise
-        self.give_back(conn)
-        fields = dict(line.split(":", 1) for line in info.decode(errors="replace").splitlines() if ":" in line)
-        valkey = fields.get("server_name", "").strip() == "valkey"
-        self._lanes = VALKEY_LANES if valkey else REDIS_LANES
-        log.info("Redis tier: %s is %s %s: a lookup reads over %d connection(s) from it", self.breaker.name,
-                 "valkey" if valkey else "redis", fields.get("valkey_version", fields.get("redis_version", "?")).strip(),
-                 self._lanes)
+        docstring): VALKEY_LANES for Valkey, REDIS_LANES for Redis and for a server
+        that does not say (an ACL user refused INFO). Raises OSError where the node
+        does not answer (asked again next time)."""
+        if self._lanes is None:
+            conn = self.connection()        # a new connection asks (hello)
+            try:
+                if self._lanes is None:
+                    self.hello(conn.call)
+            except OSError:
+                conn.close()
+                raise
+            self.give_back(conn)
         return self._lanes
 
     def connection(self) -> resp.RespConnection:
@@ -136,7 +142,41 @@ class Node:
                 if not conn.closed_while_idle():
                     return conn
                 conn.close()
-        return resp.RespConnection(self.url, self.timeout_s)
+        conn = resp.RespConnection(self.url, self.timeout_s)
+        try:
+            self.hello(conn.call)
+        except OSError:
+            conn.close()
+            raise
+        return conn
+
+    def hello(self, call) -> None:
+        """What the server says of itself (INFO server, through call(*args) -> reply),
+        asked on every new connection and by the store's writer every second: which
+        server it is (server_lanes), and its run_id, which changes when it restarts."""
+        try:
+            info = call(b"INFO", b"server")
+        except resp.ReplyError:
+            info = b""
+        if isinstance(info, dict):          # redis-py parses INFO
+            fields = {k: str(v) for k, v in info.items()}
+        else:
+            info = info.decode(errors="replace") if isinstance(info, bytes) else str(info)
+            fields = {k: v.strip() for k, v in (line.split(":", 1) for line in info.splitlines() if ":" in line)}
+        run_id = fields.get("run_id", "")
+        with self._lock:
+            before = self._run_id
+            self._run_id = run_id or before
+            first = self._lanes is None
+            if first:
+                valkey = fields.get("server_name", "") == "valkey"
+                self._lanes = VALKEY_LANES if valkey else REDIS_LANES
+        if first:
+            log.info("Redis tier: %s is %s %s: a lookup reads over %d connection(s) from it", self.breaker.name,
+                     "valkey" if self._lanes == VALKEY_LANES else "redis",
+                     fields.get("valkey_version", fields.get("redis_version", "?")), self._lanes)
+        if before and run_id and run_id != before:
+            self.breaker.restarted()
 
     def give_back(self, conn: resp.RespConnection) -> None:
         with self._lock:

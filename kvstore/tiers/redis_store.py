@@ -29,13 +29,19 @@ socket timeout (--redis-timeout): no client retries, and a circuit breaker
 per node skips a failed one for a back-off (0.5 s doubling up to --redis-backoff)
 before it tries again, logging one WARNING per outage and one INFO on
 recovery. Puts go through a bounded queue to one writer thread: a full queue
-drops and counts, never waits. A block this daemon put or read is not put
-again until Redis comes back from an outage (which may have emptied it).
+drops and counts, never waits. The writer also asks every node (INFO server)
+once a second, and a down one once its back-off is over, so that the books
+say up again without waiting for a request. A block this daemon put or read
+is not put again until Redis comes back from an outage, or is found restarted
+(another run_id: by that check, or by the next new connection): either may
+have emptied it. Blocks evicted between a restart and its finding are not
+put again (as blocks Redis evicts itself are gone).
 """
 from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -47,7 +53,7 @@ from . import resp
 from .redis_config import MAX_READ_CONNECTIONS, RedisConfig  # noqa: F401 (RedisConfig: for callers)
 from .redis_format import block_key, pack_value
 from .redis_lookup import HIT, MISS, REFUSED, SKIPPED, Lookup, runs  # noqa: F401 (the verdicts, for callers)
-from .redis_nodes import VALKEY_LANES, Node, Topology
+from .redis_nodes import BACKOFF_START_S, VALKEY_LANES, Node, Topology
 
 log = logging.getLogger("kvstore.redis")
 
@@ -58,6 +64,7 @@ log = logging.getLogger("kvstore.redis")
 # (bench/bench_redis_lookup.py; docs/scale.md, What limits it).
 GET_CHUNK_BYTES = 4 << 20
 PUT_BATCH_BYTES = 16 << 20        # one pipeline of the writer sends at most this much
+CHECK_EVERY_S = 1.0               # the writer asks every node whether it is up, and which run it is
 
 
 @dataclass(slots=True)
@@ -81,18 +88,20 @@ class RedisStore:
         from redis.retry import Retry
         self.cfg = cfg
         self._errors = (redis.RedisError, OSError)
+        self._refused = redis.ResponseError
         # No client retries: the breaker decides when Redis is tried again. redis-py
         # puts to one Redis and PINGs it; a cluster's nodes get both from resp.py.
-        self.client = redis.Redis.from_url(cfg.url, socket_timeout=cfg.timeout_s,
-                                           socket_connect_timeout=cfg.timeout_s, retry=Retry(NoBackoff(), 0))
         self.topology = Topology(cfg.url, cfg.redacted(), cfg.timeout_s, cfg.backoff_s, cfg.read_connections or
                                  VALKEY_LANES, self._fail)
+        self.client = redis.Redis.from_url(cfg.url, socket_timeout=cfg.timeout_s, socket_connect_timeout=cfg.timeout_s,
+                                           retry=Retry(NoBackoff(), 0), redis_connect_func=self._connected)
         self._lock = threading.Lock()
         self._last_error = ""             # the latest failure or refusal, of any node
         self._cv = threading.Condition()
         self._queue: deque[Put] = deque()
         self._queued_bytes = 0
         self._closed = False
+        self._next_check = time.monotonic() + CHECK_EVERY_S
         self._writer = threading.Thread(target=self._run, name="kvstore-redis-writer", daemon=True)
         self._writer.start()
         # A lookup's connections each receive and check on a thread of their own (the
@@ -120,33 +129,60 @@ class RedisStore:
 
     def _fail(self, node: Node, e: BaseException) -> None:
         node.breaker.fail(e)
+        with self._cv:
+            self._cv.notify()           # the writer times its probe of the node
         self._error(f"{node.breaker.name}: {node.breaker.last_error}" if self.topology.cluster
                     else node.breaker.last_error)
         if self.topology.cluster:        # a failover may have moved its slots
             self.topology.mark_stale()
 
+    def _connected(self, conn) -> None:
+        """redis-py made a new connection (to one Redis): the seed node's hello."""
+        conn.on_connect()
+
+        def call(*args):
+            conn.send_command(*args)
+            try:
+                return conn.read_response()
+            except self._refused as e:          # an error reply, as resp.py raises it
+                raise resp.ReplyError(str(e)) from e
+        self.topology.seed.hello(call)
+
+    def _py_call(self, *args):
+        """One command through redis-py (one Redis), an error reply raised as resp.py raises it."""
+        try:
+            return self.client.execute_command(*args)
+        except self._refused as e:
+            raise resp.ReplyError(str(e)) from e
+
     def ping(self) -> bool:
+        """Whether every node answers (INFO server: it also tells a restarted one)."""
         if self.topology.refresh_if_stale() is False:      # no node answered (counted)
             return False
         if not self.topology.cluster:
+            started = time.monotonic()      # an answer sent before another thread saw it fail says nothing
             try:
-                self.client.ping()
+                self.topology.seed.hello(self._py_call)
             except self._errors as e:
                 self._fail(self.topology.seed, e)
                 return False
-            self.topology.seed.breaker.ok()
+            self.topology.seed.breaker.ok(started)
             return True
         ok = True
         for node in self.topology.nodes:
+            if not node.breaker.allow():        # down, its back-off not over
+                ok = False
+                continue
+            started = time.monotonic()
             try:
                 conn = node.connection()
-                conn.call(b"PING")
+                node.hello(conn.call)
             except OSError as e:
                 self._fail(node, e)
                 ok = False
                 continue
             node.give_back(conn)
-            node.breaker.ok()
+            node.breaker.ok(started)
         return ok
 
     # ---------------------------------------------------------------- reads
@@ -266,16 +302,32 @@ class RedisStore:
     def _run(self) -> None:
         while True:
             with self._cv:
-                while not self._queue and not self._closed:
-                    self._cv.wait()
-                if not self._queue:
+                while not self._queue and not self._closed and (wait := self._check_in()) != 0:
+                    self._cv.wait(wait)
+                if self._closed and not self._queue:
                     return
                 batch, size = [], 0
                 while self._queue and (not batch or size + self._queue[0].rows.numel() <= PUT_BATCH_BYTES):
                     batch.append(self._queue.popleft())
                     size += batch[-1].rows.numel()
                 self._queued_bytes -= size
-            self._write(batch)
+            if batch:
+                self._write(batch)
+            if self._check_in() == 0:
+                self._next_check = time.monotonic() + CHECK_EVERY_S
+                try:
+                    self.ping()
+                except Exception:       # noqa: BLE001 - the writer must live on; never spin on the check
+                    log.exception("redis tier: checking %s failed", self.cfg.redacted())
+                    time.sleep(BACKOFF_START_S)
+
+    def _check_in(self) -> float:
+        """Seconds until the writer asks the nodes again (0: now): a down node once its
+        back-off is over (so that the books say up without waiting for a request), every
+        node every CHECK_EVERY_S (a Redis restarted empty between two calls is found,
+        and the blocks known to be there go up again when they spill)."""
+        waits = [n.breaker.retry_in() for n in self.topology.nodes if not n.breaker.up]
+        return max(0.0, min(waits + [self._next_check - time.monotonic()]))
 
     def _write(self, batch: list[Put]) -> None:
         if not self.allow():
@@ -305,12 +357,13 @@ class RedisStore:
         pipe = self.client.pipeline(transaction=False)
         for k, v in items:
             pipe.set(k, v, ex=self.cfg.ttl_s or None)
+        started = time.monotonic()
         try:
             res = pipe.execute(raise_on_error=False)
         except self._errors as e:
             self._fail(self.topology.seed, e)
             return [None] * len(items)
-        self.topology.seed.breaker.ok()
+        self.topology.seed.breaker.ok(started)
         return res
 
     def _put_cluster(self, items: list[tuple[bytes, bytes]]) -> list:
@@ -325,7 +378,7 @@ class RedisStore:
         return results
 
     def _put_node(self, node: Node, items, idx: list[int], results: list) -> None:
-        conn = None
+        conn, started = None, time.monotonic()
         try:
             conn = node.connection()
             for i, r in zip(idx, node.set_many(conn, [items[i] for i in idx], self.cfg.ttl_s)):
@@ -339,7 +392,7 @@ class RedisStore:
             self._fail(node, e)
             return
         node.give_back(conn)
-        node.breaker.ok()
+        node.breaker.ok(started)
 
     def close(self, timeout: float = 2.0) -> None:
         """Stop the writer after the queued puts (at most timeout seconds)."""
