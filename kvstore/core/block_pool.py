@@ -89,13 +89,18 @@ class BlockPool:
             blk.last_use = now
 
     def release(self, block_ids: list[int]) -> None:
-        """Drop one reference on each block; at zero it becomes cached or free."""
+        """Drop one reference on each block; at zero it becomes cached or free.
+        A block whose hash another block holds in the index (the same content,
+        computed again) is not findable: it becomes free, not cached. One whose
+        hash no block holds (the first was evicted) takes its place."""
         for bid in block_ids:
             blk = self.blocks[bid]
             assert blk.ref_cnt > 0, f"double free of block {bid}"
             blk.ref_cnt -= 1
             if blk.ref_cnt == 0:
                 self._free[bid] = None
+                if blk.hash is not None and self._by_hash.setdefault(blk.hash, bid) != bid:
+                    blk.hash = None
                 if blk.hash is None:
                     self._free.move_to_end(bid, last=False)
 
@@ -139,3 +144,6 @@ class BlockPool:
                 assert blk.ref_cnt == want, f"block {blk.block_id}: ref_cnt {blk.ref_cnt}, held {want}"
         for h, bid in self._by_hash.items():
             assert self.blocks[bid].hash == h, f"hash index points at block {bid} with another hash"
+        for blk in self.blocks:        # cached means findable
+            assert blk.ref_cnt > 0 or blk.hash is None or self._by_hash.get(blk.hash) == blk.block_id, \
+                f"block {blk.block_id} is cached but not findable by its hash"

@@ -156,8 +156,24 @@ def test_set_hash_rules():
     held.check()
     assert held.allocate(1) == [a]           # evicting a drops the index entry it owned
     assert held.pool.lookup(H[0]) is None and held.pool.blocks[b].hash == H[0]
-    held.release([b])
-    assert held.allocate(1) == [b]           # b's hash was not in the index: nothing to drop
+    held.release([b])                        # the index had no block for H[0]: b takes its place
+    assert held.pool.lookup(H[0]) == b and held.pool.stats().cached == 1
+    assert held.allocate(1) == [b] and held.pool.lookup(H[0]) is None
+    held.check()
+
+
+def test_a_duplicate_block_is_free_once_released_not_cached():
+    """The same content computed twice: only the indexed block is findable, so only
+    it is counted cached, and evicted; the other is free once released, reused first."""
+    held = Held(BlockPool(3))
+    a, b, c = held.allocate(3)
+    held.set_hash(a, H[0])
+    held.set_hash(b, H[0])
+    held.release([a, b])
+    s = held.pool.stats()
+    assert (s.used, s.cached, s.free) == (1, 1, 1) and held.pool.blocks[b].hash is None
+    assert held.allocate(1) == [b] and held.pool.evictions == 0     # the free one first: nothing evicted
+    assert held.allocate(1) == [a] and held.pool.evictions == 1
     held.check()
 
 
@@ -213,6 +229,10 @@ def test_pool_against_a_model_of_the_free_queue():
                 for bid in ids:
                     refc[bid] -= 1
                     if refc[bid] == 0:
+                        # a duplicate of an indexed hash is not findable: free; an
+                        # unindexed hash (its first block evicted) is indexed here
+                        if hashes[bid] is not None and index.setdefault(hashes[bid], bid) != bid:
+                            hashes[bid] = None
                         if hashes[bid] is None:
                             free.insert(0, bid)
                         else:
@@ -745,3 +765,26 @@ def test_engine_randomized_against_shadow(codec, sinks, one_thread):
     counts = {k: v for k, v in s.items() if "token" in k or "block" in k}
     tag = f"{codec} S={sinks}"
     print(f"\n{tag}: outcomes {dict(sorted(o.items()))}\n{tag}: stats {counts}")   # shown with -s
+
+
+def test_a_prompt_run_again_counts_its_blocks_cached_once():
+    """The same 40-token prompt (5 full blocks of 8) run four times, each request
+    recomputing the last block the hit leaves out, then all freed: 5 blocks are
+    cached (findable), not one more per request, and reusing their slots counts 5
+    evictions."""
+    from kvstore.engine.engine import Engine
+    from tests.helpers import config, kv
+    e = Engine("cpu")
+    e.create_cache(config(codec="fp16", num_blocks=16))
+    k, v = kv(2, 40, 2, 16)
+    ids = list(range(100, 140))
+    for i in range(4):
+        hit = e.allocate("c", "t", f"s{i}", ids).cached_tokens
+        e.append("c", "t", [f"s{i}"], k[:, hit:], v[:, hit:], [40 - hit], token_ids=[ids[hit:]])
+    e.free("c", "t", [f"s{i}" for i in range(4)])
+    s = e.stats()["c"]["main"]
+    assert (s.used, s.cached) == (0, 5), s
+    e.allocate("c", "t", "x", [])
+    e.append("c", "t", ["x"], *kv(2, 16 * 8, 2, 16, seed=1), [16 * 8])      # every slot
+    assert e.stats()["c"]["main"].evictions == 5
+    e.check_invariants()
