@@ -46,10 +46,8 @@ class Engine(CodebookOps):
         self.caches: dict[str, Cache] = {}
         self.lock = threading.RLock()      # the dict of caches (see the module docstring)
         self._creating = threading.Lock()  # one create_cache at a time: its budget holds till its cache is in
-        self.cold_store = None
-        if lmdb_path:
-            from kvstore.tiers.lmdb_store import LMDBStore
-            self.cold_store = LMDBStore(lmdb_path, sync=lmdb_sync, max_bytes=lmdb_max_bytes)
+        from kvstore.tiers.lmdb_store import LMDBStore
+        self.cold_store = LMDBStore(lmdb_path, sync=lmdb_sync, max_bytes=lmdb_max_bytes) if lmdb_path else None
         self.redis = RedisStore(redis) if redis is not None else None
         self.mappers = lifecycle.Mappers()   # who maps each cache's pool (MapPool)
 
@@ -412,8 +410,9 @@ class Engine(CodebookOps):
                 c.check_invariants()
 
     def close(self) -> None:
-        """Before the process exits: what LMDB holds is on disk, and queued
-        Redis puts get a moment to reach Redis."""
+        """Before the process exits: persist sequences offloaded, what LMDB holds
+        on disk, and queued Redis puts get a moment to reach Redis."""
+        lifecycle.persist_at_stop(self._all())
         if self.cold_store is not None:
             self.cold_store.sync()      # a clean shutdown: nothing in flight, the store's marker goes
         if self.redis is not None:

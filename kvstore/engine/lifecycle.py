@@ -4,13 +4,17 @@ Engine.delete_cache hold the locks; these run under them)."""
 from __future__ import annotations
 
 import dataclasses
+import logging
 import threading
 
 from kvstore.core.config import CacheConfig
-from kvstore.errors import FailedPrecondition, ResourceExhausted, quote
+from kvstore.errors import FailedPrecondition, KVStoreError, ResourceExhausted, quote
 
 from . import results
 from .results import DeleteResult
+
+log = logging.getLogger("kvstore.engine")
+STOP_LOCK_S = 5.0       # how long the stop waits for a cache a cut-off call still holds
 
 def spec_name(path: str) -> str:
     """A CacheConfig field's path (codec.kind, geometry.head_dim, block_size) as the
@@ -135,3 +139,34 @@ def drop(cache, mappers: int, force: bool, live) -> DeleteResult:
     if cache.is_pq:
         cache.main.release()     # the encoder's tables of its codebooks
     return r
+
+
+def persist_at_stop(caches) -> int:
+    """The daemon stops, and every session's lease ends with it: each `persist`
+    sequence not yet durable on disk is offloaded, as a lapsed lease offloads it
+    (one that cannot be is named in a WARNING: it is gone). -> how many were."""
+    done = 0
+    for c in caches:
+        if c.tiering is None or c.tiering.disk is None:
+            continue
+        if not c.lock.acquire(timeout=STOP_LOCK_S):
+            log.warning("cache %s: still busy at the stop: its persist sequences are not offloaded", quote(c.cfg.name))
+            continue
+        try:
+            for s in [s for s in c.seqs.values() if s.persist and not (s.manifest or {}).get("durable")]:
+                why = "it has uncommitted tokens" if any(s.pending) or s.reserved else None
+                if why is None:
+                    try:
+                        c.protect = set()
+                        c.tiering.offload([s])
+                        done += 1
+                        continue
+                    except KVStoreError as e:
+                        why = str(e)
+                log.warning("cache %s: persist sequence %s/%s not offloaded at the stop (%s): it is gone",
+                            quote(c.cfg.name), s.tenant, s.seq_id, why)
+        finally:
+            c.lock.release()
+    if done:
+        log.info("stop: %d persist sequences offloaded to the disk tier", done)
+    return done

@@ -56,7 +56,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1", help="TCP address to bind with --port")
     p.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda if there is a GPU, else cpu)")
     p.add_argument("--lmdb", default=None, metavar="PATH",
-                   help="disk tier: LMDB directory; sequences and prefix blocks survive restarts")
+                   help="disk tier: LMDB directory; offloaded sequences and prefix blocks survive restarts")
     p.add_argument("--lmdb-sync", action="store_true",
                    help="make pressure spills durable too (Offload always syncs)")
     p.add_argument("--lmdb-max-bytes", type=_byte_size, default=None, metavar="SIZE",

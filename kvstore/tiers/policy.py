@@ -322,13 +322,20 @@ class Tiering(CachedBelow):
             self._release(s)
 
     def restore(self) -> int:
-        """Register the sequences a previous daemon left on disk for this fingerprint."""
+        """Register the sequences a previous daemon offloaded (Offload, persist) to
+        disk for this fingerprint. A copy that memory pressure made is dropped (its
+        blocks stay cached there): what outlives a restart is what was offloaded,
+        not what pressure happened to move (docs/operations.md, Signals)."""
         if self.disk is None:
             return 0
-        n, mine, other = 0, layout(self.c.cfg), {}
+        n, mine, other, dropped = 0, layout(self.c.cfg), {}, 0
         for m in self.disk.manifests(self.c.fingerprint, self.c.cfg.name):
             key = (m["tenant"], m["seq_id"])
             if key in self.c.seqs:
+                continue
+            if not m.get("durable"):
+                self.disk.delete_sequence(self.c.fingerprint, self.c.cfg.name, m["tenant"], m["seq_id"], m)
+                dropped += 1
                 continue
             theirs = m.get("layout", mine)      # (a copy written before the field: as this cache's)
             if theirs != mine:                  # left on disk, untouched, for a cache of its spec
@@ -347,6 +354,9 @@ class Tiering(CachedBelow):
                         "not listed here (they stay on disk for a cache created with their spec)",
                         self.c.cfg.name, len(ids), ", ".join(map(repr, ids[:3])) + (" ..." if len(ids) > 3 else ""),
                         f, theirs, ours)
+        if dropped:
+            log.info("cache %r: dropped the disk copies of %d sequences that memory pressure, not Offload or "
+                     "persist, had moved there (their blocks stay cached on disk)", self.c.cfg.name, dropped)
         return n
 
     def stats(self) -> dict:

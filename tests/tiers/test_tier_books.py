@@ -327,6 +327,36 @@ def test_offloaded_sequence_read_once_survives_a_restart(tmp_path, codec):
     assert same(read(e, "s"), want)
 
 
+def test_what_outlives_a_restart_is_what_was_offloaded(tmp_path, caplog):
+    """A restart lists the sequences offloaded (Offload; persist, which the stop
+    offloads as a lapsed lease would), not the ones memory pressure happened to move
+    to disk: such a copy is dropped, logged, and its sealed blocks stay cached there
+    (a prompt that repeats it hits them)."""
+    import logging
+    caplog.set_level(logging.INFO)
+    e = engine(tmp_path, num_blocks=16, residual=8, max_sequences=8)
+    put(e, "offloaded", toks(0, 40))
+    e.offload("c", T, ["offloaded"])
+    want = {"offloaded": read(e, "offloaded")}
+    e.allocate("c", T, "persist", toks(1000, 40), owner="session", persist=True)
+    k, v = kv_of(toks(1000, 40))
+    e.append("c", T, ["persist"], k, v, [40], token_ids=[toks(1000, 40)])
+    want["persist"] = read(e, "persist")
+    for i in range(6):                                 # pressure: the oldest go to disk
+        put(e, f"x{i}", toks(10_000 * (i + 1), 40))
+    tiers = {i.seq_id: i.tier for i in e.list_sequences("c", T)}
+    moved = [s for s, t in tiers.items() if t == "disk" and s.startswith("x")]
+    assert moved, tiers
+    e.close()                                          # the daemon's stop
+    e = reopen(e, tmp_path, num_blocks=16, residual=8, max_sequences=8)
+    assert sorted((i.seq_id, i.tier) for i in e.list_sequences("c", T)) == [("offloaded", "disk"), ("persist", "disk")]
+    for sid, kv in want.items():
+        assert same(read(e, sid), kv)
+    assert any(f"dropped the disk copies of {len(moved)} sequences" in r.getMessage() for r in caplog.records)
+    assert put(e, "again", toks(10_000 * (int(moved[0][1:]) + 1), 40)) == 32     # its sealed blocks: still cached
+    e.check_invariants()
+
+
 @pytest.mark.parametrize("change", ["append", "decode", "reserve"])
 def test_a_changed_sequence_leaves_no_stale_copy(tmp_path, change):
     e = engine(tmp_path, num_blocks=32, residual=8)
