@@ -3,6 +3,7 @@ IPC allocations (with their interprocess events), and each tenant's view of
 them (a caller sees only its tenant's buffers; a session's go with its lease)."""
 from __future__ import annotations
 
+import errno
 import math
 import mmap
 import os
@@ -12,7 +13,7 @@ import threading
 import torch
 
 from kvstore.core.names import check_name
-from kvstore.errors import FailedPrecondition, InvalidArgument, NotFound, quote
+from kvstore.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted, quote
 
 MAX_VIEWS = 4096          # cached typed views of registered buffers (see BufferRegistry.view)
 
@@ -30,6 +31,7 @@ class BufferRegistry:
         self.shm_dir = shm_dir
         self._bufs: dict[str, tuple[mmap.mmap, torch.Tensor, str]] = {}
         self._views: dict[tuple, torch.Tensor] = {}
+        self._files: dict[str, tuple[int, int, str]] = {}     # shm buffers: (descriptor, registered size, name)
         self.cuda_buffers = 0        # how many are CUDA buffers (none: calls skip the CUDA scope)
         self.generation = 0          # +1 per unregister: views and scopes resolved before it may be stale
         self._lock = threading.Lock()
@@ -46,19 +48,38 @@ class BufferRegistry:
         except PermissionError:
             raise InvalidArgument("name", f"shared memory {quote(name)} is not readable and writable by the daemon") from None
         except OSError as e:   # ".", "..": a directory, not a shared-memory object
+            if e.errno in (errno.EMFILE, errno.ENFILE):     # each registered buffer keeps its descriptor
+                raise ResourceExhausted("name", f"cannot open shared memory {quote(name)}: {e.strerror} "
+                                                "(unregister buffers no longer used)") from None
             raise InvalidArgument("name", f"cannot open shared memory {quote(name)}: {e.strerror}") from None
         try:
             have = os.fstat(fd).st_size
             if have < size:
                 raise InvalidArgument("size", f"{size} bytes asked, shared memory {quote(name)} has {have}")
             mm = mmap.mmap(fd, size)
-        finally:
+        except BaseException:
             os.close(fd)
+            raise
         view = torch.frombuffer(mm, dtype=torch.uint8)
         buffer_id = "shm-" + secrets.token_hex(8)
         with self._lock:
             self._bufs[buffer_id] = (mm, view, owner)
+            self._files[buffer_id] = (fd, size, name)
         return buffer_id
+
+    def check_size(self, buffer_id: str) -> None:
+        """FailedPrecondition if a shared-memory buffer's file shrank below its
+        registered size: a read or write of the pages past its end would fault
+        (SIGBUS) and stop the daemon. Checked at every use; a shrink that races
+        with a call between this check and the access still faults."""
+        with self._lock:        # unregister closes the descriptor under it: never a reused number
+            f = self._files.get(buffer_id)
+            if f is None:
+                return
+            have = os.fstat(f[0]).st_size
+        if have < f[1]:
+            raise FailedPrecondition("buffer_id", f"shared memory {quote(f[2])} has {have} bytes, fewer than the "
+                                                  f"{f[1]} it was registered with: register it again")
 
     def register_cuda(self, handle: bytes, offset: int, size: int, device_uuid: str,
                       ready_event: bytes, done_event: bytes, owner: str = "") -> str:
@@ -94,6 +115,9 @@ class BufferRegistry:
     def unregister(self, buffer_id: str) -> None:
         with self._lock:
             entry = self._bufs.pop(buffer_id, None)
+            f = self._files.pop(buffer_id, None)
+            if f is not None:
+                os.close(f[0])          # the mapping stays valid without it
             if entry is not None:
                 self.generation += 1
                 self.cuda_buffers -= buffer_id.startswith("cuda-")
@@ -107,6 +131,7 @@ class BufferRegistry:
         entry = self._bufs.get(buffer_id)
         if entry is None:
             raise NotFound("buffer_id", f"no buffer {quote(buffer_id)}")
+        self.check_size(buffer_id)
         return entry[1]
 
     def view(self, buffer_id: str, offset: int, shape: tuple, dtype: torch.dtype) -> torch.Tensor:
@@ -115,6 +140,7 @@ class BufferRegistry:
         key = (buffer_id, offset, shape, dtype)
         v = self._views.get(key)
         if v is not None:
+            self.check_size(buffer_id)
             return v
         v = self.get(buffer_id)[offset:offset + _nbytes(shape, dtype)].view(dtype).view(shape)
         with self._lock:
@@ -190,6 +216,10 @@ class _BufferView:
     def view(self, buffer_id: str, offset: int, shape: tuple, dtype):
         self._check(buffer_id)
         return self.t.registry.view(buffer_id, offset, shape, dtype)
+
+    def check_size(self, buffer_id: str) -> None:
+        self._check(buffer_id)
+        self.t.registry.check_size(buffer_id)
 
     def cuda_events(self, buffer_id: str):
         if self.t._owners.get(buffer_id, ("",))[0] != self.tenant:

@@ -10,6 +10,7 @@ Client sessions hold leases (leases.py); Prometheus metrics on --metrics-port.
 """
 from __future__ import annotations
 
+import faulthandler
 import logging
 import os
 import signal
@@ -185,10 +186,26 @@ def _start_doorbell(server, servicer: KVStoreServicer, leases: LeaseManager, soc
     server.stop = stop_all      # callers (tests, main) stop the server: the doorbell goes with it
 
 
+def _raise_file_limit() -> None:
+    """Descriptors up to the hard limit: every connection and registered shared-memory
+    buffer holds one, and a soft limit of 1024 is a few hundred clients."""
+    import resource
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != hard:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+        except (ValueError, OSError):
+            pass
+
+
 def main(argv: list[str] | None = None) -> None:
     p, args = cli.parse_args(argv)
     auth, tls = cli.check_args(p, args)
     logs.setup(args.log_level, args.log_format)
+    # A fatal signal (a SIGBUS from a shared-memory buffer a client shrank during a call:
+    # buffers.py, check_size) leaves its traceback in the log rather than nothing.
+    faulthandler.enable()
+    _raise_file_limit()
     import torch
     torch.set_num_threads(args.torch_threads)
     metrics = None

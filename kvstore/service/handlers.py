@@ -139,6 +139,11 @@ class Handlers:
         CUDA scope so that a copy into the output range comes before the done
         event. resolved: this request's resolve(), still valid (the doorbell
         keeps it per descriptor)."""
+        if resolved is not None:        # views resolved by an earlier call: their files may have shrunk since
+            tensors, outs = _field_names(request)
+            for bid in {getattr(request, f).ref.buffer_id for f in tensors if getattr(request, f).HasField("ref")} \
+                    | {getattr(request, f).buffer_id for f in outs if request.HasField(f)}:
+                buffers.check_size(bid)
         r = resolved or self.resolve(request, buffers)
         with r.scope:
             out = self.engine.append_attend(request.cache, tenant, request.layer, list(request.sequence_ids),
@@ -159,6 +164,11 @@ class Handlers:
             raise Unavailable("engine", "is starting")
         if self.leases is not None:
             self.leases.touch(tenant, session)
+        if resolved is not None:        # views resolved by an earlier call: their files may have shrunk since
+            tensors, outs = _field_names(request)
+            for bid in {getattr(request, f).ref.buffer_id for f in tensors if getattr(request, f).HasField("ref")} \
+                    | {getattr(request, f).buffer_id for f in outs if request.HasField(f)}:
+                buffers.check_size(bid)
         r = resolved or self.resolve(request, buffers)
 
         def finish(out, ref):       # ref: never None, every descriptor names its output range

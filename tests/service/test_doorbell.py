@@ -4,6 +4,7 @@ descriptors change nothing, and clients that lose it fall back to gRPC."""
 from __future__ import annotations
 
 import contextlib
+import os
 import socket
 import time
 
@@ -392,6 +393,35 @@ def test_unregistered_buffer_is_not_served_from_the_descriptor_cache(served):
     for _ in range(2):
         code, msg = _reply(s)
         assert code == grpc.StatusCode.NOT_FOUND.value[0] and msg.startswith("out.buffer_id: "), msg
+    assert kv.sequence_info("c", "s") == before
+    s.close()
+    kv.close()
+
+
+def test_a_buffer_shrunk_after_registration_is_refused_not_read(served):
+    """A client shrinks its registered shared memory below the registered size: the
+    daemon's next read or write of the pages past the end would fault (SIGBUS) and stop
+    it for every tenant. A gRPC call and a doorbell call whose views were resolved
+    before the shrink are FAILED_PRECONDITION naming buffer_id; nothing changes, and
+    the daemon serves on."""
+    sock, _ = served
+    kv, bid, path, token = _registered(sock)
+    s = _connect(path, token)
+    assert _reply(s)[0] == 0
+    s.sendall(_desc(bid))
+    assert _reply(s) == (0, "")            # resolved and kept for this descriptor
+    before = kv.sequence_info("c", "s")
+    # the client unlinked its file once registered: the daemon's descriptor (this process) reaches it
+    fd = next(f for f in os.listdir("/proc/self/fd") if kv._arena.name in os.readlink(f"/proc/self/fd/{f}"))
+    os.truncate(f"/proc/self/fd/{fd}", 4096)
+    pre = grpc.StatusCode.FAILED_PRECONDITION.value[0]
+    s.sendall(_desc(bid, offs=(0, 64, 128, 8192)))
+    code, msg = _reply(s)
+    assert code == pre and msg.startswith("buffer_id: shared memory") and f"fewer than the {kv._arena.size}" in msg, msg
+    ref = pb.Tensor(shape=[1, 2, 16], dtype=pb.FLOAT16, ref=pb.BufferRef(buffer_id=bid, offset=8192))
+    with pytest.raises(grpc.RpcError) as e:
+        kv.stub.Append(pb.AppendRequest(cache="c", sequence_ids=["s"], counts=[1], layer=0, k=ref, v=ref))
+    assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION and e.value.details().startswith("buffer_id: ")
     assert kv.sequence_info("c", "s") == before
     s.close()
     kv.close()
