@@ -369,7 +369,7 @@ class Cache(WritePath, ReadPath, WindowedBlocks):
         partial = src.length % self.bs != 0 and len(src.tail) > 0
         shared_tail = src.tail[:-1] if partial else list(src.tail)
         if partial:
-            self.check_room(0, 1, 0, "tail")
+            self.check_room(0, 1, 0, "new_sequence_id")     # its copy of the partial block
         new = self._alloc_tail(1, "new_sequence_id") if partial else []     # its copy of the partial block
         self.main_pool.ref(src.held_sealed())
         self.tail_pool.ref(shared_tail)

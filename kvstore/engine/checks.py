@@ -41,7 +41,7 @@ def request_tensor(cfg: CacheConfig, t: torch.Tensor, field: str, shape: tuple,
     cache's device in the cache dtype. limit: the largest |element| taken (q
     and k: ModelGeometry.qk_limit); None: any value finite in the cache dtype."""
     if t.dtype not in FLOAT_DTYPES:
-        raise InvalidArgument(field, f"dtype {t.dtype} is not float16/bfloat16/float32")
+        raise InvalidArgument(field, f"dtype {dtype_name(t.dtype)} is not FLOAT16, BFLOAT16 or FLOAT32")
     if t.dim() != len(shape) or any(w is not None and w != g for w, g in zip(shape, t.shape)):
         want = "[" + ", ".join("*" if w is None else str(w) for w in shape) + "]"
         raise InvalidArgument(field, f"shape {list(t.shape)}, expected {want}")
@@ -161,3 +161,8 @@ def batch_room(cache, seqs: list[Sequence], counts: list[int], layer: int | None
         m, t, f = cache.room_needed(s, c, layer)
         main, tail, freed = main + m, tail + t, freed + f
     cache.check_room(main, tail, freed)
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """A torch dtype as the proto's DType names it (torch.float16 -> FLOAT16)."""
+    return str(dtype).removeprefix("torch.").upper()

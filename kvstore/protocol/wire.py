@@ -42,7 +42,8 @@ def from_proto(t: pb.Tensor, buffers, field: str) -> torch.Tensor:
     which = t.WhichOneof("data")
     if which == "inline":
         if len(t.inline) != nbytes:
-            raise InvalidArgument(field, f"{len(t.inline)} bytes for shape {list(shape)} {dtype} ({nbytes} bytes)")
+            raise InvalidArgument(field, f"{len(t.inline)} bytes for shape {list(shape)} {pb.DType.Name(t.dtype)} "
+                                         f"({nbytes} bytes)")
         if nbytes == 0:
             return torch.empty(shape, dtype=dtype)
         return torch.frombuffer(bytearray(t.inline), dtype=dtype).reshape(shape)
@@ -53,7 +54,8 @@ def from_proto(t: pb.Tensor, buffers, field: str) -> torch.Tensor:
         bid, off = ref.buffer_id, ref.offset
         size = _buffer(buffers, bid, f"{field}.ref.buffer_id").numel()
         if off % dtype.itemsize:
-            raise InvalidArgument(field, f"offset {off} is not aligned to {dtype}")
+            raise InvalidArgument(field, f"offset {off} is not aligned to {pb.DType.Name(t.dtype)} "
+                                         f"({dtype.itemsize} bytes)")
         if off + nbytes > size:
             raise InvalidArgument(field, f"bytes [{off}, {off + nbytes}) outside buffer of {size} bytes")
         return buffers.view(bid, off, shape, dtype)

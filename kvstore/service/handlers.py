@@ -118,7 +118,7 @@ class Handlers:
         tenant, and this drops all of their sequences); sequences of sessions
         whose lease is current refuse it unless force."""
         if tenant != DEFAULT_TENANT:
-            raise PermissionDenied("DeleteCache", f"caches are shared by every tenant: only tenant "
+            raise PermissionDenied("cache", f"DeleteCache: caches are shared by every tenant: only tenant "
                                    f"{DEFAULT_TENANT!r} may delete one, not {quote(tenant)}")
         live = self.leases.is_live if self.leases is not None else None
         return self.engine.delete_cache(name, force=force, live=live)

@@ -192,8 +192,9 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
 
         def check(name: str) -> None:
             if tenant != DEFAULT_TENANT:
-                raise PermissionDenied(rpc, f"cache {quote(name)} has codebooks, and caches are shared by every "
-                                            f"tenant: only tenant {DEFAULT_TENANT!r} may replace them, not {quote(tenant)}")
+                raise PermissionDenied("cache", f"{rpc}: cache {quote(name)} has codebooks, and caches are shared "
+                                                f"by every tenant: only tenant {DEFAULT_TENANT!r} may replace them, "
+                                                f"not {quote(tenant)}")
         return check
 
     # ------------------------------------------------------------- sequences
@@ -211,8 +212,8 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
         """MapPool and Reserve are for clients that write the pool themselves
         (mapped attend): local ones, since the pool is mapped by IPC handle."""
         if not is_local(context):
-            raise PermissionDenied(rpc, "only for callers on the Unix socket, which map the pool (MapPool); "
-                                   "remote callers write with Append/AppendAttend")
+            raise PermissionDenied("cache", f"{rpc}: only for callers on the Unix socket, which map the pool "
+                                   "(MapPool); remote callers write with Append/AppendAttend")
 
     def _mappable(self, context, name: str, rpc: str) -> None:
         """Whether the (local) caller may map the cache's pool and take slots
@@ -223,8 +224,9 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
         are for no one who cannot write the pool."""
         cfg = self.engine.config(name)
         if not cfg.share_prefixes_across_tenants and self._tenant(context) != DEFAULT_TENANT:
-            raise PermissionDenied(rpc, "mapping a pool is only for the default tenant, or caches created with "
-                                   "share_prefixes_across_tenants; other tenants write with Append/AppendAttend")
+            raise PermissionDenied("cache", f"{rpc}: mapping a pool is only for the default tenant, or caches "
+                                   "created with share_prefixes_across_tenants; other tenants write with "
+                                   "Append/AppendAttend")
         if not cfg.device.startswith("cuda"):
             raise FailedPrecondition("cache", f"cache {quote(name)} lives on {cfg.device}: mapped attend "
                                      "(MapPool, Reserve) needs a CUDA pool; use Append/AppendAttend")
@@ -347,7 +349,7 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
     @_rpc
     def RegisterBuffer(self, request, context):
         if not is_local(context):
-            raise PermissionDenied("RegisterBuffer", "buffers are only for callers on the Unix socket")
+            raise PermissionDenied("kind", "RegisterBuffer: buffers are only for callers on the Unix socket")
         if request.kind == pb.SHM:
             reply = pb.RegisterBufferReply(buffer_id=self.buffers.register_shm(request.name, request.size))
         elif request.kind == pb.CUDA_IPC:
@@ -364,7 +366,7 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
     @_rpc
     def UnregisterBuffer(self, request, context):
         if self.buffers is None:
-            raise PermissionDenied("UnregisterBuffer", "buffers are only for callers on the Unix socket")
+            raise PermissionDenied("buffer_id", "UnregisterBuffer: buffers are only for callers on the Unix socket")
         self.buffers.unregister(request.buffer_id)
         return pb.UnregisterBufferReply()
 

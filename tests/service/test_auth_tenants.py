@@ -226,12 +226,12 @@ def test_ipc_only_for_local_callers(live):
     _, port = live
     stub = pb_grpc.KVStoreStub(tcp(port, ALICE).channel)
     md = (("authorization", f"Bearer {ALICE}"),)
-    for method, req in (("MapPool", pb.MapPoolRequest(cache="c")),
-                        ("RegisterBuffer", pb.RegisterBufferRequest(kind=pb.SHM, name="x", size=64)),
-                        ("RegisterBuffer", pb.RegisterBufferRequest(kind=pb.CUDA_IPC, size=64)),
-                        ("UnregisterBuffer", pb.UnregisterBufferRequest(buffer_id="shm-0"))):
+    for method, req, field in (("MapPool", pb.MapPoolRequest(cache="c"), "cache"),
+                               ("RegisterBuffer", pb.RegisterBufferRequest(kind=pb.SHM, name="x", size=64), "kind"),
+                               ("RegisterBuffer", pb.RegisterBufferRequest(kind=pb.CUDA_IPC, size=64), "kind"),
+                               ("UnregisterBuffer", pb.UnregisterBufferRequest(buffer_id="shm-0"), "buffer_id")):
         code, details = code_of(getattr(stub, method), req, metadata=md, timeout=10)
-        assert code == grpc.StatusCode.PERMISSION_DENIED and details.startswith(method)
+        assert code == grpc.StatusCode.PERMISSION_DENIED and details.startswith(f"{field}: {method}"), details
     # A remote caller cannot name shared memory in a tensor either.
     tcp(port, ALICE).allocate("c", "s", [1])
     q = pb.Tensor(shape=[1, HQ, D], dtype=pb.FLOAT16, ref=pb.BufferRef(buffer_id="shm-0", offset=0))

@@ -74,7 +74,7 @@ def test_a_tenant_over_tcp_cannot_reserve_and_reads_nothing_of_another(live, cod
     for n in (N, 0):
         code, details = _code(bob.reserve, codec, "b", n)
         assert code == grpc.StatusCode.PERMISSION_DENIED, details
-        assert details.startswith("Reserve") and "Append/AppendAttend" in details
+        assert details.startswith("cache: Reserve") and "Append/AppendAttend" in details
     info = bob.sequence_info(codec, "b")
     assert (info.length, info.reserved) == (0, 0)
     code, _ = _code(bob.retrieve, codec, "b", 0, N)
@@ -93,9 +93,9 @@ def test_reserve_admits_whom_map_pool_admits(live):
     md = (("authorization", f"Bearer {BOB}"),)
     reserve = lambda cache: pb.ReserveRequest(cache=cache, sequence_id="x", num_tokens=1)  # noqa: E731
     for stub, metadata, cache, want, field in (
-            (remote, md, "fp16", grpc.StatusCode.PERMISSION_DENIED, "{rpc}"),
-            (remote, md, "nope", grpc.StatusCode.PERMISSION_DENIED, "{rpc}"),     # before any lookup
-            (local_bob, md, "fp16", grpc.StatusCode.PERMISSION_DENIED, "{rpc}"),
+            (remote, md, "fp16", grpc.StatusCode.PERMISSION_DENIED, "cache: {rpc}"),
+            (remote, md, "nope", grpc.StatusCode.PERMISSION_DENIED, "cache: {rpc}"),     # before any lookup
+            (local_bob, md, "fp16", grpc.StatusCode.PERMISSION_DENIED, "cache: {rpc}"),
             (local_bob, md, "shared", grpc.StatusCode.FAILED_PRECONDITION, "cache"),
             (admin.stub, (), "fp16", grpc.StatusCode.FAILED_PRECONDITION, "cache"),
             (admin.stub, (), "nope", grpc.StatusCode.NOT_FOUND, "cache")):
