@@ -110,11 +110,12 @@ def render_stats(reply) -> str:
                   "tail": (c.tail_reserved_bytes, c.tail_used_bytes), "host": (c.host_tier_bytes, c.host_used_bytes)}
         rows = [[t, p.capacity, p.used, p.cached, p.free, p.evictions,
                  *((_mib(b) for b in memory[t]) if t in memory else ("", ""))] for t, p in _tiers(c)]
-        if c.disk_entries or c.disk_bytes:
-            rows.append(["disk", "-", c.disk_entries, "-", "-", "-", _mib(c.disk_max_bytes) if c.disk_max_bytes
-                         else "-", _mib(c.disk_used_bytes)])
         out.append(_indent(_table(rows, ["tier", "capacity", "used", "cached", "free", "evictions", "reserved",
                                          "used bytes"])))
+        if c.disk_entries or c.disk_bytes:      # entries and bytes, not blocks; nothing reserved at creation
+            bound = f"of a {_mib(c.disk_max_bytes)} bound" if c.disk_max_bytes else "(no bound)"
+            out.append(f"  disk (shared by every cache): {c.disk_entries} entries (blocks and manifests), "
+                       f"{_mib(c.disk_used_bytes)} used {bound}, {_mib(c.disk_held_bytes)} of it held by sequences")
         out.append(f"  reserved {_mib(c.reserved_bytes)} in all, allocated at creation (GPU main and tail pools, "
                    f"the host tier: its row counts both host pools); used {_mib(c.used_bytes)} of the GPU pools")
         if c.sequences_host or c.sequences_disk or c.page_ins_host or c.page_ins_disk:
@@ -145,6 +146,8 @@ def _bytes_per_token(c) -> str:
                f"{c.fp16_bytes_per_token}){sinks}")
     if not c.tokens:
         return f"{nominal}; effective: no tokens yet"
+    if not c.effective_bytes_per_token:
+        return f"{nominal}; effective: no tokens on the GPU ({c.tokens} tokens below it)"
     ratio = c.fp16_bytes_per_token / c.effective_bytes_per_token if c.effective_bytes_per_token else 0.0
     return (f"{nominal}; effective {c.effective_bytes_per_token:,.0f} B/token now (x{ratio:.2f}: GPU used bytes / "
             f"the GPU's tokens; {c.tokens} tokens in all tiers, {c.sealed_tokens} of them sealed)")

@@ -200,6 +200,20 @@ def test_admin_commands(live, capsys):
         admin.main([*base, "seq", "missing"])
 
 
+def test_admin_stats_reads_the_disk_as_entries_and_bytes_not_as_a_pool():
+    """The disk tier is no pool of blocks: its line gives entries (blocks and
+    manifests) and bytes against its bound, none of them in the blocks table; a cache
+    whose tokens are all below the GPU says so instead of an effective x0.00."""
+    from kvstore.v1 import kvstore_pb2 as pb
+    c = pb.CacheStats(cache="c", tokens=80, bytes_per_token=64, fp16_bytes_per_token=256, compression_ratio=4.0,
+                      main=pb.PoolStats(capacity=16, free=16), disk_entries=12, disk_bytes=16384,
+                      disk_used_bytes=14438, disk_max_bytes=1 << 30, disk_held_bytes=14438)
+    out = admin.render_stats(pb.StatsReply(caches=[c]))
+    assert "disk (shared by every cache): 12 entries (blocks and manifests), 14.1 KiB used of a 1.0 GiB bound" in out
+    assert not any(line.split()[:2] == ["disk", "-"] for line in out.splitlines())      # no table row
+    assert "effective: no tokens on the GPU (80 tokens below it)" in out and "x0.00" not in out
+
+
 def test_admin_console_script(live):
     sock, _, _ = live
     exe = os.path.join(os.path.dirname(sys.executable), "kvstore-admin")
