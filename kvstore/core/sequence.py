@@ -85,7 +85,7 @@ class Sequence:
     # ("" = none, e.g. a caller that sends no session metadata), unless pinned.
     owner: str = ""
     pinned: bool = False
-    persist: bool = False         # on lapse, offload instead of free (hook; frees until tiers land)
+    persist: bool = False         # on lapse and at the daemon's stop, offload instead of free
     tier: str = "gpu"             # "gpu" | "host" (ids index host pools) | "disk" (ids empty)
     manifest: dict | None = None  # what LMDB holds, while tier == "disk"
     table_epoch: int = field(default_factory=lambda: next(_epochs))

@@ -92,6 +92,8 @@ class Cache(WritePath, ReadPath, WindowedBlocks):
         """Protect the request's sequences from eviction and page in any that
         live in a lower tier (field: the request's name for them, in errors)."""
         self.protect = {id(s) for s in seqs}
+        if any(s.tier != "gpu" for s in seqs):
+            self.tiering.check_fits(seqs, field)
         for s in seqs:
             if s.tier != "gpu":
                 self.tiering.page_in(s, self.protect, field)

@@ -410,9 +410,10 @@ class Engine(CodebookOps):
                 c.check_invariants()
 
     def close(self) -> None:
-        """Before the process exits: persist sequences offloaded, what LMDB holds
-        on disk, and queued Redis puts get a moment to reach Redis."""
-        lifecycle.persist_at_stop(self._all())
+        """Before the process exits: persist sequences offloaded and prefix blocks
+        kept on disk (lifecycle.at_stop), what LMDB holds synced, and queued Redis
+        puts get a moment to reach Redis."""
+        lifecycle.at_stop(self._all())
         if self.cold_store is not None:
             self.cold_store.sync()      # a clean shutdown: nothing in flight, the store's marker goes
         if self.redis is not None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import threading
+import time
 
 from kvstore.core.config import CacheConfig
 from kvstore.errors import FailedPrecondition, KVStoreError, ResourceExhausted, quote
@@ -15,6 +16,7 @@ from .results import DeleteResult
 
 log = logging.getLogger("kvstore.engine")
 STOP_LOCK_S = 5.0       # how long the stop waits for a cache a cut-off call still holds
+STOP_KEEP_S = 5.0       # how long the stop writes prefix blocks only memory holds to disk, all caches together
 
 def spec_name(path: str) -> str:
     """A CacheConfig field's path (codec.kind, geometry.head_dim, block_size) as the
@@ -141,11 +143,13 @@ def drop(cache, mappers: int, force: bool, live) -> DeleteResult:
     return r
 
 
-def persist_at_stop(caches) -> int:
+def at_stop(caches) -> int:
     """The daemon stops, and every session's lease ends with it: each `persist`
     sequence not yet durable on disk is offloaded, as a lapsed lease offloads it
-    (one that cannot be is named in a WARNING: it is gone). -> how many were."""
-    done = 0
+    (one that cannot be is named in a WARNING: it is gone); then, for at most
+    STOP_KEEP_S in all, the blocks with a content hash only memory holds go to disk
+    (below.keep_on_disk), so that prompts after a restart hit them. -> sequences offloaded."""
+    done, kept, deadline = 0, 0, time.monotonic() + STOP_KEEP_S
     for c in caches:
         if c.tiering is None or c.tiering.disk is None:
             continue
@@ -165,8 +169,9 @@ def persist_at_stop(caches) -> int:
                         why = str(e)
                 log.warning("cache %s: persist sequence %s/%s not offloaded at the stop (%s): it is gone",
                             quote(c.cfg.name), s.tenant, s.seq_id, why)
+            kept += c.tiering.keep_on_disk(deadline)
         finally:
             c.lock.release()
-    if done:
-        log.info("stop: %d persist sequences offloaded to the disk tier", done)
+    if done or kept:
+        log.info("stop: %d persist sequences offloaded, %d prefix blocks written to the disk tier", done, kept)
     return done

@@ -12,11 +12,15 @@ The widths differ too, so each kind is spilled, looked up and read with its
 own pools."""
 from __future__ import annotations
 
+import time
+
 import torch
 
 from kvstore.core.hashing import form_key
 
 from .staging import put_rows, to_host
+
+KEEP_BATCH = 256            # blocks a write of keep_on_disk takes
 
 
 class CachedBelow:
@@ -77,6 +81,33 @@ class CachedBelow:
             self.c.redis.put([k for k, _ in items], torch.stack([p for _, p in items]))
         if self.disk is not None:
             self._spill_disk(items, rows.shape[1])
+
+    def keep_on_disk(self, deadline: float) -> int:
+        """The daemon stops: blocks with a content hash that no disk copy holds yet
+        (the GPU pools', held or cached, then the host tier's), the most recently used
+        first, are written to disk until `deadline` (monotonic), so that the next
+        daemon's prompts hit them. -> how many were."""
+        if self.disk is None:
+            return 0
+        c, h, n = self.c, self.host, 0
+        sources = [(c.main_pool, lambda ids: to_host(c.main_io.pack(ids)), False)]
+        if c.is_pq:
+            sources.append((c.tail_pool, lambda ids: to_host(c.tail_io.pack(ids)), True))
+        if h is not None:
+            h.settle()
+            sources += [(h.main_pool, lambda ids: h.main[ids], None), (h.tail_pool, lambda ids: h.tail[ids], None)]
+        for pool, rows_of, fp16 in sources:         # fp16 None: the host pools, hashed by their keys
+            hashed = sorted((b for b in pool.blocks if b.hash is not None), key=lambda b: -b.last_use)
+            todo = [(b.block_id, b.hash if fp16 is None else form_key(b.hash, fp16)) for b in hashed]
+            todo = [(b, k) for b, k in todo if not self.disk.has_block(c.fingerprint, k)]
+            for i in range(0, len(todo), KEEP_BATCH):
+                if time.monotonic() > deadline:
+                    return n
+                part = todo[i:i + KEEP_BATCH]
+                rows = rows_of([b for b, _ in part])
+                self._spill_disk([(k, r) for (_, k), r in zip(part, rows)], rows.shape[1])
+                n += len(part)
+        return n
 
     def _spill_disk(self, items: list[tuple[bytes, torch.Tensor]], width: int) -> None:
         self._moved("bytes_down", "disk", n := self.disk.put_blocks(self.c.fingerprint, items))

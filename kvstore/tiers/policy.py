@@ -21,7 +21,7 @@ from array import array
 
 from kvstore.core.hashing import fp16_key, form_key
 from kvstore.core.sequence import Sequence
-from kvstore.errors import FailedPrecondition, ResourceExhausted
+from kvstore.errors import FailedPrecondition, ResourceExhausted, quote
 
 from .below import CachedBelow
 from .disk import DiskTier, SeqImage, block_key
@@ -232,7 +232,7 @@ class Tiering(CachedBelow):
         manifest = dict(seq_id=s.seq_id, tenant=s.tenant, length=s.length, hashed_upto=s.hashed_upto,
                         sealed_hashes=block_hashes[:len(held)], tail_hashes=block_hashes[len(held):],
                         n_tail=len(s.tail), n_other=len(others), durable=durable, freed=s.freed,
-                        layout=layout(c.cfg))
+                        layout=layout(c.cfg), persist=s.persist, pinned=s.pinned)
         return SeqImage(c.cfg.name, s.tenant, s.seq_id, _written(s, manifest), hashed, others)
 
     def _release(self, s: Sequence) -> None:
@@ -242,6 +242,30 @@ class Tiering(CachedBelow):
         elif s.tier == "host":
             self.host.tail_pool.release(s.tail[::-1])
             self.host.main_pool.release(s.held_sealed()[::-1])
+
+    def check_fits(self, seqs: list[Sequence], field: str = "sequence_ids") -> None:
+        """Refuse, before anything moves, sequences that cannot be on the GPU together
+        however many others go down: their blocks (shared ones once) past the pools'."""
+        c, main, tail = self.c, set(), 0
+        for s in seqs:
+            if s.tier == "gpu":
+                main.update(s.held_sealed())
+                tail += len(s.tail)
+                continue
+            known, h0 = min(s.hashed_upto, len(s.hashes)), c.sink_blocks + s.freed
+            for i in range(s.held_sealed_count()):
+                h = s.hashes[h0 + i] if h0 + i < known else None
+                b = None if h is None else c.main_pool.lookup(h)      # the pool's copy, maybe a GPU sequence's
+                main.add(("below", id(s), i) if h is None else h if b is None else b)
+            tail += len(s.tail) if s.tier == "host" else s.manifest["n_tail"]
+        if c.is_pq and (len(main) > c.main_pool.capacity or tail > c.tail_pool.capacity):
+            need, hold = f"{len(main)} sealed and {tail} fp16 blocks", f"{c.main_pool.capacity} and {c.tail_pool.capacity}"
+        elif not c.is_pq and len(main) + tail > c.main_pool.capacity:
+            need, hold = f"{len(main) + tail} blocks", f"{c.main_pool.capacity}"
+        else:
+            return
+        raise ResourceExhausted(field, f"the sequences need {need} on the GPU at once; the pools of cache "
+                                       f"{quote(c.cfg.name)} hold {hold}: name fewer")
 
     def page_in(self, s: Sequence, protect: set, field: str = "sequence_ids") -> None:
         """Bring a host or disk sequence back to the GPU pools. A durable disk
@@ -347,6 +371,7 @@ class Tiering(CachedBelow):
                          token_ids=array("i", m.pop("token_ids")), hashes=[bytes.fromhex(h) for h in m.pop("hashes")],
                          hashed_upto=m["hashed_upto"], freed=m.get("freed", 0))
             s.tier, s.manifest = "disk", m
+            s.persist, s.pinned = m.get("persist", False), m.get("pinned", False)    # no session holds it now
             self.c.seqs[key] = s
             n += 1
         for f, (theirs, ours, ids) in other.items():

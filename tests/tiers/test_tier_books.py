@@ -355,6 +355,65 @@ def test_what_outlives_a_restart_is_what_was_offloaded(tmp_path, caplog):
     assert any(f"dropped the disk copies of {len(moved)} sequences" in r.getMessage() for r in caplog.records)
     assert put(e, "again", toks(10_000 * (int(moved[0][1:]) + 1), 40)) == 32     # its sealed blocks: still cached
     e.check_invariants()
+    info = e.sequence_info("c", T, "persist")            # still persist: it changes, and the next stop offloads it
+    assert info.persist and not e.sequence_info("c", T, "offloaded").persist
+    one = torch.ones(L, 1, HKV, D).half()
+    e.append("c", T, ["persist"], one, one, [1])
+    want["persist"] = read(e, "persist")
+    e.close()
+    e = reopen(e, tmp_path, num_blocks=16, residual=8, max_sequences=8)
+    assert e.sequence_info("c", T, "persist").length == 41 and same(read(e, "persist"), want["persist"])
+
+
+def test_a_refused_append_or_prefetch_moves_no_sequence(tmp_path):
+    """An Append past what the pools can ever hold, and a Prefetch of sequences that
+    cannot all be on the GPU at once, are refused before anything is paged in: every
+    sequence stays in its tier."""
+    e = engine(tmp_path, "fp16", num_blocks=12, residual=8, max_sequences=8)
+    put(e, "a", toks(0, 56))
+    put(e, "b", toks(1000, 48))
+    e.offload("c", T, ["a", "b"])
+    put(e, "c", toks(2000, 16))
+
+    def state():
+        return {i.seq_id: i.tier for i in e.list_sequences("c", T)}, e.stats()["c"]["main"]
+    before = state()
+    with pytest.raises(ResourceExhausted) as err:
+        e.prefetch("c", T, ["a", "b"])                 # 7 + 6 blocks, a pool of 12
+    assert err.value.field == "sequence_ids" and err.value.message == \
+        "the sequences need 13 blocks on the GPU at once; the pools of cache 'c' hold 12: name fewer"
+    assert state() == before
+    k = torch.ones(L, 100, HKV, D).half()
+    with pytest.raises(InvalidArgument) as err:
+        e.append("c", T, ["a"], k, k, [100])            # 156 tokens: the pools hold 96
+    assert err.value.field == "counts"
+    assert state() == before
+    e.prefetch("c", T, ["a"])                          # one fits: it pages in
+    assert state()[0]["a"] == "gpu"
+    e.check_invariants()
+
+
+@pytest.mark.parametrize("codec", ["pq", "fp16"])
+def test_prefix_blocks_only_memory_held_outlive_a_restart(tmp_path, codec):
+    """At the stop, the blocks with a content hash that only the GPU pools or the host
+    tier hold (a freed prompt's, cached; a live sequence's) go to disk: prompts after
+    a restart hit them, bit for bit what was stored."""
+    e = engine(tmp_path, codec, num_blocks=32, host_blocks=4, residual=8, max_sequences=8, sink_tokens=8)
+    put(e, "freed", toks(0, 40))
+    want = {"freed": read(e, "freed")}
+    e.free("c", T, ["freed"])
+    put(e, "live", toks(1000, 40))
+    want["live"] = read(e, "live")
+    before = disk(e)["used_bytes"]
+    e.close()
+    assert disk(e)["used_bytes"] > before
+    e = reopen(e, tmp_path, codec, num_blocks=32, host_blocks=4, residual=8, max_sequences=8, sink_tokens=8)
+    assert e.list_sequences("c", T) == []
+    for sid, start in (("freed", 0), ("live", 1000)):
+        assert put(e, sid, toks(start, 40)) == 32            # every full block but the last, from disk
+        assert same(read(e, sid), want[sid])
+    assert e.stats()["c"]["tiers"]["prefix_hits_disk"] == 8
+    e.check_invariants()
 
 
 @pytest.mark.parametrize("change", ["append", "decode", "reserve"])
