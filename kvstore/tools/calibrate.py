@@ -123,6 +123,7 @@ class Sampler:
 
     def __init__(self, geom: ModelGeometry, per_window: int, sink_rows: int = 16, seed: int = 0):
         self.g, self.per_window, self.sink_rows = geom, per_window, sink_rows
+        self.windows = 0                # windows capture() ran (the text may hold fewer than asked)
         self.k: list[list[torch.Tensor]] = [[] for _ in range(geom.num_layers)]
         self.v: list[list[torch.Tensor]] = [[] for _ in range(geom.num_layers)]
         self.qq = torch.zeros(geom.num_layers, geom.num_kv_heads, geom.head_dim, geom.head_dim, dtype=torch.float64)
@@ -160,7 +161,12 @@ def capture(model, tok, text: str, n_windows: int, window: int = 2048, per_windo
         raise ValueError(f"--text: the text is shorter than one window of {window} tokens")
     step = max(1, len(all_w) // n_windows)
     chosen = all_w[::step][:n_windows]
+    if len(chosen) < n_windows:
+        print(f"note: the text holds {len(chosen)} windows of {window} tokens, not the {n_windows} asked: "
+              f"calibrating on {len(chosen)} (a longer text, or --windows {len(chosen)}, says what is used)",
+              file=sys.stderr, flush=True)
     sampler = Sampler(geometry_of(model), per_window, sink_rows, seed)
+    sampler.windows = len(chosen)
     dev = next(model.parameters()).device
     with torch.no_grad(), attention_handler(model, sampler):
         for w in tqdm(chosen, desc="calibration windows", file=sys.stderr):
@@ -266,6 +272,14 @@ def main(argv: list[str] | None = None) -> None:
         text = read_text(args.text or default_text(CALIB_DIRS))       # before the model: fail fast
     except FileNotFoundError as e:
         p.error(str(e))
+    for bits in args.bits:        # the files are written after minutes of work: their folders first
+        folder = os.path.dirname(os.path.abspath(args.out.format(bits=bits)))
+        try:
+            os.makedirs(folder, exist_ok=True)
+        except OSError as e:
+            p.error(f"--out: cannot make the folder {folder}: {e.strerror}")
+        if not os.access(folder, os.W_OK):
+            p.error(f"--out: the folder {folder} is not writable")
     lm = load_model(args.model)
     model, tok = lm.model, lm.tok
     model.to(args.device)
@@ -290,7 +304,7 @@ def main(argv: list[str] | None = None) -> None:
             # Samples cover every position, the first ones included (--sink-rows):
             # the file assumes no sink count, the cache picks its own.
             model_id=args.model_id or lm.model_id, num_q_heads=g.num_q_heads, sink_tokens=0,
-            calibrated_on=f"{', '.join(args.text or CALIB_DIRS)}: {args.windows} windows, {args.per_window} K/V rows each; "
+            calibrated_on=f"{', '.join(args.text or CALIB_DIRS)}: {sampler.windows} windows, {args.per_window} K/V rows each; "
                           f"transform {args.transform}, opq {args.opq}, {args.finetune_steps} fine-tuning steps")
         sha = cb.save(out)
         print(f"{out}: {bits}-bit (M={m}) sha256 {sha}"

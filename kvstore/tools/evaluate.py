@@ -273,12 +273,16 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--codebooks", help="4-bit codebooks (M = d/2) from kvstore-calibrate")
     p.add_argument("--codebooks2", help="2-bit codebooks (M = d/4)")
     p.add_argument("--row", action="append", default=[], help="extra row: LABEL=cb=PATH,proto=i|ii,sinks=S,R=R,"
-                   "transform=auto|none|PATH (replaces the default rows; the first row is the baseline)")
-    p.add_argument("--sinks", type=int, default=16, help="fp16 sink tokens for protocol i (daemon feature)")
-    p.add_argument("--residual", type=int, default=128)
+                   "transform=auto|none|PATH (sinks 0, R 128, transform auto unless given; replaces the default "
+                   "rows; the first row is the baseline)")
+    p.add_argument("--sinks", type=int, default=32, help="fp16 sink tokens of the default rows' protocol i (default "
+                   "32, the adapter's)")
+    p.add_argument("--residual", type=int, default=128, help="fp16 tail R of the default rows (default 128)")
     p.add_argument("--window", type=int, default=2048)
     p.add_argument("--windows", type=int, default=20, help="windows of the evaluation text (20 -> 40,940 tokens)")
-    p.add_argument("--backend", choices=["daemon", "sim"], default="daemon")
+    p.add_argument("--backend", choices=["daemon", "sim"], default="daemon",
+                   help="daemon (default): through a kvstore daemon; sim: the codec in-process, faster, "
+                        "the numbers of both agree (docs/accuracy.md)")
     p.add_argument("--target", help="daemon to use (default: start one on a temp socket)")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--device", default="cpu", help="where the model runs (the codec runs on the CPU either way)")
