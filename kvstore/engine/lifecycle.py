@@ -1,6 +1,7 @@
 """A cache's life beyond its requests: what CreateCache refuses (a name taken,
-a pool past the daemon's budget) and what DeleteCache drops (Engine.create_cache,
-Engine.delete_cache hold the locks; these run under them)."""
+a pool past the daemon's budget), what DeleteCache drops (Engine.create_cache,
+Engine.delete_cache hold the locks; these run under them), and what the daemon's
+stop keeps (at_stop, which takes each cache's lock itself)."""
 from __future__ import annotations
 
 import dataclasses
@@ -17,6 +18,7 @@ from .results import DeleteResult
 log = logging.getLogger("kvstore.engine")
 STOP_LOCK_S = 5.0       # how long the stop waits for a cache a cut-off call still holds
 STOP_KEEP_S = 5.0       # how long the stop writes prefix blocks only memory holds to disk, all caches together
+
 
 def spec_name(path: str) -> str:
     """A CacheConfig field's path (codec.kind, geometry.head_dim, block_size) as the

@@ -247,7 +247,7 @@ class Tiering(CachedBelow):
         """Refuse, before anything moves, sequences that cannot be on the GPU together
         however many others go down: their blocks (shared ones once) past the pools'."""
         c, main, tail = self.c, set(), 0
-        for s in seqs:
+        for s in {id(s): s for s in seqs}.values():      # a batch may name one twice
             if s.tier == "gpu":
                 main.update(s.held_sealed())
                 tail += len(s.tail)
@@ -259,7 +259,8 @@ class Tiering(CachedBelow):
                 main.add(("below", id(s), i) if h is None else h if b is None else b)
             tail += len(s.tail) if s.tier == "host" else s.manifest["n_tail"]
         if c.is_pq and (len(main) > c.main_pool.capacity or tail > c.tail_pool.capacity):
-            need, hold = f"{len(main)} sealed and {tail} fp16 blocks", f"{c.main_pool.capacity} and {c.tail_pool.capacity}"
+            need = f"{len(main)} sealed and {tail} fp16 blocks"
+            hold = f"{c.main_pool.capacity} and {c.tail_pool.capacity}"
         elif not c.is_pq and len(main) + tail > c.main_pool.capacity:
             need, hold = f"{len(main) + tail} blocks", f"{c.main_pool.capacity}"
         else:
@@ -346,10 +347,9 @@ class Tiering(CachedBelow):
             self._release(s)
 
     def restore(self) -> int:
-        """Register the sequences a previous daemon offloaded (Offload, persist) to
-        disk for this fingerprint. A copy that memory pressure made is dropped (its
-        blocks stay cached there): what outlives a restart is what was offloaded,
-        not what pressure happened to move (docs/operations.md, Signals)."""
+        """Register the sequences a previous daemon offloaded (Offload, persist) for this
+        fingerprint; drop the copies memory pressure made (their blocks stay cached): what
+        outlives a restart is what was offloaded (docs/operations.md, Signals)."""
         if self.disk is None:
             return 0
         n, mine, other, dropped = 0, layout(self.c.cfg), {}, 0
