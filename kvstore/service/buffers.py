@@ -131,8 +131,7 @@ class BufferRegistry:
         entry = self._bufs.get(buffer_id)
         if entry is None:
             raise NotFound("buffer_id", f"no buffer {quote(buffer_id)}")
-        self.check_size(buffer_id)
-        return entry[1]
+        return entry[1]         # its size is read, not its pages: view() checks the file
 
     def view(self, buffer_id: str, offset: int, shape: tuple, dtype: torch.dtype) -> torch.Tensor:
         """Bytes [offset, offset + nbytes) of a buffer as a tensor of shape and
@@ -143,6 +142,7 @@ class BufferRegistry:
             self.check_size(buffer_id)
             return v
         v = self.get(buffer_id)[offset:offset + _nbytes(shape, dtype)].view(dtype).view(shape)
+        self.check_size(buffer_id)
         with self._lock:
             if buffer_id in self._bufs:       # not unregistered meanwhile
                 if len(self._views) >= MAX_VIEWS:

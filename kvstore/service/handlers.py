@@ -33,6 +33,7 @@ class Resolved:
     out_ref: object
     out_view: object
     scope: object
+    shm: tuple = ()          # the buffers it names, whose files are checked again at each reuse
 
 
 class Handlers:
@@ -131,19 +132,20 @@ class Handlers:
         t = checks.query_tokens(cfg, request.layer, request.query_tokens) if 0 <= request.layer < \
             cfg.geometry.num_layers else 1
         ref, view = self.out_view(request, len(request.sequence_ids) * t, buffers)
+        named = {x.ref.buffer_id for x in (request.k, request.v, request.q) if x.HasField("ref")}
+        if ref is not None and ref.buffer_id:
+            named.add(ref.buffer_id)
         return Resolved(self.tensor(request.k, buffers, "k"), self.tensor(request.v, buffers, "v"),
-                        self.tensor(request.q, buffers, "q"), ref, view, self.cuda_scope(request, buffers))
+                        self.tensor(request.q, buffers, "q"), ref, view, self.cuda_scope(request, buffers),
+                        tuple(named))
 
     def append_attend(self, request, tenant: str, buffers, finish, resolved: Resolved | None = None):
         """AppendAttend's work: -> finish(out, its OutputRef), run inside the
         CUDA scope so that a copy into the output range comes before the done
         event. resolved: this request's resolve(), still valid (the doorbell
         keeps it per descriptor)."""
-        if resolved is not None:        # views resolved by an earlier call: their files may have shrunk since
-            tensors, outs = _field_names(request)
-            for bid in {getattr(request, f).ref.buffer_id for f in tensors if getattr(request, f).HasField("ref")} \
-                    | {getattr(request, f).buffer_id for f in outs if request.HasField(f)}:
-                buffers.check_size(bid)
+        for bid in resolved.shm if resolved is not None else ():    # kept views: their files may have shrunk
+            buffers.check_size(bid)
         r = resolved or self.resolve(request, buffers)
         with r.scope:
             out = self.engine.append_attend(request.cache, tenant, request.layer, list(request.sequence_ids),
@@ -164,11 +166,8 @@ class Handlers:
             raise Unavailable("engine", "is starting")
         if self.leases is not None:
             self.leases.touch(tenant, session)
-        if resolved is not None:        # views resolved by an earlier call: their files may have shrunk since
-            tensors, outs = _field_names(request)
-            for bid in {getattr(request, f).ref.buffer_id for f in tensors if getattr(request, f).HasField("ref")} \
-                    | {getattr(request, f).buffer_id for f in outs if request.HasField(f)}:
-                buffers.check_size(bid)
+        for bid in resolved.shm if resolved is not None else ():    # kept views: their files may have shrunk
+            buffers.check_size(bid)
         r = resolved or self.resolve(request, buffers)
 
         def finish(out, ref):       # ref: never None, every descriptor names its output range
