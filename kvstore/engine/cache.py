@@ -382,6 +382,15 @@ class Cache(WritePath, ReadPath, WindowedBlocks):
                        hashed_upto=src.hashed_upto)
         self.seqs[(tenant, dst_id)] = dst
 
+    def offload(self, seqs: list[Sequence]) -> None:
+        """Offload (and the daemon's stop, for persist sequences): each durable on disk,
+        or none moved; refused while one has uncommitted tokens."""
+        for s in seqs:
+            if any(s.pending) or s.reserved:
+                raise FailedPrecondition("sequence_ids", f"sequence {quote(s.seq_id)} has uncommitted tokens")
+        self.protect = set()
+        self.tiering.offload(seqs)
+
     def free(self, s: Sequence) -> None:
         if self.tiering is not None:
             self.tiering.free(s)          # its disk copy first, then host blocks

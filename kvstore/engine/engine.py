@@ -353,11 +353,7 @@ class Engine(CodebookOps):
             seqs = checks.sequences(cache, tenant, seq_ids, unique=True)
             if cache.tiering is None or cache.tiering.disk is None:
                 raise FailedPrecondition("sequence_ids", "no disk tier: start the daemon with --lmdb PATH")
-            for s in seqs:
-                if any(s.pending) or s.reserved:
-                    raise FailedPrecondition("sequence_ids", f"sequence {quote(s.seq_id)} has uncommitted tokens")
-            cache.protect = set()
-            cache.tiering.offload(seqs)
+            cache.offload(seqs)
 
     def prefetch(self, name: str, tenant: str, seq_ids: list[str]) -> None:
         """Page sequences back into the GPU pools ahead of use."""

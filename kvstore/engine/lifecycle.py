@@ -160,17 +160,12 @@ def at_stop(caches) -> int:
             continue
         try:
             for s in [s for s in c.seqs.values() if s.persist and not (s.manifest or {}).get("durable")]:
-                why = "it has uncommitted tokens" if any(s.pending) or s.reserved else None
-                if why is None:
-                    try:
-                        c.protect = set()
-                        c.tiering.offload([s])
-                        done += 1
-                        continue
-                    except KVStoreError as e:
-                        why = str(e)
-                log.warning("cache %s: persist sequence %s/%s not offloaded at the stop (%s): it is gone",
-                            quote(c.cfg.name), s.tenant, s.seq_id, why)
+                try:
+                    c.offload([s])
+                    done += 1
+                except KVStoreError as e:
+                    log.warning("cache %s: persist sequence %s/%s not offloaded at the stop (%s): it is gone",
+                                quote(c.cfg.name), s.tenant, s.seq_id, e)
             kept += c.tiering.keep_on_disk(deadline)
         finally:
             c.lock.release()

@@ -378,13 +378,19 @@ def test_step_buffers_cross_in_place(served):
         assert info.length == 12 + 3 and list(info.pending) == [0, 0]
 
 
-def test_unregistered_buffer_is_not_served_from_the_descriptor_cache(served):
-    sock, _ = served
+def _kept(sock: str):
+    """_registered's client, its buffer id, and a doorbell connection whose descriptor
+    for that buffer was resolved and kept by one call."""
     kv, bid, path, token = _registered(sock)
     s = _connect(path, token)
     assert _reply(s)[0] == 0
     s.sendall(_desc(bid))
     assert _reply(s) == (0, "")            # resolved and kept for this descriptor
+    return kv, bid, s
+
+
+def test_unregistered_buffer_is_not_served_from_the_descriptor_cache(served):
+    kv, bid, s = _kept(served[0])
     kv.stub.UnregisterBuffer(pb.UnregisterBufferRequest(buffer_id=bid))
     kv._arena = None
     before = kv.sequence_info("c", "s")
@@ -404,12 +410,7 @@ def test_a_buffer_shrunk_after_registration_is_refused_not_read(served):
     it for every tenant. A gRPC call and a doorbell call whose views were resolved
     before the shrink are FAILED_PRECONDITION naming buffer_id; nothing changes, and
     the daemon serves on."""
-    sock, _ = served
-    kv, bid, path, token = _registered(sock)
-    s = _connect(path, token)
-    assert _reply(s)[0] == 0
-    s.sendall(_desc(bid))
-    assert _reply(s) == (0, "")            # resolved and kept for this descriptor
+    kv, bid, s = _kept(served[0])
     before = kv.sequence_info("c", "s")
     # the client unlinked its file once registered: the daemon's descriptor (this process) reaches it
     fd = next(f for f in os.listdir("/proc/self/fd") if kv._arena.name in os.readlink(f"/proc/self/fd/{f}"))
