@@ -18,9 +18,29 @@ Errors it catches: any change is missed with probability about 2^-64.
 """
 from __future__ import annotations
 
+import numpy as np
 import xxhash
 
 
 def checksum(payload) -> int:
     """XXH3-64 of a bytes-like payload (a contiguous buffer), as an int."""
     return xxhash.xxh3_64_intdigest(payload)
+
+
+def weighted_sum(payload) -> int:
+    """The checksum LMDB stores written before XXH3-64 carry (lmdb_sums.py
+    reads them): sum(w[i] * K[i]) mod 2^64 over the payload's little-endian
+    32-bit words w (the last one zero-padded), K[i] the (i+1)-th output of
+    splitmix64 seeded with 0 with its low bit set."""
+    b = np.frombuffer(payload, dtype=np.uint8)
+    n, rest = divmod(len(b), 4)
+    with np.errstate(over="ignore"):
+        z = np.arange(1, n + (rest > 0) + 1, dtype=np.uint64) * np.uint64(0x9E3779B97F4A7C15)
+        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        z ^= z >> np.uint64(31)
+        z |= np.uint64(1)
+        s = int(np.dot(b[:4 * n].view("<u4").astype(np.uint64), z[:n])) if n else 0
+    if rest:
+        s += int.from_bytes(b[4 * n:].tobytes(), "little") * int(z[n])
+    return s & 0xFFFF_FFFF_FFFF_FFFF

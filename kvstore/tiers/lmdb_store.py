@@ -52,19 +52,17 @@ import contextlib
 import ctypes
 import logging
 import os
-import struct
 import threading
 from typing import Iterable, Iterator, Protocol
 
 from . import lmdb_recovery as recovery
+from . import lmdb_sums
 from .checksum import checksum
-from .staging import workers
 
 log = logging.getLogger("kvstore.lmdb")
 
 SUMS_DB = b"kvstore.checksums"   # the database of checksums: a reserved key of the main database
-_SUM = struct.Struct("<QQ")        # a value's length and checksum, as SUMS_DB holds them
-SUM_CHUNK = 8 << 20                # bytes of values checksummed per task on the copy threads
+_SUM = lmdb_sums.SUM              # a value's length and checksum, as SUMS_DB holds them
 ALLOC_STEP = 16 << 20       # bytes the file grows by at a time (module docstring)
 WRITEBACK_STEP = 16 << 20   # a durable batch starts the disk writing after every this many bytes put
 
@@ -134,6 +132,7 @@ class LMDBStore:
         self._map_size = map_size
         self._fd = -1
         self._open()
+        self._legacy = self._check_format()
         was = recovery.marker(path)
         self._marked = was is not None
         self._nondurable = 0      # non-durable commits so far: a sync clears the marker only if none came since it began
@@ -145,7 +144,7 @@ class LMDBStore:
         elif was is not None:
             self._verify_into_fresh_file()
         try:
-            self._adopt_unsummed()
+            self._adopt_format()
             self._read_books()
         except (lmdb.CorruptedError, lmdb.PageNotFoundError) as e:     # a broken tree, whatever the marker said
             log.warning("LMDB store %s: %s while reading it: verifying every entry", path, e)
@@ -189,7 +188,7 @@ class LMDBStore:
         self.counters["verified_opens"] += 1
         map_size = self.env.info()["map_size"]
         kept, dropped, stopped = recovery.copy_verified(
-            self.env, self.sums, SUMS_DB, self.path, map_size, lambda k, v, s: _check(v, s))
+            self.env, self.sums, SUMS_DB, self.path, map_size, lambda k, v, s: lmdb_sums.passes(v, s, self._legacy))
         self._close_env()
         recovery.install_copy(self.path, kept, dropped, stopped)
         self.counters["dropped_entries"] += len(dropped)
@@ -197,21 +196,39 @@ class LMDBStore:
         self._open()
         self.sync()      # the fresh file is on disk: the marker goes
 
-    def _adopt_unsummed(self) -> None:
-        """A store written before values carried checksums: sum what it holds,
-        trusted as it was read before (logged)."""
-        if self.env.stat()["entries"] <= 1:       # nothing but SUMS_DB's own record
-            return
+    def _check_format(self) -> bool:
+        """Whether the store predates the format record (lmdb_sums.py); one whose
+        record names a format this version does not know is moved aside, untouched."""
+        with self.env.begin() as txn:
+            fmt = lmdb_sums.format_of(txn, self.sums)
+        if fmt in (None, lmdb_sums.FORMAT):
+            return fmt is None
+        self._close_env()
+        aside = recovery.move_aside(self.path, "format")
+        self.counters["moved_aside"] += 1
+        log.error("LMDB store %s: its checksums are of format %r, which this kvstore does not read (it reads %r: "
+                  "a newer kvstore wrote it?); the file was moved to %s, untouched, and the store starts empty",
+                  self.path, fmt[:64], lmdb_sums.FORMAT, aside)
+        self._open()
+        return False
+
+    def _adopt_format(self) -> None:
+        """A store without the format record: its checksum records brought up
+        to date (lmdb_sums.updates), then the record; a new store gets the record."""
         with self.env.begin(buffers=True) as txn:
-            if txn.stat(self.sums)["entries"]:
+            if lmdb_sums.format_of(txn, self.sums) == lmdb_sums.FORMAT:
                 return
-            missing = [(bytes(k), _SUM.pack(len(v), checksum(v))) for k, v in txn.cursor() if bytes(k) != SUMS_DB]
+            todo, seen = lmdb_sums.updates(txn, self.sums, SUMS_DB)
         psize = self.env.stat()["psize"]
-        self._write(lambda txn: [txn.put(k, r, db=self.sums) for k, r in missing],
-                    sum(len(k) + psize for k, _ in missing) + 4 * psize)
+        self._write(lambda txn: [txn.put(k, r, db=self.sums) for k, r in todo],
+                    sum(len(k) + psize for k, _ in todo) + 4 * psize)
         self.sync()
-        log.warning("LMDB store %s: written without value checksums; %d values were summed as they are now",
-                    self.path, len(missing))
+        self._legacy = False
+        if any(seen.values()):
+            log.warning("LMDB store %s: written by an older kvstore: %d values without checksums were summed as "
+                        "they are, %d checked by the weighted sum they were written with were summed again; %d "
+                        "match no checksum and are refused when read", self.path, seen["unsummed"],
+                        seen["weighted"], seen["failed"])
 
     def _read_books(self) -> None:
         self._sizes: dict[bytes, int] = {}
@@ -326,7 +343,7 @@ class LMDBStore:
     def write_batch(self, puts: list[tuple[bytes, bytes]], deletes: list[bytes], sync: bool = False) -> None:
         """Puts and deletes in one transaction (deletes first); with sync, on
         disk when this returns (the module docstring says in which order)."""
-        sums = _sums(puts)       # on the copy threads, while the values are put
+        sums = lmdb_sums.start(puts)       # on the copy threads, while the values are put
 
         def fn(txn):
             for k in deletes:
@@ -386,29 +403,6 @@ class LMDBStore:
         """A clean close: synced, the marker gone."""
         self.sync()
         self._close_env()
-
-
-def _check(value, record) -> bool:
-    """Whether value is what SUMS_DB's record says was written."""
-    if record is None or len(record) != _SUM.size:
-        return False
-    n, s = _SUM.unpack(record)
-    return n == len(value) and checksum(value) == s
-
-
-def _sums(puts: list[tuple[bytes, bytes]]):
-    """Start the checksums of the values on the copy threads; returns a
-    function that waits for them (in order)."""
-    chunks, a, nbytes = [], 0, 0
-    for i, (_, v) in enumerate(puts):
-        nbytes += entry_bytes(b"", v)
-        if nbytes >= SUM_CHUNK or i == len(puts) - 1:
-            chunks.append((a, i + 1))
-            a, nbytes = i + 1, 0
-    if len(chunks) <= 1:
-        return lambda: [checksum(v) for _, v in puts]
-    futures = [workers().submit(lambda a, b: [checksum(v) for _, v in puts[a:b]], a, b) for a, b in chunks]
-    return lambda: [s for f in futures for s in f.result()]
 
 
 def _after(puts: list[tuple[bytes, bytes]], deletes: Iterable[bytes]) -> dict[bytes, int]:

@@ -207,6 +207,90 @@ def test_a_store_written_before_checksums_is_summed_once(tmp_path):
     s.close()
 
 
+def rewrite_sums(path: str, fn) -> None:
+    """Each checksum record of the store at path as fn(value) makes it (None:
+    no record); the format record goes, as in a store written before it."""
+    import lmdb
+    from kvstore.tiers import lmdb_sums
+    from kvstore.tiers.lmdb_store import SUMS_DB
+    env = lmdb.open(path, max_dbs=2)
+    sums = env.open_db(SUMS_DB)
+    with env.begin(write=True) as txn:
+        txn.delete(lmdb_sums.FORMAT_KEY, db=sums)
+        for k, v in list(txn.cursor()):
+            if k != SUMS_DB:
+                r = fn(v)
+                txn.delete(k, db=sums) if r is None else txn.put(k, lmdb_sums.SUM.pack(len(v), r), db=sums)
+    env.close()
+
+
+@pytest.mark.parametrize("sums", ["weighted", "xxh3 without the format record"])
+@pytest.mark.parametrize("restart", ["clean", "system crash"])
+def test_a_store_an_older_kvstore_summed_is_read_whole(tmp_path, monkeypatch, caplog, sums, restart):
+    """Checksum records an older kvstore wrote (the weighted numpy sum, or
+    XXH3-64 before stores named their checksum format) pass as what they are:
+    every value is served, also after a system crash's verified reopen, and
+    the records are XXH3-64 afterwards. One value changed on disk is still
+    refused, and nothing intact is dropped."""
+    from kvstore.tiers.checksum import checksum, weighted_sum
+    path = str(tmp_path / "lmdb")
+    s = LMDBStore(path)
+    s.put_many(DURABLE, sync=True)
+    s.close()
+    rewrite_sums(path, weighted_sum if sums == "weighted" else checksum)
+    garble(path, DURABLE[3][1])
+    if restart == "system crash":
+        lmdb_recovery.mark(path)
+        monkeypatch.setattr(lmdb_recovery, "boot_id", lambda: "another-boot")
+    with caplog.at_level(logging.WARNING, "kvstore.lmdb"):
+        s = LMDBStore(path)
+        got = s.get_many([k for k, _ in DURABLE])
+    assert got == [v for _, v in DURABLE[:3]] + [None]
+    assert s.counters["dropped_entries"] == int(restart == "system crash"), "only the changed value is dropped"
+    if sums == "weighted":
+        assert "3 checked by the weighted sum" in caplog.text and path in caplog.text
+    s.close()
+    caplog.clear()
+    rewrite_sums(path, lambda v: None if v == DURABLE[0][1] else checksum(v))    # XXH3, one value unsummed
+    with caplog.at_level(logging.WARNING, "kvstore.lmdb"):
+        s = LMDBStore(path)
+    assert s.get_many([k for k, _ in DURABLE[:3]]) == [v for _, v in DURABLE[:3]]
+    assert "1 values without checksums were summed" in caplog.text
+    s.close()
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, "kvstore.lmdb"):
+        s = LMDBStore(path)          # the format record is there now: nothing to bring up to date
+    assert s.get_many([DURABLE[1][0]]) == [DURABLE[1][1]] and "older kvstore" not in caplog.text
+    s.close()
+
+
+def test_a_store_of_a_checksum_format_it_does_not_know_is_moved_aside(tmp_path, caplog):
+    """A newer kvstore's store (its format record names another checksum) is
+    neither read nor changed: moved aside, byte for byte, and a fresh store starts."""
+    import lmdb
+    from kvstore.tiers import lmdb_sums
+    from kvstore.tiers.lmdb_store import SUMS_DB
+    path = str(tmp_path / "lmdb")
+    s = LMDBStore(path)
+    s.put_many(DURABLE, sync=True)
+    s.close()
+    env = lmdb.open(path, max_dbs=2)
+    db = env.open_db(SUMS_DB)
+    with env.begin(write=True) as txn:
+        txn.put(lmdb_sums.FORMAT_KEY, b"blake3", db=db)
+    env.close()
+    with open(os.path.join(path, "data.mdb"), "rb") as f:
+        before = f.read()
+    with caplog.at_level(logging.ERROR, "kvstore.lmdb"):
+        s = LMDBStore(path)
+    assert s.keys() == [] and s.counters["moved_aside"] == 1
+    (aside,) = asides(path)
+    with open(os.path.join(path, aside), "rb") as f:
+        assert f.read() == before
+    assert "blake3" in caplog.text and aside in caplog.text
+    s.close()
+
+
 @pytest.mark.parametrize("restart", ["clean", "system crash"])
 def test_a_sequence_with_a_damaged_block_is_never_served(tmp_path, monkeypatch, caplog, restart):
     """Two offloaded sequences, one block of one of them changed on disk. After
