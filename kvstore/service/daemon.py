@@ -16,6 +16,7 @@ import os
 import signal
 import socket
 import sys
+import time
 from concurrent import futures
 
 import grpc
@@ -29,6 +30,7 @@ from kvstore.v1 import kvstore_pb2_grpc as pb_grpc
 from . import cli, logs, sockets
 from .auth import Authenticator, GateInterceptor
 from .buffers import BufferRegistry
+from .inflight import CallsInFlight, describe
 from .leases import DEFAULT_TIMEOUT_S, LeaseManager
 from .servicer import DEFAULT_MAX_STREAMS, KVStoreServicer
 
@@ -36,7 +38,7 @@ log = logging.getLogger("kvstore.daemon")
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 GRACE_S = 5.0           # calls in flight at a stop signal get this long to finish
-STOP_LIMIT_S = 15.0     # past this the daemon exits without the calls that are still running
+STOP_LIMIT_S = 15.0     # past this the daemon exits (status 1) without the calls that are still running
 
 
 def _stop_pipe() -> int:
@@ -82,15 +84,18 @@ def create_server(engine: "Engine | None" = None, socket_path: str | None = None
     its own beside the `workers` that serve calls (and as many doorbell
     connections); doorbell: serve the per-step fast lane (doorbell.py) next to
     the Unix socket.
+    The server's kvstore_calls (inflight.py) lists the handlers still running.
     Returns (server, tcp_port or 0, health servicer)."""
     auth = auth or Authenticator()
     if port is not None and not auth.has_tokens:
         raise ValueError("TCP needs bearer tokens: pass --auth-token or --token-file with --port")
     opts = server_options(max_message_mb)
-    # Metrics outermost, so that calls the gate refuses are counted too.
-    interceptors = ([metrics.interceptor] if metrics is not None else []) + [GateInterceptor(auth)]
+    # Metrics outside the gate, so that calls it refuses are counted too.
+    calls = CallsInFlight()
+    interceptors = [calls] + ([metrics.interceptor] if metrics is not None else []) + [GateInterceptor(auth)]
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=workers + max_streams), options=opts,
                          interceptors=interceptors)
+    server.kvstore_calls = calls
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     for name in ("", SERVICE):
@@ -254,25 +259,32 @@ def main(argv: list[str] | None = None) -> None:
     log.info("kvstore serving on %s (device %s)", where, args.device)
     print(f"kvstore: serving on {where}", flush=True)
     signum = _wait_for_stop(wake)
+    deadline = time.monotonic() + STOP_LIMIT_S
     log.info("signal %s: stopping", signum)
     health_servicer.enter_graceful_shutdown()
     # Bounded: a handler that ignores cancellation must not keep the engine from
     # closing below (LMDB synced, queued Redis puts sent) before a supervisor's SIGKILL.
-    stopped = server.stop(grace=GRACE_S).wait(STOP_LIMIT_S)    # removes our sockets, if they are still ours
-    if not stopped:
-        log.warning("calls still running %.0f s after the stop signal: exiting without them", STOP_LIMIT_S)
+    # gRPC's event says stopped once it has cancelled the calls, not once their
+    # handlers return (interpreter exit joins those), so the calls' own table decides.
+    # server.stop also removes our sockets, if they are still ours.
+    stopped = server.stop(grace=GRACE_S).wait(max(0.0, deadline - time.monotonic()))
+    left = server.kvstore_calls.wait(deadline)
+    cut = not stopped or bool(left)
+    if cut:
+        log.warning("calls still running %g s after the stop signal: exiting without them: %s", STOP_LIMIT_S,
+                    describe(left) or "gRPC's stop has not finished")
     if metrics is not None:
         metrics.stop()
     eng = getattr(server, "kvstore_engine", None)
     if eng is not None:
         eng.close()         # LMDB synced, queued Redis puts sent
     logging.shutdown()
-    if not stopped or args.device.startswith("cuda"):
+    if cut or args.device.startswith("cuda"):
         # Interpreter exit would join the handler threads still running; and its
         # teardown of CUDA memory that workers still map through IPC can block.
         # LMDB is synced by now, so leave (1: calls were cut off).
         sys.stdout.flush()
-        os._exit(0 if stopped else 1)
+        os._exit(1 if cut else 0)
 
 
 if __name__ == "__main__":

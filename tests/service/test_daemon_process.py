@@ -9,6 +9,7 @@ import time
 
 import grpc
 import pytest
+import torch
 
 from kvstore.v1 import kvstore_pb2 as pb
 
@@ -31,12 +32,14 @@ print(json.dumps({"cached": cached, "sealed": list(info.sealed_blocks), "tail": 
 """
 
 
-def start_daemon(sock, hash_seed="0", extra=(), run_in=()):
-    """run_in: a command prefix that runs the daemon elsewhere (another network namespace)."""
-    env = dict(os.environ, PYTHONHASHSEED=hash_seed, PYTHONUNBUFFERED="1")
+def start_daemon(sock, hash_seed="0", extra=(), run_in=(), code=None, env=()):
+    """run_in: a command prefix that runs the daemon elsewhere (another network namespace);
+    code: Python run in place of server.py (it gets the same arguments); env: more variables."""
+    env = dict(os.environ, PYTHONHASHSEED=hash_seed, PYTHONUNBUFFERED="1", **dict(env))
     # -X faulthandler: a start that times out is sent SIGABRT below, which prints every
     # thread's Python stack, so the failure says where the daemon was
-    p = subprocess.Popen([*run_in, sys.executable, "-X", "faulthandler", os.path.join(ROOT, "server.py"), "--socket",
+    main = ["-c", code] if code is not None else [os.path.join(ROOT, "server.py")]
+    p = subprocess.Popen([*run_in, sys.executable, "-X", "faulthandler", *main, "--socket",
                           sock, "--device", "cpu", *extra],
                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     target = f"unix://{sock}"
@@ -178,3 +181,68 @@ def test_stop_signals_in_a_burst_stop_it_once_and_cleanly(sock):
     assert rc == 0, out[-3000:]
     assert "Traceback" not in out, out[-3000:]
     assert not os.path.exists(sock)
+
+
+STUCK = r"""
+import os, sys, threading
+sys.path.insert(0, os.environ["KV_ROOT"])
+from kvstore.service import daemon, servicer
+
+def stats(self, request, context):      # a handler that ignores cancellation, as one inside faiss does
+    open(os.environ["KV_STUCK"], "w").close()
+    threading.Event().wait()
+
+servicer.KVStoreServicer.Stats = stats
+daemon.GRACE_S, daemon.STOP_LIMIT_S = 0.2, 1.5
+daemon.main(sys.argv[1:])
+"""
+
+
+def test_a_handler_that_ignores_cancellation_ends_in_exit_1_at_the_stop_limit(sock, tmp_path):
+    """gRPC reports the server stopped once it has cancelled the calls, while a handler
+    thread blocked outside Python keeps running and interpreter exit would join it: the
+    daemon still exits, status 1, at STOP_LIMIT_S, with its disk tier synced, and names the call."""
+    import threading
+    from kvstore.v1 import kvstore_pb2_grpc as pb_grpc
+    stuck = tmp_path / "stuck"
+    p, target = start_daemon(sock, extra=("--lmdb", str(tmp_path / "lmdb")), code=STUCK,
+                             env={"KV_ROOT": ROOT, "KV_STUCK": str(stuck)})
+    from kvstore.client import KVStoreClient
+    with KVStoreClient(target) as kv:       # blocks only memory holds, for the stop to write to disk
+        kv.create_cache("c", "m", num_layers=1, num_q_heads=1, num_kv_heads=1, head_dim=16, codec="fp16",
+                        block_size=8, num_blocks=8)
+        kv.allocate("c", "s", list(range(16)))
+        k = torch.randn(1, 16, 1, 16).half()
+        kv.append("c", ["s"], k, k, token_ids=[list(range(16))])
+    codes = []
+
+    def call():
+        with grpc.insecure_channel(target) as ch:
+            try:
+                pb_grpc.KVStoreStub(ch).Stats(pb.StatsRequest(), timeout=60)
+            except grpc.RpcError as e:
+                codes.append(e.code())
+    caller = threading.Thread(target=call, daemon=True)
+    caller.start()
+    deadline = time.monotonic() + 30
+    while not stuck.exists() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert stuck.exists(), "the stuck handler never ran"
+    t0 = time.monotonic()
+    p.send_signal(signal.SIGTERM)
+    try:
+        rc = p.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        p.kill()
+        raise AssertionError("daemon still running 30 s after SIGTERM with a stop limit of 1.5 s: "
+                             + p.stdout.read()[-3000:])
+    elapsed = time.monotonic() - t0
+    out = p.stdout.read()
+    caller.join(10)
+    assert rc == 1, out[-3000:]
+    assert 1.5 <= elapsed < 20, (elapsed, out[-3000:])
+    assert "calls still running 1.5 s after the stop signal: exiting without them: Stats (" in out, out[-3000:]
+    assert codes == [grpc.StatusCode.UNAVAILABLE]          # the caller was cancelled at the grace period
+    assert not os.path.exists(sock)
+    assert "prefix blocks written to the disk tier" in out, out[-3000:]     # the engine closed
+    assert not (tmp_path / "lmdb" / "unclean").exists()                    # and synced the disk tier
