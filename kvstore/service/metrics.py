@@ -11,7 +11,14 @@ new tier shows up without touching this file:
 - a number whose key ends in `_<tier>` (`page_ins_host`) -> kvstore_tier_<base>;
 - any other number -> kvstore_<key>.
 Keys nest one level under `tiers`. Counters are the names in COUNTERS (they
-get `_total`); every other number is a gauge. The daemon's shared Redis tier
+get `_total`); every other number is a gauge.
+
+A tier in SHARED_TIERS is one store under every cache (the disk tier: one LMDB
+store, each cache's stats carry the whole store's figures): its dict is
+daemon-wide series kvstore_<tier>_<field>, once, with no cache label, so that
+sum() over caches does not multiply it. What each cache does with it (its
+sequences there, offloads, page-ins, hits, bytes moved) stays per cache, as
+kvstore_tier_*{cache, tier}. The daemon's shared Redis tier
 (tiers/redis_store.py) also has daemon-wide series, kvstore_redis_*.
 """
 from __future__ import annotations
@@ -33,9 +40,15 @@ COUNTERS = {"prefix_query_tokens", "prefix_hit_tokens", "appended_tokens", "seal
             "dropped_sequences"}
 HIT_BLOCKS = ("prefix_hit_blocks", "prefix_hits")    # per-tier prefix hits, counted in blocks
 TIER_SUFFIXES = ("gpu", "host", "disk")
+SHARED_TIERS = {"disk": "the disk tier's LMDB store, shared by every cache"}
 # HELP text where the name alone says too little.
 DOCS = {"host_metadata_bytes": "host memory a cache's sequence metadata holds: token ids, block hashes, block tables",
         "host_bytes": "pinned host memory a cache's host tier reserves"}
+SHARED_DOCS = {"entries": "keys stored", "bytes": "what the pages of its tree take",
+               "used_bytes": "value bytes stored, the bound counts these",
+               "max_bytes": "its bound (--lmdb-max-bytes; 0: none)",
+               "held_bytes": "value bytes sequences' disk copies hold (the rest is evictable prefix blocks)",
+               "map_size": "LMDB's map size in bytes"}
 POOL_STATES = ("used", "cached", "free")
 LATENCY_BUCKETS = (.0001, .00025, .0005, .001, .0025, .005, .01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10, 30)
 
@@ -82,8 +95,11 @@ class EngineCollector:
               "always 1; labels: kvstore version and commit, torch, the CUDA torch was built for (none: CPU build), "
               "triton and cupy (absent: not installed)")
         if self.engine is not None:
+            shared: dict[str, dict] = {}
             for cache, stats in self.engine.stats().items():
-                self._cache(f, cache, stats)
+                self._cache(f, cache, stats, shared)
+            for tier, fields in shared.items():
+                self._shared(f, tier, fields)
         if self.leases is not None:
             ls = self.leases.stats()
             f.add("sessions", {}, ls["sessions"], False, "client sessions holding a lease")
@@ -104,7 +120,9 @@ class EngineCollector:
         f.add("redis_queue_puts", {}, r["queue_puts"], False, "block batches waiting for the Redis writer")
         f.add("redis_queue_bytes", {}, r["queue_bytes"], False, "payload bytes waiting for the Redis writer")
 
-    def _cache(self, f: _Families, cache: str, stats: dict) -> None:
+    def _cache(self, f: _Families, cache: str, stats: dict, shared: dict[str, dict]) -> None:
+        """One cache's series; the fields of a tier in SHARED_TIERS go to `shared`,
+        the first cache's only (every cache reads the same store)."""
         flat = {k: v for k, v in stats.items() if k != "tiers"}
         flat.update(stats.get("tiers") or {})
         tiers = {k for k, v in flat.items() if v is not None and not _number(v) and _fields(v) is not None}
@@ -112,7 +130,9 @@ class EngineCollector:
         for key, v in flat.items():
             if v is None:
                 continue
-            if key in tiers:
+            if key in SHARED_TIERS and key in tiers:
+                shared.setdefault(key, _fields(v))
+            elif key in tiers:
                 self._tier(f, cache, key, _fields(v), stats)
             elif _number(v):
                 base, tier = _split_tier(key, suffixes)
@@ -141,6 +161,13 @@ class EngineCollector:
                 self._tier_hit_rate(f, cache, tier, v, stats)
                 continue
             f.add(f"{k}_total" if k in COUNTERS else f"tier_{k}", lab, v, k in COUNTERS)
+
+    @staticmethod
+    def _shared(f: _Families, tier: str, fields: dict) -> None:
+        for k, v in fields.items():
+            if _number(v):
+                f.add(f"{tier}_{k}_total" if k in COUNTERS else f"{tier}_{k}", {}, v, k in COUNTERS,
+                      f"{SHARED_TIERS[tier]}: {SHARED_DOCS.get(k, k.replace('_', ' '))}")
 
     def _tier_hit_rate(self, f: _Families, cache: str, tier: str, blocks: float, stats: dict) -> None:
         queried = stats.get("prefix_query_tokens", 0)

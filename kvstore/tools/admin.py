@@ -112,10 +112,6 @@ def render_stats(reply) -> str:
                  *((_mib(b) for b in memory[t]) if t in memory else ("", ""))] for t, p in _tiers(c)]
         out.append(_indent(_table(rows, ["tier", "capacity", "used", "cached", "free", "evictions", "reserved",
                                          "used bytes"])))
-        if c.disk_entries or c.disk_bytes:      # entries and bytes, not blocks; nothing reserved at creation
-            bound = f"of a {_mib(c.disk_max_bytes)} bound" if c.disk_max_bytes else "(no bound)"
-            out.append(f"  disk (shared by every cache): {c.disk_entries} entries (blocks and manifests), "
-                       f"{_mib(c.disk_used_bytes)} used {bound}, {_mib(c.disk_held_bytes)} of it held by sequences")
         out.append(f"  reserved {_mib(c.reserved_bytes)} in all, allocated at creation (GPU main and tail pools, "
                    f"the host tier: its row counts both host pools); used {_mib(c.used_bytes)} of the GPU pools")
         if c.sequences_host or c.sequences_disk or c.page_ins_host or c.page_ins_disk:
@@ -134,6 +130,12 @@ def render_stats(reply) -> str:
                        f"{c.redis_blocks_out} out ({_mib(c.redis_bytes_out)}), {c.redis_misses} misses, "
                        f"{c.redis_refused} refused, {c.redis_dropped_puts} puts dropped, {c.redis_errors} errors"
                        + (f"; last error: {c.redis_last_error}" if c.redis_last_error else ""))
+    # Every cache reports the one store's figures: one line for all, not one per cache.
+    d = next((c for c in reply.caches if c.disk_entries or c.disk_bytes), None)
+    if d is not None:       # entries and bytes, not blocks; nothing reserved at creation
+        bound = f"of a {_mib(d.disk_max_bytes)} bound" if d.disk_max_bytes else "(no bound)"
+        out.append(f"disk (shared by every cache): {d.disk_entries} entries (blocks and manifests), "
+                   f"{_mib(d.disk_used_bytes)} used {bound}, {_mib(d.disk_held_bytes)} of it held by sequences")
     return "\n".join(out) if out else "no caches"
 
 

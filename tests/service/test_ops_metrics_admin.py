@@ -10,6 +10,7 @@ import urllib.request
 import grpc
 import pytest
 import torch
+from prometheus_client import CollectorRegistry, generate_latest
 
 from kvstore.client import KVStoreClient
 from kvstore.core.block_pool import PoolStats
@@ -83,17 +84,50 @@ def test_new_tiers_appear_without_code_changes():
         def config(self, name):
             return type("Cfg", (), {"block_size": 8})()
 
-    from prometheus_client import CollectorRegistry, generate_latest
     reg = CollectorRegistry()
     reg.register(EngineCollector(FakeEngine()))
     s = samples(generate_latest(reg).decode())
     assert s['kvstore_blocks{cache="c",state="used",tier="host_main"}'] == 5
     assert s['kvstore_evictions_total{cache="c",tier="host_main"}'] == 2
     assert s['kvstore_tier_page_ins_total{cache="c",tier="host"}'] == 7
-    assert s['kvstore_tier_bytes{cache="c",tier="disk"}'] == 4096
+    assert s['kvstore_disk_bytes'] == 4096
     assert s['kvstore_tier_hit_rate{cache="c",tier="disk"}'] == pytest.approx(2 * 8 / 100)
     assert s['kvstore_sequences{cache="c"}'] == 3
     assert not any("tail" in k for k in s)        # a tier that is None is absent
+
+
+def test_the_shared_disk_store_is_one_series_and_each_cache_its_own_share(tmp_path):
+    """The disk tier is one LMDB store under every cache: its figures are daemon-wide
+    series without a cache label, so sum() over caches does not multiply them; what a
+    cache did with it (sequences there, offloads) is that cache's own."""
+    from kvstore.engine.engine import Engine
+    from helpers import config, kv
+    e = Engine("cpu", str(tmp_path / "lmdb"))
+    for name in ("a", "b"):
+        e.create_cache(config(codec="fp16", name=name, num_blocks=32))
+    k, v = kv(2, 40, 2, 16)
+    e.allocate("b", "t", "s", list(range(40)))
+    e.append("b", "t", ["s"], k, v, [40], token_ids=[list(range(40))])
+    e.offload("b", "t", ["s"])
+    reg = CollectorRegistry()
+    reg.register(EngineCollector(e))
+    s = samples(generate_latest(reg).decode())
+    disk = e.stats()["b"]["tiers"]["disk"]
+    assert s["kvstore_disk_used_bytes"] == disk["used_bytes"] > 0
+    assert s["kvstore_disk_held_bytes"] == disk["held_bytes"] > 0
+    assert s["kvstore_disk_entries"] == disk["entries"] > 0
+    assert "kvstore_disk_evictions_total" in s and "kvstore_disk_refused_values_total" in s
+    assert not [n for n in s if n.startswith("kvstore_disk_") and "{" in n]       # no cache label
+    per_cache = {n for n in s if 'tier="disk"' in n}
+    assert {n.split("{")[0] for n in per_cache} == {
+        "kvstore_tier_sequences", "kvstore_tier_offloads_total", "kvstore_tier_page_ins_total",
+        "kvstore_tier_prefix_hits_total", "kvstore_tier_hit_rate", "kvstore_tier_bytes_down_total",
+        "kvstore_tier_bytes_up_total"}
+    assert s['kvstore_tier_sequences{cache="a",tier="disk"}'] == 0
+    assert s['kvstore_tier_sequences{cache="b",tier="disk"}'] == 1
+    assert s['kvstore_tier_offloads_total{cache="a",tier="disk"}'] == 0
+    assert s['kvstore_tier_offloads_total{cache="b",tier="disk"}'] == 1
+    e.close()
 
 
 def test_metrics_over_http_and_unauthenticated_calls_counted(tmp_path):
@@ -202,14 +236,17 @@ def test_admin_commands(live, capsys):
 
 def test_admin_stats_reads_the_disk_as_entries_and_bytes_not_as_a_pool():
     """The disk tier is no pool of blocks: its line gives entries (blocks and
-    manifests) and bytes against its bound, none of them in the blocks table; a cache
-    whose tokens are all below the GPU says so instead of an effective x0.00."""
+    manifests) and bytes against its bound, none of them in the blocks table, once for
+    the one store every cache reports; a cache whose tokens are all below the GPU says
+    so instead of an effective x0.00."""
     from kvstore.v1 import kvstore_pb2 as pb
-    c = pb.CacheStats(cache="c", tokens=80, bytes_per_token=64, fp16_bytes_per_token=256, compression_ratio=4.0,
-                      main=pb.PoolStats(capacity=16, free=16), disk_entries=12, disk_bytes=16384,
-                      disk_used_bytes=14438, disk_max_bytes=1 << 30, disk_held_bytes=14438)
-    out = admin.render_stats(pb.StatsReply(caches=[c]))
-    assert "disk (shared by every cache): 12 entries (blocks and manifests), 14.1 KiB used of a 1.0 GiB bound" in out
+    c = [pb.CacheStats(cache=name, tokens=80, bytes_per_token=64, fp16_bytes_per_token=256, compression_ratio=4.0,
+                       main=pb.PoolStats(capacity=16, free=16), disk_entries=12, disk_bytes=16384,
+                       disk_used_bytes=14438, disk_max_bytes=1 << 30, disk_held_bytes=14438) for name in "cd"]
+    out = admin.render_stats(pb.StatsReply(caches=c))
+    assert out.count("disk (shared by every cache)") == 1
+    assert out.splitlines()[-1].startswith("disk (shared by every cache): 12 entries (blocks and manifests), "
+                                           "14.1 KiB used of a 1.0 GiB bound")
     assert not any(line.split()[:2] == ["disk", "-"] for line in out.splitlines())      # no table row
     assert "effective: no tokens on the GPU (80 tokens below it)" in out and "x0.00" not in out
 

@@ -329,7 +329,7 @@ def test_a_sequence_with_a_damaged_block_is_never_served(tmp_path, monkeypatch, 
                 e.retrieve("c", T, "s", 0, 70)
             assert e.sequence_info("c", T, "s").tier == "disk", "a refused page-in changed the sequence"
             assert e.cold_store.counters["refused_values"] >= 1
-            assert scraped(e)['kvstore_refused_values_total{cache="c",tier="disk"}'] >= 1
+            assert scraped(e)['kvstore_disk_refused_values_total'] >= 1
         else:
             with pytest.raises(NotFound):
                 e.sequence_info("c", T, "s")
@@ -337,8 +337,8 @@ def test_a_sequence_with_a_damaged_block_is_never_served(tmp_path, monkeypatch, 
             assert e.cold_store.books.counters["dropped_sequences"] == 1
             assert "'s'" in caplog.text
             m = scraped(e)
-            assert m['kvstore_dropped_sequences_total{cache="c",tier="disk"}'] == 1
-            assert m['kvstore_verified_opens_total{cache="c",tier="disk"}'] == 1
+            assert m['kvstore_disk_dropped_sequences_total'] == 1
+            assert m['kvstore_disk_verified_opens_total'] == 1
     e.check_invariants()
     e.cold_store.close()
 
