@@ -68,9 +68,21 @@ def _cli_words(details: str) -> str:
     return details.replace("pass force=true", "pass --force")
 
 
-def _hint(e: grpc.RpcError, kv) -> str:
+def _hint(e: grpc.RpcError, kv, tls_ca: str | None = None) -> str:
+    """What to do about an UNAVAILABLE, told apart by gRPC's text: nothing listening
+    (connection refused, no socket file) and a TCP port reached where TLS did not fit."""
     if e.code() != grpc.StatusCode.UNAVAILABLE:
         return ""
+    details = e.details() or ""
+    if not kv.target.startswith("unix:"):
+        if "handshake failed" in details.lower():
+            return (f"\n  a TLS handshake with {kv.target} failed: --tls-ca must name the CA that signed the "
+                    "daemon's --tls-cert, for the host name in --target; a daemon without --tls-cert serves "
+                    "plain TCP: drop --tls-ca")
+        if "socket closed" in details.lower() and not tls_ca:
+            # A TLS port closes a connection that starts in plain text; a refused one says so.
+            return (f"\n  {kv.target} took the connection and closed it: if the daemon serves TLS there "
+                    "(--tls-cert), pass --tls-ca CA.pem (and --token TOKEN)")
     return (f"\n  no daemon answers at {kv.target}: start one (kvstore-server, or make serve), "
             "or name its socket with --socket (--target for TCP)")
 
@@ -305,7 +317,7 @@ def _main(argv: list[str] | None) -> None:
     try:
         out = cmd(kv, args)
     except grpc.RpcError as e:
-        raise SystemExit(f"kvstore-admin: {e.code().name}: {_cli_words(e.details())}{_hint(e, kv)}")
+        raise SystemExit(f"kvstore-admin: {e.code().name}: {_cli_words(e.details())}{_hint(e, kv, args.tls_ca)}")
     except KeyboardInterrupt:
         out = None
     finally:

@@ -1,9 +1,11 @@
 """kvstore-admin as an operator uses it: numbers in --json are JSON numbers,
 the stats text says nominal and effective bytes per token apart and reserved
-vs used bytes per pool, a closed pipe (`| head -1`) ends it quietly, and
-delete-cache says what it dropped."""
+vs used bytes per pool, a closed pipe (`| head -1`) ends it quietly,
+delete-cache says what it dropped, and a call that reaches no daemon says why."""
 import json
 import os
+import shutil
+import socket
 import subprocess
 import sys
 
@@ -95,3 +97,40 @@ def test_no_daemon_says_how_to_start_one(tmp_path):
         admin.main(["--socket", sock, "--timeout", "2", "stats"])
     assert str(e.value).startswith("kvstore-admin: UNAVAILABLE: ")
     assert f"no daemon answers at unix://{sock}: start one (kvstore-server, or make serve)" in str(e.value)
+
+
+def _cert(d, name: str) -> str:
+    key, cert = d / f"{name}.key", d / f"{name}.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out",
+                    str(cert), "-days", "1", "-subj", "/CN=localhost", "-addext", "subjectAltName=DNS:localhost"],
+                   check=True, capture_output=True)
+    return str(cert)
+
+
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="needs openssl to make a certificate")
+def test_a_tls_port_reached_without_tls_names_tls_ca_not_a_missing_daemon(tmp_path):
+    from kvstore.service.auth import Authenticator
+    cert, other = _cert(tmp_path, "daemon"), _cert(tmp_path, "other")
+    key = open(cert.replace(".pem", ".key"), "rb").read()
+    server, port, _ = create_server(socket_path=str(tmp_path / "kv.sock"), port=0, host="localhost",
+                                    auth=Authenticator({"tok": "t"}), tls=(open(cert, "rb").read(), key))
+    with socket.socket() as s:      # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        closed = s.getsockname()[1]
+
+    def error(*argv) -> str:
+        with pytest.raises(SystemExit) as e:
+            admin.main([*argv, "--timeout", "3", "stats"])
+        assert str(e.value).startswith("kvstore-admin: UNAVAILABLE: "), str(e.value)
+        return str(e.value)
+    try:
+        plain = error("--target", f"localhost:{port}", "--token", "tok")
+        assert (f"localhost:{port} took the connection and closed it: if the daemon serves TLS there (--tls-cert), "
+                "pass --tls-ca CA.pem (and --token TOKEN)") in plain
+        assert "no daemon answers" not in plain
+        wrong_ca = error("--target", f"localhost:{port}", "--token", "tok", "--tls-ca", other)
+        assert f"a TLS handshake with localhost:{port} failed: --tls-ca must name the CA that signed" in wrong_ca
+        refused = error("--target", f"localhost:{closed}", "--token", "tok")
+        assert f"no daemon answers at localhost:{closed}: start one" in refused
+    finally:
+        server.stop(0)
