@@ -25,7 +25,21 @@ def server_options(max_message_mb: int = DEFAULT_MAX_MESSAGE_MB) -> list[tuple[s
             ("grpc.so_reuseport", 0)]
 
 
+# gRPC waits between connection attempts 1 s, then 1.6 times longer each failure, up to
+# 120 s (grpc/doc/connection-backoff.md): after a restart a client whose attempts failed
+# while the daemon was down would wait up to that long for it. A daemon is on this host
+# or near it, so trying again every second at most costs nothing.
+RECONNECT_INITIAL_MS = 100
+RECONNECT_MAX_MS = 1000
+
+
 def client_options(max_message_mb: int = DEFAULT_MAX_MESSAGE_MB) -> list[tuple[str, int]]:
-    """gRPC channel options of the client."""
+    """gRPC channel options of the client. Each channel keeps its connection to itself
+    (use_local_subchannel_pool): by default the channels of a process with the same
+    target and options share one, and its back-off, so a new client made to reconnect
+    would inherit the failures of the old one and be refused at once."""
     limit = max_message_mb * 1024 * 1024
-    return [("grpc.max_receive_message_length", limit), ("grpc.max_send_message_length", limit)]
+    return [("grpc.max_receive_message_length", limit), ("grpc.max_send_message_length", limit),
+            ("grpc.initial_reconnect_backoff_ms", RECONNECT_INITIAL_MS),
+            ("grpc.max_reconnect_backoff_ms", RECONNECT_MAX_MS),
+            ("grpc.use_local_subchannel_pool", 1)]
