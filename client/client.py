@@ -9,7 +9,9 @@
 
 Tensors cross through a POSIX shared-memory buffer registered once when the
 daemon is local (Unix socket), as inline bytes otherwise; `transport` says
-which (connection.py). Errors are grpc.RpcError with the daemon's status code and message.
+which (connection.py). Errors are grpc.RpcError with the daemon's status code and message;
+UNAVAILABLE and CANCELLED both mean the daemon is gone or going (a call in flight as it
+stops ends with either, and may or may not have taken effect).
 
 On a Unix socket append_attend goes over one long-lived stream per client
 (AppendAttendStream, client/stream.py): no per-call RPC setup. Its errors

@@ -26,6 +26,9 @@ from .stream import CallStream, StreamRefused
 
 log = logging.getLogger("kvstore.client")
 STREAM_RETRY_S = 30.0      # after the daemon turned a stream away, call unary this long before trying again
+# The daemon gone or going away: a call in flight when it stops may end CANCELLED (gRPC's own
+# cancellation) as well as UNAVAILABLE, and neither says whether the call took effect.
+UNREACHABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
 
 
 class _Metadata(grpc.UnaryUnaryClientInterceptor):
@@ -178,10 +181,12 @@ class Connection:
             try:
                 arena = ShmArena(size)
                 arena.buffer_id = self._register(pb.RegisterBufferRequest(kind=pb.SHM, name=arena.name, size=size))
-            except (OSError, grpc.RpcError):
-                # Daemon on another host or no /dev/shm: inline bytes still work.
+            except (OSError, grpc.RpcError) as e:
                 if arena is not None:
                     arena.close()
+                if isinstance(e, grpc.RpcError) and e.code() in UNREACHABLE:
+                    raise       # a daemon away says nothing of whether it can map the buffer
+                # Daemon on another host or no /dev/shm: inline bytes still work.
                 self.transport = "inline"
                 return None
             # Both sides have it mapped now: drop the name, so a client that dies
@@ -204,11 +209,13 @@ class Connection:
                     kind=pb.CUDA_IPC, size=a.size, ipc_handle=a.handle.handle, offset=a.handle.offset,
                     device_uuid=a.handle.device_uuid, ready_event=a.ready.ipc_handle(),
                     done_event=a.done.ipc_handle()))
-            except grpc.RpcError:
+            except grpc.RpcError as e:
+                self._cuda_arena = None
+                if e.code() in UNREACHABLE:
+                    raise
                 # A daemon without CUDA: go through host memory, and do not try
                 # again on every call (a new arena costs a cudaMalloc, an IPC
                 # export and an RPC: ~0.2 s a call, measured).
-                self._cuda_arena = None
                 self._no_cuda_buffers = True
                 return None
             self._cuda_arena = a

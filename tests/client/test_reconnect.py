@@ -11,6 +11,7 @@ import grpc
 import pytest
 
 from kvstore.client import KVStoreClient
+from kvstore.client.stream import rpc_error
 from kvstore.protocol.channel import client_options
 
 from helpers import ROOT
@@ -84,3 +85,30 @@ def test_clients_reach_a_restarted_daemon_at_once(tmp_path):
         worker.close()
         p.kill()
         p.wait()
+
+
+class _Refusing:
+    def __init__(self, code):
+        self.code = code
+
+    def RegisterBuffer(self, request, timeout=None):
+        raise rpc_error(self.code, "refused")
+
+
+@pytest.mark.parametrize("code, transport", [(grpc.StatusCode.UNAVAILABLE, "shm"), (grpc.StatusCode.CANCELLED, "shm"),
+                                             (grpc.StatusCode.PERMISSION_DENIED, "inline")])
+def test_a_daemon_away_at_registration_leaves_the_transport_as_it_was(tmp_path, code, transport):
+    """UNAVAILABLE and CANCELLED say the daemon went away, not that it cannot map a buffer:
+    the call fails, and the next registers again; a refusal sends tensors inline from then on."""
+    kv = KVStoreClient(f"unix://{tmp_path}/none.sock", heartbeat=False)
+    kv.stub = _Refusing(code)
+    try:
+        if transport == "shm":
+            with pytest.raises(grpc.RpcError) as e:
+                kv._arena_for(1024)
+            assert e.value.code() == code
+        else:
+            assert kv._arena_for(1024) is None
+        assert kv.transport == transport and kv._arena is None
+    finally:
+        kv.close()
