@@ -98,6 +98,14 @@ class Connection:
         self._bell_retry_at = 0.0
         self._host_wait = host_wait
         self._beat_stop = threading.Event()
+        # What tells a restart from a lapsed lease when the daemon has dropped our buffers
+        # (_dropped_why): the lease timeout, when the lease was last renewed, whether it
+        # was renewed in time every time since the buffers were registered, and whether
+        # the daemon was unreachable meanwhile.
+        self._lease_s = 0.0
+        self._renewed = 0.0
+        self._renewed_in_time = False
+        self._unreachable = False
         if heartbeat:
             threading.Thread(target=self._beat, name="kvstore-heartbeat", daemon=True).start()
 
@@ -124,13 +132,32 @@ class Connection:
             period = 5.0
             try:
                 r = self.stub.Heartbeat(pb.HeartbeatRequest(), timeout=max(1.0, period))
+                self._renew(r.lease_timeout_s)
                 if r.lease_timeout_s > 0:
                     period = max(0.2, min(10.0, r.lease_timeout_s / 3))
             except grpc.RpcError as e:
+                if e.code() in UNREACHABLE:
+                    self._unreachable = True
                 if e.code() in (grpc.StatusCode.UNIMPLEMENTED, grpc.StatusCode.UNAUTHENTICATED):
                     return     # an older daemon, or one that will never take us
             except ValueError:
                 return         # the channel was closed under us
+
+    def _renew(self, lease_s: float) -> None:
+        now = time.monotonic()
+        if self._lease_s and now - self._renewed > self._lease_s:
+            self._renewed_in_time = False
+        self._lease_s, self._renewed = lease_s, now
+
+    def _dropped_why(self) -> str:
+        """Why the daemon holds none of our buffers, as far as this client can tell: the
+        lease cannot have lapsed if it was renewed within its timeout every time since."""
+        if self._unreachable:
+            return "it restarted (this client lost its connection to it meanwhile)"
+        if self._renewed_in_time and self._lease_s and time.monotonic() - self._renewed <= self._lease_s:
+            return "it restarted (this session's lease was renewed in time throughout)"
+        return ("it restarted, or this session's lease lapsed while the process was stopped or "
+                "starved past the lease timeout")
 
     def __enter__(self):
         return self
@@ -149,9 +176,10 @@ class Connection:
             self._arena = None
 
     def _lapsed(self, e: grpc.RpcError) -> bool:
-        """The daemon dropped this client's buffers (and doorbell token): the session's
-        lease lapsed while the process was stopped or starved. It said so before it read
-        anything of the call, so the call can go again once they are registered anew."""
+        """The daemon dropped this client's buffers (and doorbell token): it restarted,
+        or the session's lease lapsed while the process was stopped or starved. It said
+        so before it read anything of the call, so the call can go again once they are
+        registered anew."""
         code, details = e.code(), e.details() or ""
         if code == grpc.StatusCode.UNAUTHENTICATED:
             return details.startswith("doorbell_token:")
@@ -160,8 +188,8 @@ class Connection:
 
     def _forget_registrations(self) -> None:
         """After a lapse: what the daemon no longer holds is not unregistered, only dropped."""
-        log.warning("kvstore: the daemon dropped this client's buffers (its session's lease lapsed: "
-                    "the process was stopped or starved past the lease timeout); registering them again")
+        log.warning("kvstore: the daemon no longer holds this client's buffers: %s; registering them again",
+                    self._dropped_why())
         for a in (self._arena, self._cuda_arena):
             if a is not None:
                 a.close()
@@ -224,6 +252,8 @@ class Connection:
 
     def _register(self, request: pb.RegisterBufferRequest) -> str:
         reply = self.stub.RegisterBuffer(request, timeout=self.timeout)
+        self._renew(self._lease_s)      # a call renews the lease
+        self._renewed_in_time, self._unreachable = True, False
         if reply.doorbell_path:
             self._bell_addr = (reply.doorbell_path, reply.doorbell_token)
         return reply.buffer_id

@@ -9,6 +9,7 @@ import time
 
 import grpc
 import pytest
+import torch
 
 from kvstore.client import KVStoreClient
 from kvstore.client.stream import rpc_error
@@ -17,6 +18,15 @@ from kvstore.protocol.channel import client_options
 from helpers import ROOT
 
 REACH_S = 2.0     # the reconnect back-off's cap (1 s, jitter 20 %) and a margin
+GEOM = dict(num_layers=2, num_q_heads=4, num_kv_heads=2, head_dim=16, codec="fp16", block_size=8, num_blocks=64)
+
+
+def step(kv: KVStoreClient, seq: str) -> None:
+    """A sequence of 20 tokens in cache c, sent through the client's buffer."""
+    kv.create_cache("c", "m", exist_ok=True, **GEOM)
+    kv.allocate("c", seq, list(range(20)))
+    k = torch.randn(2, 20, 2, 16).half()
+    kv.append("c", [seq], k, k)
 
 
 def start(sock: str, log) -> tuple[subprocess.Popen, float]:
@@ -52,13 +62,14 @@ def test_each_channel_connects_on_its_own_and_tries_again_every_second_at_most()
     assert opts["grpc.initial_reconnect_backoff_ms"] <= opts["grpc.max_reconnect_backoff_ms"] <= 1000
 
 
-def test_clients_reach_a_restarted_daemon_at_once(tmp_path):
+def test_clients_reach_a_restarted_daemon_at_once(tmp_path, caplog):
     sock, log = str(tmp_path / "kv.sock"), open(tmp_path / "daemon.log", "w")
     target = f"unix://{sock}"
     p, _ = start(sock, log)
     worker = KVStoreClient(target, timeout=5)         # heartbeats, as every client does
     try:
-        worker.stats()
+        step(worker, "a")
+        assert worker._arena is not None
         # Stopped and started again at once: the worker's call in between failed, and a
         # new client of the same process (what the HF adapter makes to reconnect) must
         # not inherit that failure.
@@ -81,6 +92,10 @@ def test_clients_reach_a_restarted_daemon_at_once(tmp_path):
         assert reach(worker, up) < REACH_S
         with KVStoreClient(target, heartbeat=False) as fresh:
             assert reach(fresh, up) < REACH_S
+        # The new daemon holds none of the worker's buffers; its heartbeats renewed the
+        # lease all along, so the client says the daemon restarted, not that it may have lapsed.
+        step(worker, "b")
+        assert "buffers: it restarted (" in caplog.text and "lapsed" not in caplog.text
     finally:
         worker.close()
         p.kill()

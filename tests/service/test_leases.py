@@ -186,6 +186,7 @@ def test_a_client_whose_lease_lapsed_registers_its_buffers_again(live, doorbell,
     q = torch.randn(1, 4, D).half()
     out = kv.append_attend("c", 0, ["b"], one, one, q)
     assert kv._arena.buffer_id != first and "registering them again" in caplog.text
+    assert "buffers: it restarted, or this session's lease lapsed" in caplog.text   # no heartbeats: either
     assert torch.equal(out, kv.attend("c", 0, ["b"], q))
     kv.close()
 
