@@ -31,8 +31,8 @@ decode step, before the daemon attends):
     model's device, dequantized; the rest is a prefill as above (docs/kernels.md).
   - decode (one token): `KVStoreCache.update` keeps nothing; the attention
     function "kvstore" sends (k, v, q) of the layer to `AppendAttend`.
-  - the daemon is unreachable (any RPC error: UNAVAILABLE, or NOT_FOUND after
-    a restart lost the sequence): a warning, then the cache recomputes the
+  - the daemon is unreachable (any RPC error: UNAVAILABLE or CANCELLED as it stops,
+    NOT_FOUND after a restart lost the sequence): a warning, then the cache recomputes the
     tokens so far into in-process DynamicLayers and generation goes on there.
     The adapter drops its channel; the next request reconnects (re-creating
     the cache and codebooks on a restarted daemon).
@@ -256,7 +256,7 @@ class KVStoreAdapter:
         if isinstance(err, grpc.RpcError) and err.code() not in GONE:
             what = f"kvstore daemon refused a call ({err.code().name}: {err.details()})"
         else:
-            what = f"kvstore daemon unreachable ({err.code().name if isinstance(err, grpc.RpcError) else err!r})"
+            what = f"kvstore daemon unreachable ({err.code().name if isinstance(err, grpc.RpcError) else repr(err)})"
         warnings.warn(f"{what}: continuing in-process", RuntimeWarning, stacklevel=3)
         if self._kv is not None:
             try:

@@ -164,6 +164,29 @@ def test_daemon_killed_mid_generation_then_restarted(tmp_path):
             proc.wait(timeout=30)
 
 
+def test_a_call_cancelled_as_the_daemon_stops_is_survived_like_unavailable(daemon, monkeypatch):
+    """A call in flight when the daemon stops may end CANCELLED, gRPC's own cancellation:
+    the adapter takes it for the daemon going away, as it takes UNAVAILABLE."""
+    import grpc
+    from kvstore.client import KVStoreClient
+    from kvstore.client.stream import rpc_error
+    model = tiny_llama()
+    ids = prompt(30)
+    want = reference(model, ids)
+    ad = KVStoreAdapter(model, daemon, cache="t", codec="fp16", block_size=8, residual=8)
+    calls, real = [], KVStoreClient.append_attend
+
+    def stopping(self, *a, **kw):
+        calls.append(1)
+        if len(calls) == 7:
+            raise rpc_error(grpc.StatusCode.CANCELLED, "CANCELLED")
+        return real(self, *a, **kw)
+    monkeypatch.setattr(KVStoreClient, "append_attend", stopping)
+    with pytest.warns(RuntimeWarning, match=r"unreachable \(CANCELLED\)"), torch.no_grad():
+        got = ad.generate(ids, **GEN)
+    assert torch.equal(got, want) and ad.fallbacks == 1
+
+
 def test_daemon_down_from_the_start(tmp_path):
     model = tiny_llama()
     ad = KVStoreAdapter(model, f"unix://{tmp_path}/none.sock", cache="t", codec="fp16", timeout=5)
