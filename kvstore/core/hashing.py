@@ -1,7 +1,7 @@
 """Chained SHA-256 block hashes (docs/design.md, Prefix sharing).
 
 h_i = sha256(h_{i-1} || token ids of block i as little-endian int64 || fingerprint)
-with h_{-1} = sha256(tenant) (b"" for caches that share prefixes across
+with h_{-1} = sha256("kvstore.tenant\\0" + tenant) (b"" for caches that share prefixes across
 tenants). Deterministic across processes, restarts and Python hash
 seeds (never Python's `hash`).
 """
@@ -16,6 +16,11 @@ import numpy as np
 def _ids_bytes(token_ids: Sequence[int]) -> bytes:
     """Token ids (a list or an array('i')) as little-endian int64, the hashed form."""
     return np.asarray(token_ids, dtype="<i8").tobytes() if len(token_ids) else b""
+
+
+def tenant_root(tenant: str, shared: bool) -> bytes:
+    """h_{-1} of a tenant's sequences: b"" where the cache shares prefixes across tenants."""
+    return b"" if shared else hashlib.sha256(b"kvstore.tenant\0" + tenant.encode()).digest()
 
 
 def block_hash(parent: bytes, token_ids: Sequence[int], fingerprint: bytes) -> bytes:

@@ -4,7 +4,6 @@ write_path.py and read_path.py. Every method validates all of its input
 before it changes any state, so a rejected call leaves the cache as it was."""
 from __future__ import annotations
 
-import hashlib
 import math
 import threading
 from array import array
@@ -15,7 +14,7 @@ from kvstore import kernels
 from kvstore.codec.codebooks import Codebooks, fingerprint
 from kvstore.core.block_pool import BlockPool
 from kvstore.core.config import CacheConfig
-from kvstore.core.hashing import chain_hashes
+from kvstore.core.hashing import chain_hashes, tenant_root
 from kvstore.core.names import check_name
 from kvstore.core.sequence import Sequence, token_array
 from kvstore.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted, quote
@@ -217,9 +216,7 @@ class Cache(WritePath, ReadPath, WindowedBlocks):
 
     def _root(self, tenant: str) -> bytes:
         """h_{-1}: tenants share prefix blocks only if the cache says so."""
-        if self.cfg.share_prefixes_across_tenants:
-            return b""
-        return hashlib.sha256(b"kvstore.tenant\0" + tenant.encode()).digest()
+        return tenant_root(tenant, self.cfg.share_prefixes_across_tenants)
 
     def _extend_hashes(self, s: Sequence) -> None:
         parent = s.hashes[-1] if s.hashes else self._root(s.tenant)
@@ -382,12 +379,14 @@ class Cache(WritePath, ReadPath, WindowedBlocks):
                        hashed_upto=src.hashed_upto)
         self.seqs[(tenant, dst_id)] = dst
 
-    def offload(self, seqs: list[Sequence]) -> None:
-        """Offload (and the daemon's stop, for persist sequences): each durable on disk,
-        or none moved; refused while one has uncommitted tokens."""
+    def offload(self, seqs: list[Sequence], drop_uncommitted: bool = False) -> None:
+        """Offload: each durable on disk, or none moved. Uncommitted tokens refuse it, or with drop_uncommitted
+        (persist sequences at the stop or a lease's lapse: nobody will finish their step) are dropped."""
         for s in seqs:
-            if any(s.pending) or s.reserved:
+            if (any(s.pending) or s.reserved) and not drop_uncommitted:
                 raise FailedPrecondition("sequence_ids", f"sequence {quote(s.seq_id)} has uncommitted tokens")
+        for s in seqs if drop_uncommitted else ():
+            self.drop_uncommitted(s)
         self.protect = set()
         self.tiering.offload(seqs)
 

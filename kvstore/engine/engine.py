@@ -347,13 +347,13 @@ class Engine(CodebookOps):
             for s in seqs:
                 cache.free(s)
 
-    def offload(self, name: str, tenant: str, seq_ids: list[str]) -> None:
-        """Write sequences to the disk tier; returns once they are durable."""
+    def offload(self, name: str, tenant: str, seq_ids: list[str], drop_uncommitted: bool = False) -> None:
+        """Write sequences to the disk tier; returns once they are durable (drop_uncommitted: Cache.offload)."""
         with self._locked(name) as cache:
             seqs = checks.sequences(cache, tenant, seq_ids, unique=True)
             if cache.tiering is None or cache.tiering.disk is None:
                 raise FailedPrecondition("sequence_ids", "no disk tier: start the daemon with --lmdb PATH")
-            cache.offload(seqs)
+            cache.offload(seqs, drop_uncommitted)
 
     def prefetch(self, name: str, tenant: str, seq_ids: list[str]) -> None:
         """Page sequences back into the GPU pools ahead of use."""

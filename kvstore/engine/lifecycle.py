@@ -161,8 +161,12 @@ def at_stop(caches) -> int:
         try:
             for s in [s for s in c.seqs.values() if s.persist and not (s.manifest or {}).get("durable")]:
                 try:
-                    c.offload([s])
+                    cut = max(s.pending) + s.reserved
+                    c.offload([s], drop_uncommitted=True)      # a step the stop cut off: its committed tokens go
                     done += 1
+                    if cut:
+                        log.info("cache %s: persist sequence %s/%s offloaded at the stop without the %d tokens of "
+                                 "its unfinished step", quote(c.cfg.name), s.tenant, s.seq_id, cut)
                 except KVStoreError as e:
                     log.warning("cache %s: persist sequence %s/%s not offloaded at the stop (%s): it is gone",
                                 quote(c.cfg.name), s.tenant, s.seq_id, e)

@@ -316,6 +316,19 @@ class WritePath:
         else:
             self._seal(s, count, None, None)
 
+    def drop_uncommitted(self, s: Sequence) -> int:
+        """Drop what a step appended to some layers but not all, and a Reserve's
+        slots: the committed tokens stay, and the tail blocks only the dropped
+        ones used go back. -> tokens dropped (the most of any layer)."""
+        n = max(s.pending) + s.reserved
+        if n:
+            s.pending, s.reserved = [0] * len(s.pending), 0
+            keep = max(0, math.ceil(s.length / self.bs) - len(s.sealed))
+            extra = s.tail[keep:]
+            del s.tail[keep:]
+            self.tail_pool.release(extra[::-1])
+        return n
+
     def seals_at_reserve(self, s: Sequence) -> int:
         """Blocks the next reserve() of s seals (its previous reservation is
         committed then)."""

@@ -104,6 +104,8 @@ class LeaseManager:
         for cache, seqs in owned.items():
             to_free = [seq_id for seq_id, persist in seqs
                        if not (persist and self._offload(cache, tenant, seq_id))]
+            if not to_free:      # every one persisted: Free refuses an empty batch
+                continue
             try:
                 self.engine.free(cache, tenant, to_free)
                 n += len(to_free)
@@ -126,7 +128,7 @@ class LeaseManager:
             log.warning("sequence %s/%s asked to persist, but the engine cannot offload: freeing it", cache, seq_id)
             return False
         try:
-            offload(cache, tenant, [seq_id])
+            offload(cache, tenant, [seq_id], drop_uncommitted=True)     # a step cut off by the lapse: nobody finishes it
             return True
         except KVStoreError as e:   # e.g. the disk bound: nobody is left to tell, and freeing beats leaking
             self.counters["offload_failed"] += 1

@@ -37,6 +37,12 @@ class TieredCache(Protocol):
     null_block: int | None                      # the id holes hold (engine/window.py); None: no holes
     redis: object                               # the cache's RedisTier (redis.py), or None
 
+    def sealed_count(self, length: int) -> int:
+        """Sealed blocks (holes included) a sequence of `length` committed tokens has."""
+
+    def out_of_window(self, s: Sequence) -> int:
+        """Leading sealed blocks of s that the cache's sliding window has let go (engine/window.py)."""
+
     def tail_block_index(self, j: int, n_sealed: int) -> int:
         """Block index (in position order) of tail[j] when n_sealed blocks are sealed."""
 

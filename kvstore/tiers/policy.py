@@ -27,6 +27,7 @@ from .below import CachedBelow
 from .disk import DiskTier, SeqImage, block_key
 from .host import HostTier
 from .interface import TieredCache
+from .manifests import layout, legacy_layout
 from .staging import index, to_host
 
 log = logging.getLogger("kvstore.tiers")
@@ -348,8 +349,8 @@ class Tiering(CachedBelow):
 
     def restore(self) -> int:
         """Register the sequences a previous daemon offloaded (Offload, persist) for this
-        fingerprint; drop the copies memory pressure made (their blocks stay cached): what
-        outlives a restart is what was offloaded (docs/operations.md, Signals)."""
+        fingerprint; drop the copies memory pressure made of other sequences (their blocks
+        stay cached): what outlives a restart is what was offloaded or persist (docs/operations.md, Signals)."""
         if self.disk is None:
             return 0
         n, mine, other, dropped = 0, layout(self.c.cfg), {}, 0
@@ -357,11 +358,11 @@ class Tiering(CachedBelow):
             key = (m["tenant"], m["seq_id"])
             if key in self.c.seqs:
                 continue
-            if not m.get("durable"):
+            if not (m.get("durable") or m.get("persist")):      # a persist sequence's pressure copy is its only one
                 self.disk.delete_sequence(self.c.fingerprint, self.c.cfg.name, m["tenant"], m["seq_id"], m)
                 dropped += 1
                 continue
-            theirs = m.get("layout", mine)      # (a copy written before the field: as this cache's)
+            theirs = m.get("layout") or legacy_layout(self.c, m)
             if theirs != mine:                  # left on disk, untouched, for a cache of its spec
                 for f in mine:
                     if theirs.get(f) != mine[f]:
@@ -405,15 +406,6 @@ class Tiering(CachedBelow):
                 for h in s.manifest["sealed_hashes"] + s.manifest["tail_hashes"]:
                     assert not h or self.disk.pins.get(block_key(self.c.fingerprint, bytes.fromhex(h))), \
                         f"{s.seq_id}: a block of its disk copy is not pinned"
-
-
-def layout(cfg) -> dict:
-    """The spec fields, beyond the fingerprint's, that a sequence's disk copy
-    depends on: how its blocks lie (residual; windows and chunks free blocks),
-    and whose its hashes are (the tenant seeds them unless shared). Restore
-    adopts a copy only into a cache that has the same."""
-    return dict(residual=cfg.residual, share_prefixes_across_tenants=cfg.share_prefixes_across_tenants,
-                layer_windows=list(cfg.layer_windows), layer_chunks=list(cfg.layer_chunks))
 
 
 def _lru(seqs) -> Sequence | None:

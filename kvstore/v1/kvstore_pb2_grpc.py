@@ -222,7 +222,12 @@ class KVStoreServicer:
         fp16 copy where the block was still in another sequence's fp16 tail), one
         in its sinks or fp16 tail stays fp16. FAILED_PRECONDITION: a pq cache
         without codebooks. ALREADY_EXISTS: the id is taken (per tenant).
-        RESOURCE_EXHAUSTED: max_sequences reached.
+        RESOURCE_EXHAUSTED: max_sequences reached. An id names whichever sequence
+        holds it now: one the daemon lost (a restart, a lapsed lease) is free
+        again, and the next Allocate of it by any caller of the tenant takes it.
+        Workers of one tenant use ids no other worker uses (the HF adapter's
+        start with hf-PID-), so that a call naming a lost sequence is NOT_FOUND,
+        never a write into another worker's.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

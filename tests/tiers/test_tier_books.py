@@ -17,13 +17,15 @@ L, HKV, D = 2, 2, 16
 PQ_BLOCK, FP16_BLOCK = 512, 2048       # bytes of one block of 8 tokens (geometry above, M = 8)
 
 
-def engine(tmp_path, codec="pq", num_blocks=64, host_blocks=0, lmdb=True, lmdb_max_bytes=0, windows=(), **kw):
-    """host_blocks: host pools of that many blocks each (main and fp16 tail); windows: layer_windows."""
+def engine(tmp_path, codec="pq", num_blocks=64, host_blocks=0, lmdb=True, lmdb_max_bytes=0, windows=(), spec=None,
+           **kw):
+    """host_blocks: host pools of that many blocks each (main and fp16 tail); windows: layer_windows;
+    spec: other CacheConfig fields."""
     e = Engine(lmdb_path=str(tmp_path / "lmdb") if lmdb else None, lmdb_max_bytes=lmdb_max_bytes)
     cfg = config(codec=codec, num_blocks=num_blocks, **kw)
     per = (PQ_BLOCK if codec == "pq" else FP16_BLOCK) * cfg.block_size // 8 + FP16_BLOCK * cfg.block_size // 8
     cfg = type(cfg)(**{**{f: getattr(cfg, f) for f in cfg.__slots__}, "host_bytes": host_blocks * per,
-                         "layer_windows": windows})
+                         "layer_windows": windows, **(spec or {})})
     e.create_cache(cfg)
     if codec == "pq":
         g = torch.Generator().manual_seed(0)
@@ -551,10 +553,10 @@ def test_the_bound_in_flag_stats_and_metrics(tmp_path):
     reg.register(EngineCollector(e))
     s = samples(generate_latest(reg).decode())
     d = disk(e)
-    assert s['kvstore_tier_max_bytes{cache="c",tier="disk"}'] == 24 << 10
-    assert s['kvstore_tier_used_bytes{cache="c",tier="disk"}'] == d["used_bytes"] > 0
-    assert s['kvstore_evictions_total{cache="c",tier="disk"}'] == d["evictions"] > 0
-    assert s['kvstore_tier_held_bytes{cache="c",tier="disk"}'] == 0
+    assert s['kvstore_disk_max_bytes'] == 24 << 10        # one store under every cache: no cache label
+    assert s['kvstore_disk_used_bytes'] == d["used_bytes"] > 0
+    assert s['kvstore_disk_evictions_total'] == d["evictions"] > 0
+    assert s['kvstore_disk_held_bytes'] == 0
 
 
 @pytest.mark.parametrize("codec", ["pq", "fp16"])
