@@ -161,8 +161,7 @@ def at_stop(caches) -> int:
         try:
             for s in [s for s in c.seqs.values() if s.persist and not (s.manifest or {}).get("durable")]:
                 try:
-                    cut = max(s.pending) + s.reserved
-                    c.offload([s], drop_uncommitted=True)      # a step the stop cut off: its committed tokens go
+                    cut = c.offload([s], drop_uncommitted=True)      # a step the stop cut off: its committed tokens go
                     done += 1
                     if cut:
                         log.info("cache %s: persist sequence %s/%s offloaded at the stop without the %d tokens of "

@@ -60,8 +60,7 @@ class Handlers:
         synchronisation. A no-op context otherwise."""
         if buffers is None or not self.buffer_table.registry.cuda_buffers:
             return contextlib.nullcontext()
-        ids = {t.ref.buffer_id for t in tensor_fields(request) if t.WhichOneof("data") == "ref"}
-        ids |= {o.buffer_id for o in output_fields(request) if o.buffer_id}
+        ids = named_buffers(request)
         if getattr(request, "buffer_id", ""):
             ids.add(request.buffer_id)
         for bid in ids:
@@ -132,20 +131,15 @@ class Handlers:
         t = checks.query_tokens(cfg, request.layer, request.query_tokens) if 0 <= request.layer < \
             cfg.geometry.num_layers else 1
         ref, view = self.out_view(request, len(request.sequence_ids) * t, buffers)
-        named = {x.ref.buffer_id for x in (request.k, request.v, request.q) if x.HasField("ref")}
-        if ref is not None and ref.buffer_id:
-            named.add(ref.buffer_id)
         return Resolved(self.tensor(request.k, buffers, "k"), self.tensor(request.v, buffers, "v"),
                         self.tensor(request.q, buffers, "q"), ref, view, self.cuda_scope(request, buffers),
-                        tuple(named))
+                        tuple(named_buffers(request)))
 
     def append_attend(self, request, tenant: str, buffers, finish, resolved: Resolved | None = None):
         """AppendAttend's work: -> finish(out, its OutputRef), run inside the
         CUDA scope so that a copy into the output range comes before the done
         event. resolved: this request's resolve(), still valid (the doorbell
-        keeps it per descriptor)."""
-        for bid in resolved.shm if resolved is not None else ():    # kept views: their files may have shrunk
-            buffers.check_size(bid)
+        keeps it per descriptor, and has checked its files)."""
         r = resolved or self.resolve(request, buffers)
         with r.scope:
             out = self.engine.append_attend(request.cache, tenant, request.layer, list(request.sequence_ids),
@@ -201,3 +195,9 @@ def tensor_fields(request):
 
 def output_fields(request):
     return [getattr(request, n) for n in _field_names(request)[1] if request.HasField(n)]
+
+
+def named_buffers(request) -> set[str]:
+    """The registered buffers a request's tensor and output fields name."""
+    ids = {t.ref.buffer_id for t in tensor_fields(request) if t.WhichOneof("data") == "ref"}
+    return ids | {o.buffer_id for o in output_fields(request) if o.buffer_id}

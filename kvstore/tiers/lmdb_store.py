@@ -99,7 +99,7 @@ class ColdStore(Protocol):
 def entry_bytes(key: bytes, value) -> int:
     """What one entry counts against the bound: its key and value bytes (LMDB
     adds its page overhead on top: the file is somewhat larger)."""
-    return len(key) + (value.nbytes if isinstance(value, memoryview) else len(value))
+    return len(key) + lmdb_sums.value_bytes(value)
 
 
 class LMDBStore:

@@ -26,6 +26,11 @@ SUM = struct.Struct("<QQ")                    # a value's length and checksum, a
 SUM_CHUNK = 8 << 20                           # bytes of values checksummed per task on the copy threads
 
 
+def value_bytes(value) -> int:
+    """A value's length in bytes (a memoryview of any format, or bytes)."""
+    return value.nbytes if isinstance(value, memoryview) else len(value)
+
+
 def format_of(txn, sums) -> bytes | None:
     """The store's format record (None: written before it)."""
     r = txn.get(FORMAT_KEY, db=sums)
@@ -54,13 +59,13 @@ def updates(txn, sums, sums_name: bytes) -> tuple[list[tuple[bytes, bytes]], dic
         k = bytes(k)
         if k == sums_name:
             continue
-        r = txn.get(k, db=sums)
+        r, n, x = txn.get(k, db=sums), value_bytes(v), checksum(v)
         if r is None:
-            out.append((k, SUM.pack(len(v), checksum(v))))
+            out.append((k, SUM.pack(n, x)))
             seen["unsummed"] += 1
-        elif not passes(v, r):
-            if passes(v, r, legacy=True):
-                out.append((k, SUM.pack(len(v), checksum(v))))
+        elif r != SUM.pack(n, x):
+            if r == SUM.pack(n, weighted_sum(v)):
+                out.append((k, SUM.pack(n, x)))
                 seen["weighted"] += 1
             else:
                 seen["failed"] += 1
@@ -73,7 +78,7 @@ def start(puts: list[tuple[bytes, bytes]]):
     function that waits for them (in order)."""
     chunks, a, nbytes = [], 0, 0
     for i, (_, v) in enumerate(puts):
-        nbytes += v.nbytes if isinstance(v, memoryview) else len(v)
+        nbytes += value_bytes(v)
         if nbytes >= SUM_CHUNK or i == len(puts) - 1:
             chunks.append((a, i + 1))
             a, nbytes = i + 1, 0
