@@ -19,7 +19,10 @@ are those of the unary call; `stream=False` makes it unary.
 
 Every call carries this client's session id (`x-kvstore-session`) and, if
 given, `authorization: Bearer <token>`; a background thread heartbeats so the
-daemon frees this process's unpinned sequences only after it is gone.
+daemon frees this process's unpinned sequences only after it is gone. Calls
+naming sequences carry the daemon instance they are of (`x-kvstore-instance`):
+after a restart the first one raises FAILED_PRECONDITION instead of reaching a
+sequence someone allocated under the same id since (session.py).
 """
 from __future__ import annotations
 
@@ -120,7 +123,15 @@ class KVStoreClient(Connection):
                  persist: bool = False) -> int:
         """Create a sequence; returns how many prompt tokens are already cached.
         pinned: it outlives this client's session (freed only by free());
-        persist: when the session's lease lapses, offload it instead of freeing."""
+        persist: when the session's lease lapses, offload it instead of freeing.
+        After the daemon restarted, the first call naming a sequence raises
+        FAILED_PRECONDITION ("x-kvstore-instance: ..."): the sequences allocated
+        before are gone (persist ones came back); the calls after it go."""
+        if self.session.instance is None:
+            try:
+                self.heartbeat()       # learn the instance this sequence is of
+            except grpc.RpcError:
+                pass                   # the call says what is wrong
         return self.stub.Allocate(pb.AllocateRequest(cache=cache, sequence_id=seq_id,
                                                      prompt_token_ids=list(prompt_token_ids),
                                                      pinned=pinned, persist=persist),

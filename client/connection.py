@@ -1,5 +1,5 @@
 """The connection under KVStoreClient (client.py): the gRPC channel and the
-session it calls in (metadata, heartbeat), and how a call's tensors travel:
+session it calls in (session.py: metadata, heartbeat), and how a call's tensors travel:
 staged in a registered shared-memory or CUDA buffer (arena.py) when the daemon
 is local, inline bytes otherwise; append_attend by the doorbell
 (doorbell.py), else over one long-lived stream (stream.py), else unary."""
@@ -16,30 +16,17 @@ import torch
 
 from kvstore.cuda import runtime as cuda_rt
 from kvstore.protocol import wire
-from kvstore.protocol.channel import DEFAULT_MAX_MESSAGE_MB, SERVICE, SESSION_KEY, client_options, default_socket
+from kvstore.protocol.channel import DEFAULT_MAX_MESSAGE_MB, SERVICE, client_options, default_socket
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.v1 import kvstore_pb2_grpc as pb_grpc
 
 from .arena import CudaArena, ShmArena, place
 from .doorbell import BellDown, Doorbell, Unfit
+from .session import UNREACHABLE, Session, restarted
 from .stream import CallStream, StreamRefused
 
 log = logging.getLogger("kvstore.client")
 STREAM_RETRY_S = 30.0      # after the daemon turned a stream away, call unary this long before trying again
-# The daemon gone or going away: a call in flight when it stops may end CANCELLED (gRPC's own
-# cancellation) as well as UNAVAILABLE, and neither says whether the call took effect.
-UNREACHABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
-
-
-class _Metadata(grpc.UnaryUnaryClientInterceptor):
-    def __init__(self, metadata: list[tuple[str, str]]):
-        self.metadata = metadata
-
-    def intercept_unary_unary(self, continuation, details, request):
-        md = list(details.metadata or []) + self.metadata
-        return continuation(details._replace(metadata=md), request)
-
-
 class Connection:
     """KVStoreClient's plumbing: the channel and session, the heartbeat, the
     registered buffers a call's tensors cross in, and the lanes of
@@ -73,12 +60,9 @@ class Connection:
             self.channel = grpc.insecure_channel(self.target, options=opts)
         self.session_id = session_id or uuid.uuid4().hex
         token = token if token is not None else os.environ.get("KVSTORE_TOKEN")
-        md = [(SESSION_KEY, self.session_id)] + ([("authorization", f"Bearer {token}")] if token else [])
-        self.stub = pb_grpc.KVStoreStub(grpc.intercept_channel(self.channel, _Metadata(md)))
-        # The tensor calls pass the metadata themselves: a Python client
-        # interceptor costs tens of µs per call.
-        self._raw = pb_grpc.KVStoreStub(self.channel)
-        self._md = tuple(md)
+        self.session = Session(self.session_id, token)
+        self.stub = pb_grpc.KVStoreStub(grpc.intercept_channel(self.channel, self.session.interceptor))
+        self._raw = pb_grpc.KVStoreStub(self.channel)     # the tensor calls: they pass session.md themselves
         self.timeout = timeout
         self._lock = threading.Lock()
         self._arena: ShmArena | None = None
@@ -89,29 +73,22 @@ class Connection:
             raise ValueError(f"transport must be auto, shm or inline, got {transport!r}")
         local = self.target.startswith("unix:")
         self.transport = "shm" if transport == "shm" or (transport == "auto" and local) else "inline"
-        self._stream = CallStream(self.channel, f"/{SERVICE}/AppendAttendStream", md) \
+        self._stream = CallStream(self.channel, f"/{SERVICE}/AppendAttendStream", self.session.md) \
             if (local if stream is None else stream) else None
+        if self._stream is not None:
+            self.session.on_metadata = self._stream.set_metadata
         self._stream_retry_at = 0.0
         self._use_bell = local if doorbell is None else doorbell
         self._bell: Doorbell | None = None
         self._bell_addr: tuple[str, bytes] | None = None     # from RegisterBufferReply
         self._bell_retry_at = 0.0
         self._host_wait = host_wait
-        self._beat_stop = threading.Event()
-        # What tells a restart from a lapsed lease when the daemon has dropped our buffers
-        # (_dropped_why): the lease timeout, when the lease was last renewed, whether it
-        # was renewed in time every time since the buffers were registered, and whether
-        # the daemon was unreachable meanwhile.
-        self._lease_s = 0.0
-        self._renewed = 0.0
-        self._renewed_in_time = False
-        self._unreachable = False
         if heartbeat:
-            threading.Thread(target=self._beat, name="kvstore-heartbeat", daemon=True).start()
+            self.session.start_heartbeat(self.stub)
 
     # ------------------------------------------------------------ plumbing
     def close(self) -> None:
-        self._beat_stop.set()
+        self.session.stop()
         with self._lock:
             if self._stream is not None:
                 self._stream.close()
@@ -122,42 +99,17 @@ class Connection:
 
     def heartbeat(self) -> pb.HeartbeatReply:
         """Renew this session's lease now (any call does)."""
-        return self.stub.Heartbeat(pb.HeartbeatRequest(), timeout=self.timeout)
+        r = self.stub.Heartbeat(pb.HeartbeatRequest(), timeout=self.timeout)
+        self.session.replied(r)
+        return r
 
-    def _beat(self) -> None:
-        # A third of the daemon's lease timeout (learned from the first reply),
-        # so two beats can be lost before the lease lapses.
-        period = 0.0     # beat at once: the reply says how often to beat
-        while not self._beat_stop.wait(period):
-            period = 5.0
-            try:
-                r = self.stub.Heartbeat(pb.HeartbeatRequest(), timeout=max(1.0, period))
-                self._renew(r.lease_timeout_s)
-                if r.lease_timeout_s > 0:
-                    period = max(0.2, min(10.0, r.lease_timeout_s / 3))
-            except grpc.RpcError as e:
-                if e.code() in UNREACHABLE:
-                    self._unreachable = True
-                if e.code() in (grpc.StatusCode.UNIMPLEMENTED, grpc.StatusCode.UNAUTHENTICATED):
-                    return     # an older daemon, or one that will never take us
-            except ValueError:
-                return         # the channel was closed under us
-
-    def _renew(self, lease_s: float) -> None:
-        now = time.monotonic()
-        if self._lease_s and now - self._renewed > self._lease_s:
-            self._renewed_in_time = False
-        self._lease_s, self._renewed = lease_s, now
-
-    def _dropped_why(self) -> str:
-        """Why the daemon holds none of our buffers, as far as this client can tell: the
-        lease cannot have lapsed if it was renewed within its timeout every time since."""
-        if self._unreachable:
-            return "it restarted (this client lost its connection to it meanwhile)"
-        if self._renewed_in_time and self._lease_s and time.monotonic() - self._renewed <= self._lease_s:
-            return "it restarted (this session's lease was renewed in time throughout)"
-        return ("it restarted, or this session's lease lapsed while the process was stopped or "
-                "starved past the lease timeout")
+    @property
+    def instance(self) -> str:
+        """The daemon instance this client's sequence ids are from ("": a daemon
+        without one); asked by a Heartbeat the first time."""
+        if self.session.instance is None:
+            self.heartbeat()
+        return self.session.instance or ""
 
     def __enter__(self):
         return self
@@ -189,7 +141,7 @@ class Connection:
     def _forget_registrations(self) -> None:
         """After a lapse: what the daemon no longer holds is not unregistered, only dropped."""
         log.warning("kvstore: the daemon no longer holds this client's buffers: %s; registering them again",
-                    self._dropped_why())
+                    self.session.dropped_why())
         for a in (self._arena, self._cuda_arena):
             if a is not None:
                 a.close()
@@ -212,8 +164,8 @@ class Connection:
             except (OSError, grpc.RpcError) as e:
                 if arena is not None:
                     arena.close()
-                if isinstance(e, grpc.RpcError) and e.code() in UNREACHABLE:
-                    raise       # a daemon away says nothing of whether it can map the buffer
+                if isinstance(e, grpc.RpcError) and (e.code() in UNREACHABLE or restarted(e)):
+                    raise       # a daemon away or restarted says nothing of whether it can map the buffer
                 # Daemon on another host or no /dev/shm: inline bytes still work.
                 self.transport = "inline"
                 return None
@@ -239,7 +191,7 @@ class Connection:
                     done_event=a.done.ipc_handle()))
             except grpc.RpcError as e:
                 self._cuda_arena = None
-                if e.code() in UNREACHABLE:
+                if e.code() in UNREACHABLE or restarted(e):
                     raise
                 # A daemon without CUDA: go through host memory, and do not try
                 # again on every call (a new arena costs a cudaMalloc, an IPC
@@ -252,8 +204,7 @@ class Connection:
 
     def _register(self, request: pb.RegisterBufferRequest) -> str:
         reply = self.stub.RegisterBuffer(request, timeout=self.timeout)
-        self._renew(self._lease_s)      # a call renews the lease
-        self._renewed_in_time, self._unreachable = True, False
+        self.session.registered()
         if reply.doorbell_path:
             self._bell_addr = (reply.doorbell_path, reply.doorbell_token)
         return reply.buffer_id
@@ -287,6 +238,7 @@ class Connection:
         except grpc.RpcError as e:
             with self._lock:
                 if not self._lapsed(e):
+                    self.session.fenced(e)
                     raise
                 self._forget_registrations()
         return self._call_once(method, request_fn, inputs, out_bytes, read, device)
@@ -309,7 +261,7 @@ class Connection:
                     msgs[k] = arena.typed(place(arena, t), tuple(t.shape), t.dtype)[1]
             for b in out_bytes:
                 outs.append(None if arena is None else pb.OutputRef(buffer_id=arena.buffer_id, offset=arena.alloc(b)))
-            reply = method(request_fn(msgs, outs), timeout=self.timeout, metadata=self._md)
+            reply = method(request_fn(msgs, outs), timeout=self.timeout, metadata=self.session.md)
             return read(reply, arena) if read else reply
 
     def _call_cuda(self, arena: CudaArena, method, request_fn, inputs, out_bytes, read):
@@ -321,7 +273,7 @@ class Connection:
             outs.append(pb.OutputRef(buffer_id=arena.buffer_id, offset=arena.alloc(b)))
         stream = cuda_rt.current_stream(arena.view.device)
         arena.ready.record(stream)
-        reply = method(request_fn(msgs, outs), timeout=self.timeout, metadata=self._md)
+        reply = method(request_fn(msgs, outs), timeout=self.timeout, metadata=self.session.md)
         self._wait_done(arena, stream)
         return read(reply, arena) if read else reply
 

@@ -75,6 +75,7 @@ from .hf_codebooks import CacheBooks, bad_transform, fitting_codebooks
 from .hf_step import check_all_taken, set_decode_target, take_decode_target
 from .hf_groups import LayerGroups, merge_stats
 from .hf_states import StateSnapshots, continues_states, stateful_cache
+from .session import restarted
 
 ATTN = "kvstore"
 DEFAULT_PQ_SINKS = 32     # docs/accuracy.md: 32 sinks keep 4-bit PQ within 0.16 % of fp16 at R = 128
@@ -253,7 +254,9 @@ class KVStoreAdapter:
     def broken(self, err: BaseException) -> None:
         """Note a failed RPC: warn, drop the channel so the next request reconnects."""
         self.fallbacks += 1
-        if isinstance(err, grpc.RpcError) and err.code() not in GONE:
+        if isinstance(err, grpc.RpcError) and restarted(err):
+            what = "kvstore daemon restarted (this request's sequences were of the daemon before)"
+        elif isinstance(err, grpc.RpcError) and err.code() not in GONE:
             what = f"kvstore daemon refused a call ({err.code().name}: {err.details()})"
         else:
             what = f"kvstore daemon unreachable ({err.code().name if isinstance(err, grpc.RpcError) else repr(err)})"

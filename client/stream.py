@@ -126,6 +126,10 @@ class CallStream:
         self._period = 1.0
         self._armed = 0.0            # the timeout _period was set for
 
+    def set_metadata(self, metadata) -> None:
+        """What the next stream opens with (the one open now keeps its own)."""
+        self._md = tuple(metadata)
+
     # ------------------------------------------------------------ calls
     def __call__(self, data: bytes, timeout: float | None = None) -> bytes:
         if timeout is not None:

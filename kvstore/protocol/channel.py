@@ -12,6 +12,10 @@ SERVICE = pb.DESCRIPTOR.services_by_name["KVStore"].full_name
 DEFAULT_MAX_MESSAGE_MB = 1024
 SESSION_KEY = "x-kvstore-session"   # the caller's session id: its calls renew that session's lease
 STREAM_KEY = "x-kvstore-stream"     # trailing metadata "refused": a stream turned away before reading a request
+# The daemon process a caller's sequence ids are from (HeartbeatReply.instance, new at
+# every start): a call naming sequences for another instance is refused before it runs,
+# so that ids from before a restart never reach a sequence someone allocated since.
+INSTANCE_KEY = "x-kvstore-instance"
 
 
 def default_socket() -> str:

@@ -26,6 +26,8 @@ import grpc
 from kvstore.core.names import NAME_RULE, is_name
 from kvstore.errors import KVStoreError, quote
 
+from . import fence
+
 DEFAULT_TENANT = "default"
 _HEALTH = "/grpc.health.v1.Health/"
 
@@ -167,11 +169,13 @@ def _safe(deserializer):
 
 
 class GateInterceptor(grpc.ServerInterceptor):
-    """Runs before every handler: rejects unparsable requests and
-    unauthenticated callers with the documented status codes."""
+    """Runs before every handler: rejects unparsable requests, unauthenticated
+    callers and calls naming sequences of an earlier daemon (fence.py) with the
+    documented status codes."""
 
-    def __init__(self, auth: Authenticator):
+    def __init__(self, auth: Authenticator, instance: str = ""):
         self.auth = auth
+        self.instance = instance
         self._wrapped: dict[str, tuple] = {}     # method -> (handler, wrapped handler)
 
     def intercept_service(self, continuation, handler_call_details):
@@ -182,12 +186,12 @@ class GateInterceptor(grpc.ServerInterceptor):
         hit = self._wrapped.get(method)
         if hit is not None and hit[0] is handler:   # handlers are fixed per method: wrap once
             return hit[1]
-        wrapped = self._wrap(handler, not method.startswith(_HEALTH))
+        wrapped = self._wrap(handler, not method.startswith(_HEALTH), bool(self.instance) and method in fence.FENCED)
         if len(self._wrapped) < 1024:
             self._wrapped[method] = (handler, wrapped)
         return wrapped
 
-    def _wrap(self, handler, check_auth: bool):
+    def _wrap(self, handler, check_auth: bool, fenced: bool):
         def admit(request, context):
             if isinstance(request, _Malformed):
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"request: malformed message ({request.error})")
@@ -196,10 +200,13 @@ class GateInterceptor(grpc.ServerInterceptor):
                     self.auth.tenant(context)
                 except Unauthenticated as e:
                     context.abort(grpc.StatusCode.UNAUTHENTICATED, str(e))
+            if fenced:
+                fence.check(context, self.instance)
 
         def admit_stream(requests, context):
             for r in requests:
-                admit(r, context)
+                if isinstance(r, _Malformed):
+                    context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"request: malformed message ({r.error})")
                 yield r
 
         def unary_req(fn):
@@ -210,7 +217,7 @@ class GateInterceptor(grpc.ServerInterceptor):
 
         def stream_req(fn):
             def call(requests, context):
-                if check_auth:
+                if check_auth or fenced:
                     admit(None, context)
                 return fn(admit_stream(requests, context), context)
             return call

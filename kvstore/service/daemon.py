@@ -27,7 +27,7 @@ from kvstore.engine.engine import Engine
 from kvstore.protocol.channel import DEFAULT_MAX_MESSAGE_MB, SERVICE, server_options
 from kvstore.v1 import kvstore_pb2_grpc as pb_grpc
 
-from . import cli, logs, sockets
+from . import cli, fence, logs, sockets
 from .auth import Authenticator, GateInterceptor
 from .buffers import BufferRegistry
 from .inflight import CallsInFlight, describe
@@ -92,7 +92,8 @@ def create_server(engine: "Engine | None" = None, socket_path: str | None = None
     opts = server_options(max_message_mb)
     # Metrics outside the gate, so that calls it refuses are counted too.
     calls = CallsInFlight()
-    interceptors = [calls] + ([metrics.interceptor] if metrics is not None else []) + [GateInterceptor(auth)]
+    instance = fence.new_instance()
+    interceptors = [calls] + ([metrics.interceptor] if metrics is not None else []) + [GateInterceptor(auth, instance)]
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=workers + max_streams), options=opts,
                          interceptors=interceptors)
     server.kvstore_calls = calls
@@ -103,6 +104,7 @@ def create_server(engine: "Engine | None" = None, socket_path: str | None = None
     reflection.enable_server_reflection((SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
     leases = LeaseManager(None, lease_timeout)
     servicer = KVStoreServicer(None, BufferRegistry(), auth, leases, max_streams)
+    servicer.instance = server.kvstore_instance = instance
     leases.release_buffers = servicer.buffer_table.release_session
     servicer.max_pool_bytes = max_pool_bytes
     pb_grpc.add_KVStoreServicer_to_server(servicer, server)
@@ -256,7 +258,7 @@ def main(argv: list[str] | None = None) -> None:
         where += f", redis tier {args.redis_cfg.redacted()} ({'up' if engine.redis.up else 'down'})"
     if metrics is not None:
         where += f", metrics on http://{args.metrics_host}:{mport}/metrics"
-    log.info("kvstore serving on %s (device %s)", where, args.device)
+    log.info("kvstore serving on %s (device %s, instance %s)", where, args.device, server.kvstore_instance)
     print(f"kvstore: serving on {where}", flush=True)
     signum = _wait_for_stop(wake)
     deadline = time.monotonic() + STOP_LIMIT_S

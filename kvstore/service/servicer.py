@@ -86,6 +86,7 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
         self.max_streams = max_streams
         self._stream_slots = threading.BoundedSemaphore(max_streams)
         self.doorbell = None         # the per-step fast lane (doorbell.py), set by the daemon
+        self.instance = ""           # this daemon process's id (fence.py), set by the daemon
 
     @property
     def engine(self) -> Engine | None:
@@ -393,5 +394,5 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
             raise InvalidArgument(SESSION_KEY, "missing: a Heartbeat renews the lease of the session it names")
         tenant = self._tenant(context)
         held = sum(len(v) for v in self.engine.owned_sequences(tenant, session, wait=False).values())
-        return pb.HeartbeatReply(session_id=session, tenant=tenant, sequences=held,
+        return pb.HeartbeatReply(session_id=session, tenant=tenant, sequences=held, instance=self.instance,
                                  lease_timeout_s=self.leases.timeout_s if self.leases is not None else 0.0)

@@ -738,13 +738,15 @@ class HeartbeatRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class HeartbeatReply(_message.Message):
-    __slots__ = ("session_id", "tenant", "lease_timeout_s", "sequences")
+    __slots__ = ("session_id", "tenant", "lease_timeout_s", "sequences", "instance")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     TENANT_FIELD_NUMBER: _ClassVar[int]
     LEASE_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
     SEQUENCES_FIELD_NUMBER: _ClassVar[int]
+    INSTANCE_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     tenant: str
     lease_timeout_s: float
     sequences: int
-    def __init__(self, session_id: _Optional[str] = ..., tenant: _Optional[str] = ..., lease_timeout_s: _Optional[float] = ..., sequences: _Optional[int] = ...) -> None: ...
+    instance: str
+    def __init__(self, session_id: _Optional[str] = ..., tenant: _Optional[str] = ..., lease_timeout_s: _Optional[float] = ..., sequences: _Optional[int] = ..., instance: _Optional[str] = ...) -> None: ...

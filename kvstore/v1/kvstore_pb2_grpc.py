@@ -225,9 +225,12 @@ class KVStoreServicer:
         RESOURCE_EXHAUSTED: max_sequences reached. An id names whichever sequence
         holds it now: one the daemon lost (a restart, a lapsed lease) is free
         again, and the next Allocate of it by any caller of the tenant takes it.
-        Workers of one tenant use ids no other worker uses (the HF adapter's
-        start with hf-PID-), so that a call naming a lost sequence is NOT_FOUND,
-        never a write into another worker's.
+        A caller that sends x-kvstore-instance is told of a restart before its
+        next call naming a sequence runs (FAILED_PRECONDITION), so an id it held
+        before never reaches a sequence allocated since; a lapsed lease has no such
+        fence: workers of one tenant use ids no other worker uses (the HF
+        adapter's start with hf-PID-), so that a call naming a lost sequence is
+        NOT_FOUND, never a write into another worker's.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

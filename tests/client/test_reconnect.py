@@ -92,8 +92,13 @@ def test_clients_reach_a_restarted_daemon_at_once(tmp_path, caplog):
         assert reach(worker, up) < REACH_S
         with KVStoreClient(target, heartbeat=False) as fresh:
             assert reach(fresh, up) < REACH_S
-        # The new daemon holds none of the worker's buffers; its heartbeats renewed the
-        # lease all along, so the client says the daemon restarted, not that it may have lapsed.
+        # The worker is told of the restart once, as it names a sequence (its ids may name
+        # sequences allocated since); then the new daemon holds none of its buffers, and
+        # the client says the daemon restarted, not that the lease may have lapsed.
+        with pytest.raises(grpc.RpcError) as e:
+            step(worker, "b")
+        assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert e.value.details().startswith("x-kvstore-instance: ")
         step(worker, "b")
         assert "buffers: it restarted (" in caplog.text and "lapsed" not in caplog.text
     finally:
