@@ -11,7 +11,7 @@ freed blocks without one to the front (reused first), as vLLM does.
 from __future__ import annotations
 
 import time
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from dataclasses import dataclass
 
 
@@ -87,6 +87,11 @@ class BlockPool:
                 del self._free[bid]
             blk.ref_cnt += 1
             blk.last_use = now
+
+    def freed_by(self, block_ids: list[int]) -> int:
+        """Blocks that releasing these references (one per occurrence) would free."""
+        refs = Counter(block_ids)
+        return sum(1 for b, n in refs.items() if n >= self.blocks[b].ref_cnt)
 
     def release(self, block_ids: list[int]) -> None:
         """Drop one reference on each block; at zero it becomes cached or free.

@@ -32,8 +32,7 @@ from .staging import index, to_host
 
 log = logging.getLogger("kvstore.tiers")
 
-# Manifest fields a restart needs, written to disk but not kept in memory,
-# where the sequence holds them already (token ids as array('i')).
+# Manifest fields a restart needs, on disk but not in memory (the sequence holds them).
 _HELD = ("token_ids", "hashes")
 
 
@@ -65,11 +64,18 @@ class Tiering(CachedBelow):
         return c.main_pool.num_allocatable() >= main + tail
 
     def make_room(self, main: int, tail: int, protect: set) -> bool:
-        """Move LRU sequences down until the GPU pools can give main + tail
-        blocks. Blocks the caller holds references on stay where they are."""
+        """Move LRU sequences down until the GPU pools can give main + tail blocks.
+        Blocks the caller holds references on stay where they are. Where moving every
+        movable sequence would not make room, none moves: a refused call changes nothing."""
+        c = self.c
+        movable = [s for s in c.seqs.values() if s.tier == "gpu" and id(s) not in protect
+                   and not any(s.pending) and not s.reserved and (s.sealed or s.tail)]
+        sealed, tails = [b for s in movable for b in s.held_sealed()], [b for s in movable for b in s.tail]
+        if not (self._gpu_fits(main - c.main_pool.freed_by(sealed), tail - c.tail_pool.freed_by(tails)) if c.is_pq
+                else self._gpu_fits(main - c.main_pool.freed_by(sealed + tails), tail)):
+            return False
         while not self._gpu_fits(main, tail):
-            victim = _lru(s for s in self.c.seqs.values() if s.tier == "gpu" and id(s) not in protect
-                          and not any(s.pending) and not s.reserved and (s.sealed or s.tail))
+            victim = _lru(s for s in movable if s.tier == "gpu")
             if victim is None or not self.move_down(victim, protect):
                 return False
         return True

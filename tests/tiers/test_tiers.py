@@ -195,6 +195,28 @@ def test_no_room_to_page_in_names_the_requests_own_field(tmp_path):
     e.check_invariants()
 
 
+@pytest.mark.parametrize("codec, never, after_moving", [("pq", [72, 64], [64, 56]), ("fp16", [56, 48], [48, 40])])
+def test_a_batch_that_can_never_fit_moves_nothing_down(tmp_path, codec, never, after_moving):
+    """A batch Append larger than the pool could hold with every other sequence moved
+    out is refused before anything moves: a refused call changes nothing. One that
+    fits once they move still moves them."""
+    e = make_engine(tmp_path, codec, num_blocks=12, residual=8, max_sequences=4)
+    fill(e, "t", 40, 1)          # 3 of the 12 main-pool blocks (pq: sealed), 5 (fp16)
+    moved = dict(e.stats("c")["c"]["tiers"])
+    for sid in ("f1", "f2"):
+        e.allocate("c", T, sid, [])
+    k = torch.randn(L, sum(never), HKV, D).half()      # 13 main-pool blocks of 12
+    with pytest.raises(ResourceExhausted, match="^k: need 13 blocks"):
+        e.append("c", T, ["f1", "f2"], k, k, never)
+    assert e.sequence_info("c", T, "t").tier == "gpu"
+    assert [e.sequence_info("c", T, s).length for s in ("t", "f1", "f2")] == [40, 0, 0]
+    assert dict(e.stats("c")["c"]["tiers"]) == moved
+    k = torch.randn(L, sum(after_moving), HKV, D).half()
+    e.append("c", T, ["f1", "f2"], k, k, after_moving)
+    assert e.sequence_info("c", T, "t").tier == "disk"
+    e.check_invariants()
+
+
 # ------------------------------------------------------------ restarts, crashes
 
 WRITER = r"""
