@@ -27,11 +27,16 @@ class CodebookOps:
             cache.set_codebooks(cb)
         return sha
 
+    def require_pq(self, name: str) -> None:
+        """FailedPrecondition for an fp16 cache: checked before a request's codebooks
+        are read, so that it is the answer whatever they hold."""
+        if not self.cache(name).is_pq:
+            raise FailedPrecondition("codebooks", f"cache {quote(name)} uses the fp16 codec")
+
     def codebooks(self, name: str) -> Codebooks:
         """The codebooks a cache uses (FailedPrecondition: fp16, or none yet)."""
+        self.require_pq(name)
         with self._locked(name) as cache:
-            if not cache.is_pq:
-                raise FailedPrecondition("codebooks", f"cache {quote(name)} uses the fp16 codec")
             if cache.codebooks is None:
                 raise FailedPrecondition("codebooks", f"cache {quote(name)} has no codebooks yet")
             return cache.codebooks

@@ -165,7 +165,7 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
 
     @_rpc
     def SetCodebooks(self, request, context):
-        self.engine.config(request.cache)
+        self.engine.require_pq(request.cache)
         cb = Codebooks.from_bytes(request.safetensors)
         return pb.CodebooksReply(sha256=self.engine.set_codebooks(request.cache, cb, self._may_replace("SetCodebooks",
                                                                                                        context)))
@@ -177,7 +177,7 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
 
     @_rpc
     def TrainCodebooks(self, request, context):
-        self.engine.config(request.cache)
+        self.engine.require_pq(request.cache)
         k = self._t(request.k_samples, "k_samples")
         v = self._t(request.v_samples, "v_samples")
         if request.niter > MAX_NITER:   # unbounded, one call could hold a worker thread for hours

@@ -361,6 +361,11 @@ CASES = [
         cache="raw", safetensors=codebooks(v=torch.full((L, HKV, M, 256, 2), -7e4))), INVALID, "codebooks.v"),
     case("SetCodebooks", "fp16-cache", lambda lv: pb.SetCodebooksRequest(cache="f16", safetensors=codebooks()),
          PRECOND, "codebooks"),
+    # An fp16 cache takes no codebooks whatever the bytes hold: that is the answer first.
+    case("SetCodebooks", "fp16-cache-garbage", lambda lv: pb.SetCodebooksRequest(cache="f16", safetensors=b"\x07" * 9),
+         PRECOND, "codebooks"),
+    case("TrainCodebooks", "fp16-cache-wrong-rank", lambda lv: train(
+        "f16", k=t(rnd(L, 256, HKV * D, dtype=torch.float32))), PRECOND, "codebooks"),
     case("SetCodebooks", "live-sequences", lambda lv: pb.SetCodebooksRequest(cache="pq", safetensors=codebooks()),
          PRECOND, "codebooks"),
     # ------------------------------------------------------------- TrainCodebooks
