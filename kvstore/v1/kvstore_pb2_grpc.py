@@ -220,7 +220,9 @@ class KVStoreServicer:
         computes for its logits). In a pq cache each hit block takes the form this
         prompt's length gives it: one it seals is PQ-coded (encoded here from an
         fp16 copy where the block was still in another sequence's fp16 tail), one
-        in its sinks or fp16 tail stays fp16. FAILED_PRECONDITION: a pq cache
+        in its sinks or fp16 tail stays fp16. A block held only PQ-coded is no hit
+        where this prompt keeps it fp16: the hit ends before it (its codes do not
+        give back the fp16 values). FAILED_PRECONDITION: a pq cache
         without codebooks. ALREADY_EXISTS: the id is taken (per tenant).
         RESOURCE_EXHAUSTED: max_sequences reached. An id names whichever sequence
         holds it now: one the daemon lost (a restart, a lapsed lease) is free
@@ -249,11 +251,14 @@ class KVStoreServicer:
         """Append K and V of new tokens to sequences (all layers, or one layer).
         Tokens appended one layer at a time commit when every layer has them.
         A pq sequence keeps its sink tokens and its newest tokens in fp16 (R:
-        residual): a full block is sealed (PQ-coded) once more than R tokens
-        follow it, so R + 1 to R + block_size stay fp16 past the sinks. The fp16 codec seals the same way, by
-        relabelling. Short of room, a cache with a host or disk tier first moves
-        least recently used sequences that no call is writing down a tier (they
-        page back in on their next use). RESOURCE_EXHAUSTED: no room even so
+        residual): a full block is sealed (PQ-coded) once more than R committed
+        tokens follow it, so R + 1 to R + block_size stay fp16 past the sinks. A
+        decode step seals as its last layer commits the token: the step's earlier
+        layers attend over such a block in fp16, the last one over its codes. The
+        fp16 codec seals the same way, by relabelling. Short of room, a cache with
+        a host or disk tier first moves least recently used sequences that no call
+        is writing down a tier (they page back in on their next use); none moves
+        where moving them all would not make room. RESOURCE_EXHAUSTED: no room even so
         (nothing is written); a batch is checked
         whole before any sequence changes. INVALID_ARGUMENT naming counts: a
         sequence that would pass what the cache's pools can ever hold.
