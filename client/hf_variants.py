@@ -290,10 +290,15 @@ ATTENTIONS_REFUSED = ("output_attentions: the daemon's decode steps return no at
 
 
 def check_generate(model, kwargs: dict) -> None:
-    """ValueError naming a generate() setting (its kwargs, else the generation config)
-    the daemon's sequences cannot serve."""
-    gc = kwargs.get("generation_config") or model.generation_config
-    asked = lambda name, default=None: kwargs.get(name, getattr(gc, name, default))   # noqa: E731
+    """ValueError naming a generate() setting the daemon's sequences cannot serve, read as
+    generate() reads it: its kwargs, else the generation config given, else the model's,
+    else transformers' default (None, as GenerationConfig() and most generation_config.json
+    files leave use_cache, is unset: the next source decides)."""
+    gcs = (kwargs.get("generation_config"), model.generation_config)
+
+    def asked(name, default=None):
+        said = (kwargs.get(name), *(getattr(g, name, None) for g in gcs))
+        return next((v for v in said if v is not None), default)
     if not asked("use_cache", True):
         raise ValueError(USE_CACHE_REFUSED)
     if asked("output_attentions", False):
