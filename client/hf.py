@@ -412,6 +412,7 @@ class KVStoreAdapter:
         if isinstance(cache, KVStoreCache):
             hf_variants.check_forward(module, kwargs)
             ids = kwargs.get("input_ids", args[0] if args else None)
+            hf_variants.check_continues(cache, kwargs, ids if ids is not None else kwargs.get("inputs_embeds"))
             cache.begin_forward(ids)
 
     @staticmethod

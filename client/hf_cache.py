@@ -12,6 +12,7 @@ from transformers.cache_utils import Cache, DynamicCache, DynamicLayer, LinearAt
 
 from .hf_layers import DaemonStateLayer, linear_fields, new_layers
 from .hf_step import begin_layer, set_decode_target
+from .session import restarted
 
 # What makes the adapter fall back in-process: RPC failures of any status and
 # the shared-memory arena failing (the daemon took its buffer with it).
@@ -319,6 +320,8 @@ class KVStoreCache(Cache):
         before this forward, and this forward's in the layers it has run."""
         if not isinstance(err, FALLBACK_ERRORS):
             raise err
+        if isinstance(err, grpc.RpcError) and err.code() not in GONE and not restarted(err):
+            self._free()        # the daemon is up and refused a call: its sequences would wait for the lease
         self.adapter.broken(err)
         # Full layers, sliding ones too: this forward's masks were built for the placeholder
         # layers (every token), and a sliding layer's mask picks its window out of them;
@@ -377,6 +380,9 @@ class KVStoreCache(Cache):
                     ad.calibration_sample(self._to_daemon(rows[0], "k"), self._to_daemon(rows[1], "v"))
         if self.boundaries is not None:
             self.boundaries.release(self)
+        self._free()
+
+    def _free(self) -> None:
         if self.seq_ids and not self.local:
             try:
                 for cache in self.adapter.groups.caches():

@@ -1,4 +1,7 @@
-"""How requests meet the adapter's cache: generate() settings left unset (None) read as
+"""How requests meet the adapter's cache: a forward that does not continue the cache
+(assisted generation running the prompt again over a cached prefix) is refused, naming
+it, rather than appended after the wrong tokens; a call the daemon refuses frees the
+request's sequences as it falls back; generate() settings left unset (None) read as
 transformers reads them."""
 import copy
 import json
@@ -32,6 +35,72 @@ def strict_generate(ad, ids, **kw):
         warnings.simplefilter("error")          # no fallback
         with torch.no_grad():
             return ad.generate(ids, **kw)
+
+
+@pytest.mark.parametrize("assisted", ["prompt_lookup_num_tokens", "assistant_model"])
+def test_assisted_generation_over_a_cached_prefix_is_refused(daemon, assisted):
+    """The prompt's blocks are cached, so cache_for's cache starts with them; assisted
+    generation feeds the whole prompt again with its drafts, which must not reach the
+    daemon (it refuses those ids there) nor a fallback on a cache holding the prefix twice."""
+    model = build("llama")
+    ids = torch.cat([prompt(30, seed=2), prompt(30, seed=2)[:, :12]], dim=1)    # repeats: lookup finds drafts
+    extra = {assisted: 3 if assisted == "prompt_lookup_num_tokens" else build("llama", seed=3)}
+    ad = KVStoreAdapter(model, daemon, cache="assisted-hit", codec="fp16", block_size=16, residual=16)
+    strict_generate(ad, ids, **GREEDY)
+    cache = ad.cache_for(ids)
+    assert cache.length == 32
+    try:
+        with pytest.raises(ValueError, match=r"start at position 0, but the kvstore cache holds 32 tokens.*"
+                                             r"Assisted / speculative generation"), torch.no_grad():
+            model.generate(ids, past_key_values=cache, **GREEDY, **extra)
+    finally:
+        cache.release()
+    assert ad.fallbacks == 0 and live_sequences(ad) == 0
+
+
+def test_a_forward_that_skips_tokens_is_refused(daemon):
+    """By hand: a forward whose attention_mask says tokens are missing before it."""
+    model = build("llama")
+    ids = prompt(20)
+    ad = KVStoreAdapter(model, daemon, cache="skip", codec="fp16", block_size=8, residual=8)
+    cache = ad.cache_for(ids[:, :10])
+    try:
+        with torch.no_grad():
+            model(input_ids=ids[:, :10], past_key_values=cache, use_cache=True)
+            with pytest.raises(ValueError, match="start at position 15, but the kvstore cache holds 10 tokens"):
+                model(input_ids=ids[:, 15:], attention_mask=torch.ones(1, 20, dtype=torch.long),
+                      past_key_values=cache, use_cache=True)
+    finally:
+        cache.release()
+    assert ad.fallbacks == 0 and live_sequences(ad) == 0
+
+
+def test_a_refused_call_frees_the_requests_sequences(daemon, monkeypatch):
+    """The daemon is up but refuses a decode step: generation goes on in-process with
+    transformers' tokens, and the request's daemon sequences are freed at once."""
+    import grpc
+    from kvstore.client import KVStoreClient
+    from kvstore.client.stream import rpc_error
+    model = build("llama")
+    ids = prompt(30)
+    want = _reference(model, ids, **GREEDY)
+    ad = KVStoreAdapter(model, daemon, cache="refusing", codec="fp16", block_size=8, residual=8)
+    calls, real = [], KVStoreClient.append_attend
+
+    def refusing(self, *a, **kw):
+        calls.append(1)
+        if len(calls) == 5:
+            raise rpc_error(grpc.StatusCode.INVALID_ARGUMENT, "refused")
+        return real(self, *a, **kw)
+    monkeypatch.setattr(KVStoreClient, "append_attend", refusing)
+    cache = ad.cache_for(ids)
+    try:
+        with pytest.warns(RuntimeWarning, match="refused a call"), torch.no_grad():
+            got = model.generate(ids, past_key_values=cache, **GREEDY)
+        assert torch.equal(got, want) and ad.fallbacks == 1
+        assert live_sequences(ad) == 0          # before release: nothing left for the lease to lapse
+    finally:
+        cache.release()
 
 
 def test_generation_config_leaving_use_cache_unset_uses_the_cache(daemon, tmp_path):
