@@ -234,12 +234,15 @@ class KVStoreCache(Cache):
         """K/V [L, B, Hkv, length, d] of the tokens so far; zeros where a row is
         padded, or where a sliding layer's window no longer reaches (the attention
         mask hides those positions; the daemon freed them: KVStoreAdapter.retrieve)."""
-        kv = self.adapter.client()
+        ad = self.adapter
+        kv, none = ad.client(), (self.num_layers, 0, ad.num_kv_heads, ad.head_dim)
         ks, vs = [], []
         for sid, pad in zip(self.seq_ids, self.pads):
-            k, v = self.adapter.retrieve(kv, sid, self.length - pad)       # [L, P, Hkv, d]
-            ks.append(torch.nn.functional.pad(k.transpose(1, 2), (0, 0, pad, 0)))
-            vs.append(torch.nn.functional.pad(v.transpose(1, 2), (0, 0, pad, 0)))
+            # a row still in its padding (a chunked prefill) has nothing in the daemon yet
+            real = max(0, self.length - pad)
+            k, v = ad.retrieve(kv, sid, real) if real else (self._step[0][0].new_zeros(none),) * 2   # [L, P, Hkv, d]
+            ks.append(torch.nn.functional.pad(k.transpose(1, 2), (0, 0, self.length - real, 0)))
+            vs.append(torch.nn.functional.pad(v.transpose(1, 2), (0, 0, self.length - real, 0)))
         at = dict(device=self._step[0][0].device, dtype=self._step[0][0].dtype)   # the step's dtype may not be the cache's
         return torch.stack(ks, dim=1).to(**at), torch.stack(vs, dim=1).to(**at)    # [L, B, Hkv, P, d]
 

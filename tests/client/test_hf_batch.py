@@ -3,6 +3,7 @@ left-padded batch is stored without its padding and generates, row by row,
 what transformers generates for each prompt (alone and batched); the tokens
 a sequence generates are hashed, so the next turn's prompt hits the cache
 through the answer, and reads of those blocks are the bits first stored."""
+import copy
 import warnings
 
 import pytest
@@ -80,6 +81,25 @@ def test_padded_batch_sequences_hold_only_real_tokens(daemon):
         assert info.length == n + 4                     # its prompt and 4 generated tokens, no padding
         assert info.known_token_ids == n + 4
     cache.release()
+
+
+@pytest.mark.parametrize("name", ["llama", "mistral"])
+def test_chunked_prefill_shorter_than_a_rows_padding(daemon, name):
+    """prefill_chunk_size below the padding of a row: its first chunks are padding alone,
+    nothing of it is in the daemon yet when the next chunk reads back what came before."""
+    from test_hf_models import build
+    model = build(name)
+    ids, mask, _ = padded(LENGTHS)
+    kw = dict(GEN, attention_mask=mask, prefill_chunk_size=8)
+    with torch.no_grad():
+        want = copy.deepcopy(model).generate(ids, **kw)
+    ad = KVStoreAdapter(model, daemon, cache=name, codec="fp16", block_size=8, residual=8)
+    w = strict()
+    with torch.no_grad():
+        got = ad.generate(ids, **kw)
+    w.__exit__(None, None, None)
+    assert torch.equal(got, want)
+    assert ad.stats().sequences == 0
 
 
 def test_right_padding_is_refused(daemon):
