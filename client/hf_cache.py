@@ -58,6 +58,7 @@ class KVStoreCache(Cache):
         self.multi = True
         self._kept: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * self.num_layers
         self.boundaries = None        # a hybrid model's states at decode block boundaries (hf_states.py)
+        self.released = False
 
     # ------------------------------------------------------- Cache interface
     @property
@@ -72,7 +73,16 @@ class KVStoreCache(Cache):
     def get_mask_sizes(self, query_length: int, layer_idx: int) -> tuple[int, int]:
         return super().get_mask_sizes(query_length, layer_idx) if self.local else (self.length + query_length, 0)
 
+    def check_live(self) -> None:
+        """ValueError for a cache used after release(): its daemon sequences are gone."""
+        if self.released:
+            raise ValueError("past_key_values: this kvstore cache was released (its daemon sequences freed; "
+                             "adapter.generate releases the cache it returns): for the next turn pass the whole "
+                             "conversation to adapter.generate, or a cache from adapter.cache_for(input_ids) to "
+                             "model.generate; the turns so far are cached blocks its prompt hits")
+
     def begin_forward(self, input_ids: torch.Tensor | None) -> None:
+        self.check_live()
         if self.boundaries is not None:
             self.boundaries.before_forward(self)
         self._cur_ids = input_ids
@@ -105,6 +115,7 @@ class KVStoreCache(Cache):
         is forked (its sealed blocks shared), a row no one takes is freed. In-process
         K/V and states are picked by row: transformers' linear-attention layers reorder
         but neither repeat nor select rows, which generate() asks of them too."""
+        self.check_live()
         pick = torch.tensor(src, dtype=torch.long)
         old = len(self.pads)
         self.pads = [self.pads[j] for j in src]
@@ -384,6 +395,7 @@ class KVStoreCache(Cache):
         if self.boundaries is not None:
             self.boundaries.release(self)
         self._free()
+        self.released = True
 
     def _free(self) -> None:
         if self.seq_ids and not self.local:

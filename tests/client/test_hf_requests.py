@@ -126,3 +126,25 @@ def test_generation_config_leaving_use_cache_unset_uses_the_cache(daemon, tmp_pa
     assert ad.stats().attend_calls > 0
     with pytest.raises(ValueError, match="use_cache=False"):
         ad.generate(ids, generation_config=GenerationConfig(use_cache=False, **GREEDY))
+
+
+@pytest.mark.parametrize("name", ["llama", "mistral"])
+def test_the_cache_generate_returned_is_refused_for_the_next_turn(daemon, name):
+    """adapter.generate frees the cache it returns (return_dict_in_generate): given to the
+    next turn's model.generate it is refused, naming what to do instead, and that (the
+    whole conversation to adapter.generate) gives transformers' tokens for the turn."""
+    model = build(name)
+    ids1 = prompt(37, seed=5)
+    with torch.no_grad():
+        ref = copy.deepcopy(model)
+        first = ref.generate(ids1, return_dict_in_generate=True, **GREEDY)
+        ids2 = torch.cat([first.sequences, prompt(9, seed=6)], dim=1)
+        want = ref.generate(ids2, past_key_values=first.past_key_values, **GREEDY)
+    ad = KVStoreAdapter(model, daemon, cache="turns", codec="fp16", block_size=16, residual=16)
+    with torch.no_grad():
+        out = ad.generate(ids1, return_dict_in_generate=True, **GREEDY)
+        with pytest.raises(ValueError, match="past_key_values: this kvstore cache was released"):
+            model.generate(ids2, past_key_values=out.past_key_values, **GREEDY)
+    assert torch.equal(strict_generate(ad, ids2, **GREEDY), want)
+    assert ad.fallbacks == 0 and live_sequences(ad) == 0
+
