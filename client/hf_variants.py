@@ -299,6 +299,10 @@ def check_generate(model, kwargs: dict) -> None:
     def asked(name, default=None):
         said = (kwargs.get(name), *(getattr(g, name, None) for g in gcs))
         return next((v for v in said if v is not None), default)
+    if kwargs.get("past_key_values") is not None:
+        raise ValueError("past_key_values: adapter.generate makes (and frees) a kvstore cache of its own; for "
+                         "the next turn pass the whole conversation (the turns so far are cached blocks its "
+                         "prompt hits), or give a cache from adapter.cache_for(input_ids) to model.generate")
     if not asked("use_cache", True):
         raise ValueError(USE_CACHE_REFUSED)
     if asked("output_attentions", False):

@@ -148,3 +148,14 @@ def test_the_cache_generate_returned_is_refused_for_the_next_turn(daemon, name):
     assert torch.equal(strict_generate(ad, ids2, **GREEDY), want)
     assert ad.fallbacks == 0 and live_sequences(ad) == 0
 
+
+def test_adapter_generate_refuses_a_cache_of_the_callers(daemon):
+    from transformers import DynamicCache
+    model = build("llama")
+    ad = KVStoreAdapter(model, daemon, cache="own", codec="fp16", block_size=8, residual=8)
+    for given in (ad.cache_for(prompt(20)), DynamicCache()):
+        with pytest.raises(ValueError, match="past_key_values: adapter.generate makes .* a kvstore cache of its own"):
+            ad.generate(prompt(20), past_key_values=given, **GREEDY)
+        if hasattr(given, "release"):
+            given.release()
+    assert live_sequences(ad) == 0
