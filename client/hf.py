@@ -134,7 +134,7 @@ class KVStoreAdapter:
     codebooks): requests run in-process until the cache has seen that many
     tokens (past the sinks), whose K/V then go to TrainCodebooks; the daemon
     is used from then on. model_id: the cache's label; None: the file's, else the
-    model's hub id, else (a model loaded from a local path) the existing cache's.
+    model's hub id, else (a model loaded from a local path) a hash of its weights.
     sink_tokens: the first tokens of every sequence the
     daemon keeps in fp16; None: the file's, else 32 for pq (rounded up to a
     whole block), which keeps 4-bit PQ within 0.5 % perplexity of fp16 at
@@ -200,10 +200,11 @@ class KVStoreAdapter:
         self.prefix_runs = {"codes": 0, "retrieve": 0}     # requests after a prefix hit, by path
         self.calibrate_tokens = calibrate_tokens if codec == "pq" and cb is None else 0
         self._samples: list[tuple[torch.Tensor, torch.Tensor]] = []    # [L, n, Hkv, d] K/V for TrainCodebooks
-        # A model loaded from a local path is named by it, which says nothing of which model
-        # it is: a cache another worker made knowing its id is taken as this model's (its
-        # geometry is still checked, by the daemon).
-        self._id_unknown = model_id is None and (not named or os.path.exists(named))
+        # A local path (or no name) says nothing of which weights a model has: its weights
+        # name it, so that a cache made for other weights is refused rather than shared.
+        self._by_weights = not model_id and (not named or os.path.exists(named))
+        if self._by_weights:
+            model_id = hf_variants.weights_id(model)
         self.spec = dict(model_id=model_id or named or type(model).__name__,
                          num_layers=self.num_layers, num_q_heads=self.num_q_heads, num_kv_heads=self.num_kv_heads,
                          head_dim=self.head_dim, dtype="bfloat16" if model.dtype == torch.bfloat16 else "float16",
@@ -236,17 +237,16 @@ class KVStoreAdapter:
             try:
                 for g in self.groups:
                     cache = g.cache
-                    spec = g.spec(self.spec)
-                    if self._id_unknown:
-                        spec["model_id"] = kv.cache_model_id(g.cache) or spec["model_id"]
-                    kv.create_cache(g.cache, exist_ok=True, **spec)
+                    kv.create_cache(g.cache, exist_ok=True, **g.spec(self.spec))
                 if self.codec == "pq":
                     self._ready, self.transform = self.books.reconcile(kv, self.groups)
             except BaseException as e:
                 kv.close()
                 if isinstance(e, grpc.RpcError) and e.code() in SPEC_REFUSED:
+                    named = " (this model, loaded from a local path, is named by its weights: model_id= names " \
+                        "it)" if self._by_weights and "model_id" in (e.details() or "") else ""
                     raise ValueError(f"kvstore cache {cache!r}: the daemon refuses it: {e.code().name}: "
-                                     f"{e.details()}") from None
+                                     f"{e.details()}{named}") from None
                 raise
             self._kv = kv
         return self._kv

@@ -10,6 +10,7 @@ every variant the model has is computed there as transformers computes it.
 """
 from __future__ import annotations
 
+import hashlib
 import inspect
 import sys
 from dataclasses import dataclass
@@ -349,6 +350,19 @@ def check_continues(cache, kwargs: dict, x) -> None:
                          f"cache holds {have} tokens: each forward must continue the cache. Assisted / "
                          "speculative generation (assistant_model, prompt_lookup_num_tokens), which runs the "
                          "prompt again with its drafts, is not supported by the kvstore adapter")
+
+
+def weights_id(model) -> str:
+    """The label of a model whose name (a local path, or none) says nothing of its
+    weights: its class and a hash of a strided sample of every parameter, in float32,
+    so that the same weights from any path, in any process, get the same label and
+    other weights another."""
+    h = hashlib.sha256()
+    for name, p in sorted(model.named_parameters()):
+        flat = p.detach().reshape(-1)
+        h.update(f"{name} {tuple(p.shape)} {p.dtype}\n".encode())
+        h.update(flat[::max(1, flat.numel() // 4096)][:4096].float().cpu().numpy().tobytes())
+    return f"{type(model).__name__[:64]}@weights-{h.hexdigest()[:16]}"
 
 
 def inner_attention(module, impl: str):

@@ -203,10 +203,11 @@ class RedisTier:
 
     def _refused(self, h: bytes) -> None:
         self._count(refused=1)
-        # the first one loudly: something else writes under our keys
+        # the first one loudly: something else writes under our keys, or a value was damaged
         log.log(logging.WARNING if self.counters["refused"] == 1 else logging.DEBUG,
-                "cache %r: refused the Redis value stored for block %s: not this cache's block (counted in "
-                "redis_refused; served as a miss)", self.c.cfg.name, h.hex()[:16])
+                "cache %r: refused the Redis value stored for block %s: not this cache's block, or damaged "
+                "(its header or checksum does not check out; counted in redis_refused; served as a miss)",
+                self.c.cfg.name, h.hex()[:16])
 
     def _count(self, **kw) -> None:
         with self._lock:

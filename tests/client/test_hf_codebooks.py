@@ -152,11 +152,13 @@ def _eye():
     return Transform(k=e, v=e.clone())
 
 
-def test_adapter_of_a_model_named_by_its_path_takes_the_caches_model_id(daemon, tmp_path):
+def test_adapter_of_a_model_named_by_its_path_is_named_by_its_weights(daemon, tmp_path):
     """A model loaded from a local folder is named by the folder, which says nothing of
-    which model it is: an adapter given no file uses the cache a worker that knew the
-    model's id made (the file's model_id), and generates what that worker generates. A
-    model_id given, or a hub id, is still checked against the cache's."""
+    which model it is: an adapter given no file and no model_id names it by its weights,
+    so the cache a worker that knew the model's id made (the file's model_id) is refused
+    it, naming model_id; given that model_id it takes the cache, its codebooks, and
+    generates what that worker generates. A model_id given, or a hub id, is checked
+    against the cache's."""
     from kvstore.client.hf import KVStoreAdapter
     from test_hf_adapter import GEN, prompt, tiny_llama
     with_file = adapter(daemon, books(transform=True).describe(model_id="org/model").to_bytes())
@@ -164,16 +166,21 @@ def test_adapter_of_a_model_named_by_its_path_takes_the_caches_model_id(daemon, 
         want = with_file.generate(prompt(40), **GEN)
     local = tiny_llama()
     local.config._name_or_path = str(tmp_path)
-    without = KVStoreAdapter(local, daemon, cache="c", codec="pq", block_size=8, residual=8, calibrate_tokens=256)
+    unnamed = KVStoreAdapter(local, daemon, cache="c", codec="pq", block_size=8, residual=8, calibrate_tokens=256)
+    with pytest.raises(ValueError, match=r"model_id 'org/model' \(existing\) vs 'LlamaForCausalLM@weights-.*named "
+                                         r"by its weights"):
+        unnamed.client()
+    named = KVStoreAdapter(local, daemon, cache="c", codec="pq", block_size=8, residual=8, calibrate_tokens=256,
+                           model_id="org/model")
     with torch.no_grad():
-        assert torch.equal(without.generate(prompt(40), **GEN), want)
-    assert without.client().get_cache("c").spec.model_id == "org/model" and without.fallbacks == 0
-    for named in (dict(model_id="org/another"), {}):
+        assert torch.equal(named.generate(prompt(40), **GEN), want)
+    assert named.fallbacks == 0
+    for kw in (dict(model_id="org/another"), {}):
         other = tiny_llama()
         other.config._name_or_path = "org/another"
         with pytest.raises(ValueError, match="model_id"):
             KVStoreAdapter(other, daemon, cache="c", codec="pq", block_size=8, residual=8, calibrate_tokens=256,
-                           **named).client()
+                           **kw).client()
 
 
 def test_a_cache_of_one_layer_group_holding_other_codebooks_names_the_whole_files_hash(daemon):

@@ -159,3 +159,31 @@ def test_adapter_generate_refuses_a_cache_of_the_callers(daemon):
         if hasattr(given, "release"):
             given.release()
     assert live_sequences(ad) == 0
+
+
+def other_id(model) -> str:
+    from kvstore.client.hf_variants import weights_id
+    return weights_id(model)
+
+
+def test_models_named_by_no_hub_id_are_named_by_their_weights(daemon, tmp_path):
+    """A model loaded from a local path (or built, with no name) says nothing of its
+    weights: two checkpoints of one architecture on one cache name would share K/V.
+    Its weights name it instead: the same weights, saved and loaded again, share the
+    cache (and hit its prefix); other weights are refused it, naming model_id."""
+    a, b = build("llama", seed=0), build("llama", seed=1)
+    a.save_pretrained(tmp_path / "a")
+    a2 = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "a").eval()
+    ids = prompt(40, seed=5)
+    ad = KVStoreAdapter(a, daemon, cache="local", codec="fp16", block_size=16, residual=16)
+    assert torch.equal(strict_generate(ad, ids, **GREEDY), _reference(a, ids, **GREEDY))
+    same = KVStoreAdapter(a2, daemon, cache="local", codec="fp16", block_size=16, residual=16)
+    assert same.spec["model_id"] == ad.spec["model_id"] != other_id(b)
+    assert torch.equal(strict_generate(same, ids, **GREEDY), _reference(a, ids, **GREEDY))
+    assert same.stats().prefix_hit_tokens >= 32
+    other = KVStoreAdapter(b, daemon, cache="local", codec="fp16", block_size=16, residual=16)
+    assert other.spec["model_id"].startswith("LlamaForCausalLM@weights-")
+    with pytest.raises(ValueError, match=r"refuses it: ALREADY_EXISTS: .*model_id.*named by its weights"):
+        other.generate(ids, **GREEDY)
+    for x in (ad, same, other):
+        x.close()
