@@ -21,8 +21,9 @@ Every call carries this client's session id (`x-kvstore-session`) and, if
 given, `authorization: Bearer <token>`; a background thread heartbeats so the
 daemon frees this process's unpinned sequences only after it is gone. Calls
 naming sequences carry the daemon instance they are of (`x-kvstore-instance`):
-after a restart the first one raises FAILED_PRECONDITION instead of reaching a
-sequence someone allocated under the same id since (session.py).
+after a restart a call naming a sequence named before raises FAILED_PRECONDITION,
+once for each such sequence, instead of reaching a sequence someone allocated under
+the same id since (session.py).
 """
 from __future__ import annotations
 
@@ -119,27 +120,36 @@ class KVStoreClient(Connection):
         return reply.sha256
 
     # ------------------------------------------------------------ sequences
+    def _naming(self, ids, new=()) -> tuple:
+        """Before a call names sequences `ids` (and creates `new`): the daemon instance
+        they are of known (a Heartbeat, the first time), an id named before a restart
+        refused, once; -> the call's metadata (Session.naming)."""
+        if self.session.instance is None:
+            try:
+                self.heartbeat()
+            except grpc.RpcError:
+                pass                   # the call says what is wrong
+        return self.session.naming(ids, new)
+
     def allocate(self, cache: str, seq_id: str, prompt_token_ids: list[int], pinned: bool = False,
                  persist: bool = False) -> int:
         """Create a sequence; returns how many prompt tokens are already cached.
         pinned: it outlives this client's session (freed only by free());
         persist: when the session's lease lapses, offload it instead of freeing.
-        After the daemon restarted, the first call naming a sequence raises
-        FAILED_PRECONDITION ("x-kvstore-instance: ..."): the sequences allocated
-        before are gone (persist ones came back); the calls after it go."""
-        if self.session.instance is None:
-            try:
-                self.heartbeat()       # learn the instance this sequence is of
-            except grpc.RpcError:
-                pass                   # the call says what is wrong
+        After the daemon restarted, a call naming a sequence this client named
+        before raises FAILED_PRECONDITION ("x-kvstore-instance: ..."), once for
+        each (session.py): it is gone, unless persist, and its id may name a
+        sequence allocated since."""
+        md = self._naming((), (seq_id,))
         return self.stub.Allocate(pb.AllocateRequest(cache=cache, sequence_id=seq_id,
                                                      prompt_token_ids=list(prompt_token_ids),
                                                      pinned=pinned, persist=persist),
-                                  timeout=self.timeout).cached_tokens
+                                  timeout=self.timeout, metadata=md).cached_tokens
 
     def reserve(self, cache: str, seq_id: str, num_tokens: int) -> Reservation:
+        md = self._naming((seq_id,))
         r = self.stub.Reserve(pb.ReserveRequest(cache=cache, sequence_id=seq_id, num_tokens=num_tokens),
-                              timeout=self.timeout)
+                              timeout=self.timeout, metadata=md)
         return Reservation(list(r.slot_mapping), list(r.sealed_blocks), list(r.tail_blocks), r.length)
 
     def append(self, cache: str, seq_ids: list[str], k: torch.Tensor, v: torch.Tensor,
@@ -147,6 +157,7 @@ class KVStoreClient(Connection):
                token_ids: list[list[int]] | None = None) -> None:
         """k, v: [L, n, Hkv, d] for all layers, or [n, Hkv, d] with `layer`.
         counts: tokens per sequence (default: n split evenly)."""
+        md = self._naming(seq_ids)
         n = k.shape[0] if layer is not None else k.shape[1]
         if counts is None:
             counts = [n // max(1, len(seq_ids))] * len(seq_ids)
@@ -157,13 +168,14 @@ class KVStoreClient(Connection):
             if layer is not None:
                 r.layer = layer
             return r
-        self._call(self._raw.Append, req, {"k": k, "v": v}, [])
+        self._call(self._raw.Append, req, {"k": k, "v": v}, [], md=md)
 
     def attend(self, cache: str, layer: int, seq_ids: list[str], q: torch.Tensor, scale: float = 0.0) -> torch.Tensor:
         """q [B, Hq, d] -> out [B, Hq, d]."""
+        md = self._naming(seq_ids)
         return self._call(self._raw.Attend, lambda m, o: pb.AttendRequest(
             cache=cache, layer=layer, sequence_ids=seq_ids, q=m["q"], scale=scale, out=o[0]),
-            {"q": q}, [q.numel() * 2], lambda r, a: self._tensor(r.out, a))
+            {"q": q}, [q.numel() * 2], lambda r, a: self._tensor(r.out, a), md=md)
 
     def append_attend(self, cache: str, layer: int, seq_ids: list[str], k: torch.Tensor, v: torch.Tensor,
                       q: torch.Tensor, scale: float = 0.0, out: torch.Tensor | None = None,
@@ -177,16 +189,21 @@ class KVStoreClient(Connection):
         [B * T, Hkv, d], q and out [B * T, Hq, d], token_ids B * T; query i of a
         sequence attends causally (its earlier tokens and new tokens 0..i). Either
         goes by the doorbell as a one-token call does (gRPC without one)."""
+        md = self._naming(seq_ids)
         if self._use_bell:
             with self._lock:
-                res = self._append_attend_bell(cache, layer, seq_ids, k, v, q, scale, out, query_tokens,
-                                               () if token_ids is None else token_ids)
+                try:
+                    res = self._append_attend_bell(cache, layer, seq_ids, k, v, q, scale, out, query_tokens,
+                                                   () if token_ids is None else token_ids, md)
+                except grpc.RpcError as e:      # a buffer registered for it: that call was refused
+                    self.session.fenced(e, True)
+                    raise
             if res is not None:
                 return res
         res = self._call(self._append_attend, lambda m, o: pb.AppendAttendRequest(
             cache=cache, layer=layer, sequence_ids=seq_ids, k=m["k"], v=m["v"], q=m["q"], scale=scale, out=o[0],
             token_ids=token_ids or [], query_tokens=query_tokens),
-            {"k": k, "v": v, "q": q}, [q.numel() * 2], lambda r, a: self._tensor(r.out, a))
+            {"k": k, "v": v, "q": q}, [q.numel() * 2], lambda r, a: self._tensor(r.out, a), md=md)
         return res if out is None else out.copy_(res)
 
     def step_buffers(self, cache: str, batch: int, device: torch.device | str | None = None) -> StepBuffers:
@@ -242,33 +259,44 @@ class KVStoreClient(Connection):
 
     def _retrieve(self, cache, seq_id, start, end, layer_start, layer_end, out_bytes, device, into):
         """One Retrieve call -> (k, v) on device (None: where the reply lies), or copied into `into`."""
+        md = self._naming((seq_id,))
+
         def read(r, arena):
             return tuple(self._tensor(t, arena, device, dst) for t, dst in zip((r.k, r.v), into or (None, None)))
         return self._call(self._raw.Retrieve, lambda m, o: pb.RetrieveRequest(
             cache=cache, sequence_id=seq_id, start=start, end=end, layer_start=layer_start, layer_end=layer_end,
-            k_out=o[0], v_out=o[1]), {}, [out_bytes, out_bytes], read, device)
+            k_out=o[0], v_out=o[1]), {}, [out_bytes, out_bytes], read, device, md)
 
     def fork(self, cache: str, seq_id: str, new_seq_id: str) -> None:
+        md = self._naming((seq_id,), (new_seq_id,))
         self.stub.Fork(pb.ForkRequest(cache=cache, sequence_id=seq_id, new_sequence_id=new_seq_id),
-                       timeout=self.timeout)
+                       timeout=self.timeout, metadata=md)
 
     def offload(self, cache: str, seq_ids: list[str]) -> None:
         """Move sequences to the daemon's disk tier; returns once durable."""
-        self.stub.Offload(pb.OffloadRequest(cache=cache, sequence_ids=list(seq_ids)), timeout=self.timeout)
+        md = self._naming(seq_ids)
+        self.stub.Offload(pb.OffloadRequest(cache=cache, sequence_ids=list(seq_ids)), timeout=self.timeout,
+                          metadata=md)
 
     def prefetch(self, cache: str, seq_ids: list[str]) -> None:
         """Page sequences back into GPU memory ahead of use."""
-        self.stub.Prefetch(pb.PrefetchRequest(cache=cache, sequence_ids=list(seq_ids)), timeout=self.timeout)
+        md = self._naming(seq_ids)
+        self.stub.Prefetch(pb.PrefetchRequest(cache=cache, sequence_ids=list(seq_ids)), timeout=self.timeout,
+                           metadata=md)
 
     def free(self, cache: str, seq_ids: list[str]) -> None:
-        self.stub.Free(pb.FreeRequest(cache=cache, sequence_ids=list(seq_ids)), timeout=self.timeout)
+        md = self._naming(seq_ids)
+        self.stub.Free(pb.FreeRequest(cache=cache, sequence_ids=list(seq_ids)), timeout=self.timeout, metadata=md)
+        self.session.forget(seq_ids)
 
     # ---------------------------------------------------------------- stats
     def stats(self, cache: str = "") -> pb.StatsReply:
         return self.stub.Stats(pb.StatsRequest(cache=cache), timeout=self.timeout)
 
     def sequence_info(self, cache: str, seq_id: str) -> pb.SequenceInfoReply:
-        return self.stub.SequenceInfo(pb.SequenceInfoRequest(cache=cache, sequence_id=seq_id), timeout=self.timeout)
+        md = self._naming((seq_id,))
+        return self.stub.SequenceInfo(pb.SequenceInfoRequest(cache=cache, sequence_id=seq_id), timeout=self.timeout,
+                                      metadata=md)
 
     def list_sequences(self, cache: str) -> list[pb.SequenceInfoReply]:
         return list(self.stub.ListSequences(pb.ListSequencesRequest(cache=cache), timeout=self.timeout).sequences)

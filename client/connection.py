@@ -223,34 +223,35 @@ class Connection:
         return self._bell
 
     def _call(self, method, request_fn, inputs: dict[str, torch.Tensor], out_bytes: list[int], read=None,
-              device: torch.device | None = None):
+              device: torch.device | None = None, md: tuple | None = None):
         """Build a request with `inputs` placed in the arena (or inline) and
         output ranges reserved, call, and run read(reply, arena) before the
         arena can be reused by another call. The CUDA arena of the inputs'
         device, or of `device` (where the outputs are wanted) when none is on one.
-        Once more, in new buffers, if the daemon dropped this client's (_lapsed)."""
+        Once more, in new buffers, if the daemon dropped this client's (_lapsed).
+        md: the metadata its sequences were checked under (Session.naming)."""
         for k, t in inputs.items():
             if t.dtype not in wire.TO_PROTO:
                 raise TypeError(f"{k}: a {t.dtype} tensor cannot be sent; K, V and Q go as float16, bfloat16 "
                                 "or float32 (the daemon converts them to the cache's dtype)")
         try:
-            return self._call_once(method, request_fn, inputs, out_bytes, read, device)
+            return self._call_once(method, request_fn, inputs, out_bytes, read, device, md)
         except grpc.RpcError as e:
             with self._lock:
                 if not self._lapsed(e):
-                    self.session.fenced(e)
+                    self.session.fenced(e, md is not None)
                     raise
                 self._forget_registrations()
-        return self._call_once(method, request_fn, inputs, out_bytes, read, device)
+        return self._call_once(method, request_fn, inputs, out_bytes, read, device, md)
 
-    def _call_once(self, method, request_fn, inputs, out_bytes, read, device):
+    def _call_once(self, method, request_fn, inputs, out_bytes, read, device, md):
         with self._lock:
             need = sum(t.numel() * t.element_size() + 64 for t in inputs.values()) + sum(b + 64 for b in out_bytes)
             cuda = [t.device for t in inputs.values() if t.is_cuda] or \
                 ([device] if device is not None and device.type == "cuda" else [])
             arena = self._cuda_arena_for(need, cuda[0]) if cuda else None
             if arena is not None:
-                return self._call_cuda(arena, method, request_fn, inputs, out_bytes, read)
+                return self._call_cuda(arena, method, request_fn, inputs, out_bytes, read, md)
             arena = self._arena_for(need)
             msgs, outs = {}, []
             for k, t in inputs.items():
@@ -261,10 +262,10 @@ class Connection:
                     msgs[k] = arena.typed(place(arena, t), tuple(t.shape), t.dtype)[1]
             for b in out_bytes:
                 outs.append(None if arena is None else pb.OutputRef(buffer_id=arena.buffer_id, offset=arena.alloc(b)))
-            reply = method(request_fn(msgs, outs), timeout=self.timeout, metadata=self.session.md)
+            reply = method(request_fn(msgs, outs), timeout=self.timeout, metadata=md or self.session.md)
             return read(reply, arena) if read else reply
 
-    def _call_cuda(self, arena: CudaArena, method, request_fn, inputs, out_bytes, read):
+    def _call_cuda(self, arena: CudaArena, method, request_fn, inputs, out_bytes, read, md):
         msgs, outs = {}, []
         for k, t in inputs.items():
             t = t.detach()
@@ -273,7 +274,7 @@ class Connection:
             outs.append(pb.OutputRef(buffer_id=arena.buffer_id, offset=arena.alloc(b)))
         stream = cuda_rt.current_stream(arena.view.device)
         arena.ready.record(stream)
-        reply = method(request_fn(msgs, outs), timeout=self.timeout, metadata=self.session.md)
+        reply = method(request_fn(msgs, outs), timeout=self.timeout, metadata=md or self.session.md)
         self._wait_done(arena, stream)
         return read(reply, arena) if read else reply
 
@@ -286,8 +287,10 @@ class Connection:
 
     def _append_attend(self, request: pb.AppendAttendRequest, timeout: float, metadata) -> pb.AttendReply:
         """AppendAttend on this client's stream; unary without one, or while
-        the daemon turns streams away (it read nothing of the refused call)."""
-        if self._stream is not None and time.monotonic() >= self._stream_retry_at:
+        the daemon turns streams away (it read nothing of the refused call), or when
+        the daemon instance changed since its sequences were checked (the stream may
+        be open to the new one: unary, the daemon refuses the old instance)."""
+        if self._stream is not None and time.monotonic() >= self._stream_retry_at and metadata is self.session.md:
             try:
                 return pb.AttendReply.FromString(self._stream(request.SerializeToString(), timeout))
             except StreamRefused:
@@ -313,10 +316,11 @@ class Connection:
         return x.clone() if ref else x
 
     def _append_attend_bell(self, cache, layer, seq_ids, k, v, q, scale, out, query_tokens: int = 1,
-                            token_ids=()) -> torch.Tensor | None:
+                            token_ids=(), md: tuple | None = None) -> torch.Tensor | None:
         """append_attend by the doorbell (under the lock) -> out, or None: send
         it by gRPC (no doorbell, inputs it cannot name, a request it cannot carry,
-        or it went down before taking the request)."""
+        or it went down before taking the request, or the daemon instance changed
+        since the sequences were checked under md: the doorbell carries none)."""
         if not (k.dim() == v.dim() == q.dim() == 3 and k.dtype == v.dtype == q.dtype
                 and k.device == v.device == q.device) or q.dtype not in wire.TO_PROTO:
             return None
@@ -326,7 +330,7 @@ class Connection:
         arena = self._cuda_arena_for(need, q.device) if q.is_cuda else None
         arena = arena or self._arena_for(need)
         bell = self._doorbell() if arena is not None else None
-        if bell is None:
+        if bell is None or (md is not None and md is not self.session.md):
             return None
         offs = [place(arena, t) for t in ts]   # place() detaches what it copies
         out_off = arena.offset_of(out) if out is not None else None

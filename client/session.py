@@ -9,10 +9,16 @@ import time
 
 import grpc
 
+from kvstore.errors import quote
 from kvstore.protocol.channel import INSTANCE_KEY, SESSION_KEY
 from kvstore.v1 import kvstore_pb2 as pb
 
+from .stream import rpc_error
+
 log = logging.getLogger("kvstore.client")
+# The sequence ids a session remembers having named under the current daemon instance,
+# the least recently named forgotten first: after a restart each of these raises once.
+NAMED_MAX = 1 << 20
 # The daemon gone or going away: a call in flight when it stops may end CANCELLED (gRPC's own
 # cancellation) as well as UNAVAILABLE, and neither says whether the call took effect.
 UNREACHABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
@@ -30,10 +36,13 @@ class _Metadata(grpc.UnaryUnaryClientInterceptor):
         self.session = session
 
     def intercept_unary_unary(self, continuation, details, request):
-        md = list(details.metadata or []) + self.session.metadata
+        md = list(details.metadata or [])
+        if not any(k == SESSION_KEY for k, _ in md):     # a call naming sequences brings its own
+            md += self.session.metadata
+        named = len(md) == len(details.metadata or ())
         outcome = continuation(details._replace(metadata=md), request)
         if outcome.done() and isinstance(err := outcome.exception(), grpc.RpcError):
-            self.session.fenced(err)
+            self.session.fenced(err, named)
         return outcome
 
 
@@ -41,7 +50,14 @@ class Session:
     """metadata: what a call sends (a list for the interceptor, `md` the same as a
     tuple for the tensor calls, which pass it themselves: a Python client interceptor
     costs tens of µs per call); on_metadata(md) hears of a change (the stream's next
-    opening)."""
+    opening).
+
+    The restart fence, per sequence: the ids this session named under the daemon
+    instance it knows are remembered; once it learns of a restart (a Heartbeat reply
+    naming another instance, or the daemon refusing a call for the old one) each of
+    them raises FAILED_PRECONDITION the next time a call names it, once, whichever
+    thread or request names it, and every lane (the doorbell's calls carry no
+    metadata) is checked here before it sends."""
 
     def __init__(self, session_id: str, token: str | None):
         self.id = session_id
@@ -65,6 +81,10 @@ class Session:
         # and raises, so that the caller learns of the restart, and then it is (fenced).
         self.instance: str | None = None
         self._instance_changed = False
+        self._seq_lock = threading.Lock()
+        self._named: dict[str, None] = {}     # ids named under `instance`, oldest first
+        self._stale: dict[str, str] = {}      # ids named before a restart -> their instance
+        self._calling = threading.local()     # ids of this thread's last call naming sequences
 
     # ------------------------------------------------------------ heartbeat
     def start_heartbeat(self, stub) -> None:
@@ -93,11 +113,11 @@ class Session:
                 return         # the channel was closed under us
 
     def replied(self, r: pb.HeartbeatReply) -> None:
-        """A Heartbeat reply: the lease renewed, and the instance learned (the first time)."""
-        if self.instance is None:
+        """A Heartbeat reply: the lease renewed, and the instance learned; another one
+        than before is a restart (the sequences named so far are stale)."""
+        if r.instance != self.instance:
+            self._instance_changed = self.instance is not None
             self._set_instance(r.instance)
-        elif r.instance != self.instance:
-            self._instance_changed = True
         self.renew(r.lease_timeout_s)
 
     # ---------------------------------------------------------------- lease
@@ -110,7 +130,7 @@ class Session:
     def registered(self) -> None:
         """A buffer was registered: the lease is renewed, and in time from here on."""
         self.renew(self.lease_s)
-        self._renewed_in_time, self.unreachable = True, False
+        self._renewed_in_time, self.unreachable, self._instance_changed = True, False, False
 
     def dropped_why(self) -> str:
         """Why the daemon holds none of our buffers, as far as this client can tell: the
@@ -127,20 +147,69 @@ class Session:
     # ------------------------------------------------------------- instance
     def _set_instance(self, instance: str) -> None:
         md = self._base + ([(INSTANCE_KEY, instance)] if instance else [])
-        self.instance, self._instance_changed = instance, False
-        self.metadata, self.md = md, tuple(md)
+        with self._seq_lock:
+            if self.instance is not None:
+                for i in self._named:
+                    self._stale.setdefault(i, self.instance)
+                self._named.clear()
+            self.instance = instance
+            self.metadata, self.md = md, tuple(md)
         if self.on_metadata is not None:
             self.on_metadata(md)
 
-    def fenced(self, e: grpc.RpcError) -> bool:
-        """The daemon refused a call naming sequences of the instance before its restart:
-        take the new one (the error still reaches the caller), so that the next call goes."""
+    def _remember(self, ids) -> None:
+        for i in ids:
+            self._stale.pop(i, None)
+            if i not in self._named:
+                self._named[i] = None
+                if len(self._named) > NAMED_MAX:
+                    del self._named[next(iter(self._named))]
+
+    def naming(self, ids, new=()) -> tuple:
+        """A call about to name sequences `ids` and create `new` (Allocate, Fork) -> the
+        metadata to send it with: the instance they were checked under, so that a restart
+        learned meanwhile (another thread) has the daemon refuse it. FAILED_PRECONDITION,
+        before anything is sent, for ids named before a restart this session learned of,
+        once each (they are taken as told from then on)."""
+        with self._seq_lock:
+            stale = {i: self._stale[i] for i in ids if i in self._stale}
+            self._remember(ids)
+            self._remember(new)
+            md = self.md
+            self._calling.ids = (*ids, *new)
+        if stale:
+            names = ", ".join(quote(i) for i in list(stale)[:4]) + (f" and {len(stale) - 4} more" if len(stale) > 4
+                                                                  else "")
+            raise rpc_error(grpc.StatusCode.FAILED_PRECONDITION, (
+                f"{INSTANCE_KEY}: sequence {names} was named before the daemon restarted (instance "
+                f"{next(iter(stale.values()))!r}, now {self.instance!r}): it is gone unless it was persist "
+                "(ListSequences lists it), and its id may name a sequence allocated since. Raised once for "
+                "each such sequence")[:1024], ((INSTANCE_KEY, self.instance or ""),))
+        return md
+
+    def forget(self, ids) -> None:
+        """Sequences freed: nothing to fence for them any more."""
+        with self._seq_lock:
+            for i in ids:
+                self._named.pop(i, None)
+                self._stale.pop(i, None)
+
+    def fenced(self, e: grpc.RpcError, named: bool = False) -> bool:
+        """The daemon refused a call for the instance before its restart: take the new one
+        (the error still reaches the caller); the sequences named before are stale, but
+        for those of the refused call if it named sequences (`named`: sent with the
+        metadata naming() gave): its error told the caller of them."""
         if not restarted(e):
             return False
         new = dict(e.trailing_metadata() or ()).get(INSTANCE_KEY)
         if new is None:
             return False
-        log.warning("kvstore: the daemon restarted (instance %s; this client's sequences were of %s): "
-                    "the sequences it did not restore from disk are gone", new, self.instance)
-        self._set_instance(new)
+        if new != self.instance:
+            log.warning("kvstore: the daemon restarted (instance %s; this client's sequences were of %s): "
+                        "the sequences it did not restore from disk are gone", new, self.instance)
+            self._set_instance(new)
+            self._instance_changed = True
+        if named:
+            with self._seq_lock:
+                self._remember(getattr(self._calling, "ids", ()))
         return True

@@ -2,6 +2,9 @@
 after the daemon restarted is told so (FAILED_PRECONDITION, x-kvstore-instance)
 before the call runs, and never appends to or attends over a sequence another
 worker of its tenant allocated under that id since. Told once, it goes on."""
+import threading
+import time
+
 import grpc
 import pytest
 import torch
@@ -33,6 +36,8 @@ def step(kv: KVStoreClient, seq: str, tokens: int = 1) -> None:
 
 @pytest.mark.parametrize("lane", ["doorbell", "stream", "unary"])
 def test_an_id_from_before_a_restart_never_reaches_a_sequence_allocated_since(tmp_path, lane):
+    """Each call first after a restart, by each lane: a decode step, one that needs a
+    larger buffer (registered anew: the doorbell's door), a Retrieve."""
     sock = str(tmp_path / "kv.sock")
     target = f"unix://{sock}"
     server, _, _ = create_server(socket_path=sock)
@@ -40,44 +45,43 @@ def test_an_id_from_before_a_restart_never_reaches_a_sequence_allocated_since(tm
     b = None
     try:
         a.create_cache("c", "m", **GEOM)
-        a.allocate("c", "s", list(range(8)))
-        k = torch.randn(2, 8, 2, 16).half()
-        a.append("c", ["s"], k, k)
-        step(a, "s")
-        old = a.instance
-        server.stop(None)
-        server, _, _ = create_server(socket_path=sock)
-        b = worker(target, lane)
-        b.create_cache("c", "m", **GEOM)
-        b.allocate("c", "s", list(range(8)))
-        kb = torch.randn(2, 8, 2, 16).half()
-        b.append("c", ["s"], kb, kb)
-        assert b.instance not in ("", old)
-
-        for call in (lambda: step(a, "s"), lambda: step(a, "s", tokens=64), lambda: a.retrieve("c", "s")):
+        for n, call in enumerate((lambda s: step(a, s), lambda s: step(a, s, tokens=64),
+                                  lambda s: a.retrieve("c", s))):
+            sid = f"s{n}"
+            a.allocate("c", sid, list(range(8)))
+            k = torch.randn(2, 8, 2, 16).half()
+            a.append("c", [sid], k, k)
+            try:
+                step(a, sid)
+            except grpc.RpcError as e:     # the stream a restart ended, unused since: it reports that once
+                assert lane == "stream" and e.code() == grpc.StatusCode.UNAVAILABLE
+                step(a, sid)
+            old = a.instance
+            server.stop(None)
+            server, _, _ = create_server(socket_path=sock)
+            if b is not None:
+                b.close()
+            b = worker(target, lane)
+            b.create_cache("c", "m", **GEOM)
+            b.allocate("c", sid, list(range(8)))
+            kb = torch.randn(2, 8, 2, 16).half()
+            b.append("c", [sid], kb, kb)
+            assert b.instance not in ("", old)
             with pytest.raises(grpc.RpcError) as e:
-                call()
+                call(sid)
             if lane == "stream" and e.value.code() == grpc.StatusCode.UNAVAILABLE:
                 with pytest.raises(grpc.RpcError) as e:     # that was the old daemon's stream ending
-                    call()
+                    call(sid)
             assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
             assert e.value.details().startswith(f"{INSTANCE_KEY}: ") and repr(old) in e.value.details()
             # b's sequence is as b left it
-            assert b.sequence_info("c", "s").length == 8
-            got_k, got_v = b.retrieve("c", "s")
+            assert b.sequence_info("c", sid).length == 8
+            got_k, got_v = b.retrieve("c", sid)
             assert torch.equal(got_k, kb) and torch.equal(got_v, kb)
-            # Told once, a goes on: its next call is of the new instance.
+            # a knows the new instance: its new sequences go
             assert a.instance == b.instance
-            a.allocate("c", "s2", [1, 2, 3])
-            a.free("c", ["s2"])
-            old = a.instance
-            server.stop(None)          # and again, for the next call
-            server, _, _ = create_server(socket_path=sock)
-            b.close()
-            b = worker(target, lane)
-            b.create_cache("c", "m", **GEOM)
-            b.allocate("c", "s", list(range(8)))
-            b.append("c", ["s"], kb, kb)
+            a.allocate("c", "new", [1, 2, 3])
+            a.free("c", ["new"])
     finally:
         a.close()
         if b is not None:
@@ -127,4 +131,63 @@ def test_the_fence_for_a_client_written_from_the_proto(tmp_path):
         assert INSTANCE_KEY not in dict(e.value.trailing_metadata() or ())
     finally:
         channel.close()
+        server.stop(None)
+
+
+@pytest.mark.parametrize("heartbeat", [False, True])
+def test_every_sequence_named_before_a_restart_raises_once(tmp_path, heartbeat):
+    """Told of the restart by one call (or by its heartbeat), the client still refuses
+    each other sequence it named before, once, in whichever thread names it: a worker
+    serving several requests is told of each, none reaches another worker's sequence.
+    A sequence it forked is fenced as one it allocated."""
+    sock = str(tmp_path / "kv.sock")
+    target = f"unix://{sock}"
+    server, _, _ = create_server(socket_path=sock)
+    a = KVStoreClient(target, heartbeat=heartbeat)
+    b = None
+    try:
+        a.create_cache("c", "m", **GEOM)
+        with KVStoreClient(target, heartbeat=False) as coordinator:
+            coordinator.allocate("c", "prefix", list(range(8)), pinned=True)
+        a.fork("c", "prefix", "r1")
+        for sid in ("s1", "s2"):
+            a.allocate("c", sid, list(range(8)))
+        old = a.instance
+        server.stop(None)
+        server, _, _ = create_server(socket_path=sock)
+        b = worker(target, "unary")
+        b.create_cache("c", "m", **GEOM)
+        kb = torch.randn(2, 4, 2, 16).half()
+        for sid in ("r1", "s1", "s2"):
+            b.allocate("c", sid, [])
+            b.append("c", [sid], kb, kb)
+        if heartbeat:          # its heartbeat learns of the restart: no call has to find it
+            deadline = time.monotonic() + 30
+            while a.session.instance == old and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert a.session.instance == b.instance
+        told = []
+
+        def names(sid):
+            with pytest.raises(grpc.RpcError) as e:
+                a.append("c", [sid], kb, kb)
+            told.append((sid, e.value.code(), e.value.details()))
+        threads = [threading.Thread(target=names, args=(sid,)) for sid in ("r1", "s1", "s2")]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert {sid for sid, *_ in told} == {"r1", "s1", "s2"}
+        for sid, code, details in told:
+            assert code == grpc.StatusCode.FAILED_PRECONDITION and details.startswith(f"{INSTANCE_KEY}: ")
+        for sid in ("r1", "s1", "s2"):
+            assert b.sequence_info("c", sid).length == 4
+        # each was told once: a's calls from then on are its own business (a persist
+        # sequence it goes on with; here, b's), and a new id goes at once
+        a.allocate("c", "s3", [1, 2])
+        a.free("c", ["s3"])
+    finally:
+        a.close()
+        if b is not None:
+            b.close()
         server.stop(None)
