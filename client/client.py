@@ -38,6 +38,7 @@ from kvstore.v1 import kvstore_pb2 as pb
 
 from .arena import StepBuffers
 from .connection import Connection
+from .session import restarted
 
 # The most bytes (K and V) one Retrieve call brings; a larger range comes in several calls
 # of whole layers, so the buffer it crosses in stays this size.
@@ -120,16 +121,24 @@ class KVStoreClient(Connection):
         return reply.sha256
 
     # ------------------------------------------------------------ sequences
-    def _naming(self, ids, new=()) -> tuple:
-        """Before a call names sequences `ids` (and creates `new`): the daemon instance
-        they are of known (a Heartbeat, the first time), an id named before a restart
-        refused, once; -> the call's metadata (Session.naming)."""
+    def _named(self, ids, new, send):
+        """send(metadata) of a call naming sequences `ids` (and creating `new`), checked
+        first (Session.naming): the daemon instance they are of known (a Heartbeat, the
+        first time), an id named before a restart refused, once. Sent again, under the
+        new instance, where the daemon refused the old one and the call names no sequence
+        this client named before: the restart has nothing of this client's to fence there."""
         if self.session.instance is None:
             try:
                 self.heartbeat()
             except grpc.RpcError:
                 pass                   # the call says what is wrong
-        return self.session.naming(ids, new)
+        md, fresh = self.session.naming(ids, new)
+        try:
+            return send(md)
+        except grpc.RpcError as e:
+            if not (fresh and restarted(e)) or self.session.md is md:
+                raise
+        return send(self.session.naming(ids, new)[0])
 
     def allocate(self, cache: str, seq_id: str, prompt_token_ids: list[int], pinned: bool = False,
                  persist: bool = False) -> int:
@@ -140,16 +149,14 @@ class KVStoreClient(Connection):
         before raises FAILED_PRECONDITION ("x-kvstore-instance: ..."), once for
         each (session.py): it is gone, unless persist, and its id may name a
         sequence allocated since."""
-        md = self._naming((), (seq_id,))
-        return self.stub.Allocate(pb.AllocateRequest(cache=cache, sequence_id=seq_id,
-                                                     prompt_token_ids=list(prompt_token_ids),
-                                                     pinned=pinned, persist=persist),
-                                  timeout=self.timeout, metadata=md).cached_tokens
+        req = pb.AllocateRequest(cache=cache, sequence_id=seq_id, prompt_token_ids=list(prompt_token_ids),
+                                 pinned=pinned, persist=persist)
+        return self._named((), (seq_id,), lambda md: self.stub.Allocate(
+            req, timeout=self.timeout, metadata=md)).cached_tokens
 
     def reserve(self, cache: str, seq_id: str, num_tokens: int) -> Reservation:
-        md = self._naming((seq_id,))
-        r = self.stub.Reserve(pb.ReserveRequest(cache=cache, sequence_id=seq_id, num_tokens=num_tokens),
-                              timeout=self.timeout, metadata=md)
+        req = pb.ReserveRequest(cache=cache, sequence_id=seq_id, num_tokens=num_tokens)
+        r = self._named((seq_id,), (), lambda md: self.stub.Reserve(req, timeout=self.timeout, metadata=md))
         return Reservation(list(r.slot_mapping), list(r.sealed_blocks), list(r.tail_blocks), r.length)
 
     def append(self, cache: str, seq_ids: list[str], k: torch.Tensor, v: torch.Tensor,
@@ -157,7 +164,6 @@ class KVStoreClient(Connection):
                token_ids: list[list[int]] | None = None) -> None:
         """k, v: [L, n, Hkv, d] for all layers, or [n, Hkv, d] with `layer`.
         counts: tokens per sequence (default: n split evenly)."""
-        md = self._naming(seq_ids)
         n = k.shape[0] if layer is not None else k.shape[1]
         if counts is None:
             counts = [n // max(1, len(seq_ids))] * len(seq_ids)
@@ -168,14 +174,13 @@ class KVStoreClient(Connection):
             if layer is not None:
                 r.layer = layer
             return r
-        self._call(self._raw.Append, req, {"k": k, "v": v}, [], md=md)
+        self._named(seq_ids, (), lambda md: self._call(self._raw.Append, req, {"k": k, "v": v}, [], md=md))
 
     def attend(self, cache: str, layer: int, seq_ids: list[str], q: torch.Tensor, scale: float = 0.0) -> torch.Tensor:
         """q [B, Hq, d] -> out [B, Hq, d]."""
-        md = self._naming(seq_ids)
-        return self._call(self._raw.Attend, lambda m, o: pb.AttendRequest(
+        return self._named(seq_ids, (), lambda md: self._call(self._raw.Attend, lambda m, o: pb.AttendRequest(
             cache=cache, layer=layer, sequence_ids=seq_ids, q=m["q"], scale=scale, out=o[0]),
-            {"q": q}, [q.numel() * 2], lambda r, a: self._tensor(r.out, a), md=md)
+            {"q": q}, [q.numel() * 2], lambda r, a: self._tensor(r.out, a), md=md))
 
     def append_attend(self, cache: str, layer: int, seq_ids: list[str], k: torch.Tensor, v: torch.Tensor,
                       q: torch.Tensor, scale: float = 0.0, out: torch.Tensor | None = None,
@@ -189,7 +194,10 @@ class KVStoreClient(Connection):
         [B * T, Hkv, d], q and out [B * T, Hq, d], token_ids B * T; query i of a
         sequence attends causally (its earlier tokens and new tokens 0..i). Either
         goes by the doorbell as a one-token call does (gRPC without one)."""
-        md = self._naming(seq_ids)
+        return self._named(seq_ids, (), lambda md: self._append_attend_md(
+            md, cache, layer, seq_ids, k, v, q, scale, out, token_ids, query_tokens))
+
+    def _append_attend_md(self, md, cache, layer, seq_ids, k, v, q, scale, out, token_ids, query_tokens):
         if self._use_bell:
             with self._lock:
                 try:
@@ -259,34 +267,29 @@ class KVStoreClient(Connection):
 
     def _retrieve(self, cache, seq_id, start, end, layer_start, layer_end, out_bytes, device, into):
         """One Retrieve call -> (k, v) on device (None: where the reply lies), or copied into `into`."""
-        md = self._naming((seq_id,))
-
         def read(r, arena):
             return tuple(self._tensor(t, arena, device, dst) for t, dst in zip((r.k, r.v), into or (None, None)))
-        return self._call(self._raw.Retrieve, lambda m, o: pb.RetrieveRequest(
+        return self._named((seq_id,), (), lambda md: self._call(self._raw.Retrieve, lambda m, o: pb.RetrieveRequest(
             cache=cache, sequence_id=seq_id, start=start, end=end, layer_start=layer_start, layer_end=layer_end,
-            k_out=o[0], v_out=o[1]), {}, [out_bytes, out_bytes], read, device, md)
+            k_out=o[0], v_out=o[1]), {}, [out_bytes, out_bytes], read, device, md))
 
     def fork(self, cache: str, seq_id: str, new_seq_id: str) -> None:
-        md = self._naming((seq_id,), (new_seq_id,))
-        self.stub.Fork(pb.ForkRequest(cache=cache, sequence_id=seq_id, new_sequence_id=new_seq_id),
-                       timeout=self.timeout, metadata=md)
+        req = pb.ForkRequest(cache=cache, sequence_id=seq_id, new_sequence_id=new_seq_id)
+        self._named((seq_id,), (new_seq_id,), lambda md: self.stub.Fork(req, timeout=self.timeout, metadata=md))
 
     def offload(self, cache: str, seq_ids: list[str]) -> None:
         """Move sequences to the daemon's disk tier; returns once durable."""
-        md = self._naming(seq_ids)
-        self.stub.Offload(pb.OffloadRequest(cache=cache, sequence_ids=list(seq_ids)), timeout=self.timeout,
-                          metadata=md)
+        req = pb.OffloadRequest(cache=cache, sequence_ids=list(seq_ids))
+        self._named(seq_ids, (), lambda md: self.stub.Offload(req, timeout=self.timeout, metadata=md))
 
     def prefetch(self, cache: str, seq_ids: list[str]) -> None:
         """Page sequences back into GPU memory ahead of use."""
-        md = self._naming(seq_ids)
-        self.stub.Prefetch(pb.PrefetchRequest(cache=cache, sequence_ids=list(seq_ids)), timeout=self.timeout,
-                           metadata=md)
+        req = pb.PrefetchRequest(cache=cache, sequence_ids=list(seq_ids))
+        self._named(seq_ids, (), lambda md: self.stub.Prefetch(req, timeout=self.timeout, metadata=md))
 
     def free(self, cache: str, seq_ids: list[str]) -> None:
-        md = self._naming(seq_ids)
-        self.stub.Free(pb.FreeRequest(cache=cache, sequence_ids=list(seq_ids)), timeout=self.timeout, metadata=md)
+        req = pb.FreeRequest(cache=cache, sequence_ids=list(seq_ids))
+        self._named(seq_ids, (), lambda md: self.stub.Free(req, timeout=self.timeout, metadata=md))
         self.session.forget(seq_ids)
 
     # ---------------------------------------------------------------- stats
@@ -294,9 +297,8 @@ class KVStoreClient(Connection):
         return self.stub.Stats(pb.StatsRequest(cache=cache), timeout=self.timeout)
 
     def sequence_info(self, cache: str, seq_id: str) -> pb.SequenceInfoReply:
-        md = self._naming((seq_id,))
-        return self.stub.SequenceInfo(pb.SequenceInfoRequest(cache=cache, sequence_id=seq_id), timeout=self.timeout,
-                                      metadata=md)
+        req = pb.SequenceInfoRequest(cache=cache, sequence_id=seq_id)
+        return self._named((seq_id,), (), lambda md: self.stub.SequenceInfo(req, timeout=self.timeout, metadata=md))
 
     def list_sequences(self, cache: str) -> list[pb.SequenceInfoReply]:
         return list(self.stub.ListSequences(pb.ListSequencesRequest(cache=cache), timeout=self.timeout).sequences)

@@ -75,8 +75,6 @@ class Connection:
         self.transport = "shm" if transport == "shm" or (transport == "auto" and local) else "inline"
         self._stream = CallStream(self.channel, f"/{SERVICE}/AppendAttendStream", self.session.md) \
             if (local if stream is None else stream) else None
-        if self._stream is not None:
-            self.session.on_metadata = self._stream.set_metadata
         self._stream_retry_at = 0.0
         self._use_bell = local if doorbell is None else doorbell
         self._bell: Doorbell | None = None
@@ -288,11 +286,11 @@ class Connection:
     def _append_attend(self, request: pb.AppendAttendRequest, timeout: float, metadata) -> pb.AttendReply:
         """AppendAttend on this client's stream; unary without one, or while
         the daemon turns streams away (it read nothing of the refused call), or when
-        the daemon instance changed since its sequences were checked (the stream may
-        be open to the new one: unary, the daemon refuses the old instance)."""
-        if self._stream is not None and time.monotonic() >= self._stream_retry_at and metadata is self.session.md:
+        the stream open was opened with other metadata than the call's (another daemon
+        instance than its sequences were checked under: unary, the daemon refuses it)."""
+        if self._stream is not None and time.monotonic() >= self._stream_retry_at and self._stream.takes(metadata):
             try:
-                return pb.AttendReply.FromString(self._stream(request.SerializeToString(), timeout))
+                return pb.AttendReply.FromString(self._stream(request.SerializeToString(), timeout, metadata))
             except StreamRefused:
                 self._stream_retry_at = time.monotonic() + STREAM_RETRY_S
         return self._raw.AppendAttend(request, timeout=timeout, metadata=metadata)

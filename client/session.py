@@ -49,8 +49,7 @@ class _Metadata(grpc.UnaryUnaryClientInterceptor):
 class Session:
     """metadata: what a call sends (a list for the interceptor, `md` the same as a
     tuple for the tensor calls, which pass it themselves: a Python client interceptor
-    costs tens of µs per call); on_metadata(md) hears of a change (the stream's next
-    opening).
+    costs tens of µs per call).
 
     The restart fence, per sequence: the ids this session named under the daemon
     instance it knows are remembered; once it learns of a restart (a Heartbeat reply
@@ -64,7 +63,6 @@ class Session:
         self._base = [(SESSION_KEY, session_id)] + ([("authorization", f"Bearer {token}")] if token else [])
         self.metadata = list(self._base)
         self.md = tuple(self._base)
-        self.on_metadata = None
         self.interceptor = _Metadata(self)
         self._stop = threading.Event()
         # What tells a restart from a lapsed lease when the daemon has dropped our buffers
@@ -152,27 +150,30 @@ class Session:
                 for i in self._named:
                     self._stale.setdefault(i, self.instance)
                 self._named.clear()
+                while len(self._stale) > NAMED_MAX:       # the oldest first
+                    del self._stale[next(iter(self._stale))]
             self.instance = instance
             self.metadata, self.md = md, tuple(md)
-        if self.on_metadata is not None:
-            self.on_metadata(md)
 
     def _remember(self, ids) -> None:
+        named = self._named
         for i in ids:
             self._stale.pop(i, None)
-            if i not in self._named:
-                self._named[i] = None
-                if len(self._named) > NAMED_MAX:
-                    del self._named[next(iter(self._named))]
+            named.pop(i, 0)            # to the back: the least recently named are forgotten first
+            named[i] = None
+            if len(named) > NAMED_MAX:
+                del named[next(iter(named))]
 
-    def naming(self, ids, new=()) -> tuple:
-        """A call about to name sequences `ids` and create `new` (Allocate, Fork) -> the
+    def naming(self, ids, new=()) -> tuple[tuple, bool]:
+        """A call about to name sequences `ids` and create `new` (Allocate, Fork) -> (the
         metadata to send it with: the instance they were checked under, so that a restart
-        learned meanwhile (another thread) has the daemon refuse it. FAILED_PRECONDITION,
-        before anything is sent, for ids named before a restart this session learned of,
-        once each (they are taken as told from then on)."""
+        learned meanwhile (another thread) has the daemon refuse it; whether this session
+        named none of `ids` before). FAILED_PRECONDITION, before anything is sent, for
+        ids named before a restart this session learned of, once each (they are taken as
+        told from then on)."""
         with self._seq_lock:
             stale = {i: self._stale[i] for i in ids if i in self._stale}
+            fresh = not stale and not any(i in self._named for i in ids)
             self._remember(ids)
             self._remember(new)
             md = self.md
@@ -185,7 +186,7 @@ class Session:
                 f"{next(iter(stale.values()))!r}, now {self.instance!r}): it is gone unless it was persist "
                 "(ListSequences lists it), and its id may name a sequence allocated since. Raised once for "
                 "each such sequence")[:1024], ((INSTANCE_KEY, self.instance or ""),))
-        return md
+        return md, fresh
 
     def forget(self, ids) -> None:
         """Sequences freed: nothing to fence for them any more."""

@@ -126,12 +126,15 @@ class CallStream:
         self._period = 1.0
         self._armed = 0.0            # the timeout _period was set for
 
-    def set_metadata(self, metadata) -> None:
-        """What the next stream opens with (the one open now keeps its own)."""
-        self._md = tuple(metadata)
-
     # ------------------------------------------------------------ calls
-    def __call__(self, data: bytes, timeout: float | None = None) -> bytes:
+    def takes(self, metadata) -> bool:
+        """Whether a call with this metadata can go on the stream: none is open (it opens
+        with the call's), or the open one was opened with the same."""
+        return self._call is None or metadata is None or tuple(metadata) == self._md
+
+    def __call__(self, data: bytes, timeout: float | None = None, metadata=None) -> bytes:
+        """metadata: what a stream opened for this call opens with (default: the
+        constructor's, or the last call's); see takes()."""
         if timeout is not None:
             self._arm(timeout)
         try:
@@ -141,6 +144,8 @@ class CallStream:
                         self._next_core()
                 self._call = None
             if self._call is None:
+                if metadata is not None:
+                    self._md = tuple(metadata)
                 self._open()
             return self._call_core(data) if self._core else self._call_public(data)
         finally:

@@ -191,3 +191,36 @@ def test_every_sequence_named_before_a_restart_raises_once(tmp_path, heartbeat):
         if b is not None:
             b.close()
         server.stop(None)
+
+
+def test_a_call_naming_only_sequences_this_client_never_named_goes_after_a_restart(tmp_path, monkeypatch):
+    """Not told of the restart yet (no heartbeat), a client allocating a new id, or
+    reading a sequence another client allocated since, is refused the old instance by
+    the daemon and sends the call again under the new one: nothing of its own to fence.
+    The ids it remembers are the least recently named: one named again stays fenced."""
+    monkeypatch.setattr("kvstore.client.session.NAMED_MAX", 3)
+    sock = str(tmp_path / "kv.sock")
+    target = f"unix://{sock}"
+    server, _, _ = create_server(socket_path=sock)
+    a = KVStoreClient(target, heartbeat=False)
+    try:
+        a.create_cache("c", "m", **GEOM)
+        for sid in ("live", "x1", "x2", "x3"):
+            a.allocate("c", sid, [1, 2])
+            a.sequence_info("c", "live")          # named again: the most recently named
+        old = a.instance
+        server.stop(None)
+        server, _, _ = create_server(socket_path=sock)
+        with KVStoreClient(target, heartbeat=False) as b:
+            b.create_cache("c", "m", **GEOM)
+            b.allocate("c", "theirs", [5])
+            b.allocate("c", "live", [5])
+            assert a.allocate("c", "fresh", [1, 2, 3]) == 0           # no error: sent again
+            assert a.instance == b.instance != old
+            assert a.sequence_info("c", "theirs").length == 0
+            with pytest.raises(grpc.RpcError) as e:
+                a.sequence_info("c", "live")
+            assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "'live'" in e.value.details()
+    finally:
+        a.close()
+        server.stop(None)
