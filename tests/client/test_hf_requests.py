@@ -5,7 +5,6 @@ request's sequences as it falls back; generate() settings left unset (None) read
 transformers reads them."""
 import copy
 import json
-import warnings
 
 import pytest
 import torch
@@ -13,28 +12,13 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from kvstore.client.hf import KVStoreAdapter  # noqa: E402
+from tests.client.test_hf_generation import _reference, live_sequences, strict_generate  # noqa: E402
 from tests.client.test_hf_models import build, prompt  # noqa: E402
 from tests.helpers import one_thread  # noqa: E402,F401
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 GREEDY = dict(max_new_tokens=8, min_new_tokens=8, do_sample=False, pad_token_id=0)
-
-
-def _reference(model, ids, **kw):
-    with torch.no_grad():
-        return copy.deepcopy(model).generate(ids, **kw)
-
-
-def live_sequences(ad) -> int:
-    return sum(s.sequences for _, s in ad.stats_by_group())
-
-
-def strict_generate(ad, ids, **kw):
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")          # no fallback
-        with torch.no_grad():
-            return ad.generate(ids, **kw)
 
 
 @pytest.mark.parametrize("assisted", ["prompt_lookup_num_tokens", "assistant_model"])

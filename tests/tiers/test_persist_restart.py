@@ -10,7 +10,7 @@ import torch
 
 from kvstore.service.leases import LeaseManager
 from kvstore.tiers.lmdb_store import LMDBStore
-from tests.tiers.test_tier_books import D, HKV, L, T, engine, kv_of, put, read, reopen, same, toks
+from tests.tiers.test_tier_books import D, HKV, T, engine, kv_of, put, read, reopen, same, toks
 
 
 def half_a_step(e, sid):
