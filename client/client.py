@@ -127,11 +127,10 @@ class KVStoreClient(Connection):
         first time), an id named before a restart refused, once. Sent again, under the
         new instance, where the daemon refused the old one and the call names no sequence
         this client named before: the restart has nothing of this client's to fence there."""
-        if self.session.instance is None:
-            try:
-                self.heartbeat()
-            except grpc.RpcError:
-                pass                   # the call says what is wrong
+        try:
+            self.instance              # a Heartbeat, the first time
+        except grpc.RpcError:
+            pass                       # the call says what is wrong
         md, fresh = self.session.naming(ids, new)
         try:
             return send(md)

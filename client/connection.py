@@ -27,6 +27,8 @@ from .stream import CallStream, StreamRefused
 
 log = logging.getLogger("kvstore.client")
 STREAM_RETRY_S = 30.0      # after the daemon turned a stream away, call unary this long before trying again
+
+
 class Connection:
     """KVStoreClient's plumbing: the channel and session, the heartbeat, the
     registered buffers a call's tensors cross in, and the lanes of

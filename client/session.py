@@ -113,9 +113,7 @@ class Session:
     def replied(self, r: pb.HeartbeatReply) -> None:
         """A Heartbeat reply: the lease renewed, and the instance learned; another one
         than before is a restart (the sequences named so far are stale)."""
-        if r.instance != self.instance:
-            self._instance_changed = self.instance is not None
-            self._set_instance(r.instance)
+        self._set_instance(r.instance)
         self.renew(r.lease_timeout_s)
 
     # ---------------------------------------------------------------- lease
@@ -144,9 +142,16 @@ class Session:
 
     # ------------------------------------------------------------- instance
     def _set_instance(self, instance: str) -> None:
+        """Take `instance` as the daemon's. Another than the one known is a restart: the
+        sequences named so far are stale."""
         md = self._base + ([(INSTANCE_KEY, instance)] if instance else [])
         with self._seq_lock:
+            if instance == self.instance:
+                return
             if self.instance is not None:
+                log.warning("kvstore: the daemon restarted (instance %s; this client's sequences were of %s): "
+                            "the sequences it did not restore from disk are gone", instance, self.instance)
+                self._instance_changed = True
                 for i in self._named:
                     self._stale.setdefault(i, self.instance)
                 self._named.clear()
@@ -205,11 +210,7 @@ class Session:
         new = dict(e.trailing_metadata() or ()).get(INSTANCE_KEY)
         if new is None:
             return False
-        if new != self.instance:
-            log.warning("kvstore: the daemon restarted (instance %s; this client's sequences were of %s): "
-                        "the sequences it did not restore from disk are gone", new, self.instance)
-            self._set_instance(new)
-            self._instance_changed = True
+        self._set_instance(new)
         if named:
             with self._seq_lock:
                 self._remember(getattr(self._calling, "ids", ()))
