@@ -18,7 +18,7 @@ from kvstore.cuda.pinned import to_device
 
 from .interface import TieredCache
 from .redis_format import HEADER_BYTES, block_key, check
-from .redis_store import HIT, MISS, REFUSED, Put, RedisStore
+from .redis_store import HIT, REFUSED, Put, RedisStore
 
 log = logging.getLogger("kvstore.redis")
 KNOWN_HASHES = 1 << 16                    # per cache: hashes known to be in Redis (not put again)

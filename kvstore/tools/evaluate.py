@@ -256,7 +256,7 @@ exact_attention_handler = exact_attention
 
 
 def format_table(results, scored: int, backend: str) -> str:
-    lines = [f"| config | protocol | sinks | R | perplexity | delta vs fp16 |", "|---|---|---|---|---|---|"]
+    lines = ["| config | protocol | sinks | R | perplexity | delta vs fp16 |", "|---|---|---|---|---|---|"]
     for row, ppl, delta in results:
         proto = "-" if row.codebooks is None else row.protocol
         lines.append(f"| {row.label} | {proto} | {row.sinks} | {row.residual if proto == 'i' else '-'} "

@@ -6,7 +6,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 import warnings
 
 import pytest

@@ -31,8 +31,6 @@ def _read_items(plan, c, scale):
     items, ptr = plan.items.tolist(), plan.item_ptr.tolist()
     assert all(it == [0] * 5 for it in items[ptr[-1]:]), "padding items must be empty"
     b_, t, hq, d = c["q"].shape
-    hkv = c["k_codes"].shape[1]
-    g = hq // hkv
     qt, ng = plan.groups
     assert len(ptr) == b_ * ng + 1
     bs, tbs = c["k_codes"].shape[2], c["tail_k"].shape[2]

@@ -3,7 +3,6 @@ the stats text says nominal and effective bytes per token apart and reserved
 vs used bytes per pool, a closed pipe (`| head -1`) ends it quietly,
 delete-cache says what it dropped, and a call that reaches no daemon says why."""
 import json
-import os
 import shutil
 import socket
 import subprocess
