@@ -19,6 +19,8 @@ log = logging.getLogger("kvstore.client")
 # The sequence ids a session remembers having named under the current daemon instance,
 # the least recently named forgotten first: after a restart each of these raises once.
 NAMED_MAX = 1 << 20
+# The daemon instances a session remembers having seen replaced (the newest kept).
+RETIRED_MAX = 64
 # The daemon gone or going away: a call in flight when it stops may end CANCELLED (gRPC's own
 # cancellation) as well as UNAVAILABLE, and neither says whether the call took effect.
 UNREACHABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
@@ -79,6 +81,10 @@ class Session:
         # and raises, so that the caller learns of the restart, and then it is (fenced).
         self.instance: str | None = None
         self._instance_changed = False
+        # Instances replaced since: a daemon's instance is random at each start, so one of
+        # these named again is a late reply of a daemon that has since stopped (a call in
+        # flight across two restarts), not a third restart: it is not taken.
+        self._retired: dict[str, None] = {}
         self._seq_lock = threading.Lock()
         self._named: dict[str, None] = {}     # ids named under `instance`, oldest first
         self._stale: dict[str, str] = {}      # ids named before a restart -> their instance
@@ -146,7 +152,7 @@ class Session:
         sequences named so far are stale."""
         md = self._base + ([(INSTANCE_KEY, instance)] if instance else [])
         with self._seq_lock:
-            if instance == self.instance:
+            if instance == self.instance or instance in self._retired:
                 return
             if self.instance is not None:
                 log.warning("kvstore: the daemon restarted (instance %s; this client's sequences were of %s): "
@@ -157,6 +163,10 @@ class Session:
                 self._named.clear()
                 while len(self._stale) > NAMED_MAX:       # the oldest first
                     del self._stale[next(iter(self._stale))]
+                if self.instance:                          # "": a daemon without one
+                    self._retired[self.instance] = None
+                    if len(self._retired) > RETIRED_MAX:
+                        del self._retired[next(iter(self._retired))]
             self.instance = instance
             self.metadata, self.md = md, tuple(md)
 

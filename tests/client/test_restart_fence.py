@@ -224,3 +224,26 @@ def test_a_call_naming_only_sequences_this_client_never_named_goes_after_a_resta
     finally:
         a.close()
         server.stop(None)
+
+
+def test_a_late_reply_from_a_replaced_daemon_is_not_a_restart():
+    """A reply the stopped daemon sent before it stopped can arrive after the new
+    daemon's (a heartbeat in flight across two quick restarts): its instance is one the
+    session saw replaced, so it is not taken, and the ids named under the new one stay
+    usable rather than raising as if the daemon had restarted again."""
+    from kvstore.client.session import Session
+    s = Session("sess", None)
+    s.replied(pb.HeartbeatReply(instance="first"))
+    s.naming(["a"])
+    s.replied(pb.HeartbeatReply(instance="second"))
+    with pytest.raises(grpc.RpcError) as e:
+        s.naming(["a"])
+    assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    s.naming(["b"])
+    s.replied(pb.HeartbeatReply(instance="first"))          # late, from the daemon replaced
+    assert s.instance == "second" and (INSTANCE_KEY, "second") in s.metadata
+    md, fresh = s.naming(["b"])                               # no second restart: b goes
+    assert (INSTANCE_KEY, "second") in md and not fresh
+    s.replied(pb.HeartbeatReply(instance="third"))           # a real one still is
+    with pytest.raises(grpc.RpcError):
+        s.naming(["b"])
