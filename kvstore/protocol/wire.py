@@ -38,6 +38,11 @@ def from_proto(t: pb.Tensor, buffers, field: str) -> torch.Tensor:
     if len(shape) > MAX_DIMS or not all(0 <= s <= MAX_DIM for s in shape):
         raise InvalidArgument(field, f"shape {list(shape)} is not a valid tensor shape (dims in [0, 2^31], "
                               f"at most {MAX_DIMS})")
+    # Nor may the dims but the zeros multiply past int64: torch lays out an empty
+    # tensor's strides (and storage) by them and overflows.
+    if math.prod(max(s, 1) for s in shape) * dtype.itemsize >= 1 << 62:
+        raise InvalidArgument(field, f"shape {list(shape)} is not a valid tensor shape (its nonzero dims multiply "
+                              "past what a tensor can index)")
     nbytes = _nbytes(shape, dtype)
     which = t.WhichOneof("data")
     if which == "inline":

@@ -461,6 +461,8 @@ CASES = [
     case("Append", "negative-dim", lambda lv: append(k=pb.Tensor(shape=[L, -2, HKV, D], dtype=pb.FLOAT16)),
          INVALID, "k"),
     case("Append", "too-many-dims", lambda lv: append(k=raw([1] * 9)), INVALID, "k"),
+    case("Append", "empty-with-huge-dims", lambda lv: append(k=raw([0] + [1 << 31] * 7)), INVALID, "k"),
+    case("Attend", "empty-with-huge-dims", lambda lv: attend(q=raw([1 << 31, 1 << 31, 1 << 31, 0])), INVALID, "q"),
     case("Append", "no-data", lambda lv: append(k=pb.Tensor(shape=[L, 2, HKV, D], dtype=pb.FLOAT16)), INVALID, "k"),
     case("Append", "missing-tensor", lambda lv: pb.AppendRequest(cache="f16", sequence_ids=["b"], counts=[2],
                                                                  v=t(rnd(L, 2, HKV, D))), INVALID, "k"),
