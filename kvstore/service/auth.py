@@ -192,9 +192,7 @@ class GateInterceptor(grpc.ServerInterceptor):
         return wrapped
 
     def _wrap(self, handler, check_auth: bool, fenced: bool):
-        def admit(request, context):
-            if isinstance(request, _Malformed):
-                context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"request: malformed message ({request.error})")
+        def admit(context):
             if check_auth:
                 try:
                     self.auth.tenant(context)
@@ -203,30 +201,41 @@ class GateInterceptor(grpc.ServerInterceptor):
             if fenced:
                 fence.check(context, self.instance)
 
+        def parsed(r, context):
+            if isinstance(r, _Malformed):
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"request: malformed message ({r.error})")
+            return r
+
         def admit_stream(requests, context):
             for r in requests:
-                if isinstance(r, _Malformed):
-                    context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"request: malformed message ({r.error})")
-                yield r
+                yield parsed(r, context)
 
+        # A unary handler runs once its request has arrived, and grpc holds a server thread
+        # waiting for it: callers that send headers and no body (or a body of up to the
+        # message limit, buffered whole) would take every thread before their token was
+        # looked at. Taken as a one-message stream, the call is admitted (token, instance)
+        # from its headers alone, and only then is its body read.
         def unary_req(fn):
-            def call(request, context):
-                admit(request, context)
-                return fn(request, context)
+            def call(requests, context):
+                admit(context)
+                request = next(requests, None)
+                if request is None:
+                    context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request: no message")
+                return fn(parsed(request, context), context)
             return call
 
         def stream_req(fn):
             def call(requests, context):
-                if check_auth or fenced:
-                    admit(None, context)
+                admit(context)
                 return fn(admit_stream(requests, context), context)
             return call
 
-        kw = dict(request_deserializer=_safe(handler.request_deserializer))
+        kw = dict(request_deserializer=_safe(handler.request_deserializer), request_streaming=True,
+                  unary_unary=None, unary_stream=None)
         if handler.unary_unary:
-            kw["unary_unary"] = unary_req(handler.unary_unary)
+            kw["stream_unary"] = unary_req(handler.unary_unary)
         elif handler.unary_stream:
-            kw["unary_stream"] = unary_req(handler.unary_stream)
+            kw["stream_stream"] = unary_req(handler.unary_stream)
         elif handler.stream_unary:
             kw["stream_unary"] = stream_req(handler.stream_unary)
         elif handler.stream_stream:

@@ -62,6 +62,34 @@ def test_tcp_without_a_valid_token_is_unauthenticated(live, token):
     kv.close()
 
 
+def test_callers_without_a_token_cannot_hold_the_servers_threads(tmp_path):
+    """Calls over TCP that send their headers and no body (or a body too slowly),
+    more of them than the server has threads, are refused UNAUTHENTICATED from their
+    headers alone: a caller with a token is still served meanwhile."""
+    import threading
+    sock = str(tmp_path / "kv.sock")
+    server, port, _ = create_server(socket_path=sock, port=0, auth=Authenticator({ALICE: "alice"}), workers=2,
+                                    max_streams=2)
+    never = threading.Event()
+
+    def no_body():
+        never.wait(30)
+        yield pb.HeartbeatRequest()
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
+            heartbeat = ch.stream_unary(f"/{pb.DESCRIPTOR.services_by_name['KVStore'].full_name}/Heartbeat",
+                                        request_serializer=pb.HeartbeatRequest.SerializeToString,
+                                        response_deserializer=pb.HeartbeatReply.FromString)
+            held = [heartbeat.future(no_body(), timeout=20) for _ in range(12)]
+            with tcp(port, token=ALICE) as kv:
+                assert kv.heartbeat().tenant == "alice"
+            for f in held:
+                assert f.exception(timeout=10).code() == grpc.StatusCode.UNAUTHENTICATED
+    finally:
+        never.set()
+        server.stop(0)
+
+
 def test_health_answers_without_token_reflection_does_not(live):
     _, port = live
     with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
