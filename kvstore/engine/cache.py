@@ -379,15 +379,16 @@ class Cache(WritePath, ReadPath, WindowedBlocks):
                        hashed_upto=src.hashed_upto)
         self.seqs[(tenant, dst_id)] = dst
 
-    def offload(self, seqs: list[Sequence], drop_uncommitted: bool = False) -> int:
+    def offload(self, seqs: list[Sequence], drop_uncommitted: bool = False, past_bound: bool = False) -> int:
         """Offload: each durable on disk, or none moved. Uncommitted tokens refuse it, or with drop_uncommitted
-        (persist sequences at the stop or a lease's lapse: nobody will finish their step) are dropped. -> tokens dropped."""
+        (persist sequences at the stop or a lease's lapse: nobody will finish their step) are dropped; past_bound:
+        DiskTier.write_sequences. -> tokens dropped."""
         for s in seqs:
             if (any(s.pending) or s.reserved) and not drop_uncommitted:
                 raise FailedPrecondition("sequence_ids", f"sequence {quote(s.seq_id)} has uncommitted tokens")
         dropped = sum(self.drop_uncommitted(s) for s in seqs) if drop_uncommitted else 0
         self.protect = set()
-        self.tiering.offload(seqs)
+        self.tiering.offload(seqs, past_bound)
         return dropped
 
     def free(self, s: Sequence) -> None:

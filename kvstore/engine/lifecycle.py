@@ -147,8 +147,10 @@ def drop(cache, mappers: int, force: bool, live) -> DeleteResult:
 
 def at_stop(caches) -> int:
     """The daemon stops, and every session's lease ends with it: each `persist`
-    sequence not yet durable on disk is offloaded, as a lapsed lease offloads it
-    (one that cannot be is named in a WARNING: it is gone); then, for at most
+    sequence not yet durable on disk is offloaded, as a lapsed lease offloads it,
+    past the disk tier's byte bound if it must (once every prefix block there is
+    evicted; logged: nothing else could keep it); one that the store cannot take
+    at all (its map full, an I/O error) is named in a WARNING: it is gone. Then, for at most
     STOP_KEEP_S in all, the blocks with a content hash only memory holds go to disk
     (below.keep_on_disk), so that prompts after a restart hit them. -> sequences offloaded."""
     done, kept, deadline = 0, 0, time.monotonic() + STOP_KEEP_S
@@ -161,12 +163,18 @@ def at_stop(caches) -> int:
         try:
             for s in [s for s in c.seqs.values() if s.persist and not (s.manifest or {}).get("durable")]:
                 try:
-                    cut = c.offload([s], drop_uncommitted=True)      # a step the stop cut off: its committed tokens go
+                    # a step the stop cut off is dropped: its committed tokens go
+                    cut = c.offload([s], drop_uncommitted=True, past_bound=True)
                     done += 1
+                    store = c.tiering.disk.store
+                    if store.max_bytes and store.used_bytes > store.max_bytes:
+                        log.warning("cache %s: persist sequence %s/%s offloaded at the stop past the disk tier's "
+                                    "bound: it holds %d bytes of its %d (--lmdb-max-bytes) until sequences on it are "
+                                    "freed", quote(c.cfg.name), s.tenant, s.seq_id, store.used_bytes, store.max_bytes)
                     if cut:
                         log.info("cache %s: persist sequence %s/%s offloaded at the stop without the %d tokens of "
                                  "its unfinished step", quote(c.cfg.name), s.tenant, s.seq_id, cut)
-                except KVStoreError as e:
+                except (KVStoreError, OSError) as e:
                     log.warning("cache %s: persist sequence %s/%s not offloaded at the stop (%s): it is gone",
                                 quote(c.cfg.name), s.tenant, s.seq_id, e)
             kept += c.tiering.keep_on_disk(deadline)

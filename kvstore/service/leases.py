@@ -120,8 +120,10 @@ class LeaseManager:
                 "%s", session, tenant, n, f", released {mapped} pool mapping(s)" if mapped else "")
 
     def _offload(self, cache: str, tenant: str, seq_id: str) -> bool:
-        """The persistence hook: True if the sequence is now durable on the
-        disk tier (it stays, for a later session to find); False: free it."""
+        """The persistence hook: True if the sequence stays, for a later session to find:
+        durable on the disk tier, or, where the disk tier refuses it (its byte bound),
+        in memory, as a pinned sequence would (the daemon's stop offloads it, past the
+        bound if it must); False: free it (an engine that cannot offload)."""
         self.counters["offload_requests"] += 1
         offload = getattr(self.engine, "offload", None)
         if offload is None:
@@ -130,10 +132,11 @@ class LeaseManager:
         try:
             offload(cache, tenant, [seq_id], drop_uncommitted=True)     # a step cut off by the lapse: nobody finishes it
             return True
-        except KVStoreError as e:   # e.g. the disk bound: nobody is left to tell, and freeing beats leaking
+        except KVStoreError as e:   # e.g. the disk bound: nobody is left to tell, and what persist asked is kept
             self.counters["offload_failed"] += 1
-            log.warning("sequence %s/%s asked to persist, offload failed (%s): freeing it", cache, seq_id, e)
-            return False
+            log.warning("sequence %s/%s asked to persist, offload failed (%s): kept where it is (Free frees it)",
+                        cache, seq_id, e)
+            return True
 
     def _run(self, period: float) -> None:
         while not self._stop.wait(period):

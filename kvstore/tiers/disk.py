@@ -118,9 +118,7 @@ class DiskTier:
         for k in store.keys(b"B"):
             if k not in self.pins:
                 self._unreferenced(k)
-        if store.max_bytes and store.used_bytes > store.max_bytes:     # a smaller bound than last time
-            evict = self._victims(0, set())
-            self._write([], [], list(self.lru) if evict is None else evict)
+        self._fit_bound()       # a smaller bound than last time
 
     def prepare(self, device, checksums) -> None:
         """A cache on `device` restores from here. On a GPU, rows are checked where
@@ -173,6 +171,13 @@ class DiskTier:
             if self.store.contains(k):
                 self._unreferenced(k)       # the newest of the cache: just released by a sequence
 
+    def _fit_bound(self) -> None:
+        """Over the bound (opened under a smaller one, a sequence written past it): the
+        unreferenced blocks go until it holds, or none is left."""
+        if self.store.max_bytes and self.store.used_bytes > self.store.max_bytes:
+            evict = self._victims(0, set())
+            self._write([], [], list(self.lru) if evict is None else evict)
+
     def _victims(self, need: int, keep: set[bytes]) -> list[bytes] | None:
         """Unreferenced blocks to delete, oldest first, so that need more bytes
         fit the bound; None if even all of them would not do."""
@@ -204,11 +209,12 @@ class DiskTier:
 
     # -------------------------------------------------------- sequences
     @_under_store_lock
-    def write_sequences(self, fp: bytes, images: list[SeqImage], sync: bool) -> int:
+    def write_sequences(self, fp: bytes, images: list[SeqImage], sync: bool, past_bound: bool = False) -> int:
         """One transaction: per sequence its new hashed blocks, its other
         blocks and its manifest (replacing an older copy), plus the evictions
-        that make room. Returns payload bytes written. ResourceExhausted, and
-        nothing written, if it cannot fit the bound."""
+        that make room. Returns payload bytes written. ResourceExhausted, and nothing
+        written, if it cannot fit the bound; past_bound (persist sequences at the stop):
+        written anyway once every evictable block is gone (over it until freed)."""
         puts, deletes, pin, unpin, nbytes, new = [], [], [], [], 0, set()
         for im in images:
             mk = manifest_key(fp, im.cache, im.tenant, im.seq_id)
@@ -232,6 +238,9 @@ class DiskTier:
             unpin += _refs(fp, old) if old is not None else []
         need = self.store.growth(puts, deletes)
         evict = self._victims(need, set(pin) | {k for k, _ in puts})
+        if evict is None and past_bound:
+            keep = set(pin)
+            evict = [k for k in self.lru if k not in keep]
         if evict is None:
             raise ResourceExhausted("sequence_ids", f"the disk tier cannot take {need} more bytes: "
                                     f"{self.held_bytes()} of its {self.store.max_bytes} are held by sequences")
@@ -289,6 +298,7 @@ class DiskTier:
         self._write([], keys + [manifest_key(fp, cache, tenant, seq_id)], [], sync)
         for k in _refs(fp, manifest):
             self._unpin(k)
+        self._fit_bound()
 
     def manifests(self, fp: bytes, cache: str) -> list[dict]:
         return [json.loads(v) for _, v in self.store.scan(b"M" + fp + _part(cache))]

@@ -164,11 +164,12 @@ class Tiering(CachedBelow):
         self.counters["offloads_host"] += 1
         return True
 
-    def offload(self, seqs: list[Sequence]) -> None:
-        """Offload: every sequence durable on disk, or (ResourceExhausted) none moved."""
+    def offload(self, seqs: list[Sequence], past_bound: bool = False) -> None:
+        """Offload: every sequence durable on disk, or (ResourceExhausted) none moved
+        (past_bound: DiskTier.write_sequences)."""
         if self.disk is None:
             raise FailedPrecondition("sequence_ids", "no disk tier configured (start the daemon with --lmdb PATH)")
-        self._to_disk(seqs, durable=True)
+        self._to_disk(seqs, durable=True, past_bound=past_bound)
         self._fp16_forms_to_disk(seqs)
 
     def _fp16_forms_to_disk(self, seqs: list[Sequence]) -> None:
@@ -186,7 +187,7 @@ class Tiering(CachedBelow):
             rows = to_host(c.tail_io.pack(list(found.values())))
             self._spill_disk([(fp16_key(h), r) for h, r in zip(found, rows)], rows.shape[1])
 
-    def _to_disk(self, seqs: list[Sequence], durable: bool) -> None:
+    def _to_disk(self, seqs: list[Sequence], durable: bool, past_bound: bool = False) -> None:
         """Write the sequences to LMDB in one transaction, then let go of their blocks.
         A sequence whose disk copy is current is not written again."""
         c = self.c
@@ -198,7 +199,8 @@ class Tiering(CachedBelow):
             elif durable and not m.get("durable"):      # a pressure copy, durable from now on
                 images.append(SeqImage(c.cfg.name, s.tenant, s.seq_id, _written(s, dict(m, durable=True))))
         if images:
-            self._moved("bytes_down", "disk", self.disk.write_sequences(c.fingerprint, images, sync=durable))
+            self._moved("bytes_down", "disk", self.disk.write_sequences(c.fingerprint, images, sync=durable,
+                                                                            past_bound=past_bound))
         elif durable:
             self.disk.sync()
         written = {(im.tenant, im.seq_id): {k: v for k, v in im.manifest.items() if k not in _HELD}

@@ -8,6 +8,7 @@ import logging
 import pytest
 import torch
 
+from kvstore.errors import KVStoreError
 from kvstore.service.leases import LeaseManager
 from kvstore.tiers.lmdb_store import LMDBStore
 from tests.tiers.test_tier_books import D, HKV, T, engine, kv_of, put, read, reopen, same, toks
@@ -122,4 +123,39 @@ def test_a_manifest_without_its_layout_is_left_on_disk_where_it_does_not_fit(tmp
     assert f"{differs}=" in caplog.text and "not listed here" in caplog.text
     e = reopen(e, tmp_path, "fp16", num_blocks=32, **{"residual": 8, **first})
     assert [i.seq_id for i in e.list_sequences("c", T)] == ["s"]
+    e.check_invariants()
+
+
+@pytest.mark.parametrize("codec", ["pq", "fp16"])
+def test_a_persist_sequence_the_disk_bound_refuses_is_kept(tmp_path, caplog, codec):
+    """The disk bound too small for it: its session's lapse keeps it in memory (counted,
+    as a pinned one would stay), and the daemon's stop offloads it past the bound
+    (logged) rather than drop it; after the restart it is listed with its tokens, and
+    the store, over its bound, takes no other sequence until that one is freed."""
+    e = engine(tmp_path, codec, num_blocks=32, residual=8, lmdb_max_bytes=4096)
+    tokens = toks(0, 40)
+    e.allocate("c", T, "keep", tokens, owner="w", persist=True)
+    k, v = kv_of(tokens)
+    e.append("c", T, ["keep"], k, v, [len(tokens)], token_ids=[tokens])
+    put(e, "other", toks(100, 40))
+    want = read(e, "keep")
+    leases = LeaseManager(e, timeout_s=1, clock=lambda: 0.0)
+    leases.touch(T, "w")
+    leases.clock = lambda: 5.0
+    leases.reap()
+    assert leases.counters["offload_failed"] == 1
+    assert e.sequence_info("c", T, "keep").tier == "gpu" and same(read(e, "keep"), want)
+    e.check_invariants()
+    caplog.set_level(logging.INFO)
+    e.close()
+    assert "offloaded at the stop past the disk tier's bound" in caplog.text and "it is gone" not in caplog.text
+    e = reopen(e, tmp_path, codec, num_blocks=32, residual=8, lmdb_max_bytes=4096)
+    assert [(s.seq_id, s.tier, s.persist) for s in e.list_sequences("c", T)] == [("keep", "disk", True)]
+    assert same(read(e, "keep"), want)
+    put(e, "more", toks(200, 40))
+    with pytest.raises(KVStoreError) as err:
+        e.offload("c", T, ["more"])
+    assert err.value.code == "RESOURCE_EXHAUSTED"
+    assert e.sequence_info("c", T, "more").tier == "gpu"
+    e.free("c", T, ["keep"])
     e.check_invariants()
