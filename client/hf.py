@@ -111,7 +111,7 @@ def kvstore_attention(module, query, key, value, attention_mask, dropout=0.0, sc
     cache = take_decode_target(module.layer_idx, key, value)
     if cache is not None:
         cache.adapter.variant.check_call(module.layer_idx, kwargs, attention_mask, cache.length + query.shape[2],
-                                         module, cache.pads)
+                                         module, cache.pads, cache.masks_checked)
         out, key, value = cache.decode_attention(module.layer_idx, query, key, value, scaling)
         if out is not None:
             return out, None

@@ -59,6 +59,7 @@ class KVStoreCache(Cache):
         self._kept: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * self.num_layers
         self.boundaries = None        # a hybrid model's states at decode block boundaries (hf_states.py)
         self.released = False
+        self.masks_checked: set = set()      # this forward's (hf_variants.check_call)
 
     # ------------------------------------------------------- Cache interface
     @property
@@ -83,6 +84,7 @@ class KVStoreCache(Cache):
 
     def begin_forward(self, input_ids: torch.Tensor | None) -> None:
         self.check_live()
+        self.masks_checked = set()
         if self.boundaries is not None:
             self.boundaries.before_forward(self)
         self._cur_ids = input_ids

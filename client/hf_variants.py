@@ -17,6 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
+from . import hf_masks
+
 # What each of transformers' layer_types keeps while generating: K/V (in the daemon),
 # a recurrent or convolution state (linear attention, Mamba, short convolutions: kept
 # in-process by transformers' own cache layer; its size a sequence is fixed, whatever
@@ -80,13 +82,15 @@ class AttentionVariant:
             out["sink_logits"] = list(self.sinks)
         return out
 
-    def check_call(self, layer: int, kwargs: dict, mask, kv_len: int, module=None, pads=None) -> None:
+    def check_call(self, layer: int, kwargs: dict, mask, kv_len: int, module=None, pads=None,
+                   checked: set | None = None) -> None:
         """The attention call of `layer` asks for what the daemon's cache was made with:
         a model whose layers decide their window or cap otherwise than its config
         says is refused before its decode step reaches the daemon. layer: the model's
         (the attention module's layer_idx), mask: the call's (sdpa's: bool [B, 1, n,
         kv_len], True = attend, or None), kv_len: the tokens it reads, module: the
-        attention module making the call, pads: each row's left padding."""
+        attention module making the call, pads: each row's left padding, checked: the
+        (window, chunk) kinds whose mask this forward has checked (one mask a kind)."""
         at = self.kv_index(layer)
         if at < 0:
             raise ValueError(f"layer {layer}: the model attends with K/V in a layer whose layer_types entry "
@@ -95,13 +99,17 @@ class AttentionVariant:
         cap = kwargs.get("softcap") or 0.0
         # A model may window through its mask alone (PhiMoE, Doge: the call carries no
         # sliding_window): the mask must then hide every token before the window.
-        if w != want and not (w == 0 and (kv_len <= want or _masks_before(mask, kv_len - want))):
+        if w != want and not (w == 0 and (kv_len <= want or hf_masks.masks_before(mask, kv_len - want))):
             raise ValueError(f"layer {layer}: the model attends with sliding_window={w}, the kvstore cache "
                              f"was made with {want} (from its config)")
         c = self.chunk(at)      # chunks come by the mask alone (Llama 4): it must hide the earlier ones
-        if c and (w or not _hides_earlier_chunks(mask, kv_len, c, pads or [0])):
+        if c and (w or not hf_masks.hides_earlier_chunks(mask, kv_len, c, pads or [0])):
             raise ValueError(f"layer {layer}: the model does not attend in chunks of {c} tokens as its config "
                              "says (attention_chunk_size), or not through its mask")
+        if checked is None or (want, c) not in checked:
+            hf_masks.check(layer, mask, kv_len, pads or [0], want, c)
+            if checked is not None:
+                checked.add((want, c))
         if float(cap) != self.softcap:
             raise ValueError(f"layer {layer}: the model soft-caps attention logits at {cap}, the kvstore "
                              f"cache at {self.softcap}")
@@ -137,25 +145,6 @@ def _sink_logits(model, c, kv_layers: list[int]) -> tuple[float, ...]:
     if not rows:
         return ()
     return tuple(x for layer in kv_layers for x in rows.get(layer, [float("-inf")] * hq))
-
-
-def _hides_earlier_chunks(mask, kv_len: int, c: int, pads: list[int]) -> bool:
-    """The mask hides from each row's query the keys before its chunk: chunks of c
-    count from the row's first token, after its left padding (as transformers')."""
-    for r, p in enumerate(pads):
-        first = p + (kv_len - 1 - p) // c * c
-        if first > p and not _masks_before(mask if len(pads) == 1 or not isinstance(mask, torch.Tensor)
-                                           or mask.shape[0] == 1 else mask[r:r + 1], first):
-            return False
-    return True
-
-
-def _masks_before(mask, first: int) -> bool:
-    """The mask hides every key position before `first` from every query."""
-    if not isinstance(mask, torch.Tensor) or mask.shape[-1] < first:
-        return False
-    head = mask[..., :first]
-    return not bool(head.any()) if head.dtype == torch.bool else bool((head <= torch.finfo(head.dtype).min).all())
 
 
 def _refuse(feature: str) -> None:

@@ -171,3 +171,42 @@ def test_models_named_by_no_hub_id_are_named_by_their_weights(daemon, tmp_path):
         other.generate(ids, **GREEDY)
     for x in (ad, same, other):
         x.close()
+
+
+def test_a_custom_4d_mask_is_refused_and_the_standard_one_taken(daemon):
+    """A forward continuing the cache with its own 4-D mask: one hiding a cached token
+    from the new ones would be attended as if it hid nothing, so it is refused, naming
+    attention_mask; the causal mask given explicitly goes to the daemon and gives
+    transformers' logits."""
+    from transformers import DynamicCache
+    model = build("llama")
+    ids = prompt(20)
+    causal = torch.ones(1, 1, 4, 20, dtype=torch.bool).tril(diagonal=16)
+    hiding = causal.clone()
+    hiding[..., 3] = False
+    ad = KVStoreAdapter(model, daemon, cache="mask4d", codec="fp16", block_size=8, residual=8)
+    with torch.no_grad():
+        ref = DynamicCache(config=model.config)
+        model(input_ids=ids[:, :16], past_key_values=ref, use_cache=True)
+        want = model(input_ids=ids[:, 16:], past_key_values=ref, attention_mask=causal, use_cache=True).logits
+        for mask in (hiding, torch.where(causal, 0.0, -1.0)):
+            cache = prefilled(ad, model, ids[:, :16])
+            try:
+                with pytest.raises(ValueError, match="attention_mask: layer 0's mask"):
+                    model(input_ids=ids[:, 16:], past_key_values=cache, attention_mask=mask, use_cache=True)
+            finally:
+                cache.release()
+        cache = prefilled(ad, model, ids[:, :16])
+        try:
+            got = model(input_ids=ids[:, 16:], past_key_values=cache, attention_mask=causal, use_cache=True).logits
+        finally:
+            cache.release()
+    torch.testing.assert_close(got, want, atol=1e-2, rtol=0)      # K/V in fp16 at the daemon
+    assert ad.fallbacks == 0 and live_sequences(ad) == 0
+
+
+def prefilled(ad, model, ids):
+    """The adapter's cache for ids, holding all of them (the part not cached run)."""
+    cache = ad.cache_for(ids)
+    model(input_ids=ids[:, cache.length:], past_key_values=cache, use_cache=True)
+    return cache

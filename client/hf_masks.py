@@ -1,0 +1,71 @@
+"""The attention masks a daemon decode step stands for. The daemon attends each row's
+tokens from its first real one (after its left padding), causally, within the layer's
+window or chunk; a forward whose mask says anything else (a custom 4-D mask hiding
+tokens, a bidirectional block, an additive bias) is refused, naming attention_mask,
+rather than answered as if the mask were the standard one."""
+from __future__ import annotations
+
+import torch
+
+
+def masks_before(mask, first: int) -> bool:
+    """The mask hides every key position before `first` from every query."""
+    if not isinstance(mask, torch.Tensor) or mask.shape[-1] < first:
+        return False
+    head = mask[..., :first]
+    return not bool(head.any()) if head.dtype == torch.bool else bool((head <= torch.finfo(head.dtype).min).all())
+
+
+def hides_earlier_chunks(mask, kv_len: int, c: int, pads: list[int]) -> bool:
+    """The mask hides from each row's query the keys before its chunk: chunks of c
+    count from the row's first token, after its left padding (as transformers')."""
+    for r, p in enumerate(pads):
+        first = p + (kv_len - 1 - p) // c * c
+        if first > p and not masks_before(mask if len(pads) == 1 or not isinstance(mask, torch.Tensor)
+                                          or mask.shape[0] == 1 else mask[r:r + 1], first):
+            return False
+    return True
+
+
+def standard(n: int, kv_len: int, pads: list[int], window: int, chunk: int, device) -> torch.Tensor:
+    """bool [B, 1, n, kv_len], True = attended: what the daemon attends for the last n
+    of kv_len positions of each row (row b's first pads[b] positions are padding)."""
+    p = torch.tensor(pads, device=device).view(-1, 1, 1)
+    q = torch.arange(kv_len - n, kv_len, device=device).view(1, n, 1)
+    j = torch.arange(kv_len, device=device).view(1, 1, kv_len)
+    out = (j >= p) & (j <= q)
+    if window:
+        out &= j > q - window
+    if chunk:
+        out &= j >= p + torch.div(q - p, chunk, rounding_mode="floor") * chunk
+    return out.unsqueeze(1)
+
+
+def check(layer: int, mask, kv_len: int, pads: list[int], window: int, chunk: int) -> None:
+    """ValueError unless `mask` (the attention call's: bool, True = attend, or additive
+    float with 0 and the dtype's minimum only) is the standard one on every query row
+    that is a real token (a query on padding is hidden from what follows)."""
+    if mask is None:
+        return
+    if not isinstance(mask, torch.Tensor) or mask.ndim != 4 or mask.shape[-1] != kv_len:
+        shape = tuple(mask.shape) if isinstance(mask, torch.Tensor) else type(mask).__name__
+        raise ValueError(f"attention_mask: layer {layer} was called with a mask of {shape}, not "
+                         f"[batch, heads, queries, {kv_len}]: the kvstore adapter's decode attention takes "
+                         "transformers' own masks only")
+    if mask.dtype == torch.bool:
+        seen = mask
+    else:
+        seen = mask == 0
+        if not bool((seen | (mask <= torch.finfo(mask.dtype).min)).all()):
+            raise ValueError(f"attention_mask: layer {layer}'s mask adds a bias to the scores; the kvstore "
+                             "adapter's decode attention takes masks that only hide or keep keys")
+    n = mask.shape[-2]
+    want = standard(n, kv_len, pads, window, chunk, mask.device)
+    real = (torch.arange(kv_len - n, kv_len, device=mask.device).view(1, n) >=
+            torch.tensor(pads, device=mask.device).view(-1, 1)).view(-1, 1, n, 1)
+    if not bool(((seen == want) | ~real).all()):
+        raise ValueError(f"attention_mask: layer {layer}'s mask differs from the causal one over each row's "
+                         "tokens after its left padding (a custom 4-D mask, or bidirectional attention "
+                         "among some tokens); the kvstore adapter's decode attention attends every earlier "
+                         "token of the row" + (f" within its window of {window}" if window else "")
+                         + (f" and chunk of {chunk}" if chunk else ""))
