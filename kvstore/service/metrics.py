@@ -200,7 +200,7 @@ class MetricsInterceptor(grpc.ServerInterceptor):
 
     def intercept_service(self, continuation, handler_call_details):
         handler = continuation(handler_call_details)
-        if handler is None or not (handler.unary_unary or handler.stream_stream):
+        if handler is None or not (handler.unary_unary or handler.stream_unary or handler.stream_stream):
             return handler
         hit = self._wrapped.get(handler_call_details.method)
         if hit is not None and hit[0] is handler:   # handlers are fixed per method: wrap once
@@ -224,7 +224,9 @@ class MetricsInterceptor(grpc.ServerInterceptor):
     def _wrap(self, handler, method: str):
         if handler.stream_stream:
             return self._wrap_stream(handler, method)
-        fn = handler.unary_unary
+        # one reply a call: a unary RPC, which the gate (auth.py) hands on as a one-message stream
+        kind = "unary_unary" if handler.unary_unary else "stream_unary"
+        fn = getattr(handler, kind)
         hist = self.latency.labels(method)
 
         def call(request, context):
@@ -240,7 +242,7 @@ class MetricsInterceptor(grpc.ServerInterceptor):
             finally:
                 hist.observe(time.perf_counter() - t0)
                 self._count(method, code.name).inc()
-        return handler._replace(unary_unary=call)
+        return handler._replace(**{kind: call})
 
     def _wrap_stream(self, handler, method: str):
         """A stream of request -> reply pairs (AppendAttendStream): each
