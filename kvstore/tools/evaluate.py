@@ -207,8 +207,13 @@ class Row:
             raise ValueError(f"--row {spec!r}: expected LABEL=cb=PATH,...")
         label, rest = spec[:cut.start()], spec[cut.end():]
         kw = dict(p.split("=", 1) for p in rest.split(",") if p)
-        return Row(label, kw.get("cb") or None, kw.get("proto", "i"), int(kw.get("sinks", 0)),
-                   int(kw.get("R", 128)), kw.get("transform", "auto"))
+        if kw.get("proto", "i") not in ("i", "ii"):
+            raise ValueError(f"--row {spec!r}: proto must be i or ii, got {kw['proto']!r}")
+        try:
+            sinks, residual = int(kw.get("sinks", 0)), int(kw.get("R", 128))
+        except ValueError:
+            raise ValueError(f"--row {spec!r}: sinks and R must be integers") from None
+        return Row(label, kw.get("cb") or None, kw.get("proto", "i"), sinks, residual, kw.get("transform", "auto"))
 
     def load(self) -> tuple[Codebooks | None, Transform | None]:
         if self.codebooks is None:
@@ -226,6 +231,26 @@ def default_rows(cb4: str | None, cb2: str | None, sinks: int, residual: int) ->
     if cb2:
         rows += [Row("pq 2-bit, protocol i", cb2, "i", sinks, residual)]
     return rows
+
+
+def check_files(args: argparse.Namespace, given: list[Row]) -> None:
+    """FileNotFoundError naming the flag of the first codebook or transform file
+    that is not there: found before the model loads, not when its row comes
+    after minutes of the rows before it. given: the --row rows."""
+    named = [("--codebooks", args.codebooks), ("--codebooks2", args.codebooks2)]
+    named += [(f"--row {r.label}: cb", r.codebooks) for r in given]
+    named += [(f"--row {r.label}: transform", r.transform) for r in given if r.transform not in ("auto", "none")]
+    for flag, path in named:
+        if path and not os.path.isfile(path):
+            raise FileNotFoundError(f"{flag}: no such file {path}")
+
+
+def skipped_rows(args: argparse.Namespace) -> list[str]:
+    """What the default rows leave out for want of codebooks, one line each."""
+    if args.row:
+        return []
+    return ([] if args.codebooks else ["no --codebooks: the 4-bit rows are skipped"]) + \
+           ([] if args.codebooks2 else ["no --codebooks2: the 2-bit row is skipped"])
 
 
 def run(model, wins, rows: list[Row], backend: str, kv=None, log=print) -> list[tuple[Row, float, float]]:
@@ -288,10 +313,15 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--device", default="cpu", help="where the model runs (the codec runs on the CPU either way)")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
-    try:
-        text = read_text(args.text or default_text(EVAL_DIRS))        # before the model: fail fast
-    except FileNotFoundError as e:
+    try:                            # every check before the model: fail fast
+        given = [Row.parse(s) for s in args.row]
+        check_files(args, given)
+        text = read_text(args.text or default_text(EVAL_DIRS))
+    except (ValueError, FileNotFoundError) as e:
         p.error(str(e))
+    rows = given or default_rows(args.codebooks, args.codebooks2, args.sinks, args.residual)
+    for line in skipped_rows(args):
+        print(f"note: {line}", flush=True)
     lm = load_model(args.model)
     model, tok = lm.model.to(args.device), lm.tok
     wins = token_windows(tok, text, args.window, args.windows)
@@ -299,7 +329,6 @@ def main(argv: list[str] | None = None) -> None:
         print(f"note: the text holds {len(wins)} windows of {args.window} tokens, not {args.windows}", flush=True)
     if not wins:
         p.error(f"--text: shorter than one window of {args.window} tokens")
-    rows = [Row.parse(s) for s in args.row] or default_rows(args.codebooks, args.codebooks2, args.sinks, args.residual)
     scored = sum(len(w) - 1 for w in wins)
     print(f"model {lm.model_id}; evaluation text: {', '.join(args.text or EVAL_DIRS)}; {len(wins)} windows of {args.window}, {scored:,} scored tokens",
           flush=True)
