@@ -29,6 +29,7 @@ from kvstore.codec.codebooks import Codebooks, train_pq
 from kvstore.codec.transform import Transform
 from kvstore.core.config import ModelGeometry
 
+from .args import DefaultsFormatter
 from .hooks import AttentionCall, attention_handler
 from .models import MODEL_HELP, geometry_of, load_model, output_weight
 from .text import CALIB_DIRS, TEXT_HELP, default_text, read_text, token_windows
@@ -238,7 +239,8 @@ def train(model, sampler: Sampler, m: int, transform: Transform | None, niter: i
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="kvstore-calibrate", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="kvstore-calibrate", description=__doc__.splitlines()[0],
+                                formatter_class=DefaultsFormatter)
     p.add_argument("--model", help=MODEL_HELP)
     p.add_argument("--model-id", help="id the --target cache is registered under (default: the model's own)")
     p.add_argument("--text", nargs="+", help=f"calibration text, {TEXT_HELP} (default: the python3.11-doc "
@@ -246,21 +248,22 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--out", default="smollm2-pq{bits}.safetensors", help="{bits} is 4 or 2")
     p.add_argument("--bits", type=int, nargs="+", default=[4, 2], choices=[4, 2], help="4: M=d/2, 2: M=d/4")
     p.add_argument("--windows", type=int, default=32, help="2,048-token windows spread over the text")
-    p.add_argument("--window", type=int, default=2048)
+    p.add_argument("--window", type=int, default=2048, help="tokens a window")
     p.add_argument("--per-window", type=int, default=512, help="K/V rows sampled per window")
     p.add_argument("--sink-rows", type=int, default=16, help="first positions of every window always sampled")
-    p.add_argument("--transform", choices=["none", "qaware"], default="qaware")
+    p.add_argument("--transform", choices=["none", "qaware"], default="qaware",
+                   help="per-head linear transform before PQ (qaware: scaled by the queries' and o_proj's statistics)")
     p.add_argument("--opq", choices=["none", "parametric"], default="parametric",
                    help="per-head orthogonal rotation before PQ (eigenvalue allocation), folded into the transform")
     p.add_argument("--opq-iters", type=int, default=0, help="non-parametric OPQ rounds after the parametric start")
-    p.add_argument("--niter", type=int, default=20)
-    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--niter", type=int, default=20, help="k-means iterations")
+    p.add_argument("--threads", type=int, default=2, help="torch CPU threads")
     p.add_argument("--target", help="also load into this daemon, e.g. unix:///tmp/kvstore-$UID/kvstore.sock")
     p.add_argument("--cache", help="cache name for --target (created if missing; default: from the model)")
     p.add_argument("--finetune-steps", type=int, default=0,
                    help="then fine-tune the centroids end to end this many steps (kvstore.tools.finetune; "
                         "600 is what docs/accuracy.md measured; ~0.3 s a step on a GPU, ~50 s on 2 CPU cores)")
-    p.add_argument("--finetune-lr", type=float, default=1e-3)
+    p.add_argument("--finetune-lr", type=float, default=1e-3, help="Adam learning rate of --finetune-steps")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
                    help="where the model runs, k-means trains (cpu: faiss; else a torch k-means) and "
                         "--finetune-steps runs")

@@ -44,6 +44,7 @@ import torch.nn.functional as F
 from kvstore.codec.codebooks import Codebooks
 from kvstore.codec.transform import Transform, load_codebooks
 
+from .args import DefaultsFormatter
 from .hooks import AttentionCall, attention_handler, exact_attention
 from .models import MODEL_HELP, geometry_of, load_model
 from .text import EVAL_DIRS, TEXT_HELP, default_text, read_text, token_windows
@@ -291,7 +292,8 @@ def format_table(results, scored: int, backend: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="kvstore-eval", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="kvstore-eval", description=__doc__.splitlines()[0],
+                                formatter_class=DefaultsFormatter)
     p.add_argument("--model", help=MODEL_HELP)
     p.add_argument("--text", nargs="+", help=f"evaluation text, {TEXT_HELP} (default: the python3.11-doc "
                    f"{', '.join(EVAL_DIRS)} folder `make text` fetches); never the calibration text")
@@ -300,16 +302,16 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--row", action="append", default=[], help="extra row: LABEL=cb=PATH,proto=i|ii,sinks=S,R=R,"
                    "transform=auto|none|PATH (sinks 0, R 128, transform auto unless given; replaces the default "
                    "rows; the first row is the baseline)")
-    p.add_argument("--sinks", type=int, default=32, help="fp16 sink tokens of the default rows' protocol i (default "
-                   "32, the adapter's)")
-    p.add_argument("--residual", type=int, default=128, help="fp16 tail R of the default rows (default 128)")
-    p.add_argument("--window", type=int, default=2048)
+    p.add_argument("--sinks", type=int, default=32, help="fp16 sink tokens of the default rows' protocol i, "
+                   "the adapter's default")
+    p.add_argument("--residual", type=int, default=128, help="fp16 tail R of the default rows")
+    p.add_argument("--window", type=int, default=2048, help="tokens a window")
     p.add_argument("--windows", type=int, default=20, help="windows of the evaluation text (20 -> 40,940 tokens)")
     p.add_argument("--backend", choices=["daemon", "sim"], default="daemon",
-                   help="daemon (default): through a kvstore daemon; sim: the codec in-process, faster, "
+                   help="daemon: through a kvstore daemon; sim: the codec in-process, faster, "
                         "the numbers of both agree (docs/accuracy.md)")
     p.add_argument("--target", help="daemon to use (default: start one on a temp socket)")
-    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--threads", type=int, default=2, help="torch CPU threads")
     p.add_argument("--device", default="cpu", help="where the model runs (the codec runs on the CPU either way)")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)

@@ -1,8 +1,9 @@
-"""kvstore-eval's command line: a file a flag names that is not there is one
-argparse line naming the flag before the model loads, and the default rows say
-which of them are left out."""
+"""kvstore-eval's and kvstore-calibrate's command lines: a file a flag names that
+is not there is one argparse line naming the flag before the model loads, the
+default rows say which of them are left out, and --help shows the defaults."""
 import pytest
 
+from kvstore.tools import calibrate as C
 from kvstore.tools import evaluate as E
 
 
@@ -43,3 +44,13 @@ def test_default_rows_say_what_they_leave_out():
                                                   "no --codebooks2: the 2-bit row is skipped"]
     assert E.skipped_rows(p_args("pq4", "pq2")) == []
     assert E.skipped_rows(p_args(None, None, "fp16=")) == []         # --row replaces the default rows
+
+
+@pytest.mark.parametrize("main, shown", [(C.main, ["(default: 32)", "(default: 16)", "(default: 0.001)"]),
+                                         (E.main, ["(default: 32)", "(default: 128)", "(default: daemon)"])])
+def test_help_shows_the_defaults(capsys, main, shown):
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert all(s in out for s in shown), out
+    assert "(default: None)" not in out and "(default: [])" not in out
