@@ -15,6 +15,7 @@ from kvstore.core.config import check_device
 from kvstore.core.sizes import parse_bytes
 from kvstore.errors import InvalidArgument
 from kvstore.protocol.channel import DEFAULT_MAX_MESSAGE_MB, default_socket
+from kvstore.tiers.redis_config import RedisConfig
 
 from . import buildinfo, logs, settings
 from .auth import Authenticator
@@ -119,14 +120,15 @@ def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> tuple[Au
         check_device("--device", args.device)
     except InvalidArgument as e:
         p.error(str(e))
-    args.redis_cfg = None
+    try:
+        # Without --redis a stand-in URL, so that a bad --redis-* value (from a config
+        # file, say) is refused now and not the day --redis is added.
+        cfg = RedisConfig(args.redis or "redis://localhost", ttl_s=args.redis_ttl, timeout_s=args.redis_timeout,
+                          backoff_s=args.redis_backoff, read_connections=args.redis_read_connections)
+    except InvalidArgument as e:
+        p.error(f"--{e}")
+    args.redis_cfg = cfg if args.redis else None
     if args.redis:
-        from kvstore.tiers.redis_store import RedisConfig
-        try:
-            args.redis_cfg = RedisConfig(args.redis, ttl_s=args.redis_ttl, timeout_s=args.redis_timeout,
-                                         backoff_s=args.redis_backoff, read_connections=args.redis_read_connections)
-        except InvalidArgument as e:
-            p.error(f"--{e}")
         try:
             import redis  # noqa: F401
         except ImportError:

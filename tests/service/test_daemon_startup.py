@@ -72,6 +72,11 @@ BAD_ARGS = [
     (["--port", "70000", "--auth-token", TOKEN], "--port must be in [0, 65535]"),
     (["--port", "0"], "--port needs --auth-token or --token-file"),
     (["--workers", "0"], "--workers must be in"),
+    # checked without --redis too: a config file's bad value is found before --redis is added
+    (["--redis-timeout", "0"], "--redis-timeout: must be in (0, 60] seconds, got 0.0"),
+    (["--redis-ttl", "-1"], "--redis-ttl: must be >= 0, got -1"),
+    (["--redis-backoff", "0"], "--redis-backoff: must be in (0, 3600] seconds"),
+    (["--redis-read-connections", "99"], "--redis-read-connections: must be 0 (by the server) or in [1, 64]"),
     (["--lease-timeout", "0"], "--lease-timeout must be > 0"),
     (["--token-file", "/nonexistent/tokens"], "--token-file"),
     (["--port", "0", "--auth-token", "short"], "--auth-token: token shorter than 16 characters"),
