@@ -6,7 +6,7 @@ file (settings.py); docs/operations.md's table of them is generated here
 from __future__ import annotations
 
 import argparse
-import ipaddress
+import errno
 import os
 import shutil
 import socket
@@ -17,7 +17,7 @@ from kvstore.errors import InvalidArgument
 from kvstore.protocol.channel import DEFAULT_MAX_MESSAGE_MB, default_socket
 from kvstore.tiers.redis_config import RedisConfig
 
-from . import buildinfo, logs, settings
+from . import buildinfo, logs, settings, sockets
 from .auth import Authenticator
 from .leases import DEFAULT_TIMEOUT_S
 from .servicer import DEFAULT_MAX_STREAMS
@@ -171,18 +171,23 @@ def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> tuple[Au
     return auth, tls
 
 
-def check_port(host: str, port: int) -> None:
-    """OSError if nothing can listen on host:port now (bound and closed at
-    once, so that gRPC's bind after it is not the first to find out)."""
+def check_listen(host: str, port: int, flags: tuple[str, str] = ("--host", "--port")) -> None:
+    """SocketError naming the host's or the port's flag if nothing can listen on
+    host:port now (resolved, bound and closed at once), so that the bind after
+    it is not the first to find out: gRPC's "Failed to bind" names neither."""
+    host_flag, port_flag = flags
     try:
-        ip = ipaddress.ip_address(host.strip("[]"))
-    except ValueError:
-        return              # a host name: gRPC resolves it, and says so if it cannot bind
-    if port == 0:
-        return
-    with socket.socket(socket.AF_INET6 if ip.version == 6 else socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        s.bind((str(ip), port))
+        family, _, _, _, addr = socket.getaddrinfo(host.strip("[]"), port, type=socket.SOCK_STREAM)[0]
+    except socket.gaierror as e:
+        raise sockets.SocketError(f"{host_flag} {host}: cannot resolve it: {e.strerror}") from None
+    try:
+        with socket.socket(family, socket.SOCK_STREAM) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            s.bind(addr)       # port 0 too: an address not of this host fails whatever the port
+    except OSError as e:
+        # Busy or privileged: the port's fault; any other (not an address here): the host's.
+        flag = f"{port_flag} {port}" if e.errno in (errno.EADDRINUSE, errno.EACCES) else f"{host_flag} {host}"
+        raise sockets.SocketError(f"{flag}: cannot listen on {host}:{port}: {e.strerror}") from None
 
 
 def pool_budget(device: str, given: int | None) -> int:

@@ -222,13 +222,10 @@ def main(argv: list[str] | None = None) -> None:
         if not args.no_doorbell:
             sockets.claim(args.socket + ".bell", socket.SOCK_SEQPACKET)
         if args.port is not None:
-            try:
-                cli.check_port(args.host, args.port)
-            except OSError as e:
-                raise sockets.SocketError(f"--port {args.port}: cannot listen on {args.host}:{args.port}: "
-                                          f"{e.strerror}") from None
+            cli.check_listen(args.host, args.port)
         if args.metrics_port is not None:     # bound first: it is the one bind not rolled back by create_server
             from .metrics import Metrics
+            cli.check_listen(args.metrics_host, args.metrics_port, ("--metrics-host", "--metrics-port"))
             metrics = Metrics()
             try:
                 mport = metrics.serve(args.metrics_port, args.metrics_host)

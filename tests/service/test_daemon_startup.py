@@ -118,6 +118,15 @@ def test_a_port_in_use_is_one_line_and_leaves_no_socket(sock, flag):
     assert socket_files(os.path.dirname(sock)) == []
 
 
+@pytest.mark.parametrize("host, why", [("999.1.1.1", "cannot resolve it"),
+                                       ("192.0.2.1", "Cannot assign requested address")])
+@pytest.mark.parametrize("flags", [("--host", "--port"), ("--metrics-host", "--metrics-port")])
+def test_a_host_that_cannot_be_bound_is_one_line_naming_it(sock, host, why, flags):
+    r = run_server(sock, "--device", "cpu", flags[0], host, flags[1], "0", "--auth-token", TOKEN)
+    assert_refused(r, f"{flags[0]} {host}: ", why)
+    assert socket_files(os.path.dirname(sock)) == []
+
+
 # ------------------------------------------------------------ directory
 def test_a_directory_of_ours_that_others_can_write_is_made_0700(sock):
     d = os.path.dirname(sock)
