@@ -79,6 +79,19 @@ def test_a_closed_pipe_ends_it_quietly(live):
     assert r.stderr == "", r.stderr
 
 
+def test_watch_into_a_pipe_shows_each_refresh_as_it_comes(live):
+    sock, _ = live
+    p = subprocess.Popen([sys.executable, "-m", "kvstore.tools.admin", "--socket", sock, "watch", "--interval", "60"],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        # The first refresh, read while watch sleeps until the next: nothing waits in a buffer.
+        lines = [p.stdout.readline() for _ in range(3)]
+        assert lines[1].startswith("kvstore unix:") and lines[2].startswith("cache pq: 1 sequences"), lines
+    finally:
+        p.kill()
+        p.communicate()
+
+
 def test_delete_cache_says_what_went(live, capsys):
     sock, kv = live
     with pytest.raises(SystemExit, match="FAILED_PRECONDITION: force: cache 'pq': 1 of its 1 sequences") as e:
