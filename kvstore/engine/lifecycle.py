@@ -72,7 +72,7 @@ def check_budget(held: list[CacheConfig], cfg: CacheConfig, max_pool_bytes: int)
             host = cfg.host_tier_bytes()
             main = need - host
             field = "host_bytes" if host > main else "pool_bytes" if cfg.pool_bytes else "num_blocks"
-            raise ResourceExhausted(field, f"the cache needs {need} bytes ({main} for its GPU pools, "
+            raise ResourceExhausted(field, f"the cache needs {need} bytes ({main} for its main and tail pools, "
                                     f"{host} for its host tier); {max(0, max_pool_bytes - used)} of "
                                     "the daemon's --max-pool-bytes are left")
 

@@ -124,8 +124,9 @@ def render_stats(reply) -> str:
                  *((_mib(b) for b in memory[t]) if t in memory else ("", ""))] for t, p in _tiers(c)]
         out.append(_indent(_table(rows, ["tier", "capacity", "used", "cached", "free", "evictions", "reserved",
                                          "used bytes"])))
-        out.append(f"  reserved {_mib(c.reserved_bytes)} in all, allocated at creation (GPU main and tail pools, "
-                   f"the host tier: its row counts both host pools); used {_mib(c.used_bytes)} of the GPU pools")
+        out.append(f"  reserved {_mib(c.reserved_bytes)} in all, allocated at creation (main and tail pools, "
+                   f"on the daemon's device, and the host tier: its row counts both host pools); used "
+                   f"{_mib(c.used_bytes)} of the main and tail pools")
         if c.sequences_host or c.sequences_disk or c.page_ins_host or c.page_ins_disk:
             out.append(f"  sequences host/disk {c.sequences_host}/{c.sequences_disk}, page-ins host/disk "
                        f"{c.page_ins_host}/{c.page_ins_disk}, offloads host/disk {c.offloads_host}/{c.offloads_disk}")
@@ -161,10 +162,10 @@ def _bytes_per_token(c) -> str:
     if not c.tokens:
         return f"{nominal}; effective: no tokens yet"
     if not c.effective_bytes_per_token:
-        return f"{nominal}; effective: no tokens on the GPU ({c.tokens} tokens below it)"
+        return f"{nominal}; effective: no tokens in the main and tail pools ({c.tokens} tokens below them)"
     ratio = c.fp16_bytes_per_token / c.effective_bytes_per_token if c.effective_bytes_per_token else 0.0
-    return (f"{nominal}; effective {c.effective_bytes_per_token:,.0f} B/token now (x{ratio:.2f}: GPU used bytes / "
-            f"the GPU's tokens; {c.tokens} tokens in all tiers, {c.sealed_tokens} of them sealed)")
+    return (f"{nominal}; effective {c.effective_bytes_per_token:,.0f} B/token now (x{ratio:.2f}: the main and tail "
+            f"pools' used bytes / their tokens; {c.tokens} tokens in all tiers, {c.sealed_tokens} of them sealed)")
 
 
 def _indent(s: str) -> str:

@@ -248,7 +248,7 @@ def test_admin_stats_reads_the_disk_as_entries_and_bytes_not_as_a_pool():
     assert out.splitlines()[-1].startswith("disk (shared by every cache): 12 entries (blocks and manifests), "
                                            "14.1 KiB used of a 1.0 GiB bound")
     assert not any(line.split()[:2] == ["disk", "-"] for line in out.splitlines())      # no table row
-    assert "effective: no tokens on the GPU (80 tokens below it)" in out and "x0.00" not in out
+    assert "effective: no tokens in the main and tail pools (80 tokens below them)" in out and "x0.00" not in out
 
 
 def test_admin_console_script(live):

@@ -59,8 +59,8 @@ def test_stats_text_says_nominal_and_effective_apart(live, capsys):
     out = run(capsys, "--socket", sock, "stats")
     assert "nominal 64 B/token for sealed tokens (x4.00 vs fp16's 256)" in out
     eff = c.fp16_bytes_per_token / c.effective_bytes_per_token
-    assert f"effective {c.effective_bytes_per_token:,.0f} B/token now (x{eff:.2f}: GPU used bytes / the GPU's " \
-           "tokens; 40 tokens in all tiers, 24 of them sealed)" in out
+    assert f"effective {c.effective_bytes_per_token:,.0f} B/token now (x{eff:.2f}: the main and tail pools' " \
+           "used bytes / their tokens; 40 tokens in all tiers, 24 of them sealed)" in out
     # Reserved vs used per pool; the tail pool (16 sequences x 4 blocks x 8 tokens x 256 B) shows up.
     assert c.tail_reserved_bytes == 16 * 4 * 8 * 256 and c.tail_used_bytes == c.tail.used * 8 * 256
     tail_row = next(line.split() for line in out.splitlines() if line.split()[:1] == ["tail"])
