@@ -309,7 +309,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--windows", type=int, default=20, help="windows of the evaluation text (20 -> 40,940 tokens)")
     p.add_argument("--backend", choices=["daemon", "sim"], default="daemon",
                    help="daemon: through a kvstore daemon; sim: the codec in-process, faster, "
-                        "the numbers of both agree (docs/accuracy.md)")
+                        "close to the daemon's, not the same (docs/accuracy.md says why)")
     p.add_argument("--target", help="daemon to use (default: start one on a temp socket)")
     p.add_argument("--threads", type=int, default=2, help="torch CPU threads")
     p.add_argument("--device", default="cpu", help="where the model runs (the codec runs on the CPU either way)")
