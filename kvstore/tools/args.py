@@ -5,7 +5,7 @@ import argparse
 
 
 class DefaultsFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """argparse's "(default: X)" after each option's help, except where there is
+    """argparse's "(default: X)" after each option's help, except where there
     is none to show (None or an empty list: the help says what leaving the
     option out does)."""
 
