@@ -27,9 +27,11 @@ def hides_earlier_chunks(mask, kv_len: int, c: int, pads: list[int]) -> bool:
     return True
 
 
-def standard(n: int, kv_len: int, pads: list[int], window: int, chunk: int, device) -> torch.Tensor:
-    """bool [B, 1, n, kv_len], True = attended: what the daemon attends for the last n
-    of kv_len positions of each row (row b's first pads[b] positions are padding)."""
+def standard(n: int, kv_len: int, pads: list[int], window: int, chunk: int,
+             device) -> tuple[torch.Tensor, torch.Tensor]:
+    """What the daemon attends for the last n of kv_len positions of each row (row b's
+    first pads[b] positions are padding) -> (bool [B, 1, n, kv_len], True = attended;
+    bool [B, 1, n, 1], True where the query is a real token, not padding)."""
     p = torch.tensor(pads, device=device).view(-1, 1, 1)
     q = torch.arange(kv_len - n, kv_len, device=device).view(1, n, 1)
     j = torch.arange(kv_len, device=device).view(1, 1, kv_len)
@@ -38,7 +40,7 @@ def standard(n: int, kv_len: int, pads: list[int], window: int, chunk: int, devi
         out &= j > q - window
     if chunk:
         out &= j >= p + torch.div(q - p, chunk, rounding_mode="floor") * chunk
-    return out.unsqueeze(1)
+    return out.unsqueeze(1), (q >= p).unsqueeze(1)
 
 
 def check(layer: int, mask, kv_len: int, pads: list[int], window: int, chunk: int) -> None:
@@ -59,10 +61,7 @@ def check(layer: int, mask, kv_len: int, pads: list[int], window: int, chunk: in
         if not bool((seen | (mask <= torch.finfo(mask.dtype).min)).all()):
             raise ValueError(f"attention_mask: layer {layer}'s mask adds a bias to the scores; the kvstore "
                              "adapter's decode attention takes masks that only hide or keep keys")
-    n = mask.shape[-2]
-    want = standard(n, kv_len, pads, window, chunk, mask.device)
-    real = (torch.arange(kv_len - n, kv_len, device=mask.device).view(1, n) >=
-            torch.tensor(pads, device=mask.device).view(-1, 1)).view(-1, 1, n, 1)
+    want, real = standard(mask.shape[-2], kv_len, pads, window, chunk, mask.device)
     if not bool(((seen == want) | ~real).all()):
         raise ValueError(f"attention_mask: layer {layer}'s mask differs from the causal one over each row's "
                          "tokens after its left padding (a custom 4-D mask, or bidirectional attention "

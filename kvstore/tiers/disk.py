@@ -237,9 +237,9 @@ class DiskTier:
             pin += _refs(fp, im.manifest)
             unpin += _refs(fp, old) if old is not None else []
         need = self.store.growth(puts, deletes)
-        evict = self._victims(need, set(pin) | {k for k, _ in puts})
+        keep = set(pin) | {k for k, _ in puts}
+        evict = self._victims(need, keep)
         if evict is None and past_bound:
-            keep = set(pin)
             evict = [k for k in self.lru if k not in keep]
         if evict is None:
             raise ResourceExhausted("sequence_ids", f"the disk tier cannot take {need} more bytes: "
