@@ -60,6 +60,12 @@ def sequences(cache, tenant: str, seq_ids: list[str], unique: bool) -> list[Sequ
     """The sequences a request names, in its order (NotFound for one that is not there)."""
     if not seq_ids:
         raise InvalidArgument("sequence_ids", "empty batch")
+    # A call holds its cache's lock for the whole batch: rows past what the cache
+    # holds at once (only an Attend's repeats get there) would stall every other
+    # caller of the cache for as long as the caller likes.
+    if len(seq_ids) > cache.cfg.max_sequences:
+        raise InvalidArgument("sequence_ids", f"{len(seq_ids)} rows, more than the cache's "
+                                              f"max_sequences={cache.cfg.max_sequences}")
     if unique and len(set(seq_ids)) != len(seq_ids):
         raise InvalidArgument("sequence_ids", "a sequence appears twice in one batch")
     return [cache.seq(tenant, i, "sequence_ids") for i in seq_ids]

@@ -521,6 +521,8 @@ CASES = [
     case("Attend", "unknown-sequence", lambda lv: attend(seqs=["b", "zz"]), NOT_FOUND, "sequence_ids"),
     case("Attend", "unknown-sequence-pq", lambda lv: attend("pq", seqs=["zz"]), NOT_FOUND, "sequence_ids"),
     case("Attend", "empty-batch", lambda lv: attend(seqs=[]), INVALID, "sequence_ids"),
+    # repeats allowed, but no more rows than the cache's max_sequences (16): 17 names of one sequence
+    case("Attend", "repeats-past-max-sequences", lambda lv: attend(seqs=["b"] * 17), INVALID, "sequence_ids"),
     case("Attend", "layer-out-of-range", lambda lv: attend(layer=L), INVALID, "layer"),
     case("Attend", "layer-negative-pq", lambda lv: attend("pq", layer=-1), INVALID, "layer"),
     case("Attend", "q-batch", lambda lv: attend(seqs=["a", "b"], q=t(rnd(1, HQ, D))), INVALID, "q"),
