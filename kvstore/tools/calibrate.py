@@ -242,7 +242,8 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="kvstore-calibrate", description=__doc__.splitlines()[0],
                                 formatter_class=DefaultsFormatter)
     p.add_argument("--model", help=MODEL_HELP)
-    p.add_argument("--model-id", help="id the --target cache is registered under (default: the model's own)")
+    p.add_argument("--model-id", help="the model id written into the file (a cache made with it is named so) "
+                                      "and the --target cache's (default: the model's own)")
     p.add_argument("--text", nargs="+", help=f"calibration text, {TEXT_HELP} (default: the python3.11-doc "
                    f"{', '.join(CALIB_DIRS)} folders `make text` fetches)")
     p.add_argument("--out", default="smollm2-pq{bits}.safetensors", help="{bits} is 4 or 2")

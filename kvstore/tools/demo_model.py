@@ -103,9 +103,10 @@ def first_difference(a: torch.Tensor, b: torch.Tensor, start: int) -> int | None
 
 
 def demo_codebooks(model, tok, model_id: str) -> str:
-    """Path of 4-bit PQ codebooks (and their transform) for the model, calibrated
-    once on docs/*.md of this repository and kept in the data directory."""
-    from kvstore.codec.transform import transform_path
+    """Path of 4-bit PQ codebooks for the model, calibrated once on docs/*.md of this
+    repository and kept in the data directory: one file as kvstore-calibrate writes it
+    (transform and description in it), so that it names its model wherever it is used."""
+    from kvstore.codec.codebooks import Codebooks
 
     from . import calibrate
     from .models import geometry_of
@@ -114,9 +115,9 @@ def demo_codebooks(model, tok, model_id: str) -> str:
     if not files:
         sys.exit("no docs/*.md to calibrate on: pass --codebooks (kvstore-calibrate output)")
     text = "\n\n".join(open(p, encoding="utf-8").read() for p in files)
-    key = hashlib.sha256(f"{model_id} {CALIB_WINDOWS} {CALIB_WINDOW}\n{text}".encode()).hexdigest()[:12]
+    key = hashlib.sha256(f"described {model_id} {CALIB_WINDOWS} {CALIB_WINDOW}\n{text}".encode()).hexdigest()[:12]
     path = os.path.join(data_dir(), "demo", f"pq4-docs-{key}.safetensors")
-    if os.path.exists(path) and os.path.exists(transform_path(path)):
+    if os.path.exists(path):
         return path
     print(f"calibrating 4-bit PQ codebooks on docs/*.md ({len(text):,} chars; {CALIB_WINDOWS} windows of "
           f"{CALIB_WINDOW} tokens; once, kept at {path}) ...", flush=True)
@@ -124,9 +125,13 @@ def demo_codebooks(model, tok, model_id: str) -> str:
     sampler = calibrate.capture(model, tok, text, CALIB_WINDOWS, window=CALIB_WINDOW)
     tr = calibrate.qaware_transform(model, sampler.qq)
     cb, tr = calibrate.train(model, sampler, geometry_of(model).head_dim // 2, tr)
+    cb = Codebooks(cb.k, cb.v, tr.k if tr is not None else None, tr.v if tr is not None else None).describe(
+        model_id=model_id, num_q_heads=geometry_of(model).num_q_heads, sink_tokens=0,
+        calibrated_on=f"kvstore docs/*.md: {sampler.windows} windows of {CALIB_WINDOW} tokens; transform qaware")
     os.makedirs(os.path.dirname(path), exist_ok=True)
-    tr.save(transform_path(path))
-    cb.save(path)                     # last: its presence says both files are complete
+    tmp = f"{path}.{os.getpid()}.tmp"
+    cb.save(tmp)
+    os.replace(tmp, path)             # whole or absent: a run stopped mid-write leaves no file to reuse
     print(f"calibrated in {time.perf_counter() - t0:.0f} s", flush=True)
     return path
 
