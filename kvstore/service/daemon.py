@@ -25,6 +25,7 @@ from grpc_reflection.v1alpha import reflection
 
 from kvstore.engine.engine import Engine
 from kvstore.protocol.channel import DEFAULT_MAX_MESSAGE_MB, SERVICE, server_options
+from kvstore.tiers.redis_store import CredentialsRefused
 from kvstore.v1 import kvstore_pb2_grpc as pb_grpc
 
 from . import cli, fence, logs, sockets
@@ -235,6 +236,8 @@ def main(argv: list[str] | None = None) -> None:
         try:
             engine = Engine(args.device, args.lmdb, args.lmdb_sync, cli.disk_budget(args.lmdb, args.lmdb_max_bytes),
                             args.redis_cfg)
+        except CredentialsRefused as e:
+            raise sockets.SocketError(f"--redis: {e}") from None
         except Exception as e:  # noqa: BLE001 - e.g. an LMDB directory we cannot open: one line, not a traceback
             raise sockets.SocketError(f"--lmdb {args.lmdb}: {e}" if args.lmdb else f"engine: {e}") from None
         wake = _stop_pipe()     # before the server starts: from then on a signal stops it cleanly

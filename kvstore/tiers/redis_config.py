@@ -7,6 +7,8 @@ from urllib.parse import parse_qs, urlsplit
 
 from kvstore.errors import InvalidArgument
 
+from . import resp
+
 MAX_READ_CONNECTIONS = 64        # RedisConfig.read_connections (0: by the server, Node.server_lanes)
 # What a rediss:// URL may add (redis-py and resp.tls_context pass them to the TLS connection).
 TLS_OPTIONS = ("ssl_ca_certs", "ssl_ca_path", "ssl_certfile", "ssl_keyfile", "ssl_cert_reqs", "ssl_check_hostname")
@@ -69,3 +71,21 @@ class RedisConfig:
             return u._replace(netloc=u.netloc.replace(":" + u.password + "@", ":***@", 1)).geturl()
         except ValueError:
             return "<unparsable URL>"
+
+
+class CredentialsRefused(Exception):
+    """Redis answered, and refused the user (or password) the URL gives."""
+
+
+def refuses_credentials(e: BaseException | None) -> bool:
+    """Whether a failure is Redis refusing who we are: no password where it wants one,
+    a wrong one, or an ACL user without the commands the tier runs (through redis-py,
+    whose error classes strip the reply's code, or resp.py, whose messages keep it)."""
+    import redis.exceptions as rx
+    refused = (rx.AuthenticationError, rx.AuthenticationWrongNumberOfArgsError, rx.NoPermissionError)
+    while e is not None:
+        if isinstance(e, refused) or (isinstance(e, resp.ReplyError) and
+                                      any(code in str(e) for code in ("NOAUTH", "WRONGPASS", "NOPERM"))):
+            return True
+        e = e.__cause__
+    return False

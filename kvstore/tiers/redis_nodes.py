@@ -35,6 +35,7 @@ from urllib.parse import urlsplit
 import numpy as np
 
 from . import resp
+from .redis_config import refuses_credentials
 
 log = logging.getLogger("kvstore.redis")
 
@@ -257,6 +258,9 @@ class Topology:
                 try:
                     slots = conn.call(b"CLUSTER", b"SLOTS")
                 except resp.ReplyError as e:
+                    if refuses_credentials(e):         # it refused us, not the question
+                        self._on_fail(node, e)
+                        continue
                     if "cluster support disabled" not in str(e) and not self._warned:
                         self._warned = True
                         log.warning("redis tier: could not read a cluster slot map (%s); reading %s as one Redis",

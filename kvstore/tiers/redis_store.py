@@ -1,41 +1,37 @@
-"""The shared cold tier on Redis or Valkey (docs/design.md, Tiers): below the host and
-disk tiers, so that daemons on many hosts share prefix blocks.
+"""The shared cold tier on Redis or Valkey (docs/design.md, Tiers): below the host and disk tiers, so
+that daemons on many hosts share prefix blocks.
 
-Only main-pool blocks with a content hash go there (sealed PQ blocks; full
-blocks for codec fp16). The hash chains the block's token ids with the cache
-fingerprint (core/hashing.py), so one key means one content on every host with
-the same model, geometry and codebooks, and a prefix hit crosses the network
-as PQ codes (storage.pack: every layer's K codes, then V codes).
+Only main-pool blocks with a content hash go there (sealed PQ blocks; full blocks for codec fp16).
+The hash chains the block's token ids with the cache fingerprint (core/hashing.py), so one key means
+one content on every host with the same model, geometry and codebooks, and a prefix hit crosses the
+network as PQ codes (storage.pack: every layer's K codes, then V codes).
 
-Keys and values: redis_format.py (kvstore:v3:<fingerprint>:<hash>, an 88-byte
-header with a checksum, then the payload). The URL names one Redis or any
-node of a Redis Cluster (redis_nodes.py finds out which): no hash tag ({...}),
-so a cluster spreads one cache's blocks over every slot, and a lookup or a
-batch of puts is split by node, every node's share sent side by side.
+Keys and values: redis_format.py (kvstore:v3:<fingerprint>:<hash>, an 88-byte header with a
+checksum, then the payload). The URL names one Redis or any node of a Redis Cluster (redis_nodes.py
+finds out which): no hash tag ({...}), so a cluster spreads one cache's blocks over every slot, and
+a lookup or a batch of puts is split by node, every node's share sent side by side.
 
-Reads take the bulk path of resp.py: read_lanes connections per node, each a
-pipeline of GETs (GETEX with a TTL) of its rows of contiguous chunks, one chunk
-sent ahead of the one being read, every value received straight into the
-caller's (pinned) rows and checked by the thread that received it, right after
-it came in (docs/scale.md, What limits it). One Redis gets its puts and PING
-from redis-py, a cluster's nodes from resp.py.
+Reads take the bulk path of resp.py: read_lanes connections per node, each a pipeline of GETs (GETEX
+with a TTL) of its rows of contiguous chunks, one chunk sent ahead of the one being read, every
+value received straight into the caller's (pinned) rows and checked by the thread that received it,
+right after it came in (docs/scale.md, What limits it). One Redis gets its puts and PING from
+redis-py, a cluster's nodes from resp.py.
 
-Eviction is Redis's own: run it with `maxmemory <bytes>` and
-`maxmemory-policy allkeys-lru` (these blocks are a cache: any of them may go).
---redis-ttl adds an expiry to every put; every hit renews it (GETEX).
+Eviction is Redis's own: run it with `maxmemory <bytes>` and `maxmemory-policy allkeys-lru` (these
+blocks are a cache: any of them may go). --redis-ttl adds an expiry to every put; every hit renews
+it (GETEX).
 
-Redis down or slow never fails a request and delays one by at most one
-socket timeout (--redis-timeout): no client retries, and a circuit breaker
-per node skips a failed one for a back-off (0.5 s doubling up to --redis-backoff)
-before it tries again, logging one WARNING per outage and one INFO on
-recovery. Puts go through a bounded queue to one writer thread: a full queue
-drops and counts, never waits. The writer also asks every node (INFO server)
-once a second, and a down one once its back-off is over, so that the books
-say up again without waiting for a request. A block this daemon put or read
-is not put again until Redis comes back from an outage, or is found restarted
-(another run_id: by that check, or by the next new connection): either may
-have emptied it. Blocks evicted between a restart and its finding are not
-put again (as blocks Redis evicts itself are gone).
+Redis down or slow never fails a request and delays one by at most one socket timeout
+(--redis-timeout): no client retries, and a circuit breaker per node skips a failed one for a
+back-off (0.5 s doubling up to --redis-backoff) before it tries again, logging one WARNING per
+outage and one INFO on recovery. Credentials Redis refuses at the start stop it instead
+(CredentialsRefused). Puts go through a bounded queue to one writer thread: a full queue drops and
+counts, never waits. The writer also asks every node (INFO server) once a second, and a down one
+once its back-off is over, so that the books say up again without waiting for a request. A block
+this daemon put or read is not put again until Redis comes back from an outage, or is found
+restarted (another run_id: by that check, or by the next new connection): either may have emptied
+it. Blocks evicted between a restart and its finding are not put again (as blocks Redis evicts
+itself are gone).
 """
 from __future__ import annotations
 
@@ -50,7 +46,7 @@ import numpy as np
 import torch
 
 from . import resp
-from .redis_config import MAX_READ_CONNECTIONS, RedisConfig  # noqa: F401 (RedisConfig: for callers)
+from .redis_config import MAX_READ_CONNECTIONS, CredentialsRefused, RedisConfig, refuses_credentials  # noqa: F401
 from .redis_format import block_key, pack_value
 from .redis_lookup import HIT, MISS, REFUSED, SKIPPED, Lookup, runs  # noqa: F401 (the verdicts, for callers)
 from .redis_nodes import BACKOFF_START_S, VALKEY_LANES, Node, Topology
@@ -87,6 +83,7 @@ class RedisStore:
         from redis.backoff import NoBackoff
         from redis.retry import Retry
         self.cfg = cfg
+        self._credentials_refused: str | None = ""    # until started: what a node refusing the URL's user said
         self._errors = (redis.RedisError, OSError)
         self._refused = redis.ResponseError
         # No client retries: the breaker decides when Redis is tried again. redis-py
@@ -104,14 +101,15 @@ class RedisStore:
         self._next_check = time.monotonic() + CHECK_EVERY_S
         self._writer = threading.Thread(target=self._run, name="kvstore-redis-writer", daemon=True)
         self._writer.start()
-        # A lookup's connections each receive and check on a thread of their own (the
-        # caller meanwhile copies the chunks that are in on to the device): a value is
-        # checked while its bytes are still in the receiving core's cache, the kernel
-        # queueing the next ones meanwhile, and a cluster's nodes are read and checked
-        # side by side with no hand-off between threads (docs/scale.md, What limits it).
-        # Threads start as needed: read_connections per node a lookup touches.
+        # A lookup's connections each receive and check on a thread of their own (module
+        # docstring; docs/scale.md, What limits it), started as needed: read_connections
+        # per node a lookup touches.
         self._readers = ThreadPoolExecutor(MAX_READ_CONNECTIONS, thread_name_prefix="kvstore-redis-read")
         self.ping()
+        if self._credentials_refused:      # no retry mends them (down at the start is served through)
+            self.close(0)
+            raise CredentialsRefused(f"{cfg.redacted()} refused the URL's credentials ({self._credentials_refused})")
+        self._credentials_refused = None
 
     # ---------------------------------------------------------- the breakers
     @property
@@ -128,6 +126,9 @@ class RedisStore:
         return any(n.breaker.allow() for n in self.topology.nodes)
 
     def _fail(self, node: Node, e: BaseException) -> None:
+        if self._credentials_refused == "" and refuses_credentials(e):
+            self._credentials_refused = f"{type(e).__name__}: {e}"    # the start stops: no outage to log
+            return
         node.breaker.fail(e)
         with self._cv:
             self._cv.notify()           # the writer times its probe of the node

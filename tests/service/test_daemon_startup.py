@@ -127,6 +127,21 @@ def test_a_host_that_cannot_be_bound_is_one_line_naming_it(sock, host, why, flag
     assert socket_files(os.path.dirname(sock)) == []
 
 
+def test_credentials_redis_refuses_are_one_line_naming_redis(sock, tmp_path):
+    """Redis down at the start is served through (it may come up); credentials it refuses
+    never mend by retrying, so they stop the start, the password not shown."""
+    from tests.tiers.redis_server import RedisServer
+    srv = RedisServer(str(tmp_path), appendonly=False, password="right-password")
+    try:
+        for url in (f"redis://127.0.0.1:{srv.port}/0", f"redis://kv:wrong-password@127.0.0.1:{srv.port}/0"):
+            r = run_server(sock, "--device", "cpu", "--redis", url)
+            assert_refused(r, "--redis: ", "refused the URL's credentials")
+            assert "wrong-password" not in r.stderr
+            assert socket_files(os.path.dirname(sock)) == []
+    finally:
+        srv.kill()
+
+
 # ------------------------------------------------------------ directory
 def test_a_directory_of_ours_that_others_can_write_is_made_0700(sock):
     d = os.path.dirname(sock)

@@ -19,7 +19,7 @@ from kvstore.engine.engine import Engine
 from kvstore.errors import InvalidArgument
 from kvstore.service.metrics import Metrics
 from kvstore.tiers.redis_format import HEADER_BYTES, KEY_PREFIX, block_key, pack_value
-from kvstore.tiers.redis_store import RedisConfig
+from kvstore.tiers.redis_store import CredentialsRefused, RedisConfig
 from tests.helpers import ROOT, config
 from tests.tiers.netns import hosts  # noqa: F401 (fixture)
 from tests.tiers.redis_server import redis_server, two_hosts  # noqa: F401 (fixtures)
@@ -505,8 +505,11 @@ def test_acl_user_from_the_url_and_puts_the_server_refuses(redis_server):
     # A user of its own that may touch only kvstore keys (what the module docstring advises).
     r.acl_setuser("kv", enabled=True, passwords=["+s3cret"], keys=["kvstore:*"], commands=["+@all"])
     port = redis_server.port
-    wrong = engine(f"redis://kv:nope@127.0.0.1:{port}/0")
-    assert rstats(wrong)["state"] == "down" and "nope" not in rstats(wrong)["last_error"]
+    # Refused credentials stop the start (no retry mends them), naming the URL without its password.
+    for url in (f"redis://kv:nope@127.0.0.1:{port}/0", f"redis://nobody:nope@127.0.0.1:{port}/0"):
+        with pytest.raises(CredentialsRefused, match="refused the URL's credentials") as e:
+            engine(url)
+        assert "nope" not in str(e.value) and ":***@" in str(e.value)
     e = engine(f"redis://kv:s3cret@127.0.0.1:{port}/0")
     fill(e, "a", prompt(1), lookup=False)
     wait_for(lambda: rstats(e)["blocks_out"] == SEALED, what="puts as user kv")
