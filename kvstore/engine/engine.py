@@ -27,6 +27,7 @@ from kvstore import kernels
 from kvstore.core.config import CacheConfig
 from kvstore.core.sequence import Sequence
 from kvstore.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound, quote
+from kvstore.tiers.disk import DiskTier
 from kvstore.tiers.redis_store import RedisConfig, RedisStore
 
 from . import checks, lifecycle, results
@@ -48,6 +49,7 @@ class Engine(CodebookOps):
         self._creating = threading.Lock()  # one create_cache at a time: its budget holds till its cache is in
         from kvstore.tiers.lmdb_store import LMDBStore
         self.cold_store = LMDBStore(lmdb_path, sync=lmdb_sync, max_bytes=lmdb_max_bytes) if lmdb_path else None
+        self.disk = DiskTier.of(self.cold_store) if self.cold_store is not None else None   # recovery at the start
         self.redis = RedisStore(redis) if redis is not None else None
         self.mappers = lifecycle.Mappers()   # who maps each cache's pool (MapPool)
 
@@ -347,13 +349,13 @@ class Engine(CodebookOps):
             for s in seqs:
                 cache.free(s)
 
-    def offload(self, name: str, tenant: str, seq_ids: list[str], drop_uncommitted: bool = False) -> None:
-        """Write sequences to the disk tier; returns once they are durable (drop_uncommitted: Cache.offload)."""
+    def offload(self, name: str, tenant: str, seq_ids: list[str], drop_uncommitted: bool = False) -> int:
+        """Write sequences to the disk tier, durable once it returns -> tokens dropped (Cache.offload)."""
         with self._locked(name) as cache:
             seqs = checks.sequences(cache, tenant, seq_ids, unique=True)
             if cache.tiering is None or cache.tiering.disk is None:
                 raise FailedPrecondition("sequence_ids", "no disk tier: start the daemon with --lmdb PATH")
-            cache.offload(seqs, drop_uncommitted)
+            return cache.offload(seqs, drop_uncommitted)
 
     def prefetch(self, name: str, tenant: str, seq_ids: list[str]) -> None:
         """Page sequences back into the GPU pools ahead of use."""
@@ -400,15 +402,17 @@ class Engine(CodebookOps):
                 out[c.cfg.name] = {**c.stats(), **results.memory(c)}
         return out
 
+    def disk_stats(self) -> dict | None:     # one store under every cache; None without --lmdb
+        return self.disk.stats() if self.disk is not None else None
+
     def check_invariants(self) -> None:
         for c in self._all():
             with c.lock:
                 c.check_invariants()
 
     def close(self) -> None:
-        """Before the process exits: persist sequences offloaded and prefix blocks
-        kept on disk (lifecycle.at_stop), what LMDB holds synced, and queued Redis
-        puts get a moment to reach Redis."""
+        """Before the process exits: persist sequences offloaded and prefix blocks kept on disk
+        (lifecycle.at_stop), what LMDB holds synced, and queued Redis puts get a moment to go."""
         lifecycle.at_stop(self._all())
         if self.cold_store is not None:
             self.cold_store.sync()      # a clean shutdown: nothing in flight, the store's marker goes

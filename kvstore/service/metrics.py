@@ -95,11 +95,13 @@ class EngineCollector:
               "always 1; labels: kvstore version and commit, torch, the CUDA torch was built for (none: CPU build), "
               "triton and cupy (absent: not installed)")
         if self.engine is not None:
-            shared: dict[str, dict] = {}
             for cache, stats in self.engine.stats().items():
-                self._cache(f, cache, stats, shared)
-            for tier, fields in shared.items():
-                self._shared(f, tier, fields)
+                self._cache(f, cache, stats)
+            # From the engine, not a cache: the store outlives every cache (what its
+            # recovery did at the start is read before any cache is made again).
+            disk = self.engine.disk_stats()
+            if disk is not None:
+                self._shared(f, "disk", disk)
         if self.leases is not None:
             ls = self.leases.stats()
             f.add("sessions", {}, ls["sessions"], False, "client sessions holding a lease")
@@ -120,9 +122,8 @@ class EngineCollector:
         f.add("redis_queue_puts", {}, r["queue_puts"], False, "block batches waiting for the Redis writer")
         f.add("redis_queue_bytes", {}, r["queue_bytes"], False, "payload bytes waiting for the Redis writer")
 
-    def _cache(self, f: _Families, cache: str, stats: dict, shared: dict[str, dict]) -> None:
-        """One cache's series; the fields of a tier in SHARED_TIERS go to `shared`,
-        the first cache's only (every cache reads the same store)."""
+    def _cache(self, f: _Families, cache: str, stats: dict) -> None:
+        """One cache's series; a tier in SHARED_TIERS is the engine's (collect)."""
         flat = {k: v for k, v in stats.items() if k != "tiers"}
         flat.update(stats.get("tiers") or {})
         tiers = {k for k, v in flat.items() if v is not None and not _number(v) and _fields(v) is not None}
@@ -131,7 +132,7 @@ class EngineCollector:
             if v is None:
                 continue
             if key in SHARED_TIERS and key in tiers:
-                shared.setdefault(key, _fields(v))
+                continue
             elif key in tiers:
                 self._tier(f, cache, key, _fields(v), stats)
             elif _number(v):

@@ -81,6 +81,9 @@ def test_new_tiers_appear_without_code_changes():
                                                                page_ins_host=7, prefix_hits_disk=2,
                                                                disk=dict(bytes=4096, entries=3)))}
 
+        def disk_stats(self):
+            return dict(bytes=4096, entries=3)
+
         def config(self, name):
             return type("Cfg", (), {"block_size": 8})()
 
@@ -103,15 +106,19 @@ def test_the_shared_disk_store_is_one_series_and_each_cache_its_own_share(tmp_pa
     from kvstore.engine.engine import Engine
     from helpers import config, kv
     e = Engine("cpu", str(tmp_path / "lmdb"))
+
+    def scrape():
+        reg = CollectorRegistry()
+        reg.register(EngineCollector(e))
+        return samples(generate_latest(reg).decode())
+    assert scrape()["kvstore_disk_entries"] == 0      # the store's series exist before any cache
     for name in ("a", "b"):
         e.create_cache(config(codec="fp16", name=name, num_blocks=32))
     k, v = kv(2, 40, 2, 16)
     e.allocate("b", "t", "s", list(range(40)))
     e.append("b", "t", ["s"], k, v, [40], token_ids=[list(range(40))])
     e.offload("b", "t", ["s"])
-    reg = CollectorRegistry()
-    reg.register(EngineCollector(e))
-    s = samples(generate_latest(reg).decode())
+    s = scrape()
     disk = e.stats()["b"]["tiers"]["disk"]
     assert s["kvstore_disk_used_bytes"] == disk["used_bytes"] > 0
     assert s["kvstore_disk_held_bytes"] == disk["held_bytes"] > 0
@@ -127,6 +134,11 @@ def test_the_shared_disk_store_is_one_series_and_each_cache_its_own_share(tmp_pa
     assert s['kvstore_tier_sequences{cache="b",tier="disk"}'] == 1
     assert s['kvstore_tier_offloads_total{cache="a",tier="disk"}'] == 0
     assert s['kvstore_tier_offloads_total{cache="b",tier="disk"}'] == 1
+    for name in ("a", "b"):
+        e.delete_cache(name, force=True)
+    after = scrape()
+    # still there without a cache: the store and its blocks outlive it
+    assert after["kvstore_disk_used_bytes"] == e.disk_stats()["used_bytes"] > 0
     e.close()
 
 
