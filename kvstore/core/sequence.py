@@ -73,6 +73,9 @@ class Sequence:
     num_layers: int
     length: int = 0
     pending: list[int] = field(default_factory=list)   # per layer, beyond length
+    # Layers that had written a step drop_uncommitted dropped (a lease's lapse): the step
+    # starts again at one of them; its other layers would write one step beside another.
+    cut_step: tuple[int, ...] = ()
     reserved: int = 0                                  # slots handed out by Reserve
     sealed: list[int] = field(default_factory=list)    # main-pool block ids
     freed: int = 0                                     # leading sealed entries that are holes

@@ -175,6 +175,7 @@ class WritePath:
         release = s.tail[ns:ns + seal_count] if self.is_pq else []
         # ---- validated; mutate from here on
         self.changing(s)
+        s.cut_step = ()
         if token_ids is not None:
             self._apply_token_ids(s, s.length, token_ids)
         if self.is_pq and seal_count:
@@ -250,6 +251,10 @@ class WritePath:
         for s in seqs:
             if s.reserved:
                 raise FailedPrecondition("sequence_id", f"sequence {quote(s.seq_id)} has reserved tokens")
+            if s.cut_step and layer not in s.cut_step:
+                raise FailedPrecondition("layer", f"{layer} continues a step of sequence {quote(s.seq_id)} that was "
+                                         f"dropped when its session's lease lapsed (layers {list(s.cut_step)} had "
+                                         "written it): run the step again from its first layer")
         ids = [self.check_token_ids(s, n, t, layer) if t is not None and len(t) else None
                for s, n, t in zip(seqs, counts, token_ids or [None] * len(seqs))]
         if len(seqs) == 1:
@@ -285,6 +290,7 @@ class WritePath:
                 self._apply_token_ids(s, start, t)
         now = time.monotonic()
         for s, n in zip(seqs, counts):
+            s.cut_step = ()
             s.pending[layer] += n
             commit = min(s.pending)
             if commit:
@@ -322,6 +328,7 @@ class WritePath:
         ones used go back. -> tokens dropped (the most of any layer)."""
         n = max(s.pending) + s.reserved
         if n:
+            s.cut_step = tuple(i for i, p in enumerate(s.pending) if p)
             s.pending, s.reserved = [0] * len(s.pending), 0
             keep = max(0, math.ceil(s.length / self.bs) - len(s.sealed))
             extra = s.tail[keep:]

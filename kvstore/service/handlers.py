@@ -159,18 +159,20 @@ class Handlers:
         if self.engine is None:
             raise Unavailable("engine", "is starting")
         if self.leases is not None:
-            self.leases.touch(tenant, session)
-        for bid in resolved.shm if resolved is not None else ():    # kept views: their files may have shrunk
-            buffers.check_size(bid)
-        r = resolved or self.resolve(request, buffers)
-
-        def finish(out, ref):       # ref: never None, every descriptor names its output range
-            if out is not r.out_view:   # else the kernels wrote it there, into the range resolve() checked
-                wire.place(out, buffers, ref)
-            return wire.TO_PROTO[out.dtype]
+            self.leases.enter(tenant, session)
         try:
+            for bid in resolved.shm if resolved is not None else ():    # kept views: their files may have shrunk
+                buffers.check_size(bid)
+            r = resolved or self.resolve(request, buffers)
+
+            def finish(out, ref):       # ref: never None, every descriptor names its output range
+                if out is not r.out_view:   # else the kernels wrote it there, into the range resolve() checked
+                    wire.place(out, buffers, ref)
+                return wire.TO_PROTO[out.dtype]
             return self.append_attend(request, tenant, buffers, finish, r), r
         finally:
+            if self.leases is not None:
+                self.leases.leave(tenant, session)
             if self.debug_invariants:
                 self.engine.check_invariants()
 

@@ -52,6 +52,9 @@ class LeaseManager:
         self.release_buffers = release_buffers
         self.clock = clock
         self._seen: dict[tuple[str, str], float] = {}
+        # Calls in flight a session: live while one runs, however long (a call that
+        # waits behind a cache's lock, or runs longer than timeout_s, is not silence).
+        self._busy: dict[tuple[str, str], int] = {}
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -61,6 +64,24 @@ class LeaseManager:
         if session:
             with self._lock:
                 self._seen[(tenant, session)] = self.clock()
+
+    def enter(self, tenant: str, session: str) -> None:
+        """A call of the session begins (touch(), and live until leave())."""
+        if session:
+            with self._lock:
+                key = (tenant, session)
+                self._seen[key] = self.clock()
+                self._busy[key] = self._busy.get(key, 0) + 1
+
+    def leave(self, tenant: str, session: str) -> None:
+        """A call enter() began ends: the lease runs from now."""
+        if session:
+            with self._lock:
+                key = (tenant, session)
+                self._seen[key] = self.clock()
+                n = self._busy.pop(key, 0) - 1
+                if n > 0:
+                    self._busy[key] = n
 
     def is_live(self, tenant: str, session: str) -> bool:
         """Whether the session's lease is current (it called within timeout_s)."""
@@ -80,7 +101,7 @@ class LeaseManager:
         if self.engine is None:
             return []
         with self._lock:     # the common case, nothing lapsed, without touching the caches' locks
-            if not any(self.clock() - t > self.timeout_s for t in self._seen.values()):
+            if not any(self.clock() - t > self.timeout_s and k not in self._busy for k, t in self._seen.items()):
                 return []
         # Holding every cache's lock, no call of the session is half done in any
         # cache: a call that renewed the lease after we looked keeps its
@@ -88,7 +109,7 @@ class LeaseManager:
         with self.engine.locked_caches():
             now = self.clock()
             with self._lock:
-                lapsed = [key for key, t in self._seen.items() if now - t > self.timeout_s]
+                lapsed = [key for key, t in self._seen.items() if now - t > self.timeout_s and key not in self._busy]
                 for key in lapsed:
                     del self._seen[key]
             for tenant, session in lapsed:
@@ -100,10 +121,11 @@ class LeaseManager:
 
     def _expire(self, tenant: str, session: str) -> None:
         owned = self.engine.owned_sequences(tenant, session)
-        n = 0
+        n, kept, cut = 0, 0, [0]
         for cache, seqs in owned.items():
             to_free = [seq_id for seq_id, persist in seqs
-                       if not (persist and self._offload(cache, tenant, seq_id))]
+                       if not (persist and self._offload(cache, tenant, seq_id, cut))]
+            kept += len(seqs) - len(to_free)
             if not to_free:      # every one persisted: Free refuses an empty batch
                 continue
             try:
@@ -115,11 +137,14 @@ class LeaseManager:
         mapped = release(tenant, session) if release is not None else 0
         self.counters["expired"] += 1
         self.counters["freed_sequences"] += n
-        # An idle client's lapse is routine (DEBUG); one that freed sequences an operator may miss is INFO.
-        log.log(logging.INFO if n else logging.DEBUG, "lease of session %s (tenant %s) lapsed: freed %d sequences"
-                "%s", session, tenant, n, f", released {mapped} pool mapping(s)" if mapped else "")
+        # An idle client's lapse is routine (DEBUG); one that freed or moved sequences, or cut a
+        # step short, an operator may miss is INFO.
+        log.log(logging.INFO if n or kept else logging.DEBUG, "lease of session %s (tenant %s) lapsed: freed %d "
+                "sequences%s%s%s", session, tenant, n, f", kept {kept} persist sequence(s)" if kept else "",
+                f" (dropping {cut[0]} token(s) of a step they were in)" if cut[0] else "",
+                f", released {mapped} pool mapping(s)" if mapped else "")
 
-    def _offload(self, cache: str, tenant: str, seq_id: str) -> bool:
+    def _offload(self, cache: str, tenant: str, seq_id: str, cut: list[int]) -> bool:
         """The persistence hook: True if the sequence stays, for a later session to find:
         durable on the disk tier, or, where the disk tier refuses it (its byte bound),
         in memory, as a pinned sequence would (the daemon's stop offloads it, past the
@@ -130,7 +155,8 @@ class LeaseManager:
             log.warning("sequence %s/%s asked to persist, but the engine cannot offload: freeing it", cache, seq_id)
             return False
         try:
-            offload(cache, tenant, [seq_id], drop_uncommitted=True)     # a step cut off by the lapse: nobody finishes it
+            # A step the lapse cut off is dropped; the sequence refuses its other layers (write_path.py).
+            cut[0] += offload(cache, tenant, [seq_id], drop_uncommitted=True) or 0
             return True
         except KVStoreError as e:   # e.g. the disk bound: nobody is left to tell, and what persist asked is kept
             self.counters["offload_failed"] += 1

@@ -33,7 +33,6 @@ DEFAULT_MAX_STREAMS = 64
 # client gets RESOURCE_EXHAUSTED "Stream removed" instead of our status.
 MAX_STATUS_BYTES = 1024
 READ_ONLY = frozenset({"Heartbeat", "Stats", "GetCache", "GetCodebooks", "SequenceInfo", "ListSequences"})
-OWNS = frozenset({"Allocate", "Fork", "RegisterBuffer", "MapPool"})   # calls that make what a session owns
 
 
 def status_message(message: str) -> str:
@@ -63,8 +62,7 @@ def _rpc(fn):
             log.exception("%s failed", fn.__name__)
             context.abort(grpc.StatusCode.INTERNAL, status_message(f"{type(e).__name__}: {e}"))
         finally:
-            if fn.__name__ in OWNS:
-                self._renew()
+            self._end()
         self._check_invariants(context, fn.__name__)
         return reply
     return wrapper
@@ -119,16 +117,16 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
             except AttributeError:     # a context type that takes no attributes
                 pass
         if self.leases is not None:
-            self.leases.touch(who[0], who[1])
+            self.leases.enter(who[0], who[1])
         self._call.buffers, self._call.who = who[2], who[:2]
 
-    def _renew(self) -> None:
-        # The lease again, at the end of a call that makes what a session owns: one that
-        # waited past the lease timeout (behind a cache's lock) may have lapsed it and then
-        # made a sequence or buffer for the session; renewed, it is reaped again once silent.
-        who = getattr(self._call, "who", None)
+    def _end(self) -> None:
+        # The session is live while a call of it runs, however long (LeaseManager.enter):
+        # a call that waited behind a cache's lock past the lease timeout must not find
+        # its session's sequences freed the moment it returns.
+        who, self._call.who = getattr(self._call, "who", None), None
         if self.leases is not None and who is not None:
-            self.leases.touch(*who)
+            self.leases.leave(*who)
 
     def _check_invariants(self, context, method: str) -> None:
         # Not after calls that change nothing: the check takes every cache's lock, and a
@@ -378,13 +376,19 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
 
     @_rpc
     def SequenceInfo(self, request, context):
-        return convert.sequence_info(self.engine.sequence_info(request.cache, self._tenant(context),
-                                                               request.sequence_id))
+        tenant = self._tenant(context)
+        return self._info(tenant, self.engine.sequence_info(request.cache, tenant, request.sequence_id))
 
     @_rpc
     def ListSequences(self, request, context):
-        infos = self.engine.list_sequences(request.cache, self._tenant(context))
-        return pb.ListSequencesReply(sequences=[convert.sequence_info(i) for i in infos])
+        tenant = self._tenant(context)
+        return pb.ListSequencesReply(sequences=[self._info(tenant, i) for i in
+                                                self.engine.list_sequences(request.cache, tenant)])
+
+    def _info(self, tenant: str, i) -> pb.SequenceInfoReply:
+        # A pinned or persist sequence outlives its session's lapse: it names the session
+        # only while that session's lease is current (the proto: whose lease holds it).
+        return convert.sequence_info(i, self.leases is None or not i.owner or self.leases.is_live(tenant, i.owner))
 
     # ---------------------------------------------------------------- leases
     @_rpc

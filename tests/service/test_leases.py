@@ -109,6 +109,50 @@ def test_persisted_sequences_are_offloaded_or_kept_and_counted(tmp_path, room):
     e.check_invariants()
 
 
+def test_a_call_in_flight_keeps_its_session_live():
+    # A call longer than the timeout (or one waiting behind a cache's lock) is not silence:
+    # the lease runs from its end.
+    e, clock = engine_with(), Clock()
+    leases = LeaseManager(e, timeout_s=10, clock=clock)
+    fill(e, "a", "s")
+    leases.enter("default", "s")
+    clock.t += 30
+    assert leases.reap() == [] and [i.seq_id for i in e.list_sequences("c", "default")] == ["a"]
+    leases.leave("default", "s")
+    clock.t += 9
+    assert leases.reap() == []
+    clock.t += 2
+    assert leases.reap() == [("default", "s")] and e.list_sequences("c", "default") == []
+
+
+def test_a_step_the_lapse_cut_short_is_refused_at_its_other_layers(tmp_path, caplog):
+    # Layer 0 of a step is in when the lease lapses; the lapse drops it with the persist
+    # sequence's move to disk. The worker, resumed, must not write layer 1 of that step
+    # beside the next step's layer 0: it is told to run the step again.
+    e, clock = engine_with(tmp_path), Clock()
+    leases = LeaseManager(e, timeout_s=1, clock=clock)
+    fill(e, "p", "s", persist=True)
+    step = [torch.randn(1, HKV, D).half() for _ in range(L)]
+    e.append("c", "default", ["p"], step[0], step[0], [1], layer=0)
+    leases.touch("default", "s")
+    clock.t += 2
+    with caplog.at_level("INFO", logger="kvstore.leases"):
+        leases.reap()
+    assert "kept 1 persist sequence(s) (dropping 1 token(s) of a step they were in)" in caplog.text
+    info = e.sequence_info("c", "default", "p")
+    assert (info.tier, info.length, info.pending) == ("disk", 20, [0, 0])
+    e.prefetch("c", "default", ["p"])
+    with pytest.raises(FailedPrecondition, match="layer: 1 continues a step of sequence 'p' that was dropped"):
+        e.append("c", "default", ["p"], step[1], step[1], [1], layer=1)
+    assert e.sequence_info("c", "default", "p").pending == [0, 0]      # refused: nothing written
+    for layer in range(L):                                             # the step again, from layer 0
+        e.append("c", "default", ["p"], step[layer], step[layer], [1], layer=layer)
+    k, _ = e.retrieve("c", "default", "p", 20, 21)
+    assert e.sequence_info("c", "default", "p").length == 21
+    assert all(torch.equal(k[layer, 0], step[layer][0]) for layer in range(L))
+    e.check_invariants()
+
+
 @pytest.fixture
 def live(tmp_path):
     sock = str(tmp_path / "kv.sock")
@@ -147,9 +191,22 @@ def test_heartbeat_keeps_a_session_and_silence_frees_it(live):
     quiet.close()
 
 
+def test_a_pinned_sequence_names_its_session_only_while_the_lease_is_current(live):
+    target, _ = live
+    worker = KVStoreClient(target, heartbeat=False, transport="inline")
+    worker.allocate("c", "pin", list(range(20)), pinned=True)
+    with KVStoreClient(target, heartbeat=False) as admin:
+        assert admin.sequence_info("c", "pin").owner_session == worker.session_id
+        time.sleep(2.5)                                  # the worker's lease (1 s) lapses; the pin stays
+        assert [(i.sequence_id, i.owner_session) for i in admin.list_sequences("c")] == [("pin", "")]
+        assert admin.sequence_info("c", "pin").owner_session == ""
+        admin.free("c", ["pin"])
+    worker.close()
+
+
 def test_a_sequence_made_by_a_call_that_outlived_its_lease_is_still_reaped(tmp_path):
-    # The call waits past the lease (as behind a long call holding the cache's lock) and the
-    # reaper lapses its silent session meanwhile; the sequence it then makes must not outlive it.
+    # The call waits past the lease (as behind a long call holding the cache's lock): its
+    # session is live while it runs, and the sequence it makes is reaped once it is silent.
     sock = str(tmp_path / "kv.sock")
     server, _, _ = create_server(socket_path=sock, lease_timeout=0.5)
     engine, allocate = server.kvstore_engine, server.kvstore_engine.allocate
