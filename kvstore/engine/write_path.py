@@ -134,8 +134,10 @@ class WritePath:
             return seal, max(0, math.ceil(T / self.bs) - sinks - max(n_sealed, len(s.sealed) + rest)), freed
         end = s.length + s.pending[layer] + n
         tail = max(0, math.ceil(end / self.bs) - len(s.sealed) - len(s.tail))
-        commit = min(p + (n if i == layer else 0) for i, p in enumerate(s.pending))
-        seal = max(self.sealed_count(s.length + commit), len(s.sealed)) - len(s.sealed)
+        # The seal the step makes once its last layer is in, checked at every layer: a step the
+        # main pool cannot take is refused at its first layer, before anything is written, not
+        # left half written at its last (another caller may still take the room in between).
+        seal = max(self.sealed_count(s.length + s.pending[layer] + n), len(s.sealed)) - len(s.sealed)
         return (seal if self.is_pq else 0), tail, 0
 
     def check_room(self, main: int, tail: int, freed: int, field: str = "k") -> None:
