@@ -191,8 +191,10 @@ class KVStoreServicer:
 
     def TrainCodebooks(self, request, context):
         """Train codebooks from sample K and V with k-means and set them
-        (SetCodebooks' errors). Slow: seconds to minutes; give the call a deadline
-        to match (the daemon finishes the training even if the caller gave up).
+        (SetCodebooks' errors; FAILED_PRECONDITION naming codebooks on a daemon
+        installed without faiss, the `train` extra). Slow: seconds to minutes; give
+        the call a deadline to match (the daemon finishes the training even if the
+        caller gave up).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -263,7 +265,8 @@ class KVStoreServicer:
         whole before any sequence changes. INVALID_ARGUMENT naming counts: a
         sequence that would pass what the cache's pools can ever hold.
         FAILED_PRECONDITION naming sequence_ids: an all-layers append to a
-        sequence with tokens appended to some layers only.
+        sequence with tokens appended to some layers only, or any append to a
+        sequence holding slots Reserve handed out and no Reserve has committed.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -304,6 +307,10 @@ class KVStoreServicer:
         INVALID_ARGUMENT naming start, end, layer_start or layer_end for a range
         that is empty or reaches past the committed tokens or the layers, and
         naming sequence_id for a sequence with no committed tokens.
+        FAILED_PRECONDITION naming start: the range reaches tokens that left the
+        sliding window of a cache whose every layer slides and were freed
+        (SequenceInfoReply.window_freed_blocks); the message says from which
+        position the sequence is readable.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -312,7 +319,9 @@ class KVStoreServicer:
     def Fork(self, request, context):
         """A new sequence sharing every full block of another (copy-on-write of its
         partial last block). FAILED_PRECONDITION: the source has uncommitted
-        tokens. ALREADY_EXISTS / RESOURCE_EXHAUSTED as Allocate.
+        tokens. ALREADY_EXISTS / RESOURCE_EXHAUSTED as Allocate, naming
+        new_sequence_id; RESOURCE_EXHAUSTED naming new_sequence_id too when no fp16
+        block is free for the copy of the partial last block.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -346,14 +355,19 @@ class KVStoreServicer:
     def RegisterBuffer(self, request, context):
         """Register a buffer that tensors name by byte range (Tensor.ref,
         OutputRef). Unix-socket callers only (PERMISSION_DENIED over TCP).
+        RESOURCE_EXHAUSTED naming name: the daemon is out of file descriptors
+        (each registered SHM buffer keeps one open; unregister unused ones).
+        FAILED_PRECONDITION naming ipc_handle: the CUDA driver could not open the
+        handle (the message names the driver call that failed).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def UnregisterBuffer(self, request, context):
-        """Forget a registered buffer (NOT_FOUND: not the caller's). Buffers of a
-        session are also dropped when its lease lapses.
+        """Forget a registered buffer (NOT_FOUND: not the caller's;
+        PERMISSION_DENIED naming buffer_id over TCP). Buffers of a session are also
+        dropped when its lease lapses.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -361,7 +375,8 @@ class KVStoreServicer:
 
     def MapPool(self, request, context):
         """CUDA IPC handles of a cache's whole pool, for mapped attend (see
-        MapPoolRequest for who may). The mapping holds the pool: DeleteCache is
+        MapPoolRequest for who may; FAILED_PRECONDITION naming codebooks for a pq
+        cache without codebooks yet). The mapping holds the pool: DeleteCache is
         refused until the caller's session lease lapses.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
