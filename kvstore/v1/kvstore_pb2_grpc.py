@@ -336,7 +336,8 @@ class KVStoreServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Offload(self, request, context):
-        """Write sequences to the disk tier; returns once the write is durable.
+        """Write sequences to the disk tier; returns once the write is durable. The
+        copy outlives a restart until the sequence changes (see Restarts above).
         FAILED_PRECONDITION: no disk tier (daemon without --lmdb), or uncommitted
         tokens. RESOURCE_EXHAUSTED: past --lmdb-max-bytes (nothing moves).
         """
