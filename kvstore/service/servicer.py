@@ -19,7 +19,7 @@ from kvstore.protocol.channel import SESSION_KEY, STREAM_KEY
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.v1 import kvstore_pb2_grpc as pb_grpc
 
-from . import convert
+from . import buildinfo, convert
 from .auth import DEFAULT_TENANT, Authenticator, PermissionDenied, is_local
 from .buffers import BufferRegistry, TenantBuffers
 from .handlers import Handlers
@@ -399,4 +399,5 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
         tenant = self._tenant(context)
         held = sum(len(v) for v in self.engine.owned_sequences(tenant, session, wait=False).values())
         return pb.HeartbeatReply(session_id=session, tenant=tenant, sequences=held, instance=self.instance,
-                                 lease_timeout_s=self.leases.timeout_s if self.leases is not None else 0.0)
+                                 lease_timeout_s=self.leases.timeout_s if self.leases is not None else 0.0,
+                                 version=buildinfo.version())

@@ -738,15 +738,17 @@ class HeartbeatRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class HeartbeatReply(_message.Message):
-    __slots__ = ("session_id", "tenant", "lease_timeout_s", "sequences", "instance")
+    __slots__ = ("session_id", "tenant", "lease_timeout_s", "sequences", "instance", "version")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     TENANT_FIELD_NUMBER: _ClassVar[int]
     LEASE_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
     SEQUENCES_FIELD_NUMBER: _ClassVar[int]
     INSTANCE_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     tenant: str
     lease_timeout_s: float
     sequences: int
     instance: str
-    def __init__(self, session_id: _Optional[str] = ..., tenant: _Optional[str] = ..., lease_timeout_s: _Optional[float] = ..., sequences: _Optional[int] = ..., instance: _Optional[str] = ...) -> None: ...
+    version: str
+    def __init__(self, session_id: _Optional[str] = ..., tenant: _Optional[str] = ..., lease_timeout_s: _Optional[float] = ..., sequences: _Optional[int] = ..., instance: _Optional[str] = ..., version: _Optional[str] = ...) -> None: ...

@@ -1,6 +1,7 @@
 """Leases: a session that stops calling loses its unpinned sequences (freed
 through the engine, so the pools stay consistent) and its buffers; pinned
 ones stay; persisted ones go to disk when there is a disk tier."""
+import importlib.metadata
 import os
 import subprocess
 import sys
@@ -202,6 +203,12 @@ def test_a_pinned_sequence_names_its_session_only_while_the_lease_is_current(liv
         assert admin.sequence_info("c", "pin").owner_session == ""
         admin.free("c", ["pin"])
     worker.close()
+
+
+def test_heartbeat_names_the_daemons_version(live):
+    target, _ = live
+    with KVStoreClient(target, heartbeat=False) as kv:
+        assert kv.heartbeat().version == importlib.metadata.version("kvstore")
 
 
 def test_a_sequence_made_by_a_call_that_outlived_its_lease_is_still_reaped(tmp_path):
