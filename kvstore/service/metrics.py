@@ -45,9 +45,9 @@ SHARED_TIERS = {"disk": "the disk tier's LMDB store, shared by every cache"}
 DOCS = {"host_metadata_bytes": "host memory a cache's sequence metadata holds: token ids, block hashes, block tables",
         "host_bytes": "pinned host memory a cache's host tier reserves"}
 SHARED_DOCS = {"entries": "keys stored", "bytes": "what the pages of its tree take",
-               "used_bytes": "value bytes stored, the bound counts these",
+               "used_bytes": "key and value bytes stored (not checksum records or page overhead): what the bound counts",
                "max_bytes": "its bound (--lmdb-max-bytes; 0: none)",
-               "held_bytes": "value bytes sequences' disk copies hold (the rest is evictable prefix blocks)",
+               "held_bytes": "of them, what sequences' disk copies hold (the rest is evictable prefix blocks)",
                "map_size": "LMDB's map size in bytes"}
 POOL_STATES = ("used", "cached", "free")
 LATENCY_BUCKETS = (.0001, .00025, .0005, .001, .0025, .005, .01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10, 30)
