@@ -214,17 +214,26 @@ def cmd_seq(kv, args):
     raise SystemExit(f"kvstore-admin: no sequence {args.id!r} in {', '.join(names) or 'any cache'}")
 
 
+def _holders(c, seqs) -> Counter:
+    """How many of seqs (the caller's tenant's, as listed) hold each GPU block,
+    keyed by (pool, id). A cache of codec fp16 reports no tail pool: its tail ids
+    are main-pool ids, so a block one sequence holds sealed and another in its tail
+    is one block. Holes (sealed blocks that left the sliding window) name the null
+    block and hold none. Not the replies' ref counts: those count every tenant's sequences."""
+    tail_pool = "tail" if c.HasField("tail") else "main"
+    held: Counter = Counter()
+    for s in seqs:
+        if (s.tier or "gpu") == "gpu":
+            held.update(("main", b) for b in s.sealed_blocks[s.window_freed_blocks:])
+            held.update((tail_pool, b) for b in s.tail_blocks)
+    return held
+
+
 def cmd_blocks(kv, args):
     stats = {c.cache: c for c in kv.stats(args.cache or "").caches}
     out, js = [], {}
     for name, c in stats.items():
-        # How many sequences (of the caller's tenant) reference each block.
-        refs: Counter = Counter()
-        for s in kv.list_sequences(name):
-            if (s.tier or "gpu") == "gpu":
-                refs.update(f"main:{b}" for b in s.sealed_blocks)
-                refs.update(f"tail:{b}" for b in s.tail_blocks)
-        hist = Counter(refs.values())
+        hist = Counter(_holders(c, kv.list_sequences(name)).values())
         tiers = {t: _dict(p) for t, p in _tiers(c)}
         js[name] = {"tiers": tiers, "refs_histogram": {str(k): v for k, v in sorted(hist.items())}}
         out.append(f"cache {name}")

@@ -146,3 +146,64 @@ def test_a_tls_port_reached_without_tls_names_tls_ca_not_a_missing_daemon(tmp_pa
         assert f"no daemon answers at localhost:{closed}: start one" in refused
     finally:
         server.stop(0)
+
+
+@pytest.fixture
+def empty(tmp_path):
+    sock = str(tmp_path / "kv.sock")
+    server, _, _ = create_server(socket_path=sock)
+    kv = KVStoreClient(f"unix://{sock}", heartbeat=False)
+    yield sock, kv
+    kv.close()
+    server.stop(0)
+
+
+def _put(kv, cache: str, sid: str, prompt: list[int], seed: int) -> None:
+    hit = kv.allocate(cache, sid, prompt)
+    k = torch.randn(L, len(prompt) - hit, HKV, D, generator=torch.Generator().manual_seed(seed)).half()
+    kv.append(cache, [sid], k, k, token_ids=[prompt[hit:]])
+
+
+@pytest.mark.parametrize("codec", ["fp16", "pq"])
+def test_blocks_counts_each_pool_block_once_by_its_holders(empty, capsys, codec):
+    sock, kv = empty
+    kv.create_cache("c", "m", num_layers=L, num_q_heads=HQ, num_kv_heads=HKV, head_dim=D, codec=codec,
+                    block_size=8, residual=8, num_blocks=16, max_sequences=8)
+    if codec == "pq":
+        g = torch.Generator().manual_seed(0)
+        kv.train_codebooks("c", torch.randn(L, 256, HKV, D, generator=g),
+                           torch.randn(L, 256, HKV, D, generator=g), niter=2)
+    n = 32 if codec == "fp16" else 40
+    _put(kv, "c", "long", list(range(n)), 0)
+    _put(kv, "c", "short", list(range(n - 16)) + [999] * 4, 1)      # a prefix hit of long's first blocks
+    long, short = (kv.sequence_info("c", s) for s in ("long", "short"))
+    st = kv.stats("c").caches[0]
+    if codec == "fp16":
+        # One pool: long's second sealed block is the first of short's tail.
+        assert list(long.sealed_blocks) == [0, 1] and list(short.sealed_blocks) == [0]
+        assert list(short.tail_blocks)[0] == 1 and st.main.used == 5
+        want = {"1": 3, "2": 2}           # blocks 0 and 1 shared, 2, 3 (long's tail) and 4 (short's) not
+    else:
+        # Tail ids name the tail pool: tail block 0 is not main block 0.
+        assert list(long.sealed_blocks) == [0, 1, 2] and list(short.sealed_blocks) == [0, 1]
+        assert list(long.tail_blocks) == [0, 1] and (st.main.used, st.tail.used) == (3, 4)
+        want = {"1": 5, "2": 2}           # main 0, 1 shared; main 2 and the 4 tail blocks not
+    js = json.loads(run(capsys, "--socket", sock, "--json", "blocks"))["c"]
+    assert js["refs_histogram"] == want
+    assert sum(js["refs_histogram"].values()) == sum(int(p["used"]) for p in js["tiers"].values())
+    out = run(capsys, "--socket", sock, "blocks")
+    assert f"blocks by sequences referencing them: 1 seq: {want['1']}, 2 seqs: {want['2']}" in out
+
+
+def test_blocks_counts_no_holes_of_a_sliding_window(empty, capsys):
+    sock, kv = empty
+    kv.create_cache("w", "m", num_layers=L, num_q_heads=HQ, num_kv_heads=HKV, head_dim=D, codec="fp16",
+                    block_size=8, residual=8, num_blocks=32, max_sequences=8, layer_windows=[9, 9])
+    for i, sid in enumerate(("a", "b")):
+        _put(kv, "w", sid, [1000 * i + t for t in range(48)], i)
+    a = kv.sequence_info("w", "a")
+    # 4 sealed blocks left the window: each a hole naming the null block, which no sequence holds.
+    assert a.window_freed_blocks == 4 and len(set(a.sealed_blocks)) == 1 and len(a.tail_blocks) == 2
+    js = json.loads(run(capsys, "--socket", sock, "--json", "blocks"))["w"]
+    assert js["refs_histogram"] == {"1": 4}       # the two tails, not one block that 8 holes share
+    assert int(js["tiers"]["main"]["used"]) == 5      # and the null block, the cache's own
