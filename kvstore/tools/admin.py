@@ -24,6 +24,8 @@ import grpc
 from google.protobuf.descriptor import FieldDescriptor
 from google.protobuf.json_format import MessageToDict
 
+from .args import bounded
+
 TIERS = ("main", "tail", "host", "host_tail")    # PoolStats fields of CacheStats
 
 
@@ -301,7 +303,7 @@ def _main(argv: list[str] | None) -> None:
     p.add_argument("--target", help="HOST:PORT instead of the socket")
     p.add_argument("--token", default=os.environ.get("KVSTORE_TOKEN"), help="bearer token (env KVSTORE_TOKEN)")
     p.add_argument("--tls-ca", help="CA PEM for a TLS port")
-    p.add_argument("--timeout", type=float, default=10.0)
+    p.add_argument("--timeout", type=bounded(float, 0, above=True), default=10.0, help="seconds a call may take")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     sub = p.add_subparsers(dest="cmd", required=True)
     for name, helptext in (("stats", "pools per tier, hit rates, bytes"), ("seqs", "sequences of a cache"),
@@ -311,8 +313,9 @@ def _main(argv: list[str] | None) -> None:
         sp.add_argument("--cache", default="", help="one cache (default: all)")
         sp.add_argument("--json", action="store_true", default=argparse.SUPPRESS)
         if name == "watch":
-            sp.add_argument("--interval", type=float, default=2.0)
-            sp.add_argument("--count", type=int, default=0, help="stop after N refreshes (0: never)")
+            sp.add_argument("--interval", type=bounded(float, 0, above=True), default=2.0,
+                            help="seconds between refreshes")
+            sp.add_argument("--count", type=bounded(int, 0), default=0, help="stop after N refreshes (0: never)")
     sp = sub.add_parser("delete-cache", help="drop a cache, its sequences and pools (tenant default only)")
     sp.add_argument("name")
     sp.add_argument("--force", action="store_true", help="even sequences that live client sessions hold")

@@ -1,7 +1,10 @@
-"""What the offline tools' command lines share: --help that shows every default."""
+"""What the offline tools' command lines share: --help that shows every default,
+and numbers refused out of range as argparse refuses ones it cannot parse."""
 from __future__ import annotations
 
 import argparse
+import math
+from typing import Callable
 
 
 class DefaultsFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -13,3 +16,16 @@ class DefaultsFormatter(argparse.ArgumentDefaultsHelpFormatter):
         if action.default is None or action.default == []:
             return action.help
         return super()._get_help_string(action)
+
+
+def bounded(kind: type, low: float, above: bool = False) -> Callable[[str], float]:
+    """An argparse type: the text as `kind`, refused if below low (or at it, with
+    above) or not finite, so that argparse's error names the flag (exit 2) as it
+    does for text `kind` cannot parse, instead of a later call failing on the value."""
+    def parse(text: str):
+        v = kind(text)
+        if not math.isfinite(v) or v < low or (above and v == low):
+            raise argparse.ArgumentTypeError(f"must be {'>' if above else '>='} {low}, got {text}")
+        return v
+    parse.__name__ = kind.__name__      # argparse's "invalid float value" for text kind refuses
+    return parse

@@ -7,6 +7,8 @@ import shutil
 import socket
 import subprocess
 import sys
+import time
+import types
 
 import pytest
 import torch
@@ -207,3 +209,26 @@ def test_blocks_counts_no_holes_of_a_sliding_window(empty, capsys):
     js = json.loads(run(capsys, "--socket", sock, "--json", "blocks"))["w"]
     assert js["refs_histogram"] == {"1": 4}       # the two tails, not one block that 8 holes share
     assert int(js["tiers"]["main"]["used"]) == 5      # and the null block, the cache's own
+
+
+@pytest.mark.parametrize("argv, flag, said", [
+    (["watch", "--interval", "-1", "--count", "2"], "--interval", "must be > 0, got -1"),
+    (["watch", "--interval", "0"], "--interval", "must be > 0, got 0"),
+    (["watch", "--count", "-5"], "--count", "must be >= 0, got -5"),
+    (["--timeout", "0", "stats"], "--timeout", "must be > 0, got 0"),
+    (["--timeout", "-1", "health"], "--timeout", "must be > 0, got -1"),
+    (["--timeout", "nan", "stats"], "--timeout", "must be > 0, got nan"),
+])
+def test_bad_flag_values_are_refused_before_any_call(live, capsys, monkeypatch, argv, flag, said):
+    # Before: a refresh and then a traceback (sleep), DEADLINE_EXCEEDED naming no flag,
+    # or --count -5 taken as "forever". The daemon is up: only the parse can refuse them.
+    sock, _ = live
+
+    def sleep(s):
+        raise AssertionError(f"watch refreshed and slept {s} s")
+    monkeypatch.setattr(admin, "time", types.SimpleNamespace(sleep=sleep, time=time.time, strftime=time.strftime))
+    with pytest.raises(SystemExit) as e:
+        admin.main(["--socket", sock, *argv])
+    out, err = capsys.readouterr()
+    assert e.value.code == 2 and out == ""
+    assert err.splitlines()[-1].endswith(f"error: argument {flag}: {said}"), err
