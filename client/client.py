@@ -127,10 +127,11 @@ class KVStoreClient(Connection):
         first time), an id named before a restart refused, once. Sent again, under the
         new instance, where the daemon refused the old one and the call names no sequence
         this client named before: the restart has nothing of this client's to fence there."""
-        try:
-            self.instance              # a Heartbeat, the first time
-        except grpc.RpcError:
-            pass                       # the call says what is wrong
+        if self.session_id:            # a Heartbeat names a session: a client without one has no fence
+            try:
+                self.instance          # a Heartbeat, the first time
+            except grpc.RpcError:
+                pass                   # the call says what is wrong
         md, fresh = self.session.naming(ids, new)
         try:
             return send(md)

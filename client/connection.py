@@ -42,7 +42,10 @@ class Connection:
         """target: "unix:///path/kvstore.sock" or "host:port" (default: the
         daemon's default socket). transport: "auto", "shm" or "inline".
         token: bearer token (default env KVSTORE_TOKEN); tls_ca: CA PEM (path
-        or bytes) to reach a TLS port; session_id: default a random uuid;
+        or bytes) to reach a TLS port; session_id: default a random uuid; "": none,
+        so the daemon keeps no lease for this client (its sequences have no owner and
+        never lapse) and it has no restart fence (a Heartbeat tells the daemon's
+        instance, and names a session): for callers that hold nothing, as kvstore-admin;
         heartbeat: keep the session's lease alive from a background thread;
         stream: append_attend over one long-lived stream (default: on a Unix
         socket) instead of a unary call each; doorbell: append_attend by the
@@ -60,7 +63,9 @@ class Connection:
             self.channel = grpc.secure_channel(self.target, grpc.ssl_channel_credentials(ca), options=opts)
         else:
             self.channel = grpc.insecure_channel(self.target, options=opts)
-        self.session_id = session_id or uuid.uuid4().hex
+        if session_id == "" and heartbeat:
+            raise ValueError("heartbeat renews a session's lease: a client without a session id beats none")
+        self.session_id = uuid.uuid4().hex if session_id is None else session_id
         token = token if token is not None else os.environ.get("KVSTORE_TOKEN")
         self.session = Session(self.session_id, token)
         self.stub = pb_grpc.KVStoreStub(grpc.intercept_channel(self.channel, self.session.interceptor))

@@ -38,10 +38,9 @@ class _Metadata(grpc.UnaryUnaryClientInterceptor):
         self.session = session
 
     def intercept_unary_unary(self, continuation, details, request):
-        md = list(details.metadata or [])
-        if not any(k == SESSION_KEY for k, _ in md):     # a call naming sequences brings its own
-            md += self.session.metadata
-        named = len(md) == len(details.metadata or ())
+        # A call naming sequences brings its own: the metadata naming() gave it.
+        named = bool(details.metadata)
+        md = list(details.metadata if named else self.session.metadata)
         outcome = continuation(details._replace(metadata=md), request)
         if outcome.done() and isinstance(err := outcome.exception(), grpc.RpcError):
             self.session.fenced(err, named)
@@ -62,7 +61,9 @@ class Session:
 
     def __init__(self, session_id: str, token: str | None):
         self.id = session_id
-        self._base = [(SESSION_KEY, session_id)] + ([("authorization", f"Bearer {token}")] if token else [])
+        # "": no session id: the daemon keeps no lease for these calls (session_of, leases.py).
+        self._base = ([(SESSION_KEY, session_id)] if session_id else []) + \
+            ([("authorization", f"Bearer {token}")] if token else [])
         self.metadata = list(self._base)
         self.md = tuple(self._base)
         self.interceptor = _Metadata(self)

@@ -61,8 +61,10 @@ def _client(args):
     from kvstore.client import KVStoreClient   # imports torch: keep `--help` fast
     from kvstore.protocol.channel import default_socket
     target = args.target or f"unix://{os.path.abspath(args.socket or default_socket())}"    # gRPC takes no relative path
+    # No session id: the daemon would keep a lease for it, which lapses a --lease-timeout
+    # later and counts in kvstore_lease_expired_total, one per call of a monitoring loop.
     return KVStoreClient(target, transport="inline", heartbeat=False, token=args.token, tls_ca=args.tls_ca,
-                         timeout=args.timeout)
+                         timeout=args.timeout, session_id="")
 
 
 def _cli_words(details: str) -> str:

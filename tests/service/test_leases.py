@@ -302,3 +302,29 @@ def test_crashed_client_is_cleaned_up(live):
     finally:
         if os.path.exists(f"/dev/shm/{shm}"):
             os.unlink(f"/dev/shm/{shm}")
+
+
+def _gauge(metrics, name: str) -> float:
+    return next(float(line.split()[-1]) for line in metrics.render().splitlines() if line.startswith(name + " "))
+
+
+def test_read_only_admin_calls_hold_no_lease(live, capsys):
+    from kvstore.tools import admin
+    target, metrics = live
+    time.sleep(2.5)                     # the fixture's session (it made the cache) lapses first
+    expired = _gauge(metrics, "kvstore_lease_expired_total")
+    assert _gauge(metrics, "kvstore_sessions") == 0
+    with pytest.raises(ValueError, match="without a session id"):
+        KVStoreClient(target, session_id="")
+    with KVStoreClient(target, heartbeat=False, session_id="") as kv:      # a sequence for `seq` to name
+        kv.allocate("c", "s", list(range(20)))
+    for _ in range(3):                  # a monitoring loop
+        for argv in (["stats"], ["seqs"], ["blocks"], ["seq", "s", "--cache", "c"], ["health"]):
+            admin.main(["--socket", target[len("unix://"):], *argv])
+    assert "owner_session: \n" in capsys.readouterr().out
+    assert _gauge(metrics, "kvstore_sessions") == 0
+    assert 'method="Heartbeat"' not in metrics.render()      # none sent only to be refused for its missing session
+    time.sleep(2.5)                     # past the lease timeout (1 s) and the reaper's period
+    assert _gauge(metrics, "kvstore_lease_expired_total") == expired
+    with KVStoreClient(target, heartbeat=False) as kv:
+        assert [s.sequence_id for s in kv.list_sequences("c")] == ["s"]      # no owner: never lapses
