@@ -266,7 +266,11 @@ class KVStoreServicer:
         sequence that would pass what the cache's pools can ever hold.
         FAILED_PRECONDITION naming sequence_ids: an all-layers append to a
         sequence with tokens appended to some layers only, or any append to a
-        sequence holding slots Reserve handed out and no Reserve has committed.
+        sequence holding slots Reserve handed out and no Reserve has committed;
+        naming layer: a per-layer append continuing a step its session's lapse
+        dropped (AllocateRequest.persist). A per-layer append checks the room its
+        step's commit will need (the seal of a full tail block) at every layer, so
+        a step the pools cannot take is refused at its first layer.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
