@@ -180,6 +180,15 @@ class EngineCollector:
               "share of queried prompt tokens served from a lower tier")
 
 
+def _ended(context) -> grpc.StatusCode:
+    """A handler's status when it returned a reply: OK, unless the client stopped waiting
+    first (its deadline passed, or it cancelled): it got that status, not the reply."""
+    if context.is_active():
+        return grpc.StatusCode.OK
+    left = context.time_remaining()
+    return grpc.StatusCode.DEADLINE_EXCEEDED if left is not None and left <= 0 else grpc.StatusCode.CANCELLED
+
+
 def _split_tier(key: str, suffixes: tuple[str, ...]) -> tuple[str, str | None]:
     for t in suffixes:
         if key.endswith("_" + t) and len(key) > len(t) + 1:
@@ -235,7 +244,7 @@ class MetricsInterceptor(grpc.ServerInterceptor):
             code = grpc.StatusCode.UNKNOWN
             try:
                 reply = fn(request, context)
-                code = context.code() or grpc.StatusCode.OK
+                code = context.code() or _ended(context)
                 return reply
             except BaseException:
                 code = context.code() or grpc.StatusCode.UNKNOWN

@@ -175,6 +175,28 @@ def test_malformed_bytes_are_invalid_argument_not_internal(live):
     assert "Nope" not in metrics.render()       # unknown paths add no label values
 
 
+def test_a_call_whose_client_stopped_waiting_counts_as_its_status_not_ok(tmp_path):
+    """The handler returns a reply after the client's deadline passed (or it cancelled):
+    the client saw DEADLINE_EXCEEDED, and so does kvstore_rpc_total."""
+    import time
+    from kvstore.engine.engine import Engine
+    engine, metrics = Engine(), Metrics()
+    server, _, _ = create_server(engine, socket_path=str(tmp_path / "kv.sock"), metrics=metrics)
+    stats = engine.stats
+    engine.stats = lambda *a, **kw: (time.sleep(0.6), stats(*a, **kw))[1]      # a call that outlives 0.2 s
+    try:
+        with KVStoreClient(f"unix://{tmp_path}/kv.sock", heartbeat=False, timeout=0.2) as kv:
+            with pytest.raises(grpc.RpcError) as e:
+                kv.stats()
+            assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        time.sleep(0.8)                                              # the handler returns meanwhile
+        s = samples(metrics.render())
+        assert s['kvstore_rpc_total{code="DEADLINE_EXCEEDED",method="Stats"}'] == 1
+        assert 'kvstore_rpc_total{code="OK",method="Stats"}' not in s
+    finally:
+        server.stop(0)
+
+
 def test_debug_invariants_turn_a_broken_pool_into_internal(tmp_path, monkeypatch):
     from kvstore.engine.engine import Engine
     monkeypatch.setenv("KVSTORE_DEBUG_INVARIANTS", "1")
