@@ -82,8 +82,9 @@ def sequence_info(i: SequenceInfo, owner_live: bool = True) -> pb.SequenceInfoRe
         window_freed_blocks=i.window_freed_blocks)
 
 
-def stats_reply(stats: dict[str, dict]) -> pb.StatsReply:
-    """Engine.stats() -> StatsReply."""
+def stats_reply(stats: dict[str, dict], operator: bool = True) -> pb.StatsReply:
+    """Engine.stats() -> StatsReply. operator: the caller is the daemon's own tenant; another
+    gets no Redis error text (it names the Redis host, which tenants need not know)."""
     out = pb.StatsReply()
     for name, s in stats.items():
         msg = out.caches.add(cache=name, **{k: v for k, v in s.items() if k not in ("main", "tail", "tiers", "redis")})
@@ -94,6 +95,8 @@ def stats_reply(stats: dict[str, dict]) -> pb.StatsReply:
             _tier_stats(msg, s["tiers"])
         if s["redis"] is not None:
             _redis_stats(msg, s["redis"])
+            if not operator:
+                msg.redis_last_error = ""
     return out
 
 

@@ -372,7 +372,7 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
     # ----------------------------------------------------------------- stats
     @_rpc
     def Stats(self, request, context):
-        return convert.stats_reply(self.engine.stats(request.cache or None))
+        return convert.stats_reply(self.engine.stats(request.cache or None), self._tenant(context) == DEFAULT_TENANT)
 
     @_rpc
     def SequenceInfo(self, request, context):

@@ -318,3 +318,24 @@ def test_tls_with_token(tmp_path):
         assert code_of(plain.stats)[0] == grpc.StatusCode.UNAVAILABLE
     finally:
         server.stop(0)
+
+
+def test_only_the_operator_reads_the_redis_error_text(tmp_path):
+    """Stats counts every tenant's caches, but the last Redis error names the Redis host:
+    tenant default (the operator) reads it, another tenant an empty string."""
+    from kvstore.engine.engine import Engine
+    from kvstore.tiers.redis_store import RedisConfig
+    from tests.tiers.redis_server import free_port
+    engine = Engine(redis=RedisConfig(f"redis://127.0.0.1:{free_port()}/0"))      # nothing listens: down
+    sock = str(tmp_path / "run" / "kv.sock")
+    server, port, _ = create_server(engine, socket_path=sock, port=0, auth=Authenticator({BOB: "bob"}))
+    try:
+        with KVStoreClient(f"unix://{sock}", heartbeat=False) as admin, tcp(port, BOB) as bob:
+            admin.create_cache("c", "m", num_layers=L, num_q_heads=HQ, num_kv_heads=HKV, head_dim=D, codec="fp16",
+                               block_size=8, num_blocks=64)
+            ours, theirs = admin.stats("c").caches[0], bob.stats("c").caches[0]
+            assert ours.redis_state == theirs.redis_state == "down"
+            assert "Connection refused" in ours.redis_last_error and theirs.redis_last_error == ""
+    finally:
+        server.stop(0)
+        engine.close()
