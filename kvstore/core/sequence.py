@@ -76,6 +76,7 @@ class Sequence:
     # Layers that had written a step drop_uncommitted dropped (a lease's lapse): the step
     # starts again at one of them; its other layers would write one step beside another.
     cut_step: tuple[int, ...] = ()
+    cut_reserve: bool = False     # the same for slots a Reserve handed out: the next Reserve says so
     reserved: int = 0                                  # slots handed out by Reserve
     sealed: list[int] = field(default_factory=list)    # main-pool block ids
     freed: int = 0                                     # leading sealed entries that are holes

@@ -275,6 +275,7 @@ class Engine(CodebookOps):
             raise InvalidArgument("num_tokens", f"must be in [0, 2^20], got {n}")
         with self._locked(name) as cache:
             s = cache.seq(tenant, seq_id)
+            cache.check_reservations_kept([s])
             cache.resident([s], "sequence_id")
             r = cache.reserve(s, n, known)
             cache.publish()
@@ -283,12 +284,10 @@ class Engine(CodebookOps):
     def reserve_batch(self, name: str, tenant: str, seq_ids: list[str], n: int,
                       gpu_scope=contextlib.nullcontext,
                       known: list[tuple[int, int]] | None = None) -> list[ReserveResult]:
-        """Reserve for a decode step of a batch, sequence by sequence.
-
-        gpu_scope() (the caller's CUDA ordering against the client's stream) is
-        entered only when the reserve may run GPU work (Cache.reserve_touches_gpu):
-        the other steps of a decode loop then cost the GPU nothing, not even a
-        switch to the daemon's context and back (~0.35 ms a step, measured)."""
+        """Reserve for a decode step of a batch, sequence by sequence. gpu_scope() (the
+        caller's CUDA ordering against the client's stream) is entered only when the reserve
+        may run GPU work (Cache.reserve_touches_gpu): the other steps of a decode loop then
+        cost the GPU nothing, not even a switch to the daemon's context (~0.35 ms a step)."""
         if n < 0 or n > 1 << 20:
             raise InvalidArgument("num_tokens", f"must be in [0, 2^20], got {n}")
         if known is not None and len(known) != len(seq_ids):
@@ -298,6 +297,7 @@ class Engine(CodebookOps):
             for s in seqs:
                 if any(s.pending):
                     raise FailedPrecondition("sequence_ids", f"sequence {quote(s.seq_id)} has uncommitted per-layer tokens")
+            cache.check_reservations_kept(seqs)
             gpu = any(cache.reserve_touches_gpu(s, n) for s in seqs)
             with gpu_scope() if gpu else contextlib.nullcontext():
                 cache.resident(seqs)

@@ -330,13 +330,27 @@ class WritePath:
         ones used go back. -> tokens dropped (the most of any layer)."""
         n = max(s.pending) + s.reserved
         if n:
-            s.cut_step = tuple(i for i, p in enumerate(s.pending) if p)
+            s.cut_step, s.cut_reserve = tuple(i for i, p in enumerate(s.pending) if p), s.reserved > 0
             s.pending, s.reserved = [0] * len(s.pending), 0
             keep = max(0, math.ceil(s.length / self.bs) - len(s.sealed))
             extra = s.tail[keep:]
             del s.tail[keep:]
             self.tail_pool.release(extra[::-1])
         return n
+
+    @staticmethod
+    def check_reservations_kept(seqs: list[Sequence]) -> None:
+        """Refuse a Reserve once for each sequence whose reserved slots a lapse dropped:
+        committing nothing, it would hand out the same positions for the next step, and
+        the worker would hold a token the sequence lacks. The refusal is the notice: it
+        clears the mark, and the step runs again with the next Reserve."""
+        cut = [s for s in seqs if s.cut_reserve]
+        for s in cut:
+            s.cut_reserve = False
+        if cut:
+            raise FailedPrecondition("sequence_ids", f"sequences {[s.seq_id for s in cut][:8]}: the slots their last "
+                                     "Reserve handed out were dropped, uncommitted, when their session's lease "
+                                     "lapsed: write that step again (the next Reserve hands out its slots)")
 
     def seals_at_reserve(self, s: Sequence) -> int:
         """Blocks the next reserve() of s seals (its previous reservation is

@@ -243,7 +243,9 @@ class KVStoreServicer:
     def Reserve(self, request, context):
         """Mapped attend: see ReserveRequest. PERMISSION_DENIED / FAILED_PRECONDITION
         as MapPool; FAILED_PRECONDITION for a sequence with uncommitted per-layer
-        tokens; RESOURCE_EXHAUSTED: no room for the slots.
+        tokens, and once for one whose reserved slots its session's lapse dropped
+        uncommitted (write that step again; the next Reserve hands out its slots);
+        RESOURCE_EXHAUSTED: no room for the slots.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -154,6 +154,25 @@ def test_a_step_the_lapse_cut_short_is_refused_at_its_other_layers(tmp_path, cap
     e.check_invariants()
 
 
+def test_reserved_slots_the_lapse_dropped_are_told_at_the_next_reserve(tmp_path):
+    # A mapped worker stalls between Reserve and the next one: the lapse drops the slots it
+    # may have written. The next Reserve, which would commit nothing and hand out the same
+    # positions, is refused once (the notice), and the step then runs again.
+    e, clock = engine_with(tmp_path), Clock()
+    leases = LeaseManager(e, timeout_s=1, clock=clock)
+    fill(e, "p", "s", persist=True)
+    first = e.reserve("c", "default", "p", 1)
+    leases.touch("default", "s")
+    clock.t += 2
+    leases.reap()
+    assert (e.sequence_info("c", "default", "p").length, e.sequence_info("c", "default", "p").reserved) == (20, 0)
+    with pytest.raises(FailedPrecondition, match=r"^sequence_ids: sequences \['p'\]: the slots their last Reserve"):
+        e.reserve_batch("c", "default", ["p"], 1)
+    again = e.reserve_batch("c", "default", ["p"], 1)[0]
+    assert again.length == first.length == 21      # the same position again, in whatever block now
+    e.check_invariants()
+
+
 @pytest.fixture
 def live(tmp_path):
     sock = str(tmp_path / "kv.sock")
