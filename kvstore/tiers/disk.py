@@ -264,32 +264,31 @@ class DiskTier:
         def keys(hashes):
             return [block_key(fp, bytes.fromhex(h)) if h else _seq_block(seq, next(other)) for h in hashes]
         sealed_keys, tail_keys = keys(manifest["sealed_hashes"]), keys(manifest["tail_hashes"])
-        out, checks = [], []
+        out, checks, refused = [], [], []
         with self.store.reader(buffers=True) as txn:
             for ks, width in ((sealed_keys, main_bytes), (tail_keys, tail_bytes)):
-                if not ks:
+                values, sums = zip(*(self.store.stored(txn, k) for k in ks)) if ks else ((), ())
+                bad = [i for i, v in enumerate(values) if v is None or len(v) != width]
+                if bad or not ks:
+                    refused += [(ks, values, width, bad)] if bad else []
                     out.append(None)
                     continue
-                values, sums = zip(*(self.store.stored(txn, k) for k in ks))
-                bad = [i for i, v in enumerate(values) if v is None or len(v) != width]
-                if bad:
-                    self._refuse_sequence(ks, values, width, bad, tenant, seq_id)
                 rows, verdict = gather_checked(values, sums, width, device, self.device_checksums)
                 out.append(rows)
                 checks.append((ks, values, width, verdict))      # a device check runs while the next part is read
-            for ks, values, width, verdict in checks:
-                bad = verdict()
-                if bad:
-                    self._refuse_sequence(ks, values, width, bad, tenant, seq_id)
+            refused += [(ks, values, width, bad) for ks, values, width, verdict in checks if (bad := verdict())]
+            if refused:         # every part checked first, so that the count is the sequence's
+                self._refuse_sequence(refused, len(sealed_keys) + len(tail_keys), tenant, seq_id)
         return out[0], out[1]
 
-    def _refuse_sequence(self, ks, values, width, bad, tenant, seq_id):
-        for i in bad:
-            if values[i] is not None and len(values[i]) == width:
-                self.store.refuse(ks[i])
-        raise DataLoss("sequence_ids", f"sequence {quote(seq_id)} (tenant {quote(tenant)}): {len(bad)} "
-                       f"of its {len(ks)} blocks on disk are missing or failed their checksums; "
-                       "nothing was served (free the sequence to drop its disk copy)")
+    def _refuse_sequence(self, refused, total: int, tenant, seq_id):
+        for ks, values, width, bad in refused:
+            for i in bad:
+                if values[i] is not None and len(values[i]) == width:
+                    self.store.refuse(ks[i])
+        raise DataLoss("sequence_ids", f"sequence {quote(seq_id)} (tenant {quote(tenant)}): "
+                       f"{sum(len(r[3]) for r in refused)} of its {total} blocks on disk are missing or failed "
+                       "their checksums; nothing was served (free the sequence to drop its disk copy)")
 
     @_under_store_lock
     def delete_sequence(self, fp: bytes, cache: str, tenant: str, seq_id: str, manifest: dict,

@@ -96,8 +96,12 @@ def test_a_sequence_with_a_damaged_block_is_refused_whole(tmp_path, device):
     want = [t.clone() for t in e.retrieve("c", T, "t", 0, 80)]
     e.offload("c", T, ["s", "t"])
     c = e.caches["c"]
-    damage(e, block_key(c.fingerprint, bytes.fromhex(c.seqs[(T, "s")].manifest["sealed_hashes"][1])))
-    with pytest.raises(DataLoss, match="'s'"):
+    m = c.seqs[(T, "s")].manifest
+    tail_hash = next(h for h in m["tail_hashes"] if h)
+    for h in (m["sealed_hashes"][1], tail_hash):         # one block of each part: the count covers both
+        damage(e, block_key(c.fingerprint, bytes.fromhex(h)))
+    total = len(m["sealed_hashes"]) + len(m["tail_hashes"])
+    with pytest.raises(DataLoss, match=f"'s'.*: 2 of its {total} blocks on disk are missing or failed"):
         e.prefetch("c", T, ["s"])
     assert e.sequence_info("c", T, "s").tier == "disk", "a refused restore changed the sequence"
     assert e.cold_store.counters["refused_values"] >= 1
