@@ -61,10 +61,18 @@ def exists_message(old: CacheConfig, new: CacheConfig, exist_ok: bool) -> str:
     return f"cache {quote(old.name)} exists with another configuration: " + ", ".join(diff)
 
 
+# Caches one daemon holds at once. Any tenant may create one, and each adds about 30
+# series to every metrics scrape and a lock, a pool and books to the daemon: a bound
+# far past the handful of models (and their window groups) one GPU serves.
+MAX_CACHES = 1024
+
+
 def check_budget(held: list[CacheConfig], cfg: CacheConfig, max_pool_bytes: int) -> None:
     """Refuse a cache whose pools, with those of the caches held, pass max_pool_bytes
     (0: no bound), before anything is allocated: a pool past the machine's memory
-    would get the daemon OOM-killed."""
+    would get the daemon OOM-killed; and one past MAX_CACHES."""
+    if len(held) >= MAX_CACHES:
+        raise ResourceExhausted("name", f"the daemon holds {len(held)} caches, its most (delete one first)")
     if max_pool_bytes:
         used, need = sum(results.pool_memory(c) for c in held), results.pool_memory(cfg)
         if used + need > max_pool_bytes:

@@ -164,7 +164,7 @@ class KVStoreServicer:
         allocated at once. ALREADY_EXISTS if the name is taken (with exist_ok:
         only if the existing spec differs; the message names every differing
         field with both values). RESOURCE_EXHAUSTED: past the daemon's
-        --max-pool-bytes (nothing is allocated).
+        --max-pool-bytes (nothing is allocated), or the daemon holds 1024 caches.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -1,7 +1,8 @@
 """What one request and one sequence may hold in host memory: a sequence never
 holds more tokens than its cache's pools can (prompt ids at Allocate, ids and
 tokens at Append); token ids are kept compact (4 bytes each); Stats and the
-Prometheus metrics show the host memory a cache holds."""
+Prometheus metrics show the host memory a cache holds; a daemon holds at most
+lifecycle.MAX_CACHES caches."""
 import gc
 import tracemalloc
 
@@ -128,3 +129,22 @@ def test_stats_and_metrics_show_host_memory_held(live):
     assert got['kvstore_host_metadata_bytes{cache="pq"}'] == st["pq"].host_metadata_bytes
     assert got['kvstore_host_metadata_bytes{cache="f16"}'] == 0
     assert got['kvstore_host_bytes{cache="pq"}'] == host          # the host tier's pinned pools
+
+
+def test_a_daemon_holds_at_most_max_caches(monkeypatch):
+    """Any tenant may create caches: their number is bounded (each adds metrics series,
+    a lock and books), the refusal naming name and changing nothing."""
+    from kvstore.engine import lifecycle
+    from kvstore.engine.engine import Engine
+    from kvstore.errors import ResourceExhausted
+    from helpers import config
+    monkeypatch.setattr(lifecycle, "MAX_CACHES", 3)
+    e = Engine()
+    for i in range(3):
+        e.create_cache(config("fp16", name=f"c{i}", num_blocks=4))
+    with pytest.raises(ResourceExhausted, match="^name: the daemon holds 3 caches"):
+        e.create_cache(config("fp16", name="c3", num_blocks=4))
+    assert sorted(e.caches) == ["c0", "c1", "c2"]
+    e.create_cache(config("fp16", name="c0", num_blocks=4), exist_ok=True)     # the same one again: no error
+    e.delete_cache("c0")
+    e.create_cache(config("fp16", name="c3", num_blocks=4))
