@@ -283,8 +283,8 @@ def test_threads_sharing_a_client_get_their_own_replies(daemon, core):
 # ------------------------------------------------- interceptors and daemon
 def test_stream_calls_are_metered_and_renew_the_lease(tmp_path, monkeypatch):
     touched = []
-    real = leases_mod.LeaseManager.touch
-    monkeypatch.setattr(leases_mod.LeaseManager, "touch",
+    real = leases_mod.LeaseManager.enter          # each message renews the lease as a call begins
+    monkeypatch.setattr(leases_mod.LeaseManager, "enter",
                         lambda self, tenant, session: (touched.append((tenant, session)), real(self, tenant, session)))
     metrics = Metrics()
     sock = str(tmp_path / "kv.sock")
