@@ -101,7 +101,7 @@ class LeaseManager:
         if self.engine is None:
             return []
         with self._lock:     # the common case, nothing lapsed, without touching the caches' locks
-            if not any(self.clock() - t > self.timeout_s and k not in self._busy for k, t in self._seen.items()):
+            if not self._lapsed(self.clock()):
                 return []
         # Holding every cache's lock, no call of the session is half done in any
         # cache: a call that renewed the lease after we looked keeps its
@@ -109,7 +109,7 @@ class LeaseManager:
         with self.engine.locked_caches():
             now = self.clock()
             with self._lock:
-                lapsed = [key for key, t in self._seen.items() if now - t > self.timeout_s and key not in self._busy]
+                lapsed = self._lapsed(now)
                 for key in lapsed:
                     del self._seen[key]
             for tenant, session in lapsed:
@@ -119,13 +119,21 @@ class LeaseManager:
                 self.counters["released_buffers"] += self.release_buffers(tenant, session)
         return lapsed
 
+    def _lapsed(self, now: float) -> list[tuple[str, str]]:
+        """Sessions silent past the timeout with no call in flight (self._lock held)."""
+        return [key for key, t in self._seen.items() if now - t > self.timeout_s and key not in self._busy]
+
     def _expire(self, tenant: str, session: str) -> None:
         owned = self.engine.owned_sequences(tenant, session)
-        n, kept, cut = 0, 0, [0]
+        n = kept = cut = 0
         for cache, seqs in owned.items():
-            to_free = [seq_id for seq_id, persist in seqs
-                       if not (persist and self._offload(cache, tenant, seq_id, cut))]
-            kept += len(seqs) - len(to_free)
+            to_free = []
+            for seq_id, persist in seqs:
+                dropped = self._offload(cache, tenant, seq_id) if persist else None
+                if dropped is None:
+                    to_free.append(seq_id)
+                else:
+                    kept, cut = kept + 1, cut + dropped
             if not to_free:      # every one persisted: Free refuses an empty batch
                 continue
             try:
@@ -141,28 +149,28 @@ class LeaseManager:
         # step short, an operator may miss is INFO.
         log.log(logging.INFO if n or kept else logging.DEBUG, "lease of session %s (tenant %s) lapsed: freed %d "
                 "sequences%s%s%s", session, tenant, n, f", kept {kept} persist sequence(s)" if kept else "",
-                f" (dropping {cut[0]} token(s) of a step they were in)" if cut[0] else "",
+                f" (dropping {cut} token(s) of a step they were in)" if cut else "",
                 f", released {mapped} pool mapping(s)" if mapped else "")
 
-    def _offload(self, cache: str, tenant: str, seq_id: str, cut: list[int]) -> bool:
-        """The persistence hook: True if the sequence stays, for a later session to find:
-        durable on the disk tier, or, where the disk tier refuses it (its byte bound),
-        in memory, as a pinned sequence would (the daemon's stop offloads it, past the
-        bound if it must); False: free it (an engine that cannot offload)."""
+    def _offload(self, cache: str, tenant: str, seq_id: str) -> int | None:
+        """The persistence hook: the tokens of a cut-off step it dropped if the sequence
+        stays, for a later session to find: durable on the disk tier, or, where the disk
+        tier refuses it (its byte bound), in memory, as a pinned sequence would (the
+        daemon's stop offloads it, past the bound if it must); None: free it (an engine
+        that cannot offload)."""
         self.counters["offload_requests"] += 1
         offload = getattr(self.engine, "offload", None)
         if offload is None:
             log.warning("sequence %s/%s asked to persist, but the engine cannot offload: freeing it", cache, seq_id)
-            return False
+            return None
         try:
             # A step the lapse cut off is dropped; the sequence refuses its other layers (write_path.py).
-            cut[0] += offload(cache, tenant, [seq_id], drop_uncommitted=True) or 0
-            return True
+            return offload(cache, tenant, [seq_id], drop_uncommitted=True) or 0
         except KVStoreError as e:   # e.g. the disk bound: nobody is left to tell, and what persist asked is kept
             self.counters["offload_failed"] += 1
             log.warning("sequence %s/%s asked to persist, offload failed (%s): kept where it is (Free frees it)",
                         cache, seq_id, e)
-            return True
+            return 0
 
     def _run(self, period: float) -> None:
         while not self._stop.wait(period):
