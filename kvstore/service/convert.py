@@ -77,8 +77,8 @@ def sequence_info(i: SequenceInfo, owner_live: bool = True) -> pb.SequenceInfoRe
     return pb.SequenceInfoReply(
         sequence_id=i.seq_id, length=i.length, sealed_blocks=i.sealed_blocks, sealed_block_refs=i.sealed_block_refs,
         tail_blocks=i.tail_blocks, tail_block_refs=i.tail_block_refs, pending=i.pending, reserved=i.reserved,
-        known_token_ids=i.known_token_ids, block_hashes=i.block_hashes, tier=i.tier, owner_session=i.owner if owner_live else "",
-        pinned=i.pinned, persist=i.persist, sink_blocks=i.sink_blocks,
+        known_token_ids=i.known_token_ids, block_hashes=i.block_hashes, tier=i.tier,
+        owner_session=i.owner if owner_live else "", pinned=i.pinned, persist=i.persist, sink_blocks=i.sink_blocks,
         window_freed_blocks=i.window_freed_blocks)
 
 
