@@ -81,6 +81,9 @@ class Sequence:
     sealed: list[int] = field(default_factory=list)    # main-pool block ids
     freed: int = 0                                     # leading sealed entries that are holes
     tail: list[int] = field(default_factory=list)      # tail-pool block ids
+    # Main-pool blocks taken for the seals that committing the pending or reserved tokens
+    # makes (kvstore.engine.room): in no table yet, held so no other caller can take them.
+    seal_blocks: list[int] = field(default_factory=list)
     token_ids: array = field(default_factory=lambda: array("i"))   # known ids from position 0 (token_array)
     hashes: list[bytes] = field(default_factory=list)  # hash of full block i
     hashed_upto: int = 0          # blocks [0, hashed_upto) are registered in a pool index

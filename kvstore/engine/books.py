@@ -45,7 +45,10 @@ def check_invariants(c) -> None:
         if s.tier == "gpu":
             assert all(b == c.null_block for b in s.sealed[:s.freed]), f"{s.seq_id}: a hole holds a block"
         main_refs, tail_refs = refs[s.tier]
-        for b in s.held_sealed():
+        assert s.tier == "gpu" or not s.seal_blocks, f"{s.seq_id}: holds seal blocks outside the GPU"
+        assert len(s.seal_blocks) == (c.seals_ahead(s, s.max_length()) if c.is_pq else 0), \
+            f"{s.seq_id}: holds {len(s.seal_blocks)} blocks for the seals of its uncommitted tokens"
+        for b in s.held_sealed() + s.seal_blocks:
             main_refs[b] = main_refs.get(b, 0) + 1
         for b in s.tail:
             tail_refs[b] = tail_refs.get(b, 0) + 1

@@ -403,7 +403,7 @@ class Cache(WritePath, ReadPath, WindowedBlocks):
             # Release back to front: the newest blocks are the least likely to
             # be shared prefixes, so they should be evicted first.
             self.tail_pool.release(s.tail[::-1])
-            self.main_pool.release(s.held_sealed()[::-1])
+            self.main_pool.release(s.held_sealed()[::-1] + s.seal_blocks[::-1])
         del self.seqs[(s.tenant, s.seq_id)]
 
     @property

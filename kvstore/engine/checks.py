@@ -171,6 +171,22 @@ def batch_room(cache, seqs: list[Sequence], counts: list[int], layer: int | None
     cache.check_room(main, tail, freed)
 
 
+def reserve_refusals(cache, seqs: list[Sequence]) -> None:
+    """A batch's Reserve refusals that read only the sequences' metadata: uncommitted
+    per-layer tokens, slots a lapse dropped (Cache.check_reservations_kept)."""
+    for s in seqs:
+        if any(s.pending):
+            raise FailedPrecondition("sequence_ids", f"sequence {quote(s.seq_id)} has uncommitted per-layer tokens")
+    cache.check_reservations_kept(seqs)
+
+
+def reserve_room(cache, seqs: list[Sequence], n: int) -> None:
+    """Refuse a batch's Reserve of n slots each that the pools cannot give whole,
+    before any of its sequences commits."""
+    room = [cache.reserve_room(s, n) for s in seqs]
+    cache.check_room(sum(m for m, _ in room), sum(t for _, t in room), 0, "num_tokens")
+
+
 def dtype_name(dtype: torch.dtype) -> str:
     """A torch dtype as the proto's DType names it (torch.float16 -> FLOAT16)."""
     return str(dtype).removeprefix("torch.").upper()

@@ -294,13 +294,11 @@ class Engine(CodebookOps):
             raise InvalidArgument("known_sealed", f"{len(known)} entries for {len(seq_ids)} sequences")
         with self._locked(name) as cache:
             seqs = checks.sequences(cache, tenant, seq_ids, unique=True)
-            for s in seqs:
-                if any(s.pending):
-                    raise FailedPrecondition("sequence_ids", f"sequence {quote(s.seq_id)} has uncommitted per-layer tokens")
-            cache.check_reservations_kept(seqs)
+            checks.reserve_refusals(cache, seqs)
             gpu = any(cache.reserve_touches_gpu(s, n) for s in seqs)
             with gpu_scope() if gpu else contextlib.nullcontext():
                 cache.resident(seqs)
+                checks.reserve_room(cache, seqs, n)
                 cache.defer_encodes()
                 try:
                     rs = [cache.reserve(s, n, k) for s, k in zip(seqs, known or [(0, 0)] * len(seqs))]

@@ -128,7 +128,7 @@ def drop(cache, mappers: int, force: bool, live) -> DeleteResult:
                                  "by live client leases; free them first, or pass force=true to drop them too")
     gpu = [s for s in seqs if s.tier == "gpu"]
     host = [s for s in seqs if s.tier == "host"]
-    main_blocks = len({b for s in gpu for b in s.held_sealed()})
+    main_blocks = len({b for s in gpu for b in s.held_sealed() + s.seal_blocks})
     tail_blocks = len({b for s in gpu for b in s.tail}) if cache.is_pq else 0
     if not cache.is_pq:     # one pool: sealed and tail ids index the same blocks
         main_blocks = len({b for s in gpu for b in s.held_sealed() + s.tail})

@@ -13,9 +13,10 @@ from array import array
 import torch
 
 from kvstore.core.sequence import Sequence, token_array
-from kvstore.errors import FailedPrecondition, InvalidArgument, ResourceExhausted, quote
+from kvstore.errors import FailedPrecondition, InvalidArgument, quote
 
 from .results import ReserveResult
+from .room import Room
 from .storage import ids_to
 
 SMALL_WRITE = 8      # tokens up to which a per-layer append writes slot by slot
@@ -25,7 +26,7 @@ SMALL_WRITE = 8      # tokens up to which a per-layer append writes slot by slot
 SMALL_SLOTS = 256
 
 
-class WritePath:
+class WritePath(Room):
     """Mixed into Cache; uses its pools, stores and counters."""
 
     _deferred: list | None = None
@@ -73,8 +74,11 @@ class WritePath:
         # Ref the hits before allocating, so allocation cannot evict them.
         self.main_pool.ref(list(hits.values()))
         todo = [j for j in range(count) if j not in hits]
-        new = self.main_pool.allocate(len(todo))
-        assert new is not None, "main-pool capacity was checked before sealing"
+        new = s.seal_blocks[:len(todo)]      # taken when the step's room was checked (Room.hold_seals)
+        del s.seal_blocks[:len(new)]
+        more = self.main_pool.allocate(len(todo) - len(new))
+        assert more is not None, "main-pool capacity was checked before sealing"
+        new += more
         if todo:
             sel = ids_to(k.device, [j * self.bs + t for j in todo for t in range(self.bs)])
             self._encode(new, k.index_select(1, sel), v.index_select(1, sel))
@@ -117,48 +121,6 @@ class WritePath:
         if known != ids[:len(known)]:
             raise InvalidArgument("token_ids", f"differ from the ids already known for positions {start}..")
         return ids
-
-    def room_needed(self, s: Sequence, n: int, layer: int | None) -> tuple[int, int, int]:
-        """(main blocks, tail blocks, tail blocks freed by sealing) that
-        appending n tokens (all layers, or one layer) will take at most."""
-        if layer is None:
-            T = s.length + n
-            self.check_length(T - s.freed * self.bs, "counts")     # holes hold nothing
-            n_sealed = max(self.sealed_count(T), len(s.sealed))
-            seal = n_sealed - len(s.sealed)
-            if not self.is_pq:
-                return 0, max(0, math.ceil(T / self.bs) - len(s.sealed) - len(s.tail)), 0
-            sinks = min(len(s.tail), self.sink_blocks)
-            rest = len(s.tail) - sinks               # the tail blocks sealing can take
-            freed = sum(1 for b in s.tail[sinks:sinks + seal] if self.tail_pool.blocks[b].ref_cnt == 1)
-            return seal, max(0, math.ceil(T / self.bs) - sinks - max(n_sealed, len(s.sealed) + rest)), freed
-        end = s.length + s.pending[layer] + n
-        tail = max(0, math.ceil(end / self.bs) - len(s.sealed) - len(s.tail))
-        # The seal the step makes once its last layer is in, checked at every layer: a step the
-        # main pool cannot take is refused at its first layer, before anything is written, not
-        # left half written at its last (another caller may still take the room in between).
-        seal = max(self.sealed_count(s.length + s.pending[layer] + n), len(s.sealed)) - len(s.sealed)
-        return (seal if self.is_pq else 0), tail, 0
-
-    def check_room(self, main: int, tail: int, freed: int, field: str = "k") -> None:
-        """Raise ResourceExhausted unless the pools can give main + tail blocks,
-        after moving least recently used sequences down a tier if need be."""
-        if self.tiering is not None and not self._fits(main, tail, freed):
-            self.tiering.make_room(main, max(0, tail - freed), self.protect)
-        if self.is_pq:
-            if main > self.main_pool.num_allocatable():
-                raise ResourceExhausted(field, f"need {main} blocks, {self.main_pool.num_allocatable()} free")
-            if tail > self.tail_pool.num_allocatable() + freed:
-                raise ResourceExhausted(field, f"need {tail} fp16 tail blocks, "
-                                        f"{self.tail_pool.num_allocatable() + freed} free")
-        elif tail > self.main_pool.num_allocatable():
-            raise ResourceExhausted(field, f"need {tail} blocks, {self.main_pool.num_allocatable()} free")
-
-    def _fits(self, main: int, tail: int, freed: int) -> bool:
-        if self.is_pq:
-            return (main <= self.main_pool.num_allocatable()
-                    and tail <= self.tail_pool.num_allocatable() + freed)
-        return tail <= self.main_pool.num_allocatable()
 
     def append(self, s: Sequence, k: torch.Tensor, v: torch.Tensor, token_ids=None) -> None:
         """All layers, n tokens: k, v [L, n, Hkv, d]. Validated by the caller."""
@@ -300,6 +262,7 @@ class WritePath:
                 s.length += commit
                 self.counters["appended_tokens"] += commit
                 self._commit(s)
+            self.hold_seals(s)
             s.last_use = now
         return toks
 
@@ -336,6 +299,7 @@ class WritePath:
             extra = s.tail[keep:]
             del s.tail[keep:]
             self.tail_pool.release(extra[::-1])
+            self.hold_seals(s)
         return n
 
     @staticmethod
@@ -352,15 +316,6 @@ class WritePath:
                                      "Reserve handed out were dropped, uncommitted, when their session's lease "
                                      "lapsed: write that step again (the next Reserve hands out its slots)")
 
-    def seals_at_reserve(self, s: Sequence) -> int:
-        """Blocks the next reserve() of s seals (its previous reservation is
-        committed then)."""
-        return max(self.sealed_count(s.length + s.reserved), len(s.sealed)) - len(s.sealed)
-
-    def tail_blocks_for(self, s: Sequence, n: int) -> int:
-        """Tail blocks a reserve of n more tokens must allocate."""
-        return max(0, math.ceil((s.length + s.reserved + n) / self.bs) - len(s.sealed) - len(s.tail))
-
     def reserve_touches_gpu(self, s: Sequence, n: int) -> bool:
         """Whether reserve(s, n) may run GPU work: sealing (PQ encodes read the
         tail), or allocating blocks (an evicted block is copied out before the
@@ -374,7 +329,7 @@ class WritePath:
             if min(written // self.bs, len(s.hashes)) > s.hashed_upto:
                 return True
         return (s.tier != "gpu" or self.tail_blocks_for(s, n) > 0
-                or (self.is_pq and self.seals_at_reserve(s) > 0))
+                or (self.is_pq and (self.seals_at_reserve(s) > 0 or self.reserve_room(s, n)[0] > 0)))
 
     def reserve(self, s: Sequence, n: int, known: tuple[int, int] = (0, 0)) -> ReserveResult:
         """Commit the previous reservation (its slots were written by the
@@ -384,9 +339,8 @@ class WritePath:
         self._require_ready()
         if any(s.pending):
             raise FailedPrecondition("sequence_id", f"sequence {quote(s.seq_id)} has uncommitted per-layer tokens")
-        need = self.tail_blocks_for(s, n)
-        seal_count = self.seals_at_reserve(s)
-        self.check_room(seal_count if self.is_pq else 0, need, 0, "num_tokens")
+        main, need = self.reserve_room(s, n)
+        self.check_room(main, need, 0, "num_tokens")
         if s.reserved:
             self.changing(s)
         s.tail += self._alloc_tail(need)
@@ -401,6 +355,7 @@ class WritePath:
             blocks, offs = self._tail_slots(s, torch.arange(s.length, s.length + n))
             slots = (blocks * self.bs + offs).tolist()
         s.reserved = n
+        self.hold_seals(s)
         s.last_use = time.monotonic()
         start = known[0] if known[1] == s.table_epoch and known[0] <= len(s.sealed) else 0
         return ReserveResult(slots, s.sealed[start:], list(s.tail), s.length + n, start, s.table_epoch)

@@ -245,7 +245,9 @@ class KVStoreServicer:
         as MapPool; FAILED_PRECONDITION for a sequence with uncommitted per-layer
         tokens, and once for one whose reserved slots its session's lapse dropped
         uncommitted (write that step again; the next Reserve hands out its slots);
-        RESOURCE_EXHAUSTED: no room for the slots.
+        RESOURCE_EXHAUSTED: no room for the slots, or for the blocks their
+        commit will seal, which are taken now and held for the next Reserve (a
+        batch is checked whole before any sequence changes).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -270,9 +272,11 @@ class KVStoreServicer:
         sequence with tokens appended to some layers only, or any append to a
         sequence holding slots Reserve handed out and no Reserve has committed;
         naming layer: a per-layer append continuing a step its session's lapse
-        dropped (AllocateRequest.persist). A per-layer append checks the room its
-        step's commit will need (the seal of a full tail block) at every layer, so
-        a step the pools cannot take is refused at its first layer.
+        dropped (AllocateRequest.persist). The main-pool blocks a per-layer step's
+        commit will seal (a full tail block's) are taken when its first layer is
+        accepted and held until the commit: a step the pools cannot take is
+        refused at its first layer, and no other call can take its room before
+        its last (that call is RESOURCE_EXHAUSTED instead).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -75,3 +75,67 @@ def test_a_decode_step_the_main_pool_cannot_seal_is_refused_at_its_first_layer()
         e.append("c", TENANT, ["a"], k[layer], v[layer], [1], layer=layer)
     assert e.sequence_info("c", TENANT, "a").length == 17
     e.check_invariants()
+
+
+def _one_block_pq(**kw) -> Engine:
+    from kvstore.codec.codebooks import Codebooks
+    e = Engine()
+    e.create_cache(config("pq", num_blocks=1, **kw))
+    g = torch.Generator().manual_seed(0)
+    e.set_codebooks("c", Codebooks(k=torch.randn(2, 2, 8, 256, 2, generator=g),
+                                   v=torch.randn(2, 2, 8, 256, 2, generator=g)))
+    return e
+
+
+def test_a_step_holds_the_block_its_commit_seals_from_its_first_layer():
+    """Once a step's first layer is in, no other caller can take the main-pool block its
+    commit seals: the other caller is refused, and the step's last layer goes in."""
+    from kvstore.errors import ResourceExhausted
+    e = _one_block_pq(residual=8, block_size=8)
+    for sid in ("a", "b"):
+        e.allocate("c", TENANT, sid, [])
+    k, v = kv(2, 16, 2, 16)
+    e.append("c", TENANT, ["a"], k, v, [16])        # its tail full: the next token seals a block
+    k, v = kv(2, 1, 2, 16, seed=1)
+    e.append("c", TENANT, ["a"], k[0], v[0], [1], layer=0)
+    assert e.stats()["c"]["main"].free == 0
+    e.check_invariants()
+    kb, vb = kv(2, 17, 2, 16, seed=2)
+    with pytest.raises(ResourceExhausted, match="^k: need 1 blocks, 0 free"):
+        e.append("c", TENANT, ["b"], kb, vb, [17])
+    e.append("c", TENANT, ["a"], k[1], v[1], [1], layer=1)
+    info = e.sequence_info("c", TENANT, "a")
+    assert info.length == 17 and len(info.sealed_blocks) == 1 and info.pending == [0, 0]
+    e.check_invariants()
+    e.free("c", TENANT, ["a"])
+    assert e.stats()["c"]["main"].free == 1
+
+
+def test_a_freed_half_step_gives_its_held_block_back():
+    e = _one_block_pq(residual=8, block_size=8)
+    e.allocate("c", TENANT, "a", [])
+    k, v = kv(2, 17, 2, 16)
+    e.append("c", TENANT, ["a"], k[:, :16], v[:, :16], [16])
+    e.append("c", TENANT, ["a"], k[0, 16:], v[0, 16:], [1], layer=0)
+    assert e.stats()["c"]["main"].free == 0
+    e.free("c", TENANT, ["a"])
+    assert e.stats()["c"]["main"].free == 1
+    e.check_invariants()
+
+
+def test_reserved_slots_hold_the_block_their_commit_seals():
+    """A Reserve takes the room its slots' commit seals when it hands them out: a later
+    caller cannot take it, so the next Reserve (which commits them) is not refused."""
+    from kvstore.errors import ResourceExhausted
+    e = _one_block_pq(residual=0, block_size=8)
+    for sid in ("r", "s"):
+        e.allocate("c", TENANT, sid, [])
+    e.reserve("c", TENANT, "r", 16)
+    assert e.stats()["c"]["main"].free == 0
+    e.check_invariants()
+    k, v = kv(2, 16, 2, 16)
+    with pytest.raises(ResourceExhausted, match="^k: need 1 blocks"):
+        e.append("c", TENANT, ["s"], k, v, [16])
+    r = e.reserve("c", TENANT, "r", 0)              # commits the 16: sealed into the held block
+    assert r.length == 16 and len(e.sequence_info("c", TENANT, "r").sealed_blocks) == 1
+    e.check_invariants()

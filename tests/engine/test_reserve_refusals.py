@@ -27,8 +27,8 @@ def _append(e: Engine, cache: str, sid: str, n: int, layer: int | None = None) -
 def engine():
     """pq, f16: b 5 tokens, p 3 + 1 pending at layer 0, r 2 + 2 reserved;
     tiny: fp16, 3 blocks all held by full; tinypq: one main block, taken by s,
-    r holds 16 reserved tokens; sinkpq: the same with 16 sink tokens, r holds
-    32 reserved tokens whose commit would seal a block; raw: no codebooks."""
+    so r cannot reserve the 16 tokens whose commit would seal a block; sinkpq: the
+    same with 16 sink tokens (32 tokens for r); raw: no codebooks."""
     e = Engine()
     e.create_cache(config("pq", "pq", num_blocks=64, max_sequences=8))
     e.set_codebooks("pq", _codebooks())
@@ -43,13 +43,12 @@ def engine():
     for sid in ("full", "t2"):
         e.allocate("tiny", T, sid, [])
     _append(e, "tiny", "full", 20)
-    for name, sinks, reserved in (("tinypq", 0, 16), ("sinkpq", 16, 32)):
+    for name, sinks in (("tinypq", 0), ("sinkpq", 16)):
         e.create_cache(config("pq", name, num_blocks=1, max_sequences=2, residual=0, sink_tokens=sinks))
         e.set_codebooks(name, _codebooks())
         for sid in ("s", "r"):
             e.allocate(name, T, sid, [])
         _append(e, name, "s", 16 + sinks)
-        e.reserve(name, T, "r", reserved)
     e.create_cache(config("pq", "raw"))
     return e
 
@@ -88,8 +87,10 @@ CASES = [
     ("pending-batch", lambda e: e.reserve_batch("pq", T, ["b", "p"], 1), FailedPrecondition, "sequence_ids"),
     ("pool-exhausted", lambda e: e.reserve("f16", T, "b", 1 << 20), ResourceExhausted, "num_tokens"),
     ("pool-exhausted-tiny", lambda e: e.reserve("tiny", T, "t2", 1), ResourceExhausted, "num_tokens"),
-    ("seal-exhausted-pq", lambda e: e.reserve("tinypq", T, "r", 1), ResourceExhausted, "num_tokens"),
-    ("seal-exhausted-sinks", lambda e: e.reserve("sinkpq", T, "r", 1), ResourceExhausted, "num_tokens"),
+    ("seal-exhausted-pq", lambda e: e.reserve("tinypq", T, "r", 16), ResourceExhausted, "num_tokens"),
+    ("seal-exhausted-sinks", lambda e: e.reserve("sinkpq", T, "r", 32), ResourceExhausted, "num_tokens"),
+    ("seal-exhausted-batch", lambda e: e.reserve_batch("sinkpq", T, ["r", "s"], 16), ResourceExhausted,
+     "num_tokens"),
     ("known-batch-count", lambda e: e.reserve_batch("f16", T, ["b"], 1, known=[(0, 0), (0, 0)]),
      InvalidArgument, "known_sealed"),
     ("map-no-codebooks", lambda e: e.map_pool("raw"), FailedPrecondition, "codebooks"),
@@ -113,4 +114,4 @@ def test_fixture_state_is_what_the_cases_assume(engine):
     assert engine.cache("tiny").main_pool.num_allocatable() == 0
     for name in ("tinypq", "sinkpq"):
         assert engine.cache(name).main_pool.num_allocatable() == 0
-    assert engine.sequence_info("sinkpq", T, "r").reserved == 32
+    assert engine.sequence_info("sinkpq", T, "r").reserved == 0

@@ -194,23 +194,21 @@ def live(tmp_path_factory):
     _ok(stub, "CreateCache", pb.CreateCacheRequest(spec=spec("one", "fp16", num_blocks=8, max_sequences=1)))
     _ok(stub, "Allocate", pb.AllocateRequest(cache="one", sequence_id="only"))
     _ok(stub, "Append", append("one", ["only"], [3]))
-    # tinypq: PQ with one main block, taken by s (16 tokens, R=0: 1 sealed); r holds 16 reserved tokens.
+    # tinypq: PQ with one main block, taken by s (16 tokens, R=0: 1 sealed); r empty.
     _ok(stub, "CreateCache", pb.CreateCacheRequest(spec=spec("tinypq", "pq", num_blocks=1, max_sequences=2,
                                                              residual=0)))
     _ok(stub, "SetCodebooks", pb.SetCodebooksRequest(cache="tinypq", safetensors=codebooks()))
     for sid in ("s", "r"):
         _ok(stub, "Allocate", pb.AllocateRequest(cache="tinypq", sequence_id=sid))
     _ok(stub, "Append", append("tinypq", ["s"], [16]))
-    engine.reserve("tinypq", "default", "r", 16)
     # sinkpq: PQ with 16 sink tokens and one main block, taken by s (32 tokens, R=0: 16 sinks, 1 sealed,
-    # 8 in the tail); r holds 32 reserved tokens, whose commit would seal one block.
+    # 8 in the tail); r empty.
     _ok(stub, "CreateCache", pb.CreateCacheRequest(spec=spec("sinkpq", "pq", num_blocks=1, max_sequences=2,
                                                              residual=0, sink_tokens=16)))
     _ok(stub, "SetCodebooks", pb.SetCodebooksRequest(cache="sinkpq", safetensors=codebooks()))
     for sid in ("s", "r"):
         _ok(stub, "Allocate", pb.AllocateRequest(cache="sinkpq", sequence_id=sid))
     _ok(stub, "Append", append("sinkpq", ["s"], [32]))
-    engine.reserve("sinkpq", "default", "r", 32)
     # bf: the fp16 codec in bfloat16, b holding 5 tokens.
     _ok(stub, "CreateCache", pb.CreateCacheRequest(spec=spec("bf", "fp16", dtype="bfloat16")))
     _ok(stub, "Allocate", pb.AllocateRequest(cache="bf", sequence_id="b"))
