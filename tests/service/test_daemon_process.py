@@ -110,7 +110,8 @@ def test_two_processes_share_prefix_and_restart_keeps_hashes(sock, codec, sinks,
     import torch
     hashes_by_run = []
     for run, seed in enumerate(["0", "4242"]):
-        p, target = start_daemon(sock, hash_seed=seed)
+        # A lease longer than the run: worker a's sequence outlives its process while b starts.
+        p, target = start_daemon(sock, hash_seed=seed, extra=("--lease-timeout", "600"))
         try:
             kv = KVStoreClient(target)
             kv.create_cache("shared", "m", num_layers=2, num_q_heads=4, num_kv_heads=2, head_dim=16, codec=codec,
