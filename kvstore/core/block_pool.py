@@ -74,7 +74,13 @@ class BlockPool:
             blk.last_use = now
             out.append(bid)
         if evicted and self.on_evict is not None:
-            self.on_evict(evicted)
+            try:
+                self.on_evict(evicted)
+            except BaseException:        # nobody holds what this took: free again (the evicted stay evicted)
+                for bid in out:
+                    self.blocks[bid].ref_cnt = 0
+                    self._free[bid] = None
+                raise
         return out
 
     def ref(self, block_ids: list[int]) -> None:

@@ -185,7 +185,11 @@ def at_stop(caches) -> int:
                 except (KVStoreError, OSError) as e:
                     log.warning("cache %s: persist sequence %s/%s not offloaded at the stop (%s): it is gone",
                                 quote(c.cfg.name), s.tenant, s.seq_id, e)
-            kept += c.tiering.keep_on_disk(deadline)
+            try:
+                kept += c.tiering.keep_on_disk(deadline)
+            except (KVStoreError, OSError) as e:     # prefix copies only: the next cache's sequences still go
+                log.warning("cache %s: cached prefix blocks not written to the disk tier at the stop (%s)",
+                            quote(c.cfg.name), e)
         finally:
             c.lock.release()
     if done or kept:

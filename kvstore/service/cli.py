@@ -210,7 +210,9 @@ def disk_budget(path: str | None, given: int | None) -> int:
     if given is not None or not path:
         return given or 0
     os.makedirs(path, mode=0o700, exist_ok=True)
-    held = sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path))
+    # What the store's files take of the disk now (st_blocks): data.mdb is sparse, its
+    # apparent size the map's, which would count space the filesystem does not have.
+    held = sum(os.stat(os.path.join(path, f)).st_blocks * 512 for f in os.listdir(path))
     return int((shutil.disk_usage(path).free + held) * 0.9)
 
 

@@ -113,7 +113,11 @@ class LeaseManager:
                 for key in lapsed:
                     del self._seen[key]
             for tenant, session in lapsed:
-                self._expire(tenant, session)
+                try:
+                    self._expire(tenant, session)
+                except Exception:  # noqa: BLE001 - the next lapsed session's sequences must still go
+                    log.exception("lease of session %s (tenant %s) lapsed: freeing its sequences failed",
+                                  session, tenant)
         for tenant, session in lapsed:
             if self.release_buffers is not None:
                 self.counters["released_buffers"] += self.release_buffers(tenant, session)

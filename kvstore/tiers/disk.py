@@ -9,60 +9,26 @@ values written in one LMDB transaction. Sealed blocks with a content hash are
 stored under that hash (deduplicated, and found again after a restart). The
 disk has a byte bound: DiskTier keeps its books.
 
-Key layout (every key carries the cache fingerprint):
-  b"B" fp hash                  sealed block with a content hash (shared by every
-                                cache of that fingerprint: same model, codebooks)
-  b"S" fp cache/tenant/seq #i   other blocks of a sequence (unhashed sealed, then tail)
-  b"M" fp cache/tenant/seq      the sequence manifest (JSON)
 Sequences are a cache's own: two caches of one fingerprint (the same model and
-codebooks under two names) share blocks, never sequences.
+codebooks under two names) share blocks, never sequences. Their keys: disk_keys.py.
 """
 from __future__ import annotations
 
 import functools
 import json
 import logging
-import struct
 from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
 
-from kvstore.errors import DataLoss, ResourceExhausted, quote
+from kvstore.errors import DataLoss, KVStoreError, ResourceExhausted, quote
 
+from .disk_keys import FP_BYTES, block_key, describe, manifest_key, part, refs, seq_block, seq_block_key, seq_key
 from .lmdb_store import LMDBStore, entry_bytes
 from .staging import gather_checked
 
 log = logging.getLogger("kvstore.lmdb")
-
-FP_BYTES = 32     # a cache fingerprint: sha256 (codebooks.fingerprint)
-
-
-def _part(text: str) -> bytes:
-    b = text.encode()
-    return struct.pack("<H", len(b)) + b
-
-
-def _seq_key(fp: bytes, cache: str, tenant: str, seq_id: str) -> bytes:
-    return fp + _part(cache) + _part(tenant) + _part(seq_id)
-
-
-def block_key(fp: bytes, h: bytes) -> bytes:
-    return b"B" + fp + h
-
-
-def manifest_key(fp: bytes, cache: str, tenant: str, seq_id: str) -> bytes:
-    return b"M" + _seq_key(fp, cache, tenant, seq_id)
-
-
-def _seq_block(seq: bytes, i: int) -> bytes:
-    """The key of block i of the sequence whose _seq_key is seq (its own blocks)."""
-    return b"S" + seq + struct.pack(">I", i)
-
-
-def seq_block_key(fp: bytes, cache: str, tenant: str, seq_id: str, i: int) -> bytes:
-    return _seq_block(_seq_key(fp, cache, tenant, seq_id), i)
-
 
 @dataclass(slots=True)
 class SeqImage:
@@ -113,7 +79,7 @@ class DiskTier:
         for k in broken:
             good.pop(k, None)
         for k, m in good.items():
-            for b in _refs(k[1:1 + FP_BYTES], m):
+            for b in refs(k[1:1 + FP_BYTES], m):
                 self.pins[b] = self.pins.get(b, 0) + 1
         for k in store.keys(b"B"):
             if k not in self.pins:
@@ -138,8 +104,8 @@ class DiskTier:
     def _complete(self, mk: bytes, m: dict) -> bool:
         """Whether every block the manifest under mk names is stored."""
         fp, seq = mk[1:1 + FP_BYTES], mk[1:]
-        return (all(self.store.contains(k) for k in _refs(fp, m))
-                and all(self.store.contains(_seq_block(seq, i)) for i in range(m["n_other"])))
+        return (all(self.store.contains(k) for k in refs(fp, m))
+                and all(self.store.contains(seq_block(seq, i)) for i in range(m["n_other"])))
 
     def _drop_sequences(self, mks: list[bytes]) -> None:
         """At open: sequences whose manifest was refused or names a block that
@@ -151,7 +117,7 @@ class DiskTier:
         self.counters["dropped_sequences"] += len(mks)
         log.warning("LMDB store %s: %d sequences dropped: their disk copy is not whole (a manifest or block was "
                     "refused by its checksum or is missing): %s", self.store.path, len(mks),
-                    ", ".join(_describe(mk) for mk in mks[:8]) + (" ..." if len(mks) > 8 else ""))
+                    ", ".join(describe(mk) for mk in mks[:8]) + (" ..." if len(mks) > 8 else ""))
 
     # ------------------------------------------------------------ books
     def _unreferenced(self, k: bytes) -> None:
@@ -234,8 +200,8 @@ class DiskTier:
                     puts.append((seq_block_key(fp, im.cache, im.tenant, im.seq_id, i), _view(payload)))
                     nbytes += payload.numel()
             puts.append((mk, json.dumps(im.manifest).encode()))
-            pin += _refs(fp, im.manifest)
-            unpin += _refs(fp, old) if old is not None else []
+            pin += refs(fp, im.manifest)
+            unpin += refs(fp, old) if old is not None else []
         need = self.store.growth(puts, deletes)
         keep = set(pin) | {k for k, _ in puts}
         evict = self._victims(need, keep)
@@ -259,18 +225,19 @@ class DiskTier:
         into pinned memory overlapping the host-to-device copies), each row
         checked against its stored checksum (staging.gather_checked)."""
         other = iter(range(manifest["n_other"]))
-        seq = _seq_key(fp, cache, tenant, seq_id)
+        seq = seq_key(fp, cache, tenant, seq_id)
 
         def keys(hashes):
-            return [block_key(fp, bytes.fromhex(h)) if h else _seq_block(seq, next(other)) for h in hashes]
+            return [block_key(fp, bytes.fromhex(h)) if h else seq_block(seq, next(other)) for h in hashes]
         sealed_keys, tail_keys = keys(manifest["sealed_hashes"]), keys(manifest["tail_hashes"])
         out, checks, refused = [], [], []
         with self.store.reader(buffers=True) as txn:
             for ks, width in ((sealed_keys, main_bytes), (tail_keys, tail_bytes)):
                 values, sums = zip(*(self.store.stored(txn, k) for k in ks)) if ks else ((), ())
                 bad = [i for i, v in enumerate(values) if v is None or len(v) != width]
+                if bad:
+                    refused.append((ks, values, width, bad))
                 if bad or not ks:
-                    refused += [(ks, values, width, bad)] if bad else []
                     out.append(None)
                     continue
                 rows, verdict = gather_checked(values, sums, width, device, self.device_checksums)
@@ -295,12 +262,12 @@ class DiskTier:
                         sync: bool = False) -> None:
         keys = [seq_block_key(fp, cache, tenant, seq_id, i) for i in range(manifest["n_other"])]
         self._write([], keys + [manifest_key(fp, cache, tenant, seq_id)], [], sync)
-        for k in _refs(fp, manifest):
+        for k in refs(fp, manifest):
             self._unpin(k)
         self._fit_bound()
 
     def manifests(self, fp: bytes, cache: str) -> list[dict]:
-        return [json.loads(v) for _, v in self.store.scan(b"M" + fp + _part(cache))]
+        return [json.loads(v) for _, v in self.store.scan(b"M" + fp + part(cache))]
 
     def _manifest(self, mk: bytes) -> dict | None:
         """The manifest under mk; None if there is none or it was refused
@@ -343,7 +310,8 @@ class DiskTier:
     @_under_store_lock
     def put_blocks(self, fp: bytes, items: list[tuple[bytes, torch.Tensor]]) -> int:
         """Spill cached blocks: as many as fit the bound after evicting older
-        unreferenced blocks, the rest skipped. Returns bytes written."""
+        unreferenced blocks, the rest skipped (all, where the filesystem refuses the
+        write: a cached block is a copy nobody holds). Returns bytes written."""
         puts, new = [], set()
         for h, p in items:
             k = block_key(fp, h)
@@ -364,7 +332,12 @@ class DiskTier:
             return 0
         evict = self._victims(self.store.growth(puts, []), {k for k, _ in puts})
         assert evict is not None, "spills were cut to what the bound holds"
-        self._write(puts, [], evict)
+        try:
+            self._write(puts, [], evict)
+        except KVStoreError as e:     # the filesystem refused (fs_errors): cached copies, not kept
+            self.counters["skipped_spills"] += len(puts)
+            log.warning("%s: %d cached blocks not spilled", e, len(puts))
+            return 0
         for k, _ in puts:
             self._unreferenced(k)
         return sum(v.nbytes for _, v in puts)
@@ -400,20 +373,5 @@ class DiskTier:
             "over the byte bound"
 
 
-def _describe(mk: bytes) -> str:
-    """A manifest key as the log names it: cache/tenant/sequence."""
-    parts, at = [], 1 + FP_BYTES
-    for _ in range(3):
-        (n,) = struct.unpack_from("<H", mk, at)
-        parts.append(mk[at + 2:at + 2 + n].decode(errors="replace"))
-        at += 2 + n
-    return "/".join(map(repr, parts))
-
-
 def _view(payload: torch.Tensor) -> memoryview:
     return memoryview(payload.contiguous().numpy())
-
-
-def _refs(fp: bytes, manifest: dict) -> list[bytes]:
-    """Keys of the content-hashed blocks a manifest references."""
-    return [block_key(fp, bytes.fromhex(h)) for h in manifest["sealed_hashes"] + manifest["tail_hashes"] if h]

@@ -33,7 +33,7 @@ would then kill the process (SIGBUS) instead of failing a write: before each
 write transaction the file is allocated (posix_fallocate) past its last page
 by at least what the transaction can add (its bytes, a page per entry for
 rounding, and the B-tree pages it copies), in steps of ALLOC_STEP, so a disk
-that cannot take a batch fails that write (OSError), nothing else. The file
+that cannot take a batch fails that write (fs_errors), nothing else. The file
 holds what the store holds plus at most a step, not the whole map (a map
 doubles as it fills; allocating all of it would take up to twice the data).
 
@@ -55,6 +55,7 @@ import os
 import threading
 from typing import Iterable, Iterator, Protocol
 
+from . import fs_errors
 from . import lmdb_recovery as recovery
 from . import lmdb_sums
 from .checksum import checksum
@@ -239,17 +240,22 @@ class LMDBStore:
         self.used_bytes = sum(self._sizes.values())
 
     def _reserve(self, nbytes: int) -> None:
-        """Disk blocks from the start of the file to past its last page by what a
-        transaction of `nbytes` can add, rounded up to ALLOC_STEP and within the
-        map (module docstring: a full disk fails here, not with a SIGBUS in a
-        write through the map)."""
+        """Allocate the file past its last page by what a transaction of `nbytes` can add,
+        rounded up to ALLOC_STEP (not on a disk short of the step), within the map: a full
+        disk fails here, not with a SIGBUS in a write through the map (module docstring)."""
         info, st = self.env.info(), self.env.stat()
-        need = (info["last_pgno"] + 1) * st["psize"] + nbytes
-        need = min(-(-need // ALLOC_STEP) * ALLOC_STEP, info["map_size"])
-        if need <= self._allocated:
+        exact = min((info["last_pgno"] + 1) * st["psize"] + nbytes, info["map_size"])
+        if exact <= self._allocated:
             return
-        os.posix_fallocate(self._fd, 0, need)
-        self._allocated = need
+        step = min(-(-exact // ALLOC_STEP) * ALLOC_STEP, info["map_size"])
+        try:
+            os.posix_fallocate(self._fd, 0, step)
+        except OSError as e:        # a disk short of a whole step may still take this transaction
+            if e.errno not in fs_errors.FULL or step == exact:
+                raise
+            os.posix_fallocate(self._fd, 0, exact)
+            step = exact
+        self._allocated = step
 
     def _write(self, fn, nbytes: int) -> None:
         """fn(txn) in a write transaction that adds at most nbytes to the file;
@@ -364,11 +370,12 @@ class LMDBStore:
         n = len(puts) + len(deletes) + 1
         nbytes = sum(entry_bytes(k, v) for k, v in puts) + 2 * n * (depth + 2) * psize
         with self.lock:
-            # sync: durable at the sync below, which clears the marker (module docstring)
-            if not self.durable_commits and not self._marked:
-                recovery.mark(self.path)      # on disk before any page of this commit can be
-                self._marked = True
-            self._write(fn, nbytes)
+            with fs_errors.refused(self.path):
+                # sync: durable at the sync below, which clears the marker (module docstring)
+                if not self.durable_commits and not self._marked:
+                    recovery.mark(self.path)      # on disk before any page of this commit can be
+                    self._marked = True
+                self._write(fn, nbytes)
             if not self.durable_commits:
                 self._nondurable += 1
             for k, n in _after(puts, deletes).items():     # committed: the books follow

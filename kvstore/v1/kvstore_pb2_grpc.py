@@ -349,7 +349,11 @@ class KVStoreServicer:
         """Write sequences to the disk tier; returns once the write is durable. The
         copy outlives a restart until the sequence changes (see Restarts above).
         FAILED_PRECONDITION: no disk tier (daemon without --lmdb), or uncommitted
-        tokens. RESOURCE_EXHAUSTED: past --lmdb-max-bytes (nothing moves).
+        tokens. RESOURCE_EXHAUSTED: past --lmdb-max-bytes (nothing moves), or,
+        naming lmdb, the disk tier's filesystem is full; UNAVAILABLE naming lmdb:
+        the filesystem refuses the write otherwise (read-only, the directory
+        removed). Nothing moves on either, and any call whose work writes to the
+        disk tier (an Append making room, a Free deleting a disk copy) gets the same.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

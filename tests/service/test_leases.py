@@ -110,6 +110,49 @@ def test_persisted_sequences_are_offloaded_or_kept_and_counted(tmp_path, room):
     e.check_invariants()
 
 
+def test_a_full_disk_at_the_lapse_keeps_the_persist_sequence_and_frees_the_rest(tmp_path, monkeypatch):
+    """The disk refuses the persist sequence's offload (a full filesystem): it stays in
+    memory, counted, and the session's other sequences, and the next lapsed session's,
+    are freed all the same."""
+    import errno
+    from kvstore.tiers.lmdb_store import LMDBStore
+    e, clock = engine_with(tmp_path), Clock()
+    leases = LeaseManager(e, timeout_s=1, clock=clock)
+    fill(e, "keep", "s", persist=True)
+    fill(e, "drop", "s")
+    fill(e, "other", "t")
+    for session in ("s", "t"):
+        leases.touch("default", session)
+
+    def full(self, nbytes):
+        raise OSError(errno.ENOSPC, "No space left on device")
+    monkeypatch.setattr(LMDBStore, "_reserve", full)
+    clock.t += 2
+    assert sorted(leases.reap()) == [("default", "s"), ("default", "t")]
+    assert [i.seq_id for i in e.list_sequences("c", "default")] == ["keep"]
+    assert e.cache("c").seqs[("default", "keep")].tier == "gpu" and leases.counters["offload_failed"] == 1
+    e.check_invariants()
+
+
+def test_a_session_whose_reaping_fails_does_not_keep_the_next_ones_sequences(monkeypatch):
+    e, clock = engine_with(), Clock()
+    leases = LeaseManager(e, timeout_s=1, clock=clock)
+    fill(e, "a", "s")
+    fill(e, "b", "t")
+    for session in ("s", "t"):
+        leases.touch("default", session)
+    owned = e.owned_sequences
+
+    def broken(tenant, session):
+        if session == "s":
+            raise RuntimeError("a bug reaping s")
+        return owned(tenant, session)
+    monkeypatch.setattr(e, "owned_sequences", broken)
+    clock.t += 2
+    leases.reap()
+    assert [i.seq_id for i in e.list_sequences("c", "default")] == ["a"]
+
+
 def test_a_call_in_flight_keeps_its_session_live():
     # A call longer than the timeout (or one waiting behind a cache's lock) is not silence:
     # the lease runs from its end.
