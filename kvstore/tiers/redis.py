@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import OrderedDict
 
 import numpy as np
@@ -23,6 +24,7 @@ from .redis_store import HIT, REFUSED, Put, RedisStore
 log = logging.getLogger("kvstore.redis")
 KNOWN_HASHES = 1 << 16                    # per cache: hashes known to be in Redis (not put again)
 MAX_PENDING = 1 << 14                     # per cache: hashed blocks waiting for the next flush
+REFUSED_LOG_S = 60.0                      # per cache: at most one WARNING this often for refused puts
 
 
 class RedisTier:
@@ -44,6 +46,7 @@ class RedisTier:
         self._lock = threading.Lock()           # counters and _known: the writer thread updates them too
         self.counters = dict(blocks_out=0, bytes_out=0, prefix_hits=0, bytes_in=0, misses=0, refused=0,
                              dropped_puts=0, errors=0)
+        self._refused_logged = -REFUSED_LOG_S
         cache.main_pool.on_hash = self.note
 
     # --------------------------------------------------------------- puts
@@ -114,6 +117,12 @@ class RedisTier:
         """Writer thread: hashes were stored, `failed` more refused by the server."""
         self._count(blocks_out=len(hashes), bytes_out=len(hashes) * block_bytes, dropped_puts=failed, errors=failed)
         self._remember(hashes)
+        if failed and time.monotonic() - self._refused_logged >= REFUSED_LOG_S:
+            # A server up but refusing writes (maxmemory under noeviction) is no outage: say so here.
+            self._refused_logged = time.monotonic()
+            log.warning("cache %r: Redis refused %d block puts (%s); the Redis tier keeps no copy of them "
+                        "(run Redis with an allkeys-* maxmemory-policy)", self.c.cfg.name, failed,
+                        self.store.stats()["last_error"])
 
     def landed(self, hashes: list[bytes]) -> None:
         """Writer thread: a put of hashes is done with, stored or not."""

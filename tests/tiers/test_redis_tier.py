@@ -500,7 +500,9 @@ def test_two_daemons_share_prefix_blocks_through_redis(tmp_path, two_hosts, caps
             stop_daemon(p)
 
 
-def test_acl_user_from_the_url_and_puts_the_server_refuses(redis_server):
+def test_acl_user_from_the_url_and_puts_the_server_refuses(redis_server, caplog):
+    import logging
+    caplog.set_level(logging.WARNING, logger="kvstore.redis")
     r = redis_server.client()
     # A user of its own that may touch only kvstore keys (what the module docstring advises).
     r.acl_setuser("kv", enabled=True, passwords=["+s3cret"], keys=["kvstore:*"], commands=["+@all"])
@@ -520,6 +522,9 @@ def test_acl_user_from_the_url_and_puts_the_server_refuses(redis_server):
     wait_for(lambda: rstats(e)["dropped_puts"] == SEALED, what="refused puts")
     s = rstats(e)
     assert s["state"] == "up" and s["blocks_out"] == SEALED and s["errors"] == SEALED and "OutOfMemoryError" in s["last_error"]
+    # Up but refusing is no outage: a WARNING says so, once for the burst.
+    said = [m for rec in caplog.records if "Redis refused" in (m := rec.getMessage())]
+    assert len(said) == 1 and "block puts" in said[0] and "OutOfMemoryError" in said[0], said
 
 
 def test_ttl_is_set_by_puts_and_renewed_by_hits(redis_server):
