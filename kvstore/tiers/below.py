@@ -105,13 +105,17 @@ class CachedBelow:
                     return n
                 part = todo[i:i + KEEP_BATCH]
                 rows = rows_of([b for b, _ in part])
-                self._spill_disk([(k, r) for (_, k), r in zip(part, rows)], rows.shape[1])
-                n += len(part)
+                kept = self._spill_disk([(k, r) for (_, k), r in zip(part, rows)], rows.shape[1])
+                if not kept:            # past the bound, or the filesystem refused them
+                    return n
+                n += kept
         return n
 
-    def _spill_disk(self, items: list[tuple[bytes, torch.Tensor]], width: int) -> None:
+    def _spill_disk(self, items: list[tuple[bytes, torch.Tensor]], width: int) -> int:
+        """-> how many of the blocks were written."""
         self._moved("bytes_down", "disk", n := self.disk.put_blocks(self.c.fingerprint, items))
         self.counters["spilled_blocks"] += n // width
+        return n // width
 
     def _below_has(self, k: bytes, fp16: bool) -> bool:
         pool = self._kind(fp16)[1]
