@@ -77,6 +77,9 @@ class Sequence:
     # starts again at one of them; its other layers would write one step beside another.
     cut_step: tuple[int, ...] = ()
     cut_reserve: bool = False     # the same for slots a Reserve handed out: the next Reserve says so
+    # len(token_ids) when the per-layer step in progress began (None: none is): what a drop of
+    # the step keeps of them (ids known before it, from Allocate or committed tokens).
+    step_ids_from: int | None = None
     reserved: int = 0                                  # slots handed out by Reserve
     sealed: list[int] = field(default_factory=list)    # main-pool block ids
     freed: int = 0                                     # leading sealed entries that are holes

@@ -155,6 +155,8 @@ def refusals(cache, seqs: list[Sequence], counts: list[int], layer: int | None,
             raise FailedPrecondition("sequence_ids", f"sequence {quote(s.seq_id)} has uncommitted tokens")
         if layer is None:
             cache.check_length(s.length + c - s.freed * cache.bs, "counts")     # holes hold nothing
+        else:
+            cache.check_step_continues(s, layer)
         if token_ids is not None and len(token_ids[i]):
             cache.check_token_ids(s, c, token_ids[i], layer)
 

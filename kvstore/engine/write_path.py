@@ -215,10 +215,7 @@ class WritePath(Room):
         for s in seqs:
             if s.reserved:
                 raise FailedPrecondition("sequence_id", f"sequence {quote(s.seq_id)} has reserved tokens")
-            if s.cut_step and layer not in s.cut_step:
-                raise FailedPrecondition("layer", f"{layer} continues a step of sequence {quote(s.seq_id)} that was "
-                                         f"dropped when its session's lease lapsed (layers {list(s.cut_step)} had "
-                                         "written it): run the step again from its first layer")
+            self.check_step_continues(s, layer)
         ids = [self.check_token_ids(s, n, t, layer) if t is not None and len(t) else None
                for s, n, t in zip(seqs, counts, token_ids or [None] * len(seqs))]
         if len(seqs) == 1:
@@ -250,6 +247,8 @@ class WritePath(Room):
             self.tail.write(slice(layer, layer + 1), ids_to(dev, torch.cat([b for b, _ in idx])),
                             ids_to(dev, torch.cat([o for _, o in idx])), k.unsqueeze(0), v.unsqueeze(0))
         for s, start, t in zip(seqs, starts, ids):
+            if not any(s.pending):          # the step begins
+                s.step_ids_from = len(s.token_ids)
             if t is not None:
                 self._apply_token_ids(s, start, t)
         now = time.monotonic()
@@ -262,9 +261,20 @@ class WritePath(Room):
                 s.length += commit
                 self.counters["appended_tokens"] += commit
                 self._commit(s)
+            if not any(s.pending):
+                s.step_ids_from = None
             self.hold_seals(s)
             s.last_use = now
         return toks
+
+    @staticmethod
+    def check_step_continues(s: Sequence, layer: int) -> None:
+        """Refuse a per-layer append that would continue, at a layer it had not reached, a
+        step drop_uncommitted dropped: it would write one step's K/V beside another's."""
+        if s.cut_step and layer not in s.cut_step:
+            raise FailedPrecondition("layer", f"{layer} continues a step of sequence {quote(s.seq_id)} that was "
+                                     f"dropped when its session's lease lapsed (layers {list(s.cut_step)} had "
+                                     "written it): run the step again from its first layer")
 
     def _commit(self, s: Sequence) -> None:
         """Seal what the committed length allows, taking data from the tail; release
@@ -295,6 +305,12 @@ class WritePath(Room):
         if n:
             s.cut_step, s.cut_reserve = tuple(i for i, p in enumerate(s.pending) if p), s.reserved > 0
             s.pending, s.reserved = [0] * len(s.pending), 0
+            # The ids the step recorded, and the hash of a block they completed, go with it: the
+            # step may come again with other tokens, which must not be found under these.
+            if s.step_ids_from is not None:
+                del s.token_ids[max(s.length, s.step_ids_from):]
+                del s.hashes[len(s.token_ids) // self.bs:]
+                s.step_ids_from = None
             keep = max(0, math.ceil(s.length / self.bs) - len(s.sealed))
             extra = s.tail[keep:]
             del s.tail[keep:]

@@ -272,11 +272,12 @@ class KVStoreServicer:
         sequence with tokens appended to some layers only, or any append to a
         sequence holding slots Reserve handed out and no Reserve has committed;
         naming layer: a per-layer append continuing a step its session's lapse
-        dropped (AllocateRequest.persist). The main-pool blocks a per-layer step's
-        commit will seal (a full tail block's) are taken when its first layer is
-        accepted and held until the commit: a step the pools cannot take is
-        refused at its first layer, and no other call can take its room before
-        its last (that call is RESOURCE_EXHAUSTED instead).
+        dropped (AllocateRequest.persist), before the sequence is paged back in.
+        The main-pool blocks a per-layer step's commit will seal (a full tail
+        block's) are taken when its first layer is accepted and held until the
+        commit: a step the pools cannot take is refused at its first layer, and
+        no other call can take its room before its last (that call is
+        RESOURCE_EXHAUSTED instead).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

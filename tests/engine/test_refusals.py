@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from kvstore.engine.engine import Engine
-from kvstore.errors import InvalidArgument
+from kvstore.errors import FailedPrecondition, InvalidArgument
 
 from helpers import config, kv
 
@@ -139,3 +139,45 @@ def test_reserved_slots_hold_the_block_their_commit_seals():
     r = e.reserve("c", TENANT, "r", 0)              # commits the 16: sealed into the held block
     assert r.length == 16 and len(e.sequence_info("c", TENANT, "r").sealed_blocks) == 1
     e.check_invariants()
+
+
+def test_a_dropped_step_takes_its_token_ids_and_block_hash_with_it(tmp_path):
+    """A step dropped half written (a lease's lapse) may come again with another token:
+    the ids the dropped step recorded must not stay, or the block the new token completes
+    would be indexed under the dropped token's hash and served to a prompt that has it."""
+    e = Engine(lmdb_path=str(tmp_path / "lmdb"))
+    e.create_cache(config("fp16", num_blocks=8))
+    prompt, x, y = list(range(100, 107)), 500, 600
+    k, v = kv(2, 16, 2, 16)
+    e.allocate("c", TENANT, "a", prompt)
+    e.append("c", TENANT, ["a"], k[:, :7], v[:, :7], [7], token_ids=[prompt])
+    e.append("c", TENANT, ["a"], k[0, 7:8], v[0, 7:8], [1], layer=0, token_ids=[[x]])   # completes block 0
+    assert e.offload("c", TENANT, ["a"], drop_uncommitted=True) == 1
+    info = e.sequence_info("c", TENANT, "a")
+    assert info.length == 7 and info.known_token_ids == 7 and info.block_hashes == []
+    e.append("c", TENANT, ["a"], k[:, 8:9], v[:, 8:9], [1], token_ids=[[y]])             # the step again, token y
+    assert e.allocate("c", TENANT, "b", prompt + [x, 1, 2]).cached_tokens == 0
+    assert e.allocate("c", TENANT, "c", prompt + [y, 1, 2]).cached_tokens == 8
+    got, _ = e.retrieve("c", TENANT, "c", 0, 8)
+    assert torch.equal(got[:, 7], k[:, 8])
+    # Ids known before the step (the prompt Allocate named) stay: the step did not send them.
+    e.allocate("c", TENANT, "p", list(range(300, 312)))
+    e.append("c", TENANT, ["p"], k[0, :2], v[0, :2], [2], layer=0)
+    e.offload("c", TENANT, ["p"], drop_uncommitted=True)
+    info = e.sequence_info("c", TENANT, "p")
+    assert info.length == 0 and info.known_token_ids == 12 and len(info.block_hashes) == 1
+    e.check_invariants()
+
+
+def test_a_step_the_drop_cut_short_is_refused_before_its_sequence_pages_in(tmp_path):
+    e = Engine(lmdb_path=str(tmp_path / "lmdb"))
+    e.create_cache(config("fp16", num_blocks=8))
+    e.allocate("c", TENANT, "a", [])
+    k, v = kv(2, 9, 2, 16)
+    e.append("c", TENANT, ["a"], k[:, :8], v[:, :8], [8])
+    e.append("c", TENANT, ["a"], k[0, 8:], v[0, 8:], [1], layer=0)
+    e.offload("c", TENANT, ["a"], drop_uncommitted=True)
+    assert e.sequence_info("c", TENANT, "a").tier == "disk"
+    with pytest.raises(FailedPrecondition, match="^layer: 1 continues a step"):
+        e.append("c", TENANT, ["a"], k[1, 8:], v[1, 8:], [1], layer=1)
+    assert e.sequence_info("c", TENANT, "a").tier == "disk"
