@@ -224,13 +224,14 @@ import sys, torch
 from kvstore.client import KVStoreClient
 target, n_seqs, n_tok = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 kv = KVStoreClient(target)
+print("ready", flush=True)
 for i in range(n_seqs):
     sid = f"s{i}"
     g = torch.Generator().manual_seed(i)
     prompt = [i * 100000 + t for t in range(n_tok)]
-    kv.allocate("c", sid, prompt)
-    k = torch.randn(2, n_tok, 2, 16, generator=g).half()
-    kv.append("c", [sid], k, -k, token_ids=[prompt])
+    cached = kv.allocate("c", sid, prompt)      # an earlier trial's blocks, on disk: a prefix hit
+    k = torch.randn(2, n_tok, 2, 16, generator=g).half()[:, cached:]
+    kv.append("c", [sid], k, -k, token_ids=[prompt[cached:]])
     kv.offload("c", [sid])
     print("offloaded", sid, flush=True)
 """
@@ -346,8 +347,14 @@ def test_kill_9_during_offload_never_tears_a_sequence(tmp_path):
         for s in [i.sequence_id for i in kv.list_sequences("c")]:
             kv.free("c", [s])                     # start each trial empty
         w = subprocess.Popen([sys.executable, "-c", WRITER, target, "4", str(n_tok)],
-                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        time.sleep(rng.uniform(0.5, 3.0))
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        # The kill comes at a random moment of the writer's calls, not of its start-up (which
+        # a loaded box stretches past any fixed delay); the first trial waits for an offload.
+        assert w.stdout.readline().strip() == "ready", "the writer did not start"
+        if trial == 0:
+            line = w.stdout.readline()
+            assert line.startswith("offloaded"), "the writer offloaded nothing: " + w.stderr.read()[-2000:]
+        time.sleep(rng.uniform(0.0, 2.5) if trial else rng.uniform(0.0, 0.3))
         p.send_signal(signal.SIGKILL)
         p.wait()
         w.kill()
@@ -368,4 +375,4 @@ def test_kill_9_during_offload_never_tears_a_sequence(tmp_path):
             kv.close()
         finally:
             stop_daemon(p)
-    assert seen_whole > 0, "no trial got as far as one durable sequence: kill later"
+    assert seen_whole > 0, "no trial found a durable sequence, not even the one that waited for it"
