@@ -11,7 +11,7 @@ import torch
 
 from kvstore.errors import ResourceExhausted, Unavailable
 from kvstore.tiers.lmdb_store import LMDBStore
-from tests.tiers.test_tier_books import T, engine, kv_of, put, read, same, toks
+from tests.tiers.test_tier_books import T, engine, kv_of, put, read, reopen, same, toks
 
 
 def refuse(monkeypatch, code: int) -> None:
@@ -65,7 +65,8 @@ def test_the_stop_offloads_every_cache_when_one_cannot_keep_its_prefix_blocks(tm
     caplog.set_level(logging.WARNING)
     e = engine(tmp_path, codec="fp16")
     cfg = e.cache("c").cfg
-    e.create_cache(type(cfg)(**{**{f: getattr(cfg, f) for f in cfg.__slots__}, "name": "d"}))
+    d = type(cfg)(**{**{f: getattr(cfg, f) for f in cfg.__slots__}, "name": "d"})
+    e.create_cache(d)
     put(e, "cached", toks(0, 40))
     e.free("c", T, ["cached"])
     e.allocate("d", T, "chat", toks(5000, 24), owner="session", persist=True)
@@ -79,10 +80,8 @@ def test_the_stop_offloads_every_cache_when_one_cannot_keep_its_prefix_blocks(tm
     e.close()
     assert any("not written to the disk tier at the stop" in r.getMessage() for r in caplog.records)
     monkeypatch.undo()
-    e.cold_store.close()
-    from tests.tiers.test_tier_books import engine as reopen_engine
-    e = reopen_engine(tmp_path, codec="fp16")
-    e.create_cache(type(cfg)(**{**{f: getattr(cfg, f) for f in cfg.__slots__}, "name": "d"}))
+    e = reopen(e, tmp_path, codec="fp16")
+    e.create_cache(d)
     assert [(i.seq_id, i.tier) for i in e.list_sequences("d", T)] == [("chat", "disk")]
     got = e.retrieve("d", T, "chat", 0, 24)
     assert all(torch.equal(a, b) for a, b in zip(got, want))
