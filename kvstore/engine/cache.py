@@ -87,16 +87,6 @@ class Cache(WritePath, ReadPath, WindowedBlocks):
         if self.redis is not None and self.tiering is None:     # else its spills put them (tiers/below.py)
             self.main_pool.on_evict = lambda evicted: self.redis.spill(evicted, fp16=False)
 
-    def resident(self, seqs: list[Sequence], field: str = "sequence_ids") -> None:
-        """Protect the request's sequences from eviction and page in any that
-        live in a lower tier (field: the request's name for them, in errors)."""
-        self.protect = {id(s) for s in seqs}
-        if any(s.tier != "gpu" for s in seqs):
-            self.tiering.check_fits(seqs, field)
-        for s in seqs:
-            if s.tier != "gpu":
-                self.tiering.page_in(s, self.protect, field)
-
     def changing(self, s: Sequence) -> None:
         """s's committed tokens are about to change: a disk copy of what it
         was goes first."""
@@ -360,12 +350,16 @@ class Cache(WritePath, ReadPath, WindowedBlocks):
             self.redis.spill(evicted, fp16=True)
 
     # ------------------------------------------------------- fork and free
+    def fork_room(self, src: Sequence) -> int:
+        """fp16 tail blocks a fork of src takes: its own copy of src's partial last block."""
+        return int(src.length % self.bs != 0 and self.blocks_of(src)[1] > 0)
+
     def fork(self, src: Sequence, tenant: str, dst_id: str) -> None:
         """Share every full block of src; copy its partial last block (copy-on-write)."""
         self._check_new_sequence(tenant, dst_id, "new_sequence_id")
         if any(src.pending) or src.reserved:
             raise FailedPrecondition("sequence_id", f"sequence {quote(src.seq_id)} has uncommitted tokens")
-        partial = src.length % self.bs != 0 and len(src.tail) > 0
+        partial = self.fork_room(src) > 0
         shared_tail = src.tail[:-1] if partial else list(src.tail)
         if partial:
             self.check_room(0, 1, 0, "new_sequence_id")     # its copy of the partial block

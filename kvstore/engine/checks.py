@@ -166,11 +166,13 @@ def batch_room(cache, seqs: list[Sequence], counts: list[int], layer: int | None
     """Refuse a batch that will not fit, or that any of its sequences
     would refuse, before writing any of it."""
     refusals(cache, seqs, counts, layer, token_ids)
-    main = tail = freed = 0
-    for s, c in zip(seqs, counts):
-        m, t, f = cache.room_needed(s, c, layer)
-        main, tail, freed = main + m, tail + t, freed + f
-    cache.check_room(main, tail, freed)
+    cache.check_room(*write_room(cache, seqs, counts, layer))
+
+
+def write_room(cache, seqs: list[Sequence], counts: list[int], layer: int | None) -> tuple[int, int, int]:
+    """(main, tail, freed) blocks an append of counts[i] tokens to seqs[i] takes (Room.room_needed)."""
+    room = [cache.room_needed(s, c, layer) for s, c in zip(seqs, counts)]
+    return sum(r[0] for r in room), sum(r[1] for r in room), sum(r[2] for r in room)
 
 
 def reserve_refusals(cache, seqs: list[Sequence]) -> None:
@@ -185,8 +187,13 @@ def reserve_refusals(cache, seqs: list[Sequence]) -> None:
 def reserve_room(cache, seqs: list[Sequence], n: int) -> None:
     """Refuse a batch's Reserve of n slots each that the pools cannot give whole,
     before any of its sequences commits."""
+    cache.check_room(*reserve_need(cache, seqs, n), "num_tokens")
+
+
+def reserve_need(cache, seqs: list[Sequence], n: int) -> tuple[int, int, int]:
+    """(main, tail, 0) blocks a batch's Reserve of n slots each takes (Room.reserve_room)."""
     room = [cache.reserve_room(s, n) for s in seqs]
-    cache.check_room(sum(m for m, _ in room), sum(t for _, t in room), 0, "num_tokens")
+    return sum(m for m, _ in room), sum(t for _, t in room), 0
 
 
 def dtype_name(dtype: torch.dtype) -> str:

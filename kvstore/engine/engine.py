@@ -202,7 +202,7 @@ class Engine(CodebookOps):
         """append() after its argument checks (under cache.lock): k, v already
         on the cache's device and dtype, of the shape counts and layer ask for."""
         checks.refusals(cache, seqs, counts, layer, token_ids)
-        cache.resident(seqs)
+        cache.resident(seqs, room=lambda: checks.write_room(cache, seqs, counts, layer))
         # Batches of several sequences are checked whole before any write.
         if len(seqs) > 1:
             checks.batch_room(cache, seqs, counts, layer, token_ids)
@@ -276,7 +276,7 @@ class Engine(CodebookOps):
         with self._locked(name) as cache:
             s = cache.seq(tenant, seq_id)
             cache.check_reservations_kept([s])
-            cache.resident([s], "sequence_id")
+            cache.resident([s], "sequence_id", room=lambda: (*cache.reserve_room(s, n), 0))
             r = cache.reserve(s, n, known)
             cache.publish()
             return r
@@ -297,7 +297,7 @@ class Engine(CodebookOps):
             checks.reserve_refusals(cache, seqs)
             gpu = any(cache.reserve_touches_gpu(s, n) for s in seqs)
             with gpu_scope() if gpu else contextlib.nullcontext():
-                cache.resident(seqs)
+                cache.resident(seqs, room=lambda: checks.reserve_need(cache, seqs, n))
                 checks.reserve_room(cache, seqs, n)
                 cache.defer_encodes()
                 try:
@@ -337,7 +337,7 @@ class Engine(CodebookOps):
         with self._locked(name) as cache:
             src = cache.seq(tenant, src_id)
             cache._check_new_sequence(tenant, dst_id, "new_sequence_id")
-            cache.resident([src], "sequence_id")
+            cache.resident([src], "sequence_id", room=lambda: (0, cache.fork_room(src), 0))
             cache.fork(src, tenant, dst_id)
             cache.seqs[(tenant, dst_id)].owner = owner
 

@@ -1,38 +1,107 @@
-"""The room a write takes in a cache's pools: checked before anything changes, and the
-main-pool blocks that committing a step will seal taken as soon as the step's first
-layer (or a Reserve's slots) is accepted, held by the sequence until its commit, so that
-no other caller can take them between a step's layers and leave it half written."""
+"""The room a call takes in a cache's pools: checked before anything changes (the
+sequences it pages in from a lower tier counted with its write), and the main-pool
+blocks that committing a step will seal taken as soon as the step's first layer (or a
+Reserve's slots) is accepted, held by the sequence until its commit, so that no other
+caller can take them between a step's layers and leave it half written."""
 from __future__ import annotations
 
 import math
 
 from kvstore.core.sequence import Sequence
-from kvstore.errors import ResourceExhausted
+from kvstore.errors import ResourceExhausted, quote
 
 
 class Room:
     """Mixed into Cache (through WritePath); uses its pools and tiering."""
 
+    def resident(self, seqs: list[Sequence], field: str = "sequence_ids", room=None) -> None:
+        """Protect the request's sequences from eviction and page in any that live in a
+        lower tier (field: the request's name for them, in errors). room: () -> the
+        (main, tail, freed) blocks the call's write then takes (room_needed), asked only
+        when a sequence is below: the page-ins and the write are refused together, before
+        anything moves, when moving every other sequence down could not make room."""
+        self.protect = {id(s) for s in seqs}
+        if all(s.tier == "gpu" for s in seqs):
+            return
+        self.tiering.check_fits(seqs, field)
+        main, tail, freed = room() if room is not None else (0, 0, 0)
+        tail = max(0, tail - freed)
+        pm, pt = self.page_in_room(seqs)
+        if not self.fits_after_moves(main + pm, tail + pt, self.protect):
+            below = list({s.seq_id: 0 for s in seqs if s.tier != "gpu"})
+            names = f"sequence {quote(below[0])}" if len(below) == 1 else f"sequences {below[:8]}"
+            write = f" and write the call's tokens ({self._blocks(main, tail)})" if main or tail else ""
+            raise ResourceExhausted(field, f"no GPU room to page in {names} ({self._blocks(pm, pt)}){write} in cache "
+                                           f"{quote(self.cfg.name)}, however many other sequences move down a tier")
+        for s in seqs:
+            if s.tier != "gpu":
+                self.tiering.page_in(s, self.protect, field)
+
+    def _blocks(self, main: int, tail: int) -> str:
+        return f"{main} sealed and {tail} fp16 blocks" if self.is_pq else f"{main + tail} blocks"
+
+    def blocks_of(self, s: Sequence) -> tuple[int, int]:
+        """(sealed blocks, holes included; fp16 tail blocks) s has on the GPU, or will
+        have once paged in."""
+        if s.tier == "gpu":
+            return len(s.sealed), len(s.tail)
+        return s.freed + s.held_sealed_count(), len(s.tail) if s.tier == "host" else s.manifest["n_tail"]
+
+    def page_in_room(self, seqs: list[Sequence]) -> tuple[int, int]:
+        """(main, tail) blocks that paging in the sequences below the GPU takes from what the
+        pools can allocate: a sealed block no GPU block holds under its hash (once, however
+        many sequences share it), or whose GPU copy is cached unreferenced; every tail block."""
+        main, tail = set(), 0
+        for s in {id(s): s for s in seqs if s.tier != "gpu"}.values():
+            known, h0 = min(s.hashed_upto, len(s.hashes)), self.sink_blocks + s.freed
+            for i in range(s.held_sealed_count()):
+                h = s.hashes[h0 + i] if h0 + i < known else None
+                b = None if h is None else self.main_pool.lookup(h)
+                if b is None or self.main_pool.blocks[b].ref_cnt == 0:
+                    main.add(("below", id(s), i) if h is None else h)
+            tail += self.blocks_of(s)[1]
+        return len(main), tail
+
+    def movable(self, protect: set) -> list[Sequence]:
+        """The GPU sequences that may move down a tier to make room for a call."""
+        return [s for s in self.seqs.values() if s.tier == "gpu" and id(s) not in protect
+                and not any(s.pending) and not s.reserved and (s.sealed or s.tail)]
+
+    def fits_after_moves(self, main: int, tail: int, protect: set) -> bool:
+        """Whether the pools could give main + tail blocks once every movable sequence
+        (protect's left out) had gone down a tier; blocks others share stay."""
+        movable = self.movable(protect) if self.tiering is not None else []
+        sealed, tails = [b for s in movable for b in s.held_sealed()], [b for s in movable for b in s.tail]
+        if self.is_pq:
+            return (main - self.main_pool.freed_by(sealed) <= self.main_pool.num_allocatable()
+                    and tail - self.tail_pool.freed_by(tails) <= self.tail_pool.num_allocatable())
+        return main + tail - self.main_pool.freed_by(sealed + tails) <= self.main_pool.num_allocatable()
+
     def seals_ahead(self, s: Sequence, end: int) -> int:
         """Blocks sealing takes once s is committed up to position `end`."""
-        return max(self.sealed_count(end), len(s.sealed)) - len(s.sealed)
+        n_sealed = self.blocks_of(s)[0]
+        return max(self.sealed_count(end), n_sealed) - n_sealed
 
     def room_needed(self, s: Sequence, n: int, layer: int | None) -> tuple[int, int, int]:
         """(main blocks, tail blocks, tail blocks freed by sealing) that
         appending n tokens (all layers, or one layer) will take at most."""
+        n_sealed, n_tail = self.blocks_of(s)     # as on the GPU, where the write finds s
         if layer is None:
             T = s.length + n
             self.check_length(T - s.freed * self.bs, "counts")     # holes hold nothing
-            n_sealed = max(self.sealed_count(T), len(s.sealed))
-            seal = n_sealed - len(s.sealed)
+            sealed_after = max(self.sealed_count(T), n_sealed)
+            seal = sealed_after - n_sealed
             if not self.is_pq:
-                return 0, max(0, math.ceil(T / self.bs) - len(s.sealed) - len(s.tail)), 0
-            sinks = min(len(s.tail), self.sink_blocks)
-            rest = len(s.tail) - sinks               # the tail blocks sealing can take
-            freed = sum(1 for b in s.tail[sinks:sinks + seal] if self.tail_pool.blocks[b].ref_cnt == 1)
-            return seal, max(0, math.ceil(T / self.bs) - sinks - max(n_sealed, len(s.sealed) + rest)), freed
+                return 0, max(0, math.ceil(T / self.bs) - n_sealed - n_tail), 0
+            sinks = min(n_tail, self.sink_blocks)
+            rest = n_tail - sinks               # the tail blocks sealing can take
+            if s.tier == "gpu":
+                freed = sum(1 for b in s.tail[sinks:sinks + seal] if self.tail_pool.blocks[b].ref_cnt == 1)
+            else:                               # paged in, every tail block is the sequence's own
+                freed = min(seal, rest)
+            return seal, max(0, math.ceil(T / self.bs) - sinks - max(sealed_after, n_sealed + rest)), freed
         end = s.length + s.pending[layer] + n
-        tail = max(0, math.ceil(end / self.bs) - len(s.sealed) - len(s.tail))
+        tail = max(0, math.ceil(end / self.bs) - n_sealed - n_tail)
         # The seals of the whole step, less those an earlier layer of it already holds.
         seal = max(0, self.seals_ahead(s, end) - len(s.seal_blocks))
         return (seal if self.is_pq else 0), tail, 0
@@ -42,14 +111,16 @@ class Room:
         after moving least recently used sequences down a tier if need be."""
         if self.tiering is not None and not self._fits(main, tail, freed):
             self.tiering.make_room(main, max(0, tail - freed), self.protect)
-        if self.is_pq:
-            if main > self.main_pool.num_allocatable():
-                raise ResourceExhausted(field, f"need {main} blocks, {self.main_pool.num_allocatable()} free")
-            if tail > self.tail_pool.num_allocatable() + freed:
-                raise ResourceExhausted(field, f"need {tail} fp16 tail blocks, "
-                                        f"{self.tail_pool.num_allocatable() + freed} free")
-        elif tail > self.main_pool.num_allocatable():
-            raise ResourceExhausted(field, f"need {tail} blocks, {self.main_pool.num_allocatable()} free")
+        short = None
+        if self.is_pq and main > self.main_pool.num_allocatable():
+            short = f"{main} blocks, {self.main_pool.num_allocatable()} free"
+        elif self.is_pq and tail > self.tail_pool.num_allocatable() + freed:
+            short = f"{tail} fp16 tail blocks, {self.tail_pool.num_allocatable() + freed} free"
+        elif not self.is_pq and tail > self.main_pool.num_allocatable():
+            short = f"{tail} blocks, {self.main_pool.num_allocatable()} free"
+        if short is not None:
+            raise ResourceExhausted(field, f"no room in cache {quote(self.cfg.name)} for what the call writes: "
+                                           f"need {short}")
 
     def _fits(self, main: int, tail: int, freed: int) -> bool:
         if self.is_pq:
@@ -86,4 +157,4 @@ class Room:
 
     def tail_blocks_for(self, s: Sequence, n: int) -> int:
         """Tail blocks a reserve of n more tokens must allocate."""
-        return max(0, math.ceil((s.length + s.reserved + n) / self.bs) - len(s.sealed) - len(s.tail))
+        return max(0, math.ceil((s.length + s.reserved + n) / self.bs) - sum(self.blocks_of(s)))

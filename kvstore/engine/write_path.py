@@ -273,8 +273,9 @@ class WritePath(Room):
         step drop_uncommitted dropped: it would write one step's K/V beside another's."""
         if s.cut_step and layer not in s.cut_step:
             raise FailedPrecondition("layer", f"{layer} continues a step of sequence {quote(s.seq_id)} that was "
-                                     f"dropped when its session's lease lapsed (layers {list(s.cut_step)} had "
-                                     "written it): run the step again from its first layer")
+                                     f"dropped uncommitted (its session's lease lapsed, or an offload dropped it; "
+                                     f"layers {list(s.cut_step)} had written it): run the step again from one "
+                                     "of those layers")
 
     def _commit(self, s: Sequence) -> None:
         """Seal what the committed length allows, taking data from the tail; release
@@ -329,8 +330,9 @@ class WritePath(Room):
             s.cut_reserve = False
         if cut:
             raise FailedPrecondition("sequence_ids", f"sequences {[s.seq_id for s in cut][:8]}: the slots their last "
-                                     "Reserve handed out were dropped, uncommitted, when their session's lease "
-                                     "lapsed: write that step again (the next Reserve hands out its slots)")
+                                     "Reserve handed out were dropped, uncommitted (their session's lease lapsed, "
+                                     "or an offload dropped them): write that step again (the next Reserve hands "
+                                     "out its slots)")
 
     def reserve_touches_gpu(self, s: Sequence, n: int) -> bool:
         """Whether reserve(s, n) may run GPU work: sealing (PQ encodes read the

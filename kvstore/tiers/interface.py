@@ -49,3 +49,9 @@ class TieredCache(Protocol):
     def hash_fp16(self, bid: int, i: int, h: bytes, announce: bool = True) -> None:
         """Tail-pool block bid, block i of its sequence, is findable by h (and,
         pq, kept below the GPU when evicted: below.py)."""
+
+    def movable(self, protect: set) -> list[Sequence]:
+        """GPU sequences that may move down a tier to make room (protect's ids left out)."""
+
+    def fits_after_moves(self, main: int, tail: int, protect: set) -> bool:
+        """Whether the pools could give main + tail blocks with every movable sequence moved down."""

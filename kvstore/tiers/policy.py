@@ -68,12 +68,9 @@ class Tiering(CachedBelow):
         Blocks the caller holds references on stay where they are. Where moving every
         movable sequence would not make room, none moves: a refused call changes nothing."""
         c = self.c
-        movable = [s for s in c.seqs.values() if s.tier == "gpu" and id(s) not in protect
-                   and not any(s.pending) and not s.reserved and (s.sealed or s.tail)]
-        sealed, tails = [b for s in movable for b in s.held_sealed()], [b for s in movable for b in s.tail]
-        if not (self._gpu_fits(main - c.main_pool.freed_by(sealed), tail - c.tail_pool.freed_by(tails)) if c.is_pq
-                else self._gpu_fits(main - c.main_pool.freed_by(sealed + tails), tail)):
+        if not c.fits_after_moves(main, tail, protect):
             return False
+        movable = c.movable(protect)
         while not self._gpu_fits(main, tail):
             victim = _lru(s for s in movable if s.tier == "gpu")
             if victim is None or not self.move_down(victim, protect):

@@ -67,7 +67,7 @@ def test_a_decode_step_the_main_pool_cannot_seal_is_refused_at_its_first_layer()
     assert e.stats()["c"]["main"].free == 0
     before = e.stats()["c"], e.sequence_info("c", TENANT, "a")
     k, v = kv(2, 1, 2, 16, seed=1)
-    with pytest.raises(ResourceExhausted, match="^k: need 1 blocks, 0 free"):
+    with pytest.raises(ResourceExhausted, match="^k: no room in cache .c. for what the call writes: need 1 blocks, 0"):
         e.append("c", TENANT, ["a"], k[0], v[0], [1], layer=0)
     assert (e.stats()["c"], e.sequence_info("c", TENANT, "a")) == before
     e.free("c", TENANT, ["b"])                      # room: the same step goes in, layer by layer
@@ -101,7 +101,7 @@ def test_a_step_holds_the_block_its_commit_seals_from_its_first_layer():
     assert e.stats()["c"]["main"].free == 0
     e.check_invariants()
     kb, vb = kv(2, 17, 2, 16, seed=2)
-    with pytest.raises(ResourceExhausted, match="^k: need 1 blocks, 0 free"):
+    with pytest.raises(ResourceExhausted, match="^k: no room in cache .c. for what the call writes: need 1 blocks, 0"):
         e.append("c", TENANT, ["b"], kb, vb, [17])
     e.append("c", TENANT, ["a"], k[1], v[1], [1], layer=1)
     info = e.sequence_info("c", TENANT, "a")
@@ -134,7 +134,7 @@ def test_reserved_slots_hold_the_block_their_commit_seals():
     assert e.stats()["c"]["main"].free == 0
     e.check_invariants()
     k, v = kv(2, 16, 2, 16)
-    with pytest.raises(ResourceExhausted, match="^k: need 1 blocks"):
+    with pytest.raises(ResourceExhausted, match="^k: no room in cache .c. for what the call writes: need 1 blocks"):
         e.append("c", TENANT, ["s"], k, v, [16])
     r = e.reserve("c", TENANT, "r", 0)              # commits the 16: sealed into the held block
     assert r.length == 16 and len(e.sequence_info("c", TENANT, "r").sealed_blocks) == 1

@@ -206,7 +206,7 @@ def test_a_batch_that_can_never_fit_moves_nothing_down(tmp_path, codec, never, a
     for sid in ("f1", "f2"):
         e.allocate("c", T, sid, [])
     k = torch.randn(L, sum(never), HKV, D).half()      # 13 main-pool blocks of 12
-    with pytest.raises(ResourceExhausted, match="^k: need 13 blocks"):
+    with pytest.raises(ResourceExhausted, match="^k: no room in cache .c. for what the call writes: need 13 blocks"):
         e.append("c", T, ["f1", "f2"], k, k, never)
     assert e.sequence_info("c", T, "t").tier == "gpu"
     assert [e.sequence_info("c", T, s).length for s in ("t", "f1", "f2")] == [40, 0, 0]
