@@ -94,10 +94,11 @@ class BlockPool:
             blk.ref_cnt += 1
             blk.last_use = now
 
-    def freed_by(self, block_ids: list[int]) -> int:
-        """Blocks that releasing these references (one per occurrence) would free."""
+    def freed_by(self, block_ids: list[int], keep: set = frozenset()) -> int:
+        """Blocks that releasing these references (one per occurrence) would free; keep:
+        blocks someone is about to take a reference on, which no release frees."""
         refs = Counter(block_ids)
-        return sum(1 for b, n in refs.items() if n >= self.blocks[b].ref_cnt)
+        return sum(1 for b, n in refs.items() if n >= self.blocks[b].ref_cnt and b not in keep)
 
     def release(self, block_ids: list[int]) -> None:
         """Drop one reference on each block; at zero it becomes cached or free.

@@ -23,11 +23,11 @@ class Room:
         self.protect = {id(s) for s in seqs}
         if all(s.tier == "gpu" for s in seqs):
             return
-        self.tiering.check_fits(seqs, field)
+        self.check_fits(seqs, field)
         main, tail, freed = room() if room is not None else (0, 0, 0)
         tail = max(0, tail - freed)
-        pm, pt = self.page_in_room(seqs)
-        if not self.fits_after_moves(main + pm, tail + pt, self.protect):
+        pm, pt, hits = self.page_in_room(seqs)
+        if not self.fits_after_moves(main + pm, tail + pt, self.protect, hits):
             below = list({s.seq_id: 0 for s in seqs if s.tier != "gpu"})
             names = f"sequence {quote(below[0])}" if len(below) == 1 else f"sequences {below[:8]}"
             write = f" and write the call's tokens ({self._blocks(main, tail)})" if main or tail else ""
@@ -36,6 +36,31 @@ class Room:
         for s in seqs:
             if s.tier != "gpu":
                 self.tiering.page_in(s, self.protect, field)
+
+    def check_fits(self, seqs: list[Sequence], field: str = "sequence_ids") -> None:
+        """Refuse, before anything moves, sequences that cannot be on the GPU together
+        however many others go down: their blocks (shared ones once) past the pools'."""
+        main, tail = set(), 0
+        for s in {id(s): s for s in seqs}.values():      # a batch may name one twice
+            if s.tier == "gpu":
+                main.update(s.held_sealed())
+                tail += len(s.tail)
+                continue
+            known, h0 = min(s.hashed_upto, len(s.hashes)), self.sink_blocks + s.freed
+            for i in range(s.held_sealed_count()):
+                h = s.hashes[h0 + i] if h0 + i < known else None
+                b = None if h is None else self.main_pool.lookup(h)      # the pool's copy, maybe a GPU sequence's
+                main.add(("below", id(s), i) if h is None else h if b is None else b)
+            tail += len(s.tail) if s.tier == "host" else s.manifest["n_tail"]
+        if self.is_pq and (len(main) > self.main_pool.capacity or tail > self.tail_pool.capacity):
+            need = f"{len(main)} sealed and {tail} fp16 blocks"
+            hold = f"{self.main_pool.capacity} and {self.tail_pool.capacity}"
+        elif not self.is_pq and len(main) + tail > self.main_pool.capacity:
+            need, hold = f"{len(main) + tail} blocks", f"{self.main_pool.capacity}"
+        else:
+            return
+        raise ResourceExhausted(field, f"the sequences need {need} on the GPU at once; the pools of cache "
+                                       f"{quote(self.cfg.name)} hold {hold}: name fewer")
 
     def _blocks(self, main: int, tail: int) -> str:
         return f"{main} sealed and {tail} fp16 blocks" if self.is_pq else f"{main + tail} blocks"
@@ -47,11 +72,12 @@ class Room:
             return len(s.sealed), len(s.tail)
         return s.freed + s.held_sealed_count(), len(s.tail) if s.tier == "host" else s.manifest["n_tail"]
 
-    def page_in_room(self, seqs: list[Sequence]) -> tuple[int, int]:
-        """(main, tail) blocks that paging in the sequences below the GPU takes from what the
-        pools can allocate: a sealed block no GPU block holds under its hash (once, however
-        many sequences share it), or whose GPU copy is cached unreferenced; every tail block."""
-        main, tail = set(), 0
+    def page_in_room(self, seqs: list[Sequence]) -> tuple[int, int, set]:
+        """(main, tail, hits): blocks that paging in the sequences below the GPU takes from
+        what the pools can allocate: a sealed block no GPU block holds under its hash (once,
+        however many sequences share it), or whose GPU copy is cached unreferenced; every
+        tail block. hits: the GPU blocks the page-ins will reference (moves free none of them)."""
+        main, tail, hits = set(), 0, set()
         for s in {id(s): s for s in seqs if s.tier != "gpu"}.values():
             known, h0 = min(s.hashed_upto, len(s.hashes)), self.sink_blocks + s.freed
             for i in range(s.held_sealed_count()):
@@ -59,23 +85,26 @@ class Room:
                 b = None if h is None else self.main_pool.lookup(h)
                 if b is None or self.main_pool.blocks[b].ref_cnt == 0:
                     main.add(("below", id(s), i) if h is None else h)
+                if b is not None:
+                    hits.add(b)
             tail += self.blocks_of(s)[1]
-        return len(main), tail
+        return len(main), tail, hits
 
     def movable(self, protect: set) -> list[Sequence]:
         """The GPU sequences that may move down a tier to make room for a call."""
         return [s for s in self.seqs.values() if s.tier == "gpu" and id(s) not in protect
                 and not any(s.pending) and not s.reserved and (s.sealed or s.tail)]
 
-    def fits_after_moves(self, main: int, tail: int, protect: set) -> bool:
+    def fits_after_moves(self, main: int, tail: int, protect: set, keep: set = frozenset()) -> bool:
         """Whether the pools could give main + tail blocks once every movable sequence
-        (protect's left out) had gone down a tier; blocks others share stay."""
+        (protect's left out) had gone down a tier; blocks others share, and the main-pool
+        blocks in keep (a page-in's hits), stay."""
         movable = self.movable(protect) if self.tiering is not None else []
         sealed, tails = [b for s in movable for b in s.held_sealed()], [b for s in movable for b in s.tail]
         if self.is_pq:
-            return (main - self.main_pool.freed_by(sealed) <= self.main_pool.num_allocatable()
+            return (main - self.main_pool.freed_by(sealed, keep) <= self.main_pool.num_allocatable()
                     and tail - self.tail_pool.freed_by(tails) <= self.tail_pool.num_allocatable())
-        return main + tail - self.main_pool.freed_by(sealed + tails) <= self.main_pool.num_allocatable()
+        return main + tail - self.main_pool.freed_by(sealed + tails, keep) <= self.main_pool.num_allocatable()
 
     def seals_ahead(self, s: Sequence, end: int) -> int:
         """Blocks sealing takes once s is committed up to position `end`."""

@@ -53,5 +53,5 @@ class TieredCache(Protocol):
     def movable(self, protect: set) -> list[Sequence]:
         """GPU sequences that may move down a tier to make room (protect's ids left out)."""
 
-    def fits_after_moves(self, main: int, tail: int, protect: set) -> bool:
+    def fits_after_moves(self, main: int, tail: int, protect: set, keep: set = frozenset()) -> bool:
         """Whether the pools could give main + tail blocks with every movable sequence moved down."""

@@ -18,10 +18,11 @@ from __future__ import annotations
 import logging
 import time
 from array import array
+from collections import Counter
 
 from kvstore.core.hashing import fp16_key, form_key
 from kvstore.core.sequence import Sequence
-from kvstore.errors import FailedPrecondition, ResourceExhausted, quote
+from kvstore.errors import FailedPrecondition, ResourceExhausted
 
 from .below import CachedBelow
 from .disk import DiskTier, SeqImage, block_key
@@ -68,7 +69,7 @@ class Tiering(CachedBelow):
         Blocks the caller holds references on stay where they are. Where moving every
         movable sequence would not make room, none moves: a refused call changes nothing."""
         c = self.c
-        if not c.fits_after_moves(main, tail, protect):
+        if not c.fits_after_moves(main, tail, protect) or not self._host_takes(main, tail, protect):
             return False
         movable = c.movable(protect)
         while not self._gpu_fits(main, tail):
@@ -76,6 +77,31 @@ class Tiering(CachedBelow):
             if victim is None or not self.move_down(victim, protect):
                 return False
         return True
+
+    def _host_takes(self, main: int, tail: int, protect: set) -> bool:
+        """Without a disk tier, whether the host tier could take the sequences make_room
+        moves, in its order, before the GPU pools can give main + tail; counted with the
+        host's room at its least (hits on cached host blocks are taken as free)."""
+        c, h = self.c, self.host
+        if self.disk is not None:          # the disk takes what the host cannot (its bound aside)
+            return True
+        host_main, host_tail, gpu = h.main_pool.num_allocatable(), h.tail_pool.num_allocatable(), Counter()
+        gpu_main, gpu_tail, planned = c.main_pool.num_allocatable(), c.tail_pool.num_allocatable(), set()
+        for s in sorted(c.movable(protect), key=lambda s: s.last_use):
+            if (gpu_main >= main and gpu_tail >= tail) if c.is_pq else gpu_main >= main + tail:
+                return True
+            hashes = [self._sealed_hash(s, i) for i in range(s.freed, len(s.sealed))]
+            new = [x for x in hashes if x is None or (x not in planned and h.main_pool.lookup(x) is None)]
+            host_main, host_tail = host_main - len(new), host_tail - len(s.tail)
+            if host_main < 0 or host_tail < 0:
+                return False
+            planned.update(x for x in new if x is not None)
+            for pool, blocks in ((c.main_pool, s.held_sealed()), (c.tail_pool, s.tail)):
+                for b in blocks:
+                    gpu[id(pool), b] += 1
+                    if gpu[id(pool), b] == pool.blocks[b].ref_cnt:
+                        gpu_main, gpu_tail = (gpu_main + 1, gpu_tail) if pool is c.main_pool else (gpu_main, gpu_tail + 1)
+        return (gpu_main >= main and gpu_tail >= tail) if c.is_pq else gpu_main >= main + tail
 
     def move_down(self, s: Sequence, protect: set = frozenset()) -> bool:
         """GPU -> host if it fits there, else -> disk. False: no room below."""
@@ -248,31 +274,6 @@ class Tiering(CachedBelow):
         elif s.tier == "host":
             self.host.tail_pool.release(s.tail[::-1])
             self.host.main_pool.release(s.held_sealed()[::-1])
-
-    def check_fits(self, seqs: list[Sequence], field: str = "sequence_ids") -> None:
-        """Refuse, before anything moves, sequences that cannot be on the GPU together
-        however many others go down: their blocks (shared ones once) past the pools'."""
-        c, main, tail = self.c, set(), 0
-        for s in {id(s): s for s in seqs}.values():      # a batch may name one twice
-            if s.tier == "gpu":
-                main.update(s.held_sealed())
-                tail += len(s.tail)
-                continue
-            known, h0 = min(s.hashed_upto, len(s.hashes)), c.sink_blocks + s.freed
-            for i in range(s.held_sealed_count()):
-                h = s.hashes[h0 + i] if h0 + i < known else None
-                b = None if h is None else c.main_pool.lookup(h)      # the pool's copy, maybe a GPU sequence's
-                main.add(("below", id(s), i) if h is None else h if b is None else b)
-            tail += len(s.tail) if s.tier == "host" else s.manifest["n_tail"]
-        if c.is_pq and (len(main) > c.main_pool.capacity or tail > c.tail_pool.capacity):
-            need = f"{len(main)} sealed and {tail} fp16 blocks"
-            hold = f"{c.main_pool.capacity} and {c.tail_pool.capacity}"
-        elif not c.is_pq and len(main) + tail > c.main_pool.capacity:
-            need, hold = f"{len(main) + tail} blocks", f"{c.main_pool.capacity}"
-        else:
-            return
-        raise ResourceExhausted(field, f"the sequences need {need} on the GPU at once; the pools of cache "
-                                       f"{quote(c.cfg.name)} hold {hold}: name fewer")
 
     def page_in(self, s: Sequence, protect: set, field: str = "sequence_ids") -> None:
         """Bring a host or disk sequence back to the GPU pools. A durable disk

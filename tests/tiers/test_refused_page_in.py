@@ -88,3 +88,59 @@ def test_a_batch_whose_second_page_in_cannot_fit_pages_in_none(two_on_disk, call
     got, _ = e.retrieve("c", T, "b", 0, 24)
     assert torch.equal(got, k[:, :24])
     e.check_invariants()
+
+
+def test_blocks_a_page_in_shares_with_a_gpu_sequence_are_not_counted_as_freed_by_moving_it(tmp_path):
+    """b's blocks on disk are a's on the GPU (b is a's fork): paging b in takes a
+    reference on them, so moving a down frees nothing for b's write."""
+    e = Engine(lmdb_path=str(tmp_path / "lmdb"))
+    e.create_cache(config("fp16", num_blocks=8, residual=0))
+    k, v = kv(2, 33, 2, 16)
+    prompt = list(range(100, 132))
+    e.allocate("c", T, "a", prompt)
+    e.append("c", T, ["a"], k[:, :32], v[:, :32], [32], token_ids=[prompt])     # 4 hashed blocks
+    e.fork("c", T, "a", "b")
+    e.offload("c", T, ["b"])
+    e.allocate("c", T, "x", [])
+    e.append("c", T, ["x"], k[:, :24], v[:, :24], [24])
+    e.append("c", T, ["x"], k[0, 24:25], v[0, 24:25], [1], layer=0)     # x mid-step: 4 blocks, unmovable
+    before = tiers(e, "a", "b", "x"), e.stats()["c"]
+    assert before[0] == {"a": "gpu", "b": "disk", "x": "gpu"} and before[1]["main"].free == 0
+    with pytest.raises(ResourceExhausted, match=r"^sequence_ids: no GPU room to page in sequence 'b' \(1 blocks\) "
+                                                r"and write the call's tokens \(1 blocks\)"):
+        e.append("c", T, ["b"], k[:, 32:33], v[:, 32:33], [1])
+    assert (tiers(e, "a", "b", "x"), e.stats()["c"]) == before
+    e.check_invariants()
+    e.append("c", T, ["x"], k[1, 24:25], v[1, 24:25], [1], layer=1)     # x's step done: x can move down
+    e.append("c", T, ["b"], k[:, 32:33], v[:, 32:33], [1])
+    got, _ = e.retrieve("c", T, "b", 0, 33)
+    assert torch.equal(got, k) and tiers(e, "b")["b"] == "gpu"
+    got, _ = e.retrieve("c", T, "a", 0, 32)
+    assert torch.equal(got, k[:, :32])
+    e.check_invariants()
+
+
+def test_room_the_host_tier_cannot_take_moves_nothing_down():
+    """No disk tier: making room for x's write would move a (it fits the host tier),
+    then b (it does not). Neither moves, and the write is refused; a smaller write,
+    for which a alone is enough, moves a."""
+    cfg = config("fp16", num_blocks=8)
+    e = Engine()
+    e.create_cache(dataclasses.replace(cfg, host_bytes=cfg.host_pair_bytes() * 2))
+    k, v = kv(2, 40, 2, 16)
+    for sid, n in (("a", 8), ("b", 40), ("x", 0)):
+        e.allocate("c", T, sid, [])
+        if n:
+            e.append("c", T, [sid], k[:, :n], v[:, :n], [n])
+    before = tiers(e, "a", "b"), e.stats()["c"]
+    assert before[0] == {"a": "gpu", "b": "gpu"} and before[1]["main"].free == 2
+    with pytest.raises(ResourceExhausted, match=r"^k: no room in cache 'c' for what the call writes: need 4 blocks"):
+        e.append("c", T, ["x"], k[:, :32], v[:, :32], [32])
+    assert (tiers(e, "a", "b"), e.stats()["c"]) == before
+    e.check_invariants()
+    e.append("c", T, ["x"], k[:, :24], v[:, :24], [24])
+    assert tiers(e, "a", "b", "x") == {"a": "host", "b": "gpu", "x": "gpu"}
+    e.free("c", T, ["x"])
+    got, _ = e.retrieve("c", T, "a", 0, 8)
+    assert torch.equal(got, k[:, :8])
+    e.check_invariants()
