@@ -85,23 +85,25 @@ class Tiering(CachedBelow):
         c, h = self.c, self.host
         if self.disk is not None:          # the disk takes what the host cannot (its bound aside)
             return True
-        host_main, host_tail, gpu = h.main_pool.num_allocatable(), h.tail_pool.num_allocatable(), Counter()
-        gpu_main, gpu_tail, planned = c.main_pool.num_allocatable(), c.tail_pool.num_allocatable(), set()
+        host = [h.main_pool.num_allocatable(), h.tail_pool.num_allocatable()]
+        gpu = [c.main_pool.num_allocatable(), c.tail_pool.num_allocatable()]
+        fits = (lambda: gpu[0] >= main and gpu[1] >= tail) if c.is_pq else (lambda: gpu[0] >= main + tail)
+        moved, planned = Counter(), set()
         for s in sorted(c.movable(protect), key=lambda s: s.last_use):
-            if (gpu_main >= main and gpu_tail >= tail) if c.is_pq else gpu_main >= main + tail:
+            if fits():
                 return True
             hashes = [self._sealed_hash(s, i) for i in range(s.freed, len(s.sealed))]
             new = [x for x in hashes if x is None or (x not in planned and h.main_pool.lookup(x) is None)]
-            host_main, host_tail = host_main - len(new), host_tail - len(s.tail)
-            if host_main < 0 or host_tail < 0:
+            host = [host[0] - len(new), host[1] - len(s.tail)]
+            if min(host) < 0:
                 return False
             planned.update(x for x in new if x is not None)
             for pool, blocks in ((c.main_pool, s.held_sealed()), (c.tail_pool, s.tail)):
                 for b in blocks:
-                    gpu[id(pool), b] += 1
-                    if gpu[id(pool), b] == pool.blocks[b].ref_cnt:
-                        gpu_main, gpu_tail = (gpu_main + 1, gpu_tail) if pool is c.main_pool else (gpu_main, gpu_tail + 1)
-        return (gpu_main >= main and gpu_tail >= tail) if c.is_pq else gpu_main >= main + tail
+                    moved[id(pool), b] += 1
+                    if moved[id(pool), b] == pool.blocks[b].ref_cnt:      # its last reference moved
+                        gpu[0 if pool is c.main_pool else 1] += 1     # codec fp16: one pool
+        return fits()
 
     def move_down(self, s: Sequence, protect: set = frozenset()) -> bool:
         """GPU -> host if it fits there, else -> disk. False: no room below."""
