@@ -100,7 +100,7 @@ class Cache(WritePath, ReadPath, WindowedBlocks):
             return
         want = int(self.cfg.low_watermark * self.main_pool.capacity)
         if self.main_pool.num_allocatable() < want:
-            self.tiering.make_room(want, 0, self.protect)
+            self.tiering.make_room(want, 0, self.protect, whole=False)
 
     def publish(self) -> None:
         """Queue the main-pool blocks hashed since the last call for the Redis
@@ -256,7 +256,7 @@ class Cache(WritePath, ReadPath, WindowedBlocks):
         fresh_tail = [i for i, (kind, _) in enumerate(hits) if kind == "fp16"]              # new tail blocks
         if self.tiering is not None and (len(fresh) > self.main_pool.num_allocatable()
                                          or len(fresh_tail) > self.tail_pool.num_allocatable()):
-            self.tiering.make_room(len(fresh), len(fresh_tail), set())
+            self.tiering.make_room(len(fresh), len(fresh_tail), set(), whole=False)
         cut = self._room_cut(hits)
         if cut < len(hits):      # serve a shorter prefix: up to the first fresh block there is no room for
             self.main_pool.release([b for kind, b in hits[cut:] if kind == "main"])

@@ -76,18 +76,23 @@ class Room:
         """(main, tail, hits): blocks that paging in the sequences below the GPU takes from
         what the pools can allocate: a sealed block no GPU block holds under its hash (once,
         however many sequences share it), or whose GPU copy is cached unreferenced; every
-        tail block. hits: the GPU blocks the page-ins will reference (moves free none of them)."""
-        main, tail, hits = set(), 0, set()
+        tail block. hits: the GPU blocks the page-ins will reference (moves free none of them).
+        In page-in order: a block an earlier page-in of the call makes findable costs nothing."""
+        main, tail, hits, found = set(), 0, set(), set()
         for s in {id(s): s for s in seqs if s.tier != "gpu"}.values():
             known, h0 = min(s.hashed_upto, len(s.hashes)), self.sink_blocks + s.freed
             for i in range(s.held_sealed_count()):
                 h = s.hashes[h0 + i] if h0 + i < known else None
-                b = None if h is None else self.main_pool.lookup(h)
-                if b is None or self.main_pool.blocks[b].ref_cnt == 0:
+                b = None if h is None or h in found else self.main_pool.lookup(h)
+                if h not in found and (b is None or self.main_pool.blocks[b].ref_cnt == 0):
                     main.add(("below", id(s), i) if h is None else h)
                 if b is not None:
                     hits.add(b)
-            tail += self.blocks_of(s)[1]
+            n_sealed, n_tail = self.blocks_of(s)
+            tail += n_tail
+            if not self.is_pq:      # its full tail blocks come up hashed in the one pool (Tiering.page_in)
+                found.update(s.hashes[i] for i in (self.tail_block_index(j, n_sealed) for j in range(n_tail))
+                             if i < known)
         return len(main), tail, hits
 
     def movable(self, protect: set) -> list[Sequence]:

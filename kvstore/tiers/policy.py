@@ -64,12 +64,13 @@ class Tiering(CachedBelow):
             return c.main_pool.num_allocatable() >= main and c.tail_pool.num_allocatable() >= tail
         return c.main_pool.num_allocatable() >= main + tail
 
-    def make_room(self, main: int, tail: int, protect: set) -> bool:
+    def make_room(self, main: int, tail: int, protect: set, whole: bool = True) -> bool:
         """Move LRU sequences down until the GPU pools can give main + tail blocks.
-        Blocks the caller holds references on stay where they are. Where moving every
-        movable sequence would not make room, none moves: a refused call changes nothing."""
+        Blocks the caller holds references on stay where they are. Where moving every movable
+        sequence would not make room, none moves: a refused call changes nothing. whole=False
+        (some room helps: a prefix hit, the low watermark) moves what the host tier takes."""
         c = self.c
-        if not c.fits_after_moves(main, tail, protect) or not self._host_takes(main, tail, protect):
+        if not c.fits_after_moves(main, tail, protect) or (whole and not self._host_takes(main, tail, protect)):
             return False
         movable = c.movable(protect)
         while not self._gpu_fits(main, tail):
@@ -79,9 +80,8 @@ class Tiering(CachedBelow):
         return True
 
     def _host_takes(self, main: int, tail: int, protect: set) -> bool:
-        """Without a disk tier, whether the host tier could take the sequences make_room
-        moves, in its order, before the GPU pools can give main + tail; counted with the
-        host's room at its least (hits on cached host blocks are taken as free)."""
+        """Without a disk tier, whether the host tier could take, in make_room's order, the
+        sequences it moves until the GPU pools give main + tail (host room at its least)."""
         c, h = self.c, self.host
         if self.disk is not None:          # the disk takes what the host cannot (its bound aside)
             return True

@@ -144,3 +144,29 @@ def test_room_the_host_tier_cannot_take_moves_nothing_down():
     got, _ = e.retrieve("c", T, "a", 0, 8)
     assert torch.equal(got, k[:, :8])
     e.check_invariants()
+
+
+def test_a_block_an_earlier_page_in_of_the_call_brings_up_is_counted_once():
+    """Codec fp16: A's full tail block is B's first sealed block (B forked A and sealed
+    it). Paging A in brings that block up findable, and B's page-in shares it: the two
+    take 3 blocks, which fit beside F2's 5, not 4."""
+    cfg = config("fp16", residual=0, num_blocks=8)
+    e = Engine()
+    e.create_cache(dataclasses.replace(cfg, host_bytes=cfg.host_pair_bytes() * 32))
+    k, v = kv(2, 64, 2, 16)
+    e.allocate("c", T, "A", [])
+    e.append("c", T, ["A"], k[:, :16], v[:, :16], [16], token_ids=[list(range(16))])
+    e.fork("c", T, "A", "B")
+    e.append("c", T, ["B"], k[:, 16:24], v[:, 16:24], [8], token_ids=[list(range(16, 24))])
+    e.allocate("c", T, "F1", [])
+    e.append("c", T, ["F1"], k, v, [64])            # every GPU block: A and B go to the host
+    e.free("c", T, ["F1"])
+    e.allocate("c", T, "F2", [])
+    e.append("c", T, ["F2"], k[:, :32], v[:, :32], [32])
+    e.reserve("c", T, "F2", 1)                      # F2 holds 5 blocks and cannot move
+    assert tiers(e, "A", "B") == {"A": "host", "B": "host"} and e.stats()["c"]["main"].free == 3
+    e.prefetch("c", T, ["A", "B"])
+    assert tiers(e, "A", "B") == {"A": "gpu", "B": "gpu"}
+    got, _ = e.retrieve("c", T, "B", 0, 24)
+    assert torch.equal(got, k[:, :24])
+    e.check_invariants()
