@@ -46,21 +46,20 @@ class Room:
                 main.update(s.held_sealed())
                 tail += len(s.tail)
                 continue
-            known, h0 = min(s.hashed_upto, len(s.hashes)), self.sink_blocks + s.freed
-            for i in range(s.held_sealed_count()):
-                h = s.hashes[h0 + i] if h0 + i < known else None
+            for i, h in self._sealed_below(s):
                 b = None if h is None else self.main_pool.lookup(h)      # the pool's copy, maybe a GPU sequence's
                 main.add(("below", id(s), i) if h is None else h if b is None else b)
-            tail += len(s.tail) if s.tier == "host" else s.manifest["n_tail"]
-        if self.is_pq and (len(main) > self.main_pool.capacity or tail > self.tail_pool.capacity):
-            need = f"{len(main)} sealed and {tail} fp16 blocks"
-            hold = f"{self.main_pool.capacity} and {self.tail_pool.capacity}"
-        elif not self.is_pq and len(main) + tail > self.main_pool.capacity:
-            need, hold = f"{len(main) + tail} blocks", f"{self.main_pool.capacity}"
-        else:
+            tail += self.blocks_of(s)[1]
+        if self.pools_fit(len(main), tail, self.main_pool.capacity, self.tail_pool.capacity):
             return
-        raise ResourceExhausted(field, f"the sequences need {need} on the GPU at once; the pools of cache "
-                                       f"{quote(self.cfg.name)} hold {hold}: name fewer")
+        hold = f"{self.main_pool.capacity}" + (f" and {self.tail_pool.capacity}" if self.is_pq else "")
+        raise ResourceExhausted(field, f"the sequences need {self._blocks(len(main), tail)} on the GPU at once; "
+                                       f"the pools of cache {quote(self.cfg.name)} hold {hold}: name fewer")
+
+    def _sealed_below(self, s: Sequence) -> list[tuple[int, bytes | None]]:
+        """(i, content hash or None) of each sealed block s holds below the GPU, holes left out."""
+        known, h0 = min(s.hashed_upto, len(s.hashes)), self.sink_blocks + s.freed
+        return [(i, s.hashes[h0 + i] if h0 + i < known else None) for i in range(s.held_sealed_count())]
 
     def _blocks(self, main: int, tail: int) -> str:
         return f"{main} sealed and {tail} fp16 blocks" if self.is_pq else f"{main + tail} blocks"
@@ -80,9 +79,7 @@ class Room:
         In page-in order: a block an earlier page-in of the call makes findable costs nothing."""
         main, tail, hits, found = set(), 0, set(), set()
         for s in {id(s): s for s in seqs if s.tier != "gpu"}.values():
-            known, h0 = min(s.hashed_upto, len(s.hashes)), self.sink_blocks + s.freed
-            for i in range(s.held_sealed_count()):
-                h = s.hashes[h0 + i] if h0 + i < known else None
+            for i, h in self._sealed_below(s):
                 b = None if h is None or h in found else self.main_pool.lookup(h)
                 if h not in found and (b is None or self.main_pool.blocks[b].ref_cnt == 0):
                     main.add(("below", id(s), i) if h is None else h)
@@ -91,6 +88,7 @@ class Room:
             n_sealed, n_tail = self.blocks_of(s)
             tail += n_tail
             if not self.is_pq:      # its full tail blocks come up hashed in the one pool (Tiering.page_in)
+                known = min(s.hashed_upto, len(s.hashes))
                 found.update(s.hashes[i] for i in (self.tail_block_index(j, n_sealed) for j in range(n_tail))
                              if i < known)
         return len(main), tail, hits
@@ -106,10 +104,10 @@ class Room:
         blocks in keep (a page-in's hits), stay."""
         movable = self.movable(protect) if self.tiering is not None else []
         sealed, tails = [b for s in movable for b in s.held_sealed()], [b for s in movable for b in s.tail]
-        if self.is_pq:
-            return (main - self.main_pool.freed_by(sealed, keep) <= self.main_pool.num_allocatable()
-                    and tail - self.tail_pool.freed_by(tails) <= self.tail_pool.num_allocatable())
-        return main + tail - self.main_pool.freed_by(sealed + tails, keep) <= self.main_pool.num_allocatable()
+        freed = ((self.main_pool.freed_by(sealed, keep), self.tail_pool.freed_by(tails)) if self.is_pq
+                 else (self.main_pool.freed_by(sealed + tails, keep), 0))
+        return self.pools_fit(main, tail, self.main_pool.num_allocatable() + freed[0],
+                              self.tail_pool.num_allocatable() + freed[1])
 
     def seals_ahead(self, s: Sequence, end: int) -> int:
         """Blocks sealing takes once s is committed up to position `end`."""
@@ -143,7 +141,7 @@ class Room:
     def check_room(self, main: int, tail: int, freed: int, field: str = "k") -> None:
         """Raise ResourceExhausted unless the pools can give main + tail blocks,
         after moving least recently used sequences down a tier if need be."""
-        if self.tiering is not None and not self._fits(main, tail, freed):
+        if self.tiering is not None and not self.gpu_fits(main, tail - freed):
             self.tiering.make_room(main, max(0, tail - freed), self.protect)
         short = None
         if self.is_pq and main > self.main_pool.num_allocatable():
@@ -156,11 +154,14 @@ class Room:
             raise ResourceExhausted(field, f"no room in cache {quote(self.cfg.name)} for what the call writes: "
                                            f"need {short}")
 
-    def _fits(self, main: int, tail: int, freed: int) -> bool:
-        if self.is_pq:
-            return (main <= self.main_pool.num_allocatable()
-                    and tail <= self.tail_pool.num_allocatable() + freed)
-        return tail <= self.main_pool.num_allocatable()
+    def pools_fit(self, main: int, tail: int, free_main: int, free_tail: int) -> bool:
+        """Whether main sealed and tail fp16 blocks fit pools that can give free_main and
+        free_tail (codec fp16: one pool, free_main, takes both)."""
+        return main <= free_main and tail <= free_tail if self.is_pq else main + tail <= free_main
+
+    def gpu_fits(self, main: int, tail: int) -> bool:
+        """Whether the GPU pools can give main + tail blocks now."""
+        return self.pools_fit(main, tail, self.main_pool.num_allocatable(), self.tail_pool.num_allocatable())
 
     def hold_seals(self, s: Sequence) -> None:
         """Make s hold exactly the main-pool blocks that committing its uncommitted

@@ -55,3 +55,9 @@ class TieredCache(Protocol):
 
     def fits_after_moves(self, main: int, tail: int, protect: set, keep: set = frozenset()) -> bool:
         """Whether the pools could give main + tail blocks with every movable sequence moved down."""
+
+    def pools_fit(self, main: int, tail: int, free_main: int, free_tail: int) -> bool:
+        """Whether main sealed and tail fp16 blocks fit pools that can give free_main and free_tail."""
+
+    def gpu_fits(self, main: int, tail: int) -> bool:
+        """Whether the GPU pools can give main + tail blocks now."""

@@ -58,12 +58,6 @@ class Tiering(CachedBelow):
         self.counters[f"{way}_{tier}"] += n
 
     # --------------------------------------------------------------- room
-    def _gpu_fits(self, main: int, tail: int) -> bool:
-        c = self.c
-        if c.is_pq:
-            return c.main_pool.num_allocatable() >= main and c.tail_pool.num_allocatable() >= tail
-        return c.main_pool.num_allocatable() >= main + tail
-
     def make_room(self, main: int, tail: int, protect: set, whole: bool = True) -> bool:
         """Move LRU sequences down until the GPU pools can give main + tail blocks.
         Blocks the caller holds references on stay where they are. Where moving every movable
@@ -73,7 +67,7 @@ class Tiering(CachedBelow):
         if not c.fits_after_moves(main, tail, protect) or (whole and not self._host_takes(main, tail, protect)):
             return False
         movable = c.movable(protect)
-        while not self._gpu_fits(main, tail):
+        while not c.gpu_fits(main, tail):
             victim = _lru(s for s in movable if s.tier == "gpu")
             if victim is None or not self.move_down(victim, protect):
                 return False
@@ -87,10 +81,9 @@ class Tiering(CachedBelow):
             return True
         host = [h.main_pool.num_allocatable(), h.tail_pool.num_allocatable()]
         gpu = [c.main_pool.num_allocatable(), c.tail_pool.num_allocatable()]
-        fits = (lambda: gpu[0] >= main and gpu[1] >= tail) if c.is_pq else (lambda: gpu[0] >= main + tail)
         moved, planned = Counter(), set()
         for s in sorted(c.movable(protect), key=lambda s: s.last_use):
-            if fits():
+            if c.pools_fit(main, tail, *gpu):
                 return True
             hashes = [self._sealed_hash(s, i) for i in range(s.freed, len(s.sealed))]
             new = [x for x in hashes if x is None or (x not in planned and h.main_pool.lookup(x) is None)]
@@ -103,7 +96,7 @@ class Tiering(CachedBelow):
                     moved[id(pool), b] += 1
                     if moved[id(pool), b] == pool.blocks[b].ref_cnt:      # its last reference moved
                         gpu[0 if pool is c.main_pool else 1] += 1     # codec fp16: one pool
-        return fits()
+        return c.pools_fit(main, tail, *gpu)
 
     def move_down(self, s: Sequence, protect: set = frozenset()) -> bool:
         """GPU -> host if it fits there, else -> disk. False: no room below."""
