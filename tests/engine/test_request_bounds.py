@@ -73,9 +73,17 @@ def test_an_append_past_what_the_cache_holds_is_invalid_not_exhausted(live):
     client.append("f16", ["s"], k, v, token_ids=[list(range(20))])
     before = client.sequence_info("f16", "s"), client.stats()
     k, v = kv(L, 13, HKV, D, seed=1)
-    with pytest.raises(grpc.RpcError) as info:       # 33 tokens: never fits, whatever is freed
-        client.append("f16", ["s"], k, v)
+    for ids in (None, [list(range(20, 33))]):     # 33 tokens: never fits, whatever is freed
+        with pytest.raises(grpc.RpcError) as info:
+            client.append("f16", ["s"], k, v, token_ids=ids)
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and info.value.details().startswith("counts")
+    k40, v40 = kv(L, 40, HKV, D, seed=2)
+    with pytest.raises(grpc.RpcError) as info:       # the count alone is past the bound, ids with it
+        client.append("f16", ["s"], k40, v40, token_ids=[list(range(40))])
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and info.value.details().startswith("counts")
+    with pytest.raises(grpc.RpcError) as info:       # more ids than the cache holds, for fewer tokens
+        client.append("f16", ["s"], k, v, token_ids=[list(range(40))])
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and info.value.details().startswith("token_ids")
     assert (client.sequence_info("f16", "s"), client.stats()) == before
     k, v = kv(L, 12, HKV, D, seed=1)
     client.append("f16", ["s"], k, v)                # 32 tokens: fits
