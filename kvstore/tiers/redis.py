@@ -152,6 +152,11 @@ class RedisTier:
             while len(self._known) > KNOWN_HASHES:
                 self._known.popitem(last=False)
 
+    def _forget(self, hashes: list[bytes]) -> None:
+        with self._lock:
+            for h in hashes:
+                self._known.pop(h, None)
+
     # -------------------------------------------------------------- reads
     def get_prefix(self, hashes: list[bytes], device, fp16: bool = False) -> tuple[torch.Tensor, str | None]:
         """Payloads [n, block bytes] uint8 on device of the leading n blocks of
@@ -195,6 +200,11 @@ class RedisTier:
             self._refused(hashes[served])
         if served:
             self._remember(hashes[:served])
+        if ended in ("miss", "refused"):
+            # Redis evicted the block (maxmemory, a TTL) or holds a bad value under its key:
+            # it and the prefix after it are put again as this prompt seals them, or the
+            # hole would stop every later lookup of the prefix there for good.
+            self._forget(hashes[served:])
         return out[:served], ended
 
     def missed(self) -> None:

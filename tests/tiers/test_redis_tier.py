@@ -327,6 +327,40 @@ def test_blocks_missed_at_seal_go_up_when_they_spill(tmp_path, redis_server, bel
     assert rstats(b)["prefix_hits"] == SEALED
 
 
+def test_a_block_redis_evicted_goes_up_again_when_a_prompt_seals_it(redis_server):
+    """Redis drops keys (maxmemory under allkeys-lru, a TTL) behind the engine's
+    record of what it put: a lookup that misses such a block puts it, and the
+    prefix after it, again as the prompt seals them, so the hole closes instead
+    of stopping every later lookup of the prefix there."""
+    a = engine(redis_server.url, num_blocks=24)
+    fill(a, "a", prompt(1))
+    wait_for(lambda: rstats(a)["blocks_out"] == SEALED, what="A's puts")
+    hashes = list(a.sequence_info("c", T, "a").block_hashes)
+    r, fp, j = redis_server.client(), a.cache("c").fingerprint, 4
+    r.delete(block_key(fp, hashes[j]))                  # evicted by Redis
+    a.free("c", T, ["a"])
+    for i in range(30):                                 # and by this engine's own pool
+        if all(a.cache("c").main_pool.lookup(h) is None for h in hashes[:SEALED]):
+            break
+        fill(a, f"x{i}", prompt(10 + i), lookup=False)
+        a.free("c", T, [f"x{i}"])
+    out = 12 * (i + 1)                                  # each prompt's sealed blocks and, once freed, its tail's
+    wait_for(lambda: rstats(a)["blocks_out"] == out, what="the puts of the prompts so far")
+    misses = rstats(a)["misses"]
+    assert a.allocate("c", T, "again", prompt(1)).cached_tokens == j * BS      # Redis's blocks up to the hole
+    assert rstats(a)["misses"] == misses + 1
+    g = torch.Generator().manual_seed(1)                # the K/V fill gave the prompt
+    k, v = (torch.randn(L, N, HKV, D, generator=g).half()[:, j * BS:] for _ in range(2))
+    a.append("c", T, ["again"], k, v, [N - j * BS], token_ids=[prompt(1)[j * BS:]])    # seals the rest here
+    wait_for(lambda: r.get(block_key(fp, hashes[j])) is not None, what="the missed block's put")
+    wait_for(lambda: rstats(a)["blocks_out"] == out + SEALED - j, what="the prefix's puts from the hole on")
+    b = engine(redis_server.url)
+    n = N // BS * BS                                    # the sealed blocks and the first prompt's full tail block
+    assert b.allocate("c", T, "b", prompt(1)).cached_tokens == n
+    for x, y in zip(a.retrieve("c", T, "again", 0, n), b.retrieve("c", T, "b", 0, n)):
+        assert torch.equal(x, y)
+
+
 def test_blocks_back_from_this_hosts_disk_are_not_put_again(tmp_path, redis_server):
     e = engine(redis_server.url, lmdb=str(tmp_path / "lmdb"))
     fill(e, "a", prompt(1), lookup=False)
