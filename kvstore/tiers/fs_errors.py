@@ -14,7 +14,8 @@ FULL = frozenset({errno.ENOSPC, errno.EDQUOT})
 @contextlib.contextmanager
 def refused(path: str):
     """Around a write that leaves the store as it was when the filesystem refuses it
-    (LMDBStore allocates the file before a transaction starts)."""
+    (lmdb_file.DataFile allocates the file before a transaction starts, or runs it
+    within the pages the file has)."""
     try:
         yield
     except OSError as e:

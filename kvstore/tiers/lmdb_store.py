@@ -23,19 +23,11 @@ the map is a page fault that brings the page into the page cache, and a sync
 after the last value was put waits for the whole batch. So the map is opened
 with readahead (without it LMDB advises MADV_RANDOM and each fault brings in
 its one page: the puts took 3-4x longer), and a durable batch starts the
-disk writing every WRITEBACK_STEP bytes it puts
-(sync_file_range(SYNC_FILE_RANGE_WRITE) where libc has it: a hint that waits
-for nothing), so the sync waits for the tail and the pages the commit
-dirtied again.
+disk's writeback as it goes (lmdb_file.py).
 
-A writable map fills holes of a sparse file on first write, and a full disk
-would then kill the process (SIGBUS) instead of failing a write: before each
-write transaction the file is allocated (posix_fallocate) past its last page
-by at least what the transaction can add (its bytes, a page per entry for
-rounding, and the B-tree pages it copies), in steps of ALLOC_STEP, so a disk
-that cannot take a batch fails that write (fs_errors), nothing else. The file
-holds what the store holds plus at most a step, not the whole map (a map
-doubles as it fills; allocating all of it would take up to twice the data).
+A writable map would turn a full disk into a SIGBUS: lmdb_file.py allocates
+the file ahead of each write transaction, and lets a full disk take what the
+file's own pages can hold.
 
 Every value's length and checksum (checksum.py: XXH3-64) go into a second
 database (SUMS_DB) in the transaction that puts the value, computed on the
@@ -49,7 +41,6 @@ store does about that at open is lmdb_recovery.py's.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import logging
 import os
 import threading
@@ -57,6 +48,7 @@ from typing import Iterable, Iterator, Protocol
 
 from . import fs_errors
 from . import lmdb_recovery as recovery
+from .lmdb_file import WRITEBACK_STEP, DataFile, start_writeback
 from . import lmdb_sums
 from .checksum import checksum
 
@@ -64,29 +56,6 @@ log = logging.getLogger("kvstore.lmdb")
 
 SUMS_DB = b"kvstore.checksums"   # the database of checksums: a reserved key of the main database
 _SUM = lmdb_sums.SUM              # a value's length and checksum, as SUMS_DB holds them
-ALLOC_STEP = 16 << 20       # bytes the file grows by at a time (module docstring)
-WRITEBACK_STEP = 16 << 20   # a durable batch starts the disk writing after every this many bytes put
-
-
-def _sync_file_range():
-    """libc's sync_file_range (Linux), or None where there is none."""
-    try:
-        fn = ctypes.CDLL(None, use_errno=True).sync_file_range
-    except (OSError, AttributeError):
-        return None
-    fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
-    return fn
-
-
-_SYNC_FILE_RANGE = _sync_file_range()
-_SYNC_FILE_RANGE_WRITE = 2
-
-
-def start_writeback(fd: int) -> None:
-    """Start writing the file's dirty pages to disk, without waiting for them
-    (a hint: the sync that makes them durable still follows)."""
-    if _SYNC_FILE_RANGE is not None:
-        _SYNC_FILE_RANGE(fd, 0, 0, _SYNC_FILE_RANGE_WRITE)
 
 
 class ColdStore(Protocol):
@@ -131,7 +100,7 @@ class LMDBStore:
         self.lock = threading.RLock()
         self.counters = dict(refused_values=0, verified_opens=0, dropped_entries=0, moved_aside=0)
         self._map_size = map_size
-        self._fd = -1
+        self._file: DataFile | None = None
         self._open()
         self._legacy = self._check_format()
         was = recovery.marker(path)
@@ -173,15 +142,13 @@ class LMDBStore:
                       "starts empty: everything it held is unavailable", self.path, e, aside)
             self.env = lmdb.open(self.path, **kw)
         self.sums = self.env.open_db(SUMS_DB)
-        self._fd = os.open(os.path.join(self.path, "data.mdb"), os.O_RDWR)
-        self._allocated = 0
-        self._reserve(0)
+        self._file = DataFile(self.env, self.path, lmdb.MapFullError)
 
     def _close_env(self) -> None:
         self.env.close()
-        if self._fd >= 0:
-            os.close(self._fd)
-            self._fd = -1
+        if self._file is not None:
+            self._file.close()
+            self._file = None
 
     def _verify_into_fresh_file(self) -> None:
         """Not trusted (lmdb_recovery): the entries that pass their checksums go
@@ -239,36 +206,15 @@ class LMDBStore:
                     self._sizes[bytes(k)] = entry_bytes(k, v)
         self.used_bytes = sum(self._sizes.values())
 
-    def _reserve(self, nbytes: int) -> None:
-        """Allocate the file past its last page by what a transaction of `nbytes` can add,
-        rounded up to ALLOC_STEP (not on a disk short of the step), within the map: a full
-        disk fails here, not with a SIGBUS in a write through the map (module docstring)."""
-        info, st = self.env.info(), self.env.stat()
-        exact = min((info["last_pgno"] + 1) * st["psize"] + nbytes, info["map_size"])
-        if exact <= self._allocated:
-            return
-        step = min(-(-exact // ALLOC_STEP) * ALLOC_STEP, info["map_size"])
-        try:
-            os.posix_fallocate(self._fd, 0, step)
-        except OSError as e:        # a disk short of a whole step may still take this transaction
-            if e.errno not in fs_errors.FULL or step == exact:
-                raise
-            os.posix_fallocate(self._fd, 0, exact)
-            step = exact
-        self._allocated = step
-
     def _write(self, fn, nbytes: int) -> None:
-        """fn(txn) in a write transaction that adds at most nbytes to the file;
-        a full map doubles and fn runs again."""
+        """fn(txn) in a write transaction that adds at most nbytes to the file
+        (lmdb_file.DataFile.write)."""
         with self.lock:
-            while True:
-                self._reserve(nbytes)
-                try:
-                    with self.env.begin(write=True) as txn:
-                        fn(txn)
-                    return
-                except self._lmdb.MapFullError:
-                    self.env.set_mapsize(self.env.info()["map_size"] * 2)
+            self._file.write(fn, nbytes, self._touch)
+
+    def _touch(self, txn) -> None:
+        """The smallest commit: the format record put again."""
+        txn.put(lmdb_sums.FORMAT_KEY, lmdb_sums.FORMAT, db=self.sums)
 
     # ------------------------------------------------------------ reading
     @contextlib.contextmanager
@@ -360,7 +306,7 @@ class LMDBStore:
                 txn.put(k, v)
                 unflushed += entry_bytes(k, v)
                 if sync and unflushed >= WRITEBACK_STEP:     # the disk writes while the next values are put
-                    start_writeback(self._fd)
+                    start_writeback(self._file.fd)
                     unflushed = 0
             for (k, v), s in zip(puts, sums()):
                 txn.put(k, _SUM.pack(entry_bytes(b"", v), s), db=self.sums)

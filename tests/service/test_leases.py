@@ -115,7 +115,7 @@ def test_a_full_disk_at_the_lapse_keeps_the_persist_sequence_and_frees_the_rest(
     memory, counted, and the session's other sequences, and the next lapsed session's,
     are freed all the same."""
     import errno
-    from kvstore.tiers.lmdb_store import LMDBStore
+    from kvstore.tiers.lmdb_file import DataFile
     e, clock = engine_with(tmp_path), Clock()
     leases = LeaseManager(e, timeout_s=1, clock=clock)
     fill(e, "keep", "s", persist=True)
@@ -124,9 +124,9 @@ def test_a_full_disk_at_the_lapse_keeps_the_persist_sequence_and_frees_the_rest(
     for session in ("s", "t"):
         leases.touch("default", session)
 
-    def full(self, nbytes):
+    def full(self, fn, nbytes, touch):
         raise OSError(errno.ENOSPC, "No space left on device")
-    monkeypatch.setattr(LMDBStore, "_reserve", full)
+    monkeypatch.setattr(DataFile, "write", full)
     clock.t += 2
     assert sorted(leases.reap()) == [("default", "s"), ("default", "t")]
     assert [i.seq_id for i in e.list_sequences("c", "default")] == ["keep"]

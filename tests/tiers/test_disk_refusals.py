@@ -2,22 +2,25 @@
 status naming the store (RESOURCE_EXHAUSTED for a full disk, UNAVAILABLE otherwise), moves
 nothing, leaks no block, and keeps the daemon's other duties going: spills of cached
 blocks are skipped and counted, a lapsed session is still reaped, and the stop still
-offloads every other cache's persist sequences. The refusal is the store's allocation
-of the file (LMDBStore._reserve) failing, as it does on a real full disk."""
+offloads every other cache's persist sequences. The refusal is the store's data file
+(lmdb_file.DataFile) failing a write, as it does on a real full disk whose file has no
+room left inside."""
 import errno
 
 import pytest
 import torch
 
 from kvstore.errors import ResourceExhausted, Unavailable
+from kvstore.tiers.lmdb_file import DataFile
 from kvstore.tiers.lmdb_store import LMDBStore
 from tests.tiers.test_tier_books import T, engine, kv_of, put, read, reopen, same, toks
 
 
 def refuse(monkeypatch, code: int) -> None:
-    def full(self, nbytes):
+    """Every write the store's file would take: what its pages hold on a full disk too."""
+    def full(self, fn, nbytes, touch):
         raise OSError(code, {errno.ENOSPC: "No space left on device", errno.EROFS: "Read-only file system"}[code])
-    monkeypatch.setattr(LMDBStore, "_reserve", full)
+    monkeypatch.setattr(DataFile, "write", full)
 
 
 @pytest.mark.parametrize("code, error", [(errno.ENOSPC, ResourceExhausted), (errno.EROFS, Unavailable)])
@@ -123,6 +126,45 @@ def test_a_disk_short_of_a_whole_allocation_step_still_takes_what_fits(tmp_path,
         store.put_many([(b"big", b"y" * (8 << 20))])
     assert store.get_many([b"k7", b"big"]) == [b"x" * 1000, None] and store.used_bytes == used
     store.close()
+
+
+def test_a_full_disk_takes_writes_into_the_pages_deleted_entries_freed(tmp_path, monkeypatch):
+    """Once the disk is full, deleting entries makes room inside the file: the next
+    write goes into the pages LMDB freed (the file does not grow), deletes themselves
+    go through, and a write bigger than what was freed is still refused whole."""
+    import os
+    real, room = os.posix_fallocate, [64 << 20]
+
+    def disk(fd, offset, length):                      # a disk of `room` bytes for this file
+        if length > room[0]:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real(fd, offset, length)
+    monkeypatch.setattr(os, "posix_fallocate", disk)
+    store = LMDBStore(str(tmp_path / "db"))
+    value = b"x" * (256 << 10)
+    n = 0
+    with pytest.raises(ResourceExhausted, match="^lmdb: the disk tier's filesystem is full"):
+        while True:                                    # fill the disk
+            store.put_many([(b"k%d" % n, value)])
+            n += 1
+    blocks = os.stat(tmp_path / "db" / "data.mdb").st_blocks
+    assert n > 100 and store.used_bytes == sum(len(b"k%d" % i) + len(value) for i in range(n))
+    room[0] = 0                                        # and nothing more for it
+    with pytest.raises(ResourceExhausted):
+        store.put_many([(b"new0", value)])
+    store.delete_many([b"k%d" % i for i in range(8)])  # a delete on the full disk
+    assert store.get_many([b"k0", b"k8"]) == [None, value]
+    store.put_many([(b"new%d" % i, value) for i in range(6)], sync=True)     # into the freed pages
+    assert store.get_many([b"new0", b"new5", b"k9"]) == [value, value, value]
+    with pytest.raises(ResourceExhausted):            # more than was freed: nothing of it written
+        store.put_many([(b"more%d" % i, value) for i in range(8)])
+    assert store.get_many([b"more0", b"more7"]) == [None, None]
+    assert os.stat(tmp_path / "db" / "data.mdb").st_blocks <= blocks
+    store.close()
+    room[0] = 1 << 40
+    again = LMDBStore(str(tmp_path / "db"))          # every committed write is there after a reopen
+    assert again.get_many([b"new5", b"k%d" % (n - 1), b"k3", b"more0"]) == [value, value, None, None]
+    again.close()
 
 
 def test_the_default_disk_budget_counts_what_the_store_takes_not_its_sparse_size(tmp_path):

@@ -8,7 +8,8 @@ import sys
 import pytest
 
 from kvstore.tiers import lmdb_recovery
-from kvstore.tiers.lmdb_store import ALLOC_STEP, LMDBStore
+from kvstore.tiers.lmdb_file import ALLOC_STEP
+from kvstore.tiers.lmdb_store import LMDBStore
 from tests.helpers import ROOT
 
 N, SIZE = 24, 300_000     # values past LMDB's page size: overflow pages, as block payloads are
