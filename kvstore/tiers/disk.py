@@ -73,11 +73,17 @@ class DiskTier:
         self.counters = dict(evictions=0, evicted_bytes=0, skipped_spills=0, dropped_sequences=0)
         self.device_checksums = None        # prepare(): the row check of restores to a GPU
         good = {k: json.loads(v) for k, v in store.scan(b"M")}     # checked: a refused manifest is not here
-        broken = [k for k in store.keys(b"M") if k not in good or not self._complete(k, good[k])]
-        if broken:
-            self._drop_sequences(broken)
-        for k in broken:
-            good.pop(k, None)
+        refused = [k for k in store.keys(b"M") if k not in good]
+        if refused:
+            self._drop_sequences(refused)
+        short = [k for k, m in good.items() if not self._complete(k, m)]
+        if short:
+            # Listed all the same: a call naming one is DATA_LOSS naming it (read_sequence), not
+            # NOT_FOUND as for an id never used, and Free drops what is left of it.
+            log.warning("LMDB store %s: %d sequences miss blocks of their disk copy (dropped as damaged, or "
+                        "deleted behind the store's back): listed, DATA_LOSS when a call pages one in; free "
+                        "them: %s", store.path, len(short), ", ".join(describe(mk) for mk in short[:8])
+                        + (" ..." if len(short) > 8 else ""))
         for k, m in good.items():
             for b in refs(k[1:1 + FP_BYTES], m):
                 self.pins[b] = self.pins.get(b, 0) + 1
@@ -108,15 +114,15 @@ class DiskTier:
                 and all(self.store.contains(seq_block(seq, i)) for i in range(m["n_other"])))
 
     def _drop_sequences(self, mks: list[bytes]) -> None:
-        """At open: sequences whose manifest was refused or names a block that
-        is not stored cannot be restored. Their manifests and own blocks go
-        (durably), logged and counted; their hashed blocks stay as cached
-        prefix blocks (each is checked when read)."""
+        """At open: sequences whose manifest was refused cannot be listed (what
+        they hold is unknown). Their manifests and own blocks go (durably),
+        logged and counted; their hashed blocks stay as cached prefix blocks
+        (each is checked when read)."""
         own = [k for mk in mks for k in self.store.keys(b"S" + mk[1:])]
         self.store.write_batch([], list(mks) + own, sync=True)
         self.counters["dropped_sequences"] += len(mks)
-        log.warning("LMDB store %s: %d sequences dropped: their disk copy is not whole (a manifest or block was "
-                    "refused by its checksum or is missing): %s", self.store.path, len(mks),
+        log.warning("LMDB store %s: %d sequences dropped: their manifest was refused by its checksum (what "
+                    "they held is unknown): %s", self.store.path, len(mks),
                     ", ".join(describe(mk) for mk in mks[:8]) + (" ..." if len(mks) > 8 else ""))
 
     # ------------------------------------------------------------ books
@@ -339,7 +345,8 @@ class DiskTier:
             log.warning("%s: %d cached blocks not spilled", e, len(puts))
             return 0
         for k, _ in puts:
-            self._unreferenced(k)
+            if k not in self.pins:      # else a block a damaged sequence's copy missed, back: held by it again
+                self._unreferenced(k)
         return sum(v.nbytes for _, v in puts)
 
     def _forget(self, keys: list[bytes]) -> None:

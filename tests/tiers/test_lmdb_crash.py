@@ -295,8 +295,10 @@ def test_a_store_of_a_checksum_format_it_does_not_know_is_moved_aside(tmp_path, 
 def test_a_sequence_with_a_damaged_block_is_never_served(tmp_path, monkeypatch, caplog, restart):
     """Two offloaded sequences, one block of one of them changed on disk. After
     a clean restart its page-in is DATA_LOSS naming it, nothing served; after
-    a system crash (unclean marker, another boot) it is dropped at open,
-    counted and logged. The other sequence is served exactly either way."""
+    a system crash (unclean marker, another boot) the block is dropped at open,
+    counted and logged, and the sequence is still listed: DATA_LOSS naming it
+    too, not NOT_FOUND, until Free drops what is left of it. The other sequence
+    is served exactly either way."""
     import torch
 
     from kvstore.errors import DataLoss, NotFound
@@ -331,16 +333,75 @@ def test_a_sequence_with_a_damaged_block_is_never_served(tmp_path, monkeypatch, 
             assert e.cold_store.counters["refused_values"] >= 1
             assert scraped(e)['kvstore_disk_refused_values_total'] >= 1
         else:
-            with pytest.raises(NotFound):
-                e.sequence_info("c", T, "s")
+            assert e.sequence_info("c", T, "s").tier == "disk"
+            with pytest.raises(DataLoss, match="^sequence_ids: sequence 's' .*1 of its 9 blocks on disk are missing"):
+                e.retrieve("c", T, "s", 0, 70)
+            assert e.sequence_info("c", T, "s").tier == "disk", "a refused page-in changed the sequence"
             assert e.cold_store.counters["dropped_entries"] == 1
-            assert e.cold_store.books.counters["dropped_sequences"] == 1
-            assert "'s'" in caplog.text
+            assert e.cold_store.books.counters["dropped_sequences"] == 0      # no manifest was refused
+            assert "miss blocks of their disk copy" in caplog.text and "'s'" in caplog.text
             m = scraped(e)
-            assert m['kvstore_disk_dropped_sequences_total'] == 1
+            assert m['kvstore_disk_dropped_entries_total'] == 1
             assert m['kvstore_disk_verified_opens_total'] == 1
+    entries = e.cold_store.stats()["entries"]
+    e.free("c", T, ["s"])               # drops what is left of its copy
+    with pytest.raises(NotFound):
+        e.sequence_info("c", T, "s")
+    assert e.cold_store.stats()["entries"] < entries
     e.check_invariants()
     e.cold_store.close()
+
+
+def test_a_sequence_missing_a_block_is_listed_and_whole_again_once_the_block_is_back(tmp_path, caplog):
+    """A block of an offloaded sequence deleted behind the store's back: after a restart the
+    sequence is listed and DATA_LOSS when paged in; a spill that brings the same block back
+    (a prompt with the same prefix) makes its copy whole, and it is served exactly. A
+    sequence whose manifest is refused is dropped at open, counted and logged."""
+    import torch
+
+    from kvstore.errors import DataLoss, NotFound
+    from kvstore.tiers.disk import block_key, manifest_key
+    from tests.tiers.test_tier_books import T, engine, kv_of, toks
+    e = engine(tmp_path, "fp16")
+    tokens = toks(0, 70)
+    k, v = kv_of(tokens)
+    for sid, ids in (("s", tokens), ("m", toks(9000, 40))):
+        e.allocate("c", T, sid, ids)
+        kk, vv = kv_of(ids)
+        e.append("c", T, [sid], kk, vv, [len(ids)], token_ids=[ids])
+        e.offload("c", T, [sid])
+    want = e.retrieve("c", T, "s", 0, 70)
+    c = e.caches["c"]
+    lost = block_key(c.fingerprint, bytes.fromhex(c.seqs[(T, "s")].manifest["sealed_hashes"][1]))
+    e.cold_store.delete_many([lost])
+    (manifest,) = e.cold_store.get_many([manifest_key(c.fingerprint, "c", T, "m")])
+    e.cold_store.close()
+    garble(str(tmp_path / "lmdb"), manifest)
+    with caplog.at_level(logging.WARNING, "kvstore.lmdb"):
+        e = engine(tmp_path, "fp16")
+    assert "'c'/'default'/'m'" in caplog.text and "'c'/'default'/'s'" in caplog.text
+    assert e.cold_store.books.counters["dropped_sequences"] == 1
+    with pytest.raises(NotFound):
+        e.sequence_info("c", T, "m")
+    with pytest.raises(DataLoss, match="'s'"):
+        e.prefetch("c", T, ["s"])
+    e.check_invariants()
+    hit = e.allocate("c", T, "again", tokens).cached_tokens     # up to the lost block; the rest afresh
+    assert 0 < hit < 70
+    e.append("c", T, ["again"], k[:, hit:], v[:, hit:], [70 - hit], token_ids=[tokens[hit:]])
+    e.free("c", T, ["again"])
+    for i in range(30):                            # other prompts reuse the cached blocks' slots: they spill
+        if e.cold_store.contains(lost):
+            break
+        ids = toks(20_000 + 1000 * i, 64)
+        e.allocate("c", T, "x", ids)
+        e.append("c", T, ["x"], *kv_of(ids), [64], token_ids=[ids])
+        e.free("c", T, ["x"])
+    assert e.cold_store.contains(lost)
+    e.check_invariants()
+    got = e.retrieve("c", T, "s", 0, 70)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    e.check_invariants()
 
 
 def scraped(e) -> dict[str, float]:
