@@ -2,9 +2,15 @@
 tables to its pools' ref counts in every tier (Cache.stats, Cache.check_invariants)."""
 from __future__ import annotations
 
+import dataclasses
+
 
 def stats(c) -> dict:
     main = c.main_pool.stats()
+    if c.null_block is not None:
+        # The block holes point at is the cache's own, not a sequence's: left out of the
+        # pool's figures, as the capacity sequences can use (capacity = used + cached + free).
+        main = dataclasses.replace(main, capacity=main.capacity - 1, used=main.used - 1)
     tail = c.tail_pool.stats() if c.is_pq else None
     tokens = sum(s.length for s in c.seqs.values())
     # Tokens in sealed blocks the sequences hold, in every tier (a hole holds none: engine/window.py).

@@ -80,11 +80,30 @@ def test_releases_what_left_the_window_and_attention_is_unchanged(codec, sinks):
         keep.check_invariants()
     gone = out_of_window(n0 + steps, sinks) + out_of_window(40 + steps, sinks)
     assert gone > 0
-    assert held_main(free) == held_main(keep) - gone              # both hold a null block
+    assert held_main(free) == held_main(keep) - gone
     assert free.stats()["c"]["window_freed_blocks"] == gone
     info = free.sequence_info("c", T, "a")
     assert info.window_freed_blocks == out_of_window(n0 + steps, sinks)
     assert info.sealed_block_refs[:info.window_freed_blocks] == [0] * info.window_freed_blocks
+
+
+@pytest.mark.parametrize("codec", ["fp16", "pq"])
+def test_stats_count_the_blocks_sequences_hold_not_the_holes_block(codec):
+    """The block holes point at is the cache's own: Stats leaves it out of the main pool
+    (capacity = used + cached + free, used = what sequences hold, as DeleteCache counts)."""
+    e = engine(codec)
+    main = e.stats()["c"]["main"]
+    assert (main.capacity, main.used) == (64 - 1, 0) and main.used + main.cached + main.free == main.capacity
+    assert e.stats()["c"]["main_used_bytes"] == 0 and e.stats()["c"]["used_bytes"] == 0
+    e.allocate("c", T, "a", [])
+    e.append("c", T, ["a"], *kv(L, 90, HKV, D), [90])
+    info = e.sequence_info("c", T, "a")
+    held = len(info.sealed_blocks) - info.window_freed_blocks + (len(info.tail_blocks) if codec == "fp16" else 0)
+    main = e.stats()["c"]["main"]
+    assert info.window_freed_blocks > 0 and main.used == held
+    assert main.used + main.cached + main.free == main.capacity
+    assert e.stats()["c"]["main_used_bytes"] == held * e.cache("c").cfg.bytes_per_block()
+    assert e.delete_cache("c").main_blocks == held
 
 
 def test_a_mixed_cache_releases_nothing():
@@ -149,7 +168,7 @@ def test_tier_round_trip_keeps_holes(tmp_path, codec, sinks, via):
         assert e.stats()["c"]["tiers"]["host_main"].used == len(info.sealed_blocks) - info.window_freed_blocks
     else:
         e.offload("c", T, ["a"])
-    assert held_main(e) == 1                                    # the null block only
+    assert held_main(e) == 0                                    # the null block is the cache's: not counted
     e.check_invariants()
     if via == "restart":
         e.cold_store.close()
@@ -190,7 +209,7 @@ def test_prefix_hit_through_released_blocks(codec, sinks):
     e.fork("c", T, "b", "f")
     e.check_invariants()
     e.free("c", T, ["a", "b", "f"])
-    assert held_main(e) == 1
+    assert held_main(e) == 0 and e.stats()["c"]["main_used_bytes"] == 0     # the null block is no sequence's
     e.check_invariants()
 
 
