@@ -56,16 +56,20 @@ def request_tensor(cfg: CacheConfig, t: torch.Tensor, field: str, shape: tuple,
     return x.to(device=cfg.device)
 
 
-def sequences(cache, tenant: str, seq_ids: list[str], unique: bool) -> list[Sequence]:
-    """The sequences a request names, in its order (NotFound for one that is not there)."""
+def sequences(cache, tenant: str, seq_ids: list[str], unique: bool, all_held: bool = False) -> list[Sequence]:
+    """The sequences a request names, in its order (NotFound for one that is not there).
+    all_held (Free, Offload): as many as the cache holds, which a restart into a cache of
+    a smaller max_sequences makes more than that."""
     if not seq_ids:
         raise InvalidArgument("sequence_ids", "empty batch")
     # A call holds its cache's lock for the whole batch: rows past what the cache
     # holds at once (only an Attend's repeats get there) would stall every other
     # caller of the cache for as long as the caller likes.
-    if len(seq_ids) > cache.cfg.max_sequences:
+    most = max(cache.cfg.max_sequences, len(cache.seqs) if all_held else 0)
+    if len(seq_ids) > most:
         raise InvalidArgument("sequence_ids", f"{len(seq_ids)} rows, more than the cache's "
-                                              f"max_sequences={cache.cfg.max_sequences}")
+                                              f"max_sequences={cache.cfg.max_sequences}"
+                              + (f" and the {len(cache.seqs)} sequences it holds" if all_held else ""))
     if unique and len(set(seq_ids)) != len(seq_ids):
         raise InvalidArgument("sequence_ids", "a sequence appears twice in one batch")
     return [cache.seq(tenant, i, "sequence_ids") for i in seq_ids]

@@ -345,14 +345,14 @@ class Engine(CodebookOps):
 
     def free(self, name: str, tenant: str, seq_ids: list[str]) -> None:
         with self._locked(name) as cache:
-            seqs = checks.sequences(cache, tenant, seq_ids, unique=True)
+            seqs = checks.sequences(cache, tenant, seq_ids, unique=True, all_held=True)
             for s in seqs:
                 cache.free(s)
 
     def offload(self, name: str, tenant: str, seq_ids: list[str], drop_uncommitted: bool = False) -> int:
         """Write sequences to the disk tier, durable once it returns -> tokens dropped (Cache.offload)."""
         with self._locked(name) as cache:
-            seqs = checks.sequences(cache, tenant, seq_ids, unique=True)
+            seqs = checks.sequences(cache, tenant, seq_ids, unique=True, all_held=True)
             if cache.tiering is None or cache.tiering.disk is None:
                 raise FailedPrecondition("sequence_ids", "no disk tier: start the daemon with --lmdb PATH")
             return cache.offload(seqs, drop_uncommitted)

@@ -159,3 +159,29 @@ def test_a_persist_sequence_the_disk_bound_refuses_is_kept(tmp_path, caplog, cod
     assert e.sequence_info("c", T, "more").tier == "gpu"
     e.free("c", T, ["keep"])
     e.check_invariants()
+
+
+def test_a_restart_into_fewer_max_sequences_lists_every_sequence_and_frees_them_in_one_call(tmp_path):
+    """Four offloaded sequences come back in a cache of max_sequences 2 (pool sizes may
+    differ): all listed, Allocate refused until enough are freed, and a Free or Offload
+    may name all four at once; other calls keep the max_sequences row bound."""
+    from kvstore.errors import InvalidArgument, ResourceExhausted
+    e = engine(tmp_path, "fp16", max_sequences=8)
+    for i in range(4):
+        put(e, f"s{i}", toks(1000 * i, 20))
+    e.offload("c", T, [f"s{i}" for i in range(4)])
+    e = reopen(e, tmp_path, "fp16", max_sequences=2)
+    ids = [f"s{i}" for i in range(4)]
+    assert sorted(i.seq_id for i in e.list_sequences("c", T)) == ids
+    with pytest.raises(ResourceExhausted, match="max_sequences=2"):
+        e.allocate("c", T, "new", [])
+    with pytest.raises(InvalidArgument, match="^sequence_ids: 3 rows, more than the cache's max_sequences=2$"):
+        e.prefetch("c", T, ids[:3])
+    e.offload("c", T, ids)                      # already on disk: nothing to write, and not refused
+    with pytest.raises(InvalidArgument, match="^sequence_ids: 5 rows, .* and the 4 sequences it holds$"):
+        e.free("c", T, ids + ["s0"])
+    assert len(e.list_sequences("c", T)) == 4
+    e.free("c", T, ids)
+    assert e.list_sequences("c", T) == [] and e.cold_store.keys(b"M") == []     # their disk copies went too
+    e.allocate("c", T, "new", [])
+    e.check_invariants()
