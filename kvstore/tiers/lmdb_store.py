@@ -48,9 +48,9 @@ from typing import Iterable, Iterator, Protocol
 
 from . import fs_errors
 from . import lmdb_recovery as recovery
-from .lmdb_file import WRITEBACK_STEP, DataFile, start_writeback
 from . import lmdb_sums
 from .checksum import checksum
+from .lmdb_file import WRITEBACK_STEP, DataFile, start_writeback
 
 log = logging.getLogger("kvstore.lmdb")
 
