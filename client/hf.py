@@ -362,7 +362,7 @@ class KVStoreAdapter:
         """model.generate with a daemon cache, freed afterwards. A batch of
         prompts of different lengths: left-padded, with its attention_mask."""
         hf_variants.check_generate(self.model, kwargs)
-        cache = self.cache_for(input_ids, kwargs.get("attention_mask"))
+        cache = self.cache_for(input_ids, hf_variants.generate_mask(self.model, input_ids, kwargs))
         try:
             return self.model.generate(input_ids, past_key_values=cache, **kwargs)
         finally:

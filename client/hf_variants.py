@@ -289,7 +289,7 @@ def check_generate(model, kwargs: dict) -> None:
     def asked(name, default=None):
         said = (kwargs.get(name), *(getattr(g, name, None) for g in gcs))
         return next((v for v in said if v is not None), default)
-    if kwargs.get("past_key_values") is not None:
+    if kwargs.pop("past_key_values", None) is not None:     # None: as if not given, as generate() takes it
         raise ValueError("past_key_values: adapter.generate makes (and frees) a kvstore cache of its own; for "
                          "the next turn pass the whole conversation (the turns so far are cached blocks its "
                          "prompt hits), or give a cache from adapter.cache_for(input_ids) to model.generate")
@@ -301,6 +301,34 @@ def check_generate(model, kwargs: dict) -> None:
         if asked(name):
             raise ValueError(f"{name}: assisted / speculative generation is not supported by the kvstore "
                              "adapter (a daemon sequence cannot drop the draft tokens it rejects)")
+
+
+def generate_mask(model, input_ids: torch.Tensor, kwargs: dict) -> torch.Tensor | None:
+    """The attention_mask generate() attends input_ids [B, T] with: the one given, else the
+    one transformers infers without one (zeros where input_ids holds pad_token_id, when it
+    is set, occurs and is no eos token), then put into kwargs so that generate() and the
+    daemon's sequences go by the same mask; None: every token attended. ValueError where the
+    inferred mask hides a token after a row's first real one (the daemon's rows are left
+    padding, then tokens that all attend)."""
+    if kwargs.get("attention_mask") is not None:
+        return kwargs["attention_mask"]
+    gcs = (kwargs.get("generation_config"), model.generation_config)
+    pad, eos = (next((v for v in (kwargs.get(n), *(getattr(g, n, None) for g in gcs)) if v is not None), None)
+                for n in ("pad_token_id", "eos_token_id"))
+    if pad is None or input_ids.ndim != 2 or input_ids.is_floating_point():
+        return None
+    pad = int(torch.as_tensor(pad).flatten()[0])
+    if pad in ([] if eos is None else torch.as_tensor(eos).flatten().tolist()) or not bool((input_ids == pad).any()):
+        return None
+    mask = (input_ids != pad).long()
+    real = mask.cumsum(-1) > 0                      # from each row's first token that is not pad_token_id
+    if bool((real & (mask == 0)).any()):
+        raise ValueError(f"input_ids: pad_token_id {pad} occurs after a row's first other token, and without an "
+                         "attention_mask generate() hides it from attention; the kvstore adapter serves "
+                         "left padding only: pass attention_mask (ones over every token to attend), or a "
+                         "pad_token_id the prompt does not use")
+    kwargs["attention_mask"] = mask
+    return mask
 
 
 def check_forward(model, kwargs: dict) -> None:
@@ -339,6 +367,15 @@ def check_continues(cache, kwargs: dict, x) -> None:
                          f"cache holds {have} tokens: each forward must continue the cache. Assisted / "
                          "speculative generation (assistant_model, prompt_lookup_num_tokens), which runs the "
                          "prompt again with its drafts, is not supported by the kvstore adapter")
+    # Before the forward runs: its K/V go to the daemon under their token ids, and K/V made
+    # under a mask with a hole would then serve a later prompt of the same ids that has none.
+    if isinstance(mask, torch.Tensor) and mask.ndim == 2 and mask.shape[0] == len(cache.pads):
+        want = torch.arange(mask.shape[-1])[None] >= torch.tensor(cache.pads)[:, None]
+        if not torch.equal(mask.detach().cpu().to(torch.bool), want):
+            raise ValueError("attention_mask: the forward's mask hides a token after a row's left padding, or "
+                             f"attends its padding (the kvstore cache was made with left padding {cache.pads}); "
+                             "the daemon's sequences attend every token after it: give the cache the same "
+                             "attention_mask (adapter.cache_for(input_ids, attention_mask))")
 
 
 def weights_id(model) -> str:

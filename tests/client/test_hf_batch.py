@@ -276,3 +276,56 @@ def test_smollm2_padded_batch_matches(daemon):
         got = ad.generate(enc.input_ids, **kw)
     w.__exit__(None, None, None)
     assert torch.equal(got, want)
+
+
+def test_a_batch_padded_without_its_mask_attends_as_transformers_infers(daemon):
+    """No attention_mask: generate() hides the pad_token_id positions itself; the
+    adapter's sequences go by that mask (left padding, not stored) and every row gets
+    transformers' tokens. past_key_values=None is taken as not given, as generate() does."""
+    model = tiny_llama()
+    ids, mask, rows = padded(LENGTHS)
+    want = reference(model, ids)
+    assert torch.equal(want, reference(model, ids, attention_mask=mask))
+    ad = KVStoreAdapter(model, daemon, cache="t", codec="fp16", block_size=8, residual=8)
+    w = strict()
+    with torch.no_grad():
+        got = ad.generate(ids, past_key_values=None, **GEN)
+    w.__exit__(None, None, None)
+    assert torch.equal(got, want)
+    assert ad.stats().appended_tokens == sum(LENGTHS) + len(LENGTHS) * (GEN["max_new_tokens"] - 1)
+
+
+def test_a_pad_token_inside_a_prompt_without_a_mask_is_refused_before_anything_is_stored(daemon):
+    """transformers would hide it from attention, a hole the daemon's sequences cannot
+    stand for: refused before the prefill, so no K/V computed under that mask are stored
+    under the prompt's ids for a later prompt to hit. With a mask that attends it, served."""
+    model = tiny_llama()
+    ids = prompt(40, seed=61)
+    ids[0, 5] = GEN["pad_token_id"]
+    ad = KVStoreAdapter(model, daemon, cache="t", codec="fp16", block_size=8, residual=8)
+    with pytest.raises(ValueError, match="^input_ids: pad_token_id 0 occurs after a row's first other token"):
+        with torch.no_grad():
+            ad.generate(ids, **GEN)
+    s = ad.stats()
+    assert s.appended_tokens == 0 and s.sequences == 0
+    ones = torch.ones_like(ids)
+    with torch.no_grad():
+        got = ad.generate(ids, attention_mask=ones, **GEN)
+    assert torch.equal(got, reference(model, ids, attention_mask=ones))
+
+
+def test_a_forward_whose_mask_has_a_hole_is_refused_before_its_kv_are_stored(daemon):
+    """cache_for made without a mask, generate() given one that hides a prompt token:
+    refused before the prefill, whose K/V would go to the daemon under the prompt's ids."""
+    model = tiny_llama()
+    ids = prompt(40, seed=61)
+    holey = torch.ones_like(ids)
+    holey[0, 5] = 0
+    ad = KVStoreAdapter(model, daemon, cache="t", codec="fp16", block_size=8, residual=8)
+    cache = ad.cache_for(ids)
+    with pytest.raises(ValueError, match="^attention_mask: the forward's mask hides a token"):
+        with torch.no_grad():
+            model.generate(ids, attention_mask=holey, past_key_values=cache, **{**GEN, "max_new_tokens": 1})
+    cache.release()
+    s = ad.stats()
+    assert s.appended_tokens == 0 and s.sequences == 0
