@@ -272,7 +272,8 @@ class Tiering(CachedBelow):
 
     def page_in(self, s: Sequence, protect: set, field: str = "sequence_ids") -> None:
         """Bring a host or disk sequence back to the GPU pools. A durable disk
-        copy stays (Offload's promise); a pressure copy goes."""
+        copy stays (Offload's promise), and so does a persist sequence's pressure
+        copy, its one way through a kill, until the sequence changes; another goes."""
         c = self.c
         if s.tier == "gpu":
             return
@@ -328,7 +329,7 @@ class Tiering(CachedBelow):
         s.rebuilt_table()
         s.last_use = time.monotonic()
         self.counters["page_ins_" + below] += 1
-        if below == "disk" and not s.manifest.get("durable"):
+        if below == "disk" and not s.manifest.get("durable") and not s.persist:
             self.disk.delete_sequence(c.fingerprint, c.cfg.name, s.tenant, s.seq_id, s.manifest)
             s.manifest = None
 

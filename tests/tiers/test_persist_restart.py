@@ -57,7 +57,8 @@ def test_a_persist_sequence_cut_off_mid_step_keeps_its_committed_tokens(tmp_path
 
 def test_a_kill_keeps_a_persist_sequence_that_memory_pressure_moved_to_disk(tmp_path, caplog):
     """Its pressure copy is its only copy: kept and listed after a kill (no stop ran),
-    while other sequences' pressure copies are dropped as before."""
+    while other sequences' pressure copies are dropped as before; kept when the
+    sequence is read back, until it changes."""
     e = engine(tmp_path, num_blocks=16, residual=8, max_sequences=8)
     e.allocate("c", T, "p", toks(0, 40), owner="w", persist=True)
     k, v = kv_of(toks(0, 40))
@@ -73,6 +74,16 @@ def test_a_kill_keeps_a_persist_sequence_that_memory_pressure_moved_to_disk(tmp_
     assert list(listed) == ["p"] and listed["p"].persist
     assert same(read(e, "p"), want)
     assert "dropped the disk copies of" in caplog.text
+    e.check_invariants()
+    # Read back, unchanged: it keeps that copy, and comes back from a second kill too.
+    assert e.sequence_info("c", T, "p").tier == "gpu"
+    e = reopen(e, tmp_path, num_blocks=16, residual=8, max_sequences=8)
+    assert [i.seq_id for i in e.list_sequences("c", T)] == ["p"] and same(read(e, "p"), want)
+    # Changed: the copy no longer is the sequence and goes; a kill then loses it, as documented.
+    k1, v1 = kv_of(toks(0, 41))
+    e.append("c", T, ["p"], k1[:, 40:], v1[:, 40:], [1], token_ids=[[40]])
+    e = reopen(e, tmp_path, num_blocks=16, residual=8, max_sequences=8)
+    assert e.list_sequences("c", T) == []
     e.check_invariants()
 
 
