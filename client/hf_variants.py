@@ -279,16 +279,20 @@ ATTENTIONS_REFUSED = ("output_attentions: the daemon's decode steps return no at
                       "call model.generate directly")
 
 
+def generate_setting(model, kwargs: dict, name: str, default=None):
+    """A generate() setting as generate() reads it: its kwargs, else the generation config
+    given, else the model's, else default."""
+    said = (kwargs.get(name), *(getattr(g, name, None) for g in (kwargs.get("generation_config"),
+                                                                  model.generation_config)))
+    return next((v for v in said if v is not None), default)
+
+
 def check_generate(model, kwargs: dict) -> None:
     """ValueError naming a generate() setting the daemon's sequences cannot serve, read as
     generate() reads it: its kwargs, else the generation config given, else the model's,
     else transformers' default (None, as GenerationConfig() and most generation_config.json
     files leave use_cache, is unset: the next source decides)."""
-    gcs = (kwargs.get("generation_config"), model.generation_config)
-
-    def asked(name, default=None):
-        said = (kwargs.get(name), *(getattr(g, name, None) for g in gcs))
-        return next((v for v in said if v is not None), default)
+    asked = lambda name, default=None: generate_setting(model, kwargs, name, default)  # noqa: E731
     if kwargs.pop("past_key_values", None) is not None:     # None: as if not given, as generate() takes it
         raise ValueError("past_key_values: adapter.generate makes (and frees) a kvstore cache of its own; for "
                          "the next turn pass the whole conversation (the turns so far are cached blocks its "
@@ -312,9 +316,7 @@ def generate_mask(model, input_ids: torch.Tensor, kwargs: dict) -> torch.Tensor 
     padding, then tokens that all attend)."""
     if kwargs.get("attention_mask") is not None:
         return kwargs["attention_mask"]
-    gcs = (kwargs.get("generation_config"), model.generation_config)
-    pad, eos = (next((v for v in (kwargs.get(n), *(getattr(g, n, None) for g in gcs)) if v is not None), None)
-                for n in ("pad_token_id", "eos_token_id"))
+    pad, eos = (generate_setting(model, kwargs, n) for n in ("pad_token_id", "eos_token_id"))
     if pad is None or input_ids.ndim != 2 or input_ids.is_floating_point():
         return None
     pad = int(torch.as_tensor(pad).flatten()[0])

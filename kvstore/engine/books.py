@@ -5,12 +5,18 @@ from __future__ import annotations
 import dataclasses
 
 
-def stats(c) -> dict:
+def main_pool(c):
+    """The main pool's PoolStats as sequences see it. The block holes point at is the
+    cache's own, not a sequence's: left out, as the capacity sequences can use
+    (capacity = used + cached + free)."""
     main = c.main_pool.stats()
-    if c.null_block is not None:
-        # The block holes point at is the cache's own, not a sequence's: left out of the
-        # pool's figures, as the capacity sequences can use (capacity = used + cached + free).
-        main = dataclasses.replace(main, capacity=main.capacity - 1, used=main.used - 1)
+    if c.null_block is None:
+        return main
+    return dataclasses.replace(main, capacity=main.capacity - 1, used=main.used - 1)
+
+
+def stats(c) -> dict:
+    main = main_pool(c)
     tail = c.tail_pool.stats() if c.is_pq else None
     tokens = sum(s.length for s in c.seqs.values())
     # Tokens in sealed blocks the sequences hold, in every tier (a hole holds none: engine/window.py).

@@ -158,7 +158,7 @@ def refusals(cache, seqs: list[Sequence], counts: list[int], layer: int | None,
         if (layer is None and any(s.pending)) or s.reserved:
             raise FailedPrecondition("sequence_ids", f"sequence {quote(s.seq_id)} has uncommitted tokens")
         if layer is None:
-            cache.check_length(s.length + c - s.freed * cache.bs, "counts")     # holes hold nothing
+            cache.check_count(s, c)
         else:
             cache.check_step_continues(s, layer)
         if token_ids is not None and len(token_ids[i]):

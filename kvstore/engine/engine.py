@@ -194,7 +194,7 @@ class Engine(CodebookOps):
                     raise InvalidArgument("token_ids", f"{len(token_ids)} id lists for {len(seqs)} sequences")
                 for s, c, ids in zip(seqs, counts, token_ids):      # before any of them is copied
                     if len(ids) == c:       # as many ids as tokens: what is too long is the count
-                        cache.check_length(s.length + c - s.freed * cache.bs, "counts")
+                        cache.check_count(s, c)
                     cache.check_length(len(ids), "token_ids")
             return self._append_checked(cache, seqs, k, v, counts, layer, token_ids, defer_write)
 

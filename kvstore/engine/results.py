@@ -12,6 +12,8 @@ from kvstore.core.config import CacheConfig
 from kvstore.core.sequence import Sequence
 from kvstore.errors import FailedPrecondition, quote
 
+from . import books
+
 
 @dataclass(slots=True)
 class AllocateResult:
@@ -102,7 +104,7 @@ def memory(c) -> dict[str, int]:
     """Reserved (allocated at creation, whatever it holds) and used bytes of
     each of a cache's pools, for Stats."""
     cfg = c.cfg
-    main = c.main_pool.stats().used - (c.null_block is not None)      # the holes' block is no sequence's
+    main = books.main_pool(c).used
     out = dict(main_reserved_bytes=c.main_pool.capacity * cfg.bytes_per_block(),
                main_used_bytes=main * cfg.bytes_per_block(), tail_reserved_bytes=0, tail_used_bytes=0,
                host_used_bytes=0, reserved_bytes=pool_memory(cfg))

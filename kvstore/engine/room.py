@@ -114,13 +114,17 @@ class Room:
         n_sealed = self.blocks_of(s)[0]
         return max(self.sealed_count(end), n_sealed) - n_sealed
 
+    def check_count(self, s: Sequence, n: int) -> None:
+        """InvalidArgument naming counts where s with n more tokens holds more than the cache can."""
+        self.check_length(s.length + n - s.freed * self.bs, "counts")     # holes hold nothing
+
     def room_needed(self, s: Sequence, n: int, layer: int | None) -> tuple[int, int, int]:
         """(main blocks, tail blocks, tail blocks freed by sealing) that
         appending n tokens (all layers, or one layer) will take at most."""
         n_sealed, n_tail = self.blocks_of(s)     # as on the GPU, where the write finds s
         if layer is None:
             T = s.length + n
-            self.check_length(T - s.freed * self.bs, "counts")     # holes hold nothing
+            self.check_count(s, n)
             sealed_after = max(self.sealed_count(T), n_sealed)
             seal = sealed_after - n_sealed
             if not self.is_pq:

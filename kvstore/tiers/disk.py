@@ -82,8 +82,7 @@ class DiskTier:
             # NOT_FOUND as for an id never used, and Free drops what is left of it.
             log.warning("LMDB store %s: %d sequences miss blocks of their disk copy (dropped as damaged, or "
                         "deleted behind the store's back): listed, DATA_LOSS when a call pages one in; free "
-                        "them: %s", store.path, len(short), ", ".join(describe(mk) for mk in short[:8])
-                        + (" ..." if len(short) > 8 else ""))
+                        "them: %s", store.path, len(short), _named(short))
         for k, m in good.items():
             for b in refs(k[1:1 + FP_BYTES], m):
                 self.pins[b] = self.pins.get(b, 0) + 1
@@ -122,8 +121,7 @@ class DiskTier:
         self.store.write_batch([], list(mks) + own, sync=True)
         self.counters["dropped_sequences"] += len(mks)
         log.warning("LMDB store %s: %d sequences dropped: their manifest was refused by its checksum (what "
-                    "they held is unknown): %s", self.store.path, len(mks),
-                    ", ".join(describe(mk) for mk in mks[:8]) + (" ..." if len(mks) > 8 else ""))
+                    "they held is unknown): %s", self.store.path, len(mks), _named(mks))
 
     # ------------------------------------------------------------ books
     def _unreferenced(self, k: bytes) -> None:
@@ -378,6 +376,11 @@ class DiskTier:
         # Over the bound only with nothing left to evict (a store opened under a smaller bound).
         assert not self.store.max_bytes or self.store.used_bytes <= self.store.max_bytes or not self.lru, \
             "over the byte bound"
+
+
+def _named(mks: list[bytes]) -> str:
+    """The first sequences of manifest keys, for a log line."""
+    return ", ".join(describe(mk) for mk in mks[:8]) + (" ..." if len(mks) > 8 else "")
 
 
 def _view(payload: torch.Tensor) -> memoryview:
