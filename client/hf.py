@@ -17,46 +17,43 @@ cannot run is refused at construction, naming the feature, or where only the mod
 forward shows it (a window, chunk or head count other than its config's) at the first
 decode step, before the daemon attends):
   - prefill (a forward of n > 1 tokens): attention in-process on exact K/V, by
-    the model's own attention implementation (eager for Gemma-2's soft-cap);
-    the last layer's update sends the new tokens of all layers in one Append
-    with their token ids (so later prompts can hit them).
-  - after a prefix hit, the multi-token path (prefix_path="codes", or "auto",
-    the default, when codes_suffix_limit(hit) tokens or fewer follow the hit):
-    the prompt's other tokens but the last run through the model in chunks of
-    up to 128 (pq: residual + 1), each layer's chunk one `AppendAttend` with
-    query_tokens (appended, then attended causally by the daemon from the
-    codes); generate() then starts from the last prompt token. The Retrieve
-    path (prefix_path="retrieve", "auto" past that bound, and any model with
-    sliding-window layers): the cached prefix comes back from `Retrieve` onto the
-    model's device, dequantized; the rest is a prefill as above (docs/kernels.md).
+    the model's own attention implementation (eager for Gemma-2's soft-cap), under the
+    mask the daemon's sequences stand for (another is refused: hf_masks.py); the last
+    layer's update sends all layers' new tokens in one Append with their token ids.
+  - after a prefix hit, the multi-token path (prefix_path="codes", or "auto", the
+    default, when codes_suffix_limit(hit) tokens or fewer follow the hit): the prompt's
+    other tokens but the last run through the model in chunks of up to 128 (pq: residual
+    + 1), each layer's chunk one `AppendAttend` with query_tokens (appended, then attended
+    causally by the daemon from the codes); generate() then starts from the last prompt
+    token. The Retrieve path (prefix_path="retrieve", "auto" past that bound, and any
+    model with sliding-window layers): the cached prefix comes back from `Retrieve` onto
+    the model's device, dequantized; the rest is a prefill as above (docs/kernels.md).
   - decode (one token): `KVStoreCache.update` keeps nothing; the attention
     function "kvstore" sends (k, v, q) of the layer to `AppendAttend`.
   - the daemon is unreachable (any RPC error: UNAVAILABLE or CANCELLED as it stops,
     NOT_FOUND after a restart lost the sequence): a warning, then the cache recomputes the
-    tokens so far into in-process DynamicLayers and generation goes on there.
-    The adapter drops its channel; the next request reconnects (re-creating
-    the cache and codebooks on a restarted daemon).
-Hybrid models (Qwen3.5, Jamba, Bamba, Granite 4, Nemotron-H, Falcon-H1): the daemon's
-cache holds the layers that keep K/V, numbered among themselves (variant.kv_index);
-linear-attention, Mamba and convolution layers keep their state in transformers' own
-cache layers in-process. The daemon holds a cached prefix's K/V but not those states,
-so the adapter keeps them, at prompt block boundaries, in host memory (hf_states.py):
-a prompt hits where both reach.
+    tokens so far into in-process DynamicLayers and generation goes on there. The adapter
+    drops its channel; the next request reconnects (re-creating the cache and codebooks
+    on a restarted daemon).
+Hybrid models (Qwen3.5, Jamba, Bamba, Granite 4, Nemotron-H, Falcon-H1): the daemon's cache
+holds the layers that keep K/V, numbered among themselves (variant.kv_index); linear-
+attention, Mamba and convolution layers keep their state in transformers' own cache layers
+in-process. The daemon holds a cached prefix's K/V but not those states, so the adapter
+keeps them, at prompt block boundaries, in host memory (hf_states.py): a prompt hits where
+both reach.
 Layers that attend through different windows or chunks (Gemma-2/3, Qwen2 with
-max_window_layers, Llama 4) go to one daemon cache per window (hf_groups.py: the
-global layers in `<cache>.global`, each window's in `<cache>.w<window>`, each
-chunk size's in `<cache>.c<chunk>`), so that the
-sliding layers' cache frees the blocks that left their window; a model with one
-group keeps the one cache `cache`.
-Batches of B sequences: left-padded prompts (attention_mask) are stored
-without their padding, each row a sequence of its own tokens; prefix reuse
-is for B == 1 unpadded. Beam search and num_return_sequences: generate()
-repeats the rows and reorders them every step; a row taken twice is forked in
-the daemon (its sealed blocks shared), a row no beam keeps is freed.
+max_window_layers, Llama 4) go to one daemon cache per window (hf_groups.py: the global
+layers in `<cache>.global`, each window's in `<cache>.w<window>`, each chunk size's in
+`<cache>.c<chunk>`), so that the sliding layers' cache frees the blocks that left their
+window; a model with one group keeps the one cache `cache`.
+Batches of B sequences: left-padded prompts (attention_mask) are stored without their
+padding, each row a sequence of its own tokens; prefix reuse is for B == 1 unpadded.
+Beam search and num_return_sequences: generate() repeats the rows and reorders them every
+step; a row taken twice is forked in the daemon (its sealed blocks shared), a row no beam
+keeps is freed.
 Assisted / speculative generation (crop) and use_cache=False are refused.
-Token ids go with every append, decode steps included, so a later prompt
-that continues prompt + answer (the next turn of a chat) hits the cached
-blocks of both.
+Token ids go with every append, decode steps included, so a later prompt that continues
+prompt + answer (the next turn of a chat) hits the cached blocks of both.
 """
 from __future__ import annotations
 
@@ -72,7 +69,7 @@ from . import hf_variants
 from .client import KVStoreClient
 from .hf_cache import FALLBACK_ERRORS, GONE, SPEC_REFUSED, KVStoreCache
 from .hf_codebooks import CacheBooks, bad_transform, fitting_codebooks
-from .hf_step import check_all_taken, set_decode_target, take_decode_target
+from .hf_step import check_all_taken, set_decode_target, take_decode_target, take_prefill_check
 from .hf_groups import LayerGroups, merge_stats
 from .hf_states import StateSnapshots, continues_states, stateful_cache
 from .session import restarted
@@ -115,6 +112,9 @@ def kvstore_attention(module, query, key, value, attention_mask, dropout=0.0, sc
         out, key, value = cache.decode_attention(module.layer_idx, query, key, value, scaling)
         if out is not None:
             return out, None
+    elif (pre := take_prefill_check(module.layer_idx)) and not pre[0].local:    # its K/V go to the daemon
+        pre[0].adapter.variant.check_call(module.layer_idx, kwargs, attention_mask, pre[1], module,
+                                          pre[0].pads, pre[0].masks_checked)
     impl = _inner.get(id(module.config), "sdpa")
     fn = hf_variants.inner_attention(module, impl)
     if impl != "sdpa":

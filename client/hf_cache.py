@@ -11,7 +11,7 @@ import torch
 from transformers.cache_utils import Cache, DynamicCache, DynamicLayer, LinearAttentionCacheLayerMixin
 
 from .hf_layers import DaemonStateLayer, linear_fields, new_layers
-from .hf_step import begin_layer, set_decode_target
+from .hf_step import begin_layer, set_decode_target, set_prefill_check
 from .session import restarted
 
 # What makes the adapter fall back in-process: RPC failures of any status and
@@ -189,6 +189,7 @@ class KVStoreCache(Cache):
                 # decode_attention ends the forward after the last layer's call, so that a
                 # fallback there still has the step's K/V and the length before it
                 return key_states, value_states
+            set_prefill_check(self, layer_idx, self.length + n)
             out = self._prefill_update(key_states, value_states, at, layer_idx)
         if at == self.num_layers - 1:
             self._end_forward(n)

@@ -64,3 +64,16 @@ def _unsupported(cache, layer: int, how: str) -> str:
 def begin_layer() -> None:
     """A layer's step begins: its attention call may take it (once)."""
     _local.taken = None
+
+
+def set_prefill_check(cache, layer: int, kv_len: int) -> None:
+    """The attention call of `layer` that follows runs a prefill in-process, whose K/V
+    (the layers after it depend on its output) go to the daemon under their token ids:
+    its mask over kv_len positions must be the one the daemon's sequences stand for."""
+    _local.prefill = (cache, layer, kv_len)
+
+
+def take_prefill_check(layer: int):
+    """(cache, kv_len) of `layer`'s prefill set by KVStoreCache.update, or None; cleared."""
+    got, _local.prefill = getattr(_local, "prefill", None), None
+    return got[0::2] if got is not None and got[1] == layer else None

@@ -210,3 +210,40 @@ def prefilled(ad, model, ids):
     cache = ad.cache_for(ids)
     model(input_ids=ids[:, cache.length:], past_key_values=cache, use_cache=True)
     return cache
+
+
+@pytest.mark.parametrize("cached", [0, 16])
+def test_a_prefill_under_a_custom_4d_mask_stores_nothing(daemon, cached, monkeypatch):
+    """A prefill given the adapter's cache with a 4-D mask that hides a token: its K/V
+    (every layer after the first depends on the mask) would go to the daemon under the
+    prompt's ids and serve a later prompt of the same ids that hides nothing. It is
+    refused naming attention_mask, before the Append; the causal mask given as 4-D is
+    taken, and a later prompt hitting what it stored gets transformers' tokens. cached:
+    tokens of the prompt cached before (the rest then follows a hit). The mask is
+    compared 8 query rows at a time, so the hole is in a later group than the first."""
+    from kvstore.client import hf_masks
+    monkeypatch.setattr(hf_masks, "ROWS", 8)
+    model = build("llama")
+    ids = prompt(40, seed=5)
+    ad = KVStoreAdapter(model, daemon, cache=f"mask4d-prefill{cached}", codec="fp16", block_size=8, residual=8)
+    if cached:
+        strict_generate(ad, ids[:, :cached], max_new_tokens=1, do_sample=False, pad_token_id=0)
+    causal = torch.ones(1, 1, 40, 40, dtype=torch.bool).tril()[:, :, cached:]
+    hiding = causal.clone()
+    hiding[:, :, 20 - cached:, cached + 2] = False
+    for mask in (hiding, causal):
+        cache = ad.cache_for(ids)
+        assert cache.length == cached          # nothing of the refused forward was stored
+        try:
+            with torch.no_grad():
+                if mask is hiding:
+                    with pytest.raises(ValueError, match=r"attention_mask: layer 0's mask differs from the causal"):
+                        model(input_ids=ids[:, cached:], past_key_values=cache, attention_mask=mask, use_cache=True)
+                else:
+                    model(input_ids=ids[:, cached:], past_key_values=cache, attention_mask=mask, use_cache=True)
+                    assert cache.length == 40
+        finally:
+            cache.release()
+        assert live_sequences(ad) == 0
+    assert torch.equal(strict_generate(ad, ids, **GREEDY), _reference(model, ids, **GREEDY))
+    assert ad.fallbacks == 0 and ad.stats().prefix_hit_tokens >= 32
