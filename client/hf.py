@@ -65,7 +65,7 @@ import warnings
 import grpc
 import torch
 
-from . import hf_variants
+from . import hf_masks, hf_variants
 from .client import KVStoreClient
 from .hf_cache import FALLBACK_ERRORS, GONE, SPEC_REFUSED, KVStoreCache
 from .hf_codebooks import CacheBooks, bad_transform, fitting_codebooks
@@ -412,7 +412,7 @@ class KVStoreAdapter:
         if isinstance(cache, KVStoreCache):
             hf_variants.check_forward(module, kwargs)
             ids = kwargs.get("input_ids", args[0] if args else None)
-            hf_variants.check_continues(cache, kwargs, ids if ids is not None else kwargs.get("inputs_embeds"))
+            hf_masks.check_continues(cache, kwargs, ids if ids is not None else kwargs.get("inputs_embeds"))
             cache.begin_forward(ids)
 
     @staticmethod

@@ -3,7 +3,8 @@ tokens from its first real one (after its left padding), causally, within the la
 window or chunk; a forward whose mask says anything else (a custom 4-D mask hiding
 tokens, a bidirectional block, an additive bias) is refused, naming attention_mask,
 rather than answered as if the mask were the standard one: at a decode step, and at a
-prefill, whose K/V would be stored under the prompt's ids for later prompts to hit."""
+prefill, whose K/V would be stored under the prompt's ids for later prompts to hit. So is
+a forward that does not continue the cache, or at other positions (check_continues)."""
 from __future__ import annotations
 
 import torch
@@ -81,3 +82,49 @@ def _standard_rows(layer: int, rows, lo: int, kv_len: int, pads: list[int], wind
                              "adapter takes masks that only hide or keep keys")
     want, real = standard(lo, lo + rows.shape[-2], kv_len, pads, window, chunk, rows.device)
     return bool(((seen == want) | ~real).all())
+
+
+def check_continues(cache, kwargs: dict, x) -> None:
+    """ValueError unless a forward of x (its input_ids or inputs_embeds) given the adapter's
+    daemon cache continues it: its 2-D attention_mask (else its position_ids) starts where
+    the cache's tokens end, and its position_ids, where given, number each row's tokens on
+    from there. Otherwise its K/V would be appended after the wrong tokens, or the daemon,
+    holding other ids there, refuses the append and no fallback could recompute what the
+    caller meant. (An in-process cache after a fallback is transformers' own: not checked.)"""
+    n = x.shape[1] if isinstance(x, torch.Tensor) and x.ndim >= 2 else 0
+    if cache.local or n == 0:
+        return
+    mask, pos = kwargs.get("attention_mask"), kwargs.get("position_ids")
+    have = cache.length
+    if isinstance(mask, torch.Tensor) and mask.ndim == 2:
+        start = mask.shape[-1] - n
+    elif isinstance(pos, torch.Tensor) and pos.ndim == 2 and pos.shape[0] == len(cache.pads):
+        # row i numbers its first real token 0 (left padding pads[i])
+        rows = [i for i, p in enumerate(cache.pads) if p <= have]
+        if not rows:
+            return
+        start = int(pos[rows[0], 0]) + cache.pads[rows[0]]
+    else:
+        return
+    if start != have:
+        raise ValueError(f"past_key_values: the forward's {n} tokens start at position {start}, but the kvstore "
+                         f"cache holds {have} tokens: each forward must continue the cache. Assisted / "
+                         "speculative generation (assistant_model, prompt_lookup_num_tokens), which runs the "
+                         "prompt again with its drafts, is not supported by the kvstore adapter")
+    # Before the forward runs: its K/V go to the daemon under their token ids, and K/V made
+    # under a mask with a hole, or at other positions, would then serve a later prompt of the
+    # same ids that has none.
+    if isinstance(mask, torch.Tensor) and mask.ndim == 2 and mask.shape[0] == len(cache.pads):
+        want = torch.arange(mask.shape[-1])[None] >= torch.tensor(cache.pads)[:, None]
+        if not torch.equal(mask.detach().cpu().to(torch.bool), want):
+            raise ValueError("attention_mask: the forward's mask hides a token after a row's left padding, or "
+                             f"attends its padding (the kvstore cache was made with left padding {cache.pads}); "
+                             "the daemon's sequences attend every token after it: give the cache the same "
+                             "attention_mask (adapter.cache_for(input_ids, attention_mask))")
+    if isinstance(pos, torch.Tensor) and pos.ndim == 2 and pos.shape[0] in (1, len(cache.pads)):
+        want = cache.positions(have, have + n)
+        real = torch.arange(have, have + n)[None] >= torch.tensor(cache.pads)[:, None]
+        if pos.shape[-1] == n and not bool(((pos.detach().cpu() == want) | ~real).all()):
+            raise ValueError("position_ids: the forward's positions are not each row's next ones (from 0 at its "
+                             f"first token after left padding {cache.pads}, one a token); the daemon's "
+                             "sequences hold K/V at those positions: give the tokens in order, without gaps")

@@ -343,43 +343,6 @@ def check_forward(model, kwargs: dict) -> None:
         raise ValueError(ATTENTIONS_REFUSED)
 
 
-def check_continues(cache, kwargs: dict, x) -> None:
-    """ValueError unless a forward of x (its input_ids or inputs_embeds) given the adapter's daemon cache continues
-    it: its 2-D attention_mask (else its position_ids) starts where the cache's tokens end.
-    Otherwise its K/V would be appended after the wrong tokens, or the daemon, holding
-    other ids there, refuses the append and no fallback could recompute what the caller
-    meant. (An in-process cache after a fallback is transformers' own: not checked.)"""
-    n = x.shape[1] if isinstance(x, torch.Tensor) and x.ndim >= 2 else 0
-    if cache.local or n == 0:
-        return
-    mask, pos = kwargs.get("attention_mask"), kwargs.get("position_ids")
-    have = cache.length
-    if isinstance(mask, torch.Tensor) and mask.ndim == 2:
-        start = mask.shape[-1] - n
-    elif isinstance(pos, torch.Tensor) and pos.ndim == 2 and pos.shape[0] == len(cache.pads):
-        # row i numbers its first real token 0 (left padding pads[i])
-        rows = [i for i, p in enumerate(cache.pads) if p <= have]
-        if not rows:
-            return
-        start = int(pos[rows[0], 0]) + cache.pads[rows[0]]
-    else:
-        return
-    if start != have:
-        raise ValueError(f"past_key_values: the forward's {n} tokens start at position {start}, but the kvstore "
-                         f"cache holds {have} tokens: each forward must continue the cache. Assisted / "
-                         "speculative generation (assistant_model, prompt_lookup_num_tokens), which runs the "
-                         "prompt again with its drafts, is not supported by the kvstore adapter")
-    # Before the forward runs: its K/V go to the daemon under their token ids, and K/V made
-    # under a mask with a hole would then serve a later prompt of the same ids that has none.
-    if isinstance(mask, torch.Tensor) and mask.ndim == 2 and mask.shape[0] == len(cache.pads):
-        want = torch.arange(mask.shape[-1])[None] >= torch.tensor(cache.pads)[:, None]
-        if not torch.equal(mask.detach().cpu().to(torch.bool), want):
-            raise ValueError("attention_mask: the forward's mask hides a token after a row's left padding, or "
-                             f"attends its padding (the kvstore cache was made with left padding {cache.pads}); "
-                             "the daemon's sequences attend every token after it: give the cache the same "
-                             "attention_mask (adapter.cache_for(input_ids, attention_mask))")
-
-
 def weights_id(model) -> str:
     """The label of a model whose name (a local path, or none) says nothing of its
     weights: its class and a hash of a strided sample of every parameter, in float32,

@@ -247,3 +247,28 @@ def test_a_prefill_under_a_custom_4d_mask_stores_nothing(daemon, cached, monkeyp
         assert live_sequences(ad) == 0
     assert torch.equal(strict_generate(ad, ids, **GREEDY), _reference(model, ids, **GREEDY))
     assert ad.fallbacks == 0 and ad.stats().prefix_hit_tokens >= 32
+
+
+def test_a_forward_at_other_positions_is_refused_before_anything_is_stored(daemon):
+    """A forward given the adapter's cache whose position_ids skip ahead inside it: its
+    K/V (rotated at those positions) would be stored under the prompt's ids and serve a
+    later prompt of the same ids at the usual positions. It is refused naming
+    position_ids; the positions generate() gives are taken."""
+    model = build("llama")
+    ids = prompt(40, seed=6)
+    ad = KVStoreAdapter(model, daemon, cache="positions", codec="fp16", block_size=8, residual=8)
+    gap = torch.cat([torch.arange(20), torch.arange(30, 50)])[None]
+    for pos in (gap, torch.arange(40)[None]):
+        cache = ad.cache_for(ids)
+        assert cache.length == 0          # nothing of the refused forward was stored
+        try:
+            with torch.no_grad():
+                if pos is gap:
+                    with pytest.raises(ValueError, match=r"position_ids: the forward's positions are not each row's"):
+                        model(input_ids=ids, past_key_values=cache, position_ids=pos, use_cache=True)
+                else:
+                    model(input_ids=ids, past_key_values=cache, position_ids=pos, use_cache=True)
+        finally:
+            cache.release()
+    assert torch.equal(strict_generate(ad, ids, **GREEDY), _reference(model, ids, **GREEDY))
+    assert ad.fallbacks == 0 and ad.stats().prefix_hit_tokens >= 32 and live_sequences(ad) == 0
