@@ -8,14 +8,13 @@
     out = model.generate(input_ids, past_key_values=cache, max_new_tokens=200)
     cache.release()                               # Free
 
-How a step runs (any decoder-only model whose attention calls
-`past_key_values.update` then the registered attention function: Llama,
-Qwen2/3, SmolLM, Mistral, Phi-3, Gemma-2/3/4, Llama 4, gpt-oss, GPT-2, GPTBigCode, GPT-NeoX,
-OPT, hybrid models and more: sliding-window and chunked layers, logit soft-capping and
-learned sink logits go to the daemon with the cache spec, hf_variants.py; what it
-cannot run is refused at construction, naming the feature, or where only the model's
-forward shows it (a window, chunk or head count other than its config's) at the first
-decode step, before the daemon attends):
+How a step runs (any decoder-only model whose attention calls `past_key_values.update` then
+the registered attention function: Llama, Qwen2/3, SmolLM, Mistral, Phi-3, Gemma-2/3/4,
+Llama 4, gpt-oss, GPT-2, GPTBigCode, GPT-NeoX, OPT, hybrid models and more: sliding-window
+and chunked layers, logit soft-capping and learned sink logits go to the daemon with the
+cache spec, hf_variants.py; what it cannot run is refused at construction, naming the
+feature, or where only the model's forward shows it (a window, chunk or head count other
+than its config's) at the first step, before the daemon attends):
   - prefill (a forward of n > 1 tokens): attention in-process on exact K/V, by
     the model's own attention implementation (eager for Gemma-2's soft-cap), under the
     mask the daemon's sequences stand for (another is refused: hf_masks.py); the last
@@ -28,13 +27,12 @@ decode step, before the daemon attends):
     token. The Retrieve path (prefix_path="retrieve", "auto" past that bound, and any
     model with sliding-window layers): the cached prefix comes back from `Retrieve` onto
     the model's device, dequantized; the rest is a prefill as above (docs/kernels.md).
-  - decode (one token): `KVStoreCache.update` keeps nothing; the attention
-    function "kvstore" sends (k, v, q) of the layer to `AppendAttend`.
-  - the daemon is unreachable (any RPC error: UNAVAILABLE or CANCELLED as it stops,
-    NOT_FOUND after a restart lost the sequence): a warning, then the cache recomputes the
-    tokens so far into in-process DynamicLayers and generation goes on there. The adapter
-    drops its channel; the next request reconnects (re-creating the cache and codebooks
-    on a restarted daemon).
+  - decode (one token): `KVStoreCache.update` keeps nothing; the attention function
+    "kvstore" sends (k, v, q) of the layer to `AppendAttend`.
+  - the daemon is unreachable (any RPC error: UNAVAILABLE or CANCELLED as it stops, NOT_FOUND
+    after a restart lost the sequence): a warning, then the cache recomputes the tokens so
+    far into in-process DynamicLayers and generation goes on there. The adapter drops its
+    channel; the next request reconnects (re-making the cache and codebooks if need be).
 Hybrid models (Qwen3.5, Jamba, Bamba, Granite 4, Nemotron-H, Falcon-H1): the daemon's cache
 holds the layers that keep K/V, numbered among themselves (variant.kv_index); linear-
 attention, Mamba and convolution layers keep their state in transformers' own cache layers
@@ -53,8 +51,7 @@ step; a row taken twice is forked in the daemon (its sealed blocks shared), a ro
 keeps is freed.
 Assisted / speculative generation (crop) and use_cache=False are refused.
 Token ids go with every append, decode steps included, so a later prompt that continues
-prompt + answer (the next turn of a chat) hits the cached blocks of both.
-"""
+prompt + answer (the next turn of a chat) hits the cached blocks of both."""
 from __future__ import annotations
 
 import itertools
@@ -124,30 +121,31 @@ def kvstore_attention(module, query, key, value, attention_mask, dropout=0.0, sc
 
 
 class KVStoreAdapter:
-    """Binds a model to a daemon cache. codec "fp16" or "pq". codebooks: a
-    codebooks file (bytes or path, kvstore-calibrate's output or GetCodebooks'),
-    checked against the model (geometry, model id: ValueError naming
-    codebooks.<field>); a file that carries a transform applies it here. Files
-    of the old format (no description) need `transform`: a
-    kvstore.codec.transform.Transform or "none" (a path finds the transform
-    file kvstore-calibrate wrote beside it). calibrate_tokens (pq, no
-    codebooks): requests run in-process until the cache has seen that many
-    tokens (past the sinks), whose K/V then go to TrainCodebooks; the daemon
-    is used from then on. model_id: the cache's label; None: the file's, else the
-    model's hub id, else (a model loaded from a local path) a hash of its weights.
-    sink_tokens: the first tokens of every sequence the
-    daemon keeps in fp16; None: the file's, else 32 for pq (rounded up to a
-    whole block), which keeps 4-bit PQ within 0.5 % perplexity of fp16 at
-    R = 128 (docs/accuracy.md). prefix_path: how the rest of a prompt that hit a
-    cached prefix runs: "codes" (multi-token AppendAttend, nothing retrieved),
-    "retrieve" (Retrieve the prefix, prefill in-process; models with sliding windows
-    always take it) or "auto" (codes for up to codes_suffix_limit(hit) tokens: 128
-    after a hit of 24K or more, else retrieve). prefix_runs counts the
-    requests that took each. state_cache_bytes: host memory for a hybrid model's
-    recurrent states at prompt block boundaries, which let its prompts hit a cached
-    prefix (hf_states.py; 0: every prompt runs in full). layer_groups=False keeps one
-    daemon cache for every layer of a model that mixes windows (hf_groups.py: correct, but every block
-    stays), the baseline the per-group caches save against."""
+    """Binds a model to a daemon cache. codec "fp16" or "pq". codebooks: a codebooks file
+    (bytes or path, kvstore-calibrate's output or GetCodebooks'), checked against the model
+    (geometry, model id: ValueError naming codebooks.<field>); a file that carries a
+    transform applies it here. Files of the old format (no description) need `transform`: a
+    kvstore.codec.transform.Transform or "none" (a path finds the transform file
+    kvstore-calibrate wrote beside it). No file: the cache's codebooks, transform and bit
+    width (ValueError naming codebooks where it has none); or, with calibrate_tokens,
+    requests run in-process until the cache has seen that many tokens (past the sinks),
+    whose K/V then go to TrainCodebooks; the daemon from then on. model_id: the cache's
+    label; None: the file's, else the model's hub id, else (a model loaded from a local
+    path) a hash of its weights. The cache's spec: block_size (tokens a block), residual
+    (pq: the newest tokens kept in fp16 besides the open block), num_blocks (its GPU pool),
+    max_sequences (sequences it holds at once); sink_tokens: the first tokens of every
+    sequence the daemon keeps in fp16; None: the file's, else 32 for pq (rounded up to a
+    whole block), which keeps 4-bit PQ within 0.5 % perplexity of fp16 at R = 128
+    (docs/accuracy.md). timeout: seconds an RPC may take before the request falls back
+    in-process. prefix_path: how the rest of a prompt that hit a cached prefix runs:
+    "codes" (multi-token AppendAttend, nothing retrieved), "retrieve" (Retrieve the prefix,
+    prefill in-process; models with sliding windows always take it) or "auto" (codes for up
+    to codes_suffix_limit(hit) tokens: 128 after a hit of 24K or more, else retrieve).
+    prefix_runs counts the requests that took each. state_cache_bytes: host memory for a
+    hybrid model's recurrent states at prompt block boundaries, which let its prompts hit a
+    cached prefix (hf_states.py; 0: every prompt runs in full). layer_groups=False keeps one
+    daemon cache for every layer of a model that mixes windows (hf_groups.py: correct, but
+    every block stays), the baseline the per-group caches save against."""
 
     def __init__(self, model, target: str | None = None, cache: str = "hf", codec: str = "fp16",
                  codebooks: bytes | str | None = None, transform=None, block_size: int = 16, residual: int = 128,
@@ -158,9 +156,9 @@ class KVStoreAdapter:
             raise ValueError(f"prefix_path must be 'auto', 'codes' or 'retrieve', got {prefix_path!r}")
         if state_cache_bytes < 0:
             raise ValueError(f"state_cache_bytes must be >= 0, got {state_cache_bytes}")
-        if codec == "pq" and codebooks is None and calibrate_tokens < 256:
-            raise ValueError("codebooks: codec 'pq' needs codebooks (kvstore-calibrate output), or "
-                             "calibrate_tokens >= 256 to let the daemon train them from the first tokens")
+        if codec == "pq" and codebooks is None and calibrate_tokens and calibrate_tokens < 256:
+            raise ValueError(f"calibrate_tokens: the daemon trains codebooks on 256 tokens or more, got "
+                             f"{calibrate_tokens} (0 with no codebooks file: the adapter takes the cache's)")
         c = model.config.get_text_config(decoder=True)
         self.variant = hf_variants.detect(model, c)       # ValueError naming what the daemon cannot run
         # The daemon's cache holds the layers that keep K/V (all but a hybrid model's linear
@@ -171,7 +169,7 @@ class KVStoreAdapter:
         self.num_layers = len(self.kv_layers)
         self.num_q_heads, self.num_kv_heads, self.head_dim = hf_variants.heads(c)
         named = getattr(c, "_name_or_path", "") or ""
-        cb = None
+        cb, self._sinks_given = None, sink_tokens is not None
         if codec == "pq" and codebooks is not None:
             cb, transform = fitting_codebooks(codebooks, transform, model_id or named, model_id is not None,
                                               (self.num_layers, self.num_q_heads, self.num_kv_heads, self.head_dim))
@@ -235,6 +233,8 @@ class KVStoreAdapter:
             kv = KVStoreClient(self.target, timeout=self.timeout)
             cache = None
             try:
+                if self.codec == "pq" and self.books.files is None and not self.calibrate_tokens:
+                    self.books.join(kv, self.groups, self.spec, self._sinks_given)
                 for g in self.groups:
                     cache = g.cache
                     kv.create_cache(g.cache, exist_ok=True, **g.spec(self.spec))

@@ -66,6 +66,33 @@ class CacheBooks:
         self.whole = whole          # the file's own sha256 (kvstore-calibrate prints it) when files are its slices
         self.mine = None if files is None else [f.sha256() for f in files]
         self.seen: list[str] | None = None      # the caches' sha256 as last reconciled
+        self.joined = False         # files: the codebooks the caches held when the adapter first met them
+
+    def join(self, kv, groups, spec: dict, sinks_given: bool) -> None:
+        """No file, no calibration: every group's cache must exist with codebooks, whose
+        bit width (and, unless given, sink tokens) the spec takes, so that create_cache
+        finds the cache as made; ValueError naming codebooks before anything is made.
+        The codebooks taken then stand for the file: a restarted daemon gets them again."""
+        import grpc
+
+        from kvstore.codec.codebooks import Codebooks
+        for g in groups:
+            try:
+                info = kv.get_cache(g.cache)
+            except grpc.RpcError as e:
+                if e.code() != grpc.StatusCode.NOT_FOUND:
+                    raise
+                info = None
+            if info is None or not info.has_codebooks:
+                raise ValueError(f"codebooks: kvstore cache {g.cache!r} " + ("does not exist" if info is None else
+                                 "holds no codebooks") + ": codec 'pq' takes a codebooks file (kvstore-calibrate "
+                                 "output), the cache's own, or calibrate_tokens >= 256 to let the daemon train them")
+            spec["num_subvectors"] = info.spec.num_subvectors
+            if not sinks_given:
+                spec["sink_tokens"] = info.spec.sink_tokens
+        files = [Codebooks.from_bytes(kv.get_codebooks(g.cache)) for g in groups]
+        self.given = self._transform({i: f for i, f in enumerate(files) if f.info is not None}, groups)
+        self.files, self.mine, self.joined = files, [f.sha256() for f in files], True
 
     def changed(self, kv, groups) -> bool:
         return [kv.get_cache(g.cache).codebooks_sha256 for g in groups] != self.seen
@@ -83,9 +110,10 @@ class CacheBooks:
                 mine = f"(sha256 {self.mine[i][:16]})" if len(groups) == 1 else \
                     f"for the layers of that cache, one of {len(groups)} (sha256 {self.mine[i][:16]} of those " \
                     f"layers; the whole file's is {self.whole[:16]})"
+                given = "the adapter took from it when it first met it" if self.joined else "the file given has"
                 if theirs:
                     raise ValueError(f"codebooks: kvstore cache {g.cache!r} holds other codebooks (sha256 "
-                                     f"{theirs[:16]}) than the file given has {mine}; "
+                                     f"{theirs[:16]}) than {given} {mine}; "
                                      "use another cache name, or delete that cache (kvstore-admin delete-cache) "
                                      "once no worker uses it")
                 try:

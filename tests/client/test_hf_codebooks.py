@@ -208,3 +208,41 @@ def test_a_cache_of_one_layer_group_holding_other_codebooks_names_the_whole_file
                                          rf"file's is {other.sha256()[:16]}\)"):
         make(other).client()
     a.close()
+
+
+def test_adapter_given_no_file_joins_the_cache_with_its_codebooks_bit_width_and_sinks(daemon):
+    """A second worker's adapter, given no codebooks file and no calibrate_tokens, takes
+    the cache's codebooks: their bit width and sink tokens come from the cache (2-bit
+    codebooks, 16 sinks here), and it generates what the worker given the file does. A
+    cache that does not exist, or holds no codebooks yet, is refused naming codebooks,
+    before anything is made; codebooks replaced since it joined are refused, as a file's."""
+    from test_hf_adapter import GEN, prompt
+    g = torch.Generator().manual_seed(4)
+    two_bit = Codebooks(k=torch.randn(2, 2, 4, 256, 4, generator=g), v=torch.randn(2, 2, 4, 256, 4, generator=g))
+    with pytest.raises(ValueError, match=r"^codebooks: kvstore cache 'c' does not exist: codec 'pq' takes"):
+        adapter(daemon, None).client()
+    kv = KVStoreClient(daemon)
+    with pytest.raises(grpc.RpcError) as e:
+        kv.get_cache("c")
+    assert e.value.code() == grpc.StatusCode.NOT_FOUND
+    adapter(daemon, None, calibrate_tokens=256).client()          # made, without codebooks yet
+    with pytest.raises(ValueError, match=r"^codebooks: kvstore cache 'c' holds no codebooks"):
+        adapter(daemon, None).client()
+    kv.delete_cache("c")
+    with_file = adapter(daemon, two_bit.describe(sink_tokens=16).to_bytes())
+    with torch.no_grad():
+        with_file.generate(prompt(40), **GEN)
+        want = with_file.generate(prompt(40), **GEN)        # as the next one: over the cached prompt
+    joined = adapter(daemon, None)
+    with torch.no_grad():
+        assert torch.equal(joined.generate(prompt(40), **GEN), want)
+    assert joined.spec["num_subvectors"] == 4 and joined.spec["sink_tokens"] == 16
+    assert kv.get_cache("c").spec.num_subvectors == 4
+    kv.delete_cache("c")                     # made again by another worker, with other codebooks
+    other = Codebooks(k=two_bit.k * 2, v=two_bit.v).describe(sink_tokens=16)
+    adapter(daemon, other.to_bytes()).client()
+    with pytest.raises(ValueError, match=rf"^codebooks: kvstore cache 'c' holds other codebooks \(sha256 "
+                                         rf"{other.sha256()[:16]}\) than the adapter took from it when it first"):
+        with torch.no_grad():
+            joined.generate(prompt(40), **GEN)
+    kv.close()
