@@ -84,10 +84,11 @@ class LeaseManager:
                     self._busy[key] = n
 
     def is_live(self, tenant: str, session: str) -> bool:
-        """Whether the session's lease is current (it called within timeout_s)."""
+        """Whether the session's lease is current: it called within timeout_s, or has a
+        call in flight (as the reaper reads it)."""
         with self._lock:
-            t = self._seen.get((tenant, session))
-        return t is not None and self.clock() - t <= self.timeout_s
+            t, busy = self._seen.get((tenant, session)), (tenant, session) in self._busy
+        return t is not None and (busy or self.clock() - t <= self.timeout_s)
 
     def sessions(self) -> int:
         return len(self._seen)

@@ -390,3 +390,23 @@ def test_read_only_admin_calls_hold_no_lease(live, capsys):
     assert _gauge(metrics, "kvstore_lease_expired_total") == expired
     with KVStoreClient(target, heartbeat=False) as kv:
         assert [s.sequence_id for s in kv.list_sequences("c")] == ["s"]      # no owner: never lapses
+
+
+def test_a_session_with_a_call_in_flight_past_its_timeout_holds_its_sequences():
+    """A call longer than the lease (TrainCodebooks, a wait behind a cache's lock) keeps
+    its session live for the reaper and for what reads the lease: SequenceInfo's owner
+    and DeleteCache's refusal without force; once the call ends, the lease runs on."""
+    from kvstore.errors import FailedPrecondition
+    e, clock = engine_with(), Clock()
+    leases = LeaseManager(e, timeout_s=10, clock=clock)
+    fill(e, "a", "s1")
+    leases.enter("default", "s1")
+    clock.t += 30
+    assert leases.is_live("default", "s1") and leases.reap() == []
+    with pytest.raises(FailedPrecondition, match="1 of its 1 sequences are held by live client leases"):
+        e.delete_cache("c", live=leases.is_live)
+    leases.leave("default", "s1")
+    clock.t += 11
+    assert not leases.is_live("default", "s1")
+    assert leases.reap() == [("default", "s1")]
+    assert [s.seq_id for s in e.list_sequences("c", "default")] == []
