@@ -31,7 +31,8 @@ RUN pip install --no-cache-dir --no-deps --no-build-isolation . \
     && rm -rf /app
 WORKDIR /
 
-RUN useradd --system --uid 10001 kvstore && install -d -m 0700 -o kvstore /run/kvstore
+# /var/lib/kvstore: the disk tier's volume (README); a fresh named volume takes this ownership
+RUN useradd --system --uid 10001 kvstore && install -d -m 0700 -o kvstore /run/kvstore /var/lib/kvstore
 USER kvstore
 # expandable_segments breaks CUDA IPC: never let a base image or -e turn it on.
 ENV KVSTORE_SOCKET=/run/kvstore/kvstore.sock PYTORCH_CUDA_ALLOC_CONF=""

@@ -83,7 +83,7 @@ def start_redis(binary: str | None, directory: str, io_threads: int = 1, extra: 
     try:
         import redis
     except ImportError:
-        return None, "redis-py is not installed (pip install 'kvstore[redis]')"
+        return None, "redis-py is not installed (pip install 'redis==8.1.0')"
     binary = binary or shutil.which("redis-server")
     if binary is None:
         return None, "no redis-server (give --redis-server PATH or put it on PATH)"

@@ -132,7 +132,7 @@ def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> tuple[Au
         try:
             import redis  # noqa: F401
         except ImportError:
-            p.error("--redis needs the redis client: pip install 'redis==8.1.0' (kvstore[redis])")
+            p.error("--redis needs the redis client: pip install 'redis==8.1.0' (the repository's [redis] extra)")
     if args.device.startswith("cuda"):
         n = _cuda_devices()
         index = int(args.device.partition(":")[2] or 0)

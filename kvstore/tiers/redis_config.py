@@ -79,13 +79,14 @@ class CredentialsRefused(Exception):
 
 def refuses_credentials(e: BaseException | None) -> bool:
     """Whether a failure is Redis refusing who we are: no password where it wants one,
-    a wrong one, or an ACL user without the commands the tier runs (through redis-py,
-    whose error classes strip the reply's code, or resp.py, whose messages keep it)."""
+    a wrong one, one where it wants none (a plain ERR), or an ACL user without the
+    commands the tier runs (through redis-py, whose error classes strip the reply's code,
+    or resp.py, whose messages keep it)."""
     import redis.exceptions as rx
     refused = (rx.AuthenticationError, rx.AuthenticationWrongNumberOfArgsError, rx.NoPermissionError)
     while e is not None:
-        if isinstance(e, refused) or (isinstance(e, resp.ReplyError) and
-                                      any(code in str(e) for code in ("NOAUTH", "WRONGPASS", "NOPERM"))):
+        if isinstance(e, refused) or (isinstance(e, resp.ReplyError) and any(code in str(e) for code in (
+                "NOAUTH", "WRONGPASS", "NOPERM", "without any password configured", "no password is set"))):
             return True
         e = e.__cause__
     return False

@@ -541,8 +541,10 @@ def test_acl_user_from_the_url_and_puts_the_server_refuses(redis_server, caplog)
     # A user of its own that may touch only kvstore keys (what the module docstring advises).
     r.acl_setuser("kv", enabled=True, passwords=["+s3cret"], keys=["kvstore:*"], commands=["+@all"])
     port = redis_server.port
-    # Refused credentials stop the start (no retry mends them), naming the URL without its password.
-    for url in (f"redis://kv:nope@127.0.0.1:{port}/0", f"redis://nobody:nope@127.0.0.1:{port}/0"):
+    # Refused credentials stop the start (no retry mends them), naming the URL without its password;
+    # a password for the default user, which has none here, too.
+    for url in (f"redis://kv:nope@127.0.0.1:{port}/0", f"redis://nobody:nope@127.0.0.1:{port}/0",
+                f"redis://:nope@127.0.0.1:{port}/0"):
         with pytest.raises(CredentialsRefused, match="refused the URL's credentials") as e:
             engine(url)
         assert "nope" not in str(e.value) and ":***@" in str(e.value)
