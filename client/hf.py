@@ -66,16 +66,14 @@ from . import hf_masks, hf_variants
 from .client import KVStoreClient
 from .hf_cache import FALLBACK_ERRORS, GONE, SPEC_REFUSED, KVStoreCache
 from .hf_codebooks import CacheBooks, bad_transform, fitting_codebooks
-from .hf_step import check_all_taken, set_decode_target, take_decode_target, take_prefill_check
+from .hf_attention import ATTN, _inner, register
+from .hf_step import check_all_taken, set_decode_target
 from .hf_groups import LayerGroups, merge_stats
 from .hf_states import StateSnapshots, continues_states, stateful_cache
 from .session import restarted
 
-ATTN = "kvstore"
 DEFAULT_PQ_SINKS = 32     # docs/accuracy.md: 32 sinks keep 4-bit PQ within 0.16 % of fp16 at R = 128
 MAX_QUERY_TOKENS = 128      # the daemon's bound on an AppendAttend's query_tokens (kvstore.proto)
-_registered = False
-_inner: dict[int, str | None] = {}     # id(config) -> the attention implementation it had before
 # prefix_path="auto": after a hit of CODES_MIN_HIT tokens or more, up to CODES_MAX_SUFFIX more take
 # the multi-token path, else Retrieve: it was the faster at 8K and 16K for any rest of 16-256 tokens,
 # the multi-token path by 9-16 % at 32K up to 128 (H200: docs/kernels.md, Time to first token).
@@ -84,40 +82,6 @@ CODES_MIN_HIT, CODES_MAX_SUFFIX = 24576, 128
 
 def codes_suffix_limit(cached: int) -> int:
     return CODES_MAX_SUFFIX if cached >= CODES_MIN_HIT else 1     # 1: the last token decodes, nothing to retrieve
-
-
-def register() -> None:
-    """Register the "kvstore" attention (and its mask: sdpa's) with transformers."""
-    global _registered
-    if _registered:
-        return
-    from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
-    AttentionInterface.register(ATTN, kvstore_attention)
-    AttentionMaskInterface.register(ATTN, sdpa_mask)
-    _registered = True
-
-
-def kvstore_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
-    """query [B, Hq, n, d], key/value [B, Hkv, kv, d] -> ([B, n, Hq, d], None).
-    Decode steps of a KVStoreCache go to the daemon; everything else (prefill,
-    fallback, plain caches) runs in-process by the model's own attention."""
-    cache = take_decode_target(module.layer_idx, key, value)
-    if cache is not None:
-        cache.adapter.variant.check_call(module.layer_idx, kwargs, attention_mask, cache.length + query.shape[2],
-                                         module, cache.pads, cache.masks_checked)
-        out, key, value = cache.decode_attention(module.layer_idx, query, key, value, scaling)
-        if out is not None:
-            return out, None
-    elif (pre := take_prefill_check(module.layer_idx)) and not pre[0].local:    # its K/V go to the daemon
-        pre[0].adapter.variant.check_call(module.layer_idx, kwargs, attention_mask, pre[1], module,
-                                          pre[0].pads, pre[0].masks_checked)
-    impl = _inner.get(id(module.config), "sdpa")
-    fn = hf_variants.inner_attention(module, impl)
-    if impl != "sdpa":
-        # the registered mask is sdpa's (bool, or None for plain causal); eager adds a float one
-        attention_mask = hf_variants.as_additive_mask(attention_mask, query, key)
-    return fn(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
 
 
 class KVStoreAdapter:
@@ -161,6 +125,7 @@ class KVStoreAdapter:
                              f"{calibrate_tokens} (0 with no codebooks file: the adapter takes the cache's)")
         c = model.config.get_text_config(decoder=True)
         self.variant = hf_variants.detect(model, c)       # ValueError naming what the daemon cannot run
+        self.reuse = not hf_variants.length_dependent_rope(c)     # else a prompt takes no cached prefix
         # The daemon's cache holds the layers that keep K/V (all but a hybrid model's linear
         # attention, Mamba or convolution layers, whose state stays in-process): "layer" on
         # the adapter's side of the daemon is an index among those.
@@ -280,14 +245,19 @@ class KVStoreAdapter:
             self._kv = None
 
     # ------------------------------------------------------------- requests
-    def cache_for(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> KVStoreCache:
+    def cache_for(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                  reuse_prefix: bool = True) -> KVStoreCache:
         """A cache for generating from input_ids [B, T], left-padded where
         attention_mask [B, T] is 0: each row is a daemon sequence of its own
         tokens only. A cached prefix (B == 1, no padding) is retrieved so that
-        generate() only runs the rest. Falls back to an in-process cache if
-        the daemon fails."""
+        generate() only runs the rest. reuse_prefix=False: none is, and the daemon
+        is not told the prompt's ids, so that the whole prompt runs (inputs_embeds,
+        whose K/V then go without ids; hidden states of every prompt token). Falls
+        back to an in-process cache if the daemon fails."""
         b, t = input_ids.shape
-        pads = [0] * b
+        pads, reuse_prefix = [0] * b, reuse_prefix and self.reuse
+        if attention_mask is not None and attention_mask.ndim != 2:
+            raise ValueError(f"attention_mask: a 2-D mask [batch, tokens], got {tuple(attention_mask.shape)}")
         if attention_mask is not None:
             mask = attention_mask.to(torch.long).cpu()
             pads = (t - mask.sum(-1)).tolist()
@@ -303,26 +273,26 @@ class KVStoreAdapter:
                 self._ready, self.transform = self.books.reconcile(kv, self.groups)
             if not self._ready:           # calibrating: in-process until TrainCodebooks (release())
                 return KVStoreCache(self, [], input_ids[:, :0], None, local=True, pads=pads)
-            if self.states is not None and b == 1 and not pads[0] and self._state_hits():
+            if reuse_prefix and self.states is not None and b == 1 and not pads[0] and self._state_hits():
                 return stateful_cache(self, kv, seq_ids, input_ids)
             for i, sid in enumerate(seq_ids):
                 # A hit stands in for running the prompt's first tokens; a model whose layers
                 # keep a recurrent state can only take one with the state there (above).
-                prompt = input_ids[i].tolist() if b == 1 and not pads[0] and not self.variant.has_state else []
-                cached = self.groups.allocate(kv, sid, prompt)
+                by_ids = reuse_prefix and b == 1 and not pads[0] and not self.variant.has_state
+                cached = self.groups.allocate(kv, sid, input_ids[i].tolist() if by_ids else [])
                 if cached == 0:
                     continue
                 if self.takes_codes(cached, t - cached):
                     self.prefix_runs["codes"] += 1
-                    cache = KVStoreCache(self, seq_ids, input_ids[:, :cached], None)
+                    cache = KVStoreCache(self, seq_ids, input_ids[:, :cached], None, ids_known=t)
                     cache.run_chunks(input_ids[:, cached:-1])       # generate() runs the last token
                     return cache
                 self.prefix_runs["retrieve"] += 1
                 # [L, P, Hkv, d] -> [L, 1, Hkv, P, d]; the model's dtype may not be the cache's
                 prefix = tuple(x.transpose(1, 2).unsqueeze(1).to(self.model.dtype)
                                for x in self.retrieve(kv, sid, cached))
-                return KVStoreCache(self, seq_ids, input_ids[:, :cached], prefix)
-            return KVStoreCache(self, seq_ids, input_ids[:, :0], None, pads=pads)
+                return KVStoreCache(self, seq_ids, input_ids[:, :cached], prefix, ids_known=t)
+            return KVStoreCache(self, seq_ids, input_ids[:, :0], None, pads=pads, ids_known=t if by_ids else 0)
         except FALLBACK_ERRORS as e:
             self.broken(e)
             return KVStoreCache(self, [], input_ids[:, :0], None, local=True, pads=pads)
@@ -358,11 +328,17 @@ class KVStoreAdapter:
         return tuple(torch.stack([t.inverse(x[l].float(), l, n) for l in range(self.num_layers)])
                      for x, n in ((k, "k"), (v, "v")))
 
-    def generate(self, input_ids: torch.Tensor, **kwargs) -> torch.Tensor:
+    def generate(self, input_ids: torch.Tensor | None = None, **kwargs) -> torch.Tensor:
         """model.generate with a daemon cache, freed afterwards. A batch of
-        prompts of different lengths: left-padded, with its attention_mask."""
+        prompts of different lengths: left-padded, with its attention_mask. With
+        inputs_embeds (what the model runs), or output_hidden_states (of every prompt
+        token), the prompt takes no cached prefix (cache_for's reuse_prefix)."""
         hf_variants.check_generate(self.model, kwargs)
-        cache = self.cache_for(input_ids, hf_variants.generate_mask(self.model, input_ids, kwargs))
+        embeds = kwargs.get("inputs_embeds")
+        reuse = embeds is None and not hf_variants.generate_setting(self.model, kwargs, "output_hidden_states", False)
+        ids = input_ids if input_ids is not None or embeds is None else \
+            torch.zeros(embeds.shape[:2], dtype=torch.long)      # its shape alone: no ids reach the daemon
+        cache = self.cache_for(ids, hf_variants.generate_mask(self.model, input_ids, kwargs), reuse_prefix=reuse)
         try:
             return self.model.generate(input_ids, past_key_values=cache, **kwargs)
         finally:
@@ -412,6 +388,10 @@ class KVStoreAdapter:
         if isinstance(cache, KVStoreCache):
             hf_variants.check_forward(module, kwargs)
             ids = kwargs.get("input_ids", args[0] if args else None)
+            if ids is None and cache.ids_known > cache.length:
+                raise ValueError("inputs_embeds: the daemon holds this cache's prompt ids (adapter.cache_for(input_ids)) "
+                                 "and would store these embeddings' K/V under them, for later prompts of those ids "
+                                 "to hit: make the cache with adapter.cache_for(input_ids, reuse_prefix=False)")
             hf_masks.check_continues(cache, kwargs, ids if ids is not None else kwargs.get("inputs_embeds"))
             cache.begin_forward(ids)
 

@@ -38,8 +38,9 @@ class KVStoreCache(Cache):
 
     def __init__(self, adapter, seq_ids: list[str], seen_ids: torch.Tensor,
                  prefix: tuple[torch.Tensor, torch.Tensor] | None, local: bool = False,
-                 pads: list[int] | None = None):
+                 pads: list[int] | None = None, ids_known: int = 0):
         self.adapter, self.seq_ids, self.local = adapter, seq_ids, local
+        self.ids_known = ids_known      # prompt positions whose ids the daemon holds (Allocate's prompt)
         # Row i's first pads[i] positions are left padding: never sent to the
         # daemon, whose sequence i holds positions [pads[i], length).
         self.pads = pads or [0] * seen_ids.shape[0]

@@ -7,6 +7,8 @@ prefill, whose K/V would be stored under the prompt's ids for later prompts to h
 a forward that does not continue the cache, or at other positions (check_continues)."""
 from __future__ import annotations
 
+import inspect
+
 import torch
 
 ROWS = 1024     # a prefill's query rows compared at a time: 32 MiB of temporaries a sequence at 32K
@@ -96,6 +98,12 @@ def check_continues(cache, kwargs: dict, x) -> None:
         return
     mask, pos = kwargs.get("attention_mask"), kwargs.get("position_ids")
     have = cache.length
+    takes_positions = "position_ids" in inspect.signature(cache.adapter.model.forward).parameters
+    if pos is None and max(cache.pads) > 0 and takes_positions:
+        raise ValueError(f"position_ids: the kvstore cache holds a left-padded batch (padding {cache.pads}) and the "
+                         "forward gives none, so the model numbers each row from its padding; the daemon's "
+                         "sequences start at each row's first token: pass position_ids from 0 there, as "
+                         "generate() does (cache.positions(start, end))")
     if isinstance(mask, torch.Tensor) and mask.ndim == 2:
         start = mask.shape[-1] - n
     elif isinstance(pos, torch.Tensor) and pos.ndim == 2 and pos.shape[0] == len(cache.pads):
@@ -108,9 +116,11 @@ def check_continues(cache, kwargs: dict, x) -> None:
         return
     if start != have:
         raise ValueError(f"past_key_values: the forward's {n} tokens start at position {start}, but the kvstore "
-                         f"cache holds {have} tokens: each forward must continue the cache. Assisted / "
-                         "speculative generation (assistant_model, prompt_lookup_num_tokens), which runs the "
-                         "prompt again with its drafts, is not supported by the kvstore adapter")
+                         f"cache holds {have} tokens: each forward must continue the cache (model.generate "
+                         "runs the prompt past what its cache holds: give it adapter.cache_for's cache, not one "
+                         "a forward of the whole prompt filled). Assisted / speculative generation "
+                         "(assistant_model, prompt_lookup_num_tokens), which runs the prompt again with its "
+                         "drafts, is not supported by the kvstore adapter")
     # Before the forward runs: its K/V go to the daemon under their token ids, and K/V made
     # under a mask with a hole, or at other positions, would then serve a later prompt of the
     # same ids that has none.

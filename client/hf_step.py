@@ -1,6 +1,6 @@
 """Which attention call takes a layer's decode step: KVStoreCache.update names the
 layer and the K/V it returned; the attention function registered with transformers
-(hf.kvstore_attention), called next on the same thread, takes them to the daemon.
+(hf_attention.kvstore_attention), called next on the same thread, takes them to the daemon.
 Anything else (no call, another layer's module, other K/V, a second call) stops
 generation naming the layer: the daemon would answer wrongly."""
 from __future__ import annotations
@@ -14,7 +14,7 @@ _local = threading.local()     # ctx: (cache, layer, K/V) set by KVStoreCache.up
 
 def set_decode_target(cache, layer: int = -1, kv: tuple | None = None) -> None:
     """The decode step of `layer` goes to the daemon: the attention function
-    (hf.kvstore_attention) called next on this thread takes it, with the K/V `kv`
+    (hf_attention.kvstore_attention) called next on this thread takes it, with the K/V `kv`
     update returned. A step no attention call took is refused here: that layer
     attended in-process over the new tokens alone (update kept nothing), so its
     output is wrong, and generation must stop."""

@@ -168,6 +168,14 @@ def setting(c, name: str, default=None):
     return values[0]
 
 
+def length_dependent_rope(c) -> bool:
+    """Whether the model's RoPE frequencies depend on the length of the forward (dynamic
+    NTK, LongRoPE): K/V cached from a prompt of another length were rotated otherwise."""
+    params = getattr(c, "rope_parameters", None) or getattr(c, "rope_scaling", None) or {}
+    kinds = [params] + [v for v in params.values() if isinstance(v, dict)]     # per layer type (Gemma 3)
+    return any(k.get("rope_type", k.get("type")) in ("dynamic", "longrope") for k in kinds)
+
+
 def heads(c) -> tuple[int, int, int]:
     """(query heads, KV heads, head_dim) of a decoder's text config, whichever names it
     uses: num_key_value_heads (Llama and most), num_kv_heads (Falcon), multi_query
@@ -305,6 +313,20 @@ def check_generate(model, kwargs: dict) -> None:
         if asked(name):
             raise ValueError(f"{name}: assisted / speculative generation is not supported by the kvstore "
                              "adapter (a daemon sequence cannot drop the draft tokens it rejects)")
+    check_media(kwargs)
+    mask = kwargs.get("attention_mask")
+    if isinstance(mask, torch.Tensor) and mask.ndim != 2:
+        raise ValueError(f"attention_mask: generate() takes a 2-D mask [batch, tokens], got {tuple(mask.shape)}")
+
+
+def check_media(kwargs: dict) -> None:
+    """ValueError naming an image, video or audio input: its tokens are placeholder ids,
+    the same whatever the input, so K/V cached under them would serve another input."""
+    for name, x in kwargs.items():
+        if x is not None and any(w in name for w in ("pixel_values", "input_features", "image", "video", "audio")):
+            raise ValueError(f"{name}: image, video and audio inputs are not supported by the kvstore adapter "
+                             "(their tokens are placeholder ids, the same for every input: K/V the daemon "
+                             "stores under them would serve another input)")
 
 
 def generate_mask(model, input_ids: torch.Tensor, kwargs: dict) -> torch.Tensor | None:
@@ -314,8 +336,8 @@ def generate_mask(model, input_ids: torch.Tensor, kwargs: dict) -> torch.Tensor 
     daemon's sequences go by the same mask; None: every token attended. ValueError where the
     inferred mask hides a token after a row's first real one (the daemon's rows are left
     padding, then tokens that all attend)."""
-    if kwargs.get("attention_mask") is not None:
-        return kwargs["attention_mask"]
+    if kwargs.get("attention_mask") is not None or input_ids is None:
+        return kwargs.get("attention_mask")
     pad, eos = (generate_setting(model, kwargs, n) for n in ("pad_token_id", "eos_token_id"))
     if pad is None or input_ids.ndim != 2 or input_ids.is_floating_point():
         return None
@@ -341,6 +363,7 @@ def check_forward(model, kwargs: dict) -> None:
         raise ValueError(USE_CACHE_REFUSED)
     if asked("output_attentions"):
         raise ValueError(ATTENTIONS_REFUSED)
+    check_media(kwargs)
 
 
 def weights_id(model) -> str:

@@ -465,7 +465,7 @@ def test_a_decode_step_attended_astray_stops_generation(daemon, monkeypatch, how
     layer's module, with K/V it changed after the cache (as differential attention
     does) or twice, stops with an error naming the layer, rather than generating on."""
     from transformers.models.llama import modeling_llama
-    from kvstore.client.hf import kvstore_attention
+    from kvstore.client.hf_attention import kvstore_attention
     model = build("llama")
     ad = KVStoreAdapter(model, daemon, cache="astray", codec="fp16", block_size=8, residual=8)
 
@@ -498,7 +498,7 @@ def test_a_decode_step_with_other_sink_logits_stops_generation(daemon, monkeypat
     a decode call passing others (s_aux that is not the attention's `sinks` parameter),
     or any to a model built without them, stops with an error naming the layer."""
     import importlib
-    from kvstore.client.hf import kvstore_attention
+    from kvstore.client.hf_attention import kvstore_attention
     model = build(name)
     ad = KVStoreAdapter(model, daemon, cache=f"aux-{name}", codec="fp16", block_size=8, residual=8)
     modeling = importlib.import_module(type(model).__module__)
