@@ -16,6 +16,8 @@ export PYTHONUNBUFFERED := 1
 # downloads a few hundred MB and takes minutes.
 $(VENV)/.installed: requirements.txt requirements-model.txt pyproject.toml
 	@echo "==> [1/5] virtual environment $(VENV) ($(PY))"
+	@$(PY) -c 'import sys; sys.exit(sys.version_info < (3, 11))' || \
+		{ echo "kvstore needs Python 3.11 or newer; $(PY) is $$($(PY) -V 2>&1): make ... PY=python3.11"; exit 1; }
 	$(PY) -m venv $(VENV)
 	$(VPY) -m pip install --upgrade pip
 	@echo "==> [2/5] the daemon's pinned requirements (requirements.txt; torch==2.13.0, CPU where a CPU wheel is offered: README, Install)"
