@@ -67,7 +67,7 @@ from .client import KVStoreClient
 from .hf_cache import FALLBACK_ERRORS, GONE, SPEC_REFUSED, KVStoreCache
 from .hf_codebooks import CacheBooks, bad_transform, fitting_codebooks
 from .hf_attention import ATTN, _inner, register
-from .hf_step import check_all_taken, set_decode_target
+from .hf_step import check_all_taken, set_decode_target, set_prefill_check
 from .hf_groups import LayerGroups, merge_stats
 from .hf_states import StateSnapshots, continues_states, stateful_cache
 from .session import restarted
@@ -284,15 +284,15 @@ class KVStoreAdapter:
                     continue
                 if self.takes_codes(cached, t - cached):
                     self.prefix_runs["codes"] += 1
-                    cache = KVStoreCache(self, seq_ids, input_ids[:, :cached], None, ids_known=t)
+                    cache = KVStoreCache(self, seq_ids, input_ids[:, :cached], None, known_ids=input_ids)
                     cache.run_chunks(input_ids[:, cached:-1])       # generate() runs the last token
                     return cache
                 self.prefix_runs["retrieve"] += 1
                 # [L, P, Hkv, d] -> [L, 1, Hkv, P, d]; the model's dtype may not be the cache's
                 prefix = tuple(x.transpose(1, 2).unsqueeze(1).to(self.model.dtype)
                                for x in self.retrieve(kv, sid, cached))
-                return KVStoreCache(self, seq_ids, input_ids[:, :cached], prefix, ids_known=t)
-            return KVStoreCache(self, seq_ids, input_ids[:, :0], None, pads=pads, ids_known=t if by_ids else 0)
+                return KVStoreCache(self, seq_ids, input_ids[:, :cached], prefix, known_ids=input_ids)
+            return KVStoreCache(self, seq_ids, input_ids[:, :0], None, pads=pads, known_ids=input_ids if by_ids else None)
         except FALLBACK_ERRORS as e:
             self.broken(e)
             return KVStoreCache(self, [], input_ids[:, :0], None, local=True, pads=pads)
@@ -333,8 +333,11 @@ class KVStoreAdapter:
         prompts of different lengths: left-padded, with its attention_mask. With
         inputs_embeds (what the model runs), or output_hidden_states (of every prompt
         token), the prompt takes no cached prefix (cache_for's reuse_prefix)."""
+        input_ids = input_ids if input_ids is not None else kwargs.pop("inputs", None)     # generate()'s name
         hf_variants.check_generate(self.model, kwargs)
         embeds = kwargs.get("inputs_embeds")
+        if input_ids is None and embeds is None:
+            raise ValueError("input_ids: adapter.generate needs the prompt's input_ids (or inputs_embeds)")
         reuse = embeds is None and not hf_variants.generate_setting(self.model, kwargs, "output_hidden_states", False)
         ids = input_ids if input_ids is not None or embeds is None else \
             torch.zeros(embeds.shape[:2], dtype=torch.long)      # its shape alone: no ids reach the daemon
@@ -383,16 +386,19 @@ class KVStoreAdapter:
 
     @staticmethod
     def _pre_forward(module, args, kwargs):
-        set_decode_target(None)     # one an exception left in an earlier forward
+        set_decode_target(None)     # ones an exception left in an earlier forward
+        set_prefill_check(None, -1, 0)
         cache = kwargs.get("past_key_values")
         if isinstance(cache, KVStoreCache):
             hf_variants.check_forward(module, kwargs)
             ids = kwargs.get("input_ids", args[0] if args else None)
-            if ids is None and cache.ids_known > cache.length:
-                raise ValueError("inputs_embeds: the daemon holds this cache's prompt ids (adapter.cache_for(input_ids)) "
-                                 "and would store these embeddings' K/V under them, for later prompts of those ids "
-                                 "to hit: make the cache with adapter.cache_for(input_ids, reuse_prefix=False)")
             hf_masks.check_continues(cache, kwargs, ids if ids is not None else kwargs.get("inputs_embeds"))
+            hf_masks.check_known_ids(cache, ids)
+            if not cache.forwards and cache.length and hf_variants.forward_setting(module, kwargs, "output_hidden_states"):
+                raise ValueError(f"output_hidden_states: the kvstore cache starts with {cache.length} cached tokens, so "
+                                 "the forward's hidden states would cover the rest of the prompt only: make the "
+                                 "cache with adapter.cache_for(input_ids, reuse_prefix=False)")
+            cache.forwards += 1
             cache.begin_forward(ids)
 
     @staticmethod

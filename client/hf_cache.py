@@ -38,9 +38,10 @@ class KVStoreCache(Cache):
 
     def __init__(self, adapter, seq_ids: list[str], seen_ids: torch.Tensor,
                  prefix: tuple[torch.Tensor, torch.Tensor] | None, local: bool = False,
-                 pads: list[int] | None = None, ids_known: int = 0):
+                 pads: list[int] | None = None, known_ids: torch.Tensor | None = None):
         self.adapter, self.seq_ids, self.local = adapter, seq_ids, local
-        self.ids_known = ids_known      # prompt positions whose ids the daemon holds (Allocate's prompt)
+        self.known_ids = known_ids      # [1, n] the prompt ids the daemon holds (Allocate's), or None
+        self.forwards = 0               # the caller's forwards so far (a hit's tokens came without one)
         # Row i's first pads[i] positions are left padding: never sent to the
         # daemon, whose sequence i holds positions [pads[i], length).
         self.pads = pads or [0] * seen_ids.shape[0]
@@ -268,7 +269,8 @@ class KVStoreCache(Cache):
         k = torch.stack([s[0] for s in self._step]).transpose(2, 3)            # [L, B, n, Hkv, d]
         v = torch.stack([s[1] for s in self._step]).transpose(2, 3)
         k, v = self._to_daemon(k, "k"), self._to_daemon(v, "v")
-        have_ids = self._cur_ids is not None and self._cur_ids.shape[-1] == n
+        # a model whose RoPE depends on the length takes no hit: its blocks go unindexed
+        have_ids = self._cur_ids is not None and self._cur_ids.shape[-1] == n and self.adapter.reuse
         rows, ks, vs, ids = [], [], [], []
         for i, sid in enumerate(self.seq_ids):
             skip = min(n, max(0, self.pads[i] - self.length))        # padding inside this forward
@@ -312,7 +314,7 @@ class KVStoreCache(Cache):
         # daemon hashes generated tokens as their blocks fill, for the next turn's prefix hit.
         group, at = self.adapter.groups.at(layer)
         ids = self._cur_ids[:, -n:].reshape(-1).tolist() \
-            if at == 0 and self._cur_ids is not None and self._cur_ids.shape[-1] >= n else None
+            if at == 0 and self._cur_ids is not None and self._cur_ids.shape[-1] >= n and self.adapter.reuse else None
         try:
             out = self.adapter.client().append_attend(group.cache, at, self.seq_ids, k1, v1, q1,
                                                       scale=scaling or 0.0, token_ids=ids, query_tokens=n)

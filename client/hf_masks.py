@@ -138,3 +138,23 @@ def check_continues(cache, kwargs: dict, x) -> None:
             raise ValueError("position_ids: the forward's positions are not each row's next ones (from 0 at its "
                              f"first token after left padding {cache.pads}, one a token); the daemon's "
                              "sequences hold K/V at those positions: give the tokens in order, without gaps")
+
+
+def check_known_ids(cache, ids) -> None:
+    """ValueError unless a forward over cache_for's cache brings, where the daemon holds
+    the prompt's ids (Allocate's), those ids: embeddings instead would be stored under
+    them for later prompts to hit, and other tokens (a forward that repeats what
+    cache_for already ran) would be appended after the prompt's."""
+    known = cache.known_ids
+    if cache.local or known is None or cache.length >= known.shape[1]:
+        return
+    if ids is None:
+        raise ValueError("inputs_embeds: the daemon holds this cache's prompt ids (adapter.cache_for(input_ids)) "
+                         "and would store these embeddings' K/V under them, for later prompts of those ids to "
+                         "hit: make the cache with adapter.cache_for(input_ids, reuse_prefix=False)")
+    n = min(ids.shape[-1], known.shape[1] - cache.length)
+    want = known[:, cache.length:cache.length + n].cpu().expand(ids.shape[0], n)
+    if not torch.equal(ids[:, :n].detach().cpu(), want):
+        raise ValueError(f"input_ids: the kvstore cache holds {cache.length} tokens of the prompt adapter.cache_for "
+                         "was given, and the forward's are not the prompt's next ones: give it "
+                         "input_ids[:, cache.length:] (as generate() does)")

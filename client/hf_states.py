@@ -315,15 +315,16 @@ def stateful_cache(ad, kv, seq_ids: list[str], input_ids: torch.Tensor) -> KVSto
     bs = store.block_size
     keys = store.keys(ids)
     reach = hit = ad.groups.allocate(kv, sid, ids)
-    snap = None
+    snap, known = None, len(ids)        # the prompt ids the daemon holds
     while hit:      # the daemon's K/V reach past the states held: hit where they end
         held = store.longest(keys, hit)
         if held == hit and (snap := store.copy_out(keys[hit // bs - 1])) is not None:
             break
         for c in ad.groups.caches():
             kv.free(c, [sid])
-        hit = ad.groups.allocate(kv, sid, ids[:held + 1] if held else [])
-    cache = KVStoreCache(ad, seq_ids, input_ids[:, :hit], None)
+        known = held + 1 if held else 0
+        hit = ad.groups.allocate(kv, sid, ids[:known])
+    cache = KVStoreCache(ad, seq_ids, input_ids[:, :hit], None, known_ids=input_ids[:, :known])
     # After a hit the rest runs by the multi-token path (adapter.takes_codes), or retrieves
     # the prefix once; each part's K/V computed in-process stay as the next part's prefix.
     codes = bool(hit) and ad.takes_codes(hit, len(ids) - hit)

@@ -70,7 +70,7 @@ def set_prefill_check(cache, layer: int, kv_len: int) -> None:
     """The attention call of `layer` that follows runs a prefill in-process, whose K/V
     (the layers after it depend on its output) go to the daemon under their token ids:
     its mask over kv_len positions must be the one the daemon's sequences stand for."""
-    _local.prefill = (cache, layer, kv_len)
+    _local.prefill = (cache, layer, kv_len) if cache is not None else None
 
 
 def take_prefill_check(layer: int):

@@ -322,8 +322,9 @@ def check_generate(model, kwargs: dict) -> None:
 def check_media(kwargs: dict) -> None:
     """ValueError naming an image, video or audio input: its tokens are placeholder ids,
     the same whatever the input, so K/V cached under them would serve another input."""
-    for name, x in kwargs.items():
-        if x is not None and any(w in name for w in ("pixel_values", "input_features", "image", "video", "audio")):
+    for name, x in kwargs.items():      # tensors only: flags and token ids of those names are no input
+        if isinstance(x, torch.Tensor) and any(w in name for w in ("pixel_values", "input_features", "image", "video",
+                                                                   "audio")):
             raise ValueError(f"{name}: image, video and audio inputs are not supported by the kvstore adapter "
                              "(their tokens are placeholder ids, the same for every input: K/V the daemon "
                              "stores under them would serve another input)")
@@ -355,13 +356,17 @@ def generate_mask(model, input_ids: torch.Tensor, kwargs: dict) -> torch.Tensor 
     return mask
 
 
+def forward_setting(model, kwargs: dict, name: str):
+    """A forward's setting: its kwargs, else the model's config."""
+    return getattr(model.config, name, None) if kwargs.get(name) is None else kwargs[name]
+
+
 def check_forward(model, kwargs: dict) -> None:
     """check_generate's refusals for a forward given the adapter's cache by hand
-    (model.generate or model() with cache_for's cache): its kwargs, else the model's config."""
-    asked = lambda name: getattr(model.config, name, None) if kwargs.get(name) is None else kwargs[name]  # noqa: E731
-    if asked("use_cache") is False:
+    (model.generate or model() with cache_for's cache)."""
+    if forward_setting(model, kwargs, "use_cache") is False:
         raise ValueError(USE_CACHE_REFUSED)
-    if asked("output_attentions"):
+    if forward_setting(model, kwargs, "output_attentions"):
         raise ValueError(ATTENTIONS_REFUSED)
     check_media(kwargs)
 

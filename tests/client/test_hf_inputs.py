@@ -148,3 +148,70 @@ def test_a_rope_that_depends_on_the_length_takes_no_cached_prefix(daemon, rope):
     strict_generate(ad, short, **GREEDY)
     assert torch.equal(strict_generate(ad, long, **GREEDY), want)
     assert (ad.stats().prefix_hit_tokens > 0) == (rope == "default")
+    # nor are its blocks indexed: an adapter of the same weights with a plain RoPE (the
+    # same label: the model_id names weights, not settings) finds none of them
+    plain = KVStoreAdapter(build("llama"), daemon, cache=f"rope-{rope}", codec="fp16", block_size=8, residual=8)
+    hits = plain.stats().prefix_hit_tokens
+    strict_generate(plain, long, **GREEDY)
+    assert (plain.stats().prefix_hit_tokens > hits) == (rope == "default")
+
+
+def test_hidden_states_by_hand_over_a_cached_prefix_are_refused(daemon):
+    """model.generate(output_hidden_states=True) given cache_for's cache after a hit would
+    return the hidden states of the rest only: refused naming output_hidden_states;
+    reuse_prefix=False gives every prompt token's."""
+    model = build("llama")
+    ids = prompt(60, seed=14)
+    ad = KVStoreAdapter(model, daemon, cache="hidden-hand", codec="fp16", block_size=8, residual=8)
+    strict_generate(ad, ids, **GREEDY)
+    kw = dict(GREEDY, return_dict_in_generate=True, output_hidden_states=True)
+    for reuse in (True, False):
+        cache = ad.cache_for(ids, reuse_prefix=reuse)
+        try:
+            with torch.no_grad():
+                if reuse:
+                    with pytest.raises(ValueError, match=r"^output_hidden_states: the kvstore cache starts with"):
+                        model.generate(ids, past_key_values=cache, **kw)
+                else:
+                    out = model.generate(ids, past_key_values=cache, **kw)
+                    assert out.hidden_states[0][0].shape[1] == 60
+        finally:
+            cache.release()
+    assert live_sequences(ad) == 0
+
+
+def test_generate_takes_transformers_inputs_keyword_and_names_a_missing_prompt(daemon):
+    from kvstore.client import hf_variants
+    model = build("llama")
+    ids = prompt(20)
+    ad = KVStoreAdapter(model, daemon, cache="inputs-kw", codec="fp16", block_size=8, residual=8)
+    assert torch.equal(strict_generate(ad, None, inputs=ids, **GREEDY), _reference(model, ids, **GREEDY))
+    with pytest.raises(ValueError, match=r"^input_ids: adapter.generate needs the prompt's input_ids"):
+        ad.generate(**GREEDY)
+    # flags and token ids named after media are no media input (a text-only omni model's)
+    hf_variants.check_media(dict(use_audio_in_video=False, image_token_id=5, image_sizes=None))
+
+
+@pytest.mark.parametrize("name", ["llama", "bamba"])
+def test_a_forward_repeating_what_cache_for_ran_is_refused_naming_input_ids(daemon, name):
+    """cache_for may have run part of the prompt already (a hit; a hybrid model's prompt up
+    to its state boundaries): a forward by hand that starts the prompt again would append
+    its tokens after them. Refused naming input_ids before anything reaches the daemon;
+    the prompt's next tokens are taken."""
+    from tests.client.test_hf_hybrid import build as build_hybrid
+    model = build(name) if name == "llama" else build_hybrid(name)
+    ids = prompt(40, seed=15)
+    ad = KVStoreAdapter(model, daemon, cache=f"repeat-{name}", codec="fp16", block_size=8, residual=8)
+    strict_generate(ad, ids, **GREEDY)
+    cache = ad.cache_for(ids)
+    assert cache.length > 0
+    try:
+        with torch.no_grad():
+            with pytest.raises(ValueError, match=r"^input_ids: the kvstore cache holds \d+ tokens of the prompt"):
+                model(input_ids=ids[:, :24], past_key_values=cache, use_cache=True)
+            model(input_ids=ids[:, cache.length:], past_key_values=cache, use_cache=True,
+                  position_ids=torch.arange(cache.length, 40)[None])
+        assert cache.length == 40 and not cache.local
+    finally:
+        cache.release()
+    assert ad.fallbacks == 0 and live_sequences(ad) == 0
