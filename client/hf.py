@@ -257,7 +257,8 @@ class KVStoreAdapter:
         b, t = input_ids.shape
         pads, reuse_prefix = [0] * b, reuse_prefix and self.reuse
         if attention_mask is not None and attention_mask.ndim != 2:
-            raise ValueError(f"attention_mask: a 2-D mask [batch, tokens], got {tuple(attention_mask.shape)}")
+            raise ValueError(f"attention_mask: a 2-D mask [batch, tokens] (as generate() takes), got "
+                             f"{tuple(attention_mask.shape)}")
         if attention_mask is not None:
             mask = attention_mask.to(torch.long).cpu()
             pads = (t - mask.sum(-1)).tolist()
@@ -387,7 +388,7 @@ class KVStoreAdapter:
     @staticmethod
     def _pre_forward(module, args, kwargs):
         set_decode_target(None)     # ones an exception left in an earlier forward
-        set_prefill_check(None, -1, 0)
+        set_prefill_check(None)
         cache = kwargs.get("past_key_values")
         if isinstance(cache, KVStoreCache):
             hf_variants.check_forward(module, kwargs)

@@ -98,8 +98,9 @@ def check_continues(cache, kwargs: dict, x) -> None:
         return
     mask, pos = kwargs.get("attention_mask"), kwargs.get("position_ids")
     have = cache.length
-    takes_positions = "position_ids" in inspect.signature(cache.adapter.model.forward).parameters
-    if pos is None and max(cache.pads) > 0 and takes_positions:
+    # (the signature read only then: this runs before every decode step)
+    if pos is None and max(cache.pads) > 0 and \
+            "position_ids" in inspect.signature(cache.adapter.model.forward).parameters:
         raise ValueError(f"position_ids: the kvstore cache holds a left-padded batch (padding {cache.pads}) and the "
                          "forward gives none, so the model numbers each row from its padding; the daemon's "
                          "sequences start at each row's first token: pass position_ids from 0 there, as "
@@ -125,19 +126,23 @@ def check_continues(cache, kwargs: dict, x) -> None:
     # under a mask with a hole, or at other positions, would then serve a later prompt of the
     # same ids that has none.
     if isinstance(mask, torch.Tensor) and mask.ndim == 2 and mask.shape[0] == len(cache.pads):
-        want = torch.arange(mask.shape[-1])[None] >= torch.tensor(cache.pads)[:, None]
-        if not torch.equal(mask.detach().cpu().to(torch.bool), want):
+        if not torch.equal(mask.detach().cpu().to(torch.bool), _real(cache.pads, 0, mask.shape[-1])):
             raise ValueError("attention_mask: the forward's mask hides a token after a row's left padding, or "
                              f"attends its padding (the kvstore cache was made with left padding {cache.pads}); "
                              "the daemon's sequences attend every token after it: give the cache the same "
                              "attention_mask (adapter.cache_for(input_ids, attention_mask))")
     if isinstance(pos, torch.Tensor) and pos.ndim == 2 and pos.shape[0] in (1, len(cache.pads)):
-        want = cache.positions(have, have + n)
-        real = torch.arange(have, have + n)[None] >= torch.tensor(cache.pads)[:, None]
+        want, real = cache.positions(have, have + n), _real(cache.pads, have, have + n)
         if pos.shape[-1] == n and not bool(((pos.detach().cpu() == want) | ~real).all()):
             raise ValueError("position_ids: the forward's positions are not each row's next ones (from 0 at its "
                              f"first token after left padding {cache.pads}, one a token); the daemon's "
                              "sequences hold K/V at those positions: give the tokens in order, without gaps")
+
+
+def _real(pads: list[int], lo: int, hi: int) -> torch.Tensor:
+    """bool [B, hi - lo]: whether positions [lo, hi) of each row are its tokens, not its
+    left padding."""
+    return torch.arange(lo, hi)[None] >= torch.tensor(pads)[:, None]
 
 
 def check_known_ids(cache, ids) -> None:

@@ -66,10 +66,11 @@ def begin_layer() -> None:
     _local.taken = None
 
 
-def set_prefill_check(cache, layer: int, kv_len: int) -> None:
+def set_prefill_check(cache, layer: int = -1, kv_len: int = 0) -> None:
     """The attention call of `layer` that follows runs a prefill in-process, whose K/V
     (the layers after it depend on its output) go to the daemon under their token ids:
-    its mask over kv_len positions must be the one the daemon's sequences stand for."""
+    its mask over kv_len positions must be the one the daemon's sequences stand for.
+    cache None: none (one an exception left)."""
     _local.prefill = (cache, layer, kv_len) if cache is not None else None
 
 

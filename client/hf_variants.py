@@ -314,9 +314,6 @@ def check_generate(model, kwargs: dict) -> None:
             raise ValueError(f"{name}: assisted / speculative generation is not supported by the kvstore "
                              "adapter (a daemon sequence cannot drop the draft tokens it rejects)")
     check_media(kwargs)
-    mask = kwargs.get("attention_mask")
-    if isinstance(mask, torch.Tensor) and mask.ndim != 2:
-        raise ValueError(f"attention_mask: generate() takes a 2-D mask [batch, tokens], got {tuple(mask.shape)}")
 
 
 def check_media(kwargs: dict) -> None:

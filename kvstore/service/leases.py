@@ -87,8 +87,8 @@ class LeaseManager:
         """Whether the session's lease is current: it called within timeout_s, or has a
         call in flight (as the reaper reads it)."""
         with self._lock:
-            t, busy = self._seen.get((tenant, session)), (tenant, session) in self._busy
-        return t is not None and (busy or self.clock() - t <= self.timeout_s)
+            key = (tenant, session)
+            return key in self._seen and not self._lapsed_at(key, self.clock())
 
     def sessions(self) -> int:
         return len(self._seen)
@@ -126,7 +126,11 @@ class LeaseManager:
 
     def _lapsed(self, now: float) -> list[tuple[str, str]]:
         """Sessions silent past the timeout with no call in flight (self._lock held)."""
-        return [key for key, t in self._seen.items() if now - t > self.timeout_s and key not in self._busy]
+        return [key for key in self._seen if self._lapsed_at(key, now)]
+
+    def _lapsed_at(self, key: tuple[str, str], now: float) -> bool:
+        """The session (seen) was silent past the timeout with no call in flight (self._lock held)."""
+        return now - self._seen[key] > self.timeout_s and key not in self._busy
 
     def _expire(self, tenant: str, session: str) -> None:
         owned = self.engine.owned_sequences(tenant, session)

@@ -113,7 +113,7 @@ def test_inputs_it_cannot_serve_are_refused_naming_them(daemon):
     model = build("llama")
     ids = prompt(20)
     ad = KVStoreAdapter(model, daemon, cache="refusals", codec="fp16", block_size=8, residual=8)
-    with pytest.raises(ValueError, match=r"^attention_mask: generate\(\) takes a 2-D mask"):
+    with pytest.raises(ValueError, match=r"^attention_mask: a 2-D mask \[batch, tokens\] \(as generate\(\) takes\)"):
         ad.generate(ids, attention_mask=torch.ones(1, 1, 20, 20, dtype=torch.bool), **GREEDY)
     with pytest.raises(ValueError, match=r"^pixel_values: image, video and audio inputs are not supported"):
         ad.generate(ids, pixel_values=torch.zeros(1, 3, 8, 8), **GREEDY)
