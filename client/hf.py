@@ -66,7 +66,7 @@ from . import hf_masks, hf_variants
 from .client import KVStoreClient
 from .hf_cache import FALLBACK_ERRORS, GONE, SPEC_REFUSED, KVStoreCache
 from .hf_codebooks import CacheBooks, bad_transform, fitting_codebooks
-from .hf_attention import ATTN, _inner, register
+from .hf_attention import install, register, restore
 from .hf_step import check_all_taken, set_decode_target, set_prefill_check
 from .hf_groups import LayerGroups, merge_stats
 from .hf_states import StateSnapshots, continues_states, stateful_cache
@@ -182,12 +182,10 @@ class KVStoreAdapter:
         self._prefix = f"hf-{os.getpid()}-{id(self):x}"
         self.fallbacks = 0
         register()
-        self._configs = {id(m.config): m.config for m in model.modules() if getattr(m, "config", None) is not None}
-        self._old_attn = {k: c._attn_implementation for k, c in self._configs.items()}
-        for k, c in self._configs.items():    # sub-configs (e.g. a decoder's) carry their own attribute
-            if self._old_attn[k] != ATTN:
-                _inner[k] = self._old_attn[k]
-            c._attn_implementation = ATTN
+        # sub-configs (e.g. a decoder's) carry their own attribute
+        self._configs = list({id(m.config): m.config for m in model.modules()
+                              if getattr(m, "config", None) is not None}.values())
+        self._old_attn = install(self._configs)
         self._hooks = (model.register_forward_pre_hook(self._pre_forward, with_kwargs=True),
                        model.register_forward_hook(self._post_forward))
 
@@ -237,9 +235,7 @@ class KVStoreAdapter:
         """Detach from the model (its attention goes back to what it was) and the daemon."""
         for h in self._hooks:
             h.remove()
-        for k, c in self._configs.items():
-            c._attn_implementation = self._old_attn[k]
-            _inner.pop(k, None)
+        restore(self._configs, self._old_attn)
         if self._kv is not None:
             self._kv.close()
             self._kv = None

@@ -390,6 +390,39 @@ def test_sink_logits_change_the_answer(daemon):
     ad.close()
 
 
+def test_a_copy_taken_with_the_adapter_installed_runs_the_models_own_attention():
+    """copy.deepcopy of a model while an adapter is installed: the copy's configs name the
+    kvstore attention too, and must run the attention the model had (gpt-oss: eager, with
+    its sink logits), not sdpa, whose logits differ."""
+    model = build("gpt_oss")
+    ids = prompt(30, seed=5)
+    with torch.no_grad():
+        want = model(ids).logits
+    ad = KVStoreAdapter(model, "unix:///nonexistent.sock", cache="copied", codec="fp16",
+                        block_size=8, residual=8)
+    twin = copy.deepcopy(model)
+    with torch.no_grad():
+        assert torch.equal(twin(ids).logits, want)
+    ad.close()
+    assert model.config._attn_implementation == "eager"
+
+
+def test_each_config_gets_back_its_own_attention():
+    """A composite model's configs may each name another attention (a vision tower eager,
+    the text model sdpa); setting a parent's sets its sub-configs', whatever order the
+    model's modules list them in."""
+    from kvstore.client.hf_attention import install, restore
+    top = transformers.Gemma3Config()
+    top._attn_implementation = "sdpa"
+    top.vision_config._attn_implementation = "eager"
+    configs = [top.vision_config, top.text_config, top]
+    old = install(configs)
+    assert [c._attn_implementation for c in configs] == ["kvstore"] * 3
+    assert [c._attn_implementation.inner for c in configs] == ["eager", "sdpa", "sdpa"]
+    restore(configs, old)
+    assert [c._attn_implementation for c in configs] == ["eager", "sdpa", "sdpa"]
+
+
 # --------------------------------------------------------------- refusals
 def test_sink_logits_the_daemon_cannot_hold_are_refused(daemon):
     """Sink logits must be one per query head of one attention module a layer: others
