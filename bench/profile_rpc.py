@@ -59,10 +59,13 @@ def serve(sock: str, out: str, extra: list[str]) -> None:
             lookup["t0"] = t0
             if handler is not None and handler.stream_stream and details.method.endswith("/AppendAttendStream"):
                 return handler._replace(stream_stream=stream(handler.stream_stream))
-            if handler is None or not handler.unary_unary or not details.method.endswith(
+            # the daemon's gate serves a unary method as a one-message stream (auth.py: admitted
+            # from its headers before its body is read), so its handler is stream_unary
+            kind = "unary_unary" if handler is not None and handler.unary_unary else "stream_unary"
+            if handler is None or not getattr(handler, kind) or not details.method.endswith(
                     "/" + os.environ.get("KVPROF_METHOD", "AppendAttend")):
                 return handler
-            fn, l0, lns = handler.unary_unary, t0, lookup["ns"]
+            fn, l0, lns = getattr(handler, kind), t0, lookup["ns"]
 
             def call(request, context):
                 t1, c1 = time.perf_counter_ns(), time.thread_time_ns()
@@ -72,7 +75,7 @@ def serve(sock: str, out: str, extra: list[str]) -> None:
                 finally:
                     prof.disable()
                     marks.append((l0, t1, time.perf_counter_ns(), lns, time.thread_time_ns() - c1))
-            return handler._replace(unary_unary=call)
+            return handler._replace(**{kind: call})
 
     def stream(fn):
         def call(requests, context):
@@ -301,14 +304,14 @@ def profile(args, tmp: str) -> None:
             real_stream = kv._stream
 
             class Stream:
-                def __call__(self, data, timeout=None):
+                def __getattr__(self, name):        # takes(), close(): the client's own
+                    return getattr(real_stream, name)
+
+                def __call__(self, *args, **kw):
                     cur["s0"], c0 = time.perf_counter_ns(), time.thread_time_ns()
-                    r = real_stream(data, timeout)
+                    r = real_stream(*args, **kw)
                     cur["s1"], cur["c"] = time.perf_counter_ns(), time.thread_time_ns() - c0
                     return r
-
-                def close(self):
-                    real_stream.close()
             kv._stream = Stream()
         cprof = cProfile.Profile()
         from kvstore.v1 import kvstore_pb2 as pb
