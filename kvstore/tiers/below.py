@@ -47,14 +47,17 @@ class CachedBelow:
 
     def _spill_gpu(self, evicted: list[tuple[int, bytes]], fp16: bool) -> None:
         """GPU cached blocks are about to be reused: keep their payload below."""
+        if self.c.redis is not None:
+            # ---- Redis tier: the ones it may not have yet (redis.py), whatever this host keeps
+            # too: a Redis restarted empty, or one that evicted them, gets back what other hosts
+            # would miss, though this host's disk still has them
+            self.c.redis.spill(evicted, fp16)
         todo = [(b, form_key(h, fp16)) for b, h in evicted]
         todo = [(b, k) for b, k in todo if not self._below_has(k, fp16)]
         if not todo:
             return
         io, pool, rows = self._kind(fp16)
         payload = io.pack([b for b, _ in todo])
-        if self.c.redis is not None:      # ---- Redis tier: the ones it may not have yet (redis.py)
-            self.c.redis.put([k for _, k in todo], payload)
         # As many as the host pool has room for go there, the newest (evicted
         # comes least recently used first); the rest to disk.
         n = min(len(todo), pool.num_allocatable()) if pool is not None else 0

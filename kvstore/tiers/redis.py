@@ -105,8 +105,8 @@ class RedisTier:
     def spill(self, evicted: list[tuple[int, bytes]], fp16: bool) -> None:
         """GPU blocks (block id, hash) of the main pool (of a pq cache's tail
         pool: fp16) that a freed sequence held, or cached ones about to be reused
-        that no host or disk tier keeps (below.py puts them where one does): the
-        ones Redis may not have go up."""
+        (below.py keeps them on this host's tiers too): the ones Redis may not have
+        go up."""
         keys = [(b, form_key(h, fp16)) for b, h in evicted]
         keys = [(b, k) for b, k in keys if not self._is_known(k)]
         if keys:

@@ -680,3 +680,41 @@ def test_blocks_go_up_again_after_redis_came_back_empty(tmp_path):
         assert b.allocate("c", T, "b", prompt(1)).cached_tokens == SEALED * BS
     finally:
         srv.kill()
+
+
+def test_blocks_this_hosts_disk_keeps_go_up_again_after_redis_came_back_empty(tmp_path):
+    """Blocks that A's disk holds from an earlier spill, read back by a prefix hit after
+    Redis restarted empty: when they spill again they go up again too, or another host
+    would miss them for as long as A's disk keeps them."""
+    from tests.tiers.redis_server import RedisServer
+    srv = RedisServer(str(tmp_path), appendonly=False)
+    try:
+        a = engine(srv.url, lmdb=str(tmp_path / "lmdb"), num_blocks=24)
+        fill(a, "a", prompt(1), lookup=False)
+        first = a.sequence_info("c", T, "a").block_hashes[0]
+        a.free("c", T, ["a"])
+        for i in range(3):            # pressure: A's blocks spill to its disk
+            fill(a, f"x{i}", prompt(10 + i), lookup=False)
+            a.free("c", T, [f"x{i}"])
+        c = a.cache("c")
+        assert c.main_pool.lookup(first) is None and c.tiering.disk.has_block(c.fingerprint, first)
+        before = c.redis.store.epoch
+        srv.kill()
+        srv.start()
+        assert srv.client().dbsize() == 0
+        wait_for(lambda: c.redis.store.epoch != before, timeout=5, what="the restart found")
+        assert a.allocate("c", T, "a", prompt(1)).cached_tokens >= SEALED * BS      # from A's disk
+        a.free("c", T, ["a"])
+        for i in range(3):            # pressure again: A's sealed blocks spill, and go up
+            fill(a, f"y{i}", prompt(20 + i), lookup=False)
+            a.free("c", T, [f"y{i}"])
+        assert c.main_pool.lookup(first) is None
+        b = engine(srv.url)
+
+        def b_hits() -> bool:
+            hit = b.allocate("c", T, "b", prompt(1)).cached_tokens
+            b.free("c", T, ["b"])
+            return hit >= SEALED * BS
+        wait_for(b_hits, what="A's sealed blocks back in Redis")
+    finally:
+        srv.kill()
