@@ -76,6 +76,18 @@ class DiskTier:
         refused = [k for k in store.keys(b"M") if k not in good]
         if refused:
             self._drop_sequences(refused)
+        # What outlives a daemon is what was offloaded or persist (docs/operations.md,
+        # Signals): copies that memory pressure made of other sequences go now, for every
+        # cache, not when a cache of their name is created again (until then they counted
+        # as held, and the bound refused Offloads for sequences that no longer exist).
+        pressure = [k for k, m in good.items() if not (m.get("durable") or m.get("persist"))]
+        if pressure:
+            own = [k for mk in pressure for k in store.keys(b"S" + mk[1:])]
+            store.write_batch([], pressure + own, sync=True)
+            for k in pressure:
+                del good[k]
+            log.info("LMDB store %s: dropped the disk copies of %d sequences that memory pressure, not Offload "
+                     "or persist, had moved there (their blocks stay cached on disk)", store.path, len(pressure))
         short = [k for k, m in good.items() if not self._complete(k, m)]
         if short:
             # Listed all the same: a call naming one is DATA_LOSS naming it (read_sequence), not

@@ -351,18 +351,14 @@ class Tiering(CachedBelow):
 
     def restore(self) -> int:
         """Register the sequences a previous daemon offloaded (Offload, persist) for this
-        fingerprint; drop the copies memory pressure made of other sequences (their blocks
-        stay cached): what outlives a restart is what was offloaded or persist (docs/operations.md, Signals)."""
+        fingerprint: what outlives a restart (docs/operations.md, Signals; the copies memory
+        pressure made of other sequences went when the store was opened: DiskTier)."""
         if self.disk is None:
             return 0
-        n, mine, other, dropped = 0, layout(self.c.cfg), {}, 0
+        n, mine, other = 0, layout(self.c.cfg), {}
         for m in self.disk.manifests(self.c.fingerprint, self.c.cfg.name):
             key = (m["tenant"], m["seq_id"])
             if key in self.c.seqs:
-                continue
-            if not (m.get("durable") or m.get("persist")):      # a persist sequence's pressure copy is its only one
-                self.disk.delete_sequence(self.c.fingerprint, self.c.cfg.name, m["tenant"], m["seq_id"], m)
-                dropped += 1
                 continue
             theirs = m.get("layout") or legacy_layout(self.c, m)
             if theirs != mine:                  # left on disk, untouched, for a cache of its spec
@@ -382,9 +378,6 @@ class Tiering(CachedBelow):
                         "not listed here (they stay on disk for a cache created with their spec)",
                         self.c.cfg.name, len(ids), ", ".join(map(repr, ids[:3])) + (" ..." if len(ids) > 3 else ""),
                         f, theirs, ours)
-        if dropped:
-            log.info("cache %r: dropped the disk copies of %d sequences that memory pressure, not Offload or "
-                     "persist, had moved there (their blocks stay cached on disk)", self.c.cfg.name, dropped)
         return n
 
     def stats(self) -> dict:

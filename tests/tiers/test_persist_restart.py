@@ -8,6 +8,7 @@ import logging
 import pytest
 import torch
 
+from kvstore.engine.engine import Engine
 from kvstore.errors import KVStoreError
 from kvstore.service.leases import LeaseManager
 from kvstore.tiers.lmdb_store import LMDBStore
@@ -83,6 +84,28 @@ def test_a_kill_keeps_a_persist_sequence_that_memory_pressure_moved_to_disk(tmp_
     k1, v1 = kv_of(toks(0, 41))
     e.append("c", T, ["p"], k1[:, 40:], v1[:, 40:], [1], token_ids=[[40]])
     e = reopen(e, tmp_path, num_blocks=16, residual=8, max_sequences=8)
+    assert e.list_sequences("c", T) == []
+    e.check_invariants()
+
+
+def test_pressure_copies_go_when_the_store_opens_not_when_their_cache_comes_back(tmp_path, caplog):
+    """Copies memory pressure moved to disk are no sequence's after a restart: they go at
+    the start, whichever caches are created, so that they neither count as held nor make
+    the disk bound refuse an Offload of a sequence that exists (their blocks stay cached)."""
+    e = engine(tmp_path, num_blocks=16, residual=8, max_sequences=8)
+    for i in range(6):
+        put(e, f"x{i}", toks(10_000 * (i + 1), 40))
+    assert "disk" in {i.tier for i in e.list_sequences("c", T)}
+    assert e.disk.held_bytes() > 0
+    blocks = e.disk.stats()["entries"]
+    e.cold_store.close()                                     # killed: no stop
+    caplog.set_level(logging.INFO)
+    e = Engine(lmdb_path=str(tmp_path / "lmdb"))             # no cache of that name comes back
+    assert "dropped the disk copies of" in caplog.text
+    assert e.disk.held_bytes() == 0 and e.disk.store.keys(b"M") == []
+    assert 0 < e.disk.stats()["entries"] < blocks           # the hashed blocks stay, cached
+    e.cold_store.close()
+    e = engine(tmp_path, num_blocks=16, residual=8, max_sequences=8)
     assert e.list_sequences("c", T) == []
     e.check_invariants()
 
