@@ -121,8 +121,8 @@ class KVStoreClient(Connection):
         return reply.sha256
 
     # ------------------------------------------------------------ sequences
-    def _named(self, ids, new, send):
-        """send(metadata) of a call naming sequences `ids` (and creating `new`), checked
+    def _named(self, cache, ids, new, send):
+        """send(metadata) of a call naming sequences `ids` of `cache` (and creating `new`), checked
         first (Session.naming): the daemon instance they are of known (a Heartbeat, the
         first time), an id named before a restart refused, once. Sent again, under the
         new instance, where the daemon refused the old one and the call names no sequence
@@ -132,13 +132,13 @@ class KVStoreClient(Connection):
                 self.instance          # a Heartbeat, the first time
             except grpc.RpcError:
                 pass                   # the call says what is wrong
-        md, fresh = self.session.naming(ids, new)
+        md, fresh = self.session.naming(cache, ids, new)
         try:
             return send(md)
         except grpc.RpcError as e:
             if not (fresh and restarted(e)) or self.session.md is md:
                 raise
-        return send(self.session.naming(ids, new)[0])
+        return send(self.session.naming(cache, ids, new)[0])
 
     def allocate(self, cache: str, seq_id: str, prompt_token_ids: list[int], pinned: bool = False,
                  persist: bool = False) -> int:
@@ -151,12 +151,12 @@ class KVStoreClient(Connection):
         sequence allocated since."""
         req = pb.AllocateRequest(cache=cache, sequence_id=seq_id, prompt_token_ids=list(prompt_token_ids),
                                  pinned=pinned, persist=persist)
-        return self._named((), (seq_id,), lambda md: self.stub.Allocate(
+        return self._named(cache, (), (seq_id,), lambda md: self.stub.Allocate(
             req, timeout=self.timeout, metadata=md)).cached_tokens
 
     def reserve(self, cache: str, seq_id: str, num_tokens: int) -> Reservation:
         req = pb.ReserveRequest(cache=cache, sequence_id=seq_id, num_tokens=num_tokens)
-        r = self._named((seq_id,), (), lambda md: self.stub.Reserve(req, timeout=self.timeout, metadata=md))
+        r = self._named(cache, (seq_id,), (), lambda md: self.stub.Reserve(req, timeout=self.timeout, metadata=md))
         return Reservation(list(r.slot_mapping), list(r.sealed_blocks), list(r.tail_blocks), r.length)
 
     def append(self, cache: str, seq_ids: list[str], k: torch.Tensor, v: torch.Tensor,
@@ -174,11 +174,11 @@ class KVStoreClient(Connection):
             if layer is not None:
                 r.layer = layer
             return r
-        self._named(seq_ids, (), lambda md: self._call(self._raw.Append, req, {"k": k, "v": v}, [], md=md))
+        self._named(cache, seq_ids, (), lambda md: self._call(self._raw.Append, req, {"k": k, "v": v}, [], md=md))
 
     def attend(self, cache: str, layer: int, seq_ids: list[str], q: torch.Tensor, scale: float = 0.0) -> torch.Tensor:
         """q [B, Hq, d] -> out [B, Hq, d]."""
-        return self._named(seq_ids, (), lambda md: self._call(self._raw.Attend, lambda m, o: pb.AttendRequest(
+        return self._named(cache, seq_ids, (), lambda md: self._call(self._raw.Attend, lambda m, o: pb.AttendRequest(
             cache=cache, layer=layer, sequence_ids=seq_ids, q=m["q"], scale=scale, out=o[0]),
             {"q": q}, [q.numel() * 2], lambda r, a: self._tensor(r.out, a), md=md))
 
@@ -194,7 +194,7 @@ class KVStoreClient(Connection):
         [B * T, Hkv, d], q and out [B * T, Hq, d], token_ids B * T; query i of a
         sequence attends causally (its earlier tokens and new tokens 0..i). Either
         goes by the doorbell as a one-token call does (gRPC without one)."""
-        return self._named(seq_ids, (), lambda md: self._append_attend_md(
+        return self._named(cache, seq_ids, (), lambda md: self._append_attend_md(
             md, cache, layer, seq_ids, k, v, q, scale, out, token_ids, query_tokens))
 
     def _append_attend_md(self, md, cache, layer, seq_ids, k, v, q, scale, out, token_ids, query_tokens):
@@ -269,28 +269,28 @@ class KVStoreClient(Connection):
         """One Retrieve call -> (k, v) on device (None: where the reply lies), or copied into `into`."""
         def read(r, arena):
             return tuple(self._tensor(t, arena, device, dst) for t, dst in zip((r.k, r.v), into or (None, None)))
-        return self._named((seq_id,), (), lambda md: self._call(self._raw.Retrieve, lambda m, o: pb.RetrieveRequest(
+        return self._named(cache, (seq_id,), (), lambda md: self._call(self._raw.Retrieve, lambda m, o: pb.RetrieveRequest(
             cache=cache, sequence_id=seq_id, start=start, end=end, layer_start=layer_start, layer_end=layer_end,
             k_out=o[0], v_out=o[1]), {}, [out_bytes, out_bytes], read, device, md))
 
     def fork(self, cache: str, seq_id: str, new_seq_id: str) -> None:
         req = pb.ForkRequest(cache=cache, sequence_id=seq_id, new_sequence_id=new_seq_id)
-        self._named((seq_id,), (new_seq_id,), lambda md: self.stub.Fork(req, timeout=self.timeout, metadata=md))
+        self._named(cache, (seq_id,), (new_seq_id,), lambda md: self.stub.Fork(req, timeout=self.timeout, metadata=md))
 
     def offload(self, cache: str, seq_ids: list[str]) -> None:
         """Move sequences to the daemon's disk tier; returns once durable."""
         req = pb.OffloadRequest(cache=cache, sequence_ids=list(seq_ids))
-        self._named(seq_ids, (), lambda md: self.stub.Offload(req, timeout=self.timeout, metadata=md))
+        self._named(cache, seq_ids, (), lambda md: self.stub.Offload(req, timeout=self.timeout, metadata=md))
 
     def prefetch(self, cache: str, seq_ids: list[str]) -> None:
         """Page sequences back into GPU memory ahead of use."""
         req = pb.PrefetchRequest(cache=cache, sequence_ids=list(seq_ids))
-        self._named(seq_ids, (), lambda md: self.stub.Prefetch(req, timeout=self.timeout, metadata=md))
+        self._named(cache, seq_ids, (), lambda md: self.stub.Prefetch(req, timeout=self.timeout, metadata=md))
 
     def free(self, cache: str, seq_ids: list[str]) -> None:
         req = pb.FreeRequest(cache=cache, sequence_ids=list(seq_ids))
-        self._named(seq_ids, (), lambda md: self.stub.Free(req, timeout=self.timeout, metadata=md))
-        self.session.forget(seq_ids)
+        self._named(cache, seq_ids, (), lambda md: self.stub.Free(req, timeout=self.timeout, metadata=md))
+        self.session.forget(cache, seq_ids)
 
     # ---------------------------------------------------------------- stats
     def stats(self, cache: str = "") -> pb.StatsReply:
@@ -298,7 +298,7 @@ class KVStoreClient(Connection):
 
     def sequence_info(self, cache: str, seq_id: str) -> pb.SequenceInfoReply:
         req = pb.SequenceInfoRequest(cache=cache, sequence_id=seq_id)
-        return self._named((seq_id,), (), lambda md: self.stub.SequenceInfo(req, timeout=self.timeout, metadata=md))
+        return self._named(cache, (seq_id,), (), lambda md: self.stub.SequenceInfo(req, timeout=self.timeout, metadata=md))
 
     def list_sequences(self, cache: str) -> list[pb.SequenceInfoReply]:
         return list(self.stub.ListSequences(pb.ListSequencesRequest(cache=cache), timeout=self.timeout).sequences)

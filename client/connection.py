@@ -94,6 +94,8 @@ class Connection:
     # ------------------------------------------------------------ plumbing
     def close(self) -> None:
         self.session.stop()
+        if self.session.forked:
+            return      # the parent's buffer, doorbell and channel: its to close, not a child's
         with self._lock:
             if self._stream is not None:
                 self._stream.close()
@@ -235,6 +237,7 @@ class Connection:
         device, or of `device` (where the outputs are wanted) when none is on one.
         Once more, in new buffers, if the daemon dropped this client's (_lapsed).
         md: the metadata its sequences were checked under (Session.naming)."""
+        self.session.check_process()
         for k, t in inputs.items():
             if t.dtype not in wire.TO_PROTO:
                 raise TypeError(f"{k}: a {t.dtype} tensor cannot be sent; K, V and Q go as float16, bfloat16 "

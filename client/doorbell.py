@@ -89,6 +89,9 @@ class Doorbell:
             self._sock.sendall(call.to_bytes(4, "little") + body)
         except OSError as e:
             raise BellDown(str(e)) from None
+        except BaseException:
+            self.close()        # interrupted (a signal handler raised): a reply may still come
+            raise
         try:
             data = self._sock.recv(bell.MAX_PACKET)
         except socket.timeout:
@@ -97,10 +100,19 @@ class Doorbell:
         except OSError as e:
             self.close()
             raise rpc_error(grpc.StatusCode.UNAVAILABLE, f"doorbell: {e} during the call") from None
+        except BaseException:
+            # interrupted (KeyboardInterrupt, an alarm's handler): the call may run, and its
+            # reply would be read by the next call on this connection as that call's
+            self.close()
+            raise
         if not data:
             self.close()        # the daemon went away after taking the request: it may have run
             raise rpc_error(grpc.StatusCode.UNAVAILABLE, "doorbell: the daemon closed the connection during the call")
-        code, dtype, self.last_handler_us, message = self._reply(data, call)
+        try:
+            code, dtype, self.last_handler_us, message = self._reply(data, call)
+        except grpc.RpcError:
+            self.close()        # replies out of step: none read on this connection is trusted again
+            raise
         if op2 and code == grpc.StatusCode.UNIMPLEMENTED.value[0] and message.startswith("op:"):
             # a daemon whose doorbell predates op 2 refuses it by name, having done nothing
             self.takes_tokens = False

@@ -4,6 +4,7 @@ that renews its lease, and what tells a restart from a lapsed lease."""
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 
@@ -24,6 +25,15 @@ RETIRED_MAX = 64
 # The daemon gone or going away: a call in flight when it stops may end CANCELLED (gRPC's own
 # cancellation) as well as UNAVAILABLE, and neither says whether the call took effect.
 UNREACHABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
+_forks = 0      # fork() children this process descends from: a client of an ancestor is not its own
+
+
+def _forked() -> None:
+    global _forks
+    _forks += 1
+
+
+os.register_at_fork(after_in_child=_forked)
 
 
 def restarted(e: grpc.RpcError) -> bool:
@@ -38,6 +48,7 @@ class _Metadata(grpc.UnaryUnaryClientInterceptor):
         self.session = session
 
     def intercept_unary_unary(self, continuation, details, request):
+        self.session.check_process()
         # A call naming sequences brings its own: the metadata naming() gave it.
         named = bool(details.metadata)
         md = list(details.metadata if named else self.session.metadata)
@@ -52,7 +63,8 @@ class Session:
     tuple for the tensor calls, which pass it themselves: a Python client interceptor
     costs tens of µs per call).
 
-    The restart fence, per sequence: the ids this session named under the daemon
+    The restart fence, per sequence (cache, id: ids are a cache's own, and one id may
+    name sequences of several caches): those this session named under the daemon
     instance it knows are remembered; once it learns of a restart (a Heartbeat reply
     naming another instance, or the daemon refusing a call for the old one) each of
     them raises FAILED_PRECONDITION the next time a call names it, once, whichever
@@ -61,6 +73,7 @@ class Session:
 
     def __init__(self, session_id: str, token: str | None):
         self.id = session_id
+        self.pid, self._forks = os.getpid(), _forks
         # "": no session id: the daemon keeps no lease for these calls (session_of, leases.py).
         self._base = ([(SESSION_KEY, session_id)] if session_id else []) + \
             ([("authorization", f"Bearer {token}")] if token else [])
@@ -87,9 +100,24 @@ class Session:
         # flight across two restarts), not a third restart: it is not taken.
         self._retired: dict[str, None] = {}
         self._seq_lock = threading.Lock()
-        self._named: dict[str, None] = {}     # ids named under `instance`, oldest first
-        self._stale: dict[str, str] = {}      # ids named before a restart -> their instance
-        self._calling = threading.local()     # ids of this thread's last call naming sequences
+        self._named: dict[tuple[str, str], None] = {}     # (cache, id) named under `instance`, oldest first
+        self._stale: dict[tuple[str, str], str] = {}      # (cache, id) named before a restart -> its instance
+        self._calling = threading.local()     # (cache, id) of this thread's last call naming sequences
+
+    # ------------------------------------------------------------- process
+    @property
+    def forked(self) -> bool:
+        """This is a fork() child of the process that made the client."""
+        return self._forks != _forks
+
+    def check_process(self) -> None:
+        """FAILED_PRECONDITION in a fork() child: the client's doorbell socket, shared
+        buffer and session are its parent's, and calls of both processes through them
+        would read each other's inputs and replies."""
+        if self._forks != _forks:
+            raise rpc_error(grpc.StatusCode.FAILED_PRECONDITION, (
+                f"KVStoreClient: made in process {self.pid}, called in a fork() child of it ({os.getpid()}): "
+                "its doorbell, shared buffer and session are the parent's; make a new KVStoreClient in the child"))
 
     # ------------------------------------------------------------ heartbeat
     def start_heartbeat(self, stub) -> None:
@@ -180,13 +208,15 @@ class Session:
             if len(named) > NAMED_MAX:
                 del named[next(iter(named))]
 
-    def naming(self, ids, new=()) -> tuple[tuple, bool]:
-        """A call about to name sequences `ids` and create `new` (Allocate, Fork) -> (the
+    def naming(self, cache: str, ids, new=()) -> tuple[tuple, bool]:
+        """A call about to name sequences `ids` of `cache` and create `new` (Allocate, Fork) -> (the
         metadata to send it with: the instance they were checked under, so that a restart
         learned meanwhile (another thread) has the daemon refuse it; whether this session
         named none of `ids` before). FAILED_PRECONDITION, before anything is sent, for
         ids named before a restart this session learned of, once each (they are taken as
         told from then on)."""
+        self.check_process()
+        ids, new = [(cache, i) for i in ids], [(cache, i) for i in new]
         with self._seq_lock:
             stale = {i: self._stale[i] for i in ids if i in self._stale}
             fresh = not stale and not any(i in self._named for i in ids)
@@ -195,19 +225,20 @@ class Session:
             md = self.md
             self._calling.ids = (*ids, *new)
         if stale:
-            names = ", ".join(quote(i) for i in list(stale)[:4]) + (f" and {len(stale) - 4} more" if len(stale) > 4
-                                                                  else "")
+            names = ", ".join(quote(i) for _, i in list(stale)[:4]) + (f" and {len(stale) - 4} more"
+                                                                       if len(stale) > 4 else "")
             raise rpc_error(grpc.StatusCode.FAILED_PRECONDITION, (
-                f"{INSTANCE_KEY}: sequence {names} was named before the daemon restarted (instance "
+                f"{INSTANCE_KEY}: sequence {names} of cache {quote(cache)} was named before the daemon restarted "
+                f"(instance "
                 f"{next(iter(stale.values()))!r}, now {self.instance!r}): it is gone unless it was persist "
                 "(ListSequences lists it), and its id may name a sequence allocated since. Raised once for "
                 "each such sequence")[:1024], ((INSTANCE_KEY, self.instance or ""),))
         return md, fresh
 
-    def forget(self, ids) -> None:
-        """Sequences freed: nothing to fence for them any more."""
+    def forget(self, cache: str, ids) -> None:
+        """Sequences of `cache` freed: nothing to fence for them any more."""
         with self._seq_lock:
-            for i in ids:
+            for i in ((cache, i) for i in ids):
                 self._named.pop(i, None)
                 self._stale.pop(i, None)
 

@@ -234,16 +234,57 @@ def test_a_late_reply_from_a_replaced_daemon_is_not_a_restart():
     from kvstore.client.session import Session
     s = Session("sess", None)
     s.replied(pb.HeartbeatReply(instance="first"))
-    s.naming(["a"])
+    s.naming("c", ["a"])
     s.replied(pb.HeartbeatReply(instance="second"))
     with pytest.raises(grpc.RpcError) as e:
-        s.naming(["a"])
+        s.naming("c", ["a"])
     assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
-    s.naming(["b"])
+    s.naming("c", ["b"])
     s.replied(pb.HeartbeatReply(instance="first"))          # late, from the daemon replaced
     assert s.instance == "second" and (INSTANCE_KEY, "second") in s.metadata
-    md, fresh = s.naming(["b"])                               # no second restart: b goes
+    md, fresh = s.naming("c", ["b"])                               # no second restart: b goes
     assert (INSTANCE_KEY, "second") in md and not fresh
     s.replied(pb.HeartbeatReply(instance="third"))           # a real one still is
     with pytest.raises(grpc.RpcError):
-        s.naming(["b"])
+        s.naming("c", ["b"])
+
+
+def test_one_id_in_two_caches_is_two_sequences_to_fence(tmp_path):
+    """Ids are a cache's own, and a worker may name one id in several caches (the HF
+    adapter's layer groups, a draft and a target model): told of the restart by one of
+    them, it is still told of the other; freeing the id in one cache before the restart
+    leaves the other's fenced."""
+    sock = str(tmp_path / "kv.sock")
+    target = f"unix://{sock}"
+    server, _, _ = create_server(socket_path=sock)
+    a = worker(target, "unary")
+    b = None
+    try:
+        for cache in ("c", "d", "e"):
+            a.create_cache(cache, "m", **GEOM)
+            a.allocate(cache, "req", list(range(8)))
+        a.free("e", ["req"])
+        server.stop(None)
+        server, _, _ = create_server(socket_path=sock)
+        b = worker(target, "unary")
+        kb = torch.randn(2, 4, 2, 16).half()
+        for cache in ("c", "d", "e"):
+            b.create_cache(cache, "m", **GEOM)
+            b.allocate(cache, "req", [])
+            b.append(cache, ["req"], kb, kb)
+        for cache in ("c", "d"):
+            with pytest.raises(grpc.RpcError) as e:
+                a.append(cache, ["req"], kb, kb)
+            assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+            assert e.value.details().startswith(f"{INSTANCE_KEY}: ")
+            # the first told by the daemon, the second by the client, which knows of the restart
+            assert (f"sequence 'req' of cache '{cache}'" in e.value.details()) == (cache == "d")
+        for cache in ("c", "d", "e"):
+            assert b.sequence_info(cache, "req").length == 4
+        a.append("e", ["req"], kb, kb)       # freed before the restart: no longer a's to be told of
+        assert b.sequence_info("e", "req").length == 8
+    finally:
+        a.close()
+        if b is not None:
+            b.close()
+        server.stop(None)

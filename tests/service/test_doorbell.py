@@ -463,3 +463,79 @@ def test_client_reads_replies_with_and_without_a_message(message):
     assert e.value.code() == grpc.StatusCode.INTERNAL and "reply to call 7, expected 8" in e.value.details()
     with pytest.raises(grpc.RpcError, match=""):
         ClientBell._reply(data[:bell.REPLY.size - 1], 7)
+
+
+def test_a_call_interrupted_while_waiting_leaves_no_reply_for_the_next(served):
+    """A signal handler raising (Ctrl-C, an alarm) while a doorbell call waits for its
+    reply: the daemon runs the call, and its reply must not be read as the next call's
+    (every later call would fail, having run): the connection goes, the next call opens
+    another and gets its own answer."""
+    import select
+    sock, _ = served
+    with KVStoreClient(f"unix://{sock}", heartbeat=False) as kv:
+        _cache(kv, "c", "fp16")
+        _steps(kv, "c", "s", 2)
+        real = kv._bell._sock
+
+        class Interrupted:
+            def __getattr__(self, name):
+                return getattr(real, name)
+
+            raised = False
+
+            def recv(self, n):
+                if self.raised:
+                    return real.recv(n)
+                self.raised = True
+                select.select([real], [], [], 10)       # the reply is there, unread
+                raise KeyboardInterrupt
+        kv._bell._sock = Interrupted()
+        k, q = torch.randn(1, 2, 16).half(), torch.randn(1, 4, 16).half()
+        with pytest.raises(KeyboardInterrupt):
+            kv.append_attend("c", 0, ["s"], k, k, q)
+        info = kv.sequence_info("c", "s")
+        assert (info.length, list(info.pending)) == (13, [1, 0])       # it ran
+        for n in range(3):                     # the step's layer 1, then whole steps
+            for layer in ((1,) if n == 0 else (0, 1)):
+                k, q = torch.randn(1, 2, 16).half(), torch.randn(1, 4, 16).half()
+                out = kv.append_attend("c", layer, ["s"], k, k, q)
+                assert torch.equal(out, kv.attend("c", layer, ["s"], q))
+            assert kv.sequence_info("c", "s").length == 14 + n
+        assert kv._bell is not None and not kv._bell.closed and kv._bell._sock is not real
+
+
+def test_a_client_used_in_a_fork_child_is_refused_by_name(served):
+    """After fork() the child's client would share the parent's doorbell connection and
+    buffer (each process reading the other's replies and inputs): every call in the child
+    is FAILED_PRECONDITION naming fork, nothing reaches the daemon, and closing it there
+    leaves the parent's client working."""
+    sock, _ = served
+    with KVStoreClient(f"unix://{sock}", heartbeat=False) as kv:
+        _cache(kv, "c", "fp16")
+        _steps(kv, "c", "s", 2)
+        r, w = os.pipe()
+        pid = os.fork()
+        if pid == 0:                    # the child: report each call's outcome, then leave at once
+            said = []
+            k, q = torch.randn(1, 2, 16).half(), torch.randn(1, 4, 16).half()
+            for call in (lambda: kv.append_attend("c", 0, ["s"], k, k, q), lambda: kv.stats(),
+                         lambda: kv.sequence_info("c", "s"), lambda: kv.append("c", ["s"], k[None], k[None])):
+                try:
+                    call()
+                    said.append("ran")
+                except grpc.RpcError as e:
+                    said.append(f"{e.code().name} {'fork()' in e.details()}")
+                except BaseException as e:  # noqa: BLE001 - reported to the parent
+                    said.append(repr(e))
+            kv.close()
+            os.write(w, "|".join(said).encode())
+            os._exit(0)
+        os.close(w)
+        os.waitpid(pid, 0)
+        said = os.read(r, 4096).decode().split("|")
+        os.close(r)
+        assert said == ["FAILED_PRECONDITION True"] * 4, said
+        info = kv.sequence_info("c", "s")
+        assert (info.length, list(info.pending)) == (13, [0, 0])
+        k, q = torch.randn(1, 2, 16).half(), torch.randn(1, 4, 16).half()
+        assert torch.equal(kv.append_attend("c", 0, ["s"], k, k, q), kv.attend("c", 0, ["s"], q))
