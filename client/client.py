@@ -60,6 +60,32 @@ def _normal(device) -> torch.device | None:
     return device
 
 
+_I64 = 1 << 63
+
+
+def _ints(values, field: str, lo: int = -_I64, hi: int = _I64) -> list[int]:
+    """values (a list or tuple of ints, a tensor or an array of them) as a flat list of
+    Python ints in [lo, hi): what protobuf's integer fields take; ValueError naming the
+    field for one they would not (the daemon checks what it means)."""
+    if hasattr(values, "reshape"):           # a tensor or an array, whatever its shape
+        values = values.reshape(-1).tolist()
+    out = [int(x) for x in values]
+    bad = next((x for x in out if not lo <= x < hi), None)
+    if bad is not None:
+        raise ValueError(f"{field}: {bad} outside [{lo}, {hi})")
+    return out
+
+
+def _check_out(out, q: torch.Tensor) -> None:
+    """append_attend's `out`: the result's place, checked before the call appends anything."""
+    if not isinstance(out, torch.Tensor):
+        raise TypeError(f"out: a tensor, got {type(out).__name__}")
+    if tuple(out.shape) != tuple(q.shape):
+        raise ValueError(f"out: shape {list(out.shape)}, the call's q is {list(q.shape)}")
+    if not out.dtype.is_floating_point:
+        raise TypeError(f"out: a floating-point tensor (the attention's output), got {out.dtype}")
+
+
 @dataclass(slots=True)
 class Reservation:
     slot_mapping: list[int]
@@ -149,7 +175,8 @@ class KVStoreClient(Connection):
         before raises FAILED_PRECONDITION ("x-kvstore-instance: ..."), once for
         each (session.py): it is gone, unless persist, and its id may name a
         sequence allocated since."""
-        req = pb.AllocateRequest(cache=cache, sequence_id=seq_id, prompt_token_ids=list(prompt_token_ids),
+        req = pb.AllocateRequest(cache=cache, sequence_id=seq_id,
+                                 prompt_token_ids=_ints(prompt_token_ids, "prompt_token_ids"),
                                  pinned=pinned, persist=persist)
         return self._named(cache, (), (seq_id,), lambda md: self.stub.Allocate(
             req, timeout=self.timeout, metadata=md)).cached_tokens
@@ -166,7 +193,12 @@ class KVStoreClient(Connection):
         counts: tokens per sequence (default: n split evenly)."""
         n = k.shape[0] if layer is not None else k.shape[1]
         if counts is None:
+            if seq_ids and n % len(seq_ids):
+                raise ValueError(f"counts: {n} tokens do not split evenly over {len(seq_ids)} sequences; "
+                                 "give each sequence's count")
             counts = [n // max(1, len(seq_ids))] * len(seq_ids)
+        counts = _ints(counts, "counts", 0, 1 << 32)
+        token_ids = None if token_ids is None else [_ints(t, "token_ids") for t in token_ids]
 
         def req(m, _o):
             r = pb.AppendRequest(cache=cache, sequence_ids=seq_ids, counts=counts, k=m["k"], v=m["v"],
@@ -193,7 +225,13 @@ class KVStoreClient(Connection):
         query_tokens T > 1 (at most 128): T new tokens per sequence, k, v
         [B * T, Hkv, d], q and out [B * T, Hq, d], token_ids B * T; query i of a
         sequence attends causally (its earlier tokens and new tokens 0..i). Either
-        goes by the doorbell as a one-token call does (gRPC without one)."""
+        goes by the doorbell as a one-token call does (gRPC without one).
+        query_tokens 0 is one, as the proto reads it. token_ids may be a list, a
+        tensor or an array."""
+        if out is not None:
+            _check_out(out, q)
+        if token_ids is not None:
+            token_ids = _ints(token_ids, "token_ids")
         return self._named(cache, seq_ids, (), lambda md: self._append_attend_md(
             md, cache, layer, seq_ids, k, v, q, scale, out, token_ids, query_tokens))
 
@@ -244,6 +282,10 @@ class KVStoreClient(Connection):
         local daemon the daemon copies them into this client's CUDA buffer, and they
         never cross host memory. A range larger than RETRIEVE_CALL_BYTES comes in calls
         of whole layers, so the buffer it crosses stays that size."""
+        for name, x in (("start", start), ("end", end), ("layer_start", layer_start), ("layer_end", layer_end),
+                        ("out_bytes", out_bytes)):
+            if x < 0:
+                raise ValueError(f"{name}: must be >= 0, got {x}")
         device = _normal(device)
         if out_bytes and device is None:     # the caller sized the output range: one call, as it asked
             return self._retrieve(cache, seq_id, start, end, layer_start, layer_end, out_bytes, None, None)
