@@ -155,8 +155,10 @@ class Room:
         elif not self.is_pq and tail > self.main_pool.num_allocatable():
             short = f"{tail} blocks, {self.main_pool.num_allocatable()} free"
         if short is not None:
+            refused = self.tiering.refused if self.tiering is not None else None
             raise ResourceExhausted(field, f"no room in cache {quote(self.cfg.name)} for what the call writes: "
-                                           f"need {short}")
+                                           f"need {short}" + (f" (no sequence could move down: {refused})"
+                                                              if refused else ""))
 
     def pools_fit(self, main: int, tail: int, free_main: int, free_tail: int) -> bool:
         """Whether main sealed and tail fp16 blocks fit pools that can give free_main and

@@ -47,6 +47,7 @@ class Tiering(CachedBelow):
         self.c = cache
         self.host = host
         self.disk = disk
+        self.refused: str | None = None     # why the disk took no sequence the last make_room moved down
         self.counters = dict(offloads_host=0, offloads_disk=0, page_ins_host=0, page_ins_disk=0,
                              bytes_down=0, bytes_up=0, spilled_blocks=0, prefix_hits_host=0, prefix_hits_disk=0,
                              bytes_down_host=0, bytes_down_disk=0, bytes_up_host=0, bytes_up_disk=0)
@@ -64,6 +65,7 @@ class Tiering(CachedBelow):
         sequence would not make room, none moves: a refused call changes nothing. whole=False
         (some room helps: a prefix hit, the low watermark) moves what the host tier takes."""
         c = self.c
+        self.refused = None
         if not c.fits_after_moves(main, tail, protect) or (whole and not self._host_takes(main, tail, protect)):
             return False
         movable = c.movable(protect)
@@ -106,7 +108,8 @@ class Tiering(CachedBelow):
             return False
         try:
             self._to_disk([s], durable=False)
-        except ResourceExhausted:
+        except ResourceExhausted as e:
+            self.refused = e.message
             return False
         return True
 
@@ -121,7 +124,8 @@ class Tiering(CachedBelow):
                 return False
             try:
                 self._to_disk([victim], durable=False)
-            except ResourceExhausted:
+            except ResourceExhausted as e:
+                self.refused = e.message
                 return False
         return True
 

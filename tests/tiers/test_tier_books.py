@@ -296,6 +296,26 @@ def test_offload_is_durable_under_the_bound_and_refused_whole_past_it(tmp_path):
     e.check_invariants()
 
 
+def test_an_append_the_disk_bound_leaves_no_room_for_says_so(tmp_path):
+    """The pools would have room if a sequence could move down, but the disk's bound
+    takes none: the refusal names that, not only the pools' free blocks."""
+    a, b, c = toks(0, 150), toks(10_000, 150), toks(20_000, 150)
+    size = offloaded_bytes(tmp_path / "scratch", a)
+    e = engine(tmp_path, num_blocks=24, lmdb_max_bytes=size + size // 2, residual=8, max_sequences=8)
+    put(e, "a", a)
+    e.offload("c", T, ["a"])
+    put(e, "b", b)
+    e.allocate("c", T, "c", c)
+    k, v = kv_of(c)
+    before = disk(e)
+    with pytest.raises(ResourceExhausted, match=r"^k: no room in cache 'c' .* \(no sequence could move down: "
+                                                r"the disk tier cannot take .* held by sequences\)$"):
+        e.append("c", T, ["c"], k, v, [len(c)], token_ids=[c])
+    assert e.sequence_info("c", T, "b").tier == "gpu" and e.sequence_info("c", T, "c").length == 0
+    assert disk(e)["used_bytes"] == before["used_bytes"]
+    e.check_invariants()
+
+
 def test_restart_rebuilds_the_disk_books(tmp_path):
     bound = 30 * (PQ_BLOCK + 64) + 8 * FP16_BLOCK
     e = engine(tmp_path, num_blocks=8, host_blocks=4, lmdb_max_bytes=bound, residual=8, max_sequences=8)
