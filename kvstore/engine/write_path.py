@@ -114,12 +114,13 @@ class WritePath(Room):
         an array('i'). Ids already known for those positions (from Allocate, or
         from another layer of the same tokens) must agree."""
         if len(token_ids) != n:
-            raise InvalidArgument("token_ids", f"{len(token_ids)} ids for {n} tokens")
+            raise InvalidArgument("token_ids", f"{len(token_ids)} ids for {n} tokens of sequence {quote(s.seq_id)}")
         ids = token_array(token_ids, "token_ids")
         start = self.token_start(s, layer)
         known = s.token_ids[start:start + n]
         if known != ids[:len(known)]:
-            raise InvalidArgument("token_ids", f"differ from the ids already known for positions {start}..")
+            raise InvalidArgument("token_ids", f"differ from the ids already known for positions {start}.. of "
+                                               f"sequence {quote(s.seq_id)}")
         return ids
 
     def append(self, s: Sequence, k: torch.Tensor, v: torch.Tensor, token_ids=None) -> None:

@@ -84,3 +84,19 @@ def test_counts_ranges_and_ids_protobuf_cannot_carry_name_their_field(daemon, la
                 call()
         assert state(kv) == state(kv, "t") == (0, [0, 0])
         assert [i.sequence_id for i in kv.list_sequences("c")] == ["s", "t"]
+
+
+def test_ids_a_batch_row_contradicts_are_refused_naming_its_sequence(daemon):
+    """One row of a batch whose ids differ from those its Allocate gave: the whole call is
+    refused (nothing appended to any row), and the message says which sequence."""
+    import grpc
+    with client(daemon, "unary") as kv:
+        kv.allocate("c", "s", list(range(10, 18)))
+        kv.allocate("c", "t", list(range(20, 28)))
+        k = torch.randn(2, 16, 2, 16).half()
+        with pytest.raises(grpc.RpcError) as e:
+            kv.append("c", ["s", "t"], k, k, token_ids=[list(range(10, 18)), list(range(20, 27)) + [5]])
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert e.value.details().startswith("token_ids: differ from the ids already known") and "'t'" in \
+            e.value.details()
+        assert state(kv) == state(kv, "t") == (0, [0, 0])
