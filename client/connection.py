@@ -95,7 +95,11 @@ class Connection:
     def close(self) -> None:
         self.session.stop()
         if self.session.forked:
-            return      # the parent's buffer, doorbell and channel: its to close, not a child's
+            # the parent's buffer and channel are its to close, not a child's; the child's
+            # copy of the doorbell socket goes (the parent's connection stays open)
+            if self._bell is not None:
+                self._bell.close()
+            return
         with self._lock:
             if self._stream is not None:
                 self._stream.close()

@@ -191,7 +191,11 @@ class KVStoreAdapter:
 
     # ----------------------------------------------------------- connection
     def client(self) -> KVStoreClient:
-        """The live client; a fresh channel (and cache check) after a failure."""
+        """The live client; a fresh channel (and cache check) after a failure, and in a
+        fork() child of the process that made it (a client is its process's)."""
+        if self._kv is not None and self._kv.session.forked:
+            self._kv.close()
+            self._kv = None
         if self._kv is None:
             kv = KVStoreClient(self.target, timeout=self.timeout)
             cache = None

@@ -208,3 +208,25 @@ def test_smollm2_fp16_greedy_matches(daemon):
     with torch.no_grad():
         got = ad.generate(ids, max_new_tokens=20, do_sample=False)
     assert torch.equal(got, want)
+
+
+def test_in_a_fork_child_the_adapter_makes_its_own_client(daemon, monkeypatch):
+    """A client is its process's: an adapter whose client was made before a fork() takes
+    a new one in the child (the inherited one refuses every call) and generates as
+    before, with no fallback."""
+    from kvstore.client import session
+    model = tiny_llama()
+    ids = prompt(20)
+    want = reference(model, ids)
+    ad = KVStoreAdapter(model, daemon, cache="forked", codec="fp16", block_size=8, residual=8)
+    with torch.no_grad():
+        assert torch.equal(ad.generate(ids, **GEN), want)
+    parent = ad.client()
+    monkeypatch.setattr(session, "_forks", session._forks + 1)     # as after_in_child leaves it
+    assert parent.session.forked
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")          # no fallback
+        with torch.no_grad():
+            assert torch.equal(ad.generate(ids, **GEN), want)
+    assert ad.client() is not parent and not ad.client().session.forked and ad.fallbacks == 0
+    ad.close()
