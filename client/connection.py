@@ -29,6 +29,13 @@ log = logging.getLogger("kvstore.client")
 STREAM_RETRY_S = 30.0      # after the daemon turned a stream away, call unary this long before trying again
 
 
+def answered(e: BaseException) -> bool:
+    """A call that raised e was answered by the daemon (its outcome known), rather than
+    interrupted or given up on while it may still run there."""
+    return isinstance(e, grpc.RpcError) and e.code() not in (grpc.StatusCode.DEADLINE_EXCEEDED,
+                                                             grpc.StatusCode.CANCELLED)
+
+
 class Connection:
     """KVStoreClient's plumbing: the channel and session, the heartbeat, the
     registered buffers a call's tensors cross in, and the lanes of
@@ -73,6 +80,7 @@ class Connection:
         self.timeout = timeout
         self._lock = threading.Lock()
         self._arena: ShmArena | None = None
+        self._abandoned: list[str] = []     # buffers calls of unknown outcome may still read (_abandon_arena)
         self._cuda_arena: CudaArena | None = None
         self._no_cuda_buffers = False     # the daemon refused a CUDA buffer once
         self._shm_bytes = shm_bytes
@@ -128,7 +136,16 @@ class Connection:
     def __exit__(self, *exc):
         self.close()
 
+    def _unregister_abandoned(self) -> None:
+        for buffer_id in self._abandoned:
+            try:
+                self.stub.UnregisterBuffer(pb.UnregisterBufferRequest(buffer_id=buffer_id), timeout=self.timeout)
+            except grpc.RpcError:
+                pass
+        self._abandoned.clear()
+
     def _drop_arena(self) -> None:
+        self._unregister_abandoned()
         if self._arena is not None:
             try:
                 self.stub.UnregisterBuffer(pb.UnregisterBufferRequest(buffer_id=self._arena.buffer_id),
@@ -148,6 +165,15 @@ class Connection:
             return details.startswith("doorbell_token:")
         ids = [a.buffer_id for a in (self._arena, self._cuda_arena) if a is not None and a.buffer_id]
         return code == grpc.StatusCode.NOT_FOUND and any(f"no buffer '{i}'" in details for i in ids)
+
+    def _abandon_arena(self, arena) -> None:
+        """A call whose outcome is unknown (interrupted, timed out) may still be running in
+        the daemon and reading its inputs from `arena`: later calls stage theirs in a new
+        buffer, so that it cannot take the next step's K/V for its own. It is unregistered
+        when the next is made (a call still running keeps its view of it in the daemon)."""
+        if arena is self._arena:
+            self._abandoned.append(arena.buffer_id)
+            self._arena = None
 
     def _forget_registrations(self) -> None:
         """After a lapse: what the daemon no longer holds is not unregistered, only dropped."""
@@ -274,7 +300,13 @@ class Connection:
                     msgs[k] = arena.typed(place(arena, t), tuple(t.shape), t.dtype)[1]
             for b in out_bytes:
                 outs.append(None if arena is None else pb.OutputRef(buffer_id=arena.buffer_id, offset=arena.alloc(b)))
-            reply = method(request_fn(msgs, outs), timeout=self.timeout, metadata=md or self.session.md)
+            request = request_fn(msgs, outs)
+            try:
+                reply = method(request, timeout=self.timeout, metadata=md or self.session.md)
+            except BaseException as e:
+                if arena is not None and not answered(e):
+                    self._abandon_arena(arena)
+                raise
             return read(reply, arena) if read else reply
 
     def _call_cuda(self, arena: CudaArena, method, request_fn, inputs, out_bytes, read, md):
@@ -362,10 +394,16 @@ class Connection:
             bell.close()
             return None
         except grpc.RpcError as e:
-            if not self._lapsed(e):
-                raise
-            self._forget_registrations()        # the call goes by gRPC, which registers anew
-            return None
+            if self._lapsed(e):
+                self._forget_registrations()        # the call goes by gRPC, which registers anew
+                return None
+            if bell.closed and not cuda:            # timed out, or its replies out of step
+                self._abandon_arena(arena)
+            raise
+        except BaseException:
+            if not cuda:                            # interrupted: the call may run on
+                self._abandon_arena(arena)
+            raise
         finally:
             if cuda:
                 self._wait_done(arena, stream)    # also after an error: the daemon may have queued work

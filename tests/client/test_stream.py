@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import threading
+import time
 
 import grpc
 import pytest
@@ -429,9 +430,13 @@ def test_a_stuck_daemon_is_deadline_exceeded_then_the_stream_reopens(tmp_path, c
                 kv.timeout = 60
         assert type(errs[0]) is type(errs[1])
         assert errs[0].code() == errs[1].code() == C.DEADLINE_EXCEEDED
+        # the calls given up on may still read their inputs in the daemon: not staged over
+        old = st._abandoned[0]
+        assert st._arena is None and uni._arena is None and len(uni._abandoned) == 1
         layer, k, v, q = calls[2]
         st.append_attend("fp16", 0, ["s"], k, v, q)
         assert st._stream.opened == 2
+        assert st._arena.buffer_id != old and not st._abandoned
         # The watchdog firing just as a call came back cancels a stream with nothing in flight:
         # the next call must not inherit that deadline.
         s = st._stream

@@ -471,11 +471,11 @@ def test_a_call_interrupted_while_waiting_leaves_no_reply_for_the_next(served):
     (every later call would fail, having run): the connection goes, the next call opens
     another and gets its own answer."""
     import select
-    sock, _ = served
+    sock, server = served
     with KVStoreClient(f"unix://{sock}", heartbeat=False) as kv:
         _cache(kv, "c", "fp16")
         _steps(kv, "c", "s", 2)
-        real = kv._bell._sock
+        real, old = kv._bell._sock, kv._arena.buffer_id
 
         class Interrupted:
             def __getattr__(self, name):
@@ -502,6 +502,10 @@ def test_a_call_interrupted_while_waiting_leaves_no_reply_for_the_next(served):
                 assert torch.equal(out, kv.attend("c", layer, ["s"], q))
             assert kv.sequence_info("c", "s").length == 14 + n
         assert kv._bell is not None and not kv._bell.closed and kv._bell._sock is not real
+        # its inputs' buffer is not written again (the call may still read it there): later
+        # calls stage in a new one, and the old one is unregistered
+        assert kv._arena.buffer_id != old
+        assert old not in server.kvstore_doorbell.handlers.buffer_table.registry._bufs
 
 
 def test_a_client_used_in_a_fork_child_is_refused_by_name(served):
