@@ -179,7 +179,6 @@ class KVStoreAdapter:
         self._kv: KVStoreClient | None = None
         self._ready = codec != "pq" or cb is not None     # the daemon's cache has what it needs to store
         self._ids = itertools.count()
-        self._prefix = f"hf-{os.getpid()}-{id(self):x}"
         self.fallbacks = 0
         register()
         # sub-configs (e.g. a decoder's) carry their own attribute
@@ -188,6 +187,11 @@ class KVStoreAdapter:
         self._old_attn = install(self._configs)
         self._hooks = (model.register_forward_pre_hook(self._pre_forward, with_kwargs=True),
                        model.register_forward_hook(self._post_forward))
+
+    @property
+    def _prefix(self) -> str:
+        """Its sequence ids' prefix: the process's (a fork() child's ids are not its parent's)."""
+        return f"hf-{os.getpid()}-{id(self):x}"
 
     # ----------------------------------------------------------- connection
     def client(self) -> KVStoreClient:

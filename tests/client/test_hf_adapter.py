@@ -6,6 +6,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 import warnings
 
 import pytest
@@ -15,7 +16,7 @@ transformers = pytest.importorskip("transformers")
 
 from kvstore.client.hf import KVStoreAdapter  # noqa: E402
 from kvstore.codec.codebooks import Codebooks  # noqa: E402
-from helpers import ROOT  # noqa: E402
+from helpers import ROOT, one_thread  # noqa: E402,F401
 
 GEN = dict(max_new_tokens=24, do_sample=False, pad_token_id=0)
 
@@ -210,23 +211,51 @@ def test_smollm2_fp16_greedy_matches(daemon):
     assert torch.equal(got, want)
 
 
-def test_in_a_fork_child_the_adapter_makes_its_own_client(daemon, monkeypatch):
-    """A client is its process's: an adapter whose client was made before a fork() takes
-    a new one in the child (the inherited one refuses every call) and generates as
-    before, with no fallback."""
-    from kvstore.client import session
+def test_in_a_fork_child_the_adapter_makes_its_own_client(tmp_path, one_thread):
+    """A client is its process's: an adapter whose client was made before fork() takes a
+    new one in the child (the inherited one refuses every call), and its sequence ids are
+    the child's, so parent and child generate at once with neither falling back."""
+    import select
+    sock = str(tmp_path / "kv.sock")
+    daemon = start_daemon(sock)
     model = tiny_llama()
     ids = prompt(20)
     want = reference(model, ids)
-    ad = KVStoreAdapter(model, daemon, cache="forked", codec="fp16", block_size=8, residual=8)
-    with torch.no_grad():
-        assert torch.equal(ad.generate(ids, **GEN), want)
-    parent = ad.client()
-    monkeypatch.setattr(session, "_forks", session._forks + 1)     # as after_in_child leaves it
-    assert parent.session.forked
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")          # no fallback
+    ad = KVStoreAdapter(model, f"unix://{sock}", cache="forked", codec="fp16", block_size=8, residual=8)
+    pid = 0
+    try:
         with torch.no_grad():
             assert torch.equal(ad.generate(ids, **GEN), want)
-    assert ad.client() is not parent and not ad.client().session.forked and ad.fallbacks == 0
-    ad.close()
+        said_r, said_w = os.pipe()
+        go_r, go_w = os.pipe()
+        pid = os.fork()
+        if pid == 0:           # the child: a live sequence of its own, held while the parent generates
+            try:
+                with warnings.catch_warnings():
+                    warnings.simplefilter("error")
+                    cache = ad.cache_for(ids)
+                    with torch.no_grad():
+                        same = torch.equal(model.generate(ids, past_key_values=cache, **GEN), want)
+                os.write(said_w, f"{same} {ad.fallbacks} {cache.seq_ids[0].split('-')[1] == str(os.getpid())}".encode())
+                os.read(go_r, 1)
+            except BaseException as e:  # noqa: BLE001 - reported to the parent
+                os.write(said_w, repr(e).encode()[:4000])
+            os._exit(0)
+        assert select.select([said_r], [], [], 120)[0], "the child said nothing"
+        assert os.read(said_r, 4096).decode() == "True 0 True"
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")          # no fallback
+            with torch.no_grad():
+                assert torch.equal(ad.generate(ids, **GEN), want)
+        assert ad.fallbacks == 0
+    finally:
+        if pid:
+            os.write(go_w, b"x")
+            deadline = time.monotonic() + 30
+            while os.waitpid(pid, os.WNOHANG) == (0, 0):
+                if time.monotonic() > deadline:
+                    os.kill(pid, signal.SIGKILL)
+                time.sleep(0.05)
+        ad.close()
+        daemon.kill()
+        daemon.wait()
