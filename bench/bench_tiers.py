@@ -241,7 +241,7 @@ def run(args, dev: str, L: int, n: int, tmp: str, url: str | None, no_redis: str
     e.offload("b", "t", ["p"])                        # LMDB: its blocks under their hashes
     e.free("b", "t", ["p"])                           # the sequence goes, its blocks stay below
 
-    def prefix_hit(engine, name, want):
+    def prefix_hit(engine, name, want, key=None):
         """Allocate the prompt where only a tier below has it: host (cache "b"
         with its GPU pools forgetting their hashes), LMDB (a fresh cache of the
         same fingerprint, no host tier) or Redis (a fresh cache of another engine)."""
@@ -264,7 +264,7 @@ def run(args, dev: str, L: int, n: int, tmp: str, url: str | None, no_redis: str
         # fp16 blocks where the tier holds them (all but the block of the prompt's last token)
         assert hits >= sealed and got == hits * 16, f"{want}: {hits} blocks from below ({sealed} sealed), {got} tokens"
         engine.free(name, "t", ["x"])
-        hit_blocks[want] = hits
+        hit_blocks[key or want] = hits
         return dt
     hit_blocks = {}
     t_hit = {"host": float("inf"), "disk": float("inf"), "redis": float("inf"), "cluster": float("inf")}
@@ -276,7 +276,7 @@ def run(args, dev: str, L: int, n: int, tmp: str, url: str | None, no_redis: str
         if e2 is not None:
             t_hit["redis"] = min(t_hit["redis"], prefix_hit(e2, f"r{r}", "redis"))
         if e3 is not None:
-            t_hit["cluster"] = min(t_hit["cluster"], prefix_hit(e3, f"c{r}", "redis"))
+            t_hit["cluster"] = min(t_hit["cluster"], prefix_hit(e3, f"c{r}", "redis", key="cluster"))
     t_rput = float("inf")
     if url:      # puts through the store: the prefix's blocks again, as a spill sends them
         payload = cache.main_io.pack(list(range(sealed)))
@@ -318,7 +318,8 @@ def run(args, dev: str, L: int, n: int, tmp: str, url: str | None, no_redis: str
                   f"{hit_blocks.get('redis', sealed)} blocks")]
         if e3 is not None:
             store = ctier.store
-            rows.append((f"Redis Cluster get ({args.redis_shards} shards)", f"{hit_gb('redis') / t_hit['cluster']:.2f} GB/s",
+            rows.append((f"Redis Cluster get ({args.redis_shards} shards)",
+                         f"{hit_gb('cluster') / t_hit['cluster']:.2f} GB/s",
                          f"{store.read_lanes(store.topology.nodes[0])} connection(s) per shard"))
     else:
         rows += [("Redis rows", "skipped", no_redis)]

@@ -69,7 +69,9 @@ def _ints(values, field: str, lo: int = -_I64, hi: int = _I64) -> list[int]:
     field for one they would not (the daemon checks what it means)."""
     if hasattr(values, "reshape"):           # a tensor or an array, whatever its shape
         values = values.reshape(-1).tolist()
-    out = [int(x) for x in values]
+    out = [x if isinstance(x, int) else int(x) for x in values]
+    if any(isinstance(x, float) for x in values):
+        raise ValueError(f"{field}: {next(x for x in values if isinstance(x, float))} is not an integer")
     bad = next((x for x in out if not lo <= x < hi), None)
     if bad is not None:
         raise ValueError(f"{field}: {bad} outside [{lo}, {hi})")
@@ -311,9 +313,10 @@ class KVStoreClient(Connection):
         """One Retrieve call -> (k, v) on device (None: where the reply lies), or copied into `into`."""
         def read(r, arena):
             return tuple(self._tensor(t, arena, device, dst) for t, dst in zip((r.k, r.v), into or (None, None)))
-        return self._named(cache, (seq_id,), (), lambda md: self._call(self._raw.Retrieve, lambda m, o: pb.RetrieveRequest(
-            cache=cache, sequence_id=seq_id, start=start, end=end, layer_start=layer_start, layer_end=layer_end,
-            k_out=o[0], v_out=o[1]), {}, [out_bytes, out_bytes], read, device, md))
+        return self._named(cache, (seq_id,), (), lambda md: self._call(
+            self._raw.Retrieve, lambda m, o: pb.RetrieveRequest(
+                cache=cache, sequence_id=seq_id, start=start, end=end, layer_start=layer_start,
+                layer_end=layer_end, k_out=o[0], v_out=o[1]), {}, [out_bytes, out_bytes], read, device, md))
 
     def fork(self, cache: str, seq_id: str, new_seq_id: str) -> None:
         req = pb.ForkRequest(cache=cache, sequence_id=seq_id, new_sequence_id=new_seq_id)
@@ -340,7 +343,8 @@ class KVStoreClient(Connection):
 
     def sequence_info(self, cache: str, seq_id: str) -> pb.SequenceInfoReply:
         req = pb.SequenceInfoRequest(cache=cache, sequence_id=seq_id)
-        return self._named(cache, (seq_id,), (), lambda md: self.stub.SequenceInfo(req, timeout=self.timeout, metadata=md))
+        return self._named(cache, (seq_id,), (),
+                           lambda md: self.stub.SequenceInfo(req, timeout=self.timeout, metadata=md))
 
     def list_sequences(self, cache: str) -> list[pb.SequenceInfoReply]:
         return list(self.stub.ListSequences(pb.ListSequencesRequest(cache=cache), timeout=self.timeout).sequences)

@@ -114,7 +114,7 @@ class Session:
         """FAILED_PRECONDITION in a fork() child: the client's doorbell socket, shared
         buffer and session are its parent's, and calls of both processes through them
         would read each other's inputs and replies."""
-        if self._forks != _forks:
+        if self.forked:
             raise rpc_error(grpc.StatusCode.FAILED_PRECONDITION, (
                 f"KVStoreClient: made in process {self.pid}, called in a fork() child of it ({os.getpid()}): "
                 "its doorbell, shared buffer and session are the parent's; make a new KVStoreClient in the child"))
@@ -229,8 +229,7 @@ class Session:
                                                                        if len(stale) > 4 else "")
             raise rpc_error(grpc.StatusCode.FAILED_PRECONDITION, (
                 f"{INSTANCE_KEY}: sequence {names} of cache {quote(cache)} was named before the daemon restarted "
-                f"(instance "
-                f"{next(iter(stale.values()))!r}, now {self.instance!r}): it is gone unless it was persist "
+                f"(instance {next(iter(stale.values()))!r}, now {self.instance!r}): it is gone unless it was persist "
                 "(ListSequences lists it), and its id may name a sequence allocated since. Raised once for "
                 "each such sequence")[:1024], ((INSTANCE_KEY, self.instance or ""),))
         return md, fresh
