@@ -47,17 +47,32 @@ class CachedBelow:
 
     def _spill_gpu(self, evicted: list[tuple[int, bytes]], fp16: bool) -> None:
         """GPU cached blocks are about to be reused: keep their payload below."""
-        if self.c.redis is not None:
-            # ---- Redis tier: the ones it may not have yet (redis.py), whatever this host keeps
-            # too: a Redis restarted empty, or one that evicted them, gets back what other hosts
-            # would miss, though this host's disk still has them
-            self.c.redis.spill(evicted, fp16)
-        todo = [(b, form_key(h, fp16)) for b, h in evicted]
-        todo = [(b, k) for b, k in todo if not self._below_has(k, fp16)]
-        if not todo:
+        keys = [(b, form_key(h, fp16)) for b, h in evicted]
+        held = [self._below_has(k, fp16) for _, k in keys]
+        down = [i for i, h in enumerate(held) if not h]
+        up = []
+        if (redis := self.c.redis) is not None:
+            # ---- Redis tier: the ones it may not have yet (redis.py). One this host keeps
+            # below too was put when it sealed or first spilled, unless Redis lost what it
+            # held since (restarted empty): then it goes up again, or other hosts would miss
+            # it for as long as this host's disk keeps it
+            lost = redis.lost_since_start()
+            up = [i for i, (_, k) in enumerate(keys) if (lost or not held[i]) and not redis.knows(k)]
+        need = sorted(set(up) | set(down))
+        if not need:
             return
         io, pool, rows = self._kind(fp16)
-        payload = io.pack([b for b, _ in todo])
+        packed = io.pack([keys[i][0] for i in need])          # once, for both
+        row = {i: r for r, i in enumerate(need)}
+
+        def rows_of(idx: list[int]) -> torch.Tensor:
+            return packed if len(idx) == len(need) else \
+                packed.index_select(0, torch.tensor([row[i] for i in idx], device=packed.device))
+        if up:
+            redis.put([keys[i][1] for i in up], rows_of(up))
+        if not down:
+            return
+        todo, payload = [keys[i] for i in down], rows_of(down)
         # As many as the host pool has room for go there, the newest (evicted
         # comes least recently used first); the rest to disk.
         n = min(len(todo), pool.num_allocatable()) if pool is not None else 0

@@ -42,7 +42,7 @@ class RedisTier:
         self._known: OrderedDict[bytes, None] = OrderedDict()     # LRU; _epoch: the store's when filled
         # queued or being written: a block freed, then evicted before its put landed, is not put twice
         self._flight: set[bytes] = set()
-        self._epoch = store.epoch
+        self._epoch = self._first_epoch = store.epoch
         self._lock = threading.Lock()           # counters and _known: the writer thread updates them too
         self.counters = dict(blocks_out=0, bytes_out=0, prefix_hits=0, bytes_in=0, misses=0, refused=0,
                              dropped_puts=0, errors=0)
@@ -105,8 +105,8 @@ class RedisTier:
     def spill(self, evicted: list[tuple[int, bytes]], fp16: bool) -> None:
         """GPU blocks (block id, hash) of the main pool (of a pq cache's tail
         pool: fp16) that a freed sequence held, or cached ones about to be reused
-        (below.py keeps them on this host's tiers too): the ones Redis may not have
-        go up."""
+        that no host or disk tier keeps (below.py puts them where one does): the
+        ones Redis may not have go up."""
         keys = [(b, form_key(h, fp16)) for b, h in evicted]
         keys = [(b, k) for b, k in keys if not self._is_known(k)]
         if keys:
@@ -128,6 +128,15 @@ class RedisTier:
         """Writer thread: a put of hashes is done with, stored or not."""
         with self._lock:
             self._flight.difference_update(hashes)
+
+    def knows(self, h: bytes) -> bool:
+        """Block key h is in Redis, or on its way (a put queued or being written)."""
+        return self._is_known(h)
+
+    def lost_since_start(self) -> bool:
+        """Redis may have lost blocks this cache put (restarted, or came back from an
+        outage) since the cache began."""
+        return self.store.epoch != self._first_epoch
 
     def _known_now(self) -> OrderedDict:
         """The hashes known to be in Redis since it last came back (under self._lock)."""
