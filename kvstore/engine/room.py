@@ -145,8 +145,9 @@ class Room:
     def check_room(self, main: int, tail: int, freed: int, field: str = "k") -> None:
         """Raise ResourceExhausted unless the pools can give main + tail blocks,
         after moving least recently used sequences down a tier if need be."""
+        refused = None
         if self.tiering is not None and not self.gpu_fits(main, tail - freed):
-            self.tiering.make_room(main, max(0, tail - freed), self.protect)
+            refused = self.tiering.make_room(main, max(0, tail - freed), self.protect)
         short = None
         if self.is_pq and main > self.main_pool.num_allocatable():
             short = f"{main} blocks, {self.main_pool.num_allocatable()} free"
@@ -155,9 +156,8 @@ class Room:
         elif not self.is_pq and tail > self.main_pool.num_allocatable():
             short = f"{tail} blocks, {self.main_pool.num_allocatable()} free"
         if short is not None:
-            refused = self.tiering.refused if self.tiering is not None else None
             raise ResourceExhausted(field, f"no room in cache {quote(self.cfg.name)} for what the call writes: "
-                                           f"need {short}" + (f" (no sequence could move down: {refused})"
+                                           f"need {short}" + (f" (a sequence could not move down: {refused})"
                                                               if refused else ""))
 
     def pools_fit(self, main: int, tail: int, free_main: int, free_tail: int) -> bool:

@@ -47,7 +47,7 @@ class Tiering(CachedBelow):
         self.c = cache
         self.host = host
         self.disk = disk
-        self.refused: str | None = None     # why the disk took no sequence the last make_room moved down
+        self._refused = ""      # why the disk tier refused the sequence make_room moved down last
         self.counters = dict(offloads_host=0, offloads_disk=0, page_ins_host=0, page_ins_disk=0,
                              bytes_down=0, bytes_up=0, spilled_blocks=0, prefix_hits_host=0, prefix_hits_disk=0,
                              bytes_down_host=0, bytes_down_disk=0, bytes_up_host=0, bytes_up_disk=0)
@@ -59,21 +59,23 @@ class Tiering(CachedBelow):
         self.counters[f"{way}_{tier}"] += n
 
     # --------------------------------------------------------------- room
-    def make_room(self, main: int, tail: int, protect: set, whole: bool = True) -> bool:
-        """Move LRU sequences down until the GPU pools can give main + tail blocks.
-        Blocks the caller holds references on stay where they are. Where moving every movable
+    def make_room(self, main: int, tail: int, protect: set, whole: bool = True) -> str | None:
+        """Move LRU sequences down until the GPU pools can give main + tail blocks -> None,
+        or why not: the disk tier's refusal of a sequence ("" where moving every movable
+        sequence would not make room, or the host tier cannot take them). Blocks the
+        caller holds references on stay where they are. Where moving every movable
         sequence would not make room, none moves: a refused call changes nothing. whole=False
         (some room helps: a prefix hit, the low watermark) moves what the host tier takes."""
         c = self.c
-        self.refused = None
+        self._refused = ""
         if not c.fits_after_moves(main, tail, protect) or (whole and not self._host_takes(main, tail, protect)):
-            return False
+            return ""
         movable = c.movable(protect)
         while not c.gpu_fits(main, tail):
             victim = _lru(s for s in movable if s.tier == "gpu")
             if victim is None or not self.move_down(victim, protect):
-                return False
-        return True
+                return self._refused
+        return None
 
     def _host_takes(self, main: int, tail: int, protect: set) -> bool:
         """Without a disk tier, whether the host tier could take, in make_room's order, the
@@ -109,7 +111,7 @@ class Tiering(CachedBelow):
         try:
             self._to_disk([s], durable=False)
         except ResourceExhausted as e:
-            self.refused = e.message
+            self._refused = e.message
             return False
         return True
 
@@ -125,7 +127,7 @@ class Tiering(CachedBelow):
             try:
                 self._to_disk([victim], durable=False)
             except ResourceExhausted as e:
-                self.refused = e.message
+                self._refused = e.message
                 return False
         return True
 
@@ -301,7 +303,7 @@ class Tiering(CachedBelow):
         new = new_tail = None
         done = False
         try:
-            if not self.make_room(len(todo), n_tail, protect | {id(s)}):
+            if self.make_room(len(todo), n_tail, protect | {id(s)}) is not None:
                 raise ResourceExhausted(field, f"no GPU room to page in sequence {s.seq_id!r}")
             new = c.main_pool.allocate(len(todo))
             new_tail = c.tail_pool.allocate(n_tail)

@@ -308,7 +308,7 @@ def test_an_append_the_disk_bound_leaves_no_room_for_says_so(tmp_path):
     e.allocate("c", T, "c", c)
     k, v = kv_of(c)
     before = disk(e)
-    with pytest.raises(ResourceExhausted, match=r"^k: no room in cache 'c' .* \(no sequence could move down: "
+    with pytest.raises(ResourceExhausted, match=r"^k: no room in cache 'c' .* \(a sequence could not move down: "
                                                 r"the disk tier cannot take .* held by sequences\)$"):
         e.append("c", T, ["c"], k, v, [len(c)], token_ids=[c])
     assert e.sequence_info("c", T, "b").tier == "gpu" and e.sequence_info("c", T, "c").length == 0
