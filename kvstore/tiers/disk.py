@@ -77,13 +77,11 @@ class DiskTier:
         if refused:
             self._drop_sequences(refused)
         # What outlives a daemon is what was offloaded or persist (docs/operations.md,
-        # Signals): copies that memory pressure made of other sequences go now, for every
-        # cache, not when a cache of their name is created again (until then they counted
-        # as held, and the bound refused Offloads for sequences that no longer exist).
+        # Signals): the copies memory pressure made of other sequences are no sequence's
+        # now, in every cache, and would count as held under the bound.
         pressure = [k for k, m in good.items() if not (m.get("durable") or m.get("persist"))]
         if pressure:
-            own = [k for mk in pressure for k in store.keys(b"S" + mk[1:])]
-            store.write_batch([], pressure + own, sync=True)
+            self._delete_sequences(pressure)
             for k in pressure:
                 del good[k]
             log.info("LMDB store %s: dropped the disk copies of %d sequences that memory pressure, not Offload "
@@ -129,11 +127,16 @@ class DiskTier:
         they hold is unknown). Their manifests and own blocks go (durably),
         logged and counted; their hashed blocks stay as cached prefix blocks
         (each is checked when read)."""
-        own = [k for mk in mks for k in self.store.keys(b"S" + mk[1:])]
-        self.store.write_batch([], list(mks) + own, sync=True)
+        self._delete_sequences(mks)
         self.counters["dropped_sequences"] += len(mks)
         log.warning("LMDB store %s: %d sequences dropped: their manifest was refused by its checksum (what "
                     "they held is unknown): %s", self.store.path, len(mks), _named(mks))
+
+    def _delete_sequences(self, mks: list[bytes]) -> None:
+        """At open, before the books: the manifests under mks and their own blocks go,
+        durably; their hashed blocks stay, as cached prefix blocks."""
+        own = [k for mk in mks for k in self.store.keys(b"S" + mk[1:])]
+        self.store.write_batch([], list(mks) + own, sync=True)
 
     # ------------------------------------------------------------ books
     def _unreferenced(self, k: bytes) -> None:

@@ -41,6 +41,7 @@ store does about that at open is lmdb_recovery.py's.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import logging
 import os
 import threading
@@ -72,6 +73,10 @@ def entry_bytes(key: bytes, value) -> int:
     return len(key) + lmdb_sums.value_bytes(value)
 
 
+class StoreInUse(OSError):
+    """The store's directory is held by another LMDBStore (another daemon)."""
+
+
 class LMDBStore:
     """LMDB-backed ColdStore. A full map grows instead of failing.
 
@@ -95,34 +100,57 @@ class LMDBStore:
         self._lmdb = lmdb
         os.makedirs(path, mode=0o700, exist_ok=True)
         self.path = path
-        self.max_bytes = max_bytes
-        self.durable_commits = sync
-        self.lock = threading.RLock()
-        self.counters = dict(refused_values=0, verified_opens=0, dropped_entries=0, moved_aside=0)
-        self._map_size = map_size
-        self._file: DataFile | None = None
-        self._open()
-        self._legacy = self._check_format()
-        was = recovery.marker(path)
-        self._marked = was is not None
-        self._nondurable = 0      # non-durable commits so far: a sync clears the marker only if none came since it began
-        if was is not None and was and was == recovery.boot_id():
-            # The process died, the kernel did not: the page cache holds the last commit.
-            log.warning("LMDB store %s: not closed cleanly (the process ended; the system did not restart): "
-                        "its last commit is intact in the page cache; synced", path)
-            self.sync()
-        elif was is not None:
-            self._verify_into_fresh_file()
+        self._hold(path)
         try:
-            self._adopt_format()
-            self._read_books()
-        except (lmdb.CorruptedError, lmdb.PageNotFoundError) as e:     # a broken tree, whatever the marker said
-            log.warning("LMDB store %s: %s while reading it: verifying every entry", path, e)
-            self._verify_into_fresh_file()
-            self._read_books()
+            self.max_bytes = max_bytes
+            self.durable_commits = sync
+            self.lock = threading.RLock()
+            self.counters = dict(refused_values=0, verified_opens=0, dropped_entries=0, moved_aside=0)
+            self._map_size = map_size
+            self._file: DataFile | None = None
+            self._open()
+            self._legacy = self._check_format()
+            was = recovery.marker(path)
+            self._marked = was is not None
+            # non-durable commits so far: a sync clears the marker only if none came since it began
+            self._nondurable = 0
+            if was is not None and was and was == recovery.boot_id():
+                # The process died, the kernel did not: the page cache holds the last commit.
+                log.warning("LMDB store %s: not closed cleanly (the process ended; the system did not restart): "
+                            "its last commit is intact in the page cache; synced", path)
+                self.sync()
+            elif was is not None:
+                self._verify_into_fresh_file()
+            try:
+                self._adopt_format()
+                self._read_books()
+            except (lmdb.CorruptedError, lmdb.PageNotFoundError) as e:     # a broken tree, whatever the marker said
+                log.warning("LMDB store %s: %s while reading it: verifying every entry", path, e)
+                self._verify_into_fresh_file()
+                self._read_books()
+        except BaseException:
+            self._release()
+            raise
         self.books = None     # what the owner of the key layout keeps over these entries (tiers.DiskTier)
 
     # ------------------------------------------------------------ opening
+    def _hold(self, path: str) -> None:
+        """One store object a directory, across processes: a second daemon on the same
+        --lmdb would take the first's marker for a crash (recovering the file under it)
+        and keep books of its own over the same entries."""
+        fd = os.open(os.path.join(path, "kvstore.lock"), os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise StoreInUse(f"LMDB store {path} is in use by another process (one daemon a store)") from None
+        self._lock_fd = fd
+
+    def _release(self) -> None:
+        if self._lock_fd >= 0:
+            os.close(self._lock_fd)         # the lock goes with the descriptor
+            self._lock_fd = -1
+
     def _open(self) -> None:
         """Open the environment; a file LMDB refuses to open is renamed aside
         and the store starts empty (lmdb_recovery)."""
@@ -356,6 +384,7 @@ class LMDBStore:
         """A clean close: synced, the marker gone."""
         self.sync()
         self._close_env()
+        self._release()
 
 
 def _after(puts: list[tuple[bytes, bytes]], deletes: Iterable[bytes]) -> dict[bytes, int]:

@@ -142,3 +142,25 @@ def test_a_batch_that_fails_mid_way_changes_nothing(tmp_path):
     s = LMDBStore(path)
     assert s.get_many([b"new/0", b"new/1", b"old"]) == [b"n", None, b"o" * SIZE]
     s.close()
+
+
+def test_a_store_held_by_another_daemon_is_refused_not_recovered(tmp_path, python):
+    """A second daemon on a running one's --lmdb would take its open marker for a crash
+    and recover the file under it: it is refused at the start, naming --lmdb, and the
+    first daemon's store is as it was."""
+    from kvstore.tiers.lmdb_store import StoreInUse
+    path = str(tmp_path / "lmdb")
+    first = LMDBStore(path)
+    first.put_many([(b"Bk", b"v" * 100)], sync=True)
+    with pytest.raises(StoreInUse, match="in use by another process"):
+        LMDBStore(path)
+    r = subprocess.run([python, os.path.join(ROOT, "server.py"), "--device", "cpu", "--lmdb", path,
+                        "--socket", str(tmp_path / "kv.sock")], capture_output=True, text=True, timeout=120,
+                       env=dict(os.environ, PYTHONPATH=ROOT))
+    assert r.returncode != 0 and r.stderr.strip().splitlines()[-1].startswith(
+        f"kvstore-server: --lmdb {path}: LMDB store {path} is in use by another process"), r.stderr
+    assert first.get_many([b"Bk"]) == [b"v" * 100]
+    first.close()
+    again = LMDBStore(path)                 # released by close
+    assert again.get_many([b"Bk"]) == [b"v" * 100]
+    again.close()

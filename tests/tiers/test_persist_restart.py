@@ -93,20 +93,28 @@ def test_pressure_copies_go_when_the_store_opens_not_when_their_cache_comes_back
     the start, whichever caches are created, so that they neither count as held nor make
     the disk bound refuse an Offload of a sequence that exists (their blocks stay cached)."""
     e = engine(tmp_path, num_blocks=16, residual=8, max_sequences=8)
+    put(e, "off", toks(0, 40))
+    e.offload("c", T, ["off"])
+    e.allocate("c", T, "p", toks(500, 40), owner="w", persist=True)
+    k, v = kv_of(toks(500, 40))
+    e.append("c", T, ["p"], k, v, [40], token_ids=[toks(500, 40)])
     for i in range(6):
         put(e, f"x{i}", toks(10_000 * (i + 1), 40))
-    assert "disk" in {i.tier for i in e.list_sequences("c", T)}
-    assert e.disk.held_bytes() > 0
+    tiers = {i.seq_id: i.tier for i in e.list_sequences("c", T)}
+    assert tiers["p"] == "disk" and "disk" in {t for s, t in tiers.items() if s.startswith("x")}, tiers
+    kept = {s: read(e, s) for s in ("off", "p")}
+    held = e.disk.held_bytes()
     blocks = e.disk.stats()["entries"]
     e.cold_store.close()                                     # killed: no stop
     caplog.set_level(logging.INFO)
     e = Engine(lmdb_path=str(tmp_path / "lmdb"))             # no cache of that name comes back
     assert "dropped the disk copies of" in caplog.text
-    assert e.disk.held_bytes() == 0 and e.disk.store.keys(b"M") == []
+    assert 0 < e.disk.held_bytes() < held and len(e.disk.store.keys(b"M")) == 2     # Offload's and persist's
     assert 0 < e.disk.stats()["entries"] < blocks           # the hashed blocks stay, cached
     e.cold_store.close()
     e = engine(tmp_path, num_blocks=16, residual=8, max_sequences=8)
-    assert e.list_sequences("c", T) == []
+    assert sorted(i.seq_id for i in e.list_sequences("c", T)) == ["off", "p"]
+    assert all(same(read(e, s), want) for s, want in kept.items())
     e.check_invariants()
 
 
