@@ -39,6 +39,7 @@ log = logging.getLogger("kvstore.daemon")
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 GRACE_S = 5.0           # calls in flight at a stop signal get this long to finish
+STREAM_POLL_S = 0.02    # how often the stop looks whether only idle streams are left
 STOP_LIMIT_S = 15.0     # past this the daemon exits (status 1) without the calls that are still running
 
 
@@ -109,6 +110,7 @@ def create_server(engine: "Engine | None" = None, socket_path: str | None = None
     leases.release_buffers = servicer.buffer_table.release_session
     servicer.max_pool_bytes = max_pool_bytes
     pb_grpc.add_KVStoreServicer_to_server(servicer, server)
+    server.kvstore_servicer = servicer
     if socket_path:             # before binding anything: sockets.SocketError if a live daemon serves there
         sockets.claim(socket_path)
         if doorbell:
@@ -166,6 +168,20 @@ def _bind_and_start(server: grpc.Server, socket_path: str | None, port: int | No
             return stop(grace)
         server.stop = stop_and_unlink
     return bound
+
+
+def cut_idle_streams(server, until: float) -> None:
+    """After server.stop(GRACE_S): the calls running get the grace to finish, but an open
+    AppendAttendStream between two messages is no call at work (its next message is
+    refused now): once only such streams are left, the server stops at once, cancelling
+    them, rather than waiting out the grace for a message that may never come."""
+    servicer = server.kvstore_servicer
+    servicer.stopping = True
+    while time.monotonic() < until:
+        if servicer.streams_idle() and all(m == "AppendAttendStream" for m, _ in server.kvstore_calls.running()):
+            server.stop(grace=0)
+            return
+        time.sleep(STREAM_POLL_S)
 
 
 def _start_doorbell(server, servicer: KVStoreServicer, leases: LeaseManager, socket_path: str,
@@ -269,7 +285,9 @@ def main(argv: list[str] | None = None) -> None:
     # gRPC's event says stopped once it has cancelled the calls, not once their
     # handlers return (interpreter exit joins those), so the calls' own table decides.
     # server.stop also removes our sockets, if they are still ours.
-    stopped = server.stop(grace=GRACE_S).wait(max(0.0, deadline - time.monotonic()))
+    stopping = server.stop(grace=GRACE_S)
+    cut_idle_streams(server, time.monotonic() + GRACE_S)
+    stopped = stopping.wait(max(0.0, deadline - time.monotonic()))
     left = server.kvstore_calls.wait(deadline)
     cut = not stopped or bool(left)
     if cut:

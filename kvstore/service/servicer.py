@@ -83,6 +83,10 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
         # its pool as workers + max_streams): past the limit, turn it away.
         self.max_streams = max_streams
         self._stream_slots = threading.BoundedSemaphore(max_streams)
+        # The daemon is stopping: a stream's next message is refused, as a new call is.
+        self.stopping = False
+        self._streams_busy = 0      # stream messages being answered (daemon.cut_idle_streams)
+        self._streams_lock = threading.Lock()
         self.doorbell = None         # the per-step fast lane (doorbell.py), set by the daemon
         self.instance = ""           # this daemon process's id (fence.py), set by the daemon
 
@@ -293,9 +297,23 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
                           f"streams: all {self.max_streams} are open (daemon --max-streams); call AppendAttend")
         try:
             for request in requests:
-                yield self.AppendAttend(request, context)
+                if self.stopping:
+                    context.abort(grpc.StatusCode.UNAVAILABLE, "the daemon is stopping (its next call: another "
+                                                               "daemon's, or this one's after its restart)")
+                with self._streams_lock:
+                    self._streams_busy += 1
+                try:
+                    reply = self.AppendAttend(request, context)
+                finally:
+                    with self._streams_lock:
+                        self._streams_busy -= 1
+                yield reply
         finally:
             self._stream_slots.release()
+
+    def streams_idle(self) -> bool:
+        """No stream message is being answered (open streams wait for their next)."""
+        return self._streams_busy == 0
 
     @_rpc
     def Retrieve(self, request, context):

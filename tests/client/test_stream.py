@@ -489,3 +489,29 @@ def test_a_signal_during_a_call_leaves_the_stream_in_order(tmp_path, core):
         st.close()
         uni.close()
         server.stop(0)
+
+
+def test_at_a_stop_open_streams_between_messages_do_not_wait_out_the_grace(tmp_path):
+    """A stop gives calls at work their grace; a worker's open stream waiting for its
+    next message is none: once only such streams are left the server stops at once, and
+    the stream's next message finds the daemon gone."""
+    from kvstore.service.daemon import cut_idle_streams
+    sock = str(tmp_path / "kv.sock")
+    server, _, _ = create_server(socket_path=sock)
+    st = client(f"unix://{sock}", True)
+    try:
+        make_cache(st, "fp16")
+        prefill(st, "fp16", "s")
+        layer, k, v, q = steps(1, seed=0)[0]
+        st.append_attend("fp16", layer, ["s"], k, v, q)
+        assert st._stream.opened == 1
+        assert [m for m, _ in server.kvstore_calls.running()] == ["AppendAttendStream"]
+        stopping = server.stop(grace=30)
+        cut_idle_streams(server, time.monotonic() + 30)
+        assert stopping.wait(10)                  # not the 30 s grace
+        with pytest.raises(grpc.RpcError) as e:
+            st.append_attend("fp16", 1, ["s"], k, v, q)
+        assert e.value.code() in (C.UNAVAILABLE, C.CANCELLED)
+    finally:
+        st.close()
+        server.stop(0)
