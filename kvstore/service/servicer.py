@@ -83,8 +83,7 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
         # its pool as workers + max_streams): past the limit, turn it away.
         self.max_streams = max_streams
         self._stream_slots = threading.BoundedSemaphore(max_streams)
-        # The daemon is stopping: a stream's next message is refused, as a new call is.
-        self.stopping = False
+        self.stopping = False       # a stream's next message is then refused, as a new call is
         self._streams_busy = 0      # stream messages being answered (daemon.cut_idle_streams)
         self._streams_lock = threading.Lock()
         self.doorbell = None         # the per-step fast lane (doorbell.py), set by the daemon
