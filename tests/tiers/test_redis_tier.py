@@ -718,3 +718,36 @@ def test_blocks_this_hosts_disk_keeps_go_up_again_after_redis_came_back_empty(tm
         wait_for(b_hits, what="A's sealed blocks back in Redis")
     finally:
         srv.kill()
+
+
+def test_blocks_this_hosts_disk_keeps_are_not_put_again_while_redis_holds_them(tmp_path, monkeypatch):
+    """Without a Redis restart, a block this host keeps below went up when it sealed: its
+    later spills from the GPU (read back by a prefix hit, evicted again) put it no more,
+    though the list of blocks known to be in Redis has long forgotten it (a host with more
+    blocks than the list holds)."""
+    from kvstore.tiers import redis as redis_tier
+    from tests.tiers.redis_server import RedisServer
+    monkeypatch.setattr(redis_tier, "KNOWN_HASHES", 2)
+    srv = RedisServer(str(tmp_path), appendonly=False)
+    try:
+        a = engine(srv.url, lmdb=str(tmp_path / "lmdb"), num_blocks=24)
+        c = a.cache("c")
+        puts = []
+        real = c.redis.put
+        c.redis.put = lambda hashes, payload: (puts.extend(hashes), real(hashes, payload))[1]
+        fill(a, "a", prompt(1), lookup=False)
+        sealed = a.sequence_info("c", T, "a").block_hashes[:SEALED]
+        a.free("c", T, ["a"])
+        for round_ in range(3):
+            for i in range(3):            # pressure: A's blocks spill to its disk
+                fill(a, f"x{round_}{i}", prompt(10 + 3 * round_ + i), lookup=False)
+                a.free("c", T, [f"x{round_}{i}"])
+            assert c.main_pool.lookup(sealed[0]) is None and c.tiering.disk.has_block(c.fingerprint, sealed[0])
+            assert a.allocate("c", T, "a", prompt(1)).cached_tokens >= SEALED * BS      # from A's disk
+            a.free("c", T, ["a"])
+        assert not c.redis.lost_since_start()
+        # at its seal, and at its first spill (to the disk, which did not hold it yet; the
+        # list had forgotten it): not at every later one
+        assert all(puts.count(h) <= 2 for h in sealed), [puts.count(h) for h in sealed]
+    finally:
+        srv.kill()
