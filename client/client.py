@@ -69,12 +69,13 @@ def _ints(values, field: str, lo: int = -_I64, hi: int = _I64) -> list[int]:
     field for one they would not (the daemon checks what it means)."""
     if hasattr(values, "reshape"):           # a tensor or an array, whatever its shape
         values = values.reshape(-1).tolist()
-    out = [x if isinstance(x, int) else int(x) for x in values]
-    if any(isinstance(x, float) for x in values):
-        raise ValueError(f"{field}: {next(x for x in values if isinstance(x, float))} is not an integer")
-    bad = next((x for x in out if not lo <= x < hi), None)
-    if bad is not None:
-        raise ValueError(f"{field}: {bad} outside [{lo}, {hi})")
+    out = []
+    for x in values:
+        if isinstance(x, float):
+            raise ValueError(f"{field}: {x} is not an integer")
+        out.append(int(x))
+        if not lo <= out[-1] < hi:
+            raise ValueError(f"{field}: {out[-1]} outside [{lo}, {hi})")
     return out
 
 

@@ -136,24 +136,18 @@ class Connection:
     def __exit__(self, *exc):
         self.close()
 
-    def _unregister_abandoned(self) -> None:
+    def _drop_arena(self) -> None:
+        """Unregister the shared-memory arena and those abandoned before it."""
+        if self._arena is not None:
+            self._abandoned.append(self._arena.buffer_id)
+            self._arena.close()
+            self._arena = None
         for buffer_id in self._abandoned:
             try:
                 self.stub.UnregisterBuffer(pb.UnregisterBufferRequest(buffer_id=buffer_id), timeout=self.timeout)
             except grpc.RpcError:
                 pass
         self._abandoned.clear()
-
-    def _drop_arena(self) -> None:
-        self._unregister_abandoned()
-        if self._arena is not None:
-            try:
-                self.stub.UnregisterBuffer(pb.UnregisterBufferRequest(buffer_id=self._arena.buffer_id),
-                                           timeout=self.timeout)
-            except grpc.RpcError:
-                pass
-            self._arena.close()
-            self._arena = None
 
     def _lapsed(self, e: grpc.RpcError) -> bool:
         """The daemon dropped this client's buffers (and doorbell token): it restarted,
@@ -170,7 +164,8 @@ class Connection:
         """A call whose outcome is unknown (interrupted, timed out) may still be running in
         the daemon and reading its inputs from `arena`: later calls stage theirs in a new
         buffer, so that it cannot take the next step's K/V for its own. It is unregistered
-        when the next is made (a call still running keeps its view of it in the daemon)."""
+        when the next is made (a call still running keeps its view of it in the daemon).
+        A CUDA arena is not the shared-memory one: its events order the daemon's reads."""
         if arena is self._arena:
             self._abandoned.append(arena.buffer_id)
             self._arena = None
@@ -397,12 +392,11 @@ class Connection:
             if self._lapsed(e):
                 self._forget_registrations()        # the call goes by gRPC, which registers anew
                 return None
-            if bell.closed and not cuda:            # timed out, or its replies out of step
+            if bell.closed:                         # timed out, or its replies out of step
                 self._abandon_arena(arena)
             raise
         except BaseException:
-            if not cuda:                            # interrupted: the call may run on
-                self._abandon_arena(arena)
+            self._abandon_arena(arena)              # interrupted: the call may run on
             raise
         finally:
             if cuda:
