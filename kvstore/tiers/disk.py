@@ -238,11 +238,13 @@ class DiskTier:
 
     @_under_store_lock
     def read_sequence(self, fp: bytes, cache: str, tenant: str, seq_id: str, manifest: dict, main_bytes: int,
-                      tail_bytes: int, device) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+                      tail_bytes: int, device, field: str = "sequence_ids"
+                      ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """-> (sealed rows [n, main_bytes], tail rows [t, tail_bytes]) uint8 on
         device, read straight from LMDB's map (staging.gather: parallel copies
         into pinned memory overlapping the host-to-device copies), each row
-        checked against its stored checksum (staging.gather_checked)."""
+        checked against its stored checksum (staging.gather_checked). field: the
+        request's name for the sequence, which a DATA_LOSS names."""
         other = iter(range(manifest["n_other"]))
         seq = seq_key(fp, cache, tenant, seq_id)
 
@@ -264,15 +266,15 @@ class DiskTier:
                 checks.append((ks, values, width, verdict))      # a device check runs while the next part is read
             refused += [(ks, values, width, bad) for ks, values, width, verdict in checks if (bad := verdict())]
             if refused:         # every part checked first, so that the count is the sequence's
-                self._refuse_sequence(refused, len(sealed_keys) + len(tail_keys), tenant, seq_id)
+                self._refuse_sequence(refused, len(sealed_keys) + len(tail_keys), tenant, seq_id, field)
         return out[0], out[1]
 
-    def _refuse_sequence(self, refused, total: int, tenant, seq_id):
+    def _refuse_sequence(self, refused, total: int, tenant, seq_id, field: str):
         for ks, values, width, bad in refused:
             for i in bad:
                 if values[i] is not None and len(values[i]) == width:
                     self.store.refuse(ks[i])
-        raise DataLoss("sequence_ids", f"sequence {quote(seq_id)} (tenant {quote(tenant)}): "
+        raise DataLoss(field, f"sequence {quote(seq_id)} (tenant {quote(tenant)}): "
                        f"{sum(len(r[3]) for r in refused)} of its {total} blocks on disk are missing or failed "
                        "their checksums; nothing was served (free the sequence to drop its disk copy)")
 

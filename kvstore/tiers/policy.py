@@ -294,7 +294,7 @@ class Tiering(CachedBelow):
         else:
             sealed_payload, tail_payload = self.disk.read_sequence(
                 c.fingerprint, c.cfg.name, s.tenant, s.seq_id, s.manifest, c.main_io.block_bytes(),
-                c.tail_io.block_bytes(), c.main_io.device)
+                c.tail_io.block_bytes(), c.main_io.device, field)
         known = min(s.hashed_upto, len(s.hashes))
         hits = {i: c.main_pool.lookup(s.hashes[h0 + i]) for i in range(n_sealed) if h0 + i < known}
         hits = {i: b for i, b in hits.items() if b is not None}

@@ -334,7 +334,7 @@ def test_a_sequence_with_a_damaged_block_is_never_served(tmp_path, monkeypatch, 
             assert scraped(e)['kvstore_disk_refused_values_total'] >= 1
         else:
             assert e.sequence_info("c", T, "s").tier == "disk"
-            with pytest.raises(DataLoss, match="^sequence_ids: sequence 's' .*1 of its 9 blocks on disk are missing"):
+            with pytest.raises(DataLoss, match="^sequence_id: sequence 's' .*1 of its 9 blocks on disk are missing"):
                 e.retrieve("c", T, "s", 0, 70)
             assert e.sequence_info("c", T, "s").tier == "disk", "a refused page-in changed the sequence"
             assert e.cold_store.counters["dropped_entries"] == 1
