@@ -83,7 +83,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--workers", type=int, default=8, help="threads serving calls (default: %(default)s)")
     p.add_argument("--max-streams", type=int, default=DEFAULT_MAX_STREAMS,
                    help="open AppendAttendStream streams (one per client), each on a thread of its own beside "
-                        "--workers (default: %(default)s); past it clients call AppendAttend")
+                        "--workers (default: %(default)s), and as many doorbell connections; past them clients "
+                        "call AppendAttend")
     p.add_argument("--no-doorbell", action="store_true",
                    help="serve no doorbell socket (SOCKET.bell): clients send every AppendAttend over gRPC")
     p.add_argument("--torch-threads", type=int, default=1,

@@ -36,6 +36,9 @@ from . import sockets
 
 log = logging.getLogger("kvstore.doorbell")
 MAX_REQUESTS = 1024          # decoded requests kept per connection (a decode loop repeats a few shapes)
+# A connection at the limit waits this long for a slot: a client that closed one a moment
+# ago frees its slot only when that connection's thread sees the close.
+SLOT_WAIT_S = 0.5
 _CODES = {c.name: c.value[0] for c in grpc.StatusCode}
 
 
@@ -47,6 +50,7 @@ class Doorbell:
         self.path = path
         self.handlers = handlers
         self._slots = threading.BoundedSemaphore(max_conns)
+        self._turning = threading.BoundedSemaphore(max_conns)     # connections waiting for a slot
         self._sessions: dict[bytes, tuple[str, str]] = {}      # token digest -> (tenant, session)
         self._tokens: dict[tuple[str, str], bytes] = {}
         self._lock = threading.Lock()
@@ -117,18 +121,35 @@ class Doorbell:
                 conn, _ = listener.accept()
             except OSError:
                 return          # stop() closed the listener
-            if not self._slots.acquire(blocking=False):
-                _send(conn, bell.pack_reply(0, _CODES["RESOURCE_EXHAUSTED"], 0,
-                                            "doorbell: all connections are taken; call AppendAttend"))
+            if not self._turning.acquire(blocking=False):     # a flood: no thread for each
                 conn.close()
                 continue
-            with self._lock:
-                self._conns.add(conn)
-            self.counters["connections"] += 1
             threading.Thread(target=self._serve, args=(conn,), name="kvstore-doorbell-conn", daemon=True).start()
+
+    def _turn_away(self, conn: socket.socket) -> None:
+        """RESOURCE_EXHAUSTED in reply to the hello, which is read first: a socket closed
+        with a packet unread resets the connection, and the client would get that instead."""
+        try:
+            conn.settimeout(1.0)
+            conn.recv(bell.MAX_PACKET)
+        except OSError:
+            pass
+        _send(conn, bell.pack_reply(0, _CODES["RESOURCE_EXHAUSTED"], 0,
+                                    "doorbell: all connections are taken; call AppendAttend"))
+        conn.close()
 
     # -------------------------------------------------------------- serving
     def _serve(self, conn: socket.socket) -> None:
+        if not self._slots.acquire(timeout=SLOT_WAIT_S):
+            try:
+                self._turn_away(conn)
+            finally:
+                self._turning.release()
+            return
+        self._turning.release()
+        with self._lock:
+            self._conns.add(conn)
+        self.counters["connections"] += 1
         try:
             who = self._hello(conn)
             if who is not None:

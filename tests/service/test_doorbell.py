@@ -543,3 +543,29 @@ def test_a_client_used_in_a_fork_child_is_refused_by_name(served):
         assert (info.length, list(info.pending)) == (13, [0, 0])
         k, q = torch.randn(1, 2, 16).half(), torch.randn(1, 4, 16).half()
         assert torch.equal(kv.append_attend("c", 0, ["s"], k, k, q), kv.attend("c", 0, ["s"], q))
+
+
+def test_connections_past_the_limit_are_told_so_and_closed_ones_free_their_slot(tmp_path):
+    """Past the limit (--max-streams) a connection's hello is answered RESOURCE_EXHAUSTED
+    and it closes, as the proto says, never reset before the reply is read; a connection
+    a client closed frees its slot for the client's next at once."""
+    sock = str(tmp_path / "kv.sock")
+    with _daemon(sock, max_streams=2):
+        kv, bid, path, token = _registered(sock)
+        held = [_connect(path, token) for _ in range(2)]
+        assert [_reply(s)[0] for s in held] == [0, 0]
+        for _ in range(6):
+            s = _connect(path, token)
+            assert _reply(s) == (grpc.StatusCode.RESOURCE_EXHAUSTED.value[0],
+                                 "doorbell: all connections are taken; call AppendAttend")
+            assert s.recv(100) == b""
+            s.close()
+        for _ in range(20):         # one slot, taken and given back by the same client in turn
+            held[0].close()
+            held[0] = _connect(path, token)
+            assert _reply(held[0])[0] == 0
+        held[0].sendall(_desc(bid))
+        assert _reply(held[0]) == (0, "")
+        for s in held:
+            s.close()
+        kv.close()
