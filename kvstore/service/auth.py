@@ -132,12 +132,14 @@ class Authenticator:
         return tenant
 
     def _tenant(self, context) -> str:
-        token = None
-        for k, v in context.invocation_metadata() or ():
-            if k == "authorization":
-                token = v[7:].strip() if isinstance(v, str) and v[:7].lower() == "bearer " else ""
-                break
-        if token is not None:
+        sent = [v for k, v in context.invocation_metadata() or () if k == "authorization"]
+        if len(sent) > 1:       # two tokens (two tenants?) in one call: which one acts is not for us to pick
+            raise Unauthenticated("authorization", f"sent {len(sent)} times: a call carries one token")
+        if sent:
+            v = sent[0]
+            token = v[7:].strip() if isinstance(v, str) and v[:7].lower() == "bearer " else ""
+            if not token:
+                raise Unauthenticated("authorization", "expected `Bearer <token>`")
             tenant = self._tenants.get(_digest(token))
             if tenant is None:
                 raise Unauthenticated("authorization", "unknown bearer token")

@@ -194,9 +194,9 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
 
         def check(name: str) -> None:
             if tenant != DEFAULT_TENANT:
-                raise PermissionDenied("cache", f"{rpc}: cache {quote(name)} has codebooks, and caches are shared "
-                                                f"by every tenant: only tenant {DEFAULT_TENANT!r} may replace them, "
-                                                f"not {quote(tenant)}")
+                raise PermissionDenied("codebooks", f"{rpc}: cache {quote(name)} has codebooks, and caches are "
+                                                    f"shared by every tenant: only tenant {DEFAULT_TENANT!r} may "
+                                                    f"replace them, not {quote(tenant)}")
         return check
 
     # ------------------------------------------------------------- sequences

@@ -226,7 +226,9 @@ class KVStoreServicer:
         where this prompt keeps it fp16: the hit ends before it (its codes do not
         give back the fp16 values). FAILED_PRECONDITION: a pq cache
         without codebooks. ALREADY_EXISTS: the id is taken (per tenant).
-        RESOURCE_EXHAUSTED: max_sequences reached. An id names whichever sequence
+        RESOURCE_EXHAUSTED: max_sequences reached. INVALID_ARGUMENT naming
+        prompt_token_ids: a prompt longer than one sequence of the cache can ever
+        hold (its pools' capacity). An id names whichever sequence
         holds it now: one the daemon lost (a restart, a lapsed lease) is free
         again, and the next Allocate of it by any caller of the tenant takes it.
         A caller that sends x-kvstore-instance is told of a restart before its
@@ -332,7 +334,9 @@ class KVStoreServicer:
         partial last block). FAILED_PRECONDITION: the source has uncommitted
         tokens. ALREADY_EXISTS / RESOURCE_EXHAUSTED as Allocate, naming
         new_sequence_id; RESOURCE_EXHAUSTED naming new_sequence_id too when no fp16
-        block is free for the copy of the partial last block.
+        block is free for the copy of the partial last block. The new sequence is
+        the caller's, as one it allocates: held by the caller's session
+        (x-kvstore-session), not pinned and not persist, whatever the source is.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -62,6 +62,22 @@ def test_tcp_without_a_valid_token_is_unauthenticated(live, token):
     kv.close()
 
 
+def test_two_tokens_in_one_call_are_refused_not_one_picked(live):
+    """Two `authorization` headers (two tenants' tokens) in a call: UNAUTHENTICATED,
+    whichever comes first, and `Bearer` with no token says so."""
+    _, port = live
+    stub = pb_grpc.KVStoreStub(grpc.insecure_channel(f"127.0.0.1:{port}"))
+    for md, says in (((("authorization", f"Bearer {ALICE}"), ("authorization", f"Bearer {BOB}")),
+                      "authorization: sent 2 times: a call carries one token"),
+                     ((("authorization", f"Bearer {ALICE}"), ("authorization", f"Bearer {ALICE}")),
+                      "authorization: sent 2 times"),
+                     ((("authorization", "Bearer "),), "authorization: expected `Bearer <token>`")):
+        code, details = code_of(stub.Stats, pb.StatsRequest(), metadata=md)
+        assert code == grpc.StatusCode.UNAUTHENTICATED and details.startswith(says), details
+    code, _ = code_of(stub.ListSequences, pb.ListSequencesRequest(cache="c"), metadata=md)
+    assert code == grpc.StatusCode.UNAUTHENTICATED
+
+
 def test_callers_without_a_token_cannot_hold_the_servers_threads(tmp_path):
     """Calls over TCP that send their headers and no body (or a body too slowly),
     more of them than the server has threads, are refused UNAUTHENTICATED from their
@@ -243,7 +259,8 @@ def test_only_the_default_tenant_replaces_a_caches_codebooks(live):
     for call in (lambda: bob.set_codebooks("q", books(1)),
                  lambda: bob.train_codebooks("q", torch.randn(L, 256, HKV, D).half(), torch.randn(L, 256, HKV, D).half())):
         code, details = code_of(call)
-        assert code == grpc.StatusCode.PERMISSION_DENIED and "only tenant 'default' may replace them, not 'bob'" in details
+        assert code == grpc.StatusCode.PERMISSION_DENIED and details.startswith("codebooks: ")
+        assert "only tenant 'default' may replace them, not 'bob'" in details
     assert admin.get_cache("q").codebooks_sha256 == first
     assert admin.set_codebooks("q", books(1)) != first                 # the default tenant may
     admin.close()
