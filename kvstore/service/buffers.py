@@ -16,6 +16,11 @@ from kvstore.core.names import check_name
 from kvstore.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted, quote
 
 MAX_VIEWS = 4096          # cached typed views of registered buffers (see BufferRegistry.view)
+# Descriptors RegisterBuffer leaves to the daemon's own work: connections, imports, its
+# files. Each registered shared-memory buffer keeps one open; without this margin one
+# caller registering buffers until none is left would make every tenant's next call that
+# opens a file fail (INTERNAL) and new connections hang.
+FD_RESERVE = 256
 
 
 class BufferRegistry:
@@ -41,6 +46,7 @@ class BufferRegistry:
         if size <= 0:
             raise InvalidArgument("size", "must be > 0")
         path = os.path.join(self.shm_dir, name)
+        _check_descriptors(name)
         try:
             fd = os.open(path, os.O_RDWR)
         except FileNotFoundError:
@@ -185,6 +191,23 @@ class TenantBuffers:
 
     def __len__(self) -> int:
         return len(self._owners)
+
+
+def _check_descriptors(name: str) -> None:
+    """ResourceExhausted naming name where registering one more buffer would leave the
+    daemon fewer than FD_RESERVE descriptors."""
+    import resource
+    limit = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    if limit == resource.RLIM_INFINITY:
+        return
+    try:
+        used = len(os.listdir("/proc/self/fd"))
+    except OSError:          # no /proc: the open's own EMFILE answers
+        return
+    if used + 1 + FD_RESERVE > limit:
+        raise ResourceExhausted("name", f"cannot register shared memory {quote(name)}: {used} of the daemon's "
+                                        f"{limit} file descriptors are open and {FD_RESERVE} stay for its own "
+                                        "work (each registered buffer keeps one: unregister buffers no longer used)")
 
 
 class _BufferView:

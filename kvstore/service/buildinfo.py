@@ -13,6 +13,7 @@ import subprocess
 _ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
+@functools.cache         # read once: Heartbeat answers it, and must not open a file per call
 def version() -> str:
     try:
         return importlib.metadata.version("kvstore")

@@ -375,8 +375,9 @@ class KVStoreServicer:
     def RegisterBuffer(self, request, context):
         """Register a buffer that tensors name by byte range (Tensor.ref,
         OutputRef). Unix-socket callers only (PERMISSION_DENIED over TCP).
-        RESOURCE_EXHAUSTED naming name: the daemon is out of file descriptors
-        (each registered SHM buffer keeps one open; unregister unused ones).
+        RESOURCE_EXHAUSTED naming name: registering it would leave the daemon
+        fewer than 256 free file descriptors for its own work (each registered
+        SHM buffer keeps one open; unregister unused ones).
         FAILED_PRECONDITION naming ipc_handle: the CUDA driver could not open the
         handle (the message names the driver call that failed).
         """
