@@ -19,7 +19,9 @@ INSTANCE_KEY = "x-kvstore-instance"
 
 
 def default_socket() -> str:
-    return os.environ.get("KVSTORE_SOCKET") or f"/tmp/kvstore-{os.getuid()}/kvstore.sock"
+    """$KVSTORE_SOCKET (a path; a unix:// target is taken as its path), else the default."""
+    path = os.environ.get("KVSTORE_SOCKET") or f"/tmp/kvstore-{os.getuid()}/kvstore.sock"
+    return path.removeprefix("unix://")
 
 
 def server_options(max_message_mb: int = DEFAULT_MAX_MESSAGE_MB) -> list[tuple[str, int]]:

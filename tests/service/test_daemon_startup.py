@@ -253,3 +253,19 @@ def test_demos_start_their_daemon_on_a_socket_of_their_own(sock, monkeypatch):
     with open(os.path.join(ROOT, "Makefile")) as f:
         recipes = [line for line in f if "kvstore.tools.demo" in line]
     assert len(recipes) == 2 and not any("--socket" in line for line in recipes), recipes
+
+
+def test_kvstore_socket_written_as_a_target_is_its_path(sock, monkeypatch):
+    """KVSTORE_SOCKET=unix:///path (the form --target takes) names /path for the client
+    and the daemon alike, rather than a target of unix://unix:///path no daemon serves."""
+    from kvstore.client import KVStoreClient
+    from kvstore.protocol.channel import default_socket
+    from kvstore.service.daemon import create_server
+    monkeypatch.setenv("KVSTORE_SOCKET", f"unix://{sock}")
+    assert default_socket() == sock
+    server, _, _ = create_server(socket_path=default_socket())
+    try:
+        with KVStoreClient(heartbeat=False) as kv:
+            assert kv.target == f"unix://{sock}" and kv.stats() is not None
+    finally:
+        server.stop(0)
