@@ -116,11 +116,21 @@ class Doorbell:
                 pass
 
     def _accept(self, listener: socket.socket) -> None:
+        failing = False
         while True:
             try:
                 conn, _ = listener.accept()
-            except OSError:
-                return          # stop() closed the listener
+            except OSError as e:
+                if self._listener is not listener:
+                    return          # stop() closed the listener
+                # Out of descriptors (EMFILE, ENFILE) or a connection gone before it was
+                # taken: the listener still works, and returning would end the doorbell.
+                if not failing:
+                    log.warning("doorbell: accept failed (%s); retrying until it works", e.strerror or e)
+                failing = True
+                time.sleep(0.05)
+                continue
+            failing = False
             if not self._turning.acquire(blocking=False):     # a flood: no thread for each
                 conn.close()
                 continue

@@ -377,7 +377,7 @@ class KVStoreServicer:
         OutputRef). Unix-socket callers only (PERMISSION_DENIED over TCP).
         RESOURCE_EXHAUSTED naming name: registering it would leave the daemon
         fewer than 256 free file descriptors for its own work (each registered
-        SHM buffer keeps one open; unregister unused ones).
+        SHM buffer keeps descriptors open; unregister unused ones).
         FAILED_PRECONDITION naming ipc_handle: the CUDA driver could not open the
         handle (the message names the driver call that failed).
         """

@@ -569,3 +569,31 @@ def test_connections_past_the_limit_are_told_so_and_closed_ones_free_their_slot(
         for s in held:
             s.close()
         kv.close()
+
+
+def test_the_doorbell_outlives_an_accept_that_fails(served, monkeypatch, caplog):
+    """An accept that fails (the daemon out of descriptors: EMFILE) is retried, logged
+    once: the doorbell answers the next connections instead of ending for good."""
+    import errno
+    import logging
+    sock, _ = served
+    kv, bid, path, token = _registered(sock)
+    first = _connect(path, token)
+    assert _reply(first)[0] == 0         # the accept thread is waiting in the real accept again
+    real, fails = socket.socket.accept, [3]
+
+    def accept(self):
+        if fails[0]:
+            fails[0] -= 1
+            raise OSError(errno.EMFILE, "Too many open files")
+        return real(self)
+    monkeypatch.setattr(socket.socket, "accept", accept)
+    with caplog.at_level(logging.WARNING, "kvstore.doorbell"):
+        second = _connect(path, token)       # taken by the real accept, then three failures
+        assert _reply(second)[0] == 0
+        third = _connect(path, token)
+        assert _reply(third)[0] == 0
+    assert fails[0] == 0 and caplog.text.count("accept failed (Too many open files)") == 1
+    for s in (first, second, third):
+        s.close()
+    kv.close()
