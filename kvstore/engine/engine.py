@@ -67,7 +67,7 @@ class Engine(CodebookOps):
         with self._creating:
             old = self.caches.get(cfg.name)
             if old is not None:
-                if not (exist_ok and old.cfg == cfg):
+                if not (exist_ok and lifecycle.same(old.cfg, cfg)):
                     raise AlreadyExists("name", lifecycle.exists_message(old.cfg, cfg, exist_ok))
             else:
                 lifecycle.check_budget([c.cfg for c in self._all()], cfg, max_pool_bytes)

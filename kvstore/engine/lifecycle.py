@@ -50,10 +50,20 @@ def filled(cfg: CacheConfig) -> CacheConfig:
     return dataclasses.replace(cfg, codec=dataclasses.replace(cfg.codec, num_subvectors=m))
 
 
+def _sized(cfg: CacheConfig) -> CacheConfig:
+    """cfg with its pool given in blocks: pool_bytes and the num_blocks it holds ask for one pool."""
+    return dataclasses.replace(cfg, num_blocks=cfg.capacity_blocks(), pool_bytes=0)
+
+
+def same(old: CacheConfig, new: CacheConfig) -> bool:
+    """A CreateCache asking for the cache that exists (exist_ok returns it)."""
+    return _sized(old) == _sized(new)
+
+
 def exists_message(old: CacheConfig, new: CacheConfig, exist_ok: bool) -> str:
     """Why a CreateCache of an existing name is refused: each field whose value
-    differs, with both values."""
-    a, b = spec_fields(old), spec_fields(new)
+    differs, with both values (the pools' sizes in blocks)."""
+    a, b = spec_fields(_sized(old)), spec_fields(_sized(new))
     # quoted: a per-layer or per-head field (sink_logits) can be thousands of values long
     diff = [f"{k} {quote(a[k])} (existing) vs {quote(b[k])} (requested)" for k in a if a[k] != b[k]]
     if not diff:

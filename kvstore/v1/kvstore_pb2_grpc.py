@@ -162,8 +162,9 @@ class KVStoreServicer:
     def CreateCache(self, request, context):
         """Create a cache: a model's geometry, codec and pool sizes. The pools are
         allocated at once. ALREADY_EXISTS if the name is taken (with exist_ok:
-        only if the existing spec differs; the message names every differing
-        field with both values). RESOURCE_EXHAUSTED: past the daemon's
+        only if the existing spec differs, defaults filled in and a pool given
+        as pool_bytes taken as the num_blocks it holds; the message names every
+        differing field with both values). RESOURCE_EXHAUSTED: past the daemon's
         --max-pool-bytes (nothing is allocated), or the daemon holds 1024 caches.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)

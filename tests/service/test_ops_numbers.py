@@ -62,6 +62,20 @@ def test_a_pq_cache_named_with_its_default_m_or_without_is_the_same_cache():
         e.create_cache(config(codec="pq", m=D // 4), exist_ok=True)
 
 
+def test_a_pool_given_in_bytes_or_in_the_blocks_they_hold_is_the_same_cache():
+    """pool_bytes and num_blocks size one pool two ways: a CreateCache giving the other
+    for the same pool asks for the cache that exists; another size is another cache,
+    named in blocks."""
+    e = Engine()
+    cfg = config(codec="fp16")
+    e.create_cache(cfg)
+    in_bytes = replace(cfg, num_blocks=0, pool_bytes=cfg.capacity_blocks() * cfg.bytes_per_block())
+    assert e.create_cache(in_bytes, exist_ok=True).cfg == cfg
+    with pytest.raises(AlreadyExists, match=f"num_blocks {cfg.capacity_blocks()} \\(existing\\) vs "
+                                            f"{cfg.capacity_blocks() - 1} \\(requested\\)$"):
+        e.create_cache(replace(in_bytes, pool_bytes=in_bytes.pool_bytes - 1), exist_ok=True)
+
+
 def test_retrieve_to_the_end(client):
     client.create_cache("c", "m", num_layers=L, num_q_heads=HQ, num_kv_heads=HKV, head_dim=D, codec="fp16",
                         block_size=8, residual=8, num_blocks=64)
