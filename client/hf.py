@@ -94,8 +94,9 @@ class KVStoreAdapter:
     width (ValueError naming codebooks where it has none); or, with calibrate_tokens,
     requests run in-process until the cache has seen that many tokens (past the sinks),
     whose K/V then go to TrainCodebooks; the daemon from then on. model_id: the cache's
-    label; None: the file's, else the model's hub id, else (a model loaded from a local
-    path) a hash of its weights. The cache's spec: block_size (tokens a block), residual
+    label; None: the model's hub id (a file naming a model must name it), else (a model
+    loaded from a local path) a hash of its weights, whatever model a file names. The
+    cache's spec: block_size (tokens a block), residual
     (pq: the newest tokens kept in fp16 besides the open block), num_blocks (its GPU pool),
     max_sequences (sequences it holds at once); sink_tokens: the first tokens of every
     sequence the daemon keeps in fp16; None: the file's, else 32 for pq (rounded up to a
@@ -134,11 +135,20 @@ class KVStoreAdapter:
         self.num_layers = len(self.kv_layers)
         self.num_q_heads, self.num_kv_heads, self.head_dim = hf_variants.heads(c)
         named = getattr(c, "_name_or_path", "") or ""
+        # A local path (or no name) says nothing of which weights a model has: its weights
+        # name it, so that a cache made for other weights is refused rather than shared,
+        # also where a codebooks file (which fits any weights of its geometry) names a model.
+        self._by_weights = not model_id and (not named or os.path.exists(named))
         cb, self._sinks_given = None, sink_tokens is not None
         if codec == "pq" and codebooks is not None:
             cb, transform = fitting_codebooks(codebooks, transform, model_id or named, model_id is not None,
                                               (self.num_layers, self.num_q_heads, self.num_kv_heads, self.head_dim))
-            model_id = model_id or (cb.info.model_id if cb.info is not None else None)
+            model_id = model_id or (None if self._by_weights or cb.info is None else cb.info.model_id)
+        if self._by_weights:
+            model_id = hf_variants.weights_id(model)
+            if cb is not None and cb.info is not None:     # the file, as the daemon checks it, is for this label
+                cb = cb.describe(model_id, cb.info.num_q_heads, cb.info.sink_tokens, cb.info.calibrated_on)
+        if cb is not None:
             if sink_tokens is None and cb.info is not None and cb.info.sink_tokens:
                 sink_tokens = cb.info.sink_tokens
         elif isinstance(transform, str):
@@ -163,11 +173,6 @@ class KVStoreAdapter:
         self.prefix_runs = {"codes": 0, "retrieve": 0}     # requests after a prefix hit, by path
         self.calibrate_tokens = calibrate_tokens if codec == "pq" and cb is None else 0
         self._samples: list[tuple[torch.Tensor, torch.Tensor]] = []    # [L, n, Hkv, d] K/V for TrainCodebooks
-        # A local path (or no name) says nothing of which weights a model has: its weights
-        # name it, so that a cache made for other weights is refused rather than shared.
-        self._by_weights = not model_id and (not named or os.path.exists(named))
-        if self._by_weights:
-            model_id = hf_variants.weights_id(model)
         self.spec = dict(model_id=model_id or named or type(model).__name__,
                          num_layers=self.num_layers, num_q_heads=self.num_q_heads, num_kv_heads=self.num_kv_heads,
                          head_dim=self.head_dim, dtype="bfloat16" if model.dtype == torch.bfloat16 else "float16",

@@ -29,9 +29,9 @@ from kvstore.codec.codebooks import Codebooks, train_pq
 from kvstore.codec.transform import Transform
 from kvstore.core.config import ModelGeometry
 
-from .args import DefaultsFormatter
+from .args import DefaultsFormatter, reachable
 from .hooks import AttentionCall, attention_handler
-from .models import MODEL_HELP, geometry_of, load_model, output_weight
+from .models import MODEL_HELP, check_window, geometry_of, load_model, output_weight
 from .text import CALIB_DIRS, TEXT_HELP, default_text, read_text, token_windows
 
 
@@ -246,7 +246,8 @@ def main(argv: list[str] | None = None) -> None:
                                       "and the --target cache's (default: the model's own)")
     p.add_argument("--text", nargs="+", help=f"calibration text, {TEXT_HELP} (default: the python3.11-doc "
                    f"{', '.join(CALIB_DIRS)} folders `make text` fetches)")
-    p.add_argument("--out", default="smollm2-pq{bits}.safetensors", help="{bits} is 4 or 2")
+    p.add_argument("--out", help="{bits} is 4 or 2 (default: MODEL-pq{bits}.safetensors, MODEL from --model's "
+                                 "name; smollm2 for the default model)")
     p.add_argument("--bits", type=int, nargs="+", default=[4, 2], choices=[4, 2], help="4: M=d/2, 2: M=d/4")
     p.add_argument("--windows", type=int, default=32, help="2,048-token windows spread over the text")
     p.add_argument("--window", type=int, default=2048, help="tokens a window")
@@ -271,11 +272,18 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
     if args.finetune_steps < 0:
         p.error(f"--finetune-steps: must be >= 0, got {args.finetune_steps}")
+    if args.windows * args.per_window < 256:
+        p.error(f"--windows {args.windows} x --per-window {args.per_window}: k-means of 256 centroids needs "
+                "256 sample rows or more")
     torch.set_num_threads(args.threads)
     try:
         text = read_text(args.text or default_text(CALIB_DIRS))       # before the model: fail fast
     except FileNotFoundError as e:
         p.error(str(e))
+    if args.out is None:
+        args.out = default_out(args.model)
+    if args.target:
+        reachable(p, args.target)
     for bits in args.bits:        # the files are written after minutes of work: their folders first
         folder = os.path.dirname(os.path.abspath(args.out.format(bits=bits)))
         try:
@@ -284,16 +292,23 @@ def main(argv: list[str] | None = None) -> None:
             p.error(f"--out: cannot make the folder {folder}: {e.strerror}")
         if not os.access(folder, os.W_OK):
             p.error(f"--out: the folder {folder} is not writable")
-    lm = load_model(args.model)
+    try:
+        lm = load_model(args.model)
+        check_window(lm.model, args.window)
+        g = geometry_of(lm.model)         # a geometry the daemon cannot hold: InvalidArgument naming it
+    except (FileNotFoundError, ValueError) as e:
+        p.error(str(e))
     model, tok = lm.model, lm.tok
     model.to(args.device)
-    g = geometry_of(model)
     print(f"model {lm.model_id}: {g.num_layers} layers, {g.num_q_heads}/{g.num_kv_heads} heads, "
           f"head_dim {g.head_dim}", flush=True)
     print(f"calibration text: {', '.join(args.text or CALIB_DIRS)} ({len(text):,} chars), {args.windows} windows",
           flush=True)
-    sampler = capture(model, tok, text, args.windows, args.window, per_window=args.per_window,
-                      sink_rows=args.sink_rows)
+    try:
+        sampler = capture(model, tok, text, args.windows, args.window, per_window=args.per_window,
+                          sink_rows=args.sink_rows)
+    except ValueError as e:       # a text shorter than one window
+        p.error(str(e))
     model.to("cpu")
     transform = qaware_transform(model, sampler.qq) if args.transform == "qaware" else None
     kmeans_device = None if args.device == "cpu" else args.device
@@ -316,7 +331,12 @@ def main(argv: list[str] | None = None) -> None:
               flush=True)
         if args.target:
             cache = f"{args.cache or cache_name(lm.model_id)}-pq{bits}"
-            load_into_daemon(args.target, cache, args.model_id or lm.model_id, g, m, cb)
+            load_into_daemon(args.target, cache, model, cb, args.model_id)
+
+
+def default_out(model: str | None) -> str:
+    """--out when not given: the files named after --model (smollm2 for the default)."""
+    return f"{cache_name(model) if model else 'smollm2'}-pq{{bits}}.safetensors"
 
 
 def cache_name(model_id: str) -> str:
@@ -339,16 +359,23 @@ def finetune_codebooks(model, tok, text: str, cb: Codebooks, tr: Transform | Non
     return out
 
 
-def load_into_daemon(target: str, cache: str, model_id: str, g: ModelGeometry, m: int, cb: Codebooks) -> None:
-    """Create the cache under the model's own id (caches of different models never
-    share blocks: the id is part of every block hash) and set its codebooks."""
-    from kvstore.client import KVStoreClient
-    with KVStoreClient(target) as kv:
-        kv.create_cache(cache, model_id, num_layers=g.num_layers, num_q_heads=g.num_q_heads,
-                        num_kv_heads=g.num_kv_heads, head_dim=g.head_dim, codec="pq", num_subvectors=m,
-                        num_blocks=4096, exist_ok=True)
-        print(f"loaded into {target} cache {cache!r} (model {model_id}): sha256 "
-              f"{kv.set_codebooks(cache, cb.to_bytes())}")
+def load_into_daemon(target: str, cache: str, model, cb: Codebooks, model_id: str | None) -> None:
+    """Create the cache as the HF adapter with its defaults makes it (its spec, its label:
+    the hub id, else a hash of the weights as loaded here; one cache a layer group for a
+    model that mixes windows), so that KVStoreAdapter(model, target, cache=cache,
+    codec="pq") given no file joins it, and set its codebooks."""
+    from kvstore.client.hf import KVStoreAdapter
+    adapter = KVStoreAdapter(model, target, cache=cache, codec="pq", codebooks=cb.to_bytes(), model_id=model_id)
+    try:
+        kv = adapter.client()
+        for g in adapter.groups:
+            info = kv.get_cache(g.cache)
+            print(f"loaded into {target} cache {g.cache!r} (model {info.spec.model_id}, "
+                  f"{info.spec.geometry.dtype}): sha256 {info.codebooks_sha256}")
+    finally:
+        adapter.close()
+    how = "" if model_id else " loaded as here (float32; else give --model-id and the adapter's model_id=)"
+    print(f"KVStoreAdapter(model, {target!r}, cache={cache!r}, codec='pq') joins it, for this model{how}")
 
 
 if __name__ == "__main__":

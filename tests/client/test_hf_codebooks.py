@@ -10,6 +10,7 @@ import torch
 
 from kvstore.client.client import KVStoreClient
 from kvstore.codec.codebooks import Codebooks
+from kvstore.client import hf_variants
 
 GEOM = dict(num_layers=2, num_q_heads=4, num_kv_heads=2, head_dim=16)
 
@@ -83,14 +84,19 @@ def test_adapter_refuses_an_old_file_without_its_transform(daemon, tmp_path):
         adapter(daemon, books(layers=3).to_bytes(), transform="none")
 
 
-def test_adapter_takes_the_files_model_id_and_sinks(daemon, tmp_path):
+def test_adapter_takes_the_files_sinks_and_labels_a_local_model_by_its_weights(daemon, tmp_path):
+    """A model with no hub name (built here, or loaded from a folder) is labelled by its
+    weights even where the file names a model: a file fits any weights of its geometry,
+    and its name would put other weights of that geometry in the same cache."""
     cb = books(transform=True).describe(model_id="org/model", sink_tokens=48)
     path = str(tmp_path / "cb.safetensors")
     cb.save(path)
     ad = adapter(daemon, path)
     assert ad.transform is not None and torch.equal(ad.transform.k, cb.transform_k)
-    assert ad.spec["model_id"] == "org/model" and ad.spec["sink_tokens"] == 48
-    assert ad.client().get_cache("c").codebooks_sha256 == cb.sha256()
+    assert ad.spec["model_id"].endswith(hf_variants.weights_id(ad.model).split("@")[1])
+    assert ad.spec["sink_tokens"] == 48
+    info = ad.client().get_cache("c")
+    assert info.codebooks_sha256 == cb.sha256() and info.spec.model_id == ad.spec["model_id"]
 
 
 def test_adapter_never_replaces_a_caches_codebooks_and_notices_when_they_are(daemon):
@@ -155,13 +161,13 @@ def _eye():
 def test_adapter_of_a_model_named_by_its_path_is_named_by_its_weights(daemon, tmp_path):
     """A model loaded from a local folder is named by the folder, which says nothing of
     which model it is: an adapter given no file and no model_id names it by its weights,
-    so the cache a worker that knew the model's id made (the file's model_id) is refused
-    it, naming model_id; given that model_id it takes the cache, its codebooks, and
-    generates what that worker generates. A model_id given, or a hub id, is checked
-    against the cache's."""
+    so the cache a worker that knew the model's id made (model_id=, which the file
+    names too) is refused it, naming model_id; given that model_id it takes the cache,
+    its codebooks, and generates what that worker generates. A model_id given, or a hub
+    id, is checked against the cache's."""
     from kvstore.client.hf import KVStoreAdapter
     from test_hf_adapter import GEN, prompt, tiny_llama
-    with_file = adapter(daemon, books(transform=True).describe(model_id="org/model").to_bytes())
+    with_file = adapter(daemon, books(transform=True).describe(model_id="org/model").to_bytes(), model_id="org/model")
     with torch.no_grad():
         want = with_file.generate(prompt(40), **GEN)
     local = tiny_llama()

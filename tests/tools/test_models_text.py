@@ -116,16 +116,46 @@ def test_transform_of_head_dim_256_builds_at_the_tools_thread_count():
     assert torch.allclose(t._inv["v"] @ a.flip(-1), eye, atol=1e-4)
 
 
-def test_target_registers_the_models_own_id(daemon):
+def test_target_makes_the_cache_the_adapter_joins_with_its_defaults(daemon):
+    """load_into_daemon (--target) creates the cache as KVStoreAdapter makes it by
+    default: a model named by its hub id (--model-id) or, loaded from a local path, by
+    its weights; an adapter given no file then joins it (same spec, same codebooks)."""
+    from kvstore.client.hf import KVStoreAdapter
     model = tiny_llama()
-    g = models.geometry_of(model)
-    C.load_into_daemon(daemon, "gemma-pq4", "google/gemma-3-1b-it", g, 8, rand_codebooks())
+    cb = rand_codebooks().describe(model_id="google/gemma-3-1b-it", num_q_heads=4)
+    C.load_into_daemon(daemon, "gemma-pq4", model, cb, "google/gemma-3-1b-it")
+    cb = rand_codebooks().describe(model_id="models/tiny", num_q_heads=4)     # a path, as calibrate writes it
+    C.load_into_daemon(daemon, "local-pq4", model, cb, None)
     with KVStoreClient(daemon) as kv:
-        info = kv.get_cache("gemma-pq4")
-    assert info.spec.model_id == "google/gemma-3-1b-it" and info.has_codebooks
+        assert kv.get_cache("gemma-pq4").spec.model_id == "google/gemma-3-1b-it"
+        info = kv.get_cache("local-pq4")
+    assert info.spec.model_id.startswith("LlamaForCausalLM@weights-") and info.has_codebooks
+    assert info.codebooks_sha256 == cb.sha256()
+    for cache, model_id in (("gemma-pq4", "google/gemma-3-1b-it"), ("local-pq4", None)):
+        ad = KVStoreAdapter(model, daemon, cache=cache, codec="pq", model_id=model_id)
+        assert ad.client() is not None and ad.spec["sink_tokens"] == 32
+        ad.close()
     assert C.cache_name("google/gemma-3-1b-it") == "gemma-3-1b-it"
     assert C.cache_name(models.SMOLLM2_MODEL_ID) == "smollm2-135m-instruct"
     assert C.cache_name("/models/Llama 3 8B/") == "llama-3-8b"
+
+
+def test_a_codebooks_file_does_not_name_a_local_model(tmp_path, daemon):
+    """Two local models of one geometry given one codebooks file (which names the first
+    model's path) are labelled by their own weights: the second never joins the first's
+    cache and reads its K/V (a file fits any weights of its geometry)."""
+    from kvstore.client.hf import KVStoreAdapter
+    first, second = tiny_llama(0), tiny_llama(1)
+    path = str(tmp_path / "cb.safetensors")
+    rand_codebooks().describe(model_id=str(tmp_path), num_q_heads=4).save(path)
+    ad = KVStoreAdapter(first, daemon, cache="shared", codec="pq", codebooks=path)
+    ad.client()
+    ad.close()
+    with pytest.raises(ValueError, match="model_id .*weights-.* \\(existing\\) vs .*weights-"):
+        KVStoreAdapter(second, daemon, cache="shared", codec="pq", codebooks=path).client()
+    again = KVStoreAdapter(tiny_llama(0), daemon, cache="shared", codec="pq", codebooks=path)
+    assert again.client() is not None       # the same weights join
+    again.close()
 
 
 def test_calibrate_command_line_on_a_hybrid_model_feeds_the_adapter(tmp_path, daemon):
@@ -173,7 +203,7 @@ def test_calibrate_and_eval_command_lines_on_a_local_model(tmp_path, daemon, cap
             "--per-window", "80", "--bits", "4", "--niter", "2", "--out", str(tmp_path / "cb{bits}.safetensors"),
             "--target", daemon, "--device", "cpu"] + threads)
     with KVStoreClient(daemon) as kv:
-        assert kv.get_cache("tiny-llama-pq4").spec.model_id == str(folder)
+        assert kv.get_cache("tiny-llama-pq4").spec.model_id.startswith("LlamaForCausalLM@weights-")
     E.main(["--model", str(folder), "--text", str(tmp_path / "text"), "--window", "64", "--windows", "2",
             "--backend", "sim", "--codebooks", str(tmp_path / "cb4.safetensors")] + threads)
     out = capsys.readouterr().out
