@@ -1,5 +1,6 @@
 """What the offline tools' command lines share: --help that shows every default,
-and numbers refused out of range as argparse refuses ones it cannot parse."""
+numbers refused out of range as argparse refuses ones it cannot parse, and a
+--target checked before the work that needs it."""
 from __future__ import annotations
 
 import argparse
@@ -29,3 +30,17 @@ def bounded(kind: type, low: float, above: bool = False) -> Callable[[str], floa
         return v
     parse.__name__ = kind.__name__      # argparse's "invalid float value" for text kind refuses
     return parse
+
+
+def reachable(p: argparse.ArgumentParser, target: str) -> None:
+    """--target refused (argparse's error, exit 2) where no daemon answers there: found
+    before the model loads, not after minutes of work."""
+    import grpc
+
+    from kvstore.client import KVStoreClient
+    try:
+        with KVStoreClient(target, heartbeat=False, timeout=10) as kv:
+            kv.stats()
+    except (grpc.RpcError, ValueError, OSError) as e:
+        why = f"{e.code().name}: {e.details()}" if isinstance(e, grpc.RpcError) else str(e)
+        p.error(f"--target: no daemon answers at {target} ({why}); start one (make serve, or python server.py)")

@@ -60,10 +60,15 @@ def main(argv: list[str] | None = None) -> None:
     c.add_argument("--sinks", type=int, default=0)
     c.add_argument("--calibrated-on", default="", help="what the calibration text was")
     args = p.parse_args(argv)
-    if args.cmd == "show":
-        show(args.path)
-    else:
-        convert(args.src, args.out, args.model_id, args.transform, args.num_q_heads, args.sinks, args.calibrated_on)
+    from kvstore.errors import KVStoreError
+    try:
+        if args.cmd == "show":
+            show(args.path)
+        else:
+            convert(args.src, args.out, args.model_id, args.transform, args.num_q_heads, args.sinks,
+                    args.calibrated_on)
+    except (KVStoreError, OSError) as e:      # not a codebooks file, or not there: its message, not a traceback
+        p.error(f"{args.path if args.cmd == 'show' else args.src}: {e}")
 
 
 if __name__ == "__main__":

