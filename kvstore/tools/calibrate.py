@@ -29,8 +29,8 @@ from kvstore.codec.codebooks import Codebooks, train_pq
 from kvstore.codec.transform import Transform
 from kvstore.core.config import ModelGeometry
 
-from .args import DefaultsFormatter, reachable
-from .hooks import AttentionCall, attention_handler
+from .args import DefaultsFormatter, bounded, reachable
+from .hooks import AttentionCall, attention_handler, check_routed
 from .models import MODEL_HELP, check_window, geometry_of, load_model, output_weight
 from .text import CALIB_DIRS, TEXT_HELP, default_text, read_text, token_windows
 
@@ -172,6 +172,7 @@ def capture(model, tok, text: str, n_windows: int, window: int = 2048, per_windo
     with torch.no_grad(), attention_handler(model, sampler):
         for w in tqdm(chosen, desc="calibration windows", file=sys.stderr):
             model(input_ids=torch.tensor([w], device=dev), use_cache=False, logits_to_keep=1)
+            check_routed(model)
     return sampler
 
 
@@ -249,9 +250,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--out", help="{bits} is 4 or 2 (default: MODEL-pq{bits}.safetensors, MODEL from --model's "
                                  "name; smollm2 for the default model)")
     p.add_argument("--bits", type=int, nargs="+", default=[4, 2], choices=[4, 2], help="4: M=d/2, 2: M=d/4")
-    p.add_argument("--windows", type=int, default=32, help="2,048-token windows spread over the text")
-    p.add_argument("--window", type=int, default=2048, help="tokens a window")
-    p.add_argument("--per-window", type=int, default=512, help="K/V rows sampled per window")
+    p.add_argument("--windows", type=bounded(int, 1), default=32, help="2,048-token windows spread over the text")
+    p.add_argument("--window", type=bounded(int, 2), default=2048, help="tokens a window")
+    p.add_argument("--per-window", type=bounded(int, 1), default=512, help="K/V rows sampled per window")
     p.add_argument("--sink-rows", type=int, default=16, help="first positions of every window always sampled")
     p.add_argument("--transform", choices=["none", "qaware"], default="qaware",
                    help="per-head linear transform before PQ (qaware: scaled by the queries' and o_proj's statistics)")
@@ -282,6 +283,8 @@ def main(argv: list[str] | None = None) -> None:
         p.error(str(e))
     if args.out is None:
         args.out = default_out(args.model)
+    if len(set(args.bits)) > 1 and "{bits}" not in args.out:
+        p.error(f"--out: {args.out} names one file for --bits {' '.join(map(str, args.bits))}: put {{bits}} in it")
     if args.target:
         reachable(p, args.target)
     for bits in args.bits:        # the files are written after minutes of work: their folders first

@@ -44,9 +44,9 @@ import torch.nn.functional as F
 from kvstore.codec.codebooks import Codebooks
 from kvstore.codec.transform import Transform, load_codebooks
 
-from .args import DefaultsFormatter, reachable
+from .args import DefaultsFormatter, bounded, reachable
 from .eval_checks import DAEMON_BLOCK, check_files, fitting, skipped_rows, unquantized_rows
-from .hooks import AttentionCall, attention_handler, exact_attention
+from .hooks import AttentionCall, attention_handler, check_routed, exact_attention
 from .models import MODEL_HELP, check_window, geometry_of, load_model
 from .text import EVAL_DIRS, TEXT_HELP, default_text, read_text, token_windows
 
@@ -196,6 +196,7 @@ def window_nll(model, wins: list[list[int]], handler, desc: str = "") -> torch.T
         for w in tqdm(wins, desc=desc, file=sys.stderr, leave=False):
             ids = torch.tensor([w], device=dev)
             logits = model(input_ids=ids, use_cache=False).logits[0, :-1].float()
+            check_routed(model)
             out.append(F.cross_entropy(logits, ids[0, 1:], reduction="sum").cpu())
     return torch.stack(out)
 
@@ -232,7 +233,12 @@ class Row:
         if self.transform == "auto":      # the file's own, or (old format) the file beside it
             return load_codebooks(self.codebooks)
         t = Transform.load(self.transform) if self.transform != "none" else None
-        return Codebooks.load(self.codebooks), t
+        cb = Codebooks.load(self.codebooks)
+        says = "none" if cb.transform_k is None else "included"
+        if cb.info is not None and not self.transform == says == "none":     # as the adapter holds a file to
+            raise ValueError(f"--row {self.label}: transform: {self.codebooks} says its own (transform "
+                             f"{says}); leave transform unset")
+        return cb, t
 
 
 def default_rows(cb4: str | None, cb2: str | None, sinks: int, residual: int) -> list[Row]:
@@ -302,8 +308,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--sinks", type=int, default=32, help="fp16 sink tokens of the default rows' protocol i, "
                    "the adapter's default")
     p.add_argument("--residual", type=int, default=128, help="fp16 tail R of the default rows")
-    p.add_argument("--window", type=int, default=2048, help="tokens a window")
-    p.add_argument("--windows", type=int, default=20, help="windows of the evaluation text (20 -> 40,940 tokens)")
+    p.add_argument("--window", type=bounded(int, 2), default=2048, help="tokens a window")
+    p.add_argument("--windows", type=bounded(int, 1), default=20, help="windows of the evaluation text (20 -> 40,940 tokens)")
     p.add_argument("--backend", choices=["daemon", "sim"], default="daemon",
                    help="daemon: through a kvstore daemon; sim: the codec in-process, faster, "
                         "close to the daemon's, not the same (docs/accuracy.md says why)")
@@ -346,7 +352,10 @@ def main(argv: list[str] | None = None) -> None:
     print(f"model {lm.model_id}; evaluation text: {', '.join(args.text or EVAL_DIRS)}; {len(wins)} windows of {args.window}, {scored:,} scored tokens",
           flush=True)
     with _daemon(args.target if args.backend == "daemon" else "") as kv:
-        results = run(model, wins, rows, args.backend, kv, log=lambda s: print(s, flush=True))
+        try:
+            results = run(model, wins, rows, args.backend, kv, log=lambda s: print(s, flush=True))
+        except ValueError as e:      # check_routed: found on the first row's first window
+            p.error(str(e))
     print()
     print(format_table(results, scored, args.backend))
 

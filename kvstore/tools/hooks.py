@@ -77,7 +77,21 @@ def _attention(module, query, key, value, attention_mask, **kwargs):
         mask = _extend_mask(attention_mask, n, k.shape[2], allow, query.device)
         return fn(module, query, k, v, mask, **kwargs)[0]
 
-    return _ACTIVE["handler"](AttentionCall(_ACTIVE["kv_of"][module.layer_idx], query, key, value, run)), None
+    layer = _ACTIVE["kv_of"][module.layer_idx]
+    _ACTIVE["seen"].add(layer)
+    return _ACTIVE["handler"](AttentionCall(layer, query, key, value, run)), None
+
+
+def check_routed(model) -> None:
+    """After a forward inside attention_handler: ValueError naming --model unless every
+    layer that keeps K/V called the handler. A model whose attention does not go through
+    transformers' AttentionInterface (Falcon, Bloom) runs its own, and a tool reading or
+    replacing K/V there would measure nothing of them (the HF adapter refuses it too)."""
+    missing = sorted(set(_ACTIVE["kv_of"].values()) - _ACTIVE["seen"])
+    if missing:
+        raise ValueError(f"--model: {type(model).__name__}'s attention does not go through transformers' "
+                         f"AttentionInterface in {len(missing)} of its {len(_ACTIVE['kv_of'])} layers (first: "
+                         f"{missing[0]}): the tools cannot see its K/V there, and kvstore cannot serve it")
 
 
 def _mask(*args, **kwargs):
@@ -109,7 +123,7 @@ def attention_handler(model, handler):
     old = [c._attn_implementation for c in configs]
     from .models import kv_layers
     # calls are numbered as the daemon's cache numbers layers: among those that keep K/V
-    _ACTIVE.update(handler=handler, impl=impl, kv_of={j: i for i, j in enumerate(kv_layers(model))})
+    _ACTIVE.update(handler=handler, impl=impl, kv_of={j: i for i, j in enumerate(kv_layers(model))}, seen=set())
     for c in configs:
         c._attn_implementation = _IMPL
     try:

@@ -158,3 +158,42 @@ def test_calibrate_refuses_too_few_samples_and_a_short_text(text, tmp_path, caps
         C.main(["--text", text, "--window", "64", "--out", str(tmp_path / "o{bits}"), "--model", "x"])
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert e.value.code == 2 and "--text: the text is shorter than one window of 64 tokens" in err, err
+
+
+def test_a_model_whose_attention_the_tools_cannot_see_is_refused(tmp_path, capsys):
+    """Falcon runs its own attention, not transformers' AttentionInterface: eval's pq rows
+    would print fp16's perplexity as the codec's and calibrate would train on nothing, so
+    both stop on the first window, naming --model."""
+    pytest.importorskip("transformers")
+    from transformers import FalconConfig, FalconForCausalLM
+    from tests.tools.test_models_text import word_tokenizer
+    folder = tmp_path / "falcon"
+    FalconForCausalLM(FalconConfig(num_hidden_layers=2, hidden_size=32, num_attention_heads=2, vocab_size=128,
+                                   new_decoder_architecture=False)).save_pretrained(folder)
+    word_tokenizer(True).save_pretrained(folder)
+    words = tmp_path / "t.txt"
+    words.write_text(" ".join(f"w{i % 120}" for i in range(400)))
+    says = "--model: FalconForCausalLM's attention does not go through transformers' AttentionInterface in 2 of its 2"
+    for main, extra in ((E.main, ["--backend", "sim"]), (C.main, ["--out", str(tmp_path / "o{bits}"), "--bits", "4"])):
+        with pytest.raises(SystemExit) as e:
+            main(["--model", str(folder), "--text", str(words), "--window", "32", "--windows", "2", *extra])
+        err = capsys.readouterr().err.strip().splitlines()[-1]
+        assert e.value.code == 2 and says in err, err
+
+
+def test_calibrate_refuses_one_file_for_two_bit_widths_and_no_windows(text, tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(C, "load_model", E.load_model)       # the fixture's: fails if called
+    for args, says in ((["--out", str(tmp_path / "x.safetensors")], "names one file for --bits 4 2: put {bits} in it"),
+                       (["--windows", "0"], "--windows: must be >= 1, got 0")):
+        with pytest.raises(SystemExit):
+            C.main(["--text", text, *args])
+        assert says in capsys.readouterr().err
+
+
+def test_a_row_may_not_give_a_described_file_another_transform(tmp_path):
+    from test_calibrate_eval import rand_codebooks
+    path = str(tmp_path / "cb.safetensors")
+    rand_codebooks().describe().save(path)                # described, no transform
+    assert E.Row.parse(f"q=cb={path},transform=none").load()[1] is None
+    with pytest.raises(ValueError, match="transform: .* says its own \\(transform none\\); leave transform unset"):
+        E.Row.parse(f"q=cb={path},transform={path}").load()
