@@ -50,7 +50,6 @@ from .hooks import AttentionCall, attention_handler, check_routed, exact_attenti
 from .models import MODEL_HELP, check_window, geometry_of, load_model
 from .text import EVAL_DIRS, TEXT_HELP, default_text, read_text, token_windows
 
-
 # ------------------------------------------------------------- quantizers
 class SimQuantizer:
     """The codec in-process: fp16 storage, nearest centroid per sub-vector
@@ -309,7 +308,8 @@ def main(argv: list[str] | None = None) -> None:
                    "the adapter's default")
     p.add_argument("--residual", type=int, default=128, help="fp16 tail R of the default rows")
     p.add_argument("--window", type=bounded(int, 2), default=2048, help="tokens a window")
-    p.add_argument("--windows", type=bounded(int, 1), default=20, help="windows of the evaluation text (20 -> 40,940 tokens)")
+    p.add_argument("--windows", type=bounded(int, 1), default=20,
+                   help="windows of the evaluation text (20 -> 40,940 tokens)")
     p.add_argument("--backend", choices=["daemon", "sim"], default="daemon",
                    help="daemon: through a kvstore daemon; sim: the codec in-process, faster, "
                         "close to the daemon's, not the same (docs/accuracy.md says why)")
