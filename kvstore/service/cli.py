@@ -25,6 +25,7 @@ from .servicer import DEFAULT_MAX_STREAMS
 DESCRIPTION = "The daemon: `python server.py` / `kvstore-server`."
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+MIN_LEASE_S = 1.0       # --lease-timeout's least: see check_args
 
 
 # Defaults as the docs show them, where the value depends on who runs it.
@@ -108,7 +109,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--metrics-host", default="127.0.0.1", help="address for --metrics-port")
     p.add_argument("--max-pool-bytes", type=_byte_size, default=None, metavar="SIZE",
                    help="memory all caches' pools may take together, in bytes (40GiB, 512MB and the like work too; "
-                        "default: 90%% of the GPU, or half the RAM on CPU); CreateCache beyond it is "
+                        "default: 90%% of the GPU, or half the RAM on CPU; 0: no bound); CreateCache beyond it is "
                         "RESOURCE_EXHAUSTED")
     return p
 
@@ -150,8 +151,11 @@ def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> tuple[Au
                                    ("--max-pool-bytes", args.max_pool_bytes, 0, None)):
         if value is not None and (value < low or (high is not None and value > high)):
             p.error(f"{flag} must be in [{low}, {high if high is not None else 'inf'}], got {value}")
-    if not args.lease_timeout > 0:
-        p.error(f"--lease-timeout must be > 0 seconds, got {args.lease_timeout}")
+    # Clients heartbeat every third of the timeout, but at most every 0.2 s and at least every
+    # 10 s (client/session.py): below 1 s a live, heartbeating client would lapse.
+    if not MIN_LEASE_S <= args.lease_timeout < float("inf"):
+        p.error(f"--lease-timeout must be a finite number of seconds >= {MIN_LEASE_S:g} (clients heartbeat every "
+                f"third of it, at most every 0.2 s), got {args.lease_timeout}")
     if bool(args.tls_cert) != bool(args.tls_key):
         p.error("--tls-cert and --tls-key go together")
     if args.tls_cert and args.port is None:
