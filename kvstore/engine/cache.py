@@ -275,6 +275,8 @@ class Cache(WritePath, ReadPath, WindowedBlocks):
             rows = prefix.cat(p.fp16_rows)
             k, v = self.tail.payload_kv(rows[ids_to(rows.device, [hits[i][1] for i in enc])])
             self.main.encode_blocks(ids_to(k.device, [new[i] for i in enc]), k, v)
+        # Blocks encoded here seal in this sequence as in a write: counted with the write path's.
+        self.counters["sealed_blocks"] += sum(hits[i][0] in ("encode", "encode16") for i in fresh)
         tiers = [p.tiers[j] for j in self._unpack_rows(hits, "below", new, p.rows, self.main_io)]
         fp16_tiers = [p.fp16_tiers[j] for j in self._unpack_rows(hits, "fp16", new_tail, p.fp16_rows, self.tail_io)]
         fp16_tiers += [p.fp16_tiers[hits[i][1]] for i in enc]

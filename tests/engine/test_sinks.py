@@ -483,3 +483,18 @@ def test_reserve_hands_out_the_same_slots_for_a_few_tokens_and_for_many(codec):
     first = got["many"][0]
     assert got["many"] == [(first[0] + (first[1] + i) // BS, (first[1] + i) % BS) for i in range(many)]
     e.check_invariants()
+
+
+def test_blocks_a_prefix_hit_encodes_count_as_sealed():
+    """A prompt whose prefix ends in another sequence's full fp16 tail block encodes that
+    block into a new main block at Allocate: it counts in sealed_blocks as a write's seal
+    does (every main block in use was sealed once, none found cached: dedup 0)."""
+    e = engine(0)
+    prompt = list(range(100, 140))
+    fill(e, "a", 40, 1, prompt)                  # 3 sealed, the rest in the fp16 tail
+    before = e.stats("c")["c"]["sealed_blocks"]
+    hit = e.allocate("c", T, "b", prompt + [1, 2, 3])
+    c = e.cache("c")
+    assert hit.cached_tokens == 40 and len(c.seq(T, "b").sealed) == 4     # its 4th block encoded from a's tail
+    s = e.stats("c")["c"]
+    assert s["sealed_blocks"] == before + 1 == c.main_pool.stats().used and s["dedup_blocks"] == 0
