@@ -66,14 +66,14 @@ class Connection:
         self.target = target or f"unix://{default_socket()}"
         opts = client_options(max_message_mb)
         if tls_ca is not None:
-            ca = open(tls_ca, "rb").read() if isinstance(tls_ca, str) else tls_ca
-            self.channel = grpc.secure_channel(self.target, grpc.ssl_channel_credentials(ca), options=opts)
+            self.channel = grpc.secure_channel(self.target, grpc.ssl_channel_credentials(_pem(tls_ca)), options=opts)
         else:
             self.channel = grpc.insecure_channel(self.target, options=opts)
         if session_id == "" and heartbeat:
             raise ValueError("heartbeat renews a session's lease: a client without a session id beats none")
         self.session_id = uuid.uuid4().hex if session_id is None else session_id
         token = token if token is not None else os.environ.get("KVSTORE_TOKEN")
+        token = token.strip() if token is not None else None     # a file's or an env file's newline is no part of it
         self.session = Session(self.session_id, token)
         self.stub = pb_grpc.KVStoreStub(grpc.intercept_channel(self.channel, self.session.interceptor))
         self._raw = pb_grpc.KVStoreStub(self.channel)     # the tensor calls: they pass session.md themselves
@@ -405,3 +405,16 @@ class Connection:
         if out is None:
             return res.clone()
         return out if out.data_ptr() == res.data_ptr() and out.dtype == res.dtype else out.copy_(res)
+
+
+def _pem(tls_ca: str | bytes) -> bytes:
+    """The CA PEM (a path or bytes); ValueError naming tls_ca, not every handshake failing."""
+    if isinstance(tls_ca, str):
+        try:
+            with open(tls_ca, "rb") as f:
+                tls_ca = f.read()
+        except OSError as e:
+            raise ValueError(f"tls_ca: cannot read {tls_ca}: {e.strerror}") from None
+    if b"-----BEGIN CERTIFICATE-----" not in tls_ca:
+        raise ValueError("tls_ca: holds no PEM certificate (-----BEGIN CERTIFICATE-----)")
+    return tls_ca

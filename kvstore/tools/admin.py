@@ -328,7 +328,10 @@ def _main(argv: list[str] | None) -> None:
     sp.add_argument("--json", action="store_true", default=argparse.SUPPRESS)
     args = p.parse_args(argv)
     cmd = globals()[f"cmd_{args.cmd.replace('-', '_')}"]
-    kv = _client(args)
+    try:
+        kv = _client(args)
+    except ValueError as e:      # tls_ca: a file that is not there, or no certificate
+        raise SystemExit(f"kvstore-admin: --tls-ca {args.tls_ca}: {str(e).removeprefix('tls_ca: ')}")
     try:
         out = cmd(kv, args)
     except grpc.RpcError as e:

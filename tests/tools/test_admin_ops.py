@@ -146,6 +146,15 @@ def test_a_tls_port_reached_without_tls_names_tls_ca_not_a_missing_daemon(tmp_pa
         assert f"a TLS handshake with localhost:{port} failed: --tls-ca must name the CA that signed" in wrong_ca
         refused = error("--target", f"localhost:{closed}", "--token", "tok")
         assert f"no daemon answers at localhost:{closed}: start one" in refused
+        # a CA file that is not there, or holds no certificate: named, not "no daemon answers"
+        (tmp_path / "notes.txt").write_text("not a certificate\n")
+        for path, says in ((str(tmp_path / "none.pem"), "cannot read"), (str(tmp_path / "notes.txt"), "holds no PEM")):
+            with pytest.raises(SystemExit) as e:
+                admin.main(["--target", f"localhost:{port}", "--token", "tok", "--tls-ca", path, "stats"])
+            assert str(e.value).startswith(f"kvstore-admin: --tls-ca {path}: {says}"), str(e.value)
+        # a token read with its line's newline (an env file) is the token
+        with KVStoreClient(f"localhost:{port}", token="tok\n", tls_ca=cert, heartbeat=False) as kv:
+            assert kv.stats() is not None
     finally:
         server.stop(0)
 
