@@ -178,7 +178,23 @@ class DiskTier:
                 over -= self.store.size(k)
         return out if over <= 0 else None
 
-    def _write(self, puts: list, deletes: list[bytes], evict: list[bytes], sync: bool = False) -> None:
+    def _write(self, puts: list, deletes: list[bytes], evict: list[bytes], sync: bool = False,
+               keep: frozenset | set = frozenset()) -> None:
+        try:
+            self._commit(puts, deletes, evict, sync)
+        except ResourceExhausted as e:
+            # The filesystem is full (no bound, or other files filled it since the bound was
+            # set): unreferenced blocks (keep: those this write references) are the tier's
+            # to drop, and the pages they free in the file take the write.
+            gone = set(evict)
+            spare = [k for k in self.lru if k not in keep and k not in gone] if puts and e.field == "lmdb" else []
+            if not spare:
+                raise
+            log.warning("%s: dropping %d unreferenced prefix blocks for its pages", e, len(spare))
+            self._commit([], [], spare)
+            self._commit(puts, deletes, evict, sync)
+
+    def _commit(self, puts: list, deletes: list[bytes], evict: list[bytes], sync: bool = False) -> None:
         freed = [(k, self.store.size(k)) for k in evict]
         self.store.write_batch(puts, deletes + evict, sync=sync)
         for k, n in freed:
@@ -229,7 +245,7 @@ class DiskTier:
         if evict is None:
             raise ResourceExhausted("sequence_ids", f"the disk tier cannot take {need} more bytes: "
                                     f"{self.held_bytes()} of its {self.store.max_bytes} are held by sequences")
-        self._write(puts, deletes, evict, sync)
+        self._write(puts, deletes, evict, sync, keep)
         for k in pin:
             self._pin(k)
         for k in unpin:
@@ -354,7 +370,7 @@ class DiskTier:
         evict = self._victims(self.store.growth(puts, []), {k for k, _ in puts})
         assert evict is not None, "spills were cut to what the bound holds"
         try:
-            self._write(puts, [], evict)
+            self._write(puts, [], evict, keep={k for k, _ in puts})
         except KVStoreError as e:     # the filesystem refused (fs_errors): cached copies, not kept
             self.counters["skipped_spills"] += len(puts)
             log.warning("%s: %d cached blocks not spilled", e, len(puts))

@@ -177,3 +177,32 @@ def test_the_default_disk_budget_counts_what_the_store_takes_not_its_sparse_size
         f.write(b"x")
     assert disk_budget(str(d), None) <= shutil.disk_usage(d).free * 0.9 + (1 << 20)
     assert disk_budget(str(d), 123) == 123
+
+
+def test_a_full_filesystem_takes_the_write_once_unreferenced_blocks_go(tmp_path, monkeypatch):
+    """No bound (--lmdb-max-bytes 0) and a full filesystem: the prefix blocks no sequence
+    references (a freed disk sequence's) are the tier's to drop, and the pages they free
+    take the next Offload, rather than every Offload being refused until a restart."""
+    from kvstore.tiers import fs_errors
+    e = engine(tmp_path, codec="fp16")
+    put(e, "s", toks(0, 40))
+    e.offload("c", T, ["s"])
+    e.free("c", T, ["s"])                           # its hashed blocks stay, unreferenced
+    disk = e.disk
+    unreferenced = len(disk.lru)
+    assert unreferenced > 0
+    real, freed = LMDBStore.write_batch, []
+
+    def write_batch(self, puts, deletes, sync=False):     # full until blocks are deleted
+        if puts and not freed:
+            with fs_errors.refused(self.path):
+                raise OSError(errno.ENOSPC, "No space left on device")
+        real(self, puts, deletes, sync=sync)
+        freed.extend(deletes)
+    monkeypatch.setattr(LMDBStore, "write_batch", write_batch)
+    put(e, "t", toks(5000, 40))
+    want = read(e, "t")
+    e.offload("c", T, ["t"])
+    assert e.sequence_info("c", T, "t").tier == "disk" and same(read(e, "t"), want)
+    assert disk.counters["evictions"] == unreferenced and len(freed) == unreferenced
+    e.check_invariants()
