@@ -298,6 +298,8 @@ def main(argv: list[str] | None = None) -> None:
     eng = getattr(server, "kvstore_engine", None)
     if eng is not None:
         eng.close()         # LMDB synced, queued Redis puts sent
+    # The last line of a stop: without it a log cannot tell a finished stop from a hang.
+    log.info("stopped%s", " (calls cut off: exit status 1)" if cut else "")
     logging.shutdown()
     if cut or args.device.startswith("cuda"):
         # Interpreter exit would join the handler threads still running; and its

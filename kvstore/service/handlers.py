@@ -11,6 +11,7 @@ remote callers."""
 from __future__ import annotations
 
 import contextlib
+import logging
 import threading
 from dataclasses import dataclass
 
@@ -21,6 +22,8 @@ from kvstore.errors import Unavailable, quote
 from kvstore.protocol import wire
 
 from .auth import DEFAULT_TENANT, PermissionDenied
+
+log = logging.getLogger("kvstore.servicer")
 
 
 @dataclass(slots=True)
@@ -121,7 +124,12 @@ class Handlers:
             raise PermissionDenied("cache", f"DeleteCache: caches are shared by every tenant: only tenant "
                                    f"{DEFAULT_TENANT!r} may delete one, not {quote(tenant)}")
         live = self.leases.is_live if self.leases is not None else None
-        return self.engine.delete_cache(name, force=force, live=live)
+        r = self.engine.delete_cache(name, force=force, live=live)
+        # Other workers' sequences went with it: their next call is NOT_FOUND, and the log says why.
+        log.info("DeleteCache %s%s: dropped %d sequences (%d of live sessions, %d pinned, %d with a disk copy)",
+                 quote(name), " (force)" if force else "", r.sequences, r.leased_sequences, r.pinned_sequences,
+                 r.disk_sequences)
+        return r
 
     def resolve(self, request, buffers) -> Resolved:
         """What an AppendAttend's tensor fields name, checked in the order its

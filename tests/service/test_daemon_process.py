@@ -181,6 +181,7 @@ def test_stop_signals_in_a_burst_stop_it_once_and_cleanly(sock):
     assert sent >= 2
     assert rc == 0, out[-3000:]
     assert "Traceback" not in out, out[-3000:]
+    assert out.rstrip().splitlines()[-1].endswith("stopped"), out[-3000:]     # a finished stop says so last
     assert not os.path.exists(sock)
 
 
@@ -246,4 +247,5 @@ def test_a_handler_that_ignores_cancellation_ends_in_exit_1_at_the_stop_limit(so
     assert codes == [grpc.StatusCode.UNAVAILABLE]          # the caller was cancelled at the grace period
     assert not os.path.exists(sock)
     assert "prefix blocks written to the disk tier" in out, out[-3000:]     # the engine closed
+    assert out.rstrip().splitlines()[-1].endswith("stopped (calls cut off: exit status 1)"), out[-3000:]
     assert not (tmp_path / "lmdb" / "unclean").exists()                    # and synced the disk tier

@@ -174,3 +174,16 @@ def test_reserved_and_used_bytes_per_pool():
     assert c.tiering.to_host(c.seqs[("t", "a")])              # the sequence moves down whole
     s = e.stats("c")["c"]
     assert s["host_used_bytes"] > 0 and s["main_used_bytes"] == s["tail_used_bytes"] == 0
+
+
+def test_delete_cache_logs_what_it_dropped(client, caplog):
+    """Other workers' sequences go with a deleted cache: their next call is NOT_FOUND,
+    and the daemon's log says which cache took them and how many."""
+    client.create_cache("gone", "m", num_layers=L, num_q_heads=HQ, num_kv_heads=HKV, head_dim=D, codec="fp16",
+                        block_size=8, num_blocks=16)
+    client.allocate("gone", "a", [], pinned=True)
+    client.allocate("gone", "b", [])
+    with caplog.at_level(logging.INFO, "kvstore.servicer"):
+        client.delete_cache("gone", force=True)
+    assert "DeleteCache 'gone' (force): dropped 2 sequences (2 of live sessions, 1 pinned, 0 with a disk copy)" \
+        in caplog.text, caplog.text
