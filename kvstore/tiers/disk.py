@@ -243,8 +243,8 @@ class DiskTier:
         if evict is None and past_bound:
             evict = [k for k in self.lru if k not in keep]
         if evict is None:
-            raise ResourceExhausted("sequence_ids", f"the disk tier cannot take {need} more bytes: "
-                                    f"{self.held_bytes()} of its {self.store.max_bytes} are held by sequences")
+            raise ResourceExhausted("sequence_ids", f"the disk tier cannot take {need} more bytes: {self.held_bytes()} "
+                                    f"of its {self.store.max_bytes} (--lmdb-max-bytes) are held by sequences")
         self._write(puts, deletes, evict, sync, keep)
         for k in pin:
             self._pin(k)
