@@ -245,7 +245,7 @@ def cmd_blocks(kv, args):
                                     f"{int(p['used']) / max(1, int(p['capacity'])):.1%}"] for t, p in tiers.items()],
                                   ["tier", "capacity", "used", "cached", "free", "occupancy"])))
         if hist:
-            out.append("  blocks by sequences referencing them: " +
+            out.append("  GPU blocks by this tenant's sequences referencing them: " +
                        ", ".join(f"{k} seq{'s' if k > 1 else ''}: {v}" for k, v in sorted(hist.items())))
     return js if args.json else ("\n".join(out) or "no caches")
 

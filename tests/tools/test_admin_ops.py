@@ -203,7 +203,7 @@ def test_blocks_counts_each_pool_block_once_by_its_holders(empty, capsys, codec)
     assert js["refs_histogram"] == want
     assert sum(js["refs_histogram"].values()) == sum(int(p["used"]) for p in js["tiers"].values())
     out = run(capsys, "--socket", sock, "blocks")
-    assert f"blocks by sequences referencing them: 1 seq: {want['1']}, 2 seqs: {want['2']}" in out
+    assert f"GPU blocks by this tenant's sequences referencing them: 1 seq: {want['1']}, 2 seqs: {want['2']}" in out
 
 
 def test_blocks_counts_no_holes_of_a_sliding_window(empty, capsys):
