@@ -51,7 +51,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--config", metavar="PATH",
                    help="TOML file of settings, keys named as these flags without the dashes (env KVSTORE_CONFIG); "
                         "flags and KVSTORE_* variables override it")
-    p.add_argument("--socket", default=default_socket(),
+    p.add_argument("--socket", default=default_socket(), type=lambda v: v.removeprefix("unix://"),
                    help="Unix socket path (default: %(default)s); its directory must be writable only by this uid "
                         "(a missing one is made 0700, one of ours that others can write is made 0700)")
     p.add_argument("--port", type=int, default=None, help="also listen on TCP 127.0.0.1:PORT")

@@ -135,3 +135,11 @@ def test_setup_takes_levels_in_any_case():
     finally:
         root.setLevel(saved[0])
         root.handlers[:] = saved[1]
+
+
+def test_kvstore_socket_as_a_target_is_the_daemons_path_too():
+    """KVSTORE_SOCKET=unix:///path names /path for the daemon as for its clients
+    (argparse applies a flag's type to an environment default as to the flag)."""
+    assert parse([], {"KVSTORE_SOCKET": "unix:///tmp/x/kv.sock"}).socket == "/tmp/x/kv.sock"
+    assert parse(["--socket", "unix:///tmp/y.sock"]).socket == "/tmp/y.sock"
+    assert parse([], {"KVSTORE_SOCKET": "/tmp/z.sock"}).socket == "/tmp/z.sock"
