@@ -157,8 +157,14 @@ class Doorbell:
                 self._turning.release()
             return
         self._turning.release()
-        with self._lock:
-            self._conns.add(conn)
+        with self._lock:            # stop() may have come while this one waited: it lists _conns under the lock
+            stopped = self._listener is None
+            if not stopped:
+                self._conns.add(conn)
+        if stopped:
+            conn.close()
+            self._slots.release()
+            return
         self.counters["connections"] += 1
         try:
             who = self._hello(conn)

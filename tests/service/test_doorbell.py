@@ -597,3 +597,25 @@ def test_the_doorbell_outlives_an_accept_that_fails(served, monkeypatch, caplog)
     for s in (first, second, third):
         s.close()
     kv.close()
+
+
+def test_a_connection_waiting_for_a_slot_is_not_served_after_the_stop(tmp_path):
+    """The doorbell's stop closes every connection it serves, the one that was waiting
+    for a slot as the stop came included: it never gets a call served after it."""
+    sock = str(tmp_path / "kv.sock")
+    with _daemon(sock, max_streams=1) as server:
+        kv, bid, path, token = _registered(sock)
+        held = _connect(path, token)
+        assert _reply(held)[0] == 0
+        waiting = _connect(path, token)        # waits up to 0.5 s for the slot
+        time.sleep(0.05)
+        server.kvstore_doorbell.stop()
+        held.close()                           # its slot comes free while the other waits
+        waiting.settimeout(3)
+        try:
+            got = waiting.recv(bell.MAX_PACKET)
+        except OSError:
+            got = b""
+        assert got == b"", "a connection was answered after the doorbell stopped"
+        waiting.close()
+        kv.close()
