@@ -61,9 +61,8 @@ class DiskTier:
     blocks that no sequence manifest references are a cache of prefix blocks:
     when a write needs room the least recently used of them go first. What a
     manifest holds (its blocks, hashed or not, and itself) is never evicted:
-    a sequence write that cannot fit is refused whole (ResourceExhausted),
-    a spill of cached blocks keeps what fits. Recency lives in memory; at open
-    the unreferenced blocks start in key order."""
+    a sequence write that cannot fit is refused whole (ResourceExhausted), a spill
+    keeps what fits. Recency lives in memory (at open: key order)."""
 
     def __init__(self, store: LMDBStore):
         self.store = store
@@ -178,16 +177,17 @@ class DiskTier:
                 over -= self.store.size(k)
         return out if over <= 0 else None
 
-    def _write(self, puts: list, deletes: list[bytes], evict: list[bytes], sync: bool = False,
-               keep: frozenset | set = frozenset()) -> None:
+    def _write(self, puts: list, deletes: list[bytes], evict: list[bytes], sync=False, keep=frozenset()) -> None:
         try:
             self._commit(puts, deletes, evict, sync)
         except ResourceExhausted as e:
-            # The filesystem is full (no bound, or other files filled it since the bound was
-            # set): unreferenced blocks (keep: those this write references) are the tier's
-            # to drop, and the pages they free in the file take the write.
-            gone = set(evict)
-            spare = [k for k in self.lru if k not in keep and k not in gone] if puts and e.field == "lmdb" else []
+            # A full filesystem (no bound, or other files filled it since): the oldest unreferenced blocks
+            # (keep: this write's), as many bytes as it grows the store, go; their pages take the write.
+            gone, spare, room = set(evict), [], self.store.growth(puts, deletes)
+            for k in (self.lru if puts and e.field == "lmdb" else ()):
+                if room > 0 and k not in keep and k not in gone:
+                    spare.append(k)
+                    room -= self.store.size(k)
             if not spare:
                 raise
             log.warning("%s: dropping %d unreferenced prefix blocks for its pages", e, len(spare))
