@@ -331,7 +331,9 @@ def _main(argv: list[str] | None) -> None:
     try:
         kv = _client(args)
     except ValueError as e:      # tls_ca: a file that is not there, or no certificate
-        raise SystemExit(f"kvstore-admin: --tls-ca {args.tls_ca}: {str(e).removeprefix('tls_ca: ')}")
+        if not str(e).startswith("tls_ca: "):
+            raise SystemExit(f"kvstore-admin: {e}") from None
+        raise SystemExit(f"kvstore-admin: --tls-ca {args.tls_ca}: {str(e).removeprefix('tls_ca: ')}") from None
     try:
         out = cmd(kv, args)
     except grpc.RpcError as e:

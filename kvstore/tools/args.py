@@ -39,8 +39,12 @@ def reachable(p: argparse.ArgumentParser, target: str) -> None:
 
     from kvstore.client import KVStoreClient
     try:
-        with KVStoreClient(target, heartbeat=False, timeout=10) as kv:
+        with KVStoreClient(target, heartbeat=False, timeout=10, session_id="") as kv:     # no lease to lapse
             kv.stats()
-    except (grpc.RpcError, ValueError, OSError) as e:
-        why = f"{e.code().name}: {e.details()}" if isinstance(e, grpc.RpcError) else str(e)
-        p.error(f"--target: no daemon answers at {target} ({why}); start one (make serve, or python server.py)")
+    except grpc.RpcError as e:
+        if e.code() == grpc.StatusCode.UNAVAILABLE:
+            p.error(f"--target: no daemon answers at {target} ({e.details()}); start one (make serve, or "
+                    "python server.py)")
+        p.error(f"--target: {target} refused the tool: {e.code().name}: {e.details()}")
+    except (ValueError, OSError) as e:
+        p.error(f"--target {target}: {e}")

@@ -334,7 +334,9 @@ def main(argv: list[str] | None = None) -> None:
               flush=True)
         if args.target:
             cache = f"{args.cache or cache_name(lm.model_id)}-pq{bits}"
-            load_into_daemon(args.target, cache, model, cb, args.model_id)
+            # a hub id (the default SmolLM2's too) names the cache; a path names no model
+            load_into_daemon(args.target, cache, model, cb, args.model_id or
+                             (None if os.path.exists(lm.model_id) else lm.model_id))
 
 
 def default_out(model: str | None) -> str:
@@ -367,10 +369,17 @@ def load_into_daemon(target: str, cache: str, model, cb: Codebooks, model_id: st
     the hub id, else a hash of the weights as loaded here; one cache a layer group for a
     model that mixes windows), so that KVStoreAdapter(model, target, cache=cache,
     codec="pq") given no file joins it, and set its codebooks."""
+    from kvstore.client import KVStoreClient
     from kvstore.client.hf import KVStoreAdapter
     adapter = KVStoreAdapter(model, target, cache=cache, codec="pq", codebooks=cb.to_bytes(), model_id=model_id)
     try:
-        kv = adapter.client()
+        with KVStoreClient(target, heartbeat=False, session_id="") as kv:
+            for g, books in zip(adapter.groups, adapter.books.files):
+                # created as the adapter creates it (ALREADY_EXISTS for another spec), and its
+                # codebooks replaced: calibrating again into a cache gives it the new ones
+                kv.create_cache(g.cache, exist_ok=True, **g.spec(adapter.spec))
+                kv.set_codebooks(g.cache, books.to_bytes())
+        kv = adapter.client()       # and the adapter joins it
         for g in adapter.groups:
             info = kv.get_cache(g.cache)
             print(f"loaded into {target} cache {g.cache!r} (model {info.spec.model_id}, "

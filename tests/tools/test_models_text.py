@@ -135,6 +135,10 @@ def test_target_makes_the_cache_the_adapter_joins_with_its_defaults(daemon):
         ad = KVStoreAdapter(model, daemon, cache=cache, codec="pq", model_id=model_id)
         assert ad.client() is not None and ad.spec["sink_tokens"] == 32
         ad.close()
+    again = rand_codebooks(seed=1).describe(model_id="models/tiny", num_q_heads=4)     # calibrated again
+    C.load_into_daemon(daemon, "local-pq4", model, again, None)
+    with KVStoreClient(daemon) as kv:
+        assert kv.get_cache("local-pq4").codebooks_sha256 == again.sha256() != cb.sha256()
     assert C.cache_name("google/gemma-3-1b-it") == "gemma-3-1b-it"
     assert C.cache_name(models.SMOLLM2_MODEL_ID) == "smollm2-135m-instruct"
     assert C.cache_name("/models/Llama 3 8B/") == "llama-3-8b"
