@@ -82,10 +82,13 @@ def sequence_info(i: SequenceInfo, owner_live: bool = True) -> pb.SequenceInfoRe
         window_freed_blocks=i.window_freed_blocks)
 
 
-def stats_reply(stats: dict[str, dict], operator: bool = True) -> pb.StatsReply:
-    """Engine.stats() -> StatsReply. operator: the caller is the daemon's own tenant; another
-    gets no Redis error text (it names the Redis host, which tenants need not know)."""
+def stats_reply(stats: dict[str, dict], operator: bool = True, disk: dict | None = None) -> pb.StatsReply:
+    """Engine.stats() (and disk_stats()) -> StatsReply. operator: the caller is the daemon's own
+    tenant; another gets no Redis error text (it names the Redis host, which tenants need not know)."""
     out = pb.StatsReply()
+    if disk is not None:
+        out.disk.CopyFrom(pb.DiskStats(bytes=disk["bytes"], entries=disk["entries"], used_bytes=disk["used_bytes"],
+                                       max_bytes=disk["max_bytes"], held_bytes=disk["held_bytes"]))
     for name, s in stats.items():
         msg = out.caches.add(cache=name, **{k: v for k, v in s.items() if k not in ("main", "tail", "tiers", "redis")})
         msg.main.CopyFrom(_pool(s["main"]))

@@ -36,8 +36,7 @@ READ_ONLY = frozenset({"Heartbeat", "Stats", "GetCache", "GetCodebooks", "Sequen
 
 
 def status_message(message: str) -> str:
-    """message, cut to MAX_STATUS_BYTES of UTF-8 (values are quoted short
-    already, errors.quote; this bounds whatever else a message holds)."""
+    """message, cut to MAX_STATUS_BYTES of UTF-8 (values come quoted short: this bounds the rest)."""
     raw = message.encode("utf-8", "replace")
     if len(raw) <= MAX_STATUS_BYTES:
         return message
@@ -389,7 +388,8 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
     # ----------------------------------------------------------------- stats
     @_rpc
     def Stats(self, request, context):
-        return convert.stats_reply(self.engine.stats(request.cache or None), self._tenant(context) == DEFAULT_TENANT)
+        return convert.stats_reply(self.engine.stats(request.cache or None), self._tenant(context) == DEFAULT_TENANT,
+                                   self.engine.disk_stats())
 
     @_rpc
     def SequenceInfo(self, request, context):

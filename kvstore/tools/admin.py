@@ -147,12 +147,16 @@ def render_stats(reply) -> str:
                        f"{c.redis_blocks_out} out ({_mib(c.redis_bytes_out)}), {c.redis_misses} misses, "
                        f"{c.redis_refused} refused, {c.redis_dropped_puts} puts dropped, {c.redis_errors} errors"
                        + (f"; last error: {c.redis_last_error}" if c.redis_last_error else ""))
-    # Every cache reports the one store's figures: one line for all, not one per cache.
-    d = next((c for c in reply.caches if c.disk_entries or c.disk_bytes), None)
-    if d is not None:       # entries and bytes, not blocks; nothing reserved at creation
-        bound = f"of a {_mib(d.disk_max_bytes)} bound" if d.disk_max_bytes else "(no bound)"
-        out.append(f"disk (shared by every cache): {d.disk_entries} entries (blocks and manifests), "
-                   f"{_mib(d.disk_used_bytes)} used {bound}, {_mib(d.disk_held_bytes)} of it held by sequences")
+    # The one store under every cache: one line, also with no cache (right after a restart);
+    # from a cache's disk_* fields where the daemon sends no StatsReply.disk.
+    c = next((c for c in reply.caches if c.disk_entries or c.disk_bytes), None)
+    d = reply.disk if reply.HasField("disk") else None if c is None else type(reply.disk)(
+        bytes=c.disk_bytes, entries=c.disk_entries, used_bytes=c.disk_used_bytes, max_bytes=c.disk_max_bytes,
+        held_bytes=c.disk_held_bytes)
+    if d is not None and (d.entries or d.bytes):      # entries and bytes, not blocks; nothing reserved at creation
+        bound = f"of a {_mib(d.max_bytes)} bound" if d.max_bytes else "(no bound)"
+        out.append(f"disk (shared by every cache): {d.entries} entries (blocks and manifests), "
+                   f"{_mib(d.used_bytes)} used {bound}, {_mib(d.held_bytes)} of it held by sequences")
     return "\n".join(out) if out else "no caches"
 
 

@@ -672,10 +672,26 @@ class CacheStats(_message.Message):
     def __init__(self, cache: _Optional[str] = ..., main: _Optional[_Union[PoolStats, _Mapping]] = ..., tail: _Optional[_Union[PoolStats, _Mapping]] = ..., sequences: _Optional[int] = ..., tokens: _Optional[int] = ..., sealed_tokens: _Optional[int] = ..., bytes_per_token: _Optional[int] = ..., fp16_bytes_per_token: _Optional[int] = ..., compression_ratio: _Optional[float] = ..., used_bytes: _Optional[int] = ..., effective_bytes_per_token: _Optional[float] = ..., prefix_query_tokens: _Optional[int] = ..., prefix_hit_tokens: _Optional[int] = ..., prefix_hit_rate: _Optional[float] = ..., appended_tokens: _Optional[int] = ..., sealed_blocks: _Optional[int] = ..., dedup_blocks: _Optional[int] = ..., attend_calls: _Optional[int] = ..., host: _Optional[_Union[PoolStats, _Mapping]] = ..., host_tail: _Optional[_Union[PoolStats, _Mapping]] = ..., sequences_host: _Optional[int] = ..., sequences_disk: _Optional[int] = ..., offloads_host: _Optional[int] = ..., offloads_disk: _Optional[int] = ..., page_ins_host: _Optional[int] = ..., page_ins_disk: _Optional[int] = ..., bytes_down: _Optional[int] = ..., bytes_up: _Optional[int] = ..., spilled_blocks: _Optional[int] = ..., prefix_hit_blocks_host: _Optional[int] = ..., prefix_hit_blocks_disk: _Optional[int] = ..., disk_bytes: _Optional[int] = ..., disk_entries: _Optional[int] = ..., sink_tokens: _Optional[int] = ..., disk_used_bytes: _Optional[int] = ..., disk_max_bytes: _Optional[int] = ..., disk_held_bytes: _Optional[int] = ..., disk_evictions: _Optional[int] = ..., disk_evicted_bytes: _Optional[int] = ..., disk_skipped_spills: _Optional[int] = ..., host_metadata_bytes: _Optional[int] = ..., host_tier_bytes: _Optional[int] = ..., redis_state: _Optional[str] = ..., redis_blocks_out: _Optional[int] = ..., redis_bytes_out: _Optional[int] = ..., prefix_hit_blocks_redis: _Optional[int] = ..., redis_bytes_in: _Optional[int] = ..., redis_misses: _Optional[int] = ..., redis_refused: _Optional[int] = ..., redis_dropped_puts: _Optional[int] = ..., redis_errors: _Optional[int] = ..., redis_last_error: _Optional[str] = ..., main_reserved_bytes: _Optional[int] = ..., main_used_bytes: _Optional[int] = ..., tail_reserved_bytes: _Optional[int] = ..., tail_used_bytes: _Optional[int] = ..., host_used_bytes: _Optional[int] = ..., reserved_bytes: _Optional[int] = ..., window_freed_blocks: _Optional[int] = ..., bytes_down_host: _Optional[int] = ..., bytes_down_disk: _Optional[int] = ..., bytes_up_host: _Optional[int] = ..., bytes_up_disk: _Optional[int] = ...) -> None: ...
 
 class StatsReply(_message.Message):
-    __slots__ = ("caches",)
+    __slots__ = ("caches", "disk")
     CACHES_FIELD_NUMBER: _ClassVar[int]
+    DISK_FIELD_NUMBER: _ClassVar[int]
     caches: _containers.RepeatedCompositeFieldContainer[CacheStats]
-    def __init__(self, caches: _Optional[_Iterable[_Union[CacheStats, _Mapping]]] = ...) -> None: ...
+    disk: DiskStats
+    def __init__(self, caches: _Optional[_Iterable[_Union[CacheStats, _Mapping]]] = ..., disk: _Optional[_Union[DiskStats, _Mapping]] = ...) -> None: ...
+
+class DiskStats(_message.Message):
+    __slots__ = ("bytes", "entries", "used_bytes", "max_bytes", "held_bytes")
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    ENTRIES_FIELD_NUMBER: _ClassVar[int]
+    USED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MAX_BYTES_FIELD_NUMBER: _ClassVar[int]
+    HELD_BYTES_FIELD_NUMBER: _ClassVar[int]
+    bytes: int
+    entries: int
+    used_bytes: int
+    max_bytes: int
+    held_bytes: int
+    def __init__(self, bytes: _Optional[int] = ..., entries: _Optional[int] = ..., used_bytes: _Optional[int] = ..., max_bytes: _Optional[int] = ..., held_bytes: _Optional[int] = ...) -> None: ...
 
 class SequenceInfoRequest(_message.Message):
     __slots__ = ("cache", "sequence_id")

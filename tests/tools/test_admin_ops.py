@@ -241,3 +241,30 @@ def test_bad_flag_values_are_refused_before_any_call(live, capsys, monkeypatch, 
     out, err = capsys.readouterr()
     assert e.value.code == 2 and out == ""
     assert err.splitlines()[-1].endswith(f"error: argument {flag}: {said}"), err
+
+
+def test_stats_shows_the_disk_tier_with_no_cache(tmp_path, capsys):
+    """Right after a restart no cache exists yet, and what is on disk is what an operator
+    asks first: stats shows the store with no cache, as Stats carries it apart from them."""
+    from kvstore.engine.engine import Engine
+    from tests.helpers import config, kv as kv_of
+    lmdb = str(tmp_path / "lmdb")
+    e = Engine(lmdb_path=lmdb)
+    e.create_cache(config(codec="fp16"))
+    k, v = kv_of(2, 24, 2, 16)
+    e.allocate("c", "default", "s", list(range(24)))
+    e.append("c", "default", ["s"], k, v, [24], token_ids=[list(range(24))])
+    e.offload("c", "default", ["s"])
+    e.close()
+    e.cold_store.close()                   # the daemon gone: its store's lock with it
+    sock = str(tmp_path / "kv.sock")
+    server, _, _ = create_server(Engine(lmdb_path=lmdb), socket_path=sock)     # the restart: no cache yet
+    try:
+        with KVStoreClient(f"unix://{sock}", heartbeat=False) as kv:
+            reply = kv.stats()
+        assert not reply.caches and reply.disk.entries > 0 and reply.disk.held_bytes > 0
+        out = run(capsys, "--socket", sock, "stats")
+        assert out.startswith(f"disk (shared by every cache): {reply.disk.entries} entries"), out
+        assert "held by sequences" in out and "no caches" not in out
+    finally:
+        server.stop(0)
