@@ -12,28 +12,28 @@ DAEMON_BLOCK = 16        # block_size of the backend daemon's caches (evaluate.D
 
 def fitting(lm, rows: list, given: list) -> None:
     """ValueError naming the flag of the first row whose codebooks do not fit the model
-    (geometry; the model id for a model named by its hub id, as the adapter checks it) or
-    whose bit width is not its flag's: found before any row runs."""
+    (geometry; the model id for a model named by its hub id), whose transform the
+    adapter would refuse, or whose bit width is not its flag's: found before any row
+    runs, by the adapter's own checks (hf_codebooks)."""
+    from kvstore.client.hf_codebooks import check_model
     from kvstore.errors import InvalidArgument
     g = geometry_of(lm.model)
-    local = os.path.exists(lm.model_id)
     for r in rows:
         if r.codebooks is None:
             continue
         flag = f"--row {r.label}: cb" if given else "--codebooks2" if "2-bit" in r.label else "--codebooks"
-        cb, _ = r.load()
+        try:
+            cb, _ = r.load()
+        except ValueError as e:         # the transform rule
+            raise ValueError(f"{f'--row {r.label}' if given else flag}: {r.codebooks}: {e}") from None
         want = None if given else 2 if flag == "--codebooks2" else 4
         if want is not None and cb.bits != want:
             raise ValueError(f"{flag}: {r.codebooks} holds {cb.bits}-bit codebooks; --codebooks takes 4-bit "
                              "(M = d/2), --codebooks2 2-bit (M = d/4)")
-        if cb.k.shape[0] != g.num_layers or cb.k.shape[1] != g.num_kv_heads or \
-                cb.k.shape[2] * cb.k.shape[4] != g.head_dim:
-            raise ValueError(f"{flag}: {r.codebooks} has shape {tuple(cb.k.shape)}; the model needs "
-                             f"[{g.num_layers}, {g.num_kv_heads}, M, 256, {g.head_dim} / M]")
         try:
-            cb.check_fits(cb.info.model_id if local and cb.info is not None else lm.model_id, g.num_layers,
-                          g.num_q_heads, g.num_kv_heads, g.head_dim)
-        except InvalidArgument as e:
+            check_model(cb, lm.model_id, os.path.exists(lm.model_id),
+                        (g.num_layers, g.num_q_heads, g.num_kv_heads, g.head_dim))
+        except (InvalidArgument, ValueError) as e:
             raise ValueError(f"{flag}: {r.codebooks}: {e}") from None
 
 

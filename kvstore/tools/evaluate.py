@@ -227,17 +227,15 @@ class Row:
         return Row(label, kw.get("cb") or None, kw.get("proto", "i"), sinks, residual, kw.get("transform", "auto"))
 
     def load(self) -> tuple[Codebooks | None, Transform | None]:
+        """The row's codebooks and the transform K/V go through, by the adapter's rule
+        (hf_codebooks.chosen_transform): ValueError naming transform where they disagree."""
         if self.codebooks is None:
             return None, None
-        if self.transform == "auto":      # the file's own, or (old format) the file beside it
-            return load_codebooks(self.codebooks)
-        t = Transform.load(self.transform) if self.transform != "none" else None
-        cb = Codebooks.load(self.codebooks)
-        says = "none" if cb.transform_k is None else "included"
-        if cb.info is not None and not self.transform == says == "none":     # as the adapter holds a file to
-            raise ValueError(f"--row {self.label}: transform: {self.codebooks} says its own (transform "
-                             f"{says}); leave transform unset")
-        return cb, t
+        from kvstore.client.hf_codebooks import chosen_transform
+        cb, beside = load_codebooks(self.codebooks)
+        given = None if self.transform == "auto" else "none" if self.transform == "none" \
+            else Transform.load(self.transform)
+        return cb, chosen_transform(cb, beside, given)
 
 
 def default_rows(cb4: str | None, cb2: str | None, sinks: int, residual: int) -> list[Row]:

@@ -86,7 +86,8 @@ def _model_folder(tmp_path, **cfg):
 def test_model_errors_name_their_flag(tmp_path, capsys):
     """A path that is not there, a folder with no model, a window past the model's
     positions (GPT-2's learned table), a codebooks file of another geometry or bit
-    width: one argparse line naming the flag, before any row runs."""
+    width, or whose transform the adapter would refuse (an old file saying none, a
+    described one given another): one argparse line naming the flag, before any row runs."""
     pytest.importorskip("transformers")
     from test_calibrate_eval import rand_codebooks
     words = tmp_path / "t.txt"
@@ -95,6 +96,7 @@ def test_model_errors_name_their_flag(tmp_path, capsys):
     rand_codebooks(2, 2, 8, 2).describe().save(str(tmp_path / "4.safetensors"))      # head_dim 16: this one's
     rand_codebooks(2, 2, 4, 4).describe().save(str(tmp_path / "2.safetensors"))
     rand_codebooks(2, 2, 16, 2).describe().save(str(tmp_path / "other.safetensors"))  # head_dim 32
+    rand_codebooks(2, 2, 8, 2).save(str(tmp_path / "old.safetensors"))      # no description, nothing beside
     cases = [(["--model", str(tmp_path / "none")], "--model: no such file or folder"),
              (["--model", str(tmp_path)], "holds no config.json"),
              (["--model", folder, "--window", "128"], "--window: 128 tokens, but the model takes at most 64"),
@@ -103,7 +105,13 @@ def test_model_errors_name_their_flag(tmp_path, capsys):
              (["--model", folder, "--window", "32", "--codebooks2", str(tmp_path / "4.safetensors")],
               "--codebooks2: " + str(tmp_path / "4.safetensors") + " holds 4-bit codebooks"),
              (["--model", folder, "--window", "32", "--codebooks", str(tmp_path / "other.safetensors")],
-              "the model needs [2, 2, M, 256, 16 / M]")]
+              "codebooks.head_dim: the file was made for head_dim 32, this model has 16"),
+             (["--model", folder, "--window", "32", "--codebooks", str(tmp_path / "old.safetensors")],
+              "--codebooks: " + str(tmp_path / "old.safetensors") + ": transform: a codebooks file of the old "
+              "format does not say whether it was calibrated after a transform"),
+             (["--model", folder, "--window", "32", "--row", f"q=cb={tmp_path / 'old.safetensors'},transform=none",
+               "--row", f"r=cb={tmp_path / '4.safetensors'},transform={tmp_path / '4.safetensors'}"],
+              "--row r: " + str(tmp_path / "4.safetensors") + ": transform: the codebooks file says its own")]
     for args, says in cases:
         with pytest.raises(SystemExit) as e:
             E.main(["--text", str(words), "--backend", "sim", *args])
