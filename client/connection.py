@@ -63,17 +63,19 @@ class Connection:
         stream wait for it: the GPU then never switches to the caller's
         context just to wait (docs/rpc.md), but the host
         cannot queue work past the call."""
+        if session_id == "" and heartbeat:
+            raise ValueError("heartbeat renews a session's lease: a client without a session id beats none")
+        if token is not None and not token.strip():     # else a caller on the socket would be tenant default
+            raise ValueError("token: empty; leave it unset (None) to call without one")
+        token = token if token is not None else os.environ.get("KVSTORE_TOKEN")
+        token = token.strip() or None if token is not None else None    # a file's newline is no part of it
         self.target = target or f"unix://{default_socket()}"
         opts = client_options(max_message_mb)
         if tls_ca is not None:
             self.channel = grpc.secure_channel(self.target, grpc.ssl_channel_credentials(_pem(tls_ca)), options=opts)
         else:
             self.channel = grpc.insecure_channel(self.target, options=opts)
-        if session_id == "" and heartbeat:
-            raise ValueError("heartbeat renews a session's lease: a client without a session id beats none")
         self.session_id = uuid.uuid4().hex if session_id is None else session_id
-        token = token if token is not None else os.environ.get("KVSTORE_TOKEN")
-        token = token.strip() if token is not None else None     # a file's or an env file's newline is no part of it
         self.session = Session(self.session_id, token)
         self.stub = pb_grpc.KVStoreStub(grpc.intercept_channel(self.channel, self.session.interceptor))
         self._raw = pb_grpc.KVStoreStub(self.channel)     # the tensor calls: they pass session.md themselves

@@ -307,7 +307,7 @@ def _main(argv: list[str] | None) -> None:
     p.add_argument("--version", action=VersionAction)
     p.add_argument("--socket", help="daemon Unix socket (default: the daemon's default, or KVSTORE_SOCKET)")
     p.add_argument("--target", help="HOST:PORT instead of the socket")
-    p.add_argument("--token", default=os.environ.get("KVSTORE_TOKEN"), help="bearer token (env KVSTORE_TOKEN)")
+    p.add_argument("--token", help="bearer token (default: env KVSTORE_TOKEN)")
     p.add_argument("--tls-ca", help="CA PEM for a TLS port")
     p.add_argument("--timeout", type=bounded(float, 0, above=True), default=10.0, help="seconds a call may take")
     p.add_argument("--json", action="store_true", help="machine-readable output")
@@ -334,10 +334,11 @@ def _main(argv: list[str] | None) -> None:
     cmd = globals()[f"cmd_{args.cmd.replace('-', '_')}"]
     try:
         kv = _client(args)
-    except ValueError as e:      # tls_ca: a file that is not there, or no certificate
-        if not str(e).startswith("tls_ca: "):
-            raise SystemExit(f"kvstore-admin: {e}") from None
-        raise SystemExit(f"kvstore-admin: --tls-ca {args.tls_ca}: {str(e).removeprefix('tls_ca: ')}") from None
+    except ValueError as e:      # tls_ca: a file that is not there, or no certificate; an empty token
+        for field, flag in (("tls_ca: ", f"--tls-ca {args.tls_ca}"), ("token: ", "--token")):
+            if str(e).startswith(field):
+                raise SystemExit(f"kvstore-admin: {flag}: {str(e).removeprefix(field)}") from None
+        raise SystemExit(f"kvstore-admin: {e}") from None
     try:
         out = cmd(kv, args)
     except grpc.RpcError as e:

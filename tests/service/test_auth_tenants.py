@@ -47,7 +47,7 @@ def code_of(fn, *a, **kw):
 
 
 # ------------------------------------------------------------ authentication
-@pytest.mark.parametrize("token", [None, "wrong-token-xxxxxxxxxxxxxxx", ""])
+@pytest.mark.parametrize("token", [None, "wrong-token-xxxxxxxxxxxxxxx"])
 def test_tcp_without_a_valid_token_is_unauthenticated(live, token):
     _, port = live
     kv = tcp(port, token=token)
@@ -60,6 +60,24 @@ def test_tcp_without_a_valid_token_is_unauthenticated(live, token):
     code, _ = code_of(stub.Stats, pb.StatsRequest(), metadata=(("authorization", f"Basic {ALICE}"),))
     assert code == grpc.StatusCode.UNAUTHENTICATED
     kv.close()
+
+
+def test_an_empty_token_is_refused_not_sent_as_none(live, monkeypatch, capsys):
+    """On the socket, a call with no token is tenant default: a token given empty
+    (a blank secret, a file that held a newline) must not make it one."""
+    from kvstore.tools import admin
+    sock, _ = live
+    for token in ("", "  \n"):
+        with pytest.raises(ValueError, match="token: empty"):
+            KVStoreClient(f"unix://{sock}", token=token, heartbeat=False)
+    with pytest.raises(SystemExit, match="kvstore-admin: --token: empty"):
+        admin.main(["--socket", sock, "--token", " ", "stats"])
+    monkeypatch.setenv("KVSTORE_TOKEN", "")        # an unset variable, as shells write it
+    assert KVStoreClient(f"unix://{sock}", heartbeat=False).heartbeat().tenant == "default"
+    monkeypatch.setenv("KVSTORE_TOKEN", ALICE + "\n")
+    assert KVStoreClient(f"unix://{sock}", heartbeat=False).heartbeat().tenant == "alice"
+    admin.main(["--socket", sock, "--json", "seqs", "--cache", "c"])
+    capsys.readouterr()
 
 
 def test_two_tokens_in_one_call_are_refused_not_one_picked(live):
