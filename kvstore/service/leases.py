@@ -29,12 +29,15 @@ DEFAULT_TIMEOUT_S = 30.0
 
 
 def session_of(context) -> str:
-    """The caller's session id, "" if it sent none."""
-    for k, v in context.invocation_metadata() or ():
-        if k == SESSION_KEY:
-            if not isinstance(v, str) or not _SESSION_RE.match(v):
-                raise InvalidArgument(SESSION_KEY, f"session id must match {_SESSION_RE.pattern}")
-            return v
+    """The caller's session id, "" if it sent none. Sent twice is refused, not one
+    picked: which of two sessions a sequence lapses with is the caller's to say."""
+    sent = [v for k, v in context.invocation_metadata() or () if k == SESSION_KEY]
+    if len(sent) > 1:
+        raise InvalidArgument(SESSION_KEY, f"sent {len(sent)} times: a call carries one session id")
+    for v in sent:
+        if not isinstance(v, str) or not _SESSION_RE.match(v):
+            raise InvalidArgument(SESSION_KEY, f"session id must match {_SESSION_RE.pattern}")
+        return v
     return ""
 
 

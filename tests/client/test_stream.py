@@ -330,7 +330,7 @@ def test_stream_over_tcp_needs_a_token_and_keeps_tenants_apart(tmp_path):
         for token, code, field in ((None, C.UNAUTHENTICATED, "authorization"), (TOKEN_B, C.NOT_FOUND, "sequence_ids")):
             errs = []
             for stream in (True, False):
-                kv = client(tcp, token=token or "", stream=stream)
+                kv = client(tcp, token=token, stream=stream)
                 clients.append(kv)
                 with pytest.raises(grpc.RpcError) as info:
                     kv.append_attend("fp16", 1, ["s"], k, v, q)

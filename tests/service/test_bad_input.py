@@ -713,6 +713,8 @@ CASES = [
          metadata=(("x-kvstore-session", "no spaces/allowed"),)),
     case("Allocate", "bad-session-id", lambda lv: pb.AllocateRequest(cache="f16", sequence_id="x"),
          INVALID, "x-kvstore-session", metadata=(("x-kvstore-session", "x" * 65),)),
+    case("Allocate", "two-session-ids", lambda lv: pb.AllocateRequest(cache="f16", sequence_id="x"),
+         INVALID, "x-kvstore-session", metadata=(("x-kvstore-session", "w1"), ("x-kvstore-session", "w2"))),
 ]
 
 
