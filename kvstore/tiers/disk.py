@@ -83,8 +83,8 @@ class DiskTier:
             self._delete_sequences(pressure)
             for k in pressure:
                 del good[k]
-            log.info("LMDB store %s: dropped the disk copies of %d sequences that memory pressure, not Offload "
-                     "or persist, had moved there (their blocks stay cached on disk)", store.path, len(pressure))
+            log.info("LMDB store %s: dropped the disk copies of %d sequences that memory pressure, not Offload or "
+                     "persist, had moved there (blocks stay cached): %s", store.path, len(pressure), _named(pressure))
         short = [k for k, m in good.items() if not self._complete(k, m)]
         if short:
             # Listed all the same: a call naming one is DATA_LOSS naming it (read_sequence), not

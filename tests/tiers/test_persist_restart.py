@@ -4,6 +4,7 @@ kill after memory pressure moved it to disk; and disk copies whose manifests
 predate the layout field, adopted only into a cache they fit."""
 import json
 import logging
+import re
 
 import pytest
 import torch
@@ -74,7 +75,10 @@ def test_a_kill_keeps_a_persist_sequence_that_memory_pressure_moved_to_disk(tmp_
     listed = {i.seq_id: i for i in e.list_sequences("c", T)}
     assert list(listed) == ["p"] and listed["p"].persist
     assert same(read(e, "p"), want)
-    assert "dropped the disk copies of" in caplog.text
+    spilled = sorted(s for s, t in tiers.items() if t == "disk" and s.startswith("x"))
+    line = next(r.getMessage() for r in caplog.records if "dropped the disk copies of" in r.getMessage())
+    named = re.findall(rf"'c'/{T!r}/'(x\d)'", line)       # reading "off" and "p" back spilled more
+    assert f"of {len(named)} sequences" in line and set(spilled) <= set(named), line
     e.check_invariants()
     # Read back, unchanged: it keeps that copy, and comes back from a second kill too.
     assert e.sequence_info("c", T, "p").tier == "gpu"
@@ -108,7 +112,10 @@ def test_pressure_copies_go_when_the_store_opens_not_when_their_cache_comes_back
     e.cold_store.close()                                     # killed: no stop
     caplog.set_level(logging.INFO)
     e = Engine(lmdb_path=str(tmp_path / "lmdb"))             # no cache of that name comes back
-    assert "dropped the disk copies of" in caplog.text
+    spilled = sorted(s for s, t in tiers.items() if t == "disk" and s.startswith("x"))
+    line = next(r.getMessage() for r in caplog.records if "dropped the disk copies of" in r.getMessage())
+    named = re.findall(rf"'c'/{T!r}/'(x\d)'", line)       # reading "off" and "p" back spilled more
+    assert f"of {len(named)} sequences" in line and set(spilled) <= set(named), line
     assert 0 < e.disk.held_bytes() < held and len(e.disk.store.keys(b"M")) == 2     # Offload's and persist's
     assert 0 < e.disk.stats()["entries"] < blocks           # the hashed blocks stay, cached
     e.cold_store.close()
