@@ -138,6 +138,7 @@ class LeaseManager:
     def _expire(self, tenant: str, session: str) -> None:
         owned = self.engine.owned_sequences(tenant, session)
         n = kept = cut = 0
+        refused = self.counters["offload_failed"]
         for cache, seqs in owned.items():
             to_free = []
             for seq_id, persist in seqs:
@@ -159,8 +160,11 @@ class LeaseManager:
         self.counters["freed_sequences"] += n
         # An idle client's lapse is routine (DEBUG); one that freed or moved sequences, or cut a
         # step short, an operator may miss is INFO.
+        refused = self.counters["offload_failed"] - refused     # persist ones that stay in memory (warned)
         log.log(logging.INFO if n or kept else logging.DEBUG, "lease of session %s (tenant %s) lapsed: freed %d "
-                "sequences%s%s%s", session, tenant, n, f", kept {kept} persist sequence(s)" if kept else "",
+                "sequences%s%s%s", session, tenant, n,
+                (f", offloaded {kept - refused} persist sequence(s) to disk" if kept > refused else "")
+                + (f", kept {refused} persist sequence(s) in memory" if refused else ""),
                 f" (dropping {cut} token(s) of a step they were in)" if cut else "",
                 f", released {mapped} pool mapping(s)" if mapped else "")
 

@@ -89,7 +89,7 @@ def test_persist_is_refused_without_a_disk_tier():
 
 
 @pytest.mark.parametrize("room", ["enough", "none"])
-def test_persisted_sequences_are_offloaded_or_kept_and_counted(tmp_path, room):
+def test_persisted_sequences_are_offloaded_or_kept_and_counted(tmp_path, room, caplog):
     # "none": a disk bound smaller than the sequence, so the offload at the lapse is refused
     # and the sequence stays in memory (the stop offloads it: test_persist_restart.py)
     e, clock = engine_with(tmp_path, lmdb_max_bytes=0 if room == "enough" else 1024), Clock()
@@ -98,15 +98,19 @@ def test_persisted_sequences_are_offloaded_or_kept_and_counted(tmp_path, room):
     fill(e, "drop", "s")
     leases.touch("default", "s")
     clock.t += 2
-    leases.reap()
+    with caplog.at_level("INFO", logger="kvstore.leases"):
+        leases.reap()
     left = {s.seq_id: s for s in e.list_sequences("c", "default")}
     assert leases.counters["offload_requests"] == 1
+    lapsed = next(r.getMessage() for r in caplog.records if "lapsed" in r.getMessage())
     if room == "enough":
         assert list(left) == ["keep"] and e.cache("c").seqs[("default", "keep")].tier == "disk"
         assert leases.counters["offload_failed"] == 0
+        assert lapsed.endswith("freed 1 sequences, offloaded 1 persist sequence(s) to disk"), lapsed
     else:
         assert list(left) == ["keep"] and e.cache("c").seqs[("default", "keep")].tier == "gpu"
         assert leases.counters["offload_failed"] == 1
+        assert lapsed.endswith("freed 1 sequences, kept 1 persist sequence(s) in memory"), lapsed
     e.check_invariants()
 
 
@@ -182,7 +186,7 @@ def test_a_step_the_lapse_cut_short_is_refused_at_its_other_layers(tmp_path, cap
     clock.t += 2
     with caplog.at_level("INFO", logger="kvstore.leases"):
         leases.reap()
-    assert "kept 1 persist sequence(s) (dropping 1 token(s) of a step they were in)" in caplog.text
+    assert "offloaded 1 persist sequence(s) to disk (dropping 1 token(s) of a step they were in)" in caplog.text
     info = e.sequence_info("c", "default", "p")
     assert (info.tier, info.length, info.pending) == ("disk", 20, [0, 0])
     e.prefetch("c", "default", ["p"])
