@@ -17,6 +17,7 @@ caller from acting as another.
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import os
@@ -39,7 +40,9 @@ MAX_REQUESTS = 1024          # decoded requests kept per connection (a decode lo
 # A connection at the limit waits this long for a slot: a client that closed one a moment
 # ago frees its slot only when that connection's thread sees the close.
 SLOT_WAIT_S = 0.5
+FLOOD_HELLO_WAIT_S = 0.005      # past the connections waiting for a slot: the accept thread's wait for a hello
 _CODES = {c.name: c.value[0] for c in grpc.StatusCode}
+_TAKEN = bell.pack_reply(0, _CODES["RESOURCE_EXHAUSTED"], 0, "doorbell: all connections are taken; call AppendAttend")
 
 
 class Doorbell:
@@ -132,6 +135,13 @@ class Doorbell:
                 continue
             failing = False
             if not self._turning.acquire(blocking=False):     # a flood: no thread for each
+                # Unread, a hello resets the connection before the reply can be read: read it,
+                # waiting for it only a moment (the accept thread serves everyone; a client
+                # sends its hello as it connects).
+                conn.settimeout(FLOOD_HELLO_WAIT_S)
+                with contextlib.suppress(OSError):
+                    conn.recv(bell.MAX_PACKET)
+                _send(conn, _TAKEN)
                 conn.close()
                 continue
             threading.Thread(target=self._serve, args=(conn,), name="kvstore-doorbell-conn", daemon=True).start()
@@ -144,8 +154,7 @@ class Doorbell:
             conn.recv(bell.MAX_PACKET)
         except OSError:
             pass
-        _send(conn, bell.pack_reply(0, _CODES["RESOURCE_EXHAUSTED"], 0,
-                                    "doorbell: all connections are taken; call AppendAttend"))
+        _send(conn, _TAKEN)
         conn.close()
 
     # -------------------------------------------------------------- serving

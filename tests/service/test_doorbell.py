@@ -560,6 +560,26 @@ def test_connections_past_the_limit_are_told_so_and_closed_ones_free_their_slot(
                                  "doorbell: all connections are taken; call AppendAttend")
             assert s.recv(100) == b""
             s.close()
+        # A flood: past the connections that may wait for a slot, the daemon answers at
+        # accept, with no thread to read the hello; the reply still comes before the reset.
+        # (A hello sent after the daemon took and closed the connection fails at the send.)
+        flood = []
+        for _ in range(8):
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+            s.settimeout(10)
+            s.connect(path)
+            try:
+                s.sendall(bell.HELLO.pack(bell.HELLO_MAGIC, token))
+            except OSError:
+                s.close()
+                s = None
+            flood.append(s)
+        said = [_reply(s) if s is not None else "closed before the hello" for s in flood]
+        for s in flood:
+            if s is not None:
+                s.close()
+        taken = (grpc.StatusCode.RESOURCE_EXHAUSTED.value[0], "doorbell: all connections are taken; call AppendAttend")
+        assert set(said) <= {taken, "closed before the hello"} and taken in said, said
         for _ in range(20):         # one slot, taken and given back by the same client in turn
             held[0].close()
             held[0] = _connect(path, token)
