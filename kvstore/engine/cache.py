@@ -93,9 +93,11 @@ class Cache(WritePath, ReadPath, WindowedBlocks):
         if s.manifest is not None:
             self.tiering.changing(s)
 
-    def after_write(self) -> None:
-        """Publish the blocks this write hashed; keep free GPU blocks above the low watermark."""
-        self.publish()
+    def after_write(self, publish: bool = True) -> None:
+        """Publish the blocks this write hashed (publish: their data is in place);
+        keep free GPU blocks above the low watermark."""
+        if publish:
+            self.publish()
         if self.tiering is None or not self.cfg.low_watermark:
             return
         want = int(self.cfg.low_watermark * self.main_pool.capacity)

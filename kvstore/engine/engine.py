@@ -224,7 +224,7 @@ class Engine(CodebookOps):
                     ids = token_ids[i] if token_ids is not None and len(token_ids[i]) else None
                     cache.append(s, k[:, off:off + c], v[:, off:off + c], ids)
                     off += c
-            cache.after_write()
+            cache.after_write(publish=deferred is None)     # else the attention publishes, after its write
         except BaseException:
             if deferred is not None:     # counted tokens hold their data, whatever failed after
                 cache.tail.write_tokens(layer, *deferred)

@@ -82,6 +82,8 @@ class ReadPath:
         finally:
             if new is not None and not wrote:     # an error above: the counted tokens hold their data anyway
                 self.tail.write_tokens(layer, *new)
+        if new is not None:     # the blocks these tokens filled: packed before, their rows were zeros
+            self.publish()
         if dev.type == "cpu":
             res = self._attend_cpu(layer, seqs, q, scale)
             if out is None:
@@ -196,6 +198,7 @@ class ReadPath:
         checked the layer has no window and (pq) that the T tokens are all in the tail."""
         if new is not None:      # first: the counted tokens hold their data whatever fails below
             self.tail.write_tokens(layer, *new)
+            self.publish()
         self._require_ready()
         self.check_visible(layer, seqs)
         b, t, hq, d = q.shape

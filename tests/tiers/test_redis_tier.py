@@ -148,6 +148,30 @@ def test_sink_blocks_cross_engines_with_the_sealed_ones(redis_server):
     b.check_invariants()
 
 
+@pytest.mark.parametrize("codec", ["fp16", "pq"])
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_blocks_a_decode_step_fills_go_up_with_its_tokens(redis_server, codec, device):
+    """AppendAttend writes its tokens with the attention (the last layer's after the
+    block has its hash): the put of a block the step filled (codec fp16: any; pq: a
+    sink block) packs it after that write, so another engine is served the step's K/V,
+    not zeros where its newest row was."""
+    sinks = 2 * BS if codec == "pq" else 0
+    a, b = (engine(redis_server.url, codec=codec, sink_tokens=sinks, device=device) for _ in range(2))
+    ids, d = prompt(4)[:2 * BS + 3], a.cache("c").cfg.geometry.head_dim
+    a.allocate("c", T, "a", [])
+    g = torch.Generator().manual_seed(5)
+    for t in ids:                                 # a decode loop: one token a step, layer by layer
+        for layer in range(L):
+            k, v, q = (torch.randn(1, n * HKV, d, generator=g).half().to(device) for n in (1, 1, 2))
+            out = torch.empty_like(q)             # on a GPU: the decode graph writes the tokens
+            a.append_attend("c", T, layer, ["a"], k, v, q, out=out, token_ids=[t])
+    wait_for(lambda: rstats(a)["blocks_out"] == 2, what="the two full blocks' puts")
+    assert b.allocate("c", T, "b", ids).cached_tokens == 2 * BS
+    for x, y in zip(a.retrieve("c", T, "a", 0, 2 * BS), b.retrieve("c", T, "b", 0, 2 * BS)):
+        assert torch.equal(x, y)
+    b.check_invariants()
+
+
 @pytest.mark.parametrize("below", ["lmdb", "none"])
 def test_fp16_tail_blocks_go_up_when_their_sequence_is_freed(tmp_path, redis_server, below):
     """A pq prompt's full fp16 tail block is not put when it fills (a live sequence
