@@ -72,7 +72,7 @@ class DiskTier:
         self.counters = dict(evictions=0, evicted_bytes=0, skipped_spills=0, dropped_sequences=0)
         self.device_checksums = None        # prepare(): the row check of restores to a GPU
         good = {k: json.loads(v) for k, v in store.scan(b"M")}     # checked: a refused manifest is not here
-        refused = [k for k in store.keys(b"M") if k not in good]
+        refused = [k for k in store.keys(b"M") if k not in good] + [k for k in store.dropped_keys if k[:1] == b"M"]
         if refused:
             self._drop_sequences(refused)
         # What outlives a daemon is what was offloaded or persist (docs/operations.md,
@@ -122,14 +122,14 @@ class DiskTier:
                 and all(self.store.contains(seq_block(seq, i)) for i in range(m["n_other"])))
 
     def _drop_sequences(self, mks: list[bytes]) -> None:
-        """At open: sequences whose manifest was refused cannot be listed (what
-        they hold is unknown). Their manifests and own blocks go (durably),
-        logged and counted; their hashed blocks stay as cached prefix blocks
-        (each is checked when read)."""
+        """At open: sequences whose manifest was refused (or the start's verification
+        dropped it) cannot be listed (what they hold is unknown). Their manifests and
+        own blocks go (durably), logged and counted; their hashed blocks stay as cached
+        prefix blocks (each is checked when read)."""
         self._delete_sequences(mks)
         self.counters["dropped_sequences"] += len(mks)
-        log.warning("LMDB store %s: %d sequences dropped: their manifest was refused by its checksum (what "
-                    "they held is unknown): %s", self.store.path, len(mks), _named(mks))
+        log.warning("LMDB store %s: %d sequences dropped: their manifest failed its checksum or the start's "
+                    "verification (what they held is unknown): %s", self.store.path, len(mks), _named(mks))
 
     def _delete_sequences(self, mks: list[bytes]) -> None:
         """At open, before the books: the manifests under mks and their own blocks go,

@@ -69,13 +69,14 @@ def marker(path: str) -> str | None:
         return None
 
 
-def mark(path: str) -> None:
+def mark(path: str, why: str | None = None) -> None:
     """Record that non-durable commits may be in flight: on disk (file and
-    directory entry) before this returns."""
+    directory entry) before this returns. why: in place of the boot id, so that
+    the next open verifies the file whatever the boot (LMDB found it damaged)."""
     tmp = os.path.join(path, MARKER + ".tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     try:
-        os.write(fd, boot_id().encode())
+        os.write(fd, (why or boot_id()).encode())
         os.fsync(fd)
     finally:
         os.close(fd)
@@ -92,11 +93,49 @@ def clear(path: str) -> None:
         pass
 
 
-def move_aside(path: str, why: str) -> str:
+def damaged(path: str, e: Exception) -> None:
+    """LMDB met a damaged page while the store ran: logged, and a marker no boot
+    writes, so that the next open verifies the file whatever the boot."""
+    log.error("LMDB store %s: LMDB found the file damaged (%s: %s): reads it cannot make are refused and counted "
+              "(refused_values), writes fail; it is verified when the daemon restarts", path, type(e).__name__, e)
+    mark(path, "damaged")
+
+
+def truncated(path: str) -> str | None:
+    """Why the store's data file cannot hold the pages its meta page names (cut short:
+    a copy or restore that stopped, a filesystem that lost its end), or None. Read
+    before the store opens it: the open allocates the file up to its map with zeros,
+    which LMDB then reads as damaged pages, found only when a call meets one."""
+    import lmdb
+    try:
+        size = os.path.getsize(os.path.join(path, "data.mdb"))
+        env = lmdb.open(path, readonly=True, lock=False, max_dbs=2)
+    except (OSError, lmdb.Error):
+        return None             # no file yet, or one LMDB refuses: the open's to handle
+    try:
+        need = (env.info()["last_pgno"] + 1) * env.stat()["psize"]
+    finally:
+        env.close()
+    return f"its file holds {size} bytes of the {need} its pages take (cut short)" if size < need else None
+
+
+def data_size(path: str) -> int | None:
+    """The store's data file's size, None if there is none."""
+    try:
+        return os.path.getsize(os.path.join(path, "data.mdb"))
+    except FileNotFoundError:
+        return None
+
+
+def move_aside(path: str, why: str, size: int | None = None) -> str:
     """Rename the store's data file to data.mdb.<why>-<UTC time> beside it
-    (never deleted); the lock file goes (it holds no data). Returns the new name."""
+    (never deleted); the lock file goes (it holds no data). size: what the file
+    held before an open that failed extended it (to LMDB's map, with zeros):
+    cut back to it. Returns the new name."""
     aside = os.path.join(path, f"data.mdb.{why}-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}")
     os.rename(os.path.join(path, "data.mdb"), aside)
+    if size is not None and os.path.getsize(aside) > size:
+        os.truncate(aside, size)
     try:
         os.unlink(os.path.join(path, "lock.mdb"))
     except FileNotFoundError:
@@ -106,13 +145,13 @@ def move_aside(path: str, why: str) -> str:
 
 
 def copy_verified(env, sums_db, sums_name: bytes, path: str, map_size: int,
-                  verify) -> tuple[int, list[bytes], str | None]:
+                  verify) -> tuple[int, list[bytes], str | None, int]:
     """Every entry of env's main database that verify(key, value, stored
     checksum) passes, with its checksum record (sums_db, a database named
     sums_name in the main one), into a fresh file SALVAGE in path,
     synced. Returns (entries kept, keys dropped, why the walk stopped early
-    or None). LMDB errors met while walking a broken tree end the walk: what
-    lies behind them is dropped."""
+    or None, entries behind that point). LMDB errors met while walking a broken
+    tree end the walk: what lies behind them is dropped (their keys cannot be read)."""
     import lmdb
     dst_path = os.path.join(path, SALVAGE)
     for p in (dst_path, dst_path + "-lock"):
@@ -120,18 +159,25 @@ def copy_verified(env, sums_db, sums_name: bytes, path: str, map_size: int,
             os.unlink(p)              # a verification cut short by a crash starts over
     dst = lmdb.open(dst_path, map_size=map_size, subdir=False, sync=False, metasync=False, max_dbs=2, lock=True)
     dst_sums = dst.open_db(sums_name)
-    kept, dropped, stopped = 0, [], None
+    kept, dropped, stopped, behind = 0, [], None, 0
     try:
         with env.begin(buffers=True) as txn:
             cur = txn.cursor()
+            # Values and checksums are read in a transaction of their own: LMDB ends the one
+            # that meets a damaged page, and the walk over the keys goes on past it.
+            look = env.begin(buffers=True)
             out, nbytes = dst.begin(write=True), 0
             try:
-                for k, v in cur:
+                for k in cur.iternext(values=False):
                     k = bytes(k)
                     if k == sums_name:
                         continue
-                    s = txn.get(k, db=sums_db)
-                    if s is None or not verify(k, v, s):
+                    try:
+                        v, s = look.get(k), look.get(k, db=sums_db)
+                    except lmdb.Error:
+                        look.abort()
+                        look, v = env.begin(buffers=True), None
+                    if v is None or s is None or not verify(k, v, s):
                         dropped.append(k)
                         continue
                     out.put(k, v)
@@ -142,16 +188,28 @@ def copy_verified(env, sums_db, sums_name: bytes, path: str, map_size: int,
                         out.commit()
                         out, nbytes = dst.begin(write=True), 0
             except lmdb.Error as e:
-                stopped = f"{type(e).__name__}: {e}"
+                behind = max(env.stat()["entries"] - 1 - kept - len(dropped), 0)    # less the sums database's record
+                stopped = f"{type(e).__name__}: {e}; {behind} entries behind that point are dropped"
+            look.abort()
             out.commit()
         dst.sync(True)
     finally:
         dst.close()
     os.unlink(dst_path + "-lock")
-    return kept, dropped, stopped
+    return kept, dropped, stopped, behind
 
 
-def install_copy(path: str, kept: int, dropped: list[bytes], stopped: str | None) -> None:
+def refused_at_open(path: str, e: Exception, size: int | None) -> None:
+    """LMDB cannot open the store's file: it goes aside (move_aside), untouched, logged,
+    and so does the marker: the fresh file holds no commit of the old one's."""
+    aside = move_aside(path, "corrupt", size)
+    clear(path)
+    log.error("LMDB store %s: LMDB cannot open it (%s); the file was moved to %s, untouched, and the store "
+              "starts empty: everything it held is unavailable", path, e, aside)
+
+
+def install_copy(path: str, kept: int, dropped: list[bytes], stopped: str | None,
+                 why: str = "not closed cleanly before the system restarted") -> None:
     """The verified copy replaces the data file (one rename: a crash leaves
     one or the other, and the marker, so the next open verifies again). The
     old file stays beside the store when anything was dropped."""
@@ -162,12 +220,10 @@ def install_copy(path: str, kept: int, dropped: list[bytes], stopped: str | None
     os.replace(os.path.join(path, SALVAGE), data)
     _fsync_dir(path)
     if aside is None:
-        log.warning("LMDB store %s: not closed cleanly before the system restarted; all %d entries passed their "
-                    "checksums and were copied into a fresh file", path, kept)
+        log.warning("LMDB store %s: %s; all %d entries passed their checksums and were copied into a fresh "
+                    "file", path, why, kept)
     else:
         shown = ", ".join(k[:48].hex() for k in dropped[:8]) + (" ..." if len(dropped) > 8 else "")
-        log.warning("LMDB store %s: not closed cleanly before the system restarted; %d entries passed their "
-                    "checksums and were kept, %d failed and were dropped (keys, hex: %s)%s; the old file is "
-                    "%s", path, kept, len(dropped), shown or "none",
-                    f"; the walk stopped early ({stopped}): entries behind that point are dropped" if stopped else "",
-                    aside)
+        log.warning("LMDB store %s: %s; %d entries passed their checksums and were kept, %d failed and were "
+                    "dropped (keys, hex: %s)%s; the old file is %s", path, why, kept, len(dropped), shown or "none",
+                    f"; the walk stopped early ({stopped})" if stopped else "", aside)

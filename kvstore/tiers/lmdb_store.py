@@ -45,7 +45,9 @@ import fcntl
 import logging
 import os
 import threading
-from typing import Iterable, Iterator, Protocol
+from typing import Iterable, Iterator
+
+from kvstore.errors import Unavailable
 
 from . import fs_errors
 from . import lmdb_recovery as recovery
@@ -59,14 +61,6 @@ SUMS_DB = b"kvstore.checksums"   # the database of checksums: a reserved key of 
 _SUM = lmdb_sums.SUM              # a value's length and checksum, as SUMS_DB holds them
 
 
-class ColdStore(Protocol):
-    def put_many(self, items: Iterable[tuple[bytes, bytes]], sync: bool = ...) -> None: ...
-    def get_many(self, keys: list[bytes]) -> list[bytes | None]: ...
-    def contains(self, key: bytes) -> bool: ...
-    def delete_many(self, keys: Iterable[bytes]) -> None: ...
-    def scan(self, prefix: bytes) -> Iterator[tuple[bytes, bytes]]: ...
-
-
 def entry_bytes(key: bytes, value) -> int:
     """What one entry counts against the bound: its key and value bytes (LMDB
     adds its page overhead on top: the file is somewhat larger)."""
@@ -78,7 +72,8 @@ class StoreInUse(OSError):
 
 
 class LMDBStore:
-    """LMDB-backed ColdStore. A full map grows instead of failing.
+    """The cold store: put_many, get_many, contains, delete_many, scan, on LMDB.
+    A full map grows instead of failing.
 
     The size of every entry is kept in memory (read at open, updated at each
     commit; this process is the store's only writer), so `used_bytes` is exact
@@ -108,8 +103,15 @@ class LMDBStore:
             self.counters = dict(refused_values=0, verified_opens=0, dropped_entries=0, moved_aside=0)
             self._map_size = map_size
             self._file: DataFile | None = None
+            self._suspect, self.dropped_keys = False, []     # _suspect: LMDB met a damaged page: verify next open
+            short = recovery.truncated(path)         # before the open allocates the file to its map
             self._open()
-            self._legacy = self._check_format()
+            if self.counters["moved_aside"]:        # a fresh file: nothing of the old one to verify
+                short = None
+            try:
+                self._legacy = self._check_format()
+            except (lmdb.CorruptedError, lmdb.PageNotFoundError):     # its record unreadable: verified below
+                self._legacy = False
             was = recovery.marker(path)
             self._marked = was is not None
             # non-durable commits so far: a sync clears the marker only if none came since it began
@@ -119,8 +121,8 @@ class LMDBStore:
                 log.warning("LMDB store %s: not closed cleanly (the process ended; the system did not restart): "
                             "its last commit is intact in the page cache; synced", path)
                 self.sync()
-            elif was is not None:
-                self._verify_into_fresh_file()
+            elif was is not None or short:
+                self._verify_into_fresh_file(short and f"{short}, whatever its last stop")
             try:
                 self._adopt_format()
                 self._read_books()
@@ -155,21 +157,24 @@ class LMDBStore:
         """Open the environment; a file LMDB refuses to open is renamed aside
         and the store starts empty (lmdb_recovery)."""
         lmdb = self._lmdb
-        # sync=False: commits reach the OS, not the disk; durable writes ask for
-        # sync explicitly (put_many(sync=True) calls env.sync()).
+        # sync=False: commits reach the OS, not the disk; put_many(sync=True) calls env.sync().
         # readahead: without it LMDB advises MADV_RANDOM on the map, and every first
         # write to a page of the map faults that one page in alone (module docstring).
         kw = dict(map_size=self._map_size, subdir=True, sync=self.durable_commits, metasync=self.durable_commits,
                   max_dbs=2, lock=True, readahead=True, writemap=True)
+        size = recovery.data_size(self.path)      # the open extends the file to the map
         try:
             self.env = lmdb.open(self.path, **kw)
+            try:
+                self.sums = self.env.open_db(SUMS_DB)       # reads the main tree's root: it may be cut off
+            except lmdb.Error:
+                self.env.close()
+                raise
         except (lmdb.InvalidError, lmdb.CorruptedError, lmdb.PageNotFoundError) as e:
-            aside = recovery.move_aside(self.path, "corrupt")
+            recovery.refused_at_open(self.path, e, size)
             self.counters["moved_aside"] += 1
-            log.error("LMDB store %s: LMDB cannot open it (%s); the file was moved to %s, untouched, and the store "
-                      "starts empty: everything it held is unavailable", self.path, e, aside)
             self.env = lmdb.open(self.path, **kw)
-        self.sums = self.env.open_db(SUMS_DB)
+            self.sums = self.env.open_db(SUMS_DB)
         self._file = DataFile(self.env, self.path, lmdb.MapFullError)
 
     def _close_env(self) -> None:
@@ -178,16 +183,17 @@ class LMDBStore:
             self._file.close()
             self._file = None
 
-    def _verify_into_fresh_file(self) -> None:
+    def _verify_into_fresh_file(self, why: str | None = None) -> None:
         """Not trusted (lmdb_recovery): the entries that pass their checksums go
         into a fresh file that replaces this one; the rest are dropped, loudly."""
         self.counters["verified_opens"] += 1
         map_size = self.env.info()["map_size"]
-        kept, dropped, stopped = recovery.copy_verified(
+        kept, dropped, stopped, behind = recovery.copy_verified(
             self.env, self.sums, SUMS_DB, self.path, map_size, lambda k, v, s: lmdb_sums.passes(v, s, self._legacy))
         self._close_env()
-        recovery.install_copy(self.path, kept, dropped, stopped)
-        self.counters["dropped_entries"] += len(dropped)
+        recovery.install_copy(self.path, kept, dropped, stopped, *(why,) if why else ())
+        self.counters["dropped_entries"] += len(dropped) + behind
+        self.dropped_keys = dropped       # the owner of the key layout names what they held
         self._map_size = map_size
         self._open()
         self.sync()      # the fresh file is on disk: the marker goes
@@ -232,6 +238,8 @@ class LMDBStore:
             for k, v in txn.cursor():
                 if bytes(k) != SUMS_DB:
                     self._sizes[bytes(k)] = entry_bytes(k, v)
+            for _ in txn.cursor(db=self.sums).iternext(values=False):     # its tree read whole too
+                pass
         self.used_bytes = sum(self._sizes.values())
 
     def _write(self, fn, nbytes: int) -> None:
@@ -255,7 +263,13 @@ class LMDBStore:
         """(value, its stored checksum) in txn, unchecked: the caller checks
         the bytes it copies out with checksum() and reports a mismatch with
         refuse(). (None, 0) if absent, or if its length is not the one stored."""
-        v, r = txn.get(key), txn.get(key, db=self.sums)
+        try:
+            v, r = txn.get(key), txn.get(key, db=self.sums)
+        except (self._lmdb.CorruptedError, self._lmdb.PageNotFoundError, self._lmdb.BadTxnError) as e:
+            # a page of the tree damaged since the open (_damaged logs it), and the transaction that met it
+            self._damaged(e)
+            self.counters["refused_values"] += 1
+            return None, 0
         if v is None:
             return None, 0
         n, s = _SUM.unpack(r) if r is not None and len(r) == _SUM.size else (-1, 0)
@@ -349,7 +363,12 @@ class LMDBStore:
                 if not self.durable_commits and not self._marked:
                     recovery.mark(self.path)      # on disk before any page of this commit can be
                     self._marked = True
-                self._write(fn, nbytes)
+                try:
+                    self._write(fn, nbytes)
+                except (self._lmdb.CorruptedError, self._lmdb.PageNotFoundError) as e:    # aborted: none written
+                    self._damaged(e)
+                    raise Unavailable("lmdb", f"the disk tier's file {self.path} is damaged ({type(e).__name__}: "
+                                      f"{e}): nothing was written; it is verified when the daemon restarts") from e
             if not self.durable_commits:
                 self._nondurable += 1
             for k, n in _after(puts, deletes).items():     # committed: the books follow
@@ -368,9 +387,15 @@ class LMDBStore:
             seen = self._nondurable
         self.env.sync(True)
         with self.lock:
-            if self._marked and self._nondurable == seen:
+            if self._marked and self._nondurable == seen and not self._suspect:
                 recovery.clear(self.path)
                 self._marked = False
+
+    def _damaged(self, e: Exception) -> None:
+        with self.lock:
+            if not self._suspect:
+                recovery.damaged(self.path, e)
+                self._marked = self._suspect = True
 
     def stats(self) -> dict:
         with self.lock:

@@ -88,7 +88,8 @@ class RedisTier:
             self._count(dropped_puts=len(idx))
             return
         if len(idx) < len(hashes):
-            hashes, payload = [hashes[i] for i in idx], payload.index_select(0, to_device(torch.tensor(idx), payload.device))
+            keep = to_device(torch.tensor(idx), payload.device)
+            hashes, payload = [hashes[i] for i in idx], payload.index_select(0, keep)
         event = None
         if payload.is_cuda:       # the writer waits for the copy, the caller does not
             host = torch.empty(payload.shape, dtype=torch.uint8, pin_memory=True)

@@ -413,3 +413,125 @@ def scraped(e) -> dict[str, float]:
     reg = CollectorRegistry()
     reg.register(EngineCollector(e))
     return samples(generate_latest(reg).decode())
+
+
+def cut_short(path: str, fraction: float) -> int:
+    """Truncate a closed store's data file to `fraction` of the pages its meta page
+    names (a copy or restore that stopped) -> the bytes it keeps."""
+    import lmdb
+    env = lmdb.open(path, readonly=True, lock=False, max_dbs=2)
+    need = (env.info()["last_pgno"] + 1) * env.stat()["psize"]
+    env.close()
+    os.truncate(os.path.join(path, "data.mdb"), int(need * fraction))
+    return int(need * fraction)
+
+
+@pytest.mark.parametrize("fraction", [0.99, 0.5])
+def test_a_store_cut_short_is_verified_at_the_start_not_opened_as_whole(tmp_path, caplog, fraction):
+    """A clean store whose file lost its end: the start sees it (the open would fill the
+    end with zeros, which LMDB reads as damaged pages, one failing call at a time), and
+    verifies every entry: what cannot be read or checked is dropped, counted and named;
+    the rest is served, and the store reads and writes as any other."""
+    path = str(tmp_path / "lmdb")
+    items = [(b"k/%03d" % i, value("cut", i, 20_000)) for i in range(60)]
+    s = LMDBStore(path)
+    s.put_many(items, sync=True)
+    s.close()
+    cut_short(path, fraction)
+    with caplog.at_level(logging.WARNING, "kvstore.lmdb"):
+        s = LMDBStore(path)
+    got = s.get_many([k for k, _ in items])
+    kept = sum(g is not None for g in got)
+    assert all(g is None or g == v for g, (_, v) in zip(got, items))
+    assert s.counters["verified_opens"] == 1 and s.counters["dropped_entries"] == len(items) - kept
+    assert "cut short" in caplog.text and path in caplog.text and len(asides(path)) == 1
+    s.put_many([(b"after", b"a" * 5000)], sync=True)
+    s.delete_many([k for k, _ in items[:5]])
+    assert s.used_bytes == sum(len(k) + len(v) for k, v in s.scan(b""))
+    s.close()
+    s = LMDBStore(path)
+    assert s.counters["verified_opens"] == 0 and s.get_many([b"after"]) == [b"a" * 5000]
+    s.close()
+
+
+def test_a_store_cut_before_its_tree_is_moved_aside_untouched(tmp_path, caplog):
+    """Cut short before the main tree's root: LMDB cannot open its databases; the file
+    goes aside as it was (the failed open's zeros cut off again), the store starts empty."""
+    path = str(tmp_path / "lmdb")
+    s = LMDBStore(path)
+    s.put_many(DURABLE, sync=True)
+    s.close()
+    with open(os.path.join(path, "data.mdb"), "rb") as f:
+        before = f.read(3 * 4096)
+    os.truncate(os.path.join(path, "data.mdb"), 3 * 4096)
+    with caplog.at_level(logging.ERROR, "kvstore.lmdb"):
+        s = LMDBStore(path)
+    assert s.keys() == [] and s.counters["moved_aside"] == 1 and s.counters["verified_opens"] == 0
+    (aside,) = asides(path)
+    with open(os.path.join(path, aside), "rb") as f:
+        assert f.read() == before, "the refused file was changed"
+    assert "cannot open" in caplog.text
+    s.close()
+
+
+def test_a_page_damaged_while_the_store_runs_fails_calls_by_name_and_is_verified_next_start(tmp_path, caplog):
+    """A tree page damaged under a running store: reads LMDB cannot make are refused
+    (misses, counted), writes are UNAVAILABLE naming lmdb, with nothing written; the
+    store stays marked, so the next start does not open it as whole."""
+    from kvstore.errors import Unavailable
+    path = str(tmp_path / "lmdb")
+    items = [(b"k/%03d" % i, value("live", i, 20_000)) for i in range(60)]
+    s = LMDBStore(path)
+    s.put_many(items, sync=True)
+    psize = s.env.stat()["psize"]
+    with open(os.path.join(path, "data.mdb"), "r+b") as f:
+        page = f.read((s.env.info()["last_pgno"] + 1) * psize).find(b"k/030") // psize
+        f.seek(page * psize + 10)                       # the flags of the leaf page holding k/030
+        f.write(b"\xff\xff")
+    with caplog.at_level(logging.ERROR, "kvstore.lmdb"):
+        got = s.get_many([b"k/030"])
+    assert got == [None] and s.counters["refused_values"] == 1 and "damaged" in caplog.text
+    used = s.used_bytes
+    with pytest.raises(Unavailable, match="lmdb: the disk tier's file .* is damaged .* nothing was written"):
+        s.put_many([(b"new", b"x" * 100)])
+    assert s.used_bytes == used and b"new" not in s.keys()
+    s.close()
+    assert lmdb_recovery.marker(path) == "damaged"
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, "kvstore.lmdb"):
+        s = LMDBStore(path)
+    assert s.counters["verified_opens"] + s.counters["moved_aside"] == 1
+    assert all(g is None or g == v for g, (_, v) in zip(s.get_many([k for k, _ in items]), items))
+    s.close()
+
+
+def test_sequences_the_starts_verification_drops_are_named_and_their_blocks_go(tmp_path, monkeypatch, caplog):
+    """A system crash, and the manifest of an offloaded sequence torn on disk: the
+    verification at the start drops it; the sequence is named in the log, not silently
+    unlisted, and its own blocks go with it (they would count against the disk bound,
+    held by no sequence). The other sequence is listed and served."""
+    from tests.tiers.test_tier_books import T, engine, kv_of, read, toks
+    e = engine(tmp_path, "fp16")
+    for sid, first in (("s", 0), ("t", 5000)):
+        tokens = toks(first, 70)
+        k, v = kv_of(tokens)
+        e.allocate("c", T, sid, tokens)
+        e.append("c", T, [sid], k, v, [70], token_ids=[tokens])
+        e.offload("c", T, [sid])
+    want = read(e, "t")
+    (manifest,) = [v for k, v in e.cold_store.scan(b"M") if k.endswith(b"s")]
+    e.cold_store.close()
+    path = str(tmp_path / "lmdb")
+    garble(path, manifest)
+    lmdb_recovery.mark(path)            # non-durable commits were in flight when the system went down
+    monkeypatch.setattr(lmdb_recovery, "boot_id", lambda: "another-boot")
+    with caplog.at_level(logging.WARNING, "kvstore.lmdb"):
+        e = engine(tmp_path, "fp16")
+    assert [i.seq_id for i in e.list_sequences("c", T)] == ["t"]
+    line = next(r.getMessage() for r in caplog.records if "sequences dropped" in r.getMessage())
+    assert "1 sequences dropped" in line and f"'c'/{T!r}/'s'" in line, line
+    manifests = e.cold_store.keys(b"M")
+    assert all(any(k[1:].startswith(m[1:]) for m in manifests) for k in e.cold_store.keys(b"S"))
+    got = read(e, "t")
+    assert all(x.equal(y) for x, y in zip(got, want))
+    e.check_invariants()
