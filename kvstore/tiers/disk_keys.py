@@ -39,14 +39,19 @@ def seq_block_key(fp: bytes, cache: str, tenant: str, seq_id: str, i: int) -> by
     return seq_block(seq_key(fp, cache, tenant, seq_id), i)
 
 
-def describe(mk: bytes) -> str:
-    """A manifest key as the log names it: cache/tenant/sequence."""
+def names(mk: bytes) -> tuple[str, str, str]:
+    """(cache, tenant, sequence) of a manifest key."""
     parts, at = [], 1 + FP_BYTES
     for _ in range(3):
         (n,) = struct.unpack_from("<H", mk, at)
         parts.append(mk[at + 2:at + 2 + n].decode(errors="replace"))
         at += 2 + n
-    return "/".join(map(repr, parts))
+    return parts[0], parts[1], parts[2]
+
+
+def describe(mk: bytes) -> str:
+    """A manifest key as the log names it: cache/tenant/sequence."""
+    return "/".join(map(repr, names(mk)))
 
 
 def refs(fp: bytes, manifest: dict) -> list[bytes]:

@@ -7,11 +7,22 @@ itself shows decides instead (legacy_layout): sealed blocks that another
 residual sealed, holes a window left where this cache's window would not, a
 first block hash seeded for another tenant sharing. What it cannot show is
 taken as this cache's: with no block freed, windows change nothing of what
-it holds."""
+it holds.
+
+The fingerprint's own fields (made_with) are in the manifest too: a cache of the
+same name but another fingerprint lists none of its copies, and says which field
+differs (unlisted_elsewhere)."""
 from __future__ import annotations
+
+import json
+import logging
 
 from kvstore.core.hashing import chain_hashes, tenant_root
 from kvstore.core.sequence import Sequence
+
+from .disk_keys import FP_BYTES, names
+
+log = logging.getLogger("kvstore.tiers")
 
 
 def layout(cfg) -> dict:
@@ -40,3 +51,32 @@ def legacy_layout(c, m: dict) -> dict:
         if chain_hashes(ids[:bs], bs, c.fingerprint, root)[0].hex() != hashes[0]:
             out["share_prefixes_across_tenants"] = not c.cfg.share_prefixes_across_tenants
     return out
+
+
+def made_with(c) -> dict:
+    """What cache c's fingerprint is made of (codebooks.fingerprint), field by field."""
+    cfg, g = c.cfg, c.cfg.geometry
+    return dict(model_id=cfg.model_id, num_layers=g.num_layers, num_q_heads=g.num_q_heads,
+                num_kv_heads=g.num_kv_heads, head_dim=g.head_dim, dtype=g.dtype, codec=cfg.codec.kind,
+                num_subvectors=cfg.m if cfg.codec.kind == "pq" else 0, block_size=cfg.block_size,
+                sink_tokens=cfg.sinks, codebooks_sha256=c.codebooks_sha)
+
+
+def unlisted_elsewhere(c, store) -> None:
+    """A WARNING for the sequences on disk under cache c's name that a cache of another
+    fingerprint wrote (another model id, geometry, codec, block size, sinks or codebooks),
+    naming the field: not listed here, they stay on disk for a cache made as theirs was."""
+    keys = [k for k in store.keys(b"M") if k[1:1 + FP_BYTES] != c.fingerprint and names(k)[0] == c.cfg.name]
+    mine, other = made_with(c), {}
+    for k, v in zip(keys, store.get_many(keys)):
+        theirs = json.loads(v).get("made_with") if v is not None else None
+        if theirs is None:       # written before manifests carried it
+            f, was, now = "fingerprint", "another model id, geometry, codec, block size, sinks or codebooks", "its own"
+        else:
+            f = next((f for f in mine if theirs.get(f) != mine[f]), "fingerprint")
+            was, now = theirs.get(f), mine.get(f)
+        other.setdefault((f, str(was)[:64], str(now)[:64]), []).append(names(k)[2])
+    for (f, was, now), ids in other.items():
+        log.warning("cache %r: %d sequences on disk (%s) were written by a cache with %s=%s, this one has %s: not "
+                    "listed here (they stay on disk for a cache created with theirs)", c.cfg.name, len(ids),
+                    ", ".join(map(repr, ids[:3])) + (" ..." if len(ids) > 3 else ""), f, was, now)

@@ -28,7 +28,7 @@ from .below import CachedBelow
 from .disk import DiskTier, SeqImage, block_key
 from .host import HostTier
 from .interface import TieredCache
-from .manifests import layout, legacy_layout
+from .manifests import layout, legacy_layout, made_with, unlisted_elsewhere
 from .staging import index, to_host
 
 log = logging.getLogger("kvstore.tiers")
@@ -265,7 +265,7 @@ class Tiering(CachedBelow):
         manifest = dict(seq_id=s.seq_id, tenant=s.tenant, length=s.length, hashed_upto=s.hashed_upto,
                         sealed_hashes=block_hashes[:len(held)], tail_hashes=block_hashes[len(held):],
                         n_tail=len(s.tail), n_other=len(others), durable=durable, freed=s.freed,
-                        layout=layout(c.cfg), persist=s.persist, pinned=s.pinned)
+                        layout=layout(c.cfg), made_with=made_with(c), persist=s.persist, pinned=s.pinned)
         return SeqImage(c.cfg.name, s.tenant, s.seq_id, _written(s, manifest), hashed, others)
 
     def _release(self, s: Sequence) -> None:
@@ -384,6 +384,8 @@ class Tiering(CachedBelow):
                         "not listed here (they stay on disk for a cache created with their spec)",
                         self.c.cfg.name, len(ids), ", ".join(map(repr, ids[:3])) + (" ..." if len(ids) > 3 else ""),
                         f, theirs, ours)
+        if not (self.c.is_pq and not self.c.codebooks_sha):     # until its codebooks come, any would differ
+            unlisted_elsewhere(self.c, self.disk.store)
         return n
 
     def stats(self) -> dict:

@@ -307,6 +307,38 @@ def test_restart_lists_a_disk_sequence_only_in_a_cache_of_its_spec(tmp_path, cap
     e.check_invariants()
 
 
+@pytest.mark.parametrize("change", ["block_size", "codebooks", "codec"])
+def test_restart_into_another_fingerprint_names_the_field_its_disk_sequences_differ_in(tmp_path, caplog, change):
+    """A restarted daemon's cache of the same name with another block size, codebooks
+    or codec (another fingerprint: its blocks hash otherwise) lists none of the offloaded
+    sequences: a WARNING names them and the field, once, where they were unlisted in
+    silence; a cache created as theirs was lists them again."""
+    e = make_engine(tmp_path, "pq", block_size=8, residual=8)
+    fill(e, "a", 61, 1, list(range(61)))
+    e.offload("c", T, ["a"])
+    e.cold_store.close()
+    caplog.set_level(logging.WARNING, logger="kvstore.tiers")
+    if change == "codebooks":
+        e = Engine(lmdb_path=str(tmp_path / "lmdb"))
+        e.create_cache(config(codec="pq", block_size=8, residual=8))
+        g = torch.Generator().manual_seed(1)
+        e.set_codebooks("c", Codebooks(k=torch.randn(L, HKV, 8, 256, 2, generator=g),
+                                       v=torch.randn(L, HKV, 8, 256, 2, generator=g)))
+    else:
+        e = make_engine(tmp_path, "fp16" if change == "codec" else "pq", block_size=16 if change == "block_size" else 8,
+                        residual=16 if change == "block_size" else 8)
+    assert e.list_sequences("c", T) == []
+    field = {"block_size": "block_size=8, this one has 16", "codec": "codec=pq, this one has fp16",
+             "codebooks": "codebooks_sha256="}[change]
+    lines = [r.getMessage() for r in caplog.records if "sequences on disk" in r.getMessage()]
+    assert len(lines) == 1 and f"1 sequences on disk ('a') were written by a cache with {field}" in lines[0], lines
+    e.check_invariants()
+    e.cold_store.close()
+    e = make_engine(tmp_path, "pq", block_size=8, residual=8)
+    assert [(s.seq_id, s.tier) for s in e.list_sequences("c", T)] == [("a", "disk")]
+    e.cold_store.close()
+
+
 def test_prefix_hit_from_disk_after_restart(tmp_path):
     from kvstore.client import KVStoreClient
     from tests.service.test_daemon_process import stop_daemon
