@@ -303,8 +303,10 @@ class Tiering(CachedBelow):
         new = new_tail = None
         done = False
         try:
-            if self.make_room(len(todo), n_tail, protect | {id(s)}) is not None:
-                raise ResourceExhausted(field, f"no GPU room to page in sequence {s.seq_id!r}")
+            refused = self.make_room(len(todo), n_tail, protect | {id(s)})
+            if refused is not None:
+                raise ResourceExhausted(field, f"no GPU room to page in sequence {s.seq_id!r}"
+                                               + (f" (a sequence could not move down: {refused})" if refused else ""))
             new = c.main_pool.allocate(len(todo))
             new_tail = c.tail_pool.allocate(n_tail)
             assert new is not None and new_tail is not None, "GPU room was made"

@@ -195,6 +195,28 @@ def test_no_room_to_page_in_names_the_requests_own_field(tmp_path):
     e.check_invariants()
 
 
+def test_no_room_to_page_in_because_the_disk_is_full_says_so(tmp_path, monkeypatch):
+    """A disk sequence to page in, whose room needs the other sequence moved down, on a
+    full filesystem: RESOURCE_EXHAUSTED says why nothing could move (the disk's refusal),
+    not only that there was no GPU room; nothing moves."""
+    import errno
+
+    from kvstore.tiers.lmdb_file import DataFile
+    e = make_engine(tmp_path, "pq", num_blocks=4, residual=0, max_sequences=3)
+    fill(e, "a", 28, 1)
+    e.offload("c", T, ["a"])
+    fill(e, "b", 28, 2)
+
+    def full(self, fn, nbytes, touch):
+        raise OSError(errno.ENOSPC, "No space left on device")
+    monkeypatch.setattr(DataFile, "write", full)
+    with pytest.raises(ResourceExhausted, match=r"^sequence_ids: no GPU room to page in sequence 'a'.*"
+                                                r"filesystem is full .*No space left on device"):
+        e.prefetch("c", T, ["a"])
+    assert {i.seq_id: i.tier for i in e.list_sequences("c", T)} == {"a": "disk", "b": "gpu"}
+    e.check_invariants()
+
+
 @pytest.mark.parametrize("codec, never, after_moving", [("pq", [72, 64], [64, 56]), ("fp16", [56, 48], [48, 40])])
 def test_a_batch_that_can_never_fit_moves_nothing_down(tmp_path, codec, never, after_moving):
     """A batch Append larger than the pool could hold with every other sequence moved
