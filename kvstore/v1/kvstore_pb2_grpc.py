@@ -211,7 +211,10 @@ class KVStoreServicer:
         freed memory; the mapping ends when that session's lease lapses).
         Prefix blocks already in the disk tier are content-addressed and may be
         shared with a cache of the same spec and codebooks: they stay until the
-        disk bound evicts them; blocks in the shared Redis tier stay too.
+        disk bound evicts them; blocks in the shared Redis tier stay too. A daemon
+        killed during the call may have dropped the disk copies of only some of
+        its sequences: the rest are listed again by a cache of the same spec made
+        after the restart (delete that one too).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
