@@ -76,6 +76,17 @@ class RedisConfig:
 class CredentialsRefused(Exception):
     """Redis answered, and refused the user (or password) the URL gives."""
 
+    @staticmethod
+    def of(cfg: RedisConfig, why: str) -> "CredentialsRefused":
+        """Worded for a URL that gives credentials, or for one that gives none."""
+        try:
+            given = urlsplit(cfg.url).username is not None or urlsplit(cfg.url).password is not None
+        except ValueError:
+            given = True
+        return CredentialsRefused(f"{cfg.redacted()} refused the URL's credentials ({why})" if given else
+                                  f"{cfg.redacted()} wants credentials the URL does not give ({why}): "
+                                  "redis://[user]:password@host:port/db")
+
 
 def refuses_credentials(e: BaseException | None) -> bool:
     """Whether a failure is Redis refusing who we are: no password where it wants one,

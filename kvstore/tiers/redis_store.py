@@ -108,7 +108,7 @@ class RedisStore:
         self.ping()
         if self._credentials_refused:      # no retry mends them (down at the start is served through)
             self.close(0)
-            raise CredentialsRefused(f"{cfg.redacted()} refused the URL's credentials ({self._credentials_refused})")
+            raise CredentialsRefused.of(cfg, self._credentials_refused)
         self._credentials_refused = None
 
     # ---------------------------------------------------------- the breakers
