@@ -116,7 +116,7 @@ class LMDBStore:
             self._marked = was is not None
             # non-durable commits so far: a sync clears the marker only if none came since it began
             self._nondurable = 0
-            if was is not None and was and was == recovery.boot_id():
+            if was and was == recovery.boot_id() and not short:
                 # The process died, the kernel did not: the page cache holds the last commit.
                 log.warning("LMDB store %s: not closed cleanly (the process ended; the system did not restart): "
                             "its last commit is intact in the page cache; synced", path)
