@@ -336,17 +336,16 @@ class WritePath(Room):
                                      "out its slots)")
 
     def reserve_touches_gpu(self, s: Sequence, n: int) -> bool:
-        """Whether reserve(s, n) may run GPU work: sealing (PQ encodes read the
-        tail), or allocating blocks (an evicted block is copied out before the
-        client may write it), or paging in, or completing a block the client
-        wrote that goes up to Redis (a sink block; codec fp16, any block: the
-        put packs it). Most decode steps do none."""
-        if self.redis is not None and s.reserved:
-            written = s.length + s.reserved
-            if self.is_pq:
-                written = min(written, self.sinks)       # the client's blocks that go up: the sinks
-            if min(written // self.bs, len(s.hashes)) > s.hashed_upto:
-                return True
+        """Whether reserve(s, n) must be ordered after the client's writes (its
+        stream's work waited for), or may run GPU work: sealing (PQ encodes read
+        the tail), allocating blocks (an evicted block is copied out before the
+        client may write it), paging in; or committing what the client wrote so
+        that others may read it on other streams: a block it completes gets its
+        hash (a prefix hit for any sequence: shared, encoded, put to Redis), and
+        a Reserve of none leaves the sequence free to move, fork or offload.
+        Most decode steps do none of these."""
+        if s.reserved and (n == 0 or min((s.length + s.reserved) // self.bs, len(s.hashes)) > s.hashed_upto):
+            return True
         return (s.tier != "gpu" or self.tail_blocks_for(s, n) > 0
                 or (self.is_pq and (self.seals_at_reserve(s) > 0 or self.reserve_room(s, n)[0] > 0)))
 

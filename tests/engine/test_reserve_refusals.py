@@ -115,3 +115,33 @@ def test_fixture_state_is_what_the_cases_assume(engine):
     for name in ("tinypq", "sinkpq"):
         assert engine.cache(name).main_pool.num_allocatable() == 0
     assert engine.sequence_info("sinkpq", T, "r").reserved == 0
+
+
+@pytest.mark.parametrize("codec", ["pq", "fp16"])
+def test_a_reserve_that_publishes_the_clients_writes_waits_for_them(codec):
+    """A mapped client writes its reserved slots on its own stream; the next Reserve
+    commits them. Where that commit makes them readable to others (a prompt block it
+    completes gets its hash: another sequence's prefix hit shares or encodes it on
+    another stream; a Reserve of none leaves the sequence free to move, fork or
+    offload) the Reserve enters the client's CUDA scope (it waits for the writes),
+    with no Redis tier too; a step that completes nothing does not."""
+    import contextlib
+    e = Engine()
+    e.create_cache(config(codec, "c", block_size=8, residual=8, num_blocks=64, max_sequences=8))
+    if codec == "pq":
+        e.set_codebooks("c", _codebooks())
+    prompt = list(range(100, 120))                  # 20 tokens: two full blocks, hashed at their commit
+    e.allocate("c", T, "a", prompt)
+    e.reserve("c", T, "a", len(prompt))             # the client writes the prompt's slots
+    entered = []
+
+    def scope():
+        entered.append(True)
+        return contextlib.nullcontext()
+    e.reserve_batch("c", T, ["a"], 1, gpu_scope=scope)
+    assert len(entered) == 1, "the commit hashed the prompt's blocks: in the client's order"
+    assert e.cache("c").seq(T, "a").hashed_upto == 2
+    e.reserve_batch("c", T, ["a"], 1, gpu_scope=scope)      # completes nothing, hashes nothing
+    assert len(entered) == 1
+    e.reserve_batch("c", T, ["a"], 0, gpu_scope=scope)      # the last step: the sequence is free to move
+    assert len(entered) == 2
