@@ -61,14 +61,12 @@ class Connection:
         call with CUDA tensors returns once its outputs are in place (the host
         waits for the daemon's done event) instead of making the caller's
         stream wait for it: the GPU then never switches to the caller's
-        context just to wait (docs/rpc.md), but the host
-        cannot queue work past the call."""
+        context just to wait (docs/rpc.md), but the host cannot queue work past the call."""
         if session_id == "" and heartbeat:
             raise ValueError("heartbeat renews a session's lease: a client without a session id beats none")
         if token is not None and not token.strip():     # else a caller on the socket would be tenant default
             raise ValueError("token: empty; leave it unset (None) to call without one")
-        token = token if token is not None else os.environ.get("KVSTORE_TOKEN")
-        token = token.strip() or None if token is not None else None    # a file's newline is no part of it
+        token = (os.environ.get("KVSTORE_TOKEN", "") if token is None else token).strip() or None   # no newline
         self.target = target or f"unix://{default_socket()}"
         opts = client_options(max_message_mb)
         if tls_ca is not None:
