@@ -75,9 +75,8 @@ class DiskTier:
         refused = [k for k in store.keys(b"M") if k not in good] + [k for k in store.dropped_keys if k[:1] == b"M"]
         if refused:
             self._drop_sequences(refused)
-        # What outlives a daemon is what was offloaded or persist (docs/operations.md,
-        # Signals): the copies memory pressure made of other sequences are no sequence's
-        # now, in every cache, and would count as held under the bound.
+        # What outlives a daemon is what was offloaded or persist (docs/operations.md, Signals): the
+        # copies memory pressure made are no sequence's now, and would count as held under the bound.
         pressure = [k for k, m in good.items() if not (m.get("durable") or m.get("persist"))]
         if pressure:
             self._delete_sequences(pressure)
@@ -85,6 +84,9 @@ class DiskTier:
                 del good[k]
             log.info("LMDB store %s: dropped the disk copies of %d sequences that memory pressure, not Offload or "
                      "persist, had moved there (blocks stay cached): %s", store.path, len(pressure), _named(pressure))
+        stray = [k for k in store.keys(b"S") if b"M" + k[1:-4] not in good]    # no manifest: a verification lost it
+        if stray:
+            store.write_batch([], stray, sync=True)
         short = [k for k, m in good.items() if not self._complete(k, m)]
         if short:
             # Listed all the same: a call naming one is DATA_LOSS naming it (read_sequence), not
@@ -122,18 +124,16 @@ class DiskTier:
                 and all(self.store.contains(seq_block(seq, i)) for i in range(m["n_other"])))
 
     def _drop_sequences(self, mks: list[bytes]) -> None:
-        """At open: sequences whose manifest was refused (or the start's verification
-        dropped it) cannot be listed (what they hold is unknown). Their manifests and
-        own blocks go (durably), logged and counted; their hashed blocks stay as cached
-        prefix blocks (each is checked when read)."""
+        """At open: sequences whose manifest was refused (or the start's verification dropped
+        it) cannot be listed (what they hold is unknown): their manifests and own blocks go
+        (durably), logged and counted; their hashed blocks stay cached (checked when read)."""
         self._delete_sequences(mks)
         self.counters["dropped_sequences"] += len(mks)
         log.warning("LMDB store %s: %d sequences dropped: their manifest failed its checksum or the start's "
                     "verification (what they held is unknown): %s", self.store.path, len(mks), _named(mks))
 
     def _delete_sequences(self, mks: list[bytes]) -> None:
-        """At open, before the books: the manifests under mks and their own blocks go,
-        durably; their hashed blocks stay, as cached prefix blocks."""
+        """At open, before the books: mks and their own blocks go, durably (hashed blocks stay cached)."""
         own = [k for mk in mks for k in self.store.keys(b"S" + mk[1:])]
         self.store.write_batch([], list(mks) + own, sync=True)
 

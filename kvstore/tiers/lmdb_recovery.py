@@ -97,7 +97,8 @@ def damaged(path: str, e: Exception) -> None:
     """LMDB met a damaged page while the store ran: logged, and a marker no boot
     writes, so that the next open verifies the file whatever the boot."""
     log.error("LMDB store %s: LMDB found the file damaged (%s: %s): reads it cannot make are refused and counted "
-              "(refused_values), writes fail; it is verified when the daemon restarts", path, type(e).__name__, e)
+              "(refused_values), writes that meet a damaged page fail; it is verified when the daemon restarts",
+              path, type(e).__name__, e)
     mark(path, "damaged")
 
 
@@ -150,8 +151,11 @@ def copy_verified(env, sums_db, sums_name: bytes, path: str, map_size: int,
     checksum) passes, with its checksum record (sums_db, a database named
     sums_name in the main one), into a fresh file SALVAGE in path,
     synced. Returns (entries kept, keys dropped, why the walk stopped early
-    or None, entries behind that point). LMDB errors met while walking a broken
-    tree end the walk: what lies behind them is dropped (their keys cannot be read)."""
+    or None, entries of the main database neither kept nor named). The walk
+    goes over the checksum records' keys (small values, in the tree's own
+    pages: a value's damaged pages cannot end it); an LMDB error in that tree
+    ends it, and what lies behind is dropped (its keys cannot be read), as is
+    a value with no checksum record."""
     import lmdb
     dst_path = os.path.join(path, SALVAGE)
     for p in (dst_path, dst_path + "-lock"):
@@ -162,22 +166,22 @@ def copy_verified(env, sums_db, sums_name: bytes, path: str, map_size: int,
     kept, dropped, stopped, behind = 0, [], None, 0
     try:
         with env.begin(buffers=True) as txn:
-            cur = txn.cursor()
-            # Values and checksums are read in a transaction of their own: LMDB ends the one
-            # that meets a damaged page, and the walk over the keys goes on past it.
+            cur = txn.cursor(db=sums_db)
+            # Values are read in a transaction of their own: LMDB ends the one that meets a
+            # damaged page, and the walk over the keys goes on past it.
             look = env.begin(buffers=True)
             out, nbytes = dst.begin(write=True), 0
             try:
-                for k in cur.iternext(values=False):
-                    k = bytes(k)
-                    if k == sums_name:
+                for k, s in cur:
+                    k, s = bytes(k), bytes(s)
+                    if k.startswith(b"\0"):      # the checksum format's record (lmdb_sums.FORMAT_KEY)
                         continue
                     try:
-                        v, s = look.get(k), look.get(k, db=sums_db)
+                        v = look.get(k)
                     except lmdb.Error:
                         look.abort()
                         look, v = env.begin(buffers=True), None
-                    if v is None or s is None or not verify(k, v, s):
+                    if v is None or not verify(k, v, s):
                         dropped.append(k)
                         continue
                     out.put(k, v)
@@ -188,10 +192,12 @@ def copy_verified(env, sums_db, sums_name: bytes, path: str, map_size: int,
                         out.commit()
                         out, nbytes = dst.begin(write=True), 0
             except lmdb.Error as e:
-                behind = max(env.stat()["entries"] - 1 - kept - len(dropped), 0)    # less the sums database's record
-                stopped = f"{type(e).__name__}: {e}; {behind} entries behind that point are dropped"
+                stopped = f"{type(e).__name__}: {e}"
             look.abort()
             out.commit()
+            behind = max(env.stat()["entries"] - 1 - kept - len(dropped), 0)    # less the sums database's record
+            if behind:
+                stopped = (f"{stopped}; " if stopped else "") + f"{behind} entries with no readable checksum dropped"
         dst.sync(True)
     finally:
         dst.close()

@@ -59,6 +59,7 @@ log = logging.getLogger("kvstore.lmdb")
 
 SUMS_DB = b"kvstore.checksums"   # the database of checksums: a reserved key of the main database
 _SUM = lmdb_sums.SUM              # a value's length and checksum, as SUMS_DB holds them
+_MARKED = {"damaged": "LMDB found the file damaged while the daemon ran"}      # why a marker other than a boot id
 
 
 def entry_bytes(key: bytes, value) -> int:
@@ -72,8 +73,7 @@ class StoreInUse(OSError):
 
 
 class LMDBStore:
-    """The cold store: put_many, get_many, contains, delete_many, scan, on LMDB.
-    A full map grows instead of failing.
+    """The cold store (put_many, get_many, contains, delete_many, scan) on LMDB; a full map grows.
 
     The size of every entry is kept in memory (read at open, updated at each
     commit; this process is the store's only writer), so `used_bytes` is exact
@@ -103,7 +103,7 @@ class LMDBStore:
             self.counters = dict(refused_values=0, verified_opens=0, dropped_entries=0, moved_aside=0)
             self._map_size = map_size
             self._file: DataFile | None = None
-            self._suspect, self.dropped_keys = False, []     # _suspect: LMDB met a damaged page: verify next open
+            self._suspect, self._lost, self.dropped_keys = False, False, []   # _suspect: damaged: verify next open
             short = recovery.truncated(path)         # before the open allocates the file to its map
             self._open()
             if self.counters["moved_aside"]:        # a fresh file: nothing of the old one to verify
@@ -122,13 +122,13 @@ class LMDBStore:
                             "its last commit is intact in the page cache; synced", path)
                 self.sync()
             elif was is not None or short:
-                self._verify_into_fresh_file(short and f"{short}, whatever its last stop")
+                self._verify_into_fresh_file(short and f"{short}, whatever its last stop" or _MARKED.get(was))
             try:
                 self._adopt_format()
                 self._read_books()
             except (lmdb.CorruptedError, lmdb.PageNotFoundError) as e:     # a broken tree, whatever the marker said
                 log.warning("LMDB store %s: %s while reading it: verifying every entry", path, e)
-                self._verify_into_fresh_file()
+                self._verify_into_fresh_file(f"its tree is damaged ({type(e).__name__})")
                 self._read_books()
         except BaseException:
             self._release()
@@ -265,10 +265,12 @@ class LMDBStore:
         refuse(). (None, 0) if absent, or if its length is not the one stored."""
         try:
             v, r = txn.get(key), txn.get(key, db=self.sums)
-        except (self._lmdb.CorruptedError, self._lmdb.PageNotFoundError, self._lmdb.BadTxnError) as e:
-            # a page of the tree damaged since the open (_damaged logs it), and the transaction that met it
-            self._damaged(e)
+        except (self._lmdb.CorruptedError, self._lmdb.PageNotFoundError) as e:   # damaged since the open
+            self._damaged(e)            # logs it; txn is over: get_many goes on in another
             self.counters["refused_values"] += 1
+            self._lost = True
+            return None, 0
+        except self._lmdb.BadTxnError:      # one its caller read on in after a damaged page (refused there)
             return None, 0
         if v is None:
             return None, 0
@@ -300,27 +302,25 @@ class LMDBStore:
         return sum(n - self._sizes.get(k, 0) for k, n in _after(puts, deletes).items())
 
     def get_many(self, keys: list[bytes]) -> list[bytes | None]:
-        """Values, checked; None for one absent or refused."""
-        with self.reader() as txn:
-            return [self._checked(txn, k) for k in keys]
+        """Values, checked; None for one absent or refused (after a damaged page, read on in a fresh transaction)."""
+        out: list[bytes | None] = []
+        while len(out) < len(keys):
+            with self.reader() as txn:
+                self._lost = False
+                for k in keys[len(out):]:
+                    out.append(self._checked(txn, k))
+                    if self._lost:
+                        break
+        return out
 
     def contains(self, key: bytes) -> bool:
         return key in self._sizes
 
     def scan(self, prefix: bytes) -> Iterator[tuple[bytes, bytes]]:
-        """(key, value) under prefix, checked: a refused value is left out."""
-        out = []          # read whole: a generator would hold the lock between its items
-        with self.reader() as txn:
-            cur = txn.cursor()
-            if cur.set_range(prefix):
-                for k in cur.iternext(values=False):
-                    if not k.startswith(prefix):
-                        break
-                    if k != SUMS_DB:
-                        v = self._checked(txn, k)
-                        if v is not None:
-                            out.append((k, v))
-        return iter(out)
+        """(key, value) under prefix in key order, checked: a refused value is left out.
+        The keys come from the books, so that a damaged page costs its entries only."""
+        keys = sorted(self.keys(prefix))
+        return iter([(k, v) for k, v in zip(keys, self.get_many(keys)) if v is not None])
 
     def keys(self, prefix: bytes = b"") -> list[bytes]:
         """Keys under prefix, from the books (no transaction)."""

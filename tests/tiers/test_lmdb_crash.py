@@ -508,12 +508,9 @@ def test_a_page_damaged_while_the_store_runs_fails_calls_by_name_and_is_verified
     s.close()
 
 
-def test_sequences_the_starts_verification_drops_are_named_and_their_blocks_go(tmp_path, monkeypatch, caplog):
-    """A system crash, and the manifest of an offloaded sequence torn on disk: the
-    verification at the start drops it; the sequence is named in the log, not silently
-    unlisted, and its own blocks go with it (they would count against the disk bound,
-    held by no sequence). The other sequence is listed and served."""
-    from tests.tiers.test_tier_books import T, engine, kv_of, read, toks
+def offloaded_pair(tmp_path):
+    """An engine (codec fp16) with sequences "s" and "t", 70 tokens each, offloaded."""
+    from tests.tiers.test_tier_books import T, engine, kv_of, toks
     e = engine(tmp_path, "fp16")
     for sid, first in (("s", 0), ("t", 5000)):
         tokens = toks(first, 70)
@@ -521,6 +518,16 @@ def test_sequences_the_starts_verification_drops_are_named_and_their_blocks_go(t
         e.allocate("c", T, sid, tokens)
         e.append("c", T, [sid], k, v, [70], token_ids=[tokens])
         e.offload("c", T, [sid])
+    return e
+
+
+def test_sequences_the_starts_verification_drops_are_named_and_their_blocks_go(tmp_path, monkeypatch, caplog):
+    """A system crash, and the manifest of an offloaded sequence torn on disk: the
+    verification at the start drops it; the sequence is named in the log, not silently
+    unlisted, and its own blocks go with it (they would count against the disk bound,
+    held by no sequence). The other sequence is listed and served."""
+    from tests.tiers.test_tier_books import T, engine, read
+    e = offloaded_pair(tmp_path)
     want = read(e, "t")
     (manifest,) = [v for k, v in e.cold_store.scan(b"M") if k.endswith(b"s")]
     e.cold_store.close()
@@ -537,4 +544,70 @@ def test_sequences_the_starts_verification_drops_are_named_and_their_blocks_go(t
     assert all(any(k[1:].startswith(m[1:]) for m in manifests) for k in e.cold_store.keys(b"S"))
     got = read(e, "t")
     assert all(x.equal(y) for x, y in zip(got, want))
+    e.check_invariants()
+
+
+def test_the_verification_walks_past_a_value_whose_page_is_damaged(tmp_path, caplog):
+    """A value's own page damaged (its overflow page's header), found by the verification
+    at the start: that entry is dropped and named, and every entry after it is kept (the
+    walk goes over the checksum records, which no value's pages hold)."""
+    path = str(tmp_path / "lmdb")
+    items = [(b"k/%03d" % i, value("walk", i, 12_000)) for i in range(50)]
+    s = LMDBStore(path)
+    s.put_many(items, sync=True)
+    psize = s.env.stat()["psize"]
+    s.close()
+    with open(os.path.join(path, "data.mdb"), "r+b") as f:
+        page = f.read().find(items[20][1]) // psize
+        f.seek(page * psize + 10)                   # the flags of the value's first overflow page
+        f.write(b"\xff\xff")
+    lmdb_recovery.mark(path, "damaged")             # as a running store marks itself
+    with caplog.at_level(logging.WARNING, "kvstore.lmdb"):
+        s = LMDBStore(path)
+    got = s.get_many([k for k, _ in items])
+    assert [i for i, g in enumerate(got) if g is None] == [20], "one entry dropped, the walk went on"
+    assert all(g == v for g, (_, v) in zip(got, items) if g is not None)
+    assert s.counters["dropped_entries"] == 1 and items[20][0].hex() in caplog.text
+    assert "damaged while the daemon ran" in caplog.text and "system restarted" not in caplog.text
+    s.close()
+
+
+def test_a_damaged_page_costs_a_read_its_own_entries_only(tmp_path, caplog):
+    """A leaf page damaged under a running store: a read of many keys (get_many, scan)
+    refuses the entries LMDB cannot reach, and reads the keys after them in a fresh
+    transaction (LMDB ends the one that met the page), never raising."""
+    path = str(tmp_path / "lmdb")
+    items = [(b"k/%04d" % i, bytes([i % 251]) * 100) for i in range(2000)]
+    s = LMDBStore(path)
+    s.put_many(items, sync=True)
+    psize = s.env.stat()["psize"]
+    with open(os.path.join(path, "data.mdb"), "r+b") as f:
+        page = f.read((s.env.info()["last_pgno"] + 1) * psize).find(b"k/1000") // psize
+        f.seek(page * psize + 10)
+        f.write(b"\xff\xff")
+    with caplog.at_level(logging.ERROR, "kvstore.lmdb"):
+        got = s.get_many([k for k, _ in items])
+        scanned = dict(s.scan(b"k/"))
+    lost = [i for i, g in enumerate(got) if g is None]
+    assert 0 < len(lost) < 200 and got[-1] == items[-1][1], lost
+    assert all(g == v for g, (_, v) in zip(got, items) if g is not None)
+    assert s.counters["refused_values"] == 2 * len(lost) and len(scanned) == len(items) - len(lost)
+    assert caplog.text.count("found the file damaged") == 1
+    s.close()
+
+
+def test_blocks_of_a_sequence_whose_manifest_is_gone_are_freed_at_the_start(tmp_path):
+    """A sequence's own blocks with no manifest (one a verification that stopped early
+    could not name): dropped at the start, where they held the disk bound for good."""
+    from tests.tiers.test_tier_books import T, engine
+    e = offloaded_pair(tmp_path)
+    store = e.cold_store
+    (mk,) = [k for k in store.keys(b"M") if k.endswith(b"s")]
+    own = store.keys(b"S" + mk[1:])
+    assert own, "a partial block of its own"
+    store.delete_many([mk])                  # the manifest gone, its blocks left
+    store.close()
+    e = engine(tmp_path, "fp16")
+    assert [i.seq_id for i in e.list_sequences("c", T)] == ["t"]
+    assert not set(own) & set(e.cold_store.keys(b"S")) and e.cold_store.keys(b"S")
     e.check_invariants()
