@@ -70,13 +70,18 @@ def unlisted_elsewhere(c, store) -> None:
     mine, other = made_with(c), {}
     for k, v in zip(keys, store.get_many(keys)):
         theirs = json.loads(v).get("made_with") if v is not None else None
-        if theirs is None:       # written before manifests carried it
+        f = next((f for f in mine if theirs is not None and theirs.get(f) != mine[f]), None)
+        if f is None:       # written before manifests carried it, or unreadable
             f, was, now = "fingerprint", "another model id, geometry, codec, block size, sinks or codebooks", "its own"
         else:
-            f = next((f for f in mine if theirs.get(f) != mine[f]), "fingerprint")
-            was, now = theirs.get(f), mine.get(f)
-        other.setdefault((f, str(was)[:64], str(now)[:64]), []).append(names(k)[2])
+            was, now = repr(theirs.get(f))[:64], repr(mine[f])[:64]
+        other.setdefault((f, was, now), []).append(names(k)[2])
     for (f, was, now), ids in other.items():
-        log.warning("cache %r: %d sequences on disk (%s) were written by a cache with %s=%s, this one has %s: not "
-                    "listed here (they stay on disk for a cache created with theirs)", c.cfg.name, len(ids),
-                    ", ".join(map(repr, ids[:3])) + (" ..." if len(ids) > 3 else ""), f, was, now)
+        warn_unlisted(c.cfg.name, ids, f, was, now)
+
+
+def warn_unlisted(cache: str, ids: list[str], field: str, theirs: str, ours: str) -> None:
+    """The WARNING for sequences on disk that a cache of this name but another spec wrote."""
+    log.warning("cache %r: %d sequences on disk (%s) were written by a cache with %s=%s, this one has %s: not listed "
+                "here (they stay on disk for a cache created with their spec)", cache, len(ids),
+                ", ".join(map(repr, ids[:3])) + (" ..." if len(ids) > 3 else ""), field, theirs, ours)

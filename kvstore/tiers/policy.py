@@ -28,7 +28,7 @@ from .below import CachedBelow
 from .disk import DiskTier, SeqImage, block_key
 from .host import HostTier
 from .interface import TieredCache
-from .manifests import layout, legacy_layout, made_with, unlisted_elsewhere
+from .manifests import layout, legacy_layout, made_with, unlisted_elsewhere, warn_unlisted
 from .staging import index, to_host
 
 log = logging.getLogger("kvstore.tiers")
@@ -382,10 +382,7 @@ class Tiering(CachedBelow):
             self.c.seqs[key] = s
             n += 1
         for f, (theirs, ours, ids) in other.items():
-            log.warning("cache %r: %d sequences on disk (%s) were written by a cache with %s=%r, this one has %r: "
-                        "not listed here (they stay on disk for a cache created with their spec)",
-                        self.c.cfg.name, len(ids), ", ".join(map(repr, ids[:3])) + (" ..." if len(ids) > 3 else ""),
-                        f, theirs, ours)
+            warn_unlisted(self.c.cfg.name, ids, f, repr(theirs), repr(ours))
         if not (self.c.is_pq and not self.c.codebooks_sha):     # until its codebooks come, any would differ
             unlisted_elsewhere(self.c, self.disk.store)
         return n

@@ -350,7 +350,7 @@ def test_restart_into_another_fingerprint_names_the_field_its_disk_sequences_dif
         e = make_engine(tmp_path, "fp16" if change == "codec" else "pq", block_size=16 if change == "block_size" else 8,
                         residual=16 if change == "block_size" else 8)
     assert e.list_sequences("c", T) == []
-    field = {"block_size": "block_size=8, this one has 16", "codec": "codec=pq, this one has fp16",
+    field = {"block_size": "block_size=8, this one has 16", "codec": "codec='pq', this one has 'fp16'",
              "codebooks": "codebooks_sha256="}[change]
     lines = [r.getMessage() for r in caplog.records if "sequences on disk" in r.getMessage()]
     assert len(lines) == 1 and f"1 sequences on disk ('a') were written by a cache with {field}" in lines[0], lines
