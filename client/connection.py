@@ -64,9 +64,10 @@ class Connection:
         context just to wait (docs/rpc.md), but the host cannot queue work past the call."""
         if session_id == "" and heartbeat:
             raise ValueError("heartbeat renews a session's lease: a client without a session id beats none")
+        token = token if token is not None else os.environ.get("KVSTORE_TOKEN") or None     # set empty: unset
         if token is not None and not token.strip():     # else a caller on the socket would be tenant default
-            raise ValueError("token: empty; leave it unset (None) to call without one")
-        token = (os.environ.get("KVSTORE_TOKEN", "") if token is None else token).strip() or None   # no newline
+            raise ValueError("token: blank (token= or KVSTORE_TOKEN); leave it unset to call without one")
+        token = token and token.strip()                 # a file's newline is no part of it
         self.target = target or f"unix://{default_socket()}"
         opts = client_options(max_message_mb)
         if tls_ca is not None:
@@ -124,8 +125,7 @@ class Connection:
 
     @property
     def instance(self) -> str:
-        """The daemon instance this client's sequence ids are from ("": a daemon
-        without one); asked by a Heartbeat the first time."""
+        """The daemon instance this client's sequence ids are from ("": none); a Heartbeat asks it first."""
         if self.session.instance is None:
             self.heartbeat()
         return self.session.instance or ""

@@ -68,10 +68,13 @@ def test_an_empty_token_is_refused_not_sent_as_none(live, monkeypatch, capsys):
     from kvstore.tools import admin
     sock, _ = live
     for token in ("", "  \n"):
-        with pytest.raises(ValueError, match="token: empty"):
+        with pytest.raises(ValueError, match="token: blank"):
             KVStoreClient(f"unix://{sock}", token=token, heartbeat=False)
-    with pytest.raises(SystemExit, match="kvstore-admin: --token: empty"):
+    with pytest.raises(SystemExit, match="kvstore-admin: --token: blank"):
         admin.main(["--socket", sock, "--token", " ", "stats"])
+    monkeypatch.setenv("KVSTORE_TOKEN", "\n")      # a secret file that held only its newline
+    with pytest.raises(ValueError, match="token: blank"):
+        KVStoreClient(f"unix://{sock}", heartbeat=False)
     monkeypatch.setenv("KVSTORE_TOKEN", "")        # an unset variable, as shells write it
     assert KVStoreClient(f"unix://{sock}", heartbeat=False).heartbeat().tenant == "default"
     monkeypatch.setenv("KVSTORE_TOKEN", ALICE + "\n")
