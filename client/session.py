@@ -230,8 +230,8 @@ class Session:
             raise rpc_error(grpc.StatusCode.FAILED_PRECONDITION, (
                 f"{INSTANCE_KEY}: sequence {names} of cache {quote(cache)} was named before the daemon restarted "
                 f"(instance {next(iter(stale.values()))!r}, now {self.instance!r}): it is gone unless it was persist "
-                "or on disk, offloaded (ListSequences lists it), and its id may name a sequence allocated since. Raised once for "
-                "each such sequence")[:1024], ((INSTANCE_KEY, self.instance or ""),))
+                "or on disk, offloaded (ListSequences lists it), and its id may name a sequence allocated since. "
+                "Raised once for each such sequence")[:1024], ((INSTANCE_KEY, self.instance or ""),))
         return md, fresh
 
     def forget(self, cache: str, ids) -> None:

@@ -135,25 +135,17 @@ class Doorbell:
                 continue
             failing = False
             if not self._turning.acquire(blocking=False):     # a flood: no thread for each
-                # Unread, a hello resets the connection before the reply can be read: read it,
-                # waiting for it only a moment (the accept thread serves everyone; a client
-                # sends its hello as it connects).
-                conn.settimeout(FLOOD_HELLO_WAIT_S)
-                with contextlib.suppress(OSError):
-                    conn.recv(bell.MAX_PACKET)
-                _send(conn, _TAKEN)
-                conn.close()
+                self._turn_away(conn, FLOOD_HELLO_WAIT_S)     # on the accept thread, which serves everyone
                 continue
             threading.Thread(target=self._serve, args=(conn,), name="kvstore-doorbell-conn", daemon=True).start()
 
-    def _turn_away(self, conn: socket.socket) -> None:
-        """RESOURCE_EXHAUSTED in reply to the hello, which is read first: a socket closed
-        with a packet unread resets the connection, and the client would get that instead."""
-        try:
-            conn.settimeout(1.0)
+    def _turn_away(self, conn: socket.socket, wait: float = 1.0) -> None:
+        """RESOURCE_EXHAUSTED in reply to the hello, which is read first (waiting up to
+        `wait` s for it: a client sends it as it connects): a socket closed with a packet
+        unread resets the connection, and the client would get that instead."""
+        with contextlib.suppress(OSError):
+            conn.settimeout(wait)
             conn.recv(bell.MAX_PACKET)
-        except OSError:
-            pass
         _send(conn, _TAKEN)
         conn.close()
 

@@ -214,11 +214,11 @@ def refused_at_open(path: str, e: Exception, size: int | None) -> None:
               "starts empty: everything it held is unavailable", path, e, aside)
 
 
-def install_copy(path: str, kept: int, dropped: list[bytes], stopped: str | None,
-                 why: str = "not closed cleanly before the system restarted") -> None:
+def install_copy(path: str, kept: int, dropped: list[bytes], stopped: str | None, why: str | None = None) -> None:
     """The verified copy replaces the data file (one rename: a crash leaves
     one or the other, and the marker, so the next open verifies again). The
     old file stays beside the store when anything was dropped."""
+    why = why or "not closed cleanly before the system restarted"
     data = os.path.join(path, "data.mdb")
     aside = None
     if dropped or stopped:

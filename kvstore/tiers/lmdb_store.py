@@ -191,7 +191,7 @@ class LMDBStore:
         kept, dropped, stopped, behind = recovery.copy_verified(
             self.env, self.sums, SUMS_DB, self.path, map_size, lambda k, v, s: lmdb_sums.passes(v, s, self._legacy))
         self._close_env()
-        recovery.install_copy(self.path, kept, dropped, stopped, *(why,) if why else ())
+        recovery.install_copy(self.path, kept, dropped, stopped, why)
         self.counters["dropped_entries"] += len(dropped) + behind
         self.dropped_keys = dropped       # the owner of the key layout names what they held
         self._map_size = map_size

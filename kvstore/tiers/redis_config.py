@@ -80,7 +80,8 @@ class CredentialsRefused(Exception):
     def of(cfg: RedisConfig, why: str) -> "CredentialsRefused":
         """Worded for a URL that gives credentials, or for one that gives none."""
         try:
-            given = urlsplit(cfg.url).username is not None or urlsplit(cfg.url).password is not None
+            u = urlsplit(cfg.url)
+            given = u.username is not None or u.password is not None
         except ValueError:
             given = True
         return CredentialsRefused(f"{cfg.redacted()} refused the URL's credentials ({why})" if given else

@@ -135,7 +135,8 @@ def test_credentials_redis_refuses_are_one_line_naming_redis(sock, tmp_path):
     from tests.tiers.redis_server import RedisServer
     srv = RedisServer(str(tmp_path), appendonly=False, password="right-password")
     try:
-        for url, says in ((f"redis://127.0.0.1:{srv.port}/0", "wants credentials the URL does not give (ReplyError: CLUSTER: NOAUTH"),
+        no_password = "wants credentials the URL does not give (ReplyError: CLUSTER: NOAUTH"
+        for url, says in ((f"redis://127.0.0.1:{srv.port}/0", no_password),
                           (f"redis://kv:wrong-password@127.0.0.1:{srv.port}/0", "refused the URL's credentials")):
             r = run_server(sock, "--device", "cpu", "--redis", url)
             assert_refused(r, "--redis: ", says)
